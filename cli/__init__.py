@@ -1,0 +1,1 @@
+"""verlj.cli: the typer command-line app (`verlj ...` and `python -m verlj.cli ...`)."""

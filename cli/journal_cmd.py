@@ -1,0 +1,33 @@
+"""`verlj journal ...`: low-level journal commands (verify a journal directory, print a record)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from verlj.journal import Journal, JournalError, verify_journal
+
+journal_app = typer.Typer(help="Low-level journal commands.", no_args_is_help=True)
+
+
+@journal_app.command("verify")
+def verify(path: Annotated[Path, typer.Argument(help="A journal directory (RUN/journal).")]) -> None:
+    """Check a journal's chain, checksums, step continuity, schemas and LMDB structure."""
+    try:
+        with Journal.open_reader(path) as j:
+            report = verify_journal(j)
+    except JournalError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    for p in report.problems:
+        typer.echo(f"✗ {p}")
+    if report.ok:
+        typer.echo(f"✓ journal intact: steps {report.first_step}–{report.last_step} ({report.steps} records)")
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(journal_app, name="journal")

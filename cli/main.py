@@ -1,0 +1,48 @@
+"""verlj command line. `verlj --help` lists the commands; each lives in its own module."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    name="verlj",
+    help="RL post-training on DeepSpeed whose state can be brought back to any completed step, exactly.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"verlj {version('verlj')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    show_version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = None,
+) -> None:
+    pass
+
+
+def _register() -> None:
+    from . import journal_cmd
+
+    journal_cmd.register(app)
+
+
+_register()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

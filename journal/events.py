@@ -1,0 +1,92 @@
+"""Journal event types, their schema versions, and the one place old versions are upcast.
+
+A step record is an envelope::
+
+    {"v": ENVELOPE_VERSION, "step": int, "time": float, "events": [event, ...]}
+
+and every event is a map with a ``type`` and a schema version ``v``::
+
+    {"type": "metrics", "v": 1, "values": {"actor/pg_loss": 0.12, ...}}
+
+Writers always write the current version. Readers pass every record through
+:func:`upcast_record`, which lifts older versions to the current one (one
+function per type and version step) and refuses versions newer than this code.
+The journal itself knows nothing of RL: these are names and shapes only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .errors import SchemaError
+
+ENVELOPE_VERSION = 1
+
+# type -> current schema version. Field sketch in the comment; the engine owns meaning.
+EVENT_VERSIONS: dict[str, int] = {
+    "data": 1,  # epoch, cursor, indices (np.int64[]) drawn this step
+    "rng": 1,  # seeds {stream: int}, digests {stream: hex}
+    "buffer.add": 1,  # ids (np.int64[]), samples {field: array}
+    "buffer.consume": 1,  # ids consumed by this step's update
+    "buffer.drop": 1,  # ids dropped (e.g. zero-variance groups), reason
+    "metrics": 1,  # values {name: float}
+    "state": 1,  # fingerprint (hex str), parts {name: hex}
+    "control": 1,  # kind (start|resume|stop|fork|config), details {...}
+    "config": 1,  # config (nested map) now in force, hash, changed keys
+    "snapshot": 1,  # a snapshot taken after this step: path, manifest digest
+    "note": 1,  # free-form user annotation
+}
+
+# (type, from_version) -> function lifting an event from from_version to from_version + 1.
+# Example, when "data" v2 adds "sampler": UPCASTERS[("data", 1)] = lambda e: {**e, "v": 2, "sampler": "perm"}
+UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {}
+
+# Envelope versions lift the same way: from_version -> function.
+ENVELOPE_UPCASTERS: dict[int, Callable[[dict], dict]] = {}
+
+
+def make_event(type_: str, **fields) -> dict:
+    """Build an event of the current schema version for ``type_``."""
+    if type_ not in EVENT_VERSIONS:
+        raise SchemaError(f"unknown journal event type {type_!r}; known: {', '.join(sorted(EVENT_VERSIONS))}")
+    return {"type": type_, "v": EVENT_VERSIONS[type_], **fields}
+
+
+def upcast_event(event: dict) -> dict:
+    if not isinstance(event, dict) or "type" not in event or "v" not in event:
+        raise SchemaError("journal event without a type and version")
+    type_, v = event["type"], event["v"]
+    current = EVENT_VERSIONS.get(type_)
+    if current is None:
+        raise SchemaError(f"unknown journal event type {type_!r}")
+    if not isinstance(v, int) or v < 1:
+        raise SchemaError(f"journal event {type_!r} has invalid schema version {v!r}")
+    if v > current:
+        raise SchemaError(
+            f"journal event {type_!r} has schema version {v}, newer than this verlj understands ({current}); "
+            "upgrade verlj to read this journal"
+        )
+    while v < current:
+        event = UPCASTERS[(type_, v)](event)
+        v = event["v"]
+    return event
+
+
+def upcast_record(record: dict) -> dict:
+    """Lift a decoded step record and all its events to the current schemas."""
+    if not isinstance(record, dict) or not isinstance(record.get("v"), int):
+        raise SchemaError("journal record without an envelope version")
+    v = record["v"]
+    if v > ENVELOPE_VERSION:
+        raise SchemaError(
+            f"journal record has envelope version {v}, newer than this verlj understands ({ENVELOPE_VERSION}); "
+            "upgrade verlj to read this journal"
+        )
+    while v < ENVELOPE_VERSION:
+        record = ENVELOPE_UPCASTERS[v](record)
+        v = record["v"]
+    for key in ("step", "time", "events"):
+        if key not in record:
+            raise SchemaError(f"journal record lacks {key!r}")
+    record["events"] = [upcast_event(e) for e in record["events"]]
+    return record

@@ -1,0 +1,171 @@
+"""Walk a journal and report every problem, first one first.
+
+Checks, in one streaming pass (constant memory):
+
+- LMDB structure: every sub-database can be walked end to end by a cursor and
+  holds as many entries as its B-tree header says (py-lmdb exposes no mdb_chk;
+  a damaged page surfaces here as an LMDB error).
+- per step record: frame header, checksum of the stored bytes, chain link to the
+  previous record, decodability, schema versions, and that the record's own
+  step number matches its key; steps are consecutive from ``base_step + 1``.
+- meta and snapshot-index entries: frame header and checksum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import lmdb
+
+from . import codec
+from .errors import CodecError, JournalError, SchemaError
+from .events import upcast_record
+from .store import (
+    GENESIS,
+    MAGIC_STEP,
+    STEP_HEADER,
+    Journal,
+    StepFrame,
+    key_step,
+    digest,
+    unframe_plain,
+)
+
+MAX_PROBLEMS = 100
+
+# problem kinds
+BAD_CHECKSUM = "bad_checksum"
+BROKEN_CHAIN = "broken_chain"
+MISSING_STEP = "missing_step"
+UNDECODABLE = "undecodable"
+UNKNOWN_SCHEMA = "unknown_schema"
+STEP_MISMATCH = "step_mismatch"
+LMDB_STRUCTURE = "lmdb_structure"
+BAD_META = "bad_meta"
+BAD_SNAPSHOT_INDEX = "bad_snapshot_index"
+
+
+@dataclass
+class Problem:
+    kind: str
+    step: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"step {self.step}: " if self.step is not None else ""
+        return f"{where}{self.kind}: {self.message}"
+
+
+@dataclass
+class JournalReport:
+    path: str
+    first_step: int | None = None
+    last_step: int | None = None
+    steps: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def first_problem(self) -> Problem | None:
+        return self.problems[0] if self.problems else None
+
+    @property
+    def last_good_step(self) -> int | None:
+        """The last step before the first damaged one: replay can be trusted up to here."""
+        bad = [p.step for p in self.problems if p.step is not None]
+        if not bad:
+            return self.last_step if self.ok else None
+        return min(bad) - 1
+
+    def add(self, kind: str, step: int | None, message: str) -> None:
+        if len(self.problems) >= MAX_PROBLEMS:
+            self.truncated = True
+            return
+        self.problems.append(Problem(kind, step, message))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok, "last_good_step": self.last_good_step}
+
+
+def verify_journal(journal: Journal) -> JournalReport:
+    report = JournalReport(path=str(journal.path))
+    env = journal.env()
+    dbs = journal.dbs()
+
+    # meta first: base_step and chain_base decide where the chain starts
+    base_step, prev_chain = 0, GENESIS
+    try:
+        meta = journal.meta()
+        base_step = int(meta.get("base_step", 0))
+        if "chain_base" in meta:
+            prev_chain = bytes.fromhex(meta["chain_base"])
+    except (JournalError, ValueError) as e:
+        report.add(BAD_META, None, str(e))
+
+    expected = base_step + 1
+    try:
+        for step, raw in journal.iter_raw():
+            report.steps += 1
+            if report.first_step is None:
+                report.first_step = step
+            report.last_step = step
+            if step != expected:
+                if step > expected:
+                    missing = f"{expected}" if step == expected + 1 else f"{expected}–{step - 1}"
+                    report.add(MISSING_STEP, expected, f"step(s) {missing} absent before step {step}")
+                else:
+                    report.add(MISSING_STEP, step, f"step {step} found where step {expected} was expected")
+            expected = step + 1
+            if len(raw) < STEP_HEADER or raw[: len(MAGIC_STEP)] != MAGIC_STEP:
+                report.add(UNDECODABLE, step, "record has no valid frame header")
+                prev_chain = b""
+                continue
+            frame = StepFrame.parse(raw)
+            if not frame.checksum_ok():
+                report.add(BAD_CHECKSUM, step, "stored bytes do not match the record's checksum")
+            if frame.chain != digest(prev_chain, frame.checksum):
+                report.add(BROKEN_CHAIN, step, "record does not link to the previous record's hash")
+            prev_chain = frame.chain
+            try:
+                record = upcast_record(codec.unpackb(frame.body))
+            except CodecError as e:
+                report.add(UNDECODABLE, step, str(e))
+                continue
+            except SchemaError as e:
+                report.add(UNKNOWN_SCHEMA, step, str(e))
+                continue
+            except (KeyError, TypeError, ValueError) as e:
+                report.add(UNDECODABLE, step, f"record has an invalid shape: {e}")
+                continue
+            if record["step"] != step:
+                report.add(STEP_MISMATCH, step, f"record stored at step {step} says it is step {record['step']}")
+    except lmdb.Error as e:
+        report.add(LMDB_STRUCTURE, None, f"LMDB error while walking steps: {e}")
+
+    # structural check of every sub-database: cursor walk vs B-tree entry count
+    try:
+        with env.begin(buffers=True) as txn:
+            for name, db in dbs.items():
+                counted = 0
+                for key, value in txn.cursor(db):
+                    counted += 1
+                    if name == "meta":
+                        try:
+                            unframe_plain(value, f"meta {bytes(key).decode(errors='replace')!r}")
+                        except JournalError as e:
+                            report.add(BAD_META, None, str(e))
+                    elif name == "snapshots":
+                        try:
+                            unframe_plain(value, f"snapshot index entry {key_step(key)}")
+                        except JournalError as e:
+                            report.add(BAD_SNAPSHOT_INDEX, key_step(key), str(e))
+                entries = txn.stat(db)["entries"]
+                if counted != entries:
+                    report.add(LMDB_STRUCTURE, None, f"sub-database {name!r} lists {entries} entries but {counted} are reachable")
+    except lmdb.Error as e:
+        report.add(LMDB_STRUCTURE, None, f"LMDB error while checking structure: {e}")
+    return report

@@ -1,0 +1,235 @@
+import math
+
+import numpy as np
+import pytest
+
+from journal_helpers import raw_get, raw_put, step_events, tamper
+from verlj.journal import (
+    CodecError,
+    Journal,
+    JournalError,
+    NotAJournalError,
+    SchemaError,
+    StepOrderError,
+    make_event,
+    packb,
+    verify_journal,
+)
+from verlj.journal import events as events_mod
+from verlj.journal.store import STEP_HEADER, step_key
+
+
+def write_steps(path, n, start=1, **kw):
+    with Journal.open_writer(path, **kw) as j:
+        for s in range(start, start + n):
+            j.append_step(s, step_events(s))
+
+
+def test_append_and_read_back(tmp_path):
+    write_steps(tmp_path / "j", 5)
+    with Journal.open_reader(tmp_path / "j") as j:
+        assert j.last_step() == 5 and j.first_step() == 1 and j.num_steps() == 5
+        rec = j.read_step(3)
+        assert rec["step"] == 3
+        want = step_events(3)
+        assert [e["type"] for e in rec["events"]] == [e["type"] for e in want]
+        add = rec["events"][2]["samples"]
+        assert np.array_equal(add["response_ids"], want[2]["samples"]["response_ids"])
+        assert add["logprobs"].dtype == np.float32
+        assert math.isnan(rec["events"][3]["values"]["critic/score/mean"])
+        assert [r["step"] for r in j.iter_steps(2, 4)] == [2, 3, 4]
+        assert [s for s, _ in j.iter_events("metrics")] == [1, 2, 3, 4, 5]
+        with pytest.raises(JournalError, match="step 9 is not in the journal"):
+            j.read_step(9)
+
+
+def test_streaming_crosses_read_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr("verlj.journal.store.READ_CHUNK", 3)
+    write_steps(tmp_path / "j", 10)
+    with Journal.open_reader(tmp_path / "j") as j:
+        assert [r["step"] for r in j.iter_steps()] == list(range(1, 11))
+        assert [r["step"] for r in j.iter_steps(4, 9)] == list(range(4, 10))
+        assert [r["step"] for r in j.iter_steps(10, 20)] == [10]
+
+
+@pytest.mark.parametrize("bad_step", [0, 1, 2, 4, 5])
+def test_steps_must_be_consecutive(tmp_path, bad_step):
+    with Journal.open_writer(tmp_path / "j") as j:
+        j.append_step(1, step_events(1))
+        j.append_step(2, step_events(2))
+        with pytest.raises(StepOrderError, match="next must be 3"):
+            j.append_step(bad_step, step_events(bad_step))
+        assert j.last_step() == 2
+
+
+def test_a_step_that_fails_to_encode_leaves_nothing(tmp_path):
+    with Journal.open_writer(tmp_path / "j") as j:
+        j.append_step(1, step_events(1))
+        with pytest.raises(CodecError):
+            j.append_step(2, [make_event("metrics", values={"x": object()})])
+        assert j.last_step() == 1
+        j.append_step(2, step_events(2))
+    with Journal.open_reader(tmp_path / "j") as j:
+        assert verify_journal(j).ok
+
+
+def test_fork_base_step_and_meta(tmp_path):
+    with Journal.open_writer(tmp_path / "j") as j:
+        j.update_meta({"base_step": 40, "chain_base": "ab" * 32, "config": {"a": 1}})
+        assert j.last_step() == 40
+        with pytest.raises(StepOrderError):
+            j.append_step(1, [])
+        j.append_step(41, step_events(41))
+        j.add_snapshot(41, {"path": "step_00041", "fingerprint": "f"})
+    with Journal.open_reader(tmp_path / "j") as j:
+        assert j.get_meta("config") == {"a": 1}
+        assert j.snapshots() == {41: {"path": "step_00041", "fingerprint": "f"}}
+        assert verify_journal(j).ok
+
+
+def test_newer_schema_is_refused_and_older_is_upcast(tmp_path, monkeypatch):
+    with Journal.open_writer(tmp_path / "j") as j:
+        j.append_step(1, [{"type": "note", "v": 1, "text": "hi"}])
+        j.append_step(2, [{"type": "note", "v": 7, "text": "from the future"}])
+    with Journal.open_reader(tmp_path / "j") as j:
+        with pytest.raises(SchemaError, match="newer than this verlj understands"):
+            j.read_step(2)
+        report = verify_journal(j)
+        assert [(p.kind, p.step) for p in report.problems] == [("unknown_schema", 2)]
+        # a v2 of "note" arrives: v1 records are lifted by the registered upcaster
+        monkeypatch.setitem(events_mod.EVENT_VERSIONS, "note", 2)
+        monkeypatch.setitem(events_mod.UPCASTERS, ("note", 1), lambda e: {**e, "v": 2, "author": None})
+        assert j.read_step(1)["events"] == [{"type": "note", "v": 2, "text": "hi", "author": None}]
+
+
+def test_reader_refuses_a_missing_journal(tmp_path):
+    with pytest.raises(NotAJournalError, match="no journal at"):
+        Journal.open_reader(tmp_path / "nope")
+
+
+def test_map_grows_past_a_small_initial_size(tmp_path):
+    path = tmp_path / "j"
+    with Journal.open_writer(path, map_size=64 << 10) as j:
+        for s in range(1, 41):
+            j.append_step(s, step_events(s, samples=16, tokens=64))  # ~12 KB each: ~8x the initial map
+        assert j.env().info()["map_size"] > 64 << 10
+    with Journal.open_reader(path) as j:
+        assert j.last_step() == 40 and verify_journal(j).ok
+
+
+# ----------------------------------------------------------------------------- corruption
+
+
+def _kinds(path):
+    with Journal.open_reader(path) as j:
+        r = verify_journal(j)
+    return [(p.kind, p.step) for p in r.problems]
+
+
+def test_every_single_byte_flip_of_a_record_is_detected(tmp_path):
+    path = tmp_path / "j"
+    with Journal.open_writer(path) as j:
+        for s in range(1, 4):
+            j.append_step(s, [make_event("metrics", values={"loss": s / 7})])
+    with Journal.open_reader(path) as j:
+        original = j.read_raw(2)
+    for pos in range(len(original)):
+        for mask in (0x01, 0x80):
+            flipped = bytearray(original)
+            flipped[pos] ^= mask
+            tamper(path, lambda txn, db: raw_put(txn, db, 2, bytes(flipped)))
+            problems = _kinds(path)
+            assert problems and problems[0][1] == 2, (pos, mask, problems)
+    tamper(path, lambda txn, db: raw_put(txn, db, 2, original))
+    assert _kinds(path) == []
+
+
+def test_flipped_bytes_in_the_data_file_are_detected(tmp_path):
+    path = tmp_path / "j"
+    write_steps(path, 6)
+    with Journal.open_reader(path) as j:
+        body = j.read_raw(4)[STEP_HEADER:]
+    data = bytearray((path / "data.mdb").read_bytes())
+    needle = body[100:164]  # inside the record's array payload
+    offsets = []
+    start = 0
+    while (i := data.find(needle, start)) != -1:
+        offsets.append(i)
+        start = i + 1
+    assert offsets
+    for i in offsets:
+        data[i + 10] ^= 0x20
+    (path / "data.mdb").write_bytes(bytes(data))
+    assert _kinds(path)[0] == ("bad_checksum", 4)
+
+
+def test_deleted_step_is_detected(tmp_path):
+    path = tmp_path / "j"
+    write_steps(path, 6)
+    tamper(path, lambda txn, db: txn.delete(step_key(4), db=db))
+    assert _kinds(path)[0] == ("missing_step", 4)
+
+
+def test_swapped_steps_are_detected(tmp_path):
+    path = tmp_path / "j"
+    write_steps(path, 6)
+
+    def swap(txn, db):
+        a, b = raw_get(txn, db, 2), raw_get(txn, db, 5)
+        raw_put(txn, db, 2, b)
+        raw_put(txn, db, 5, a)
+
+    tamper(path, swap)
+    problems = _kinds(path)
+    assert problems[0][1] == 2 and ("step_mismatch", 2) in problems and ("step_mismatch", 5) in problems
+
+
+def test_truncated_tail_record_is_detected(tmp_path):
+    path = tmp_path / "j"
+    write_steps(path, 3)
+    tamper(path, lambda txn, db: raw_put(txn, db, 3, raw_get(txn, db, 3)[:50]))
+    assert _kinds(path)[0] == ("undecodable", 3)
+
+
+def test_damaged_record_is_refused_on_read(tmp_path):
+    path = tmp_path / "j"
+    write_steps(path, 3)
+
+    def flip(txn, db):
+        v = bytearray(raw_get(txn, db, 2))
+        v[-1] ^= 1
+        raw_put(txn, db, 2, bytes(v))
+
+    tamper(path, flip)
+    with Journal.open_reader(path) as j:
+        with pytest.raises(JournalError, match="step 2 is damaged"):
+            j.read_step(2)
+        with pytest.raises(JournalError, match="step 2 is damaged"):
+            list(j.iter_steps())
+
+
+def test_damaged_meta_is_reported(tmp_path):
+    path = tmp_path / "j"
+    with Journal.open_writer(path) as j:
+        j.set_meta("config", {"lr": 1e-6})
+        j.append_step(1, [])
+
+    def flip_meta(txn, _steps):
+        env_meta = txn.get(b"config", db=_meta_db[0])
+        v = bytearray(env_meta)
+        v[-1] ^= 4
+        txn.put(b"config", bytes(v), db=_meta_db[0])
+
+    import lmdb
+
+    env = lmdb.open(str(path), max_dbs=4)
+    _meta_db = [env.open_db(b"meta", create=False)]
+    with env.begin(write=True) as txn:
+        flip_meta(txn, None)
+    env.close()
+    assert ("bad_meta", None) in _kinds(path)
+
+
+def test_packb_is_deterministic():
+    ev = step_events(3)
+    assert packb(ev) == packb(step_events(3))
