@@ -17,6 +17,7 @@ What it prints (all measured in this one run):
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -93,35 +94,68 @@ def bench_vs_floor(root: Path, steps: int, samples: int, tokens: int) -> None:
 
 
 def bench_growth(root: Path, far: int, samples: int, tokens: int, probes: int) -> None:
+    """Append latency near step 1,000 and near step `far`, for the journal and for raw LMDB puts alike."""
     rng = np.random.default_rng(1)
     template = step_events(1, rng, samples, tokens)
-    path = root / "growth"
-    journal = Journal.open_writer(path)
+    journal = Journal.open_writer(root / "growth")
+    raw_value = None
+    floor_env = lmdb.open(str(root / "growth-floor"), map_size=1 << 34, max_dbs=4, subdir=True)
+    floor_db = floor_env.open_db(b"steps")
 
-    def timed_appends(start: int) -> list[float]:
-        out = []
-        for s in range(start, start + probes):
-            t0 = time.perf_counter()
-            journal.append_step(s, template)
-            out.append(time.perf_counter() - t0)
-        return out
+    def journal_put(s: int) -> None:
+        journal.append_step(s, template)
 
-    def fill_to(target: int) -> None:
-        s = journal.last_step() + 1
+    def floor_put(s: int) -> None:
+        with floor_env.begin(write=True) as txn:
+            txn.put(step_key(s), raw_value, db=floor_db, append=True)
+
+    def journal_fill(a: int, b: int) -> None:
+        journal.append_steps([(k, template) for k in range(a, b)])
+
+    def floor_fill(a: int, b: int) -> None:
+        with floor_env.begin(write=True) as txn:
+            for k in range(a, b):
+                txn.put(step_key(k), raw_value, db=floor_db, append=True)
+
+    journal_put(1)
+    raw_value = journal.read_raw(1)
+    floor_put(1)
+    last = {"journal": 1, "floor": 1}
+
+    def fill_to(name, fill, target):
+        s = last[name] + 1
         while s <= target:
             n = min(1000, target - s + 1)
-            journal.append_steps([(k, template) for k in range(s, s + n)])
+            fill(s, s + n)
             s += n
+        last[name] = target
 
-    fill_to(1000 - 1)
-    near = timed_appends(1000)
-    fill_to(far - 1)
-    deep = timed_appends(far)
-    size = (path / "data.mdb").stat().st_size
+    def probe(name, put, at):
+        out = []
+        for s in range(at, at + probes):
+            t0 = time.perf_counter()
+            put(s)
+            out.append(time.perf_counter() - t0)
+        last[name] = at + probes - 1
+        return statistics.median(out)
+
+    results = {}
+    for at in (1000, far):
+        for name, fill, put in (("journal", journal_fill, journal_put), ("floor", floor_fill, floor_put)):
+            fill_to(name, fill, at - 1)
+            os.sync()  # let the fill's writeback finish so every probe starts from a quiet disk
+            time.sleep(1.0)
+            results[(name, at)] = probe(name, put, at)
+    size = (root / "growth" / "data.mdb").stat().st_size
     journal.close()
-    a, b = statistics.median(near), statistics.median(deep)
-    print(f"growth: median append at step 1,000 {a * 1e3:.2f} ms, at step {far:,} {b * 1e3:.2f} ms "
-          f"-> ratio {b / a:.2f}x (goal <= 1.2); journal {size / 2**30:.2f} GiB")
+    floor_env.close()
+    for name in ("journal", "floor"):
+        a, b = results[(name, 1000)], results[(name, far)]
+        print(f"growth {name:7s}: median append at step 1,000 {a * 1e3:.2f} ms, at step {far:,} {b * 1e3:.2f} ms -> {b / a:.2f}x")
+    jg = results[("journal", far)] / results[("journal", 1000)]
+    fg = results[("floor", far)] / results[("floor", 1000)]
+    print(f"growth ratio: journal {jg:.2f}x (goal <= 1.2), raw LMDB {fg:.2f}x on the same disk; "
+          f"journal's own share {jg / fg:.2f}x; journal {size / 2**30:.2f} GiB")
 
 
 def main() -> None:
