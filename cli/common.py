@@ -1,0 +1,72 @@
+"""What every command shares: one clear line and an exit code on failure, never a traceback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import Callable, TypeVar
+
+import typer
+
+T = TypeVar("T")
+
+EXIT_DAMAGED = 1
+EXIT_USAGE = 2
+
+
+def quiet_libraries() -> None:
+    """DeepSpeed and transformers log a lot at INFO; verlj prints its own lines."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for name in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    except ImportError:
+        pass
+
+
+def fail(msg: str, code: int = EXIT_DAMAGED) -> typer.Exit:
+    typer.echo(f"error: {msg}", err=True)
+    return typer.Exit(code)
+
+
+def guarded(fn: Callable[[], T]) -> T:
+    """Run fn; turn the errors verlj knows into one line and an exit code."""
+    from verlj.engine.config import ConfigError
+    from verlj.engine.data import DataError
+    from verlj.engine.models import ModelError
+    from verlj.engine.recovery import ReplayError
+    from verlj.engine.rewards import RewardError
+    from verlj.engine.run import RunError
+    from verlj.engine.snapshot import SnapshotError
+    from verlj.journal import JournalError
+
+    try:
+        return fn()
+    except ConfigError as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    except (RunError, JournalError, SnapshotError, ModelError, DataError, RewardError, ReplayError) as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        typer.echo("Interrupted: stopped at once; the journal holds every step committed so far.", err=True)
+        raise typer.Exit(130) from None
+    except OSError as e:
+        raise fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e)) from None
+
+
+def is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def log_to_stderr_only_on_rank0() -> None:
+    if not is_rank0():
+        sys.stdout = open(os.devnull, "w")

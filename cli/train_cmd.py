@@ -1,0 +1,41 @@
+"""`verlj train`: run (or resume) RL post-training.
+
+    verlj train --output-dir runs/demo
+    verlj train --config ppo_config.yaml --output_dir ./checkpoints algorithm.name=ppo trainer.total_steps=40
+    verlj train --output-dir runs/demo --resume trainer.total_steps=80
+    torchrun --nproc_per_node 2 -m verlj.cli train --output-dir runs/dp2 distributed.zero_stage=3
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import guarded, log_to_stderr_only_on_rank0, quiet_libraries
+
+
+def train(
+    output_dir: Annotated[Path, typer.Option("--output-dir", "--output_dir", "-o", help="Run directory (journal, snapshots, logs).")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="Dotted config overrides, e.g. trainer.total_steps=40.")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --output-dir from its last committed step.")] = False,
+    allow_config_change: Annotated[
+        bool, typer.Option("--allow-config-change", help="On resume, accept (and record) changes to state-shaping keys.")
+    ] = False,
+) -> None:
+    """Train with GRPO or PPO; every step is journaled, snapshots are taken every save_interval steps."""
+    quiet_libraries()
+    log_to_stderr_only_on_rank0()
+    from verlj.engine.run import train as run_train
+
+    overrides = list(overrides or [])
+    if any(o == "trainer.resume_from=auto" or o.startswith("trainer.resume_from=") for o in overrides):
+        resume = True
+    last = guarded(lambda: run_train(output_dir, config, overrides, resume=resume, allow_config_change=allow_config_change))
+    typer.echo(f"Done: last committed step {last} in {output_dir}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train")(train)

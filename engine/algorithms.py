@@ -1,0 +1,101 @@
+"""GRPO and PPO math: advantages, losses, KL. Pure tensor functions, tested against hand-computed values.
+
+Shapes: ``[B, R]`` per response token with a 0/1 ``mask`` of the same shape; ``[B]`` per sample.
+Aggregation is token-mean over the mask (verl's ``loss_agg_mode=token-mean``).
+
+Departures from the papers, on purpose:
+- GRPO (DeepSeekMath): the KL term is the k3 estimator ``exp(ref - lp) - (ref - lp) - 1`` (as
+  there), added to the loss rather than the reward; std-normalisation can be turned off
+  (``algorithm.norm_adv_by_std``, Dr. GRPO style).
+- PPO (Ouyang et al.): the KL-to-reference penalty is folded into the token rewards with a fixed
+  coefficient (no adaptive controller); the score lands on the last response token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS = 1e-6
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, norm_by_std: bool = True) -> torch.Tensor:
+    """Per-sample advantage: score minus its group's mean, over the group's (unbiased) std if asked."""
+    adv = torch.empty_like(scores)
+    for g in torch.unique(groups):
+        idx = groups == g
+        s = scores[idx]
+        centred = s - s.mean()
+        if norm_by_std:
+            std = s.std(unbiased=True) if s.numel() > 1 else torch.zeros((), dtype=s.dtype)
+            centred = centred / (std + EPS)
+        adv[idx] = centred
+    return adv
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's low-variance unbiased KL(pi || ref) estimator, per token."""
+    d = (ref_logprobs - logprobs).clamp(-20, 20)
+    return torch.exp(d) - d - 1
+
+
+def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float) -> torch.Tensor:
+    """PPO: -kl_coef * kl per token, plus the sequence score on the last response token."""
+    rewards = torch.zeros_like(mask, dtype=scores.dtype)
+    if kl is not None and kl_coef:
+        rewards = rewards - kl_coef * kl * mask
+    last = mask.sum(dim=1).long() - 1
+    rows = torch.arange(mask.shape[0])
+    has = last >= 0
+    rewards[rows[has], last[has]] += scores[has]
+    return rewards
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """Generalised advantage estimation over response tokens. Returns (advantages, returns), both [B, R]."""
+    B, R = rewards.shape
+    adv = torch.zeros_like(rewards)
+    last_gae = torch.zeros(B, dtype=rewards.dtype)
+    for t in reversed(range(R)):
+        next_value = values[:, t + 1] * mask[:, t + 1] if t + 1 < R else torch.zeros(B, dtype=values.dtype)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last_gae = delta + gamma * lam * last_gae * (mask[:, t + 1] if t + 1 < R else 0.0)
+        adv[:, t] = last_gae * mask[:, t]
+    returns = (adv + values) * mask
+    return adv, returns
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio: float):
+    """Clipped surrogate. Returns (loss, clipfrac, approx_kl) with token-mean aggregation."""
+    log_ratio = (logprobs - old_logprobs).clamp(-20, 20)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    clipfrac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask)
+    approx_kl = masked_mean(-log_ratio, mask)
+    return loss, clipfrac, approx_kl
+
+
+def value_loss(values, old_values, returns, mask, cliprange: float):
+    """Clipped value loss, 0.5 * max((v - R)^2, (v_clip - R)^2). Returns (loss, clipfrac)."""
+    clipped = old_values + torch.clamp(values - old_values, -cliprange, cliprange)
+    l1 = (values - returns) ** 2
+    l2 = (clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(l1, l2), mask)
+    clipfrac = masked_mean((l2 > l1).to(values.dtype), mask)
+    return loss, clipfrac
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)

@@ -1,0 +1,440 @@
+"""Run configuration: documented dataclasses, YAML files, dotted command-line overrides.
+
+    verlj config show                                   # the built-in default
+    verlj config show --config ppo_config.yaml trainer.total_steps=40 algorithm.name=ppo
+
+Sections follow the shape verl users know (trainer / algorithm / model / data / rollout /
+distributed / logging). Every field's comment is its documentation. A wrong key, type or
+value raises :class:`ConfigError` with one sentence naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import blake3
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem a user must fix: one sentence, naming the key."""
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 200  # training steps (one step = one rollout batch and its update)
+    seed: int = 1  # run seed; every per-step seed is derived from it
+    save_interval: int = 50  # snapshot every N steps (0 = never, apart from the final one)
+    save_total_limit: int = 3  # keep at most N snapshots (0 = keep all)
+    resume_from: Optional[str] = None  # null | auto | a snapshot path | a step number
+    checkpoint_policy: Optional[str] = None  # dotted path of a CheckpointPolicy class
+    async_save: bool = False  # write snapshots in the background
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "fp32"  # fp32 | bf16
+    num_threads: int = 1  # torch intra-op threads per rank (fixed for reproducibility)
+    deterministic: bool = True  # torch.use_deterministic_algorithms(True)
+
+    def validate(self) -> None:
+        _positive("trainer.total_steps", self.total_steps)
+        _at_least("trainer.save_interval", self.save_interval, 0)
+        _at_least("trainer.save_total_limit", self.save_total_limit, 0)
+        _at_least("trainer.seed", self.seed, 0)
+        _positive("trainer.num_threads", self.num_threads)
+        _choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
+        _choice("trainer.precision", self.precision, ("fp32", "bf16"))
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"  # grpo | ppo
+    gamma: float = 1.0  # PPO: discount for GAE
+    lam: float = 0.95  # PPO: GAE lambda
+    kl_coef: float = 0.0  # PPO: KL-to-reference penalty folded into token rewards
+    norm_adv_by_std: bool = True  # GRPO: divide group-centred rewards by the group std
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards do not vary, draw more prompts
+    max_sampling_rounds: int = 4  # dynamic sampling: generation rounds per step at most
+
+    def validate(self) -> None:
+        _choice("algorithm.name", self.name, ("grpo", "ppo"))
+        _range("algorithm.gamma", self.gamma, 0.0, 1.0)
+        _range("algorithm.lam", self.lam, 0.0, 1.0)
+        _at_least("algorithm.kl_coef", self.kl_coef, 0.0)
+        _positive("algorithm.max_sampling_rounds", self.max_sampling_rounds)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3  # AdamW learning rate
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 0  # linear LR warm-up, in optimizer steps
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+
+    def validate(self, prefix: str) -> None:
+        _positive(f"{prefix}.lr", self.lr)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"{prefix}.betas must be two numbers in [0, 1), got {self.betas}")
+        _positive(f"{prefix}.eps", self.eps)
+        _at_least(f"{prefix}.weight_decay", self.weight_decay, 0.0)
+        _at_least(f"{prefix}.warmup_steps", self.warmup_steps, 0)
+        _at_least(f"{prefix}.grad_clip", self.grad_clip, 0.0)
+
+
+@dataclass
+class TinyModelConfig:
+    hidden_size: int = 64  # built-in tiny Llama: width
+    num_layers: int = 2  # built-in tiny Llama: decoder layers
+    num_heads: int = 4  # built-in tiny Llama: attention heads
+    intermediate_size: int = 128  # built-in tiny Llama: MLP width
+
+    def validate(self) -> None:
+        for k in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            _positive(f"model.tiny.{k}", getattr(self, k))
+        if self.hidden_size % self.num_heads:
+            raise ConfigError("model.tiny.hidden_size must be a multiple of model.tiny.num_heads")
+
+
+@dataclass
+class ActorConfig:
+    model_name_or_path: str = "builtin:tiny"  # builtin:tiny, or a local Hugging Face model directory
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_epochs: int = 1  # passes over each step's samples
+    mini_batch_size: int = 0  # samples per optimizer step per step (0 = all of the step's samples)
+    micro_batch_size: int = 8  # samples per forward/backward per rank
+    clip_ratio: float = 0.2  # PPO/GRPO ratio clip
+    entropy_coeff: float = 0.0  # entropy bonus weight
+    use_kl_loss: bool = True  # GRPO: KL-to-reference term in the loss (k3 estimator)
+    kl_loss_coef: float = 0.01  # GRPO: weight of that term
+
+    def validate(self) -> None:
+        self.optim.validate("model.actor.optim")
+        _positive("model.actor.ppo_epochs", self.ppo_epochs)
+        _at_least("model.actor.mini_batch_size", self.mini_batch_size, 0)
+        _positive("model.actor.micro_batch_size", self.micro_batch_size)
+        _range("model.actor.clip_ratio", self.clip_ratio, 0.0, 1.0)
+        _at_least("model.actor.kl_loss_coef", self.kl_loss_coef, 0.0)
+
+
+@dataclass
+class CriticConfig:
+    model_name_or_path: Optional[str] = None  # backbone for the value head (null = the actor's)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    cliprange_value: float = 0.5  # PPO value clipping
+    micro_batch_size: int = 8  # samples per forward/backward per rank
+
+    def validate(self) -> None:
+        self.optim.validate("model.critic.optim")
+        _at_least("model.critic.cliprange_value", self.cliprange_value, 0.0)
+        _positive("model.critic.micro_batch_size", self.micro_batch_size)
+
+
+@dataclass
+class RewardModelConfig:
+    model_name_or_path: Optional[str] = None  # local sequence-classification model dir (null = rule-based only)
+    save_checkpoint: bool = True  # include a trainable reward model in snapshots
+    trainable: bool = False  # reward models are frozen unless this is set
+    weight: float = 1.0  # score = rule reward + weight * reward-model score
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass
+class ModelConfig:
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+    def validate(self) -> None:
+        self.actor.validate()
+        self.critic.validate()
+        self.reward_model.validate()
+        self.tiny.validate()
+
+
+@dataclass
+class DataConfig:
+    train_dataset: str = "builtin:add"  # builtin:add, or a .jsonl / .parquet file of prompts
+    prompt_key: str = "prompt"  # field holding the prompt text
+    answer_key: str = "answer"  # field holding the ground truth for rule rewards
+    num_examples: int = 512  # builtin:add: how many problems to generate
+    max_operand: int = 9  # builtin:add: operands are drawn from 0..max_operand
+    prompts_per_step: int = 16  # prompts per step (verl's data.train_batch_size)
+    max_prompt_length: int = 64  # longer prompts are refused when the dataset loads
+
+    def validate(self) -> None:
+        _positive("data.num_examples", self.num_examples)
+        _at_least("data.max_operand", self.max_operand, 1)
+        _positive("data.prompts_per_step", self.prompts_per_step)
+        _positive("data.max_prompt_length", self.max_prompt_length)
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8  # samples per prompt (the GRPO group size)
+    temperature: float = 1.0  # sampling temperature
+    top_p: float = 1.0  # nucleus sampling
+    max_response_length: int = 4  # tokens generated per sample at most
+    reward_fn: str = "builtin:add"  # builtin:add, or module:function(prompt, response, answer) -> float
+
+    def validate(self) -> None:
+        _positive("rollout.n", self.n)
+        _positive("rollout.temperature", self.temperature)
+        _range("rollout.top_p", self.top_p, 1e-6, 1.0)
+        _positive("rollout.max_response_length", self.max_response_length)
+        if not (self.reward_fn.startswith("builtin:") or ":" in self.reward_fn):
+            raise ConfigError(f"rollout.reward_fn must be builtin:NAME or module:function, got {self.reward_fn!r}")
+
+
+@dataclass
+class DistributedConfig:
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
+    tensor_parallel_size: int = 1  # DeepSpeed AutoTP degree (tensor_parallel.autotp_size)
+    backend: str = "auto"  # auto (gloo on CPU, nccl on GPU) | gloo | nccl
+
+    def validate(self) -> None:
+        _range("distributed.zero_stage", self.zero_stage, 0, 3)
+        _positive("distributed.tensor_parallel_size", self.tensor_parallel_size)
+        _choice("distributed.backend", self.backend, ("auto", "gloo", "nccl"))
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1  # print a line every N steps
+    progress: str = "auto"  # auto (a bar on a terminal, lines otherwise) | bar | lines | off
+    jsonl: bool = True  # write RUN/metrics.jsonl
+    tensorboard: bool = False  # write TensorBoard event files under RUN/tensorboard
+    wandb_project: Optional[str] = None  # accepted for verl configs; verlj does not upload
+
+    def validate(self) -> None:
+        _positive("logging.log_interval", self.log_interval)
+        _choice("logging.progress", self.progress, ("auto", "bar", "lines", "off"))
+
+
+@dataclass
+class Config:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> "Config":
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        if self.algorithm.name == "grpo" and self.rollout.n < 2:
+            raise ConfigError("rollout.n must be at least 2 for grpo (advantages are relative within a group)")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """Hash of the config that shapes the trained state (bookkeeping keys excluded)."""
+        d = self.to_dict()
+        for dotted in BOOKKEEPING_KEYS:
+            _pop_dotted(d, dotted)
+        return blake3.blake3(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Keys that only shape the future or the bookkeeping: changing them on resume is allowed.
+BOOKKEEPING_KEYS = (
+    "trainer.total_steps",
+    "trainer.save_interval",
+    "trainer.save_total_limit",
+    "trainer.resume_from",
+    "trainer.checkpoint_policy",
+    "trainer.async_save",
+    "logging.log_interval",
+    "logging.progress",
+    "logging.jsonl",
+    "logging.tensorboard",
+    "logging.wandb_project",
+)
+
+
+def _pop_dotted(d: dict, dotted: str) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        d = d[p]
+    d.pop(leaf, None)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _positive(key, v):
+    if v <= 0:
+        raise ConfigError(f"{key} must be positive, got {v}")
+
+
+def _at_least(key, v, lo):
+    if v < lo:
+        raise ConfigError(f"{key} must be at least {lo}, got {v}")
+
+
+def _range(key, v, lo, hi):
+    if not lo <= v <= hi:
+        raise ConfigError(f"{key} must be between {lo} and {hi}, got {v}")
+
+
+def _choice(key, v, allowed):
+    if v not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {v!r}")
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _type_name(tp) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _coerce(key: str, tp, value):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(key, args[0], value)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_coerce(f"{key}[{i}]", item, v) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a section (a mapping of keys), got {value!r}")
+        return _build(tp, value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, bool):  # YAML 1.1 reads off / on as booleans
+            return "on" if value else "off"
+        if isinstance(value, (str, int)):
+            return str(value)
+    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            close = difflib.get_close_matches(str(k), names, n=1)
+            hint = f"; did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
+            allowed = f" (allowed: {', '.join(names)})" if not hint else ""
+            raise ConfigError(f"unknown config key {key!r}{hint}{allowed}")
+        kwargs[k] = _coerce(key, hints[k], v)
+    return cls(**kwargs)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> dict:
+    """'a.b.c=value' -> {'a': {'b': {'c': value}}}, value parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.path=value (e.g. trainer.total_steps=40)")
+    dotted, raw = text.split("=", 1)
+    dotted = dotted.strip().lstrip("+")
+    if not dotted or any(not part for part in dotted.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    out: dict = {}
+    node = out
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_config_file(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections (trainer:, model:, ...)")
+    return data
+
+
+def make_config(config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: dict | None = None) -> Config:
+    """Default <- base (e.g. a run's stored config) <- config file <- dotted overrides; validated."""
+    data: dict = dict(base or {})
+    if config_file is not None:
+        data = _merge(data, load_config_file(config_file))
+    for o in overrides:
+        data = _merge(data, parse_override(o))
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict) -> Config:
+    return _build(Config, data).validate()
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def diff_configs(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    keys = []
+    for k in sorted(set(old) | set(new)):
+        dotted = f"{prefix}.{k}" if prefix else k
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys += diff_configs(a, b, dotted)
+        elif a != b:
+            keys.append(dotted)
+    return keys
+
+
+def as_plain(value: Any) -> Any:
+    return json.loads(json.dumps(value))

@@ -1,0 +1,159 @@
+"""Models and tokenizers: the built-in tiny Llama, local Hugging Face directories, the value head.
+
+Nothing here downloads: `model_name_or_path` is either ``builtin:tiny`` (a random-init Llama
+built from :class:`~verlj.engine.config.TinyModelConfig` with a character tokenizer) or a local
+directory loaded with ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import Config, TinyModelConfig
+
+BUILTIN_TINY = "builtin:tiny"
+BUILTIN_CHARS = list("0123456789+-*= ")  # the built-in arithmetic task needs no more
+
+
+class ModelError(ValueError):
+    """A model or tokenizer cannot be loaded: one sentence for the user."""
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def builtin_tokenizer():
+    """A character-level PreTrainedTokenizerFast (saveable, so exports are real HF directories)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3}
+    for c in BUILTIN_CHARS:
+        vocab[c] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def _local_dir(path: str, key: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ModelError(f"{key}: model directory {path} does not exist (verlj loads local directories only, never downloads)")
+    return p
+
+
+def load_tokenizer(path: str, key: str = "model.actor.model_name_or_path"):
+    if path == BUILTIN_TINY:
+        return builtin_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(_local_dir(path, key)), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{key}: cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.eos_token_id is None:
+        raise ModelError(f"{key}: the tokenizer in {path} has no eos token")
+    return tok
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def tiny_llama_config(tiny: TinyModelConfig, vocab_size: int, max_positions: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=tiny.hidden_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_heads,
+        num_key_value_heads=tiny.num_heads,
+        intermediate_size=tiny.intermediate_size,
+        max_position_embeddings=max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+
+
+def load_causal_lm(path: str, cfg: Config, seed: int, key: str = "model.actor.model_name_or_path") -> nn.Module:
+    """The actor (and reference) model: random-init tiny Llama from `seed`, or a local HF directory."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    if path == BUILTIN_TINY:
+        max_pos = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
+        config = tiny_llama_config(cfg.model.tiny, len(BUILTIN_CHARS) + 4, max_pos)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(_local_dir(path, key)), local_files_only=True, torch_dtype=torch.float32, attn_implementation="eager"
+            )
+        except (OSError, ValueError) as e:
+            raise ModelError(f"{key}: cannot load a causal LM from {path}: {str(e).splitlines()[0]}") from None
+    model.config.use_cache = False
+    return model
+
+
+def load_reward_model(path: str):
+    """A frozen (or trainable) sequence-classification reward model and its tokenizer, from a local dir."""
+    from transformers import AutoModelForSequenceClassification
+
+    key = "model.reward_model.model_name_or_path"
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(_local_dir(path, key)), local_files_only=True, torch_dtype=torch.float32
+        )
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{key}: cannot load a sequence-classification model from {path}: {str(e).splitlines()[0]}") from None
+    tok = load_tokenizer(path, key)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+class ValueModel(nn.Module):
+    """PPO critic: a causal-LM backbone with a scalar value head on the last hidden state."""
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask):
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        return self.value_head(out.hidden_states[-1]).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------- transformers 4 / 5
+
+
+def _cache_kw(model: nn.Module) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def forward_with_cache(model: nn.Module, input_ids, attention_mask, position_ids, cache):
+    """One decoding forward with a KV cache; returns (logits, cache). transformers 5 calls it `cache`."""
+    kw = _cache_kw(model)
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **{kw: cache}
+    )
+    new_cache = out.cache if kw == "cache" else out.past_key_values
+    return out.logits, new_cache

@@ -1,0 +1,78 @@
+"""Rewards: rule-based functions and reward models.
+
+A rule reward is ``fn(prompt: str, response: str, answer: str) -> float``: ``builtin:add`` for the
+built-in task, or any ``module:function`` importable by the run. A reward model (a local
+sequence-classification directory) adds ``weight * logits[:, 0]`` of prompt + response.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from typing import Callable
+
+import torch
+
+RewardFn = Callable[[str, str, str], float]
+
+_NUMBER = re.compile(r"\s*(-?\d+)\s*")
+
+
+class RewardError(ValueError):
+    """A reward function cannot be loaded or returned something unusable."""
+
+
+def add_reward(prompt: str, response: str, answer: str) -> float:
+    """1 for the exact answer; a bare number earns 0.1 to 0.5, more the closer it is; anything else 0."""
+    m = _NUMBER.fullmatch(response)
+    if m is None:
+        return 0.0
+    if m.group(1) == answer:
+        return 1.0
+    try:
+        gap = abs(int(m.group(1)) - int(answer))
+    except ValueError:
+        return 0.1
+    return 0.1 + 0.4 / (1 + gap)
+
+
+BUILTIN = {"builtin:add": add_reward}
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    if spec.startswith("builtin:"):
+        raise RewardError(f"rollout.reward_fn: unknown built-in {spec!r}; known: {', '.join(BUILTIN)}")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RewardError(f"rollout.reward_fn: cannot import module {module_name!r} ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardError(f"rollout.reward_fn: {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def rule_rewards(fn: RewardFn, prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
+    out = []
+    for p, r, a in zip(prompts, responses, answers):
+        v = fn(p, r, a)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise RewardError(f"reward function returned {v!r} for prompt {p!r}; it must return a finite number")
+        out.append(float(v))
+    return out
+
+
+@torch.no_grad()
+def reward_model_scores(model, tokenizer, texts: list[str], device, batch_size: int = 16) -> list[float]:
+    """logits[:, 0] of a sequence-classification model on each text."""
+    model.eval()
+    out: list[float] = []
+    for i in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True)
+        logits = model(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device)).logits
+        out += logits[:, 0].float().cpu().tolist()
+    return out

@@ -1,0 +1,89 @@
+"""Sampling responses with a KV cache, driven by an explicit per-step generator.
+
+No draw touches a global RNG: every random number comes from the ``torch.Generator`` passed in,
+seeded per step and per data-parallel rank (see :mod:`verlj.engine.seeding`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .models import forward_with_cache
+
+
+def sample_token(logits: torch.Tensor, gen: torch.Generator, temperature: float, top_p: float):
+    """Sample one token per row from logits [B, V]; returns (tokens [B], logprobs [B]) under temperature."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        remove = cum - sorted_p > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_p = sorted_p.masked_fill(remove, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    # multinomial on CPU with an explicit generator is reproducible; probs need not sum to 1
+    tokens = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: list[np.ndarray],
+    gen: torch.Generator,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    eos_id: int,
+    pad_id: int,
+    device: torch.device,
+    all_done: Callable[[bool], bool] = lambda done: done,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Sample a response for each prompt. Returns (response ids, generation log-probs) per prompt.
+
+    Prompts are left-padded into one batch; positions come from the attention mask. A response
+    ends at eos (included) or at max_new_tokens. ``all_done`` lets ranks that share sharded
+    weights (ZeRO-3, TP) keep stepping together until every rank has finished.
+    """
+    was_training = model.training
+    model.eval()
+    B = len(prompts)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((B, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    out_tokens, out_logps = [], []
+    cache = None
+    step_ids, step_pos = ids, positions
+    for _ in range(max_new_tokens):
+        logits, cache = forward_with_cache(model, step_ids, mask, step_pos, cache)
+        tok, lp = sample_token(logits[:, -1, :], gen, temperature, top_p)
+        tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
+        out_tokens.append(tok)
+        out_logps.append(lp)
+        finished = finished | (tok == eos_id)
+        if all_done(bool(finished.all())):
+            break
+        mask = torch.cat([mask, (~finished | (tok == eos_id)).long()[:, None]], dim=1)
+        step_pos = step_pos[:, -1:] + 1
+        step_ids = tok[:, None]
+    model.train(was_training)
+    toks = torch.stack(out_tokens, 1).cpu().numpy()
+    logps = torch.stack(out_logps, 1).float().cpu().numpy()
+    responses, logprobs = [], []
+    for i in range(B):
+        row = toks[i]
+        ends = np.nonzero(row == eos_id)[0]
+        n = int(ends[0]) + 1 if len(ends) else len(row)
+        responses.append(row[:n].astype(np.int64))
+        logprobs.append(logps[i, :n].astype(np.float32))
+    return responses, logprobs

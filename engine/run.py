@@ -1,0 +1,219 @@
+"""A run directory and the `verlj train` entry point.
+
+    RUN/
+      journal/              the LMDB journal (source of truth)
+      config.yaml           the effective config of the latest start
+      step_00050/ ...       snapshots (verlj.engine.snapshot)
+      latest -> step_00050  the newest published snapshot
+      train_metadata.json   a human-readable mirror of the journal's view
+      metrics.jsonl         one line per step (logging.jsonl)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from verlj.journal import Journal, make_event
+
+from .config import BOOKKEEPING_KEYS, Config, ConfigError, config_from_dict, diff_configs, make_config, to_yaml
+from .dist import Runtime, configure_determinism, setup
+from .report import Reporter
+
+
+class RunError(RuntimeError):
+    """Something about the run directory a user must act on."""
+
+
+def journal_dir(run_dir: Path) -> Path:
+    return run_dir / "journal"
+
+
+def has_run(run_dir: Path) -> bool:
+    return (journal_dir(run_dir) / "data.mdb").is_file()
+
+
+def versions() -> dict[str, str]:
+    import deepspeed
+    import transformers
+    from importlib.metadata import version
+
+    return {
+        "verlj": version("verlj"),
+        "torch": str(torch.__version__),
+        "deepspeed": str(deepspeed.__version__),
+        "transformers": str(transformers.__version__),
+        "python": platform.python_version(),
+    }
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class StopFlag:
+    """SIGINT/SIGTERM: the first finishes the current step, commits and snapshots; a second stops at once."""
+
+    requested: bool = False
+    signal_name: str = ""
+
+    def install(self) -> None:
+        def handler(signum, _frame):
+            if self.requested:
+                raise KeyboardInterrupt  # second signal: stop now (the journal holds only whole steps)
+            self.requested = True
+            self.signal_name = signal.Signals(signum).name
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+
+def resolve_config(run_dir: Path, config_file, overrides, resume: bool, allow_change: bool) -> tuple[Config, list[str], dict | None]:
+    """The config to run with. On resume: the run's stored config, then the file and overrides on top;
+    only bookkeeping keys may change unless allow_change. Returns (cfg, changed keys, stored dict)."""
+    if not resume:
+        return make_config(config_file, overrides), [], None
+    with Journal.open_reader(journal_dir(run_dir)) as j:
+        stored = j.get_meta("config")
+    if stored is None:
+        raise RunError(f"{run_dir} has a journal but no stored config; it was not written by verlj train")
+    cfg = make_config(config_file, overrides, base=stored)
+    changed = diff_configs(stored, cfg.to_dict())
+    refused = [k for k in changed if k not in BOOKKEEPING_KEYS]
+    if refused and not allow_change:
+        raise RunError(
+            f"the config differs from the run's in {', '.join(refused)}; these change the trained state, "
+            "so resume refuses them (pass --allow-config-change to accept and record the change)"
+        )
+    return cfg, changed, stored
+
+
+def train(
+    output_dir: str | Path,
+    config_file: str | Path | None = None,
+    overrides: tuple[str, ...] | list[str] = (),
+    resume: bool = False,
+    allow_config_change: bool = False,
+) -> int:
+    """`verlj train`: a fresh run, or `--resume` of an existing one. Returns the last committed step."""
+    from .recovery import resume_state
+    from .trainer import StepInputs, Trainer, is_timing  # noqa: F401  (imported late: torch/deepspeed)
+    from .snapshot import SnapshotManager
+
+    run_dir = Path(output_dir)
+    existing = has_run(run_dir)
+    if existing and not resume:
+        raise RunError(
+            f"{run_dir} already holds a run; pass --resume to continue it, or choose another --output-dir"
+        )
+    if resume and not existing:
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise RunError(f"{run_dir} is not a verlj run (no journal/); nothing to resume")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunError(f"--output-dir {run_dir} exists and is not a directory")
+    cfg, changed, _stored = resolve_config(run_dir, config_file, overrides, resume and existing, allow_config_change)
+    if cfg.trainer.resume_from not in (None, "auto") and not existing:
+        raise RunError(f"trainer.resume_from is {cfg.trainer.resume_from!r} but {run_dir} holds no run")
+
+    rt = setup(cfg)
+    configure_determinism(cfg)
+    journal = None
+    if rt.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        journal = Journal.open_writer(journal_dir(run_dir))  # refuses a second writer at once
+    reporter = Reporter(cfg.logging, run_dir, rt.is_main, cfg.trainer.total_steps)
+    stop = StopFlag()
+    stop.install()
+    try:
+        trainer = Trainer(cfg, rt)
+        snaps = SnapshotManager(run_dir, cfg, rt, trainer, journal, reporter)
+        control: list[dict] = []
+        if existing:
+            last, control = resume_state(run_dir, cfg, rt, trainer, journal, snaps, reporter, changed, allow_config_change)
+        else:
+            last = 0
+            if rt.is_main:
+                journal.update_meta(
+                    {
+                        "config": cfg.to_dict(),
+                        "config_hash": cfg.hash(),
+                        "seed": cfg.trainer.seed,
+                        "versions": versions(),
+                        "world_size": rt.world_size,
+                        "tensor_parallel_size": rt.tp_size,
+                        "num_threads": cfg.trainer.num_threads,
+                        "created": now_iso(),
+                        "git_commit": git_commit(),
+                        "run_dir": str(run_dir.resolve()),
+                    }
+                )
+            control.append(make_event("control", kind="start", details={"config_hash": cfg.hash(), "world_size": rt.world_size}))
+            reporter.info("Step 0: Starting training...")
+        if rt.is_main:
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        reporter.start(last + 1)
+        step = last
+        for step in range(last + 1, cfg.trainer.total_steps + 1):
+            t_step = time.perf_counter()
+            inputs = trainer.collect(step)
+            samples = trainer.take(inputs)
+            outcome = trainer.apply(step, inputs, samples)
+            outcome.metrics.update(inputs.timings)
+            outcome.metrics["timing_s/step"] = time.perf_counter() - t_step
+            commit(rt, journal, step, control + inputs.events() + outcome.events())
+            control = []
+            reporter.step(step, outcome.metrics)
+            snaps.after_step(step, outcome, force=stop.requested or step == cfg.trainer.total_steps)
+            if stop.requested:
+                reporter.info(f"Received {stop.signal_name}: step {step} committed and snapshot taken; exiting.")
+                break
+        snaps.finish()
+        if rt.is_main:
+            snaps.write_metadata(step, resume_from=None)
+        return step
+    finally:
+        reporter.close()
+        if journal is not None:
+            journal.close()
+
+
+def commit(rt: Runtime, journal: Journal | None, step: int, events: list[dict]) -> None:
+    """Rank 0 appends the step; every rank learns whether it worked, so all stop together on failure."""
+    error = ""
+    if rt.is_main:
+        try:
+            journal.append_step(step, events)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised below
+            error = str(e) or type(e).__name__
+            if rt.world_size == 1:
+                raise
+    error = rt.broadcast_obj(error)
+    if error:
+        raise RunError(f"journal commit of step {step} failed: {error}")

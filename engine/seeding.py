@@ -1,0 +1,32 @@
+"""Per-step seeds: ``seed = H(run_seed, step, stream, *extra)``, so no stream depends on another's history."""
+
+from __future__ import annotations
+
+import blake3
+import numpy as np
+import torch
+
+
+def derive_seed(run_seed: int, step: int, stream: str, *extra: int) -> int:
+    text = f"{run_seed}/{step}/{stream}/" + "/".join(map(str, extra))
+    return int.from_bytes(blake3.blake3(text.encode()).digest()[:8], "big") >> 1  # 63 bits: fits int64
+
+
+def generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def rng_digest() -> dict[str, str]:
+    """Digests of the global generators: a step that drew from one by accident shows up in the journal."""
+    import random
+
+    parts = {
+        "torch": blake3.blake3(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16],
+        "numpy": blake3.blake3(np.random.get_state()[1].tobytes()).hexdigest()[:16],
+        "python": blake3.blake3(repr(random.getstate()).encode()).hexdigest()[:16],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        parts["cuda"] = blake3.blake3(torch.cuda.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+    return parts

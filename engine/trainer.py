@@ -1,0 +1,342 @@
+"""The training loop: each step is ``collect`` then ``apply``, journaled in one transaction.
+
+    verlj train --output-dir runs/demo                                   # built-in default
+    torchrun --nproc_per_node 2 -m verlj.cli train --output-dir runs/dp2 distributed.zero_stage=3
+
+``collect(step)`` is the expensive, stochastic half: draw prompts, generate, score, decide what
+enters, leaves and is consumed from the rollout buffer. It returns :class:`StepInputs`, which is
+exactly what the journal records. ``apply(step, inputs)`` is the deterministic half: log-probs,
+advantages, DeepSpeed updates, metrics, fingerprint. Replay (``verlj replay``, ``--resume``) feeds
+``apply`` the inputs read back from the journal, so it never generates or scores, and cannot drift
+from training because it is the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from verlj.journal import make_event
+
+from . import algorithms as A
+from .buffer import RolloutBuffer, pack_samples, unpack_samples
+from .config import Config, ConfigError
+from .data import Sampler, load_dataset
+from .dist import Runtime
+from .models import ValueModel, load_causal_lm, load_reward_model, load_tokenizer
+from .rewards import load_reward_fn, reward_model_scores, rule_rewards
+from .rollout import generate
+from .seeding import derive_seed, generator, rng_digest
+from .workers import ActorWorker, CriticWorker, collate, fingerprint, micro_chunks
+
+
+@dataclass
+class StepInputs:
+    """Everything `apply` needs that `collect` produced: the journal's record of a step's inputs."""
+
+    seeds: dict[str, int]
+    epoch: int
+    cursor: int
+    indices: np.ndarray  # dataset rows drawn this step (all rounds)
+    rounds: int
+    added: dict  # columnar samples generated this step (pack_samples)
+    dropped: np.ndarray  # ids dropped (zero-variance groups)
+    consumed: np.ndarray  # ids the update trains on, in order
+    timings: dict[str, float] = field(default_factory=dict)  # not journaled as inputs
+
+    def events(self) -> list[dict]:
+        return [
+            make_event("data", epoch=self.epoch, cursor=self.cursor, indices=self.indices, rounds=self.rounds),
+            make_event("rng", seeds=self.seeds, digests=rng_digest()),
+            make_event("buffer.add", ids=self.added["id"], samples=self.added),
+            make_event("buffer.drop", ids=self.dropped, reason="zero_variance"),
+            make_event("buffer.consume", ids=self.consumed),
+        ]
+
+    @classmethod
+    def from_record(cls, record: dict) -> "StepInputs":
+        ev = {}
+        for e in record["events"]:
+            ev.setdefault(e["type"], e)
+        data = ev["data"]
+        return cls(
+            seeds=dict(ev["rng"]["seeds"]),
+            epoch=int(data["epoch"]),
+            cursor=int(data["cursor"]),
+            indices=data["indices"],
+            rounds=int(data["rounds"]),
+            added=ev["buffer.add"]["samples"],
+            dropped=ev["buffer.drop"]["ids"],
+            consumed=ev["buffer.consume"]["ids"],
+        )
+
+
+@dataclass
+class StepOutcome:
+    metrics: dict[str, float]
+    fingerprint: str
+    parts: dict[str, str]
+
+    def events(self) -> list[dict]:
+        return [make_event("metrics", values=self.metrics), make_event("state", fingerprint=self.fingerprint, parts=self.parts)]
+
+
+def is_timing(name: str) -> bool:
+    return name.startswith("timing_s/")
+
+
+class Trainer:
+    """Holds the run's Stateful parts: actor (+ reference), critic, sampler, rollout buffer."""
+
+    def __init__(self, cfg: Config, rt: Runtime):
+        self.cfg, self.rt = cfg, rt
+        if cfg.data.prompts_per_step % rt.dp_size:
+            raise ConfigError(
+                f"data.prompts_per_step ({cfg.data.prompts_per_step}) must be divisible by the data-parallel size ({rt.dp_size})"
+            )
+        if cfg.model.reward_model.trainable:
+            raise ConfigError("model.reward_model.trainable: training the reward model during RL is not supported yet; set it to false")
+        seed = cfg.trainer.seed
+        self.tokenizer = load_tokenizer(cfg.model.actor.model_name_or_path)
+        self.dataset = load_dataset(cfg.data, seed)
+        self.prompt_ids = [self._encode_prompt(i, ex.prompt) for i, ex in enumerate(self.dataset)]
+        self.sampler = Sampler(len(self.dataset), seed)
+        self.buffer = RolloutBuffer()
+        self.reward_fn = load_reward_fn(cfg.rollout.reward_fn)
+        self.rm = None
+        if cfg.model.reward_model.model_name_or_path:
+            model, tok = load_reward_model(cfg.model.reward_model.model_name_or_path)
+            self.rm = (model.to(rt.device).eval(), tok)
+            for p in self.rm[0].parameters():
+                p.requires_grad_(False)
+        actor_model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, derive_seed(seed, 0, "init/actor"))
+        self.actor = ActorWorker(actor_model, cfg, rt)
+        self.critic = None
+        if cfg.algorithm.name == "ppo":
+            path = cfg.model.critic.model_name_or_path or cfg.model.actor.model_name_or_path
+            backbone = load_causal_lm(path, cfg, derive_seed(seed, 0, "init/critic"), key="model.critic.model_name_or_path")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(seed, 0, "init/value_head"))
+                value_model = ValueModel(backbone)
+            self.critic = CriticWorker(value_model, cfg, rt)
+
+    def set_config(self, cfg: Config) -> None:
+        """Switch to another config of the same run (see recovery.LIVE_CHANGEABLE_PREFIXES)."""
+        if cfg.rollout.reward_fn != self.cfg.rollout.reward_fn:
+            self.reward_fn = load_reward_fn(cfg.rollout.reward_fn)
+        self.cfg = cfg
+        self.actor.set_config(cfg)
+        if self.critic is not None:
+            self.critic.set_config(cfg)
+
+    def _encode_prompt(self, i: int, text: str) -> np.ndarray:
+        tok = self.tokenizer
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if tok.bos_token_id is not None:
+            ids = [tok.bos_token_id] + ids
+        if len(ids) > self.cfg.data.max_prompt_length:
+            raise ConfigError(
+                f"data.max_prompt_length is {self.cfg.data.max_prompt_length} but prompt {i} has {len(ids)} tokens; raise it"
+            )
+        return np.asarray(ids, dtype=np.int64)
+
+    def engines(self) -> dict:
+        out = {"actor": self.actor.engine}
+        if self.critic is not None:
+            out["critic"] = self.critic.engine
+        return out
+
+    # ================================================================== collect: stochastic, expensive
+
+    def collect(self, step: int) -> StepInputs:
+        cfg, rt = self.cfg, self.rt
+        P, n, D = cfg.data.prompts_per_step, cfg.rollout.n, rt.dp_size
+        seeds = {
+            "rollout": derive_seed(cfg.trainer.seed, step, "rollout"),
+            "train": derive_seed(cfg.trainer.seed, step, "train"),
+        }
+        pending_groups = len(self.buffer.groups())
+        next_id = self.buffer.next_id
+        added, dropped, drawn = [], [], []
+        timings = {"timing_s/gen": 0.0, "timing_s/reward": 0.0}
+        rounds = 0
+        while True:
+            indices = self.sampler.draw(P)
+            drawn.append(indices)
+            mine = indices[rt.dp_rank * (P // D) : (rt.dp_rank + 1) * (P // D)]
+            t0 = time.perf_counter()
+            prompts = [self.prompt_ids[i] for i in mine for _ in range(n)]
+            gen = generator(derive_seed(cfg.trainer.seed, step, "rollout", rt.dp_rank, rounds))
+            responses, logps = generate(
+                self.actor.module, prompts, gen,
+                max_new_tokens=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
+                device=rt.device, all_done=rt.all_true,
+            )
+            t1 = time.perf_counter()
+            local = self._score(mine, n, prompts, responses, logps)
+            timings["timing_s/gen"] += t1 - t0
+            timings["timing_s/reward"] += time.perf_counter() - t1
+            # every rank gets every sample; TP peers generated the same ones, keep one copy per DP rank
+            gathered = rt.all_gather_obj(pack_samples(local))
+            new = [s for r, cols in enumerate(gathered) if r % rt.tp_size == 0 for s in unpack_samples(cols)]
+            for k, s in enumerate(new):
+                s["id"] = next_id + k
+                s["group"] = next_id + (k // n) * n  # a group is named by its first sample's id
+            next_id += len(new)
+            added += new
+            rounds += 1
+            if not cfg.algorithm.dynamic_sampling:
+                break
+            for g in range(0, len(new), n):
+                scores = [s["score"] for s in new[g : g + n]]
+                if max(scores) == min(scores):
+                    dropped += [s["id"] for s in new[g : g + n]]
+                else:
+                    pending_groups += 1
+            if pending_groups >= P or rounds >= cfg.algorithm.max_sampling_rounds:
+                break
+        consumed = self._choose_consumed(added, set(dropped))
+        return StepInputs(
+            seeds=seeds,
+            epoch=self.sampler.epoch,
+            cursor=self.sampler.cursor,
+            indices=np.concatenate(drawn),
+            rounds=rounds,
+            added=pack_samples(added),
+            dropped=np.asarray(dropped, dtype=np.int64),
+            consumed=consumed,
+            timings=timings,
+        )
+
+    def _score(self, mine, n, prompts, responses, logps) -> list[dict]:
+        tok = self.tokenizer
+        texts_p = [tok.decode(p, skip_special_tokens=True) for p in prompts]
+        texts_r = [tok.decode(r, skip_special_tokens=True) for r in responses]
+        answers = [self.dataset[i].answer for i in mine for _ in range(n)]
+        rule = rule_rewards(self.reward_fn, texts_p, texts_r, answers)
+        rm = [0.0] * len(rule)
+        if self.rm is not None:
+            rm = reward_model_scores(self.rm[0], self.rm[1], [p + r for p, r in zip(texts_p, texts_r)], self.rt.device)
+        w = self.cfg.model.reward_model.weight
+        rows = [int(i) for i in mine for _ in range(n)]
+        return [
+            {
+                "id": 0, "group": 0, "index": rows[k], "prompt_ids": prompts[k], "response_ids": responses[k],
+                "gen_logprobs": logps[k], "rule_reward": rule[k], "rm_score": rm[k], "score": rule[k] + w * rm[k],
+            }
+            for k in range(len(prompts))
+        ]
+
+    def _choose_consumed(self, added: list[dict], dropped: set[int]) -> np.ndarray:
+        """The first prompts_per_step valid groups in arrival order (carried-over ones first),
+        trimmed so every data-parallel rank gets the same number of samples."""
+        order: dict[int, list[int]] = self.buffer.groups()
+        for s in added:
+            if s["id"] not in dropped:
+                order.setdefault(s["group"], []).append(s["id"])
+        groups = list(order.values())[: self.cfg.data.prompts_per_step]
+        while groups and sum(map(len, groups)) % self.rt.dp_size:
+            groups.pop()
+        return np.asarray([i for g in groups for i in g], dtype=np.int64)
+
+    # ================================================================== buffer: shared by live and replay
+
+    def take(self, inputs: StepInputs) -> list[dict]:
+        """Apply the step's buffer changes (add, drop, consume) and return the consumed samples."""
+        self.buffer.add(unpack_samples(inputs.added))
+        self.buffer.drop(inputs.dropped)
+        return self.buffer.consume(inputs.consumed)
+
+    # ================================================================== apply: deterministic
+
+    def apply(self, step: int, inputs: StepInputs, samples: list[dict]) -> StepOutcome:
+        cfg, rt = self.cfg, self.rt
+        torch.manual_seed(inputs.seeds["train"])  # nothing should draw, but if it does it is seeded
+        timings: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        S, D = len(samples), rt.dp_size
+        scores_all = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
+        metrics.update(_sample_metrics(samples, scores_all, len(self.buffer)))
+        if S == 0:  # dynamic sampling found no group with varying rewards: no update this step
+            metrics["actor/skipped_update"] = 1.0
+        else:
+            a, b = rt.dp_rank * (S // D), (rt.dp_rank + 1) * (S // D)
+            mine = samples[a:b]
+            batch = collate(mine, self.tokenizer.pad_token_id, rt.device)
+            t = time.perf_counter()
+            old_lp = self.actor.logprobs(batch)
+            timings["timing_s/old_log_prob"] = time.perf_counter() - t
+            need_ref = (cfg.algorithm.name == "grpo" and cfg.model.actor.use_kl_loss) or cfg.algorithm.kl_coef > 0
+            t = time.perf_counter()
+            ref_lp = self.actor.logprobs(batch, model=self.actor.ref) if need_ref else None
+            timings["timing_s/ref"] = time.perf_counter() - t
+            t = time.perf_counter()
+            mask = batch.resp_mask
+            if cfg.algorithm.name == "grpo":
+                groups = torch.tensor([s["group"] for s in samples], dtype=torch.long)
+                adv_all = A.grpo_advantages(scores_all, groups, cfg.algorithm.norm_adv_by_std)
+                advantages = adv_all[a:b].to(rt.device)[:, None] * mask
+            else:
+                t_v = time.perf_counter()
+                old_values = self.critic.values(batch)
+                timings["timing_s/values"] = time.perf_counter() - t_v
+                kl = A.kl_k3(old_lp, ref_lp) if ref_lp is not None else None
+                rewards = A.token_rewards(scores_all[a:b].to(rt.device), mask, kl, cfg.algorithm.kl_coef)
+                advantages, returns = A.gae(rewards, old_values, mask, cfg.algorithm.gamma, cfg.algorithm.lam)
+                advantages = A.whiten(advantages, mask)
+                metrics["critic/values/mean"] = A.masked_mean(old_values, mask).item()
+                metrics["critic/returns/mean"] = A.masked_mean(returns, mask).item()
+            metrics["critic/advantages/mean"] = A.masked_mean(advantages, mask).item()
+            timings["timing_s/adv"] = time.perf_counter() - t
+            mb = cfg.model.actor.mini_batch_size
+            per_rank = len(mine) if mb == 0 else max(1, mb // D)
+            minis = micro_chunks(len(mine), per_rank)
+            t = time.perf_counter()
+            if self.critic is not None:
+                metrics.update(self.critic.update(batch, old_values, returns, minis, cfg.model.actor.ppo_epochs))
+                timings["timing_s/update_critic"] = time.perf_counter() - t
+                t = time.perf_counter()
+            metrics.update(self.actor.update(batch, advantages, old_lp, ref_lp, minis))
+            timings["timing_s/update_actor"] = time.perf_counter() - t
+            metrics = rt.mean(metrics)
+        t = time.perf_counter()
+        fp, parts = fingerprint(self.engines(), rt)
+        timings["timing_s/fingerprint"] = time.perf_counter() - t
+        return StepOutcome({**metrics, **timings}, fp, parts)
+
+    # ================================================================== state for snapshots
+
+    def dataflow_state(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "buffer": self.buffer.state_dict()}
+
+    def load_dataflow_state(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.buffer.load_state_dict(state["buffer"])
+
+    def advance_sampler(self, inputs: StepInputs) -> None:
+        """Replay: the sampler ends where the journal says this step left it."""
+        self.sampler.load_state_dict({**self.sampler.state_dict(), "epoch": inputs.epoch, "cursor": inputs.cursor})
+
+
+def _sample_metrics(samples: list[dict], scores: torch.Tensor, pending: int) -> dict[str, float]:
+    if not samples:
+        return {"buffer/pending": float(pending), "batch/samples": 0.0}
+    resp = np.array([len(s["response_ids"]) for s in samples], dtype=np.float64)
+    prm = np.array([len(s["prompt_ids"]) for s in samples], dtype=np.float64)
+    rule = np.array([s["rule_reward"] for s in samples], dtype=np.float64)
+    return {
+        "critic/score/mean": float(scores.double().mean()),
+        "critic/score/max": float(scores.max()),
+        "critic/score/min": float(scores.min()),
+        "critic/rewards/mean": float(rule.mean()),
+        "response_length/mean": float(resp.mean()),
+        "response_length/max": float(resp.max()),
+        "prompt_length/mean": float(prm.mean()),
+        "batch/samples": float(len(samples)),
+        "buffer/pending": float(pending),
+    }
+

@@ -1,0 +1,286 @@
+"""DeepSpeed workers: the actor (with its frozen reference) and the PPO critic.
+
+Each wraps one ``deepspeed.initialize`` engine (ZeRO stage 0-3, AutoTP when
+``distributed.tensor_parallel_size > 1``). The update loops over mini-batches and micro-batches;
+the number of micro-batches can change from step to step (dynamic sampling), so the engine's
+gradient-accumulation count is set per mini-batch with ``set_train_batch_size``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import blake3
+import numpy as np
+import torch
+
+from . import algorithms as A
+from .config import Config, OptimConfig
+from .dist import Runtime
+
+
+def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int) -> dict:
+    conf = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro * rt.dp_size,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": optim.lr,
+                "betas": list(optim.betas),
+                "eps": optim.eps,
+                "weight_decay": optim.weight_decay,
+                "torch_adam": True,
+            },
+        },
+        "gradient_clipping": optim.grad_clip,
+        "zero_optimization": {"stage": cfg.distributed.zero_stage},
+        "bf16": {"enabled": cfg.trainer.precision == "bf16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if optim.warmup_steps > 0:
+        conf["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": optim.lr, "warmup_num_steps": optim.warmup_steps, "warmup_type": "linear"},
+        }
+    if rt.tp_size > 1:
+        conf["tensor_parallel"] = {"autotp_size": rt.tp_size}
+    return conf
+
+
+def make_engine(module: torch.nn.Module, optim: OptimConfig, cfg: Config, rt: Runtime, micro: int):
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+        config=ds_config(optim, cfg, rt, micro),
+    )
+    return engine
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@dataclass
+class Batch:
+    """Samples collated for a forward pass: prompt+response right-padded, response positions indexed."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    resp_index: torch.Tensor  # [B, R]: position in the shifted (next-token) frame of response token t
+    resp_mask: torch.Tensor  # [B, R] float
+    response_ids: torch.Tensor  # [B, R]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def slice(self, a: int, b: int) -> "Batch":
+        return Batch(*(t[a:b] for t in (self.input_ids, self.attention_mask, self.resp_index, self.resp_mask, self.response_ids)))
+
+
+def collate(samples: list[dict], pad_id: int, device) -> Batch:
+    B = len(samples)
+    L = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    R = max(len(s["response_ids"]) for s in samples)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    att = torch.zeros((B, L), dtype=torch.long)
+    resp = torch.full((B, R), pad_id, dtype=torch.long)
+    index = torch.zeros((B, R), dtype=torch.long)
+    rmask = torch.zeros((B, R), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p, r = len(s["prompt_ids"]), len(s["response_ids"])
+        ids[i, :p] = torch.as_tensor(s["prompt_ids"])
+        ids[i, p : p + r] = torch.as_tensor(s["response_ids"])
+        att[i, : p + r] = 1
+        resp[i, :r] = torch.as_tensor(s["response_ids"])
+        index[i] = torch.clamp(torch.arange(R) + p - 1, max=L - 2)
+        rmask[i, :r] = 1.0
+    return Batch(ids.to(device), att.to(device), index.to(device), rmask.to(device), resp.to(device))
+
+
+def response_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False):
+    """Log-probs [B, R] of the response tokens (and their entropies) under `model`."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float() / temperature
+    idx = batch.resp_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    resp_logits = torch.gather(logits, 1, idx)  # [B, R, V]
+    logp = torch.log_softmax(resp_logits, dim=-1).gather(-1, batch.response_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    ent = A.entropy_from_logits(resp_logits) if with_entropy else None
+    return logp * batch.resp_mask, ent
+
+
+def micro_chunks(n: int, micro: int) -> list[tuple[int, int]]:
+    return [(a, min(n, a + micro)) for a in range(0, n, micro)]
+
+
+# ----------------------------------------------------------------------------- actor
+
+
+class ActorWorker:
+    def __init__(self, model: torch.nn.Module, cfg: Config, rt: Runtime):
+        self.cfg, self.rt = cfg, rt
+        self.ac = cfg.model.actor
+        self.ref = copy.deepcopy(model).to(rt.device).eval()
+        for p in self.ref.parameters():
+            p.requires_grad_(False)
+        model.train()
+        self.engine = make_engine(model, self.ac.optim, cfg, rt, self.ac.micro_batch_size)
+        self.temperature = cfg.rollout.temperature
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    def set_config(self, cfg: Config) -> None:
+        self.cfg, self.ac, self.temperature = cfg, cfg.model.actor, cfg.rollout.temperature
+        _set_lr(self.engine, self.ac.optim)
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, model=None) -> torch.Tensor:
+        model = self.engine.module if model is None else model
+        was = model.training
+        model.eval()
+        out = [response_logprobs(model, batch.slice(a, b), self.temperature)[0] for a, b in micro_chunks(len(batch), self.ac.micro_batch_size)]
+        model.train(was)
+        return torch.cat(out)
+
+    def update(self, batch: Batch, advantages, old_logprobs, ref_logprobs, mini_batches: list[tuple[int, int]]) -> dict[str, float]:
+        stats: dict[str, list[float]] = {}
+        micro = self.ac.micro_batch_size
+        for _ in range(self.ac.ppo_epochs):
+            for a, b in mini_batches:
+                chunks = micro_chunks(b - a, micro)
+                self.engine.set_train_batch_size(micro * len(chunks) * self.rt.dp_size)
+                for ca, cb in chunks:
+                    mb = batch.slice(a + ca, a + cb)
+                    sl = slice(a + ca, a + cb)
+                    logp, ent = response_logprobs(self.engine, mb, self.temperature, with_entropy=True)
+                    pg_loss, clipfrac, ppo_kl = A.policy_loss(logp, old_logprobs[sl], advantages[sl], mb.resp_mask, self.ac.clip_ratio)
+                    entropy = A.masked_mean(ent, mb.resp_mask)
+                    loss = pg_loss - self.ac.entropy_coeff * entropy
+                    if self.cfg.algorithm.name == "grpo" and self.ac.use_kl_loss:
+                        kl = A.masked_mean(A.kl_k3(logp, ref_logprobs[sl]), mb.resp_mask)
+                        loss = loss + self.ac.kl_loss_coef * kl
+                        _add(stats, "actor/kl_loss", kl.item())
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    _add(stats, "actor/pg_loss", pg_loss.item())
+                    _add(stats, "actor/pg_clipfrac", clipfrac.item())
+                    _add(stats, "actor/ppo_kl", ppo_kl.item())
+                    _add(stats, "actor/entropy", entropy.item())
+                _add(stats, "actor/grad_norm", _grad_norm(self.engine))
+        out = {k: float(np.mean(v)) for k, v in stats.items()}
+        out["actor/lr"] = float(self.engine.get_lr()[0])
+        return out
+
+
+# ----------------------------------------------------------------------------- critic
+
+
+class CriticWorker:
+    def __init__(self, module: torch.nn.Module, cfg: Config, rt: Runtime):
+        self.cfg, self.rt = cfg, rt
+        self.cc = cfg.model.critic
+        module.train()
+        self.engine = make_engine(module, self.cc.optim, cfg, rt, self.cc.micro_batch_size)
+
+    def set_config(self, cfg: Config) -> None:
+        self.cfg, self.cc = cfg, cfg.model.critic
+        _set_lr(self.engine, self.cc.optim)
+
+    def _values(self, model, batch: Batch) -> torch.Tensor:
+        v = model(batch.input_ids, batch.attention_mask)[:, :-1].float()  # value of the state before each next token
+        return torch.gather(v, 1, batch.resp_index) * batch.resp_mask
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        self.engine.module.eval()
+        out = [self._values(self.engine.module, batch.slice(a, b)) for a, b in micro_chunks(len(batch), self.cc.micro_batch_size)]
+        self.engine.module.train()
+        return torch.cat(out)
+
+    def update(self, batch: Batch, old_values, returns, mini_batches, epochs: int) -> dict[str, float]:
+        stats: dict[str, list[float]] = {}
+        micro = self.cc.micro_batch_size
+        for _ in range(epochs):
+            for a, b in mini_batches:
+                chunks = micro_chunks(b - a, micro)
+                self.engine.set_train_batch_size(micro * len(chunks) * self.rt.dp_size)
+                for ca, cb in chunks:
+                    mb = batch.slice(a + ca, a + cb)
+                    sl = slice(a + ca, a + cb)
+                    v = self._values(self.engine, mb)
+                    loss, clipfrac = A.value_loss(v, old_values[sl], returns[sl], mb.resp_mask, self.cc.cliprange_value)
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    _add(stats, "critic/vf_loss", loss.item())
+                    _add(stats, "critic/vf_clipfrac", clipfrac.item())
+                _add(stats, "critic/grad_norm", _grad_norm(self.engine))
+        out = {k: float(np.mean(v)) for k, v in stats.items()}
+        out["critic/lr"] = float(self.engine.get_lr()[0])
+        return out
+
+
+def _set_lr(engine, optim: OptimConfig) -> None:
+    """Apply a changed learning rate (without a scheduler; with one, the schedule owns the LR)."""
+    if engine.lr_scheduler is None:
+        for group in engine.optimizer.param_groups:
+            group["lr"] = optim.lr
+
+
+def _add(stats: dict, k: str, v: float) -> None:
+    stats.setdefault(k, []).append(v)
+
+
+def _grad_norm(engine) -> float:
+    g = engine.get_global_grad_norm()
+    return float(g) if g is not None else float("nan")
+
+
+# ----------------------------------------------------------------------------- fingerprint
+
+
+def _hash_tree(h: blake3.blake3, obj, path: str = "") -> None:
+    """Feed every tensor and scalar of a nested state (dicts in sorted key order) into h."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.is_cuda:
+            t = t.cpu()
+        t = t.contiguous()
+        h.update(f"{path}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            _hash_tree(h, obj[k], f"{path}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _hash_tree(h, v, f"{path}/{i}")
+    elif isinstance(obj, (int, float, str, bool)) or obj is None:
+        h.update(f"{path}={obj!r}".encode())
+    # other objects (enums, configs inside optimizer states) do not carry training state
+
+
+def engine_digest(engine) -> str:
+    """This rank's share of an engine's state: parameters (ZeRO-3 partitions), optimizer, LR scheduler."""
+    h = blake3.blake3()
+    for name, p in engine.module.named_parameters():
+        _hash_tree(h, p.ds_tensor if hasattr(p, "ds_tensor") else p, "param/" + name)
+    _hash_tree(h, engine.optimizer.state_dict(), "optim")
+    if engine.lr_scheduler is not None:
+        _hash_tree(h, engine.lr_scheduler.state_dict(), "sched")
+    h.update(f"global_steps={engine.global_steps}".encode())
+    return h.hexdigest()
+
+
+def fingerprint(engines: dict[str, object], rt: Runtime) -> tuple[str, dict[str, str]]:
+    """A digest of the whole trained state across ranks: (fingerprint, {part: digest})."""
+    local = {name: engine_digest(e) for name, e in engines.items()}
+    per_rank = rt.all_gather_obj(local)
+    parts = {name: blake3.blake3("|".join(r[name] for r in per_rank).encode()).hexdigest() for name in engines}
+    fp = blake3.blake3("|".join(f"{k}={parts[k]}" for k in sorted(parts)).encode()).hexdigest()
+    return fp, parts
