@@ -32,9 +32,10 @@ def root(
 
 
 def _register() -> None:
-    from . import config_cmd, journal_cmd, train_cmd
+    from . import config_cmd, journal_cmd, replay_cmd, train_cmd
 
     train_cmd.register(app)
+    replay_cmd.register(app)
     config_cmd.register(app)
     journal_cmd.register(app)
 

@@ -124,7 +124,7 @@ def train(
 ) -> int:
     """`verlj train`: a fresh run, or `--resume` of an existing one. Returns the last committed step."""
     from .recovery import resume_state
-    from .trainer import StepInputs, Trainer, is_timing  # noqa: F401  (imported late: torch/deepspeed)
+    from .trainer import Trainer
     from .snapshot import SnapshotManager
 
     run_dir = Path(output_dir)
@@ -176,32 +176,41 @@ def train(
                 )
             control.append(make_event("control", kind="start", details={"config_hash": cfg.hash(), "world_size": rt.world_size}))
             reporter.info("Step 0: Starting training...")
-        if rt.is_main:
-            (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        reporter.start(last + 1)
-        step = last
-        for step in range(last + 1, cfg.trainer.total_steps + 1):
-            t_step = time.perf_counter()
-            inputs = trainer.collect(step)
-            samples = trainer.take(inputs)
-            outcome = trainer.apply(step, inputs, samples)
-            outcome.metrics.update(inputs.timings)
-            outcome.metrics["timing_s/step"] = time.perf_counter() - t_step
-            commit(rt, journal, step, control + inputs.events() + outcome.events())
-            control = []
-            reporter.step(step, outcome.metrics)
-            snaps.after_step(step, outcome, force=stop.requested or step == cfg.trainer.total_steps)
-            if stop.requested:
-                reporter.info(f"Received {stop.signal_name}: step {step} committed and snapshot taken; exiting.")
-                break
-        snaps.finish()
-        if rt.is_main:
-            snaps.write_metadata(step, resume_from=None)
-        return step
+        return train_loop(cfg, rt, trainer, snaps, journal, reporter, last, control, run_dir, stop)
     finally:
         reporter.close()
         if journal is not None:
             journal.close()
+
+
+def train_loop(cfg: Config, rt: Runtime, trainer, snaps, journal: Journal | None, reporter: Reporter, last: int,
+               control: list[dict], run_dir: Path, stop: StopFlag | None = None) -> int:
+    """Live steps last+1 .. total_steps: collect, apply, commit, maybe snapshot. Returns the last step."""
+    stop = stop or StopFlag()
+    if rt.is_main:
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    reporter.start(last + 1)
+    step = last
+    for step in range(last + 1, cfg.trainer.total_steps + 1):
+        t_step = time.perf_counter()
+        inputs = trainer.collect(step)
+        samples = trainer.take(inputs)
+        outcome = trainer.apply(step, inputs, samples)
+        outcome.metrics.update(inputs.timings)
+        outcome.metrics["timing_s/step"] = time.perf_counter() - t_step
+        commit(rt, journal, step, control + inputs.events() + outcome.events())
+        control = []
+        reporter.step(step, outcome.metrics)
+        stopping = not rt.all_true(not stop.requested)  # every rank stops after the same step
+        snaps.after_step(step, outcome, force=stopping or step == cfg.trainer.total_steps)
+        if stopping:
+            snaps.finish()
+            reporter.info(f"Received {stop.signal_name or 'a stop signal'}: step {step} committed and snapshot taken; exiting.")
+            break
+    snaps.finish()
+    if rt.is_main:
+        snaps.write_metadata(step, resume_from=None)
+    return step
 
 
 def commit(rt: Runtime, journal: Journal | None, step: int, events: list[dict]) -> None:

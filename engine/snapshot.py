@@ -310,6 +310,7 @@ class SnapshotManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_saved: int | None = None
+        self.blocked_s = 0.0  # how long the last snapshot blocked the loop
         for e in trainer.engines().values():
             install_safe_checkpointing(e)
 
@@ -327,10 +328,25 @@ class SnapshotManager:
             self.save(step, outcome.fingerprint)
 
     def save(self, step: int, fp: str) -> None:
+        """Snapshot the state after `step` into the run: published, indexed, rotated."""
         self.wait()  # one snapshot in flight at a time
+        tmp = self.run_dir / f".tmp-{snapshot_name(step)}"
+        self._capture(step, fp, tmp, publish=True)
+
+    def write_standalone(self, step: int, fp: str, out_dir: Path) -> None:
+        """Snapshot the current state into out_dir (manifest included; no journal, no rotation)."""
+        self.wait()
+        tmp = out_dir.parent / f".tmp-{out_dir.name}"
+        self._capture(step, fp, tmp, publish=False)
+        if self.rt.is_main:
+            write_bytes_durable(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=1).encode())
+            os.replace(tmp, out_dir)
+            fsync_dir(out_dir.parent)
+        self.rt.barrier()
+
+    def _capture(self, step: int, fp: str, tmp: Path, publish: bool) -> None:
         rt = self.rt
         name = snapshot_name(step)
-        tmp = self.run_dir / f".tmp-{name}"
         if rt.is_main:
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -338,7 +354,7 @@ class SnapshotManager:
         rt.barrier()
         t0 = time.perf_counter()
         engines = self.trainer.engines()
-        async_save = self.cfg.trainer.async_save
+        async_save = self.cfg.trainer.async_save and publish
         deferred: list[tuple[str, object]] = []
         for tag, engine in engines.items():
             ce = install_safe_checkpointing(engine)
@@ -357,7 +373,7 @@ class SnapshotManager:
                     "version": SNAPSHOT_VERSION,
                     "step": step,
                     "fingerprint": fp,
-                    "config_hash": self.cfg.hash(),
+                    "config_hash": self.trainer.cfg.hash(),
                     "engines": list(engines),
                     "world_size": rt.world_size,
                     "tensor_parallel_size": rt.tp_size,
@@ -366,16 +382,17 @@ class SnapshotManager:
                 },
                 indent=2,
             ).encode()
-        blocked = time.perf_counter() - t0
+        self.blocked_s = time.perf_counter() - t0
         self.last_saved = step
         if async_save:
             self._thread = threading.Thread(target=self._finish_async, args=(step, fp, tmp, deferred, small), daemon=True)
             self._thread.start()
-            self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / name} in the background (loop blocked {blocked:.2f}s)...")
-        else:
-            self._write_small(tmp, small)
-            fsync_tree(tmp)
-            rt.barrier()  # every rank's files are durable
+            self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / name} in the background...")
+            return
+        self._write_small(tmp, small)
+        fsync_tree(tmp)
+        rt.barrier()  # every rank's files are durable
+        if publish:
             if rt.is_main:
                 self._publish(step, fp, tmp)
             rt.barrier()

@@ -45,7 +45,7 @@ class StepInputs:
     added: dict  # columnar samples generated this step (pack_samples)
     dropped: np.ndarray  # ids dropped (zero-variance groups)
     consumed: np.ndarray  # ids the update trains on, in order
-    timings: dict[str, float] = field(default_factory=dict)  # not journaled as inputs
+    timings: dict[str, float] = field(default_factory=dict)  # collect's own metrics (timings, sampling)
 
     def events(self) -> list[dict]:
         return [
@@ -200,6 +200,8 @@ class Trainer:
             if pending_groups >= P or rounds >= cfg.algorithm.max_sampling_rounds:
                 break
         consumed = self._choose_consumed(added, set(dropped))
+        timings["sampling/rounds"] = float(rounds)
+        timings["sampling/dropped_groups"] = float(len(dropped) // n)
         return StepInputs(
             seeds=seeds,
             epoch=self.sampler.epoch,
