@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from verlj.journal import Journal, make_event
+from verlj.journal.failpoints import failpoint
 
 from .config import Config, ConfigError
 from .snapshot import SnapshotError, SnapshotManager, check_snapshot, snapshot_name
@@ -172,6 +173,7 @@ def replay(rt, trainer: Trainer, journal: Journal | None, start: int, stop: int,
             if bad:
                 raise ReplayError(f"replay diverged at step {step}: metric {bad[0]} is {mine[bad[0]]!r}, journaled {journaled[bad[0]]!r}")
         fp = outcome.fingerprint
+        failpoint("replay.step")
     return fp
 
 

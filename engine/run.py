@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from verlj.journal import Journal, make_event
+from verlj.journal.failpoints import failpoint
 
 from .config import BOOKKEEPING_KEYS, Config, ConfigError, config_from_dict, diff_configs, make_config, to_yaml
 from .dist import Runtime, configure_determinism, setup
@@ -198,6 +199,7 @@ def train_loop(cfg: Config, rt: Runtime, trainer, snaps, journal: Journal | None
         outcome = trainer.apply(step, inputs, samples)
         outcome.metrics.update(inputs.timings)
         outcome.metrics["timing_s/step"] = time.perf_counter() - t_step
+        failpoint("step.before_commit")  # the update is done, the journal does not know it yet
         commit(rt, journal, step, control + inputs.events() + outcome.events())
         control = []
         reporter.step(step, outcome.metrics)

@@ -18,6 +18,16 @@ def generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     return g
 
 
+def seed_globals(seed: int) -> None:
+    """Seed torch, numpy and python's global generators: whatever draws from them (a library, by
+    accident) draws the same numbers live, after a resume and in replay."""
+    import random
+
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
 def rng_digest() -> dict[str, str]:
     """Digests of the global generators: a step that drew from one by accident shows up in the journal."""
     import random

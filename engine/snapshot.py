@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from verlj.journal import Journal, packb, unpackb
+from verlj.journal.failpoints import failpoint
 
 from .config import Config
 
@@ -390,6 +391,7 @@ class SnapshotManager:
             self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / name} in the background...")
             return
         self._write_small(tmp, small)
+        failpoint("snapshot.mid_write")
         fsync_tree(tmp)
         rt.barrier()  # every rank's files are durable
         if publish:
@@ -409,6 +411,7 @@ class SnapshotManager:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
                 torch.save(state, path)
             self._write_small(tmp, small)
+            failpoint("snapshot.mid_write")
             fsync_tree(tmp)
             marker = tmp / f".done-rank{self.rt.rank:05d}"
             write_bytes_durable(marker, b"")
@@ -446,8 +449,10 @@ class SnapshotManager:
             trash = self.run_dir / f".trash-{final.name}-{os.getpid()}"
             os.replace(final, trash)
             shutil.rmtree(trash)
+        failpoint("snapshot.before_rename")
         os.replace(tmp, final)
         fsync_dir(self.run_dir)
+        failpoint("snapshot.before_index")
         self.journal.add_snapshot(
             step,
             {"path": final.name, "fingerprint": fp, "manifest": blake3.blake3(manifest_bytes).hexdigest(), "time": time.time()},
@@ -467,6 +472,7 @@ class SnapshotManager:
         index = self.journal.snapshots()
         for step in sorted(index)[:-limit]:
             self.journal.remove_snapshot(step)  # unindex first: a half-deleted snapshot is never offered
+            failpoint("snapshot.rotate")
             path = self.run_dir / index[step]["path"]
             if path.exists():
                 trash = self.run_dir / f".trash-{path.name}-{os.getpid()}"

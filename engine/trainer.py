@@ -29,7 +29,7 @@ from .dist import Runtime
 from .models import ValueModel, load_causal_lm, load_reward_model, load_tokenizer
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
 from .rollout import generate
-from .seeding import derive_seed, generator, rng_digest
+from .seeding import derive_seed, generator, rng_digest, seed_globals
 from .workers import ActorWorker, CriticWorker, collate, fingerprint, micro_chunks
 
 
@@ -158,6 +158,7 @@ class Trainer:
             "rollout": derive_seed(cfg.trainer.seed, step, "rollout"),
             "train": derive_seed(cfg.trainer.seed, step, "train"),
         }
+        seed_globals(derive_seed(cfg.trainer.seed, step, "globals"))
         pending_groups = len(self.buffer.groups())
         next_id = self.buffer.next_id
         added, dropped, drawn = [], [], []
@@ -257,7 +258,7 @@ class Trainer:
 
     def apply(self, step: int, inputs: StepInputs, samples: list[dict]) -> StepOutcome:
         cfg, rt = self.cfg, self.rt
-        torch.manual_seed(inputs.seeds["train"])  # nothing should draw, but if it does it is seeded
+        seed_globals(inputs.seeds["train"])  # nothing should draw from them, but if it does it is seeded
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
         S, D = len(samples), rt.dp_size

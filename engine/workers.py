@@ -25,7 +25,6 @@ def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int) -> dict:
     conf = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
-        "train_batch_size": micro * rt.dp_size,
         "optimizer": {
             "type": "AdamW",
             "params": {

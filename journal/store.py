@@ -41,6 +41,7 @@ import lmdb
 from . import codec
 from .errors import JournalError, JournalLockedError, NotAJournalError, StepOrderError
 from .events import upcast_record, ENVELOPE_VERSION
+from .failpoints import failpoint
 
 MAGIC_STEP = b"VJ\x01"
 MAGIC_PLAIN = b"VM\x01"
@@ -170,6 +171,7 @@ class Journal:
         self._env = env
         self.writable = writable
         self._lock_fd = lock_fd
+        self._write_lock = threading.Lock()
         self._steps = env.open_db(DB_STEPS, create=writable)
         self._meta = env.open_db(DB_META, create=writable)
         self._snaps = env.open_db(DB_SNAPSHOTS, create=writable)
@@ -241,6 +243,10 @@ class Journal:
     def _write(self, fn):
         """Run fn(txn) in one write transaction; grow the map and retry on MapFullError."""
         assert self.writable, "journal opened read-only"
+        with self._write_lock:  # the training loop and a background snapshot thread both write
+            return self._write_locked(fn)
+
+    def _write_locked(self, fn):
         while True:
             try:
                 # buffers=True: reading the previous record's chain hash must not copy the whole record
@@ -289,9 +295,12 @@ class Journal:
                 prev_chain = value[len(MAGIC_STEP) + HASH_LEN : STEP_HEADER]
                 chains.append(prev_chain.hex())
                 last = step
+            failpoint("journal.before_commit")  # inside the transaction: the step must vanish
             return chains
 
-        return self._write(txn_fn)
+        chains = self._write(txn_fn)
+        failpoint("journal.after_commit")
+        return chains
 
     def _base_step_txn(self, txn) -> int:
         raw = txn.get(b"base_step", db=self._meta)

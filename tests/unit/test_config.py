@@ -1,0 +1,65 @@
+import pytest
+
+from verlj.engine.config import BOOKKEEPING_KEYS, Config, ConfigError, diff_configs, make_config, parse_override, to_yaml
+
+
+def test_default_validates_and_round_trips_through_yaml(tmp_path):
+    cfg = make_config()
+    f = tmp_path / "c.yaml"
+    f.write_text(to_yaml(cfg))
+    assert make_config(f).to_dict() == cfg.to_dict()
+    assert make_config(f).hash() == cfg.hash()
+
+
+def test_file_then_overrides(tmp_path):
+    f = tmp_path / "ppo_config.yaml"
+    f.write_text("trainer:\n  save_interval: 50\n  save_total_limit: 3\n  resume_from: null\nalgorithm:\n  name: ppo\n")
+    cfg = make_config(f, ["trainer.total_steps=40", "model.actor.optim.lr=3e-3", "logging.progress=off"])
+    assert (cfg.algorithm.name, cfg.trainer.save_interval, cfg.trainer.total_steps) == ("ppo", 50, 40)
+    assert cfg.model.actor.optim.lr == 0.003 and cfg.logging.progress == "off"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.totl_steps=5", "unknown config key 'trainer.totl_steps'; did you mean 'trainer.total_steps'?"),
+        ("algorithm.name=sac", "algorithm.name must be one of grpo, ppo; got 'sac'"),
+        ("trainer.total_steps=abc", "trainer.total_steps must be an integer, got 'abc'"),
+        ("trainer.total_steps=0", "trainer.total_steps must be positive, got 0"),
+        ("distributed.zero_stage=4", "distributed.zero_stage must be between 0 and 3, got 4"),
+        ("rollout.n=1", "rollout.n must be at least 2 for grpo"),
+        ("trainer", "override 'trainer' must look like key.path=value"),
+        ("model.actor=3", "model.actor must be a section"),
+        ("bogus.key=1", "unknown config key 'bogus'"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        make_config(None, [override])
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        make_config(tmp_path / "nope.yaml")
+    f = tmp_path / "bad.yaml"
+    f.write_text("trainer: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        make_config(f)
+    f.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        make_config(f)
+
+
+def test_hash_ignores_bookkeeping_only():
+    base = make_config()
+    assert make_config(None, ["trainer.total_steps=999", "logging.jsonl=false"]).hash() == base.hash()
+    assert make_config(None, ["model.actor.optim.lr=0.5"]).hash() != base.hash()
+    assert "trainer.total_steps" in BOOKKEEPING_KEYS
+
+
+def test_diff_and_parse_override():
+    assert parse_override("a.b=[1, 2]") == {"a": {"b": [1, 2]}}
+    a, b = Config().to_dict(), make_config(None, ["algorithm.kl_coef=0.1"]).to_dict()
+    assert diff_configs(a, b) == ["algorithm.kl_coef"]

@@ -1,0 +1,110 @@
+"""Shared helpers for engine tests: tiny configs, running `verlj`, reading journals for comparison."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from verlj.journal import Journal
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A run that takes well under a second a step on 2 CPU cores.
+TINY = [
+    "trainer.total_steps=4",
+    "trainer.save_interval=2",
+    "data.prompts_per_step=4",
+    "rollout.n=4",
+    "rollout.max_response_length=4",
+    "model.actor.micro_batch_size=4",
+    "model.critic.micro_batch_size=4",
+    "logging.progress=lines",
+]
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", TOKENIZERS_PARALLELISM="false")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VERLJ_FAILPOINT"):
+        e.pop(k, None)
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def verlj(*args, check: bool = False, timeout: float = 300, ranks: int = 1, **env_extra) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (under torchrun when ranks > 1)."""
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(_port()),
+               "-m", "verlj.cli", *map(str, args)]
+    else:
+        cmd = [sys.executable, "-m", "verlj.cli", *map(str, args)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(**env_extra), cwd=REPO)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}")
+    return out
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(run_dir: Path, *overrides: str, ranks: int = 1, resume: bool = False, **env_extra) -> subprocess.CompletedProcess:
+    args = ["train", "--output-dir", run_dir, *TINY, *overrides]
+    if resume:
+        args.append("--resume")
+    return verlj(*args, ranks=ranks, **env_extra)
+
+
+def comparable_steps(run_dir: Path) -> list[dict]:
+    """Each step's events with wall time, timing metrics and nothing else removed."""
+    out = []
+    with Journal.open_reader(Path(run_dir) / "journal") as j:
+        for rec in j.iter_steps():
+            events = []
+            for e in rec["events"]:
+                if e["type"] == "control":
+                    continue  # start / resume / fork differ by design between a resumed and a straight run
+                if e["type"] == "config":
+                    continue
+                if e["type"] == "metrics":
+                    e = {**e, "values": {k: v for k, v in e["values"].items() if not k.startswith("timing_s/")}}
+                events.append(e)
+            out.append({"step": rec["step"], "events": events})
+    return out
+
+
+def assert_same_journal(a: Path, b: Path) -> None:
+    sa, sb = comparable_steps(a), comparable_steps(b)
+    assert [s["step"] for s in sa] == [s["step"] for s in sb]
+    for x, y in zip(sa, sb):
+        for ex, ey in zip(x["events"], y["events"], strict=True):
+            assert ex["type"] == ey["type"], (x["step"], ex["type"], ey["type"])
+            assert _same(ex, ey), f"step {x['step']}: event {ex['type']} differs"
+
+
+def _same(a, b) -> bool:
+    import numpy as np
+
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and a != a:
+        return isinstance(b, float) and b != b
+    return type(a) is type(b) and a == b
+
+
+def fingerprints(run_dir: Path) -> dict[int, str]:
+    out = {}
+    with Journal.open_reader(Path(run_dir) / "journal") as j:
+        for step, e in j.iter_events("state"):
+            out[step] = e["fingerprint"]
+    return out
