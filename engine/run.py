@@ -152,6 +152,7 @@ def train(
     reporter = Reporter(cfg.logging, run_dir, rt.is_main, cfg.trainer.total_steps)
     stop = StopFlag()
     stop.install()
+    trainer = None
     try:
         trainer = Trainer(cfg, rt)
         snaps = SnapshotManager(run_dir, cfg, rt, trainer, journal, reporter)
@@ -182,6 +183,8 @@ def train(
         reporter.close()
         if journal is not None:
             journal.close()
+        if trainer is not None:
+            trainer.close()
 
 
 def train_loop(cfg: Config, rt: Runtime, trainer, snaps, journal: Journal | None, reporter: Reporter, last: int,

@@ -143,6 +143,12 @@ class Trainer:
             )
         return np.asarray(ids, dtype=np.int64)
 
+    def close(self) -> None:
+        """Release the DeepSpeed engines (hooks, buffers, threads) so a process can build another run."""
+        for engine in self.engines().values():
+            engine.destroy()
+        self.actor = self.critic = None
+
     def engines(self) -> dict:
         out = {"actor": self.actor.engine}
         if self.critic is not None:

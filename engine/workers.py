@@ -21,7 +21,10 @@ from .config import Config, OptimConfig
 from .dist import Runtime
 
 
-def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int) -> dict:
+def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int, n_params: int) -> dict:
+    # DeepSpeed's default buckets are 5e8 elements: gigabytes zero-filled per engine, whatever the
+    # model's size. Size them to the model (at most the default) so small runs stay small.
+    bucket = int(min(5e8, max(1e6, n_params)))
     conf = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
@@ -36,7 +39,12 @@ def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int) -> dict:
             },
         },
         "gradient_clipping": optim.grad_clip,
-        "zero_optimization": {"stage": cfg.distributed.zero_stage},
+        "zero_optimization": {
+            "stage": cfg.distributed.zero_stage,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "stage3_prefetch_bucket_size": bucket,
+        },
         "bf16": {"enabled": cfg.trainer.precision == "bf16"},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -55,10 +63,9 @@ def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int) -> dict:
 def make_engine(module: torch.nn.Module, optim: OptimConfig, cfg: Config, rt: Runtime, micro: int):
     import deepspeed
 
+    params = [p for p in module.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
-        model=module,
-        model_parameters=[p for p in module.parameters() if p.requires_grad],
-        config=ds_config(optim, cfg, rt, micro),
+        model=module, model_parameters=params, config=ds_config(optim, cfg, rt, micro, sum(p.numel() for p in params))
     )
     return engine
 
