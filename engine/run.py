@@ -40,7 +40,11 @@ def journal_dir(run_dir: Path) -> Path:
 
 
 def has_run(run_dir: Path) -> bool:
-    return (journal_dir(run_dir) / "data.mdb").is_file()
+    """A journal with a run's metadata. (One without it died before its first write: not a run yet.)"""
+    if not (journal_dir(run_dir) / "data.mdb").is_file():
+        return False
+    with Journal.open_reader(journal_dir(run_dir)) as j:
+        return j.get_meta("config") is not None
 
 
 def versions() -> dict[str, str]:
@@ -135,7 +139,7 @@ def train(
             f"{run_dir} already holds a run; pass --resume to continue it, or choose another --output-dir"
         )
     if resume and not existing:
-        if run_dir.exists() and any(run_dir.iterdir()):
+        if run_dir.exists() and any(p.name != "journal" for p in run_dir.iterdir()):
             raise RunError(f"{run_dir} is not a verlj run (no journal/); nothing to resume")
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--output-dir {run_dir} exists and is not a directory")
@@ -146,15 +150,21 @@ def train(
     rt = setup(cfg)
     configure_determinism(cfg)
     journal = None
-    if rt.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        journal = Journal.open_writer(journal_dir(run_dir))  # refuses a second writer at once
-    reporter = Reporter(cfg.logging, run_dir, rt.is_main, cfg.trainer.total_steps)
     stop = StopFlag()
     stop.install()
-    trainer = None
+    trainer = reporter = None
+
+    def open_journal() -> Journal:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return Journal.open_writer(journal_dir(run_dir))  # refuses a second writer at once
+
     try:
-        trainer = Trainer(cfg, rt)
+        if existing:  # lock an existing run before anything else
+            journal = on_rank0(rt, open_journal)
+        trainer = Trainer(cfg, rt)  # models, data, rewards: bad input fails here, before a fresh run is written
+        if not existing:
+            journal = on_rank0(rt, open_journal)
+        reporter = Reporter(cfg.logging, run_dir, rt.is_main, cfg.trainer.total_steps)
         snaps = SnapshotManager(run_dir, cfg, rt, trainer, journal, reporter)
         control: list[dict] = []
         if existing:
@@ -180,7 +190,8 @@ def train(
             reporter.info("Step 0: Starting training...")
         return train_loop(cfg, rt, trainer, snaps, journal, reporter, last, control, run_dir, stop)
     finally:
-        reporter.close()
+        if reporter is not None:
+            reporter.close()
         if journal is not None:
             journal.close()
         if trainer is not None:
@@ -216,6 +227,24 @@ def train_loop(cfg: Config, rt: Runtime, trainer, snaps, journal: Journal | None
     if rt.is_main:
         snaps.write_metadata(step, resume_from=None)
     return step
+
+
+def on_rank0(rt: Runtime, fn):
+    """fn() on rank 0 only; its failure is raised on every rank (no rank is left waiting)."""
+    result, error = None, ""
+    if rt.is_main:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on rank 0, reported on the others
+            error = str(e) or type(e).__name__
+            if rt.world_size == 1:
+                raise
+    error = rt.broadcast_obj(error)
+    if error:
+        if rt.is_main:
+            raise RunError(error)
+        raise RunError(f"rank 0 failed: {error}")
+    return result
 
 
 def commit(rt: Runtime, journal: Journal | None, step: int, events: list[dict]) -> None:
