@@ -1,0 +1,295 @@
+"""Crash recovery and replay, with real SIGKILLs of real `verlj train` processes.
+
+Every scenario ends with the full journal (indices, seeds, samples, metrics other than timings,
+fingerprints) equal, step for step, to an uninterrupted run's.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
+from verlj.engine.run import train as run_train
+from verlj.journal import Journal, verify_journal
+
+TARGET = 7
+COMMON = [f"trainer.total_steps={TARGET}", "trainer.save_interval=2", "trainer.save_total_limit=2"]
+GRPO_DYN = [*COMMON, "algorithm.dynamic_sampling=true", "rollout.n=2", "distributed.zero_stage=1"]
+PPO_Z3 = [*COMMON, "algorithm.name=ppo", "distributed.zero_stage=3"]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref")
+    out = {}
+    for name, over in (("grpo", GRPO_DYN), ("ppo", PPO_Z3)):
+        run_train(root / name, None, [*TINY, *over])
+        out[name] = root / name
+    return out
+
+
+def resume_until_done(run, over, tries=6, **env_extra):
+    for _ in range(tries):
+        out = train(run, *over, resume=True, **env_extra)
+        if out.returncode == 0:
+            return out
+        assert out.returncode == -9, out.stderr[-3000:]  # only our own kills may stop it
+        env_extra = {}
+    raise AssertionError("did not finish")
+
+
+def journal_ok(run):
+    with Journal.open_reader(run / "journal") as j:
+        report = verify_journal(j)
+        return report.ok, j.last_step()
+
+
+@pytest.mark.parametrize(
+    "algo, point",
+    [
+        ("grpo", "journal.before_commit:3"),  # inside the LMDB transaction of step 3
+        ("grpo", "snapshot.mid_write:2"),  # files half written under .tmp-step_00004
+        ("grpo", "snapshot.rotate:1"),  # old snapshot unindexed, not yet deleted
+        ("ppo", "step.before_commit:4"),  # update done, step 4 not journaled
+        ("ppo", "snapshot.before_index:2"),  # step_00004 renamed into place, not in the index
+        ("ppo", "journal.after_commit:5"),  # step 5 committed, snapshot at 6 not yet taken: replay needed
+    ],
+)
+def test_kill_at_a_failpoint_then_resume_is_exact(tmp_path, references, algo, point):
+    over = GRPO_DYN if algo == "grpo" else PPO_Z3
+    run = tmp_path / "run"
+    out = train(run, *over, VERLJ_FAILPOINT=point)
+    assert out.returncode == -9, out.stderr[-3000:]
+    ok, last = journal_ok(run)
+    assert ok and last < TARGET
+    out = resume_until_done(run, over)
+    assert "Resuming from checkpoint" in out.stdout or "initial state" in out.stdout
+    assert_same_journal(run, references[algo])
+    assert journal_ok(run) == (True, TARGET)
+
+
+def test_kill_during_the_replay_of_a_resume(tmp_path, references):
+    run = tmp_path / "run"
+    assert train(run, *PPO_Z3, VERLJ_FAILPOINT="journal.after_commit:5").returncode == -9
+    # step 5 needs replaying from step_00004; die in the middle of that replay, then resume again
+    out = train(run, *PPO_Z3, resume=True, VERLJ_FAILPOINT="replay.step:1")
+    assert out.returncode == -9
+    out = resume_until_done(run, PPO_Z3)
+    assert "Replayed steps 5–5 from the journal." in out.stdout
+    assert_same_journal(run, references["ppo"])
+
+
+def kill_at_random(run, over, rng, ranks=1):
+    """Start `verlj train`, SIGKILL its whole process group after a random number of steps and a random delay."""
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *over, "--resume"]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), *cmd[1:]]
+        cmd[cmd.index("verlj.cli") - 1 : cmd.index("verlj.cli")] = ["-m"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env(), cwd=REPO,
+                         start_new_session=True)
+    want = rng.randint(1, 3)
+    seen = 0
+    for line in p.stdout:
+        if "[INFO] Step" in line and ": reward=" in line:
+            seen += 1
+            if seen >= want:
+                time.sleep(rng.uniform(0.0, 0.15))
+                break
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_random_kills_then_resume_is_exact(tmp_path, references, algo):
+    over = GRPO_DYN if algo == "grpo" else PPO_Z3
+    rng = random.Random(7 if algo == "grpo" else 11)
+    run = tmp_path / "run"
+    for _ in range(2):
+        kill_at_random(run, over, rng)
+        ok, _ = journal_ok(run)
+        assert ok
+    resume_until_done(run, over)
+    assert_same_journal(run, references[algo])
+
+
+def test_save_total_limit_and_layout(references):
+    run = references["grpo"]
+    snaps = sorted(p.name for p in run.iterdir() if p.name.startswith("step_"))
+    assert snaps == ["step_00006", "step_00007"]
+    assert os.readlink(run / "latest") == "step_00007"
+    with Journal.open_reader(run / "journal") as j:
+        assert sorted(j.snapshots()) == [6, 7]
+    assert not [p for p in run.iterdir() if p.name.startswith((".tmp", ".trash"))]
+    md = json.loads((run / "train_metadata.json").read_text())
+    assert md["global_step"] == TARGET and md["last_snapshot"] == "step_00007"
+    for key in ("epoch", "samples_seen", "last_save_time", "git_commit", "config_hash", "resume_from"):
+        assert key in md
+
+
+@pytest.fixture(scope="module")
+def keep_all(tmp_path_factory):
+    run = tmp_path_factory.mktemp("keep") / "run"
+    run_train(run, None, [*TINY, *GRPO_DYN, "trainer.save_total_limit=0"])
+    return run
+
+
+def replay_json(run, n):
+    out = verlj("replay", run, "--to-step", n, "--json", check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_replay_to_step_matches_the_live_run(keep_all, tmp_path):
+    live = fingerprints(keep_all)
+    for n, expect_from in ((1, 0), (3, 2), (5, 4), (7, 7)):
+        got = replay_json(keep_all, n)
+        assert got == {"step": n, "fingerprint": live[n], "from_snapshot": expect_from}
+
+
+def flip_byte(path, offset=None):
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_newer_snapshots_fall_back_and_stay_exact(keep_all, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(keep_all, run, symlinks=True)
+    flip_byte(next((run / "step_00004" / "actor").iterdir()))
+    flip_byte(run / "step_00006" / "dataflow_anchor.msgpack", 3)
+    got = replay_json(run, 6)
+    assert got == {"step": 6, "fingerprint": fingerprints(keep_all)[6], "from_snapshot": 2}
+    # --resume skips the damaged newest snapshot too
+    flip_byte(next((run / "step_00007" / "actor").iterdir()))
+    out = train(run, *GRPO_DYN, "trainer.total_steps=8", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Skipping damaged snapshot" in out.stderr and "step_00007" in out.stderr
+    assert "Resuming from checkpoint" in out.stdout and "step_00002" in out.stdout
+    assert "Replayed steps 3–7 from the journal." in out.stdout
+    ref8 = tmp_path / "ref8"
+    run_train(ref8, None, [*TINY, *GRPO_DYN, "trainer.total_steps=8"])
+    assert_same_journal(run, ref8)
+
+
+def test_replay_refuses_out_of_range_and_non_runs(keep_all, tmp_path):
+    out = verlj("replay", keep_all, "--to-step", 99)
+    assert out.returncode == 1 and "out of range" in out.stderr and "Traceback" not in out.stderr
+    out = verlj("replay", tmp_path, "--to-step", 1)
+    assert out.returncode == 1 and "is not a verlj run" in out.stderr
+
+
+def test_export_and_snapshot_and_fork(keep_all, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = verlj("replay", keep_all, "--to-step", 5, "--export", tmp_path / "hf", "--snapshot", tmp_path / "s5", check=True)
+    assert "fingerprint" in out.stdout
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert model.config.vocab_size == len(tok)
+    assert (tmp_path / "s5" / "manifest.json").is_file() and json.loads((tmp_path / "s5" / "meta.json").read_text())["step"] == 5
+    # fork at 5 with a new learning rate, two more steps
+    out = verlj("replay", keep_all, "--to-step", 5, "--fork", tmp_path / "fork", "model.actor.optim.lr=0.0005", check=True)
+    with Journal.open_reader(tmp_path / "fork" / "journal") as j:
+        assert j.base_step() == 5 and j.last_step() == TARGET
+        assert j.get_meta("parent")["step"] == 5
+        assert verify_journal(j).ok
+        first = j.read_step(6)
+    assert any(e["type"] == "control" and e["kind"] == "fork" for e in first["events"])
+    assert fingerprints(tmp_path / "fork")[6] != fingerprints(keep_all)[6]  # the new lr changed the update
+    # the fork resumes exactly like any run
+    fork_fp = fingerprints(tmp_path / "fork")[TARGET]
+    out = verlj("replay", tmp_path / "fork", "--to-step", TARGET, "--json", check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1])["fingerprint"] == fork_fp
+
+
+def test_config_change_on_resume(tmp_path, references):
+    run = tmp_path / "run"
+    run_train(run, None, [*TINY, *GRPO_DYN, "trainer.total_steps=4"])
+    out = train(run, *GRPO_DYN, "trainer.total_steps=5", "model.actor.clip_ratio=0.1", resume=True)
+    assert out.returncode == 1 and "model.actor.clip_ratio" in out.stderr and "--allow-config-change" in out.stderr
+    out = train(run, *GRPO_DYN, "trainer.total_steps=5", "distributed.zero_stage=2", "--allow-config-change", resume=True)
+    assert out.returncode == 2 and "distributed.zero_stage cannot change within a run" in out.stderr
+    # extending the run is always allowed, and recorded
+    out = train(run, *GRPO_DYN, "trainer.total_steps=5", resume=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = train(run, *GRPO_DYN, "trainer.total_steps=6", "model.actor.clip_ratio=0.1", "--allow-config-change", resume=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    with Journal.open_reader(run / "journal") as j:
+        ev6 = {e["type"]: e for e in j.read_step(6)["events"]}
+        assert ev6["config"]["changed"] == ["model.actor.clip_ratio", "trainer.total_steps"]
+        assert [h["from_step"] for h in j.get_meta("config_history")] == [5, 6]
+    # replay applies each step under the config in force then: steps 5 and 6 check out from step 4's snapshot
+    out = verlj("replay", run, "--to-step", 6, "--json", check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1])["fingerprint"] == fingerprints(run)[6]
+
+
+def test_graceful_sigint_then_resume(tmp_path, references):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *GRPO_DYN]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+    for line in p.stdout:
+        if "[INFO] Step 2: reward" in line:
+            p.send_signal(signal.SIGINT)
+            break
+    rest, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    assert "Received SIGINT" in rest
+    ok, last = journal_ok(run)
+    assert ok and 2 <= last < TARGET
+    assert (run / f"step_{last:05d}" / "manifest.json").is_file()
+    out = train(run, *GRPO_DYN, resume=True)
+    assert out.returncode == 0
+    assert f"Resuming from checkpoint: {run / f'step_{last:05d}'}" in out.stdout
+    assert_same_journal(run, references["grpo"])
+
+
+def test_sigterm_and_double_sigint(tmp_path, references):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *GRPO_DYN]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+    for line in p.stdout:
+        if "[INFO] Step 1: reward" in line:
+            p.send_signal(signal.SIGTERM)
+            break
+    rest, _ = p.communicate(timeout=120)
+    assert p.returncode == 0 and "Received SIGTERM" in rest
+    # a second SIGINT stops at once: stall step 2 (before its commit) to deliver both inside it
+    p = subprocess.Popen(cmd + ["--resume"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env(VERLJ_FAILPOINT="step.before_commit:1:sleep=30"), cwd=REPO)
+    for line in p.stdout:
+        if "Continuing training" in line:
+            time.sleep(1.0)
+            p.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            p.send_signal(signal.SIGINT)
+            break
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Interrupted" in err and "Traceback" not in err
+    assert journal_ok(run)[0]
+    resume_until_done(run, GRPO_DYN)
+    assert_same_journal(run, references["grpo"])
+
+
+def test_async_save_matches_sync(tmp_path, references):
+    run = tmp_path / "run"
+    out = train(run, *GRPO_DYN, "trainer.async_save=true")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "in the background" in out.stdout
+    assert_same_journal(run, references["grpo"])
+    with Journal.open_reader(run / "journal") as j:
+        assert sorted(j.snapshots()) == [6, 7]
+    # resume from an async snapshot: extend by one step, compare with a straight 8-step run
+    flip_byte(next((run / "step_00007" / "actor").iterdir()))
+    out = train(run, *GRPO_DYN, "trainer.total_steps=8", "trainer.async_save=true", resume=True)
+    assert out.returncode == 0 and "step_00006" in out.stdout
+    ref8 = tmp_path / "ref8"
+    run_train(ref8, None, [*TINY, *GRPO_DYN, "trainer.total_steps=8"])
+    assert_same_journal(run, ref8)
