@@ -37,6 +37,10 @@ EVENT_VERSIONS: dict[str, int] = {
     "note": 1,  # free-form user annotation
 }
 
+# Small event types also stored per step in the summary sub-database (same transaction), so that
+# metrics, find and diff never decode the samples.
+SUMMARY_TYPES = frozenset({"data", "rng", "metrics", "state", "control", "config", "snapshot", "note"})
+
 # (type, from_version) -> function lifting an event from from_version to from_version + 1.
 # Example, when "data" v2 adds "sampler": UPCASTERS[("data", 1)] = lambda e: {**e, "v": 2, "sampler": "perm"}
 UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {}

@@ -6,6 +6,8 @@ Layout of ``RUN/journal/``::
         steps       key: step as 8-byte big-endian; value: a framed step record
         meta        key: utf-8 name;                value: a framed msgpack value
         snapshots   key: step as 8-byte big-endian; value: a framed msgpack map
+        summary     key: step as 8-byte big-endian; value: the step's small events (SUMMARY_TYPES),
+                    framed, written in the same transaction: metrics queries skip the samples
     writer.lock          OS-level exclusive lock (flock) held by the one writer;
                          its content names the holder (pid, host, command)
 
@@ -40,7 +42,7 @@ import lmdb
 
 from . import codec
 from .errors import JournalError, JournalLockedError, NotAJournalError, StepOrderError
-from .events import upcast_record, ENVELOPE_VERSION
+from .events import ENVELOPE_VERSION, SUMMARY_TYPES, upcast_event, upcast_record
 from .failpoints import failpoint
 
 MAGIC_STEP = b"VJ\x01"
@@ -53,6 +55,7 @@ GENESIS = bytes(HASH_LEN)
 DB_STEPS = b"steps"
 DB_META = b"meta"
 DB_SNAPSHOTS = b"snapshots"
+DB_SUMMARY = b"summary"
 
 DEFAULT_MAP_SIZE = 256 << 20
 READ_CHUNK = 64  # records per read transaction when streaming
@@ -134,7 +137,7 @@ def _open_env(path: Path, *, writable: bool, map_size: int) -> lmdb.Environment:
         env = lmdb.open(
             str(path),
             map_size=map_size,
-            max_dbs=4,
+            max_dbs=8,
             subdir=True,
             readonly=not writable,
             create=writable,
@@ -175,6 +178,7 @@ class Journal:
         self._steps = env.open_db(DB_STEPS, create=writable)
         self._meta = env.open_db(DB_META, create=writable)
         self._snaps = env.open_db(DB_SNAPSHOTS, create=writable)
+        self._summary = env.open_db(DB_SUMMARY, create=writable)
 
     # ------------------------------------------------------------------ opening
 
@@ -274,7 +278,14 @@ class Journal:
     def append_steps(self, steps: list[tuple[int, list[dict]]], *, wall_time: float | None = None) -> list[str]:
         """Append consecutive steps in one transaction (all or none). Returns their chain hashes (hex)."""
         now = time.time() if wall_time is None else wall_time
-        bodies = [(step, codec.packb({"v": ENVELOPE_VERSION, "step": step, "time": now, "events": ev})) for step, ev in steps]
+        bodies = [
+            (
+                step,
+                codec.packb({"v": ENVELOPE_VERSION, "step": step, "time": now, "events": ev}),
+                frame_plain(codec.packb({"step": step, "time": now, "events": [e for e in ev if e["type"] in SUMMARY_TYPES]})),
+            )
+            for step, ev in steps
+        ]
 
         def txn_fn(txn):
             cur = txn.cursor(self._steps)
@@ -285,13 +296,14 @@ class Journal:
                 last = self._base_step_txn(txn)
                 prev_chain = self._chain_base_txn(txn)
             chains = []
-            for step, body in bodies:
+            for step, body, summary in bodies:
                 if step != last + 1:
                     raise StepOrderError(
                         f"cannot append step {step}: the journal's last step is {last}, so the next must be {last + 1}"
                     )
                 value = frame_step(body, prev_chain)
                 txn.put(step_key(step), value, db=self._steps, append=True)
+                txn.put(step_key(step), summary, db=self._summary, append=True)
                 prev_chain = value[len(MAGIC_STEP) + HASH_LEN : STEP_HEADER]
                 chains.append(prev_chain.hex())
                 last = step
@@ -410,6 +422,41 @@ class Journal:
                 if event["type"] == type_:
                     yield record["step"], event
 
+    def read_summary(self, step: int) -> dict | None:
+        """A step's small events (metrics, state, data, rng, control, config) without its samples."""
+        with self._read() as txn:
+            raw = txn.get(step_key(step), db=self._summary)
+            return None if raw is None else self._summary_decode(raw, step)
+
+    def iter_summaries(self, start: int | None = None, stop: int | None = None) -> Iterator[dict]:
+        """Stream summaries for start <= step <= stop: what metrics, find and diff read."""
+        next_key = step_key(start if start is not None else 0)
+        while True:
+            batch = []
+            with self._read() as txn:
+                cur = txn.cursor(self._summary)
+                if not cur.set_range(next_key):
+                    return
+                for key, value in cur:
+                    s = key_step(key)
+                    if stop is not None and s > stop:
+                        break
+                    batch.append((s, bytes(value)))
+                    if len(batch) >= READ_CHUNK * 4:
+                        break
+            if not batch:
+                return
+            for s, raw in batch:
+                yield self._summary_decode(raw, s)
+            if stop is not None and batch[-1][0] >= stop or len(batch) < READ_CHUNK * 4:
+                return
+            next_key = step_key(batch[-1][0] + 1)
+
+    def _summary_decode(self, raw: bytes, step: int) -> dict:
+        summary = unframe_plain(raw, f"summary of step {step}")
+        summary["events"] = [upcast_event(e) for e in summary["events"]]
+        return summary
+
     def get_meta(self, name: str, default: Any = None) -> Any:
         with self._read() as txn:
             raw = txn.get(name.encode(), db=self._meta)
@@ -430,4 +477,4 @@ class Journal:
         return self._env
 
     def dbs(self) -> dict[str, Any]:
-        return {"steps": self._steps, "meta": self._meta, "snapshots": self._snaps}
+        return {"steps": self._steps, "meta": self._meta, "snapshots": self._snaps, "summary": self._summary}

@@ -19,7 +19,7 @@ import lmdb
 
 from . import codec
 from .errors import CodecError, JournalError, SchemaError
-from .events import upcast_record
+from .events import SUMMARY_TYPES, upcast_record
 from .store import (
     GENESIS,
     MAGIC_STEP,
@@ -43,6 +43,7 @@ STEP_MISMATCH = "step_mismatch"
 LMDB_STRUCTURE = "lmdb_structure"
 BAD_META = "bad_meta"
 BAD_SNAPSHOT_INDEX = "bad_snapshot_index"
+BAD_SUMMARY = "bad_summary"
 
 
 @dataclass
@@ -143,6 +144,15 @@ def verify_journal(journal: Journal) -> JournalReport:
                 continue
             if record["step"] != step:
                 report.add(STEP_MISMATCH, step, f"record stored at step {step} says it is step {record['step']}")
+                continue
+            try:
+                summary = journal.read_summary(step)
+            except (JournalError, CodecError, SchemaError) as e:
+                report.add(BAD_SUMMARY, step, str(e))
+                continue
+            want = [e for e in record["events"] if e["type"] in SUMMARY_TYPES]
+            if summary is None or codec.packb(summary["events"]) != codec.packb(want):
+                report.add(BAD_SUMMARY, step, "the step's summary entry is missing or differs from its record")
     except lmdb.Error as e:
         report.add(LMDB_STRUCTURE, None, f"LMDB error while walking steps: {e}")
 
@@ -158,6 +168,8 @@ def verify_journal(journal: Journal) -> JournalReport:
                             unframe_plain(value, f"meta {bytes(key).decode(errors='replace')!r}")
                         except JournalError as e:
                             report.add(BAD_META, None, str(e))
+                    elif name == "summary":
+                        pass  # checked against each record above
                     elif name == "snapshots":
                         try:
                             unframe_plain(value, f"snapshot index entry {key_step(key)}")

@@ -28,8 +28,8 @@ import lmdb
 import numpy as np
 
 from verlj.journal import Journal, make_event, packb
-from verlj.journal.events import ENVELOPE_VERSION
-from verlj.journal.store import frame_step, step_key
+from verlj.journal.events import ENVELOPE_VERSION, SUMMARY_TYPES
+from verlj.journal.store import frame_plain, frame_step, step_key
 
 
 def step_events(step: int, rng: np.random.Generator, samples: int, tokens: int) -> list[dict]:
@@ -64,16 +64,20 @@ def bench_vs_floor(root: Path, steps: int, samples: int, tokens: int) -> None:
     journal = Journal.open_writer(jpath)
     floor_env = lmdb.open(str(fpath), map_size=1 << 34, max_dbs=4, subdir=True)  # same flags: sync on
     floor_db = floor_env.open_db(b"steps")
+    floor_summary = floor_env.open_db(b"summary")
     j_times, f_times, sizes = [], [], []
     for s, events in enumerate(records, start=1):
-        # The floor writes the journal's exact stored bytes for this step; framing them here is not timed.
+        # The floor writes the bytes the journal stores for this step (the record and its summary
+        # entry, in their two sub-databases); building them here is not timed.
         raw = frame_step(packb({"v": ENVELOPE_VERSION, "step": s, "time": 0.0, "events": events}), bytes(32))
-        sizes.append(len(raw))
+        summary = frame_plain(packb({"step": s, "time": 0.0, "events": [e for e in events if e["type"] in SUMMARY_TYPES]}))
+        sizes.append(len(raw) + len(summary))
 
         def floor_put():
             t = time.perf_counter()
             with floor_env.begin(write=True) as txn:
                 txn.put(step_key(s), raw, db=floor_db, append=True)
+                txn.put(step_key(s), summary, db=floor_summary, append=True)
             f_times.append(time.perf_counter() - t)
 
         def journal_append():
@@ -98,9 +102,10 @@ def bench_growth(root: Path, far: int, samples: int, tokens: int, probes: int) -
     rng = np.random.default_rng(1)
     template = step_events(1, rng, samples, tokens)
     journal = Journal.open_writer(root / "growth")
-    raw_value = None
+    raw_value = summary_value = None
     floor_env = lmdb.open(str(root / "growth-floor"), map_size=1 << 34, max_dbs=4, subdir=True)
     floor_db = floor_env.open_db(b"steps")
+    floor_summary = floor_env.open_db(b"summary")
 
     def journal_put(s: int) -> None:
         journal.append_step(s, template)
@@ -108,6 +113,7 @@ def bench_growth(root: Path, far: int, samples: int, tokens: int, probes: int) -
     def floor_put(s: int) -> None:
         with floor_env.begin(write=True) as txn:
             txn.put(step_key(s), raw_value, db=floor_db, append=True)
+            txn.put(step_key(s), summary_value, db=floor_summary, append=True)
 
     def journal_fill(a: int, b: int) -> None:
         journal.append_steps([(k, template) for k in range(a, b)])
@@ -116,9 +122,11 @@ def bench_growth(root: Path, far: int, samples: int, tokens: int, probes: int) -
         with floor_env.begin(write=True) as txn:
             for k in range(a, b):
                 txn.put(step_key(k), raw_value, db=floor_db, append=True)
+                txn.put(step_key(k), summary_value, db=floor_summary, append=True)
 
     journal_put(1)
     raw_value = journal.read_raw(1)
+    summary_value = frame_plain(packb(journal.read_summary(1)))
     floor_put(1)
     last = {"journal": 1, "floor": 1}
 
