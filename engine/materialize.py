@@ -34,8 +34,10 @@ class Materialized:
     rt: object
 
 
-def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, quiet: bool = True) -> Materialized:
-    """Load the newest valid snapshot <= to_step and replay the journal up to it (collective)."""
+def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, quiet: bool = True,
+                max_snapshot: int | None = None) -> Materialized:
+    """Load the newest valid snapshot <= to_step (and <= max_snapshot) and replay the journal up to
+    to_step, checking every fingerprint (collective)."""
     run_dir = Path(run_dir)
     if not has_run(run_dir):
         raise RunError(f"{run_dir} is not a verlj run (no journal/)")
@@ -65,7 +67,8 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
     trainer = Trainer(cfg, rt)
     snaps = SnapshotManager(run_dir, cfg, rt, trainer, None, reporter)
     j = journal if rt.is_main else None
-    step0 = restore(run_dir, rt, trainer, snaps, j, to_step, reporter)
+    limit = to_step if max_snapshot is None else min(to_step, max_snapshot)
+    step0 = restore(run_dir, rt, trainer, snaps, j, limit, reporter)
     if step0 < to_step:
         first = config_from_dict(rt.broadcast_obj(config_at(journal, step0 + 1) if rt.is_main else None))
         trainer.set_config(first)

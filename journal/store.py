@@ -219,6 +219,9 @@ class Journal:
         try:
             env = _open_env(path, writable=False, map_size=0)
             return cls(path, env, writable=False, lock_fd=None)
+        except lmdb.NotFoundError:
+            _close_env(path)
+            raise JournalError(f"{path} lacks the journal's sub-databases: not a verlj journal, or one from an incompatible version") from None
         except lmdb.Error as e:
             raise JournalError(f"cannot open journal {path}: {e}") from None
 
