@@ -32,11 +32,12 @@ def root(
 
 
 def _register() -> None:
-    from . import config_cmd, journal_cmd, replay_cmd, train_cmd, verify_cmd
+    from . import config_cmd, inspect_cmd, journal_cmd, replay_cmd, train_cmd, verify_cmd
 
     train_cmd.register(app)
     replay_cmd.register(app)
     verify_cmd.register(app)
+    inspect_cmd.register(app)
     config_cmd.register(app)
     journal_cmd.register(app)
 

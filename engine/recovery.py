@@ -225,6 +225,12 @@ def resume_state(run_dir: Path, cfg: Config, rt, trainer: Trainer, journal: Jour
             },
         )
     ]
+    if rt.is_main:
+        from .run import now_iso
+
+        lineage = journal.get_meta("lineage") or []
+        lineage.append({"kind": "resume", "at_step": last, "snapshot_step": step0, "config_changes": changed, "time": now_iso()})
+        journal.set_meta("lineage", lineage)
     if changed:
         control.append(make_event("config", config=cfg.to_dict(), hash=cfg.hash(), changed=changed))
         if rt.is_main:

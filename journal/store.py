@@ -118,17 +118,19 @@ def unframe_plain(raw: bytes, what: str) -> Any:
 
 # ----------------------------------------------------------------------------- environments
 
-_ENVS: dict[str, tuple[lmdb.Environment, int, bool]] = {}  # realpath -> (env, pid, writable)
+_ENVS: dict[str, list] = {}  # realpath -> [env, pid, writable, open handles]
 _ENVS_LOCK = threading.Lock()
 
 
 def _open_env(path: Path, *, writable: bool, map_size: int) -> lmdb.Environment:
+    """The process's one environment for `path` (shared by every Journal handle on it)."""
     key = os.path.realpath(path)
     with _ENVS_LOCK:
         cached = _ENVS.get(key)
         if cached is not None:
-            env, pid, cached_writable = cached
+            env, pid, cached_writable, _refs = cached
             if pid == os.getpid() and (cached_writable or not writable):
+                cached[3] += 1
                 return env
             if pid == os.getpid():
                 raise JournalError(f"journal {path} is already open read-only in this process; close it first")
@@ -146,16 +148,21 @@ def _open_env(path: Path, *, writable: bool, map_size: int) -> lmdb.Environment:
             meminit=False,
         )
         env.reader_check()  # clear reader slots left by dead processes
-        _ENVS[key] = (env, os.getpid(), writable)
+        _ENVS[key] = [env, os.getpid(), writable, 1]
         return env
 
 
 def _close_env(path: Path) -> None:
     key = os.path.realpath(path)
     with _ENVS_LOCK:
-        cached = _ENVS.pop(key, None)
-    if cached is not None and cached[1] == os.getpid():
-        cached[0].close()
+        cached = _ENVS.get(key)
+        if cached is None or cached[1] != os.getpid():
+            return
+        cached[3] -= 1
+        if cached[3] > 0:
+            return
+        del _ENVS[key]
+    cached[0].close()
 
 
 def _describe_holder(lock_path: Path) -> str:
@@ -174,6 +181,7 @@ class Journal:
         self._env = env
         self.writable = writable
         self._lock_fd = lock_fd
+        self._closed = False
         self._write_lock = threading.Lock()
         self._steps = env.open_db(DB_STEPS, create=writable)
         self._meta = env.open_db(DB_META, create=writable)
@@ -226,6 +234,9 @@ class Journal:
             raise JournalError(f"cannot open journal {path}: {e}") from None
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         _close_env(self.path)
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock

@@ -1,0 +1,134 @@
+"""Post-mortem commands: `verlj inspect`, `verlj metrics`, `verlj find`, `verlj diff`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import EXIT_USAGE, fail, guarded, quiet_libraries
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=str, allow_nan=True))
+
+
+def inspect(
+    run: Annotated[Path, typer.Argument(help="Run directory.")],
+    step: Annotated[Optional[int], typer.Option("--step", help="Show everything journaled at this step.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    max_samples: Annotated[Optional[int], typer.Option("--max-samples", help="With --step: show at most this many samples.")] = None,
+) -> None:
+    """A run's summary, or (--step N) its step N: data, seeds, buffer changes, samples as text, metrics, fingerprint."""
+    quiet_libraries()
+    from verlj.engine import inspect as I
+
+    if step is None:
+        s = guarded(lambda: I.run_summary(run))
+        typer.echo(json.dumps(_jsonable(s), indent=2) if as_json else I.render_summary(s))
+    else:
+        d = guarded(lambda: I.step_detail(run, step, max_samples))
+        typer.echo(json.dumps(_jsonable(d), indent=2) if as_json else I.render_step(d))
+
+
+def metrics(
+    run: Annotated[Path, typer.Argument(help="Run directory.")],
+    names: Annotated[Optional[str], typer.Option("--names", help="Comma-separated metric names (default: all).")] = None,
+    steps: Annotated[Optional[str], typer.Option("--steps", help="START:STOP, inclusive; either may be empty.")] = None,
+    as_csv: Annotated[bool, typer.Option("--csv", help="CSV to stdout.")] = False,
+    as_jsonl: Annotated[bool, typer.Option("--jsonl", help="One JSON object per step to stdout.")] = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: one panel per metric, snapshot and resume markers.")] = None,
+) -> None:
+    """Metrics per step as a table, CSV, JSONL or a plot."""
+    quiet_libraries()
+    from verlj.engine import inspect as I
+
+    wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
+    cols, rows = guarded(lambda: I.metric_rows(run, wanted, steps))
+    if plot is not None:
+        from verlj.engine.plot import plot_metrics
+
+        guarded(lambda: plot_metrics(run, cols if wanted else _default_plot_cols(cols), rows, plot))
+        typer.echo(f"wrote {plot}")
+        return
+    if as_csv:
+        w = csv.writer(sys.stdout)
+        w.writerow(["step", *cols])
+        for r in rows:
+            w.writerow([r["step"], *[r.get(c, "") for c in cols]])
+    elif as_jsonl:
+        for r in rows:
+            typer.echo(json.dumps(r, allow_nan=True))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(show_edge=False, box=None)
+        for c in ["step", *cols]:
+            t.add_column(c, justify="right")
+        for r in rows:
+            t.add_row(str(r["step"]), *[_fmt(r.get(c)) for c in cols])
+        Console(width=max(100, 14 * (len(cols) + 1))).print(t)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    return "nan" if isinstance(v, float) and math.isnan(v) else f"{v:.6g}"
+
+
+def _default_plot_cols(cols: list[str]) -> list[str]:
+    pref = ["critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "response_length/mean", "actor/ppo_kl"]
+    return [c for c in pref if c in cols] or cols[:6]
+
+
+def find(
+    run: Annotated[Path, typer.Argument(help="Run directory.")],
+    where: Annotated[str, typer.Option("--where", help="e.g. 'actor/grad_norm > 10', 'actor/pg_loss is nan'; join with 'and'.")],
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Stop after this many matches.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """The steps whose metrics match a condition, first one first."""
+    quiet_libraries()
+    from verlj.engine import inspect as I
+
+    hits = guarded(lambda: I.find_steps(run, where, limit))
+    if as_json:
+        typer.echo(json.dumps([{"step": s, **v} for s, v in hits], allow_nan=True))
+        return
+    if not hits:
+        typer.echo(f"no step matches {where!r}")
+        return
+    typer.echo(f"{len(hits)} step(s) match {where!r}; first: {hits[0][0]}")
+    for s, v in hits:
+        typer.echo(f"  step {s}: " + "  ".join(f"{k}={_fmt(x)}" for k, x in v.items()))
+
+
+def diff(
+    run_a: Annotated[Path, typer.Argument(help="First run directory.")],
+    run_b: Annotated[Path, typer.Argument(help="Second run directory.")],
+    full: Annotated[bool, typer.Option("--full", help="Also compare every step's samples (slower).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """The first step where two runs' journals differ, and what differs there. Exit 1 if they differ."""
+    quiet_libraries()
+    from verlj.engine import inspect as I
+
+    d = guarded(lambda: I.first_difference(run_a, run_b, full))
+    typer.echo(json.dumps(_jsonable(d), indent=2) if as_json else I.render_diff(d, run_a, run_b))
+    raise typer.Exit(0 if d["identical"] else 1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect")(inspect)
+    app.command("metrics")(metrics)
+    app.command("find")(find)
+    app.command("diff")(diff)
+
+
+__all__ = ["EXIT_USAGE", "fail", "register"]

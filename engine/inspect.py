@@ -1,0 +1,370 @@
+"""Post-mortem: what a run did, step by step, read from its journal (also while it trains).
+
+    verlj inspect RUN                      # summary: config, versions, steps, snapshots, lineage, trend
+    verlj inspect RUN --step 1247          # everything journaled at step 1247, samples as text
+    verlj metrics RUN --names actor/pg_loss --steps 100:200 [--csv | --jsonl | --plot out.png]
+    verlj find RUN --where 'actor/grad_norm > 10'
+    verlj diff RUN_A RUN_B                 # the first step where two runs differ, and what differs
+
+Metrics, find and diff read the journal's summary sub-database (no samples), so they stream a long
+run quickly; a single step is one key lookup.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from verlj.journal import Journal
+
+from .run import RunError, has_run, journal_dir
+from .snapshot import check_snapshot
+
+
+def open_run(run_dir: Path) -> Journal:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunError(f"{run_dir} does not exist")
+    if not has_run(run_dir):
+        raise RunError(f"{run_dir} is not a verlj run (no journal/ with run metadata)")
+    return Journal.open_reader(journal_dir(run_dir))
+
+
+def _events(record: dict) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for e in record["events"]:
+        out.setdefault(e["type"], e)
+    return out
+
+
+def check_range(j: Journal, step: int) -> None:
+    first, last = j.base_step() + 1, j.last_step()
+    if not first <= step <= last:
+        raise RunError(f"step {step} is out of range: this run has steps {first}–{last}")
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
+    run_dir = Path(run_dir)
+    with open_run(run_dir) as j:
+        meta = j.meta()
+        last, base = j.last_step(), j.base_step()
+        index = j.snapshots()
+        trend = []
+        if last > base:
+            steps = sorted({int(x) for x in np.linspace(base + 1, last, num=min(trend_points, last - base))})
+            for s in steps:
+                summ = j.read_summary(s)
+                values = _events(summ).get("metrics", {}).get("values", {}) if summ else {}
+                trend.append({"step": s, "reward": values.get("critic/score/mean"), "loss": values.get("actor/pg_loss")})
+    snaps = []
+    names = {p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("step_")} | {i["path"] for i in index.values()}
+    indexed = {i["path"] for i in index.values()}
+    for name in sorted(names):
+        res = check_snapshot(run_dir / name, hash_files=False)
+        snaps.append({"name": name, "indexed": name in indexed, "valid": res.valid, "problem": res.problems[0] if res.problems else None})
+    return {
+        "run": str(run_dir),
+        "config_hash": meta.get("config_hash"),
+        "config": meta.get("config"),
+        "versions": meta.get("versions"),
+        "world_size": meta.get("world_size"),
+        "created": meta.get("created"),
+        "steps_committed": last - base,
+        "first_step": base + 1 if last > base else None,
+        "last_step": last,
+        "snapshots": snaps,
+        "lineage": ([{"kind": "fork", "parent": meta["parent"]}] if "parent" in meta else []) + list(meta.get("lineage") or []),
+        "trend": trend,
+    }
+
+
+def sparkline(values: list[float | None]) -> str:
+    bars = "▁▂▃▄▅▆▇█"
+    xs = [v for v in values if v is not None and math.isfinite(v)]
+    if not xs:
+        return ""
+    lo, hi = min(xs), max(xs)
+    out = []
+    for v in values:
+        if v is None or not math.isfinite(v):
+            out.append("·")
+        else:
+            out.append(bars[0 if hi == lo else int((v - lo) / (hi - lo) * (len(bars) - 1))])
+    return "".join(out)
+
+
+def render_summary(s: dict) -> str:
+    cfg = s["config"] or {}
+    lines = [
+        f"run        {s['run']}",
+        f"config     hash {s['config_hash']}  algorithm {cfg.get('algorithm', {}).get('name')}  "
+        f"zero {cfg.get('distributed', {}).get('zero_stage')}  tp {cfg.get('distributed', {}).get('tensor_parallel_size')}  "
+        f"actor {cfg.get('model', {}).get('actor', {}).get('model_name_or_path')}",
+        f"versions   " + "  ".join(f"{k} {v}" for k, v in (s["versions"] or {}).items()),
+        f"ranks      {s['world_size']}   created {s['created']}",
+        f"steps      {s['steps_committed']} committed, last step {s['last_step']}",
+    ]
+    if s["snapshots"]:
+        lines.append("snapshots  " + "  ".join(
+            f"{x['name']}{'' if x['valid'] else ' ✗ ' + x['problem']}{'' if x['indexed'] else ' (unindexed)'}" for x in s["snapshots"]))
+    else:
+        lines.append("snapshots  none")
+    for entry in s["lineage"]:
+        if entry["kind"] == "fork":
+            lines.append(f"lineage    forked from {entry['parent']['run']} at step {entry['parent']['step']}")
+        else:
+            changes = f", config changes: {', '.join(entry['config_changes'])}" if entry.get("config_changes") else ""
+            lines.append(f"lineage    resumed after step {entry['at_step']} from snapshot step {entry['snapshot_step']} at {entry['time']}{changes}")
+    if s["trend"]:
+        rewards = [t["reward"] for t in s["trend"]]
+        losses = [t["loss"] for t in s["trend"]]
+        fr = [r for r in rewards if r is not None]
+        lines.append(f"reward     {sparkline(rewards)}  {fr[0]:.4g} → {fr[-1]:.4g}" if fr else "reward     (none)")
+        fl = [x for x in losses if x is not None]
+        lines.append(f"pg_loss    {sparkline(losses)}  {fl[0]:.4g} → {fl[-1]:.4g}" if fl else "pg_loss    (none)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dict:
+    """Everything journaled at `step`, with samples decoded to text."""
+    run_dir = Path(run_dir)
+    with open_run(run_dir) as j:
+        check_range(j, step)
+        record = j.read_step(step)
+        config = j.get_meta("config")
+    ev = _events(record)
+    tok = _tokenizer(config)
+    add = ev.get("buffer.add", {})
+    cols = add.get("samples", {})
+    samples = []
+    n = len(cols.get("id", []))
+    for i in range(n if max_samples is None else min(n, max_samples)):
+        p = cols["prompt_ids"][i, : cols["prompt_ids_len"][i]]
+        r = cols["response_ids"][i, : cols["response_ids_len"][i]]
+        samples.append({
+            "id": int(cols["id"][i]), "group": int(cols["group"][i]), "index": int(cols["index"][i]),
+            "prompt": tok.decode(p.tolist(), skip_special_tokens=True) if tok else p.tolist(),
+            "response": tok.decode(r.tolist(), skip_special_tokens=True) if tok else r.tolist(),
+            "score": float(cols["score"][i]), "rule_reward": float(cols["rule_reward"][i]), "rm_score": float(cols["rm_score"][i]),
+        })
+    data = ev.get("data", {})
+    return {
+        "step": step,
+        "time": record["time"],
+        "data": {"epoch": data.get("epoch"), "cursor": data.get("cursor"), "rounds": data.get("rounds"),
+                 "indices": np.asarray(data.get("indices", [])).tolist()},
+        "seeds": ev.get("rng", {}).get("seeds"),
+        "rng_digests": ev.get("rng", {}).get("digests"),
+        "buffer": {
+            "added": n,
+            "dropped": np.asarray(ev.get("buffer.drop", {}).get("ids", [])).tolist(),
+            "consumed": np.asarray(ev.get("buffer.consume", {}).get("ids", [])).tolist(),
+        },
+        "samples": samples,
+        "metrics": ev.get("metrics", {}).get("values", {}),
+        "fingerprint": ev.get("state", {}).get("fingerprint"),
+        "control": [e for e in record["events"] if e["type"] in ("control", "config")],
+    }
+
+
+def _tokenizer(config: dict | None):
+    from .models import load_tokenizer
+
+    path = (config or {}).get("model", {}).get("actor", {}).get("model_name_or_path")
+    try:
+        return load_tokenizer(path) if path else None
+    except Exception:  # noqa: BLE001 - no tokenizer (moved model dir): show token ids instead
+        return None
+
+
+def render_step(d: dict) -> str:
+    lines = [f"step {d['step']}  fingerprint {d['fingerprint']}"]
+    data = d["data"]
+    idx = data["indices"]
+    lines.append(f"data       epoch {data['epoch']}  cursor {data['cursor']}  rounds {data['rounds']}  "
+                 f"indices {idx[:16]}{' …' if len(idx) > 16 else ''} ({len(idx)})")
+    lines.append(f"seeds      {d['seeds']}")
+    b = d["buffer"]
+    lines.append(f"buffer     added {b['added']}  dropped {len(b['dropped'])}  consumed {len(b['consumed'])}")
+    for c in d["control"]:
+        lines.append(f"control    {c.get('kind', c['type'])} {c.get('details', c.get('changed', ''))}")
+    lines.append("samples    (id group | prompt → response | score)")
+    for s in d["samples"]:
+        mark = " consumed" if s["id"] in set(b["consumed"]) else (" dropped" if s["id"] in set(b["dropped"]) else "")
+        lines.append(f"  {s['id']:>6} {s['group']:>6} | {s['prompt']!s} → {s['response']!s} | {s['score']:.4g}{mark}")
+    lines.append("metrics")
+    for k in sorted(d["metrics"]):
+        lines.append(f"  {k:32s} {d['metrics'][k]:.6g}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- metrics, find
+
+
+def parse_steps(spec: str | None) -> tuple[int | None, int | None]:
+    if not spec:
+        return None, None
+    m = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", spec)
+    if not m:
+        raise RunError(f"--steps {spec!r} must look like START:STOP (either may be empty), e.g. 100:200")
+    a, b = (int(x) if x else None for x in m.groups())
+    if a is not None and b is not None and a > b:
+        raise RunError(f"--steps {spec!r}: START is after STOP")
+    return a, b
+
+
+def metric_rows(run_dir: Path, names: list[str] | None, steps: str | None) -> tuple[list[str], list[dict]]:
+    start, stop = parse_steps(steps)
+    rows, seen = [], set()
+    with open_run(run_dir) as j:
+        for summ in j.iter_summaries(start, stop):
+            values = _events(summ).get("metrics", {}).get("values", {})
+            seen |= set(values)
+            rows.append({"step": summ["step"], **(values if names is None else {k: values.get(k) for k in names})})
+    if names is not None:
+        unknown = [n for n in names if n not in seen]
+        if unknown and rows:
+            raise RunError(f"unknown metric {unknown[0]!r}; this run has: {', '.join(sorted(seen)[:12])}, …")
+        cols = names
+    else:
+        cols = sorted(seen)
+    return cols, rows
+
+
+_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": operator.ne}
+_COND = re.compile(r"^\s*([\w/.\-]+)\s*(>=|<=|==|!=|>|<)\s*(\S+)\s*$|^\s*([\w/.\-]+)\s+is\s+(nan|inf|not finite)\s*$")
+
+
+@dataclass
+class Condition:
+    name: str
+    op: str
+    value: float | None
+
+    def __call__(self, values: dict) -> bool:
+        v = values.get(self.name)
+        if v is None:
+            return False
+        if self.op == "nan":
+            return math.isnan(v)
+        if self.op == "inf":
+            return math.isinf(v)
+        if self.op == "not finite":
+            return not math.isfinite(v)
+        return _OPS[self.op](v, self.value)
+
+
+def parse_where(where: str) -> list[Condition]:
+    """'actor/grad_norm > 10 and critic/score/mean < 0.1', or 'actor/pg_loss is nan'."""
+    conds = []
+    for part in re.split(r"\s+and\s+", where.strip()):
+        m = _COND.match(part)
+        if not m:
+            raise RunError(
+                f"cannot parse --where {where!r}: use NAME OP NUMBER (OP one of > >= < <= == !=) or NAME is nan|inf|not finite, joined by 'and'"
+            )
+        if m.group(1):
+            try:
+                conds.append(Condition(m.group(1), m.group(2), float(m.group(3))))
+            except ValueError:
+                raise RunError(f"cannot parse --where {where!r}: {m.group(3)!r} is not a number") from None
+        else:
+            conds.append(Condition(m.group(4), m.group(5), None))
+    return conds
+
+
+def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[tuple[int, dict]]:
+    conds = parse_where(where)
+    out = []
+    names_seen: set[str] = set()
+    with open_run(run_dir) as j:
+        for summ in j.iter_summaries():
+            values = _events(summ).get("metrics", {}).get("values", {})
+            names_seen |= set(values)
+            if all(c(values) for c in conds):
+                out.append((summ["step"], {c.name: values.get(c.name) for c in conds}))
+                if limit is not None and len(out) >= limit:
+                    break
+    missing = [c.name for c in conds if names_seen and c.name not in names_seen]
+    if missing:
+        raise RunError(f"unknown metric {missing[0]!r} in --where")
+    return out
+
+
+# ----------------------------------------------------------------------------- diff
+
+
+def _canon(x):
+    if isinstance(x, np.ndarray):
+        return ("nd", x.dtype.str, x.shape, x.tobytes())
+    if isinstance(x, dict):
+        return {k: _canon(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_canon(v) for v in x]
+    if isinstance(x, float) and x != x:
+        return "nan"
+    return x
+
+
+def _comparable(events: list[dict]) -> dict[str, object]:
+    out = {}
+    for e in events:
+        if e["type"] in ("control", "config", "snapshot", "note"):
+            continue
+        if e["type"] == "metrics":
+            e = {**e, "values": {k: v for k, v in e["values"].items() if not k.startswith("timing_s/")}}
+        out[e["type"]] = _canon(e)
+    return out
+
+
+def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
+    """The first step where two journals differ (timings, wall time and control events aside).
+
+    Compares the summaries (data, seeds, metrics, fingerprint): samples that differ show there
+    too, since the update trains on them. ``full`` also compares every step's samples (slower)."""
+    with open_run(run_a) as ja, open_run(run_b) as jb:
+        la, lb = ja.last_step(), jb.last_step()
+        base = max(ja.base_step(), jb.base_step())
+        common = min(la, lb)
+        for x, y in zip(ja.iter_summaries(base + 1, common), jb.iter_summaries(base + 1, common)):
+            step = x["step"]
+            same = _comparable(x["events"]) == _comparable(y["events"])
+            if same and not full:
+                continue
+            ea, eb = _comparable(ja.read_step(step)["events"]), _comparable(jb.read_step(step)["events"])
+            kinds = sorted(k for k in set(ea) | set(eb) if ea.get(k) != eb.get(k))
+            if not kinds:
+                continue
+            ma = _events(x).get("metrics", {}).get("values", {})
+            mb = _events(y).get("metrics", {}).get("values", {})
+            metrics = {k: [ma.get(k), mb.get(k)] for k in sorted(set(ma) | set(mb))
+                       if not k.startswith("timing_s/") and _canon(ma.get(k)) != _canon(mb.get(k))}
+            return {"identical": False, "step": step, "differs": kinds, "detail": {"metrics": metrics}, "steps_a": la, "steps_b": lb}
+    if la != lb:
+        return {"identical": False, "step": common + 1, "differs": ["length"], "detail": {}, "steps_a": la, "steps_b": lb}
+    return {"identical": True, "step": None, "differs": [], "detail": {}, "steps_a": la, "steps_b": lb}
+
+
+def render_diff(d: dict, a: Path, b: Path) -> str:
+    if d["identical"]:
+        return f"identical: {a} and {b} agree on all {d['steps_a']} steps (timings aside)"
+    if d["differs"] == ["length"]:
+        return f"the runs agree up to step {d['step'] - 1}; {a} has {d['steps_a']} steps, {b} has {d['steps_b']}"
+    names = {"data": "data (indices drawn)", "rng": "seeds", "buffer.add": "samples", "buffer.drop": "dropped samples",
+             "buffer.consume": "consumed samples", "metrics": "metrics", "state": "fingerprint"}
+    lines = [f"first difference at step {d['step']}: " + ", ".join(names.get(k, k) for k in d["differs"])]
+    for k, (va, vb) in list(d["detail"].get("metrics", {}).items())[:12]:
+        lines.append(f"  {k:32s} {va!r:>14} vs {vb!r}")
+    return "\n".join(lines)
+

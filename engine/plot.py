@@ -1,0 +1,39 @@
+"""`verlj metrics RUN --plot out.png`: one panel per metric, with snapshot and resume markers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .inspect import open_run
+
+
+def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open_run(run_dir) as j:
+        snaps = sorted(j.snapshots())
+        lineage = j.get_meta("lineage") or []
+    resumes = [e["at_step"] for e in lineage if e["kind"] == "resume"]
+    n = max(1, len(cols))
+    fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 * n), sharex=True, squeeze=False)
+    steps = [r["step"] for r in rows]
+    for ax, name in zip(axes[:, 0], cols):
+        ys = [r.get(name) for r in rows]
+        ys = [math.nan if y is None else y for y in ys]
+        ax.plot(steps, ys, lw=1.2)
+        ax.set_ylabel(name, fontsize=8)
+        ax.grid(alpha=0.3)
+        for s in snaps:
+            ax.axvline(s, color="tab:green", ls=":", lw=0.8)
+        for s in resumes:
+            ax.axvline(s, color="tab:red", ls="--", lw=0.8)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(f"{Path(run_dir).name}: green dotted = snapshot, red dashed = resume", fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
