@@ -174,12 +174,12 @@ class ActorWorker:
                         loss = loss + self.ac.kl_loss_coef * kl
                         _add(stats, "actor/kl_loss", kl.item())
                     self.engine.backward(loss)
-                    self.engine.step()
+                    norm = _step(self.engine, boundary=cb == chunks[-1][1])
                     _add(stats, "actor/pg_loss", pg_loss.item())
                     _add(stats, "actor/pg_clipfrac", clipfrac.item())
                     _add(stats, "actor/ppo_kl", ppo_kl.item())
                     _add(stats, "actor/entropy", entropy.item())
-                _add(stats, "actor/grad_norm", _grad_norm(self.engine))
+                _add(stats, "actor/grad_norm", norm)
         out = {k: float(np.mean(v)) for k, v in stats.items()}
         out["actor/lr"] = float(self.engine.get_lr()[0])
         return out
@@ -223,10 +223,10 @@ class CriticWorker:
                     v = self._values(self.engine, mb)
                     loss, clipfrac = A.value_loss(v, old_values[sl], returns[sl], mb.resp_mask, self.cc.cliprange_value)
                     self.engine.backward(loss)
-                    self.engine.step()
+                    norm = _step(self.engine, boundary=cb == chunks[-1][1])
                     _add(stats, "critic/vf_loss", loss.item())
                     _add(stats, "critic/vf_clipfrac", clipfrac.item())
-                _add(stats, "critic/grad_norm", _grad_norm(self.engine))
+                _add(stats, "critic/grad_norm", norm)
         out = {k: float(np.mean(v)) for k, v in stats.items()}
         out["critic/lr"] = float(self.engine.get_lr()[0])
         return out
@@ -243,8 +243,16 @@ def _add(stats: dict, k: str, v: float) -> None:
     stats.setdefault(k, []).append(v)
 
 
-def _grad_norm(engine) -> float:
-    g = engine.get_global_grad_norm()
+def _step(engine, boundary: bool) -> float:
+    """engine.step(); at the accumulation boundary, the global grad norm before clipping.
+    DeepSpeed records it for ZeRO and mixed precision; for plain fp32 without ZeRO we measure it."""
+    measured = None
+    if boundary and not engine.zero_optimization() and not engine.bfloat16_enabled() and not engine.fp16_enabled():
+        from deepspeed.runtime.utils import get_flattened_grad_norm
+
+        measured = float(get_flattened_grad_norm(list(engine.module.parameters()), mpu=engine.mpu))
+    engine.step()
+    g = engine.get_global_grad_norm() if measured is None else measured
     return float(g) if g is not None else float("nan")
 
 
