@@ -187,6 +187,7 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature
     top_p: float = 1.0  # nucleus sampling
     max_response_length: int = 4  # tokens generated per sample at most
+    ignore_eos: bool = False  # keep generating past eos to max_response_length (benchmarks)
     reward_fn: str = "builtin:add"  # builtin:add, or module:function(prompt, response, answer) -> float
 
     def validate(self) -> None:

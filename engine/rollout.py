@@ -41,6 +41,7 @@ def generate(
     eos_id: int,
     pad_id: int,
     device: torch.device,
+    ignore_eos: bool = False,
     all_done: Callable[[bool], bool] = lambda done: done,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Sample a response for each prompt. Returns (response ids, generation log-probs) per prompt.
@@ -70,7 +71,8 @@ def generate(
         tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
         out_tokens.append(tok)
         out_logps.append(lp)
-        finished = finished | (tok == eos_id)
+        if not ignore_eos:
+            finished = finished | (tok == eos_id)
         if all_done(bool(finished.all())):
             break
         mask = torch.cat([mask, (~finished | (tok == eos_id)).long()[:, None]], dim=1)
@@ -82,7 +84,7 @@ def generate(
     responses, logprobs = [], []
     for i in range(B):
         row = toks[i]
-        ends = np.nonzero(row == eos_id)[0]
+        ends = np.nonzero(row == eos_id)[0] if not ignore_eos else []
         n = int(ends[0]) + 1 if len(ends) else len(row)
         responses.append(row[:n].astype(np.int64))
         logprobs.append(logps[i, :n].astype(np.float32))

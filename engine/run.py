@@ -110,7 +110,8 @@ def resolve_config(run_dir: Path, config_file, overrides, resume: bool, allow_ch
     if stored is None:
         raise RunError(f"{run_dir} has a journal but no stored config; it was not written by verlj train")
     cfg = make_config(config_file, overrides, base=stored)
-    changed = diff_configs(stored, cfg.to_dict())
+    # keys added to verlj since the run started take their defaults: not a change
+    changed = diff_configs(config_from_dict(stored).to_dict(), cfg.to_dict())
     refused = [k for k in changed if k not in BOOKKEEPING_KEYS]
     if refused and not allow_change:
         raise RunError(
@@ -214,9 +215,11 @@ def train_loop(cfg: Config, rt: Runtime, trainer, snaps, journal: Journal | None
         outcome.metrics.update(inputs.timings)
         outcome.metrics["timing_s/step"] = time.perf_counter() - t_step
         failpoint("step.before_commit")  # the update is done, the journal does not know it yet
+        t_commit = time.perf_counter()
         commit(rt, journal, step, control + inputs.events() + outcome.events())
         control = []
-        reporter.step(step, outcome.metrics)
+        # the commit's own time cannot be in the record it commits: it goes to the logs only
+        reporter.step(step, {**outcome.metrics, "timing_s/commit": time.perf_counter() - t_commit})
         stopping = not rt.all_true(not stop.requested)  # every rank stops after the same step
         snaps.after_step(step, outcome, force=stopping or step == cfg.trainer.total_steps)
         if stopping:

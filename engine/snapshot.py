@@ -329,7 +329,23 @@ class SnapshotManager:
             state = {"global_step": step, "epoch": self.trainer.sampler.epoch, "samples_seen": self.trainer.sampler.cursor}
             due = self.rt.all_true(bool(self.policy.should_save(state, self.history)))
         if due and self.last_saved != step:
-            self.save(step, outcome.fingerprint)
+            self.try_save(step, outcome.fingerprint)
+
+    def try_save(self, step: int, fp: str) -> bool:
+        """A snapshot that fails (disk full, I/O error) costs only that snapshot: the journal still
+        holds every step, so training goes on and recovery replays from an older one."""
+        error = ""
+        try:
+            self.save(step, fp)
+        except (OSError, RuntimeError, SnapshotError) as e:  # torch.save reports a full disk as RuntimeError
+            error = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        if not self.rt.all_true(not error):
+            self.reporter.warn(f"Snapshot at step {step} failed ({error or 'on another rank'}); training continues, "
+                               "the journal still holds every step")
+            if self.rt.is_main:
+                shutil.rmtree(self.run_dir / f".tmp-{snapshot_name(step)}", ignore_errors=True)
+            return False
+        return True
 
     def save(self, step: int, fp: str) -> None:
         """Snapshot the state after `step` into the run: published, indexed, rotated."""
@@ -438,7 +454,10 @@ class SnapshotManager:
             raise SnapshotError(f"background snapshot failed: {err}")
 
     def finish(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        except SnapshotError as e:
+            self.reporter.warn(f"{e}; the journal still holds every step")
         self.rt.barrier()
 
     def _publish(self, step: int, fp: str, tmp: Path) -> None:

@@ -181,7 +181,7 @@ class Trainer:
                 self.actor.module, prompts, gen,
                 max_new_tokens=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature,
                 top_p=cfg.rollout.top_p, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
-                device=rt.device, all_done=rt.all_true,
+                device=rt.device, ignore_eos=cfg.rollout.ignore_eos, all_done=rt.all_true,
             )
             t1 = time.perf_counter()
             local = self._score(mine, n, prompts, responses, logps)

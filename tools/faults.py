@@ -1,0 +1,401 @@
+"""Fault-injection campaign: prove recovery and detection on the real `verlj` CLI.
+
+    python tools/faults.py --kills 50 --corruptions 50 --seed 1       # the full campaign (~1 h on 2 cores)
+    python tools/faults.py --quick                                    # a few trials of each kind (~3 min)
+
+Every trial drives `verlj` in subprocesses on the default task with small settings, then compares
+the run with an uninterrupted reference (`verlj diff --full` semantics: every step's data, seeds,
+samples, metrics other than timings, and fingerprint). Kinds:
+
+  kill         SIGKILL at a random moment, or at a failpoint (inside the journal commit, after it,
+               mid snapshot write, before the snapshot's rename or indexing, during rotation), or
+               during the replay of a resume; then `--resume` until the target step.
+               exact | NOT EXACT
+  corruption   byte flips, truncation or deletion in a random snapshot file or the journal's data
+               file of a finished run; then `verlj verify` and `--resume` two steps further.
+               recovered exactly | refused clearly | unaffected | SILENT | CRASH
+  disk-full    the run directory on a small tmpfs, so a snapshot or a journal commit hits ENOSPC;
+               then more space and `--resume`.
+  concurrency  a second `verlj train` on a live run; `inspect` and `verify` during training.
+  bad-input    malformed configs, wrong overrides, missing paths, a newer-schema journal, a
+               directory that is not a run: one line, non-zero exit, no traceback, nothing written.
+
+Exit status 1 if any trial is NOT EXACT, SILENT, CRASH or otherwise failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = 8
+SMALL = [
+    f"trainer.total_steps={TARGET}", "trainer.save_interval=2", "trainer.save_total_limit=2",
+    "data.prompts_per_step=4", "rollout.n=2", "rollout.max_response_length=4", "algorithm.dynamic_sampling=true",
+    "model.actor.micro_batch_size=4", "logging.progress=lines",
+]
+FAILPOINTS = {
+    "journal.before_commit": TARGET, "journal.after_commit": TARGET - 1, "step.before_commit": TARGET,
+    "snapshot.mid_write": 4, "snapshot.before_rename": 4, "snapshot.before_index": 4, "snapshot.rotate": 2,
+}
+GOOD = {"exact", "recovered exactly", "refused clearly", "unaffected", "stopped clearly, resumed exactly",
+        "refused", "undisturbed", "clear error"}
+
+
+@dataclass
+class Trial:
+    kind: str
+    n: int
+    what: str
+    outcome: str
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in GOOD
+
+
+def env(**extra) -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "VERLJ_FAILPOINT")}
+    e.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", TOKENIZERS_PARALLELISM="false")
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def verlj(*args, timeout=600, **extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "verlj.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env(**extra), cwd=REPO)
+
+
+def train(run: Path, *over, resume=True, **extra) -> subprocess.CompletedProcess:
+    return verlj("train", "--output-dir", run, *SMALL, *over, *(["--resume"] if resume else []), **extra)
+
+
+def clean_error(out: subprocess.CompletedProcess) -> bool:
+    text = out.stdout + out.stderr
+    return out.returncode not in (0,) and out.returncode > 0 and "Traceback" not in text and out.stderr.count("error:") == 1
+
+
+def identical(run: Path, ref: Path) -> tuple[bool, str]:
+    from verlj.engine.inspect import first_difference
+
+    try:
+        d = first_difference(run, ref, full=True)
+    except Exception as e:  # noqa: BLE001 - reported as the trial's note
+        return False, f"diff failed: {e}"
+    if d["identical"]:
+        return True, ""
+    return False, f"first difference at step {d['step']}: {', '.join(d['differs'])}"
+
+
+def resume_until_done(run: Path, *over, tries=8) -> subprocess.CompletedProcess | None:
+    for _ in range(tries):
+        out = train(run, *over)
+        if out.returncode == 0:
+            return out
+        if out.returncode != -9:
+            return out
+    return None
+
+
+# ----------------------------------------------------------------------------- kills
+
+
+def kill_at_random(run: Path, rng: random.Random) -> None:
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, "--resume"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env(), cwd=REPO,
+                         start_new_session=True)
+    want = rng.randint(0, TARGET - 1)
+    seen = 0
+    deadline = time.time() + 120
+    if want == 0:
+        time.sleep(rng.uniform(0.5, 4.0))  # somewhere in start-up, loading or the first steps
+    else:
+        for line in p.stdout:
+            if ": reward=" in line or "Resuming" in line or "Replayed" in line:
+                seen += 1
+            if seen >= want or time.time() > deadline:
+                break
+        time.sleep(rng.uniform(0.0, 0.12))
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+def kill_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
+    run = root / f"kill{n}"
+    mode = rng.choice(["random", "failpoint", "failpoint", "replay"])
+    if mode == "random":
+        kills = rng.randint(1, 3)
+        for _ in range(kills):
+            kill_at_random(run, rng)
+        what = f"{kills} random SIGKILL(s)"
+    elif mode == "failpoint":
+        point = rng.choice(sorted(FAILPOINTS))
+        count = rng.randint(1, FAILPOINTS[point])
+        out = train(run, VERLJ_FAILPOINT=f"{point}:{count}")
+        what = f"SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
+    else:
+        k = rng.choice([3, 5, 7])
+        train(run, VERLJ_FAILPOINT=f"journal.after_commit:{k}")
+        out = train(run, VERLJ_FAILPOINT="replay.step:1")
+        what = f"SIGKILL after step {k}'s commit, then inside the resume's replay" + ("" if out.returncode == -9 else " (replay not reached)")
+    out = resume_until_done(run)
+    if out is None or out.returncode != 0:
+        return Trial("kill", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+    same, note = identical(run, ref)
+    shutil.rmtree(run, ignore_errors=True)
+    return Trial("kill", n, what, "exact" if same else "NOT EXACT", note)
+
+
+# ----------------------------------------------------------------------------- corruption
+
+
+def corrupt(run: Path, rng: random.Random) -> str:
+    files = [p for p in sorted(run.rglob("step_*/**/*")) if p.is_file()] + [run / "journal" / "data.mdb"]
+    target = rng.choice(files)
+    rel = target.relative_to(run)
+    data = bytearray(target.read_bytes())
+    action = rng.choice(["flip", "flip", "flip", "truncate", "delete"])
+    if action == "flip":
+        k = rng.randint(1, 3)
+        for _ in range(k):
+            i = rng.randrange(len(data))
+            data[i] ^= 1 << rng.randrange(8)
+        target.write_bytes(bytes(data))
+        return f"{k} byte flip(s) in {rel}"
+    if action == "truncate":
+        cut = rng.randrange(len(data))
+        target.write_bytes(bytes(data[:cut]))
+        return f"{rel} truncated to {cut} of {len(data)} bytes"
+    target.unlink()
+    return f"{rel} deleted"
+
+
+def corruption_trial(root: Path, finished: Path, ref10: Path, rng: random.Random, n: int) -> Trial:
+    run = root / f"corrupt{n}"
+    shutil.copytree(finished, run, symlinks=True)
+    what = corrupt(run, rng)
+    v = verlj("verify", run)
+    if v.returncode < 0 or "Traceback" in v.stdout + v.stderr:
+        return Trial("corruption", n, what, "CRASH", f"verify exited {v.returncode}")
+    detected = v.returncode != 0
+    out = train(run, "trainer.total_steps=10")
+    if out.returncode < 0 or "Traceback" in out.stdout + out.stderr:
+        return Trial("corruption", n, what, "CRASH", f"resume exited {out.returncode}")
+    if out.returncode != 0:
+        outcome = "refused clearly" if clean_error(out) and detected else ("SILENT" if not detected else "CRASH")
+        note = (out.stderr.strip().splitlines() or ["?"])[-1][:140]
+    else:
+        same, note = identical(run, ref10)
+        if same:
+            outcome = "recovered exactly" if detected else "unaffected"
+        else:
+            outcome = "SILENT"
+    if not detected and outcome == "unaffected":
+        note = "damage fell in unused bytes (verify valid, resume exact)"
+    shutil.rmtree(run, ignore_errors=True)
+    return Trial("corruption", n, what, outcome, note)
+
+
+# ----------------------------------------------------------------------------- disk full
+
+
+def disk_full_trial(root: Path, ref: Path, n: int, size_mb: int) -> Trial:
+    mnt = root / f"tmpfs{n}"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        return Trial("disk-full", n, "tmpfs mount", "skipped", "mount not permitted here")
+    try:
+        run = mnt / "run"
+        first = train(run, resume=False)
+        with_space = first.returncode == 0
+        if with_space:
+            return Trial("disk-full", n, f"{size_mb} MiB tmpfs", "NOT EXACT", "the run never ran out of space: make the tmpfs smaller")
+        stopped_clearly = clean_error(first) and "no space left" in first.stderr.lower()
+        snaps_failed = "Snapshot at step" in first.stderr
+        # free space: a bigger tmpfs holds the same files
+        subprocess.run(["mount", "-o", "remount,size=512m", str(mnt)], check=True)
+        out = resume_until_done(run)
+        if out is None or out.returncode != 0:
+            return Trial("disk-full", n, f"{size_mb} MiB tmpfs", "NOT EXACT", "resume after freeing space failed")
+        same, note = identical(run, ref)
+        what = f"{size_mb} MiB tmpfs: " + ("journal commit hit ENOSPC" if stopped_clearly else "ENOSPC") + (
+            ", snapshots failed and were skipped" if snaps_failed else "")
+        return Trial("disk-full", n, what, "stopped clearly, resumed exactly" if same and stopped_clearly else "NOT EXACT",
+                     note or ("" if stopped_clearly else first.stderr.strip()[-200:]))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+
+def concurrency_trial(root: Path, ref: Path, n: int) -> list[Trial]:
+    run = root / f"live{n}"
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL]
+    # stall step 5 so the probes certainly run while training is live
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env(VERLJ_FAILPOINT="step.before_commit:5:sleep=20"), cwd=REPO)
+    out: list[Trial] = []
+    for line in p.stdout:
+        if "[INFO] Step 4:" in line:
+            break
+    second = train(run, resume=True)
+    out.append(Trial("concurrency", n, "a second `verlj train --resume` on the live run",
+                     "refused" if clean_error(second) and "is being written by" in second.stderr else "NOT EXACT",
+                     (second.stderr.strip().splitlines() or ["?"])[-1][:140]))
+    probes = [verlj("inspect", run), verlj("verify", run), verlj("metrics", run, "--csv"), verlj("inspect", run, "--step", 2)]
+    rest, err = p.communicate(timeout=300)
+    same, note = identical(run, ref)
+    ok = all(x.returncode == 0 for x in probes) and p.returncode == 0 and same
+    out.append(Trial("concurrency", n, "inspect, verify, metrics during training", "undisturbed" if ok else "NOT EXACT",
+                     note or ("" if ok else f"probe exits {[x.returncode for x in probes]}, train {p.returncode}")))
+    shutil.rmtree(run, ignore_errors=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    if root.exists():
+        for p in sorted(root.rglob("*")):
+            if p.is_file() and p.name not in ("lock.mdb", "writer.lock"):  # lock files, rewritten by any opener
+                h.update(str(p).encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def bad_input_trials(root: Path, finished: Path) -> list[Trial]:
+    from verlj.journal import Journal
+
+    existing = root / "existing"
+    shutil.copytree(finished, existing, symlinks=True)
+    (root / "bad.yaml").write_text("trainer: {total_steps: [}\n")
+    (root / "list.yaml").write_text("- 1\n")
+    (root / "data.jsonl").write_text('{"q": "1+1=", "a": "2"}\n')
+    newer = root / "newer"
+    shutil.copytree(finished, newer, symlinks=True)
+    with Journal.open_writer(newer / "journal") as j:
+        j.append_step(j.last_step() + 1, [{"type": "metrics", "v": 99, "values": {}}])
+    notarun = root / "notarun"
+    notarun.mkdir()
+    (notarun / "notes.txt").write_text("mine")
+    fresh = root / "fresh"
+    cases = [
+        ("unknown key", ["train", "-o", fresh, "trainer.totl_steps=3"], fresh, 2),
+        ("wrong type", ["train", "-o", fresh, "trainer.total_steps=many"], fresh, 2),
+        ("bad value", ["train", "-o", fresh, "distributed.zero_stage=7"], fresh, 2),
+        ("malformed override", ["train", "-o", fresh, "trainer"], fresh, 2),
+        ("malformed YAML", ["train", "--config", root / "bad.yaml", "-o", fresh], fresh, 2),
+        ("YAML that is not a mapping", ["train", "--config", root / "list.yaml", "-o", fresh], fresh, 2),
+        ("missing config file", ["train", "--config", root / "none.yaml", "-o", fresh], fresh, 2),
+        ("missing model directory", ["train", "-o", fresh, "model.actor.model_name_or_path=/no/model"], fresh, 1),
+        ("dataset without the fields", ["train", "-o", fresh, f"data.train_dataset={root / 'data.jsonl'}"], fresh, 1),
+        ("missing dataset", ["train", "-o", fresh, "data.train_dataset=/no/data.jsonl"], fresh, 1),
+        ("unknown reward function", ["train", "-o", fresh, "rollout.reward_fn=no_such_mod:f"], fresh, 1),
+        ("existing run without --resume", ["train", "-o", existing, *SMALL], existing, 1),
+        ("state-changing key on resume", ["train", "-o", existing, *SMALL, "algorithm.name=ppo", "--resume"], existing, 1),
+        ("resume of a directory that is not a run", ["train", "-o", notarun, "--resume"], notarun, 1),
+        ("journal from a newer schema: replay", ["replay", newer, "--to-step", TARGET + 1], newer, 1),
+        ("journal from a newer schema: resume", ["train", "-o", newer, *SMALL, "trainer.total_steps=12", "--resume"], newer, 1),
+        ("replay step out of range", ["replay", existing, "--to-step", 999], existing, 1),
+        ("inspect a non-run", ["inspect", notarun], notarun, 1),
+        ("inspect step out of range", ["inspect", existing, "--step", 999], existing, 1),
+        ("malformed --where", ["find", existing, "--where", "loss >>> 3"], existing, 1),
+        ("verify a missing path", ["verify", root / "missing"], root / "missing", 2),
+    ]
+    out = []
+    for name, args, watched, code in cases:
+        before = tree_digest(watched)
+        r = verlj(*args)
+        one_line = r.returncode == code and "Traceback" not in r.stdout + r.stderr and r.stderr.count("error:") == 1
+        untouched = tree_digest(watched) == before
+        outcome = "clear error" if one_line and untouched else "NOT EXACT"
+        note = (r.stderr.strip().splitlines() or ["(no message)"])[-1][:150]
+        if not untouched:
+            note = "WROTE INTO THE DIRECTORY; " + note
+        if r.returncode != code:
+            note = f"exit {r.returncode}, expected {code}; " + note
+        out.append(Trial("bad-input", len(out) + 1, name, outcome, note))
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=int, default=50)
+    ap.add_argument("--corruptions", type=int, default=50)
+    ap.add_argument("--disk-full", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="a few trials of each kind (the test suite runs this)")
+    ap.add_argument("--kinds", default="kill,corruption,disk-full,concurrency,bad-input")
+    args = ap.parse_args()
+    if args.quick:
+        args.kills, args.corruptions, args.disk_full = 3, 4, 1
+    kinds = set(args.kinds.split(","))
+    rng = random.Random(args.seed)
+    root = Path(tempfile.mkdtemp(prefix="verlj-faults-"))
+    trials: list[Trial] = []
+    t0 = time.time()
+    try:
+        ref = root / "ref"
+        assert train(ref, resume=False).returncode == 0, "reference run failed"
+        finished = root / "finished"  # a finished run to damage: keeps every snapshot
+        assert train(finished, "trainer.save_total_limit=0", resume=False).returncode == 0
+        ref10 = root / "ref10"
+        assert train(ref10, "trainer.total_steps=10", resume=False).returncode == 0
+
+        def record(t: Trial) -> None:
+            trials.append(t)
+            print(f"[{time.time() - t0:6.0f}s] {t.kind:11s} #{t.n:<3d} {t.outcome:32s} {t.what}" + (f"  ({t.note})" if t.note else ""), flush=True)
+
+        if "kill" in kinds:
+            for n in range(1, args.kills + 1):
+                record(kill_trial(root, ref, rng, n))
+        if "corruption" in kinds:
+            for n in range(1, args.corruptions + 1):
+                record(corruption_trial(root, finished, ref10, rng, n))
+        if "disk-full" in kinds:
+            for n in range(1, args.disk_full + 1):
+                record(disk_full_trial(root, ref, n, size_mb=[1, 3, 2, 4][(n - 1) % 4]))
+        if "concurrency" in kinds:
+            for t in concurrency_trial(root, ref, 1):
+                record(t)
+        if "bad-input" in kinds:
+            for t in bad_input_trials(root, finished):
+                record(t)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print()
+    print(f"{'kind':12s} {'trials':>6s}  outcomes")
+    for kind in ("kill", "corruption", "disk-full", "concurrency", "bad-input"):
+        ts = [t for t in trials if t.kind == kind]
+        if ts:
+            counts = Counter(t.outcome for t in ts)
+            print(f"{kind:12s} {len(ts):6d}  " + ", ".join(f"{k}: {v}" for k, v in counts.most_common()))
+    bad = [t for t in trials if not t.ok and t.outcome != "skipped"]
+    silent = sum(1 for t in trials if t.outcome == "SILENT")
+    print(f"\n{len(trials)} trials, {len(bad)} failed, {silent} silent, in {time.time() - t0:.0f} s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
