@@ -25,13 +25,14 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     for name in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        import torch
 
-        if not torch.cuda.is_available():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    except ImportError:
-        pass
+
+def prepare_torch() -> None:
+    """For commands that train or replay: no GPU visible means DeepSpeed's CPU accelerator, said quietly."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def fail(msg: str, code: int = EXIT_DAMAGED) -> typer.Exit:
@@ -41,13 +42,7 @@ def fail(msg: str, code: int = EXIT_DAMAGED) -> typer.Exit:
 
 def guarded(fn: Callable[[], T]) -> T:
     """Run fn; turn the errors verlj knows into one line and an exit code."""
-    from verlj.engine.config import ConfigError
-    from verlj.engine.data import DataError
-    from verlj.engine.models import ModelError
-    from verlj.engine.recovery import ReplayError
-    from verlj.engine.rewards import RewardError
-    from verlj.engine.run import RunError
-    from verlj.engine.snapshot import SnapshotError
+    from verlj.engine.errors import ConfigError, DataError, ModelError, ReplayError, RewardError, RunError, SnapshotError
     from verlj.journal import JournalError
 
     try:

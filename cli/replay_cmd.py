@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from .common import fail, guarded, log_to_stderr_only_on_rank0, quiet_libraries
+from .common import fail, guarded, log_to_stderr_only_on_rank0, prepare_torch, quiet_libraries
 
 
 def replay(
@@ -23,6 +22,7 @@ def replay(
 ) -> None:
     """Load the newest valid snapshot <= N, replay the journal to N checking every fingerprint, print it."""
     quiet_libraries()
+    prepare_torch()
     log_to_stderr_only_on_rank0()
     from verlj.engine import materialize as M
 

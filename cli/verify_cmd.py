@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import EXIT_USAGE, fail, guarded, quiet_libraries
+from .common import EXIT_USAGE, fail, guarded, prepare_torch, quiet_libraries
 
 
 def verify(
@@ -18,6 +18,7 @@ def verify(
 ) -> None:
     """Check the journal's chain and checksums and every snapshot's manifest; say whether and how resume can proceed."""
     quiet_libraries()
+    prepare_torch()  # snapshot files are opened weights-only with torch
     from verlj.engine.verify_run import render, to_json, verify_run
 
     if not path.exists():

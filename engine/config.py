@@ -21,10 +21,9 @@ from typing import Any, Optional
 
 import blake3
 import yaml
+from .errors import ConfigError
 
 
-class ConfigError(ValueError):
-    """A config problem a user must fix: one sentence, naming the key."""
 
 
 # ----------------------------------------------------------------------------- sections

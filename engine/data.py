@@ -17,12 +17,11 @@ import numpy as np
 
 from .config import DataConfig
 from .seeding import derive_seed
+from .errors import DataError
 
 BUILTIN_ADD = "builtin:add"
 
 
-class DataError(ValueError):
-    """The dataset cannot be used: one sentence for the user."""
 
 
 @dataclass(frozen=True)

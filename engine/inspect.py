@@ -22,8 +22,8 @@ import numpy as np
 
 from verlj.journal import Journal
 
-from .run import RunError, has_run, journal_dir
-from .snapshot import check_snapshot
+from .manifest import check_snapshot
+from .rundir import RunError, has_run, journal_dir
 
 
 def open_run(run_dir: Path) -> Journal:
@@ -108,7 +108,7 @@ def render_summary(s: dict) -> str:
         f"config     hash {s['config_hash']}  algorithm {cfg.get('algorithm', {}).get('name')}  "
         f"zero {cfg.get('distributed', {}).get('zero_stage')}  tp {cfg.get('distributed', {}).get('tensor_parallel_size')}  "
         f"actor {cfg.get('model', {}).get('actor', {}).get('model_name_or_path')}",
-        f"versions   " + "  ".join(f"{k} {v}" for k, v in (s["versions"] or {}).items()),
+        "versions   " + "  ".join(f"{k} {v}" for k, v in (s["versions"] or {}).items()),
         f"ranks      {s['world_size']}   created {s['created']}",
         f"steps      {s['steps_committed']} committed, last step {s['last_step']}",
     ]
@@ -179,12 +179,12 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
 
 
 def _tokenizer(config: dict | None):
-    from .models import load_tokenizer
+    from .vocab import TextDecoder
 
     path = (config or {}).get("model", {}).get("actor", {}).get("model_name_or_path")
     try:
-        return load_tokenizer(path) if path else None
-    except Exception:  # noqa: BLE001 - no tokenizer (moved model dir): show token ids instead
+        return TextDecoder(path) if path else None
+    except Exception:  # noqa: BLE001 - no tokenizer.json (model dir moved): show token ids instead
         return None
 
 

@@ -21,7 +21,8 @@ from .config import config_from_dict, diff_configs, make_config
 from .dist import configure_determinism, setup
 from .recovery import check_changeable, config_at, replay, restore
 from .report import Reporter
-from .run import RunError, has_run, journal_dir, now_iso, versions
+from .run import versions
+from .rundir import RunError, has_run, journal_dir, now_iso
 
 
 @dataclass

@@ -14,13 +14,12 @@ import torch
 from torch import nn
 
 from .config import Config, TinyModelConfig
+from .errors import ModelError
+from .vocab import BUILTIN_CHARS, builtin_vocab
 
 BUILTIN_TINY = "builtin:tiny"
-BUILTIN_CHARS = list("0123456789+-*= ")  # the built-in arithmetic task needs no more
 
 
-class ModelError(ValueError):
-    """A model or tokenizer cannot be loaded: one sentence for the user."""
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -31,9 +30,7 @@ def builtin_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3}
-    for c in BUILTIN_CHARS:
-        vocab[c] = len(vocab)
+    vocab = builtin_vocab()
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()

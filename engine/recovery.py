@@ -17,12 +17,12 @@ from verlj.journal import Journal, make_event
 from verlj.journal.failpoints import failpoint
 
 from .config import Config, ConfigError
-from .snapshot import SnapshotError, SnapshotManager, check_snapshot, snapshot_name
+from .errors import ReplayError, SnapshotError
+from .manifest import check_snapshot, snapshot_name
+from .snapshot import SnapshotManager
 from .trainer import StepInputs, Trainer, is_timing
 
 
-class ReplayError(RuntimeError):
-    """Replay could not reproduce the journaled state."""
 
 
 # Keys that may change on resume with --allow-config-change: the trainer reads them every step,
@@ -226,7 +226,7 @@ def resume_state(run_dir: Path, cfg: Config, rt, trainer: Trainer, journal: Jour
         )
     ]
     if rt.is_main:
-        from .run import now_iso
+        from .rundir import now_iso
 
         lineage = journal.get_meta("lineage") or []
         lineage.append({"kind": "resume", "at_step": last, "snapshot_step": step0, "config_changes": changed, "time": now_iso()})

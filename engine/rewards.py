@@ -11,16 +11,13 @@ import importlib
 import math
 import re
 from typing import Callable
-
-import torch
+from .errors import RewardError
 
 RewardFn = Callable[[str, str, str], float]
 
 _NUMBER = re.compile(r"\s*(-?\d+)\s*")
 
 
-class RewardError(ValueError):
-    """A reward function cannot be loaded or returned something unusable."""
 
 
 def add_reward(prompt: str, response: str, answer: str) -> float:
@@ -66,13 +63,15 @@ def rule_rewards(fn: RewardFn, prompts: list[str], responses: list[str], answers
     return out
 
 
-@torch.no_grad()
 def reward_model_scores(model, tokenizer, texts: list[str], device, batch_size: int = 16) -> list[float]:
     """logits[:, 0] of a sequence-classification model on each text."""
+    import torch
+
     model.eval()
     out: list[float] = []
     for i in range(0, len(texts), batch_size):
         enc = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True)
-        logits = model(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device)).logits
+        with torch.no_grad():
+            logits = model(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device)).logits
         out += logits[:, 0].float().cpu().tolist()
     return out

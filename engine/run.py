@@ -11,14 +11,10 @@
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import signal
-import subprocess
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -26,25 +22,10 @@ import torch
 from verlj.journal import Journal, make_event
 from verlj.journal.failpoints import failpoint
 
-from .config import BOOKKEEPING_KEYS, Config, ConfigError, config_from_dict, diff_configs, make_config, to_yaml
+from .config import BOOKKEEPING_KEYS, Config, config_from_dict, diff_configs, make_config, to_yaml
 from .dist import Runtime, configure_determinism, setup
 from .report import Reporter
-
-
-class RunError(RuntimeError):
-    """Something about the run directory a user must act on."""
-
-
-def journal_dir(run_dir: Path) -> Path:
-    return run_dir / "journal"
-
-
-def has_run(run_dir: Path) -> bool:
-    """A journal with a run's metadata. (One without it died before its first write: not a run yet.)"""
-    if not (journal_dir(run_dir) / "data.mdb").is_file():
-        return False
-    with Journal.open_reader(journal_dir(run_dir)) as j:
-        return j.get_meta("config") is not None
+from .rundir import RunError, git_commit, has_run, journal_dir, now_iso, write_json_atomic  # noqa: F401
 
 
 def versions() -> dict[str, str]:
@@ -59,27 +40,6 @@ def versions() -> dict[str, str]:
         "transformers": str(transformers.__version__),
         "python": platform.python_version(),
     }
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def now_iso() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass

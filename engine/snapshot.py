@@ -28,7 +28,6 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import blake3
@@ -39,12 +38,18 @@ from verlj.journal import Journal, packb, unpackb
 from verlj.journal.failpoints import failpoint
 
 from .config import Config
-
-MANIFEST = "manifest.json"
-META = "meta.json"
-ANCHOR = "dataflow_anchor.msgpack"
-SNAPSHOT_VERSION = 1
-HASH_CHUNK = 4 << 20
+from .errors import SnapshotError
+from .manifest import (
+    ANCHOR,
+    MANIFEST,
+    META,
+    SNAPSHOT_VERSION,
+    build_manifest,
+    fsync_dir,
+    fsync_tree,
+    snapshot_name,
+    write_bytes_durable,
+)
 
 # DeepSpeed's checkpoints hold a few plain records besides tensors; these alone may be rebuilt.
 _SAFE_GLOBAL_NAMES = (
@@ -53,14 +58,6 @@ _SAFE_GLOBAL_NAMES = (
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
 )
-
-
-class SnapshotError(RuntimeError):
-    """A snapshot is missing, damaged or unusable: one sentence naming the file."""
-
-
-def snapshot_name(step: int) -> str:
-    return f"step_{step:05d}"
 
 
 def _safe_globals() -> list:
@@ -114,130 +111,6 @@ def install_safe_checkpointing(engine) -> SafeCheckpointEngine:
     if not isinstance(engine.checkpoint_engine, SafeCheckpointEngine):
         engine.checkpoint_engine = SafeCheckpointEngine(engine.checkpoint_engine)
     return engine.checkpoint_engine
-
-
-# ----------------------------------------------------------------------------- files
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    for dirpath, _dirs, files in os.walk(root):
-        for f in files:
-            fsync_file(Path(dirpath) / f)
-        fsync_dir(Path(dirpath))
-
-
-def file_digest(path: Path) -> str:
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_bytes_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def build_manifest(root: Path) -> dict:
-    files = {}
-    for dirpath, _dirs, names in os.walk(root):
-        for name in sorted(names):
-            p = Path(dirpath) / name
-            rel = p.relative_to(root).as_posix()
-            if rel == MANIFEST:
-                continue
-            files[rel] = {"size": p.stat().st_size, "blake3": file_digest(p)}
-    return {"version": SNAPSHOT_VERSION, "hash": "blake3", "files": dict(sorted(files.items()))}
-
-
-@dataclass
-class SnapshotCheck:
-    """The outcome of checking one snapshot: what passed, what did not."""
-
-    path: Path
-    step: int | None = None
-    ok: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    meta: dict | None = None
-    bytes_hashed: int = 0
-
-    @property
-    def valid(self) -> bool:
-        return not self.problems
-
-
-def check_snapshot(path: Path, hash_files: bool = True) -> SnapshotCheck:
-    """Manifest present and parseable; every file present with its size and digest; meta and anchor parse.
-    hash_files=False checks presence and sizes only (for a quick listing)."""
-    res = SnapshotCheck(Path(path))
-    mpath = res.path / MANIFEST
-    if not res.path.is_dir():
-        res.problems.append(f"snapshot directory {res.path} does not exist")
-        return res
-    if not mpath.is_file():
-        res.problems.append(f"{mpath.name} is missing")
-        return res
-    try:
-        manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-        assert manifest["version"] == SNAPSHOT_VERSION and isinstance(files, dict)
-    except (ValueError, KeyError, TypeError, AssertionError):
-        res.problems.append(f"{mpath.name} is not a valid manifest")
-        return res
-    for rel, info in files.items():
-        p = res.path / rel
-        if not p.is_file():
-            res.problems.append(f"{rel} is missing")
-            continue
-        size = p.stat().st_size
-        if size != info["size"]:
-            res.problems.append(f"{rel} has {size} bytes, the manifest says {info['size']}")
-            continue
-        if not hash_files:
-            continue
-        res.bytes_hashed += size
-        if file_digest(p) != info["blake3"]:
-            res.problems.append(f"{rel} fails its checksum")
-    on_disk = {p.relative_to(res.path).as_posix() for p in res.path.rglob("*") if p.is_file()} - {MANIFEST}
-    for extra in sorted(on_disk - set(files)):
-        res.problems.append(f"{extra} is not in the manifest")
-    if res.problems:
-        return res
-    res.ok.append(f"All files present and checksum matched ({len(files)} files)" if hash_files else f"All files present ({len(files)} files)")
-    try:
-        res.meta = json.loads((res.path / META).read_text())
-        res.step = int(res.meta["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        res.problems.append(f"{META} does not parse")
-        return res
-    try:
-        anchor = unpackb((res.path / ANCHOR).read_bytes())
-        res.ok.append(
-            f"Dataflow anchor parsed (dataloader index={anchor['sampler']['cursor']}, epoch={anchor['sampler']['epoch']}, "
-            f"buffer has {len(anchor['buffer']['samples']['id'])} pending samples)"
-        )
-    except Exception:  # noqa: BLE001 - any parse failure is the same finding
-        res.problems.append(f"{ANCHOR} does not parse")
-    return res
 
 
 def rng_state() -> dict:
@@ -502,7 +375,7 @@ class SnapshotManager:
                 shutil.rmtree(trash)
 
     def write_metadata(self, step: int, resume_from: str | None, last_save: int | None = None) -> None:
-        from .run import git_commit, now_iso, write_json_atomic
+        from .rundir import git_commit, now_iso, write_json_atomic
 
         path = self.run_dir / "train_metadata.json"
         old = json.loads(path.read_text()) if path.is_file() else {}

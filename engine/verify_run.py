@@ -15,7 +15,7 @@ from pathlib import Path
 
 from verlj.journal import Journal, JournalError, unpackb, verify_journal
 
-from .snapshot import ANCHOR, META, check_snapshot, snapshot_name
+from .manifest import META, check_snapshot, snapshot_name
 
 
 @dataclass

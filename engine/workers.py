@@ -9,7 +9,6 @@ gradient-accumulation count is set per mini-batch with ``set_train_batch_size``.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 
 import blake3

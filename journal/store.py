@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import socket
 import struct
 import sys
@@ -272,12 +273,14 @@ class Journal:
                     return fn(txn)
             except lmdb.MapFullError:
                 self._env.set_mapsize(self._env.info()["map_size"] * 2)
-            except lmdb.DiskError as e:
-                raise JournalError(f"journal write failed, disk error: {e}") from None
-            except lmdb.Error as e:
-                if "No space left" in str(e):
-                    raise JournalError(f"journal write failed: no space left on device ({self.path})") from None
-                raise
+            except lmdb.Error as e:  # LMDB reports a full disk as EIO or ENOSPC, depending on where it hits
+                raise JournalError(self._write_failure(e)) from None
+
+    def _write_failure(self, e: lmdb.Error) -> str:
+        free = shutil.disk_usage(self.path).free
+        if free < 16 << 20 or "No space left" in str(e):
+            return f"journal write failed: no space left on device ({free} bytes free under {self.path}); nothing committed was lost"
+        return f"journal write failed: {e}"
 
     # ------------------------------------------------------------------ writing
 

@@ -4,7 +4,6 @@ Rank 0 alone writes the journal; every rank gets the records over torch.distribu
 """
 
 import json
-import os
 import random
 
 import pytest

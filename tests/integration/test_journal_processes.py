@@ -1,6 +1,5 @@
 """Journal behaviour across real processes: SIGKILL mid-append, a second writer, a live reader."""
 
-import os
 import random
 import signal
 import subprocess

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from verlj_testing import TINY, fingerprints, train, verlj
+from verlj_testing import fingerprints, train, verlj
 from verlj.journal import Journal
 
 

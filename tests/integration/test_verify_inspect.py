@@ -5,7 +5,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
