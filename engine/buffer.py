@@ -1,7 +1,8 @@
 """Rollout samples and the rollout buffer.
 
 A sample is a dict: ``id``, ``index`` (dataset row), ``group`` (one prompt's n samples share it),
-``prompt_ids``, ``response_ids`` (int64 arrays), ``gen_logprobs`` (float32, per response token),
+``prompt_ids``, ``response_ids`` (int64 arrays), ``gen_logprobs`` and ``ref_logprobs`` (float32, per
+response token; the reference's are empty when no KL term uses them),
 ``score`` (float64: the reward the update uses), ``rule_reward``, ``rm_score``.
 
 Samples travel columnar (padded arrays plus lengths) in journal events and snapshots; live
@@ -15,7 +16,7 @@ import numpy as np
 
 PAD = -1
 SCALAR_FIELDS = {"id": np.int64, "index": np.int64, "group": np.int64, "score": np.float64, "rule_reward": np.float64, "rm_score": np.float64}
-SEQ_FIELDS = {"prompt_ids": np.int32, "response_ids": np.int32, "gen_logprobs": np.float32}
+SEQ_FIELDS = {"prompt_ids": np.int32, "response_ids": np.int32, "gen_logprobs": np.float32, "ref_logprobs": np.float32}
 
 
 def pack_samples(samples: list[dict]) -> dict:

@@ -187,6 +187,9 @@ class Trainer:
             local = self._score(mine, n, prompts, responses, logps)
             timings["timing_s/gen"] += t1 - t0
             timings["timing_s/reward"] += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            self._reference_logprobs(local)
+            timings["timing_s/ref"] = timings.get("timing_s/ref", 0.0) + time.perf_counter() - t2
             # every rank gets every sample; TP peers generated the same ones, keep one copy per DP rank
             gathered = rt.all_gather_obj(pack_samples(local))
             new = [s for r, cols in enumerate(gathered) if r % rt.tp_size == 0 for s in unpack_samples(cols)]
@@ -240,6 +243,24 @@ class Trainer:
             for k in range(len(prompts))
         ]
 
+    def needs_reference(self) -> bool:
+        cfg = self.cfg
+        return (cfg.algorithm.name == "grpo" and cfg.model.actor.use_kl_loss) or cfg.algorithm.kl_coef > 0
+
+    def _reference_logprobs(self, samples: list[dict]) -> None:
+        """The frozen reference's log-probs of each response, computed once at collect time and
+        journaled with the sample: they depend on nothing the update changes, so replay reads them."""
+        if not samples:
+            return
+        if not self.needs_reference():
+            for s in samples:
+                s["ref_logprobs"] = np.zeros(0, dtype=np.float32)
+            return
+        batch = collate(samples, self.tokenizer.pad_token_id, self.rt.device)
+        ref = self.actor.logprobs(batch, model=self.actor.ref).float().cpu().numpy()
+        for i, s in enumerate(samples):
+            s["ref_logprobs"] = ref[i, : len(s["response_ids"])].astype(np.float32)
+
     def _choose_consumed(self, added: list[dict], dropped: set[int]) -> np.ndarray:
         """The first prompts_per_step valid groups in arrival order (carried-over ones first),
         trimmed so every data-parallel rank gets the same number of samples."""
@@ -276,13 +297,20 @@ class Trainer:
             a, b = rt.dp_rank * (S // D), (rt.dp_rank + 1) * (S // D)
             mine = samples[a:b]
             batch = collate(mine, self.tokenizer.pad_token_id, rt.device)
+            mb = cfg.model.actor.mini_batch_size
+            per_rank = len(mine) if mb == 0 else max(1, mb // D)
+            minis = micro_chunks(len(mine), per_rank)
+            # GRPO with one pass over one mini-batch: the policy before the update is the one the
+            # update's own forward sees, so the "old" log-probs come from that forward (detached)
+            fuse_old = cfg.algorithm.name == "grpo" and cfg.model.actor.ppo_epochs == 1 and len(minis) == 1
             t = time.perf_counter()
-            old_lp = self.actor.logprobs(batch)
+            old_lp = None if fuse_old else self.actor.logprobs(batch)
             timings["timing_s/old_log_prob"] = time.perf_counter() - t
-            need_ref = (cfg.algorithm.name == "grpo" and cfg.model.actor.use_kl_loss) or cfg.algorithm.kl_coef > 0
-            t = time.perf_counter()
-            ref_lp = self.actor.logprobs(batch, model=self.actor.ref) if need_ref else None
-            timings["timing_s/ref"] = time.perf_counter() - t
+            ref_lp = None
+            if self.needs_reference():
+                # samples from before a config change that turned the KL on have none journaled
+                self._reference_logprobs([s for s in mine if len(s["ref_logprobs"]) != len(s["response_ids"])])
+                ref_lp = _padded(mine, "ref_logprobs", batch.resp_mask.shape[1], rt.device)
             t = time.perf_counter()
             mask = batch.resp_mask
             if cfg.algorithm.name == "grpo":
@@ -301,9 +329,6 @@ class Trainer:
                 metrics["critic/returns/mean"] = A.masked_mean(returns, mask).item()
             metrics["critic/advantages/mean"] = A.masked_mean(advantages, mask).item()
             timings["timing_s/adv"] = time.perf_counter() - t
-            mb = cfg.model.actor.mini_batch_size
-            per_rank = len(mine) if mb == 0 else max(1, mb // D)
-            minis = micro_chunks(len(mine), per_rank)
             t = time.perf_counter()
             if self.critic is not None:
                 metrics.update(self.critic.update(batch, old_values, returns, minis, cfg.model.actor.ppo_epochs))
@@ -329,6 +354,13 @@ class Trainer:
     def advance_sampler(self, inputs: StepInputs) -> None:
         """Replay: the sampler ends where the journal says this step left it."""
         self.sampler.load_state_dict({**self.sampler.state_dict(), "epoch": inputs.epoch, "cursor": inputs.cursor})
+
+
+def _padded(samples: list[dict], key: str, width: int, device) -> torch.Tensor:
+    out = torch.zeros((len(samples), width), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        out[i, : len(s[key])] = torch.from_numpy(s[key])
+    return out.to(device)
 
 
 def _sample_metrics(samples: list[dict], scores: torch.Tensor, pending: int) -> dict[str, float]:

@@ -165,7 +165,8 @@ class ActorWorker:
                     mb = batch.slice(a + ca, a + cb)
                     sl = slice(a + ca, a + cb)
                     logp, ent = response_logprobs(self.engine, mb, self.temperature, with_entropy=True)
-                    pg_loss, clipfrac, ppo_kl = A.policy_loss(logp, old_logprobs[sl], advantages[sl], mb.resp_mask, self.ac.clip_ratio)
+                    old = logp.detach() if old_logprobs is None else old_logprobs[sl]  # None: fused (see Trainer.apply)
+                    pg_loss, clipfrac, ppo_kl = A.policy_loss(logp, old, advantages[sl], mb.resp_mask, self.ac.clip_ratio)
                     entropy = A.masked_mean(ent, mb.resp_mask)
                     loss = pg_loss - self.ac.entropy_coeff * entropy
                     if self.cfg.algorithm.name == "grpo" and self.ac.use_kl_loss:

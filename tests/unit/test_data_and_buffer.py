@@ -56,6 +56,7 @@ def sample(i, plen, rlen):
         "id": i, "index": i * 3, "group": i - i % 2, "score": float(rng.standard_normal()), "rule_reward": 0.5, "rm_score": 0.0,
         "prompt_ids": rng.integers(0, 50, plen), "response_ids": rng.integers(0, 50, rlen),
         "gen_logprobs": rng.standard_normal(rlen).astype(np.float32),
+        "ref_logprobs": rng.standard_normal(rlen).astype(np.float32),
     }
 
 
