@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from verlj_testing import fingerprints, train, verlj
+from verlj_testing import TINY, fingerprints, train, verlj
 from verlj.journal import Journal
 
 
@@ -128,3 +128,25 @@ def test_default_run_learns(tmp_path):
     r = [row["critic/score/mean"] for row in rows]
     first, last = sum(r[:10]) / 10, sum(r[-10:]) / 10
     assert last > first + 0.08, (first, last)
+
+
+def test_checkpoint_policy_and_tensorboard(tmp_path):
+    """trainer.checkpoint_policy names a class whose should_save decides; TensorBoard gets the metrics."""
+    from verlj.engine.run import train as run_train
+
+    run = tmp_path / "r"
+    run_train(run, None, [*TINY, "trainer.total_steps=12", "trainer.save_interval=0", "trainer.save_total_limit=0",
+                          "trainer.checkpoint_policy=verlj.engine.snapshot.SaveOnRewardDrop", "logging.tensorboard=true"])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    r = {row["step"]: row["critic/score/mean"] for row in rows}
+    drops = {s for s in r if s > 1 and r[s] < r[s - 1] * 0.95}
+    with Journal.open_reader(run / "journal") as j:
+        saved = set(j.snapshots())
+    assert drops, "the run never dropped 5%: the check would be vacuous"
+    assert saved == drops | {12}  # the final step is always saved
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_bad_checkpoint_policy(tmp_path):
+    out = train(tmp_path / "r", "trainer.checkpoint_policy=no.such.Policy")
+    assert_one_line_error(out, 1, "trainer.checkpoint_policy: cannot import 'no.such.Policy'")
