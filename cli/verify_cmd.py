@@ -29,11 +29,11 @@ def verify(
 
 
 def _usage_errors(fn):
-    from verlj.journal import JournalError
+    from verlj.journal import NotAJournalError
 
     try:
         return fn()
-    except JournalError as e:
+    except NotAJournalError as e:  # not a run at all: bad usage. Damage is reported, exit 1.
         raise fail(str(e), EXIT_USAGE) from None
 
 

@@ -94,8 +94,35 @@ class SnapshotCheck:
         return not self.problems
 
 
-def check_snapshot(path: Path, hash_files: bool = True) -> SnapshotCheck:
-    """Manifest present and parseable; every file present with its size and digest; meta and anchor parse.
+def _well_formed(manifest) -> bool:
+    """Version, and for every entry a safe relative path, an integer size and a 64-hex digest."""
+    if not isinstance(manifest, dict) or manifest.get("version") != SNAPSHOT_VERSION:
+        return False
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return False
+    for rel, info in files.items():
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts or rel == MANIFEST:
+            return False
+        if not isinstance(info, dict) or set(info) != {"size", "blake3"}:
+            return False
+        size, digest = info["size"], info["blake3"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return False
+        if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            return False
+    return True
+
+
+def manifest_digest(path: Path) -> str:
+    """BLAKE3 of a snapshot's manifest bytes, as recorded in the journal's snapshot index."""
+    return blake3.blake3((Path(path) / MANIFEST).read_bytes()).hexdigest()
+
+
+def check_snapshot(path: Path, hash_files: bool = True, expected_manifest: str | None = None) -> SnapshotCheck:
+    """Manifest present, well formed (and matching the digest the journal recorded for it, when
+    given); every file present with its size and digest; meta and anchor parse.
     hash_files=False checks presence and sizes only (for a quick listing)."""
     res = SnapshotCheck(Path(path))
     mpath = res.path / MANIFEST
@@ -105,13 +132,18 @@ def check_snapshot(path: Path, hash_files: bool = True) -> SnapshotCheck:
     if not mpath.is_file():
         res.problems.append(f"{mpath.name} is missing")
         return res
+    raw = mpath.read_bytes()
+    if expected_manifest is not None and blake3.blake3(raw).hexdigest() != expected_manifest:
+        res.problems.append(f"{mpath.name} does not match the digest the journal recorded for it")
+        return res
     try:
-        manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-        assert manifest["version"] == SNAPSHOT_VERSION and isinstance(files, dict)
-    except (ValueError, KeyError, TypeError, AssertionError):
+        manifest = json.loads(raw.decode())
+    except ValueError:  # includes UnicodeDecodeError
+        manifest = None
+    if not _well_formed(manifest):
         res.problems.append(f"{mpath.name} is not a valid manifest")
         return res
+    files = manifest["files"]
     for rel, info in files.items():
         p = res.path / rel
         if not p.is_file():

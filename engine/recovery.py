@@ -88,8 +88,10 @@ def choose_snapshot(run_dir: Path, journal: Journal, limit: int, reporter, expli
         candidates = [(s, run_dir / index[s]["path"]) for s in sorted(index, reverse=True) if s <= limit]
     base = journal.base_step()
     fps = journal_fingerprints(journal, [s for s, _ in candidates])
+    index = journal.snapshots()
     for step, path in candidates:
-        res = check_snapshot(path)
+        recorded = index.get(step, {}).get("manifest") if explicit is None else None
+        res = check_snapshot(path, expected_manifest=recorded)
         if not res.valid:
             reporter.warn(f"Skipping damaged snapshot {path}: {res.problems[0]}")
             continue

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from verlj.journal import Journal, JournalError, unpackb, verify_journal
+from verlj.journal import Journal, JournalError, NotAJournalError, unpackb, verify_journal
 
 from .manifest import META, check_snapshot, snapshot_name
 
@@ -78,8 +78,9 @@ def _weights_only_parse(path: Path) -> tuple[int, int]:
     return _count_tensors(obj.get("module") if isinstance(obj, dict) else obj), _count_tensors(optim)
 
 
-def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: bool) -> tuple[SnapshotReport, int]:
-    res = check_snapshot(path)
+def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: bool,
+                    recorded_manifest: str | None = None) -> tuple[SnapshotReport, int]:
+    res = check_snapshot(path, expected_manifest=recorded_manifest)
     rep = SnapshotReport(path.name, res.step, indexed)
     if not res.valid:
         rep.valid = False
@@ -144,40 +145,52 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
     fps: dict[int, str] | None = None
     index: dict[int, dict] = {}
     if (jdir / "data.mdb").is_file():
-        with Journal.open_reader(jdir) as j:
-            jr = verify_journal(j)
-            report.last_step = j.last_step()
-            report.last_good_step = jr.last_good_step
-            try:
-                index = j.snapshots()
-            except JournalError:
-                index = {}
-            try:
-                fps = _fingerprints(j)
-            except JournalError:
-                fps = {}
-        report.journal_ok = jr.ok
-        if jr.ok:
-            report.journal_lines.append(f"✓ Journal intact: steps {jr.first_step}–{jr.last_step}, {jr.steps} records, hash chain verified")
-            report.journal_lines.append("✓ LMDB structure checked (every sub-database walked, entry counts match)")
-        else:
-            report.journal_lines += [f"✗ journal {p}" for p in jr.problems]
+        try:
+            with Journal.open_reader(jdir) as j:
+                jr = verify_journal(j)
+                report.last_step = j.last_step()
+                report.last_good_step = jr.last_good_step
+                try:
+                    index = j.snapshots()
+                except JournalError:
+                    index = {}
+                try:
+                    fps = _fingerprints(j)
+                except JournalError:
+                    fps = {}
+        except NotAJournalError:
+            raise
+        except JournalError as e:  # e.g. a truncated data file: nothing in it can be trusted
+            jr = None
+            report.journal_ok = False
+            report.journal_lines.append(f"✗ journal: {e}")
+            fps = {}
+        if jr is not None:
+            report.journal_ok = jr.ok
+            if jr.ok:
+                report.journal_lines.append(f"✓ Journal intact: steps {jr.first_step}–{jr.last_step}, {jr.steps} records, hash chain verified")
+                report.journal_lines.append("✓ LMDB structure checked (every sub-database walked, entry counts match)")
+            else:
+                report.journal_lines += [f"✗ journal {p}" for p in jr.problems]
     elif not single:
-        raise JournalError(f"{path} is not a verlj run (no journal/ inside)")
+        raise NotAJournalError(f"{path} is not a verlj run (no journal/ inside)")
     else:
         report.journal_lines.append("· no journal next to this snapshot: checked on its own")
     if single:
         if not path.is_dir():
             raise JournalError(f"snapshot {path} does not exist")
-        rep, n = verify_snapshot(path, fps, indexed=path.name in {info["path"] for info in index.values()})
+        entry = next((info for info in index.values() if info["path"] == path.name), None)
+        rep, n = verify_snapshot(path, fps, indexed=entry is not None, recorded_manifest=entry and entry.get("manifest"))
         report.snapshots.append(rep)
         report.bytes_hashed += n
     else:
         names = {p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("step_")}
         names |= {info["path"] for info in index.values()}
         indexed = {info["path"] for info in index.values()}
+        by_name = {info["path"]: info for info in index.values()}
         for name in sorted(names):
-            rep, n = verify_snapshot(run_dir / name, fps, indexed=name in indexed)
+            rep, n = verify_snapshot(run_dir / name, fps, indexed=name in indexed,
+                                     recorded_manifest=by_name.get(name, {}).get("manifest"))
             report.snapshots.append(rep)
             report.bytes_hashed += n
         usable = [s for s in report.snapshots if s.valid and s.indexed and s.step is not None
@@ -229,7 +242,7 @@ def render(report: RunReport) -> str:
     if report.resume_from is not None:
         tail = f", then replay steps {report.replay[0]}–{report.replay[1]} from the journal" if report.replay else ""
         lines.append(f"Resume is possible from {report.resume_from}{tail}.")
-    elif report.last_good_step is None and report.snapshots:
+    elif not report.journal_ok and report.last_good_step is None:
         lines.append("Resume is not possible: the journal is damaged.")
     lines.append("OK: everything used for resume is intact." if report.ok else "DAMAGED: see the ✗ lines above.")
     return "\n".join(lines)

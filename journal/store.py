@@ -149,8 +149,21 @@ def _open_env(path: Path, *, writable: bool, map_size: int) -> lmdb.Environment:
             meminit=False,
         )
         env.reader_check()  # clear reader slots left by dead processes
+        _check_not_truncated(env, path)
         _ENVS[key] = [env, os.getpid(), writable, 1]
         return env
+
+
+def _check_not_truncated(env: lmdb.Environment, path: Path) -> None:
+    """LMDB maps the file; touching a page past its end kills the process with SIGBUS. Opening reads
+    only the meta pages, so compare the last page they name with the file's length first."""
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    have = os.path.getsize(Path(path) / "data.mdb")
+    if have < need:
+        env.close()
+        raise JournalError(
+            f"journal {path} is truncated: data.mdb has {have} bytes but its last committed page ends at byte {need}"
+        )
 
 
 def _close_env(path: Path) -> None:

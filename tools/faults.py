@@ -172,8 +172,9 @@ def kill_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
 
 
 def corrupt(run: Path, rng: random.Random) -> str:
-    files = [p for p in sorted(run.rglob("step_*/**/*")) if p.is_file()] + [run / "journal" / "data.mdb"]
-    target = rng.choice(files)
+    files = [p for p in sorted(run.rglob("step_*/**/*")) if p.is_file()]
+    # the journal is one file among dozens: aim a third of the trials at it
+    target = run / "journal" / "data.mdb" if rng.random() < 1 / 3 else rng.choice(files)
     rel = target.relative_to(run)
     data = bytearray(target.read_bytes())
     action = rng.choice(["flip", "flip", "flip", "truncate", "delete"])

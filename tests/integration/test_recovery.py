@@ -229,16 +229,22 @@ def test_config_change_on_resume(tmp_path, references):
     assert json.loads(out.stdout.strip().splitlines()[-1])["fingerprint"] == fingerprints(run)[6]
 
 
-def test_graceful_sigint_then_resume(tmp_path, references):
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *GRPO_DYN]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+def signal_after(run, sig, marker, *extra, **env_extra) -> tuple[int, str, str]:
+    """Start `verlj train`, send `sig` once a stdout line contains `marker`; (exit code, rest of stdout, stderr)."""
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *GRPO_DYN, *extra]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(**env_extra), cwd=REPO)
     for line in p.stdout:
-        if "[INFO] Step 2: reward" in line:
-            p.send_signal(signal.SIGINT)
+        if marker in line:
+            p.send_signal(sig)
             break
     rest, err = p.communicate(timeout=120)
-    assert p.returncode == 0, err[-2000:]
+    return p.returncode, rest, err
+
+
+def test_graceful_sigint_then_resume(tmp_path, references):
+    run = tmp_path / "run"
+    code, rest, err = signal_after(run, signal.SIGINT, "[INFO] Step 2: reward")
+    assert code == 0, err[-2000:]
     assert "Received SIGINT" in rest
     ok, last = journal_ok(run)
     assert ok and 2 <= last < TARGET
@@ -251,16 +257,11 @@ def test_graceful_sigint_then_resume(tmp_path, references):
 
 def test_sigterm_and_double_sigint(tmp_path, references):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *GRPO_DYN]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
-    for line in p.stdout:
-        if "[INFO] Step 1: reward" in line:
-            p.send_signal(signal.SIGTERM)
-            break
-    rest, _ = p.communicate(timeout=120)
-    assert p.returncode == 0 and "Received SIGTERM" in rest
+    code, rest, _ = signal_after(run, signal.SIGTERM, "[INFO] Step 1: reward")
+    assert code == 0 and "Received SIGTERM" in rest
     # a second SIGINT stops at once: stall step 2 (before its commit) to deliver both inside it
-    p = subprocess.Popen(cmd + ["--resume"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *GRPO_DYN, "--resume"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=env(VERLJ_FAILPOINT="step.before_commit:1:sleep=30"), cwd=REPO)
     for line in p.stdout:
         if "Continuing training" in line:

@@ -99,7 +99,7 @@ EXPECT = {
     "missing file": "dataflow_anchor.msgpack is missing",
     "missing manifest": "manifest.json is missing",
     "wrong size": "meta.json has",
-    "garbled manifest": "manifest.json is not a valid manifest",
+    "garbled manifest": "manifest.json does not match the digest the journal recorded for it",
 }
 
 
