@@ -21,8 +21,8 @@ from .config import config_from_dict, diff_configs, make_config
 from .dist import configure_determinism, setup
 from .recovery import check_changeable, config_at, replay, restore
 from .report import Reporter
-from .run import versions
-from .rundir import RunError, has_run, journal_dir, now_iso
+from .run import run_meta
+from .rundir import RunError, has_run, journal_dir
 
 
 @dataclass
@@ -132,22 +132,8 @@ def fork(m: Materialized, parent: Path, new_run: Path, overrides: list[str]) -> 
             chain = pj.chain_hash(m.step)
         new_run.mkdir(parents=True, exist_ok=True)
         journal = Journal.open_writer(journal_dir(new_run))
-        journal.update_meta(
-            {
-                "base_step": m.step,
-                "chain_base": chain,
-                "parent": {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint},
-                "config": cfg.to_dict(),
-                "config_hash": cfg.hash(),
-                "seed": cfg.trainer.seed,
-                "versions": versions(),
-                "world_size": rt.world_size,
-                "tensor_parallel_size": rt.tp_size,
-                "num_threads": cfg.trainer.num_threads,
-                "created": now_iso(),
-                "run_dir": str(new_run.resolve()),
-            }
-        )
+        parent = {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint}
+        journal.update_meta({**run_meta(cfg, rt, new_run), "base_step": m.step, "chain_base": chain, "parent": parent})
     reporter = Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps)
     try:
         snaps = SnapshotManager(new_run, cfg, rt, trainer, journal, reporter)

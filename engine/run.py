@@ -133,20 +133,7 @@ def train(
         else:
             last = 0
             if rt.is_main:
-                journal.update_meta(
-                    {
-                        "config": cfg.to_dict(),
-                        "config_hash": cfg.hash(),
-                        "seed": cfg.trainer.seed,
-                        "versions": versions(),
-                        "world_size": rt.world_size,
-                        "tensor_parallel_size": rt.tp_size,
-                        "num_threads": cfg.trainer.num_threads,
-                        "created": now_iso(),
-                        "git_commit": git_commit(),
-                        "run_dir": str(run_dir.resolve()),
-                    }
-                )
+                journal.update_meta(run_meta(cfg, rt, run_dir))
             control.append(make_event("control", kind="start", details={"config_hash": cfg.hash(), "world_size": rt.world_size}))
             reporter.info("Step 0: Starting training...")
         return train_loop(cfg, rt, trainer, snaps, journal, reporter, last, control, run_dir, stop)
@@ -190,6 +177,22 @@ def train_loop(cfg: Config, rt: Runtime, trainer, snaps, journal: Journal | None
     if rt.is_main:
         snaps.write_metadata(step, resume_from=None)
     return step
+
+
+def run_meta(cfg: Config, rt: Runtime, run_dir: Path) -> dict:
+    """The journal's run metadata: what produced this run."""
+    return {
+        "config": cfg.to_dict(),
+        "config_hash": cfg.hash(),
+        "seed": cfg.trainer.seed,
+        "versions": versions(),
+        "world_size": rt.world_size,
+        "tensor_parallel_size": rt.tp_size,
+        "num_threads": cfg.trainer.num_threads,
+        "created": now_iso(),
+        "git_commit": git_commit(),
+        "run_dir": str(run_dir.resolve()),
+    }
 
 
 def on_rank0(rt: Runtime, fn):

@@ -123,6 +123,17 @@ def micro_chunks(n: int, micro: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + micro)) for a in range(0, n, micro)]
 
 
+def accumulation(engine, micro: int, dp: int, mini_batches: list[tuple[int, int]], epochs: int):
+    """Yield (slice, is_boundary) per micro-batch. A mini-batch is one optimizer step: DeepSpeed's
+    accumulation count is set to its number of micro-batches, which may change between steps."""
+    for _ in range(epochs):
+        for a, b in mini_batches:
+            chunks = micro_chunks(b - a, micro)
+            engine.set_train_batch_size(micro * len(chunks) * dp)
+            for ca, cb in chunks:
+                yield slice(a + ca, a + cb), cb == chunks[-1][1]
+
+
 # ----------------------------------------------------------------------------- actor
 
 
@@ -156,29 +167,24 @@ class ActorWorker:
 
     def update(self, batch: Batch, advantages, old_logprobs, ref_logprobs, mini_batches: list[tuple[int, int]]) -> dict[str, float]:
         stats: dict[str, list[float]] = {}
-        micro = self.ac.micro_batch_size
-        for _ in range(self.ac.ppo_epochs):
-            for a, b in mini_batches:
-                chunks = micro_chunks(b - a, micro)
-                self.engine.set_train_batch_size(micro * len(chunks) * self.rt.dp_size)
-                for ca, cb in chunks:
-                    mb = batch.slice(a + ca, a + cb)
-                    sl = slice(a + ca, a + cb)
-                    logp, ent = response_logprobs(self.engine, mb, self.temperature, with_entropy=True)
-                    old = logp.detach() if old_logprobs is None else old_logprobs[sl]  # None: fused (see Trainer.apply)
-                    pg_loss, clipfrac, ppo_kl = A.policy_loss(logp, old, advantages[sl], mb.resp_mask, self.ac.clip_ratio)
-                    entropy = A.masked_mean(ent, mb.resp_mask)
-                    loss = pg_loss - self.ac.entropy_coeff * entropy
-                    if self.cfg.algorithm.name == "grpo" and self.ac.use_kl_loss:
-                        kl = A.masked_mean(A.kl_k3(logp, ref_logprobs[sl]), mb.resp_mask)
-                        loss = loss + self.ac.kl_loss_coef * kl
-                        _add(stats, "actor/kl_loss", kl.item())
-                    self.engine.backward(loss)
-                    norm = _step(self.engine, boundary=cb == chunks[-1][1])
-                    _add(stats, "actor/pg_loss", pg_loss.item())
-                    _add(stats, "actor/pg_clipfrac", clipfrac.item())
-                    _add(stats, "actor/ppo_kl", ppo_kl.item())
-                    _add(stats, "actor/entropy", entropy.item())
+        for sl, boundary in accumulation(self.engine, self.ac.micro_batch_size, self.rt.dp_size, mini_batches, self.ac.ppo_epochs):
+            mb = batch.slice(sl.start, sl.stop)
+            logp, ent = response_logprobs(self.engine, mb, self.temperature, with_entropy=True)
+            old = logp.detach() if old_logprobs is None else old_logprobs[sl]  # None: fused (see Trainer.apply)
+            pg_loss, clipfrac, ppo_kl = A.policy_loss(logp, old, advantages[sl], mb.resp_mask, self.ac.clip_ratio)
+            entropy = A.masked_mean(ent, mb.resp_mask)
+            loss = pg_loss - self.ac.entropy_coeff * entropy
+            if self.cfg.algorithm.name == "grpo" and self.ac.use_kl_loss:
+                kl = A.masked_mean(A.kl_k3(logp, ref_logprobs[sl]), mb.resp_mask)
+                loss = loss + self.ac.kl_loss_coef * kl
+                _add(stats, "actor/kl_loss", kl.item())
+            self.engine.backward(loss)
+            norm = _step(self.engine, boundary)
+            _add(stats, "actor/pg_loss", pg_loss.item())
+            _add(stats, "actor/pg_clipfrac", clipfrac.item())
+            _add(stats, "actor/ppo_kl", ppo_kl.item())
+            _add(stats, "actor/entropy", entropy.item())
+            if boundary:
                 _add(stats, "actor/grad_norm", norm)
         out = {k: float(np.mean(v)) for k, v in stats.items()}
         out["actor/lr"] = float(self.engine.get_lr()[0])
@@ -212,20 +218,15 @@ class CriticWorker:
 
     def update(self, batch: Batch, old_values, returns, mini_batches, epochs: int) -> dict[str, float]:
         stats: dict[str, list[float]] = {}
-        micro = self.cc.micro_batch_size
-        for _ in range(epochs):
-            for a, b in mini_batches:
-                chunks = micro_chunks(b - a, micro)
-                self.engine.set_train_batch_size(micro * len(chunks) * self.rt.dp_size)
-                for ca, cb in chunks:
-                    mb = batch.slice(a + ca, a + cb)
-                    sl = slice(a + ca, a + cb)
-                    v = self._values(self.engine, mb)
-                    loss, clipfrac = A.value_loss(v, old_values[sl], returns[sl], mb.resp_mask, self.cc.cliprange_value)
-                    self.engine.backward(loss)
-                    norm = _step(self.engine, boundary=cb == chunks[-1][1])
-                    _add(stats, "critic/vf_loss", loss.item())
-                    _add(stats, "critic/vf_clipfrac", clipfrac.item())
+        for sl, boundary in accumulation(self.engine, self.cc.micro_batch_size, self.rt.dp_size, mini_batches, epochs):
+            mb = batch.slice(sl.start, sl.stop)
+            v = self._values(self.engine, mb)
+            loss, clipfrac = A.value_loss(v, old_values[sl], returns[sl], mb.resp_mask, self.cc.cliprange_value)
+            self.engine.backward(loss)
+            norm = _step(self.engine, boundary)
+            _add(stats, "critic/vf_loss", loss.item())
+            _add(stats, "critic/vf_clipfrac", clipfrac.item())
+            if boundary:
                 _add(stats, "critic/grad_norm", norm)
         out = {k: float(np.mean(v)) for k, v in stats.items()}
         out["critic/lr"] = float(self.engine.get_lr()[0])

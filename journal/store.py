@@ -419,11 +419,16 @@ class Journal:
 
     def iter_raw(self, start: int | None = None, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
         """Stream (step, raw frame) for start <= step <= stop in short read transactions (constant memory)."""
+        return self._iter_db(self._steps, start, stop, READ_CHUNK)
+
+    def _iter_db(self, db, start: int | None, stop: int | None, chunk: int) -> Iterator[tuple[int, bytes]]:
+        """(step, value) for start <= step <= stop, `chunk` entries per read transaction: a reader never
+        pins old pages for long, and each chunk sees a committed prefix of an append-only log."""
         next_key = step_key(start if start is not None else 0)
         while True:
             batch = []
             with self._read() as txn:
-                cur = txn.cursor(self._steps)
+                cur = txn.cursor(db)
                 if not cur.set_range(next_key):
                     return
                 for key, value in cur:
@@ -431,12 +436,10 @@ class Journal:
                     if stop is not None and s > stop:
                         break
                     batch.append((s, bytes(value)))
-                    if len(batch) >= READ_CHUNK:
+                    if len(batch) >= chunk:
                         break
-            if not batch:
-                return
             yield from batch
-            if stop is not None and batch[-1][0] >= stop or len(batch) < READ_CHUNK:
+            if len(batch) < chunk or (stop is not None and batch[-1][0] >= stop):
                 return
             next_key = step_key(batch[-1][0] + 1)
 
@@ -460,27 +463,8 @@ class Journal:
 
     def iter_summaries(self, start: int | None = None, stop: int | None = None) -> Iterator[dict]:
         """Stream summaries for start <= step <= stop: what metrics, find and diff read."""
-        next_key = step_key(start if start is not None else 0)
-        while True:
-            batch = []
-            with self._read() as txn:
-                cur = txn.cursor(self._summary)
-                if not cur.set_range(next_key):
-                    return
-                for key, value in cur:
-                    s = key_step(key)
-                    if stop is not None and s > stop:
-                        break
-                    batch.append((s, bytes(value)))
-                    if len(batch) >= READ_CHUNK * 4:
-                        break
-            if not batch:
-                return
-            for s, raw in batch:
-                yield self._summary_decode(raw, s)
-            if stop is not None and batch[-1][0] >= stop or len(batch) < READ_CHUNK * 4:
-                return
-            next_key = step_key(batch[-1][0] + 1)
+        for step, raw in self._iter_db(self._summary, start, stop, READ_CHUNK * 4):
+            yield self._summary_decode(raw, step)
 
     def _summary_decode(self, raw: bytes, step: int) -> dict:
         summary = unframe_plain(raw, f"summary of step {step}")
