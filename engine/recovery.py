@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verlj.journal import Journal, make_event
+from verlj.journal import Journal, make_event, verify_journal
 from verlj.journal.failpoints import failpoint
 
 from .config import Config, ConfigError
@@ -189,6 +189,14 @@ def resume_state(run_dir: Path, cfg: Config, rt, trainer: Trainer, journal: Jour
     Returns (last committed step, control events for the next record)."""
     from .config import config_from_dict
 
+    problem = None
+    if rt.is_main:  # build on an intact journal only: damage anywhere is refused, not carried forward
+        report = verify_journal(journal, decode=False)
+        if not report.ok:
+            problem = f"{report.first_problem}"
+    problem = rt.broadcast_obj(problem)
+    if problem:
+        raise ReplayError(f"the journal is damaged ({problem}); resume refuses to build on it. Run `verlj verify {run_dir}`")
     last = rt.broadcast_obj(journal.last_step() if rt.is_main else None)
     spec = cfg.trainer.resume_from
     explicit, limit = None, last
