@@ -20,7 +20,7 @@ Meta and snapshot frames are ``MAGIC_PLAIN | H(body) | body``.
 Rules from py-lmdb's documentation that this module keeps: one environment
 per path per process (shared through ``_ENVS``), opened in the process that
 uses it (never inherited across fork); every transaction in a ``with``;
-commits fsynced (LMDB's default, never ``sync=False``); the map grows here and
+commits fsynced (LMDB's default; sync is never turned off); the map grows here and
 only here.
 """
 
