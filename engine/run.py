@@ -101,7 +101,7 @@ def train(
         )
     if resume and not existing:
         if run_dir.exists() and any(p.name != "journal" for p in run_dir.iterdir()):
-            raise RunError(f"{run_dir} is not a verlj run (no journal/); nothing to resume")
+            raise RunError(f"{run_dir} is not a verlj run (no journal/data.mdb with run metadata); nothing to resume")
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--output-dir {run_dir} exists and is not a directory")
     cfg, changed, _stored = resolve_config(run_dir, config_file, overrides, resume and existing, allow_config_change)
