@@ -6,7 +6,8 @@ import logging
 import os
 import sys
 import warnings
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import typer
 
@@ -42,20 +43,45 @@ def fail(msg: str, code: int = EXIT_DAMAGED) -> typer.Exit:
 
 def guarded(fn: Callable[[], T]) -> T:
     """Run fn; turn the errors verlj knows into one line and an exit code."""
-    from verlj.engine.errors import ConfigError, DataError, ModelError, ReplayError, RewardError, RunError, SnapshotError
+    from verlj.engine.errors import (
+        ConfigError,
+        DataError,
+        ModelError,
+        PluginError,
+        ReplayError,
+        RewardError,
+        RunError,
+        SnapshotError,
+    )
     from verlj.journal import JournalError
 
     try:
         return fn()
     except ConfigError as e:
         raise fail(str(e), EXIT_USAGE) from None
-    except (RunError, JournalError, SnapshotError, ModelError, DataError, RewardError, ReplayError) as e:
+    except (RunError, JournalError, SnapshotError, ModelError, DataError, RewardError, ReplayError, PluginError) as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:
         typer.echo("Interrupted: stopped at once; the journal holds every step committed so far.", err=True)
         raise typer.Exit(130) from None
     except OSError as e:
         raise fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e)) from None
+
+
+def data_stdout() -> Callable[[str], None]:
+    """Keep stdout for the command's own output. Libraries print to the process's stdout (DeepSpeed's
+    "... built successfully", compilers run by it): from here on file descriptor 1 is stderr, and the
+    returned function writes to the real stdout."""
+    sys.stdout.flush()
+    real = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def out(line: str) -> None:
+        real.write(line + "\n")
+        real.flush()
+
+    return out
 
 
 def is_rank0() -> bool:

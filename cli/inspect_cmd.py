@@ -26,14 +26,14 @@ def inspect(
 ) -> None:
     """A run's summary, or (--step N) its step N: data, seeds, buffer changes, samples as text, metrics, fingerprint."""
     quiet_libraries()
-    from verlj.engine import inspect as I
+    from verlj.engine.post_mortem import inspection
 
     if step is None:
-        s = guarded(lambda: I.run_summary(run))
-        typer.echo(json.dumps(_jsonable(s), indent=2) if as_json else I.render_summary(s))
+        s = guarded(lambda: inspection.run_summary(run))
+        typer.echo(json.dumps(_jsonable(s), indent=2) if as_json else inspection.render_summary(s))
     else:
-        d = guarded(lambda: I.step_detail(run, step, max_samples))
-        typer.echo(json.dumps(_jsonable(d), indent=2) if as_json else I.render_step(d))
+        d = guarded(lambda: inspection.step_detail(run, step, max_samples))
+        typer.echo(json.dumps(_jsonable(d), indent=2) if as_json else inspection.render_step(d))
 
 
 def metrics(
@@ -46,12 +46,12 @@ def metrics(
 ) -> None:
     """Metrics per step as a table, CSV, JSONL or a plot."""
     quiet_libraries()
-    from verlj.engine import inspect as I
+    from verlj.engine.post_mortem import inspection
 
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
-    cols, rows = guarded(lambda: I.metric_rows(run, wanted, steps))
+    cols, rows = guarded(lambda: inspection.metric_rows(run, wanted, steps))
     if plot is not None:
-        from verlj.engine.plot import plot_metrics
+        from verlj.engine.post_mortem.plot import plot_metrics
 
         guarded(lambda: plot_metrics(run, cols if wanted else _default_plot_cols(cols), rows, plot))
         typer.echo(f"wrote {plot}")
@@ -95,9 +95,9 @@ def find(
 ) -> None:
     """The steps whose metrics match a condition, first one first."""
     quiet_libraries()
-    from verlj.engine import inspect as I
+    from verlj.engine.post_mortem import inspection
 
-    hits = guarded(lambda: I.find_steps(run, where, limit))
+    hits = guarded(lambda: inspection.find_steps(run, where, limit))
     if as_json:
         typer.echo(json.dumps([{"step": s, **v} for s, v in hits], allow_nan=True))
         return
@@ -117,10 +117,10 @@ def diff(
 ) -> None:
     """The first step where two runs' journals differ, and what differs there. Exit 1 if they differ."""
     quiet_libraries()
-    from verlj.engine import inspect as I
+    from verlj.engine.post_mortem import inspection
 
-    d = guarded(lambda: I.first_difference(run_a, run_b, full))
-    typer.echo(json.dumps(_jsonable(d), indent=2) if as_json else I.render_diff(d, run_a, run_b))
+    d = guarded(lambda: inspection.first_difference(run_a, run_b, full))
+    typer.echo(json.dumps(_jsonable(d), indent=2) if as_json else inspection.render_diff(d, run_a, run_b))
     raise typer.Exit(0 if d["identical"] else 1)
 
 

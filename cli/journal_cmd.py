@@ -20,7 +20,7 @@ def verify(path: Annotated[Path, typer.Argument(help="A journal directory (RUN/j
             report = verify_journal(j)
     except JournalError as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     for p in report.problems:
         typer.echo(f"✗ {p}")
     if report.ok:

@@ -7,47 +7,49 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import fail, guarded, log_to_stderr_only_on_rank0, prepare_torch, quiet_libraries
+from .common import data_stdout, fail, guarded, log_to_stderr_only_on_rank0, prepare_torch, quiet_libraries
 
 
 def replay(
     run: Annotated[Path, typer.Argument(help="Run directory.")],
     to_step: Annotated[int, typer.Option("--to-step", help="The completed step to bring back.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print {step, fingerprint, from_snapshot} as JSON.")] = False,
-    export: Annotated[Optional[Path], typer.Option("--export", help="Write the actor as a Hugging Face model directory.")] = None,
-    snapshot: Annotated[Optional[Path], typer.Option("--snapshot", help="Write the state as a verlj snapshot directory.")] = None,
-    fork: Annotated[Optional[Path], typer.Option("--fork", help="Start a new run from this state in NEW_RUN.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print {step, fingerprint, from_snapshot} as JSON (the only thing on stdout).")] = False,
+    export: Annotated[Optional[Path], typer.Option("--export", help="Write the actor as a Hugging Face model directory (new or empty).")] = None,
+    snapshot: Annotated[Optional[Path], typer.Option("--snapshot", help="Write the state as a verlj snapshot directory (new or empty).")] = None,
+    fork: Annotated[Optional[Path], typer.Option("--fork", help="Start a new run from this state in NEW_RUN (new or empty).")] = None,
     overrides: Annotated[Optional[list[str]], typer.Argument(help="With --fork: config overrides for the new run.")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log what recovery does.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log what recovery does (on stderr).")] = False,
 ) -> None:
     """Load the newest valid snapshot <= N, replay the journal to N checking every fingerprint, print it."""
     quiet_libraries()
     prepare_torch()
     log_to_stderr_only_on_rank0()
-    from verlj.engine import materialize as M
+    out = data_stdout()  # what this command prints for people or tools; everything else goes to stderr
+    from verlj.engine.post_mortem import materialize
 
     if overrides and fork is None:
         raise fail("config overrides are only meaningful with --fork", 2)
     if to_step < 0:
         raise fail("--to-step must be a step number (>= 1)", 2)
-    m = guarded(lambda: M.materialize(run, to_step, quiet=not verbose))
+    guarded(lambda: materialize.check_outputs(export, snapshot, fork))
+    m = guarded(lambda: materialize.materialize(run, to_step, quiet=not verbose))
     if export is not None:
-        guarded(lambda: M.export_hf(m, export))
+        guarded(lambda: materialize.export_hf(m, export))
     if snapshot is not None:
-        guarded(lambda: M.write_snapshot(m, snapshot))
+        guarded(lambda: materialize.write_snapshot(m, snapshot))
     if m.rt.is_main:
         if as_json:
-            typer.echo(M.replay_report(m))
+            out(materialize.replay_report(m))
         else:
             src = f"snapshot step_{m.from_snapshot:05d}" if m.from_snapshot else "the initial state"
-            typer.echo(f"step {m.step}: fingerprint {m.fingerprint} (from {src}, replayed {m.step - m.from_snapshot} steps)")
+            out(f"step {m.step}: fingerprint {m.fingerprint} (from {src}, replayed {m.step - m.from_snapshot} steps)")
             if export is not None:
-                typer.echo(f"exported the actor to {export}")
+                out(f"exported the actor to {export}")
             if snapshot is not None:
-                typer.echo(f"wrote a snapshot to {snapshot}")
+                out(f"wrote a snapshot to {snapshot}")
     if fork is not None:
-        last = guarded(lambda: M.fork(m, run, fork, list(overrides or [])))
-        typer.echo(f"Done: forked run {fork}, last committed step {last}")
+        last = guarded(lambda: materialize.fork(m, run, fork, list(overrides or [])))
+        out(f"Done: forked run {fork}, last committed step {last}")
 
 
 def register(app: typer.Typer) -> None:

@@ -19,7 +19,7 @@ def verify(
     """Check the journal's chain and checksums and every snapshot's manifest; say whether and how resume can proceed."""
     quiet_libraries()
     prepare_torch()  # snapshot files are opened weights-only with torch
-    from verlj.engine.verify_run import render, to_json, verify_run
+    from verlj.engine.post_mortem.verify import render, to_json, verify_run
 
     if not path.exists():
         raise fail(f"{path} does not exist", EXIT_USAGE)

@@ -6,6 +6,15 @@
 Sections follow the shape verl users know (trainer / algorithm / model / data / rollout /
 distributed / logging). Every field's comment is its documentation. A wrong key, type or
 value raises :class:`ConfigError` with one sentence naming the key and what is allowed.
+
+Each field also declares, where it is declared, what a change to it means for a run in progress
+(:func:`check_change` is the one place that applies it, for resume and fork alike):
+
+- fixed (the default): shapes the engines, the data or the random streams; never changes in a run;
+- ``live(...)``: read by the trainer every step; may change on resume with --allow-config-change
+  or on fork, and replay applies each step under the config in force when it was journaled;
+- ``bookkeeping(...)``: shapes only the future or the logs (steps to run, snapshots, logging);
+  may always change on resume, and is left out of the config hash.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,9 +31,21 @@ from typing import Any, Optional
 
 import blake3
 import yaml
+
 from .errors import ConfigError
 
+FIXED, LIVE, BOOKKEEPING = "fixed", "live", "bookkeeping"
+MAX_SEED = 2**63 - 1  # seeds are journaled as msgpack integers and seed int64 generators
 
+
+def live(default):
+    """A field the trainer reads every step: changeable on resume (--allow-config-change) or fork."""
+    return field(default=default, metadata={"policy": LIVE})
+
+
+def bookkeeping(default):
+    """A field that shapes only the future or the logs: changeable on any resume."""
+    return field(default=default, metadata={"policy": BOOKKEEPING})
 
 
 # ----------------------------------------------------------------------------- sections
@@ -31,13 +53,14 @@ from .errors import ConfigError
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 200  # training steps (one step = one rollout batch and its update)
+    total_steps: int = bookkeeping(200)  # training steps (one step = one rollout batch and its update)
     seed: int = 1  # run seed; every per-step seed is derived from it
-    save_interval: int = 50  # snapshot every N steps (0 = never, apart from the final one)
-    save_total_limit: int = 3  # keep at most N snapshots (0 = keep all)
-    resume_from: Optional[str] = None  # null | auto | a snapshot path | a step number
-    checkpoint_policy: Optional[str] = None  # dotted path of a CheckpointPolicy class
-    async_save: bool = False  # write snapshots in the background
+    save_interval: int = bookkeeping(50)  # snapshot every N steps (0 = never, apart from the final one)
+    save_total_limit: int = bookkeeping(3)  # keep at most N snapshots (0 = keep all)
+    resume_from: Optional[str] = bookkeeping(None)  # null | auto | a snapshot path | a step number
+    checkpoint_policy: Optional[str] = bookkeeping(None)  # dotted path of a CheckpointPolicy class
+    checkpoint_policy_kwargs: dict = field(default_factory=dict, metadata={"policy": BOOKKEEPING})  # its constructor's arguments
+    async_save: bool = bookkeeping(False)  # write snapshots in the background
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "fp32"  # fp32 | bf16
     num_threads: int = 1  # torch intra-op threads per rank (fixed for reproducibility)
@@ -47,7 +70,10 @@ class TrainerConfig:
         _positive("trainer.total_steps", self.total_steps)
         _at_least("trainer.save_interval", self.save_interval, 0)
         _at_least("trainer.save_total_limit", self.save_total_limit, 0)
-        _at_least("trainer.seed", self.seed, 0)
+        _range("trainer.seed", self.seed, 0, MAX_SEED)
+        if self.resume_from is not None and self.resume_from != "auto" and self.resume_from.lstrip("+-").isdigit() \
+                and int(self.resume_from) < 0:
+            raise ConfigError(f"trainer.resume_from must be null, auto, a snapshot path or a step number >= 0, got {self.resume_from}")
         _positive("trainer.num_threads", self.num_threads)
         _choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
         _choice("trainer.precision", self.precision, ("fp32", "bf16"))
@@ -56,12 +82,12 @@ class TrainerConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"  # grpo | ppo
-    gamma: float = 1.0  # PPO: discount for GAE
-    lam: float = 0.95  # PPO: GAE lambda
-    kl_coef: float = 0.0  # PPO: KL-to-reference penalty folded into token rewards
-    norm_adv_by_std: bool = True  # GRPO: divide group-centred rewards by the group std
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards do not vary, draw more prompts
-    max_sampling_rounds: int = 4  # dynamic sampling: generation rounds per step at most
+    gamma: float = live(1.0)  # PPO: discount for GAE
+    lam: float = live(0.95)  # PPO: GAE lambda
+    kl_coef: float = live(0.0)  # PPO: KL-to-reference penalty folded into token rewards
+    norm_adv_by_std: bool = live(True)  # GRPO: divide group-centred rewards by the group std
+    dynamic_sampling: bool = live(False)  # DAPO: drop groups whose rewards do not vary, draw more prompts
+    max_sampling_rounds: int = live(4)  # dynamic sampling: generation rounds per step at most
 
     def validate(self) -> None:
         _choice("algorithm.name", self.name, ("grpo", "ppo"))
@@ -73,7 +99,7 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3  # AdamW learning rate
+    lr: float = live(1e-3)  # AdamW learning rate
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.0  # AdamW weight decay
@@ -108,13 +134,13 @@ class TinyModelConfig:
 class ActorConfig:
     model_name_or_path: str = "builtin:tiny"  # builtin:tiny, or a local Hugging Face model directory
     optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo_epochs: int = 1  # passes over each step's samples
-    mini_batch_size: int = 0  # samples per optimizer step per step (0 = all of the step's samples)
+    ppo_epochs: int = live(1)  # passes over each step's samples
+    mini_batch_size: int = live(0)  # samples per optimizer step per step (0 = all of the step's samples)
     micro_batch_size: int = 8  # samples per forward/backward per rank
-    clip_ratio: float = 0.2  # PPO/GRPO ratio clip
-    entropy_coeff: float = 0.0  # entropy bonus weight
-    use_kl_loss: bool = True  # GRPO: KL-to-reference term in the loss (k3 estimator)
-    kl_loss_coef: float = 0.01  # GRPO: weight of that term
+    clip_ratio: float = live(0.2)  # PPO/GRPO ratio clip
+    entropy_coeff: float = live(0.0)  # entropy bonus weight
+    use_kl_loss: bool = live(True)  # GRPO: KL-to-reference term in the loss (k3 estimator)
+    kl_loss_coef: float = live(0.01)  # GRPO: weight of that term
 
     def validate(self) -> None:
         self.optim.validate("model.actor.optim")
@@ -129,7 +155,7 @@ class ActorConfig:
 class CriticConfig:
     model_name_or_path: Optional[str] = None  # backbone for the value head (null = the actor's)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    cliprange_value: float = 0.5  # PPO value clipping
+    cliprange_value: float = live(0.5)  # PPO value clipping
     micro_batch_size: int = 8  # samples per forward/backward per rank
 
     def validate(self) -> None:
@@ -141,9 +167,8 @@ class CriticConfig:
 @dataclass
 class RewardModelConfig:
     model_name_or_path: Optional[str] = None  # local sequence-classification model dir (null = rule-based only)
-    save_checkpoint: bool = True  # include a trainable reward model in snapshots
     trainable: bool = False  # reward models are frozen unless this is set
-    weight: float = 1.0  # score = rule reward + weight * reward-model score
+    weight: float = live(1.0)  # score = rule reward + weight * reward-model score
 
     def validate(self) -> None:
         pass
@@ -183,11 +208,11 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     n: int = 8  # samples per prompt (the GRPO group size)
-    temperature: float = 1.0  # sampling temperature
-    top_p: float = 1.0  # nucleus sampling
-    max_response_length: int = 4  # tokens generated per sample at most
+    temperature: float = live(1.0)  # sampling temperature
+    top_p: float = live(1.0)  # nucleus sampling
+    max_response_length: int = live(4)  # tokens generated per sample at most
     ignore_eos: bool = False  # keep generating past eos to max_response_length (benchmarks)
-    reward_fn: str = "builtin:add"  # builtin:add, or module:function(prompt, response, answer) -> float
+    reward_fn: str = live("builtin:add")  # builtin:add, or module:function(prompt, response, answer) -> float
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
@@ -212,11 +237,11 @@ class DistributedConfig:
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 1  # print a line every N steps
-    progress: str = "auto"  # auto (a bar on a terminal, lines otherwise) | bar | lines | off
-    jsonl: bool = True  # write RUN/metrics.jsonl
-    tensorboard: bool = False  # write TensorBoard event files under RUN/tensorboard
-    wandb_project: Optional[str] = None  # accepted for verl configs; verlj does not upload
+    log_interval: int = bookkeeping(1)  # print a line every N steps
+    progress: str = bookkeeping("auto")  # auto (a bar on a terminal, lines otherwise) | bar | lines | off
+    jsonl: bool = bookkeeping(True)  # write RUN/metrics.jsonl
+    tensorboard: bool = bookkeeping(False)  # write TensorBoard event files under RUN/tensorboard
+    wandb_project: Optional[str] = bookkeeping(None)  # accepted for verl configs; verlj does not upload
 
     def validate(self) -> None:
         _positive("logging.log_interval", self.log_interval)
@@ -233,7 +258,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
@@ -246,25 +271,55 @@ class Config:
     def hash(self) -> str:
         """Hash of the config that shapes the trained state (bookkeeping keys excluded)."""
         d = self.to_dict()
-        for dotted in BOOKKEEPING_KEYS:
+        for dotted in keys_with_policy(BOOKKEEPING):
             _pop_dotted(d, dotted)
         return blake3.blake3(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# Keys that only shape the future or the bookkeeping: changing them on resume is allowed.
-BOOKKEEPING_KEYS = (
-    "trainer.total_steps",
-    "trainer.save_interval",
-    "trainer.save_total_limit",
-    "trainer.resume_from",
-    "trainer.checkpoint_policy",
-    "trainer.async_save",
-    "logging.log_interval",
-    "logging.progress",
-    "logging.jsonl",
-    "logging.tensorboard",
-    "logging.wandb_project",
-)
+# ----------------------------------------------------------------------------- resume policy
+
+
+def _policies(cls=None, prefix: str = "") -> dict[str, str]:
+    """Dotted key -> policy, for every leaf field, as the fields declare it."""
+    out = {}
+    for f in dataclasses.fields(cls or Config):
+        key = f"{prefix}{f.name}"
+        tp = typing.get_type_hints(cls or Config)[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(_policies(tp, key + "."))
+        else:
+            out[key] = f.metadata.get("policy", FIXED)
+    return out
+
+
+POLICIES = _policies()
+
+
+def keys_with_policy(policy: str) -> list[str]:
+    return [k for k, p in POLICIES.items() if p == policy]
+
+
+def check_change(old: dict, new: Config, allow_live: bool, how: str) -> list[str]:
+    """The dotted keys that differ between a run's config and a new one, if the change is allowed.
+
+    `how` names the operation for the message ("resume", "fork"). Fixed keys are refused always;
+    live keys unless `allow_live`; bookkeeping keys pass. Keys added to verlj since the run began
+    take their defaults and are not a change."""
+    changed = diff_configs(config_from_dict(old).to_dict(), new.to_dict())
+    fixed = [k for k in changed if POLICIES.get(k, FIXED) == FIXED]
+    if fixed:
+        raise ConfigError(
+            f"{', '.join(fixed)} cannot change within a run ({how}): they shape the engines, the data or the random "
+            "streams; start a new run (or fork one with `verlj replay RUN --to-step N --fork NEW_RUN` and change only "
+            f"live keys such as {keys_with_policy(LIVE)[0]})"
+        )
+    needs_flag = [k for k in changed if POLICIES[k] == LIVE]
+    if needs_flag and not allow_live:
+        raise ConfigError(
+            f"the config differs from the run's in {', '.join(needs_flag)}; these change the trained state, "
+            f"so {how} refuses them (pass --allow-config-change to accept and record the change)"
+        )
+    return changed
 
 
 def _pop_dotted(d: dict, dotted: str) -> None:
@@ -272,6 +327,21 @@ def _pop_dotted(d: dict, dotted: str) -> None:
     for p in parents:
         d = d[p]
     d.pop(leaf, None)
+
+
+# Keys verlj no longer has; a run's stored config may still hold them.
+RETIRED_KEYS = ("model.reward_model.save_checkpoint",)
+
+
+def stored_config(data: dict) -> dict:
+    """A config dict as a run stored it, with retired keys dropped (a copy)."""
+    data = json.loads(json.dumps(data))
+    for dotted in RETIRED_KEYS:
+        try:
+            _pop_dotted(data, dotted)
+        except (KeyError, TypeError):
+            pass
+    return data
 
 
 # ----------------------------------------------------------------------------- checks
@@ -301,7 +371,7 @@ def _choice(key, v, allowed):
 
 
 def _type_name(tp) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}.get(tp, str(tp))
 
 
 def _coerce(key: str, tp, value):
@@ -311,6 +381,10 @@ def _coerce(key: str, tp, value):
         if value is None:
             return None
         return _coerce(key, args[0], value)
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping (e.g. {{drop: 0.1}}), got {value!r}")
+        return dict(value)
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -327,13 +401,18 @@ def _coerce(key: str, tp, value):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-3 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 3e-3 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"{key} must be a finite number, got {value!r}")
+            return number
     elif tp is str:
         if isinstance(value, bool):  # YAML 1.1 reads off / on as booleans
             return "on" if value else "off"
@@ -393,16 +472,32 @@ def load_config_file(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {path} is not valid YAML{where}") from None
+        raise ConfigError(f"config file {path} is not valid YAML{_yaml_where(e, text)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections (trainer:, model:, ...)")
     return data
+
+
+def _yaml_where(e: yaml.YAMLError, text: str) -> str:
+    """' at line N: what' -- PyYAML marks an unclosed bracket at the end of the stream (a line past
+    the file's last); the line that opened it is the one to name then."""
+    problem, context = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+    if problem is None:
+        return ""
+    lines = max(1, len(text.splitlines()))
+    line = problem.line + 1
+    if line > lines and context is not None:
+        line = context.line + 1
+    what = f": {e.problem}" if getattr(e, "problem", None) else ""
+    return f" at line {min(line, lines)}{what}"
 
 
 def make_config(config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: dict | None = None) -> Config:

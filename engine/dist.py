@@ -102,6 +102,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op when its comm layer starts
+    (about 100 s on 2 cores, on every fresh machine, and it prints to stdout). Only
+    ``inference_all_reduce`` (AutoTP's layers) uses the op, and without it DeepSpeed falls back to the
+    process group's own all_reduce (gloo here), the same path every other collective takes."""
+    import importlib
+
+    # by module name: the package `deepspeed.comm` re-exports `torch` itself under that attribute
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
 def setup(cfg: Config) -> Runtime:
     """Initialise torch.distributed (gloo on CPU, NCCL on GPU) and pick the device."""
     import deepspeed
@@ -121,6 +132,7 @@ def setup(cfg: Config) -> Runtime:
     if world % tp:
         raise ConfigError(f"distributed.tensor_parallel_size ({tp}) must divide the number of ranks ({world})")
     if not dist.is_initialized():
+        _skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return Runtime(rank=rank, world_size=world, local_rank=local, tp_size=tp, device=device, backend=backend)
 

@@ -28,3 +28,7 @@ class SnapshotError(RuntimeError):
 
 class ReplayError(RuntimeError):
     """Replay could not reproduce the journaled state."""
+
+
+class PluginError(ValueError):
+    """User code named in the config (a checkpoint policy) cannot be loaded or misbehaved: names it."""

@@ -1,45 +1,34 @@
 """A run directory and the `verlj train` entry point.
 
     RUN/
-      journal/              the LMDB journal (source of truth)
+      journal/              the LMDB journal (source of truth; state.ledger reads and writes its history)
       config.yaml           the effective config of the latest start
-      step_00050/ ...       snapshots (verlj.engine.snapshot)
+      step_00050/ ...       snapshots (state.snapshot, laid out by state.snapshot_store)
       latest -> step_00050  the newest published snapshot
-      train_metadata.json   a human-readable mirror of the journal's view
+      train_metadata.json   a human-readable mirror of the ledger
       metrics.jsonl         one line per step (logging.jsonl)
+      tensorboard/          event files (logging.tensorboard)
 """
 
 from __future__ import annotations
 
-import platform
+import shutil
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from verlj.journal import Journal, make_event
 from verlj.journal.failpoints import failpoint
 
-from .config import BOOKKEEPING_KEYS, Config, config_from_dict, diff_configs, make_config, to_yaml
+from .config import Config, check_change, make_config, to_yaml
 from .dist import Runtime, configure_determinism, setup
+from .errors import RunError
 from .report import Reporter
-from .rundir import RunError, git_commit, has_run, journal_dir, now_iso, write_json_atomic  # noqa: F401
+from .state.ledger import Ledger, git_commit, journal_dir, now_iso, run_state, versions
 
-
-def versions() -> dict[str, str]:
-    import deepspeed
-    import transformers
-    from importlib.metadata import version
-
-    return {
-        "verlj": version("verlj"),
-        "torch": str(torch.__version__),
-        "deepspeed": str(deepspeed.__version__),
-        "transformers": str(transformers.__version__),
-        "python": platform.python_version(),
-    }
+# what `verlj train` writes at the top of a run directory besides snapshots (state.snapshot_store)
+RUN_FILES = ("journal", "config.yaml", "metrics.jsonl", "train_metadata.json", "tensorboard")
 
 
 @dataclass
@@ -60,25 +49,15 @@ class StopFlag:
         signal.signal(signal.SIGTERM, handler)
 
 
-def resolve_config(run_dir: Path, config_file, overrides, resume: bool, allow_change: bool) -> tuple[Config, list[str], dict | None]:
-    """The config to run with. On resume: the run's stored config, then the file and overrides on top;
-    only bookkeeping keys may change unless allow_change. Returns (cfg, changed keys, stored dict)."""
+def resolve_config(run_dir: Path, config_file, overrides, resume: bool, allow_change: bool) -> tuple[Config, list[str]]:
+    """The config to run with. On resume: the config in force at the run's last step, then the file
+    and overrides on top, checked by the fields' own resume policies. Returns (cfg, changed keys)."""
     if not resume:
-        return make_config(config_file, overrides), [], None
-    with Journal.open_reader(journal_dir(run_dir)) as j:
-        stored = j.get_meta("config")
-    if stored is None:
-        raise RunError(f"{run_dir} has a journal but no stored config; it was not written by verlj train")
+        return make_config(config_file, overrides), []
+    with Ledger.open_reader(run_dir) as ledger:
+        stored = ledger.config_at(ledger.last_step())
     cfg = make_config(config_file, overrides, base=stored)
-    # keys added to verlj since the run started take their defaults: not a change
-    changed = diff_configs(config_from_dict(stored).to_dict(), cfg.to_dict())
-    refused = [k for k in changed if k not in BOOKKEEPING_KEYS]
-    if refused and not allow_change:
-        raise RunError(
-            f"the config differs from the run's in {', '.join(refused)}; these change the trained state, "
-            "so resume refuses them (pass --allow-config-change to accept and record the change)"
-        )
-    return cfg, changed, stored
+    return cfg, check_change(stored, cfg, allow_change, "resume")
 
 
 def train(
@@ -89,33 +68,33 @@ def train(
     allow_config_change: bool = False,
 ) -> int:
     """`verlj train`: a fresh run, or `--resume` of an existing one. Returns the last committed step."""
-    from .recovery import resume_state
-    from .trainer import Trainer
-    from .snapshot import SnapshotManager
+    from .rl.trainer import Trainer
+    from .state.recovery import resume_state
+    from .state.snapshot import Checkpointer
 
     run_dir = Path(output_dir)
-    existing = has_run(run_dir)
-    if existing and not resume:
-        raise RunError(
-            f"{run_dir} already holds a run; pass --resume to continue it, or choose another --output-dir"
-        )
-    if resume and not existing:
-        if run_dir.exists() and any(p.name != "journal" for p in run_dir.iterdir()):
-            raise RunError(f"{run_dir} is not a verlj run (no journal/data.mdb with run metadata); nothing to resume")
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--output-dir {run_dir} exists and is not a directory")
-    cfg, changed, _stored = resolve_config(run_dir, config_file, overrides, resume and existing, allow_config_change)
+    state = run_state(run_dir)
+    existing = state == "run"
+    if existing and not resume:
+        raise RunError(f"{run_dir} already holds a run; pass --resume to continue it, or choose another --output-dir")
+    if state == "none" and run_dir.exists() and any(run_dir.iterdir()):
+        raise RunError(f"{run_dir} is not empty and holds no verlj run; choose an empty or new --output-dir")
+    cfg, changed = resolve_config(run_dir, config_file, overrides, existing, allow_config_change)
     if cfg.trainer.resume_from not in (None, "auto") and not existing:
         raise RunError(f"trainer.resume_from is {cfg.trainer.resume_from!r} but {run_dir} holds no run")
 
     rt = setup(cfg)
     configure_determinism(cfg)
-    journal = None
+    created = not run_dir.exists()
+    journal = ledger = trainer = reporter = None
     stop = StopFlag()
     stop.install()
-    trainer = reporter = None
 
     def open_journal() -> Journal:
+        if state == "empty":  # died before its first step: nothing to keep, start it afresh
+            discard_unstarted(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         return Journal.open_writer(journal_dir(run_dir))  # refuses a second writer at once
 
@@ -125,28 +104,56 @@ def train(
         trainer = Trainer(cfg, rt)  # models, data, rewards: bad input fails here, before a fresh run is written
         if not existing:
             journal = on_rank0(rt, open_journal)
+        ledger = Ledger(journal) if journal is not None else None
         reporter = Reporter(cfg.logging, run_dir, rt.is_main, cfg.trainer.total_steps)
-        snaps = SnapshotManager(run_dir, cfg, rt, trainer, journal, reporter)
+        if state == "empty":
+            reporter.info(f"{run_dir} held a run that never committed a step; starting it afresh.")
+        elif resume and not existing:
+            reporter.info(f"No run in {run_dir} yet: starting a new one (--resume continues a run when there is one).")
+        ckpt = Checkpointer(run_dir, cfg, rt, trainer, ledger, reporter)
         control: list[dict] = []
         if existing:
-            last, control = resume_state(run_dir, cfg, rt, trainer, journal, snaps, reporter, changed, allow_config_change)
+            if rt.is_main:
+                gone = ckpt.store.clean_leftovers()
+                if gone:
+                    reporter.info(f"Removed what an interrupted run left behind: {', '.join(gone)}")
+            on_rank0(rt, lambda: trainer.check_identity(ledger.identity()))
+            last, control = resume_state(run_dir, cfg, rt, trainer, ledger, ckpt, reporter, changed, allow_config_change)
         else:
             last = 0
             if rt.is_main:
-                journal.update_meta(run_meta(cfg, rt, run_dir))
+                ledger.start(run_identity(cfg, rt, run_dir, trainer))
             control.append(make_event("control", kind="start", details={"config_hash": cfg.hash(), "world_size": rt.world_size}))
             reporter.info("Step 0: Starting training...")
-        return train_loop(cfg, rt, trainer, snaps, journal, reporter, last, control, run_dir, stop)
+        return train_loop(cfg, rt, trainer, ckpt, ledger, reporter, last, control, run_dir, stop)
     finally:
         if reporter is not None:
             reporter.close()
+        unstarted = journal is not None and not existing and journal.last_step() == 0
         if journal is not None:
             journal.close()
         if trainer is not None:
             trainer.close()
+        if unstarted:  # a start that never committed a step leaves nothing behind to block a retry
+            discard_unstarted(run_dir, remove_dir=created)
 
 
-def train_loop(cfg: Config, rt: Runtime, trainer, snaps, journal: Journal | None, reporter: Reporter, last: int,
+def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
+    """Remove what a start that never committed a step wrote (only verlj's own names)."""
+    from .state.snapshot_store import SnapshotStore
+
+    for name in RUN_FILES:
+        p = run_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+    SnapshotStore(run_dir, None).clean_leftovers(index={})
+    if remove_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+
+
+def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, reporter: Reporter, last: int,
                control: list[dict], run_dir: Path, stop: StopFlag | None = None) -> int:
     """Live steps last+1 .. total_steps: collect, apply, commit, maybe snapshot. Returns the last step."""
     stop = stop or StopFlag()
@@ -157,30 +164,30 @@ def train_loop(cfg: Config, rt: Runtime, trainer, snaps, journal: Journal | None
     for step in range(last + 1, cfg.trainer.total_steps + 1):
         t_step = time.perf_counter()
         inputs = trainer.collect(step)
-        samples = trainer.take(inputs)
+        samples = trainer.take(step, inputs)
         outcome = trainer.apply(step, inputs, samples)
         outcome.metrics.update(inputs.timings)
         outcome.metrics["timing_s/step"] = time.perf_counter() - t_step
         failpoint("step.before_commit")  # the update is done, the journal does not know it yet
         t_commit = time.perf_counter()
-        commit(rt, journal, step, control + inputs.events() + outcome.events())
+        commit(rt, ledger, step, control + inputs.events() + outcome.events())
         control = []
         # the commit's own time cannot be in the record it commits: it goes to the logs only
         reporter.step(step, {**outcome.metrics, "timing_s/commit": time.perf_counter() - t_commit})
         stopping = not rt.all_true(not stop.requested)  # every rank stops after the same step
-        snaps.after_step(step, outcome, force=stopping or step == cfg.trainer.total_steps)
+        ckpt.after_step(step, outcome.metrics, outcome.fingerprint, force=stopping or step == cfg.trainer.total_steps)
         if stopping:
-            snaps.finish()
+            ckpt.finish()
             reporter.info(f"Received {stop.signal_name or 'a stop signal'}: step {step} committed and snapshot taken; exiting.")
             break
-    snaps.finish()
+    ckpt.finish()
     if rt.is_main:
-        snaps.write_metadata(step, resume_from=None)
+        ckpt.write_metadata(step)
     return step
 
 
-def run_meta(cfg: Config, rt: Runtime, run_dir: Path) -> dict:
-    """The journal's run metadata: what produced this run."""
+def run_identity(cfg: Config, rt: Runtime, run_dir: Path, trainer) -> dict:
+    """What produced this run: recorded once at its start (state.ledger keeps it)."""
     return {
         "config": cfg.to_dict(),
         "config_hash": cfg.hash(),
@@ -192,6 +199,7 @@ def run_meta(cfg: Config, rt: Runtime, run_dir: Path) -> dict:
         "created": now_iso(),
         "git_commit": git_commit(),
         "run_dir": str(run_dir.resolve()),
+        **trainer.identity(),
     }
 
 
@@ -213,12 +221,12 @@ def on_rank0(rt: Runtime, fn):
     return result
 
 
-def commit(rt: Runtime, journal: Journal | None, step: int, events: list[dict]) -> None:
+def commit(rt: Runtime, ledger: Ledger | None, step: int, events: list[dict]) -> None:
     """Rank 0 appends the step; every rank learns whether it worked, so all stop together on failure."""
     error = ""
     if rt.is_main:
         try:
-            journal.append_step(step, events)
+            ledger.journal.append_step(step, events)
         except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised below
             error = str(e) or type(e).__name__
             if rt.world_size == 1:

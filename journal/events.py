@@ -16,7 +16,7 @@ The journal itself knows nothing of RL: these are names and shapes only.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .errors import SchemaError
 
@@ -31,15 +31,13 @@ EVENT_VERSIONS: dict[str, int] = {
     "buffer.drop": 1,  # ids dropped (e.g. zero-variance groups), reason
     "metrics": 1,  # values {name: float}
     "state": 1,  # fingerprint (hex str), parts {name: hex}
-    "control": 1,  # kind (start|resume|stop|fork|config), details {...}
+    "control": 1,  # kind (start|resume|fork), details {...}
     "config": 1,  # config (nested map) now in force, hash, changed keys
-    "snapshot": 1,  # a snapshot taken after this step: path, manifest digest
-    "note": 1,  # free-form user annotation
 }
 
 # Small event types also stored per step in the summary sub-database (same transaction), so that
 # metrics, find and diff never decode the samples.
-SUMMARY_TYPES = frozenset({"data", "rng", "metrics", "state", "control", "config", "snapshot", "note"})
+SUMMARY_TYPES = frozenset({"data", "rng", "metrics", "state", "control", "config"})
 
 # (type, from_version) -> function lifting an event from from_version to from_version + 1.
 # Example, when "data" v2 adds "sampler": UPCASTERS[("data", 1)] = lambda e: {**e, "v": 2, "sampler": "perm"}

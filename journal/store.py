@@ -34,9 +34,10 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import blake3
 import lmdb
@@ -96,7 +97,7 @@ class StepFrame:
     body: bytes
 
     @classmethod
-    def parse(cls, raw: bytes) -> "StepFrame":
+    def parse(cls, raw: bytes) -> StepFrame:
         raw = bytes(raw)
         if len(raw) < STEP_HEADER or raw[: len(MAGIC_STEP)] != MAGIC_STEP:
             raise JournalError("step record has no valid frame header")
@@ -205,7 +206,7 @@ class Journal:
     # ------------------------------------------------------------------ opening
 
     @classmethod
-    def open_writer(cls, path: str | os.PathLike, *, map_size: int = DEFAULT_MAP_SIZE) -> "Journal":
+    def open_writer(cls, path: str | os.PathLike, *, map_size: int = DEFAULT_MAP_SIZE) -> Journal:
         """Open (creating if needed) the journal for appending. Refuses at once if another process writes it."""
         path = Path(path)
         try:
@@ -233,7 +234,7 @@ class Journal:
             raise JournalError(f"cannot open journal {path}: {e}") from None
 
     @classmethod
-    def open_reader(cls, path: str | os.PathLike) -> "Journal":
+    def open_reader(cls, path: str | os.PathLike) -> Journal:
         """Open an existing journal read-only. Works while a writer appends; each read sees a committed prefix."""
         path = Path(path)
         if not (path / "data.mdb").is_file():
@@ -256,7 +257,7 @@ class Journal:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
-    def __enter__(self) -> "Journal":
+    def __enter__(self) -> Journal:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -26,8 +26,8 @@ from .store import (
     STEP_HEADER,
     Journal,
     StepFrame,
-    key_step,
     digest,
+    key_step,
     unframe_plain,
 )
 

@@ -67,10 +67,11 @@ def main() -> None:
 
     from verlj.engine.config import config_from_dict
     from verlj.engine.dist import configure_determinism, setup
-    from verlj.engine.recovery import replay, restore
+    from verlj.engine.rl.trainer import Trainer
     from verlj.engine.run import train
-    from verlj.engine.snapshot import SnapshotManager
-    from verlj.engine.trainer import Trainer
+    from verlj.engine.state.ledger import Ledger
+    from verlj.engine.state.recovery import replay, restore
+    from verlj.engine.state.snapshot import Checkpointer
     from verlj.journal import Journal
 
     root = Path(tempfile.mkdtemp(prefix="verlj-bench-recovery-"))
@@ -82,14 +83,14 @@ def main() -> None:
         live = [r["timing_s/step"] + r["timing_s/commit"] for r in rows if r["step"] > k]
         live_step = statistics.median(live)
 
-        journal = Journal.open_reader(run / "journal")
-        cfg = config_from_dict(journal.get_meta("config"))
+        journal = Ledger.open_reader(run)
+        cfg = config_from_dict(journal.first_config())
         rt = setup(cfg)
         configure_determinism(cfg)
 
         def fresh():
             t = Trainer(cfg, rt)
-            return t, SnapshotManager(run, cfg, rt, t, None, Silent())
+            return t, Checkpointer(run, cfg, rt, t, None, Silent())
 
         recov, replay_per_step, rerun = [], [], []
         for _ in range(args.repeats):
@@ -108,7 +109,7 @@ def main() -> None:
             restore(run, rt, trainer, snaps, journal, k, Silent())
             for step in range(k + 1, total + 1):  # what a checkpoint-only tool redoes
                 inputs = trainer.collect(step)
-                trainer.apply(step, inputs, trainer.take(inputs))
+                trainer.apply(step, inputs, trainer.take(step, inputs))
             rerun.append(time.perf_counter() - t0)
             trainer.close()
 
@@ -122,14 +123,14 @@ def main() -> None:
         trainer, _ = fresh()
         scratch = root / "snaps"
         scratch.mkdir()
-        sj = Journal.open_writer(scratch / "journal")
+        sj = Ledger(Journal.open_writer(scratch / "journal"))
         sync_t, blocked_t, plain_t, snap_t = [], [], [], []
         for i in range(args.repeats):
             for async_save in (False, True):
                 c = copy.deepcopy(cfg)
                 c.trainer.async_save = async_save
                 c.trainer.save_total_limit = 0
-                sm = SnapshotManager(scratch, c, rt, trainer, sj, Silent())
+                sm = Checkpointer(scratch, c, rt, trainer, sj, Silent())
                 step = 100 + 2 * i + int(async_save)
                 t = time.perf_counter()
                 sm.save(step, "bench")

@@ -95,7 +95,7 @@ def _journal():
 
 
 def identical(run: Path, ref: Path) -> tuple[bool, str]:
-    from verlj.engine.inspect import first_difference
+    from verlj.engine.post_mortem.inspection import first_difference
 
     try:
         d = first_difference(run, ref, full=True)

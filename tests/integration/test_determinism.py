@@ -2,8 +2,8 @@
 
 import pytest
 
-from verlj_testing import TINY, assert_same_journal, comparable_steps, fingerprints
 from verlj.engine.run import train as run_train
+from verlj_testing import TINY, assert_same_journal, comparable_steps, fingerprints
 
 
 def inprocess(run_dir, *overrides):

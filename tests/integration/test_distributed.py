@@ -7,10 +7,10 @@ import json
 import random
 
 import pytest
-
 from test_recovery import kill_at_random
-from verlj_testing import assert_same_journal, comparable_steps, fingerprints, train, verlj
+
 from verlj.journal import Journal, verify_journal
+from verlj_testing import assert_same_journal, comparable_steps, fingerprints, train, verlj
 
 DP_GRPO = ["trainer.total_steps=5", "trainer.save_interval=2", "algorithm.dynamic_sampling=true", "rollout.n=2",
            "distributed.zero_stage=3"]

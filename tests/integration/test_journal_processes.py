@@ -22,7 +22,7 @@ def spawn(*args):
 def test_sigkill_mid_append_loses_nothing_committed(tmp_path):
     path = tmp_path / "j"
     rng = random.Random(1234)
-    for trial in range(6):
+    for _trial in range(6):
         child = spawn(path, "write")
         # wait for a few commits, then kill at a random moment
         first = child.stdout.readline()

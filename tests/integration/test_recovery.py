@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
 from verlj.engine.run import train as run_train
 from verlj.journal import Journal, verify_journal
+from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
 
 TARGET = 7
 COMMON = [f"trainer.total_steps={TARGET}", "trainer.save_interval=2", "trainer.save_total_limit=2"]

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from verlj_testing import TINY, fingerprints, train, verlj
 from verlj.journal import Journal
+from verlj_testing import TINY, fingerprints, train, verlj
 
 
 def tree_digest(root):
@@ -93,7 +93,7 @@ def save_tiny_hf(path, kind):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-    from verlj.engine.models import builtin_tokenizer
+    from verlj.engine.rl.models import builtin_tokenizer
 
     tok = builtin_tokenizer()
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

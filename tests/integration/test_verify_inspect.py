@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from journal_helpers import raw_get, raw_put, tamper
-from verlj_testing import REPO, TINY, env, train, verlj
 from verlj.engine.config import Config
-from verlj.engine.recovery import choose_snapshot
 from verlj.engine.run import train as run_train
+from verlj.engine.state.ledger import Ledger
+from verlj.engine.state.recovery import choose_snapshot
 from verlj.journal import Journal, make_event
+from verlj_testing import REPO, TINY, env, train, verlj
 
 PPO = ["algorithm.name=ppo", "distributed.zero_stage=1", "trainer.total_steps=5", "trainer.save_interval=2",
        "trainer.save_total_limit=0"]
@@ -51,7 +52,7 @@ class Quiet:
 
 
 def resume_choice(run_dir):
-    with Journal.open_reader(run_dir / "journal") as j:
+    with Ledger.open_reader(run_dir) as j:
         step, _ = choose_snapshot(run_dir, j, j.last_step(), Quiet())
     return step
 

@@ -4,18 +4,18 @@ import math
 
 import torch
 
-from verlj.engine import algorithms as A
+from verlj.engine.rl import algorithms
 
 
 def test_grpo_advantages_by_hand():
     scores = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 4.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
-    adv = A.grpo_advantages(scores, groups, norm_by_std=True)
+    adv = algorithms.grpo_advantages(scores, groups, norm_by_std=True)
     # group 0: mean .5, unbiased std sqrt(.5) -> +-.5/.70711
     s = math.sqrt(0.5)
-    expect = [0.5 / (s + A.EPS), -0.5 / (s + A.EPS), 0.0, 0.0, -1 / (math.sqrt(2) + A.EPS), 1 / (math.sqrt(2) + A.EPS)]
+    expect = [0.5 / (s + algorithms.EPS), -0.5 / (s + algorithms.EPS), 0.0, 0.0, -1 / (math.sqrt(2) + algorithms.EPS), 1 / (math.sqrt(2) + algorithms.EPS)]
     assert torch.allclose(adv, torch.tensor(expect), atol=1e-6)
-    no_std = A.grpo_advantages(scores, groups, norm_by_std=False)
+    no_std = algorithms.grpo_advantages(scores, groups, norm_by_std=False)
     assert torch.allclose(no_std, torch.tensor([0.5, -0.5, 0.0, 0.0, -1.0, 1.0]))
 
 
@@ -24,7 +24,7 @@ def test_policy_loss_clips_by_hand():
     old = torch.zeros(1, 3)
     adv = torch.tensor([[1.0, 1.0, -2.0]])
     mask = torch.ones(1, 3)
-    loss, clipfrac, approx_kl = A.policy_loss(lp, old, adv, mask, clip_ratio=0.2)
+    loss, clipfrac, approx_kl = algorithms.policy_loss(lp, old, adv, mask, clip_ratio=0.2)
     # token 1: max(-1.5, -1.2) = -1.2 (clipped); token 2: max(-0.5, -0.8) = -0.5; token 3: 2.0
     assert math.isclose(loss.item(), (-1.2 - 0.5 + 2.0) / 3, rel_tol=1e-6)
     assert math.isclose(clipfrac.item(), 1 / 3, rel_tol=1e-6)
@@ -33,21 +33,21 @@ def test_policy_loss_clips_by_hand():
 
 def test_masked_tokens_do_not_count():
     lp = torch.tensor([[0.1, 5.0]])
-    loss, _, _ = A.policy_loss(lp, torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([[1.0, 0.0]]), 0.2)
+    loss, _, _ = algorithms.policy_loss(lp, torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([[1.0, 0.0]]), 0.2)
     assert math.isclose(loss.item(), -min(math.exp(0.1), 1.2), rel_tol=1e-6)
 
 
 def test_kl_k3_by_hand():
     lp, ref = torch.tensor([0.0, -1.0]), torch.tensor([0.0, -0.5])
     # d = ref - lp = [0, .5]: exp(d) - d - 1
-    assert torch.allclose(A.kl_k3(lp, ref), torch.tensor([0.0, math.exp(0.5) - 1.5]))
+    assert torch.allclose(algorithms.kl_k3(lp, ref), torch.tensor([0.0, math.exp(0.5) - 1.5]))
 
 
 def test_gae_by_hand():
     rewards = torch.tensor([[0.0, 0.0, 1.0]])
     values = torch.tensor([[0.5, 0.25, 0.75]])
     mask = torch.ones(1, 3)
-    adv, ret = A.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    adv, ret = algorithms.gae(rewards, values, mask, gamma=0.9, lam=0.8)
     d2 = 1.0 - 0.75
     d1 = 0.0 + 0.9 * 0.75 - 0.25
     d0 = 0.0 + 0.9 * 0.25 - 0.5
@@ -62,23 +62,23 @@ def test_gae_stops_at_the_end_of_each_response():
     rewards = torch.tensor([[0.0, 1.0, 0.0]])
     values = torch.tensor([[0.5, 0.5, 9.0]])  # the padded position must not leak in
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    adv, _ = A.gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    adv, _ = algorithms.gae(rewards, values, mask, gamma=1.0, lam=1.0)
     assert torch.allclose(adv, torch.tensor([[0.5, 0.5, 0.0]]))
 
 
 def test_token_rewards_place_score_on_last_token():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     kl = torch.full((2, 3), 0.5)
-    r = A.token_rewards(torch.tensor([2.0, -1.0]), mask, kl, kl_coef=0.1)
+    r = algorithms.token_rewards(torch.tensor([2.0, -1.0]), mask, kl, kl_coef=0.1)
     assert torch.allclose(r, torch.tensor([[-0.05, 1.95, 0.0], [-0.05, -0.05, -1.05]]))
 
 
 def test_value_loss_clipping_by_hand():
     v, old, ret = torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[2.0]])
-    loss, clipfrac = A.value_loss(v, old, ret, torch.ones(1, 1), cliprange=0.5)
+    loss, clipfrac = algorithms.value_loss(v, old, ret, torch.ones(1, 1), cliprange=0.5)
     # clipped value .5: (.5-2)^2 = 2.25 > (1-2)^2 = 1 -> 0.5 * 2.25
     assert math.isclose(loss.item(), 1.125) and clipfrac.item() == 1.0
 
 
 def test_entropy_of_uniform():
-    assert math.isclose(A.entropy_from_logits(torch.zeros(1, 4)).item(), math.log(4), rel_tol=1e-6)
+    assert math.isclose(algorithms.entropy_from_logits(torch.zeros(1, 4)).item(), math.log(4), rel_tol=1e-6)

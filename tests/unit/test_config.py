@@ -1,6 +1,15 @@
 import pytest
 
-from verlj.engine.config import BOOKKEEPING_KEYS, Config, ConfigError, diff_configs, make_config, parse_override, to_yaml
+from verlj.engine.config import (
+    BOOKKEEPING,
+    Config,
+    ConfigError,
+    diff_configs,
+    keys_with_policy,
+    make_config,
+    parse_override,
+    to_yaml,
+)
 
 
 def test_default_validates_and_round_trips_through_yaml(tmp_path):
@@ -56,7 +65,7 @@ def test_hash_ignores_bookkeeping_only():
     base = make_config()
     assert make_config(None, ["trainer.total_steps=999", "logging.jsonl=false"]).hash() == base.hash()
     assert make_config(None, ["model.actor.optim.lr=0.5"]).hash() != base.hash()
-    assert "trainer.total_steps" in BOOKKEEPING_KEYS
+    assert "trainer.total_steps" in keys_with_policy(BOOKKEEPING)
 
 
 def test_diff_and_parse_override():

@@ -1,14 +1,15 @@
 import json
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from verlj.engine.buffer import RolloutBuffer, pack_samples, unpack_samples
 from verlj.engine.config import DataConfig
-from verlj.engine.data import DataError, Sampler, load_dataset
-from verlj.engine.rewards import RewardError, add_reward, load_reward_fn
-from verlj.engine.rollout import sample_token
+from verlj.engine.rl.buffer import RolloutBuffer, pack_samples, unpack_samples
+from verlj.engine.rl.data import DataError, Sampler, load_dataset
+from verlj.engine.rl.rewards import RewardError, add_reward, load_reward_fn, rule_rewards
+from verlj.engine.rl.rollout import sample_token
 from verlj.journal import packb, unpackb
 
 
@@ -86,11 +87,37 @@ def test_rule_reward_and_loading():
     assert add_reward("3+4=", "8", "7") == pytest.approx(0.3)
     assert add_reward("3+4=", "x7", "7") == 0.0
     assert load_reward_fn("builtin:add") is add_reward
-    assert load_reward_fn("math:isclose").__name__ == "isclose"
-    with pytest.raises(RewardError, match="cannot import module"):
+    with pytest.raises(RewardError, match="cannot import 'no_such_module_xyz:f'"):
         load_reward_fn("no_such_module_xyz:f")
     with pytest.raises(RewardError, match="unknown built-in"):
         load_reward_fn("builtin:nope")
+
+
+def test_user_reward_functions_fail_in_one_sentence(tmp_path, monkeypatch):
+    """module:function from the working directory (as `python -m` allows); numpy scalars are numbers;
+    a raising, misshapen or unimportable function is one RewardError naming it."""
+    (tmp_path / "my_rewards_ok.py").write_text(
+        "import numpy as np\n"
+        "def np_score(prompt, response, answer):\n    return np.float32(0.5)\n"
+        "def boom(prompt, response, answer):\n    raise ValueError('no answer key')\n"
+        "def two(prompt, response):\n    return 1.0\n"
+        "def text(prompt, response, answer):\n    return 'high'\n"
+    )
+    (tmp_path / "my_rewards_broken.py").write_text("raise RuntimeError('cannot start')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    fn = load_reward_fn("my_rewards_ok:np_score")
+    assert rule_rewards(fn, ["1+1="], ["2"], ["2"]) == [0.5]
+    with pytest.raises(RewardError, match=r"reward function my_rewards_ok.boom raised ValueError: no answer key \(prompt '1\+1='\)"):
+        rule_rewards(load_reward_fn("my_rewards_ok:boom"), ["1+1="], ["2"], ["2"])
+    with pytest.raises(RewardError, match="my_rewards_ok:two .* has the wrong signature"):
+        load_reward_fn("my_rewards_ok:two")
+    with pytest.raises(RewardError, match="returned 'high'.*must return a finite number"):
+        rule_rewards(load_reward_fn("my_rewards_ok:text"), ["1+1="], ["2"], ["2"])
+    with pytest.raises(RewardError, match="importing module 'my_rewards_broken' failed: RuntimeError: cannot start"):
+        load_reward_fn("my_rewards_broken:f")
+    with pytest.raises(RewardError, match="module 'my_rewards_ok' has no 'nope'"):
+        load_reward_fn("my_rewards_ok:nope")
 
 
 def test_sampling_uses_only_its_generator():

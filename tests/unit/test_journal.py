@@ -89,17 +89,17 @@ def test_fork_base_step_and_meta(tmp_path):
 
 def test_newer_schema_is_refused_and_older_is_upcast(tmp_path, monkeypatch):
     with Journal.open_writer(tmp_path / "j") as j:
-        j.append_step(1, [{"type": "note", "v": 1, "text": "hi"}])
-        j.append_step(2, [{"type": "note", "v": 7, "text": "from the future"}])
+        j.append_step(1, [{"type": "metrics", "v": 1, "values": {"a": 1.0}}])
+        j.append_step(2, [{"type": "metrics", "v": 7, "values": {"from the future": 1.0}}])
     with Journal.open_reader(tmp_path / "j") as j:
         with pytest.raises(SchemaError, match="newer than this verlj understands"):
             j.read_step(2)
         report = verify_journal(j)
         assert [(p.kind, p.step) for p in report.problems] == [("unknown_schema", 2)]
-        # a v2 of "note" arrives: v1 records are lifted by the registered upcaster
-        monkeypatch.setitem(events_mod.EVENT_VERSIONS, "note", 2)
-        monkeypatch.setitem(events_mod.UPCASTERS, ("note", 1), lambda e: {**e, "v": 2, "author": None})
-        assert j.read_step(1)["events"] == [{"type": "note", "v": 2, "text": "hi", "author": None}]
+        # a v2 of "metrics" arrives: v1 records are lifted by the registered upcaster
+        monkeypatch.setitem(events_mod.EVENT_VERSIONS, "metrics", 2)
+        monkeypatch.setitem(events_mod.UPCASTERS, ("metrics", 1), lambda e: {**e, "v": 2, "source": None})
+        assert j.read_step(1)["events"] == [{"type": "metrics", "v": 2, "values": {"a": 1.0}, "source": None}]
 
 
 def test_reader_refuses_a_missing_journal(tmp_path):

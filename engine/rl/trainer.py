@@ -21,16 +21,18 @@ import torch
 
 from verlj.journal import make_event
 
-from . import algorithms as A
+from ..config import Config, ConfigError
+from ..dist import Runtime
+from ..errors import ModelError
+from ..state.fingerprint import fingerprint
+from ..state.seeding import derive_seed, generator, rng_digest, seed_globals
+from . import algorithms
 from .buffer import RolloutBuffer, pack_samples, unpack_samples
-from .config import Config, ConfigError
 from .data import Sampler, load_dataset
-from .dist import Runtime
-from .models import ValueModel, load_causal_lm, load_reward_model, load_tokenizer
+from .models import ValueModel, load_causal_lm, load_reward_model, load_tokenizer, model_digest
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
 from .rollout import generate
-from .seeding import derive_seed, generator, rng_digest, seed_globals
-from .workers import ActorWorker, CriticWorker, collate, fingerprint, micro_chunks
+from .workers import ActorWorker, CriticWorker, collate, micro_chunks
 
 
 @dataclass
@@ -57,7 +59,7 @@ class StepInputs:
         ]
 
     @classmethod
-    def from_record(cls, record: dict) -> "StepInputs":
+    def from_record(cls, record: dict) -> StepInputs:
         ev = {}
         for e in record["events"]:
             ev.setdefault(e["type"], e)
@@ -105,10 +107,13 @@ class Trainer:
         self.prompt_ids = [self._encode_prompt(i, ex.prompt) for i, ex in enumerate(self.dataset)]
         self.sampler = Sampler(len(self.dataset), seed)
         self.buffer = RolloutBuffer()
+        self.train_state = TrainState(self.sampler)
         self.reward_fn = load_reward_fn(cfg.rollout.reward_fn)
         self.rm = None
+        self.rm_digest = None
         if cfg.model.reward_model.model_name_or_path:
             model, tok = load_reward_model(cfg.model.reward_model.model_name_or_path)
+            self.rm_digest = model_digest(cfg.model.reward_model.model_name_or_path)
             self.rm = (model.to(rt.device).eval(), tok)
             for p in self.rm[0].parameters():
                 p.requires_grad_(False)
@@ -123,8 +128,21 @@ class Trainer:
                 value_model = ValueModel(backbone)
             self.critic = CriticWorker(value_model, cfg, rt)
 
+    def identity(self) -> dict:
+        """What the trainer loaded that the config alone does not pin: the frozen reward model's files."""
+        return {"reward_model_digest": self.rm_digest}
+
+    def check_identity(self, recorded: dict) -> None:
+        """On resume: the frozen reward model must be the one the run started with."""
+        want = recorded.get("reward_model_digest")
+        if want is not None and want != self.rm_digest:
+            raise ModelError(
+                f"model.reward_model.model_name_or_path: the files in {self.cfg.model.reward_model.model_name_or_path} differ "
+                "from the reward model this run started with; restore them, or fork the run into a new one"
+            )
+
     def set_config(self, cfg: Config) -> None:
-        """Switch to another config of the same run (see recovery.LIVE_CHANGEABLE_PREFIXES)."""
+        """Switch to another config of the same run (its live keys may differ: config.check_change)."""
         if cfg.rollout.reward_fn != self.cfg.rollout.reward_fn:
             self.reward_fn = load_reward_fn(cfg.rollout.reward_fn)
         self.cfg = cfg
@@ -275,11 +293,14 @@ class Trainer:
 
     # ================================================================== buffer: shared by live and replay
 
-    def take(self, inputs: StepInputs) -> list[dict]:
+    def take(self, step: int, inputs: StepInputs) -> list[dict]:
         """Apply the step's buffer changes (add, drop, consume) and return the consumed samples."""
         self.buffer.add(unpack_samples(inputs.added))
         self.buffer.drop(inputs.dropped)
-        return self.buffer.consume(inputs.consumed)
+        samples = self.buffer.consume(inputs.consumed)
+        self.train_state.step = step
+        self.train_state.samples_seen += len(samples)
+        return samples
 
     # ================================================================== apply: deterministic
 
@@ -315,19 +336,19 @@ class Trainer:
             mask = batch.resp_mask
             if cfg.algorithm.name == "grpo":
                 groups = torch.tensor([s["group"] for s in samples], dtype=torch.long)
-                adv_all = A.grpo_advantages(scores_all, groups, cfg.algorithm.norm_adv_by_std)
+                adv_all = algorithms.grpo_advantages(scores_all, groups, cfg.algorithm.norm_adv_by_std)
                 advantages = adv_all[a:b].to(rt.device)[:, None] * mask
             else:
                 t_v = time.perf_counter()
                 old_values = self.critic.values(batch)
                 timings["timing_s/values"] = time.perf_counter() - t_v
-                kl = A.kl_k3(old_lp, ref_lp) if ref_lp is not None else None
-                rewards = A.token_rewards(scores_all[a:b].to(rt.device), mask, kl, cfg.algorithm.kl_coef)
-                advantages, returns = A.gae(rewards, old_values, mask, cfg.algorithm.gamma, cfg.algorithm.lam)
-                advantages = A.whiten(advantages, mask)
-                metrics["critic/values/mean"] = A.masked_mean(old_values, mask).item()
-                metrics["critic/returns/mean"] = A.masked_mean(returns, mask).item()
-            metrics["critic/advantages/mean"] = A.masked_mean(advantages, mask).item()
+                kl = algorithms.kl_k3(old_lp, ref_lp) if ref_lp is not None else None
+                rewards = algorithms.token_rewards(scores_all[a:b].to(rt.device), mask, kl, cfg.algorithm.kl_coef)
+                advantages, returns = algorithms.gae(rewards, old_values, mask, cfg.algorithm.gamma, cfg.algorithm.lam)
+                advantages = algorithms.whiten(advantages, mask)
+                metrics["critic/values/mean"] = algorithms.masked_mean(old_values, mask).item()
+                metrics["critic/returns/mean"] = algorithms.masked_mean(returns, mask).item()
+            metrics["critic/advantages/mean"] = algorithms.masked_mean(advantages, mask).item()
             timings["timing_s/adv"] = time.perf_counter() - t
             t = time.perf_counter()
             if self.critic is not None:
@@ -342,18 +363,38 @@ class Trainer:
         timings["timing_s/fingerprint"] = time.perf_counter() - t
         return StepOutcome({**metrics, **timings}, fp, parts)
 
-    # ================================================================== state for snapshots
+    # ================================================================== Stateful parts
 
-    def dataflow_state(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "buffer": self.buffer.state_dict()}
-
-    def load_dataflow_state(self, state: dict) -> None:
-        self.sampler.load_state_dict(state["sampler"])
-        self.buffer.load_state_dict(state["buffer"])
+    def state_parts(self) -> dict:
+        """The trainer's rank-agnostic Stateful parts, by name (snapshots loop over these; the
+        DeepSpeed engines are the sharded parts: see engines())."""
+        return {"sampler": self.sampler, "buffer": self.buffer, "train_state": self.train_state}
 
     def advance_sampler(self, inputs: StepInputs) -> None:
         """Replay: the sampler ends where the journal says this step left it."""
         self.sampler.load_state_dict({**self.sampler.state_dict(), "epoch": inputs.epoch, "cursor": inputs.cursor})
+
+
+class TrainState:
+    """What the loop itself carries from step to step: the cumulative samples trained on. Stateful."""
+
+    VERSION = 1
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self.step = 0
+        self.samples_seen = 0
+
+    def trainer_state(self) -> dict:
+        return {"global_step": self.step, "epoch": self.sampler.epoch, "samples_seen": self.samples_seen}
+
+    def state_dict(self) -> dict:
+        return {"version": self.VERSION, "step": self.step, "samples_seen": self.samples_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["version"] != self.VERSION:
+            raise ValueError(f"train state version {state['version']} is not {self.VERSION}")
+        self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
 
 
 def _padded(samples: list[dict], key: str, width: int, device) -> torch.Tensor:

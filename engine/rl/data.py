@@ -15,13 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import DataConfig
-from .seeding import derive_seed
-from .errors import DataError
+from ..config import DataConfig
+from ..errors import DataError
+from ..state.seeding import derive_seed
 
 BUILTIN_ADD = "builtin:add"
-
-
 
 
 @dataclass(frozen=True)
@@ -40,8 +38,12 @@ def load_dataset(cfg: DataConfig, seed: int) -> list[Example]:
         raise DataError(f"data.train_dataset: {path} does not exist (use builtin:add or a .jsonl/.parquet file)")
     if path.suffix == ".jsonl" or path.suffix == ".json":
         rows = []
-        with path.open() as f:
-            for i, line in enumerate(f, 1):
+        with path.open("rb") as f:
+            for i, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise DataError(f"data.train_dataset: line {i} of {path} is not UTF-8 text") from None
                 if line.strip():
                     try:
                         rows.append(json.loads(line))
@@ -52,7 +54,10 @@ def load_dataset(cfg: DataConfig, seed: int) -> list[Example]:
             import pyarrow.parquet as pq
         except ImportError:
             raise DataError("data.train_dataset: reading Parquet needs pyarrow (pip install pyarrow)") from None
-        rows = pq.read_table(path).to_pylist()
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged or foreign file
+            raise DataError(f"data.train_dataset: {path} is not a readable Parquet file ({str(e).splitlines()[0][:160]})") from None
     else:
         raise DataError(f"data.train_dataset: {path} must end in .jsonl or .parquet")
     if not rows:

@@ -12,17 +12,17 @@ Reads the run without taking its writer lock, so it works while training goes on
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from verlj.journal import Journal, make_event
 
-from .config import config_from_dict, diff_configs, make_config
-from .dist import configure_determinism, setup
-from .recovery import check_changeable, config_at, replay, restore
-from .report import Reporter
-from .run import run_meta
-from .rundir import RunError, has_run, journal_dir
+from ..config import check_change, config_from_dict, make_config
+from ..dist import configure_determinism, setup
+from ..errors import RunError
+from ..report import Reporter
+from ..state.ledger import Ledger, has_run, journal_dir, run_state
 
 
 @dataclass
@@ -31,53 +31,63 @@ class Materialized:
     fingerprint: str
     from_snapshot: int
     trainer: object
-    snaps: object
+    ckpt: object
     rt: object
+
+
+def check_outputs(export: Path | None, snapshot: Path | None, fork: Path | None) -> None:
+    """Refuse an output directory that would mix verlj's files with someone else's, before any work."""
+    for flag, path in (("--export", export), ("--snapshot", snapshot)):
+        if path is not None and path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise RunError(f"{flag} {path} exists and is not empty; choose a new or empty directory")
+    if fork is not None:
+        if run_state(fork) == "run":
+            raise RunError(f"{fork} already holds a run; choose another --fork directory")
+        if fork.exists() and (not fork.is_dir() or any(fork.iterdir())):
+            raise RunError(f"--fork {fork} exists and is not empty; choose a new or empty directory")
 
 
 def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, quiet: bool = True,
                 max_snapshot: int | None = None) -> Materialized:
     """Load the newest valid snapshot <= to_step (and <= max_snapshot) and replay the journal up to
     to_step, checking every fingerprint (collective)."""
+    from ..rl.trainer import Trainer
+    from ..state.fingerprint import fingerprint
+    from ..state.recovery import materialize_steps
+    from ..state.snapshot import Checkpointer
+
     run_dir = Path(run_dir)
     if not has_run(run_dir):
         raise RunError(f"{run_dir} is not a verlj run (no journal/)")
-    journal = Journal.open_reader(journal_dir(run_dir))
-    last, base = journal.last_step(), journal.base_step()
-    if not base < to_step <= last and not (to_step == base and base > 0):
-        journal.close()
-        raise RunError(f"--to-step {to_step} is out of range: {run_dir} has steps {base + 1}–{last}")
-    meta = journal.meta()
-    cfg = config_from_dict(config_at(journal, to_step))
-    import os
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if meta["world_size"] != world:
-        journal.close()
-        raise RunError(
-            f"{run_dir} was trained on {meta['world_size']} ranks; replay it with the same number "
-            f"(torchrun --nproc_per_node {meta['world_size']} -m verlj.cli replay ...)"
-        )
+    ledger = Ledger.open_reader(run_dir)
+    try:
+        last, base = ledger.last_step(), ledger.base_step()
+        if not base < to_step <= last and not (to_step == base and base > 0):
+            raise RunError(f"--to-step {to_step} is out of range: {run_dir} has steps {base + 1}–{last}")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        trained_on = ledger.get("world_size")
+        if trained_on != world:
+            raise RunError(
+                f"{run_dir} was trained on {trained_on} ranks; replay it with the same number "
+                f"(torchrun --nproc_per_node {trained_on} -m verlj.cli replay ...)"
+            )
+        cfg = config_from_dict(ledger.config_at(to_step))
+    except BaseException:
+        ledger.close()
+        raise
     rt = setup(cfg)
     configure_determinism(cfg)
     reporter = reporter or Reporter(cfg.logging, run_dir, enabled=rt.is_main and not quiet, total_steps=to_step)
-    from .snapshot import SnapshotManager
-    from .trainer import Trainer
-    from .workers import fingerprint
-
-    trainer = Trainer(cfg, rt)
-    snaps = SnapshotManager(run_dir, cfg, rt, trainer, None, reporter)
-    j = journal if rt.is_main else None
-    limit = to_step if max_snapshot is None else min(to_step, max_snapshot)
-    step0 = restore(run_dir, rt, trainer, snaps, j, limit, reporter)
-    if step0 < to_step:
-        first = config_from_dict(rt.broadcast_obj(config_at(journal, step0 + 1) if rt.is_main else None))
-        trainer.set_config(first)
-        fp = replay(rt, trainer, j, step0 + 1, to_step, first, reporter)
-    else:
-        fp, _ = fingerprint(trainer.engines(), rt)
-    journal.close()
-    return Materialized(to_step, fp, step0, trainer, snaps, rt)
+    try:
+        trainer = Trainer(cfg, rt)
+        ckpt = Checkpointer(run_dir, cfg, rt, trainer, None, reporter)
+        step0, fp = materialize_steps(run_dir, rt, trainer, ckpt, ledger if rt.is_main else None, to_step, reporter,
+                                      max_snapshot=max_snapshot)
+        if fp is None:
+            fp, _ = fingerprint(trainer.engines(), rt)
+    finally:
+        ledger.close()
+    return Materialized(to_step, fp, step0, trainer, ckpt, rt)
 
 
 def export_hf(m: Materialized, out_dir: Path) -> None:
@@ -108,40 +118,36 @@ class _null:
 
 def write_snapshot(m: Materialized, out_dir: Path) -> None:
     """A verlj snapshot of the materialized state at out_dir (with its manifest; not indexed anywhere)."""
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise RunError(f"--snapshot {out_dir} exists and is not empty")
-    m.snaps.write_standalone(m.step, m.fingerprint, out_dir)
+    m.ckpt.write_standalone(m.step, m.fingerprint, out_dir)
 
 
 def fork(m: Materialized, parent: Path, new_run: Path, overrides: list[str]) -> int:
     """Start a new run from the materialized state; its journal records the parent run and step."""
-    from .run import train_loop
-    from .snapshot import SnapshotManager
+    from ..run import run_identity, train_loop
+    from ..state.snapshot import Checkpointer
 
-    if has_run(new_run):
-        raise RunError(f"{new_run} already holds a run; choose another --fork directory")
     rt, trainer = m.rt, m.trainer
     old = trainer.cfg.to_dict()
     cfg = make_config(None, overrides, base=old)
-    changed = diff_configs(old, cfg.to_dict())
-    check_changeable([k for k in changed if not k.startswith(("trainer.", "logging."))])
+    changed = check_change(old, cfg, allow_live=True, how="fork")
     trainer.set_config(cfg)
-    journal = None
+    journal = ledger = None
     if rt.is_main:
         with Journal.open_reader(journal_dir(parent)) as pj:
             chain = pj.chain_hash(m.step)
         new_run.mkdir(parents=True, exist_ok=True)
         journal = Journal.open_writer(journal_dir(new_run))
-        parent = {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint}
-        journal.update_meta({**run_meta(cfg, rt, new_run), "base_step": m.step, "chain_base": chain, "parent": parent})
+        ledger = Ledger(journal)
+        origin = {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint}
+        ledger.start(run_identity(cfg, rt, new_run, trainer), parent=origin, base_step=m.step, chain_base=chain)
     reporter = Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps)
     try:
-        snaps = SnapshotManager(new_run, cfg, rt, trainer, journal, reporter)
-        snaps.save(m.step, m.fingerprint)  # the fork's base: recovery of the new run starts here
-        snaps.wait()
+        ckpt = Checkpointer(new_run, cfg, rt, trainer, ledger, reporter)
+        ckpt.save(m.step, m.fingerprint)  # the fork's base: recovery of the new run starts here
+        ckpt.wait()
         control = [make_event("control", kind="fork", details={"parent": str(parent), "parent_step": m.step, "config_changes": changed})]
         reporter.info(f"Forked {parent} at step {m.step} into {new_run}.")
-        return train_loop(cfg, rt, trainer, snaps, journal, reporter, m.step, control, new_run)
+        return train_loop(cfg, rt, trainer, ckpt, ledger, reporter, m.step, control, new_run)
     finally:
         reporter.close()
         if journal is not None:

@@ -7,17 +7,17 @@ sequence-classification directory) adds ``weight * logits[:, 0]`` of prompt + re
 
 from __future__ import annotations
 
-import importlib
 import math
+import numbers
 import re
-from typing import Callable
-from .errors import RewardError
+from collections.abc import Callable
+
+from ..errors import RewardError
+from ..plugins import check_signature, describe, import_object
 
 RewardFn = Callable[[str, str, str], float]
 
 _NUMBER = re.compile(r"\s*(-?\d+)\s*")
-
-
 
 
 def add_reward(prompt: str, response: str, answer: str) -> float:
@@ -38,27 +38,30 @@ BUILTIN = {"builtin:add": add_reward}
 
 
 def load_reward_fn(spec: str) -> RewardFn:
+    key = "rollout.reward_fn"
     if spec in BUILTIN:
         return BUILTIN[spec]
     if spec.startswith("builtin:"):
-        raise RewardError(f"rollout.reward_fn: unknown built-in {spec!r}; known: {', '.join(BUILTIN)}")
+        raise RewardError(f"{key}: unknown built-in {spec!r}; known: {', '.join(BUILTIN)}")
     module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise RewardError(f"rollout.reward_fn: cannot import module {module_name!r} ({e})") from None
-    fn = getattr(module, attr, None)
+    fn = import_object(module_name, attr, key, RewardError)
     if not callable(fn):
-        raise RewardError(f"rollout.reward_fn: {module_name!r} has no function {attr!r}")
+        raise RewardError(f"{key}: {spec!r} is not a function")
+    check_signature(fn, 3, f"{key}: {spec} (called as fn(prompt, response, answer))", RewardError)
     return fn
 
 
 def rule_rewards(fn: RewardFn, prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
+    """fn on every sample; numpy scalars are numbers too. Anything else, or an exception, is one
+    sentence naming the function and the prompt."""
     out = []
     for p, r, a in zip(prompts, responses, answers):
-        v = fn(p, r, a)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise RewardError(f"reward function returned {v!r} for prompt {p!r}; it must return a finite number")
+        try:
+            v = fn(p, r, a)
+        except Exception as e:  # noqa: BLE001 - the user's function: one line naming it
+            raise RewardError(f"reward function {describe(fn)} raised {type(e).__name__}: {e} (prompt {p!r})") from None
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+            raise RewardError(f"reward function {describe(fn)} returned {v!r} for prompt {p!r}; it must return a finite number")
         out.append(float(v))
     return out
 

@@ -6,7 +6,7 @@ seeded per step and per data-parallel rank (see :mod:`verlj.engine.seeding`).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -20,19 +20,19 @@ from pathlib import Path
 
 import numpy as np
 
-from verlj.journal import Journal
+from ..config import diff_configs
+from ..errors import RunError
+from ..state.ledger import Ledger, has_run
+from ..state.manifest import check_snapshot
 
-from .manifest import check_snapshot
-from .rundir import RunError, has_run, journal_dir
 
-
-def open_run(run_dir: Path) -> Journal:
+def open_run(run_dir: Path) -> Ledger:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunError(f"{run_dir} does not exist")
     if not has_run(run_dir):
         raise RunError(f"{run_dir} is not a verlj run (no journal/ with run metadata)")
-    return Journal.open_reader(journal_dir(run_dir))
+    return Ledger.open_reader(run_dir)
 
 
 def _events(record: dict) -> dict[str, dict]:
@@ -42,7 +42,7 @@ def _events(record: dict) -> dict[str, dict]:
     return out
 
 
-def check_range(j: Journal, step: int) -> None:
+def check_range(j: Ledger, step: int) -> None:
     first, last = j.base_step() + 1, j.last_step()
     if not first <= step <= last:
         raise RunError(f"step {step} is out of range: this run has steps {first}–{last}")
@@ -54,14 +54,16 @@ def check_range(j: Journal, step: int) -> None:
 def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
     run_dir = Path(run_dir)
     with open_run(run_dir) as j:
-        meta = j.meta()
+        meta = j.identity()
+        lineage = j.lineage()
+        quarantined = j.quarantined()
         last, base = j.last_step(), j.base_step()
         index = j.snapshots()
         trend = []
         if last > base:
             steps = sorted({int(x) for x in np.linspace(base + 1, last, num=min(trend_points, last - base))})
             for s in steps:
-                summ = j.read_summary(s)
+                summ = j.journal.read_summary(s)
                 values = _events(summ).get("metrics", {}).get("values", {}) if summ else {}
                 trend.append({"step": s, "reward": values.get("critic/score/mean"), "loss": values.get("actor/pg_loss")})
     snaps = []
@@ -81,7 +83,8 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
         "first_step": base + 1 if last > base else None,
         "last_step": last,
         "snapshots": snaps,
-        "lineage": ([{"kind": "fork", "parent": meta["parent"]}] if "parent" in meta else []) + list(meta.get("lineage") or []),
+        "lineage": lineage,
+        "quarantined": quarantined,
         "trend": trend,
     }
 
@@ -117,7 +120,11 @@ def render_summary(s: dict) -> str:
             f"{x['name']}{'' if x['valid'] else ' ✗ ' + x['problem']}{'' if x['indexed'] else ' (unindexed)'}" for x in s["snapshots"]))
     else:
         lines.append("snapshots  none")
+    for q in s.get("quarantined", []):
+        lines.append(f"quarantine {q['name']} ({q['reason']}) moved to {q['path']}")
     for entry in s["lineage"]:
+        if entry["kind"] == "start":
+            continue
         if entry["kind"] == "fork":
             lines.append(f"lineage    forked from {entry['parent']['run']} at step {entry['parent']['step']}")
         else:
@@ -141,8 +148,8 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
     run_dir = Path(run_dir)
     with open_run(run_dir) as j:
         check_range(j, step)
-        record = j.read_step(step)
-        config = j.get_meta("config")
+        record = j.journal.read_step(step)
+        config = j.config_at(step)
     ev = _events(record)
     tok = _tokenizer(config)
     add = ev.get("buffer.add", {})
@@ -154,8 +161,9 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
         r = cols["response_ids"][i, : cols["response_ids_len"][i]]
         samples.append({
             "id": int(cols["id"][i]), "group": int(cols["group"][i]), "index": int(cols["index"][i]),
+            # the prompt's <bos> is the template's; a response shows every token the model wrote (<unk>, <eos>)
             "prompt": tok.decode(p.tolist(), skip_special_tokens=True) if tok else p.tolist(),
-            "response": tok.decode(r.tolist(), skip_special_tokens=True) if tok else r.tolist(),
+            "response": tok.decode(r.tolist(), skip_special_tokens=False) if tok else r.tolist(),
             "score": float(cols["score"][i]), "rule_reward": float(cols["rule_reward"][i]), "rm_score": float(cols["rm_score"][i]),
         })
     data = ev.get("data", {})
@@ -179,7 +187,7 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
 
 
 def _tokenizer(config: dict | None):
-    from .vocab import TextDecoder
+    from ..rl.vocab import TextDecoder
 
     path = (config or {}).get("model", {}).get("actor", {}).get("model_name_or_path")
     try:
@@ -228,7 +236,7 @@ def metric_rows(run_dir: Path, names: list[str] | None, steps: str | None) -> tu
     start, stop = parse_steps(steps)
     rows, seen = [], set()
     with open_run(run_dir) as j:
-        for summ in j.iter_summaries(start, stop):
+        for summ in j.journal.iter_summaries(start, stop):
             values = _events(summ).get("metrics", {}).get("values", {})
             seen |= set(values)
             rows.append({"step": summ["step"], **(values if names is None else {k: values.get(k) for k in names})})
@@ -289,7 +297,7 @@ def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[tupl
     out = []
     names_seen: set[str] = set()
     with open_run(run_dir) as j:
-        for summ in j.iter_summaries():
+        for summ in j.journal.iter_summaries():
             values = _events(summ).get("metrics", {}).get("values", {})
             names_seen |= set(values)
             if all(c(values) for c in conds):
@@ -320,7 +328,7 @@ def _canon(x):
 def _comparable(events: list[dict]) -> dict[str, object]:
     out = {}
     for e in events:
-        if e["type"] in ("control", "config", "snapshot", "note"):
+        if e["type"] in ("control", "config"):
             continue
         if e["type"] == "metrics":
             e = {**e, "values": {k: v for k, v in e["values"].items() if not k.startswith("timing_s/")}}
@@ -337,12 +345,13 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
         la, lb = ja.last_step(), jb.last_step()
         base = max(ja.base_step(), jb.base_step())
         common = min(la, lb)
-        for x, y in zip(ja.iter_summaries(base + 1, common), jb.iter_summaries(base + 1, common)):
+        config_changes = _config_differences(ja, jb)
+        for x, y in zip(ja.journal.iter_summaries(base + 1, common), jb.journal.iter_summaries(base + 1, common)):
             step = x["step"]
             same = _comparable(x["events"]) == _comparable(y["events"])
             if same and not full:
                 continue
-            ea, eb = _comparable(ja.read_step(step)["events"]), _comparable(jb.read_step(step)["events"])
+            ea, eb = _comparable(ja.journal.read_step(step)["events"]), _comparable(jb.journal.read_step(step)["events"])
             kinds = sorted(k for k in set(ea) | set(eb) if ea.get(k) != eb.get(k))
             if not kinds:
                 continue
@@ -350,20 +359,37 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
             mb = _events(y).get("metrics", {}).get("values", {})
             metrics = {k: [ma.get(k), mb.get(k)] for k in sorted(set(ma) | set(mb))
                        if not k.startswith("timing_s/") and _canon(ma.get(k)) != _canon(mb.get(k))}
-            return {"identical": False, "step": step, "differs": kinds, "detail": {"metrics": metrics}, "steps_a": la, "steps_b": lb}
+            return {"identical": False, "step": step, "differs": kinds, "detail": {"metrics": metrics},
+                    "config": config_changes, "steps_a": la, "steps_b": lb}
     if la != lb:
-        return {"identical": False, "step": common + 1, "differs": ["length"], "detail": {}, "steps_a": la, "steps_b": lb}
-    return {"identical": True, "step": None, "differs": [], "detail": {}, "steps_a": la, "steps_b": lb}
+        return {"identical": False, "step": common + 1, "differs": ["length"], "detail": {}, "config": config_changes,
+                "steps_a": la, "steps_b": lb}
+    return {"identical": True, "step": None, "differs": [], "detail": {}, "config": config_changes, "steps_a": la, "steps_b": lb}
+
+
+def _config_differences(ja: Ledger, jb: Ledger) -> dict[str, list]:
+    """Dotted key -> [value in a, value in b] for the configs the two runs started with."""
+    a, b = ja.first_config(), jb.first_config()
+    return {k: [_dotted(a, k), _dotted(b, k)] for k in diff_configs(a, b)}
+
+
+def _dotted(d: dict, key: str):
+    for part in key.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
 
 
 def render_diff(d: dict, a: Path, b: Path) -> str:
+    config = [f"  config {k}: {va!r} vs {vb!r}" for k, (va, vb) in d.get("config", {}).items()]
     if d["identical"]:
-        return f"identical: {a} and {b} agree on all {d['steps_a']} steps (timings aside)"
+        return "\n".join([f"identical: {a} and {b} agree on all {d['steps_a']} steps (timings aside)", *config])
     if d["differs"] == ["length"]:
-        return f"the runs agree up to step {d['step'] - 1}; {a} has {d['steps_a']} steps, {b} has {d['steps_b']}"
+        return "\n".join([f"the runs agree up to step {d['step'] - 1}; {a} has {d['steps_a']} steps, {b} has {d['steps_b']}", *config])
     names = {"data": "data (indices drawn)", "rng": "seeds", "buffer.add": "samples", "buffer.drop": "dropped samples",
              "buffer.consume": "consumed samples", "metrics": "metrics", "state": "fingerprint"}
-    lines = [f"first difference at step {d['step']}: " + ", ".join(names.get(k, k) for k in d["differs"])]
+    lines = [f"first difference at step {d['step']}: " + ", ".join(names.get(k, k) for k in d["differs"]), *config]
     for k, (va, vb) in list(d["detail"].get("metrics", {}).items())[:12]:
         lines.append(f"  {k:32s} {va!r:>14} vs {vb!r}")
     return "\n".join(lines)

@@ -13,13 +13,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import Config, TinyModelConfig
-from .errors import ModelError
+from ..config import Config, TinyModelConfig
+from ..errors import ModelError
 from .vocab import BUILTIN_CHARS, builtin_vocab
 
 BUILTIN_TINY = "builtin:tiny"
-
-
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -106,20 +104,42 @@ def load_causal_lm(path: str, cfg: Config, seed: int, key: str = "model.actor.mo
 
 
 def load_reward_model(path: str):
-    """A frozen (or trainable) sequence-classification reward model and its tokenizer, from a local dir."""
+    """A frozen sequence-classification reward model and its tokenizer, from a local dir. A directory
+    without a trained classification head (e.g. a causal LM) is refused: transformers would add a
+    random one, and the rewards would mean nothing."""
     from transformers import AutoModelForSequenceClassification
 
     key = "model.reward_model.model_name_or_path"
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            str(_local_dir(path, key)), local_files_only=True, torch_dtype=torch.float32
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            str(_local_dir(path, key)), local_files_only=True, torch_dtype=torch.float32, output_loading_info=True
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"{key}: cannot load a sequence-classification model from {path}: {str(e).splitlines()[0]}") from None
+    if info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        raise ModelError(
+            f"{key}: {path} is not a sequence-classification model (its weights lack {missing[0]}"
+            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); a reward model needs a trained score head"
+        )
     tok = load_tokenizer(path, key)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
     return model, tok
+
+
+def model_digest(path: str) -> str:
+    """BLAKE3 over a model directory's files (names and contents): the identity of a frozen model."""
+    import blake3
+
+    from ..state.manifest import file_digest
+
+    root = Path(path)
+    h = blake3.blake3()
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h.update(f"{p.relative_to(root).as_posix()}={file_digest(p)}\n".encode())
+    return h.hexdigest()
 
 
 class ValueModel(nn.Module):

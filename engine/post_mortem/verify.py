@@ -13,9 +13,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from verlj.journal import Journal, JournalError, NotAJournalError, unpackb, verify_journal
+from verlj.journal import JournalError, NotAJournalError, unpackb, verify_journal
 
-from .manifest import META, check_snapshot, snapshot_name
+from ..state.ledger import Ledger, journal_dir
+from ..state.manifest import META, check_snapshot, snapshot_name
+from ..state.recovery import damaged_journal_advice
+from ..state.snapshot_store import SnapshotStore
 
 
 @dataclass
@@ -37,6 +40,10 @@ class RunReport:
     snapshots: list[SnapshotReport] = field(default_factory=list)
     resume_from: str | None = None
     replay: list[int] | None = None
+    advice: str | None = None  # what to do when the journal is damaged (the same words --resume says)
+    leftovers: list[str] = field(default_factory=list)  # left by a killed run; resume removes them
+    quarantined: list[dict] = field(default_factory=list)  # damaged snapshots moved aside on resume
+    rotated: list[str] = field(default_factory=list)  # snapshots rotation removed while verify read them
     deep_lines: list[str] = field(default_factory=list)
     deep_ok: bool = True
     bytes_hashed: int = 0
@@ -66,12 +73,10 @@ def _count_tensors(obj) -> int:
 
 def _weights_only_parse(path: Path) -> tuple[int, int]:
     """Open a DeepSpeed file weights-only (memory-mapped): (model tensors, optimizer tensors)."""
-    import torch
 
-    from .snapshot import _safe_globals
+    from ..state.safe_load import load_weights_only
 
-    with torch.serialization.safe_globals(_safe_globals()):
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    obj = load_weights_only(path, map_location="cpu", mmap=True)
     if "optim_states" in path.name:
         return 0, _count_tensors(obj)
     optim = obj.get("optimizer") if isinstance(obj, dict) else None  # ZeRO-0 keeps it beside the weights
@@ -126,44 +131,37 @@ def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: boo
     return rep, res.bytes_hashed
 
 
-def _fingerprints(journal: Journal) -> dict[int, str]:
-    out = {}
-    for summary in journal.iter_summaries():
-        for e in summary["events"]:
-            if e["type"] == "state":
-                out[summary["step"]] = e["fingerprint"]
-    return out
-
-
 def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> RunReport:
     """Verify a run directory, or one snapshot directory inside a run."""
     path = Path(path)
     single = (path / META).is_file() or (path / "manifest.json").is_file() or path.name.startswith("step_")
     run_dir = path.parent if single else path
     report = RunReport(str(path))
-    jdir = run_dir / "journal"
     fps: dict[int, str] | None = None
     index: dict[int, dict] = {}
-    if (jdir / "data.mdb").is_file():
+    ledger = None
+    if (journal_dir(run_dir) / "data.mdb").is_file():
         try:
-            with Journal.open_reader(jdir) as j:
-                jr = verify_journal(j)
-                report.last_step = j.last_step()
-                report.last_good_step = jr.last_good_step
-                try:
-                    index = j.snapshots()
-                except JournalError:
-                    index = {}
-                try:
-                    fps = _fingerprints(j)
-                except JournalError:
-                    fps = {}
+            ledger = Ledger.open_reader(run_dir)
+            jr = verify_journal(ledger.journal)
+            report.last_step = ledger.last_step()
+            report.last_good_step = jr.last_good_step
+            try:
+                index = ledger.snapshots()
+                report.quarantined = ledger.quarantined()
+            except JournalError:
+                index = {}
+            try:
+                fps = ledger.fingerprints()
+            except JournalError:
+                fps = {}
         except NotAJournalError:
             raise
         except JournalError as e:  # e.g. a truncated data file: nothing in it can be trusted
             jr = None
             report.journal_ok = False
             report.journal_lines.append(f"✗ journal: {e}")
+            report.advice = damaged_journal_advice(run_dir, str(e), None)
             fps = {}
         if jr is not None:
             report.journal_ok = jr.ok
@@ -172,41 +170,66 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
                 report.journal_lines.append("✓ LMDB structure checked (every sub-database walked, entry counts match)")
             else:
                 report.journal_lines += [f"✗ journal {p}" for p in jr.problems]
+                report.advice = damaged_journal_advice(run_dir, str(jr.first_problem), jr.last_good_step,
+                                                       ledger.base_step() if ledger else 0)
     elif not single:
         raise NotAJournalError(f"{path} is not a verlj run (no journal/ inside)")
     else:
         report.journal_lines.append("· no journal next to this snapshot: checked on its own")
-    if single:
-        if not path.is_dir():
-            raise JournalError(f"snapshot {path} does not exist")
-        entry = next((info for info in index.values() if info["path"] == path.name), None)
-        rep, n = verify_snapshot(path, fps, indexed=entry is not None, recorded_manifest=entry and entry.get("manifest"))
-        report.snapshots.append(rep)
-        report.bytes_hashed += n
-    else:
-        names = {p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("step_")}
-        names |= {info["path"] for info in index.values()}
-        indexed = {info["path"] for info in index.values()}
-        by_name = {info["path"]: info for info in index.values()}
-        for name in sorted(names):
-            rep, n = verify_snapshot(run_dir / name, fps, indexed=name in indexed,
-                                     recorded_manifest=by_name.get(name, {}).get("manifest"))
-            report.snapshots.append(rep)
-            report.bytes_hashed += n
-        usable = [s for s in report.snapshots if s.valid and s.indexed and s.step is not None
-                  and (report.last_good_step is None or s.step <= report.last_good_step)]
-        if report.last_good_step is not None:
-            if usable:
-                best = max(usable, key=lambda s: s.step)
-                report.resume_from = best.name
-                if best.step < report.last_good_step:
-                    report.replay = [best.step + 1, report.last_good_step]
-            elif report.last_good_step > 0:
-                report.resume_from = "the initial state"
-                report.replay = [1, report.last_good_step]
+    try:
+        if single:
+            _verify_one(report, path, index, fps)
+        else:
+            _verify_all(report, run_dir, index, fps, ledger)
+    finally:
+        if ledger is not None:
+            ledger.close()
     if deep:
         deep_check(report, run_dir, from_step)
     return report
+
+
+def _verify_one(report: RunReport, path: Path, index: dict, fps) -> None:
+    if not path.is_dir():
+        raise JournalError(f"snapshot {path} does not exist")
+    entry = next((info for info in index.values() if info["path"] == path.name), None)
+    rep, n = verify_snapshot(path, fps, indexed=entry is not None, recorded_manifest=entry and entry.get("manifest"))
+    report.snapshots.append(rep)
+    report.bytes_hashed += n
+
+
+def _verify_all(report: RunReport, run_dir: Path, index: dict, fps, ledger: Ledger | None) -> None:
+    """Every indexed snapshot; leftovers of killed runs are listed, not checked (they are never used)."""
+    store = SnapshotStore(run_dir, ledger)
+    report.leftovers = store.leftovers(index)
+    for step in sorted(index):
+        info = index[step]
+        rep, n = verify_snapshot(run_dir / info["path"], fps, indexed=True, recorded_manifest=info.get("manifest"))
+        if not rep.valid and ledger is not None and _rotated_away(ledger, step, run_dir / info["path"]):
+            # training goes on while verify reads: rotation unindexed and deleted this snapshot under
+            # us. A snapshot leaving the index is not damage.
+            report.rotated.append(info["path"])
+            continue
+        report.snapshots.append(rep)
+        report.bytes_hashed += n
+    usable = [s for s in report.snapshots if s.valid and s.indexed and s.step is not None
+              and (report.last_good_step is None or s.step <= report.last_good_step)]
+    if report.journal_ok and report.last_good_step is not None:
+        if usable:
+            best = max(usable, key=lambda s: s.step)
+            report.resume_from = best.name
+            if best.step < report.last_good_step:
+                report.replay = [best.step + 1, report.last_good_step]
+        elif report.last_good_step > 0:
+            report.resume_from = "the initial state"
+            report.replay = [1, report.last_good_step]
+
+
+def _rotated_away(ledger: Ledger, step: int, path: Path) -> bool:
+    try:
+        return step not in ledger.snapshots() and not path.exists()
+    except JournalError:
+        return False
 
 
 def deep_check(report: RunReport, run_dir: Path, from_step: int | None) -> None:
@@ -238,12 +261,18 @@ def render(report: RunReport) -> str:
     for s in report.snapshots:
         lines.append(f"{s.name}{'' if s.indexed else ' (not in the snapshot index)'}:")
         lines += [f"  {line}" for line in s.lines]
+    for name in report.rotated:
+        lines.append(f"· {name} was rotated away by the live run while verify read it (not damage)")
+    for q in report.quarantined:
+        lines.append(f"· {q['name']} was found damaged on a resume and moved to {q['path']} ({q['reason']}); never used")
+    for name in report.leftovers:
+        lines.append(f"· {name}: left by an interrupted run; never used, and the next --resume removes it")
     lines += report.deep_lines
-    if report.resume_from is not None:
+    if report.advice is not None:
+        lines.append(f"Resume is not possible: {report.advice}.")
+    elif report.resume_from is not None:
         tail = f", then replay steps {report.replay[0]}–{report.replay[1]} from the journal" if report.replay else ""
         lines.append(f"Resume is possible from {report.resume_from}{tail}.")
-    elif not report.journal_ok and report.last_good_step is None:
-        lines.append("Resume is not possible: the journal is damaged.")
     lines.append("OK: everything used for resume is intact." if report.ok else "DAMAGED: see the ✗ lines above.")
     return "\n".join(lines)
 

@@ -40,3 +40,36 @@ def rng_digest() -> dict[str, str]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         parts["cuda"] = blake3.blake3(torch.cuda.get_rng_state().numpy().tobytes()).hexdigest()[:16]
     return parts
+
+
+class RNGState:
+    """The process's global generators (torch, numpy, python, cuda) as a Stateful part of a snapshot.
+    Every step reseeds them, so this matters only for code that draws outside a step."""
+
+    def state_dict(self) -> dict:
+        import random
+
+        state = {
+            "torch": torch.get_rng_state().numpy(),
+            "numpy": list(np.random.get_state()),
+            "python": _py_rng_to_plain(random.getstate()),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = [s.numpy() for s in torch.cuda.get_rng_state_all()]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        import random
+
+        torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([torch.from_numpy(np.asarray(s, dtype=np.uint8)) for s in state["cuda"]])
+
+
+def _py_rng_to_plain(state):
+    version, internal, gauss = state
+    return [version, list(internal), gauss]

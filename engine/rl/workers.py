@@ -11,13 +11,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import blake3
 import numpy as np
 import torch
 
-from . import algorithms as A
-from .config import Config, OptimConfig
-from .dist import Runtime
+from ..config import Config, OptimConfig
+from ..dist import Runtime
+from . import algorithms
 
 
 def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int, n_params: int) -> dict:
@@ -85,7 +84,7 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def slice(self, a: int, b: int) -> "Batch":
+    def slice(self, a: int, b: int) -> Batch:
         return Batch(*(t[a:b] for t in (self.input_ids, self.attention_mask, self.resp_index, self.resp_mask, self.response_ids)))
 
 
@@ -115,7 +114,7 @@ def response_logprobs(model, batch: Batch, temperature: float, with_entropy: boo
     idx = batch.resp_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     resp_logits = torch.gather(logits, 1, idx)  # [B, R, V]
     logp = torch.log_softmax(resp_logits, dim=-1).gather(-1, batch.response_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    ent = A.entropy_from_logits(resp_logits) if with_entropy else None
+    ent = algorithms.entropy_from_logits(resp_logits) if with_entropy else None
     return logp * batch.resp_mask, ent
 
 
@@ -171,11 +170,11 @@ class ActorWorker:
             mb = batch.slice(sl.start, sl.stop)
             logp, ent = response_logprobs(self.engine, mb, self.temperature, with_entropy=True)
             old = logp.detach() if old_logprobs is None else old_logprobs[sl]  # None: fused (see Trainer.apply)
-            pg_loss, clipfrac, ppo_kl = A.policy_loss(logp, old, advantages[sl], mb.resp_mask, self.ac.clip_ratio)
-            entropy = A.masked_mean(ent, mb.resp_mask)
+            pg_loss, clipfrac, ppo_kl = algorithms.policy_loss(logp, old, advantages[sl], mb.resp_mask, self.ac.clip_ratio)
+            entropy = algorithms.masked_mean(ent, mb.resp_mask)
             loss = pg_loss - self.ac.entropy_coeff * entropy
             if self.cfg.algorithm.name == "grpo" and self.ac.use_kl_loss:
-                kl = A.masked_mean(A.kl_k3(logp, ref_logprobs[sl]), mb.resp_mask)
+                kl = algorithms.masked_mean(algorithms.kl_k3(logp, ref_logprobs[sl]), mb.resp_mask)
                 loss = loss + self.ac.kl_loss_coef * kl
                 _add(stats, "actor/kl_loss", kl.item())
             self.engine.backward(loss)
@@ -221,7 +220,7 @@ class CriticWorker:
         for sl, boundary in accumulation(self.engine, self.cc.micro_batch_size, self.rt.dp_size, mini_batches, epochs):
             mb = batch.slice(sl.start, sl.stop)
             v = self._values(self.engine, mb)
-            loss, clipfrac = A.value_loss(v, old_values[sl], returns[sl], mb.resp_mask, self.cc.cliprange_value)
+            loss, clipfrac = algorithms.value_loss(v, old_values[sl], returns[sl], mb.resp_mask, self.cc.cliprange_value)
             self.engine.backward(loss)
             norm = _step(self.engine, boundary)
             _add(stats, "critic/vf_loss", loss.item())
@@ -255,47 +254,3 @@ def _step(engine, boundary: bool) -> float:
     engine.step()
     g = engine.get_global_grad_norm() if measured is None else measured
     return float(g) if g is not None else float("nan")
-
-
-# ----------------------------------------------------------------------------- fingerprint
-
-
-def _hash_tree(h: blake3.blake3, obj, path: str = "") -> None:
-    """Feed every tensor and scalar of a nested state (dicts in sorted key order) into h."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.is_cuda:
-            t = t.cpu()
-        t = t.contiguous()
-        h.update(f"{path}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    elif isinstance(obj, dict):
-        for k in sorted(obj, key=str):
-            _hash_tree(h, obj[k], f"{path}/{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _hash_tree(h, v, f"{path}/{i}")
-    elif isinstance(obj, (int, float, str, bool)) or obj is None:
-        h.update(f"{path}={obj!r}".encode())
-    # other objects (enums, configs inside optimizer states) do not carry training state
-
-
-def engine_digest(engine) -> str:
-    """This rank's share of an engine's state: parameters (ZeRO-3 partitions), optimizer, LR scheduler."""
-    h = blake3.blake3()
-    for name, p in engine.module.named_parameters():
-        _hash_tree(h, p.ds_tensor if hasattr(p, "ds_tensor") else p, "param/" + name)
-    _hash_tree(h, engine.optimizer.state_dict(), "optim")
-    if engine.lr_scheduler is not None:
-        _hash_tree(h, engine.lr_scheduler.state_dict(), "sched")
-    h.update(f"global_steps={engine.global_steps}".encode())
-    return h.hexdigest()
-
-
-def fingerprint(engines: dict[str, object], rt: Runtime) -> tuple[str, dict[str, str]]:
-    """A digest of the whole trained state across ranks: (fingerprint, {part: digest})."""
-    local = {name: engine_digest(e) for name, e in engines.items()}
-    per_rank = rt.all_gather_obj(local)
-    parts = {name: blake3.blake3("|".join(r[name] for r in per_rank).encode()).hexdigest() for name in engines}
-    fp = blake3.blake3("|".join(f"{k}={parts[k]}" for k in sorted(parts)).encode()).hexdigest()
-    return fp, parts

@@ -5,19 +5,22 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .inspect import open_run
+from ..errors import RunError
+from .inspection import open_run
 
 
 def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise RunError("--plot needs matplotlib, which the default install leaves out: pip install matplotlib") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     with open_run(run_dir) as j:
         snaps = sorted(j.snapshots())
-        lineage = j.get_meta("lineage") or []
-    resumes = [e["at_step"] for e in lineage if e["kind"] == "resume"]
+        resumes = j.resume_steps()
     n = max(1, len(cols))
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 * n), sharex=True, squeeze=False)
     steps = [r["step"] for r in rows]

@@ -1,0 +1,54 @@
+"""Loading user code named in a config (`module:function` reward functions, dotted checkpoint
+policies), with one clear sentence for every way it can fail.
+
+The working directory is importable, as with ``python -m``: a ``my_rewards.py`` beside the config
+works from the ``verlj`` script too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def _cwd_importable() -> None:
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+def import_object(module_name: str, attr: str, key: str, error: type[Exception]) -> Any:
+    """`module_name`.`attr`, or `error` naming `key` and what went wrong."""
+    _cwd_importable()
+    spec = f"{module_name}:{attr}" if key.endswith("reward_fn") else f"{module_name}.{attr}"
+    if not module_name or not attr:
+        raise error(f"{key}: {spec!r} must name a module and an attribute in it")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise error(f"{key}: cannot import {spec!r} ({e})") from None
+    except Exception as e:  # noqa: BLE001 - the module's own code failed while importing
+        raise error(f"{key}: importing module {module_name!r} failed: {type(e).__name__}: {e}") from None
+    if not hasattr(module, attr):
+        raise error(f"{key}: cannot import {spec!r} (module {module_name!r} has no {attr!r})")
+    return getattr(module, attr)
+
+
+def check_signature(fn: Callable, n_args: int, what: str, error: type[Exception], **kwargs) -> None:
+    """fn must accept n_args positional arguments (and kwargs); else `error` naming `what`."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: nothing to check
+    try:
+        sig.bind(*range(n_args), **kwargs)
+    except TypeError as e:
+        raise error(f"{what} has the wrong signature {sig} ({e})") from None
+
+
+def describe(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"

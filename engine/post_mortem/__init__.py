@@ -1,0 +1,1 @@
+"""Post-mortem: inspection, verify, materialize (replay to a step, export, fork), plots."""

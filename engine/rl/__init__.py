@@ -1,0 +1,1 @@
+"""The RL half: data, models, rollout, rewards, buffer, algorithms, DeepSpeed workers, the trainer."""

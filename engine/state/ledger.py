@@ -1,0 +1,246 @@
+"""The run ledger: the one module that reads and writes a run's history in the journal's metadata.
+
+    RUN/journal  meta        identity: config, config_hash, seed, versions, topology, created,
+                             git_commit, run_dir, reward_model digest; a fork's parent, base_step,
+                             chain_base
+                 meta        history: config_history (changes from a step on), lineage (start,
+                             resume, fork), quarantined snapshots
+                 snapshots   the snapshot index: step -> path, fingerprint, manifest digest, time
+                 summary     fingerprints by step (the `state` event of each step)
+    RUN/train_metadata.json  a human-readable mirror of the above (the journal is the truth)
+
+Everything else asks the ledger; no other module names a meta key. No torch here: post-mortem
+commands read the ledger without loading a deep-learning stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from verlj.journal import Journal
+
+from ..config import stored_config
+from ..errors import RunError
+
+# meta keys, named here only
+_CONFIG, _HISTORY, _LINEAGE, _QUARANTINE = "config", "config_history", "lineage", "quarantined"
+_PARENT, _BASE, _CHAIN_BASE = "parent", "base_step", "chain_base"
+
+
+def journal_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "journal"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    import deepspeed
+    import torch
+    import transformers
+
+    return {
+        "verlj": version("verlj"),
+        "torch": str(torch.__version__),
+        "deepspeed": str(deepspeed.__version__),
+        "transformers": str(transformers.__version__),
+        "python": platform.python_version(),
+    }
+
+
+def git_commit() -> str | None:
+    """The commit of the verlj source that runs (not of whatever directory the user stands in)."""
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_state(run_dir: Path) -> str:
+    """'none' (no journal), 'empty' (a journal that never committed a step nor a snapshot: a run that
+    died before step 1, which a new start may replace), or 'run'."""
+    if not (journal_dir(run_dir) / "data.mdb").is_file():
+        return "none"
+    with Journal.open_reader(journal_dir(run_dir)) as j:
+        if j.get_meta(_CONFIG) is None:
+            return "empty"
+        if j.last_step() == j.base_step() and not j.snapshots() and j.get_meta(_PARENT) is None:
+            return "empty"
+    return "run"
+
+
+def has_run(run_dir: Path) -> bool:
+    """A journal with a run's metadata (one without it died before its first write: not a run)."""
+    if not (journal_dir(run_dir) / "data.mdb").is_file():
+        return False
+    with Journal.open_reader(journal_dir(run_dir)) as j:
+        return j.get_meta(_CONFIG) is not None
+
+
+class Ledger:
+    """A run's history, over an open journal (reader or writer)."""
+
+    def __init__(self, journal: Journal):
+        self.journal = journal
+
+    @classmethod
+    def open_reader(cls, run_dir: Path) -> Ledger:
+        return cls(Journal.open_reader(journal_dir(run_dir)))
+
+    def close(self) -> None:
+        self.journal.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ identity
+
+    def start(self, identity: dict, parent: dict | None = None, base_step: int = 0, chain_base: str | None = None) -> None:
+        """Record a new run's identity (a fresh start, or a fork of `parent` at `base_step`)."""
+        values = {**identity, _LINEAGE: [{"kind": "fork" if parent else "start", "at_step": base_step, "time": now_iso()}]}
+        if parent is not None:
+            values.update({_PARENT: parent, _BASE: base_step, _CHAIN_BASE: chain_base})
+        self.journal.update_meta(values)
+
+    def identity(self) -> dict[str, Any]:
+        """Everything recorded about the run (config, versions, topology, ...)."""
+        return self.journal.meta()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """One identity fact (e.g. 'world_size', 'reward_model_digest')."""
+        return self.journal.get_meta(key, default)
+
+    def parent(self) -> dict | None:
+        return self.journal.get_meta(_PARENT)
+
+    def base_step(self) -> int:
+        return self.journal.base_step()
+
+    def last_step(self) -> int:
+        return self.journal.last_step()
+
+    # ------------------------------------------------------------------ config history
+
+    def first_config(self) -> dict:
+        cfg = self.journal.get_meta(_CONFIG)
+        if cfg is None:
+            raise RunError(f"{self.journal.path.parent} has a journal but no stored config; it was not written by verlj train")
+        return stored_config(cfg)
+
+    def config_history(self) -> list[dict]:
+        """[{from_step, config}] in order: the changes made on resume."""
+        return [{**e, "config": stored_config(e["config"])} for e in self.journal.get_meta(_HISTORY) or []]
+
+    def config_at(self, step: int) -> dict:
+        """The config in force for `step` (the run's first config, then each recorded change)."""
+        cfg = self.first_config()
+        for entry in self.config_history():
+            if entry["from_step"] <= step:
+                cfg = entry["config"]
+        return cfg
+
+    def record_config_change(self, from_step: int, config: dict) -> None:
+        self.journal.set_meta(_HISTORY, [*(self.journal.get_meta(_HISTORY) or []), {"from_step": from_step, "config": config}])
+
+    # ------------------------------------------------------------------ lineage
+
+    def lineage(self) -> list[dict]:
+        """start / fork / resume entries, oldest first (runs from before this entry existed start with a resume)."""
+        entries = list(self.journal.get_meta(_LINEAGE) or [])
+        parent = self.parent()
+        if parent is not None and not any(e["kind"] == "fork" for e in entries):
+            entries.insert(0, {"kind": "fork", "at_step": parent["step"]})
+        for e in entries:
+            if e["kind"] == "fork":
+                e.setdefault("parent", parent)
+        return entries
+
+    def record_resume(self, at_step: int, snapshot_step: int, config_changes: list[str], world_size: int) -> None:
+        entry = {"kind": "resume", "at_step": at_step, "snapshot_step": snapshot_step, "config_changes": config_changes,
+                 "world_size": world_size, "time": now_iso()}
+        self.journal.set_meta(_LINEAGE, [*(self.journal.get_meta(_LINEAGE) or []), entry])
+
+    def resume_steps(self) -> list[int]:
+        return [e["at_step"] for e in self.lineage() if e["kind"] == "resume"]
+
+    # ------------------------------------------------------------------ snapshot index
+
+    def snapshots(self) -> dict[int, dict]:
+        """step -> {path, fingerprint, manifest, time}, oldest first."""
+        return self.journal.snapshots()
+
+    def index_snapshot(self, step: int, info: dict) -> None:
+        self.journal.add_snapshot(step, info)
+
+    def unindex_snapshot(self, step: int) -> None:
+        self.journal.remove_snapshot(step)
+
+    def quarantined(self) -> list[dict]:
+        """Snapshots found damaged and moved aside: [{name, step, reason, path, time}]."""
+        return self.journal.get_meta(_QUARANTINE) or []
+
+    def record_quarantine(self, entry: dict) -> None:
+        self.journal.set_meta(_QUARANTINE, [*self.quarantined(), {**entry, "time": now_iso()}])
+
+    # ------------------------------------------------------------------ fingerprints
+
+    def fingerprints(self, start: int | None = None, stop: int | None = None) -> dict[int, str]:
+        """step -> the fingerprint journaled after it (from the summaries: no samples decoded)."""
+        out = {}
+        for summary in self.journal.iter_summaries(start, stop):
+            for e in summary["events"]:
+                if e["type"] == "state":
+                    out[summary["step"]] = e["fingerprint"]
+        return out
+
+    def fingerprint_at(self, step: int) -> str | None:
+        summary = self.journal.read_summary(step)
+        if summary is None:
+            return None
+        return next((e["fingerprint"] for e in summary["events"] if e["type"] == "state"), None)
+
+    # ------------------------------------------------------------------ the human-readable mirror
+
+    def write_train_metadata(self, run_dir: Path, *, step: int, epoch: int, samples_seen: int, config_hash: str,
+                             resume_from: str | None = None, saved: bool = False) -> None:
+        """RUN/train_metadata.json, as the tutorial shows it: a view of the ledger for people."""
+        path = Path(run_dir) / "train_metadata.json"
+        try:
+            old = json.loads(path.read_text()) if path.is_file() else {}
+        except ValueError:
+            old = {}
+        index = self.snapshots()
+        newest = max(index) if index else None
+        write_json_atomic(path, {
+            "global_step": step,
+            "epoch": epoch,
+            "samples_seen": samples_seen,
+            "last_save_time": now_iso() if saved else old.get("last_save_time"),
+            "last_snapshot": index[newest]["path"] if newest is not None else None,
+            "git_commit": self.journal.get_meta("git_commit"),
+            "config_hash": config_hash,
+            "resume_from": resume_from if resume_from is not None else old.get("resume_from"),
+        })

@@ -1,0 +1,244 @@
+"""Recovery and replay: newest valid snapshot, then the journal, step by step, to an exact state.
+
+    verlj train --output-dir RUN --resume          # continue a run after any failure
+    verlj replay RUN --to-step 1247 [--export DIR]  # the state after step 1247, checked
+
+Replay feeds each journaled step's inputs (samples, rewards, buffer changes, seeds) to the same
+``Trainer.apply`` that live training runs, compares the resulting fingerprint with the journaled
+one, and stops at the first mismatch. Only rank 0 reads the journal; records reach the other
+ranks over torch.distributed. The journal is streamed: memory does not grow with the steps.
+
+The plan (which snapshot, what to replay, what to do about damage) is made here for `--resume`,
+`replay` and `verify` alike, so they always give the same answer. Importing this module loads no
+torch: `verify` and the post-mortem commands use the plan without a deep-learning stack.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from verlj.journal import make_event, verify_journal
+from verlj.journal.failpoints import failpoint
+
+from ..config import Config, config_from_dict
+from ..errors import ReplayError, SnapshotError
+from .ledger import Ledger
+from .manifest import check_snapshot, snapshot_name
+from .snapshot_store import SnapshotStore
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def damaged_journal_advice(run_dir: Path, problem: str, last_good_step: int | None, base: int = 0) -> str:
+    """One answer to 'the journal is damaged: what now?', for resume and verify alike."""
+    if last_good_step is not None and last_good_step > base:
+        return (f"the journal is damaged ({problem}); resume refuses to build on it. Steps up to {last_good_step} are "
+                f"intact: `verlj replay {run_dir} --to-step {last_good_step} --fork NEW_RUN` continues from there in a new run")
+    return f"the journal is damaged ({problem}) before any intact step; nothing can be recovered from it: start a new run"
+
+
+def check_journal(run_dir: Path, ledger: Ledger) -> None:
+    """Resume builds on an intact journal only: damage anywhere is refused, with the way forward."""
+    report = verify_journal(ledger.journal, decode=False)
+    if not report.ok:
+        raise ReplayError(damaged_journal_advice(run_dir, str(report.first_problem), report.last_good_step, ledger.base_step()))
+
+
+def resolve_explicit(run_dir: Path, ledger: Ledger, spec: str) -> tuple[int, Path]:
+    """trainer.resume_from=PATH: a snapshot of this run (in its index), or a clear refusal."""
+    path = Path(spec)
+    if not path.is_absolute() and not path.exists():
+        path = Path(run_dir) / spec
+    if not path.is_dir():
+        raise SnapshotError(f"trainer.resume_from: {spec} is not a snapshot directory")
+    if path.resolve().parent != Path(run_dir).resolve():
+        raise SnapshotError(
+            f"trainer.resume_from: {spec} is not a snapshot of the run in {run_dir}; to start from another run's state, "
+            "use `verlj replay OTHER_RUN --to-step N --fork NEW_RUN`"
+        )
+    for step, info in ledger.snapshots().items():
+        if info["path"] == path.name:
+            return step, path
+    raise SnapshotError(f"trainer.resume_from: {spec} is not in this run's snapshot index (rotated away or quarantined)")
+
+
+def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explicit: tuple[int, Path] | None = None,
+                    store: SnapshotStore | None = None) -> tuple[int, Path | None]:
+    """Rank 0: the newest snapshot <= limit whose manifest verifies and whose step and fingerprint
+    agree with the journal. A damaged one is skipped with a warning and, when `store` is given (a
+    resume, which holds the writer lock), quarantined. (0, None): the initial state."""
+    index = ledger.snapshots()
+    if explicit is not None:
+        candidates = [explicit]
+    else:
+        candidates = [(s, run_dir / index[s]["path"]) for s in sorted(index, reverse=True) if s <= limit]
+    base = ledger.base_step()
+    for step, path in candidates:
+        res = check_snapshot(path, expected_manifest=index.get(step, {}).get("manifest"))
+        want = ledger.fingerprint_at(step)
+        problem = None
+        if not res.valid:
+            problem = res.problems[0]
+        elif res.step != step:
+            problem = f"its meta says step {res.step}, the index says {step}"
+        elif want is not None and res.meta["fingerprint"] != want:
+            problem = f"its fingerprint does not match the journal's for step {step}"
+        elif want is None and step != base:
+            problem = f"step {step} is not in the journal"
+        if problem is not None:
+            if store is not None and path.exists():
+                dest = store.quarantine(step, path, problem)
+                reporter.warn(f"Skipping damaged snapshot {path}: {problem} (moved to {dest})")
+            else:
+                reporter.warn(f"Skipping damaged snapshot {path}: {problem}")
+            if explicit is not None:
+                raise SnapshotError(f"snapshot {path} is damaged: {problem}")
+            continue
+        if step > limit:
+            raise SnapshotError(f"snapshot {path} is at step {step}, after the target step {limit}")
+        return step, path
+    if base > 0:
+        raise SnapshotError(f"no valid snapshot at or after this run's base step {base} (a fork); nothing to replay from")
+    return 0, None
+
+
+# ----------------------------------------------------------------------------- restore and replay
+
+
+def restore(run_dir: Path, rt, trainer, ckpt, ledger: Ledger | None, limit: int, reporter,
+            explicit: tuple[int, Path] | None = None, quarantine: bool = False) -> int:
+    """Load the chosen snapshot (or keep the initial state). Collective. Returns its step."""
+    from .fingerprint import fingerprint
+
+    choice = None
+    if rt.is_main:
+        step, path = choose_snapshot(run_dir, ledger, limit, reporter, explicit, ckpt.store if quarantine else None)
+        choice = [step, str(path) if path is not None else None]
+    step, path = rt.broadcast_obj(choice)
+    if path is None:
+        reporter.info("No usable snapshot: replaying from the initial state (step 0).")
+        return 0
+    reporter.info(f"Resuming from checkpoint: {path}")
+    meta = ckpt.load(Path(path))
+    reporter.info("Loaded model, optimizer, scheduler and RNG states.")
+    reporter.info(
+        f"Dataflow anchor restored: dataloader at batch_idx={trainer.sampler.cursor}, "
+        f"buffer has {len(trainer.buffer)} pending samples."
+    )
+    fp, _ = fingerprint(trainer.engines(), rt)
+    if fp != meta["fingerprint"]:
+        raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {meta['fingerprint'][:16]}…")
+    return step
+
+
+def replay(rt, trainer, ledger: Ledger | None, start: int, stop: int, base_cfg: Config, reporter,
+           ckpt=None, check_metrics: bool = True) -> str | None:
+    """Apply journaled steps start..stop (inclusive) and check each fingerprint. Collective."""
+    from ..rl.trainer import StepInputs, is_timing
+
+    fp = None
+    records = ledger.journal.iter_steps(start, stop) if rt.is_main else None
+    history = rt.broadcast_obj(ledger.config_history() if rt.is_main else None)
+    current = base_cfg
+    for step in range(start, stop + 1):
+        record = next(records) if rt.is_main else None
+        if rt.is_main and record["step"] != step:
+            raise ReplayError(f"journal step {step} is missing (found {record['step']}); run `verlj verify`")
+        record = rt.broadcast_obj(record)
+        for entry in history:
+            if entry["from_step"] == step:
+                current = config_from_dict(entry["config"])
+                trainer.set_config(current)
+        inputs = StepInputs.from_record(record)
+        samples = trainer.take(step, inputs)
+        trainer.advance_sampler(inputs)
+        outcome = trainer.apply(step, inputs, samples)
+        events = {e["type"]: e for e in record["events"]}
+        want = events["state"]["fingerprint"]
+        if outcome.fingerprint != want:
+            raise ReplayError(
+                f"replay diverged at step {step}: fingerprint {outcome.fingerprint[:16]}… but the journal has {want[:16]}…"
+            )
+        journaled = events["metrics"]["values"]
+        if check_metrics:
+            mine = {k: v for k, v in outcome.metrics.items() if not is_timing(k)}
+            bad = [k for k in journaled if not is_timing(k) and k in mine and not _same_float(journaled[k], mine[k])]
+            if bad:
+                raise ReplayError(f"replay diverged at step {step}: metric {bad[0]} is {mine[bad[0]]!r}, journaled {journaled[bad[0]]!r}")
+        if ckpt is not None:
+            ckpt.replayed(step, journaled)
+        fp = outcome.fingerprint
+        failpoint("replay.step")
+    return fp
+
+
+def _same_float(a, b) -> bool:
+    return a == b or (a != a and b != b)
+
+
+def materialize_steps(run_dir: Path, rt, trainer, ckpt, ledger: Ledger | None, to_step: int, reporter,
+                      explicit: tuple[int, Path] | None = None, max_snapshot: int | None = None,
+                      quarantine: bool = False) -> tuple[int, str | None]:
+    """The state after `to_step`: restore the best snapshot, replay the rest under the configs the
+    journal recorded. Collective. Returns (snapshot step, fingerprint or None if nothing replayed)."""
+    trainer.set_config(config_from_dict(rt.broadcast_obj(ledger.config_at(to_step) if rt.is_main else None)))
+    limit = to_step if max_snapshot is None else min(to_step, max_snapshot)
+    step0 = restore(run_dir, rt, trainer, ckpt, ledger, limit, reporter, explicit, quarantine)
+    if step0 >= to_step:
+        return step0, None
+    first = config_from_dict(rt.broadcast_obj(ledger.config_at(step0 + 1) if rt.is_main else None))
+    trainer.set_config(first)
+    fp = replay(rt, trainer, ledger, step0 + 1, to_step, first, reporter, ckpt)
+    return step0, fp
+
+
+# ----------------------------------------------------------------------------- --resume
+
+
+def resume_state(run_dir: Path, cfg: Config, rt, trainer, ledger: Ledger | None, ckpt, reporter,
+                 changed: list[str], allow_change: bool) -> tuple[int, list[dict]]:
+    """`--resume`: restore the newest valid snapshot, replay the journal to its last step.
+    Returns (last committed step, control events for the next record)."""
+    problem = None
+    if rt.is_main:
+        try:
+            check_journal(run_dir, ledger)
+        except ReplayError as e:
+            problem = str(e)
+    problem = rt.broadcast_obj(problem)
+    if problem:
+        raise ReplayError(problem)
+    last = rt.broadcast_obj(ledger.last_step() if rt.is_main else None)
+    spec = cfg.trainer.resume_from
+    explicit, limit = None, last
+    if spec not in (None, "auto"):
+        if str(spec).isdigit():
+            limit = min(int(spec), last)
+        else:
+            found = resolve_explicit(run_dir, ledger, spec) if rt.is_main else None
+            explicit = rt.broadcast_obj(None if found is None else [found[0], str(found[1])])
+            explicit = (explicit[0], Path(explicit[1]))
+    step0, _ = materialize_steps(run_dir, rt, trainer, ckpt, ledger, last, reporter, explicit,
+                                 max_snapshot=limit, quarantine=True)
+    if step0 < last:
+        reporter.info(f"Replayed steps {step0 + 1}–{last} from the journal.")
+    trainer.set_config(cfg)
+    from_snapshot = snapshot_name(step0) if step0 else None
+    control = [make_event("control", kind="resume", details={
+        "from_snapshot": from_snapshot,
+        "snapshot_step": step0,
+        "replayed": [step0 + 1, last] if step0 < last else None,
+        "config_changes": changed,
+        "allow_config_change": allow_change,
+        "world_size": rt.world_size,
+    })]
+    if rt.is_main:
+        ledger.record_resume(last, step0, changed, rt.world_size)
+        if changed:
+            ledger.record_config_change(last + 1, cfg.to_dict())
+        ckpt.write_metadata(last, resume_from=from_snapshot or "the initial state")
+    if changed:
+        control.append(make_event("config", config=cfg.to_dict(), hash=cfg.hash(), changed=changed))
+    if last < cfg.trainer.total_steps:
+        reporter.info(f"Step {last + 1}: Continuing training...")
+    return last, control

@@ -1,0 +1,243 @@
+"""Snapshots: the whole resumable state of a run at a step, written and read in one place.
+
+    RUN/step_00050/
+      actor/  critic/          DeepSpeed save_checkpoint(tag=name): weights, optimizer, LR scheduler
+                               (ZeRO / TP shards, one file per rank as DeepSpeed lays them out)
+      dataflow_anchor.msgpack  every rank-agnostic Stateful part: {name: part.state_dict()}
+                               (sampler, rollout buffer, train state, checkpoint schedule)
+      rng_rank00000.msgpack    the global generators of each rank (seeding.RNGState)
+      meta.json                step, fingerprint, config hash, topology
+      manifest.json            every file above: size and BLAKE3 digest (state.manifest)
+
+The parts come from one registry (:meth:`Checkpointer.parts`), as torchtitan's checkpoint manager
+gathers its Stateful objects: the sharded ones (the DeepSpeed engines of the actor and critic)
+through DeepSpeed's own save/load, the others through state_dict / load_state_dict, encoded as
+msgpack. Loading never unpickles anything but tensors (state.safe_load).
+
+:class:`Checkpointer` decides (state.policy), writes (sync, or async: the loop is blocked only
+while DeepSpeed's state is copied to host memory), hands the directory to the store to publish and
+rotate (state.snapshot_store), and loads.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from verlj.journal import packb, unpackb
+from verlj.journal.failpoints import failpoint
+
+from ..config import Config
+from ..errors import SnapshotError
+from .ledger import Ledger
+from .manifest import ANCHOR, META, SNAPSHOT_VERSION, fsync_tree, snapshot_name, write_bytes_durable
+from .policy import CheckpointSchedule
+from .safe_load import install_safe_checkpointing
+from .seeding import RNGState
+from .snapshot_store import SnapshotStore
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank:05d}.msgpack"
+
+
+class Checkpointer:
+    """Snapshots of a live run (or a materialized state): schedule, write, publish, load."""
+
+    def __init__(self, run_dir: Path, cfg: Config, rt, trainer, ledger: Ledger | None, reporter):
+        self.run_dir, self.cfg, self.rt, self.trainer = Path(run_dir), cfg, rt, trainer
+        self.ledger, self.reporter = ledger, reporter
+        self.store = SnapshotStore(self.run_dir, ledger)
+        self.schedule = CheckpointSchedule(cfg.trainer)
+        self.rng = RNGState()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_saved: int | None = None
+        self.blocked_s = 0.0  # how long the last snapshot blocked the loop
+        for engine in trainer.engines().values():
+            install_safe_checkpointing(engine)
+
+    def parts(self) -> dict:
+        """The registry of rank-agnostic Stateful parts (the anchor); engines and RNG are per rank."""
+        return {**self.trainer.state_parts(), "checkpoint_schedule": self.schedule}
+
+    # ------------------------------------------------------------------ deciding
+
+    def after_step(self, step: int, metrics: dict, fingerprint: str, force: bool = False) -> None:
+        """A live step is committed: snapshot if the schedule (or `force`) says so."""
+        due = self.rt.all_true(self.schedule.observe(step, metrics, self.trainer.train_state.trainer_state()))
+        if (due or force) and self.last_saved != step:
+            self.try_save(step, fingerprint)
+
+    def replayed(self, step: int, metrics: dict) -> None:
+        """A replayed step: the schedule sees its journaled metrics as the live run's did."""
+        self.schedule.observe(step, metrics, self.trainer.train_state.trainer_state())
+
+    # ------------------------------------------------------------------ writing
+
+    def try_save(self, step: int, fp: str) -> bool:
+        """A snapshot that fails (disk full, I/O error) costs only that snapshot: the journal still
+        holds every step, so training goes on and recovery replays from an older one."""
+        error = ""
+        try:
+            self.save(step, fp)
+        except (OSError, RuntimeError, SnapshotError) as e:  # torch.save reports a full disk as RuntimeError
+            error = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        if not self.rt.all_true(not error):
+            self.reporter.warn(f"Snapshot at step {step} failed ({error or 'on another rank'}); training continues, "
+                               "the journal still holds every step")
+            if self.rt.is_main:
+                shutil.rmtree(self.store.tmp_dir(step), ignore_errors=True)
+            return False
+        return True
+
+    def save(self, step: int, fp: str) -> None:
+        """Snapshot the state after `step` into the run: published, indexed, rotated."""
+        self.wait()  # one snapshot in flight at a time
+        self._write(step, fp, self.store.tmp_dir(step), publish=True)
+
+    def write_standalone(self, step: int, fp: str, out_dir: Path) -> None:
+        """Snapshot the current state into out_dir (manifest included; no journal, no rotation)."""
+        self.wait()
+        tmp = out_dir.parent / f".tmp-{out_dir.name}"
+        self._write(step, fp, tmp, publish=False)
+        if self.rt.is_main:
+            SnapshotStore.publish_standalone(tmp, out_dir)
+        self.rt.barrier()
+
+    def _write(self, step: int, fp: str, tmp: Path, publish: bool) -> None:
+        rt = self.rt
+        if rt.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        rt.barrier()
+        t0 = time.perf_counter()
+        engines = self.trainer.engines()
+        async_save = self.cfg.trainer.async_save and publish
+        deferred: list[tuple[str, object]] = []
+        for tag, engine in engines.items():
+            ce = install_safe_checkpointing(engine)
+            ce.deferred = [] if async_save else None
+            try:
+                engine.save_checkpoint(str(tmp), tag=tag, client_state={}, save_latest=False)
+            finally:
+                if ce.deferred is not None:
+                    deferred += ce.deferred
+                ce.deferred = None
+        small = {rng_file(rt.rank): packb(self.rng.state_dict())}
+        if rt.is_main:
+            small[ANCHOR] = packb({name: part.state_dict() for name, part in self.parts().items()})
+            small[META] = json.dumps({
+                "version": SNAPSHOT_VERSION,
+                "step": step,
+                "fingerprint": fp,
+                "config_hash": self.trainer.cfg.hash(),
+                "engines": list(engines),
+                "world_size": rt.world_size,
+                "tensor_parallel_size": rt.tp_size,
+                "zero_stage": self.cfg.distributed.zero_stage,
+                "time": time.time(),
+            }, indent=2).encode()
+        self.blocked_s = time.perf_counter() - t0
+        self.last_saved = step
+        if async_save:
+            self._thread = threading.Thread(target=self._finish_async, args=(step, fp, tmp, deferred, small), daemon=True)
+            self._thread.start()
+            self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / snapshot_name(step)} in the background...")
+            return
+        _write_small(tmp, small)
+        failpoint("snapshot.mid_write")
+        fsync_tree(tmp)
+        rt.barrier()  # every rank's files are durable
+        if publish:
+            if rt.is_main:
+                self._publish(step, fp, tmp)
+            rt.barrier()
+            self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / snapshot_name(step)}...")
+
+    def _finish_async(self, step, fp, tmp: Path, deferred, small) -> None:
+        """Background: write the copied state, mark this rank done; rank 0 waits for all, then publishes."""
+        try:
+            for path, state in deferred:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                torch.save(state, path)
+            _write_small(tmp, small)
+            failpoint("snapshot.mid_write")
+            fsync_tree(tmp)
+            write_bytes_durable(tmp / f".done-rank{self.rt.rank:05d}", b"")
+            if self.rt.is_main:
+                markers = [tmp / f".done-rank{r:05d}" for r in range(self.rt.world_size)]
+                while not all(m.exists() for m in markers):
+                    time.sleep(0.01)
+                for m in markers:
+                    m.unlink()
+                self._publish(step, fp, tmp)
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+            self._error = e
+
+    def _publish(self, step: int, fp: str, tmp: Path) -> None:
+        self.store.publish(step, fp, tmp)
+        self.write_metadata(step, saved=True)
+        self.store.rotate(self.cfg.trainer.save_total_limit)
+
+    def wait(self) -> None:
+        """Block until an in-flight async snapshot is published (or raise its error)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise SnapshotError(f"background snapshot failed: {err}")
+
+    def finish(self) -> None:
+        try:
+            self.wait()
+        except SnapshotError as e:
+            self.reporter.warn(f"{e}; the journal still holds every step")
+        self.rt.barrier()
+
+    def write_metadata(self, step: int, resume_from: str | None = None, saved: bool = False) -> None:
+        sampler, state = self.trainer.sampler, self.trainer.train_state
+        self.ledger.write_train_metadata(self.run_dir, step=step, epoch=sampler.epoch, samples_seen=state.samples_seen,
+                                         config_hash=self.cfg.hash(), resume_from=resume_from, saved=saved)
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, path: Path) -> dict:
+        """Load a verified snapshot into the registry (collective). Returns its meta."""
+        meta = json.loads((path / META).read_text())
+        engines = self.trainer.engines()
+        if sorted(meta["engines"]) != sorted(engines):
+            raise SnapshotError(f"{path} holds engines {meta['engines']}, this run has {list(engines)}")
+        if meta["world_size"] != self.rt.world_size or meta["tensor_parallel_size"] != self.rt.tp_size:
+            raise SnapshotError(
+                f"{path} was saved with {meta['world_size']} ranks (TP {meta['tensor_parallel_size']}); "
+                f"this run has {self.rt.world_size} (TP {self.rt.tp_size}); resume with the same topology"
+            )
+        for tag, engine in engines.items():
+            install_safe_checkpointing(engine)
+            load_path, _ = engine.load_checkpoint(
+                str(path), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True
+            )
+            if load_path is None:
+                raise SnapshotError(f"DeepSpeed found no checkpoint for {tag!r} in {path}")
+        anchor = unpackb((path / ANCHOR).read_bytes())
+        for name, part in self.parts().items():
+            if name in anchor:
+                part.load_state_dict(anchor[name])
+            elif name != "train_state" and name != "checkpoint_schedule":
+                raise SnapshotError(f"{path / ANCHOR} has no {name!r} state")
+            # snapshots written before these parts existed: they start from their initial state
+        self.rng.load_state_dict(unpackb((path / rng_file(self.rt.rank)).read_bytes()))
+        return meta
+
+
+def _write_small(tmp: Path, small: dict[str, bytes]) -> None:
+    for fname, data in small.items():
+        write_bytes_durable(tmp / fname, data)
