@@ -13,6 +13,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     add_completion=False,
+    rich_markup_mode=None,  # plain help: flags show as flags, defaults as [default: ...]
 )
 
 

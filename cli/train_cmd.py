@@ -39,4 +39,5 @@ def train(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("train")(train)
+    app.command("train", epilog="Every config key with its default: verlj config show. A key's comment in "
+                "engine/config.py says what it does and whether it may change on --resume.")(train)

@@ -168,6 +168,7 @@ def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, r
         outcome = trainer.apply(step, inputs, samples)
         outcome.metrics.update(inputs.timings)
         outcome.metrics["timing_s/step"] = time.perf_counter() - t_step
+        due = ckpt.due(step, outcome.metrics)
         failpoint("step.before_commit")  # the update is done, the journal does not know it yet
         t_commit = time.perf_counter()
         commit(rt, ledger, step, control + inputs.events() + outcome.events())
@@ -175,7 +176,7 @@ def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, r
         # the commit's own time cannot be in the record it commits: it goes to the logs only
         reporter.step(step, {**outcome.metrics, "timing_s/commit": time.perf_counter() - t_commit})
         stopping = not rt.all_true(not stop.requested)  # every rank stops after the same step
-        ckpt.after_step(step, outcome.metrics, outcome.fingerprint, force=stopping or step == cfg.trainer.total_steps)
+        ckpt.after_step(step, outcome.fingerprint, due or stopping or step == cfg.trainer.total_steps)
         if stopping:
             ckpt.finish()
             reporter.info(f"Received {stop.signal_name or 'a stop signal'}: step {step} committed and snapshot taken; exiting.")

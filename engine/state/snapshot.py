@@ -68,10 +68,14 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ deciding
 
-    def after_step(self, step: int, metrics: dict, fingerprint: str, force: bool = False) -> None:
-        """A live step is committed: snapshot if the schedule (or `force`) says so."""
-        due = self.rt.all_true(self.schedule.observe(step, metrics, self.trainer.train_state.trainer_state()))
-        if (due or force) and self.last_saved != step:
+    def due(self, step: int, metrics: dict) -> bool:
+        """Whether the schedule wants a snapshot after this live step. Asked before the step is
+        committed, so a policy that fails costs the step it failed on, never a committed one."""
+        return self.rt.all_true(self.schedule.observe(step, metrics, self.trainer.train_state.trainer_state()))
+
+    def after_step(self, step: int, fingerprint: str, due: bool) -> None:
+        """A live step is committed: snapshot it if it is due."""
+        if due and self.last_saved != step:
             self.try_save(step, fingerprint)
 
     def replayed(self, step: int, metrics: dict) -> None:

@@ -212,7 +212,7 @@ def test_config_change_on_resume(tmp_path, references):
     run = tmp_path / "run"
     run_train(run, None, [*TINY, *GRPO_DYN, "trainer.total_steps=4"])
     out = train(run, *GRPO_DYN, "trainer.total_steps=5", "model.actor.clip_ratio=0.1", resume=True)
-    assert out.returncode == 1 and "model.actor.clip_ratio" in out.stderr and "--allow-config-change" in out.stderr
+    assert out.returncode == 2 and "model.actor.clip_ratio" in out.stderr and "--allow-config-change" in out.stderr
     out = train(run, *GRPO_DYN, "trainer.total_steps=5", "distributed.zero_stage=2", "--allow-config-change", resume=True)
     assert out.returncode == 2 and "distributed.zero_stage cannot change within a run" in out.stderr
     # extending the run is always allowed, and recorded

@@ -1,0 +1,352 @@
+"""Regression tests for the failure paths a user hit (issue 9): each ends in one clear line, a
+non-zero exit, and no damage to an existing run; no false alarm, no lost snapshot."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verlj.engine.run import train as run_train
+from verlj.journal import Journal
+from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
+
+SMALL = [*TINY, "trainer.total_steps=4", "trainer.save_interval=2", "trainer.save_total_limit=2"]
+
+
+def one_line_error(out, code, text):
+    assert out.returncode == code, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and text in errors[0], out.stderr[-3000:]
+    return errors[0]
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name not in ("lock.mdb", "writer.lock")}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    run = tmp_path_factory.mktemp("hard") / "run"
+    run_train(run, None, SMALL)
+    return run
+
+
+@pytest.fixture
+def copy(base, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(base, run, symlinks=True)
+    return run
+
+
+# ----------------------------------------------------------------------------- 1. verify while rotation deletes
+
+
+def test_verify_does_not_call_a_rotated_snapshot_damaged(copy, monkeypatch):
+    """Rotation (another process) unindexes and deletes a snapshot while verify reads it."""
+    from verlj.engine.post_mortem import verify as verify_mod
+
+    real = verify_mod.verify_snapshot
+    rotate = ("from verlj.journal import Journal; import shutil, sys\n"
+              "with Journal.open_writer(sys.argv[1] + '/journal') as j: j.remove_snapshot(2)\n"
+              "shutil.rmtree(sys.argv[1] + '/step_00002')\n")
+
+    def racing(path, *a, **kw):
+        if path.name == "step_00002":
+            subprocess.run([sys.executable, "-c", rotate, str(copy)], check=True, env=env())
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(verify_mod, "verify_snapshot", racing)
+    report = verify_mod.verify_run(copy)
+    assert report.ok, verify_mod.render(report)
+    assert report.rotated == ["step_00002"] and [s.name for s in report.snapshots] == ["step_00004"]
+    assert "rotated away by the live run" in verify_mod.render(report)
+
+
+# ----------------------------------------------------------------------------- 2, 3. stdout and cold start
+
+
+def test_replay_json_is_alone_on_stdout_and_no_extension_is_built(base, tmp_path):
+    ext = tmp_path / "torch_extensions"
+    out = verlj("replay", base, "--to-step", 3, "--json", TORCH_EXTENSIONS_DIR=ext)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == {"step": 3, "fingerprint": fingerprints(base)[3], "from_snapshot": 2}
+    # nothing was JIT-compiled (DeepSpeed's CPU shared-memory op took ~100 s on a fresh machine)
+    assert not ext.exists() or not any(ext.rglob("*.so")), list(ext.rglob("*"))
+
+
+# ----------------------------------------------------------------------------- 4. one line, nothing left behind
+
+
+def test_user_code_that_fails_leaves_no_run(tmp_path):
+    mod = tmp_path / "code"
+    mod.mkdir()
+    (mod / "hard_rewards.py").write_text(
+        "def boom(prompt, response, answer):\n    raise KeyError('answer')\n"
+        "def good(prompt, response, answer):\n    import numpy as np\n    return np.float64(len(response) > 0)\n"
+    )
+    (mod / "hard_policy.py").write_text(
+        "class Loud:\n    def __init__(self, every=2):\n        self.every = every\n"
+        "    def should_save(self, state, history):\n        raise RuntimeError('policy bug')\n"
+        "class Maybe:\n    def should_save(self, state, history):\n        return 'yes'\n"
+    )
+    run = tmp_path / "r"
+    out = train(run, "rollout.reward_fn=hard_rewards:boom", PYTHONPATH=mod)
+    one_line_error(out, 1, "reward function hard_rewards.boom raised KeyError")
+    assert not run.exists()
+    out = train(run, "trainer.checkpoint_policy=hard_policy.Loud", "trainer.checkpoint_policy_kwargs={every: 3}", PYTHONPATH=mod)
+    one_line_error(out, 1, "trainer.checkpoint_policy: hard_policy.Loud.should_save raised RuntimeError: policy bug")
+    assert not run.exists()
+    out = train(run, "trainer.checkpoint_policy=hard_policy.Maybe", PYTHONPATH=mod)
+    one_line_error(out, 1, "returned 'yes'; it must return a bool")
+    out = train(run, "trainer.checkpoint_policy=hard_policy.Loud", "trainer.checkpoint_policy_kwargs={nope: 1}", PYTHONPATH=mod)
+    one_line_error(out, 1, "hard_policy.Loud(**trainer.checkpoint_policy_kwargs) failed: TypeError")
+    assert not run.exists()
+    # the same directory takes a clean retry with a working function (numpy scalars are numbers)
+    out = train(run, "rollout.reward_fn=hard_rewards:good", "trainer.total_steps=1", PYTHONPATH=mod)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("override, text", [
+    ("model.actor.optim.lr=.nan", "model.actor.optim.lr must be a finite number"),
+    ("rollout.temperature=.inf", "rollout.temperature must be a finite number"),
+    ("trainer.seed=18446744073709551616", "trainer.seed must be between 0 and 9223372036854775807"),
+    ("trainer.resume_from=-3", "trainer.resume_from must be null, auto, a snapshot path or a step number >= 0"),
+])
+def test_bad_values_are_refused_up_front(tmp_path, override, text):
+    one_line_error(train(tmp_path / "r", override), 2, text)
+    assert not (tmp_path / "r").exists()
+
+
+def test_non_utf8_dataset_and_yaml_line(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff\xfe", "answer": "1"}\n')
+    one_line_error(train(tmp_path / "r", f"data.train_dataset={data}"), 1, f"line 2 of {data} is not UTF-8 text")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  total_steps: 5\n  seed: [1,\nmodel: {}\n")
+    one_line_error(verlj("train", "--config", bad, "-o", tmp_path / "r"), 2, "not valid YAML at line 3")
+    assert not (tmp_path / "r").exists()
+
+
+def test_plot_without_matplotlib(base, tmp_path):
+    blocker = tmp_path / "block"
+    (blocker / "matplotlib").mkdir(parents=True)
+    (blocker / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    out = verlj("metrics", base, "--plot", tmp_path / "m.png", PYTHONPATH=blocker)
+    one_line_error(out, 1, "--plot needs matplotlib")
+    assert not (tmp_path / "m.png").exists()
+
+
+# ----------------------------------------------------------------------------- 5. config changes
+
+
+@pytest.mark.parametrize("key", ["trainer.precision=bf16", "trainer.seed=7", "trainer.num_threads=2",
+                                 "trainer.deterministic=false", "algorithm.name=ppo"])
+def test_allow_config_change_refuses_engine_and_determinism_keys(copy, key):
+    before = tree(copy)
+    out = train(copy, *SMALL, "trainer.total_steps=5", key, "--allow-config-change", resume=True)
+    one_line_error(out, 2, f"{key.split('=')[0]} cannot change within a run")
+    assert tree(copy) == before
+
+
+# ----------------------------------------------------------------------------- 6, 7. quarantine, leftovers
+
+
+def flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_snapshot_is_quarantined_and_good_ones_kept(copy, tmp_path):
+    flip(next((copy / "step_00004" / "actor").iterdir()))
+    assert verlj("verify", copy).returncode == 1  # before the resume: the damage is reported
+    out = train(copy, *SMALL, "trainer.total_steps=6", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "moved to" in out.stderr and (copy / "quarantine" / "step_00004").is_dir()
+    with Journal.open_reader(copy / "journal") as j:
+        assert sorted(j.snapshots()) == [2, 6]  # rotation kept the good step 2, not the damaged 4
+    out = verlj("verify", copy)
+    assert out.returncode == 0, out.stdout
+    assert "step_00004 was found damaged on a resume and moved to quarantine/step_00004" in out.stdout
+    md = json.loads((copy / "train_metadata.json").read_text())
+    assert md["resume_from"] == "step_00002" and md["global_step"] == 6
+    ref = tmp_path / "ref"
+    run_train(ref, None, [*SMALL, "trainer.total_steps=6"])
+    assert_same_journal(copy, ref)
+
+
+def test_leftovers_are_reported_then_cleaned(copy):
+    (copy / ".tmp-step_00005" / "actor").mkdir(parents=True)
+    shutil.copytree(copy / "step_00004", copy / "step_00003")  # published, never indexed
+    out = verlj("verify", copy)
+    assert out.returncode == 0, out.stdout
+    assert ".tmp-step_00005: left by an interrupted run" in out.stdout and "step_00003: left by" in out.stdout
+    out = train(copy, *SMALL, "trainer.total_steps=5", resume=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not (copy / ".tmp-step_00005").exists() and not (copy / "step_00003").exists()
+    assert "left by" not in verlj("verify", copy).stdout
+
+
+# ----------------------------------------------------------------------------- 8. damaged journal: one answer
+
+
+def test_verify_and_resume_agree_on_a_damaged_journal(copy, base, tmp_path):
+    from journal_helpers import raw_get, raw_put, tamper
+
+    def damage(txn, db):
+        bad = bytearray(raw_get(txn, db, 3))
+        bad[len(bad) // 2] ^= 1
+        raw_put(txn, db, 3, bytes(bad))
+
+    tamper(copy / "journal", damage)
+    advice = f"`verlj replay {copy} --to-step 2 --fork NEW_RUN`"
+    out = verlj("verify", copy)
+    assert out.returncode == 1 and "Resume is not possible" in out.stdout and advice in out.stdout, out.stdout
+    out = train(copy, *SMALL, "trainer.total_steps=5", resume=True)
+    assert advice in one_line_error(out, 1, "the journal is damaged")
+    # the way forward works
+    new = tmp_path / "new"
+    out = verlj("replay", copy, "--to-step", 2, "--fork", new, "trainer.total_steps=4")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert fingerprints(new) == {s: fp for s, fp in fingerprints(base).items() if s > 2}  # the same state, exactly
+
+
+# ----------------------------------------------------------------------------- 9, 10. empty runs
+
+
+def test_resume_on_an_empty_directory_says_so(tmp_path):
+    (tmp_path / "r").mkdir()
+    out = train(tmp_path / "r", "trainer.total_steps=1", resume=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "No run in" in out.stdout and "starting a new one" in out.stdout
+
+
+def test_a_run_killed_before_its_first_step_does_not_block_a_retry(tmp_path):
+    run = tmp_path / "r"
+    out = train(run, VERLJ_FAILPOINT="step.before_commit:1")
+    assert out.returncode == -9
+    with Journal.open_reader(run / "journal") as j:
+        assert j.last_step() == 0
+    # a --resume with a different (fixed) reward function starts afresh; so would a plain start
+    out = train(run, "trainer.total_steps=2", "rollout.reward_fn=verlj.engine.rl.rewards:add_reward", resume=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "never committed a step; starting it afresh" in out.stdout
+    assert sorted(fingerprints(run)) == [1, 2]
+
+
+# ----------------------------------------------------------------------------- 11. replay outputs checked first
+
+
+def test_replay_refuses_occupied_outputs_before_replaying(base, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    one_line_error(verlj("replay", base, "--to-step", 3, "--export", mine), 1, "--export")
+    one_line_error(verlj("replay", base, "--to-step", 3, "--fork", mine), 1, "--fork")
+    one_line_error(verlj("replay", base, "--to-step", 3, "--fork", base), 1, "already holds a run")
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+# ----------------------------------------------------------------------------- 12. the working directory
+
+
+def test_the_verlj_script_imports_code_from_the_working_directory(tmp_path):
+    (tmp_path / "cwd_rewards.py").write_text("def score(prompt, response, answer):\n    return 1.0\n")
+    script = Path(sys.executable).parent / "verlj"
+    out = subprocess.run([str(script), "train", "-o", "r", *TINY, "trainer.total_steps=1", "rollout.reward_fn=cwd_rewards:score"],
+                         cwd=tmp_path, capture_output=True, text=True, env=env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- 13. checkpoint policy state
+
+
+def test_policy_state_travels_in_snapshots_and_resume_decides_the_same(tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "count_policy.py").write_text(
+        "class EveryThird:\n"
+        "    def __init__(self, every):\n        self.every, self.calls = every, 0\n"
+        "    def should_save(self, state, history):\n"
+        "        self.calls += 1\n"
+        "        assert state['samples_seen'] == 16 * state['global_step'], state\n"
+        "        return self.calls % self.every == 0\n"
+        "    def state_dict(self):\n        return {'calls': self.calls}\n"
+        "    def load_state_dict(self, s):\n        self.calls = s['calls']\n"
+    )
+    over = [*TINY, "trainer.total_steps=8", "trainer.save_interval=4", "trainer.save_total_limit=0",
+            "trainer.checkpoint_policy=count_policy.EveryThird", "trainer.checkpoint_policy_kwargs={every: 3}"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert verlj("train", "-o", ref, *over, PYTHONPATH=code).returncode == 0
+    with Journal.open_reader(ref / "journal") as j:
+        assert sorted(j.snapshots()) == [3, 4, 6, 8]
+    out = verlj("train", "-o", run, *over, PYTHONPATH=code, VERLJ_FAILPOINT="step.before_commit:6")
+    assert out.returncode == -9
+    out = verlj("train", "-o", run, *over, "--resume", PYTHONPATH=code)
+    assert out.returncode == 0, out.stderr[-2000:]
+    with Journal.open_reader(run / "journal") as j:
+        assert sorted(j.snapshots()) == [3, 4, 6, 8]  # the policy's count survived the kill
+    assert_same_journal(run, ref)
+    md = json.loads((run / "train_metadata.json").read_text())
+    assert md["samples_seen"] == 8 * 16 and md["resume_from"] == "step_00004"
+
+
+# ----------------------------------------------------------------------------- 14. the reward model's identity
+
+
+def test_reward_model_identity(tmp_path):
+    from test_train_cli import save_tiny_hf
+
+    save_tiny_hf(tmp_path / "rm", "cls")
+    save_tiny_hf(tmp_path / "lm", "lm")
+    one_line_error(train(tmp_path / "x", f"model.reward_model.model_name_or_path={tmp_path / 'lm'}"), 1,
+                   "is not a sequence-classification model")
+    run = tmp_path / "run"
+    over = [f"model.reward_model.model_name_or_path={tmp_path / 'rm'}", "trainer.total_steps=1"]
+    assert train(run, *over).returncode == 0
+    weights = next((tmp_path / "rm").glob("*.safetensors"))
+    flip(weights)
+    before = tree(run)
+    out = train(run, *over[:1], "trainer.total_steps=2", resume=True)
+    one_line_error(out, 1, "differ from the reward model this run started with")
+    assert tree(run) == before
+
+
+# ----------------------------------------------------------------------------- 15. the small things
+
+
+def test_metadata_lineage_diff_and_explicit_snapshots(copy, base, tmp_path):
+    md = json.loads((copy / "train_metadata.json").read_text())
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    assert md["git_commit"] == (head.stdout.strip() or None)
+    other = tmp_path / "other"
+    shutil.copytree(base, other, symlinks=True)
+    out = train(copy, *SMALL, "trainer.total_steps=5", f"trainer.resume_from={other / 'step_00002'}", resume=True)
+    one_line_error(out, 1, "is not a snapshot of the run in")
+    lr = tmp_path / "lr"
+    run_train(lr, None, [*SMALL, "model.actor.optim.lr=0.002"])
+    out = verlj("diff", base, lr)
+    assert out.returncode == 1 and "config model.actor.optim.lr: 0.001 vs 0.002" in out.stdout, out.stdout
+
+
+def test_inspect_shows_special_tokens_in_responses(base):
+    d = json.loads(verlj("inspect", base, "--step", 1, "--json").stdout)
+    with Journal.open_reader(base / "journal") as j:
+        add = next(e for e in j.read_step(1)["events"] if e["type"] == "buffer.add")["samples"]
+    eos_count = int(sum((add["response_ids"][i, : add["response_ids_len"][i]] == 2).sum() for i in range(len(add["id"]))))
+    assert eos_count > 0, "no sample ended with <eos>: the check would be vacuous"
+    assert sum(s["response"].count("<eos>") for s in d["samples"]) == eos_count
+
+
+def test_help_shows_flags_and_defaults():
+    out = verlj("train", "--help")
+    assert "--resume " in out.stdout and "--resume <" not in out.stdout
+    assert "verlj config show" in out.stdout
+    out = verlj("inspect", "--help")
+    assert out.returncode == 0 and "--max-samples" in out.stdout
