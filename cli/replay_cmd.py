@@ -48,7 +48,9 @@ def replay(
             if snapshot is not None:
                 out(f"wrote a snapshot to {snapshot}")
     if fork is not None:
-        last = guarded(lambda: materialize.fork(m, run, fork, list(overrides or [])))
+        from verlj.engine.run import fork as fork_run
+
+        last = guarded(lambda: fork_run(m, run, fork, list(overrides or [])))
         out(f"Done: forked run {fork}, last committed step {last}")
 
 

@@ -27,7 +27,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import blake3
 import yaml
@@ -529,7 +529,3 @@ def diff_configs(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             keys.append(dotted)
     return keys
-
-
-def as_plain(value: Any) -> Any:
-    return json.loads(json.dumps(value))

@@ -40,10 +40,6 @@ class Runtime:
     def dp_rank(self) -> int:
         return self.rank // self.tp_size
 
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp_size
-
     # ------------------------------------------------------------------ collectives
 
     def barrier(self) -> None:

@@ -187,6 +187,39 @@ def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, r
     return step
 
 
+def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
+    """`replay --fork`: a new run from a materialized state (post_mortem.materialize); its journal records
+    the parent run and step."""
+    from .state.snapshot import Checkpointer
+
+    rt, trainer = m.rt, m.trainer
+    old = trainer.cfg.to_dict()
+    cfg = make_config(None, overrides, base=old)
+    changed = check_change(old, cfg, allow_live=True, how="fork")
+    trainer.set_config(cfg)
+    journal = ledger = None
+    if rt.is_main:
+        with Journal.open_reader(journal_dir(parent)) as pj:
+            chain = pj.chain_hash(m.step)
+        new_run.mkdir(parents=True, exist_ok=True)
+        journal = Journal.open_writer(journal_dir(new_run))
+        ledger = Ledger(journal)
+        origin = {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint}
+        ledger.start(run_identity(cfg, rt, new_run, trainer), parent=origin, base_step=m.step, chain_base=chain)
+    reporter = Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps)
+    try:
+        ckpt = Checkpointer(new_run, cfg, rt, trainer, ledger, reporter)
+        ckpt.save(m.step, m.fingerprint)  # the fork's base: recovery of the new run starts here
+        ckpt.wait()
+        control = [make_event("control", kind="fork", details={"parent": str(parent), "parent_step": m.step, "config_changes": changed})]
+        reporter.info(f"Forked {parent} at step {m.step} into {new_run}.")
+        return train_loop(cfg, rt, trainer, ckpt, ledger, reporter, m.step, control, new_run)
+    finally:
+        reporter.close()
+        if journal is not None:
+            journal.close()
+
+
 def run_identity(cfg: Config, rt: Runtime, run_dir: Path, trainer) -> dict:
     """What produced this run: recorded once at its start (state.ledger keeps it)."""
     return {

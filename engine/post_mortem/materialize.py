@@ -16,13 +16,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from verlj.journal import Journal, make_event
-
-from ..config import check_change, config_from_dict, make_config
+from ..config import config_from_dict
 from ..dist import configure_determinism, setup
 from ..errors import RunError
 from ..report import Reporter
-from ..state.ledger import Ledger, has_run, journal_dir, run_state
+from ..state.ledger import Ledger, has_run, run_state
 
 
 @dataclass
@@ -119,39 +117,6 @@ class _null:
 def write_snapshot(m: Materialized, out_dir: Path) -> None:
     """A verlj snapshot of the materialized state at out_dir (with its manifest; not indexed anywhere)."""
     m.ckpt.write_standalone(m.step, m.fingerprint, out_dir)
-
-
-def fork(m: Materialized, parent: Path, new_run: Path, overrides: list[str]) -> int:
-    """Start a new run from the materialized state; its journal records the parent run and step."""
-    from ..run import run_identity, train_loop
-    from ..state.snapshot import Checkpointer
-
-    rt, trainer = m.rt, m.trainer
-    old = trainer.cfg.to_dict()
-    cfg = make_config(None, overrides, base=old)
-    changed = check_change(old, cfg, allow_live=True, how="fork")
-    trainer.set_config(cfg)
-    journal = ledger = None
-    if rt.is_main:
-        with Journal.open_reader(journal_dir(parent)) as pj:
-            chain = pj.chain_hash(m.step)
-        new_run.mkdir(parents=True, exist_ok=True)
-        journal = Journal.open_writer(journal_dir(new_run))
-        ledger = Ledger(journal)
-        origin = {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint}
-        ledger.start(run_identity(cfg, rt, new_run, trainer), parent=origin, base_step=m.step, chain_base=chain)
-    reporter = Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps)
-    try:
-        ckpt = Checkpointer(new_run, cfg, rt, trainer, ledger, reporter)
-        ckpt.save(m.step, m.fingerprint)  # the fork's base: recovery of the new run starts here
-        ckpt.wait()
-        control = [make_event("control", kind="fork", details={"parent": str(parent), "parent_step": m.step, "config_changes": changed})]
-        reporter.info(f"Forked {parent} at step {m.step} into {new_run}.")
-        return train_loop(cfg, rt, trainer, ckpt, ledger, reporter, m.step, control, new_run)
-    finally:
-        reporter.close()
-        if journal is not None:
-            journal.close()
 
 
 def replay_report(m: Materialized) -> str:

@@ -56,11 +56,6 @@ class RolloutBuffer:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def new_ids(self, k: int) -> list[int]:
-        ids = list(range(self.next_id, self.next_id + k))
-        self.next_id += k
-        return ids
-
     def add(self, samples: list[dict]) -> None:
         for s in samples:
             assert s["id"] not in self.samples, f"sample {s['id']} added twice"

@@ -318,8 +318,8 @@ class Trainer:
             a, b = rt.dp_rank * (S // D), (rt.dp_rank + 1) * (S // D)
             mine = samples[a:b]
             batch = collate(mine, self.tokenizer.pad_token_id, rt.device)
-            mb = cfg.model.actor.mini_batch_size
-            per_rank = len(mine) if mb == 0 else max(1, mb // D)
+            mini_size = cfg.model.actor.mini_batch_size
+            per_rank = len(mine) if mini_size == 0 else max(1, mini_size // D)
             minis = micro_chunks(len(mine), per_rank)
             # GRPO with one pass over one mini-batch: the policy before the update is the one the
             # update's own forward sees, so the "old" log-probs come from that forward (detached)

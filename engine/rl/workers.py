@@ -167,14 +167,14 @@ class ActorWorker:
     def update(self, batch: Batch, advantages, old_logprobs, ref_logprobs, mini_batches: list[tuple[int, int]]) -> dict[str, float]:
         stats: dict[str, list[float]] = {}
         for sl, boundary in accumulation(self.engine, self.ac.micro_batch_size, self.rt.dp_size, mini_batches, self.ac.ppo_epochs):
-            mb = batch.slice(sl.start, sl.stop)
-            logp, ent = response_logprobs(self.engine, mb, self.temperature, with_entropy=True)
+            micro_batch = batch.slice(sl.start, sl.stop)
+            logp, ent = response_logprobs(self.engine, micro_batch, self.temperature, with_entropy=True)
             old = logp.detach() if old_logprobs is None else old_logprobs[sl]  # None: fused (see Trainer.apply)
-            pg_loss, clipfrac, ppo_kl = algorithms.policy_loss(logp, old, advantages[sl], mb.resp_mask, self.ac.clip_ratio)
-            entropy = algorithms.masked_mean(ent, mb.resp_mask)
+            pg_loss, clipfrac, ppo_kl = algorithms.policy_loss(logp, old, advantages[sl], micro_batch.resp_mask, self.ac.clip_ratio)
+            entropy = algorithms.masked_mean(ent, micro_batch.resp_mask)
             loss = pg_loss - self.ac.entropy_coeff * entropy
             if self.cfg.algorithm.name == "grpo" and self.ac.use_kl_loss:
-                kl = algorithms.masked_mean(algorithms.kl_k3(logp, ref_logprobs[sl]), mb.resp_mask)
+                kl = algorithms.masked_mean(algorithms.kl_k3(logp, ref_logprobs[sl]), micro_batch.resp_mask)
                 loss = loss + self.ac.kl_loss_coef * kl
                 _add(stats, "actor/kl_loss", kl.item())
             self.engine.backward(loss)
@@ -218,9 +218,9 @@ class CriticWorker:
     def update(self, batch: Batch, old_values, returns, mini_batches, epochs: int) -> dict[str, float]:
         stats: dict[str, list[float]] = {}
         for sl, boundary in accumulation(self.engine, self.cc.micro_batch_size, self.rt.dp_size, mini_batches, epochs):
-            mb = batch.slice(sl.start, sl.stop)
-            v = self._values(self.engine, mb)
-            loss, clipfrac = algorithms.value_loss(v, old_values[sl], returns[sl], mb.resp_mask, self.cc.cliprange_value)
+            micro_batch = batch.slice(sl.start, sl.stop)
+            v = self._values(self.engine, micro_batch)
+            loss, clipfrac = algorithms.value_loss(v, old_values[sl], returns[sl], micro_batch.resp_mask, self.cc.cliprange_value)
             self.engine.backward(loss)
             norm = _step(self.engine, boundary)
             _add(stats, "critic/vf_loss", loss.item())

@@ -115,11 +115,6 @@ def _well_formed(manifest) -> bool:
     return True
 
 
-def manifest_digest(path: Path) -> str:
-    """BLAKE3 of a snapshot's manifest bytes, as recorded in the journal's snapshot index."""
-    return blake3.blake3((Path(path) / MANIFEST).read_bytes()).hexdigest()
-
-
 def check_snapshot(path: Path, hash_files: bool = True, expected_manifest: str | None = None) -> SnapshotCheck:
     """Manifest present, well formed (and matching the digest the journal recorded for it, when
     given); every file present with its size and digest; meta and anchor parse.
