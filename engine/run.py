@@ -80,7 +80,8 @@ def train(
     if existing and not resume:
         raise RunError(f"{run_dir} already holds a run; pass --resume to continue it, or choose another --output-dir")
     if state == "none" and run_dir.exists() and any(run_dir.iterdir()):
-        raise RunError(f"{run_dir} is not empty and holds no verlj run; choose an empty or new --output-dir")
+        raise RunError(f"{run_dir} is not a verlj run and is not empty (no journal/ with run metadata); "
+                       "choose an empty or new --output-dir")
     cfg, changed = resolve_config(run_dir, config_file, overrides, existing, allow_config_change)
     if cfg.trainer.resume_from not in (None, "auto") and not existing:
         raise RunError(f"trainer.resume_from is {cfg.trainer.resume_from!r} but {run_dir} holds no run")

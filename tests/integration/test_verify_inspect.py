@@ -134,8 +134,11 @@ def test_damaged_journal_record(copy):
     out = verlj("verify", copy)
     assert out.returncode == 1
     assert "✗ journal step 3: bad_checksum" in out.stdout
-    assert "Resume is possible from step_00002, then replay steps 3–2" not in out.stdout
-    assert "Resume is possible from step_00002." in out.stdout  # only steps before the damage can be trusted
+    # resume refuses a damaged journal, so verify does not offer one: it names the way forward from
+    # the last intact step instead (the same words --resume prints)
+    assert "Resume is possible" not in out.stdout
+    assert "Resume is not possible: the journal is damaged" in out.stdout
+    assert f"`verlj replay {copy} --to-step 2 --fork NEW_RUN`" in out.stdout
 
 
 def test_verify_usage_errors(tmp_path):
