@@ -21,10 +21,9 @@ def _cwd_importable() -> None:
         sys.path.insert(0, cwd)
 
 
-def import_object(module_name: str, attr: str, key: str, error: type[Exception]) -> Any:
-    """`module_name`.`attr`, or `error` naming `key` and what went wrong."""
+def import_object(spec: str, module_name: str, attr: str, key: str, error: type[Exception]) -> Any:
+    """`module_name`.`attr` (as the config wrote it: `spec`), or `error` naming `key` and what went wrong."""
     _cwd_importable()
-    spec = f"{module_name}:{attr}" if key.endswith("reward_fn") else f"{module_name}.{attr}"
     if not module_name or not attr:
         raise error(f"{key}: {spec!r} must name a module and an attribute in it")
     try:

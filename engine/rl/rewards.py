@@ -44,7 +44,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     if spec.startswith("builtin:"):
         raise RewardError(f"{key}: unknown built-in {spec!r}; known: {', '.join(BUILTIN)}")
     module_name, _, attr = spec.partition(":")
-    fn = import_object(module_name, attr, key, RewardError)
+    fn = import_object(spec, module_name, attr, key, RewardError)
     if not callable(fn):
         raise RewardError(f"{key}: {spec!r} is not a function")
     check_signature(fn, 3, f"{key}: {spec} (called as fn(prompt, response, answer))", RewardError)

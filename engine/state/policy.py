@@ -54,7 +54,7 @@ def load_policy(dotted: str, kwargs: dict):
     key = "trainer.checkpoint_policy"
     dotted = _MOVED.get(dotted, dotted)
     mod, _, name = dotted.rpartition(".")
-    cls = import_object(mod, name, key, PluginError)
+    cls = import_object(dotted, mod, name, key, PluginError)
     if not callable(cls):
         raise PluginError(f"{key}: {dotted!r} is not a class")
     try:
