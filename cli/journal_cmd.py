@@ -7,16 +7,16 @@ from typing import Annotated
 
 import typer
 
-from verlj.journal import Journal, JournalError, verify_journal
+from verlj.journal import JournalError, open_journal_reader, verify_journal
 
 journal_app = typer.Typer(help="Low-level journal commands.", no_args_is_help=True)
 
 
 @journal_app.command("verify")
-def verify(path: Annotated[Path, typer.Argument(help="A journal directory (RUN/journal).")]) -> None:
+def verify(path: Annotated[Path, typer.Argument(help="A journal directory (RUN/journal, with the LMDB files or shipped segments).")]) -> None:
     """Check a journal's chain, checksums, step continuity, schemas and LMDB structure."""
     try:
-        with Journal.open_reader(path) as j:
+        with open_journal_reader(path) as j:
             report = verify_journal(j)
     except JournalError as e:
         typer.echo(f"error: {e}", err=True)

@@ -249,6 +249,17 @@ class LoggingConfig:
 
 
 @dataclass
+class JournalConfig:
+    local_dir: Optional[str] = bookkeeping(None)  # node-local dir for the LMDB journal; RUN/journal then receives shipped segments (null = LMDB in RUN/journal)
+    ship_max_lag_steps: int = bookkeeping(2)  # with local_dir: training waits while more committed steps than this are unshipped (a lost node costs at most this many)
+
+    def validate(self) -> None:
+        _range("journal.ship_max_lag_steps", self.ship_max_lag_steps, 0, 10_000)
+        if self.local_dir is not None and not str(self.local_dir).strip():
+            raise ConfigError("journal.local_dir must be a directory path or null")
+
+
+@dataclass
 class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -257,6 +268,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    journal: JournalConfig = field(default_factory=JournalConfig)
 
     def validate(self) -> Config:
         for f in dataclasses.fields(self):

@@ -18,14 +18,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from verlj.journal import Journal, make_event
+from verlj.journal import Journal, make_event, open_journal_reader
 from verlj.journal.failpoints import failpoint
 
 from .config import Config, check_change, make_config, to_yaml
 from .dist import Runtime, configure_determinism, setup
 from .errors import RunError
 from .report import Reporter
-from .state.ledger import Ledger, git_commit, journal_dir, now_iso, run_state, versions
+from .state.ledger import Ledger, discard_journal, git_commit, journal_dir, now_iso, open_writer, run_state, versions
 
 # what `verlj train` writes at the top of a run directory besides snapshots (state.snapshot_store)
 RUN_FILES = ("journal", "config.yaml", "metrics.jsonl", "train_metadata.json", "tensorboard")
@@ -90,14 +90,18 @@ def train(
     configure_determinism(cfg)
     created = not run_dir.exists()
     journal = ledger = trainer = reporter = None
+    notes: list[str] = []
     stop = StopFlag()
     stop.install()
+    local_dir = cfg.journal.local_dir
 
     def open_journal() -> Journal:
         if state == "empty":  # died before its first step: nothing to keep, start it afresh
-            discard_unstarted(run_dir)
+            discard_unstarted(run_dir, local_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        return Journal.open_writer(journal_dir(run_dir))  # refuses a second writer at once
+        j, said = open_writer(run_dir, local_dir, cfg.journal.ship_max_lag_steps)  # refuses a second writer at once
+        notes.extend(said)
+        return j
 
     try:
         if existing:  # lock an existing run before anything else
@@ -107,6 +111,8 @@ def train(
             journal = on_rank0(rt, open_journal)
         ledger = Ledger(journal) if journal is not None else None
         reporter = Reporter(cfg.logging, run_dir, rt.is_main, cfg.trainer.total_steps)
+        for note in notes:
+            reporter.info(note)
         if state == "empty":
             reporter.info(f"{run_dir} held a run that never committed a step; starting it afresh.")
         elif resume and not existing:
@@ -136,13 +142,14 @@ def train(
         if trainer is not None:
             trainer.close()
         if unstarted:  # a start that never committed a step leaves nothing behind to block a retry
-            discard_unstarted(run_dir, remove_dir=created)
+            discard_unstarted(run_dir, local_dir, remove_dir=created)
 
 
-def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
+def discard_unstarted(run_dir: Path, local_dir: str | None, remove_dir: bool = False) -> None:
     """Remove what a start that never committed a step wrote (only verlj's own names)."""
     from .state.snapshot_store import SnapshotStore
 
+    discard_journal(run_dir, local_dir)
     for name in RUN_FILES:
         p = run_dir / name
         if p.is_dir():
@@ -175,7 +182,10 @@ def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, r
         commit(rt, ledger, step, control + inputs.events() + outcome.events())
         control = []
         # the commit's own time cannot be in the record it commits: it goes to the logs only
-        reporter.step(step, {**outcome.metrics, "timing_s/commit": time.perf_counter() - t_commit})
+        logged = {**outcome.metrics, "timing_s/commit": time.perf_counter() - t_commit}
+        if ledger is not None and ledger.journal.shipper is not None:
+            logged["journal/ship_lag_steps"] = ledger.journal.shipper.lag()
+        reporter.step(step, logged)
         stopping = not rt.all_true(not stop.requested)  # every rank stops after the same step
         ckpt.after_step(step, outcome.fingerprint, due or stopping or step == cfg.trainer.total_steps)
         if stopping:
@@ -199,15 +209,18 @@ def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
     changed = check_change(old, cfg, allow_live=True, how="fork")
     trainer.set_config(cfg)
     journal = ledger = None
+    notes: list[str] = []
     if rt.is_main:
-        with Journal.open_reader(journal_dir(parent)) as pj:
+        with open_journal_reader(journal_dir(parent)) as pj:
             chain = pj.chain_hash(m.step)
         new_run.mkdir(parents=True, exist_ok=True)
-        journal = Journal.open_writer(journal_dir(new_run))
+        journal, notes = open_writer(new_run, cfg.journal.local_dir, cfg.journal.ship_max_lag_steps)
         ledger = Ledger(journal)
         origin = {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint}
         ledger.start(run_identity(cfg, rt, new_run, trainer), parent=origin, base_step=m.step, chain_base=chain)
     reporter = Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps)
+    for note in notes if rt.is_main else []:
+        reporter.info(note)
     try:
         ckpt = Checkpointer(new_run, cfg, rt, trainer, ledger, reporter)
         ckpt.save(m.step, m.fingerprint)  # the fork's base: recovery of the new run starts here

@@ -7,8 +7,12 @@ Knows nothing of torch or RL. Typical use::
         j.append_step(1, [make_event("metrics", values={"actor/pg_loss": 0.1})])
     with Journal.open_reader("runs/demo/journal") as j:
         for record in j.iter_steps(1, 10): ...
+
+A run directory's journal is read with ``open_journal_reader(RUN / "journal")``, whichever layout it
+has (the LMDB environment in place, or segments shipped from a node-local one: see ``segments``).
 """
 
+from . import segments
 from .codec import packb, unpackb
 from .errors import (
     CodecError,
@@ -19,6 +23,7 @@ from .errors import (
     StepOrderError,
 )
 from .events import EVENT_VERSIONS, make_event, upcast_event, upcast_record
+from .segments import open_reader as open_journal_reader
 from .store import Journal
 from .verify import JournalReport, Problem, verify_journal
 
@@ -34,6 +39,8 @@ __all__ = [
     "SchemaError",
     "StepOrderError",
     "make_event",
+    "open_journal_reader",
+    "segments",
     "packb",
     "unpackb",
     "upcast_event",

@@ -108,6 +108,11 @@ class StepFrame:
         return digest(self.body) == self.checksum
 
 
+def _summary_frame(step: int, wall_time: float, events: list[dict]) -> bytes:
+    """A step's summary entry: its small events, framed (written beside every step record)."""
+    return frame_plain(codec.packb({"step": step, "time": wall_time, "events": [e for e in events if e["type"] in SUMMARY_TYPES]}))
+
+
 def unframe_plain(raw: bytes, what: str) -> Any:
     raw = bytes(raw)
     if len(raw) < PLAIN_HEADER or raw[: len(MAGIC_PLAIN)] != MAGIC_PLAIN:
@@ -202,6 +207,10 @@ class Journal:
         self._meta = env.open_db(DB_META, create=writable)
         self._snaps = env.open_db(DB_SNAPSHOTS, create=writable)
         self._summary = env.open_db(DB_SUMMARY, create=writable)
+        self._commit_hooks: list = []  # fn(step | None) after each committed write (segments.Shipper)
+        self._close_hooks: list = []
+        self.shipper = None  # a segments.Shipper when the journal is shipped to a run directory
+        self.shipped_problem: str | None = None  # set by segments.open_reader: damage found in the segments
 
     # ------------------------------------------------------------------ opening
 
@@ -248,11 +257,24 @@ class Journal:
         except lmdb.Error as e:
             raise JournalError(f"cannot open journal {path}: {e}") from None
 
+    def add_commit_hook(self, fn) -> None:
+        """fn(step) after every committed write transaction: step is the last appended step, None for
+        meta and snapshot-index writes. Runs in the writing thread, outside the write lock."""
+        self._commit_hooks.append(fn)
+
+    def on_close(self, fn) -> None:
+        """fn() when the journal closes, before its environment does (last registered runs first)."""
+        self._close_hooks.append(fn)
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        _close_env(self.path)
+        try:
+            while self._close_hooks:
+                self._close_hooks.pop()()
+        finally:
+            _close_env(self.path)
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -278,6 +300,10 @@ class Journal:
         assert self.writable, "journal opened read-only"
         with self._write_lock:  # the training loop and a background snapshot thread both write
             return self._write_locked(fn)
+
+    def _committed(self, step: int | None) -> None:
+        for hook in self._commit_hooks:
+            hook(step)
 
     def _write_locked(self, fn):
         while True:
@@ -310,11 +336,7 @@ class Journal:
         """Append consecutive steps in one transaction (all or none). Returns their chain hashes (hex)."""
         now = time.time() if wall_time is None else wall_time
         bodies = [
-            (
-                step,
-                codec.packb({"v": ENVELOPE_VERSION, "step": step, "time": now, "events": ev}),
-                frame_plain(codec.packb({"step": step, "time": now, "events": [e for e in ev if e["type"] in SUMMARY_TYPES]})),
-            )
+            (step, codec.packb({"v": ENVELOPE_VERSION, "step": step, "time": now, "events": ev}), _summary_frame(step, now, ev))
             for step, ev in steps
         ]
 
@@ -343,7 +365,31 @@ class Journal:
 
         chains = self._write(txn_fn)
         failpoint("journal.after_commit")
+        self._committed(steps[-1][0] if steps else None)
         return chains
+
+    def restore(self, frames: list[bytes], first: int | None, meta: dict | None = None, snapshots: dict | None = None) -> None:
+        """Write step frames exactly as another copy of this journal stored them, from step `first` on
+        (segments.rebuild; the caller has checked their chain), and replace the meta and snapshot
+        index when given. One transaction: all or none."""
+        summaries = []
+        for i, raw in enumerate(frames):
+            record = codec.unpackb(StepFrame.parse(raw).body)
+            if record["step"] != first + i:
+                raise JournalError(f"record to restore at step {first + i} says it is step {record['step']}")
+            summaries.append(_summary_frame(record["step"], record["time"], record["events"]))
+
+        def txn_fn(txn):
+            for i, raw in enumerate(frames):
+                txn.put(step_key(first + i), raw, db=self._steps, append=True)
+                txn.put(step_key(first + i), summaries[i], db=self._summary, append=True)
+            for db, values in ((self._meta, meta), (self._snaps, snapshots)):
+                if values is not None:
+                    txn.drop(db, delete=False)
+                    for k, v in sorted(values.items()):
+                        txn.put(bytes(k), bytes(v), db=db)
+
+        self._write(txn_fn)
 
     def _base_step_txn(self, txn) -> int:
         raw = txn.get(b"base_step", db=self._meta)
@@ -356,6 +402,7 @@ class Journal:
     def set_meta(self, name: str, value: Any) -> None:
         frame = frame_plain(codec.packb(value))
         self._write(lambda txn: txn.put(name.encode(), frame, db=self._meta))
+        self._committed(None)
 
     def update_meta(self, values: dict[str, Any]) -> None:
         frames = {k.encode(): frame_plain(codec.packb(v)) for k, v in values.items()}
@@ -365,14 +412,17 @@ class Journal:
                 txn.put(k, f, db=self._meta)
 
         self._write(txn_fn)
+        self._committed(None)
 
     def add_snapshot(self, step: int, info: dict) -> None:
         """Enter a published snapshot in the index (call only once its files are durable)."""
         frame = frame_plain(codec.packb(info))
         self._write(lambda txn: txn.put(step_key(step), frame, db=self._snaps))
+        self._committed(None)
 
     def remove_snapshot(self, step: int) -> None:
         self._write(lambda txn: txn.delete(step_key(step), db=self._snaps))
+        self._committed(None)
 
     # ------------------------------------------------------------------ reading
 
@@ -480,6 +530,15 @@ class Journal:
     def meta(self) -> dict[str, Any]:
         with self._read() as txn:
             return {bytes(k).decode(): unframe_plain(v, f"meta {bytes(k).decode()!r}") for k, v in txn.cursor(self._meta)}
+
+    def meta_frames(self) -> dict[bytes, bytes]:
+        """The meta sub-database as stored (name -> frame): what a shipped segment carries."""
+        with self._read() as txn:
+            return {bytes(k): bytes(v) for k, v in txn.cursor(self._meta)}
+
+    def snapshot_frames(self) -> dict[bytes, bytes]:
+        with self._read() as txn:
+            return {bytes(k): bytes(v) for k, v in txn.cursor(self._snaps)}
 
     def snapshots(self) -> dict[int, dict]:
         """The snapshot index: step -> info, oldest first."""

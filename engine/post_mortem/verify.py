@@ -13,9 +13,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from verlj.journal import JournalError, NotAJournalError, unpackb, verify_journal
+from verlj.journal import JournalError, NotAJournalError, segments, unpackb, verify_journal
 
-from ..state.ledger import Ledger, journal_dir
+from ..state.ledger import Ledger, journal_dir, journal_exists
 from ..state.manifest import META, check_snapshot, snapshot_name
 from ..state.recovery import damaged_journal_advice
 from ..state.snapshot_store import SnapshotStore
@@ -140,7 +140,7 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
     fps: dict[int, str] | None = None
     index: dict[int, dict] = {}
     ledger = None
-    if (journal_dir(run_dir) / "data.mdb").is_file():
+    if journal_exists(run_dir):
         try:
             ledger = Ledger.open_reader(run_dir)
             jr = verify_journal(ledger.journal)
@@ -172,6 +172,7 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
                 report.journal_lines += [f"✗ journal {p}" for p in jr.problems]
                 report.advice = damaged_journal_advice(run_dir, str(jr.first_problem), jr.last_good_step,
                                                        ledger.base_step() if ledger else 0)
+        _verify_segments(report, run_dir, ledger)
     elif not single:
         raise NotAJournalError(f"{path} is not a verlj run (no journal/ inside)")
     else:
@@ -187,6 +188,33 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
     if deep:
         deep_check(report, run_dir, from_step)
     return report
+
+
+def _verify_segments(report: RunReport, run_dir: Path, ledger: Ledger | None) -> None:
+    """A shipped journal (journal.local_dir): every segment's digest, numbering, link and hash chain,
+    and how far the live local copy (when this host has it) is ahead of what was shipped."""
+    jd = journal_dir(run_dir)
+    if not segments.is_shipped(jd):
+        return
+    found = segments.scan(jd)
+    report.leftovers += [f"journal/segments/{name}" for name in found.leftovers]
+    shipped = found.last_step or 0
+    if found.problem is None:
+        report.journal_lines.append(f"✓ Journal segments: {len(found.segments)} sealed in {segments.segment_dir(jd)} "
+                                    f"({found.bytes / 2**20:.1f} MiB), steps through {shipped}; digests, links and hash chain verified")
+    else:
+        report.journal_ok = False
+        report.journal_lines.append(f"✗ journal segments: {found.problem}")
+        live = ledger is not None and ledger.last_step() > shipped and ledger.journal.shipped_problem is None
+        if found.problem_at_end:
+            report.advice = (f"the last journal segment is damaged ({found.problem}); `verlj train --resume` "
+                             + ("ships its steps again from the local journal" if live else
+                                f"drops it and runs the steps after {shipped} again"))
+        else:
+            report.advice = damaged_journal_advice(run_dir, found.problem, shipped, ledger.base_step() if ledger else 0)
+    if ledger is not None and ledger.journal.shipped_problem is None and ledger.last_step() > shipped:
+        report.journal_lines.append(f"· the local journal at {ledger.journal.path} holds steps through {ledger.last_step()} "
+                                    f"({ledger.last_step() - shipped} not shipped yet)")
 
 
 def _verify_one(report: RunReport, path: Path, index: dict, fps) -> None:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
+import socket
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from verlj.journal import Journal
+from verlj.journal import Journal, open_journal_reader, segments
 
 from ..config import stored_config
 from ..errors import RunError
@@ -34,7 +36,46 @@ _PARENT, _BASE, _CHAIN_BASE = "parent", "base_step", "chain_base"
 
 
 def journal_dir(run_dir: Path) -> Path:
+    """RUN/journal: the LMDB environment itself, or (journal.local_dir) the segments shipped from it."""
     return Path(run_dir) / "journal"
+
+
+def journal_exists(run_dir: Path) -> bool:
+    jd = journal_dir(run_dir)
+    return (jd / "data.mdb").is_file() or segments.is_shipped(jd)
+
+
+def open_writer(run_dir: Path, local_dir: str | None, max_lag: int) -> tuple[Journal, list[str]]:
+    """The run's journal writer, in the layout the config asks for. Returns (journal, notes to print).
+
+    A run keeps the layout it started with: the LMDB environment in RUN/journal, or on the node-local
+    `local_dir` with RUN/journal receiving shipped segments (a resume may name a new `local_dir`: the
+    journal is rebuilt there from the segments)."""
+    jd = journal_dir(run_dir)
+    if local_dir is None:
+        if segments.is_shipped(jd) and not (jd / "data.mdb").is_file():
+            raise RunError(f"{run_dir} ships its journal from a node-local directory; resume with "
+                           "journal.local_dir=PATH (an empty directory is rebuilt from RUN/journal/segments)")
+        warning = segments.lmdb_location_warning(jd.parent if not jd.exists() else jd)
+        return Journal.open_writer(jd), [warning] if warning else []
+    if (jd / "data.mdb").is_file():
+        raise RunError(f"{run_dir} keeps its LMDB journal in {jd}; journal.local_dir applies to new runs "
+                       "(set it to null to resume this one)")
+    return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag)
+
+
+def discard_journal(run_dir: Path, local_dir: str | None) -> None:
+    """Remove a journal that never committed a step: RUN/journal and the LMDB files in `local_dir`."""
+    jd = journal_dir(run_dir)
+    pointer = segments.read_pointer(jd)
+    locals_ = [Path(local_dir).expanduser()] if local_dir is not None else []
+    if pointer is not None and pointer.get("host") == socket.gethostname():
+        locals_.append(Path(pointer["path"]))
+    if jd.is_dir():
+        shutil.rmtree(jd)
+    for local in locals_:
+        for name in ("data.mdb", "lock.mdb", "writer.lock"):
+            (local / name).unlink(missing_ok=True)
 
 
 def now_iso() -> str:
@@ -79,9 +120,9 @@ def write_json_atomic(path: Path, data: dict) -> None:
 def run_state(run_dir: Path) -> str:
     """'none' (no journal), 'empty' (a journal that never committed a step nor a snapshot: a run that
     died before step 1, which a new start may replace), or 'run'."""
-    if not (journal_dir(run_dir) / "data.mdb").is_file():
+    if not journal_exists(run_dir):
         return "none"
-    with Journal.open_reader(journal_dir(run_dir)) as j:
+    with open_journal_reader(journal_dir(run_dir)) as j:
         if j.get_meta(_CONFIG) is None:
             return "empty"
         if j.last_step() == j.base_step() and not j.snapshots() and j.get_meta(_PARENT) is None:
@@ -91,9 +132,9 @@ def run_state(run_dir: Path) -> str:
 
 def has_run(run_dir: Path) -> bool:
     """A journal with a run's metadata (one without it died before its first write: not a run)."""
-    if not (journal_dir(run_dir) / "data.mdb").is_file():
+    if not journal_exists(run_dir):
         return False
-    with Journal.open_reader(journal_dir(run_dir)) as j:
+    with open_journal_reader(journal_dir(run_dir)) as j:
         return j.get_meta(_CONFIG) is not None
 
 
@@ -105,7 +146,7 @@ class Ledger:
 
     @classmethod
     def open_reader(cls, run_dir: Path) -> Ledger:
-        return cls(Journal.open_reader(journal_dir(run_dir)))
+        return cls(open_journal_reader(journal_dir(run_dir)))
 
     def close(self) -> None:
         self.journal.close()

@@ -1,0 +1,639 @@
+"""Shipped journals: the LMDB environment on node-local disk, sealed segments in the run directory.
+
+LMDB must not live on a network filesystem (its documentation: locking and memory-map coherence
+break there), yet the run directory usually does. With ``journal.local_dir`` the one writer keeps
+the LMDB environment on local disk and a background :class:`Shipper` copies each commit into the
+run directory as an immutable segment (Litestream's model)::
+
+    RUN/journal/
+      segments/0000000001.seg     sealed, immutable, one per shipment, numbered without gaps
+      segments/.tmp-0000000002    a shipment being written (never read; removed on the next start)
+      local.json                  where the live LMDB environment is (host, path): readers on that
+                                  host use it; anyone else rebuilds from the segments
+
+A segment is ``MAGIC | length (8 bytes, big-endian) | H(body) | body`` with a msgpack body::
+
+    seq, prev         its number and the previous segment's H(body) (hex; "" for the first)
+    first, last       the steps it carries (first is None when it carries none)
+    chain             the journal's chain hash after ``last`` (hex)
+    steps             the step records' frames, byte for byte as LMDB stores them (each carries
+                      its own checksum and chain link)
+    meta, snapshots   the whole meta and snapshot-index sub-databases as frames, present only
+                      when they changed since the previous segment
+
+so a segment is checked three ways: its own digest, the link to the previous segment, and the
+journal's hash chain through its step records. :func:`rebuild` turns the segments back into an LMDB
+environment; a damaged or torn last segment costs only the steps in it, damage before the last
+is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import codec
+from .errors import JournalError
+from .failpoints import failpoint
+from .store import GENESIS, HASH_LEN, Journal, StepFrame, digest, unframe_plain
+
+MAGIC_SEGMENT = b"VJSEG\x01"
+_LEN = struct.Struct(">Q")
+SEG_HEADER = len(MAGIC_SEGMENT) + _LEN.size + HASH_LEN
+SEGMENTS = "segments"
+POINTER = "local.json"
+JOURNAL_ID = "journal_id"  # meta: a random id given to a shipped journal when it is created
+MAX_SEGMENT_BYTES = 64 << 20  # a shipment larger than this is split over several segments
+
+# filesystems on which LMDB's locks and shared memory map are not coherent across hosts
+NETWORK_FILESYSTEMS = {
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "cephfs", "glusterfs",
+    "fuse.glusterfs", "beegfs", "fuse.sshfs", "9p", "afs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs",
+}
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def segment_dir(shipped: Path) -> Path:
+    return Path(shipped) / SEGMENTS
+
+
+def is_shipped(shipped: Path) -> bool:
+    """Whether `shipped` (RUN/journal) holds a shipped journal (a pointer or at least one segment)."""
+    shipped = Path(shipped)
+    return (shipped / POINTER).is_file() or bool(_segment_files(shipped))
+
+
+def _segment_files(shipped: Path) -> list[tuple[int, Path]]:
+    d = segment_dir(shipped)
+    if not d.is_dir():
+        return []
+    out = []
+    for p in d.iterdir():
+        if p.suffix == ".seg" and p.stem.isdigit():
+            out.append((int(p.stem), p))
+    return sorted(out)
+
+
+def _segment_path(shipped: Path, seq: int) -> Path:
+    return segment_dir(shipped) / f"{seq:010d}.seg"
+
+
+def write_pointer(shipped: Path, local: Path) -> None:
+    shipped.mkdir(parents=True, exist_ok=True)
+    tmp = shipped / (POINTER + ".tmp")
+    tmp.write_text(json.dumps({"path": str(Path(local).resolve()), "host": socket.gethostname()}))
+    os.replace(tmp, shipped / POINTER)
+    _fsync_dir(shipped)
+
+
+def read_pointer(shipped: Path) -> dict | None:
+    try:
+        data = json.loads((Path(shipped) / POINTER).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "path" in data else None
+
+
+def network_filesystem(path: Path, mounts: str | None = None) -> str | None:
+    """The network filesystem type `path` lives on (e.g. 'nfs4'), or None for a local one."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/self/mounts").read_text()
+        except OSError:
+            return None
+    real = Path(os.path.realpath(path))
+    best, fstype = "", None
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount = parts[1].replace("\\040", " ")
+        if (real == Path(mount) or Path(mount) in real.parents) and len(mount) > len(best):
+            best, fstype = mount, parts[2]
+    return fstype if fstype in NETWORK_FILESYSTEMS else None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- one segment
+
+
+@dataclass
+class Segment:
+    seq: int
+    prev: str
+    first: int | None
+    last: int
+    chain: str
+    steps: list[bytes]
+    meta: dict[bytes, bytes] | None
+    snapshots: dict[bytes, bytes] | None
+    digest: str = ""
+    size: int = 0
+
+    def seal(self) -> bytes:
+        body = codec.packb({
+            "seq": self.seq, "prev": self.prev, "first": self.first, "last": self.last, "chain": self.chain,
+            "steps": self.steps, "meta": self.meta, "snapshots": self.snapshots,
+        })
+        h = digest(body)
+        self.digest, self.size = h.hex(), SEG_HEADER + len(body)
+        return MAGIC_SEGMENT + _LEN.pack(len(body)) + h + body
+
+    @classmethod
+    def parse(cls, raw: bytes, name: str) -> Segment:
+        if len(raw) < SEG_HEADER or raw[: len(MAGIC_SEGMENT)] != MAGIC_SEGMENT:
+            raise JournalError(f"journal segment {name} has no valid header")
+        m = len(MAGIC_SEGMENT)
+        (length,) = _LEN.unpack(raw[m : m + _LEN.size])
+        body = raw[SEG_HEADER:]
+        if len(body) != length:
+            raise JournalError(f"journal segment {name} is truncated ({len(body)} of {length} bytes)")
+        h = raw[m + _LEN.size : SEG_HEADER]
+        if digest(body) != h:
+            raise JournalError(f"journal segment {name} fails its checksum")
+        try:
+            d = codec.unpackb(body)
+            seg = cls(int(d["seq"]), d["prev"], d["first"], int(d["last"]), d["chain"], list(d["steps"]),
+                      d["meta"], d["snapshots"], h.hex(), len(raw))
+        except (KeyError, TypeError, ValueError, JournalError) as e:
+            raise JournalError(f"journal segment {name} is undecodable: {e}") from None
+        return seg
+
+
+def read_segment(path: Path) -> Segment:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise JournalError(f"cannot read journal segment {path.name}: {e.strerror}") from None
+    return Segment.parse(raw, path.name)
+
+
+def _publish(shipped: Path, seg: Segment) -> None:
+    """Write a sealed segment durably and atomically: tmp file, fsync, rename, fsync the directory."""
+    d = segment_dir(shipped)
+    d.mkdir(parents=True, exist_ok=True)
+    data = seg.seal()
+    tmp = d / f".tmp-{seg.seq:010d}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    failpoint("ship.before_publish")  # written, not yet visible under its name
+    final = _segment_path(shipped, seg.seq)
+    if final.exists():
+        raise JournalError(f"journal segment {final.name} already exists: another process ships this run's journal")
+    os.replace(tmp, final)
+    _fsync_dir(d)
+
+
+# ----------------------------------------------------------------------------- the chain of segments
+
+
+@dataclass
+class SegmentScan:
+    """What a walk over RUN/journal/segments found."""
+
+    segments: list[Segment] = field(default_factory=list)  # the good prefix, in order
+    problem: str | None = None  # the first problem, one sentence
+    problem_at_end: bool = False  # the problem is in the last segment file only (a torn tail)
+    lost_steps: tuple[int, int | None] | None = None  # steps in a dropped last segment (last None: unknown)
+    leftovers: list[str] = field(default_factory=list)
+
+    @property
+    def last_step(self) -> int | None:
+        for seg in reversed(self.segments):
+            if seg.first is not None:
+                return seg.last
+        return None
+
+    @property
+    def journal_id(self) -> str | None:
+        for seg in reversed(self.segments):
+            if seg.meta is not None and JOURNAL_ID.encode() in seg.meta:
+                return unframe_plain(seg.meta[JOURNAL_ID.encode()], "meta 'journal_id'")
+        return None
+
+    @property
+    def last_chain(self) -> str | None:
+        for seg in reversed(self.segments):
+            if seg.first is not None:
+                return seg.chain
+        return None
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.size for s in self.segments)
+
+
+def scan(shipped: Path) -> SegmentScan:
+    """Read and check every segment: digest, numbering, link to the previous one, step continuity and
+    the journal's hash chain through the step records. Stops at the first problem."""
+    out = SegmentScan()
+    files = _segment_files(shipped)
+    d = segment_dir(shipped)
+    if d.is_dir():
+        out.leftovers = sorted(p.name for p in d.iterdir() if p.name.startswith((".tmp-", ".damaged-")))
+    prev_digest, chain, last = "", None, None
+    for i, (seq, path) in enumerate(files):
+        at_end = i == len(files) - 1
+        if seq != i + 1:
+            out.problem = f"journal segment {i + 1:010d}.seg is missing (the next one is {path.name})"
+            return out
+        try:
+            seg = read_segment(path)
+        except JournalError as e:
+            out.problem, out.problem_at_end = str(e), at_end
+            return out
+        why = None
+        if seg.seq != seq:
+            why = f"journal segment {path.name} says it is segment {seg.seq}"
+        elif seg.prev != prev_digest:
+            why = f"journal segment {path.name} does not link to segment {seq - 1}"
+        else:
+            chain, last, why = _check_steps(seg, path.name, chain, last)
+        if why:
+            out.problem, out.problem_at_end = why, at_end
+            return out
+        out.segments.append(seg)
+        prev_digest = seg.digest
+    return out
+
+
+def _check_steps(seg: Segment, name: str, chain: bytes | None, last: int | None):
+    """Continue the hash chain through a segment's step records. Returns (chain, last, problem)."""
+    if chain is None and seg.meta is not None:  # the first segment with meta sets where the chain starts
+        base = seg.meta.get(b"base_step")
+        cbase = seg.meta.get(b"chain_base")
+        last = int(unframe_plain(base, "meta 'base_step'")) if base is not None else 0
+        chain = bytes.fromhex(unframe_plain(cbase, "meta 'chain_base'")) if cbase is not None else GENESIS
+    if not seg.steps:
+        return chain, last, None
+    if chain is None:
+        return chain, last, f"journal segment {name} carries steps before any segment carries the run's metadata"
+    for i, raw in enumerate(seg.steps):
+        step = seg.first + i
+        try:
+            frame = StepFrame.parse(raw)
+        except JournalError:
+            return chain, last, f"journal segment {name}: step {step} has no valid frame"
+        if step != last + 1:
+            return chain, last, f"journal segment {name} starts at step {seg.first}, but the previous one ended at step {last}"
+        if not frame.checksum_ok() or frame.chain != digest(chain, frame.checksum):
+            return chain, last, f"journal segment {name}: step {step} fails its checksum or hash chain"
+        chain, last = frame.chain, step
+    if seg.last != last or seg.chain != chain.hex():
+        return chain, last, f"journal segment {name}'s header does not match its steps"
+    return chain, last, None
+
+
+def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail") -> SegmentScan:
+    """Rebuild the LMDB journal at `dest` (which must not hold one) from the segments in `shipped`.
+
+    tolerate='tail': a damaged last segment is dropped (its steps are lost; said in scan.problem),
+    damage before it raises JournalError. tolerate='any': rebuild the good prefix whatever follows
+    (post-mortem reading; the problem is reported, never hidden). The rebuild is written beside
+    `dest` and renamed into place, so a killed rebuild leaves nothing that looks like a journal.
+    """
+    found = scan(shipped)
+    if found.problem and not found.problem_at_end and tolerate != "any":
+        raise JournalError(f"{found.problem}; the journal cannot be rebuilt past segment {len(found.segments)} "
+                           f"(step {found.last_step or 0})")
+    if found.problem and found.problem_at_end:
+        found.lost_steps = _lost_range(shipped, len(found.segments) + 1, found.last_step)
+    if not found.segments:
+        raise JournalError(f"no intact journal segment in {segment_dir(shipped)}"
+                           + (f": {found.problem}" if found.problem else ""))
+    dest = Path(dest)
+    if (dest / "data.mdb").exists():
+        raise JournalError(f"{dest} already holds a journal; rebuild into an empty directory")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".rebuild-{dest.name}-", dir=dest.parent))
+    try:
+        with Journal.open_writer(work) as j:
+            meta = snaps = None
+            for seg in found.segments:
+                meta = seg.meta if seg.meta is not None else meta
+                snaps = seg.snapshots if seg.snapshots is not None else snaps
+                j.restore(seg.steps, seg.first, None, None)
+            j.restore([], None, meta or {}, snaps or {})
+        (work / "writer.lock").unlink(missing_ok=True)
+        if dest.exists():
+            dest.rmdir()  # only an empty directory (checked above that it holds no journal)
+        os.replace(work, dest)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return found
+
+
+def _lost_range(shipped: Path, seq: int, last_good: int | None) -> tuple[int, int | None]:
+    """The steps a dropped last segment held: (first, last), last None when its header is unreadable."""
+    first = (last_good or 0) + 1
+    try:
+        seg = codec.unpackb(_segment_path(shipped, seq).read_bytes()[SEG_HEADER:])
+        if seg.get("first") is not None:
+            return int(seg["first"]), int(seg["last"])
+    except Exception:  # noqa: BLE001 - a damaged segment may hold anything
+        pass
+    return first, None
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+def open_reader(shipped: Path) -> Journal:
+    """A reader for the journal of RUN/journal, whatever its layout.
+
+    Today's layout (data.mdb in RUN/journal) opens directly. A shipped journal opens the live LMDB
+    environment named by local.json when this host has it and it agrees with the segments (it may
+    hold steps not yet shipped); otherwise the segments are rebuilt into a temporary directory that
+    goes away when the reader closes. ``journal.shipped_problem`` then names any damage found.
+    """
+    shipped = Path(shipped)
+    if (shipped / "data.mdb").is_file():
+        return Journal.open_reader(shipped)
+    if not is_shipped(shipped):
+        return Journal.open_reader(shipped)  # raises NotAJournalError with the usual sentence
+    found = scan(shipped)
+    local = _usable_local(shipped, found)
+    if local is not None:
+        j = Journal.open_reader(local)
+        j.shipped_problem = found.problem
+        return j
+    tmp = Path(tempfile.mkdtemp(prefix="verlj-journal-"))
+    try:
+        rebuilt = rebuild(shipped, tmp / "journal", tolerate="any")
+        j = Journal.open_reader(tmp / "journal")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    j.on_close(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    j.shipped_problem = rebuilt.problem
+    return j
+
+
+def _usable_local(shipped: Path, found: SegmentScan) -> Path | None:
+    ptr = read_pointer(shipped)
+    if ptr is None or ptr.get("host") != socket.gethostname():
+        return None
+    local = Path(ptr["path"])
+    if not (local / "data.mdb").is_file():
+        return None
+    return local if matches(local, shipped, found) else None
+
+
+def matches(local: Path, shipped: Path, found: SegmentScan) -> bool:
+    """Whether the LMDB journal at `local` is this shipped journal's live copy: the same journal id and
+    every shipped step in it (the same chain hash at the last one). Before anything carrying the id
+    was shipped, only the run's own pointer can vouch for it."""
+    try:
+        with Journal.open_reader(local) as j:
+            if found.journal_id is None:
+                ptr = read_pointer(shipped)
+                return ptr is not None and os.path.realpath(ptr["path"]) == os.path.realpath(local)
+            if j.get_meta(JOURNAL_ID) != found.journal_id:
+                return False
+            last = found.last_step
+            return last is None or (j.last_step() >= last and j.chain_hash(last) == found.last_chain)
+    except JournalError:
+        return False
+
+
+# ----------------------------------------------------------------------------- the writer
+
+
+def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list[str]]:
+    """The run's journal writer at `local`, shipping to `shipped`. Returns (journal, notes): notes are
+    one-line messages for the user (steps lost with a damaged last segment, a rebuild, a warning).
+
+    When `local` holds no journal, it is rebuilt from the segments first (a resume on another host);
+    when it holds one, it must hold every shipped step (same hash chain) or it is refused.
+    """
+    local, shipped = Path(local), Path(shipped)
+    if os.path.realpath(local) == os.path.realpath(shipped):
+        raise JournalError(f"journal.local_dir {local} is the run's own journal directory; choose a node-local directory")
+    notes: list[str] = []
+    found = scan(shipped)
+    if found.problem and not found.problem_at_end:
+        raise JournalError(f"{found.problem}; the shipped journal is damaged before its last segment "
+                           f"(intact through step {found.last_step or 0})")
+    if (local / "data.mdb").is_file():
+        if not matches(local, shipped, found):
+            raise JournalError(f"journal.local_dir {local} holds a journal that does not match the segments in "
+                               f"{segment_dir(shipped)} (another run's, or an older copy); empty it or choose another directory")
+        if found.problem:  # the local journal still holds what the damaged segment carried: ship it again
+            _set_aside(shipped, len(found.segments) + 1)
+            notes.append(f"{found.problem}; shipping its steps again from {local}")
+    elif found.segments:
+        rebuilt = rebuild(shipped, local, tolerate="tail")
+        notes.append(f"Rebuilt the journal in {local} from {len(rebuilt.segments)} segment(s) in {segment_dir(shipped)} "
+                     f"(steps through {rebuilt.last_step or 0}, every checksum and the hash chain verified)")
+        if rebuilt.problem:
+            _set_aside(shipped, len(rebuilt.segments) + 1)
+            a, b = rebuilt.lost_steps or (None, None)
+            lost = f"steps from {a} on" if b is None else (f"step {a}" if a == b else f"steps {a}–{b}")
+            notes.append(f"{rebuilt.problem}: {lost} were lost with it and will be run again")
+    warning = lmdb_location_warning(local)
+    if warning:
+        notes.append(warning)
+    journal = Journal.open_writer(local)
+    try:
+        if journal.get_meta(JOURNAL_ID) is None:
+            journal.set_meta(JOURNAL_ID, uuid.uuid4().hex)
+        shipper = Shipper(journal, shipped, max_lag)
+    except BaseException:
+        journal.close()
+        raise
+    write_pointer(shipped, local)
+    journal.add_commit_hook(shipper.on_commit)
+    journal.on_close(shipper.close)
+    journal.shipper = shipper
+    return journal, notes
+
+
+def _set_aside(shipped: Path, seq: int) -> None:
+    """Move a damaged last segment out of the numbering (kept for inspection as .damaged-N.seg)."""
+    path = _segment_path(shipped, seq)
+    if path.exists():
+        os.replace(path, segment_dir(shipped) / f".damaged-{seq:010d}.seg")
+        _fsync_dir(segment_dir(shipped))
+
+
+def lmdb_location_warning(path: Path) -> str | None:
+    """One line when an LMDB journal is about to be written on a network filesystem."""
+    fs = network_filesystem(path)
+    if fs is None:
+        return None
+    return (f"warning: the LMDB journal at {path} is on a network filesystem ({fs}), where LMDB's locks and memory map "
+            "are not safe; point journal.local_dir to a node-local disk (the run directory then receives shipped segments)")
+
+
+# ----------------------------------------------------------------------------- the shipper
+
+
+class Shipper:
+    """Ships a writer's commits to RUN/journal/segments from a background thread.
+
+    ``wait(step)`` blocks the training loop until no more than ``max_lag`` committed steps are
+    unshipped (``max_lag=0``: every commit is shipped before the next step starts); a node lost at
+    any moment then costs at most ``max_lag`` steps plus the one being committed.
+    """
+
+    def __init__(self, journal: Journal, shipped: Path, max_lag: int):
+        self.journal = journal
+        self.shipped = Path(shipped)
+        self.max_lag = max_lag
+        found = scan(self.shipped)
+        if found.problem:
+            raise JournalError(f"cannot ship to {segment_dir(self.shipped)}: {found.problem}")
+        for name in found.leftovers:  # a shipment interrupted by a kill: never published, never read
+            if name.startswith(".tmp-"):
+                (segment_dir(self.shipped) / name).unlink(missing_ok=True)
+        self._seq = len(found.segments)
+        self._prev = found.segments[-1].digest if found.segments else ""
+        self._shipped = found.last_step if found.last_step is not None else journal.base_step()
+        self._meta_digest = self._snap_digest = None
+        for seg in found.segments:
+            if seg.meta is not None:
+                self._meta_digest = _map_digest(seg.meta)
+            if seg.snapshots is not None:
+                self._snap_digest = _map_digest(seg.snapshots)
+        self.bytes_shipped = 0
+        self.seconds_shipping = 0.0
+        self._cond = threading.Condition()
+        self._dirty = True
+        self._stop = False
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="verlj-journal-shipper", daemon=True)
+        self._thread.start()
+
+    def on_commit(self, step: int | None) -> None:
+        """The journal's commit hook: wake the thread; after a step, hold the loop to the lag bound."""
+        self.notify()
+        if step is not None:
+            self.wait(step)
+
+    @property
+    def shipped_step(self) -> int:
+        return self._shipped
+
+    def lag(self) -> int:
+        return max(0, self.journal.last_step() - self._shipped)
+
+    def notify(self) -> None:
+        with self._cond:
+            self._dirty = True
+            self._cond.notify_all()
+
+    def wait(self, step: int, timeout: float = 600.0) -> None:
+        """Block until every step up to `step - max_lag` is shipped. Raises JournalError if shipping fails."""
+        want = step - self.max_lag
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._shipped < want:
+                if self._error is not None:
+                    raise JournalError(self._error)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise JournalError(f"journal shipping to {segment_dir(self.shipped)} is {step - self._shipped} "
+                                       f"steps behind after {timeout:.0f} s")
+                self._cond.wait(min(left, 1.0))
+
+    def close(self, flush: bool = True) -> None:
+        """Ship what is left (flush=True), then stop the thread."""
+        if flush and self._error is None:
+            self.notify()
+            try:
+                self.wait(self.journal.last_step() + self.max_lag)
+                self._wait_idle()
+            except JournalError:
+                pass
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _wait_idle(self) -> None:
+        with self._cond:
+            while self._dirty and self._error is None:
+                self._cond.wait(0.05)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            with self._cond:
+                while not self._dirty and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                self._dirty = False
+            try:
+                self.ship_once()
+                backoff = 0.1
+            except Exception as e:  # noqa: BLE001 - reported to the training loop by wait()
+                with self._cond:
+                    self._dirty = True
+                    if backoff > 5:  # several tries failed: tell the loop, keep trying
+                        self._error = f"journal shipping to {segment_dir(self.shipped)} failed: {e}"
+                    self._cond.notify_all()
+                time.sleep(backoff)
+                backoff *= 2
+
+    def ship_once(self) -> bool:
+        """Ship everything committed and not yet shipped. Returns whether a segment was written."""
+        t0 = time.perf_counter()
+        meta, snaps = self.journal.meta_frames(), self.journal.snapshot_frames()
+        meta_digest, snap_digest = _map_digest(meta), _map_digest(snaps)
+        wrote = False
+        while True:
+            steps, size = [], 0
+            for _step, raw in self.journal.iter_raw(self._shipped + 1, None):
+                steps.append(raw)
+                size += len(raw)
+                if size >= MAX_SEGMENT_BYTES:
+                    break
+            new_meta = meta_digest != self._meta_digest
+            new_snaps = snap_digest != self._snap_digest
+            if not steps and not new_meta and not new_snaps:
+                break
+            first = self._shipped + 1 if steps else None
+            last = self._shipped + len(steps)
+            chain = StepFrame.parse(steps[-1]).chain.hex() if steps else (self._last_chain() or "")
+            seg = Segment(self._seq + 1, self._prev, first, last, chain, steps,
+                          meta if new_meta else None, snaps if new_snaps else None)
+            _publish(self.shipped, seg)
+            with self._cond:
+                self._seq, self._prev, self._shipped = seg.seq, seg.digest, last
+                self._meta_digest, self._snap_digest = meta_digest, snap_digest
+                self.bytes_shipped += seg.size
+                self._error = None
+                self._cond.notify_all()
+            wrote = True
+        self.seconds_shipping += time.perf_counter() - t0
+        return wrote
+
+    def _last_chain(self) -> str | None:
+        h = self.journal.chain_hash(self._shipped)
+        return h
+
+
+def _map_digest(frames: dict[bytes, bytes]) -> bytes:
+    return digest(codec.packb(sorted(frames.items())))
