@@ -112,7 +112,7 @@ def train(
         ledger = Ledger(journal) if journal is not None else None
         reporter = Reporter(cfg.logging, run_dir, rt.is_main, cfg.trainer.total_steps)
         for note in notes:
-            reporter.info(note)
+            say(reporter, note)
         if state == "empty":
             reporter.info(f"{run_dir} held a run that never committed a step; starting it afresh.")
         elif resume and not existing:
@@ -219,8 +219,8 @@ def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
         origin = {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint}
         ledger.start(run_identity(cfg, rt, new_run, trainer), parent=origin, base_step=m.step, chain_base=chain)
     reporter = Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps)
-    for note in notes if rt.is_main else []:
-        reporter.info(note)
+    for note in notes:
+        say(reporter, note)
     try:
         ckpt = Checkpointer(new_run, cfg, rt, trainer, ledger, reporter)
         ckpt.save(m.step, m.fingerprint)  # the fork's base: recovery of the new run starts here
@@ -249,6 +249,14 @@ def run_identity(cfg: Config, rt: Runtime, run_dir: Path, trainer) -> dict:
         "run_dir": str(run_dir.resolve()),
         **trainer.identity(),
     }
+
+
+def say(reporter: Reporter, note: str) -> None:
+    """A one-line note from opening the journal: a warning when it starts with 'warning: '."""
+    if note.startswith("warning: "):
+        reporter.warn(note.removeprefix("warning: "))
+    else:
+        reporter.info(note)
 
 
 def on_rank0(rt: Runtime, fn):

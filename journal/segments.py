@@ -11,7 +11,8 @@ run directory as an immutable segment (Litestream's model)::
       local.json                  where the live LMDB environment is (host, path): readers on that
                                   host use it; anyone else rebuilds from the segments
 
-A segment is ``MAGIC | length (8 bytes, big-endian) | H(body) | body`` with a msgpack body::
+A segment is ``MAGIC | length, first + 1, last (8 bytes each, big-endian) | H(those | body) | body``
+(the step range readable even when the body is torn) with a msgpack body::
 
     seq, prev         its number and the previous segment's H(body) (hex; "" for the first)
     first, last       the steps it carries (first is None when it carries none)
@@ -47,8 +48,8 @@ from .failpoints import failpoint
 from .store import GENESIS, HASH_LEN, Journal, StepFrame, digest, unframe_plain
 
 MAGIC_SEGMENT = b"VJSEG\x01"
-_LEN = struct.Struct(">Q")
-SEG_HEADER = len(MAGIC_SEGMENT) + _LEN.size + HASH_LEN
+_FIXED = struct.Struct(">QQQ")  # body length, first step + 1 (0: none), last step
+SEG_HEADER = len(MAGIC_SEGMENT) + _FIXED.size + HASH_LEN
 SEGMENTS = "segments"
 POINTER = "local.json"
 JOURNAL_ID = "journal_id"  # meta: a random id given to a shipped journal when it is created
@@ -153,21 +154,23 @@ class Segment:
             "seq": self.seq, "prev": self.prev, "first": self.first, "last": self.last, "chain": self.chain,
             "steps": self.steps, "meta": self.meta, "snapshots": self.snapshots,
         })
-        h = digest(body)
+        fixed = _FIXED.pack(len(body), 0 if self.first is None else self.first + 1, self.last)
+        h = digest(fixed, body)
         self.digest, self.size = h.hex(), SEG_HEADER + len(body)
-        return MAGIC_SEGMENT + _LEN.pack(len(body)) + h + body
+        return MAGIC_SEGMENT + fixed + h + body
 
     @classmethod
     def parse(cls, raw: bytes, name: str) -> Segment:
         if len(raw) < SEG_HEADER or raw[: len(MAGIC_SEGMENT)] != MAGIC_SEGMENT:
             raise JournalError(f"journal segment {name} has no valid header")
         m = len(MAGIC_SEGMENT)
-        (length,) = _LEN.unpack(raw[m : m + _LEN.size])
+        fixed = raw[m : m + _FIXED.size]
+        length, first1, last = _FIXED.unpack(fixed)
         body = raw[SEG_HEADER:]
         if len(body) != length:
             raise JournalError(f"journal segment {name} is truncated ({len(body)} of {length} bytes)")
-        h = raw[m + _LEN.size : SEG_HEADER]
-        if digest(body) != h:
+        h = raw[m + _FIXED.size : SEG_HEADER]
+        if digest(fixed, body) != h:
             raise JournalError(f"journal segment {name} fails its checksum")
         try:
             d = codec.unpackb(body)
@@ -175,6 +178,8 @@ class Segment:
                       d["meta"], d["snapshots"], h.hex(), len(raw))
         except (KeyError, TypeError, ValueError, JournalError) as e:
             raise JournalError(f"journal segment {name} is undecodable: {e}") from None
+        if (seg.first, seg.last) != (first1 - 1 if first1 else None, last):
+            raise JournalError(f"journal segment {name}'s header does not match its body")
         return seg
 
 
@@ -344,16 +349,19 @@ def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail") -> SegmentScan
     return found
 
 
-def _lost_range(shipped: Path, seq: int, last_good: int | None) -> tuple[int, int | None]:
-    """The steps a dropped last segment held: (first, last), last None when its header is unreadable."""
-    first = (last_good or 0) + 1
-    try:
-        seg = codec.unpackb(_segment_path(shipped, seq).read_bytes()[SEG_HEADER:])
-        if seg.get("first") is not None:
-            return int(seg["first"]), int(seg["last"])
-    except Exception:  # noqa: BLE001 - a damaged segment may hold anything
-        pass
-    return first, None
+def _lost_range(shipped: Path, seq: int, last_good: int | None) -> tuple[int, int | None] | None:
+    """The steps a dropped last segment held, from its fixed header: (first, last); last None when the
+    header itself is unreadable; None when it carried no steps (only metadata, shipped again next)."""
+    raw = _segment_path(shipped, seq).read_bytes()[:SEG_HEADER]
+    m = len(MAGIC_SEGMENT)
+    if len(raw) < m + _FIXED.size or raw[:m] != MAGIC_SEGMENT:
+        return (last_good or 0) + 1, None
+    _length, first1, last = _FIXED.unpack(raw[m : m + _FIXED.size])
+    if first1 == 0:
+        return None
+    if first1 - 1 != (last_good or 0) + 1 or last < first1 - 1:  # a damaged header: trust only what is known
+        return (last_good or 0) + 1, None
+    return first1 - 1, last
 
 
 # ----------------------------------------------------------------------------- readers
@@ -448,9 +456,12 @@ def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list
                      f"(steps through {rebuilt.last_step or 0}, every checksum and the hash chain verified)")
         if rebuilt.problem:
             _set_aside(shipped, len(rebuilt.segments) + 1)
-            a, b = rebuilt.lost_steps or (None, None)
-            lost = f"steps from {a} on" if b is None else (f"step {a}" if a == b else f"steps {a}–{b}")
-            notes.append(f"{rebuilt.problem}: {lost} were lost with it and will be run again")
+            if rebuilt.lost_steps is None:
+                notes.append(f"{rebuilt.problem}: it carried no steps; set it aside")
+            else:
+                a, b = rebuilt.lost_steps
+                lost = f"the steps from {a} on" if b is None else (f"step {a}" if a == b else f"steps {a}–{b}")
+                notes.append(f"{rebuilt.problem}: {lost} were lost with it and will be run again")
     warning = lmdb_location_warning(local)
     if warning:
         notes.append(warning)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from verlj.journal import Journal
+from verlj.journal import open_journal_reader
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def train(run_dir: Path, *overrides: str, ranks: int = 1, resume: bool = False, 
 def comparable_steps(run_dir: Path) -> list[dict]:
     """Each step's events with wall time, timing metrics and nothing else removed."""
     out = []
-    with Journal.open_reader(Path(run_dir) / "journal") as j:
+    with open_journal_reader(Path(run_dir) / "journal") as j:
         for rec in j.iter_steps():
             events = []
             for e in rec["events"]:
@@ -104,7 +104,7 @@ def _same(a, b) -> bool:
 
 def fingerprints(run_dir: Path) -> dict[int, str]:
     out = {}
-    with Journal.open_reader(Path(run_dir) / "journal") as j:
+    with open_journal_reader(Path(run_dir) / "journal") as j:
         for step, e in j.iter_events("state"):
             out[step] = e["fingerprint"]
     return out

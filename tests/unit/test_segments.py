@@ -1,0 +1,177 @@
+"""Shipped journals (journal/segments.py): sealed segments, the bounded lag, rebuild, damage."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from verlj.journal import Journal, JournalError, make_event, open_journal_reader, segments, verify_journal
+
+
+def _events(step: int) -> list[dict]:
+    rng = np.random.default_rng(step)
+    return [
+        make_event("metrics", values={"loss": float(step) / 3, "nan": float("nan")}),
+        make_event("buffer.add", ids=rng.integers(0, 50_000, size=(8, 64), dtype=np.int64),
+                   logprobs=rng.standard_normal((8, 64)).astype(np.float32)),
+        make_event("state", fingerprint=f"fp{step}"),
+    ]
+
+
+def _write(local: Path, shipped: Path, steps: range, max_lag: int = 1, snapshot_every: int = 5) -> None:
+    j, _notes = segments.open_writer(local, shipped, max_lag)
+    with j:
+        if j.get_meta("config") is None:
+            j.update_meta({"config": {"seed": 1}})
+        for s in steps:
+            j.append_step(s, _events(s))
+            assert j.shipper.shipped_step >= s - max_lag  # the bound holds after every commit
+            if s % snapshot_every == 0:
+                j.add_snapshot(s, {"path": f"step_{s:05d}"})
+
+
+def _dump(path: Path) -> dict:
+    with Journal.open_reader(path) as j:
+        return {
+            "steps": list(j.iter_raw()),
+            "summary": list(j._iter_db(j.dbs()["summary"], None, None, 16)),
+            "meta": j.meta_frames(),
+            "snapshots": j.snapshot_frames(),
+        }
+
+
+def test_rebuild_is_byte_identical_to_the_live_journal(tmp_path):
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    _write(local, shipped, range(1, 31), max_lag=3)
+    found = segments.scan(shipped)
+    assert found.problem is None and found.last_step == 30
+    segments.rebuild(shipped, tmp_path / "L2")
+    assert _dump(tmp_path / "L2") == _dump(local)
+    with Journal.open_reader(tmp_path / "L2") as j:
+        assert verify_journal(j).ok
+
+
+def test_closing_ships_everything_and_reopening_continues_the_numbering(tmp_path):
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    _write(local, shipped, range(1, 6), max_lag=100)  # never waits: only close() ships the rest
+    assert segments.scan(shipped).last_step == 5
+    _write(local, shipped, range(6, 11), max_lag=100)
+    found = segments.scan(shipped)
+    assert found.problem is None and found.last_step == 10
+    assert [s.seq for s in found.segments] == list(range(1, len(found.segments) + 1))
+
+
+def test_reader_without_the_local_copy_rebuilds_and_cleans_up(tmp_path):
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    _write(local, shipped, range(1, 11))
+    with open_journal_reader(shipped) as j:  # this host has the live copy: it is read in place
+        assert Path(j.path) == local.resolve()
+    live = _dump(local)
+    for name in ("data.mdb", "lock.mdb", "writer.lock"):
+        (local / name).unlink()
+    with open_journal_reader(shipped) as j:
+        tmp = Path(j.path)
+        assert tmp != local and j.last_step() == 10 and j.shipped_problem is None
+        assert _dump(tmp) == live
+    assert not tmp.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip"])
+def test_damaged_last_segment_costs_only_its_steps(tmp_path, damage):
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    _write(local, shipped, range(1, 13), max_lag=0, snapshot_every=100)
+    files = sorted(segments.segment_dir(shipped).glob("*.seg"))
+    last = segments.read_segment(files[-1])
+    assert last.first is not None  # the last shipment carried steps
+    raw = bytearray(files[-1].read_bytes())
+    if damage == "truncate":
+        files[-1].write_bytes(bytes(raw[: len(raw) - 7]))
+    else:
+        raw[-5] ^= 0x10
+        files[-1].write_bytes(bytes(raw))
+    found = segments.rebuild(shipped, tmp_path / "L2")
+    assert found.problem_at_end and found.lost_steps == (last.first, last.last)
+    with Journal.open_reader(tmp_path / "L2") as j:
+        assert j.last_step() == last.first - 1 and verify_journal(j).ok
+    # the writer sets it aside, says what was lost, and ships the steps again under the same number
+    j, notes = segments.open_writer(tmp_path / "L3", shipped, 0)
+    with j:
+        assert any("were lost with it" in n for n in notes), notes
+        j.append_step(last.first, _events(last.first))
+    assert segments.scan(shipped).problem is None
+    assert (segments.segment_dir(shipped) / f".damaged-{last.seq:010d}.seg").exists()
+
+
+def test_damage_before_the_last_segment_is_refused(tmp_path):
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    _write(local, shipped, range(1, 11), max_lag=0)
+    files = sorted(segments.segment_dir(shipped).glob("*.seg"))
+    raw = bytearray(files[3].read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    files[3].write_bytes(bytes(raw))
+    with pytest.raises(JournalError, match="before its last segment|cannot be rebuilt"):
+        segments.open_writer(tmp_path / "L2", shipped, 0)
+    assert not (tmp_path / "L2" / "data.mdb").exists()
+    files[3].unlink()
+    with pytest.raises(JournalError, match="0000000004.seg is missing"):
+        segments.rebuild(shipped, tmp_path / "L2")
+    with open_journal_reader(shipped) as j:  # the live copy on this host is whole: read in place
+        assert j.last_step() == 10 and "missing" in j.shipped_problem
+    for name in ("data.mdb", "lock.mdb", "writer.lock"):
+        (local / name).unlink()
+    # from the segments alone, post-mortem reads the intact prefix and says what is wrong
+    with open_journal_reader(shipped) as j:
+        assert j.shipped_problem and "missing" in j.shipped_problem
+        assert j.last_step() == segments.scan(shipped).last_step < 10
+
+
+def test_a_local_dir_holding_another_journal_is_refused(tmp_path):
+    _write(tmp_path / "L", tmp_path / "a" / "journal", range(1, 4))
+    with pytest.raises(JournalError, match="does not match"):
+        segments.open_writer(tmp_path / "L", tmp_path / "b" / "journal", 1)
+    _write(tmp_path / "M", tmp_path / "b" / "journal", range(1, 3))
+    for name in ("data.mdb", "lock.mdb", "writer.lock"):
+        (tmp_path / "M" / name).unlink()
+    with pytest.raises(JournalError, match="does not match"):  # a's journal is not b's, whatever it holds
+        segments.open_writer(tmp_path / "L", tmp_path / "b" / "journal", 1)
+
+
+def test_kill_during_shipping_leaves_nothing_half_visible(tmp_path):
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    child = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_segments import _write
+        from pathlib import Path
+        _write(Path({str(local)!r}), Path({str(shipped)!r}), range(1, 20), max_lag=0)
+    """)
+    env = {**os.environ, "VERLJ_FAILPOINT": "ship.before_publish:6"}
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stderr[-2000:]
+    found = segments.scan(shipped)
+    assert found.problem is None and found.leftovers == [".tmp-0000000006"]
+    with Journal.open_reader(local) as j:
+        committed = j.last_step()
+    assert found.last_step is not None and committed - found.last_step <= 1  # max_lag 0: only the step in flight
+    _write(local, shipped, range(committed + 1, 25), max_lag=0)  # the same node comes back
+    found = segments.scan(shipped)
+    assert found.problem is None and found.leftovers == [] and found.last_step == 24
+    segments.rebuild(shipped, tmp_path / "L2")
+    assert _dump(tmp_path / "L2") == _dump(local)
+
+
+def test_network_filesystems_are_recognised():
+    mounts = "\n".join([
+        "/dev/sda1 / ext4 rw 0 0",
+        "server:/export /mnt/shared nfs4 rw 0 0",
+        "tmpfs /mnt/shared/local tmpfs rw 0 0",
+        "lustre@tcp:/fs /lustre lustre rw 0 0",
+    ])
+    assert segments.network_filesystem(Path("/mnt/shared/runs/a"), mounts) == "nfs4"
+    assert segments.network_filesystem(Path("/mnt/shared/local/j"), mounts) is None  # the longest mount wins
+    assert segments.network_filesystem(Path("/lustre/x"), mounts) == "lustre"
+    assert segments.network_filesystem(Path("/home/u"), mounts) is None
