@@ -229,7 +229,7 @@ def _verify_one(report: RunReport, path: Path, index: dict, fps) -> None:
 def _verify_all(report: RunReport, run_dir: Path, index: dict, fps, ledger: Ledger | None) -> None:
     """Every indexed snapshot; leftovers of killed runs are listed, not checked (they are never used)."""
     store = SnapshotStore(run_dir, ledger)
-    report.leftovers = store.leftovers(index)
+    report.leftovers += store.leftovers(index)
     for step in sorted(index):
         info = index[step]
         rep, n = verify_snapshot(run_dir / info["path"], fps, indexed=True, recorded_manifest=info.get("manifest"))

@@ -1,0 +1,186 @@
+"""journal.local_dir: the node that held the LMDB journal dies; the run goes on from the run directory.
+
+Real `verlj train` processes, real SIGKILLs, the local journal really deleted. Every scenario ends
+with the journal equal, step for step, to an uninterrupted run's (which keeps today's layout).
+"""
+
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from verlj.engine.run import train as run_train
+from verlj.journal import Journal, segments
+from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
+
+TARGET = 10
+COMMON = [f"trainer.total_steps={TARGET}", "trainer.save_interval=3", "trainer.save_total_limit=2"]
+LAG = 2
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref") / "run"
+    run_train(run, None, [*TINY, *COMMON])
+    return run
+
+
+def shipped_run(tmp_path, name="run", *extra):
+    """A finished run with journal.local_dir, and its local dir."""
+    run, local = tmp_path / name, tmp_path / f"{name}-local"
+    train(run, *COMMON, f"journal.local_dir={local}", f"journal.ship_max_lag_steps={LAG}", *extra)
+    return run, local
+
+
+def lose_node(local):
+    shutil.rmtree(local)
+
+
+def test_node_lost_at_a_random_moment(tmp_path, reference):
+    run, local = tmp_path / "run", tmp_path / "L"
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *COMMON,
+           f"journal.local_dir={local}", f"journal.ship_max_lag_steps={LAG}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+    rng = random.Random()
+    target = rng.randint(2, TARGET - 2)
+    deadline = time.time() + 120
+    while time.time() < deadline and _committed(local) < target:  # a random step, then a random moment in it
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0, 0.05))
+    proc.send_signal(signal.SIGKILL)
+    stdout, _ = proc.communicate()
+    with Journal.open_reader(local) as j:
+        committed = j.last_step()
+    reported = [int(s) for s in re.findall(r"\[INFO\] Step (\d+): reward=", stdout)]  # commits that returned
+    shipped = segments.scan(run / "journal").last_step or 0
+    # the bound: every step whose commit returned is shipped but the last LAG; the step in flight may be lost too
+    assert shipped >= (max(reported) if reported else 0) - LAG
+    assert shipped >= committed - LAG - 1
+    lose_node(local)
+
+    out = train(run, *COMMON, f"journal.local_dir={tmp_path / 'L2'}", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if shipped > 0:
+        assert f"steps through {shipped}" in out.stdout  # rebuilt from the segments, said in one line
+    print(f"committed {committed}, shipped {shipped}: {committed - shipped} step(s) lost with the node and run again")
+    assert_same_journal(reference, run)
+    assert fingerprints(reference) == fingerprints(run)
+    assert verlj("verify", run).returncode == 0
+
+
+def test_stalled_shipping_holds_training_to_the_lag_bound(tmp_path, reference):
+    """Shipping stops (a hung filesystem); training goes on LAG steps, then waits. The node dies then."""
+    run, local = tmp_path / "run", tmp_path / "L"
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *COMMON,
+           f"journal.local_dir={local}", f"journal.ship_max_lag_steps={LAG}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(VERLJ_FAILPOINT="ship.before_publish:4:sleep=120"), cwd=REPO)
+    deadline = time.time() + 120
+    while _committed(local) < 1 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    last, since = -1, time.time()
+    while time.time() - since < 2.0:  # until the journal stops growing: training is waiting for the shipper
+        now = _committed(local)
+        if now != last:
+            last, since = now, time.time()
+        time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGKILL)
+    stdout, _stderr = proc.communicate()
+    shipped = segments.scan(run / "journal").last_step or 0
+    reported = max(int(s) for s in re.findall(r"\[INFO\] Step (\d+): reward=", stdout))
+    assert last < TARGET
+    assert reported == shipped + LAG  # the last step whose commit returned: LAG beyond what was shipped
+    assert last == shipped + LAG + 1  # and the one committed locally while waiting
+    lose_node(local)
+    out = train(run, *COMMON, f"journal.local_dir={tmp_path / 'L2'}", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_journal(reference, run)
+    assert fingerprints(reference) == fingerprints(run)
+
+
+def _committed(local) -> int:
+    try:
+        with Journal.open_reader(local) as j:
+            return j.last_step()
+    except Exception:  # noqa: BLE001 - not created yet
+        return 0
+
+
+def test_kill_during_shipping_then_the_same_node_resumes(tmp_path, reference):
+    run, local = tmp_path / "run", tmp_path / "L"
+    out = train(run, *COMMON, f"journal.local_dir={local}", "journal.ship_max_lag_steps=0",
+                VERLJ_FAILPOINT="ship.before_publish:7")
+    assert out.returncode == -9
+    assert segments.scan(run / "journal").leftovers  # the unpublished shipment is there, never read
+    out = train(run, *COMMON, f"journal.local_dir={local}", "journal.ship_max_lag_steps=0", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = segments.scan(run / "journal")
+    assert found.problem is None and not found.leftovers and found.last_step == TARGET
+    assert_same_journal(reference, run)
+    lose_node(local)  # and what was shipped is the whole journal
+    assert_same_journal(reference, run)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip"])
+def test_damaged_last_segment_costs_only_its_steps(tmp_path, reference, damage):
+    run, local = shipped_run(tmp_path)
+    files = sorted(segments.segment_dir(run / "journal").glob("*.seg"))
+    while segments.read_segment(files[-1]).first is None:  # shipments after the last step never happened
+        files.pop().unlink()
+    last = segments.read_segment(files[-1])
+    raw = bytearray(files[-1].read_bytes())
+    if damage == "truncate":
+        files[-1].write_bytes(bytes(raw[: len(raw) // 2]))
+    else:
+        raw[-9] ^= 0x04
+        files[-1].write_bytes(bytes(raw))
+    lose_node(local)
+    out = train(run, *COMMON, f"journal.local_dir={tmp_path / 'L2'}", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lost = f"step {last.first}" if last.first == last.last else f"steps {last.first}–{last.last}"
+    assert f"{lost} were lost with it and will be run again" in out.stdout
+    assert_same_journal(reference, run)
+    assert fingerprints(reference) == fingerprints(run)
+    v = verlj("verify", run)
+    assert v.returncode == 0 and "journal/segments/.damaged-" in v.stdout, v.stdout
+
+
+def test_segment_missing_in_the_middle_is_refused(tmp_path):
+    run, local = shipped_run(tmp_path)
+    lose_node(local)
+    seg_dir = segments.segment_dir(run / "journal")
+    (seg_dir / "0000000004.seg").unlink()
+    before = sorted(p.name for p in seg_dir.iterdir())
+    out = train(run, *COMMON, f"journal.local_dir={tmp_path / 'L2'}", resume=True)
+    assert out.returncode != 0
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1 and "0000000004.seg is missing" in err[0] and "Traceback" not in out.stderr, out.stderr
+    assert sorted(p.name for p in seg_dir.iterdir()) == before  # nothing shipped, nothing removed
+    assert not (tmp_path / "L2" / "data.mdb").exists()
+    v = verlj("verify", run)
+    assert v.returncode == 1 and "0000000004.seg is missing" in v.stdout
+    assert "--fork NEW_RUN" in v.stdout  # the way forward: replay the intact prefix into a new run
+
+
+def test_post_mortem_from_the_run_directory_alone(tmp_path, reference):
+    run, local = shipped_run(tmp_path)
+    lose_node(local)  # another machine: only the run directory
+    v = verlj("verify", run)
+    assert v.returncode == 0 and "Journal segments:" in v.stdout and f"steps through {TARGET}" in v.stdout, v.stdout
+    assert verlj("journal", "verify", run / "journal").returncode == 0
+    assert verlj("diff", reference, run).returncode == 0
+    i = verlj("inspect", run, "--step", "5", check=True)
+    assert "step 5" in i.stdout
+    m = verlj("metrics", run, "--names", "actor/pg_loss", "--csv", check=True)
+    assert len(m.stdout.strip().splitlines()) == TARGET + 1
+    assert verlj("find", run, "--where", "actor/pg_loss is nan").returncode == 0
+    r = verlj("replay", run, "--to-step", "7", "--json", check=True)
+    import json
+
+    assert json.loads(r.stdout)["fingerprint"] == fingerprints(reference)[7]
