@@ -97,7 +97,7 @@ def train(
 
     def open_journal() -> Journal:
         if state == "empty":  # died before its first step: nothing to keep, start it afresh
-            discard_unstarted(run_dir, local_dir)
+            discard_unstarted(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         j, said = open_writer(run_dir, local_dir, cfg.journal.ship_max_lag_steps)  # refuses a second writer at once
         notes.extend(said)
@@ -136,20 +136,21 @@ def train(
     finally:
         if reporter is not None:
             reporter.close()
-        unstarted = journal is not None and not existing and journal.last_step() == 0
+        # a start that failed before its first commit (even before its journal opened) leaves nothing
+        unstarted = rt.is_main and not existing and (journal is None or journal.last_step() == 0)
         if journal is not None:
             journal.close()
         if trainer is not None:
             trainer.close()
         if unstarted:  # a start that never committed a step leaves nothing behind to block a retry
-            discard_unstarted(run_dir, local_dir, remove_dir=created)
+            discard_unstarted(run_dir, remove_dir=created)
 
 
-def discard_unstarted(run_dir: Path, local_dir: str | None, remove_dir: bool = False) -> None:
+def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
     """Remove what a start that never committed a step wrote (only verlj's own names)."""
     from .state.snapshot_store import SnapshotStore
 
-    discard_journal(run_dir, local_dir)
+    discard_journal(run_dir)
     for name in RUN_FILES:
         p = run_dir / name
         if p.is_dir():

@@ -11,19 +11,21 @@ run directory as an immutable segment (Litestream's model)::
       local.json                  where the live LMDB environment is (host, path): readers on that
                                   host use it; anyone else rebuilds from the segments
 
-A segment is ``MAGIC | length, first + 1, last (8 bytes each, big-endian) | H(those | body) | body``
-(the step range readable even when the body is torn) with a msgpack body::
+A segment is ``MAGIC | fixed | H | head | step frames``: ``fixed`` is the file length, the head's
+length, first step + 1 (0: none) and last step, 8 bytes each, big-endian (the step range readable
+even when the rest is torn); ``head`` is msgpack::
 
     seq, prev         its number and the previous segment's H(body) (hex; "" for the first)
     first, last       the steps it carries (first is None when it carries none)
     chain             the journal's chain hash after ``last`` (hex)
-    steps             the step records' frames, byte for byte as LMDB stores them (each carries
-                      its own checksum and chain link)
+    sizes             the length of each step frame that follows: the records byte for byte as
+                      LMDB stores them (each carries its own checksum and chain link)
     meta, snapshots   the whole meta and snapshot-index sub-databases as frames, present only
                       when they changed since the previous segment
 
-so a segment is checked three ways: its own digest, the link to the previous segment, and the
-journal's hash chain through its step records. :func:`rebuild` turns the segments back into an LMDB
+``H`` covers fixed, head and each frame's header (its record's checksum and chain hash), so a
+segment is checked three ways: its own digest, the link to the previous segment, and each record's
+checksum and the journal's hash chain through them. :func:`rebuild` turns the segments back into an LMDB
 environment; a damaged or torn last segment costs only the steps in it, damage before the last
 is refused.
 """
@@ -45,10 +47,10 @@ from pathlib import Path
 from . import codec
 from .errors import JournalError
 from .failpoints import failpoint
-from .store import GENESIS, HASH_LEN, Journal, StepFrame, digest, unframe_plain
+from .store import GENESIS, HASH_LEN, STEP_HEADER, Journal, StepFrame, digest, unframe_plain
 
 MAGIC_SEGMENT = b"VJSEG\x01"
-_FIXED = struct.Struct(">QQQ")  # body length, first step + 1 (0: none), last step
+_FIXED = struct.Struct(">QQQQ")  # file length, head length, first step + 1 (0: none), last step
 SEG_HEADER = len(MAGIC_SEGMENT) + _FIXED.size + HASH_LEN
 SEGMENTS = "segments"
 POINTER = "local.json"
@@ -70,9 +72,13 @@ def segment_dir(shipped: Path) -> Path:
 
 
 def is_shipped(shipped: Path) -> bool:
-    """Whether `shipped` (RUN/journal) holds a shipped journal (a pointer or at least one segment)."""
+    """Whether `shipped` (RUN/journal) holds a shipped journal: a segment, or a pointer to a local
+    journal that exists (a pointer alone is a start killed before its journal was created)."""
     shipped = Path(shipped)
-    return (shipped / POINTER).is_file() or bool(_segment_files(shipped))
+    if _segment_files(shipped):
+        return True
+    ptr = read_pointer(shipped)
+    return ptr is not None and (Path(ptr["path"]) / "data.mdb").is_file()
 
 
 def _segment_files(shipped: Path) -> list[tuple[int, Path]]:
@@ -149,38 +155,52 @@ class Segment:
     digest: str = ""
     size: int = 0
 
-    def seal(self) -> bytes:
-        body = codec.packb({
+    def seal(self) -> list[bytes]:
+        """The file's parts, in order (written with writelines: the step frames are not copied again)."""
+        head = codec.packb({
             "seq": self.seq, "prev": self.prev, "first": self.first, "last": self.last, "chain": self.chain,
-            "steps": self.steps, "meta": self.meta, "snapshots": self.snapshots,
+            "sizes": [len(f) for f in self.steps], "meta": self.meta, "snapshots": self.snapshots,
         })
-        fixed = _FIXED.pack(len(body), 0 if self.first is None else self.first + 1, self.last)
-        h = digest(fixed, body)
-        self.digest, self.size = h.hex(), SEG_HEADER + len(body)
-        return MAGIC_SEGMENT + fixed + h + body
+        self.size = SEG_HEADER + len(head) + sum(len(f) for f in self.steps)
+        fixed = _FIXED.pack(self.size, len(head), 0 if self.first is None else self.first + 1, self.last)
+        h = _seal_digest(fixed, head, self.steps)
+        self.digest = h.hex()
+        return [MAGIC_SEGMENT + fixed + h + head, *self.steps]
 
     @classmethod
     def parse(cls, raw: bytes, name: str) -> Segment:
-        if len(raw) < SEG_HEADER or raw[: len(MAGIC_SEGMENT)] != MAGIC_SEGMENT:
-            raise JournalError(f"journal segment {name} has no valid header")
         m = len(MAGIC_SEGMENT)
+        if len(raw) < SEG_HEADER or raw[:m] != MAGIC_SEGMENT:
+            raise JournalError(f"journal segment {name} has no valid header")
         fixed = raw[m : m + _FIXED.size]
-        length, first1, last = _FIXED.unpack(fixed)
-        body = raw[SEG_HEADER:]
-        if len(body) != length:
-            raise JournalError(f"journal segment {name} is truncated ({len(body)} of {length} bytes)")
+        total, head_len, first1, last = _FIXED.unpack(fixed)
+        if len(raw) != total:
+            raise JournalError(f"journal segment {name} is truncated ({len(raw)} of {total} bytes)")
         h = raw[m + _FIXED.size : SEG_HEADER]
-        if digest(fixed, body) != h:
-            raise JournalError(f"journal segment {name} fails its checksum")
         try:
-            d = codec.unpackb(body)
-            seg = cls(int(d["seq"]), d["prev"], d["first"], int(d["last"]), d["chain"], list(d["steps"]),
+            d = codec.unpackb(raw[SEG_HEADER : SEG_HEADER + head_len])
+            sizes = [int(n) for n in d["sizes"]]
+            steps, at = [], SEG_HEADER + head_len
+            for n in sizes:
+                steps.append(raw[at : at + n])
+                at += n
+            seg = cls(int(d["seq"]), d["prev"], d["first"], int(d["last"]), d["chain"], steps,
                       d["meta"], d["snapshots"], h.hex(), len(raw))
         except (KeyError, TypeError, ValueError, JournalError) as e:
             raise JournalError(f"journal segment {name} is undecodable: {e}") from None
-        if (seg.first, seg.last) != (first1 - 1 if first1 else None, last):
+        if at != total or _seal_digest(fixed, raw[SEG_HEADER : SEG_HEADER + head_len], steps) != h:
+            raise JournalError(f"journal segment {name} fails its checksum")
+        if (seg.first, seg.last) != (first1 - 1 if first1 else None, last) or len(steps) != (
+                0 if seg.first is None else seg.last - seg.first + 1):
             raise JournalError(f"journal segment {name}'s header does not match its body")
         return seg
+
+
+def _seal_digest(fixed: bytes, head: bytes, frames: list[bytes]) -> bytes:
+    """A segment's digest: its headers and each step frame's own header (magic, checksum of the record,
+    chain hash). Each record's bytes are bound by its checksum, which scan() checks, so the segment is
+    sealed without hashing the records a second time."""
+    return digest(fixed, head, *(f[:STEP_HEADER] for f in frames))
 
 
 def read_segment(path: Path) -> Segment:
@@ -195,10 +215,10 @@ def _publish(shipped: Path, seg: Segment) -> None:
     """Write a sealed segment durably and atomically: tmp file, fsync, rename, fsync the directory."""
     d = segment_dir(shipped)
     d.mkdir(parents=True, exist_ok=True)
-    data = seg.seal()
+    parts = seg.seal()
     tmp = d / f".tmp-{seg.seq:010d}"
     with open(tmp, "wb") as f:
-        f.write(data)
+        f.writelines(parts)
         f.flush()
         os.fsync(f.fileno())
     failpoint("ship.before_publish")  # written, not yet visible under its name
@@ -356,7 +376,7 @@ def _lost_range(shipped: Path, seq: int, last_good: int | None) -> tuple[int, in
     m = len(MAGIC_SEGMENT)
     if len(raw) < m + _FIXED.size or raw[:m] != MAGIC_SEGMENT:
         return (last_good or 0) + 1, None
-    _length, first1, last = _FIXED.unpack(raw[m : m + _FIXED.size])
+    _total, _head, first1, last = _FIXED.unpack(raw[m : m + _FIXED.size])
     if first1 == 0:
         return None
     if first1 - 1 != (last_good or 0) + 1 or last < first1 - 1:  # a damaged header: trust only what is known
@@ -465,6 +485,7 @@ def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list
     warning = lmdb_location_warning(local)
     if warning:
         notes.append(warning)
+    write_pointer(shipped, local)  # before the journal exists: a kill in between leaves a run that never started
     journal = Journal.open_writer(local)
     try:
         if journal.get_meta(JOURNAL_ID) is None:
@@ -473,7 +494,6 @@ def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list
     except BaseException:
         journal.close()
         raise
-    write_pointer(shipped, local)
     journal.add_commit_hook(shipper.on_commit)
     journal.on_close(shipper.close)
     journal.shipper = shipper

@@ -64,18 +64,16 @@ def open_writer(run_dir: Path, local_dir: str | None, max_lag: int) -> tuple[Jou
     return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag)
 
 
-def discard_journal(run_dir: Path, local_dir: str | None) -> None:
-    """Remove a journal that never committed a step: RUN/journal and the LMDB files in `local_dir`."""
+def discard_journal(run_dir: Path) -> None:
+    """Remove a journal that never committed a step: RUN/journal and, for a shipped one, the LMDB files
+    in the local directory its pointer names (on this host; never a directory it does not name)."""
     jd = journal_dir(run_dir)
     pointer = segments.read_pointer(jd)
-    locals_ = [Path(local_dir).expanduser()] if local_dir is not None else []
-    if pointer is not None and pointer.get("host") == socket.gethostname():
-        locals_.append(Path(pointer["path"]))
     if jd.is_dir():
         shutil.rmtree(jd)
-    for local in locals_:
+    if pointer is not None and pointer.get("host") == socket.gethostname():
         for name in ("data.mdb", "lock.mdb", "writer.lock"):
-            (local / name).unlink(missing_ok=True)
+            (Path(pointer["path"]) / name).unlink(missing_ok=True)
 
 
 def now_iso() -> str:
@@ -121,7 +119,8 @@ def run_state(run_dir: Path) -> str:
     """'none' (no journal), 'empty' (a journal that never committed a step nor a snapshot: a run that
     died before step 1, which a new start may replace), or 'run'."""
     if not journal_exists(run_dir):
-        return "none"
+        # a pointer to a local journal that was never created: a start killed at its first breath
+        return "empty" if segments.read_pointer(journal_dir(run_dir)) is not None else "none"
     with open_journal_reader(journal_dir(run_dir)) as j:
         if j.get_meta(_CONFIG) is None:
             return "empty"

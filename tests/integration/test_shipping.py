@@ -184,3 +184,17 @@ def test_post_mortem_from_the_run_directory_alone(tmp_path, reference):
     import json
 
     assert json.loads(r.stdout)["fingerprint"] == fingerprints(reference)[7]
+
+
+def test_a_shipped_run_killed_before_its_first_step_does_not_block_a_retry(tmp_path):
+    run, local = tmp_path / "r", tmp_path / "L"
+    out = train(run, f"journal.local_dir={local}", VERLJ_FAILPOINT="step.before_commit:1")
+    assert out.returncode == -9
+    out = train(run, "trainer.total_steps=2", f"journal.local_dir={local}", resume=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "never committed a step; starting it afresh" in out.stdout
+    assert sorted(fingerprints(run)) == [1, 2]
+    # another run may not take over this local directory while it holds this run's journal
+    out = train(tmp_path / "other", f"journal.local_dir={local}")
+    assert out.returncode != 0 and "does not match" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "other").exists()
