@@ -16,6 +16,10 @@ samples, metrics other than timings, and fingerprint). Kinds:
                recovered exactly | refused clearly | unaffected | SILENT | CRASH
   disk-full    the run directory on a small tmpfs, so a snapshot or a journal commit hits ENOSPC;
                then more space and `--resume`.
+  node-loss    journal.local_dir: SIGKILL at a random moment or mid shipment, then the local journal
+               deleted (the node is gone), sometimes the last segment torn or bit-flipped too; then
+               `--resume` with a new local directory. exact (and no more steps lost than the
+               lag bound allows) | NOT EXACT | BOUND EXCEEDED
   concurrency  a second `verlj train` on a live run; `inspect` and `verify` during training.
   bad-input    malformed configs, wrong overrides, missing paths, a newer-schema journal, a
                directory that is not a run: one line, non-zero exit, no traceback, nothing written.
@@ -119,8 +123,8 @@ def resume_until_done(run: Path, *over, tries=8) -> subprocess.CompletedProcess 
 # ----------------------------------------------------------------------------- kills
 
 
-def kill_at_random(run: Path, rng: random.Random) -> None:
-    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, "--resume"]
+def kill_at_random(run: Path, rng: random.Random, *over: str) -> None:
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, *over, "--resume"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env(), cwd=REPO,
                          start_new_session=True)
     want = rng.randint(0, TARGET - 1)
@@ -166,6 +170,51 @@ def kill_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
     same, note = identical(run, ref)
     shutil.rmtree(run, ignore_errors=True)
     return Trial("kill", n, what, "exact" if same else "NOT EXACT", note)
+
+
+# ----------------------------------------------------------------------------- node loss
+
+
+def node_loss_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
+    from verlj.journal import Journal, segments
+
+    run, local = root / f"node{n}", root / f"node{n}-local"
+    lag = rng.choice([0, 1, 2, 4])
+    over = (f"journal.local_dir={local}", f"journal.ship_max_lag_steps={lag}")
+    if rng.random() < 0.7:
+        kill_at_random(run, rng, *over)
+        what = f"lag {lag}: SIGKILL at a random moment"
+    else:
+        k = rng.randint(2, 2 * TARGET)
+        out = train(run, *over, VERLJ_FAILPOINT=f"ship.before_publish:{k}")
+        what = f"lag {lag}: SIGKILL mid shipment {k}" + ("" if out.returncode == -9 else " (not reached)")
+    committed = 0
+    if (local / "data.mdb").exists():
+        with Journal.open_reader(local) as j:
+            committed = j.last_step()
+    found = segments.scan(run / "journal")
+    shipped = found.last_step or 0
+    files = sorted(segments.segment_dir(run / "journal").glob("*.seg")) if found.segments else []
+    if files and rng.random() < 0.3:
+        raw = bytearray(files[-1].read_bytes())
+        if rng.random() < 0.5:
+            files[-1].write_bytes(bytes(raw[: rng.randint(0, len(raw) - 1)]))
+            what += ", last segment truncated"
+        else:
+            raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+            files[-1].write_bytes(bytes(raw))
+            what += ", a bit flipped in the last segment"
+    shutil.rmtree(local, ignore_errors=True)
+    what += f"; node lost with {committed - shipped} unshipped step(s)"
+    if committed - shipped > lag + 1:
+        return Trial("node-loss", n, what, "BOUND EXCEEDED", f"committed {committed}, shipped {shipped}, bound {lag} + 1")
+    out = resume_until_done(run, f"journal.local_dir={root / f'node{n}-local2'}", f"journal.ship_max_lag_steps={lag}")
+    if out is None or out.returncode != 0:
+        return Trial("node-loss", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+    same, note = identical(run, ref)
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.rmtree(root / f"node{n}-local2", ignore_errors=True)
+    return Trial("node-loss", n, what, "exact" if same else "NOT EXACT", note)
 
 
 # ----------------------------------------------------------------------------- corruption
@@ -362,12 +411,13 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=50)
     ap.add_argument("--corruptions", type=int, default=50)
     ap.add_argument("--disk-full", type=int, default=2)
+    ap.add_argument("--node-losses", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="a few trials of each kind (the test suite runs this)")
-    ap.add_argument("--kinds", default="kill,corruption,disk-full,concurrency,bad-input")
+    ap.add_argument("--kinds", default="kill,corruption,disk-full,node-loss,concurrency,bad-input")
     args = ap.parse_args()
     if args.quick:
-        args.kills, args.corruptions, args.disk_full = 2, 3, 1
+        args.kills, args.corruptions, args.disk_full, args.node_losses = 2, 3, 1, 2
     kinds = set(args.kinds.split(","))
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="verlj-faults-"))
@@ -394,6 +444,9 @@ def main() -> int:
         if "disk-full" in kinds:
             for n in range(1, args.disk_full + 1):
                 record(disk_full_trial(root, ref, n, size_kb=[96, 512, 160, 2048][(n - 1) % 4]))
+        if "node-loss" in kinds:
+            for n in range(1, args.node_losses + 1):
+                record(node_loss_trial(root, ref, rng, n))
         if "concurrency" in kinds:
             for t in concurrency_trial(root, ref, 1):
                 record(t)
@@ -404,7 +457,7 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     print()
     print(f"{'kind':12s} {'trials':>6s}  outcomes")
-    for kind in ("kill", "corruption", "disk-full", "concurrency", "bad-input"):
+    for kind in ("kill", "corruption", "disk-full", "node-loss", "concurrency", "bad-input"):
         ts = [t for t in trials if t.kind == kind]
         if ts:
             counts = Counter(t.outcome for t in ts)
