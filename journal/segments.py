@@ -32,6 +32,7 @@ is refused.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -387,35 +388,66 @@ def _lost_range(shipped: Path, seq: int, last_good: int | None) -> tuple[int, in
 # ----------------------------------------------------------------------------- readers
 
 
+_REBUILT: dict[tuple, Path] = {}  # (segments dir, last segment's digest, count) -> a rebuilt copy (this process)
+
+
 def open_reader(shipped: Path) -> Journal:
     """A reader for the journal of RUN/journal, whatever its layout.
 
     Today's layout (data.mdb in RUN/journal) opens directly. A shipped journal opens the live LMDB
     environment named by local.json when this host has it and it agrees with the segments (it may
-    hold steps not yet shipped); otherwise the segments are rebuilt into a temporary directory that
-    goes away when the reader closes. ``journal.shipped_problem`` then names any damage found.
+    hold steps not yet shipped; only the last segments are read to decide). Otherwise the segments
+    are checked and rebuilt into a temporary directory, kept for this process's later readers and
+    removed when it exits; ``journal.shipped_problem`` then names any damage found.
     """
     shipped = Path(shipped)
     if (shipped / "data.mdb").is_file():
         return Journal.open_reader(shipped)
     if not is_shipped(shipped):
         return Journal.open_reader(shipped)  # raises NotAJournalError with the usual sentence
-    found = scan(shipped)
-    local = _usable_local(shipped, found)
+    local = _usable_local(shipped, _tail(shipped))
     if local is not None:
-        j = Journal.open_reader(local)
-        j.shipped_problem = found.problem
-        return j
+        return Journal.open_reader(local)
+    found = scan(shipped)
+    j = Journal.open_reader(_rebuilt_copy(shipped, found))
+    j.shipped_problem = found.problem
+    return j
+
+
+def _rebuilt_copy(shipped: Path, found: SegmentScan) -> Path:
+    """The segments' good prefix rebuilt in a temporary directory, once per process and segment state."""
+    key = (os.path.realpath(segment_dir(shipped)), len(found.segments), found.segments[-1].digest if found.segments else "")
+    cached = _REBUILT.get(key)
+    if cached is not None and (cached / "data.mdb").is_file():
+        return cached
     tmp = Path(tempfile.mkdtemp(prefix="verlj-journal-"))
+    if not _REBUILT:
+        atexit.register(lambda: [shutil.rmtree(p.parent, ignore_errors=True) for p in _REBUILT.values()])
     try:
-        rebuilt = rebuild(shipped, tmp / "journal", tolerate="any")
-        j = Journal.open_reader(tmp / "journal")
+        rebuild(shipped, tmp / "journal", tolerate="any")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    j.on_close(lambda: shutil.rmtree(tmp, ignore_errors=True))
-    j.shipped_problem = rebuilt.problem
-    return j
+    _REBUILT[key] = tmp / "journal"
+    return tmp / "journal"
+
+
+def _tail(shipped: Path) -> SegmentScan:
+    """The last segments only, newest first until one with steps and one with the journal id are
+    found: enough to decide whether a local journal is this one's live copy. Checks nothing."""
+    out = SegmentScan()
+    have_steps = have_id = False
+    for _seq, path in reversed(_segment_files(shipped)):
+        try:
+            seg = read_segment(path)
+        except JournalError:
+            continue
+        out.segments.insert(0, seg)
+        have_steps = have_steps or seg.first is not None
+        have_id = have_id or (seg.meta is not None and JOURNAL_ID.encode() in seg.meta)
+        if have_steps and have_id:
+            break
+    return out
 
 
 def _usable_local(shipped: Path, found: SegmentScan) -> Path | None:
@@ -471,7 +503,7 @@ def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list
             _set_aside(shipped, len(found.segments) + 1)
             notes.append(f"{found.problem}; shipping its steps again from {local}")
     elif found.segments:
-        rebuilt = rebuild(shipped, local, tolerate="tail")
+        rebuilt = _rebuild_for_writer(shipped, local, found)
         notes.append(f"Rebuilt the journal in {local} from {len(rebuilt.segments)} segment(s) in {segment_dir(shipped)} "
                      f"(steps through {rebuilt.last_step or 0}, every checksum and the hash chain verified)")
         if rebuilt.problem:
@@ -498,6 +530,24 @@ def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list
     journal.on_close(shipper.close)
     journal.shipper = shipper
     return journal, notes
+
+
+def _rebuild_for_writer(shipped: Path, local: Path, found: SegmentScan) -> SegmentScan:
+    """Rebuild into `local`; a copy a reader of this process already rebuilt from the same segments is
+    copied instead (a resume reads the run's config before it opens the writer)."""
+    key = (os.path.realpath(segment_dir(shipped)), len(found.segments), found.segments[-1].digest)
+    cached = _REBUILT.get(key)
+    if cached is None or not (cached / "data.mdb").is_file():
+        return rebuild(shipped, local, tolerate="tail")
+    if found.problem_at_end:
+        found.lost_steps = _lost_range(shipped, len(found.segments) + 1, found.last_step)
+    local.mkdir(parents=True, exist_ok=True)
+    tmp = local / "data.mdb.tmp"
+    shutil.copyfile(cached / "data.mdb", tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, local / "data.mdb")
+    return found
 
 
 def _set_aside(shipped: Path, seq: int) -> None:

@@ -77,7 +77,13 @@ def test_reader_without_the_local_copy_rebuilds_and_cleans_up(tmp_path):
         tmp = Path(j.path)
         assert tmp != local and j.last_step() == 10 and j.shipped_problem is None
         assert _dump(tmp) == live
-    assert not tmp.exists()
+    with open_journal_reader(shipped) as j:  # rebuilt once per process
+        assert Path(j.path) == tmp
+    # ... and removed when the process exits
+    code = ("import sys; from verlj.journal import open_journal_reader as o\n"
+            "with o(sys.argv[1]) as j: print(j.path)")
+    out = subprocess.run([sys.executable, "-c", code, str(shipped)], capture_output=True, text=True, check=True)
+    assert Path(out.stdout.strip()).name == "journal" and not Path(out.stdout.strip()).exists()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "bitflip"])
@@ -120,7 +126,7 @@ def test_damage_before_the_last_segment_is_refused(tmp_path):
     with pytest.raises(JournalError, match="0000000004.seg is missing"):
         segments.rebuild(shipped, tmp_path / "L2")
     with open_journal_reader(shipped) as j:  # the live copy on this host is whole: read in place
-        assert j.last_step() == 10 and "missing" in j.shipped_problem
+        assert j.last_step() == 10 and Path(j.path) == local.resolve()
     for name in ("data.mdb", "lock.mdb", "writer.lock"):
         (local / name).unlink()
     # from the segments alone, post-mortem reads the intact prefix and says what is wrong
