@@ -169,7 +169,7 @@ def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, r
     if rt.is_main:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     reporter.start(last + 1)
-    step = last
+    step, ship_cpu = last, 0.0
     for step in range(last + 1, cfg.trainer.total_steps + 1):
         t_step = time.perf_counter()
         inputs = trainer.collect(step)
@@ -184,8 +184,10 @@ def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, r
         control = []
         # the commit's own time cannot be in the record it commits: it goes to the logs only
         logged = {**outcome.metrics, "timing_s/commit": time.perf_counter() - t_commit}
-        if ledger is not None and ledger.journal.shipper is not None:
-            logged["journal/ship_lag_steps"] = ledger.journal.shipper.lag()
+        shipper = ledger.journal.shipper if ledger is not None else None
+        if shipper is not None:
+            logged["journal/ship_lag_steps"] = shipper.lag()
+            logged["timing_s/ship_cpu"], ship_cpu = shipper.cpu_seconds - ship_cpu, shipper.cpu_seconds
         reporter.step(step, logged)
         stopping = not rt.all_true(not stop.requested)  # every rank stops after the same step
         ckpt.after_step(step, outcome.fingerprint, due or stopping or step == cfg.trainer.total_steps)

@@ -598,7 +598,8 @@ class Shipper:
             if seg.snapshots is not None:
                 self._snap_digest = _map_digest(seg.snapshots)
         self.bytes_shipped = 0
-        self.seconds_shipping = 0.0
+        self.seconds_shipping = 0.0  # wall time in ship_once (mostly fsync)
+        self.cpu_seconds = 0.0  # the shipper thread's CPU time: what it takes from training
         self._cond = threading.Condition()
         self._dirty = True
         self._stop = False
@@ -680,7 +681,7 @@ class Shipper:
 
     def ship_once(self) -> bool:
         """Ship everything committed and not yet shipped. Returns whether a segment was written."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         meta, snaps = self.journal.meta_frames(), self.journal.snapshot_frames()
         meta_digest, snap_digest = _map_digest(meta), _map_digest(snaps)
         wrote = False
@@ -709,6 +710,7 @@ class Shipper:
                 self._cond.notify_all()
             wrote = True
         self.seconds_shipping += time.perf_counter() - t0
+        self.cpu_seconds += time.thread_time() - c0
         return wrote
 
     def _last_chain(self) -> str | None:

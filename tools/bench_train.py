@@ -80,11 +80,13 @@ def compare_shipping(train, root: Path, overrides: list[str], plain_rows: list[d
     med = {k: statistics.median(r["timing_s/step"] + r["timing_s/commit"] for r in rows) for k, rows in runs.items()}
     base = (med["plain"] + med["plain again"]) / 2
     lag = max(r.get("journal/ship_lag_steps", 0) for r in runs["shipped"])
+    cpu = statistics.median(r.get("timing_s/ship_cpu", 0.0) for r in runs["shipped"])
     print("journal.local_dir (shipping to the run directory), same run side by side:")
     for k, v in med.items():
         print(f"  median step, {k:12s} {v * 1e3:8.1f} ms")
     print(f"  shipping's extra cost   {(med['shipped'] - base) / base:+7.2%} of the step (goal <= 1%; "
           f"plain vs plain again differ by {abs(med['plain'] - med['plain again']) / base:.2%}: the noise)")
+    print(f"  the shipper's own CPU   {cpu / med['shipped']:7.2%} of the step ({cpu * 1e3:.2f} ms a step, median; what it can take from training)")
     print(f"  largest ship lag        {lag} step(s)")
 
 
