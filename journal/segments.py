@@ -244,11 +244,13 @@ class SegmentScan:
     leftovers: list[str] = field(default_factory=list)
 
     @property
+    def _last_with_steps(self) -> Segment | None:
+        return next((seg for seg in reversed(self.segments) if seg.first is not None), None)
+
+    @property
     def last_step(self) -> int | None:
-        for seg in reversed(self.segments):
-            if seg.first is not None:
-                return seg.last
-        return None
+        seg = self._last_with_steps
+        return None if seg is None else seg.last
 
     @property
     def journal_id(self) -> str | None:
@@ -259,10 +261,8 @@ class SegmentScan:
 
     @property
     def last_chain(self) -> str | None:
-        for seg in reversed(self.segments):
-            if seg.first is not None:
-                return seg.chain
-        return None
+        seg = self._last_with_steps
+        return None if seg is None else seg.chain
 
     @property
     def bytes(self) -> int:
@@ -271,7 +271,15 @@ class SegmentScan:
 
 def scan(shipped: Path) -> SegmentScan:
     """Read and check every segment: digest, numbering, link to the previous one, step continuity and
-    the journal's hash chain through the step records. Stops at the first problem."""
+    the journal's hash chain through the step records. Stops at the first problem; when that is in
+    the last segment file, ``lost_steps`` says which steps it held."""
+    out = _walk(shipped)
+    if out.problem_at_end:
+        out.lost_steps = _lost_range(shipped, len(out.segments) + 1, out.last_step)
+    return out
+
+
+def _walk(shipped: Path) -> SegmentScan:
     out = SegmentScan()
     files = _segment_files(shipped)
     d = segment_dir(shipped)
@@ -330,20 +338,19 @@ def _check_steps(seg: Segment, name: str, chain: bytes | None, last: int | None)
     return chain, last, None
 
 
-def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail") -> SegmentScan:
+def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail", found: SegmentScan | None = None) -> SegmentScan:
     """Rebuild the LMDB journal at `dest` (which must not hold one) from the segments in `shipped`.
 
     tolerate='tail': a damaged last segment is dropped (its steps are lost; said in scan.problem),
     damage before it raises JournalError. tolerate='any': rebuild the good prefix whatever follows
     (post-mortem reading; the problem is reported, never hidden). The rebuild is written beside
     `dest` and renamed into place, so a killed rebuild leaves nothing that looks like a journal.
+    `found`: the caller's scan of `shipped`, when it has one.
     """
-    found = scan(shipped)
+    found = found or scan(shipped)
     if found.problem and not found.problem_at_end and tolerate != "any":
         raise JournalError(f"{found.problem}; the journal cannot be rebuilt past segment {len(found.segments)} "
                            f"(step {found.last_step or 0})")
-    if found.problem and found.problem_at_end:
-        found.lost_steps = _lost_range(shipped, len(found.segments) + 1, found.last_step)
     if not found.segments:
         raise JournalError(f"no intact journal segment in {segment_dir(shipped)}"
                            + (f": {found.problem}" if found.problem else ""))
@@ -416,7 +423,7 @@ def open_reader(shipped: Path) -> Journal:
 
 def _rebuilt_copy(shipped: Path, found: SegmentScan) -> Path:
     """The segments' good prefix rebuilt in a temporary directory, once per process and segment state."""
-    key = (os.path.realpath(segment_dir(shipped)), len(found.segments), found.segments[-1].digest if found.segments else "")
+    key = _rebuild_key(shipped, found)
     cached = _REBUILT.get(key)
     if cached is not None and (cached / "data.mdb").is_file():
         return cached
@@ -424,12 +431,16 @@ def _rebuilt_copy(shipped: Path, found: SegmentScan) -> Path:
     if not _REBUILT:
         atexit.register(lambda: [shutil.rmtree(p.parent, ignore_errors=True) for p in _REBUILT.values()])
     try:
-        rebuild(shipped, tmp / "journal", tolerate="any")
+        rebuild(shipped, tmp / "journal", tolerate="any", found=found)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _REBUILT[key] = tmp / "journal"
     return tmp / "journal"
+
+
+def _rebuild_key(shipped: Path, found: SegmentScan) -> tuple:
+    return os.path.realpath(segment_dir(shipped)), len(found.segments), found.segments[-1].digest if found.segments else ""
 
 
 def _tail(shipped: Path) -> SegmentScan:
@@ -502,6 +513,7 @@ def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list
         if found.problem:  # the local journal still holds what the damaged segment carried: ship it again
             _set_aside(shipped, len(found.segments) + 1)
             notes.append(f"{found.problem}; shipping its steps again from {local}")
+            found = SegmentScan(segments=found.segments, leftovers=found.leftovers)
     elif found.segments:
         rebuilt = _rebuild_for_writer(shipped, local, found)
         notes.append(f"Rebuilt the journal in {local} from {len(rebuilt.segments)} segment(s) in {segment_dir(shipped)} "
@@ -514,6 +526,7 @@ def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list
                 a, b = rebuilt.lost_steps
                 lost = f"the steps from {a} on" if b is None else (f"step {a}" if a == b else f"steps {a}–{b}")
                 notes.append(f"{rebuilt.problem}: {lost} were lost with it and will be run again")
+            found = SegmentScan(segments=found.segments, leftovers=found.leftovers)
     warning = lmdb_location_warning(local)
     if warning:
         notes.append(warning)
@@ -522,7 +535,7 @@ def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list
     try:
         if journal.get_meta(JOURNAL_ID) is None:
             journal.set_meta(JOURNAL_ID, uuid.uuid4().hex)
-        shipper = Shipper(journal, shipped, max_lag)
+        shipper = Shipper(journal, shipped, max_lag, found)
     except BaseException:
         journal.close()
         raise
@@ -535,12 +548,9 @@ def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list
 def _rebuild_for_writer(shipped: Path, local: Path, found: SegmentScan) -> SegmentScan:
     """Rebuild into `local`; a copy a reader of this process already rebuilt from the same segments is
     copied instead (a resume reads the run's config before it opens the writer)."""
-    key = (os.path.realpath(segment_dir(shipped)), len(found.segments), found.segments[-1].digest)
-    cached = _REBUILT.get(key)
+    cached = _REBUILT.get(_rebuild_key(shipped, found))
     if cached is None or not (cached / "data.mdb").is_file():
-        return rebuild(shipped, local, tolerate="tail")
-    if found.problem_at_end:
-        found.lost_steps = _lost_range(shipped, len(found.segments) + 1, found.last_step)
+        return rebuild(shipped, local, tolerate="tail", found=found)
     local.mkdir(parents=True, exist_ok=True)
     tmp = local / "data.mdb.tmp"
     shutil.copyfile(cached / "data.mdb", tmp)
@@ -578,11 +588,12 @@ class Shipper:
     any moment then costs at most ``max_lag`` steps plus the one being committed.
     """
 
-    def __init__(self, journal: Journal, shipped: Path, max_lag: int):
+    def __init__(self, journal: Journal, shipped: Path, max_lag: int, found: SegmentScan | None = None):
+        """`found`: the caller's scan of `shipped` (the segments as they are now), when it has one."""
         self.journal = journal
         self.shipped = Path(shipped)
         self.max_lag = max_lag
-        found = scan(self.shipped)
+        found = found or scan(self.shipped)
         if found.problem:
             raise JournalError(f"cannot ship to {segment_dir(self.shipped)}: {found.problem}")
         for name in found.leftovers:  # a shipment interrupted by a kill: never published, never read
@@ -698,7 +709,7 @@ class Shipper:
                 break
             first = self._shipped + 1 if steps else None
             last = self._shipped + len(steps)
-            chain = StepFrame.parse(steps[-1]).chain.hex() if steps else (self._last_chain() or "")
+            chain = StepFrame.parse(steps[-1]).chain.hex() if steps else (self.journal.chain_hash(self._shipped) or "")
             seg = Segment(self._seq + 1, self._prev, first, last, chain, steps,
                           meta if new_meta else None, snaps if new_snaps else None)
             _publish(self.shipped, seg)
@@ -712,10 +723,6 @@ class Shipper:
         self.seconds_shipping += time.perf_counter() - t0
         self.cpu_seconds += time.thread_time() - c0
         return wrote
-
-    def _last_chain(self) -> str | None:
-        h = self.journal.chain_hash(self._shipped)
-        return h
 
 
 def _map_digest(frames: dict[bytes, bytes]) -> bytes:
