@@ -33,7 +33,7 @@ def root(
 
 
 def _register() -> None:
-    from . import config_cmd, inspect_cmd, journal_cmd, replay_cmd, train_cmd, verify_cmd
+    from . import config_cmd, export_cmd, inspect_cmd, journal_cmd, replay_cmd, train_cmd, verify_cmd
 
     train_cmd.register(app)
     replay_cmd.register(app)
@@ -41,6 +41,7 @@ def _register() -> None:
     inspect_cmd.register(app)
     config_cmd.register(app)
     journal_cmd.register(app)
+    export_cmd.register(app)
 
 
 _register()

@@ -241,10 +241,16 @@ class LoggingConfig:
     progress: str = bookkeeping("auto")  # auto (a bar on a terminal, lines otherwise) | bar | lines | off
     jsonl: bool = bookkeeping(True)  # write RUN/metrics.jsonl
     tensorboard: bool = bookkeeping(False)  # write TensorBoard event files under RUN/tensorboard
-    wandb_project: Optional[str] = bookkeeping(None)  # accepted for verl configs; verlj does not upload
+    wandb: bool = bookkeeping(False)  # log metrics to Weights & Biases (pip install 'verlj[wandb]'; WANDB_MODE=offline works without network)
+    wandb_project: Optional[str] = bookkeeping(None)  # the W&B project (default: verlj)
 
     def validate(self) -> None:
         _positive("logging.log_interval", self.log_interval)
+        if self.wandb:
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise ConfigError("logging.wandb=true needs wandb: pip install 'verlj[wandb]'") from None
         _choice("logging.progress", self.progress, ("auto", "bar", "lines", "off"))
 
 
@@ -252,9 +258,21 @@ class LoggingConfig:
 class JournalConfig:
     local_dir: Optional[str] = bookkeeping(None)  # node-local dir for the LMDB journal; RUN/journal then receives shipped segments (null = LMDB in RUN/journal)
     ship_max_lag_steps: int = bookkeeping(2)  # with local_dir: training waits while more committed steps than this are unshipped (a lost node costs at most this many)
+    compression_level: int = bookkeeping(3)  # zstd level of each step's samples in the journal (0 = stored uncompressed)
+    retain_samples: str = bookkeeping("all")  # all | since_oldest_snapshot | N: keep samples of steps after the oldest kept snapshot (and of the last N steps); headers, metrics and the hash chain always stay
+    archive: bool = bookkeeping(False)  # before pruning, write the samples to RUN/rollouts/*.parquet (needs pyarrow: pip install 'verlj[archive]')
 
     def validate(self) -> None:
         _range("journal.ship_max_lag_steps", self.ship_max_lag_steps, 0, 10_000)
+        _range("journal.compression_level", self.compression_level, 0, 22)
+        policy = str(self.retain_samples)
+        if policy not in ("all", "since_oldest_snapshot") and not (policy.isdigit() and int(policy) >= 0):
+            raise ConfigError(f"journal.retain_samples must be all, since_oldest_snapshot or a number of steps >= 0, got {self.retain_samples!r}")
+        if self.archive:
+            try:
+                import pyarrow.parquet  # noqa: F401
+            except ImportError:
+                raise ConfigError("journal.archive=true needs pyarrow: pip install 'verlj[archive]'") from None
         if self.local_dir is not None and not str(self.local_dir).strip():
             raise ConfigError("journal.local_dir must be a directory path or null")
 

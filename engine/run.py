@@ -25,6 +25,7 @@ from .config import Config, check_change, make_config, to_yaml
 from .dist import Runtime, configure_determinism, setup
 from .errors import RunError
 from .report import Reporter
+from .state import archive
 from .state.ledger import Ledger, discard_journal, git_commit, journal_dir, now_iso, open_writer, run_state, versions
 
 # what `verlj train` writes at the top of a run directory besides snapshots (state.snapshot_store)
@@ -93,13 +94,12 @@ def train(
     notes: list[str] = []
     stop = StopFlag()
     stop.install()
-    local_dir = cfg.journal.local_dir
 
     def open_journal() -> Journal:
         if state == "empty":  # died before its first step: nothing to keep, start it afresh
             discard_unstarted(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        j, said = open_writer(run_dir, local_dir, cfg.journal.ship_max_lag_steps)  # refuses a second writer at once
+        j, said = open_writer(run_dir, cfg.journal)  # refuses a second writer at once
         notes.extend(said)
         return j
 
@@ -121,7 +121,7 @@ def train(
         control: list[dict] = []
         if existing:
             if rt.is_main:
-                gone = ckpt.store.clean_leftovers()
+                gone = ckpt.store.clean_leftovers() + archive.clean_leftovers(run_dir, ledger.archive_index())
                 if gone:
                     reporter.info(f"Removed what an interrupted run left behind: {', '.join(gone)}")
             on_rank0(rt, lambda: trainer.check_identity(ledger.identity()))
@@ -217,7 +217,7 @@ def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
         with open_journal_reader(journal_dir(parent)) as pj:
             chain = pj.chain_hash(m.step)
         new_run.mkdir(parents=True, exist_ok=True)
-        journal, notes = open_writer(new_run, cfg.journal.local_dir, cfg.journal.ship_max_lag_steps)
+        journal, notes = open_writer(new_run, cfg.journal)
         ledger = Ledger(journal)
         origin = {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint}
         ledger.start(run_identity(cfg, rt, new_run, trainer), parent=origin, base_step=m.step, chain_base=chain)

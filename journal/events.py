@@ -4,6 +4,9 @@ A step record is an envelope::
 
     {"v": ENVELOPE_VERSION, "step": int, "time": float, "events": [event, ...]}
 
+(envelope v2 adds ``"pruned": bool``: whether the step's payload fields, :data:`PAYLOAD_FIELDS`,
+were removed by retention; the store keeps those fields compressed apart from the rest.)
+
 and every event is a map with a ``type`` and a schema version ``v``::
 
     {"type": "metrics", "v": 1, "values": {"actor/pg_loss": 0.12, ...}}
@@ -20,7 +23,7 @@ from collections.abc import Callable
 
 from .errors import SchemaError
 
-ENVELOPE_VERSION = 1
+ENVELOPE_VERSION = 2
 
 # type -> current schema version. Field sketch in the comment; the engine owns meaning.
 EVENT_VERSIONS: dict[str, int] = {
@@ -39,12 +42,18 @@ EVENT_VERSIONS: dict[str, int] = {
 # metrics, find and diff never decode the samples.
 SUMMARY_TYPES = frozenset({"data", "rng", "metrics", "state", "control", "config"})
 
+# Fields stored in the step's payload, apart from the rest of the record: compressed, and pruned by
+# retention (the event keeps its other fields; ids stay, so a sample's fate is known after pruning).
+PAYLOAD_FIELDS: dict[str, tuple[str, ...]] = {"buffer.add": ("samples",)}
+
 # (type, from_version) -> function lifting an event from from_version to from_version + 1.
 # Example, when "data" v2 adds "sampler": UPCASTERS[("data", 1)] = lambda e: {**e, "v": 2, "sampler": "perm"}
 UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {}
 
 # Envelope versions lift the same way: from_version -> function.
-ENVELOPE_UPCASTERS: dict[int, Callable[[dict], dict]] = {}
+ENVELOPE_UPCASTERS: dict[int, Callable[[dict], dict]] = {
+    1: lambda r: {**r, "v": 2, "pruned": False},  # v1 records kept everything inline and were never pruned
+}
 
 
 def make_event(type_: str, **fields) -> dict:
@@ -87,7 +96,7 @@ def upcast_record(record: dict) -> dict:
     while v < ENVELOPE_VERSION:
         record = ENVELOPE_UPCASTERS[v](record)
         v = record["v"]
-    for key in ("step", "time", "events"):
+    for key in ("step", "time", "events", "pruned"):
         if key not in record:
             raise SchemaError(f"journal record lacks {key!r}")
     record["events"] = [upcast_event(e) for e in record["events"]]

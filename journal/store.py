@@ -11,10 +11,18 @@ Layout of ``RUN/journal/``::
     writer.lock          OS-level exclusive lock (flock) held by the one writer;
                          its content names the holder (pid, host, command)
 
-A step frame is ``MAGIC | H(body) | chain | body`` where
-``chain = H(previous chain | H(body))`` and H is BLAKE3-256 (a cryptographic hash,
-about 4x faster than SHA-256 here; see tools/bench_journal.py): a flipped bit, a missing,
-repeated or reordered step is caught by :mod:`verlj.journal.verify`.
+A step frame (v2, written since records got compact payloads) is::
+
+    MAGIC2 | checksum | chain | H(payload) | len(core) | core | payload
+
+``core`` is the msgpack record without its payload fields (``events.PAYLOAD_FIELDS``: the
+generated samples), ``payload`` those fields, msgpack'd with narrow integers and zstd-compressed;
+``checksum = H(H(payload) | len(core) | core)`` and ``chain = H(previous chain | checksum)``, H being
+BLAKE3-256 (a cryptographic hash, about 4x faster than SHA-256 here; see tools/bench_journal.py).
+Retention (:meth:`Journal.prune`) drops the payload bytes and nothing else, so a pruned step still
+proves its place in the chain, and the payload's digest stays to check an archived copy against.
+A flipped bit, a missing, repeated or reordered step is caught by :mod:`verlj.journal.verify`.
+v1 frames (``MAGIC | H(body) | chain | body``, everything inline) are still read, never pruned.
 Meta and snapshot frames are ``MAGIC_PLAIN | H(body) | body``.
 
 Rules from py-lmdb's documentation that this module keeps: one environment
@@ -41,18 +49,24 @@ from typing import Any
 
 import blake3
 import lmdb
+import zstandard
 
 from . import codec
-from .errors import JournalError, JournalLockedError, NotAJournalError, StepOrderError
-from .events import ENVELOPE_VERSION, SUMMARY_TYPES, upcast_event, upcast_record
+from .errors import CodecError, JournalError, JournalLockedError, NotAJournalError, StepOrderError
+from .events import ENVELOPE_VERSION, PAYLOAD_FIELDS, SUMMARY_TYPES, upcast_event, upcast_record
 from .failpoints import failpoint
 
 MAGIC_STEP = b"VJ\x01"
+MAGIC_STEP2 = b"VJ\x02"
 MAGIC_PLAIN = b"VM\x01"
 HASH_LEN = 32
-STEP_HEADER = len(MAGIC_STEP) + 2 * HASH_LEN
+STEP_HEADER = len(MAGIC_STEP) + 2 * HASH_LEN  # magic, checksum, chain: the part every version shares
+STEP_HEADER2 = STEP_HEADER + HASH_LEN + 4
 PLAIN_HEADER = len(MAGIC_PLAIN) + HASH_LEN
 GENESIS = bytes(HASH_LEN)
+NO_PAYLOAD = bytes(HASH_LEN)  # the payload digest of a step without payload fields
+DEFAULT_COMPRESSION_LEVEL = 3  # zstd; 0 stores payloads uncompressed
+_CORE_LEN = struct.Struct(">I")
 
 DB_STEPS = b"steps"
 DB_META = b"meta"
@@ -82,8 +96,16 @@ def digest(*parts: bytes) -> bytes:
 
 
 def frame_step(body: bytes, prev_chain: bytes) -> bytes:
+    """A v1 frame (read, no longer written: kept for tests of old journals)."""
     checksum = digest(body)
     return MAGIC_STEP + checksum + digest(prev_chain, checksum) + body
+
+
+def frame_step2(core: bytes, payload: bytes, prev_chain: bytes) -> bytes:
+    pdigest = digest(payload) if payload else NO_PAYLOAD
+    core_len = _CORE_LEN.pack(len(core))
+    checksum = digest(pdigest, core_len, core)
+    return b"".join((MAGIC_STEP2, checksum, digest(prev_chain, checksum), pdigest, core_len, core, payload))
 
 
 def frame_plain(body: bytes) -> bytes:
@@ -94,18 +116,101 @@ def frame_plain(body: bytes) -> bytes:
 class StepFrame:
     checksum: bytes
     chain: bytes
-    body: bytes
+    body: bytes  # v1: the whole record; v2: the core (the record without its payload fields)
+    payload: bytes = b""  # v2: the stored payload; empty when the step has none or it was pruned
+    payload_digest: bytes = NO_PAYLOAD
+    version: int = 1
 
     @classmethod
     def parse(cls, raw: bytes) -> StepFrame:
         raw = bytes(raw)
-        if len(raw) < STEP_HEADER or raw[: len(MAGIC_STEP)] != MAGIC_STEP:
-            raise JournalError("step record has no valid frame header")
         m = len(MAGIC_STEP)
-        return cls(raw[m : m + HASH_LEN], raw[m + HASH_LEN : STEP_HEADER], raw[STEP_HEADER:])
+        magic = raw[:m]
+        if len(raw) >= STEP_HEADER and magic == MAGIC_STEP:
+            return cls(raw[m : m + HASH_LEN], raw[m + HASH_LEN : STEP_HEADER], raw[STEP_HEADER:])
+        if len(raw) < STEP_HEADER2 or magic != MAGIC_STEP2:
+            raise JournalError("step record has no valid frame header")
+        (core_len,) = _CORE_LEN.unpack_from(raw, STEP_HEADER + HASH_LEN)
+        if STEP_HEADER2 + core_len > len(raw):
+            raise JournalError("step record is shorter than its frame header says")
+        end = STEP_HEADER2 + core_len
+        return cls(raw[m : m + HASH_LEN], raw[m + HASH_LEN : STEP_HEADER], raw[STEP_HEADER2:end], raw[end:],
+                   raw[STEP_HEADER : STEP_HEADER + HASH_LEN], 2)
 
     def checksum_ok(self) -> bool:
-        return digest(self.body) == self.checksum
+        if self.version == 1:
+            return digest(self.body) == self.checksum
+        if digest(self.payload_digest, _CORE_LEN.pack(len(self.body)), self.body) != self.checksum:
+            return False
+        return not self.payload or digest(self.payload) == self.payload_digest
+
+    @property
+    def pruned(self) -> bool:
+        """Its payload was removed by retention (the frame still proves its place in the chain)."""
+        return self.version == 2 and not self.payload and self.payload_digest != NO_PAYLOAD
+
+    def without_payload(self) -> bytes:
+        assert self.version == 2
+        return b"".join((MAGIC_STEP2, self.checksum, self.chain, self.payload_digest, _CORE_LEN.pack(len(self.body)), self.body))
+
+
+_zstd = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = _zstd.__dict__.setdefault("c", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level)
+    return cache[level]
+
+
+def encode_step(step: int, wall_time: float, events: list[dict], level: int) -> tuple[bytes, bytes]:
+    """(core, payload) of a step record: the payload fields go, compressed, into the payload."""
+    core_events, parts = [], []
+    for i, event in enumerate(events):
+        fields = PAYLOAD_FIELDS.get(event["type"], ())
+        if any(f in event for f in fields):
+            event = dict(event)
+            parts.append([i, {f: event.pop(f) for f in fields if f in event}])
+        core_events.append(event)
+    payload, desc = b"", None
+    if parts:
+        raw = codec.packb_compact(parts)
+        payload = _compressor(level).compress(raw) if level > 0 else raw
+        desc = {"codec": "zstd" if level > 0 else "none", "size": len(payload), "raw_size": len(raw)}
+    core = codec.packb({"v": ENVELOPE_VERSION, "step": step, "time": wall_time, "events": core_events, "payload": desc})
+    return core, payload
+
+
+def decode_frame(frame: StepFrame, payload: bool = True) -> dict:
+    """The full record of a checked frame, upcast (payload fields put back unless pruned: then
+    ``record["pruned"]`` is true and those fields are absent). payload=False leaves them out
+    without decompressing them (v2 frames; a v1 frame has them inline)."""
+    record = codec.unpackb(frame.body)
+    if frame.version == 2:
+        if not isinstance(record, dict):
+            raise CodecError("step record is not a map")
+        desc = record.pop("payload", None)
+        if (desc is None) != (frame.payload_digest == NO_PAYLOAD):
+            raise CodecError("step record's payload description does not match its frame")
+        if frame.payload and payload:
+            if len(frame.payload) != desc["size"]:
+                raise CodecError("step record's payload has the wrong length")
+            if desc["codec"] == "zstd":
+                try:
+                    raw = zstandard.ZstdDecompressor().decompress(frame.payload, max_output_size=desc["raw_size"])
+                except zstandard.ZstdError as e:
+                    raise CodecError(f"step record's payload does not decompress: {e}") from None
+            elif desc["codec"] == "none":
+                raw = frame.payload
+            else:
+                raise CodecError(f"unknown payload codec {desc['codec']!r}")
+            if len(raw) != desc["raw_size"]:
+                raise CodecError("step record's payload decompresses to the wrong length")
+            for i, fields in codec.unpackb(raw):
+                record["events"][i].update(fields)
+        record["pruned"] = frame.pruned
+    return upcast_record(record)
 
 
 def _summary_frame(step: int, wall_time: float, events: list[dict]) -> bytes:
@@ -211,6 +316,7 @@ class Journal:
         self._close_hooks: list = []
         self.shipper = None  # a segments.Shipper when the journal is shipped to a run directory
         self.shipped_problem: str | None = None  # set by segments.open_reader: damage found in the segments
+        self.compression_level = DEFAULT_COMPRESSION_LEVEL  # zstd level of step payloads written from now on
 
     # ------------------------------------------------------------------ opening
 
@@ -335,10 +441,8 @@ class Journal:
     def append_steps(self, steps: list[tuple[int, list[dict]]], *, wall_time: float | None = None) -> list[str]:
         """Append consecutive steps in one transaction (all or none). Returns their chain hashes (hex)."""
         now = time.time() if wall_time is None else wall_time
-        bodies = [
-            (step, codec.packb({"v": ENVELOPE_VERSION, "step": step, "time": now, "events": ev}), _summary_frame(step, now, ev))
-            for step, ev in steps
-        ]
+        level = self.compression_level
+        bodies = [(step, encode_step(step, now, ev, level), _summary_frame(step, now, ev)) for step, ev in steps]
 
         def txn_fn(txn):
             cur = txn.cursor(self._steps)
@@ -354,7 +458,7 @@ class Journal:
                     raise StepOrderError(
                         f"cannot append step {step}: the journal's last step is {last}, so the next must be {last + 1}"
                     )
-                value = frame_step(body, prev_chain)
+                value = frame_step2(*body, prev_chain)
                 txn.put(step_key(step), value, db=self._steps, append=True)
                 txn.put(step_key(step), summary, db=self._summary, append=True)
                 prev_chain = value[len(MAGIC_STEP) + HASH_LEN : STEP_HEADER]
@@ -368,13 +472,50 @@ class Journal:
         self._committed(steps[-1][0] if steps else None)
         return chains
 
+    def prune(self, through: int, meta: dict[str, Any] | None = None) -> tuple[int, int]:
+        """Remove the payloads of the steps after the last pruned one up to `through` (inclusive),
+        keeping each step's core, checksum and chain; set meta ``pruned_through`` and the given
+        meta values in the same transaction (all or none). v1 frames carry no separate payload and
+        stay as they are. Returns (steps pruned, payload bytes freed): LMDB reuses the freed pages."""
+        meta_frames = {k.encode(): frame_plain(codec.packb(v)) for k, v in {**(meta or {}), "pruned_through": through}.items()}
+
+        def txn_fn(txn):
+            raw = txn.get(b"pruned_through", db=self._meta)
+            start = (0 if raw is None else int(unframe_plain(raw, "meta 'pruned_through'"))) + 1
+            if through < start - 1:
+                raise JournalError(f"cannot prune through step {through}: steps through {start - 1} are pruned already")
+            rewrites, freed = [], 0
+            cur = txn.cursor(self._steps)
+            if cur.set_range(step_key(start)):
+                for key, value in cur:
+                    if key_step(key) > through:
+                        break
+                    frame = StepFrame.parse(value)
+                    if frame.payload:
+                        rewrites.append((bytes(key), frame.without_payload()))
+                        freed += len(frame.payload)
+            for key, value in rewrites:
+                txn.put(key, value, db=self._steps)
+            for key, value in meta_frames.items():
+                txn.put(key, value, db=self._meta)
+            failpoint("journal.prune")  # inside the transaction: nothing of it may stay
+            return len(rewrites), freed
+
+        out = self._write(txn_fn)
+        self._committed(None)
+        return out
+
+    def pruned_through(self) -> int:
+        """The last step whose payload retention removed (0: none)."""
+        return int(self.get_meta("pruned_through", 0))
+
     def restore(self, frames: list[bytes], first: int | None, meta: dict | None = None, snapshots: dict | None = None) -> None:
         """Write step frames exactly as another copy of this journal stored them, from step `first` on
         (segments.rebuild; the caller has checked their chain), and replace the meta and snapshot
         index when given. One transaction: all or none."""
         summaries = []
         for i, raw in enumerate(frames):
-            record = codec.unpackb(StepFrame.parse(raw).body)
+            record = codec.unpackb(StepFrame.parse(raw).body)  # the core holds every summary event
             if record["step"] != first + i:
                 raise JournalError(f"record to restore at step {first + i} says it is step {record['step']}")
             summaries.append(_summary_frame(record["step"], record["time"], record["events"]))
@@ -459,11 +600,11 @@ class Journal:
         raw = self.read_raw(step)
         return None if raw is None else StepFrame.parse(raw).chain.hex()
 
-    def _decode(self, step: int, raw: bytes) -> dict:
+    def _decode(self, step: int, raw: bytes, payload: bool = True) -> dict:
         frame = StepFrame.parse(raw)
         if not frame.checksum_ok():
             raise JournalError(f"journal record for step {step} is damaged (checksum mismatch); run `verlj verify`")
-        record = upcast_record(codec.unpackb(frame.body))
+        record = decode_frame(frame, payload)
         if record["step"] != step:
             raise JournalError(f"journal record stored at step {step} says it is step {record['step']}; run `verlj verify`")
         return record
@@ -494,10 +635,11 @@ class Journal:
                 return
             next_key = step_key(batch[-1][0] + 1)
 
-    def iter_steps(self, start: int | None = None, stop: int | None = None) -> Iterator[dict]:
-        """Stream decoded, upcast records for start <= step <= stop."""
+    def iter_steps(self, start: int | None = None, stop: int | None = None, payload: bool = True) -> Iterator[dict]:
+        """Stream decoded, upcast records for start <= step <= stop (payload=False: without the payload
+        fields, which are then not even decompressed)."""
         for step, raw in self.iter_raw(start, stop):
-            yield self._decode(step, raw)
+            yield self._decode(step, raw, payload)
 
     def iter_events(self, type_: str, start: int | None = None, stop: int | None = None) -> Iterator[tuple[int, dict]]:
         """Stream (step, event) for every event of one type in a range."""

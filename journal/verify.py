@@ -5,9 +5,10 @@ Checks, in one streaming pass (constant memory):
 - LMDB structure: every sub-database can be walked end to end by a cursor and
   holds as many entries as its B-tree header says (py-lmdb exposes no mdb_chk;
   a damaged page surfaces here as an LMDB error).
-- per step record: frame header, checksum of the stored bytes, chain link to the
-  previous record, decodability, schema versions, and that the record's own
-  step number matches its key; steps are consecutive from ``base_step + 1``.
+- per step record: frame header, checksum of the stored bytes (core and payload), chain link to
+  the previous record, decodability, schema versions, and that the record's own
+  step number matches its key; steps are consecutive from ``base_step + 1``. A step whose
+  payload is gone is fine only if retention pruned it (meta ``pruned_through``).
 - meta and snapshot-index entries: frame header and checksum.
 """
 
@@ -19,13 +20,12 @@ import lmdb
 
 from . import codec
 from .errors import CodecError, JournalError, SchemaError
-from .events import SUMMARY_TYPES, upcast_record
+from .events import SUMMARY_TYPES
 from .store import (
     GENESIS,
-    MAGIC_STEP,
-    STEP_HEADER,
     Journal,
     StepFrame,
+    decode_frame,
     digest,
     key_step,
     unframe_plain,
@@ -44,6 +44,7 @@ LMDB_STRUCTURE = "lmdb_structure"
 BAD_META = "bad_meta"
 BAD_SNAPSHOT_INDEX = "bad_snapshot_index"
 BAD_SUMMARY = "bad_summary"
+PAYLOAD_MISSING = "payload_missing"
 
 
 @dataclass
@@ -63,6 +64,8 @@ class JournalReport:
     first_step: int | None = None
     last_step: int | None = None
     steps: int = 0
+    pruned: int = 0  # steps whose samples retention removed (their cores and chain are checked)
+    pruned_through: int = 0
     problems: list[Problem] = field(default_factory=list)
     truncated: bool = False
 
@@ -104,6 +107,7 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
     try:
         meta = journal.meta()
         base_step = int(meta.get("base_step", 0))
+        report.pruned_through = int(meta.get("pruned_through", 0))
         if "chain_base" in meta:
             prev_chain = bytes.fromhex(meta["chain_base"])
     except (JournalError, ValueError) as e:
@@ -123,16 +127,21 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
                 else:
                     report.add(MISSING_STEP, step, f"step {step} found where step {expected} was expected")
             expected = step + 1
-            if len(raw) < STEP_HEADER or raw[: len(MAGIC_STEP)] != MAGIC_STEP:
-                report.add(UNDECODABLE, step, "record has no valid frame header")
+            try:
+                frame = StepFrame.parse(raw)
+            except JournalError as e:
+                report.add(UNDECODABLE, step, f"record has no valid frame header ({e})")
                 prev_chain = b""
                 continue
-            frame = StepFrame.parse(raw)
             if not frame.checksum_ok():
                 report.add(BAD_CHECKSUM, step, "stored bytes do not match the record's checksum")
             if frame.chain != digest(prev_chain, frame.checksum):
                 report.add(BROKEN_CHAIN, step, "record does not link to the previous record's hash")
             prev_chain = frame.chain
+            if frame.pruned:
+                report.pruned += 1
+                if step > report.pruned_through:
+                    report.add(PAYLOAD_MISSING, step, f"the record's samples are gone, but retention pruned only through step {report.pruned_through}")
             if not decode:
                 try:
                     journal.read_summary(step)  # its frame checksum, at least
@@ -140,7 +149,7 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
                     report.add(BAD_SUMMARY, step, str(e))
                 continue
             try:
-                record = upcast_record(codec.unpackb(frame.body))
+                record = decode_frame(frame)
             except CodecError as e:
                 report.add(UNDECODABLE, step, str(e))
                 continue

@@ -144,28 +144,29 @@ def render_summary(s: dict) -> str:
 
 
 def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dict:
-    """Everything journaled at `step`, with samples decoded to text."""
+    """Everything journaled at `step`, with samples decoded to text (from the rollout archive when
+    retention pruned them from the journal)."""
+    from ..state import archive
+    from . import rollouts
+
     run_dir = Path(run_dir)
+    note = None
     with open_run(run_dir) as j:
         check_range(j, step)
         record = j.journal.read_step(step)
         config = j.config_at(step)
-    ev = _events(record)
-    tok = _tokenizer(config)
-    add = ev.get("buffer.add", {})
-    cols = add.get("samples", {})
-    samples = []
-    n = len(cols.get("id", []))
-    for i in range(n if max_samples is None else min(n, max_samples)):
-        p = cols["prompt_ids"][i, : cols["prompt_ids_len"][i]]
-        r = cols["response_ids"][i, : cols["response_ids_len"][i]]
-        samples.append({
-            "id": int(cols["id"][i]), "group": int(cols["group"][i]), "index": int(cols["index"][i]),
-            # the prompt's <bos> is the template's; a response shows every token the model wrote (<unk>, <eos>)
-            "prompt": tok.decode(p.tolist(), skip_special_tokens=True) if tok else p.tolist(),
-            "response": tok.decode(r.tolist(), skip_special_tokens=False) if tok else r.tolist(),
-            "score": float(cols["score"][i]), "rule_reward": float(cols["rule_reward"][i]), "rm_score": float(cols["rm_score"][i]),
-        })
+        ev = _events(record)
+        cols = None
+        if record["pruned"]:
+            cols = archive.Reader(run_dir, j).step_columns(step)
+            note = (f"samples pruned from the journal (journal.retain_samples); shown from {archive.ARCHIVE_DIR}/"
+                    if cols is not None else "samples pruned from the journal (journal.retain_samples) and not archived")
+        elif "buffer.add" in ev:
+            cols = rollouts.step_columns(step, ev["buffer.add"]["samples"], rollouts.text_decoder(config))
+    samples = rollouts.samples_of(cols) if cols is not None else []
+    n = len(np.asarray(ev.get("buffer.add", {}).get("ids", [])))
+    if max_samples is not None:
+        samples = samples[:max_samples]
     data = ev.get("data", {})
     return {
         "step": step,
@@ -180,20 +181,11 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
             "consumed": np.asarray(ev.get("buffer.consume", {}).get("ids", [])).tolist(),
         },
         "samples": samples,
+        "samples_note": note,
         "metrics": ev.get("metrics", {}).get("values", {}),
         "fingerprint": ev.get("state", {}).get("fingerprint"),
         "control": [e for e in record["events"] if e["type"] in ("control", "config")],
     }
-
-
-def _tokenizer(config: dict | None):
-    from ..rl.vocab import TextDecoder
-
-    path = (config or {}).get("model", {}).get("actor", {}).get("model_name_or_path")
-    try:
-        return TextDecoder(path) if path else None
-    except Exception:  # noqa: BLE001 - no tokenizer.json (model dir moved): show token ids instead
-        return None
 
 
 def render_step(d: dict) -> str:
@@ -207,6 +199,8 @@ def render_step(d: dict) -> str:
     lines.append(f"buffer     added {b['added']}  dropped {len(b['dropped'])}  consumed {len(b['consumed'])}")
     for c in d["control"]:
         lines.append(f"control    {c.get('kind', c['type'])} {c.get('details', c.get('changed', ''))}")
+    if d.get("samples_note"):
+        lines.append(f"samples    {d['samples_note']}")
     lines.append("samples    (id group | prompt → response | score)")
     for s in d["samples"]:
         mark = " consumed" if s["id"] in set(b["consumed"]) else (" dropped" if s["id"] in set(b["dropped"]) else "")
@@ -351,7 +345,10 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
             same = _comparable(x["events"]) == _comparable(y["events"])
             if same and not full:
                 continue
-            ea, eb = _comparable(ja.journal.read_step(step)["events"]), _comparable(jb.journal.read_step(step)["events"])
+            ra, rb = ja.journal.read_step(step), jb.journal.read_step(step)
+            if ra["pruned"] or rb["pruned"]:  # samples gone on one side: compare what both still hold
+                ra, rb = _without_samples(ra), _without_samples(rb)
+            ea, eb = _comparable(ra["events"]), _comparable(rb["events"])
             kinds = sorted(k for k in set(ea) | set(eb) if ea.get(k) != eb.get(k))
             if not kinds:
                 continue
@@ -365,6 +362,10 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
         return {"identical": False, "step": common + 1, "differs": ["length"], "detail": {}, "config": config_changes,
                 "steps_a": la, "steps_b": lb}
     return {"identical": True, "step": None, "differs": [], "detail": {}, "config": config_changes, "steps_a": la, "steps_b": lb}
+
+
+def _without_samples(record: dict) -> dict:
+    return {**record, "events": [{k: v for k, v in e.items() if k != "samples"} for e in record["events"]]}
 
 
 def _config_differences(ja: Ledger, jb: Ledger) -> dict[str, list]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from verlj.journal import JournalError, NotAJournalError, segments, unpackb, verify_journal
 
+from ..state import archive
 from ..state.ledger import Ledger, journal_dir, journal_exists
 from ..state.manifest import META, check_snapshot, snapshot_name
 from ..state.recovery import damaged_journal_advice
@@ -46,11 +47,13 @@ class RunReport:
     rotated: list[str] = field(default_factory=list)  # snapshots rotation removed while verify read them
     deep_lines: list[str] = field(default_factory=list)
     deep_ok: bool = True
+    archive_ok: bool = True
+    pruned_through: int = 0
     bytes_hashed: int = 0
 
     @property
     def ok(self) -> bool:
-        return self.journal_ok and all(s.valid for s in self.snapshots) and self.deep_ok
+        return self.journal_ok and all(s.valid for s in self.snapshots) and self.deep_ok and self.archive_ok
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
@@ -173,6 +176,8 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
                 report.advice = damaged_journal_advice(run_dir, str(jr.first_problem), jr.last_good_step,
                                                        ledger.base_step() if ledger else 0)
         _verify_segments(report, run_dir, ledger)
+        if jr is not None and ledger is not None:
+            _verify_retention(report, run_dir, ledger, jr)
     elif not single:
         raise NotAJournalError(f"{path} is not a verlj run (no journal/ inside)")
     else:
@@ -217,6 +222,31 @@ def _verify_segments(report: RunReport, run_dir: Path, ledger: Ledger | None) ->
                                     f"({ledger.last_step() - shipped} not shipped yet)")
 
 
+def _verify_retention(report: RunReport, run_dir: Path, ledger: Ledger, jr) -> None:
+    """Pruned steps (their cores and chain were checked with the rest) and the rollout archive's files."""
+    report.pruned_through = jr.pruned_through
+    if jr.pruned:
+        report.journal_lines.append(f"✓ Retention: the samples of {jr.pruned} steps through step {jr.pruned_through} were pruned "
+                                    "(journal.retain_samples); their records, summaries and place in the hash chain remain and were verified")
+    try:
+        entries = ledger.archive_index()
+    except JournalError as e:
+        report.archive_ok = False
+        report.journal_lines.append(f"✗ rollout archive index: {e}")
+        return
+    report.leftovers += archive.leftovers(run_dir, entries)
+    if not entries:
+        return
+    problems = [p for p in (archive.check_entry(run_dir, e) for e in entries) if p]
+    for p in problems:
+        report.archive_ok = False
+        report.journal_lines.append(f"✗ {p}")
+    if not problems:
+        rows, size = sum(e["rows"] for e in entries), sum(e["bytes"] for e in entries)
+        report.journal_lines.append(f"✓ Rollout archive: {len(entries)} files in {archive.ARCHIVE_DIR}/ (steps {entries[0]['first']}–"
+                                    f"{entries[-1]['last']}, {rows} samples, {size / 2**20:.1f} MiB), digests verified")
+
+
 def _verify_one(report: RunReport, path: Path, index: dict, fps) -> None:
     if not path.is_dir():
         raise JournalError(f"snapshot {path} does not exist")
@@ -248,6 +278,9 @@ def _verify_all(report: RunReport, run_dir: Path, index: dict, fps, ledger: Ledg
             report.resume_from = best.name
             if best.step < report.last_good_step:
                 report.replay = [best.step + 1, report.last_good_step]
+        elif report.pruned_through > 0:
+            report.advice = (f"no valid snapshot is kept, and retention pruned the samples of steps through {report.pruned_through}, "
+                             "so they cannot be replayed")
         elif report.last_good_step > 0:
             report.resume_from = "the initial state"
             report.replay = [1, report.last_good_step]

@@ -5,6 +5,8 @@
                              chain_base
                  meta        history: config_history (changes from a step on), lineage (start,
                              resume, fork), quarantined snapshots
+                 meta        retention: pruned_through (set by the journal's prune), archive (the
+                             index of RUN/rollouts/*.parquet, state.archive)
                  snapshots   the snapshot index: step -> path, fingerprint, manifest digest, time
                  summary     fingerprints by step (the `state` event of each step)
     RUN/train_metadata.json  a human-readable mirror of the above (the journal is the truth)
@@ -33,6 +35,7 @@ from ..errors import RunError
 # meta keys, named here only
 _CONFIG, _HISTORY, _LINEAGE, _QUARANTINE = "config", "config_history", "lineage", "quarantined"
 _PARENT, _BASE, _CHAIN_BASE = "parent", "base_step", "chain_base"
+_ARCHIVE = "archive"
 
 
 def journal_dir(run_dir: Path) -> Path:
@@ -45,12 +48,18 @@ def journal_exists(run_dir: Path) -> bool:
     return (jd / "data.mdb").is_file() or segments.is_shipped(jd)
 
 
-def open_writer(run_dir: Path, local_dir: str | None, max_lag: int) -> tuple[Journal, list[str]]:
+def open_writer(run_dir: Path, jc) -> tuple[Journal, list[str]]:
     """The run's journal writer, in the layout the config asks for. Returns (journal, notes to print).
 
     A run keeps the layout it started with: the LMDB environment in RUN/journal, or on the node-local
     `local_dir` with RUN/journal receiving shipped segments (a resume may name a new `local_dir`: the
-    journal is rebuilt there from the segments)."""
+    journal is rebuilt there from the segments). `jc`: the config's journal section."""
+    journal, notes = _open_writer(run_dir, jc.local_dir, jc.ship_max_lag_steps)
+    journal.compression_level = jc.compression_level
+    return journal, notes
+
+
+def _open_writer(run_dir: Path, local_dir: str | None, max_lag: int) -> tuple[Journal, list[str]]:
     jd = journal_dir(run_dir)
     if local_dir is None:
         if segments.is_shipped(jd) and not (jd / "data.mdb").is_file():
@@ -244,6 +253,22 @@ class Ledger:
 
     def record_quarantine(self, entry: dict) -> None:
         self.journal.set_meta(_QUARANTINE, [*self.quarantined(), {**entry, "time": now_iso()}])
+
+    # ------------------------------------------------------------------ retention
+
+    def pruned_through(self) -> int:
+        """The last step whose samples retention removed from the journal (0: none)."""
+        return self.journal.pruned_through()
+
+    def archive_index(self) -> list[dict]:
+        """[{file, first, last, rows, bytes, digest}]: the archived samples of pruned steps, oldest first."""
+        return list(self.journal.get_meta(_ARCHIVE) or [])
+
+    def prune(self, through: int, archived: dict | None = None) -> tuple[int, int]:
+        """Remove the samples of steps through `through`, indexing their archive file in the same
+        transaction. Returns (steps pruned, bytes freed)."""
+        meta = {_ARCHIVE: [*self.archive_index(), archived]} if archived else None
+        return self.journal.prune(through, meta)
 
     # ------------------------------------------------------------------ fingerprints
 

@@ -63,9 +63,10 @@ def resolve_explicit(run_dir: Path, ledger: Ledger, spec: str) -> tuple[int, Pat
 
 
 def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explicit: tuple[int, Path] | None = None,
-                    store: SnapshotStore | None = None) -> tuple[int, Path | None]:
+                    store: SnapshotStore | None = None, target: int | None = None) -> tuple[int, Path | None]:
     """Rank 0: the newest snapshot <= limit whose manifest verifies and whose step and fingerprint
-    agree with the journal. A damaged one is skipped with a warning and, when `store` is given (a
+    agree with the journal, and from which the journal still holds the samples to replay up to
+    `target` (default: limit). A damaged one is skipped with a warning and, when `store` is given (a
     resume, which holds the writer lock), quarantined. (0, None): the initial state."""
     index = ledger.snapshots()
     if explicit is not None:
@@ -73,7 +74,11 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
     else:
         candidates = [(s, run_dir / index[s]["path"]) for s in sorted(index, reverse=True) if s <= limit]
     base = ledger.base_step()
+    target = limit if target is None else target
+    need = min(target, ledger.pruned_through())  # replay starts after a snapshot at or after this step
     for step, path in candidates:
+        if step < need:  # replaying forward from here would need pruned samples
+            break
         res = check_snapshot(path, expected_manifest=index.get(step, {}).get("manifest"))
         want = ledger.fingerprint_at(step)
         problem = None
@@ -97,6 +102,13 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
         if step > limit:
             raise SnapshotError(f"snapshot {path} is at step {step}, after the target step {limit}")
         return step, path
+    if need > base:
+        kept = [s for s in index if s >= need]
+        raise ReplayError(
+            f"step {target} cannot be brought back: journal.retain_samples pruned the samples of steps through "
+            f"{ledger.pruned_through()}, so replay must start from a snapshot at step {need} or later and no valid one "
+            f"is there{f' (the oldest kept is step {min(kept)})' if kept and min(kept) > min(limit, target) else ''}"
+        )
     if base > 0:
         raise SnapshotError(f"no valid snapshot at or after this run's base step {base} (a fork); nothing to replay from")
     return 0, None
@@ -106,13 +118,13 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
 
 
 def restore(run_dir: Path, rt, trainer, ckpt, ledger: Ledger | None, limit: int, reporter,
-            explicit: tuple[int, Path] | None = None, quarantine: bool = False) -> int:
+            explicit: tuple[int, Path] | None = None, quarantine: bool = False, target: int | None = None) -> int:
     """Load the chosen snapshot (or keep the initial state). Collective. Returns its step."""
     from .fingerprint import fingerprint
 
     choice = None
     if rt.is_main:
-        step, path = choose_snapshot(run_dir, ledger, limit, reporter, explicit, ckpt.store if quarantine else None)
+        step, path = choose_snapshot(run_dir, ledger, limit, reporter, explicit, ckpt.store if quarantine else None, target)
         choice = [step, str(path) if path is not None else None]
     step, path = rt.broadcast_obj(choice)
     if path is None:
@@ -149,6 +161,8 @@ def replay(rt, trainer, ledger: Ledger | None, start: int, stop: int, base_cfg: 
             if entry["from_step"] == step:
                 current = config_from_dict(entry["config"])
                 trainer.set_config(current)
+        if record["pruned"]:
+            raise ReplayError(f"step {step}'s samples were pruned from the journal (journal.retain_samples); it cannot be replayed")
         inputs = StepInputs.from_record(record)
         samples = trainer.take(step, inputs)
         trainer.advance_sampler(inputs)
@@ -183,7 +197,7 @@ def materialize_steps(run_dir: Path, rt, trainer, ckpt, ledger: Ledger | None, t
     journal recorded. Collective. Returns (snapshot step, fingerprint or None if nothing replayed)."""
     trainer.set_config(config_from_dict(rt.broadcast_obj(ledger.config_at(to_step) if rt.is_main else None)))
     limit = to_step if max_snapshot is None else min(to_step, max_snapshot)
-    step0 = restore(run_dir, rt, trainer, ckpt, ledger, limit, reporter, explicit, quarantine)
+    step0 = restore(run_dir, rt, trainer, ckpt, ledger, limit, reporter, explicit, quarantine, target=to_step)
     if step0 >= to_step:
         return step0, None
     first = config_from_dict(rt.broadcast_obj(ledger.config_at(step0 + 1) if rt.is_main else None))

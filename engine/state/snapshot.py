@@ -29,11 +29,12 @@ from pathlib import Path
 
 import torch
 
-from verlj.journal import packb, unpackb
+from verlj.journal import JournalError, packb, unpackb
 from verlj.journal.failpoints import failpoint
 
 from ..config import Config
-from ..errors import SnapshotError
+from ..errors import RunError, SnapshotError
+from . import retention
 from .ledger import Ledger
 from .manifest import ANCHOR, META, SNAPSHOT_VERSION, fsync_tree, snapshot_name, write_bytes_durable
 from .policy import CheckpointSchedule
@@ -164,6 +165,8 @@ class Checkpointer:
                 self._publish(step, fp, tmp)
             rt.barrier()
             self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / snapshot_name(step)}...")
+            if rt.is_main:
+                self._retain()
 
     def _finish_async(self, step, fp, tmp: Path, deferred, small) -> None:
         """Background: write the copied state, mark this rank done; rank 0 waits for all, then publishes."""
@@ -182,6 +185,7 @@ class Checkpointer:
                 for m in markers:
                     m.unlink()
                 self._publish(step, fp, tmp)
+                self._retain()
         except BaseException as e:  # noqa: BLE001 - surfaced by wait()
             self._error = e
 
@@ -189,6 +193,13 @@ class Checkpointer:
         self.store.publish(step, fp, tmp)
         self.write_metadata(step, saved=True)
         self.store.rotate(self.cfg.trainer.save_total_limit)
+
+    def _retain(self) -> None:
+        """Rank 0, after a snapshot is published and rotation is done: prune what no kept snapshot needs."""
+        try:
+            retention.apply(self.run_dir, self.cfg, self.ledger, self.reporter)
+        except (RunError, JournalError, OSError) as e:  # the samples stay; the next snapshot tries again
+            self.reporter.warn(f"journal retention did not run: {e}")
 
     def wait(self) -> None:
         """Block until an in-flight async snapshot is published (or raise its error)."""

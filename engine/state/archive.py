@@ -1,0 +1,144 @@
+"""The rollout archive: samples of pruned steps, kept as Parquet where people analyse them.
+
+    RUN/rollouts/steps_0000000001-0000000050.parquet   one file per pruning: every sample of those steps
+                                                        (post_mortem.rollouts' table, without the fate columns)
+    RUN/rollouts/.tmp-steps_...                         being written; a kill leaves it (never read; the
+                                                        next archive write removes it, verify lists it)
+
+The index is the journal's meta ``archive`` (through the ledger): file, step range, rows, bytes and
+BLAKE3 digest of each file. A file is written, fsynced and renamed into place before the journal
+transaction that indexes it and prunes its steps' payloads (:func:`retention.apply`), so a kill at
+any moment leaves either the payloads in the journal or an indexed, complete file, never neither.
+This module is the only one that names these paths.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import blake3
+
+from ..errors import RunError
+from .manifest import fsync_dir
+
+ARCHIVE_DIR = "rollouts"
+_FILE = re.compile(r"^steps_(\d{10})-(\d{10})\.parquet$")
+_TMP = re.compile(r"^\.tmp-steps_.*")
+
+
+def archive_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / ARCHIVE_DIR
+
+
+def file_name(first: int, last: int) -> str:
+    return f"steps_{first:010d}-{last:010d}.parquet"
+
+
+def _digest(path: Path) -> str:
+    h = blake3.blake3()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write(run_dir: Path, ledger, first: int, last: int) -> dict:
+    """Archive the samples of steps first..last (their payloads must still be in the journal).
+    Returns the index entry for the ledger; the file is durable when this returns."""
+    import pyarrow.parquet as pq
+
+    from verlj.journal.failpoints import failpoint
+
+    from ..post_mortem import rollouts
+
+    out_dir = archive_dir(run_dir)
+    out_dir.mkdir(exist_ok=True)
+    clean_leftovers(run_dir, ledger.archive_index())  # of an attempt killed before indexing (we hold the writer lock)
+    name = file_name(first, last)
+    tmp = out_dir / f".tmp-{name}"
+    rows = 0
+    decoder = rollouts.text_decoder(ledger.config_at(last))
+    with pq.ParquetWriter(tmp, rollouts.arrow_schema(False), compression="zstd") as w:
+        for record in ledger.journal.iter_steps(first, last):
+            if record["pruned"]:
+                continue  # pruned by an earlier retention policy that did not archive
+            add = next((e for e in record["events"] if e["type"] == "buffer.add"), None)
+            if add is not None:
+                cols = rollouts.step_columns(record["step"], add["samples"], decoder)
+                w.write_table(rollouts.to_arrow(cols))
+                rows += rollouts.num_rows(cols)
+            failpoint("archive.mid_write")
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out_dir / name)
+    fsync_dir(out_dir)
+    path = out_dir / name
+    return {"file": name, "first": first, "last": last, "rows": rows, "bytes": path.stat().st_size, "digest": _digest(path)}
+
+
+class Reader:
+    """Rows of archived steps, each file checked against its digest once before use."""
+
+    def __init__(self, run_dir: Path, ledger):
+        self.run_dir = Path(run_dir)
+        self.entries = ledger.archive_index()
+        self._table = None
+        self._entry = None
+
+    def covers(self, step: int) -> dict | None:
+        return next((e for e in self.entries if e["first"] <= step <= e["last"]), None)
+
+    def step_columns(self, step: int) -> dict | None:
+        """The columns of `step`'s samples, or None when no archive file holds the step."""
+        import pyarrow.compute as pc
+
+        from ..post_mortem import rollouts
+
+        entry = self.covers(step)
+        if entry is None:
+            return None
+        if self._entry is not entry:
+            self._table, self._entry = self._load(entry), entry
+        return rollouts.table_columns(self._table.filter(pc.equal(self._table.column("step"), step)))
+
+    def _load(self, entry: dict):
+        import pyarrow.parquet as pq
+
+        from ..post_mortem import rollouts
+
+        rollouts.require_pyarrow("reading the rollout archive")
+        path = archive_dir(self.run_dir) / entry["file"]
+        problem = check_entry(self.run_dir, entry)
+        if problem:
+            raise RunError(problem)
+        return pq.read_table(path)
+
+
+def check_entry(run_dir: Path, entry: dict) -> str | None:
+    """A problem with one indexed archive file, or None."""
+    path = archive_dir(run_dir) / entry["file"]
+    if not path.is_file():
+        return f"archive file {ARCHIVE_DIR}/{entry['file']} (steps {entry['first']}–{entry['last']}) is missing"
+    if path.stat().st_size != entry["bytes"] or _digest(path) != entry["digest"]:
+        return f"archive file {ARCHIVE_DIR}/{entry['file']} (steps {entry['first']}–{entry['last']}) fails its digest"
+    return None
+
+
+def leftovers(run_dir: Path, entries: list[dict]) -> list[str]:
+    """Files in RUN/rollouts a killed archive write left (temporary files, or a complete file that a
+    kill kept from being indexed): never read."""
+    d = archive_dir(run_dir)
+    if not d.is_dir():
+        return []
+    indexed = {e["file"] for e in entries}
+    return sorted(f"{ARCHIVE_DIR}/{p.name}" for p in d.iterdir() if _TMP.match(p.name) or (_FILE.match(p.name) and p.name not in indexed))
+
+
+def clean_leftovers(run_dir: Path, entries: list[dict]) -> list[str]:
+    """Remove them (the writer lock is held)."""
+    gone = leftovers(run_dir, entries)
+    for name in gone:
+        (Path(run_dir) / name).unlink(missing_ok=True)
+    return gone

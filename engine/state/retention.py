@@ -1,0 +1,45 @@
+"""Journal retention: which steps keep their samples, and pruning the rest (archived first if asked).
+
+    journal.retain_samples: all                     nothing is pruned (the default)
+                            since_oldest_snapshot   samples of steps up to the oldest kept snapshot go
+                            N                       as above, but the last N steps keep theirs too
+
+Every kept snapshot holds the rollout buffer's pending samples, so replay from any of them reads
+only later steps' samples: pruning up to the oldest one never costs recovery anything. What stays
+of a pruned step: its record without the samples (data, seeds, sample ids added, dropped and
+consumed, metrics, fingerprint), its checksum and place in the hash chain, its summary, and the
+digest of the removed payload. Runs on rank 0 after each snapshot is published and rotated (the
+only moment the bound moves), in the thread that published it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import archive
+
+
+def prune_bound(policy: str, snapshot_steps: list[int], last_step: int) -> int:
+    """The last step whose samples no kept snapshot needs under `policy` (0: none)."""
+    policy = str(policy)
+    if policy == "all" or not snapshot_steps:
+        return 0
+    bound = min(snapshot_steps)
+    if policy != "since_oldest_snapshot":
+        bound = min(bound, last_step - int(policy))
+    return max(bound, 0)
+
+
+def apply(run_dir: Path, cfg, ledger, reporter) -> tuple[int, int] | None:
+    """Prune (and archive) what the policy allows now. Returns (steps pruned, bytes freed) or None."""
+    jc = cfg.journal
+    bound = prune_bound(jc.retain_samples, sorted(ledger.snapshots()), ledger.last_step())
+    done = ledger.pruned_through()
+    if bound <= done:
+        return None
+    entry = archive.write(run_dir, ledger, max(done, ledger.base_step()) + 1, bound) if jc.archive else None
+    pruned, freed = ledger.prune(bound, entry)
+    where = f", archived to {archive.ARCHIVE_DIR}/{entry['file']}" if entry else ""
+    size = f"{freed / 2**20:.1f} MiB" if freed >= 2**20 else f"{freed / 1024:.0f} KiB"
+    reporter.info(f"Journal retention: samples of steps through {bound} pruned ({pruned} steps, {size}){where}")
+    return pruned, freed
