@@ -258,7 +258,7 @@ class LoggingConfig:
 class JournalConfig:
     local_dir: Optional[str] = bookkeeping(None)  # node-local dir for the LMDB journal; RUN/journal then receives shipped segments (null = LMDB in RUN/journal)
     ship_max_lag_steps: int = bookkeeping(2)  # with local_dir: training waits while more committed steps than this are unshipped (a lost node costs at most this many)
-    compression_level: int = bookkeeping(3)  # zstd level of each step's samples in the journal (0 = stored uncompressed)
+    compression_level: int = bookkeeping(1)  # zstd level of each step's samples in the journal (0 = stored uncompressed)
     retain_samples: str = bookkeeping("all")  # all | since_oldest_snapshot | N: keep samples of steps after the oldest kept snapshot (and of the last N steps); headers, metrics and the hash chain always stay
     archive: bool = bookkeeping(False)  # before pruning, write the samples to RUN/rollouts/*.parquet (needs pyarrow: pip install 'verlj[archive]')
 

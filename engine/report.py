@@ -1,4 +1,8 @@
-"""What a run tells people: log lines, a rich progress bar, metrics.jsonl, TensorBoard.
+"""What a run tells people: log lines, a rich progress bar, metrics.jsonl, TensorBoard, Weights & Biases.
+
+W&B (``logging.wandb``) writes under RUN/wandb; one W&B run per verlj run (its id derives from the
+run directory), continued on resume. ``WANDB_MODE=offline`` works without network (``wandb sync``
+uploads later).
 
 Only rank 0 reports. On a terminal the bar shows step, reward, loss and step time; elsewhere
 (CI, a log file) plain lines in the tutorial's style: ``[INFO] Step 50: ...``.
@@ -25,6 +29,7 @@ class Reporter:
         self.total = total_steps
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         self._bar = None
         self._task = None
         if not enabled:
@@ -35,6 +40,8 @@ class Reporter:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if cfg.wandb:
+            self._wandb = _start_wandb(cfg, Path(run_dir))
         mode = cfg.progress
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "lines"
@@ -73,6 +80,8 @@ class Reporter:
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
         summary = (
             f"reward={_fmt(metrics.get('critic/score/mean', float('nan')))} "
             f"loss={_fmt(metrics.get('actor/pg_loss', float('nan')))} "
@@ -93,3 +102,17 @@ class Reporter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _start_wandb(cfg: LoggingConfig, run_dir: Path):
+    import hashlib
+
+    import wandb
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_id = f"{run_dir.name[:40]}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
+    return wandb.init(project=cfg.wandb_project or "verlj", name=run_dir.name, id=run_id, resume="allow",
+                      dir=str(run_dir), settings=wandb.Settings(silent=True, console="off"))

@@ -1,14 +1,19 @@
 """Journal append benchmark: the journal against the floor of raw LMDB puts, measured side by side.
 
-    python tools/bench_journal.py                 # full run (~1-2 min, ~1.7 GB scratch disk)
-    python tools/bench_journal.py --steps 100 --growth-steps 5000   # quick look
+    python tools/bench_journal.py                 # full run (~2-3 min, ~2 GB scratch disk)
+    python tools/bench_journal.py --steps 100 --growth-steps 5000 --large-steps 3   # quick look
 
 What it prints (all measured in this one run):
   - per-step commit latency (median, p99), records/s and bytes per step for realistic step records
-    (64 samples x 256 token ids, their log-probs, rewards, 40 metrics), fsynced commits;
-  - the floor: raw LMDB puts of the very same framed bytes with the same sync setting, no encoding or
-    hashing, interleaved with the journal's appends so both see the same disk weather;
-    the ratio journal/floor (goal <= 1.3);
+    (64 samples x 256 tokens as the engine journals them: padded int32 token ids drawn from a Zipf
+    law over a 32k vocabulary, float32 log-probs of the sampled and reference policies, rewards,
+    40 metrics), fsynced commits;
+  - the floor: raw LMDB puts of the very same stored bytes with the same sync setting, no encoding,
+    compression or hashing, interleaved with the journal's appends so both see the same disk weather;
+    the ratio journal/floor;
+  - a large step (1,024 samples x 2,048 tokens by default): commit time against the floor, bytes per
+    generated token as stored now (payload compressed, integers narrowed) and as the v1 format stored
+    them (everything inline), and the payload's compression ratio, at zstd levels 1 and 3;
   - growth: append latency near step 1,000 against near step 100,000 (goal <= 1.2). The journal is
     filled to there with append_steps (1,000 steps per transaction) using medium records, then single
     fsynced appends are timed at both depths.
@@ -28,28 +33,61 @@ import lmdb
 import numpy as np
 
 from verlj.journal import Journal, make_event, packb
-from verlj.journal.events import ENVELOPE_VERSION, SUMMARY_TYPES
-from verlj.journal.store import frame_plain, frame_step, step_key
+from verlj.journal.events import SUMMARY_TYPES
+from verlj.journal.store import StepFrame, _summary_frame, encode_step, frame_plain, frame_step, frame_step2, step_key
+
+
+def samples_columns(rng: np.random.Generator, samples: int, tokens: int, prompt: int = 64, vocab: int = 32000) -> dict:
+    """A step's samples as the engine journals them (engine.rl.buffer.pack_samples' columns)."""
+    def ids(n, width):
+        lens = rng.integers(width // 4, width + 1, n).astype(np.int32)
+        arr = np.full((n, width), -1, np.int32)
+        mask = np.arange(width)[None, :] < lens[:, None]
+        arr[mask] = np.minimum(rng.zipf(1.2, int(lens.sum())), vocab) - 1
+        return arr, lens, mask
+
+    p, plen, _ = ids(samples, prompt)
+    r, rlen, mask = ids(samples, tokens)
+    confident = rng.random(r.shape) < 0.6  # most sampled tokens are near-certain; the rest spread out
+    gen = np.where(confident, -rng.uniform(0, 0.05, r.shape), -rng.exponential(2.0, r.shape)).astype(np.float32) * mask
+    ref = (gen + rng.normal(0, 0.05, r.shape).astype(np.float32) * mask).astype(np.float32)
+    base = np.arange(samples, dtype=np.int64)
+    return {"id": base, "index": base // 8, "group": base - base % 8, "score": rng.random(samples),
+            "rule_reward": rng.random(samples), "rm_score": np.zeros(samples),
+            "prompt_ids": p, "prompt_ids_len": plen, "response_ids": r, "response_ids_len": rlen,
+            "gen_logprobs": gen, "gen_logprobs_len": rlen, "ref_logprobs": ref, "ref_logprobs_len": rlen}
 
 
 def step_events(step: int, rng: np.random.Generator, samples: int, tokens: int) -> list[dict]:
+    cols = samples_columns(rng, samples, tokens)
+    ids = cols["id"] + step * samples
+    cols["id"] = ids
     return [
         make_event("data", epoch=0, cursor=step * 8, indices=np.arange(8, dtype=np.int64) + step * 8),
         make_event("rng", seeds={"data": step, "rollout": step + 1, "train": step + 2}),
-        make_event(
-            "buffer.add",
-            ids=np.arange(samples, dtype=np.int64) + step * samples,
-            samples={
-                "prompt_ids": rng.integers(0, 32000, (samples, 64), dtype=np.int32),
-                "response_ids": rng.integers(0, 32000, (samples, tokens), dtype=np.int32),
-                "logprobs": rng.standard_normal((samples, tokens)).astype(np.float32),
-                "rewards": rng.standard_normal(samples).astype(np.float32),
-            },
-        ),
-        make_event("buffer.consume", ids=np.arange(samples, dtype=np.int64) + step * samples),
+        make_event("buffer.add", ids=ids, samples=cols),
+        make_event("buffer.consume", ids=ids),
         make_event("metrics", values={f"actor/metric_{i}": float(rng.standard_normal()) for i in range(40)}),
         make_event("state", fingerprint=rng.bytes(32).hex()),
     ]
+
+
+def stored(step: int, events: list[dict], level: int) -> tuple[bytes, bytes]:
+    """The bytes the journal stores for a step (its frame and summary entry), built the way it builds them."""
+    core, payload = encode_step(step, 0.0, events, level)
+    return frame_step2(core, payload, bytes(32)), _summary_frame(step, 0.0, events)
+
+
+def v1_bytes(step: int, events: list[dict]) -> int:
+    """What the v1 format stored for the same step (everything inline, plain msgpack) and its summary."""
+    body = packb({"v": 1, "step": step, "time": 0.0, "events": events})
+    summary = frame_plain(packb({"step": step, "time": 0.0, "events": [e for e in events if e["type"] in SUMMARY_TYPES]}))
+    return len(frame_step(body, bytes(32))) + len(summary)
+
+
+def tokens_of(events: list[dict]) -> int:
+    add = next(e for e in events if e["type"] == "buffer.add")
+    return int(add["samples"]["response_ids_len"].sum())
 
 
 def pct(xs, q):
@@ -57,21 +95,26 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def bench_vs_floor(root: Path, steps: int, samples: int, tokens: int) -> None:
+def bench_vs_floor(root: Path, steps: int, samples: int, tokens: int, level: int = 1, label: str = "records") -> None:
     rng = np.random.default_rng(0)
     records = [step_events(s, rng, samples, tokens) for s in range(1, steps + 1)]
-    jpath, fpath = root / "journal", root / "floor"
+    jpath, fpath = root / f"journal-{label}-{level}", root / f"floor-{label}-{level}"
     journal = Journal.open_writer(jpath)
-    floor_env = lmdb.open(str(fpath), map_size=1 << 34, max_dbs=4, subdir=True)  # same flags: sync on
+    journal.compression_level = level
+    floor_env = lmdb.open(str(fpath), map_size=1 << 36, max_dbs=4, subdir=True)  # same flags: sync on
     floor_db = floor_env.open_db(b"steps")
     floor_summary = floor_env.open_db(b"summary")
-    j_times, f_times, sizes = [], [], []
+    j_times, f_times, sizes, old_sizes, ntok, raw_payload, payload = [], [], [], [], 0, 0, 0
     for s, events in enumerate(records, start=1):
         # The floor writes the bytes the journal stores for this step (the record and its summary
         # entry, in their two sub-databases); building them here is not timed.
-        raw = frame_step(packb({"v": ENVELOPE_VERSION, "step": s, "time": 0.0, "events": events}), bytes(32))
-        summary = frame_plain(packb({"step": s, "time": 0.0, "events": [e for e in events if e["type"] in SUMMARY_TYPES]}))
+        raw, summary = stored(s, events, level)
         sizes.append(len(raw) + len(summary))
+        old_sizes.append(v1_bytes(s, events))
+        ntok += tokens_of(events)
+        frame = StepFrame.parse(raw)
+        payload += len(frame.payload)
+        raw_payload += len(packb(next(e for e in events if e["type"] == "buffer.add")["samples"]))
 
         def floor_put():
             t = time.perf_counter()
@@ -91,10 +134,15 @@ def bench_vs_floor(root: Path, steps: int, samples: int, tokens: int) -> None:
     journal.close()
     floor_env.close()
     jm, fm = statistics.median(j_times), statistics.median(f_times)
-    print(f"records: {steps} steps of {samples} samples x {tokens} tokens, {statistics.mean(sizes) / 1024:.1f} KiB/step stored")
-    print(f"journal append: median {jm * 1e3:.2f} ms, p99 {pct(j_times, 0.99) * 1e3:.2f} ms, {steps / sum(j_times):.0f} records/s")
-    print(f"raw LMDB floor: median {fm * 1e3:.2f} ms, p99 {pct(f_times, 0.99) * 1e3:.2f} ms, {steps / sum(f_times):.0f} records/s")
-    print(f"ratio journal/floor: median {jm / fm:.2f}x, total {sum(j_times) / sum(f_times):.2f}x  (goal <= 1.3)")
+    print(f"{label}: {steps} steps of {samples} samples x {tokens} tokens (zstd level {level}), "
+          f"{statistics.mean(sizes) / 1024:.1f} KiB/step stored (v1 format: {statistics.mean(old_sizes) / 1024:.1f} KiB)")
+    print(f"  bytes per generated token: {sum(sizes) / ntok:.2f} (v1 format: {sum(old_sizes) / ntok:.2f}); "
+          f"samples compressed {raw_payload / payload:.2f}x against plain msgpack")
+    print(f"  journal append: median {jm * 1e3:.2f} ms, p99 {pct(j_times, 0.99) * 1e3:.2f} ms, {steps / sum(j_times):.1f} records/s")
+    print(f"  raw LMDB floor: median {fm * 1e3:.2f} ms, p99 {pct(f_times, 0.99) * 1e3:.2f} ms (same stored bytes, fsynced)")
+    print(f"  ratio journal/floor: median {jm / fm:.2f}x, total {sum(j_times) / sum(f_times):.2f}x")
+    shutil.rmtree(jpath, ignore_errors=True)
+    shutil.rmtree(fpath, ignore_errors=True)
 
 
 def bench_growth(root: Path, far: int, samples: int, tokens: int, probes: int) -> None:
@@ -175,11 +223,16 @@ def main() -> None:
     ap.add_argument("--growth-samples", type=int, default=8)
     ap.add_argument("--growth-tokens", type=int, default=128)
     ap.add_argument("--probes", type=int, default=200)
+    ap.add_argument("--large-steps", type=int, default=6, help="large steps timed per zstd level (0 skips)")
+    ap.add_argument("--large-samples", type=int, default=1024)
+    ap.add_argument("--large-tokens", type=int, default=2048)
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="verlj-bench-", dir=args.dir))
     try:
         bench_vs_floor(root, args.steps, args.samples, args.tokens)
+        for level in (1, 3) if args.large_steps else ():  # 1 is the default
+            bench_vs_floor(root, args.large_steps, args.large_samples, args.large_tokens, level, "large step")
         bench_growth(root, args.growth_steps, args.growth_samples, args.growth_tokens, args.probes)
     finally:
         shutil.rmtree(root, ignore_errors=True)

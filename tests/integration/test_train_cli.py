@@ -150,3 +150,38 @@ def test_checkpoint_policy_and_tensorboard(tmp_path):
 def test_bad_checkpoint_policy(tmp_path):
     out = train(tmp_path / "r", "trainer.checkpoint_policy=no.such.Policy")
     assert_one_line_error(out, 1, "trainer.checkpoint_policy: cannot import 'no.such.Policy'")
+
+
+def test_wandb_offline_logs_every_step_and_a_resume_continues_the_same_run(tmp_path):
+    """logging.wandb with WANDB_MODE=offline: no network; the offline run file holds each step's metrics."""
+    pytest.importorskip("wandb")
+    run = tmp_path / "run"
+    assert train(run, "trainer.total_steps=2", "logging.wandb=true", WANDB_MODE="offline").returncode == 0
+    out = train(run, "trainer.total_steps=3", "logging.wandb=true", resume=True, WANDB_MODE="offline")
+    assert out.returncode == 0, out.stderr[-2000:]
+    files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len({f.name for f in files}) == 1  # one W&B run id for the verlj run, resumed
+    data = b"".join(f.read_bytes() for f in files)
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for s in steps:  # wandb stores each value as its JSON text
+        assert json.dumps(s["actor/pg_loss"]).encode() in data
+
+
+def test_wandb_without_the_package_is_one_line(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        out = verlj("train", "--output-dir", tmp_path / "r", *TINY, "logging.wandb=true", PYTHONPATH=str(_no_wandb(tmp_path)))
+    else:
+        out = verlj("train", "--output-dir", tmp_path / "r", *TINY, "logging.wandb=true")
+    assert out.returncode == 2 and "pip install 'verlj[wandb]'" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def _no_wandb(tmp_path):
+    """A directory that shadows the wandb package with one that fails to import."""
+    d = tmp_path / "shadow"
+    (d / "wandb").mkdir(parents=True)
+    (d / "wandb" / "__init__.py").write_text("raise ImportError('wandb hidden for this test')\n")
+    return d

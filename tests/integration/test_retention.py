@@ -1,0 +1,139 @@
+"""Journal retention on real runs: pruning with save_total_limit, the Parquet archive, export, and
+kill -9 while archiving and while pruning. Every comparison is against an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from verlj_testing import assert_same_journal, fingerprints, train, verlj
+
+from verlj.journal import open_journal_reader
+
+pytestmark = pytest.mark.slow
+
+SNAPS = ["trainer.save_interval=3", "trainer.save_total_limit=2"]
+RETAIN = [*SNAPS, "journal.retain_samples=since_oldest_snapshot", "journal.archive=true"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("retention")
+    ref, pruned = root / "ref", root / "pruned"
+    for run, extra in ((ref, SNAPS), (pruned, RETAIN)):
+        out = train(run, "trainer.total_steps=9", *extra)
+        assert out.returncode == 0, out.stderr[-3000:]
+    return root, ref, pruned
+
+
+def journal_samples(run) -> dict[int, dict]:
+    """sample id -> (step, its columns' values) straight from an unpruned journal."""
+    out = {}
+    with open_journal_reader(run / "journal") as j:
+        for record in j.iter_steps():
+            add = next(e for e in record["events"] if e["type"] == "buffer.add")
+            cols = add["samples"]
+            for i, sid in enumerate(cols["id"].tolist()):
+                out[sid] = {"step": record["step"], "group": int(cols["group"][i]), "score": float(cols["score"][i]),
+                            "response_ids": cols["response_ids"][i, : cols["response_ids_len"][i]].tolist(),
+                            "gen_logprobs": cols["gen_logprobs"][i, : cols["gen_logprobs_len"][i]].tolist()}
+    return out
+
+
+def test_pruned_run_is_exact_verifies_and_post_mortem_reads_across_pruned_steps(runs):
+    root, ref, pruned = runs
+    assert fingerprints(pruned) == fingerprints(ref)
+    with open_journal_reader(pruned / "journal") as j:
+        assert j.pruned_through() == 6  # snapshots 6 and 9 are kept: steps 1-6 are needed by neither
+        assert [j.read_step(s)["pruned"] for s in range(1, 10)] == [True] * 6 + [False] * 3
+    v = verlj("verify", pruned)
+    assert v.returncode == 0, v.stdout + v.stderr
+    assert "samples of 6 steps through step 6 were pruned" in v.stdout and "Rollout archive: 2 files" in v.stdout
+    for args in (("diff", ref, pruned), ("diff", ref, pruned, "--full")):
+        d = verlj(*args)
+        assert d.returncode == 0 and d.stdout.startswith("identical"), d.stdout + d.stderr
+    m = verlj("metrics", pruned, "--names", "actor/pg_loss", "--steps", "1:9", "--csv", check=True)
+    assert len(m.stdout.strip().splitlines()) == 10
+    f = verlj("find", pruned, "--where", "actor/pg_loss > -1000", "--json", check=True)
+    assert [r["step"] for r in json.loads(f.stdout)] == list(range(1, 10))
+    a = verlj("inspect", pruned, "--step", "2", check=True).stdout
+    b = verlj("inspect", ref, "--step", "2", check=True).stdout
+    assert "pruned from the journal (journal.retain_samples); shown from rollouts/" in a
+    sample_lines = lambda text: [line for line in text.splitlines() if line.startswith("  ") and "|" in line]
+    assert sample_lines(a) == sample_lines(b) and sample_lines(a)
+
+
+def test_replay_into_pruned_steps_is_refused_in_one_line_and_writes_nothing(runs):
+    root, ref, pruned = runs
+    fork = root / "fork-refused"
+    out = verlj("replay", pruned, "--to-step", "4", "--fork", fork)
+    assert out.returncode == 1 and not fork.exists()
+    assert out.stderr.strip().count("\n") == 0 and "pruned the samples of steps through 6" in out.stderr, out.stderr
+    ok = verlj("replay", pruned, "--to-step", "8", "--json", check=True)  # from snapshot 6: needs only steps 7-8
+    assert json.loads(ok.stdout.strip().splitlines()[-1])["fingerprint"] == fingerprints(ref)[8]
+
+
+def test_export_round_trip_holds_exactly_the_journal_and_archive_samples(runs):
+    pq = pytest.importorskip("pyarrow.parquet")
+    root, ref, pruned = runs
+    for run in (ref, pruned):
+        verlj("export", run, "--rollouts", "--output", root / f"{run.name}.parquet", check=True)
+    verlj("export", pruned, "--rollouts", "--output", root / "pruned.jsonl", check=True)
+    a = pq.read_table(root / "ref.parquet").to_pylist()
+    b = pq.read_table(root / "pruned.parquet").to_pylist()
+    assert a == b  # the archive gives back what the journal held, column for column
+    assert [json.loads(line) for line in (root / "pruned.jsonl").read_text().splitlines()] == b
+    want = journal_samples(ref)
+    assert sorted(r["sample_id"] for r in b) == sorted(want)
+    for r in b:
+        w = want[r["sample_id"]]
+        assert (r["step"], r["group"], r["score"], r["response_ids"]) == (w["step"], w["group"], w["score"], w["response_ids"])
+        assert np.array_equal(np.float32(r["gen_logprobs"]), np.float32(w["gen_logprobs"]))
+        assert r["status"] == "consumed" and r["status_step"] == r["step"]  # GRPO consumes each step's samples
+        assert r["response"] and r["prompt"]
+    some = verlj("export", pruned, "--rollouts", "--steps", "5:7", "--output", root / "some.jsonl", check=True)
+    rows = [json.loads(line) for line in (root / "some.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in rows} == {5, 6, 7} and f"wrote {len(rows)} samples" in some.stdout
+
+
+@pytest.mark.parametrize("snapshot", [6, 9])
+def test_resume_from_every_kept_snapshot_is_exact(runs, snapshot):
+    root, ref, pruned = runs
+    straight = root / "straight12"
+    if not straight.exists():
+        assert train(straight, "trainer.total_steps=12", *RETAIN).returncode == 0
+    run = root / f"from{snapshot}"
+    shutil.copytree(pruned, run, symlinks=True)
+    out = train(run, "trainer.total_steps=12", *RETAIN, f"trainer.resume_from={snapshot}", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"step_{snapshot:05d}" in out.stdout
+    assert_same_journal(run, straight)
+    assert fingerprints(run) == fingerprints(straight)
+    assert verlj("verify", run).returncode == 0
+
+
+@pytest.mark.parametrize("failpoint", ["archive.mid_write:2", "journal.prune:1"])
+def test_kill_while_archiving_or_pruning_loses_nothing(runs, failpoint):
+    pq = pytest.importorskip("pyarrow.parquet")
+    root, ref, pruned = runs
+    run = root / f"killed-{failpoint.split(':')[0]}"
+    out = train(run, "trainer.total_steps=9", *RETAIN, VERLJ_FAILPOINT=failpoint)
+    assert out.returncode == -9, out.stderr[-2000:]
+    with open_journal_reader(run / "journal") as j:
+        assert j.pruned_through() == 0 and j.get_meta("archive") is None  # nothing half-done is visible
+        assert not any(j.read_step(s)["pruned"] for s in range(1, j.last_step() + 1))
+    left = [p.name for p in (run / "rollouts").iterdir()]
+    assert left, "the kill should have left the file it was writing"
+    v = verlj("verify", run)
+    assert v.returncode == 0 and "left by an interrupted run" in v.stdout, v.stdout
+    out = train(run, "trainer.total_steps=9", *RETAIN, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_journal(run, pruned)
+    assert fingerprints(run) == fingerprints(ref)
+    assert sorted(p.name for p in (run / "rollouts").iterdir()) == sorted(p.name for p in (pruned / "rollouts").iterdir())
+    verlj("export", run, "--rollouts", "--output", root / f"{run.name}.parquet", check=True)
+    verlj("export", pruned, "--rollouts", "--output", root / "pruned-again.parquet", check=True)
+    assert pq.read_table(root / f"{run.name}.parquet").to_pylist() == pq.read_table(root / "pruned-again.parquet").to_pylist()
+    assert verlj("verify", run).returncode == 0
