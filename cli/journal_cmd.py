@@ -25,6 +25,8 @@ def verify(path: Annotated[Path, typer.Argument(help="A journal directory (RUN/j
         typer.echo(f"✗ {p}")
     if report.ok:
         typer.echo(f"✓ journal intact: steps {report.first_step}–{report.last_step} ({report.steps} records)")
+        if report.pruned:
+            typer.echo(f"· the samples of {report.pruned} steps through step {report.pruned_through} were pruned by retention")
     raise typer.Exit(0 if report.ok else 1)
 
 

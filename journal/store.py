@@ -7,7 +7,9 @@ Layout of ``RUN/journal/``::
         meta        key: utf-8 name;                value: a framed msgpack value
         snapshots   key: step as 8-byte big-endian; value: a framed msgpack map
         summary     key: step as 8-byte big-endian; value: the step's small events (SUMMARY_TYPES),
-                    framed, written in the same transaction: metrics queries skip the samples
+                    framed, written in the same transaction: metrics queries skip the samples.
+                    Only for v1 records: a v2 record's core is its summary (read without touching
+                    the payload's pages), so v2 steps have no entry here
     writer.lock          OS-level exclusive lock (flock) held by the one writer;
                          its content names the holder (pid, host, command)
 
@@ -442,7 +444,7 @@ class Journal:
         """Append consecutive steps in one transaction (all or none). Returns their chain hashes (hex)."""
         now = time.time() if wall_time is None else wall_time
         level = self.compression_level
-        bodies = [(step, encode_step(step, now, ev, level), _summary_frame(step, now, ev)) for step, ev in steps]
+        bodies = [(step, encode_step(step, now, ev, level)) for step, ev in steps]
 
         def txn_fn(txn):
             cur = txn.cursor(self._steps)
@@ -453,14 +455,13 @@ class Journal:
                 last = self._base_step_txn(txn)
                 prev_chain = self._chain_base_txn(txn)
             chains = []
-            for step, body, summary in bodies:
+            for step, body in bodies:
                 if step != last + 1:
                     raise StepOrderError(
                         f"cannot append step {step}: the journal's last step is {last}, so the next must be {last + 1}"
                     )
                 value = frame_step2(*body, prev_chain)
                 txn.put(step_key(step), value, db=self._steps, append=True)
-                txn.put(step_key(step), summary, db=self._summary, append=True)
                 prev_chain = value[len(MAGIC_STEP) + HASH_LEN : STEP_HEADER]
                 chains.append(prev_chain.hex())
                 last = step
@@ -515,15 +516,17 @@ class Journal:
         index when given. One transaction: all or none."""
         summaries = []
         for i, raw in enumerate(frames):
-            record = codec.unpackb(StepFrame.parse(raw).body)  # the core holds every summary event
+            frame = StepFrame.parse(raw)
+            record = codec.unpackb(frame.body)  # a v2 core holds every summary event
             if record["step"] != first + i:
                 raise JournalError(f"record to restore at step {first + i} says it is step {record['step']}")
-            summaries.append(_summary_frame(record["step"], record["time"], record["events"]))
+            summaries.append(_summary_frame(record["step"], record["time"], record["events"]) if frame.version == 1 else None)
 
         def txn_fn(txn):
             for i, raw in enumerate(frames):
                 txn.put(step_key(first + i), raw, db=self._steps, append=True)
-                txn.put(step_key(first + i), summaries[i], db=self._summary, append=True)
+                if summaries[i] is not None:
+                    txn.put(step_key(first + i), summaries[i], db=self._summary, append=True)
             for db, values in ((self._meta, meta), (self._snaps, snapshots)):
                 if values is not None:
                     txn.drop(db, delete=False)
@@ -613,9 +616,10 @@ class Journal:
         """Stream (step, raw frame) for start <= step <= stop in short read transactions (constant memory)."""
         return self._iter_db(self._steps, start, stop, READ_CHUNK)
 
-    def _iter_db(self, db, start: int | None, stop: int | None, chunk: int) -> Iterator[tuple[int, bytes]]:
+    def _iter_db(self, db, start: int | None, stop: int | None, chunk: int, take=None) -> Iterator[tuple[int, Any]]:
         """(step, value) for start <= step <= stop, `chunk` entries per read transaction: a reader never
-        pins old pages for long, and each chunk sees a committed prefix of an append-only log."""
+        pins old pages for long, and each chunk sees a committed prefix of an append-only log.
+        take(txn, step, value) -> what to keep of a value (default: a copy of it)."""
         next_key = step_key(start if start is not None else 0)
         while True:
             batch = []
@@ -627,7 +631,7 @@ class Journal:
                     s = key_step(key)
                     if stop is not None and s > stop:
                         break
-                    batch.append((s, bytes(value)))
+                    batch.append((s, bytes(value) if take is None else take(txn, s, value)))
                     if len(batch) >= chunk:
                         break
             yield from batch
@@ -651,16 +655,40 @@ class Journal:
     def read_summary(self, step: int) -> dict | None:
         """A step's small events (metrics, state, data, rng, control, config) without its samples."""
         with self._read() as txn:
-            raw = txn.get(step_key(step), db=self._summary)
-            return None if raw is None else self._summary_decode(raw, step)
+            value = txn.get(step_key(step), db=self._steps)
+            source = None if value is None else self._summary_source(txn, step, value)
+        return None if source is None else self._summary_decode(step, source)
 
     def iter_summaries(self, start: int | None = None, stop: int | None = None) -> Iterator[dict]:
         """Stream summaries for start <= step <= stop: what metrics, find and diff read."""
-        for step, raw in self._iter_db(self._summary, start, stop, READ_CHUNK * 4):
-            yield self._summary_decode(raw, step)
+        for step, source in self._iter_db(self._steps, start, stop, READ_CHUNK * 4, self._summary_source):
+            summary = self._summary_decode(step, source)
+            if summary is not None:
+                yield summary
 
-    def _summary_decode(self, raw: bytes, step: int) -> dict:
-        summary = unframe_plain(raw, f"summary of step {step}")
+    def _summary_source(self, txn, step: int, value) -> tuple[int, bytes | None]:
+        """(1, the v1 record's summary entry) or (2, the v2 record's core, checksum checked): copies
+        the core's bytes only, never the payload's."""
+        mv = memoryview(value)
+        if len(mv) < STEP_HEADER2 or bytes(mv[: len(MAGIC_STEP2)]) != MAGIC_STEP2:
+            raw = txn.get(step_key(step), db=self._summary)
+            return 1, None if raw is None else bytes(raw)
+        head = bytes(mv[:STEP_HEADER2])
+        (core_len,) = _CORE_LEN.unpack_from(head, STEP_HEADER + HASH_LEN)
+        core = bytes(mv[STEP_HEADER2 : STEP_HEADER2 + core_len])
+        if len(core) != core_len or digest(head[STEP_HEADER:], core) != head[len(MAGIC_STEP2) : len(MAGIC_STEP2) + HASH_LEN]:
+            raise JournalError(f"journal record for step {step} is damaged (checksum mismatch); run `verlj verify`")
+        return 2, core
+
+    def _summary_decode(self, step: int, source: tuple[int, bytes | None]) -> dict | None:
+        version, raw = source
+        if raw is None:
+            return None
+        if version == 1:
+            summary = unframe_plain(raw, f"summary of step {step}")
+        else:
+            record = codec.unpackb(raw)
+            summary = {"step": record["step"], "time": record["time"], "events": [e for e in record["events"] if e["type"] in SUMMARY_TYPES]}
         summary["events"] = [upcast_event(e) for e in summary["events"]]
         return summary
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from verlj.journal import Journal, make_event, packb
 from verlj.journal.events import SUMMARY_TYPES
-from verlj.journal.store import StepFrame, _summary_frame, encode_step, frame_plain, frame_step, frame_step2, step_key
+from verlj.journal.store import StepFrame, encode_step, frame_plain, frame_step, frame_step2, step_key
 
 
 def samples_columns(rng: np.random.Generator, samples: int, tokens: int, prompt: int = 64, vocab: int = 32000) -> dict:
@@ -72,10 +72,10 @@ def step_events(step: int, rng: np.random.Generator, samples: int, tokens: int) 
     ]
 
 
-def stored(step: int, events: list[dict], level: int) -> tuple[bytes, bytes]:
-    """The bytes the journal stores for a step (its frame and summary entry), built the way it builds them."""
+def stored(step: int, events: list[dict], level: int) -> bytes:
+    """The bytes the journal stores for a step (its frame; the core is also its summary), built the way it builds them."""
     core, payload = encode_step(step, 0.0, events, level)
-    return frame_step2(core, payload, bytes(32)), _summary_frame(step, 0.0, events)
+    return frame_step2(core, payload, bytes(32))
 
 
 def v1_bytes(step: int, events: list[dict]) -> int:
@@ -103,13 +103,11 @@ def bench_vs_floor(root: Path, steps: int, samples: int, tokens: int, level: int
     journal.compression_level = level
     floor_env = lmdb.open(str(fpath), map_size=1 << 36, max_dbs=4, subdir=True)  # same flags: sync on
     floor_db = floor_env.open_db(b"steps")
-    floor_summary = floor_env.open_db(b"summary")
     j_times, f_times, sizes, old_sizes, ntok, raw_payload, payload = [], [], [], [], 0, 0, 0
     for s, events in enumerate(records, start=1):
-        # The floor writes the bytes the journal stores for this step (the record and its summary
-        # entry, in their two sub-databases); building them here is not timed.
-        raw, summary = stored(s, events, level)
-        sizes.append(len(raw) + len(summary))
+        # The floor writes the bytes the journal stores for this step; building them here is not timed.
+        raw = stored(s, events, level)
+        sizes.append(len(raw))
         old_sizes.append(v1_bytes(s, events))
         ntok += tokens_of(events)
         frame = StepFrame.parse(raw)
@@ -120,7 +118,6 @@ def bench_vs_floor(root: Path, steps: int, samples: int, tokens: int, level: int
             t = time.perf_counter()
             with floor_env.begin(write=True) as txn:
                 txn.put(step_key(s), raw, db=floor_db, append=True)
-                txn.put(step_key(s), summary, db=floor_summary, append=True)
             f_times.append(time.perf_counter() - t)
 
         def journal_append():
@@ -150,10 +147,9 @@ def bench_growth(root: Path, far: int, samples: int, tokens: int, probes: int) -
     rng = np.random.default_rng(1)
     template = step_events(1, rng, samples, tokens)
     journal = Journal.open_writer(root / "growth")
-    raw_value = summary_value = None
+    raw_value = None
     floor_env = lmdb.open(str(root / "growth-floor"), map_size=1 << 34, max_dbs=4, subdir=True)
     floor_db = floor_env.open_db(b"steps")
-    floor_summary = floor_env.open_db(b"summary")
 
     def journal_put(s: int) -> None:
         journal.append_step(s, template)
@@ -161,7 +157,6 @@ def bench_growth(root: Path, far: int, samples: int, tokens: int, probes: int) -
     def floor_put(s: int) -> None:
         with floor_env.begin(write=True) as txn:
             txn.put(step_key(s), raw_value, db=floor_db, append=True)
-            txn.put(step_key(s), summary_value, db=floor_summary, append=True)
 
     def journal_fill(a: int, b: int) -> None:
         journal.append_steps([(k, template) for k in range(a, b)])
@@ -170,11 +165,9 @@ def bench_growth(root: Path, far: int, samples: int, tokens: int, probes: int) -
         with floor_env.begin(write=True) as txn:
             for k in range(a, b):
                 txn.put(step_key(k), raw_value, db=floor_db, append=True)
-                txn.put(step_key(k), summary_value, db=floor_summary, append=True)
 
     journal_put(1)
     raw_value = journal.read_raw(1)
-    summary_value = frame_plain(packb(journal.read_summary(1)))
     floor_put(1)
     last = {"journal": 1, "floor": 1}
 

@@ -8,9 +8,9 @@ import shutil
 
 import numpy as np
 import pytest
-from verlj_testing import assert_same_journal, fingerprints, train, verlj
 
 from verlj.journal import open_journal_reader
+from verlj_testing import assert_same_journal, fingerprints, train, verlj
 
 pytestmark = pytest.mark.slow
 

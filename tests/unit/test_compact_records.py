@@ -7,13 +7,14 @@ import subprocess
 import sys
 import textwrap
 
+import lmdb
 import numpy as np
 import pytest
 
 from journal_helpers import raw_get, raw_put, step_events, tamper
 from verlj.journal import Journal, make_event, packb, verify_journal
 from verlj.journal.events import ENVELOPE_VERSION
-from verlj.journal.store import NO_PAYLOAD, StepFrame, frame_step, step_key
+from verlj.journal.store import NO_PAYLOAD, StepFrame, _summary_frame, frame_step, step_key
 
 
 def rollout_events(step: int, samples: int = 32, tokens: int = 64, vocab: int = 32000) -> list[dict]:
@@ -80,7 +81,13 @@ def test_a_v1_journal_stays_readable_and_continues(tmp_path):
         j.append_step(1, old)  # creates the sub-databases; replaced below by a v1 frame
         summary_1 = j.read_summary(1)
     v1 = frame_step(packb({"v": 1, "step": 1, "time": summary_1["time"], "events": old}), bytes(32))
-    tamper(path, lambda txn, db: raw_put(txn, db, 1, v1))
+    v1_summary = _summary_frame(1, summary_1["time"], old)  # v1 journals kept a summary entry per step
+
+    env = lmdb.open(str(path), max_dbs=8, subdir=True)
+    with env.begin(write=True) as txn:
+        txn.put(step_key(1), v1, db=env.open_db(b"steps", txn=txn))
+        txn.put(step_key(1), v1_summary, db=env.open_db(b"summary", txn=txn))
+    env.close()
     with Journal.open_writer(path) as j:
         j.append_step(2, step_events(2))
         r1, r2 = j.read_step(1), j.read_step(2)
@@ -136,7 +143,7 @@ def test_damage_to_a_pruned_step_or_a_payload_missing_beyond_pruning_is_detected
 
 def test_pruning_stops_the_file_from_growing(tmp_path):
     """LMDB reuses the pages pruned payloads free: past the retention window the file grows only by
-    what every step keeps (its core and summary), not by its samples."""
+    what every step keeps (its record without samples), not by its samples."""
     path = tmp_path / "j"
     sizes, kept, payloads = {}, 0, 0
     with Journal.open_writer(path) as j:
@@ -148,8 +155,7 @@ def test_pruning_stops_the_file_from_growing(tmp_path):
                 sizes[s] = _used(j)
             if s > 200:
                 frame = StepFrame.parse(j.read_raw(s))
-                with j.env().begin() as txn:
-                    kept += len(frame.without_payload()) + len(txn.get(step_key(s), db=j.dbs()["summary"]))
+                kept += len(frame.without_payload())  # a v2 record's core is also its summary
                 payloads += len(frame.payload)
     growth = sizes[400] - sizes[200]
     assert payloads > 20 * kept  # the samples are what would make the file grow
