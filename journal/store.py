@@ -67,7 +67,7 @@ STEP_HEADER2 = STEP_HEADER + HASH_LEN + 4
 PLAIN_HEADER = len(MAGIC_PLAIN) + HASH_LEN
 GENESIS = bytes(HASH_LEN)
 NO_PAYLOAD = bytes(HASH_LEN)  # the payload digest of a step without payload fields
-DEFAULT_COMPRESSION_LEVEL = 1  # zstd; 0 stores payloads uncompressed (level 3 saved <1% more, 1.5x slower: bench_journal.py)
+DEFAULT_COMPRESSION_LEVEL = 1  # zstd; 0 stores payloads uncompressed (level 3: no smaller here, 1.2-1.5x slower: bench_journal.py)
 _CORE_LEN = struct.Struct(">I")
 
 DB_STEPS = b"steps"
