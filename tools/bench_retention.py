@@ -106,7 +106,7 @@ def report(sizes: dict, steps: int, kept: int, full: int, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--save-interval", type=int, default=None, help="default: 200 (journal mode), 500 (train mode)")
+    ap.add_argument("--save-interval", type=int, default=None, help="default: 200 (journal mode), 250 (train mode: the retained window, two intervals, fills by step 3 x 250)")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--train", action="store_true", help="run the real trainer instead of appending records")
@@ -115,7 +115,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="verlj-retention-", dir=args.dir))
     try:
         if args.train:
-            train_mode(root, args.steps, args.save_interval or 500)
+            train_mode(root, args.steps, args.save_interval or 250)
         else:
             journal_mode(root, args.steps, args.save_interval or 200, args.samples, args.tokens)
     finally:
