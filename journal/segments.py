@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import codec
+from .durable import fsync_dir
 from .errors import JournalError
 from .failpoints import failpoint
 from .store import GENESIS, HASH_LEN, STEP_HEADER, Journal, StepFrame, digest, unframe_plain
@@ -102,7 +103,7 @@ def write_pointer(shipped: Path, local: Path) -> None:
     tmp = shipped / (POINTER + ".tmp")
     tmp.write_text(json.dumps({"path": str(Path(local).resolve()), "host": socket.gethostname()}))
     os.replace(tmp, shipped / POINTER)
-    _fsync_dir(shipped)
+    fsync_dir(shipped)
 
 
 def read_pointer(shipped: Path) -> dict | None:
@@ -130,14 +131,6 @@ def network_filesystem(path: Path, mounts: str | None = None) -> str | None:
         if (real == Path(mount) or Path(mount) in real.parents) and len(mount) > len(best):
             best, fstype = mount, parts[2]
     return fstype if fstype in NETWORK_FILESYSTEMS else None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- one segment
@@ -227,7 +220,7 @@ def _publish(shipped: Path, seg: Segment) -> None:
     if final.exists():
         raise JournalError(f"journal segment {final.name} already exists: another process ships this run's journal")
     os.replace(tmp, final)
-    _fsync_dir(d)
+    fsync_dir(d)
 
 
 # ----------------------------------------------------------------------------- the chain of segments
@@ -565,7 +558,7 @@ def _set_aside(shipped: Path, seq: int) -> None:
     path = _segment_path(shipped, seq)
     if path.exists():
         os.replace(path, segment_dir(shipped) / f".damaged-{seq:010d}.seg")
-        _fsync_dir(segment_dir(shipped))
+        fsync_dir(segment_dir(shipped))
 
 
 def lmdb_location_warning(path: Path) -> str | None:

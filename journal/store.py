@@ -119,37 +119,43 @@ class StepFrame:
     checksum: bytes
     chain: bytes
     body: bytes  # v1: the whole record; v2: the core (the record without its payload fields)
-    payload: bytes = b""  # v2: the stored payload; empty when the step has none or it was pruned
+    payload: bytes | None = b""  # v2: the stored payload (b"" when none or pruned; None when not read)
     payload_digest: bytes = NO_PAYLOAD
     version: int = 1
+    payload_len: int = 0  # v2: how many payload bytes the frame holds
 
     @classmethod
-    def parse(cls, raw: bytes) -> StepFrame:
-        raw = bytes(raw)
+    def parse(cls, raw, with_payload: bool = True) -> StepFrame:
+        """Split a stored frame. with_payload=False copies only the header and core out of `raw`
+        (a memoryview into LMDB's map stays untouched past them): for summaries and pruning."""
+        mv = memoryview(raw)
         m = len(MAGIC_STEP)
-        magic = raw[:m]
-        if len(raw) >= STEP_HEADER and magic == MAGIC_STEP:
-            return cls(raw[m : m + HASH_LEN], raw[m + HASH_LEN : STEP_HEADER], raw[STEP_HEADER:])
-        if len(raw) < STEP_HEADER2 or magic != MAGIC_STEP2:
+        magic = bytes(mv[:m])
+        if len(mv) >= STEP_HEADER and magic == MAGIC_STEP:
+            return cls(bytes(mv[m : m + HASH_LEN]), bytes(mv[m + HASH_LEN : STEP_HEADER]), bytes(mv[STEP_HEADER:]))
+        if len(mv) < STEP_HEADER2 or magic != MAGIC_STEP2:
             raise JournalError("step record has no valid frame header")
-        (core_len,) = _CORE_LEN.unpack_from(raw, STEP_HEADER + HASH_LEN)
-        if STEP_HEADER2 + core_len > len(raw):
-            raise JournalError("step record is shorter than its frame header says")
+        (core_len,) = _CORE_LEN.unpack_from(mv, STEP_HEADER + HASH_LEN)
         end = STEP_HEADER2 + core_len
-        return cls(raw[m : m + HASH_LEN], raw[m + HASH_LEN : STEP_HEADER], raw[STEP_HEADER2:end], raw[end:],
-                   raw[STEP_HEADER : STEP_HEADER + HASH_LEN], 2)
+        if end > len(mv):
+            raise JournalError("step record is shorter than its frame header says")
+        return cls(bytes(mv[m : m + HASH_LEN]), bytes(mv[m + HASH_LEN : STEP_HEADER]), bytes(mv[STEP_HEADER2:end]),
+                   bytes(mv[end:]) if with_payload else None, bytes(mv[STEP_HEADER : STEP_HEADER + HASH_LEN]), 2, len(mv) - end)
 
-    def checksum_ok(self) -> bool:
+    def core_ok(self) -> bool:
+        """The checksum holds for everything but the payload's own bytes (v1: for the whole record)."""
         if self.version == 1:
             return digest(self.body) == self.checksum
-        if digest(self.payload_digest, _CORE_LEN.pack(len(self.body)), self.body) != self.checksum:
-            return False
-        return not self.payload or digest(self.payload) == self.payload_digest
+        return digest(self.payload_digest, _CORE_LEN.pack(len(self.body)), self.body) == self.checksum
+
+    def checksum_ok(self) -> bool:
+        assert self.payload is not None, "frame parsed without its payload"
+        return self.core_ok() and (not self.payload or digest(self.payload) == self.payload_digest)
 
     @property
     def pruned(self) -> bool:
         """Its payload was removed by retention (the frame still proves its place in the chain)."""
-        return self.version == 2 and not self.payload and self.payload_digest != NO_PAYLOAD
+        return self.version == 2 and self.payload_len == 0 and self.payload_digest != NO_PAYLOAD
 
     def without_payload(self) -> bytes:
         assert self.version == 2
@@ -216,7 +222,7 @@ def decode_frame(frame: StepFrame, payload: bool = True) -> dict:
 
 
 def _summary_frame(step: int, wall_time: float, events: list[dict]) -> bytes:
-    """A step's summary entry: its small events, framed (written beside every step record)."""
+    """A v1 step's summary entry: its small events, framed (v2 records need none: the core is it)."""
     return frame_plain(codec.packb_compact({"step": step, "time": wall_time, "events": [e for e in events if e["type"] in SUMMARY_TYPES]}))
 
 
@@ -491,10 +497,10 @@ class Journal:
                 for key, value in cur:
                     if key_step(key) > through:
                         break
-                    frame = StepFrame.parse(value)
-                    if frame.payload:
+                    frame = StepFrame.parse(value, with_payload=False)
+                    if frame.payload_len:
                         rewrites.append((bytes(key), frame.without_payload()))
-                        freed += len(frame.payload)
+                        freed += frame.payload_len
             for key, value in rewrites:
                 txn.put(key, value, db=self._steps)
             for key, value in meta_frames.items():
@@ -669,16 +675,13 @@ class Journal:
     def _summary_source(self, txn, step: int, value) -> tuple[int, bytes | None]:
         """(1, the v1 record's summary entry) or (2, the v2 record's core, checksum checked): copies
         the core's bytes only, never the payload's."""
-        mv = memoryview(value)
-        if len(mv) < STEP_HEADER2 or bytes(mv[: len(MAGIC_STEP2)]) != MAGIC_STEP2:
+        if len(value) < STEP_HEADER2 or bytes(value[: len(MAGIC_STEP2)]) != MAGIC_STEP2:
             raw = txn.get(step_key(step), db=self._summary)
             return 1, None if raw is None else bytes(raw)
-        head = bytes(mv[:STEP_HEADER2])
-        (core_len,) = _CORE_LEN.unpack_from(head, STEP_HEADER + HASH_LEN)
-        core = bytes(mv[STEP_HEADER2 : STEP_HEADER2 + core_len])
-        if len(core) != core_len or digest(head[STEP_HEADER:], core) != head[len(MAGIC_STEP2) : len(MAGIC_STEP2) + HASH_LEN]:
+        frame = StepFrame.parse(value, with_payload=False)
+        if not frame.core_ok():
             raise JournalError(f"journal record for step {step} is damaged (checksum mismatch); run `verlj verify`")
-        return 2, core
+        return 2, frame.body
 
     def _summary_decode(self, step: int, source: tuple[int, bytes | None]) -> dict | None:
         version, raw = source

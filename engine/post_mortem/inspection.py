@@ -365,7 +365,11 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
 
 
 def _without_samples(record: dict) -> dict:
-    return {**record, "events": [{k: v for k, v in e.items() if k != "samples"} for e in record["events"]]}
+    """The record as retention leaves it: the payload fields (events.PAYLOAD_FIELDS) dropped."""
+    from verlj.journal.events import PAYLOAD_FIELDS
+
+    return {**record, "events": [{k: v for k, v in e.items() if k not in PAYLOAD_FIELDS.get(e["type"], ())}
+                                 for e in record["events"]]}
 
 
 def _config_differences(ja: Ledger, jb: Ledger) -> dict[str, list]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import blake3
 
 from ..errors import RunError
-from .manifest import fsync_dir
+from .manifest import fsync_dir, fsync_file
 
 ARCHIVE_DIR = "rollouts"
 _FILE = re.compile(r"^steps_(\d{10})-(\d{10})\.parquet$")
@@ -70,8 +70,7 @@ def write(run_dir: Path, ledger, first: int, last: int) -> dict:
                 w.write_table(rollouts.to_arrow(cols))
                 rows += rollouts.num_rows(cols)
             failpoint("archive.mid_write")
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    fsync_file(tmp)
     os.replace(tmp, out_dir / name)
     fsync_dir(out_dir)
     path = out_dir / name
@@ -104,16 +103,15 @@ class Reader:
         return rollouts.table_columns(self._table.filter(pc.equal(self._table.column("step"), step)))
 
     def _load(self, entry: dict):
-        import pyarrow.parquet as pq
-
         from ..post_mortem import rollouts
 
         rollouts.require_pyarrow("reading the rollout archive")
-        path = archive_dir(self.run_dir) / entry["file"]
+        import pyarrow.parquet as pq
+
         problem = check_entry(self.run_dir, entry)
         if problem:
             raise RunError(problem)
-        return pq.read_table(path)
+        return pq.read_table(archive_dir(self.run_dir) / entry["file"])
 
 
 def check_entry(run_dir: Path, entry: dict) -> str | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import blake3
 
 from verlj.journal import unpackb
+from verlj.journal.durable import fsync_dir, fsync_file
 
 MANIFEST = "manifest.json"
 META = "meta.json"
@@ -26,22 +27,6 @@ def snapshot_name(step: int) -> str:
 
 
 # ----------------------------------------------------------------------------- files
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(root: Path) -> None:
