@@ -88,9 +88,14 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = live(True)  # GRPO: divide group-centred rewards by the group std
     dynamic_sampling: bool = live(False)  # DAPO: drop groups whose rewards do not vary, draw more prompts
     max_sampling_rounds: int = live(4)  # dynamic sampling: generation rounds per step at most
+    # global_tokens: each mini-batch's loss is the token-mean over all its samples on all ranks, the
+    # same objective at any world size | micro_batch: each micro-batch's own token-mean (runs made
+    # before verlj had this key; their objective changes with the split, so they resume on the same topology)
+    loss_normalization: str = "global_tokens"
 
     def validate(self) -> None:
         _choice("algorithm.name", self.name, ("grpo", "ppo"))
+        _choice("algorithm.loss_normalization", self.loss_normalization, ("global_tokens", "micro_batch"))
         _range("algorithm.gamma", self.gamma, 0.0, 1.0)
         _range("algorithm.lam", self.lam, 0.0, 1.0)
         _at_least("algorithm.kl_coef", self.kl_coef, 0.0)
@@ -361,16 +366,27 @@ def _pop_dotted(d: dict, dotted: str) -> None:
 
 # Keys verlj no longer has; a run's stored config may still hold them.
 RETIRED_KEYS = ("model.reward_model.save_checkpoint",)
+# Keys added with a new default whose absence from a stored config means the old behaviour: a run
+# made before the key existed keeps training (and replaying) exactly as it did.
+LEGACY_VALUES = {"algorithm.loss_normalization": "micro_batch"}
 
 
 def stored_config(data: dict) -> dict:
-    """A config dict as a run stored it, with retired keys dropped (a copy)."""
+    """A config dict as a run stored it, with retired keys dropped and the old behaviour of keys
+    added since made explicit (a copy)."""
     data = json.loads(json.dumps(data))
     for dotted in RETIRED_KEYS:
         try:
             _pop_dotted(data, dotted)
         except (KeyError, TypeError):
             pass
+    for dotted, value in LEGACY_VALUES.items():
+        *parents, leaf = dotted.split(".")
+        d = data
+        for part in parents:
+            d = d.setdefault(part, {}) if isinstance(d, dict) else None
+        if isinstance(d, dict):
+            d.setdefault(leaf, value)
     return data
 
 

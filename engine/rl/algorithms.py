@@ -1,7 +1,10 @@
 """GRPO and PPO math: advantages, losses, KL. Pure tensor functions, tested against hand-computed values.
 
 Shapes: ``[B, R]`` per response token with a 0/1 ``mask`` of the same shape; ``[B]`` per sample.
-Aggregation is token-mean over the mask (verl's ``loss_agg_mode=token-mean``).
+Aggregation is token-mean over the mask (verl's ``loss_agg_mode=token-mean``). The losses take an
+optional ``denom``: the token count to divide by when a micro-batch is one share of a larger
+mini-batch (``algorithm.loss_normalization=global_tokens``, see ``workers.shard_batch``); without
+it, the micro-batch's own token count.
 
 Departures from the papers, on purpose:
 - GRPO (DeepSeekMath): the KL term is the k3 estimator ``exp(ref - lp) - (ref - lp) - 1`` (as
@@ -18,8 +21,8 @@ import torch
 EPS = 1e-6
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, denom=None) -> torch.Tensor:
+    return (x * mask).sum() / (mask.sum().clamp(min=1) if denom is None else denom)
 
 
 def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, norm_by_std: bool = True) -> torch.Tensor:
@@ -68,31 +71,42 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, returns
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+def whiten(x: torch.Tensor, mask: torch.Tensor, all_sum=None) -> torch.Tensor:
+    """Zero mean, unit variance over the masked tokens; over every data-parallel rank's tokens when
+    `all_sum` (a sum across ranks) is given."""
+    mean = global_masked_mean(x, mask, all_sum)
+    var = global_masked_mean((x - mean) ** 2, mask, all_sum)
     return (x - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio: float):
+def global_masked_mean(x: torch.Tensor, mask: torch.Tensor, all_sum=None) -> torch.Tensor:
+    """masked_mean over the tokens of every rank (`all_sum` sums a tensor across ranks); without
+    `all_sum`, the same bits as masked_mean."""
+    if all_sum is None:
+        return masked_mean(x, mask)
+    total, count = all_sum(torch.stack([(x * mask).sum(), mask.sum()]))
+    return total / count.clamp(min=1)
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio: float, denom=None):
     """Clipped surrogate. Returns (loss, clipfrac, approx_kl) with token-mean aggregation."""
     log_ratio = (logprobs - old_logprobs).clamp(-20, 20)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
-    clipfrac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask)
-    approx_kl = masked_mean(-log_ratio, mask)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask, denom)
+    clipfrac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask, denom)
+    approx_kl = masked_mean(-log_ratio, mask, denom)
     return loss, clipfrac, approx_kl
 
 
-def value_loss(values, old_values, returns, mask, cliprange: float):
+def value_loss(values, old_values, returns, mask, cliprange: float, denom=None):
     """Clipped value loss, 0.5 * max((v - R)^2, (v_clip - R)^2). Returns (loss, clipfrac)."""
     clipped = old_values + torch.clamp(values - old_values, -cliprange, cliprange)
     l1 = (values - returns) ** 2
     l2 = (clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(l1, l2), mask)
-    clipfrac = masked_mean((l2 > l1).to(values.dtype), mask)
+    loss = 0.5 * masked_mean(torch.maximum(l1, l2), mask, denom)
+    clipfrac = masked_mean((l2 > l1).to(values.dtype), mask, denom)
     return loss, clipfrac
 
 

@@ -1,7 +1,9 @@
-"""Sampling responses with a KV cache, driven by an explicit per-step generator.
+"""Sampling responses with a KV cache, driven by explicit per-sample random numbers.
 
-No draw touches a global RNG: every random number comes from the ``torch.Generator`` passed in,
-seeded per step and per data-parallel rank (see :mod:`verlj.engine.seeding`).
+No draw touches a global RNG. Each sample brings its own uniforms, one per response position,
+drawn from a generator seeded by the sample's place in the step (see ``Trainer.collect``), not by
+the rank that generates it: the same weights give the same samples at any world size. A token is
+drawn by inverting the (top-p truncated) CDF at the position's uniform.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import torch
 from .models import forward_with_cache
 
 
-def sample_token(logits: torch.Tensor, gen: torch.Generator, temperature: float, top_p: float):
-    """Sample one token per row from logits [B, V]; returns (tokens [B], logprobs [B]) under temperature."""
+def sample_token(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float):
+    """Sample one token per row from logits [B, V] at the rows' uniforms [B] in [0, 1);
+    returns (tokens [B], logprobs [B]) under temperature."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     probs = logp.exp()
     if top_p < 1.0:
@@ -24,8 +27,12 @@ def sample_token(logits: torch.Tensor, gen: torch.Generator, temperature: float,
         remove = cum - sorted_p > top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_p = sorted_p.masked_fill(remove, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    # multinomial on CPU with an explicit generator is reproducible; probs need not sum to 1
-    tokens = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+    # inverse CDF on CPU (a sequential cumsum: the same bits everywhere); probs need not sum to 1.
+    # The first index whose cumulative mass exceeds u * total never lands on a zero-probability token.
+    cum = torch.cumsum(probs.cpu().double(), dim=-1)
+    target = uniforms.double()[:, None] * cum[:, -1:]
+    tokens = torch.searchsorted(cum, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    tokens = tokens.to(logits.device)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -33,7 +40,7 @@ def sample_token(logits: torch.Tensor, gen: torch.Generator, temperature: float,
 def generate(
     model,
     prompts: list[np.ndarray],
-    gen: torch.Generator,
+    uniforms: torch.Tensor,
     *,
     max_new_tokens: int,
     temperature: float,
@@ -44,7 +51,8 @@ def generate(
     ignore_eos: bool = False,
     all_done: Callable[[bool], bool] = lambda done: done,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Sample a response for each prompt. Returns (response ids, generation log-probs) per prompt.
+    """Sample a response for each prompt, token t of row i at ``uniforms[i, t]`` ([B, max_new_tokens]).
+    Returns (response ids, generation log-probs) per prompt.
 
     Prompts are left-padded into one batch; positions come from the attention mask. A response
     ends at eos (included) or at max_new_tokens. ``all_done`` lets ranks that share sharded
@@ -67,7 +75,7 @@ def generate(
     step_ids, step_pos = ids, positions
     for _ in range(max_new_tokens):
         logits, cache = forward_with_cache(model, step_ids, mask, step_pos, cache)
-        tok, lp = sample_token(logits[:, -1, :], gen, temperature, top_p)
+        tok, lp = sample_token(logits[:, -1, :], uniforms[:, len(out_tokens)], temperature, top_p)
         tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
         out_tokens.append(tok)
         out_logps.append(lp)

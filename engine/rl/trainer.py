@@ -32,7 +32,7 @@ from .data import Sampler, load_dataset
 from .models import ValueModel, load_causal_lm, load_reward_model, load_tokenizer, model_digest
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
 from .rollout import generate
-from .workers import ActorWorker, CriticWorker, collate, micro_chunks
+from .workers import ActorWorker, CriticWorker, collate, shard_batch
 
 
 @dataclass
@@ -98,6 +98,12 @@ class Trainer:
         if cfg.data.prompts_per_step % rt.dp_size:
             raise ConfigError(
                 f"data.prompts_per_step ({cfg.data.prompts_per_step}) must be divisible by the data-parallel size ({rt.dp_size})"
+            )
+        mini = cfg.model.actor.mini_batch_size
+        if cfg.algorithm.loss_normalization == "global_tokens" and mini % rt.dp_size:
+            raise ConfigError(
+                f"model.actor.mini_batch_size ({mini}) must be divisible by the data-parallel size ({rt.dp_size}): "
+                "each mini-batch is split evenly over the ranks"
             )
         if cfg.model.reward_model.trainable:
             raise ConfigError("model.reward_model.trainable: training the reward model during RL is not supported yet; set it to false")
@@ -191,12 +197,12 @@ class Trainer:
         while True:
             indices = self.sampler.draw(P)
             drawn.append(indices)
-            mine = indices[rt.dp_rank * (P // D) : (rt.dp_rank + 1) * (P // D)]
+            first = rt.dp_rank * (P // D)  # this rank's prompts are the step's first+0, first+1, ...
+            mine = indices[first : first + P // D]
             t0 = time.perf_counter()
             prompts = [self.prompt_ids[i] for i in mine for _ in range(n)]
-            gen = generator(derive_seed(cfg.trainer.seed, step, "rollout", rt.dp_rank, rounds))
             responses, logps = generate(
-                self.actor.module, prompts, gen,
+                self.actor.module, prompts, self._sample_uniforms(step, rounds, first * n, len(prompts)),
                 max_new_tokens=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature,
                 top_p=cfg.rollout.top_p, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
                 device=rt.device, ignore_eos=cfg.rollout.ignore_eos, all_done=rt.all_true,
@@ -241,6 +247,13 @@ class Trainer:
             consumed=consumed,
             timings=timings,
         )
+
+    def _sample_uniforms(self, step: int, round_: int, first: int, count: int) -> torch.Tensor:
+        """[count, max_response_length] uniforms for the round's samples first..first+count-1: each
+        sample's own stream, seeded by its place in the step, so no rank or batch changes it."""
+        T, seed = self.cfg.rollout.max_response_length, self.cfg.trainer.seed
+        return torch.stack([torch.rand(T, generator=generator(derive_seed(seed, step, "rollout/sample", round_, k)))
+                            for k in range(first, first + count)])
 
     def _score(self, mine, n, prompts, responses, logps) -> list[dict]:
         tok = self.tokenizer
@@ -315,12 +328,11 @@ class Trainer:
         if S == 0:  # dynamic sampling found no group with varying rewards: no update this step
             metrics["actor/skipped_update"] = 1.0
         else:
-            a, b = rt.dp_rank * (S // D), (rt.dp_rank + 1) * (S // D)
-            mine = samples[a:b]
+            global_tokens = cfg.algorithm.loss_normalization == "global_tokens"
+            rows, minis = shard_batch(samples, cfg.model.actor.mini_batch_size, D, rt.dp_rank, global_tokens)
+            mine = [samples[i] for i in rows]
+            all_sum = rt.dp_sum if global_tokens and D > 1 else None  # token means over every rank's tokens
             batch = collate(mine, self.tokenizer.pad_token_id, rt.device)
-            mini_size = cfg.model.actor.mini_batch_size
-            per_rank = len(mine) if mini_size == 0 else max(1, mini_size // D)
-            minis = micro_chunks(len(mine), per_rank)
             # GRPO with one pass over one mini-batch: the policy before the update is the one the
             # update's own forward sees, so the "old" log-probs come from that forward (detached)
             fuse_old = cfg.algorithm.name == "grpo" and cfg.model.actor.ppo_epochs == 1 and len(minis) == 1
@@ -337,18 +349,18 @@ class Trainer:
             if cfg.algorithm.name == "grpo":
                 groups = torch.tensor([s["group"] for s in samples], dtype=torch.long)
                 adv_all = algorithms.grpo_advantages(scores_all, groups, cfg.algorithm.norm_adv_by_std)
-                advantages = adv_all[a:b].to(rt.device)[:, None] * mask
+                advantages = adv_all[rows].to(rt.device)[:, None] * mask
             else:
                 t_v = time.perf_counter()
                 old_values = self.critic.values(batch)
                 timings["timing_s/values"] = time.perf_counter() - t_v
                 kl = algorithms.kl_k3(old_lp, ref_lp) if ref_lp is not None else None
-                rewards = algorithms.token_rewards(scores_all[a:b].to(rt.device), mask, kl, cfg.algorithm.kl_coef)
+                rewards = algorithms.token_rewards(scores_all[rows].to(rt.device), mask, kl, cfg.algorithm.kl_coef)
                 advantages, returns = algorithms.gae(rewards, old_values, mask, cfg.algorithm.gamma, cfg.algorithm.lam)
-                advantages = algorithms.whiten(advantages, mask)
-                metrics["critic/values/mean"] = algorithms.masked_mean(old_values, mask).item()
-                metrics["critic/returns/mean"] = algorithms.masked_mean(returns, mask).item()
-            metrics["critic/advantages/mean"] = algorithms.masked_mean(advantages, mask).item()
+                advantages = algorithms.whiten(advantages, mask, all_sum)
+                metrics["critic/values/mean"] = algorithms.global_masked_mean(old_values, mask, all_sum).item()
+                metrics["critic/returns/mean"] = algorithms.global_masked_mean(returns, mask, all_sum).item()
+            metrics["critic/advantages/mean"] = algorithms.global_masked_mean(advantages, mask, all_sum).item()
             timings["timing_s/adv"] = time.perf_counter() - t
             t = time.perf_counter()
             if self.critic is not None:

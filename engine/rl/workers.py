@@ -122,15 +122,89 @@ def micro_chunks(n: int, micro: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + micro)) for a in range(0, n, micro)]
 
 
-def accumulation(engine, micro: int, dp: int, mini_batches: list[tuple[int, int]], epochs: int):
-    """Yield (slice, is_boundary) per micro-batch. A mini-batch is one optimizer step: DeepSpeed's
+@dataclass
+class MiniBatch:
+    """One optimizer step's samples on this rank: rows start..stop of the rank's batch."""
+
+    start: int
+    stop: int
+    tokens: float | None  # response tokens of the whole mini-batch on all ranks (global_tokens), else None
+
+
+def shard_batch(samples: list[dict], mini_size: int, dp_size: int, dp_rank: int,
+                global_tokens: bool) -> tuple[list[int], list[MiniBatch]]:
+    """Which of the step's samples this data-parallel rank trains on (indices, in order) and how
+    they form mini-batches.
+
+    global_tokens: the step's samples are cut into mini-batches of `mini_size` (0: one) first, and
+    each is split evenly over the ranks; every micro-batch divides by its mini-batch's token count
+    over all ranks. The mini-batches and the objective are then the same at any world size; only
+    the order of the floating-point sums changes.
+    Otherwise (``algorithm.loss_normalization=micro_batch``, runs from before): each rank takes a
+    contiguous share, cut into mini-batches of mini_size // dp_size, each micro-batch its own token-mean."""
+    S, D, r = len(samples), dp_size, dp_rank
+    if not global_tokens:
+        a, b = r * (S // D), (r + 1) * (S // D)
+        per_rank = (b - a) if mini_size == 0 else max(1, mini_size // D)
+        return list(range(a, b)), [MiniBatch(x, y, None) for x, y in micro_chunks(b - a, per_rank)]
+    rows: list[int] = []
+    minis: list[MiniBatch] = []
+    for a, b in micro_chunks(S, mini_size or S):
+        share = (b - a) // D
+        tokens = float(sum(len(samples[i]["response_ids"]) for i in range(a, b)))
+        minis.append(MiniBatch(len(rows), len(rows) + share, tokens))
+        rows += range(a + r * share, a + (r + 1) * share)
+    return rows, minis
+
+
+@dataclass
+class Micro:
+    rows: slice  # of the rank's batch
+    boundary: bool  # the last micro-batch of its mini-batch: the optimizer steps after it
+    denom: float | None  # divide summed token terms by this (None: the micro-batch's own token count)
+    scale: float  # undo DeepSpeed's 1/accumulation and 1/dp averaging of the gradients (1 when denom is None)
+
+
+def accumulation(engine, micro: int, dp: int, mini_batches: list[MiniBatch], epochs: int):
+    """Yield a :class:`Micro` per micro-batch. A mini-batch is one optimizer step: DeepSpeed's
     accumulation count is set to its number of micro-batches, which may change between steps."""
     for _ in range(epochs):
-        for a, b in mini_batches:
-            chunks = micro_chunks(b - a, micro)
+        for m in mini_batches:
+            chunks = micro_chunks(m.stop - m.start, micro)
             engine.set_train_batch_size(micro * len(chunks) * dp)
+            scale = 1.0 if m.tokens is None else float(len(chunks) * dp)
             for ca, cb in chunks:
-                yield slice(a + ca, a + cb), cb == chunks[-1][1]
+                yield Micro(slice(m.start + ca, m.start + cb), cb == chunks[-1][1], m.tokens, scale)
+
+
+class UpdateStats:
+    """An update's metrics. Per micro-batch token means (micro_batch normalisation): their mean over
+    micro-batches, as before. global_tokens: a micro-batch adds its share of its mini-batch's token
+    mean; the mini-batch's value is the sum over micro-batches and ranks (times dp here, then the
+    mean over ranks in ``Trainer.apply``); the step's is the mean over mini-batches."""
+
+    def __init__(self, dp: int):
+        self.dp = dp
+        self.values: dict[str, list[float]] = {}
+        self.partial: dict[str, float] = {}
+
+    def token_term(self, mb: Micro, key: str, value: float) -> None:
+        if mb.denom is None:
+            self.values.setdefault(key, []).append(value)
+        else:
+            self.partial[key] = self.partial.get(key, 0.0) + value
+
+    def add(self, key: str, value: float) -> None:
+        self.values.setdefault(key, []).append(value)
+
+    def end_micro(self, mb: Micro) -> None:
+        if mb.boundary and self.partial:
+            for k, v in self.partial.items():
+                self.values.setdefault(k, []).append(v * self.dp)
+            self.partial = {}
+
+    def result(self) -> dict[str, float]:
+        return {k: float(np.mean(v)) for k, v in self.values.items()}
 
 
 # ----------------------------------------------------------------------------- actor
@@ -164,28 +238,30 @@ class ActorWorker:
         model.train(was)
         return torch.cat(out)
 
-    def update(self, batch: Batch, advantages, old_logprobs, ref_logprobs, mini_batches: list[tuple[int, int]]) -> dict[str, float]:
-        stats: dict[str, list[float]] = {}
-        for sl, boundary in accumulation(self.engine, self.ac.micro_batch_size, self.rt.dp_size, mini_batches, self.ac.ppo_epochs):
-            micro_batch = batch.slice(sl.start, sl.stop)
+    def update(self, batch: Batch, advantages, old_logprobs, ref_logprobs, mini_batches: list[MiniBatch]) -> dict[str, float]:
+        stats = UpdateStats(self.rt.dp_size)
+        for mb in accumulation(self.engine, self.ac.micro_batch_size, self.rt.dp_size, mini_batches, self.ac.ppo_epochs):
+            sl, micro_batch = mb.rows, batch.slice(mb.rows.start, mb.rows.stop)
+            mask = micro_batch.resp_mask
             logp, ent = response_logprobs(self.engine, micro_batch, self.temperature, with_entropy=True)
             old = logp.detach() if old_logprobs is None else old_logprobs[sl]  # None: fused (see Trainer.apply)
-            pg_loss, clipfrac, ppo_kl = algorithms.policy_loss(logp, old, advantages[sl], micro_batch.resp_mask, self.ac.clip_ratio)
-            entropy = algorithms.masked_mean(ent, micro_batch.resp_mask)
+            pg_loss, clipfrac, ppo_kl = algorithms.policy_loss(logp, old, advantages[sl], mask, self.ac.clip_ratio, mb.denom)
+            entropy = algorithms.masked_mean(ent, mask, mb.denom)
             loss = pg_loss - self.ac.entropy_coeff * entropy
             if self.cfg.algorithm.name == "grpo" and self.ac.use_kl_loss:
-                kl = algorithms.masked_mean(algorithms.kl_k3(logp, ref_logprobs[sl]), micro_batch.resp_mask)
+                kl = algorithms.masked_mean(algorithms.kl_k3(logp, ref_logprobs[sl]), mask, mb.denom)
                 loss = loss + self.ac.kl_loss_coef * kl
-                _add(stats, "actor/kl_loss", kl.item())
-            self.engine.backward(loss)
-            norm = _step(self.engine, boundary)
-            _add(stats, "actor/pg_loss", pg_loss.item())
-            _add(stats, "actor/pg_clipfrac", clipfrac.item())
-            _add(stats, "actor/ppo_kl", ppo_kl.item())
-            _add(stats, "actor/entropy", entropy.item())
-            if boundary:
-                _add(stats, "actor/grad_norm", norm)
-        out = {k: float(np.mean(v)) for k, v in stats.items()}
+                stats.token_term(mb, "actor/kl_loss", kl.item())
+            self.engine.backward(loss if mb.denom is None else loss * mb.scale)
+            norm = _step(self.engine, mb.boundary)
+            stats.token_term(mb, "actor/pg_loss", pg_loss.item())
+            stats.token_term(mb, "actor/pg_clipfrac", clipfrac.item())
+            stats.token_term(mb, "actor/ppo_kl", ppo_kl.item())
+            stats.token_term(mb, "actor/entropy", entropy.item())
+            if mb.boundary:
+                stats.add("actor/grad_norm", norm)
+            stats.end_micro(mb)
+        out = stats.result()
         out["actor/lr"] = float(self.engine.get_lr()[0])
         return out
 
@@ -215,19 +291,20 @@ class CriticWorker:
         self.engine.module.train()
         return torch.cat(out)
 
-    def update(self, batch: Batch, old_values, returns, mini_batches, epochs: int) -> dict[str, float]:
-        stats: dict[str, list[float]] = {}
-        for sl, boundary in accumulation(self.engine, self.cc.micro_batch_size, self.rt.dp_size, mini_batches, epochs):
-            micro_batch = batch.slice(sl.start, sl.stop)
+    def update(self, batch: Batch, old_values, returns, mini_batches: list[MiniBatch], epochs: int) -> dict[str, float]:
+        stats = UpdateStats(self.rt.dp_size)
+        for mb in accumulation(self.engine, self.cc.micro_batch_size, self.rt.dp_size, mini_batches, epochs):
+            sl, micro_batch = mb.rows, batch.slice(mb.rows.start, mb.rows.stop)
             v = self._values(self.engine, micro_batch)
-            loss, clipfrac = algorithms.value_loss(v, old_values[sl], returns[sl], micro_batch.resp_mask, self.cc.cliprange_value)
-            self.engine.backward(loss)
-            norm = _step(self.engine, boundary)
-            _add(stats, "critic/vf_loss", loss.item())
-            _add(stats, "critic/vf_clipfrac", clipfrac.item())
-            if boundary:
-                _add(stats, "critic/grad_norm", norm)
-        out = {k: float(np.mean(v)) for k, v in stats.items()}
+            loss, clipfrac = algorithms.value_loss(v, old_values[sl], returns[sl], micro_batch.resp_mask, self.cc.cliprange_value, mb.denom)
+            self.engine.backward(loss if mb.denom is None else loss * mb.scale)
+            norm = _step(self.engine, mb.boundary)
+            stats.token_term(mb, "critic/vf_loss", loss.item())
+            stats.token_term(mb, "critic/vf_clipfrac", clipfrac.item())
+            if mb.boundary:
+                stats.add("critic/grad_norm", norm)
+            stats.end_micro(mb)
+        out = stats.result()
         out["critic/lr"] = float(self.engine.get_lr()[0])
         return out
 
@@ -237,10 +314,6 @@ def _set_lr(engine, optim: OptimConfig) -> None:
     if engine.lr_scheduler is None:
         for group in engine.optimizer.param_groups:
             group["lr"] = optim.lr
-
-
-def _add(stats: dict, k: str, v: float) -> None:
-    stats.setdefault(k, []).append(v)
 
 
 def _step(engine, boundary: bool) -> float:

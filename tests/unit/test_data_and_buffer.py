@@ -120,18 +120,26 @@ def test_user_reward_functions_fail_in_one_sentence(tmp_path, monkeypatch):
         load_reward_fn("my_rewards_ok:nope")
 
 
-def test_sampling_uses_only_its_generator():
+def test_sampling_uses_only_its_uniforms():
     logits = torch.randn(6, 11)
-    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    u = torch.rand(6, generator=torch.Generator().manual_seed(5))
     torch.manual_seed(0)
-    t1, lp1 = sample_token(logits, g1, 0.7, 0.9)
+    t1, lp1 = sample_token(logits, u, 0.7, 0.9)
     torch.manual_seed(123)  # the global RNG must not matter
-    t2, lp2 = sample_token(logits, g2, 0.7, 0.9)
+    t2, lp2 = sample_token(logits, u.clone(), 0.7, 0.9)
     assert torch.equal(t1, t2) and torch.equal(lp1, lp2)
+    # a row's token depends on that row alone: the same row in another batch draws the same token
+    t3, lp3 = sample_token(logits[2:4], u[2:4], 0.7, 0.9)
+    assert torch.equal(t3, t1[2:4]) and torch.equal(lp3, lp1[2:4])
 
 
 def test_top_p_keeps_the_nucleus():
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05]]))
-    g = torch.Generator().manual_seed(0)
-    draws = {int(sample_token(logits, g, 1.0, 0.8)[0]) for _ in range(200)}
-    assert draws == {0, 1}
+    u = torch.rand(2000, generator=torch.Generator().manual_seed(0))
+    draws = [int(sample_token(logits, u[i : i + 1], 1.0, 0.8)[0]) for i in range(2000)]
+    assert set(draws) == {0, 1}
+    # the nucleus is renormalised: 0.6 / 0.9 of the draws are token 0
+    assert abs(draws.count(0) / 2000 - 2 / 3) < 0.04
+    # u = 0 and the largest uniform torch.rand gives (1 - 2**-24) stay inside the support
+    assert int(sample_token(logits, torch.tensor([0.0]), 1.0, 0.8)[0]) == 0
+    assert int(sample_token(logits, torch.tensor([1.0 - 2**-24]), 1.0, 0.8)[0]) == 1
