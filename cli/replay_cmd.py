@@ -43,6 +43,8 @@ def replay(
         else:
             src = f"snapshot step_{m.from_snapshot:05d}" if m.from_snapshot else "the initial state"
             out(f"step {m.step}: fingerprint {m.fingerprint} (from {src}, replayed {m.step - m.from_snapshot} steps)")
+            if (line := materialize.exactness_line(m)) is not None:
+                out(line)
             if export is not None:
                 out(f"exported the actor to {export}")
             if snapshot is not None:

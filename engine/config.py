@@ -14,7 +14,10 @@ Each field also declares, where it is declared, what a change to it means for a 
 - ``live(...)``: read by the trainer every step; may change on resume with --allow-config-change
   or on fork, and replay applies each step under the config in force when it was journaled;
 - ``bookkeeping(...)``: shapes only the future or the logs (steps to run, snapshots, logging);
-  may always change on resume, and is left out of the config hash.
+  may always change on resume, and is left out of the config hash;
+- ``topology(...)``: how the state is laid out over the ranks (ZeRO stage, TP size); may change on
+  any resume, like the number of ranks: the snapshot is resharded (state.reshard) and the replayed
+  steps are checked within a tolerance (state.recovery).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import yaml
 
 from .errors import ConfigError
 
-FIXED, LIVE, BOOKKEEPING = "fixed", "live", "bookkeeping"
+FIXED, LIVE, BOOKKEEPING, TOPOLOGY = "fixed", "live", "bookkeeping", "topology"
 MAX_SEED = 2**63 - 1  # seeds are journaled as msgpack integers and seed int64 generators
 
 
@@ -46,6 +49,11 @@ def live(default):
 def bookkeeping(default):
     """A field that shapes only the future or the logs: changeable on any resume."""
     return field(default=default, metadata={"policy": BOOKKEEPING})
+
+
+def topology(default):
+    """A field that lays the state out over the ranks: changeable on any resume (resharded)."""
+    return field(default=default, metadata={"policy": TOPOLOGY})
 
 
 # ----------------------------------------------------------------------------- sections
@@ -230,8 +238,8 @@ class RolloutConfig:
 
 @dataclass
 class DistributedConfig:
-    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
-    tensor_parallel_size: int = 1  # DeepSpeed AutoTP degree (tensor_parallel.autotp_size)
+    zero_stage: int = topology(0)  # DeepSpeed ZeRO stage 0-3
+    tensor_parallel_size: int = topology(1)  # DeepSpeed AutoTP degree (tensor_parallel.autotp_size)
     backend: str = "auto"  # auto (gloo on CPU, nccl on GPU) | gloo | nccl
 
     def validate(self) -> None:
@@ -339,7 +347,8 @@ def check_change(old: dict, new: Config, allow_live: bool, how: str) -> list[str
 
     `how` names the operation for the message ("resume", "fork"). Fixed keys are refused always;
     live keys unless `allow_live`; bookkeeping keys pass. Keys added to verlj since the run began
-    take their defaults and are not a change."""
+    take their defaults and are not a change. Topology keys pass like bookkeeping ones (and like the
+    number of ranks): the snapshot is resharded."""
     changed = diff_configs(config_from_dict(old).to_dict(), new.to_dict())
     fixed = [k for k in changed if POLICIES.get(k, FIXED) == FIXED]
     if fixed:

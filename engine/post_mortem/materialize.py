@@ -31,6 +31,8 @@ class Materialized:
     trainer: object
     ckpt: object
     rt: object
+    exact: bool = True  # every replayed step matched the journal bit for bit (else: within recovery.TOLERANCE)
+    worst: dict | None = None  # the largest deviation from the journaled metrics, when not exact
 
 
 def check_outputs(export: Path | None, snapshot: Path | None, fork: Path | None) -> None:
@@ -62,14 +64,10 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
         last, base = ledger.last_step(), ledger.base_step()
         if not base < to_step <= last and not (to_step == base and base > 0):
             raise RunError(f"--to-step {to_step} is out of range: {run_dir} has steps {base + 1}–{last}")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        trained_on = ledger.get("world_size")
-        if trained_on != world:
-            raise RunError(
-                f"{run_dir} was trained on {trained_on} ranks; replay it with the same number "
-                f"(torchrun --nproc_per_node {trained_on} -m verlj.cli replay ...)"
-            )
         cfg = config_from_dict(ledger.config_at(to_step))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world % cfg.distributed.tensor_parallel_size:  # e.g. a TP run replayed in one process
+            cfg.distributed.tensor_parallel_size = 1
     except BaseException:
         ledger.close()
         raise
@@ -79,22 +77,31 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
     try:
         trainer = Trainer(cfg, rt)
         ckpt = Checkpointer(run_dir, cfg, rt, trainer, None, reporter)
-        step0, fp = materialize_steps(run_dir, rt, trainer, ckpt, ledger if rt.is_main else None, to_step, reporter,
-                                      max_snapshot=max_snapshot)
+        step0, out = materialize_steps(run_dir, rt, trainer, ckpt, ledger if rt.is_main else None, to_step, reporter,
+                                       max_snapshot=max_snapshot)
+        fp = out.fingerprint
         if fp is None:
             fp, _ = fingerprint(trainer.engines(), rt)
     finally:
         ledger.close()
-    return Materialized(to_step, fp, step0, trainer, ckpt, rt)
+    return Materialized(to_step, fp, step0, trainer, ckpt, rt, out.exact, out.worst)
 
 
 def export_hf(m: Materialized, out_dir: Path) -> None:
     """Write the actor as a Hugging Face model directory (safetensors) with its tokenizer."""
     import deepspeed
 
-    if m.rt.tp_size > 1:
-        raise RunError("--export of a tensor-parallel run is not supported yet; use --snapshot")
     module = m.trainer.actor.engine.module
+    if m.rt.tp_size > 1:  # AutoTP shards joined (state.reshard), saved under the model's own names
+        from ..state.reshard import full_parameters
+
+        whole = dict(full_parameters(m.trainer.actor.engine, m.rt, m.trainer.param_layout()["actor"]))
+        if m.rt.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            module.save_pretrained(str(out_dir), state_dict=whole, safe_serialization=True)
+            m.trainer.tokenizer.save_pretrained(str(out_dir))
+        m.rt.barrier()
+        return
     params = list(module.parameters())
     zero3 = any(hasattr(p, "ds_tensor") for p in params)
     ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else _null()
@@ -120,4 +127,17 @@ def write_snapshot(m: Materialized, out_dir: Path) -> None:
 
 
 def replay_report(m: Materialized) -> str:
-    return json.dumps({"step": m.step, "fingerprint": m.fingerprint, "from_snapshot": m.from_snapshot})
+    return json.dumps({"step": m.step, "fingerprint": m.fingerprint, "from_snapshot": m.from_snapshot,
+                       "exact": m.exact, "max_deviation": m.worst})
+
+
+def exactness_line(m: Materialized) -> str | None:
+    """What a replay under another topology than the journal's can promise, in one line (None: exact)."""
+    if m.exact:
+        return None
+    from ..state.recovery import TOLERANCE
+
+    w = m.worst
+    worst = f"; largest deviation {w['deviation']:.3g} ({w['metric']} at step {w['step']})" if w else ""
+    return (f"replayed on another topology than the journal's: bits differ, every journaled metric agreed within "
+            f"rtol {TOLERANCE['rtol']}, atol {TOLERANCE['atol']}{worst}")

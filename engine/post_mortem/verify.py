@@ -295,7 +295,7 @@ def _rotated_away(ledger: Ledger, step: int, path: Path) -> bool:
 
 def deep_check(report: RunReport, run_dir: Path, from_step: int | None) -> None:
     """Replay the journal from each valid snapshot (or from --from-step) to the next one, checking fingerprints."""
-    from .materialize import materialize
+    from .materialize import exactness_line, materialize
 
     if report.last_good_step is None or report.last_good_step < 1:
         return
@@ -310,7 +310,9 @@ def deep_check(report: RunReport, run_dir: Path, from_step: int | None) -> None:
         try:
             m = materialize(run_dir, stop, max_snapshot=start)
             m.trainer.close()
-            report.deep_lines.append(f"✓ Replayed to step {stop} from {snapshot_name(m.from_snapshot) if m.from_snapshot else 'the initial state'}: every fingerprint matches")
+            src = snapshot_name(m.from_snapshot) if m.from_snapshot else "the initial state"
+            line = exactness_line(m)
+            report.deep_lines.append(f"✓ Replayed to step {stop} from {src}: " + ("every fingerprint matches" if line is None else line))
         except Exception as e:  # noqa: BLE001 - the report says what failed
             report.deep_ok = False
             report.deep_lines.append(f"✗ replay to step {stop}: {e}")

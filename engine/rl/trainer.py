@@ -173,6 +173,13 @@ class Trainer:
             engine.destroy()
         self.actor = self.critic = None
 
+    def param_layout(self) -> dict[str, dict[str, tuple]]:
+        """{engine: {parameter: whole shape}} of what each engine trains (state.reshard)."""
+        out = {"actor": self.actor.full_shapes}
+        if self.critic is not None:
+            out["critic"] = self.critic.full_shapes
+        return out
+
     def engines(self) -> dict:
         out = {"actor": self.actor.engine}
         if self.critic is not None:

@@ -58,6 +58,12 @@ def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int, n_params
     return conf
 
 
+def trainable_shapes(module: torch.nn.Module) -> dict[str, tuple]:
+    """{name: whole shape} of the parameters an engine trains, in module order, before DeepSpeed
+    partitions (ZeRO-3) or shards (AutoTP) them: how state.reshard lays out and checks a snapshot."""
+    return {n: tuple(p.shape) for n, p in module.named_parameters() if p.requires_grad}
+
+
 def make_engine(module: torch.nn.Module, optim: OptimConfig, cfg: Config, rt: Runtime, micro: int):
     import deepspeed
 
@@ -218,6 +224,7 @@ class ActorWorker:
         for p in self.ref.parameters():
             p.requires_grad_(False)
         model.train()
+        self.full_shapes = trainable_shapes(model)
         self.engine = make_engine(model, self.ac.optim, cfg, rt, self.ac.micro_batch_size)
         self.temperature = cfg.rollout.temperature
 
@@ -274,6 +281,7 @@ class CriticWorker:
         self.cfg, self.rt = cfg, rt
         self.cc = cfg.model.critic
         module.train()
+        self.full_shapes = trainable_shapes(module)
         self.engine = make_engine(module, self.cc.optim, cfg, rt, self.cc.micro_batch_size)
 
     def set_config(self, cfg: Config) -> None:

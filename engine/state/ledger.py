@@ -3,8 +3,9 @@
     RUN/journal  meta        identity: config, config_hash, seed, versions, topology, created,
                              git_commit, run_dir, reward_model digest; a fork's parent, base_step,
                              chain_base
-                 meta        history: config_history (changes from a step on), lineage (start,
-                             resume, fork), quarantined snapshots
+                 meta        history: config_history (changes from a step on), topology_history
+                             (world size / ZeRO stage / TP size changes from a step on, with the
+                             rebased fingerprint), lineage (start, resume, fork), quarantined snapshots
                  meta        retention: pruned_through (set by the journal's prune), archive (the
                              index of RUN/rollouts/*.parquet, state.archive)
                  snapshots   the snapshot index: step -> path, fingerprint, manifest digest, time
@@ -36,6 +37,7 @@ from ..errors import RunError
 _CONFIG, _HISTORY, _LINEAGE, _QUARANTINE = "config", "config_history", "lineage", "quarantined"
 _PARENT, _BASE, _CHAIN_BASE = "parent", "base_step", "chain_base"
 _ARCHIVE = "archive"
+_TOPOLOGY = "topology_history"
 
 
 def journal_dir(run_dir: Path) -> Path:
@@ -213,6 +215,27 @@ class Ledger:
 
     def record_config_change(self, from_step: int, config: dict) -> None:
         self.journal.set_meta(_HISTORY, [*(self.journal.get_meta(_HISTORY) or []), {"from_step": from_step, "config": config}])
+
+    # ------------------------------------------------------------------ topology history
+
+    def topology_history(self) -> list[dict]:
+        """[{from_step, topology, rebased: {step, fingerprint}, ...}] in order: the resumes that changed
+        the world size, ZeRO stage or TP size. `rebased` is the state after `step` as that resume
+        replayed it under the new topology: the reference for the steps run from `from_step` on."""
+        return list(self.journal.get_meta(_TOPOLOGY) or [])
+
+    def topology_at(self, step: int) -> dict:
+        """{world_size, tensor_parallel_size, zero_stage} that ran `step`."""
+        dist = self.config_at(0).get("distributed", {})
+        topo = {"world_size": self.get("world_size", 1), "tensor_parallel_size": self.get("tensor_parallel_size", 1),
+                "zero_stage": dist.get("zero_stage", 0)}
+        for entry in self.topology_history():
+            if entry["from_step"] <= step:
+                topo = entry["topology"]
+        return topo
+
+    def record_topology_change(self, from_step: int, topology: dict, details: dict) -> None:
+        self.journal.set_meta(_TOPOLOGY, [*self.topology_history(), {"from_step": from_step, "topology": topology, **details}])
 
     # ------------------------------------------------------------------ lineage
 

@@ -19,6 +19,7 @@ MANIFEST = "manifest.json"
 META = "meta.json"
 ANCHOR = "dataflow_anchor.msgpack"
 SNAPSHOT_VERSION = 1
+RESHARDED = "universal"  # a snapshot's converted form for other topologies (state.reshard), checked by its own manifest
 HASH_CHUNK = 4 << 20
 
 
@@ -61,6 +62,33 @@ def build_manifest(root: Path) -> dict:
                 continue
             files[rel] = {"size": p.stat().st_size, "blake3": file_digest(p)}
     return {"version": SNAPSHOT_VERSION, "hash": "blake3", "files": dict(sorted(files.items()))}
+
+
+def check_files(root: Path, files: dict, hash_files: bool = True, res: SnapshotCheck | None = None) -> list[str]:
+    """Problems with a manifest's files under root: missing, wrong size or digest, or not listed.
+    A snapshot's converted form (RESHARDED, and its temporary) has its own manifest and is skipped."""
+    problems = []
+    for rel, info in files.items():
+        p = root / rel
+        if not p.is_file():
+            problems.append(f"{rel} is missing")
+            continue
+        size = p.stat().st_size
+        if size != info["size"]:
+            problems.append(f"{rel} has {size} bytes, the manifest says {info['size']}")
+            continue
+        if not hash_files:
+            continue
+        if res is not None:
+            res.bytes_hashed += size
+        if file_digest(p) != info["blake3"]:
+            problems.append(f"{rel} fails its checksum")
+    skip = (RESHARDED, f".tmp-{RESHARDED}")
+    on_disk = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} - {MANIFEST}
+    for extra in sorted(on_disk - set(files)):
+        if root.joinpath(extra).relative_to(root).parts[0] not in skip:
+            problems.append(f"{extra} is not in the manifest")
+    return problems
 
 
 @dataclass
@@ -124,23 +152,7 @@ def check_snapshot(path: Path, hash_files: bool = True, expected_manifest: str |
         res.problems.append(f"{mpath.name} is not a valid manifest")
         return res
     files = manifest["files"]
-    for rel, info in files.items():
-        p = res.path / rel
-        if not p.is_file():
-            res.problems.append(f"{rel} is missing")
-            continue
-        size = p.stat().st_size
-        if size != info["size"]:
-            res.problems.append(f"{rel} has {size} bytes, the manifest says {info['size']}")
-            continue
-        if not hash_files:
-            continue
-        res.bytes_hashed += size
-        if file_digest(p) != info["blake3"]:
-            res.problems.append(f"{rel} fails its checksum")
-    on_disk = {p.relative_to(res.path).as_posix() for p in res.path.rglob("*") if p.is_file()} - {MANIFEST}
-    for extra in sorted(on_disk - set(files)):
-        res.problems.append(f"{extra} is not in the manifest")
+    res.problems += check_files(res.path, files, hash_files, res)
     if res.problems:
         return res
     res.ok.append(f"All files present and checksum matched ({len(files)} files)" if hash_files else f"All files present ({len(files)} files)")

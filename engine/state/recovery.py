@@ -15,6 +15,8 @@ torch: `verify` and the post-mortem commands use the plan without a deep-learnin
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from verlj.journal import make_event, verify_journal
@@ -25,6 +27,7 @@ from ..errors import ReplayError, SnapshotError
 from .ledger import Ledger
 from .manifest import check_snapshot, snapshot_name
 from .snapshot_store import SnapshotStore
+from .topology import Topology
 
 # ----------------------------------------------------------------------------- the plan
 
@@ -119,7 +122,9 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
 
 def restore(run_dir: Path, rt, trainer, ckpt, ledger: Ledger | None, limit: int, reporter,
             explicit: tuple[int, Path] | None = None, quarantine: bool = False, target: int | None = None) -> int:
-    """Load the chosen snapshot (or keep the initial state). Collective. Returns its step."""
+    """Load the chosen snapshot (or keep the initial state). Collective. Returns its step.
+    A snapshot of another topology is resharded (``ckpt.resharded`` says so); its fingerprint,
+    which hashes the old layout, cannot be compared: the loaded weights are checked instead."""
     from .fingerprint import fingerprint
 
     choice = None
@@ -132,25 +137,58 @@ def restore(run_dir: Path, rt, trainer, ckpt, ledger: Ledger | None, limit: int,
         return 0
     reporter.info(f"Resuming from checkpoint: {path}")
     meta = ckpt.load(Path(path))
+    if ckpt.resharded is not None:
+        r = ckpt.resharded
+        how = "its converted form was cached" if r["cached"] else f"converted in {r['convert_s']:.2f} s"
+        reporter.info(f"Resharded {Path(path).name} from {Topology(**r['from'])} to {Topology(**r['to'])} ({how}); "
+                      "the loaded weights match the converted ones.")
     reporter.info("Loaded model, optimizer, scheduler and RNG states.")
     reporter.info(
         f"Dataflow anchor restored: dataloader at batch_idx={trainer.sampler.cursor}, "
         f"buffer has {len(trainer.buffer)} pending samples."
     )
     fp, _ = fingerprint(trainer.engines(), rt)
-    if fp != meta["fingerprint"]:
+    if ckpt.resharded is None and fp != meta["fingerprint"]:
         raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {meta['fingerprint'][:16]}…")
+    ckpt.loaded_fingerprint = fp
     return step
 
 
+# Replayed under another topology, a step's bits cannot match the journal's (the reductions run in
+# another order); its journaled metrics must then agree within this tolerance: |a - b| <= atol + rtol * |b|.
+TOLERANCE = {"rtol": 1e-3, "atol": 1e-5}
+
+
+@dataclass
+class ReplayOutcome:
+    fingerprint: str | None = None  # of the state after the last replayed step
+    exact: bool = True  # every fingerprint matched the journal's (or a rebased one): on the reference line
+    tolerant_steps: int = 0  # steps checked within TOLERANCE
+    worst: dict | None = None  # {step, metric, replayed, journaled, deviation}: the largest deviation seen
+
+
 def replay(rt, trainer, ledger: Ledger | None, start: int, stop: int, base_cfg: Config, reporter,
-           ckpt=None, check_metrics: bool = True) -> str | None:
-    """Apply journaled steps start..stop (inclusive) and check each fingerprint. Collective."""
+           ckpt=None, check_metrics: bool = True) -> ReplayOutcome:
+    """Apply journaled steps start..stop (inclusive) and check each one. Collective.
+
+    The rule: a step is checked bit for bit (fingerprint and metrics) while the state is on the
+    journal's reference line and the step ran on this topology. A resharded snapshot, or a step
+    journaled under another topology, leaves the line: from there each step's journaled metrics are
+    checked within TOLERANCE and the largest deviation is kept. A topology boundary recorded by an
+    earlier resume (ledger.topology_history) brings the replay back on the line when this replay
+    reaches it on the same topology with the same state that resume had (its rebased fingerprint)."""
     from ..rl.trainer import StepInputs, is_timing
 
-    fp = None
+    out = ReplayOutcome(exact=ckpt is None or ckpt.resharded is None)
     records = ledger.journal.iter_steps(start, stop) if rt.is_main else None
-    history = rt.broadcast_obj(ledger.config_history() if rt.is_main else None)
+    history, topo0, boundaries = rt.broadcast_obj(
+        [ledger.config_history(), ledger.topology_at(0), ledger.topology_history()] if rt.is_main else None)
+    here = Topology.of_runtime(rt, ckpt.cfg if ckpt is not None else base_cfg).as_dict()
+    topo = topo0
+    for entry in boundaries:
+        if entry["from_step"] <= start:
+            topo = entry["topology"]
+    prev_fp = ckpt.loaded_fingerprint if ckpt is not None else None
     current = base_cfg
     for step in range(start, stop + 1):
         record = next(records) if rt.is_main else None
@@ -161,6 +199,12 @@ def replay(rt, trainer, ledger: Ledger | None, start: int, stop: int, base_cfg: 
             if entry["from_step"] == step:
                 current = config_from_dict(entry["config"])
                 trainer.set_config(current)
+        for entry in boundaries:
+            if entry["from_step"] == step:
+                topo = entry["topology"]
+                if not out.exact and topo == here and prev_fp == entry["rebased"]["fingerprint"]:
+                    out.exact = True  # the state that resume trained on from here: back on the line
+        out.exact = out.exact and topo == here
         if record["pruned"]:
             raise ReplayError(f"step {step}'s samples were pruned from the journal (journal.retain_samples); it cannot be replayed")
         inputs = StepInputs.from_record(record)
@@ -168,22 +212,49 @@ def replay(rt, trainer, ledger: Ledger | None, start: int, stop: int, base_cfg: 
         trainer.advance_sampler(inputs)
         outcome = trainer.apply(step, inputs, samples)
         events = {e["type"]: e for e in record["events"]}
-        want = events["state"]["fingerprint"]
-        if outcome.fingerprint != want:
-            raise ReplayError(
-                f"replay diverged at step {step}: fingerprint {outcome.fingerprint[:16]}… but the journal has {want[:16]}…"
-            )
         journaled = events["metrics"]["values"]
-        if check_metrics:
-            mine = {k: v for k, v in outcome.metrics.items() if not is_timing(k)}
-            bad = [k for k in journaled if not is_timing(k) and k in mine and not _same_float(journaled[k], mine[k])]
-            if bad:
-                raise ReplayError(f"replay diverged at step {step}: metric {bad[0]} is {mine[bad[0]]!r}, journaled {journaled[bad[0]]!r}")
+        mine = {k: v for k, v in outcome.metrics.items() if not is_timing(k)}
+        if out.exact:
+            want = events["state"]["fingerprint"]
+            if outcome.fingerprint != want:
+                raise ReplayError(
+                    f"replay diverged at step {step}: fingerprint {outcome.fingerprint[:16]}… but the journal has {want[:16]}…"
+                )
+            if check_metrics:
+                bad = [k for k in journaled if not is_timing(k) and k in mine and not _same_float(journaled[k], mine[k])]
+                if bad:
+                    raise ReplayError(f"replay diverged at step {step}: metric {bad[0]} is {mine[bad[0]]!r}, journaled {journaled[bad[0]]!r}")
+        else:
+            _check_within_tolerance(step, journaled, mine, out)
         if ckpt is not None:
             ckpt.replayed(step, journaled)
-        fp = outcome.fingerprint
+        out.fingerprint = prev_fp = outcome.fingerprint
         failpoint("replay.step")
-    return fp
+    return out
+
+
+def _check_within_tolerance(step: int, journaled: dict, mine: dict, out: ReplayOutcome) -> None:
+    from ..rl.trainer import is_timing
+
+    rtol, atol = TOLERANCE["rtol"], TOLERANCE["atol"]
+    for k, want in journaled.items():
+        if is_timing(k) or k not in mine:
+            continue
+        got = mine[k]
+        if _same_float(want, got):
+            dev = 0.0
+        elif want != want or got != got:
+            dev = math.inf
+        else:
+            dev = abs(got - want)
+        if out.worst is None or dev > out.worst["deviation"]:
+            out.worst = {"step": step, "metric": k, "replayed": got, "journaled": want, "deviation": dev}
+        if dev > atol + rtol * abs(want):
+            raise ReplayError(
+                f"replay under another topology diverged at step {step}: metric {k} is {got!r}, journaled {want!r} "
+                f"(beyond the tolerance {atol} + {rtol} x |journaled|)"
+            )
+    out.tolerant_steps += 1
 
 
 def _same_float(a, b) -> bool:
@@ -192,21 +263,44 @@ def _same_float(a, b) -> bool:
 
 def materialize_steps(run_dir: Path, rt, trainer, ckpt, ledger: Ledger | None, to_step: int, reporter,
                       explicit: tuple[int, Path] | None = None, max_snapshot: int | None = None,
-                      quarantine: bool = False) -> tuple[int, str | None]:
+                      quarantine: bool = False) -> tuple[int, ReplayOutcome]:
     """The state after `to_step`: restore the best snapshot, replay the rest under the configs the
-    journal recorded. Collective. Returns (snapshot step, fingerprint or None if nothing replayed)."""
+    journal recorded. Collective. Returns (snapshot step, what the replay found; its fingerprint is
+    None when nothing was replayed)."""
     trainer.set_config(config_from_dict(rt.broadcast_obj(ledger.config_at(to_step) if rt.is_main else None)))
     limit = to_step if max_snapshot is None else min(to_step, max_snapshot)
+    ckpt.loaded_fingerprint = None
     step0 = restore(run_dir, rt, trainer, ckpt, ledger, limit, reporter, explicit, quarantine, target=to_step)
     if step0 >= to_step:
-        return step0, None
+        return step0, ReplayOutcome(exact=ckpt.resharded is None)
     first = config_from_dict(rt.broadcast_obj(ledger.config_at(step0 + 1) if rt.is_main else None))
     trainer.set_config(first)
-    fp = replay(rt, trainer, ledger, step0 + 1, to_step, first, reporter, ckpt)
-    return step0, fp
+    out = replay(rt, trainer, ledger, step0 + 1, to_step, first, reporter, ckpt)
+    if out.tolerant_steps:
+        w = out.worst
+        reporter.info(f"Replayed {out.tolerant_steps} step(s) under another topology, checked within rtol {TOLERANCE['rtol']}, "
+                      f"atol {TOLERANCE['atol']}: largest deviation {w['deviation']:.3g} ({w['metric']} at step {w['step']}).")
+    return step0, out
 
 
 # ----------------------------------------------------------------------------- --resume
+
+
+def _topology_boundary(rt, trainer, ckpt, ledger, cfg: Config, step0: int, last: int, out: ReplayOutcome) -> dict | None:
+    """After a resume's restore and replay: the details of a topology boundary at step last + 1, or
+    None when the state is still on the journal's reference line on the same topology. The rebased
+    fingerprint is the state now, which the steps from last + 1 on build on."""
+    from .fingerprint import fingerprint
+
+    here = Topology.of_runtime(rt, cfg).as_dict()
+    before = rt.broadcast_obj(ledger.topology_at(last) if rt.is_main else None)
+    if out.exact and here == before:
+        return None
+    fp, _ = fingerprint(trainer.engines(), rt)
+    return {"from": before, "to": here, "snapshot_step": step0, "resharded": ckpt.resharded,
+            "replayed": [step0 + 1, last] if step0 < last else None, "tolerance": TOLERANCE,
+            "checked_steps": out.tolerant_steps, "max_deviation": out.worst, "rebased": {"step": last, "fingerprint": fp}}
+
 
 
 def resume_state(run_dir: Path, cfg: Config, rt, trainer, ledger: Ledger | None, ckpt, reporter,
@@ -232,12 +326,13 @@ def resume_state(run_dir: Path, cfg: Config, rt, trainer, ledger: Ledger | None,
             found = resolve_explicit(run_dir, ledger, spec) if rt.is_main else None
             explicit = rt.broadcast_obj(None if found is None else [found[0], str(found[1])])
             explicit = (explicit[0], Path(explicit[1]))
-    step0, _ = materialize_steps(run_dir, rt, trainer, ckpt, ledger, last, reporter, explicit,
-                                 max_snapshot=limit, quarantine=True)
+    step0, out = materialize_steps(run_dir, rt, trainer, ckpt, ledger, last, reporter, explicit,
+                                   max_snapshot=limit, quarantine=True)
     if step0 < last:
         reporter.info(f"Replayed steps {step0 + 1}–{last} from the journal.")
     trainer.set_config(cfg)
     from_snapshot = snapshot_name(step0) if step0 else None
+    topology = _topology_boundary(rt, trainer, ckpt, ledger, cfg, step0, last, out)
     control = [make_event("control", kind="resume", details={
         "from_snapshot": from_snapshot,
         "snapshot_step": step0,
@@ -246,7 +341,13 @@ def resume_state(run_dir: Path, cfg: Config, rt, trainer, ledger: Ledger | None,
         "allow_config_change": allow_change,
         "world_size": rt.world_size,
     })]
+    if topology is not None:
+        control.append(make_event("control", kind="topology", details=topology))
+        reporter.info(f"Step {last + 1}: topology {Topology(**topology['from'])} -> {Topology(**topology['to'])}; "
+                      "the fingerprints journaled from here on are the new reference.")
     if rt.is_main:
+        if topology is not None:
+            ledger.record_topology_change(last + 1, topology["to"], {k: v for k, v in topology.items() if k != "to"})
         ledger.record_resume(last, step0, changed, rt.world_size)
         if changed:
             ledger.record_config_change(last + 1, cfg.to_dict())

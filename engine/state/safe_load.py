@@ -7,6 +7,7 @@ DeepSpeed writes its checkpoints with ``torch.save``; verlj reads them back thro
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 from collections import OrderedDict
@@ -35,6 +36,24 @@ def safe_globals() -> list:
 def load_weights_only(path, map_location=None, mmap: bool = False):
     with torch.serialization.safe_globals(safe_globals()):
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+
+@contextlib.contextmanager
+def weights_only_everywhere():
+    """While inside, every ``torch.load`` (DeepSpeed's universal-checkpoint converter and loader
+    call it with weights_only=False) loads tensors and the allowlist only."""
+    original = torch.load
+
+    def safe(f, map_location=None, *args, **kwargs):
+        kwargs.pop("weights_only", None)
+        with torch.serialization.safe_globals(safe_globals()):
+            return original(f, map_location, *args, weights_only=True, **kwargs)
+
+    torch.load = safe
+    try:
+        yield
+    finally:
+        torch.load = original
 
 
 def _copy_state(obj):

@@ -34,13 +34,14 @@ from verlj.journal.failpoints import failpoint
 
 from ..config import Config
 from ..errors import RunError, SnapshotError
-from . import retention
+from . import reshard, retention
 from .ledger import Ledger
 from .manifest import ANCHOR, META, SNAPSHOT_VERSION, fsync_tree, snapshot_name, write_bytes_durable
 from .policy import CheckpointSchedule
 from .safe_load import install_safe_checkpointing
 from .seeding import RNGState
 from .snapshot_store import SnapshotStore
+from .topology import Topology, refusal
 
 
 def rng_file(rank: int) -> str:
@@ -59,6 +60,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_saved: int | None = None
+        self.resharded: dict | None = None  # set by load() when the snapshot came from another topology
+        self.loaded_fingerprint: str | None = None  # the state's fingerprint right after a restore (recovery)
         self.blocked_s = 0.0  # how long the last snapshot blocked the loop
         for engine in trainer.engines().values():
             install_safe_checkpointing(engine)
@@ -230,18 +233,18 @@ class Checkpointer:
         engines = self.trainer.engines()
         if sorted(meta["engines"]) != sorted(engines):
             raise SnapshotError(f"{path} holds engines {meta['engines']}, this run has {list(engines)}")
-        if meta["world_size"] != self.rt.world_size or meta["tensor_parallel_size"] != self.rt.tp_size:
-            raise SnapshotError(
-                f"{path} was saved with {meta['world_size']} ranks (TP {meta['tensor_parallel_size']}); "
-                f"this run has {self.rt.world_size} (TP {self.rt.tp_size}); resume with the same topology"
-            )
-        for tag, engine in engines.items():
-            install_safe_checkpointing(engine)
-            load_path, _ = engine.load_checkpoint(
-                str(path), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True
-            )
-            if load_path is None:
-                raise SnapshotError(f"DeepSpeed found no checkpoint for {tag!r} in {path}")
+        src, dst = Topology.of_snapshot(meta), Topology.of_runtime(self.rt, self.cfg)
+        self.resharded = None
+        if src == dst:
+            for tag, engine in engines.items():
+                install_safe_checkpointing(engine)
+                load_path, _ = engine.load_checkpoint(
+                    str(path), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True
+                )
+                if load_path is None:
+                    raise SnapshotError(f"DeepSpeed found no checkpoint for {tag!r} in {path}")
+        else:
+            self.resharded = self._load_resharded(path, meta, src, dst)
         anchor = unpackb((path / ANCHOR).read_bytes())
         for name, part in self.parts().items():
             if name in anchor:
@@ -249,8 +252,31 @@ class Checkpointer:
             elif name != "train_state" and name != "checkpoint_schedule":
                 raise SnapshotError(f"{path / ANCHOR} has no {name!r} state")
             # snapshots written before these parts existed: they start from their initial state
-        self.rng.load_state_dict(unpackb((path / rng_file(self.rt.rank)).read_bytes()))
+        own = path / rng_file(self.rt.rank)  # a rank the snapshot's topology did not have takes rank 0's
+        self.rng.load_state_dict(unpackb((own if own.is_file() else path / rng_file(0)).read_bytes()))
         return meta
+
+    def _load_resharded(self, path: Path, meta: dict, src, dst) -> dict:
+        """Load a snapshot written under another topology through its universal form (state.reshard),
+        converting it first if no valid converted form is cached. Collective."""
+        why = refusal(src, dst)
+        if why:
+            raise SnapshotError(f"{path} was saved on {src}; this run is on {dst}: {why}")
+        layout = self.trainer.param_layout()
+        found = [None, 0.0, None]
+        if self.rt.is_main:
+            try:
+                root, seconds = reshard.ensure_converted(path, meta, {t: list(v) for t, v in layout.items()}, layout)
+                found = [str(root), seconds, None]
+            except (SnapshotError, OSError, RuntimeError) as e:
+                found = [None, 0.0, str(e).splitlines()[0][:300] if str(e) else type(e).__name__]
+        root, seconds, error = self.rt.broadcast_obj(found)
+        if error:
+            raise SnapshotError(error)
+        for tag, engine in self.trainer.engines().items():
+            reshard.load(engine, tag, Path(root), self.rt)
+            reshard.check_loaded(engine, tag, Path(root), self.rt, layout[tag])
+        return {"from": src.as_dict(), "to": dst.as_dict(), "convert_s": seconds, "cached": seconds == 0.0}
 
 
 def _write_small(tmp: Path, small: dict[str, bytes]) -> None:

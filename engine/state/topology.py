@@ -1,0 +1,39 @@
+"""A run's topology: the number of ranks, the ZeRO stage and the tensor-parallel size that lay its
+state out, and which changes of it a snapshot can be resharded across (state.reshard does it).
+No torch here: recovery's plan and the post-mortem commands use it without a deep-learning stack."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    tensor_parallel_size: int
+    zero_stage: int
+
+    @classmethod
+    def of_snapshot(cls, meta: dict) -> Topology:
+        return cls(int(meta["world_size"]), int(meta["tensor_parallel_size"]), int(meta.get("zero_stage", 0)))
+
+    @classmethod
+    def of_runtime(cls, rt, cfg) -> Topology:
+        return cls(rt.world_size, rt.tp_size, cfg.distributed.zero_stage)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"{self.world_size} rank{'s' if self.world_size != 1 else ''}, ZeRO-{self.zero_stage}, TP {self.tensor_parallel_size}"
+
+
+def refusal(src: Topology, dst: Topology) -> str | None:
+    """Why a snapshot of `src` cannot be loaded under `dst` (one sentence), or None."""
+    if src.tensor_parallel_size > 1 and src.zero_stage > 0:
+        return (f"a snapshot of a tensor-parallel run with ZeRO-{src.zero_stage} cannot be resharded (DeepSpeed's "
+                f"converter has no AutoTP layout for it); resume it on {src}, or train TP runs at ZeRO-0, which reshard")
+    if dst.tensor_parallel_size > 1 and dst.zero_stage > 0 and src != dst:
+        return (f"resharded state loads into tensor-parallel engines only at ZeRO-0 (this resume asks for ZeRO-{dst.zero_stage} "
+                f"with TP {dst.tensor_parallel_size}); use distributed.zero_stage=0 with TP, or TP 1 with any stage")
+    return None
