@@ -31,8 +31,9 @@ class Materialized:
     trainer: object
     ckpt: object
     rt: object
-    exact: bool = True  # every replayed step matched the journal bit for bit (else: within recovery.TOLERANCE)
-    worst: dict | None = None  # the largest deviation from the journaled metrics, when not exact
+    exact: bool = True  # the state is on the journal's reference line (its fingerprint is comparable)
+    tolerant_steps: int = 0  # steps replayed off that line, checked within recovery.TOLERANCE
+    worst: dict | None = None  # the largest deviation from the journaled metrics among those
 
 
 def check_outputs(export: Path | None, snapshot: Path | None, fork: Path | None) -> None:
@@ -84,7 +85,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
             fp, _ = fingerprint(trainer.engines(), rt)
     finally:
         ledger.close()
-    return Materialized(to_step, fp, step0, trainer, ckpt, rt, out.exact, out.worst)
+    return Materialized(to_step, fp, step0, trainer, ckpt, rt, out.exact, out.tolerant_steps, out.worst)
 
 
 def export_hf(m: Materialized, out_dir: Path) -> None:
@@ -128,16 +129,20 @@ def write_snapshot(m: Materialized, out_dir: Path) -> None:
 
 def replay_report(m: Materialized) -> str:
     return json.dumps({"step": m.step, "fingerprint": m.fingerprint, "from_snapshot": m.from_snapshot,
-                       "exact": m.exact, "max_deviation": m.worst})
+                       "exact": m.exact, "tolerant_steps": m.tolerant_steps, "max_deviation": m.worst})
 
 
 def exactness_line(m: Materialized) -> str | None:
-    """What a replay under another topology than the journal's can promise, in one line (None: exact)."""
-    if m.exact:
+    """What a replay that crossed a topology change can promise, in one line (None: bit for bit)."""
+    if m.exact and not m.tolerant_steps:
         return None
     from ..state.recovery import TOLERANCE
 
+    if not m.tolerant_steps:
+        return ("resharded from a snapshot of another topology (the weights equal the snapshot's); the fingerprint "
+                "hashes this topology's layout, so it differs from the journal's")
     w = m.worst
-    worst = f"; largest deviation {w['deviation']:.3g} ({w['metric']} at step {w['step']})" if w else ""
-    return (f"replayed on another topology than the journal's: bits differ, every journaled metric agreed within "
-            f"rtol {TOLERANCE['rtol']}, atol {TOLERANCE['atol']}{worst}")
+    worst = f" (largest deviation {w['deviation']:.3g}, {w['metric']} at step {w['step']})" if w else ""
+    then = ("; exact again from the topology boundary on" if m.exact else "")
+    return (f"{m.tolerant_steps} step(s) replayed on another topology than the journal's: bits differ, every journaled "
+            f"metric agreed within rtol {TOLERANCE['rtol']}, atol {TOLERANCE['atol']}{worst}{then}")

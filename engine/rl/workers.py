@@ -36,7 +36,7 @@ def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int, n_params
                 "torch_adam": True,
             },
         },
-        "gradient_clipping": optim.grad_clip,
+        "gradient_clipping": 0.0 if verlj_clips(cfg, rt, cfg.distributed.zero_stage) else optim.grad_clip,
         "zero_optimization": {
             "stage": cfg.distributed.zero_stage,
             "reduce_bucket_size": bucket,
@@ -56,6 +56,43 @@ def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int, n_params
     if rt.tp_size > 1:
         conf["tensor_parallel"] = {"autotp_size": rt.tp_size}
     return conf
+
+
+def verlj_clips(cfg: Config, rt: Runtime, zero_stage: int) -> bool:
+    """AutoTP at ZeRO-0: DeepSpeed (0.19) has no model-parallel unit there and clips each rank's
+    gradients by the norm of that rank's shards alone, so TP ranks clip by different factors and the
+    objective depends on the TP size. verlj computes the whole model's norm and clips itself
+    (:func:`clip_tp_gradients`). Runs from before (loss_normalization=micro_batch) keep DeepSpeed's."""
+    return rt.tp_size > 1 and zero_stage == 0 and cfg.algorithm.loss_normalization == "global_tokens"
+
+
+def clip_tp_gradients(engine, full_shapes: dict[str, tuple], max_norm: float, rt: Runtime) -> float:
+    """Clip by the norm of the whole model's gradient (sharded parameters summed over the TP group,
+    replicated ones counted once), as DeepSpeed clips an unsharded model. Returns that norm."""
+    import torch.distributed as dist
+
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    grads = []
+    for name, p in engine.module.named_parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if tuple(p.shape) == tuple(full_shapes[name]):
+            replicated += sq
+        else:
+            sharded += sq
+        grads.append(p.grad)
+    if rt.world_size > 1:
+        sharded = sharded.to(rt.device)
+        dist.all_reduce(sharded)  # over every rank: each TP group's sum, once per data-parallel replica
+        sharded = sharded.cpu() / rt.dp_size
+    norm = float(torch.sqrt(sharded + replicated))
+    coef = max_norm / (norm + 1e-6)
+    if max_norm > 0 and coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 def trainable_shapes(module: torch.nn.Module) -> dict[str, tuple]:
@@ -216,10 +253,26 @@ class UpdateStats:
 # ----------------------------------------------------------------------------- actor
 
 
-class ActorWorker:
+class _Stepper:
+    """engine.step() for a worker, clipping TP gradients itself where DeepSpeed cannot (verlj_clips)."""
+
+    engine: object
+    full_shapes: dict
+    optim: OptimConfig  # the worker's own optimizer section (actor or critic)
+
+    def _step(self, boundary: bool) -> float:
+        if boundary and verlj_clips(self.cfg, self.rt, self.engine.zero_optimization_stage()):
+            norm = clip_tp_gradients(self.engine, self.full_shapes, self.optim.grad_clip, self.rt)
+            self.engine.step()
+            return norm
+        return _step(self.engine, boundary)
+
+
+class ActorWorker(_Stepper):
     def __init__(self, model: torch.nn.Module, cfg: Config, rt: Runtime):
         self.cfg, self.rt = cfg, rt
         self.ac = cfg.model.actor
+        self.optim = self.ac.optim
         self.ref = copy.deepcopy(model).to(rt.device).eval()
         for p in self.ref.parameters():
             p.requires_grad_(False)
@@ -234,6 +287,7 @@ class ActorWorker:
 
     def set_config(self, cfg: Config) -> None:
         self.cfg, self.ac, self.temperature = cfg, cfg.model.actor, cfg.rollout.temperature
+        self.optim = self.ac.optim
         _set_lr(self.engine, self.ac.optim)
 
     @torch.no_grad()
@@ -260,7 +314,7 @@ class ActorWorker:
                 loss = loss + self.ac.kl_loss_coef * kl
                 stats.token_term(mb, "actor/kl_loss", kl.item())
             self.engine.backward(loss if mb.denom is None else loss * mb.scale)
-            norm = _step(self.engine, mb.boundary)
+            norm = self._step(mb.boundary)
             stats.token_term(mb, "actor/pg_loss", pg_loss.item())
             stats.token_term(mb, "actor/pg_clipfrac", clipfrac.item())
             stats.token_term(mb, "actor/ppo_kl", ppo_kl.item())
@@ -276,16 +330,18 @@ class ActorWorker:
 # ----------------------------------------------------------------------------- critic
 
 
-class CriticWorker:
+class CriticWorker(_Stepper):
     def __init__(self, module: torch.nn.Module, cfg: Config, rt: Runtime):
         self.cfg, self.rt = cfg, rt
         self.cc = cfg.model.critic
+        self.optim = self.cc.optim
         module.train()
         self.full_shapes = trainable_shapes(module)
         self.engine = make_engine(module, self.cc.optim, cfg, rt, self.cc.micro_batch_size)
 
     def set_config(self, cfg: Config) -> None:
         self.cfg, self.cc = cfg, cfg.model.critic
+        self.optim = self.cc.optim
         _set_lr(self.engine, self.cc.optim)
 
     def _values(self, model, batch: Batch) -> torch.Tensor:
@@ -306,7 +362,7 @@ class CriticWorker:
             v = self._values(self.engine, micro_batch)
             loss, clipfrac = algorithms.value_loss(v, old_values[sl], returns[sl], micro_batch.resp_mask, self.cc.cliprange_value, mb.denom)
             self.engine.backward(loss if mb.denom is None else loss * mb.scale)
-            norm = _step(self.engine, mb.boundary)
+            norm = self._step(mb.boundary)
             stats.token_term(mb, "critic/vf_loss", loss.item())
             stats.token_term(mb, "critic/vf_clipfrac", clipfrac.item())
             if mb.boundary:
