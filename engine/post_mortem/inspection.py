@@ -56,6 +56,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
     with open_run(run_dir) as j:
         meta = j.identity()
         lineage = j.lineage()
+        topology = j.topology_history()
         quarantined = j.quarantined()
         last, base = j.last_step(), j.base_step()
         index = j.snapshots()
@@ -84,9 +85,22 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
         "last_step": last,
         "snapshots": snaps,
         "lineage": lineage,
+        "topology": topology,
         "quarantined": quarantined,
         "trend": trend,
     }
+
+
+def topology_line(entry: dict) -> str:
+    """One topology boundary of the ledger's history, in words."""
+    from ..state.topology import Topology
+
+    said = f"from step {entry['from_step']}: {Topology(**entry['from'])} -> {Topology(**entry['topology'])}"
+    if entry.get("checked_steps"):
+        w = entry.get("max_deviation") or {}
+        said += (f"; {entry['checked_steps']} replayed step(s) agreed with the journal within the tolerance "
+                 f"(largest deviation {w.get('deviation', 0):.3g}, {w.get('metric')})")
+    return said + "; bits differ from here by design, the new fingerprints are the reference"
 
 
 def sparkline(values: list[float | None]) -> str:
@@ -130,6 +144,8 @@ def render_summary(s: dict) -> str:
         else:
             changes = f", config changes: {', '.join(entry['config_changes'])}" if entry.get("config_changes") else ""
             lines.append(f"lineage    resumed after step {entry['at_step']} from snapshot step {entry['snapshot_step']} at {entry['time']}{changes}")
+    for entry in s.get("topology", []):
+        lines.append(f"topology   {topology_line(entry)}")
     if s["trend"]:
         rewards = [t["reward"] for t in s["trend"]]
         losses = [t["loss"] for t in s["trend"]]
@@ -340,6 +356,7 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
         base = max(ja.base_step(), jb.base_step())
         common = min(la, lb)
         config_changes = _config_differences(ja, jb)
+        topology = {"a": ja.topology_history(), "b": jb.topology_history()}
         for x, y in zip(ja.journal.iter_summaries(base + 1, common), jb.journal.iter_summaries(base + 1, common)):
             step = x["step"]
             same = _comparable(x["events"]) == _comparable(y["events"])
@@ -357,7 +374,7 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
             metrics = {k: [ma.get(k), mb.get(k)] for k in sorted(set(ma) | set(mb))
                        if not k.startswith("timing_s/") and _canon(ma.get(k)) != _canon(mb.get(k))}
             return {"identical": False, "step": step, "differs": kinds, "detail": {"metrics": metrics},
-                    "config": config_changes, "steps_a": la, "steps_b": lb}
+                    "config": config_changes, "steps_a": la, "steps_b": lb, "topology": topology}
     if la != lb:
         return {"identical": False, "step": common + 1, "differs": ["length"], "detail": {}, "config": config_changes,
                 "steps_a": la, "steps_b": lb}
@@ -395,6 +412,10 @@ def render_diff(d: dict, a: Path, b: Path) -> str:
     names = {"data": "data (indices drawn)", "rng": "seeds", "buffer.add": "samples", "buffer.drop": "dropped samples",
              "buffer.consume": "consumed samples", "metrics": "metrics", "state": "fingerprint"}
     lines = [f"first difference at step {d['step']}: " + ", ".join(names.get(k, k) for k in d["differs"]), *config]
+    for side, run in (("a", a), ("b", b)):
+        for entry in d.get("topology", {}).get(side, []):
+            if entry["from_step"] <= d["step"]:
+                lines.append(f"  note: {run} changed topology {topology_line(entry)}")
     for k, (va, vb) in list(d["detail"].get("metrics", {}).items())[:12]:
         lines.append(f"  {k:32s} {va!r:>14} vs {vb!r}")
     return "\n".join(lines)

@@ -75,7 +75,8 @@ def test_replay_json_is_alone_on_stdout_and_no_extension_is_built(base, tmp_path
     ext = tmp_path / "torch_extensions"
     out = verlj("replay", base, "--to-step", 3, "--json", TORCH_EXTENSIONS_DIR=ext)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout) == {"step": 3, "fingerprint": fingerprints(base)[3], "from_snapshot": 2}
+    assert json.loads(out.stdout) == {"step": 3, "fingerprint": fingerprints(base)[3], "from_snapshot": 2, "exact": True,
+                                      "tolerant_steps": 0, "max_deviation": None}
     # nothing was JIT-compiled (DeepSpeed's CPU shared-memory op took ~100 s on a fresh machine)
     assert not ext.exists() or not any(ext.rglob("*.so")), list(ext.rglob("*"))
 

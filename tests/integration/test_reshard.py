@@ -117,6 +117,10 @@ def test_two_ranks_zero2_killed_resumed_on_one_rank(tmp_path, refs):
     v = verlj("verify", run, "--deep")
     assert v.returncode == 0, v.stdout + v.stderr
     assert "other topology" in v.stdout  # the deep replay from step_00002 crossed the boundary
+    said = verlj("inspect", run).stdout
+    assert "topology   from step 4: 2 ranks, ZeRO-2, TP 1 -> 1 rank, ZeRO-2, TP 1; 1 replayed step(s)" in said
+    said = verlj("diff", run, refs["z2x2"]).stdout
+    assert said.startswith("first difference at step 4") and f"note: {run} changed topology from step 4" in said
     mine, _ = exported(run, tmp_path, "mine")
     theirs, said = exported(refs["z2x2"], tmp_path, "theirs")  # a 2-rank snapshot, loaded in one process
     assert_close_weights(mine, theirs)
