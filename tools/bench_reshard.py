@@ -19,6 +19,7 @@ import argparse
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,14 +37,22 @@ SIZES = {
 
 
 def verlj(run: Path, over: list[str], ranks: int, resume: bool) -> tuple[float, str]:
-    launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
+    launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                                                  "--master_port", str(free_port())]
     cmd = [*launch, "-m", "verlj.cli", "train", "--output-dir", str(run), *COMMON, *over, *(["--resume"] if resume else [])]
+    print(f"  ... {' '.join(cmd[cmd.index('train') - 2:][:4])} {'--resume' if resume else ''} ({ranks} rank(s))", flush=True)
     t = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     dt = time.perf_counter() - t
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
     return dt, out.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def params_of(size: str) -> str:
@@ -61,13 +70,13 @@ def bench(size: str, root: Path) -> None:
     verlj(src, [*over, "trainer.total_steps=3"], 2, False)
     rows = []
     same = root / f"{size}-same"
-    shutil.copytree(src, same)
+    shutil.copytree(src, same, symlinks=True)
     rows.append(("same topology (2 ranks, ZeRO-2)", *verlj(same, [*over, "trainer.total_steps=4"], 2, True)))
     other = root / f"{size}-other"
-    shutil.copytree(src, other)
+    shutil.copytree(src, other, symlinks=True)
     rows.append(("1 rank, ZeRO-2, converting", *verlj(other, [*over, "trainer.total_steps=4"], 1, True)))
     again = root / f"{size}-again"
-    shutil.copytree(src, again)
+    shutil.copytree(src, again, symlinks=True)
     shutil.copytree(other / "step_00003" / "universal", again / "step_00003" / "universal")
     rows.append(("1 rank, ZeRO-2, converted form cached", *verlj(again, [*over, "trainer.total_steps=4"], 1, True)))
     convert = re.search(r"converted in ([0-9.]+) s", rows[1][2])
