@@ -260,6 +260,20 @@ class _Stepper:
     full_shapes: dict
     optim: OptimConfig  # the worker's own optimizer section (actor or critic)
 
+    def _backward_and_step(self, mb: Micro, loss, stats: UpdateStats, prefix: str) -> None:
+        """Backward (scaled when the loss is a share of a global token mean), then the engine's step;
+        the gradient norm is recorded at the mini-batch boundary."""
+        self.engine.backward(loss if mb.denom is None else loss * mb.scale)
+        norm = self._step(mb.boundary)
+        if mb.boundary:
+            stats.add(f"{prefix}/grad_norm", norm)
+        stats.end_micro(mb)
+
+    def _result(self, stats: UpdateStats, prefix: str) -> dict[str, float]:
+        out = stats.result()
+        out[f"{prefix}/lr"] = float(self.engine.get_lr()[0])
+        return out
+
     def _step(self, boundary: bool) -> float:
         if boundary and verlj_clips(self.cfg, self.rt, self.engine.zero_optimization_stage()):
             norm = clip_tp_gradients(self.engine, self.full_shapes, self.optim.grad_clip, self.rt)
@@ -313,18 +327,12 @@ class ActorWorker(_Stepper):
                 kl = algorithms.masked_mean(algorithms.kl_k3(logp, ref_logprobs[sl]), mask, mb.denom)
                 loss = loss + self.ac.kl_loss_coef * kl
                 stats.token_term(mb, "actor/kl_loss", kl.item())
-            self.engine.backward(loss if mb.denom is None else loss * mb.scale)
-            norm = self._step(mb.boundary)
             stats.token_term(mb, "actor/pg_loss", pg_loss.item())
             stats.token_term(mb, "actor/pg_clipfrac", clipfrac.item())
             stats.token_term(mb, "actor/ppo_kl", ppo_kl.item())
             stats.token_term(mb, "actor/entropy", entropy.item())
-            if mb.boundary:
-                stats.add("actor/grad_norm", norm)
-            stats.end_micro(mb)
-        out = stats.result()
-        out["actor/lr"] = float(self.engine.get_lr()[0])
-        return out
+            self._backward_and_step(mb, loss, stats, "actor")
+        return self._result(stats, "actor")
 
 
 # ----------------------------------------------------------------------------- critic
@@ -361,16 +369,10 @@ class CriticWorker(_Stepper):
             sl, micro_batch = mb.rows, batch.slice(mb.rows.start, mb.rows.stop)
             v = self._values(self.engine, micro_batch)
             loss, clipfrac = algorithms.value_loss(v, old_values[sl], returns[sl], micro_batch.resp_mask, self.cc.cliprange_value, mb.denom)
-            self.engine.backward(loss if mb.denom is None else loss * mb.scale)
-            norm = self._step(mb.boundary)
             stats.token_term(mb, "critic/vf_loss", loss.item())
             stats.token_term(mb, "critic/vf_clipfrac", clipfrac.item())
-            if mb.boundary:
-                stats.add("critic/grad_norm", norm)
-            stats.end_micro(mb)
-        out = stats.result()
-        out["critic/lr"] = float(self.engine.get_lr()[0])
-        return out
+            self._backward_and_step(mb, loss, stats, "critic")
+        return self._result(stats, "critic")
 
 
 def _set_lr(engine, optim: OptimConfig) -> None:
