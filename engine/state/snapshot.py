@@ -259,7 +259,7 @@ class Checkpointer:
     def _load_resharded(self, path: Path, meta: dict, src, dst) -> dict:
         """Load a snapshot written under another topology through its universal form (state.reshard),
         converting it first if no valid converted form is cached. Collective."""
-        why = refusal(src, dst)
+        why = refusal(src, dst, self.cfg.algorithm.loss_normalization)
         if why:
             raise SnapshotError(f"{path} was saved on {src}; this run is on {dst}: {why}")
         layout = self.trainer.param_layout()

@@ -28,8 +28,11 @@ class Topology:
         return f"{self.world_size} rank{'s' if self.world_size != 1 else ''}, ZeRO-{self.zero_stage}, TP {self.tensor_parallel_size}"
 
 
-def refusal(src: Topology, dst: Topology) -> str | None:
+def refusal(src: Topology, dst: Topology, loss_normalization: str = "global_tokens") -> str | None:
     """Why a snapshot of `src` cannot be loaded under `dst` (one sentence), or None."""
+    if loss_normalization == "micro_batch" and src != dst:
+        return (f"this run normalises its loss per micro-batch (algorithm.loss_normalization=micro_batch: runs made "
+                f"before verlj had the key), so another split over ranks would change its objective; resume it on {src}")
     if src.tensor_parallel_size > 1 and src.zero_stage > 0:
         return (f"a snapshot of a tensor-parallel run with ZeRO-{src.zero_stage} cannot be resharded (DeepSpeed's "
                 f"converter has no AutoTP layout for it); resume it on {src}, or train TP runs at ZeRO-0, which reshard")

@@ -94,6 +94,9 @@ def test_what_can_be_resharded():
     assert "cannot be resharded" in refusal(z1tp2, Topology(1, 1, 1))
     assert "only at ZeRO-0" in refusal(z2x2, z1tp2)
     assert str(Topology(1, 1, 3)) == "1 rank, ZeRO-3, TP 1"
+    # a run with the old per-micro-batch objective stays on its topology
+    assert "resume it on 2 ranks, ZeRO-2, TP 1" in refusal(z2x2, Topology(1, 1, 2), "micro_batch")
+    assert refusal(z2x2, z2x2, "micro_batch") is None
 
 
 def test_tp_shards_uneven_and_replicated():
