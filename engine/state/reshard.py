@@ -63,8 +63,9 @@ def cached(snapshot: Path) -> Path | None:
     return root if not problems else None
 
 
-def ensure_converted(snapshot: Path, meta: dict, trainable: dict[str, list[str]], full_shapes: dict[str, dict]) -> tuple[Path, float]:
-    """Rank 0: the snapshot's universal form, converted now or found cached. Returns (dir, seconds spent)."""
+def ensure_converted(snapshot: Path, meta: dict, full_shapes: dict[str, dict]) -> tuple[Path, float]:
+    """Rank 0: the snapshot's universal form, converted now or found cached. Returns (dir, seconds spent).
+    `full_shapes`: {engine: {trainable parameter: whole shape}} in module order (Trainer.param_layout)."""
     import time
 
     snapshot = Path(snapshot)
@@ -80,11 +81,11 @@ def ensure_converted(snapshot: Path, meta: dict, trainable: dict[str, list[str]]
     for tag in meta["engines"]:
         out = tmp / tag
         if src.zero_stage == 0:
-            _from_zero0(snapshot / tag, out, trainable[tag], full_shapes[tag])
+            _from_zero0(snapshot / tag, out, list(full_shapes[tag]), full_shapes[tag])
         else:
             _from_zero(snapshot / tag, out)
         _complete(out, full_shapes[tag])
-        digests[tag] = weights_digest_of_dir(out, trainable[tag])
+        digests[tag] = weights_digest_of_dir(out, list(full_shapes[tag]))
     import deepspeed
 
     write_bytes_durable(tmp / META, json.dumps({"step": meta["step"], "source": src.as_dict(), "weights": digests,

@@ -266,7 +266,7 @@ class Checkpointer:
         found = [None, 0.0, None]
         if self.rt.is_main:
             try:
-                root, seconds = reshard.ensure_converted(path, meta, {t: list(v) for t, v in layout.items()}, layout)
+                root, seconds = reshard.ensure_converted(path, meta, layout)
                 found = [str(root), seconds, None]
             except (SnapshotError, OSError, RuntimeError) as e:
                 found = [None, 0.0, str(e).splitlines()[0][:300] if str(e) else type(e).__name__]
