@@ -226,9 +226,11 @@ class RolloutConfig:
     max_response_length: int = live(4)  # tokens generated per sample at most
     ignore_eos: bool = False  # keep generating past eos to max_response_length (benchmarks)
     reward_fn: str = live("builtin:add")  # builtin:add, or module:function(prompt, response, answer) -> float
+    engine: str = live("hf")  # hf (verlj's KV-cached sampler) | vllm (a colocated vLLM engine: pip install -e '.[vllm]')
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
+        _choice("rollout.engine", self.engine, ("hf", "vllm"))
         _positive("rollout.temperature", self.temperature)
         _range("rollout.top_p", self.top_p, 1e-6, 1.0)
         _positive("rollout.max_response_length", self.max_response_length)

@@ -90,6 +90,14 @@ class Runtime:
         dist.all_reduce(t)
         return t / self.tp_size if self.tp_size > 1 else t
 
+    def max_over(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of a tensor over all ranks."""
+        if self.world_size == 1:
+            return t
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
     def mean(self, values: dict[str, float]) -> dict[str, float]:
         """Average metrics over ranks (fixed key order; float64 so the sum is exact for two ranks)."""
         if self.world_size == 1 or not values:

@@ -89,6 +89,7 @@ def train(
 
     rt = setup(cfg)
     configure_determinism(cfg)
+    preflight_rollout(cfg, rt)
     created = not run_dir.exists()
     journal = ledger = trainer = reporter = None
     notes: list[str] = []
@@ -210,6 +211,7 @@ def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
     old = trainer.cfg.to_dict()
     cfg = make_config(None, overrides, base=old)
     changed = check_change(old, cfg, allow_live=True, how="fork")
+    preflight_rollout(cfg, rt)
     trainer.set_config(cfg)
     journal = ledger = None
     notes: list[str] = []
@@ -235,6 +237,14 @@ def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
         reporter.close()
         if journal is not None:
             journal.close()
+
+
+def preflight_rollout(cfg: Config, rt: Runtime) -> None:
+    """Before a run that generates writes anything: its rollout engine can run here (rl.vllm_engine)."""
+    if cfg.rollout.engine == "vllm":
+        from .rl.vllm_engine import preflight
+
+        preflight(cfg, rt.device)
 
 
 def run_identity(cfg: Config, rt: Runtime, run_dir: Path, trainer) -> dict:

@@ -29,6 +29,7 @@ ENVELOPE_VERSION = 2
 EVENT_VERSIONS: dict[str, int] = {
     "data": 1,  # epoch, cursor, indices (np.int64[]) drawn this step
     "rng": 1,  # seeds {stream: int}, digests {stream: hex}
+    "rollout": 1,  # engine (hf|vllm) that generated the step's samples, version (its package's)
     "buffer.add": 1,  # ids (np.int64[]), samples {field: array}
     "buffer.consume": 1,  # ids consumed by this step's update
     "buffer.drop": 1,  # ids dropped (e.g. zero-variance groups), reason
@@ -40,7 +41,7 @@ EVENT_VERSIONS: dict[str, int] = {
 
 # Small event types also stored per step in the summary sub-database (same transaction), so that
 # metrics, find and diff never decode the samples.
-SUMMARY_TYPES = frozenset({"data", "rng", "metrics", "state", "control", "config"})
+SUMMARY_TYPES = frozenset({"data", "rng", "rollout", "metrics", "state", "control", "config"})
 
 # Fields stored in the step's payload, apart from the rest of the record: compressed, and pruned by
 # retention (the event keeps its other fields; ids stay, so a sample's fate is known after pruning).

@@ -190,6 +190,7 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
         "data": {"epoch": data.get("epoch"), "cursor": data.get("cursor"), "rounds": data.get("rounds"),
                  "indices": np.asarray(data.get("indices", [])).tolist()},
         "seeds": ev.get("rng", {}).get("seeds"),
+        "rollout": {k: v for k, v in ev.get("rollout", {}).items() if k in ("engine", "version")} or None,
         "rng_digests": ev.get("rng", {}).get("digests"),
         "buffer": {
             "added": n,
@@ -211,6 +212,8 @@ def render_step(d: dict) -> str:
     lines.append(f"data       epoch {data['epoch']}  cursor {data['cursor']}  rounds {data['rounds']}  "
                  f"indices {idx[:16]}{' …' if len(idx) > 16 else ''} ({len(idx)})")
     lines.append(f"seeds      {d['seeds']}")
+    if d.get("rollout"):
+        lines.append(f"rollout    {d['rollout']['engine']} {d['rollout']['version']}")
     b = d["buffer"]
     lines.append(f"buffer     added {b['added']}  dropped {len(b['dropped'])}  consumed {len(b['consumed'])}")
     for c in d["control"]:
@@ -409,7 +412,7 @@ def render_diff(d: dict, a: Path, b: Path) -> str:
         return "\n".join([f"identical: {a} and {b} agree on all {d['steps_a']} steps (timings aside)", *config])
     if d["differs"] == ["length"]:
         return "\n".join([f"the runs agree up to step {d['step'] - 1}; {a} has {d['steps_a']} steps, {b} has {d['steps_b']}", *config])
-    names = {"data": "data (indices drawn)", "rng": "seeds", "buffer.add": "samples", "buffer.drop": "dropped samples",
+    names = {"data": "data (indices drawn)", "rng": "seeds", "rollout": "rollout engine", "buffer.add": "samples", "buffer.drop": "dropped samples",
              "buffer.consume": "consumed samples", "metrics": "metrics", "state": "fingerprint"}
     lines = [f"first difference at step {d['step']}: " + ", ".join(names.get(k, k) for k in d["differs"]), *config]
     for side, run in (("a", a), ("b", b)):

@@ -113,3 +113,17 @@ def value_loss(values, old_values, returns, mask, cliprange: float, denom=None):
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def logprob_gap(gen_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor, all_sum=None, all_max=None) -> dict[str, float]:
+    """How far the rollout engine's log-probs of the sampled tokens are from the trainer's for the
+    same tokens (before the update), over every response token of the step (verl's rollout/actor
+    probability difference): mean and max of |Δ log p| and of |Δ p|. ``all_max`` is the maximum over
+    ranks, as ``all_sum`` is the sum."""
+    out = {}
+    for name, diff in (("logprob_diff", gen_logprobs - logprobs), ("probs_diff", gen_logprobs.exp() - logprobs.exp())):
+        d = diff.abs() * mask
+        top = d.max() if d.numel() else torch.zeros((), dtype=d.dtype, device=d.device)
+        out[f"rollout/{name}/mean"] = global_masked_mean(d, mask, all_sum).item()
+        out[f"rollout/{name}/max"] = (all_max(top) if all_max is not None else top).item()
+    return out

@@ -1,9 +1,15 @@
-"""Sampling responses with a KV cache, driven by explicit per-sample random numbers.
+"""Rollout engines, and verlj's own sampler: a KV cache driven by explicit per-sample random numbers.
 
-No draw touches a global RNG. Each sample brings its own uniforms, one per response position,
-drawn from a generator seeded by the sample's place in the step (see ``Trainer.collect``), not by
-the rank that generates it: the same weights give the same samples at any world size. A token is
-drawn by inverting the (top-p truncated) CDF at the position's uniform.
+An engine turns prompts and one seed per sample into responses and their generation log-probs.
+Each sample's seed comes from its place in the step (``Trainer.collect``), not from the rank that
+generates it, so the same weights give the same samples at any world size.
+
+- ``hf`` (:class:`HFEngine`): the actor's own module. No draw touches a global RNG: a sample's seed
+  gives its uniforms, one per response position, and a token is drawn by inverting the (top-p
+  truncated) CDF at the position's uniform.
+- ``vllm`` (``vllm_engine.VllmEngine``): a colocated vLLM engine, the seed being the request's.
+
+Only live steps generate: replay reads the samples from the journal, so it never builds an engine.
 """
 
 from __future__ import annotations
@@ -13,7 +19,45 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ..config import Config
+from ..state.seeding import generator
 from .models import forward_with_cache
+
+
+class HFEngine:
+    """rollout.engine=hf: sampling with the actor's own module (ZeRO-3 and TP ranks step together)."""
+
+    name = "hf"
+
+    def __init__(self, rt, actor, tokenizer):
+        import transformers
+
+        self.rt, self.actor, self.tokenizer = rt, actor, tokenizer
+        self.version = str(transformers.__version__)
+
+    def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        ro = cfg.rollout
+        uniforms = torch.stack([torch.rand(ro.max_response_length, generator=generator(s)) for s in seeds])
+        return generate(
+            self.actor.module, prompts, uniforms, max_new_tokens=ro.max_response_length, temperature=ro.temperature,
+            top_p=ro.top_p, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
+            device=self.rt.device, ignore_eos=ro.ignore_eos, all_done=self.rt.all_true,
+        )
+
+    def weights_changed(self) -> None:
+        """Nothing to do: it samples from the trained module itself."""
+
+    def close(self) -> None:
+        pass
+
+
+def make_engine(name: str, rt, actor, tokenizer):
+    """The rollout engine `rollout.engine` names. vLLM starts at its first generate, not here."""
+    if name == "vllm":
+        from .vllm_engine import VllmEngine
+
+        return VllmEngine(rt, actor, tokenizer)
+    return HFEngine(rt, actor, tokenizer)
 
 
 def sample_token(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float):

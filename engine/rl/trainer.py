@@ -25,13 +25,13 @@ from ..config import Config, ConfigError
 from ..dist import Runtime
 from ..errors import ModelError
 from ..state.fingerprint import fingerprint
-from ..state.seeding import derive_seed, generator, rng_digest, seed_globals
+from ..state.seeding import derive_seed, rng_digest, seed_globals
 from . import algorithms
 from .buffer import RolloutBuffer, pack_samples, unpack_samples
 from .data import Sampler, load_dataset
 from .models import ValueModel, load_causal_lm, load_reward_model, load_tokenizer, model_digest
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
-from .rollout import generate
+from .rollout import make_engine
 from .workers import ActorWorker, CriticWorker, collate, shard_batch
 
 
@@ -48,10 +48,12 @@ class StepInputs:
     dropped: np.ndarray  # ids dropped (zero-variance groups)
     consumed: np.ndarray  # ids the update trains on, in order
     timings: dict[str, float] = field(default_factory=dict)  # collect's own metrics (timings, sampling)
+    engine: dict = field(default_factory=dict)  # the rollout engine that generated: {"name", "version"}
 
     def events(self) -> list[dict]:
         return [
             make_event("data", epoch=self.epoch, cursor=self.cursor, indices=self.indices, rounds=self.rounds),
+            make_event("rollout", engine=self.engine["name"], version=self.engine["version"]),
             make_event("rng", seeds=self.seeds, digests=rng_digest()),
             make_event("buffer.add", ids=self.added["id"], samples=self.added),
             make_event("buffer.drop", ids=self.dropped, reason="zero_variance"),
@@ -73,6 +75,7 @@ class StepInputs:
             added=ev["buffer.add"]["samples"],
             dropped=ev["buffer.drop"]["ids"],
             consumed=ev["buffer.consume"]["ids"],
+            engine={"name": ev["rollout"]["engine"], "version": ev["rollout"]["version"]} if "rollout" in ev else {},
         )
 
 
@@ -125,6 +128,7 @@ class Trainer:
                 p.requires_grad_(False)
         actor_model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, derive_seed(seed, 0, "init/actor"))
         self.actor = ActorWorker(actor_model, cfg, rt)
+        self.rollout = None  # built by the first live collect (replay never generates)
         self.critic = None
         if cfg.algorithm.name == "ppo":
             path = cfg.model.critic.model_name_or_path or cfg.model.actor.model_name_or_path
@@ -151,6 +155,9 @@ class Trainer:
         """Switch to another config of the same run (its live keys may differ: config.check_change)."""
         if cfg.rollout.reward_fn != self.cfg.rollout.reward_fn:
             self.reward_fn = load_reward_fn(cfg.rollout.reward_fn)
+        if self.rollout is not None and cfg.rollout.engine != self.rollout.name:
+            self.rollout.close()
+            self.rollout = None
         self.cfg = cfg
         self.actor.set_config(cfg)
         if self.critic is not None:
@@ -168,7 +175,10 @@ class Trainer:
         return np.asarray(ids, dtype=np.int64)
 
     def close(self) -> None:
-        """Release the DeepSpeed engines (hooks, buffers, threads) so a process can build another run."""
+        """Release the rollout and DeepSpeed engines (hooks, buffers, threads) so a process can build another run."""
+        if self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None
         for engine in self.engines().values():
             engine.destroy()
         self.actor = self.critic = None
@@ -179,6 +189,11 @@ class Trainer:
         if self.critic is not None:
             out["critic"] = self.critic.full_shapes
         return out
+
+    def weights_changed(self) -> None:
+        """The actor's weights changed (an update, a snapshot load): the rollout engine must catch up."""
+        if self.rollout is not None:
+            self.rollout.weights_changed()
 
     def engines(self) -> dict:
         out = {"actor": self.actor.engine}
@@ -196,6 +211,8 @@ class Trainer:
             "train": derive_seed(cfg.trainer.seed, step, "train"),
         }
         seed_globals(derive_seed(cfg.trainer.seed, step, "globals"))
+        if self.rollout is None:
+            self.rollout = make_engine(cfg.rollout.engine, rt, self.actor, self.tokenizer)
         pending_groups = len(self.buffer.groups())
         next_id = self.buffer.next_id
         added, dropped, drawn = [], [], []
@@ -208,12 +225,9 @@ class Trainer:
             mine = indices[first : first + P // D]
             t0 = time.perf_counter()
             prompts = [self.prompt_ids[i] for i in mine for _ in range(n)]
-            responses, logps = generate(
-                self.actor.module, prompts, self._sample_uniforms(step, rounds, first * n, len(prompts)),
-                max_new_tokens=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
-                device=rt.device, ignore_eos=cfg.rollout.ignore_eos, all_done=rt.all_true,
-            )
+            # each sample's seed is its place in the step (round, k), whichever rank generates it
+            sample_seeds = [derive_seed(cfg.trainer.seed, step, "rollout/sample", rounds, k) for k in range(first * n, first * n + len(prompts))]
+            responses, logps = self.rollout.generate(prompts, sample_seeds, cfg)
             t1 = time.perf_counter()
             local = self._score(mine, n, prompts, responses, logps)
             timings["timing_s/gen"] += t1 - t0
@@ -253,14 +267,8 @@ class Trainer:
             dropped=np.asarray(dropped, dtype=np.int64),
             consumed=consumed,
             timings=timings,
+            engine={"name": self.rollout.name, "version": self.rollout.version},
         )
-
-    def _sample_uniforms(self, step: int, round_: int, first: int, count: int) -> torch.Tensor:
-        """[count, max_response_length] uniforms for the round's samples first..first+count-1: each
-        sample's own stream, seeded by its place in the step, so no rank or batch changes it."""
-        T, seed = self.cfg.rollout.max_response_length, self.cfg.trainer.seed
-        return torch.stack([torch.rand(T, generator=generator(derive_seed(seed, step, "rollout/sample", round_, k)))
-                            for k in range(first, first + count)])
 
     def _score(self, mine, n, prompts, responses, logps) -> list[dict]:
         tok = self.tokenizer
@@ -374,9 +382,13 @@ class Trainer:
                 metrics.update(self.critic.update(batch, old_values, returns, minis, cfg.model.actor.ppo_epochs))
                 timings["timing_s/update_critic"] = time.perf_counter() - t
                 t = time.perf_counter()
-            metrics.update(self.actor.update(batch, advantages, old_lp, ref_lp, minis))
+            actor_metrics, before = self.actor.update(batch, advantages, old_lp, ref_lp, minis)
+            metrics.update(actor_metrics)
             timings["timing_s/update_actor"] = time.perf_counter() - t
+            gen_lp = _padded(mine, "gen_logprobs", mask.shape[1], rt.device)
+            metrics.update(algorithms.logprob_gap(gen_lp, before, mask, all_sum, rt.max_over if D > 1 else None))
             metrics = rt.mean(metrics)
+            self.weights_changed()
         t = time.perf_counter()
         fp, parts = fingerprint(self.engines(), rt)
         timings["timing_s/fingerprint"] = time.perf_counter() - t

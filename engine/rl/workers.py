@@ -313,13 +313,19 @@ class ActorWorker(_Stepper):
         model.train(was)
         return torch.cat(out)
 
-    def update(self, batch: Batch, advantages, old_logprobs, ref_logprobs, mini_batches: list[MiniBatch]) -> dict[str, float]:
+    def update(self, batch: Batch, advantages, old_logprobs, ref_logprobs,
+               mini_batches: list[MiniBatch]) -> tuple[dict[str, float], torch.Tensor]:
+        """One update over the step's mini-batches. Returns its metrics and the log-probs of the
+        policy before it ([B, R]: ``old_logprobs``, or, fused, those of each row's first forward)."""
         stats = UpdateStats(self.rt.dp_size)
+        before = old_logprobs if old_logprobs is not None else torch.zeros_like(advantages)
         for mb in accumulation(self.engine, self.ac.micro_batch_size, self.rt.dp_size, mini_batches, self.ac.ppo_epochs):
             sl, micro_batch = mb.rows, batch.slice(mb.rows.start, mb.rows.stop)
             mask = micro_batch.resp_mask
             logp, ent = response_logprobs(self.engine, micro_batch, self.temperature, with_entropy=True)
-            old = logp.detach() if old_logprobs is None else old_logprobs[sl]  # None: fused (see Trainer.apply)
+            if old_logprobs is None:  # fused (see Trainer.apply): one epoch over one mini-batch, each row seen once
+                before[sl] = logp.detach()
+            old = logp.detach() if old_logprobs is None else old_logprobs[sl]
             pg_loss, clipfrac, ppo_kl = algorithms.policy_loss(logp, old, advantages[sl], mask, self.ac.clip_ratio, mb.denom)
             entropy = algorithms.masked_mean(ent, mask, mb.denom)
             loss = pg_loss - self.ac.entropy_coeff * entropy
@@ -332,7 +338,7 @@ class ActorWorker(_Stepper):
             stats.token_term(mb, "actor/ppo_kl", ppo_kl.item())
             stats.token_term(mb, "actor/entropy", entropy.item())
             self._backward_and_step(mb, loss, stats, "actor")
-        return self._result(stats, "actor")
+        return self._result(stats, "actor"), before
 
 
 # ----------------------------------------------------------------------------- critic

@@ -254,6 +254,7 @@ class Checkpointer:
             # snapshots written before these parts existed: they start from their initial state
         own = path / rng_file(self.rt.rank)  # a rank the snapshot's topology did not have takes rank 0's
         self.rng.load_state_dict(unpackb((own if own.is_file() else path / rng_file(0)).read_bytes()))
+        self.trainer.weights_changed()
         return meta
 
     def _load_resharded(self, path: Path, meta: dict, src, dst) -> dict:

