@@ -47,6 +47,9 @@ class HFEngine:
     def weights_changed(self) -> None:
         """Nothing to do: it samples from the trained module itself."""
 
+    def sync(self, cfg: Config) -> None:
+        """Nothing to do (see weights_changed)."""
+
     def close(self) -> None:
         pass
 

@@ -211,12 +211,14 @@ class Trainer:
             "train": derive_seed(cfg.trainer.seed, step, "train"),
         }
         seed_globals(derive_seed(cfg.trainer.seed, step, "globals"))
+        t = time.perf_counter()
         if self.rollout is None:
             self.rollout = make_engine(cfg.rollout.engine, rt, self.actor, self.tokenizer)
+        self.rollout.sync(cfg)  # vLLM: started at the first live step, then the last update pushed
+        timings = {"timing_s/weight_sync": time.perf_counter() - t, "timing_s/gen": 0.0, "timing_s/reward": 0.0}
         pending_groups = len(self.buffer.groups())
         next_id = self.buffer.next_id
         added, dropped, drawn = [], [], []
-        timings = {"timing_s/gen": 0.0, "timing_s/reward": 0.0}
         rounds = 0
         while True:
             indices = self.sampler.draw(P)

@@ -201,16 +201,20 @@ class VllmEngine:
         """The actor was updated or loaded: push before the next generate."""
         self.stale = True
 
+    def sync(self, cfg: Config) -> None:
+        """Make the engine generate from the actor's current weights: start it, or push. Collective."""
+        if self.llm is None:
+            self._start(cfg)
+        elif self.stale:
+            self.push()
+
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self.llm is None:
-            self._start(cfg)
-        elif self.stale:
-            self.push()
+        self.sync(cfg)  # a no-op after the collect's own sync
         self.llm.reset_prefix_cache()  # nothing but the weights carries over between collects
         ro, eos = cfg.rollout, self.tokenizer.eos_token_id
         params = [
