@@ -31,7 +31,7 @@ def build(size: str, prompts: int, n: int, length: int):
     from verlj.engine.rl.trainer import Trainer
 
     cfg = make_config(None, [*SIZES[size], "rollout.engine=vllm", f"data.prompts_per_step={prompts}", f"rollout.n={n}",
-                             f"rollout.max_response_length={length}", "rollout.ignore_eos=true", "logging.progress=none",
+                             f"rollout.max_response_length={length}", "rollout.ignore_eos=true", "logging.progress=off",
                              f"model.actor.micro_batch_size={prompts * n}"])
     rt = setup(cfg)
     configure_determinism(cfg)
