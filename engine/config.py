@@ -227,10 +227,12 @@ class RolloutConfig:
     ignore_eos: bool = False  # keep generating past eos to max_response_length (benchmarks)
     reward_fn: str = live("builtin:add")  # builtin:add, or module:function(prompt, response, answer) -> float
     engine: str = live("hf")  # hf (verlj's KV-cached sampler) | vllm (a colocated vLLM engine: pip install -e '.[vllm]')
+    gpu_memory_utilization: float = bookkeeping(0.5)  # vllm on GPU: the share of GPU memory vLLM takes (on CPU, KV memory is sized to the batch)
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
+        _range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.01, 1.0)
         _positive("rollout.temperature", self.temperature)
         _range("rollout.top_p", self.top_p, 1e-6, 1.0)
         _positive("rollout.max_response_length", self.max_response_length)

@@ -105,13 +105,15 @@ def _preserved():
         np.random.set_state(states[2])
 
 
-def _kv_cache_bytes(model_config, dtype: torch.dtype, sequences: int, max_len: int) -> int:
-    """KV memory for every sequence of a collect round at full length, with slack for block rounding."""
+CPU_BLOCK = 128  # tokens per KV block: vLLM's CPU default, passed explicitly
+
+
+def _kv_cache_bytes(model_config, dtype: torch.dtype, blocks: int) -> int:
+    """KV memory for `blocks` blocks of CPU_BLOCK tokens, with slack."""
     heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
     head = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     per_token = 2 * model_config.num_hidden_layers * heads * head * torch.empty(0, dtype=dtype).element_size()
-    blocks = sequences * (max_len // 16 + 2)
-    return int(blocks * 16 * per_token * 1.25) + (16 << 20)
+    return int(blocks * CPU_BLOCK * per_token * 1.1) + (16 << 20)
 
 
 def _reload(worker, weights: list[tuple[str, torch.Tensor]]) -> tuple[list[str], int]:
@@ -169,17 +171,24 @@ class VllmEngine:
             del weights
             max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
             seqs = max(1, cfg.data.prompts_per_step // self.rt.dp_size * cfg.rollout.n)
+            blocks = seqs * -(-max_len // CPU_BLOCK)
+            if self.rt.device.type == "cpu":  # every sequence of a round fits at full length: nothing is preempted
+                memory = {"block_size": CPU_BLOCK, "kv_cache_memory_bytes": _kv_cache_bytes(model_config, dtype, blocks)}
+            else:
+                memory = {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization}
             with _preserved():
                 self.llm = vllm.LLM(
                     model=str(tmp), skip_tokenizer_init=True, dtype=dtype, seed=cfg.trainer.seed, enforce_eager=True,
                     enable_chunked_prefill=False,  # seeded requests need whole prefills (vLLM CPU)
                     enable_prefix_caching=True, max_model_len=max_len, max_num_seqs=seqs,
                     max_num_batched_tokens=max(max_len * seqs, 2048),
-                    kv_cache_memory_bytes=_kv_cache_bytes(model_config, dtype, seqs, max_len),
-                    logprobs_mode="processed_logprobs", max_logprobs=0,
+                    logprobs_mode="processed_logprobs", max_logprobs=0, **memory,
                 )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        got = self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        if self.rt.device.type == "cpu" and got is not None and got < blocks:
+            raise RuntimeError(f"vLLM allotted {got} KV blocks, {blocks} are needed for {seqs} sequences of {max_len} tokens")
         self.stale = False
 
     def push(self) -> None:
