@@ -48,7 +48,21 @@ _register()
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except SystemExit as done:
+        if not done.code:  # after a failure a peer may still sit in a collective: leave teardown to the exit
+            _leave_process_group()
+        raise
+
+
+def _leave_process_group() -> None:
+    import sys
+
+    if "torch.distributed" in sys.modules:  # only commands that started a group imported it
+        from verlj.engine.dist import teardown
+
+        teardown()
 
 
 if __name__ == "__main__":

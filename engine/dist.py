@@ -108,6 +108,15 @@ class Runtime:
         return {k: float(v) / self.world_size for k, v in zip(keys, t.cpu().tolist())}
 
 
+def teardown() -> None:
+    """Destroy the process group while the interpreter is still whole. Left to interpreter exit, gloo's
+    worker threads can free their last work's tensors during finalization, and the process dies of
+    SIGABRT ("terminate called without an active exception", pytorch/pytorch#190489) after its
+    command has succeeded. A no-op when no group was started."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
