@@ -1,7 +1,7 @@
 """Fault-injection campaign: prove recovery and detection on the real `verlj` CLI.
 
     python tools/faults.py --kills 50 --corruptions 50 --seed 1       # the full campaign (~1 h on 2 cores)
-    python tools/faults.py --quick                                    # a few trials of each kind (~3 min)
+    python tools/faults.py --quick                                    # a few trials of each kind (~2 min)
 
 Every trial drives `verlj` in subprocesses on the default task with small settings, then compares
 the run with an uninterrupted reference (`verlj diff --full` semantics: every step's data, seeds,
@@ -417,7 +417,7 @@ def main() -> int:
     ap.add_argument("--kinds", default="kill,corruption,disk-full,node-loss,concurrency,bad-input")
     args = ap.parse_args()
     if args.quick:
-        args.kills, args.corruptions, args.disk_full, args.node_losses = 2, 3, 1, 2
+        args.kills, args.corruptions, args.disk_full, args.node_losses = 1, 3, 1, 1
     kinds = set(args.kinds.split(","))
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="verlj-faults-"))
