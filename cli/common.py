@@ -28,14 +28,6 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def prepare_torch() -> None:
-    """For commands that train or replay: no GPU visible means DeepSpeed's CPU accelerator, said quietly."""
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
 def fail(msg: str, code: int = EXIT_DAMAGED) -> typer.Exit:
     typer.echo(f"error: {msg}", err=True)
     return typer.Exit(code)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import data_stdout, fail, guarded, log_to_stderr_only_on_rank0, prepare_torch, quiet_libraries
+from .common import data_stdout, fail, guarded, log_to_stderr_only_on_rank0, quiet_libraries
 
 
 def replay(
@@ -22,7 +22,9 @@ def replay(
 ) -> None:
     """Load the newest valid snapshot <= N, replay the journal to N checking every fingerprint, print it."""
     quiet_libraries()
-    prepare_torch()
+    from verlj.engine.dist import prepare_accelerator
+
+    prepare_accelerator()
     log_to_stderr_only_on_rank0()
     out = data_stdout()  # what this command prints for people or tools; everything else goes to stderr
     from verlj.engine.post_mortem import materialize

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import guarded, log_to_stderr_only_on_rank0, prepare_torch, quiet_libraries
+from .common import guarded, log_to_stderr_only_on_rank0, quiet_libraries
 
 
 def train(
@@ -27,7 +27,6 @@ def train(
 ) -> None:
     """Train with GRPO or PPO; every step is journaled, snapshots are taken every save_interval steps."""
     quiet_libraries()
-    prepare_torch()
     log_to_stderr_only_on_rank0()
     from verlj.engine.run import train as run_train
 

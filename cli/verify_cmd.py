@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import EXIT_USAGE, fail, guarded, prepare_torch, quiet_libraries
+from .common import EXIT_USAGE, fail, guarded, quiet_libraries
 
 
 def verify(
@@ -18,7 +18,9 @@ def verify(
 ) -> None:
     """Check the journal's chain and checksums and every snapshot's manifest; say whether and how resume can proceed."""
     quiet_libraries()
-    prepare_torch()  # snapshot files are opened weights-only with torch
+    from verlj.engine.dist import prepare_accelerator
+
+    prepare_accelerator()  # snapshot files are opened weights-only with torch
     from verlj.engine.post_mortem.verify import render, to_json, verify_run
 
     if not path.exists():

@@ -117,6 +117,12 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def prepare_accelerator() -> None:
+    """Before DeepSpeed is imported: no GPU visible means its CPU accelerator, chosen quietly."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

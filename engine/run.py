@@ -17,18 +17,21 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verlj.journal import Journal, make_event, open_journal_reader
 from verlj.journal.failpoints import failpoint
 
 from .config import Config, check_change, make_config, to_yaml
-from .dist import Runtime, configure_determinism, setup
 from .errors import RunError
 from .report import Reporter
 from .state import archive
 from .state.ledger import Ledger, discard_journal, git_commit, journal_dir, now_iso, open_writer, run_state, versions
 
 # what `verlj train` writes at the top of a run directory besides snapshots (state.snapshot_store)
+if TYPE_CHECKING:  # torch and DeepSpeed load only once the config is known good: bad input fails fast
+    from .dist import Runtime
+
 RUN_FILES = ("journal", "config.yaml", "metrics.jsonl", "train_metadata.json", "tensorboard")
 
 
@@ -69,10 +72,6 @@ def train(
     allow_config_change: bool = False,
 ) -> int:
     """`verlj train`: a fresh run, or `--resume` of an existing one. Returns the last committed step."""
-    from .rl.trainer import Trainer
-    from .state.recovery import resume_state
-    from .state.snapshot import Checkpointer
-
     run_dir = Path(output_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--output-dir {run_dir} exists and is not a directory")
@@ -86,6 +85,13 @@ def train(
     cfg, changed = resolve_config(run_dir, config_file, overrides, existing, allow_config_change)
     if cfg.trainer.resume_from not in (None, "auto") and not existing:
         raise RunError(f"trainer.resume_from is {cfg.trainer.resume_from!r} but {run_dir} holds no run")
+
+    from .dist import configure_determinism, prepare_accelerator, setup
+
+    prepare_accelerator()
+    from .rl.trainer import Trainer
+    from .state.recovery import resume_state
+    from .state.snapshot import Checkpointer
 
     rt = setup(cfg)
     configure_determinism(cfg)

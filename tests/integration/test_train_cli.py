@@ -82,6 +82,19 @@ def test_unknown_algorithm_and_bad_override(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_bad_config_is_refused_before_torch_loads(tmp_path):
+    """Config checks come before torch and DeepSpeed: here any import of torch fails loudly."""
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "torch.py").write_text("raise ImportError('verlj imported torch before checking its config')\n")
+    out = train(tmp_path / "r", "trainer.total_step=3", PYTHONPATH=blocker)
+    assert_one_line_error(out, 2, "did you mean 'trainer.total_steps'")
+    assert not (tmp_path / "r").exists()
+    # the same blocker does stop a valid config, at the first torch import
+    out = train(tmp_path / "r", "trainer.total_steps=1", PYTHONPATH=blocker)
+    assert out.returncode != 0 and "verlj imported torch before checking its config" in out.stdout + out.stderr
+
+
 def test_resume_of_a_directory_that_is_not_a_run(tmp_path):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "notes.txt").write_text("mine")
