@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from importlib.metadata import version
 from typing import Annotated, Optional
 
@@ -57,8 +58,6 @@ def main() -> None:
 
 
 def _leave_process_group() -> None:
-    import sys
-
     if "torch.distributed" in sys.modules:  # only commands that started a group imported it
         from verlj.engine.dist import teardown
 

@@ -28,10 +28,10 @@ from .report import Reporter
 from .state import archive
 from .state.ledger import Ledger, discard_journal, git_commit, journal_dir, now_iso, open_writer, run_state, versions
 
-# what `verlj train` writes at the top of a run directory besides snapshots (state.snapshot_store)
 if TYPE_CHECKING:  # torch and DeepSpeed load only once the config is known good: bad input fails fast
     from .dist import Runtime
 
+# what `verlj train` writes at the top of a run directory besides snapshots (state.snapshot_store)
 RUN_FILES = ("journal", "config.yaml", "metrics.jsonl", "train_metadata.json", "tensorboard")
 
 
