@@ -15,7 +15,7 @@ def export(
     output: Annotated[Path, typer.Option("--output", "-o", help="The file to write (replaced if it exists).")],
     rollouts: Annotated[bool, typer.Option("--rollouts", help="Export the rollout table: one row per generated sample.")] = False,
     steps: Annotated[Optional[str], typer.Option("--steps", help="START:STOP, inclusive; either may be empty.")] = None,
-    fmt: Annotated[Optional[str], typer.Option("--format", help="parquet or jsonl (default: from the output's suffix, else parquet).")] = None,
+    fmt: Annotated[Optional[str], typer.Option("--format", help="parquet or jsonl (default: from the output's suffix, .parquet or .jsonl).")] = None,
 ) -> None:
     """Write a run's samples (step, sample id, group, prompt and response as text and ids, rewards, score, whether
     consumed or dropped) from the journal and the rollout archive alike, for pandas, DuckDB or `datasets`."""
@@ -25,7 +25,10 @@ def export(
     if not rollouts:
         raise fail("say what to export: --rollouts (the only table so far)", EXIT_USAGE)
     if fmt is None:
-        fmt = "jsonl" if output.suffix in (".jsonl", ".json") else "parquet"
+        fmt = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}.get(output.suffix.lower())
+        if fmt is None:
+            raise fail(f"--output {output}: the rollout table is written as Parquet or JSONL; name the file .parquet or "
+                       ".jsonl, or say which with --format", EXIT_USAGE)
     if output.is_dir():
         raise fail(f"--output {output} is a directory; name a file", EXIT_USAGE)
     if not output.parent.is_dir():

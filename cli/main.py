@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
 from importlib.metadata import version
 from typing import Annotated, Optional
@@ -58,10 +60,28 @@ def main() -> None:
 
 
 def _leave_process_group() -> None:
-    if "torch.distributed" in sys.modules:  # only commands that started a group imported it
-        from verlj.engine.dist import teardown
+    """After a command that started a process group succeeded: destroy the group, run the exit
+    handlers, flush, and end the process without the interpreter's own finalization. gloo's worker
+    threads can still free their last tensors while C++ static objects are destroyed at exit, and the
+    process then dies of SIGABRT ("terminate called without an active exception", pytorch/pytorch#190489)
+    after its work is done; destroying the group first made that rare, not impossible (1 in 9 runs of a
+    2-rank TP export), so a successful command does not go through that finalization at all."""
+    if "torch.distributed" not in sys.modules:  # only commands that started a group imported it
+        return
+    import torch.distributed as dist
 
-        teardown()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from verlj.engine.dist import teardown
+
+    teardown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,10 @@ def replay(
     if to_step < 0:
         raise fail("--to-step must be a step number (>= 1)", 2)
     guarded(lambda: materialize.check_outputs(export, snapshot, fork))
+    if fork is not None:  # a config the fork would refuse is refused before the replay, not after it
+        from verlj.engine.run import check_fork
+
+        guarded(lambda: check_fork(run, to_step, fork, list(overrides or [])))
     m = guarded(lambda: materialize.materialize(run, to_step, quiet=not verbose))
     if export is not None:
         guarded(lambda: materialize.export_hf(m, export))
@@ -44,7 +48,8 @@ def replay(
             out(materialize.replay_report(m))
         else:
             src = f"snapshot step_{m.from_snapshot:05d}" if m.from_snapshot else "the initial state"
-            out(f"step {m.step}: fingerprint {m.fingerprint} (from {src}, replayed {m.step - m.from_snapshot} steps)")
+            n = m.step - m.from_snapshot
+            out(f"step {m.step}: fingerprint {m.fingerprint} (from {src}, replayed {n} step{'' if n == 1 else 's'})")
             if (line := materialize.exactness_line(m)) is not None:
                 out(line)
             if export is not None:

@@ -278,13 +278,16 @@ class JournalConfig:
     compression_level: int = bookkeeping(1)  # zstd level of each step's samples in the journal (0 = stored uncompressed)
     retain_samples: str = bookkeeping("all")  # all | since_oldest_snapshot | N: keep samples of steps after the oldest kept snapshot (and of the last N steps); headers, metrics and the hash chain always stay
     archive: bool = bookkeeping(False)  # before pruning, write the samples to RUN/rollouts/*.parquet (needs pyarrow: pip install 'verlj[archive]')
+    writer_lease_s: float = bookkeeping(60.0)  # the writer renews its claim on the run (RUN/writer) every lease/6 s; a writer on another node that stops renewing for this long may be taken over (one on the same node, as soon as its process is gone)
 
     def validate(self) -> None:
         _range("journal.ship_max_lag_steps", self.ship_max_lag_steps, 0, 10_000)
         _range("journal.compression_level", self.compression_level, 0, 22)
+        _range("journal.writer_lease_s", self.writer_lease_s, 0.5, 86400.0)
         policy = str(self.retain_samples)
         if policy not in ("all", "since_oldest_snapshot") and not (policy.isdigit() and int(policy) >= 0):
-            raise ConfigError(f"journal.retain_samples must be all, since_oldest_snapshot or a number of steps >= 0, got {self.retain_samples!r}")
+            raise ConfigError("journal.retain_samples must be all, since_oldest_snapshot or a whole number of steps >= 0, "
+                              f"got {self.retain_samples!r}")
         if self.archive:
             try:
                 import pyarrow.parquet  # noqa: F401
@@ -314,6 +317,10 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def to_stored(self) -> dict:
+        """The config as a run stores it: without the choices that belong to one command (ONE_OFF_KEYS)."""
+        return _without_one_off(self.to_dict())
 
     def hash(self) -> str:
         """Hash of the config that shapes the trained state (bookkeeping keys excluded)."""
@@ -353,13 +360,16 @@ def check_change(old: dict, new: Config, allow_live: bool, how: str) -> list[str
     live keys unless `allow_live`; bookkeeping keys pass. Keys added to verlj since the run began
     take their defaults and are not a change. Topology keys pass like bookkeeping ones (and like the
     number of ranks): the snapshot is resharded."""
-    changed = diff_configs(config_from_dict(old).to_dict(), new.to_dict())
+    changed = [k for k in diff_configs(config_from_dict(old).to_dict(), new.to_dict()) if k not in ONE_OFF_KEYS]
     fixed = [k for k in changed if POLICIES.get(k, FIXED) == FIXED]
     if fixed:
+        instead = (f"start a new run with them (a fork may change live keys such as {keys_with_policy(LIVE)[0]}, and bookkeeping ones)"
+                   if how == "fork" else
+                   "start a new run (or fork one with `verlj replay RUN --to-step N --fork NEW_RUN` and change only "
+                   f"live keys such as {keys_with_policy(LIVE)[0]})")
         raise ConfigError(
             f"{', '.join(fixed)} cannot change within a run ({how}): they shape the engines, the data or the random "
-            "streams; start a new run (or fork one with `verlj replay RUN --to-step N --fork NEW_RUN` and change only "
-            f"live keys such as {keys_with_policy(LIVE)[0]})"
+            f"streams; {instead}"
         )
     needs_flag = [k for k in changed if POLICIES[k] == LIVE]
     if needs_flag and not allow_live:
@@ -379,15 +389,30 @@ def _pop_dotted(d: dict, dotted: str) -> None:
 
 # Keys verlj no longer has; a run's stored config may still hold them.
 RETIRED_KEYS = ("model.reward_model.save_checkpoint",)
+# Keys that choose how one command runs, not what the run is: never stored as the run's config (a
+# resume records its trainer.resume_from in the run's lineage), and set back to the default (the
+# value here) when read from a run that stored them before this rule.
+ONE_OFF_KEYS = {"trainer.resume_from": None}
+
+
+def _without_one_off(data: dict) -> dict:
+    for dotted, default in ONE_OFF_KEYS.items():
+        *parents, leaf = dotted.split(".")
+        d = data
+        for part in parents:
+            d = d.get(part) if isinstance(d, dict) else None
+        if isinstance(d, dict) and leaf in d:
+            d[leaf] = default
+    return data
 # Keys added with a new default whose absence from a stored config means the old behaviour: a run
 # made before the key existed keeps training (and replaying) exactly as it did.
 LEGACY_VALUES = {"algorithm.loss_normalization": "micro_batch"}
 
 
 def stored_config(data: dict) -> dict:
-    """A config dict as a run stored it, with retired keys dropped and the old behaviour of keys
-    added since made explicit (a copy)."""
-    data = json.loads(json.dumps(data))
+    """A config dict as a run stored it, with retired keys dropped, one-off choices reset and the old
+    behaviour of keys added since made explicit (a copy)."""
+    data = _without_one_off(json.loads(json.dumps(data)))
     for dotted in RETIRED_KEYS:
         try:
             _pop_dotted(data, dotted)
@@ -475,7 +500,7 @@ def _coerce(key: str, tp, value):
     elif tp is str:
         if isinstance(value, bool):  # YAML 1.1 reads off / on as booleans
             return "on" if value else "off"
-        if isinstance(value, (str, int)):
+        if isinstance(value, (str, int, float)):  # a number where a name is due: the field's own check says what it takes
             return str(value)
     raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
 
@@ -573,8 +598,9 @@ def config_from_dict(data: dict) -> Config:
     return _build(Config, data).validate()
 
 
-def to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+def to_yaml(cfg: Config, stored: bool = False) -> str:
+    """The config as YAML (stored=True: as the run keeps it, without one-off choices)."""
+    return yaml.safe_dump(cfg.to_stored() if stored else cfg.to_dict(), sort_keys=False)
 
 
 def diff_configs(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -7,6 +7,7 @@ codec): nothing is pickled, on disk or on the wire.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -158,6 +159,9 @@ def setup(cfg: Config) -> Runtime:
     tp = cfg.distributed.tensor_parallel_size
     if world % tp:
         raise ConfigError(f"distributed.tensor_parallel_size ({tp}) must divide the number of ranks ({world})")
+    # DeepSpeed sets its logger to WARNING when it is imported, after the CLI quieted it: again, so its
+    # warnings about what verlj handles itself (no model-parallel unit on a universal load) stay out
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     if not dist.is_initialized():
         _skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend=backend, verbose=False)

@@ -19,20 +19,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from verlj.journal import Journal, make_event, open_journal_reader
+import yaml
+
+from verlj.journal import Claim, Journal, make_event, open_journal_reader
 from verlj.journal.failpoints import failpoint
 
-from .config import Config, check_change, make_config, to_yaml
+from .config import ONE_OFF_KEYS, Config, check_change, config_from_dict, diff_configs, make_config, stored_config, to_yaml
 from .errors import RunError
 from .report import Reporter
 from .state import archive
-from .state.ledger import Ledger, discard_journal, git_commit, journal_dir, now_iso, open_writer, run_state, versions
+from .state.ledger import (
+    WRITER_DIR,
+    Ledger,
+    check_local_dir,
+    claim_run,
+    discard_journal,
+    git_commit,
+    has_run,
+    journal_dir,
+    now_iso,
+    open_writer,
+    run_state,
+    versions,
+)
 
 if TYPE_CHECKING:  # torch and DeepSpeed load only once the config is known good: bad input fails fast
     from .dist import Runtime
 
 # what `verlj train` writes at the top of a run directory besides snapshots (state.snapshot_store)
-RUN_FILES = ("journal", "config.yaml", "metrics.jsonl", "train_metadata.json", "tensorboard")
+RUN_FILES = ("journal", "config.yaml", "metrics.jsonl", "train_metadata.json", "tensorboard", "wandb")
 
 
 @dataclass
@@ -53,15 +68,41 @@ class StopFlag:
         signal.signal(signal.SIGTERM, handler)
 
 
-def resolve_config(run_dir: Path, config_file, overrides, resume: bool, allow_change: bool) -> tuple[Config, list[str]]:
-    """The config to run with. On resume: the config in force at the run's last step, then the file
-    and overrides on top, checked by the fields' own resume policies. Returns (cfg, changed keys)."""
-    if not resume:
-        return make_config(config_file, overrides), []
-    with Ledger.open_reader(run_dir) as ledger:
-        stored = ledger.config_at(ledger.last_step())
+def resolve_config(run_dir: Path, state: str, config_file, overrides, resume: bool, allow_change: bool) -> tuple[Config, list[str], str | None]:
+    """The config to run with. Returns (cfg, changed keys, a note to print).
+
+    Resuming a run: the config in force at its last step, then the file and overrides on top, checked
+    by the fields' own resume policies. Resuming a run that never committed a step: its stored config
+    (nothing was trained, so anything may change on top of it; the note names what did). Otherwise
+    the file and overrides on the defaults."""
+    if state == "run" and resume:
+        with Ledger.open_reader(run_dir) as ledger:
+            stored = ledger.config_at(ledger.last_step())
+        cfg = make_config(config_file, overrides, base=stored)
+        return cfg, check_change(stored, cfg, allow_change, "resume"), None
+    if state != "empty":
+        return make_config(config_file, overrides), [], None
+    said = f"{run_dir} held a run that never committed a step; starting it afresh"
+    stored = unstarted_config(run_dir) if resume else None
+    if stored is None:
+        return make_config(config_file, overrides), [], said + ("." if not resume else " (no config of it was stored).")
     cfg = make_config(config_file, overrides, base=stored)
-    return cfg, check_change(stored, cfg, allow_change, "resume")
+    changed = [k for k in diff_configs(config_from_dict(stored).to_dict(), cfg.to_dict()) if k not in ONE_OFF_KEYS]
+    return cfg, [], said + " with its stored config" + (f", changed by this command in {', '.join(changed)}." if changed else ".")
+
+
+def unstarted_config(run_dir: Path) -> dict | None:
+    """The config a run that never committed a step was started with: from its journal, else from the
+    config.yaml its start wrote; None when neither holds one."""
+    if has_run(run_dir):
+        with Ledger.open_reader(run_dir) as ledger:
+            return ledger.first_config()
+    path = Path(run_dir) / "config.yaml"
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    return stored_config(data) if isinstance(data, dict) else None
 
 
 def train(
@@ -82,14 +123,16 @@ def train(
     if state == "none" and run_dir.exists() and any(run_dir.iterdir()):
         raise RunError(f"{run_dir} is not a verlj run and is not empty (no journal/ with run metadata); "
                        "choose an empty or new --output-dir")
-    cfg, changed = resolve_config(run_dir, config_file, overrides, existing, allow_config_change)
+    cfg, changed, said = resolve_config(run_dir, state, config_file, overrides, resume, allow_config_change)
     if cfg.trainer.resume_from not in (None, "auto") and not existing:
         raise RunError(f"trainer.resume_from is {cfg.trainer.resume_from!r} but {run_dir} holds no run")
+    check_local_dir(run_dir, cfg.journal)
 
     from .dist import configure_determinism, prepare_accelerator, setup
 
     prepare_accelerator()
     from .rl.trainer import Trainer
+    from .rl.vllm_engine import remove_stale_weights_copies
     from .state.recovery import resume_state
     from .state.snapshot import Checkpointer
 
@@ -98,16 +141,19 @@ def train(
     preflight_rollout(cfg, rt)
     created = not run_dir.exists()
     journal = ledger = trainer = reporter = None
+    claim: Claim | None = None
     notes: list[str] = []
     stop = StopFlag()
     stop.install()
 
     def open_journal() -> Journal:
+        nonlocal claim
+        run_dir.mkdir(parents=True, exist_ok=True)
+        claim = claim_run(run_dir, cfg.journal, notes.append)  # refuses a second writer before anything is touched
         if state == "empty":  # died before its first step: nothing to keep, start it afresh
             discard_unstarted(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        j, said = open_writer(run_dir, cfg.journal)  # refuses a second writer at once
-        notes.extend(said)
+        j, more = open_writer(run_dir, cfg.journal, claim)
+        notes.extend(more)
         return j
 
     try:
@@ -120,19 +166,22 @@ def train(
         reporter = Reporter(cfg.logging, run_dir, rt.is_main, cfg.trainer.total_steps)
         for note in notes:
             say(reporter, note)
-        if state == "empty":
-            reporter.info(f"{run_dir} held a run that never committed a step; starting it afresh.")
+        for line in remove_stale_weights_copies():  # every rank: its node's /dev/shm
+            reporter.info(line)
+        if said:
+            reporter.info(said)
         elif resume and not existing:
             reporter.info(f"No run in {run_dir} yet: starting a new one (--resume continues a run when there is one).")
         ckpt = Checkpointer(run_dir, cfg, rt, trainer, ledger, reporter)
         control: list[dict] = []
         if existing:
             if rt.is_main:
-                gone = ckpt.store.clean_leftovers() + archive.clean_leftovers(run_dir, ledger.archive_index())
-                if gone:
-                    reporter.info(f"Removed what an interrupted run left behind: {', '.join(gone)}")
+                for line in ckpt.store.recover_leftovers() + archive.clean_leftovers(run_dir, ledger):
+                    reporter.info(line)
             on_rank0(rt, lambda: trainer.check_identity(ledger.identity()))
             last, control = resume_state(run_dir, cfg, rt, trainer, ledger, ckpt, reporter, changed, allow_config_change)
+            if rt.is_main:
+                reporter.catch_up(ledger.metrics, last)
         else:
             last = 0
             if rt.is_main:
@@ -143,18 +192,23 @@ def train(
     finally:
         if reporter is not None:
             reporter.close()
-        # a start that failed before its first commit (even before its journal opened) leaves nothing
-        unstarted = rt.is_main and not existing and (journal is None or journal.last_step() == 0)
+        # a start that never committed a step leaves nothing behind to block a retry: only this process's
+        # own start (it claimed the run and still holds it; a refused or taken-over one touches nothing)
+        owned = claim is not None and not claim.taken_over()
+        unstarted = owned and not existing and journal is not None and journal.last_step() == 0
         if journal is not None:
             journal.close()
+        elif claim is not None:
+            claim.release()
         if trainer is not None:
             trainer.close()
-        if unstarted:  # a start that never committed a step leaves nothing behind to block a retry
+        if unstarted or (owned and journal is None and not existing):
             discard_unstarted(run_dir, remove_dir=created)
 
 
 def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
-    """Remove what a start that never committed a step wrote (only verlj's own names)."""
+    """Remove what a start that never committed a step wrote (only verlj's own names). The caller holds
+    (or held, and has just released) the run's writer claim; the claims go only with the directory."""
     from .state.snapshot_store import SnapshotStore
 
     discard_journal(run_dir)
@@ -164,9 +218,10 @@ def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
-    SnapshotStore(run_dir, None).clean_leftovers(index={})
-    if remove_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
-        run_dir.rmdir()
+    for p in SnapshotStore(run_dir, None).temporaries():
+        shutil.rmtree(run_dir / p, ignore_errors=True)
+    if remove_dir and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {WRITER_DIR}:
+        shutil.rmtree(run_dir)
 
 
 def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, reporter: Reporter, last: int,
@@ -174,7 +229,7 @@ def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, r
     """Live steps last+1 .. total_steps: collect, apply, commit, maybe snapshot. Returns the last step."""
     stop = stop or StopFlag()
     if rt.is_main:
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        (run_dir / "config.yaml").write_text(to_yaml(cfg, stored=True))
     reporter.start(last + 1)
     step, ship_cpu = last, 0.0
     for step in range(last + 1, cfg.trainer.total_steps + 1):
@@ -208,6 +263,15 @@ def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, r
     return step
 
 
+def check_fork(parent: Path, step: int, new_run: Path, overrides: list[str]) -> None:
+    """`replay --fork`'s config, checked before anything is replayed: the same check fork() makes."""
+    with Ledger.open_reader(parent) as ledger:
+        old = ledger.config_at(step)
+    cfg = make_config(None, overrides, base=old)
+    check_change(old, cfg, allow_live=True, how="fork")
+    check_local_dir(new_run, cfg.journal)
+
+
 def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
     """`replay --fork`: a new run from a materialized state (post_mortem.materialize); its journal records
     the parent run and step."""
@@ -217,6 +281,7 @@ def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
     old = trainer.cfg.to_dict()
     cfg = make_config(None, overrides, base=old)
     changed = check_change(old, cfg, allow_live=True, how="fork")
+    check_local_dir(new_run, cfg.journal)
     preflight_rollout(cfg, rt)
     trainer.set_config(cfg)
     journal = ledger = None
@@ -225,7 +290,7 @@ def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
         with open_journal_reader(journal_dir(parent)) as pj:
             chain = pj.chain_hash(m.step)
         new_run.mkdir(parents=True, exist_ok=True)
-        journal, notes = open_writer(new_run, cfg.journal)
+        journal, notes = open_writer(new_run, cfg.journal, claim_run(new_run, cfg.journal))
         ledger = Ledger(journal)
         origin = {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint}
         ledger.start(run_identity(cfg, rt, new_run, trainer), parent=origin, base_step=m.step, chain_base=chain)
@@ -256,7 +321,7 @@ def preflight_rollout(cfg: Config, rt: Runtime) -> None:
 def run_identity(cfg: Config, rt: Runtime, run_dir: Path, trainer) -> dict:
     """What produced this run: recorded once at its start (state.ledger keeps it)."""
     return {
-        "config": cfg.to_dict(),
+        "config": cfg.to_stored(),
         "config_hash": cfg.hash(),
         "seed": cfg.trainer.seed,
         "versions": versions(),

@@ -12,7 +12,8 @@ A run directory's journal is read with ``open_journal_reader(RUN / "journal")``,
 has (the LMDB environment in place, or segments shipped from a node-local one: see ``segments``).
 """
 
-from . import segments
+from . import claim, segments
+from .claim import Claim, FencedError, WriterClaimedError
 from .codec import packb, unpackb
 from .errors import (
     CodecError,
@@ -28,8 +29,10 @@ from .store import Journal
 from .verify import JournalReport, Problem, verify_journal
 
 __all__ = [
+    "Claim",
     "CodecError",
     "EVENT_VERSIONS",
+    "FencedError",
     "Journal",
     "JournalError",
     "JournalLockedError",
@@ -46,4 +49,6 @@ __all__ = [
     "upcast_event",
     "upcast_record",
     "verify_journal",
+    "WriterClaimedError",
+    "claim",
 ]

@@ -2,9 +2,11 @@
 
     VERLJ_FAILPOINT=journal.before_commit:3 verlj train ...          # SIGKILL inside the 3rd step commit
     VERLJ_FAILPOINT=step.before_commit:1:sleep=5 verlj train ...     # stall 5 s there instead
+    VERLJ_FAILPOINT=ship.before_publish:2:sleep=3,snapshot.rotate:1  # several, comma-separated
 
 A real ``kill -9`` at an exact moment (etcd's failpoints, SQLite's crash tests): nothing is
-cleaned up, no handler runs. Unset (the normal case) a failpoint costs one string compare.
+cleaned up, no handler runs. ``sleep=S`` stalls the S seconds at that hit; ``sleep-each=S``
+stalls at that hit and every later one. Unset (the normal case) a failpoint costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -13,21 +15,32 @@ import os
 import signal
 import time
 
-_SPEC = os.environ.get("VERLJ_FAILPOINT", "")
-_NAME, _, _REST = _SPEC.partition(":")
-_COUNT, _, _ACTION = _REST.partition(":")
-_TARGET = int(_COUNT) if _COUNT else 1
-_hits = 0
+
+def _parse(spec: str) -> dict[str, tuple[int, str]]:
+    out = {}
+    for part in filter(None, spec.split(",")):
+        name, _, rest = part.partition(":")
+        count, _, action = rest.partition(":")
+        out[name] = (int(count) if count else 1, action)
+    return out
+
+
+_POINTS = _parse(os.environ.get("VERLJ_FAILPOINT", ""))
+_hits: dict[str, int] = {}
 
 
 def failpoint(name: str) -> None:
-    global _hits
-    if name != _NAME:
+    armed = _POINTS.get(name)
+    if armed is None:
         return
-    _hits += 1
-    if _hits != _TARGET:
+    target, action = armed
+    _hits[name] = hit = _hits.get(name, 0) + 1
+    if action.startswith("sleep-each="):
+        if hit >= target:
+            time.sleep(float(action.split("=", 1)[1]))
+    elif hit != target:
         return
-    if _ACTION.startswith("sleep="):
-        time.sleep(float(_ACTION.split("=", 1)[1]))
+    elif action.startswith("sleep="):
+        time.sleep(float(action.split("=", 1)[1]))
     else:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -33,6 +33,7 @@ is refused.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import shutil
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import codec
+from .claim import FencedError
 from .durable import fsync_dir
 from .errors import JournalError
 from .failpoints import failpoint
@@ -205,8 +207,10 @@ def read_segment(path: Path) -> Segment:
     return Segment.parse(raw, path.name)
 
 
-def _publish(shipped: Path, seg: Segment) -> None:
-    """Write a sealed segment durably and atomically: tmp file, fsync, rename, fsync the directory."""
+def _publish(shipped: Path, seg: Segment, claim=None) -> None:
+    """Write a sealed segment durably and atomically: tmp file, fsync, then link(2) to its name (which
+    never replaces an existing segment), fsync the directory. `claim`: the run's writer claim, checked
+    first, so a writer that was taken over publishes nothing."""
     d = segment_dir(shipped)
     d.mkdir(parents=True, exist_ok=True)
     parts = seg.seal()
@@ -216,10 +220,23 @@ def _publish(shipped: Path, seg: Segment) -> None:
         f.flush()
         os.fsync(f.fileno())
     failpoint("ship.before_publish")  # written, not yet visible under its name
+    if claim is not None:
+        claim.check()
     final = _segment_path(shipped, seg.seq)
-    if final.exists():
-        raise JournalError(f"journal segment {final.name} already exists: another process ships this run's journal")
-    os.replace(tmp, final)
+    taken = f"journal segment {final.name} already exists: another process ships this run's journal"
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        tmp.unlink(missing_ok=True)
+        raise JournalError(taken) from None
+    except OSError as e:  # a filesystem without hard links
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        if final.exists():
+            raise JournalError(taken) from None
+        os.replace(tmp, final)
+    else:
+        tmp.unlink()
     fsync_dir(d)
 
 
@@ -352,13 +369,17 @@ def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail", found: Segment
         raise JournalError(f"{dest} already holds a journal; rebuild into an empty directory")
     dest.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".rebuild-{dest.name}-", dir=dest.parent))
+    meta = snaps = None
+    for seg in found.segments:
+        meta = seg.meta if seg.meta is not None else meta
+        snaps = seg.snapshots if seg.snapshots is not None else snaps
+    # segments keep each step as it was committed; retention pruned the writer's copy since: so is this one
+    pruned = meta.get(b"pruned_through") if meta else None
+    pruned_through = int(unframe_plain(pruned, "meta 'pruned_through'")) if pruned is not None else 0
     try:
         with Journal.open_writer(work) as j:
-            meta = snaps = None
             for seg in found.segments:
-                meta = seg.meta if seg.meta is not None else meta
-                snaps = seg.snapshots if seg.snapshots is not None else snaps
-                j.restore(seg.steps, seg.first, None, None)
+                j.restore(seg.steps, seg.first, None, None, pruned_through=pruned_through)
             j.restore([], None, meta or {}, snaps or {})
         (work / "writer.lock").unlink(missing_ok=True)
         if dest.exists():
@@ -484,12 +505,13 @@ def matches(local: Path, shipped: Path, found: SegmentScan) -> bool:
 # ----------------------------------------------------------------------------- the writer
 
 
-def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list[str]]:
+def open_writer(local: Path, shipped: Path, max_lag: int, claim=None) -> tuple[Journal, list[str]]:
     """The run's journal writer at `local`, shipping to `shipped`. Returns (journal, notes): notes are
     one-line messages for the user (steps lost with a damaged last segment, a rebuild, a warning).
 
     When `local` holds no journal, it is rebuilt from the segments first (a resume on another host);
-    when it holds one, it must hold every shipped step (same hash chain) or it is refused.
+    when it holds one, it must hold every shipped step (same hash chain) or it is refused. `claim`:
+    the run's writer claim (claim.Claim), held already, checked before every shipment.
     """
     local, shipped = Path(local), Path(shipped)
     if os.path.realpath(local) == os.path.realpath(shipped):
@@ -504,7 +526,7 @@ def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list
             raise JournalError(f"journal.local_dir {local} holds a journal that does not match the segments in "
                                f"{segment_dir(shipped)} (another run's, or an older copy); empty it or choose another directory")
         if found.problem:  # the local journal still holds what the damaged segment carried: ship it again
-            _set_aside(shipped, len(found.segments) + 1)
+            _set_aside(shipped, len(found.segments) + 1, claim)
             notes.append(f"{found.problem}; shipping its steps again from {local}")
             found = SegmentScan(segments=found.segments, leftovers=found.leftovers)
     elif found.segments:
@@ -512,7 +534,7 @@ def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list
         notes.append(f"Rebuilt the journal in {local} from {len(rebuilt.segments)} segment(s) in {segment_dir(shipped)} "
                      f"(steps through {rebuilt.last_step or 0}, every checksum and the hash chain verified)")
         if rebuilt.problem:
-            _set_aside(shipped, len(rebuilt.segments) + 1)
+            _set_aside(shipped, len(rebuilt.segments) + 1, claim)
             if rebuilt.lost_steps is None:
                 notes.append(f"{rebuilt.problem}: it carried no steps; set it aside")
             else:
@@ -523,12 +545,14 @@ def open_writer(local: Path, shipped: Path, max_lag: int) -> tuple[Journal, list
     warning = lmdb_location_warning(local)
     if warning:
         notes.append(warning)
+    if claim is not None:
+        claim.check()
     write_pointer(shipped, local)  # before the journal exists: a kill in between leaves a run that never started
-    journal = Journal.open_writer(local)
+    journal = Journal.open_writer(local, claim=claim)
     try:
         if journal.get_meta(JOURNAL_ID) is None:
             journal.set_meta(JOURNAL_ID, uuid.uuid4().hex)
-        shipper = Shipper(journal, shipped, max_lag, found)
+        shipper = Shipper(journal, shipped, max_lag, found, claim)
     except BaseException:
         journal.close()
         raise
@@ -553,9 +577,11 @@ def _rebuild_for_writer(shipped: Path, local: Path, found: SegmentScan) -> Segme
     return found
 
 
-def _set_aside(shipped: Path, seq: int) -> None:
+def _set_aside(shipped: Path, seq: int, claim=None) -> None:
     """Move a damaged last segment out of the numbering (kept for inspection as .damaged-N.seg)."""
     path = _segment_path(shipped, seq)
+    if claim is not None:
+        claim.check()
     if path.exists():
         os.replace(path, segment_dir(shipped) / f".damaged-{seq:010d}.seg")
         fsync_dir(segment_dir(shipped))
@@ -581,11 +607,13 @@ class Shipper:
     any moment then costs at most ``max_lag`` steps plus the one being committed.
     """
 
-    def __init__(self, journal: Journal, shipped: Path, max_lag: int, found: SegmentScan | None = None):
-        """`found`: the caller's scan of `shipped` (the segments as they are now), when it has one."""
+    def __init__(self, journal: Journal, shipped: Path, max_lag: int, found: SegmentScan | None = None, claim=None):
+        """`found`: the caller's scan of `shipped` (the segments as they are now), when it has one;
+        `claim`: the run's writer claim, checked before each segment is published."""
         self.journal = journal
         self.shipped = Path(shipped)
         self.max_lag = max_lag
+        self.claim = claim
         found = found or scan(self.shipped)
         if found.problem:
             raise JournalError(f"cannot ship to {segment_dir(self.shipped)}: {found.problem}")
@@ -606,6 +634,8 @@ class Shipper:
         self.cpu_seconds = 0.0  # the shipper thread's CPU time: what it takes from training
         self._cond = threading.Condition()
         self._dirty = True
+        self._written = 1  # commits notified so far (the journal's state at start counts as one)
+        self._shipped_written = 0  # of those, how many are in the segments
         self._stop = False
         self._error: str | None = None
         self._thread = threading.Thread(target=self._run, name="verlj-journal-shipper", daemon=True)
@@ -627,7 +657,24 @@ class Shipper:
     def notify(self) -> None:
         with self._cond:
             self._dirty = True
+            self._written += 1
             self._cond.notify_all()
+
+    def flush(self, timeout: float = 600.0) -> None:
+        """Block until everything committed so far (steps, metadata, the snapshot index) is shipped.
+        Raises JournalError if shipping fails or stalls past `timeout`."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            want = self._written
+            self._dirty = True
+            self._cond.notify_all()
+            while self._shipped_written < want:
+                if self._error is not None:
+                    raise JournalError(self._error)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise JournalError(f"journal shipping to {segment_dir(self.shipped)} did not catch up in {timeout:.0f} s")
+                self._cond.wait(min(left, 1.0))
 
     def wait(self, step: int, timeout: float = 600.0) -> None:
         """Block until every step up to `step - max_lag` is shipped. Raises JournalError if shipping fails."""
@@ -671,9 +718,18 @@ class Shipper:
                 if self._stop:
                     return
                 self._dirty = False
+                written = self._written
             try:
                 self.ship_once()
+                with self._cond:
+                    self._shipped_written = max(self._shipped_written, written)
+                    self._cond.notify_all()
                 backoff = 0.1
+            except FencedError as e:  # another writer owns the run now: never retry
+                with self._cond:
+                    self._error = str(e)
+                    self._cond.notify_all()
+                return
             except Exception as e:  # noqa: BLE001 - reported to the training loop by wait()
                 with self._cond:
                     self._dirty = True
@@ -705,7 +761,7 @@ class Shipper:
             chain = StepFrame.parse(steps[-1]).chain.hex() if steps else (self.journal.chain_hash(self._shipped) or "")
             seg = Segment(self._seq + 1, self._prev, first, last, chain, steps,
                           meta if new_meta else None, snaps if new_snaps else None)
-            _publish(self.shipped, seg)
+            _publish(self.shipped, seg, self.claim)
             with self._cond:
                 self._seq, self._prev, self._shipped = seg.seq, seg.digest, last
                 self._meta_digest, self._snap_digest = meta_digest, snap_digest

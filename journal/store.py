@@ -323,14 +323,16 @@ class Journal:
         self._commit_hooks: list = []  # fn(step | None) after each committed write (segments.Shipper)
         self._close_hooks: list = []
         self.shipper = None  # a segments.Shipper when the journal is shipped to a run directory
+        self.claim = None  # a claim.Claim: the run's writer slot, checked before every write (fencing)
         self.shipped_problem: str | None = None  # set by segments.open_reader: damage found in the segments
         self.compression_level = DEFAULT_COMPRESSION_LEVEL  # zstd level of step payloads written from now on
 
     # ------------------------------------------------------------------ opening
 
     @classmethod
-    def open_writer(cls, path: str | os.PathLike, *, map_size: int = DEFAULT_MAP_SIZE) -> Journal:
-        """Open (creating if needed) the journal for appending. Refuses at once if another process writes it."""
+    def open_writer(cls, path: str | os.PathLike, *, map_size: int = DEFAULT_MAP_SIZE, claim=None) -> Journal:
+        """Open (creating if needed) the journal for appending. Refuses at once if another process writes it.
+        `claim`: the run's writer claim (journal.claim), checked before every write and released on close."""
         path = Path(path)
         try:
             path.mkdir(parents=True, exist_ok=True)
@@ -351,10 +353,14 @@ class Journal:
         os.pwrite(fd, holder.encode(), 0)
         try:
             env = _open_env(path, writable=True, map_size=map_size)
-            return cls(path, env, writable=True, lock_fd=fd)
+            journal = cls(path, env, writable=True, lock_fd=fd)
         except lmdb.Error as e:
             os.close(fd)
             raise JournalError(f"cannot open journal {path}: {e}") from None
+        if claim is not None:
+            journal.claim = claim
+            journal.on_close(claim.release)  # registered first, so it runs after every later close hook (a last shipment)
+        return journal
 
     @classmethod
     def open_reader(cls, path: str | os.PathLike) -> Journal:
@@ -410,8 +416,11 @@ class Journal:
             return self._env.begin(buffers=True)
 
     def _write(self, fn):
-        """Run fn(txn) in one write transaction; grow the map and retry on MapFullError."""
+        """Run fn(txn) in one write transaction; grow the map and retry on MapFullError. A writer whose
+        claim on the run was taken over writes nothing (claim.FencedError)."""
         assert self.writable, "journal opened read-only"
+        if self.claim is not None:
+            self.claim.check()
         with self._write_lock:  # the training loop and a background snapshot thread both write
             return self._write_locked(fn)
 
@@ -516,20 +525,23 @@ class Journal:
         """The last step whose payload retention removed (0: none)."""
         return int(self.get_meta("pruned_through", 0))
 
-    def restore(self, frames: list[bytes], first: int | None, meta: dict | None = None, snapshots: dict | None = None) -> None:
+    def restore(self, frames: list[bytes], first: int | None, meta: dict | None = None, snapshots: dict | None = None,
+                pruned_through: int = 0) -> None:
         """Write step frames exactly as another copy of this journal stored them, from step `first` on
         (segments.rebuild; the caller has checked their chain), and replace the meta and snapshot
-        index when given. One transaction: all or none."""
-        summaries = []
+        index when given. Frames of steps through `pruned_through` are written without their payload,
+        as retention left them in that copy. One transaction: all or none."""
+        summaries, stored = [], []
         for i, raw in enumerate(frames):
             frame = StepFrame.parse(raw)
             record = codec.unpackb(frame.body)  # a v2 core holds every summary event
             if record["step"] != first + i:
                 raise JournalError(f"record to restore at step {first + i} says it is step {record['step']}")
             summaries.append(_summary_frame(record["step"], record["time"], record["events"]) if frame.version == 1 else None)
+            stored.append(frame.without_payload() if first + i <= pruned_through and frame.payload_len else raw)
 
         def txn_fn(txn):
-            for i, raw in enumerate(frames):
+            for i, raw in enumerate(stored):
                 txn.put(step_key(first + i), raw, db=self._steps, append=True)
                 if summaries[i] is not None:
                     txn.put(step_key(first + i), summaries[i], db=self._summary, append=True)
@@ -573,6 +585,13 @@ class Journal:
     def remove_snapshot(self, step: int) -> None:
         self._write(lambda txn: txn.delete(step_key(step), db=self._snaps))
         self._committed(None)
+
+    def make_durable(self) -> None:
+        """Return once every write so far is in the copy a recovery would read: at once for a journal in
+        the run directory (each commit is fsynced), after the shipper has shipped it for a shipped one.
+        Call before deleting anything the previous state of the journal still needs."""
+        if self.shipper is not None:
+            self.shipper.flush()
 
     # ------------------------------------------------------------------ reading
 

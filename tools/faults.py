@@ -16,11 +16,18 @@ samples, metrics other than timings, and fingerprint). Kinds:
                recovered exactly | refused clearly | unaffected | SILENT | CRASH
   disk-full    the run directory on a small tmpfs, so a snapshot or a journal commit hits ENOSPC;
                then more space and `--resume`.
-  node-loss    journal.local_dir: SIGKILL at a random moment or mid shipment, then the local journal
-               deleted (the node is gone), sometimes the last segment torn or bit-flipped too; then
-               `--resume` with a new local directory. exact (and no more steps lost than the
-               lag bound allows) | NOT EXACT | BOUND EXCEEDED
+  node-loss    journal.local_dir with one snapshot kept (every save rotates), retention and the archive
+               on or off: SIGKILL at a random moment, mid shipment, or, with shipping slowed (a slow
+               shared filesystem), at a failpoint of publish / index / rotate / prune / archive; then
+               the local journal deleted (the node is gone), sometimes the last segment torn or
+               bit-flipped too; then `--resume` with a new local directory. exact (no more steps
+               lost than the lag bound allows, nothing the shipped journal names deleted, the resume
+               starting from the newest snapshot whose step was shipped or a newer one) | NOT EXACT
+               | BOUND EXCEEDED | SNAPSHOT LOST
   concurrency  a second `verlj train` on a live run; `inspect` and `verify` during training.
+  two-writers  two trainers on one shipped run from two local directories, the second started at a
+               random moment, with or without --resume: refused (one line naming the live writer,
+               the run's files untouched, the first run exact) | NOT REFUSED | TOUCHED | NOT EXACT
   bad-input    malformed configs, wrong overrides, missing paths, a newer-schema journal, a
                directory that is not a run: one line, non-zero exit, no traceback, nothing written.
 
@@ -54,6 +61,11 @@ FAILPOINTS = {
     "journal.before_commit": TARGET, "journal.after_commit": TARGET - 1, "step.before_commit": TARGET,
     "snapshot.mid_write": 4, "snapshot.before_rename": 4, "snapshot.before_index": 4, "snapshot.rotate": 2,
 }
+# node loss, with shipping slowed: kill at one of these (its hit count drawn from 1..n)
+NODE_LOSS_POINTS = {"snapshot.before_rename": 3, "snapshot.before_index": 3, "snapshot.rotate": 3, "snapshot.before_delete": 3,
+                    "snapshot.rotated": 3}
+RETENTION_POINTS = {"journal.prune": 3, "archive.mid_write": 6}
+SLOW_SHIPPING = "ship.before_publish:1:sleep-each=0.3"
 GOOD = {"exact", "recovered exactly", "refused clearly", "unaffected", "stopped clearly, resumed exactly", "kept going without snapshots",
         "refused", "undisturbed", "clear error"}
 
@@ -176,18 +188,28 @@ def kill_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
 
 
 def node_loss_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
-    from verlj.journal import Journal, segments
+    from verlj.journal import Journal, open_journal_reader, segments
 
     run, local = root / f"node{n}", root / f"node{n}-local"
     lag = rng.choice([0, 1, 2, 4])
-    over = (f"journal.local_dir={local}", f"journal.ship_max_lag_steps={lag}")
-    if rng.random() < 0.7:
+    retain = rng.random() < 0.5
+    over = [f"journal.local_dir={local}", f"journal.ship_max_lag_steps={lag}", "trainer.save_total_limit=1",
+            *(["journal.retain_samples=since_oldest_snapshot", "journal.archive=true"] if retain else [])]
+    what = f"lag {lag}, retention {'on' if retain else 'off'}: "
+    mode = rng.random()
+    if mode < 0.3:
         kill_at_random(run, rng, *over)
-        what = f"lag {lag}: SIGKILL at a random moment"
-    else:
+        what += "SIGKILL at a random moment"
+    elif mode < 0.45:
         k = rng.randint(2, 2 * TARGET)
         out = train(run, *over, VERLJ_FAILPOINT=f"ship.before_publish:{k}")
-        what = f"lag {lag}: SIGKILL mid shipment {k}" + ("" if out.returncode == -9 else " (not reached)")
+        what += f"SIGKILL mid shipment {k}" + ("" if out.returncode == -9 else " (not reached)")
+    else:
+        points = {**NODE_LOSS_POINTS, **(RETENTION_POINTS if retain else {})}
+        point = rng.choice(sorted(points))
+        count = rng.randint(1, points[point])
+        out = train(run, *over, VERLJ_FAILPOINT=f"{SLOW_SHIPPING},{point}:{count}")
+        what += f"shipping slowed, SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
     committed = 0
     if (local / "data.mdb").exists():
         with Journal.open_reader(local) as j:
@@ -195,7 +217,9 @@ def node_loss_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
     found = segments.scan(run / "journal")
     shipped = found.last_step or 0
     files = sorted(segments.segment_dir(run / "journal").glob("*.seg")) if found.segments else []
+    torn = False
     if files and rng.random() < 0.3:
+        torn = True
         raw = bytearray(files[-1].read_bytes())
         if rng.random() < 0.5:
             files[-1].write_bytes(bytes(raw[: rng.randint(0, len(raw) - 1)]))
@@ -208,9 +232,23 @@ def node_loss_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
     what += f"; node lost with {committed - shipped} unshipped step(s)"
     if committed - shipped > lag + 1:
         return Trial("node-loss", n, what, "BOUND EXCEEDED", f"committed {committed}, shipped {shipped}, bound {lag} + 1")
-    out = resume_until_done(run, f"journal.local_dir={root / f'node{n}-local2'}", f"journal.ship_max_lag_steps={lag}")
+    if found.segments:
+        with open_journal_reader(run / "journal") as j:  # what a recovery reads now: the segments alone
+            shipped_now, named = j.last_step(), [info["path"] for info in j.snapshots().values()]
+        gone = [name for name in named if not (run / name).is_dir()]
+        if gone and not torn:
+            return Trial("node-loss", n, what, "SNAPSHOT LOST", f"the shipped journal names {', '.join(gone)}, deleted")
+    else:
+        shipped_now = 0
+    # every snapshot of a step before the one being committed was published; the newest whose step the
+    # segments hold (or a newer one) is where the resume must start
+    floor = max((s for s in range(2, committed, 2) if s <= shipped_now), default=0)
+    out = resume_until_done(run, *over[1:], f"journal.local_dir={root / f'node{n}-local2'}")
     if out is None or out.returncode != 0:
         return Trial("node-loss", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+    start = next((int(line.rsplit("step_", 1)[1]) for line in out.stdout.splitlines() if "Resuming from checkpoint:" in line), 0)
+    if start < floor:
+        return Trial("node-loss", n, what, "SNAPSHOT LOST", f"resumed from step {start}, step_{floor:05d} was valid and shipped")
     same, note = identical(run, ref)
     shutil.rmtree(run, ignore_errors=True)
     shutil.rmtree(root / f"node{n}-local2", ignore_errors=True)
@@ -330,6 +368,51 @@ def concurrency_trial(root: Path, ref: Path, n: int) -> list[Trial]:
     return out
 
 
+def settled(run: Path, local: Path, steps: int, timeout: float = 120) -> None:
+    """Wait until `steps` steps are committed in `local` and shipped to `run` (a trainer held in the next one)."""
+    from verlj.journal import Journal, segments
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with Journal.open_reader(local) as j:
+                done = j.last_step()
+            found = segments.scan(run / "journal")
+            if done == steps and (found.last_step or 0) == steps and found.segments and not found.leftovers:
+                time.sleep(0.3)  # the shipment of the metadata that follows a step
+                return
+        except Exception:  # noqa: BLE001 - not created yet
+            pass
+        time.sleep(0.05)
+
+
+def two_writers_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
+    """A second trainer, from another local directory, on a shipped run that a first one trains."""
+    run = root / f"two{n}"
+    first, second = rng.sample(["A", "B"], 2)
+    stall = rng.randint(1, TARGET - 1)  # hold the first inside a random step so the second surely meets it live
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, f"journal.local_dir={root / f'two{n}-{first}'}"]
+    live = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=env(VERLJ_FAILPOINT=f"step.before_commit:{stall}:sleep=15"))
+    settled(run, root / f"two{n}-{first}", stall - 1)  # held in its step, everything before it shipped
+    time.sleep(rng.uniform(0, 1.0))
+    resume = rng.random() < 0.8
+    before = tree_digest(run)
+    out = train(run, f"journal.local_dir={root / f'two{n}-{second}'}", resume=resume)
+    touched = tree_digest(run) != before
+    _, err = live.communicate(timeout=300)
+    what = f"{first} trains (held in step {stall}); {second} starts {'with' if resume else 'without'} --resume"
+    if not (clean_error(out) and "is being written by" in out.stderr):
+        return Trial("two-writers", n, what, "NOT REFUSED", f"exit {out.returncode}: " + (out.stderr.strip().splitlines() or ["?"])[-1][:140])
+    if touched:
+        return Trial("two-writers", n, what, "TOUCHED", "the refused trainer changed the live run's files")
+    if live.returncode != 0:
+        return Trial("two-writers", n, what, "NOT EXACT", f"the first trainer exited {live.returncode}: " + (err.strip().splitlines() or ["?"])[-1][:140])
+    same, note = identical(run, ref)
+    shutil.rmtree(run, ignore_errors=True)
+    return Trial("two-writers", n, what, "refused" if same else "NOT EXACT", note or (out.stderr.strip().splitlines() or ["?"])[-1][:140])
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -337,7 +420,8 @@ def tree_digest(root: Path) -> str:
     h = hashlib.sha256()
     if root.exists():
         for p in sorted(root.rglob("*")):
-            if p.is_file() and p.name not in ("lock.mdb", "writer.lock"):  # lock files, rewritten by any opener
+            # lock files, rewritten by any opener, and the writers' claims (RUN/writer), added to by every start
+            if p.is_file() and p.name not in ("lock.mdb", "writer.lock") and "writer" not in p.relative_to(root).parts:
                 h.update(str(p).encode() + p.read_bytes())
     return h.hexdigest()
 
@@ -412,12 +496,13 @@ def main() -> int:
     ap.add_argument("--corruptions", type=int, default=50)
     ap.add_argument("--disk-full", type=int, default=2)
     ap.add_argument("--node-losses", type=int, default=20)
+    ap.add_argument("--two-writers", type=int, default=6)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="a few trials of each kind (the test suite runs this)")
-    ap.add_argument("--kinds", default="kill,corruption,disk-full,node-loss,concurrency,bad-input")
+    ap.add_argument("--kinds", default="kill,corruption,disk-full,node-loss,concurrency,two-writers,bad-input")
     args = ap.parse_args()
     if args.quick:
-        args.kills, args.corruptions, args.disk_full, args.node_losses = 1, 3, 1, 1
+        args.kills, args.corruptions, args.disk_full, args.node_losses, args.two_writers = 1, 3, 1, 1, 1
     kinds = set(args.kinds.split(","))
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="verlj-faults-"))
@@ -450,6 +535,9 @@ def main() -> int:
         if "concurrency" in kinds:
             for t in concurrency_trial(root, ref, 1):
                 record(t)
+        if "two-writers" in kinds:
+            for n in range(1, args.two_writers + 1):
+                record(two_writers_trial(root, ref, rng, n))
         if "bad-input" in kinds:
             for t in bad_input_trials(root, finished, quick=args.quick):
                 record(t)
@@ -457,7 +545,7 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     print()
     print(f"{'kind':12s} {'trials':>6s}  outcomes")
-    for kind in ("kill", "corruption", "disk-full", "node-loss", "concurrency", "bad-input"):
+    for kind in ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "bad-input"):
         ts = [t for t in trials if t.kind == kind]
         if ts:
             counts = Counter(t.outcome for t in ts)

@@ -12,6 +12,7 @@ run quickly; a single step is one key lookup.
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 import re
@@ -22,7 +23,7 @@ import numpy as np
 
 from ..config import diff_configs
 from ..errors import RunError
-from ..state.ledger import Ledger, has_run
+from ..state.ledger import Ledger, has_run, writer_dir
 from ..state.manifest import check_snapshot
 
 
@@ -60,6 +61,11 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
         quarantined = j.quarantined()
         last, base = j.last_step(), j.base_step()
         index = j.snapshots()
+        ranks_now = j.topology_at(last)["world_size"]
+        last_summary = j.journal.read_summary(last) if last > base else None
+        rollout = _events(last_summary).get("rollout") if last_summary else None
+        engine = {"engine": rollout["engine"], "version": rollout["version"]} if rollout else \
+            {"engine": j.config_at(last).get("rollout", {}).get("engine", "hf"), "version": None}
         trend = []
         if last > base:
             steps = sorted({int(x) for x in np.linspace(base + 1, last, num=min(trend_points, last - base))})
@@ -78,7 +84,9 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
         "config_hash": meta.get("config_hash"),
         "config": meta.get("config"),
         "versions": meta.get("versions"),
-        "world_size": meta.get("world_size"),
+        "world_size": ranks_now,
+        "world_size_at_start": meta.get("world_size"),
+        "rollout": engine,
         "created": meta.get("created"),
         "steps_committed": last - base,
         "first_step": base + 1 if last > base else None,
@@ -86,9 +94,21 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
         "snapshots": snaps,
         "lineage": lineage,
         "topology": topology,
+        "writer": _writer(run_dir),
         "quarantined": quarantined,
         "trend": trend,
     }
+
+
+def _writer(run_dir: Path) -> dict | None:
+    """The run's latest writer claim (journal.claim): who trains it, or trained it last."""
+    from verlj.journal.claim import current
+
+    found = current(writer_dir(run_dir))
+    if found is None or found[1] is None:
+        return None
+    epoch, data = found
+    return {"epoch": epoch, **{k: data.get(k) for k in ("host", "pid", "command", "claimed", "released")}}
 
 
 def topology_line(entry: dict) -> str:
@@ -120,13 +140,17 @@ def sparkline(values: list[float | None]) -> str:
 
 def render_summary(s: dict) -> str:
     cfg = s["config"] or {}
+    started_on = "" if s["world_size"] == s["world_size_at_start"] else f" (started on {s['world_size_at_start']})"
     lines = [
         f"run        {s['run']}",
         f"config     hash {s['config_hash']}  algorithm {cfg.get('algorithm', {}).get('name')}  "
         f"zero {cfg.get('distributed', {}).get('zero_stage')}  tp {cfg.get('distributed', {}).get('tensor_parallel_size')}  "
         f"actor {cfg.get('model', {}).get('actor', {}).get('model_name_or_path')}",
         "versions   " + "  ".join(f"{k} {v}" for k, v in (s["versions"] or {}).items()),
-        f"ranks      {s['world_size']}   created {s['created']}",
+        f"ranks      {s['world_size']}{started_on}   created {s['created']}",
+        f"rollout    {s['rollout']['engine']}" + ("" if not s["rollout"]["version"] else
+                                                    f" (transformers {s['rollout']['version']})" if s["rollout"]["engine"] == "hf"
+                                                    else f" {s['rollout']['version']}"),
         f"steps      {s['steps_committed']} committed, last step {s['last_step']}",
     ]
     if s["snapshots"]:
@@ -134,6 +158,10 @@ def render_summary(s: dict) -> str:
             f"{x['name']}{'' if x['valid'] else ' ✗ ' + x['problem']}{'' if x['indexed'] else ' (unindexed)'}" for x in s["snapshots"]))
     else:
         lines.append("snapshots  none")
+    if s.get("writer"):
+        w = s["writer"]
+        lines.append(f"writer     pid {w['pid']} on {w['host']} (writer epoch {w['epoch']}, claimed {w['claimed']}"
+                     f"{', released' if w['released'] else ''})")
     for q in s.get("quarantined", []):
         lines.append(f"quarantine {q['name']} ({q['reason']}) moved to {q['path']}")
     for entry in s["lineage"]:
@@ -143,7 +171,11 @@ def render_summary(s: dict) -> str:
             lines.append(f"lineage    forked from {entry['parent']['run']} at step {entry['parent']['step']}")
         else:
             changes = f", config changes: {', '.join(entry['config_changes'])}" if entry.get("config_changes") else ""
-            lines.append(f"lineage    resumed after step {entry['at_step']} from snapshot step {entry['snapshot_step']} at {entry['time']}{changes}")
+            asked = f" (asked: trainer.resume_from={entry['resume_from']})" if entry.get("resume_from") else ""
+            lines.append(f"lineage    resumed after step {entry['at_step']} from snapshot step {entry['snapshot_step']}{asked} "
+                         f"at {entry['time']}{changes}")
+            if entry.get("versions_changed"):
+                lines.append(f"versions   changed at that resume: {', '.join(entry['versions_changed'])}")
     for entry in s.get("topology", []):
         lines.append(f"topology   {topology_line(entry)}")
     if s["trend"]:
@@ -249,18 +281,43 @@ def metric_rows(run_dir: Path, names: list[str] | None, steps: str | None) -> tu
     start, stop = parse_steps(steps)
     rows, seen = [], set()
     with open_run(run_dir) as j:
-        for summ in j.journal.iter_summaries(start, stop):
-            values = _events(summ).get("metrics", {}).get("values", {})
+        for step, values in j.metrics(start, stop):
             seen |= set(values)
-            rows.append({"step": summ["step"], **(values if names is None else {k: values.get(k) for k in names})})
+            rows.append({"step": step, **(values if names is None else {k: values.get(k) for k in names})})
     if names is not None:
         unknown = [n for n in names if n not in seen]
+        if unknown and rows:  # measured after a step's commit, some metrics are only in the logs
+            logged = _logged_only(Path(run_dir) / "metrics.jsonl", set(unknown))
+            for row in rows:
+                row.update({k: v for k, v in logged.get(row["step"], {}).items()})
+            found = {k for values in logged.values() for k in values}
+            unknown = [n for n in unknown if n not in found]
         if unknown and rows:
-            raise RunError(f"unknown metric {unknown[0]!r}; this run has: {', '.join(sorted(seen)[:12])}, …")
+            raise RunError(f"unknown metric {unknown[0]!r}; this run has: {', '.join(sorted(seen))}")
         cols = names
     else:
         cols = sorted(seen)
     return cols, rows
+
+
+def _logged_only(path: Path, names: set[str]) -> dict[int, dict[str, float]]:
+    """step -> {name: value} of `names` in metrics.jsonl: the metrics measured after a step's commit
+    (timing_s/commit, journal/ship_lag_steps: run.train_loop logs them), which its record cannot hold."""
+    out: dict[int, dict[str, float]] = {}
+    try:
+        f = open(path)
+    except OSError:
+        return out
+    with f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            hit = {k: row[k] for k in names if k in row}
+            if hit and isinstance(row.get("step"), int):
+                out.setdefault(row["step"], {}).update(hit)
+    return out
 
 
 _OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": operator.ne}
@@ -310,11 +367,10 @@ def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[tupl
     out = []
     names_seen: set[str] = set()
     with open_run(run_dir) as j:
-        for summ in j.journal.iter_summaries():
-            values = _events(summ).get("metrics", {}).get("values", {})
+        for step, values in j.metrics():
             names_seen |= set(values)
             if all(c(values) for c in conds):
-                out.append((summ["step"], {c.name: values.get(c.name) for c in conds}))
+                out.append((step, {c.name: values.get(c.name) for c in conds}))
                 if limit is not None and len(out) >= limit:
                     break
     missing = [c.name for c in conds if names_seen and c.name not in names_seen]

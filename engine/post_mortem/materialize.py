@@ -74,7 +74,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
         raise
     rt = setup(cfg)
     configure_determinism(cfg)
-    reporter = reporter or Reporter(cfg.logging, run_dir, enabled=rt.is_main and not quiet, total_steps=to_step)
+    reporter = reporter or Reporter(cfg.logging, run_dir, enabled=rt.is_main and not quiet, total_steps=to_step, sinks=False)
     try:
         trainer = Trainer(cfg, rt)
         ckpt = Checkpointer(run_dir, cfg, rt, trainer, None, reporter)

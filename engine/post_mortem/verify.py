@@ -43,6 +43,7 @@ class RunReport:
     replay: list[int] | None = None
     advice: str | None = None  # what to do when the journal is damaged (the same words --resume says)
     leftovers: list[str] = field(default_factory=list)  # left by a killed run; resume removes them
+    host_leftovers: list[str] = field(default_factory=list)  # on this node, outside the run (vLLM weights copies)
     quarantined: list[dict] = field(default_factory=list)  # damaged snapshots moved aside on resume
     rotated: list[str] = field(default_factory=list)  # snapshots rotation removed while verify read them
     deep_lines: list[str] = field(default_factory=list)
@@ -190,6 +191,9 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
     finally:
         if ledger is not None:
             ledger.close()
+    from ..rl.vllm_engine import stale_weights_copies
+
+    report.host_leftovers = [f"{path} ({size / 2**20:.1f} MiB)" for path, size in stale_weights_copies()]
     if deep:
         deep_check(report, run_dir, from_step)
     return report
@@ -327,9 +331,11 @@ def render(report: RunReport) -> str:
     for name in report.rotated:
         lines.append(f"· {name} was rotated away by the live run while verify read it (not damage)")
     for q in report.quarantined:
-        lines.append(f"· {q['name']} was found damaged on a resume and moved to {q['path']} ({q['reason']}); never used")
+        lines.append(f"· {q['name']} was set aside by a resume and moved to {q['path']} ({q['reason']}); never used")
     for name in report.leftovers:
         lines.append(f"· {name}: left by an interrupted run; never used, and the next --resume removes it")
+    for name in report.host_leftovers:
+        lines.append(f"· {name}: a weights copy a killed vLLM start left on this node; the next `verlj train` removes it")
     lines += report.deep_lines
     if report.advice is not None:
         lines.append(f"Resume is not possible: {report.advice}.")

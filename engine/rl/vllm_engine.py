@@ -28,11 +28,14 @@ import gc
 import os
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from verlj.journal.claim import process_start
 
 from ..config import Config, ConfigError
 from .models import BUILTIN_TINY
@@ -108,6 +111,35 @@ def _preserved():
         np.random.set_state(states[2])
 
 
+@contextlib.contextmanager
+def _output_held():
+    """vLLM's start writes to the terminal from below Python's streams (Triton, NUMA binding, its own
+    shard-loading bar), through verlj's progress bar: file descriptors 1 and 2 go to a file meanwhile,
+    shown on stderr only when the start fails."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    held = tempfile.TemporaryFile()
+    ok = False
+    try:
+        os.dup2(held.fileno(), 1)
+        os.dup2(held.fileno(), 2)
+        yield
+        ok = True
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        if not ok:
+            held.seek(0)
+            sys.stderr.write(held.read()[-8000:].decode(errors="replace"))
+            sys.stderr.flush()
+        held.close()
+
+
 CPU_BLOCK = 128  # tokens per KV block: vLLM's CPU default, passed explicitly
 
 
@@ -149,6 +181,43 @@ def samples_of(outputs) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return responses, logprobs
 
 
+# ----------------------------------------------------------------------------- the weights copy vLLM starts from
+
+COPY_PREFIX = "verlj-vllm-"  # /dev/shm/verlj-vllm-PID-START-XXXX: the process that wrote it, and when it started
+
+
+def _copy_root() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _weights_copy_dir() -> Path:
+    pid = os.getpid()
+    return Path(tempfile.mkdtemp(prefix=f"{COPY_PREFIX}{pid}-{process_start(pid)}-", dir=_copy_root()))
+
+
+def stale_weights_copies() -> list[tuple[Path, int]]:
+    """Weights copies whose process is gone (a kill during vLLM's start leaves one in RAM-backed
+    /dev/shm: as large as the model), with their sizes. Reading only."""
+    out = []
+    for p in sorted(_copy_root().glob(f"{COPY_PREFIX}*")):
+        parts = p.name[len(COPY_PREFIX):].split("-")
+        if len(parts) < 3 or not parts[0].isdigit() or process_start(int(parts[0])) == parts[1]:
+            continue  # not one of ours, or its process still runs
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        out.append((p, size))
+    return out
+
+
+def remove_stale_weights_copies() -> list[str]:
+    """Remove them (any verlj process on this node may: their writers are gone). One line each."""
+    lines = []
+    for path, size in stale_weights_copies():
+        shutil.rmtree(path, ignore_errors=True)
+        lines.append(f"Removed {path} ({size / 2**20:.1f} MiB): a weights copy left by a killed vLLM start")
+    return lines
+
+
 class VllmEngine:
     name = "vllm"
 
@@ -176,8 +245,7 @@ class VllmEngine:
         self.names = [n for n, _ in weights]
         model_config = self.actor.module.config
         dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
-        shm = Path("/dev/shm")
-        tmp = Path(tempfile.mkdtemp(prefix="verlj-vllm-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+        tmp = _weights_copy_dir()
         try:
             model_config.save_pretrained(tmp)
             save_file({n: t.detach().contiguous().cpu() for n, t in weights}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -189,7 +257,7 @@ class VllmEngine:
                 memory = {"block_size": CPU_BLOCK, "kv_cache_memory_bytes": _kv_cache_bytes(model_config, dtype, blocks)}
             else:
                 memory = {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization}
-            with _preserved():
+            with _preserved(), _output_held():
                 self.llm = vllm.LLM(
                     model=str(tmp), skip_tokenizer_init=True, dtype=dtype, seed=cfg.trainer.seed, enforce_eager=True,
                     enable_chunked_prefill=False,  # seeded requests need whole prefills (vLLM CPU)

@@ -55,7 +55,7 @@ def write(run_dir: Path, ledger, first: int, last: int) -> dict:
 
     out_dir = archive_dir(run_dir)
     out_dir.mkdir(exist_ok=True)
-    clean_leftovers(run_dir, ledger.archive_index())  # of an attempt killed before indexing (we hold the writer lock)
+    clean_leftovers(run_dir, ledger)  # of an attempt killed before indexing (we hold the writer's claim)
     name = file_name(first, last)
     tmp = out_dir / f".tmp-{name}"
     rows = 0
@@ -71,6 +71,7 @@ def write(run_dir: Path, ledger, first: int, last: int) -> dict:
                 rows += rollouts.num_rows(cols)
             failpoint("archive.mid_write")
     fsync_file(tmp)
+    ledger.fence()
     os.replace(tmp, out_dir / name)
     fsync_dir(out_dir)
     path = out_dir / name
@@ -91,21 +92,19 @@ class Reader:
 
     def step_columns(self, step: int) -> dict | None:
         """The columns of `step`'s samples, or None when no archive file holds the step."""
-        import pyarrow.compute as pc
-
         from ..post_mortem import rollouts
 
         entry = self.covers(step)
         if entry is None:
             return None
+        rollouts.require_pyarrow(f"step {step}'s samples are in the rollout archive ({ARCHIVE_DIR}/{entry['file']}); reading it")
+        import pyarrow.compute as pc
+
         if self._entry is not entry:
             self._table, self._entry = self._load(entry), entry
         return rollouts.table_columns(self._table.filter(pc.equal(self._table.column("step"), step)))
 
     def _load(self, entry: dict):
-        from ..post_mortem import rollouts
-
-        rollouts.require_pyarrow("reading the rollout archive")
         import pyarrow.parquet as pq
 
         problem = check_entry(self.run_dir, entry)
@@ -134,9 +133,12 @@ def leftovers(run_dir: Path, entries: list[dict]) -> list[str]:
     return sorted(f"{ARCHIVE_DIR}/{p.name}" for p in d.iterdir() if _TMP.match(p.name) or (_FILE.match(p.name) and p.name not in indexed))
 
 
-def clean_leftovers(run_dir: Path, entries: list[dict]) -> list[str]:
-    """Remove them (the writer lock is held)."""
-    gone = leftovers(run_dir, entries)
+def clean_leftovers(run_dir: Path, ledger) -> list[str]:
+    """Remove them (the writer's claim is held; the journal still holds the samples they carry).
+    Returns one line per file removed."""
+    gone = leftovers(run_dir, ledger.archive_index())
+    if gone:
+        ledger.fence()
     for name in gone:
         (Path(run_dir) / name).unlink(missing_ok=True)
-    return gone
+    return [f"Removed what an interrupted run left behind: {name}" for name in gone]

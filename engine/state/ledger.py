@@ -11,6 +11,7 @@
                  snapshots   the snapshot index: step -> path, fingerprint, manifest digest, time
                  summary     fingerprints by step (the `state` event of each step)
     RUN/train_metadata.json  a human-readable mirror of the above (the journal is the truth)
+    RUN/writer/              the writer's claim on the run (journal.claim): one writer per run, fenced
 
 Everything else asks the ledger; no other module names a meta key. No torch here: post-mortem
 commands read the ledger without loading a deep-learning stack.
@@ -24,11 +25,12 @@ import platform
 import shutil
 import socket
 import subprocess
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from verlj.journal import Journal, open_journal_reader, segments
+from verlj.journal import Claim, Journal, open_journal_reader, segments
 
 from ..config import stored_config
 from ..errors import RunError
@@ -40,9 +42,34 @@ _ARCHIVE = "archive"
 _TOPOLOGY = "topology_history"
 
 
+WRITER_DIR = "writer"
+
+
 def journal_dir(run_dir: Path) -> Path:
     """RUN/journal: the LMDB environment itself, or (journal.local_dir) the segments shipped from it."""
     return Path(run_dir) / "journal"
+
+
+def writer_dir(run_dir: Path) -> Path:
+    """RUN/writer: the claims of the run's writers (journal.claim)."""
+    return Path(run_dir) / WRITER_DIR
+
+
+def claim_run(run_dir: Path, jc, say=None) -> Claim:
+    """Claim the run for this process, before anything in it is touched: refuses (JournalLockedError,
+    naming the live writer's host and pid) while another writer holds it; takes over, saying so
+    through `say`, one whose process is gone or whose lease (jc.writer_lease_s) expired."""
+    return Claim.acquire(writer_dir(run_dir), jc.writer_lease_s, what=f"run {run_dir}", say=say)
+
+
+def check_local_dir(run_dir: Path, jc) -> None:
+    """journal.local_dir must be a place of its own: not the run directory, nor inside it."""
+    if jc.local_dir is None:
+        return
+    local, run = Path(os.path.realpath(Path(jc.local_dir).expanduser())), Path(os.path.realpath(run_dir))
+    if local == run or run in local.parents:
+        raise RunError(f"journal.local_dir {jc.local_dir} is inside the run directory {run_dir}; it is meant for a node-local "
+                       "disk outside it (the run directory receives the shipped segments)")
 
 
 def journal_exists(run_dir: Path) -> bool:
@@ -50,29 +77,35 @@ def journal_exists(run_dir: Path) -> bool:
     return (jd / "data.mdb").is_file() or segments.is_shipped(jd)
 
 
-def open_writer(run_dir: Path, jc) -> tuple[Journal, list[str]]:
+def open_writer(run_dir: Path, jc, claim: Claim) -> tuple[Journal, list[str]]:
     """The run's journal writer, in the layout the config asks for. Returns (journal, notes to print).
 
     A run keeps the layout it started with: the LMDB environment in RUN/journal, or on the node-local
     `local_dir` with RUN/journal receiving shipped segments (a resume may name a new `local_dir`: the
-    journal is rebuilt there from the segments). `jc`: the config's journal section."""
-    journal, notes = _open_writer(run_dir, jc.local_dir, jc.ship_max_lag_steps)
+    journal is rebuilt there from the segments). `jc`: the config's journal section; `claim`: this
+    process's claim on the run (claim_run), which the journal owns from here (checked before every
+    write, released when it closes, or here when the journal cannot be opened)."""
+    try:
+        journal, notes = _open_writer(run_dir, jc.local_dir, jc.ship_max_lag_steps, claim)
+    except BaseException:
+        claim.release()
+        raise
     journal.compression_level = jc.compression_level
     return journal, notes
 
 
-def _open_writer(run_dir: Path, local_dir: str | None, max_lag: int) -> tuple[Journal, list[str]]:
+def _open_writer(run_dir: Path, local_dir: str | None, max_lag: int, claim: Claim) -> tuple[Journal, list[str]]:
     jd = journal_dir(run_dir)
     if local_dir is None:
         if segments.is_shipped(jd) and not (jd / "data.mdb").is_file():
             raise RunError(f"{run_dir} ships its journal from a node-local directory; resume with "
                            "journal.local_dir=PATH (an empty directory is rebuilt from RUN/journal/segments)")
         warning = segments.lmdb_location_warning(jd.parent if not jd.exists() else jd)
-        return Journal.open_writer(jd), [warning] if warning else []
+        return Journal.open_writer(jd, claim=claim), [warning] if warning else []
     if (jd / "data.mdb").is_file():
         raise RunError(f"{run_dir} keeps its LMDB journal in {jd}; journal.local_dir applies to new runs "
                        "(set it to null to resume this one)")
-    return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag)
+    return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag, claim)
 
 
 def discard_journal(run_dir: Path) -> None:
@@ -130,8 +163,9 @@ def run_state(run_dir: Path) -> str:
     """'none' (no journal), 'empty' (a journal that never committed a step nor a snapshot: a run that
     died before step 1, which a new start may replace), or 'run'."""
     if not journal_exists(run_dir):
-        # a pointer to a local journal that was never created: a start killed at its first breath
-        return "empty" if segments.read_pointer(journal_dir(run_dir)) is not None else "none"
+        # a claim, or a pointer to a local journal that was never created: a start killed at its first breath
+        started = segments.read_pointer(journal_dir(run_dir)) is not None or writer_dir(run_dir).is_dir()
+        return "empty" if started else "none"
     with open_journal_reader(journal_dir(run_dir)) as j:
         if j.get_meta(_CONFIG) is None:
             return "empty"
@@ -153,6 +187,16 @@ class Ledger:
 
     def __init__(self, journal: Journal):
         self.journal = journal
+
+    def fence(self) -> None:
+        """Before a write into the run directory: raise claim.FencedError unless this process still
+        holds the run's writer claim (a writer that was taken over must touch nothing)."""
+        if self.journal.claim is not None:
+            self.journal.claim.check()
+
+    def make_durable(self) -> None:
+        """Return once everything recorded so far is in the journal copy a recovery reads (shipped)."""
+        self.journal.make_durable()
 
     @classmethod
     def open_reader(cls, run_dir: Path) -> Ledger:
@@ -250,10 +294,29 @@ class Ledger:
                 e.setdefault("parent", parent)
         return entries
 
-    def record_resume(self, at_step: int, snapshot_step: int, config_changes: list[str], world_size: int) -> None:
+    def record_resume(self, at_step: int, snapshot_step: int, config_changes: list[str], world_size: int,
+                      resume_from: str | None = None) -> list[str]:
+        """Record a resume (and the trainer.resume_from it was asked for: one resume's choice, never the
+        run's config) with the library versions it runs on. Returns the versions that changed since
+        the run last started, as 'name old → new'."""
+        now = versions()
+        before = self.versions_in_force()
         entry = {"kind": "resume", "at_step": at_step, "snapshot_step": snapshot_step, "config_changes": config_changes,
-                 "world_size": world_size, "time": now_iso()}
+                 "world_size": world_size, "time": now_iso(), "versions": now}
+        if resume_from not in (None, "auto"):
+            entry["resume_from"] = resume_from
+        moved = [f"{k} {before[k]} → {v}" for k, v in now.items() if k in before and before[k] != v]
+        if moved:
+            entry["versions_changed"] = moved
         self.journal.set_meta(_LINEAGE, [*(self.journal.get_meta(_LINEAGE) or []), entry])
+        return moved
+
+    def versions_in_force(self) -> dict[str, str]:
+        """The library versions of the run's latest start or resume (its identity's, before any resume recorded them)."""
+        for entry in reversed(self.journal.get_meta(_LINEAGE) or []):
+            if entry.get("versions"):
+                return entry["versions"]
+        return self.get("versions") or {}
 
     def resume_steps(self) -> list[int]:
         return [e["at_step"] for e in self.lineage() if e["kind"] == "resume"]
@@ -292,6 +355,13 @@ class Ledger:
         transaction. Returns (steps pruned, bytes freed)."""
         meta = {_ARCHIVE: [*self.archive_index(), archived]} if archived else None
         return self.journal.prune(through, meta)
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics(self, start: int | None = None, stop: int | None = None) -> Iterator[tuple[int, dict[str, float]]]:
+        """(step, the metrics journaled for it) for start <= step <= stop, from the summaries (no samples read)."""
+        for summary in self.journal.iter_summaries(start, stop):
+            yield summary["step"], next((e["values"] for e in summary["events"] if e["type"] == "metrics"), {})
 
     # ------------------------------------------------------------------ fingerprints
 

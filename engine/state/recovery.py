@@ -106,12 +106,15 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
             raise SnapshotError(f"snapshot {path} is at step {step}, after the target step {limit}")
         return step, path
     if need > base:
-        kept = [s for s in index if s >= need]
-        raise ReplayError(
-            f"step {target} cannot be brought back: journal.retain_samples pruned the samples of steps through "
-            f"{ledger.pruned_through()}, so replay must start from a snapshot at step {need} or later and no valid one "
-            f"is there{f' (the oldest kept is step {min(kept)})' if kept and min(kept) > min(limit, target) else ''}"
-        )
+        pruned = f"journal.retain_samples pruned the samples of steps through {ledger.pruned_through()}"
+        if limit < need:  # asked for an older snapshot than any replay could start from
+            kept = [snapshot_name(s) for s in sorted(index) if s >= need]
+            raise ReplayError(
+                f"no snapshot at or before step {limit} can be used to reach step {target}: {pruned}, so replay must start "
+                f"from a snapshot at step {need} or later ({'kept: ' + ', '.join(kept) if kept else 'none is kept'})"
+            )
+        raise ReplayError(f"step {target} cannot be brought back: {pruned}, so replay must start from a snapshot at "
+                          f"step {need} or later, and no valid one is kept from there to step {limit}")
     if base > 0:
         raise SnapshotError(f"no valid snapshot at or after this run's base step {base} (a fork); nothing to replay from")
     return 0, None
@@ -329,13 +332,14 @@ def resume_state(run_dir: Path, cfg: Config, rt, trainer, ledger: Ledger | None,
     step0, out = materialize_steps(run_dir, rt, trainer, ckpt, ledger, last, reporter, explicit,
                                    max_snapshot=limit, quarantine=True)
     if step0 < last:
-        reporter.info(f"Replayed steps {step0 + 1}–{last} from the journal.")
+        reporter.info(f"Replayed {f'step {last}' if step0 + 1 == last else f'steps {step0 + 1}–{last}'} from the journal.")
     trainer.set_config(cfg)
     from_snapshot = snapshot_name(step0) if step0 else None
     topology = _topology_boundary(rt, trainer, ckpt, ledger, cfg, step0, last, out)
     control = [make_event("control", kind="resume", details={
         "from_snapshot": from_snapshot,
         "snapshot_step": step0,
+        "resume_from": spec,
         "replayed": [step0 + 1, last] if step0 < last else None,
         "config_changes": changed,
         "allow_config_change": allow_change,
@@ -348,12 +352,14 @@ def resume_state(run_dir: Path, cfg: Config, rt, trainer, ledger: Ledger | None,
     if rt.is_main:
         if topology is not None:
             ledger.record_topology_change(last + 1, topology["to"], {k: v for k, v in topology.items() if k != "to"})
-        ledger.record_resume(last, step0, changed, rt.world_size)
+        moved = ledger.record_resume(last, step0, changed, rt.world_size, resume_from=spec)
+        if moved:
+            reporter.warn(f"library versions changed since this run last started: {', '.join(moved)} (recorded in its lineage)")
         if changed:
-            ledger.record_config_change(last + 1, cfg.to_dict())
+            ledger.record_config_change(last + 1, cfg.to_stored())
         ckpt.write_metadata(last, resume_from=from_snapshot or "the initial state")
     if changed:
-        control.append(make_event("config", config=cfg.to_dict(), hash=cfg.hash(), changed=changed))
+        control.append(make_event("config", config=cfg.to_stored(), hash=cfg.hash(), changed=changed))
     if last < cfg.trainer.total_steps:
         reporter.info(f"Step {last + 1}: Continuing training...")
     return last, control

@@ -5,7 +5,9 @@
                             N                       as above, but the last N steps keep theirs too
 
 Every kept snapshot holds the rollout buffer's pending samples, so replay from any of them reads
-only later steps' samples: pruning up to the oldest one never costs recovery anything. What stays
+only later steps' samples: pruning up to the oldest one never costs recovery anything. With
+journal.local_dir, pruning waits until the shipped segments hold those steps whole and the index
+that makes them unneeded (a rebuild from segments then prunes its copy the same way). What stays
 of a pruned step: its record without the samples (data, seeds, sample ids added, dropped and
 consumed, metrics, fingerprint), its checksum and place in the hash chain, its summary, and the
 digest of the removed payload. Runs on rank 0 after each snapshot is published and rotated (the
@@ -37,6 +39,9 @@ def apply(run_dir: Path, cfg, ledger, reporter) -> tuple[int, int] | None:
     done = ledger.pruned_through()
     if bound <= done:
         return None
+    # the copy a recovery reads (shipped segments) must hold these steps whole, and the snapshot index
+    # that makes them unneeded, before the samples leave this copy: a shipment reads frames as they are now
+    ledger.make_durable()
     entry = archive.write(run_dir, ledger, max(done, ledger.base_step()) + 1, bound) if jc.archive else None
     pruned, freed = ledger.prune(bound, entry)
     where = f", archived to {archive.ARCHIVE_DIR}/{entry['file']}" if entry else ""

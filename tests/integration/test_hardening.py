@@ -4,6 +4,7 @@ non-zero exit, and no damage to an existing run; no false alarm, no lost snapsho
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,9 @@ def one_line_error(out, code, text):
 
 
 def tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name not in ("lock.mdb", "writer.lock")}
+    """A run's files, but its locks: LMDB's, and the writers' claims (RUN/writer), which every writer that starts adds to."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name not in ("lock.mdb", "writer.lock") and p.relative_to(root).parts[0] != "writer"}
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +177,7 @@ def test_damaged_snapshot_is_quarantined_and_good_ones_kept(copy, tmp_path):
         assert sorted(j.snapshots()) == [2, 6]  # rotation kept the good step 2, not the damaged 4
     out = verlj("verify", copy)
     assert out.returncode == 0, out.stdout
-    assert "step_00004 was found damaged on a resume and moved to quarantine/step_00004" in out.stdout
+    assert "step_00004 was set aside by a resume and moved to quarantine/step_00004" in out.stdout
     md = json.loads((copy / "train_metadata.json").read_text())
     assert md["resume_from"] == "step_00002" and md["global_step"] == 6
     ref = tmp_path / "ref"
@@ -182,16 +185,43 @@ def test_damaged_snapshot_is_quarantined_and_good_ones_kept(copy, tmp_path):
     assert_same_journal(copy, ref)
 
 
-def test_leftovers_are_reported_then_cleaned(copy):
+def test_leftovers_are_reported_then_sorted_out(copy):
     (copy / ".tmp-step_00005" / "actor").mkdir(parents=True)
-    shutil.copytree(copy / "step_00004", copy / "step_00003")  # published, never indexed
+    shutil.copytree(copy / "step_00004", copy / "step_00003")  # published, never indexed, and not step 3's state
     out = verlj("verify", copy)
     assert out.returncode == 0, out.stdout
     assert ".tmp-step_00005: left by an interrupted run" in out.stdout and "step_00003: left by" in out.stdout
     out = train(copy, *SMALL, "trainer.total_steps=5", resume=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert not (copy / ".tmp-step_00005").exists() and not (copy / "step_00003").exists()
-    assert "left by" not in verlj("verify", copy).stdout
+    assert "Removed what an interrupted run left behind: .tmp-step_00005" in out.stdout
+    # a published snapshot is never deleted by a resume: one that fails its checks is quarantined
+    assert "Quarantined step_00003 to quarantine/step_00003: published but not indexed, and its meta says step 4" in out.stdout
+    assert not (copy / ".tmp-step_00005").exists() and (copy / "quarantine" / "step_00003" / "manifest.json").is_file()
+    out = verlj("verify", copy)
+    assert "left by" not in out.stdout and "step_00003 was set aside by a resume" in out.stdout
+
+
+def test_weights_copies_of_killed_vllm_starts_are_listed_then_removed(copy, tmp_path):
+    from verlj.engine.rl.vllm_engine import COPY_PREFIX, _copy_root
+    from verlj.journal.claim import process_start
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = _copy_root() / f"{COPY_PREFIX}{int(gone.stdout)}-0-test{tmp_path.name}"  # its process is gone
+    live = _copy_root() / f"{COPY_PREFIX}{os.getpid()}-{process_start(os.getpid())}-test{tmp_path.name}"  # this one runs
+    for d in (stale, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"\0" * 4096)
+    try:
+        v = verlj("verify", copy)
+        assert f"· {stale} (0.0 MiB): a weights copy a killed vLLM start left on this node" in v.stdout, v.stdout
+        assert str(live) not in v.stdout
+        out = train(copy, *SMALL, "trainer.total_steps=5", resume=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"Removed {stale} (0.0 MiB): a weights copy left by a killed vLLM start" in out.stdout
+        assert not stale.exists() and live.is_dir()
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- 8. damaged journal: one answer

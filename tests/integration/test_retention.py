@@ -137,3 +137,32 @@ def test_kill_while_archiving_or_pruning_loses_nothing(runs, failpoint):
     verlj("export", pruned, "--rollouts", "--output", root / "pruned-again.parquet", check=True)
     assert pq.read_table(root / f"{run.name}.parquet").to_pylist() == pq.read_table(root / "pruned-again.parquet").to_pylist()
     assert verlj("verify", run).returncode == 0
+
+
+def test_archived_steps_without_pyarrow_and_exports_named_by_their_suffix(runs, tmp_path):
+    root, ref, pruned = runs
+    blocker = tmp_path / "block"
+    (blocker / "pyarrow").mkdir(parents=True)
+    (blocker / "pyarrow" / "__init__.py").write_text("raise ImportError('No module named pyarrow')\n")
+    out = verlj("inspect", pruned, "--step", "2", PYTHONPATH=blocker)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip() == ("error: step 2's samples are in the rollout archive (rollouts/steps_0000000001-0000000003.parquet); "
+                                  "reading it needs pyarrow: pip install 'verlj[archive]'")
+    some = verlj("export", pruned, "--rollouts", "--steps", "7:9", "--output", tmp_path / "late.jsonl", PYTHONPATH=blocker)
+    assert some.returncode == 0 and len((tmp_path / "late.jsonl").read_text().splitlines()) > 0, some.stderr[-2000:]
+    every = verlj("export", pruned, "--rollouts", "--output", tmp_path / "all.jsonl", PYTHONPATH=blocker)
+    assert every.returncode == 1 and every.stderr.count("\n") == 1 and "needs pyarrow" in every.stderr
+    assert not (tmp_path / "all.jsonl").exists()
+    csv = verlj("export", pruned, "--rollouts", "--output", tmp_path / "out.csv")
+    assert csv.returncode == 2 and "name the file .parquet or .jsonl" in csv.stderr and not (tmp_path / "out.csv").exists()
+
+
+def test_a_resume_from_before_what_retention_kept_says_why_in_one_line(runs, tmp_path):
+    root, ref, pruned = runs
+    run = tmp_path / "run"
+    shutil.copytree(pruned, run, symlinks=True)
+    out = train(run, "trainer.total_steps=10", *RETAIN, "trainer.resume_from=3", resume=True)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == ("error: no snapshot at or before step 3 can be used to reach step 9: journal.retain_samples pruned "
+                                  "the samples of steps through 6, so replay must start from a snapshot at step 6 or later "
+                                  "(kept: step_00006, step_00009)")

@@ -179,6 +179,12 @@ def test_post_mortem_from_the_run_directory_alone(tmp_path, reference):
     assert "step 5" in i.stdout
     m = verlj("metrics", run, "--names", "actor/pg_loss", "--csv", check=True)
     assert len(m.stdout.strip().splitlines()) == TARGET + 1
+    # measured after each commit, the shipping lag is in the logs only: read from metrics.jsonl
+    m = verlj("metrics", run, "--names", "journal/ship_lag_steps,actor/pg_loss", "--csv", check=True)
+    rows = [line.split(",") for line in m.stdout.strip().splitlines()]
+    assert rows[0] == ["step", "journal/ship_lag_steps", "actor/pg_loss"] and all(r[1].strip() for r in rows[1:]), m.stdout
+    bad = verlj("metrics", run, "--names", "actor/pg_los")
+    assert bad.returncode == 1 and "…" not in bad.stderr and "timing_s/step" in bad.stderr  # every name, none cut
     assert verlj("find", run, "--where", "actor/pg_loss is nan").returncode == 0
     r = verlj("replay", run, "--to-step", "7", "--json", check=True)
     import json
@@ -198,3 +204,12 @@ def test_a_shipped_run_killed_before_its_first_step_does_not_block_a_retry(tmp_p
     out = train(tmp_path / "other", f"journal.local_dir={local}")
     assert out.returncode != 0 and "does not match" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "other").exists()
+
+
+def test_a_local_dir_inside_the_run_directory_is_refused(tmp_path):
+    run = tmp_path / "r"
+    for local in (run, run / "local"):
+        out = train(run, f"journal.local_dir={local}")
+        assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+        assert f"journal.local_dir {local} is inside the run directory {run}" in out.stderr
+        assert not run.exists()

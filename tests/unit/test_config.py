@@ -72,3 +72,21 @@ def test_diff_and_parse_override():
     assert parse_override("a.b=[1, 2]") == {"a": {"b": [1, 2]}}
     a, b = Config().to_dict(), make_config(None, ["algorithm.kl_coef=0.1"]).to_dict()
     assert diff_configs(a, b) == ["algorithm.kl_coef"]
+
+
+def test_a_number_where_a_name_is_due_gets_the_fields_own_sentence():
+    with pytest.raises(ConfigError) as e:
+        make_config(None, ["journal.retain_samples=1.5"])
+    assert str(e.value) == "journal.retain_samples must be all, since_oldest_snapshot or a whole number of steps >= 0, got '1.5'"
+
+
+def test_resume_from_is_a_choice_of_one_command_never_the_runs_config():
+    from verlj.engine.config import check_change, stored_config
+
+    cfg = make_config(None, ["trainer.resume_from=15"])
+    assert cfg.trainer.resume_from == "15" and cfg.to_stored()["trainer"]["resume_from"] is None
+    assert "resume_from: null" in to_yaml(cfg, stored=True)
+    assert check_change(make_config().to_dict(), cfg, allow_live=False, how="resume") == []  # not a change to record
+    old = make_config().to_dict()
+    old["trainer"]["resume_from"] = "15"  # as runs stored it before this rule
+    assert stored_config(old)["trainer"]["resume_from"] is None
