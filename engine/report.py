@@ -193,17 +193,18 @@ def _jsonl_last_step(path: Path) -> int:
 
 
 def _tensorboard_last_step(log_dir: Path) -> int:
-    """The highest step of any scalar in the event files under log_dir (a torn tail is ignored)."""
+    """The highest step of any scalar in the event files under log_dir (a torn tail is ignored). Each
+    process writes its own file and sends only steps after those its predecessors hold, so the newest
+    file holding any scalar holds the highest step: older files are not read."""
     if not log_dir.is_dir():
         return 0
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    last = 0
-    for path in sorted(log_dir.glob("events.out.tfevents.*")):
-        for event in EventFileLoader(str(path)).Load():
-            if event.HasField("summary") and event.summary.value:
-                last = max(last, int(event.step))
-    return last
+    for path in sorted(log_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime, reverse=True):
+        steps = [int(e.step) for e in EventFileLoader(str(path)).Load() if e.HasField("summary") and e.summary.value]
+        if steps:
+            return max(steps)
+    return 0
 
 
 def wandb_last_step(run_dir: Path) -> int:

@@ -195,14 +195,14 @@ def train(
         # a start that never committed a step leaves nothing behind to block a retry: only this process's
         # own start (it claimed the run and still holds it; a refused or taken-over one touches nothing)
         owned = claim is not None and not claim.taken_over()
-        unstarted = owned and not existing and journal is not None and journal.last_step() == 0
+        unstarted = owned and not existing and (journal is None or journal.last_step() == 0)
         if journal is not None:
             journal.close()
         elif claim is not None:
             claim.release()
         if trainer is not None:
             trainer.close()
-        if unstarted or (owned and journal is None and not existing):
+        if unstarted:
             discard_unstarted(run_dir, remove_dir=created)
 
 
@@ -263,13 +263,20 @@ def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, r
     return step
 
 
-def check_fork(parent: Path, step: int, new_run: Path, overrides: list[str]) -> None:
-    """`replay --fork`'s config, checked before anything is replayed: the same check fork() makes."""
-    with Ledger.open_reader(parent) as ledger:
-        old = ledger.config_at(step)
+def fork_config(old: dict, overrides: list[str], new_run: Path) -> tuple[Config, list[str]]:
+    """A fork's config: `old` (the parent's at the fork's step) with the overrides, checked. Returns
+    (config, changed keys)."""
     cfg = make_config(None, overrides, base=old)
-    check_change(old, cfg, allow_live=True, how="fork")
+    changed = check_change(old, cfg, allow_live=True, how="fork")
     check_local_dir(new_run, cfg.journal)
+    return cfg, changed
+
+
+def check_fork(parent: Path, step: int, new_run: Path, overrides: list[str]) -> None:
+    """`replay --fork`'s config, checked before anything is replayed (fork() checks it again on the
+    replayed trainer's config, which may differ only in topology keys)."""
+    with Ledger.open_reader(parent) as ledger:
+        fork_config(ledger.config_at(step), overrides, new_run)
 
 
 def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
@@ -278,10 +285,7 @@ def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
     from .state.snapshot import Checkpointer
 
     rt, trainer = m.rt, m.trainer
-    old = trainer.cfg.to_dict()
-    cfg = make_config(None, overrides, base=old)
-    changed = check_change(old, cfg, allow_live=True, how="fork")
-    check_local_dir(new_run, cfg.journal)
+    cfg, changed = fork_config(trainer.cfg.to_dict(), overrides, new_run)
     preflight_rollout(cfg, rt)
     trainer.set_config(cfg)
     journal = ledger = None

@@ -281,10 +281,10 @@ def _judge(directory: Path, epoch: int, holder: dict, me: dict, what: str) -> st
     while time.monotonic() - start < lease:
         time.sleep(min(1.0, lease / 20))
         now = current(directory)
-        if now is None or now[0] != epoch or now[1] is None:
-            continue  # replaced meanwhile: acquire() looks again
-        if now[1].get("released"):
-            return None
+        if now is None or now[1] is None:
+            continue
+        if now[0] != epoch or now[1].get("released"):
+            return None  # released, or another writer claimed it meanwhile: acquire() looks again at once
         if now[1].get("renewals") != renewals:
             raise WriterClaimedError(refuse.replace("; stop", " (on another node; its claim was renewed just now); stop"))
     return (f"taking over {what} from {describe(holder)}: its claim was not renewed for {lease:g} s "
