@@ -41,6 +41,7 @@ from .state.ledger import (
     open_writer,
     run_state,
     versions,
+    writer_refusal,
 )
 
 if TYPE_CHECKING:  # torch and DeepSpeed load only once the config is known good: bad input fails fast
@@ -119,7 +120,8 @@ def train(
     state = run_state(run_dir)
     existing = state == "run"
     if existing and not resume:
-        raise RunError(f"{run_dir} already holds a run; pass --resume to continue it, or choose another --output-dir")
+        raise RunError(writer_refusal(run_dir) or f"{run_dir} already holds a run; pass --resume to continue it, or choose "
+                       "another --output-dir")
     if state == "none" and run_dir.exists() and any(run_dir.iterdir()):
         raise RunError(f"{run_dir} is not a verlj run and is not empty (no journal/ with run metadata); "
                        "choose an empty or new --output-dir")

@@ -90,6 +90,18 @@ def _alive_here(holder: dict) -> bool:
     return process_start(int(holder.get("pid", -1))) == holder.get("process_start")
 
 
+def live_holder(directory: Path) -> tuple[dict, bool] | None:
+    """(the current claim, whether it is on this node) when it is not released and its process runs, or
+    may run (on another node, nothing short of acquire()'s watch tells); None when the slot is free."""
+    found = current(Path(directory))
+    if found is None or found[1] is None or found[1].get("released"):
+        return None
+    holder, here = found[1], _same_node(found[1], this_process())
+    if here and not _alive_here(holder):
+        return None
+    return holder, here
+
+
 def describe(holder: dict) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')} ({holder.get('command') or 'verlj'})"
 

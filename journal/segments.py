@@ -742,16 +742,12 @@ class Shipper:
     def ship_once(self) -> bool:
         """Ship everything committed and not yet shipped. Returns whether a segment was written."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        meta, snaps = self.journal.meta_frames(), self.journal.snapshot_frames()
-        meta_digest, snap_digest = _map_digest(meta), _map_digest(snaps)
         wrote = False
         while True:
-            steps, size = [], 0
-            for _step, raw in self.journal.iter_raw(self._shipped + 1, None):
-                steps.append(raw)
-                size += len(raw)
-                if size >= MAX_SEGMENT_BYTES:
-                    break
+            # one consistent cut per segment: a segment whose steps outlive it never lacks the metadata
+            # committed before them (the run's identity written before step 1, say)
+            steps, meta, snaps = self.journal.read_cut(self._shipped, MAX_SEGMENT_BYTES)
+            meta_digest, snap_digest = _map_digest(meta), _map_digest(snaps)
             new_meta = meta_digest != self._meta_digest
             new_snaps = snap_digest != self._snap_digest
             if not steps and not new_meta and not new_snaps:

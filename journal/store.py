@@ -723,14 +723,22 @@ class Journal:
         with self._read() as txn:
             return {bytes(k).decode(): unframe_plain(v, f"meta {bytes(k).decode()!r}") for k, v in txn.cursor(self._meta)}
 
-    def meta_frames(self) -> dict[bytes, bytes]:
-        """The meta sub-database as stored (name -> frame): what a shipped segment carries."""
+    def read_cut(self, after: int, max_bytes: int) -> tuple[list[bytes], dict[bytes, bytes], dict[bytes, bytes]]:
+        """A consistent cut of the journal, read in one transaction: the stored frames of the steps after
+        `after` (up to about `max_bytes`, at least one), and the meta and snapshot sub-databases as they
+        were at that moment. What one shipped segment carries: its metadata is never older than its steps."""
+        frames, size = [], 0
         with self._read() as txn:
-            return {bytes(k): bytes(v) for k, v in txn.cursor(self._meta)}
-
-    def snapshot_frames(self) -> dict[bytes, bytes]:
-        with self._read() as txn:
-            return {bytes(k): bytes(v) for k, v in txn.cursor(self._snaps)}
+            cur = txn.cursor(self._steps)
+            if cur.set_range(step_key(after + 1)):
+                for _key, value in cur:
+                    frames.append(bytes(value))
+                    size += len(value)
+                    if size >= max_bytes:
+                        break
+            meta = {bytes(k): bytes(v) for k, v in txn.cursor(self._meta)}
+            snaps = {bytes(k): bytes(v) for k, v in txn.cursor(self._snaps)}
+        return frames, meta, snaps
 
     def snapshots(self) -> dict[int, dict]:
         """The snapshot index: step -> info, oldest first."""

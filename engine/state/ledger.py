@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from verlj.journal import Claim, Journal, open_journal_reader, segments
+from verlj.journal.claim import describe, live_holder
 
 from ..config import stored_config
 from ..errors import RunError
@@ -60,6 +61,16 @@ def claim_run(run_dir: Path, jc, say=None) -> Claim:
     naming the live writer's host and pid) while another writer holds it; takes over, saying so
     through `say`, one whose process is gone or whose lease (jc.writer_lease_s) expired."""
     return Claim.acquire(writer_dir(run_dir), jc.writer_lease_s, what=f"run {run_dir}", say=say)
+
+
+def writer_refusal(run_dir: Path) -> str | None:
+    """One sentence naming the run's live writer, or None when no writer holds it (read only)."""
+    found = live_holder(writer_dir(run_dir))
+    if found is None:
+        return None
+    holder, here = found
+    tail = "" if here else " on another node (or did until that node was lost: a --resume takes over once its claim expires)"
+    return f"run {run_dir} is being written by {describe(holder)}{tail}; stop that process first (only one writer per run)"
 
 
 def check_local_dir(run_dir: Path, jc) -> None:
@@ -167,8 +178,7 @@ def run_state(run_dir: Path) -> str:
         started = segments.read_pointer(journal_dir(run_dir)) is not None or writer_dir(run_dir).is_dir()
         return "empty" if started else "none"
     with open_journal_reader(journal_dir(run_dir)) as j:
-        if j.get_meta(_CONFIG) is None:
-            return "empty"
+        # a journal that holds a step is a run, whatever else it lacks: nothing discards it
         if j.last_step() == j.base_step() and not j.snapshots() and j.get_meta(_PARENT) is None:
             return "empty"
     return "run"

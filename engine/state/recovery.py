@@ -25,8 +25,8 @@ from verlj.journal.failpoints import failpoint
 from ..config import Config, config_from_dict
 from ..errors import ReplayError, SnapshotError
 from .ledger import Ledger
-from .manifest import check_snapshot, snapshot_name
-from .snapshot_store import SnapshotStore
+from .manifest import snapshot_name
+from .snapshot_store import SnapshotStore, check_against_journal
 from .topology import Topology
 
 # ----------------------------------------------------------------------------- the plan
@@ -82,17 +82,7 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
     for step, path in candidates:
         if step < need:  # replaying forward from here would need pruned samples
             break
-        res = check_snapshot(path, expected_manifest=index.get(step, {}).get("manifest"))
-        want = ledger.fingerprint_at(step)
-        problem = None
-        if not res.valid:
-            problem = res.problems[0]
-        elif res.step != step:
-            problem = f"its meta says step {res.step}, the index says {step}"
-        elif want is not None and res.meta["fingerprint"] != want:
-            problem = f"its fingerprint does not match the journal's for step {step}"
-        elif want is None and step != base:
-            problem = f"step {step} is not in the journal"
+        _res, problem = check_against_journal(ledger, step, path, index.get(step, {}).get("manifest"))
         if problem is not None:
             if store is not None and path.exists():
                 dest = store.quarantine(step, path, problem)

@@ -33,7 +33,7 @@ import blake3
 from verlj.journal.failpoints import failpoint
 
 from .ledger import Ledger
-from .manifest import MANIFEST, build_manifest, check_snapshot, fsync_dir, snapshot_name, write_bytes_durable
+from .manifest import MANIFEST, SnapshotCheck, build_manifest, check_snapshot, fsync_dir, snapshot_name, write_bytes_durable
 
 QUARANTINE = "quarantine"
 _LEFTOVER = re.compile(r"^(\.tmp-step_\d+|\.trash-step_\d+-\d+|\.latest\.tmp)$")  # never published, or unindexed durably
@@ -161,21 +161,12 @@ class SnapshotStore:
         lines = [f"Removed what an interrupted run left behind: {name}" for name in self.remove_temporaries()]
         for name in self.unindexed():
             path = self.run_dir / name
-            res = check_snapshot(path)
             step = int(_SNAPSHOT.match(name).group(1))
-            want = self.ledger.fingerprint_at(step)
-            if not res.valid:
-                problem = res.problems[0]
-            elif res.step != step:
-                problem = f"its meta says step {res.step}"
-            elif want is None:
-                problem = f"step {step} is not in the journal (the journal ends at step {self.ledger.last_step()})"
-            elif res.meta["fingerprint"] != want:
-                problem = f"its fingerprint does not match the journal's for step {step}"
-            else:
+            res, problem = check_against_journal(self.ledger, step, path)
+            if problem is None:
                 self.ledger.fence()
                 manifest = (path / MANIFEST).read_bytes()
-                self.ledger.index_snapshot(step, _index_entry(name, want, manifest, res.meta.get("time", time.time())))
+                self.ledger.index_snapshot(step, _index_entry(name, res.meta["fingerprint"], manifest, res.meta.get("time", time.time())))
                 lines.append(f"Adopted {name}: published but not indexed when the run stopped; its manifest, step and fingerprint "
                              "agree with the journal")
                 continue
@@ -198,6 +189,26 @@ class SnapshotStore:
             link_tmp.unlink()
         os.symlink(index[max(index)]["path"], link_tmp)
         os.replace(link_tmp, latest)
+
+
+def check_against_journal(ledger: Ledger, step: int, path: Path, expected_manifest: str | None = None) -> tuple[SnapshotCheck, str | None]:
+    """Whether the snapshot at `path` is the state after `step` as the journal knows it: its manifest
+    and files (and the manifest's digest, when the index recorded one), the step its meta names, and
+    its fingerprint against the one journaled for that step (a fork's base step, which its journal
+    does not hold, against the parent's). Returns (the check, the first problem or None)."""
+    res = check_snapshot(path, expected_manifest=expected_manifest)
+    if not res.valid:
+        return res, res.problems[0]
+    if res.step != step:
+        return res, f"its meta says step {res.step}, its name and the index say {step}"
+    want = ledger.fingerprint_at(step)
+    if want is None and step == ledger.base_step() and ledger.parent() is not None:
+        want = ledger.parent().get("fingerprint")
+    if want is None:
+        return res, f"step {step} is not in the journal (it ends at step {ledger.last_step()})"
+    if res.meta["fingerprint"] != want:
+        return res, f"its fingerprint does not match the journal's for step {step}"
+    return res, None
 
 
 def _index_entry(name: str, fingerprint: str, manifest_bytes: bytes, when: float) -> dict:

@@ -108,8 +108,8 @@ def tree_digest(run: Path) -> str:
     return h.hexdigest()
 
 
-@pytest.mark.parametrize("first", ["L1", "L2"])
-def test_a_second_trainer_on_a_live_shipped_run_is_refused(tmp_path, references, first):
+@pytest.mark.parametrize("first, resume", [("L1", True), ("L2", False)])
+def test_a_second_trainer_on_a_live_shipped_run_is_refused(tmp_path, references, first, resume):
     reference = references(True)
     rng = random.Random(first)
     run = tmp_path / "run"
@@ -124,7 +124,7 @@ def test_a_second_trainer_on_a_live_shipped_run_is_refused(tmp_path, references,
         time.sleep(0.05)
     time.sleep(rng.uniform(0, 1.0))
     before = tree_digest(run)
-    out = train(run, *MATRIX, *RETAIN, f"journal.local_dir={tmp_path / second}", resume=True)
+    out = train(run, *MATRIX, *RETAIN, f"journal.local_dir={tmp_path / second}", resume=resume)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and f"is being written by pid {live.pid} on " in errors[0], out.stderr[-2000:]

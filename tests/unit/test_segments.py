@@ -36,11 +36,12 @@ def _write(local: Path, shipped: Path, steps: range, max_lag: int = 1, snapshot_
 
 def _dump(path: Path) -> dict:
     with Journal.open_reader(path) as j:
+        _frames, meta, snapshots = j.read_cut(j.last_step(), 1)
         return {
             "steps": list(j.iter_raw()),
             "summary": list(j._iter_db(j.dbs()["summary"], None, None, 16)),
-            "meta": j.meta_frames(),
-            "snapshots": j.snapshot_frames(),
+            "meta": meta,
+            "snapshots": snapshots,
         }
 
 
@@ -53,6 +54,34 @@ def test_rebuild_is_byte_identical_to_the_live_journal(tmp_path):
     assert _dump(tmp_path / "L2") == _dump(local)
     with Journal.open_reader(tmp_path / "L2") as j:
         assert verify_journal(j).ok
+
+
+def test_a_segment_carries_the_metadata_committed_before_its_steps(tmp_path, monkeypatch):
+    """The shipper stalls on a slow filesystem while the run's identity and two steps are committed:
+    whatever segment carries those steps carries the identity too, so a rebuild from segments never
+    holds steps without the run's config (a lost last segment then looked like a run never started)."""
+    import threading
+
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    gate, entered = threading.Event(), threading.Event()
+    publish = segments._publish
+
+    def slow(where, seg, claim=None):
+        entered.set()
+        gate.wait(10)
+        publish(where, seg, claim)
+
+    monkeypatch.setattr(segments, "_publish", slow)
+    j, _notes = segments.open_writer(local, shipped, max_lag=4)
+    with j:
+        assert entered.wait(10)  # the first shipment (the journal id) is on its way, and stuck
+        j.update_meta({"config": {"seed": 1}})
+        j.append_step(1, _events(1))
+        j.append_step(2, _events(2))
+        gate.set()
+    for seg in (segments.read_segment(p) for p in sorted(segments.segment_dir(shipped).glob("*.seg"))):
+        if seg.first is not None:
+            assert seg.meta is not None and b"config" in seg.meta, (seg.seq, seg.first, seg.last)
 
 
 def test_closing_ships_everything_and_reopening_continues_the_numbering(tmp_path):
