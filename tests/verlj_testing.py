@@ -22,6 +22,7 @@ TINY = [
     "model.critic.micro_batch_size=4",
     "logging.progress=lines",
 ]
+SMALL = [*TINY, "trainer.total_steps=4", "trainer.save_interval=2", "trainer.save_total_limit=2"]  # snapshots 2 and 4
 
 
 def env(**extra) -> dict:

@@ -14,9 +14,7 @@ import pytest
 
 from verlj.engine.run import train as run_train
 from verlj.journal import Journal
-from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
-
-SMALL = [*TINY, "trainer.total_steps=4", "trainer.save_interval=2", "trainer.save_total_limit=2"]
+from verlj_testing import REPO, SMALL, TINY, assert_same_journal, env, fingerprints, train, verlj
 
 
 def one_line_error(out, code, text):
@@ -33,18 +31,6 @@ def tree(root: Path) -> dict[str, bytes]:
             if p.is_file() and p.name not in ("lock.mdb", "writer.lock") and p.relative_to(root).parts[0] != "writer"}
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    run = tmp_path_factory.mktemp("hard") / "run"
-    run_train(run, None, SMALL)
-    return run
-
-
-@pytest.fixture
-def copy(base, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(base, run, symlinks=True)
-    return run
 
 
 # ----------------------------------------------------------------------------- 1. verify while rotation deletes

@@ -9,32 +9,13 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from verlj.engine.state.ledger import Ledger
 from verlj.journal import Journal
-from verlj_testing import TINY, train, verlj
+from verlj_testing import SMALL, TINY, train, verlj
 
 pytestmark = pytest.mark.slow
-
-SMALL = [*TINY, "trainer.total_steps=4", "trainer.save_interval=2", "trainer.save_total_limit=2"]
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    run = tmp_path_factory.mktemp("resumecfg") / "run"
-    out = verlj("train", "-o", run, *SMALL)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return run
-
-
-@pytest.fixture
-def copy(base, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(base, run, symlinks=True)
-    return run
 
 
 def test_a_run_that_never_committed_resumes_with_its_stored_config(tmp_path):
