@@ -35,7 +35,7 @@ def replay(
         raise fail("--to-step must be a step number (>= 1)", 2)
     guarded(lambda: materialize.check_outputs(export, snapshot, fork))
     if fork is not None:  # a config the fork would refuse is refused before the replay, not after it
-        from verlj.engine.run import check_fork
+        from verlj.engine.loop.run import check_fork
 
         guarded(lambda: check_fork(run, to_step, fork, list(overrides or [])))
     m = guarded(lambda: materialize.materialize(run, to_step, quiet=not verbose))
@@ -57,7 +57,7 @@ def replay(
             if snapshot is not None:
                 out(f"wrote a snapshot to {snapshot}")
     if fork is not None:
-        from verlj.engine.run import fork as fork_run
+        from verlj.engine.loop.run import fork as fork_run
 
         last = guarded(lambda: fork_run(m, run, fork, list(overrides or [])))
         out(f"Done: forked run {fork}, last committed step {last}")

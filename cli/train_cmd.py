@@ -28,7 +28,7 @@ def train(
     """Train with GRPO or PPO; every step is journaled, snapshots are taken every save_interval steps."""
     quiet_libraries()
     log_to_stderr_only_on_rank0()
-    from verlj.engine.run import train as run_train
+    from verlj.engine.loop.run import train as run_train
 
     overrides = list(overrides or [])
     if any(o == "trainer.resume_from=auto" or o.startswith("trainer.resume_from=") for o in overrides):

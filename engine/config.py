@@ -17,7 +17,7 @@ Each field also declares, where it is declared, what a change to it means for a 
   may always change on resume, and is left out of the config hash;
 - ``topology(...)``: how the state is laid out over the ranks (ZeRO stage, TP size); may change on
   any resume, like the number of ranks: the snapshot is resharded (state.reshard) and the replayed
-  steps are checked within a tolerance (state.recovery).
+  steps are checked within a tolerance (loop.recovery).
 """
 
 from __future__ import annotations

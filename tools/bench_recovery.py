@@ -67,11 +67,11 @@ def main() -> None:
 
     from verlj.engine.config import config_from_dict
     from verlj.engine.dist import configure_determinism, setup
+    from verlj.engine.loop.checkpointer import Checkpointer
+    from verlj.engine.loop.ledger import Ledger
+    from verlj.engine.loop.recovery import replay, restore
+    from verlj.engine.loop.run import train
     from verlj.engine.rl.trainer import Trainer
-    from verlj.engine.run import train
-    from verlj.engine.state.ledger import Ledger
-    from verlj.engine.state.recovery import replay, restore
-    from verlj.engine.state.snapshot import Checkpointer
     from verlj.journal import Journal
 
     root = Path(tempfile.mkdtemp(prefix="verlj-bench-recovery-"))

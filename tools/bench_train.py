@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--ship", action="store_true", help="also run with journal.local_dir and compare step times")
     args = ap.parse_args()
 
-    from verlj.engine.run import train
+    from verlj.engine.loop.run import train
 
     root = Path(tempfile.mkdtemp(prefix="verlj-bench-train-"))
     overrides = [

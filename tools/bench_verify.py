@@ -26,8 +26,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
+    from verlj.engine.loop.run import train
     from verlj.engine.post_mortem.verify import verify_run
-    from verlj.engine.run import train
 
     root = Path(tempfile.mkdtemp(prefix="verlj-bench-verify-"))
     try:

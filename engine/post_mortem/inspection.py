@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import diff_configs
 from ..errors import RunError
-from ..state.ledger import Ledger, has_run, writer_dir
+from ..loop.ledger import Ledger, has_run, writer_dir
 from ..state.manifest import check_snapshot
 
 
@@ -194,7 +194,7 @@ def render_summary(s: dict) -> str:
 def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dict:
     """Everything journaled at `step`, with samples decoded to text (from the rollout archive when
     retention pruned them from the journal)."""
-    from ..state import archive
+    from ..loop import archive
     from . import rollouts
 
     run_dir = Path(run_dir)

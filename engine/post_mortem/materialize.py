@@ -19,8 +19,8 @@ from pathlib import Path
 from ..config import config_from_dict
 from ..dist import configure_determinism, setup
 from ..errors import RunError
+from ..loop.ledger import Ledger, has_run, run_state
 from ..report import Reporter
-from ..state.ledger import Ledger, has_run, run_state
 
 
 @dataclass
@@ -52,10 +52,10 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
                 max_snapshot: int | None = None) -> Materialized:
     """Load the newest valid snapshot <= to_step (and <= max_snapshot) and replay the journal up to
     to_step, checking every fingerprint (collective)."""
+    from ..loop.checkpointer import Checkpointer
+    from ..loop.recovery import materialize_steps
     from ..rl.trainer import Trainer
     from ..state.fingerprint import fingerprint
-    from ..state.recovery import materialize_steps
-    from ..state.snapshot import Checkpointer
 
     run_dir = Path(run_dir)
     if not has_run(run_dir):
@@ -136,7 +136,7 @@ def exactness_line(m: Materialized) -> str | None:
     """What a replay that crossed a topology change can promise, in one line (None: bit for bit)."""
     if m.exact and not m.tolerant_steps:
         return None
-    from ..state.recovery import TOLERANCE
+    from ..loop.recovery import TOLERANCE
 
     if not m.tolerant_steps:
         return ("resharded from a snapshot of another topology (the weights equal the snapshot's); the fingerprint "

@@ -168,7 +168,7 @@ def sample_fates(ledger, start: int | None, stop: int | None) -> dict[int, tuple
 def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[str]) -> Iterator[tuple[int, dict]]:
     """(step, columns) for start..stop: from the journal, or from the archive for pruned steps.
     Pruned steps without an archive are skipped and named in `notes`."""
-    from ..state import archive
+    from ..loop import archive
 
     decoders: dict = {}
     missing: list[int] = []

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from verlj.journal import JournalError, NotAJournalError, segments, unpackb, verify_journal
 
-from ..state import archive
-from ..state.ledger import Ledger, journal_dir, journal_exists
+from ..loop import archive
+from ..loop.ledger import Ledger, journal_dir, journal_exists
+from ..loop.recovery import damaged_journal_advice
+from ..loop.snapshot_store import SnapshotStore
 from ..state.manifest import META, check_snapshot, snapshot_name
-from ..state.recovery import damaged_journal_advice
-from ..state.snapshot_store import SnapshotStore
 
 
 @dataclass

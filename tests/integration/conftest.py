@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from verlj.engine.run import train as run_train
+from verlj.engine.loop.run import train as run_train
 from verlj_testing import SMALL
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from verlj.engine.run import train as run_train
+from verlj.engine.loop.run import train as run_train
 from verlj_testing import TINY, assert_same_journal, comparable_steps, fingerprints
 
 

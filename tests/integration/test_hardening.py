@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from verlj.engine.run import train as run_train
+from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal
 from verlj_testing import REPO, SMALL, TINY, assert_same_journal, env, fingerprints, train, verlj
 

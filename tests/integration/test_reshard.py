@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from verlj.engine.state.recovery import TOLERANCE
+from verlj.engine.loop.recovery import TOLERANCE
 from verlj.journal import open_journal_reader
 from verlj_testing import fingerprints, train, verlj
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from verlj.engine.state.ledger import Ledger
+from verlj.engine.loop.ledger import Ledger
 from verlj.journal import Journal
 from verlj_testing import SMALL, TINY, train, verlj
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from verlj.engine.run import train as run_train
+from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal, segments
 from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
 

@@ -134,7 +134,7 @@ def test_local_hf_actor_and_reward_model(tmp_path):
 
 def test_default_run_learns(tmp_path):
     """The built-in default task: mean reward over the last 10 steps beats the first 10."""
-    from verlj.engine.run import train as run_train
+    from verlj.engine.loop.run import train as run_train
 
     run_train(tmp_path / "r", None, ["trainer.total_steps=80", "trainer.save_interval=0", "logging.progress=off"])
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
@@ -145,7 +145,7 @@ def test_default_run_learns(tmp_path):
 
 def test_checkpoint_policy_and_tensorboard(tmp_path):
     """trainer.checkpoint_policy names a class whose should_save decides; TensorBoard gets the metrics."""
-    from verlj.engine.run import train as run_train
+    from verlj.engine.loop.run import train as run_train
 
     run = tmp_path / "r"
     run_train(run, None, [*TINY, "trainer.total_steps=12", "trainer.save_interval=0", "trainer.save_total_limit=0",

@@ -11,9 +11,9 @@ import pytest
 
 from journal_helpers import raw_get, raw_put, tamper
 from verlj.engine.config import Config
-from verlj.engine.run import train as run_train
-from verlj.engine.state.ledger import Ledger
-from verlj.engine.state.recovery import choose_snapshot
+from verlj.engine.loop.ledger import Ledger
+from verlj.engine.loop.recovery import choose_snapshot
+from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal, make_event
 from verlj_testing import REPO, TINY, env, train, verlj
 

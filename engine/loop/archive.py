@@ -21,7 +21,7 @@ from pathlib import Path
 import blake3
 
 from ..errors import RunError
-from .manifest import fsync_dir, fsync_file
+from ..state.manifest import fsync_dir, fsync_file
 
 ARCHIVE_DIR = "rollouts"
 _FILE = re.compile(r"^steps_(\d{10})-(\d{10})\.parquet$")

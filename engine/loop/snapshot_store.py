@@ -32,8 +32,8 @@ import blake3
 
 from verlj.journal.failpoints import failpoint
 
+from ..state.manifest import MANIFEST, SnapshotCheck, build_manifest, check_snapshot, fsync_dir, snapshot_name, write_bytes_durable
 from .ledger import Ledger
-from .manifest import MANIFEST, SnapshotCheck, build_manifest, check_snapshot, fsync_dir, snapshot_name, write_bytes_durable
 
 QUARANTINE = "quarantine"
 _LEFTOVER = re.compile(r"^(\.tmp-step_\d+|\.trash-step_\d+-\d+|\.latest\.tmp)$")  # never published, or unindexed durably

@@ -7,7 +7,7 @@
                              (world size / ZeRO stage / TP size changes from a step on, with the
                              rebased fingerprint), lineage (start, resume, fork), quarantined snapshots
                  meta        retention: pruned_through (set by the journal's prune), archive (the
-                             index of RUN/rollouts/*.parquet, state.archive)
+                             index of RUN/rollouts/*.parquet, loop.archive)
                  snapshots   the snapshot index: step -> path, fingerprint, manifest digest, time
                  summary     fingerprints by step (the `state` event of each step)
     RUN/train_metadata.json  a human-readable mirror of the above (the journal is the truth)

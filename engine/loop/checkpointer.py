@@ -14,9 +14,9 @@ gathers its Stateful objects: the sharded ones (the DeepSpeed engines of the act
 through DeepSpeed's own save/load, the others through state_dict / load_state_dict, encoded as
 msgpack. Loading never unpickles anything but tensors (state.safe_load).
 
-:class:`Checkpointer` decides (state.policy), writes (sync, or async: the loop is blocked only
+:class:`Checkpointer` decides (loop.policy), writes (sync, or async: the loop is blocked only
 while DeepSpeed's state is copied to host memory), hands the directory to the store to publish and
-rotate (state.snapshot_store), and loads.
+rotate (loop.snapshot_store), and loads.
 """
 
 from __future__ import annotations
@@ -34,14 +34,15 @@ from verlj.journal.failpoints import failpoint
 
 from ..config import Config
 from ..errors import RunError, SnapshotError
-from . import reshard, retention
+from ..state import reshard
+from ..state.manifest import ANCHOR, META, SNAPSHOT_VERSION, fsync_tree, snapshot_name, write_bytes_durable
+from ..state.safe_load import install_safe_checkpointing
+from ..state.seeding import RNGState
+from ..state.topology import Topology, refusal
+from . import retention
 from .ledger import Ledger
-from .manifest import ANCHOR, META, SNAPSHOT_VERSION, fsync_tree, snapshot_name, write_bytes_durable
 from .policy import CheckpointSchedule
-from .safe_load import install_safe_checkpointing
-from .seeding import RNGState
 from .snapshot_store import SnapshotStore
-from .topology import Topology, refusal
 
 
 def rng_file(rank: int) -> str:

@@ -2,7 +2,7 @@
 
     trainer:
       save_interval: 50
-      checkpoint_policy: verlj.engine.state.policy.SaveOnRewardDrop   # any importable class
+      checkpoint_policy: verlj.engine.loop.policy.SaveOnRewardDrop   # any importable class
       checkpoint_policy_kwargs: {drop: 0.1}                           # its constructor's arguments
 
 A policy's ``should_save(trainer_state, metrics_history)`` returns a bool; ``trainer_state`` holds
@@ -21,8 +21,9 @@ from ..errors import PluginError
 from ..plugins import check_signature, import_object
 
 HISTORY = 100
-# dotted paths documented before the state layer moved into verlj.engine.state
-_MOVED = {"verlj.engine.snapshot.SaveOnRewardDrop": "verlj.engine.state.policy.SaveOnRewardDrop"}
+# dotted paths documented before the policy moved here (configs of runs made then name them)
+_MOVED = {"verlj.engine.snapshot.SaveOnRewardDrop": "verlj.engine.loop.policy.SaveOnRewardDrop",
+          "verlj.engine.state.policy.SaveOnRewardDrop": "verlj.engine.loop.policy.SaveOnRewardDrop"}
 
 
 class CheckpointPolicy:

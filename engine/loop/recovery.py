@@ -24,10 +24,10 @@ from verlj.journal.failpoints import failpoint
 
 from ..config import Config, config_from_dict
 from ..errors import ReplayError, SnapshotError
+from ..state.manifest import snapshot_name
+from ..state.topology import Topology
 from .ledger import Ledger
-from .manifest import snapshot_name
 from .snapshot_store import SnapshotStore, check_against_journal
-from .topology import Topology
 
 # ----------------------------------------------------------------------------- the plan
 
@@ -118,7 +118,7 @@ def restore(run_dir: Path, rt, trainer, ckpt, ledger: Ledger | None, limit: int,
     """Load the chosen snapshot (or keep the initial state). Collective. Returns its step.
     A snapshot of another topology is resharded (``ckpt.resharded`` says so); its fingerprint,
     which hashes the old layout, cannot be compared: the loaded weights are checked instead."""
-    from .fingerprint import fingerprint
+    from ..state.fingerprint import fingerprint
 
     choice = None
     if rt.is_main:
@@ -283,7 +283,7 @@ def _topology_boundary(rt, trainer, ckpt, ledger, cfg: Config, step0: int, last:
     """After a resume's restore and replay: the details of a topology boundary at step last + 1, or
     None when the state is still on the journal's reference line on the same topology. The rebased
     fingerprint is the state now, which the steps from last + 1 on build on."""
-    from .fingerprint import fingerprint
+    from ..state.fingerprint import fingerprint
 
     here = Topology.of_runtime(rt, cfg).as_dict()
     before = rt.broadcast_obj(ledger.topology_at(last) if rt.is_main else None)

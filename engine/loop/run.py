@@ -1,9 +1,9 @@
 """A run directory and the `verlj train` entry point.
 
     RUN/
-      journal/              the LMDB journal (source of truth; state.ledger reads and writes its history)
+      journal/              the LMDB journal (source of truth; loop.ledger reads and writes its history)
       config.yaml           the effective config of the latest start
-      step_00050/ ...       snapshots (state.snapshot, laid out by state.snapshot_store)
+      step_00050/ ...       snapshots (loop.checkpointer, laid out by loop.snapshot_store)
       latest -> step_00050  the newest published snapshot
       train_metadata.json   a human-readable mirror of the ledger
       metrics.jsonl         one line per step (logging.jsonl)
@@ -24,11 +24,11 @@ import yaml
 from verlj.journal import Claim, Journal, make_event, open_journal_reader
 from verlj.journal.failpoints import failpoint
 
-from .config import ONE_OFF_KEYS, Config, check_change, config_from_dict, diff_configs, make_config, stored_config, to_yaml
-from .errors import RunError
-from .report import Reporter
-from .state import archive
-from .state.ledger import (
+from ..config import ONE_OFF_KEYS, Config, check_change, config_from_dict, diff_configs, make_config, stored_config, to_yaml
+from ..errors import RunError
+from ..report import Reporter
+from . import archive
+from .ledger import (
     WRITER_DIR,
     Ledger,
     check_local_dir,
@@ -45,9 +45,9 @@ from .state.ledger import (
 )
 
 if TYPE_CHECKING:  # torch and DeepSpeed load only once the config is known good: bad input fails fast
-    from .dist import Runtime
+    from ..dist import Runtime
 
-# what `verlj train` writes at the top of a run directory besides snapshots (state.snapshot_store)
+# what `verlj train` writes at the top of a run directory besides snapshots (loop.snapshot_store)
 RUN_FILES = ("journal", "config.yaml", "metrics.jsonl", "train_metadata.json", "tensorboard", "wandb")
 
 
@@ -130,13 +130,13 @@ def train(
         raise RunError(f"trainer.resume_from is {cfg.trainer.resume_from!r} but {run_dir} holds no run")
     check_local_dir(run_dir, cfg.journal)
 
-    from .dist import configure_determinism, prepare_accelerator, setup
+    from ..dist import configure_determinism, prepare_accelerator, setup
 
     prepare_accelerator()
-    from .rl.trainer import Trainer
-    from .rl.vllm_engine import remove_stale_weights_copies
-    from .state.recovery import resume_state
-    from .state.snapshot import Checkpointer
+    from ..rl.trainer import Trainer
+    from ..rl.vllm_engine import remove_stale_weights_copies
+    from .checkpointer import Checkpointer
+    from .recovery import resume_state
 
     rt = setup(cfg)
     configure_determinism(cfg)
@@ -211,7 +211,7 @@ def train(
 def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
     """Remove what a start that never committed a step wrote (only verlj's own names). The caller holds
     (or held, and has just released) the run's writer claim; the claims go only with the directory."""
-    from .state.snapshot_store import SnapshotStore
+    from .snapshot_store import SnapshotStore
 
     discard_journal(run_dir)
     for name in RUN_FILES:
@@ -284,7 +284,7 @@ def check_fork(parent: Path, step: int, new_run: Path, overrides: list[str]) -> 
 def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
     """`replay --fork`: a new run from a materialized state (post_mortem.materialize); its journal records
     the parent run and step."""
-    from .state.snapshot import Checkpointer
+    from .checkpointer import Checkpointer
 
     rt, trainer = m.rt, m.trainer
     cfg, changed = fork_config(trainer.cfg.to_dict(), overrides, new_run)
@@ -319,13 +319,13 @@ def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
 def preflight_rollout(cfg: Config, rt: Runtime) -> None:
     """Before a run that generates writes anything: its rollout engine can run here (rl.vllm_engine)."""
     if cfg.rollout.engine == "vllm":
-        from .rl.vllm_engine import preflight
+        from ..rl.vllm_engine import preflight
 
         preflight(cfg, rt.device)
 
 
 def run_identity(cfg: Config, rt: Runtime, run_dir: Path, trainer) -> dict:
-    """What produced this run: recorded once at its start (state.ledger keeps it)."""
+    """What produced this run: recorded once at its start (loop.ledger keeps it)."""
     return {
         "config": cfg.to_stored(),
         "config_hash": cfg.hash(),
