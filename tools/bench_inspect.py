@@ -24,7 +24,7 @@ import numpy as np
 
 
 def events(step: int, rng) -> list:
-    from verlj.engine.rl.buffer import pack_samples
+    from verlj.engine.rl.samples import pack
     from verlj.journal import make_event
 
     samples = [{
@@ -32,7 +32,7 @@ def events(step: int, rng) -> list:
         "rm_score": 0.0, "prompt_ids": rng.integers(4, 19, 6), "response_ids": rng.integers(4, 19, 32),
         "gen_logprobs": rng.standard_normal(32).astype(np.float32),
         "ref_logprobs": rng.standard_normal(32).astype(np.float32)} for i in range(16)]
-    cols = pack_samples(samples)
+    cols = pack(samples)
     metrics = {f"actor/m{i}": float(rng.standard_normal()) for i in range(38)}
     metrics["critic/score/mean"] = float(rng.random())
     metrics["actor/grad_norm"] = float("nan") if step == 77_777 else float(rng.random())

@@ -1,7 +1,7 @@
 """The rollout archive: samples of pruned steps, kept as Parquet where people analyse them.
 
     RUN/rollouts/steps_0000000001-0000000050.parquet   one file per pruning: every sample of those steps
-                                                        (post_mortem.rollouts' table, without the fate columns)
+                                                        (rl.samples' rollout table, without the fate columns)
     RUN/rollouts/.tmp-steps_...                         being written; a kill leaves it (never read; the
                                                         next archive write removes it, verify lists it)
 
@@ -20,7 +20,10 @@ from pathlib import Path
 
 import blake3
 
+from verlj.journal.failpoints import failpoint
+
 from ..errors import RunError
+from ..rl import samples
 from ..state.manifest import fsync_dir, fsync_file
 
 ARCHIVE_DIR = "rollouts"
@@ -49,26 +52,22 @@ def write(run_dir: Path, ledger, first: int, last: int) -> dict:
     Returns the index entry for the ledger; the file is durable when this returns."""
     import pyarrow.parquet as pq
 
-    from verlj.journal.failpoints import failpoint
-
-    from ..post_mortem import rollouts
-
     out_dir = archive_dir(run_dir)
     out_dir.mkdir(exist_ok=True)
     clean_leftovers(run_dir, ledger)  # of an attempt killed before indexing (we hold the writer's claim)
     name = file_name(first, last)
     tmp = out_dir / f".tmp-{name}"
     rows = 0
-    decoder = rollouts.text_decoder(ledger.config_at(last))
-    with pq.ParquetWriter(tmp, rollouts.arrow_schema(False), compression="zstd") as w:
+    decoder = samples.text_decoder(ledger.config_at(last))
+    with pq.ParquetWriter(tmp, samples.arrow_schema(False), compression="zstd") as w:
         for record in ledger.journal.iter_steps(first, last):
             if record["pruned"]:
                 continue  # pruned by an earlier retention policy that did not archive
             add = next((e for e in record["events"] if e["type"] == "buffer.add"), None)
             if add is not None:
-                cols = rollouts.step_columns(record["step"], add["samples"], decoder)
-                w.write_table(rollouts.to_arrow(cols))
-                rows += rollouts.num_rows(cols)
+                cols = samples.step_columns(record["step"], add["samples"], decoder)
+                w.write_table(samples.to_arrow(cols))
+                rows += samples.num_rows(cols)
             failpoint("archive.mid_write")
     fsync_file(tmp)
     ledger.fence()
@@ -92,17 +91,15 @@ class Reader:
 
     def step_columns(self, step: int) -> dict | None:
         """The columns of `step`'s samples, or None when no archive file holds the step."""
-        from ..post_mortem import rollouts
-
         entry = self.covers(step)
         if entry is None:
             return None
-        rollouts.require_pyarrow(f"step {step}'s samples are in the rollout archive ({ARCHIVE_DIR}/{entry['file']}); reading it")
+        samples.require_pyarrow(f"step {step}'s samples are in the rollout archive ({ARCHIVE_DIR}/{entry['file']}); reading it")
         import pyarrow.compute as pc
 
         if self._entry is not entry:
             self._table, self._entry = self._load(entry), entry
-        return rollouts.table_columns(self._table.filter(pc.equal(self._table.column("step"), step)))
+        return samples.table_columns(self._table.filter(pc.equal(self._table.column("step"), step)))
 
     def _load(self, entry: dict):
         import pyarrow.parquet as pq

@@ -184,6 +184,16 @@ def run_state(run_dir: Path) -> str:
     return "run"
 
 
+def open_run(run_dir: Path) -> Ledger:
+    """A run's ledger for reading (post-mortem commands), or one sentence saying why there is none."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunError(f"{run_dir} does not exist")
+    if not has_run(run_dir):
+        raise RunError(f"{run_dir} is not a verlj run (no journal/ with run metadata)")
+    return Ledger.open_reader(run_dir)
+
+
 def has_run(run_dir: Path) -> bool:
     """A journal with a run's metadata (one without it died before its first write: not a run)."""
     if not journal_exists(run_dir):

@@ -23,17 +23,11 @@ import numpy as np
 
 from ..config import diff_configs
 from ..errors import RunError
-from ..loop.ledger import Ledger, has_run, writer_dir
+from ..loop import archive
+from ..loop.ledger import Ledger, open_run, writer_dir
+from ..rl import samples as table
 from ..state.manifest import check_snapshot
-
-
-def open_run(run_dir: Path) -> Ledger:
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise RunError(f"{run_dir} does not exist")
-    if not has_run(run_dir):
-        raise RunError(f"{run_dir} is not a verlj run (no journal/ with run metadata)")
-    return Ledger.open_reader(run_dir)
+from .steps import parse_steps
 
 
 def _events(record: dict) -> dict[str, dict]:
@@ -194,9 +188,6 @@ def render_summary(s: dict) -> str:
 def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dict:
     """Everything journaled at `step`, with samples decoded to text (from the rollout archive when
     retention pruned them from the journal)."""
-    from ..loop import archive
-    from . import rollouts
-
     run_dir = Path(run_dir)
     note = None
     with open_run(run_dir) as j:
@@ -210,8 +201,8 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
             note = (f"samples pruned from the journal (journal.retain_samples); shown from {archive.ARCHIVE_DIR}/"
                     if cols is not None else "samples pruned from the journal (journal.retain_samples) and not archived")
         elif "buffer.add" in ev:
-            cols = rollouts.step_columns(step, ev["buffer.add"]["samples"], rollouts.text_decoder(config))
-    samples = rollouts.samples_of(cols) if cols is not None else []
+            cols = table.step_columns(step, ev["buffer.add"]["samples"], table.text_decoder(config))
+    samples = _sample_view(cols) if cols is not None else []
     n = len(np.asarray(ev.get("buffer.add", {}).get("ids", [])))
     if max_samples is not None:
         samples = samples[:max_samples]
@@ -235,6 +226,13 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
         "fingerprint": ev.get("state", {}).get("fingerprint"),
         "control": [e for e in record["events"] if e["type"] in ("control", "config")],
     }
+
+
+def _sample_view(cols: dict) -> list[dict]:
+    """inspect --step's view of a step's samples (text where a decoder was found, else token ids)."""
+    return [{"id": r["sample_id"], "group": r["group"], "index": r["index"], "prompt": r["prompt"] or r["prompt_ids"],
+             "response": r["response"] or r["response_ids"], "score": r["score"], "rule_reward": r["rule_reward"],
+             "rm_score": r["rm_score"]} for r in table.rows(cols)]
 
 
 def render_step(d: dict) -> str:
@@ -263,18 +261,6 @@ def render_step(d: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- metrics, find
-
-
-def parse_steps(spec: str | None) -> tuple[int | None, int | None]:
-    if not spec:
-        return None, None
-    m = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", spec)
-    if not m:
-        raise RunError(f"--steps {spec!r} must look like START:STOP (either may be empty), e.g. 100:200")
-    a, b = (int(x) if x else None for x in m.groups())
-    if a is not None and b is not None and a > b:
-        raise RunError(f"--steps {spec!r}: START is after STOP")
-    return a, b
 
 
 def metric_rows(run_dir: Path, names: list[str] | None, steps: str | None) -> tuple[list[str], list[dict]]:

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from ..errors import RunError
-from .inspection import open_run
+from ..loop.ledger import open_run
 
 
 def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) -> None:

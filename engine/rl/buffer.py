@@ -1,47 +1,8 @@
-"""Rollout samples and the rollout buffer.
-
-A sample is a dict: ``id``, ``index`` (dataset row), ``group`` (one prompt's n samples share it),
-``prompt_ids``, ``response_ids`` (int64 arrays), ``gen_logprobs`` and ``ref_logprobs`` (float32, per
-response token; the reference's are empty when no KL term uses them),
-``score`` (float64: the reward the update uses), ``rule_reward``, ``rm_score``.
-
-Samples travel columnar (padded arrays plus lengths) in journal events and snapshots; live
-training and replay both go through :func:`pack_samples` / :func:`unpack_samples`, so the update
-sees bit-identical inputs either way.
-"""
+"""The rollout buffer: samples (rl.samples) waiting for an update, in arrival order."""
 
 from __future__ import annotations
 
-import numpy as np
-
-PAD = -1
-SCALAR_FIELDS = {"id": np.int64, "index": np.int64, "group": np.int64, "score": np.float64, "rule_reward": np.float64, "rm_score": np.float64}
-SEQ_FIELDS = {"prompt_ids": np.int32, "response_ids": np.int32, "gen_logprobs": np.float32, "ref_logprobs": np.float32}
-
-
-def pack_samples(samples: list[dict]) -> dict:
-    n = len(samples)
-    out: dict = {k: np.array([s[k] for s in samples], dtype=dt) for k, dt in SCALAR_FIELDS.items()}
-    for k, dt in SEQ_FIELDS.items():
-        lens = np.array([len(s[k]) for s in samples], dtype=np.int32)
-        width = int(lens.max()) if n else 0
-        arr = np.full((n, width), PAD if dt is np.int32 else 0, dtype=dt)
-        for i, s in enumerate(samples):
-            arr[i, : lens[i]] = s[k]
-        out[k] = arr
-        out[k + "_len"] = lens
-    return out
-
-
-def unpack_samples(cols: dict) -> list[dict]:
-    n = len(cols["id"])
-    out = []
-    for i in range(n):
-        s = {k: (int(cols[k][i]) if dt is np.int64 else float(cols[k][i])) for k, dt in SCALAR_FIELDS.items()}
-        for k, dt in SEQ_FIELDS.items():
-            s[k] = cols[k][i, : cols[k + "_len"][i]].astype(np.int64 if dt is np.int32 else dt)
-        out.append(s)
-    return out
+from .samples import pack, unpack
 
 
 class RolloutBuffer:
@@ -77,9 +38,9 @@ class RolloutBuffer:
         return out
 
     def state_dict(self) -> dict:
-        return {"version": self.VERSION, "next_id": self.next_id, "samples": pack_samples(list(self.samples.values()))}
+        return {"version": self.VERSION, "next_id": self.next_id, "samples": pack(list(self.samples.values()))}
 
     def load_state_dict(self, state: dict) -> None:
         assert state["version"] == self.VERSION, f"buffer state version {state['version']}"
-        self.samples = {s["id"]: s for s in unpack_samples(state["samples"])}
+        self.samples = {s["id"]: s for s in unpack(state["samples"])}
         self.next_id = int(state["next_id"])

@@ -27,7 +27,8 @@ from ..errors import ModelError
 from ..state.fingerprint import fingerprint
 from ..state.seeding import derive_seed, rng_digest, seed_globals
 from . import algorithms
-from .buffer import RolloutBuffer, pack_samples, unpack_samples
+from . import samples as sample_codec
+from .buffer import RolloutBuffer
 from .data import Sampler, load_dataset
 from .models import ValueModel, load_causal_lm, load_reward_model, load_tokenizer, model_digest
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
@@ -44,7 +45,7 @@ class StepInputs:
     cursor: int
     indices: np.ndarray  # dataset rows drawn this step (all rounds)
     rounds: int
-    added: dict  # columnar samples generated this step (pack_samples)
+    added: dict  # the samples generated this step, columnar (rl.samples.pack)
     dropped: np.ndarray  # ids dropped (zero-variance groups)
     consumed: np.ndarray  # ids the update trains on, in order
     timings: dict[str, float] = field(default_factory=dict)  # collect's own metrics (timings, sampling)
@@ -238,8 +239,8 @@ class Trainer:
             self._reference_logprobs(local)
             timings["timing_s/ref"] = timings.get("timing_s/ref", 0.0) + time.perf_counter() - t2
             # every rank gets every sample; TP peers generated the same ones, keep one copy per DP rank
-            gathered = rt.all_gather_obj(pack_samples(local))
-            new = [s for r, cols in enumerate(gathered) if r % rt.tp_size == 0 for s in unpack_samples(cols)]
+            gathered = rt.all_gather_obj(sample_codec.pack(local))
+            new = [s for r, cols in enumerate(gathered) if r % rt.tp_size == 0 for s in sample_codec.unpack(cols)]
             for k, s in enumerate(new):
                 s["id"] = next_id + k
                 s["group"] = next_id + (k // n) * n  # a group is named by its first sample's id
@@ -265,7 +266,7 @@ class Trainer:
             cursor=self.sampler.cursor,
             indices=np.concatenate(drawn),
             rounds=rounds,
-            added=pack_samples(added),
+            added=sample_codec.pack(added),
             dropped=np.asarray(dropped, dtype=np.int64),
             consumed=consumed,
             timings=timings,
@@ -325,7 +326,7 @@ class Trainer:
 
     def take(self, step: int, inputs: StepInputs) -> list[dict]:
         """Apply the step's buffer changes (add, drop, consume) and return the consumed samples."""
-        self.buffer.add(unpack_samples(inputs.added))
+        self.buffer.add(sample_codec.unpack(inputs.added))
         self.buffer.drop(inputs.dropped)
         samples = self.buffer.consume(inputs.consumed)
         self.train_state.step = step

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from verlj.engine.config import DataConfig
-from verlj.engine.rl.buffer import RolloutBuffer, pack_samples, unpack_samples
+from verlj.engine.rl.buffer import RolloutBuffer
 from verlj.engine.rl.data import DataError, Sampler, load_dataset
 from verlj.engine.rl.rewards import RewardError, add_reward, load_reward_fn, rule_rewards
 from verlj.engine.rl.rollout import sample_token
+from verlj.engine.rl.samples import pack, unpack
 from verlj.journal import packb, unpackb
 
 
@@ -63,7 +64,7 @@ def sample(i, plen, rlen):
 
 def test_pack_unpack_through_the_codec_is_exact():
     samples = [sample(i, 3 + i, 1 + 2 * i) for i in range(4)]
-    back = unpack_samples(unpackb(packb(pack_samples(samples))))
+    back = unpack(unpackb(packb(pack(samples))))
     for a, b in zip(samples, back):
         for k in a:
             assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
