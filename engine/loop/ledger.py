@@ -136,17 +136,15 @@ def now_iso() -> str:
 
 
 def versions() -> dict[str, str]:
+    """The versions of what shapes a run's numbers, from the installed packages' metadata (the same
+    strings as their __version__; reading them loads no deep-learning stack)."""
     from importlib.metadata import version
-
-    import deepspeed
-    import torch
-    import transformers
 
     return {
         "verlj": version("verlj"),
-        "torch": str(torch.__version__),
-        "deepspeed": str(deepspeed.__version__),
-        "transformers": str(transformers.__version__),
+        "torch": version("torch"),
+        "deepspeed": version("deepspeed"),
+        "transformers": version("transformers"),
         "python": platform.python_version(),
     }
 

@@ -1,2 +1,1 @@
-"""The state layer: snapshots and their manifests, safe loading, checkpoint policy, seeding, fingerprints,
-the run ledger (the only reader and writer of run metadata in the journal), recovery and replay."""
+"""The floor rl/ stands on: snapshot manifests, safe loading, seeding, fingerprints, topology and resharding."""
