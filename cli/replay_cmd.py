@@ -43,7 +43,7 @@ def replay(
         guarded(lambda: materialize.export_hf(m, export))
     if snapshot is not None:
         guarded(lambda: materialize.write_snapshot(m, snapshot))
-    if m.rt.is_main:
+    if m.run.rt.is_main:
         if as_json:
             out(materialize.replay_report(m))
         else:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,9 @@ import torch.distributed as dist
 from verlj.journal import packb, unpackb
 
 from .config import Config, ConfigError
+from .errors import RunError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -75,6 +80,28 @@ class Runtime:
         buf = self._bytes_tensor(data) if self.rank == src else torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
         dist.broadcast(buf, src)
         return obj if self.rank == src else unpackb(buf.cpu().numpy().tobytes())
+
+    def from_rank0(self, fn: Callable[[], T], what: str = "", share: bool = True) -> T | None:
+        """fn() on rank 0 and its result on every rank: how every rank learns what only rank 0 may read
+        (the journal, the run directory). The result must be msgpack-encodable (share=False: it stays
+        on rank 0, the others get None: a handle only rank 0 holds). A failure is raised on every rank,
+        so none is left waiting: on rank 0 as it was, elsewhere as one sentence naming `what` failed."""
+        result, error, failure = None, "", None
+        if self.is_main:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - raised again below, on every rank
+                if self.world_size == 1:
+                    raise
+                error, failure = str(e) or type(e).__name__, e
+        if self.world_size == 1:
+            return result
+        error = self.broadcast_obj(error)
+        if error:
+            if failure is not None:
+                raise failure
+            raise RunError(f"rank 0 failed{f' in {what}' if what else ''}: {error}")
+        return self.broadcast_obj(result) if share else result
 
     def all_true(self, flag: bool) -> bool:
         if self.world_size == 1:

@@ -68,6 +68,7 @@ def main() -> None:
     from verlj.engine.config import config_from_dict
     from verlj.engine.dist import configure_determinism, setup
     from verlj.engine.loop.checkpointer import Checkpointer
+    from verlj.engine.loop.context import Run
     from verlj.engine.loop.ledger import Ledger
     from verlj.engine.loop.recovery import replay, restore
     from verlj.engine.loop.run import train
@@ -84,34 +85,36 @@ def main() -> None:
         live_step = statistics.median(live)
 
         journal = Ledger.open_reader(run)
+        history = journal.history()
         cfg = config_from_dict(journal.first_config())
         rt = setup(cfg)
         configure_determinism(cfg)
 
         def fresh():
-            t = Trainer(cfg, rt)
-            return t, Checkpointer(run, cfg, rt, t, None, Silent())
+            r = Run(run, cfg, rt, Trainer(cfg, rt), Silent(), journal)
+            r.ckpt = Checkpointer(r)
+            return r
 
         recov, replay_per_step, rerun = [], [], []
         for _ in range(args.repeats):
-            trainer, snaps = fresh()
+            r = fresh()
             t0 = time.perf_counter()
-            restore(run, rt, trainer, snaps, journal, k, Silent())
+            restore(r, k)
             t1 = time.perf_counter()
-            replay(rt, trainer, journal, k + 1, total, cfg, Silent())
+            replay(r, history, k + 1, total)
             t2 = time.perf_counter()
             recov.append(t2 - t0)
             replay_per_step.append((t2 - t1) / k)
-            trainer.close()
+            r.trainer.close()
 
-            trainer, snaps = fresh()
+            r = fresh()
             t0 = time.perf_counter()
-            restore(run, rt, trainer, snaps, journal, k, Silent())
+            restore(r, k)
             for step in range(k + 1, total + 1):  # what a checkpoint-only tool redoes
-                inputs = trainer.collect(step)
-                trainer.apply(step, inputs, trainer.take(step, inputs))
+                inputs = r.trainer.collect(step)
+                r.trainer.apply(step, inputs, r.trainer.take(step, inputs))
             rerun.append(time.perf_counter() - t0)
-            trainer.close()
+            r.trainer.close()
 
         r_step = statistics.median(replay_per_step)
         print(f"live step (median, steps {k + 1}-{total}): {live_step * 1e3:.1f} ms; replayed step: {r_step * 1e3:.1f} ms "
@@ -120,7 +123,7 @@ def main() -> None:
               f"re-run live from the snapshot {statistics.median(rerun):.2f} s -> {statistics.median(recov) / statistics.median(rerun):.2f}x")
 
         # snapshots: sync, async (blocked part), plain write of the same bytes
-        trainer, _ = fresh()
+        trainer = fresh().trainer
         scratch = root / "snaps"
         scratch.mkdir()
         sj = Ledger(Journal.open_writer(scratch / "journal"))
@@ -130,7 +133,7 @@ def main() -> None:
                 c = copy.deepcopy(cfg)
                 c.trainer.async_save = async_save
                 c.trainer.save_total_limit = 0
-                sm = Checkpointer(scratch, c, rt, trainer, sj, Silent())
+                sm = Checkpointer(Run(scratch, c, rt, trainer, Silent(), sj))
                 step = 100 + 2 * i + int(async_save)
                 t = time.perf_counter()
                 sm.save(step, "bench")

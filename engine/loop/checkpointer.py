@@ -32,7 +32,6 @@ import torch
 from verlj.journal import JournalError, packb, unpackb
 from verlj.journal.failpoints import failpoint
 
-from ..config import Config
 from ..errors import RunError, SnapshotError
 from ..state import reshard
 from ..state.manifest import ANCHOR, META, SNAPSHOT_VERSION, fsync_tree, snapshot_name, write_bytes_durable
@@ -40,7 +39,7 @@ from ..state.safe_load import install_safe_checkpointing
 from ..state.seeding import RNGState
 from ..state.topology import Topology, refusal
 from . import retention
-from .ledger import Ledger
+from .context import Run
 from .policy import CheckpointSchedule
 from .snapshot_store import SnapshotStore
 
@@ -52,11 +51,10 @@ def rng_file(rank: int) -> str:
 class Checkpointer:
     """Snapshots of a live run (or a materialized state): schedule, write, publish, load."""
 
-    def __init__(self, run_dir: Path, cfg: Config, rt, trainer, ledger: Ledger | None, reporter):
-        self.run_dir, self.cfg, self.rt, self.trainer = Path(run_dir), cfg, rt, trainer
-        self.ledger, self.reporter = ledger, reporter
-        self.store = SnapshotStore(self.run_dir, ledger)
-        self.schedule = CheckpointSchedule(cfg.trainer)
+    def __init__(self, run: Run):
+        self.run = run
+        self.store = SnapshotStore(run.run_dir, run.ledger)
+        self.schedule = CheckpointSchedule(run.cfg.trainer)
         self.rng = RNGState()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -64,19 +62,19 @@ class Checkpointer:
         self.resharded: dict | None = None  # set by load() when the snapshot came from another topology
         self.loaded_fingerprint: str | None = None  # the state's fingerprint right after a restore (recovery)
         self.blocked_s = 0.0  # how long the last snapshot blocked the loop
-        for engine in trainer.engines().values():
+        for engine in run.trainer.engines().values():
             install_safe_checkpointing(engine)
 
     def parts(self) -> dict:
         """The registry of rank-agnostic Stateful parts (the anchor); engines and RNG are per rank."""
-        return {**self.trainer.state_parts(), "checkpoint_schedule": self.schedule}
+        return {**self.run.trainer.state_parts(), "checkpoint_schedule": self.schedule}
 
     # ------------------------------------------------------------------ deciding
 
     def due(self, step: int, metrics: dict) -> bool:
         """Whether the schedule wants a snapshot after this live step. Asked before the step is
         committed, so a policy that fails costs the step it failed on, never a committed one."""
-        return self.rt.all_true(self.schedule.observe(step, metrics, self.trainer.train_state.trainer_state()))
+        return self.run.rt.all_true(self.schedule.observe(step, metrics, self.run.trainer.train_state.trainer_state()))
 
     def after_step(self, step: int, fingerprint: str, due: bool) -> None:
         """A live step is committed: snapshot it if it is due."""
@@ -85,7 +83,7 @@ class Checkpointer:
 
     def replayed(self, step: int, metrics: dict) -> None:
         """A replayed step: the schedule sees its journaled metrics as the live run's did."""
-        self.schedule.observe(step, metrics, self.trainer.train_state.trainer_state())
+        self.schedule.observe(step, metrics, self.run.trainer.train_state.trainer_state())
 
     # ------------------------------------------------------------------ writing
 
@@ -97,10 +95,10 @@ class Checkpointer:
             self.save(step, fp)
         except (OSError, RuntimeError, SnapshotError) as e:  # torch.save reports a full disk as RuntimeError
             error = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-        if not self.rt.all_true(not error):
-            self.reporter.warn(f"Snapshot at step {step} failed ({error or 'on another rank'}); training continues, "
+        if not self.run.rt.all_true(not error):
+            self.run.reporter.warn(f"Snapshot at step {step} failed ({error or 'on another rank'}); training continues, "
                                "the journal still holds every step")
-            if self.rt.is_main:
+            if self.run.rt.is_main:
                 shutil.rmtree(self.store.tmp_dir(step), ignore_errors=True)
             return False
         return True
@@ -115,20 +113,20 @@ class Checkpointer:
         self.wait()
         tmp = out_dir.parent / f".tmp-{out_dir.name}"
         self._write(step, fp, tmp, publish=False)
-        if self.rt.is_main:
+        if self.run.rt.is_main:
             SnapshotStore.publish_standalone(tmp, out_dir)
-        self.rt.barrier()
+        self.run.rt.barrier()
 
     def _write(self, step: int, fp: str, tmp: Path, publish: bool) -> None:
-        rt = self.rt
+        rt = self.run.rt
         if rt.is_main:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         rt.barrier()
         t0 = time.perf_counter()
-        engines = self.trainer.engines()
-        async_save = self.cfg.trainer.async_save and publish
+        engines = self.run.trainer.engines()
+        async_save = self.run.cfg.trainer.async_save and publish
         deferred: list[tuple[str, object]] = []
         for tag, engine in engines.items():
             ce = install_safe_checkpointing(engine)
@@ -146,11 +144,11 @@ class Checkpointer:
                 "version": SNAPSHOT_VERSION,
                 "step": step,
                 "fingerprint": fp,
-                "config_hash": self.trainer.cfg.hash(),
+                "config_hash": self.run.trainer.cfg.hash(),
                 "engines": list(engines),
                 "world_size": rt.world_size,
                 "tensor_parallel_size": rt.tp_size,
-                "zero_stage": self.cfg.distributed.zero_stage,
+                "zero_stage": self.run.cfg.distributed.zero_stage,
                 "time": time.time(),
             }, indent=2).encode()
         self.blocked_s = time.perf_counter() - t0
@@ -158,7 +156,7 @@ class Checkpointer:
         if async_save:
             self._thread = threading.Thread(target=self._finish_async, args=(step, fp, tmp, deferred, small), daemon=True)
             self._thread.start()
-            self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / snapshot_name(step)} in the background...")
+            self.run.reporter.info(f"Step {step}: Saving checkpoint to {self.run.run_dir / snapshot_name(step)} in the background...")
             return
         _write_small(tmp, small)
         failpoint("snapshot.mid_write")
@@ -168,7 +166,7 @@ class Checkpointer:
             if rt.is_main:
                 self._publish(step, fp, tmp)
             rt.barrier()
-            self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / snapshot_name(step)}...")
+            self.run.reporter.info(f"Step {step}: Saving checkpoint to {self.run.run_dir / snapshot_name(step)}...")
             if rt.is_main:
                 self._retain()
 
@@ -181,9 +179,9 @@ class Checkpointer:
             _write_small(tmp, small)
             failpoint("snapshot.mid_write")
             fsync_tree(tmp)
-            write_bytes_durable(tmp / f".done-rank{self.rt.rank:05d}", b"")
-            if self.rt.is_main:
-                markers = [tmp / f".done-rank{r:05d}" for r in range(self.rt.world_size)]
+            write_bytes_durable(tmp / f".done-rank{self.run.rt.rank:05d}", b"")
+            if self.run.rt.is_main:
+                markers = [tmp / f".done-rank{r:05d}" for r in range(self.run.rt.world_size)]
                 while not all(m.exists() for m in markers):
                     time.sleep(0.01)
                 for m in markers:
@@ -196,14 +194,14 @@ class Checkpointer:
     def _publish(self, step: int, fp: str, tmp: Path) -> None:
         self.store.publish(step, fp, tmp)
         self.write_metadata(step, saved=True)
-        self.store.rotate(self.cfg.trainer.save_total_limit)
+        self.store.rotate(self.run.cfg.trainer.save_total_limit)
 
     def _retain(self) -> None:
         """Rank 0, after a snapshot is published and rotation is done: prune what no kept snapshot needs."""
         try:
-            retention.apply(self.run_dir, self.cfg, self.ledger, self.reporter)
+            retention.apply(self.run.run_dir, self.run.cfg, self.run.ledger, self.run.reporter)
         except (RunError, JournalError, OSError) as e:  # the samples stay; the next snapshot tries again
-            self.reporter.warn(f"journal retention did not run: {e}")
+            self.run.reporter.warn(f"journal retention did not run: {e}")
 
     def wait(self) -> None:
         """Block until an in-flight async snapshot is published (or raise its error)."""
@@ -218,23 +216,23 @@ class Checkpointer:
         try:
             self.wait()
         except SnapshotError as e:
-            self.reporter.warn(f"{e}; the journal still holds every step")
-        self.rt.barrier()
+            self.run.reporter.warn(f"{e}; the journal still holds every step")
+        self.run.rt.barrier()
 
     def write_metadata(self, step: int, resume_from: str | None = None, saved: bool = False) -> None:
-        sampler, state = self.trainer.sampler, self.trainer.train_state
-        self.ledger.write_train_metadata(self.run_dir, step=step, epoch=sampler.epoch, samples_seen=state.samples_seen,
-                                         config_hash=self.cfg.hash(), resume_from=resume_from, saved=saved)
+        sampler, state = self.run.trainer.sampler, self.run.trainer.train_state
+        self.run.ledger.write_train_metadata(self.run.run_dir, step=step, epoch=sampler.epoch, samples_seen=state.samples_seen,
+                                         config_hash=self.run.cfg.hash(), resume_from=resume_from, saved=saved)
 
     # ------------------------------------------------------------------ loading
 
     def load(self, path: Path) -> dict:
         """Load a verified snapshot into the registry (collective). Returns its meta."""
         meta = json.loads((path / META).read_text())
-        engines = self.trainer.engines()
+        engines = self.run.trainer.engines()
         if sorted(meta["engines"]) != sorted(engines):
             raise SnapshotError(f"{path} holds engines {meta['engines']}, this run has {list(engines)}")
-        src, dst = Topology.of_snapshot(meta), Topology.of_runtime(self.rt, self.cfg)
+        src, dst = Topology.of_snapshot(meta), Topology.of_runtime(self.run.rt, self.run.cfg)
         self.resharded = None
         if src == dst:
             for tag, engine in engines.items():
@@ -253,31 +251,31 @@ class Checkpointer:
             elif name != "train_state" and name != "checkpoint_schedule":
                 raise SnapshotError(f"{path / ANCHOR} has no {name!r} state")
             # snapshots written before these parts existed: they start from their initial state
-        own = path / rng_file(self.rt.rank)  # a rank the snapshot's topology did not have takes rank 0's
+        own = path / rng_file(self.run.rt.rank)  # a rank the snapshot's topology did not have takes rank 0's
         self.rng.load_state_dict(unpackb((own if own.is_file() else path / rng_file(0)).read_bytes()))
-        self.trainer.weights_changed()
+        self.run.trainer.weights_changed()
         return meta
 
     def _load_resharded(self, path: Path, meta: dict, src, dst) -> dict:
         """Load a snapshot written under another topology through its universal form (state.reshard),
         converting it first if no valid converted form is cached. Collective."""
-        why = refusal(src, dst, self.cfg.algorithm.loss_normalization)
+        why = refusal(src, dst, self.run.cfg.algorithm.loss_normalization)
         if why:
             raise SnapshotError(f"{path} was saved on {src}; this run is on {dst}: {why}")
-        layout = self.trainer.param_layout()
+        layout = self.run.trainer.param_layout()
         found = [None, 0.0, None]
-        if self.rt.is_main:
+        if self.run.rt.is_main:
             try:
                 root, seconds = reshard.ensure_converted(path, meta, layout)
                 found = [str(root), seconds, None]
             except (SnapshotError, OSError, RuntimeError) as e:
                 found = [None, 0.0, str(e).splitlines()[0][:300] if str(e) else type(e).__name__]
-        root, seconds, error = self.rt.broadcast_obj(found)
+        root, seconds, error = self.run.rt.broadcast_obj(found)
         if error:
             raise SnapshotError(error)
-        for tag, engine in self.trainer.engines().items():
-            reshard.load(engine, tag, Path(root), self.rt)
-            reshard.check_loaded(engine, tag, Path(root), self.rt, layout[tag])
+        for tag, engine in self.run.trainer.engines().items():
+            reshard.load(engine, tag, Path(root), self.run.rt)
+            reshard.check_loaded(engine, tag, Path(root), self.run.rt, layout[tag])
         return {"from": src.as_dict(), "to": dst.as_dict(), "convert_s": seconds, "cached": seconds == 0.0}
 
 

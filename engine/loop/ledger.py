@@ -26,6 +26,7 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,38 @@ def has_run(run_dir: Path) -> bool:
         return j.get_meta(_CONFIG) is not None
 
 
+@dataclass
+class History:
+    """A run's history as a resume or a replay needs it: read on rank 0 (Ledger.history) and sent to
+    every rank once (Run.history), so no rank asks the journal again. The one owner of "what was in
+    force at step N"."""
+
+    base_step: int  # the step before the journal's first (a fork's parent step; 0 for a new run)
+    last_step: int
+    pruned_through: int  # the last step whose samples retention removed (0: none)
+    first_config: dict
+    config_changes: list[dict]  # [{from_step, config}]: the changes made on resume, in order
+    topology_start: dict  # {world_size, tensor_parallel_size, zero_stage} of the run's start
+    topology_changes: list[dict]  # [{from_step, topology, rebased: {step, fingerprint}, ...}] (Ledger.topology_history)
+
+    def config_at(self, step: int) -> dict:
+        cfg = self.first_config
+        for entry in self.config_changes:
+            if entry["from_step"] <= step:
+                cfg = entry["config"]
+        return cfg
+
+    def topology_at(self, step: int) -> dict:
+        topo = self.topology_start
+        for entry in self.topology_changes:
+            if entry["from_step"] <= step:
+                topo = entry["topology"]
+        return topo
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 class Ledger:
     """A run's history, over an open journal (reader or writer)."""
 
@@ -269,11 +302,7 @@ class Ledger:
 
     def config_at(self, step: int) -> dict:
         """The config in force for `step` (the run's first config, then each recorded change)."""
-        cfg = self.first_config()
-        for entry in self.config_history():
-            if entry["from_step"] <= step:
-                cfg = entry["config"]
-        return cfg
+        return self.history().config_at(step)
 
     def record_config_change(self, from_step: int, config: dict) -> None:
         self.journal.set_meta(_HISTORY, [*(self.journal.get_meta(_HISTORY) or []), {"from_step": from_step, "config": config}])
@@ -288,13 +317,18 @@ class Ledger:
 
     def topology_at(self, step: int) -> dict:
         """{world_size, tensor_parallel_size, zero_stage} that ran `step`."""
-        dist = self.config_at(0).get("distributed", {})
-        topo = {"world_size": self.get("world_size", 1), "tensor_parallel_size": self.get("tensor_parallel_size", 1),
-                "zero_stage": dist.get("zero_stage", 0)}
-        for entry in self.topology_history():
-            if entry["from_step"] <= step:
-                topo = entry["topology"]
-        return topo
+        return self.history().topology_at(step)
+
+    # ------------------------------------------------------------------ all of it, once
+
+    def history(self) -> History:
+        """What a resume or replay needs of the run's history, in one record (see History)."""
+        first = self.first_config()
+        start = {"world_size": self.get("world_size", 1), "tensor_parallel_size": self.get("tensor_parallel_size", 1),
+                 "zero_stage": first.get("distributed", {}).get("zero_stage", 0)}
+        return History(base_step=self.base_step(), last_step=self.last_step(), pruned_through=self.pruned_through(),
+                       first_config=first, config_changes=self.config_history(), topology_start=start,
+                       topology_changes=self.topology_history())
 
     def record_topology_change(self, from_step: int, topology: dict, details: dict) -> None:
         self.journal.set_meta(_TOPOLOGY, [*self.topology_history(), {"from_step": from_step, "topology": topology, **details}])

@@ -22,11 +22,12 @@ from pathlib import Path
 from verlj.journal import make_event, verify_journal
 from verlj.journal.failpoints import failpoint
 
-from ..config import Config, config_from_dict
+from ..config import config_from_dict
 from ..errors import ReplayError, SnapshotError
 from ..state.manifest import snapshot_name
 from ..state.topology import Topology
-from .ledger import Ledger
+from .context import Run
+from .ledger import History, Ledger
 from .snapshot_store import SnapshotStore, check_against_journal
 
 # ----------------------------------------------------------------------------- the plan
@@ -113,18 +114,20 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
 # ----------------------------------------------------------------------------- restore and replay
 
 
-def restore(run_dir: Path, rt, trainer, ckpt, ledger: Ledger | None, limit: int, reporter,
-            explicit: tuple[int, Path] | None = None, quarantine: bool = False, target: int | None = None) -> int:
+def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quarantine: bool = False,
+            target: int | None = None) -> int:
     """Load the chosen snapshot (or keep the initial state). Collective. Returns its step.
-    A snapshot of another topology is resharded (``ckpt.resharded`` says so); its fingerprint,
+    A snapshot of another topology is resharded (``run.ckpt.resharded`` says so); its fingerprint,
     which hashes the old layout, cannot be compared: the loaded weights are checked instead."""
     from ..state.fingerprint import fingerprint
 
-    choice = None
-    if rt.is_main:
-        step, path = choose_snapshot(run_dir, ledger, limit, reporter, explicit, ckpt.store if quarantine else None, target)
-        choice = [step, str(path) if path is not None else None]
-    step, path = rt.broadcast_obj(choice)
+    rt, ckpt, reporter = run.rt, run.ckpt, run.reporter
+
+    def choose() -> list:
+        step, path = choose_snapshot(run.run_dir, run.ledger, limit, reporter, explicit, ckpt.store if quarantine else None, target)
+        return [step, str(path) if path is not None else None]
+
+    step, path = rt.from_rank0(choose, "choosing the snapshot to start from")
     if path is None:
         reporter.info("No usable snapshot: replaying from the initial state (step 0).")
         return 0
@@ -137,10 +140,10 @@ def restore(run_dir: Path, rt, trainer, ckpt, ledger: Ledger | None, limit: int,
                       "the loaded weights match the converted ones.")
     reporter.info("Loaded model, optimizer, scheduler and RNG states.")
     reporter.info(
-        f"Dataflow anchor restored: dataloader at batch_idx={trainer.sampler.cursor}, "
-        f"buffer has {len(trainer.buffer)} pending samples."
+        f"Dataflow anchor restored: dataloader at batch_idx={run.trainer.sampler.cursor}, "
+        f"buffer has {len(run.trainer.buffer)} pending samples."
     )
-    fp, _ = fingerprint(trainer.engines(), rt)
+    fp, _ = fingerprint(run.trainer.engines(), rt)
     if ckpt.resharded is None and fp != meta["fingerprint"]:
         raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {meta['fingerprint'][:16]}…")
     ckpt.loaded_fingerprint = fp
@@ -160,39 +163,37 @@ class ReplayOutcome:
     worst: dict | None = None  # {step, metric, replayed, journaled, deviation}: the largest deviation seen
 
 
-def replay(rt, trainer, ledger: Ledger | None, start: int, stop: int, base_cfg: Config, reporter,
-           ckpt=None, check_metrics: bool = True) -> ReplayOutcome:
+def replay(run: Run, history: History, start: int, stop: int, check_metrics: bool = True) -> ReplayOutcome:
     """Apply journaled steps start..stop (inclusive) and check each one. Collective.
 
     The rule: a step is checked bit for bit (fingerprint and metrics) while the state is on the
     journal's reference line and the step ran on this topology. A resharded snapshot, or a step
     journaled under another topology, leaves the line: from there each step's journaled metrics are
     checked within TOLERANCE and the largest deviation is kept. A topology boundary recorded by an
-    earlier resume (ledger.topology_history) brings the replay back on the line when this replay
+    earlier resume (history.topology_changes) brings the replay back on the line when this replay
     reaches it on the same topology with the same state that resume had (its rebased fingerprint)."""
     from ..rl.trainer import StepInputs, is_timing
 
+    rt, trainer, ckpt = run.rt, run.trainer, run.ckpt
     out = ReplayOutcome(exact=ckpt is None or ckpt.resharded is None)
-    records = ledger.journal.iter_steps(start, stop) if rt.is_main else None
-    history, topo0, boundaries = rt.broadcast_obj(
-        [ledger.config_history(), ledger.topology_at(0), ledger.topology_history()] if rt.is_main else None)
-    here = Topology.of_runtime(rt, ckpt.cfg if ckpt is not None else base_cfg).as_dict()
-    topo = topo0
-    for entry in boundaries:
-        if entry["from_step"] <= start:
-            topo = entry["topology"]
+    records = run.ledger.journal.iter_steps(start, stop) if rt.is_main else None
+    here = Topology.of_runtime(rt, run.cfg).as_dict()
+    topo = history.topology_at(start)
     prev_fp = ckpt.loaded_fingerprint if ckpt is not None else None
-    current = base_cfg
+    trainer.set_config(config_from_dict(history.config_at(start)))
     for step in range(start, stop + 1):
-        record = next(records) if rt.is_main else None
-        if rt.is_main and record["step"] != step:
-            raise ReplayError(f"journal step {step} is missing (found {record['step']}); run `verlj verify`")
-        record = rt.broadcast_obj(record)
-        for entry in history:
+
+        def next_record() -> dict:
+            record = next(records)
+            if record["step"] != step:
+                raise ReplayError(f"journal step {step} is missing (found {record['step']}); run `verlj verify`")
+            return record
+
+        record = rt.from_rank0(next_record, f"reading step {step} from the journal")
+        for entry in history.config_changes:
             if entry["from_step"] == step:
-                current = config_from_dict(entry["config"])
-                trainer.set_config(current)
-        for entry in boundaries:
+                trainer.set_config(config_from_dict(entry["config"]))
+        for entry in history.topology_changes:
             if entry["from_step"] == step:
                 topo = entry["topology"]
                 if not out.exact and topo == here and prev_fp == entry["rebased"]["fingerprint"]:
@@ -254,78 +255,67 @@ def _same_float(a, b) -> bool:
     return a == b or (a != a and b != b)
 
 
-def materialize_steps(run_dir: Path, rt, trainer, ckpt, ledger: Ledger | None, to_step: int, reporter,
-                      explicit: tuple[int, Path] | None = None, max_snapshot: int | None = None,
-                      quarantine: bool = False) -> tuple[int, ReplayOutcome]:
+def materialize_steps(run: Run, to_step: int, explicit: tuple[int, Path] | None = None, max_snapshot: int | None = None,
+                      quarantine: bool = False, history: History | None = None) -> tuple[int, ReplayOutcome]:
     """The state after `to_step`: restore the best snapshot, replay the rest under the configs the
     journal recorded. Collective. Returns (snapshot step, what the replay found; its fingerprint is
-    None when nothing was replayed)."""
-    trainer.set_config(config_from_dict(rt.broadcast_obj(ledger.config_at(to_step) if rt.is_main else None)))
+    None when nothing was replayed). `history`: the run's, when the caller has it already."""
+    history = history or run.history()
+    run.trainer.set_config(config_from_dict(history.config_at(to_step)))
     limit = to_step if max_snapshot is None else min(to_step, max_snapshot)
-    ckpt.loaded_fingerprint = None
-    step0 = restore(run_dir, rt, trainer, ckpt, ledger, limit, reporter, explicit, quarantine, target=to_step)
+    run.ckpt.loaded_fingerprint = None
+    step0 = restore(run, limit, explicit, quarantine, target=to_step)
     if step0 >= to_step:
-        return step0, ReplayOutcome(exact=ckpt.resharded is None)
-    first = config_from_dict(rt.broadcast_obj(ledger.config_at(step0 + 1) if rt.is_main else None))
-    trainer.set_config(first)
-    out = replay(rt, trainer, ledger, step0 + 1, to_step, first, reporter, ckpt)
+        return step0, ReplayOutcome(exact=run.ckpt.resharded is None)
+    out = replay(run, history, step0 + 1, to_step)
     if out.tolerant_steps:
         w = out.worst
-        reporter.info(f"Replayed {out.tolerant_steps} step(s) under another topology, checked within rtol {TOLERANCE['rtol']}, "
-                      f"atol {TOLERANCE['atol']}: largest deviation {w['deviation']:.3g} ({w['metric']} at step {w['step']}).")
+        run.reporter.info(f"Replayed {out.tolerant_steps} step(s) under another topology, checked within rtol {TOLERANCE['rtol']}, "
+                          f"atol {TOLERANCE['atol']}: largest deviation {w['deviation']:.3g} ({w['metric']} at step {w['step']}).")
     return step0, out
 
 
 # ----------------------------------------------------------------------------- --resume
 
 
-def _topology_boundary(rt, trainer, ckpt, ledger, cfg: Config, step0: int, last: int, out: ReplayOutcome) -> dict | None:
+def _topology_boundary(run: Run, history: History, step0: int, last: int, out: ReplayOutcome) -> dict | None:
     """After a resume's restore and replay: the details of a topology boundary at step last + 1, or
     None when the state is still on the journal's reference line on the same topology. The rebased
     fingerprint is the state now, which the steps from last + 1 on build on."""
     from ..state.fingerprint import fingerprint
 
-    here = Topology.of_runtime(rt, cfg).as_dict()
-    before = rt.broadcast_obj(ledger.topology_at(last) if rt.is_main else None)
+    here = Topology.of_runtime(run.rt, run.cfg).as_dict()
+    before = history.topology_at(last)
     if out.exact and here == before:
         return None
-    fp, _ = fingerprint(trainer.engines(), rt)
-    return {"from": before, "to": here, "snapshot_step": step0, "resharded": ckpt.resharded,
+    fp, _ = fingerprint(run.trainer.engines(), run.rt)
+    return {"from": before, "to": here, "snapshot_step": step0, "resharded": run.ckpt.resharded,
             "replayed": [step0 + 1, last] if step0 < last else None, "tolerance": TOLERANCE,
             "checked_steps": out.tolerant_steps, "max_deviation": out.worst, "rebased": {"step": last, "fingerprint": fp}}
 
 
-
-def resume_state(run_dir: Path, cfg: Config, rt, trainer, ledger: Ledger | None, ckpt, reporter,
-                 changed: list[str], allow_change: bool) -> tuple[int, list[dict]]:
+def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[dict]]:
     """`--resume`: restore the newest valid snapshot, replay the journal to its last step.
     Returns (last committed step, control events for the next record)."""
-    problem = None
-    if rt.is_main:
-        try:
-            check_journal(run_dir, ledger)
-        except ReplayError as e:
-            problem = str(e)
-    problem = rt.broadcast_obj(problem)
-    if problem:
-        raise ReplayError(problem)
-    last = rt.broadcast_obj(ledger.last_step() if rt.is_main else None)
+    rt, cfg, reporter = run.rt, run.cfg, run.reporter
+    rt.from_rank0(lambda: check_journal(run.run_dir, run.ledger), "checking the journal")
+    history = run.history()
+    last = history.last_step
     spec = cfg.trainer.resume_from
     explicit, limit = None, last
     if spec not in (None, "auto"):
         if str(spec).isdigit():
             limit = min(int(spec), last)
         else:
-            found = resolve_explicit(run_dir, ledger, spec) if rt.is_main else None
-            explicit = rt.broadcast_obj(None if found is None else [found[0], str(found[1])])
-            explicit = (explicit[0], Path(explicit[1]))
-    step0, out = materialize_steps(run_dir, rt, trainer, ckpt, ledger, last, reporter, explicit,
-                                   max_snapshot=limit, quarantine=True)
+            step, path = rt.from_rank0(lambda: [str(x) for x in resolve_explicit(run.run_dir, run.ledger, spec)],
+                                       "finding trainer.resume_from's snapshot")
+            explicit = (int(step), Path(path))
+    step0, out = materialize_steps(run, last, explicit, max_snapshot=limit, quarantine=True, history=history)
     if step0 < last:
         reporter.info(f"Replayed {f'step {last}' if step0 + 1 == last else f'steps {step0 + 1}–{last}'} from the journal.")
-    trainer.set_config(cfg)
+    run.trainer.set_config(cfg)
     from_snapshot = snapshot_name(step0) if step0 else None
-    topology = _topology_boundary(rt, trainer, ckpt, ledger, cfg, step0, last, out)
+    topology = _topology_boundary(run, history, step0, last, out)
     control = [make_event("control", kind="resume", details={
         "from_snapshot": from_snapshot,
         "snapshot_step": step0,
@@ -340,6 +330,7 @@ def resume_state(run_dir: Path, cfg: Config, rt, trainer, ledger: Ledger | None,
         reporter.info(f"Step {last + 1}: topology {Topology(**topology['from'])} -> {Topology(**topology['to'])}; "
                       "the fingerprints journaled from here on are the new reference.")
     if rt.is_main:
+        ledger = run.ledger
         if topology is not None:
             ledger.record_topology_change(last + 1, topology["to"], {k: v for k, v in topology.items() if k != "to"})
         moved = ledger.record_resume(last, step0, changed, rt.world_size, resume_from=spec)
@@ -347,7 +338,7 @@ def resume_state(run_dir: Path, cfg: Config, rt, trainer, ledger: Ledger | None,
             reporter.warn(f"library versions changed since this run last started: {', '.join(moved)} (recorded in its lineage)")
         if changed:
             ledger.record_config_change(last + 1, cfg.to_stored())
-        ckpt.write_metadata(last, resume_from=from_snapshot or "the initial state")
+        run.ckpt.write_metadata(last, resume_from=from_snapshot or "the initial state")
     if changed:
         control.append(make_event("config", config=cfg.to_stored(), hash=cfg.hash(), changed=changed))
     if last < cfg.trainer.total_steps:

@@ -28,6 +28,7 @@ from ..config import ONE_OFF_KEYS, Config, check_change, config_from_dict, diff_
 from ..errors import RunError
 from ..report import Reporter
 from . import archive
+from .context import Run
 from .ledger import (
     WRITER_DIR,
     Ledger,
@@ -136,13 +137,13 @@ def train(
     from ..rl.trainer import Trainer
     from ..rl.vllm_engine import remove_stale_weights_copies
     from .checkpointer import Checkpointer
-    from .recovery import resume_state
+    from .recovery import resume
 
     rt = setup(cfg)
     configure_determinism(cfg)
     preflight_rollout(cfg, rt)
     created = not run_dir.exists()
-    journal = ledger = trainer = reporter = None
+    journal = trainer = reporter = None
     claim: Claim | None = None
     notes: list[str] = []
     stop = StopFlag()
@@ -160,11 +161,10 @@ def train(
 
     try:
         if existing:  # lock an existing run before anything else
-            journal = on_rank0(rt, open_journal)
+            journal = rt.from_rank0(open_journal, "opening the journal", share=False)
         trainer = Trainer(cfg, rt)  # models, data, rewards: bad input fails here, before a fresh run is written
         if not existing:
-            journal = on_rank0(rt, open_journal)
-        ledger = Ledger(journal) if journal is not None else None
+            journal = rt.from_rank0(open_journal, "opening the journal", share=False)
         reporter = Reporter(cfg.logging, run_dir, rt.is_main, cfg.trainer.total_steps)
         for note in notes:
             say(reporter, note)
@@ -174,23 +174,24 @@ def train(
             reporter.info(said)
         elif resume and not existing:
             reporter.info(f"No run in {run_dir} yet: starting a new one (--resume continues a run when there is one).")
-        ckpt = Checkpointer(run_dir, cfg, rt, trainer, ledger, reporter)
+        run = Run(run_dir, cfg, rt, trainer, reporter, Ledger(journal) if journal is not None else None)
+        run.ckpt = Checkpointer(run)
         control: list[dict] = []
         if existing:
             if rt.is_main:
-                for line in ckpt.store.recover_leftovers() + archive.clean_leftovers(run_dir, ledger):
+                for line in run.ckpt.store.recover_leftovers() + archive.clean_leftovers(run_dir, run.ledger):
                     reporter.info(line)
-            on_rank0(rt, lambda: trainer.check_identity(ledger.identity()))
-            last, control = resume_state(run_dir, cfg, rt, trainer, ledger, ckpt, reporter, changed, allow_config_change)
+            rt.from_rank0(lambda: trainer.check_identity(run.ledger.identity()), "checking the run's identity")
+            last, control = resume(run, changed, allow_config_change)
             if rt.is_main:
-                reporter.catch_up(ledger.metrics, last)
+                reporter.catch_up(run.ledger.metrics, last)
         else:
             last = 0
             if rt.is_main:
-                ledger.start(run_identity(cfg, rt, run_dir, trainer))
+                run.ledger.start(run_identity(run))
             control.append(make_event("control", kind="start", details={"config_hash": cfg.hash(), "world_size": rt.world_size}))
             reporter.info("Step 0: Starting training...")
-        return train_loop(cfg, rt, trainer, ckpt, ledger, reporter, last, control, run_dir, stop)
+        return train_loop(run, last, control, stop)
     finally:
         if reporter is not None:
             reporter.close()
@@ -226,12 +227,13 @@ def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
         shutil.rmtree(run_dir)
 
 
-def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, reporter: Reporter, last: int,
-               control: list[dict], run_dir: Path, stop: StopFlag | None = None) -> int:
-    """Live steps last+1 .. total_steps: collect, apply, commit, maybe snapshot. Returns the last step."""
+def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None = None) -> int:
+    """Live steps last+1 .. total_steps: collect, apply, commit, maybe snapshot. Returns the last step.
+    `control`: events for the first step's record (start, resume, fork, a config change)."""
+    cfg, rt, trainer, ckpt, ledger, reporter = run.cfg, run.rt, run.trainer, run.ckpt, run.ledger, run.reporter
     stop = stop or StopFlag()
     if rt.is_main:
-        (run_dir / "config.yaml").write_text(to_yaml(cfg, stored=True))
+        (run.run_dir / "config.yaml").write_text(to_yaml(cfg, stored=True))
     reporter.start(last + 1)
     step, ship_cpu = last, 0.0
     for step in range(last + 1, cfg.trainer.total_steps + 1):
@@ -244,7 +246,8 @@ def train_loop(cfg: Config, rt: Runtime, trainer, ckpt, ledger: Ledger | None, r
         due = ckpt.due(step, outcome.metrics)
         failpoint("step.before_commit")  # the update is done, the journal does not know it yet
         t_commit = time.perf_counter()
-        commit(rt, ledger, step, control + inputs.events() + outcome.events())
+        events = control + inputs.events() + outcome.events()
+        rt.from_rank0(lambda: ledger.journal.append_step(step, events), f"the journal commit of step {step}")
         control = []
         # the commit's own time cannot be in the record it commits: it goes to the logs only
         logged = {**outcome.metrics, "timing_s/commit": time.perf_counter() - t_commit}
@@ -286,34 +289,33 @@ def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
     the parent run and step."""
     from .checkpointer import Checkpointer
 
-    rt, trainer = m.rt, m.trainer
+    rt, trainer = m.run.rt, m.run.trainer
     cfg, changed = fork_config(trainer.cfg.to_dict(), overrides, new_run)
     preflight_rollout(cfg, rt)
     trainer.set_config(cfg)
-    journal = ledger = None
-    notes: list[str] = []
     if rt.is_main:
-        with open_journal_reader(journal_dir(parent)) as pj:
-            chain = pj.chain_hash(m.step)
         new_run.mkdir(parents=True, exist_ok=True)
-        journal, notes = open_writer(new_run, cfg.journal, claim_run(new_run, cfg.journal))
-        ledger = Ledger(journal)
-        origin = {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint}
-        ledger.start(run_identity(cfg, rt, new_run, trainer), parent=origin, base_step=m.step, chain_base=chain)
-    reporter = Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps)
-    for note in notes:
-        say(reporter, note)
+    run = Run(new_run, cfg, rt, trainer, Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps))
     try:
-        ckpt = Checkpointer(new_run, cfg, rt, trainer, ledger, reporter)
-        ckpt.save(m.step, m.fingerprint)  # the fork's base: recovery of the new run starts here
-        ckpt.wait()
+        if rt.is_main:
+            with open_journal_reader(journal_dir(parent)) as pj:
+                chain = pj.chain_hash(m.step)
+            journal, notes = open_writer(new_run, cfg.journal, claim_run(new_run, cfg.journal))
+            run.ledger = Ledger(journal)
+            origin = {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint}
+            run.ledger.start(run_identity(run), parent=origin, base_step=m.step, chain_base=chain)
+            for note in notes:
+                say(run.reporter, note)
+        run.ckpt = Checkpointer(run)
+        run.ckpt.save(m.step, m.fingerprint)  # the fork's base: recovery of the new run starts here
+        run.ckpt.wait()
         control = [make_event("control", kind="fork", details={"parent": str(parent), "parent_step": m.step, "config_changes": changed})]
-        reporter.info(f"Forked {parent} at step {m.step} into {new_run}.")
-        return train_loop(cfg, rt, trainer, ckpt, ledger, reporter, m.step, control, new_run)
+        run.reporter.info(f"Forked {parent} at step {m.step} into {new_run}.")
+        return train_loop(run, m.step, control)
     finally:
-        reporter.close()
-        if journal is not None:
-            journal.close()
+        run.reporter.close()
+        if run.ledger is not None:
+            run.ledger.close()
 
 
 def preflight_rollout(cfg: Config, rt: Runtime) -> None:
@@ -324,8 +326,9 @@ def preflight_rollout(cfg: Config, rt: Runtime) -> None:
         preflight(cfg, rt.device)
 
 
-def run_identity(cfg: Config, rt: Runtime, run_dir: Path, trainer) -> dict:
+def run_identity(run: Run) -> dict:
     """What produced this run: recorded once at its start (loop.ledger keeps it)."""
+    cfg, rt = run.cfg, run.rt
     return {
         "config": cfg.to_stored(),
         "config_hash": cfg.hash(),
@@ -336,8 +339,8 @@ def run_identity(cfg: Config, rt: Runtime, run_dir: Path, trainer) -> dict:
         "num_threads": cfg.trainer.num_threads,
         "created": now_iso(),
         "git_commit": git_commit(),
-        "run_dir": str(run_dir.resolve()),
-        **trainer.identity(),
+        "run_dir": str(run.run_dir.resolve()),
+        **run.trainer.identity(),
     }
 
 
@@ -347,36 +350,3 @@ def say(reporter: Reporter, note: str) -> None:
         reporter.warn(note.removeprefix("warning: "))
     else:
         reporter.info(note)
-
-
-def on_rank0(rt: Runtime, fn):
-    """fn() on rank 0 only; its failure is raised on every rank (no rank is left waiting)."""
-    result, error = None, ""
-    if rt.is_main:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised on rank 0, reported on the others
-            error = str(e) or type(e).__name__
-            if rt.world_size == 1:
-                raise
-    error = rt.broadcast_obj(error)
-    if error:
-        if rt.is_main:
-            raise RunError(error)
-        raise RunError(f"rank 0 failed: {error}")
-    return result
-
-
-def commit(rt: Runtime, ledger: Ledger | None, step: int, events: list[dict]) -> None:
-    """Rank 0 appends the step; every rank learns whether it worked, so all stop together on failure."""
-    error = ""
-    if rt.is_main:
-        try:
-            ledger.journal.append_step(step, events)
-        except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised below
-            error = str(e) or type(e).__name__
-            if rt.world_size == 1:
-                raise
-    error = rt.broadcast_obj(error)
-    if error:
-        raise RunError(f"journal commit of step {step} failed: {error}")

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..config import config_from_dict
 from ..dist import configure_determinism, setup
 from ..errors import RunError
+from ..loop.context import Run
 from ..loop.ledger import Ledger, has_run, run_state
 from ..report import Reporter
 
@@ -28,9 +29,7 @@ class Materialized:
     step: int
     fingerprint: str
     from_snapshot: int
-    trainer: object
-    ckpt: object
-    rt: object
+    run: Run  # the replayed state's run object (its trainer, checkpointer and runtime)
     exact: bool = True  # the state is on the journal's reference line (its fingerprint is comparable)
     tolerant_steps: int = 0  # steps replayed off that line, checked within recovery.TOLERANCE
     worst: dict | None = None  # the largest deviation from the journaled metrics among those
@@ -76,42 +75,42 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
     configure_determinism(cfg)
     reporter = reporter or Reporter(cfg.logging, run_dir, enabled=rt.is_main and not quiet, total_steps=to_step, sinks=False)
     try:
-        trainer = Trainer(cfg, rt)
-        ckpt = Checkpointer(run_dir, cfg, rt, trainer, None, reporter)
-        step0, out = materialize_steps(run_dir, rt, trainer, ckpt, ledger if rt.is_main else None, to_step, reporter,
-                                       max_snapshot=max_snapshot)
+        run = Run(run_dir, cfg, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
+        run.ckpt = Checkpointer(run)
+        step0, out = materialize_steps(run, to_step, max_snapshot=max_snapshot)
         fp = out.fingerprint
         if fp is None:
-            fp, _ = fingerprint(trainer.engines(), rt)
+            fp, _ = fingerprint(run.trainer.engines(), rt)
     finally:
         ledger.close()
-    return Materialized(to_step, fp, step0, trainer, ckpt, rt, out.exact, out.tolerant_steps, out.worst)
+        run.ledger = None  # closed: the replayed state outlives it (export, --snapshot, --fork)
+    return Materialized(to_step, fp, step0, run, out.exact, out.tolerant_steps, out.worst)
 
 
 def export_hf(m: Materialized, out_dir: Path) -> None:
     """Write the actor as a Hugging Face model directory (safetensors) with its tokenizer."""
     import deepspeed
 
-    module = m.trainer.actor.engine.module
-    if m.rt.tp_size > 1:  # AutoTP shards joined (state.reshard), saved under the model's own names
+    module = m.run.trainer.actor.engine.module
+    if m.run.rt.tp_size > 1:  # AutoTP shards joined (state.reshard), saved under the model's own names
         from ..state.reshard import full_parameters
 
-        whole = dict(full_parameters(m.trainer.actor.engine, m.rt, m.trainer.param_layout()["actor"]))
-        if m.rt.is_main:
+        whole = dict(full_parameters(m.run.trainer.actor.engine, m.run.rt, m.run.trainer.param_layout()["actor"]))
+        if m.run.rt.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             module.save_pretrained(str(out_dir), state_dict=whole, safe_serialization=True)
-            m.trainer.tokenizer.save_pretrained(str(out_dir))
-        m.rt.barrier()
+            m.run.trainer.tokenizer.save_pretrained(str(out_dir))
+        m.run.rt.barrier()
         return
     params = list(module.parameters())
     zero3 = any(hasattr(p, "ds_tensor") for p in params)
     ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else _null()
     with ctx:
-        if m.rt.is_main:
+        if m.run.rt.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             module.save_pretrained(str(out_dir), safe_serialization=True)
-            m.trainer.tokenizer.save_pretrained(str(out_dir))
-    m.rt.barrier()
+            m.run.trainer.tokenizer.save_pretrained(str(out_dir))
+    m.run.rt.barrier()
 
 
 class _null:
@@ -124,7 +123,7 @@ class _null:
 
 def write_snapshot(m: Materialized, out_dir: Path) -> None:
     """A verlj snapshot of the materialized state at out_dir (with its manifest; not indexed anywhere)."""
-    m.ckpt.write_standalone(m.step, m.fingerprint, out_dir)
+    m.run.ckpt.write_standalone(m.step, m.fingerprint, out_dir)
 
 
 def replay_report(m: Materialized) -> str:

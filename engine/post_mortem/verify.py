@@ -313,7 +313,7 @@ def deep_check(report: RunReport, run_dir: Path, from_step: int | None) -> None:
             continue
         try:
             m = materialize(run_dir, stop, max_snapshot=start)
-            m.trainer.close()
+            m.run.trainer.close()
             src = snapshot_name(m.from_snapshot) if m.from_snapshot else "the initial state"
             line = exactness_line(m)
             report.deep_lines.append(f"✓ Replayed to step {stop} from {src}: " + ("every fingerprint matches" if line is None else line))
