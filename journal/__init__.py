@@ -23,7 +23,7 @@ from .errors import (
     SchemaError,
     StepOrderError,
 )
-from .events import EVENT_VERSIONS, make_event, upcast_event, upcast_record
+from .events import EVENT_VERSIONS, StepRecord, make_event, upcast_event, upcast_record
 from .segments import open_reader as open_journal_reader
 from .store import Journal
 from .verify import JournalReport, Problem, verify_journal
@@ -41,6 +41,7 @@ __all__ = [
     "Problem",
     "SchemaError",
     "StepOrderError",
+    "StepRecord",
     "make_event",
     "open_journal_reader",
     "segments",

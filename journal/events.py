@@ -20,6 +20,7 @@ The journal itself knows nothing of RL: these are names and shapes only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .errors import SchemaError
 
@@ -84,7 +85,7 @@ def upcast_event(event: dict) -> dict:
     return event
 
 
-def upcast_record(record: dict) -> dict:
+def upcast_record(record: dict) -> StepRecord:
     """Lift a decoded step record and all its events to the current schemas."""
     if not isinstance(record, dict) or not isinstance(record.get("v"), int):
         raise SchemaError("journal record without an envelope version")
@@ -100,5 +101,46 @@ def upcast_record(record: dict) -> dict:
     for key in ("step", "time", "events", "pruned"):
         if key not in record:
             raise SchemaError(f"journal record lacks {key!r}")
-    record["events"] = [upcast_event(e) for e in record["events"]]
-    return record
+    return StepRecord(record["step"], record["time"], [upcast_event(e) for e in record["events"]], record["pruned"])
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step's record as the journal gives it back (upcast): its events, grouped by type here and
+    only here. Most types appear once a step (:meth:`first`); `control` and `config` may repeat."""
+
+    step: int
+    time: float
+    events: list[dict]
+    pruned: bool = False  # retention removed its payload fields (PAYLOAD_FIELDS): the samples
+    _by_type: dict[str, list[dict]] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for e in self.events:
+            self._by_type.setdefault(e["type"], []).append(e)
+
+    def first(self, type_: str) -> dict | None:
+        """The step's first event of `type_`, or None."""
+        found = self._by_type.get(type_)
+        return found[0] if found else None
+
+    def all(self, type_: str) -> list[dict]:
+        return list(self._by_type.get(type_, ()))
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        event = self.first("metrics")
+        return event["values"] if event is not None else {}
+
+    @property
+    def fingerprint(self) -> str | None:
+        event = self.first("state")
+        return event["fingerprint"] if event is not None else None
+
+    def to_dict(self) -> dict:
+        """The plain form (what crosses ranks: msgpack)."""
+        return {"step": self.step, "time": self.time, "events": self.events, "pruned": self.pruned}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepRecord:
+        return cls(d["step"], d["time"], d["events"], d.get("pruned", False))

@@ -55,7 +55,7 @@ import zstandard
 
 from . import codec
 from .errors import CodecError, JournalError, JournalLockedError, NotAJournalError, StepOrderError
-from .events import ENVELOPE_VERSION, PAYLOAD_FIELDS, SUMMARY_TYPES, upcast_event, upcast_record
+from .events import ENVELOPE_VERSION, PAYLOAD_FIELDS, SUMMARY_TYPES, StepRecord, upcast_event, upcast_record
 from .failpoints import failpoint
 
 MAGIC_STEP = b"VJ\x01"
@@ -190,9 +190,9 @@ def encode_step(step: int, wall_time: float, events: list[dict], level: int) -> 
     return core, payload
 
 
-def decode_frame(frame: StepFrame, payload: bool = True) -> dict:
+def decode_frame(frame: StepFrame, payload: bool = True) -> StepRecord:
     """The full record of a checked frame, upcast (payload fields put back unless pruned: then
-    ``record["pruned"]`` is true and those fields are absent). payload=False leaves them out
+    ``record.pruned`` is true and those fields are absent). payload=False leaves them out
     without decompressing them (v2 frames; a v1 frame has them inline)."""
     record = codec.unpackb(frame.body)
     if frame.version == 2:
@@ -617,7 +617,7 @@ class Journal:
             raw = txn.get(step_key(step), db=self._steps)
             return None if raw is None else bytes(raw)
 
-    def read_step(self, step: int) -> dict:
+    def read_step(self, step: int) -> StepRecord:
         """One step's record, checksum-checked and upcast. Raises JournalError if absent or damaged."""
         raw = self.read_raw(step)
         if raw is None:
@@ -628,13 +628,13 @@ class Journal:
         raw = self.read_raw(step)
         return None if raw is None else StepFrame.parse(raw).chain.hex()
 
-    def _decode(self, step: int, raw: bytes, payload: bool = True) -> dict:
+    def _decode(self, step: int, raw: bytes, payload: bool = True) -> StepRecord:
         frame = StepFrame.parse(raw)
         if not frame.checksum_ok():
             raise JournalError(f"journal record for step {step} is damaged (checksum mismatch); run `verlj verify`")
         record = decode_frame(frame, payload)
-        if record["step"] != step:
-            raise JournalError(f"journal record stored at step {step} says it is step {record['step']}; run `verlj verify`")
+        if record.step != step:
+            raise JournalError(f"journal record stored at step {step} says it is step {record.step}; run `verlj verify`")
         return record
 
     def iter_raw(self, start: int | None = None, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
@@ -664,7 +664,7 @@ class Journal:
                 return
             next_key = step_key(batch[-1][0] + 1)
 
-    def iter_steps(self, start: int | None = None, stop: int | None = None, payload: bool = True) -> Iterator[dict]:
+    def iter_steps(self, start: int | None = None, stop: int | None = None, payload: bool = True) -> Iterator[StepRecord]:
         """Stream decoded, upcast records for start <= step <= stop (payload=False: without the payload
         fields, which are then not even decompressed)."""
         for step, raw in self.iter_raw(start, stop):
@@ -673,18 +673,17 @@ class Journal:
     def iter_events(self, type_: str, start: int | None = None, stop: int | None = None) -> Iterator[tuple[int, dict]]:
         """Stream (step, event) for every event of one type in a range."""
         for record in self.iter_steps(start, stop):
-            for event in record["events"]:
-                if event["type"] == type_:
-                    yield record["step"], event
+            for event in record.all(type_):
+                yield record.step, event
 
-    def read_summary(self, step: int) -> dict | None:
+    def read_summary(self, step: int) -> StepRecord | None:
         """A step's small events (metrics, state, data, rng, control, config) without its samples."""
         with self._read() as txn:
             value = txn.get(step_key(step), db=self._steps)
             source = None if value is None else self._summary_source(txn, step, value)
         return None if source is None else self._summary_decode(step, source)
 
-    def iter_summaries(self, start: int | None = None, stop: int | None = None) -> Iterator[dict]:
+    def iter_summaries(self, start: int | None = None, stop: int | None = None) -> Iterator[StepRecord]:
         """Stream summaries for start <= step <= stop: what metrics, find and diff read."""
         for step, source in self._iter_db(self._steps, start, stop, READ_CHUNK * 4, self._summary_source):
             summary = self._summary_decode(step, source)
@@ -702,17 +701,13 @@ class Journal:
             raise JournalError(f"journal record for step {step} is damaged (checksum mismatch); run `verlj verify`")
         return 2, frame.body
 
-    def _summary_decode(self, step: int, source: tuple[int, bytes | None]) -> dict | None:
+    def _summary_decode(self, step: int, source: tuple[int, bytes | None]) -> StepRecord | None:
+        """A step's summary: its record with only its small events (SUMMARY_TYPES), upcast."""
         version, raw = source
         if raw is None:
             return None
-        if version == 1:
-            summary = unframe_plain(raw, f"summary of step {step}")
-        else:
-            record = codec.unpackb(raw)
-            summary = {"step": record["step"], "time": record["time"], "events": [e for e in record["events"] if e["type"] in SUMMARY_TYPES]}
-        summary["events"] = [upcast_event(e) for e in summary["events"]]
-        return summary
+        d = unframe_plain(raw, f"summary of step {step}") if version == 1 else codec.unpackb(raw)
+        return StepRecord(d["step"], d["time"], [upcast_event(e) for e in d["events"] if e["type"] in SUMMARY_TYPES])
 
     def get_meta(self, name: str, default: Any = None) -> Any:
         with self._read() as txn:

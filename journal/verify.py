@@ -159,8 +159,8 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
             except (KeyError, TypeError, ValueError) as e:
                 report.add(UNDECODABLE, step, f"record has an invalid shape: {e}")
                 continue
-            if record["step"] != step:
-                report.add(STEP_MISMATCH, step, f"record stored at step {step} says it is step {record['step']}")
+            if record.step != step:
+                report.add(STEP_MISMATCH, step, f"record stored at step {step} says it is step {record.step}")
                 continue
             if frame.version != 1:
                 continue  # a v2 record's core is its summary
@@ -169,8 +169,8 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
             except (JournalError, CodecError, SchemaError) as e:
                 report.add(BAD_SUMMARY, step, str(e))
                 continue
-            want = [e for e in record["events"] if e["type"] in SUMMARY_TYPES]
-            if summary is None or codec.packb(summary["events"]) != codec.packb(want):
+            want = [e for e in record.events if e["type"] in SUMMARY_TYPES]
+            if summary is None or codec.packb(summary.events) != codec.packb(want):
                 report.add(BAD_SUMMARY, step, "the step's summary entry is missing or differs from its record")
     except lmdb.Error as e:
         report.add(LMDB_STRUCTURE, None, f"LMDB error while walking steps: {e}")

@@ -68,7 +68,7 @@ def comparable_steps(run_dir: Path) -> list[dict]:
     with open_journal_reader(Path(run_dir) / "journal") as j:
         for rec in j.iter_steps():
             events = []
-            for e in rec["events"]:
+            for e in rec.events:
                 if e["type"] == "control":
                     continue  # start / resume / fork differ by design between a resumed and a straight run
                 if e["type"] == "config":
@@ -76,7 +76,7 @@ def comparable_steps(run_dir: Path) -> list[dict]:
                 if e["type"] == "metrics":
                     e = {**e, "values": {k: v for k, v in e["values"].items() if not k.startswith("timing_s/")}}
                 events.append(e)
-            out.append({"step": rec["step"], "events": events})
+            out.append({"step": rec.step, "events": events})
     return out
 
 

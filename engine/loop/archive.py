@@ -61,11 +61,11 @@ def write(run_dir: Path, ledger, first: int, last: int) -> dict:
     decoder = samples.text_decoder(ledger.config_at(last))
     with pq.ParquetWriter(tmp, samples.arrow_schema(False), compression="zstd") as w:
         for record in ledger.journal.iter_steps(first, last):
-            if record["pruned"]:
+            if record.pruned:
                 continue  # pruned by an earlier retention policy that did not archive
-            add = next((e for e in record["events"] if e["type"] == "buffer.add"), None)
+            add = record.first("buffer.add")
             if add is not None:
-                cols = samples.step_columns(record["step"], add["samples"], decoder)
+                cols = samples.step_columns(record.step, add["samples"], decoder)
                 w.write_table(samples.to_arrow(cols))
                 rows += samples.num_rows(cols)
             failpoint("archive.mid_write")

@@ -413,24 +413,18 @@ class Ledger:
     def metrics(self, start: int | None = None, stop: int | None = None) -> Iterator[tuple[int, dict[str, float]]]:
         """(step, the metrics journaled for it) for start <= step <= stop, from the summaries (no samples read)."""
         for summary in self.journal.iter_summaries(start, stop):
-            yield summary["step"], next((e["values"] for e in summary["events"] if e["type"] == "metrics"), {})
+            yield summary.step, summary.metrics
 
     # ------------------------------------------------------------------ fingerprints
 
     def fingerprints(self, start: int | None = None, stop: int | None = None) -> dict[int, str]:
         """step -> the fingerprint journaled after it (from the summaries: no samples decoded)."""
-        out = {}
-        for summary in self.journal.iter_summaries(start, stop):
-            for e in summary["events"]:
-                if e["type"] == "state":
-                    out[summary["step"]] = e["fingerprint"]
-        return out
+        return {summary.step: summary.fingerprint for summary in self.journal.iter_summaries(start, stop)
+                if summary.fingerprint is not None}
 
     def fingerprint_at(self, step: int) -> str | None:
         summary = self.journal.read_summary(step)
-        if summary is None:
-            return None
-        return next((e["fingerprint"] for e in summary["events"] if e["type"] == "state"), None)
+        return None if summary is None else summary.fingerprint
 
     # ------------------------------------------------------------------ the human-readable mirror
 

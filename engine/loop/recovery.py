@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from verlj.journal import make_event, verify_journal
+from verlj.journal import StepRecord, make_event, verify_journal
 from verlj.journal.failpoints import failpoint
 
 from ..config import config_from_dict
@@ -185,11 +185,11 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
 
         def next_record() -> dict:
             record = next(records)
-            if record["step"] != step:
-                raise ReplayError(f"journal step {step} is missing (found {record['step']}); run `verlj verify`")
-            return record
+            if record.step != step:
+                raise ReplayError(f"journal step {step} is missing (found {record.step}); run `verlj verify`")
+            return record.to_dict()
 
-        record = rt.from_rank0(next_record, f"reading step {step} from the journal")
+        record = StepRecord.from_dict(rt.from_rank0(next_record, f"reading step {step} from the journal"))
         for entry in history.config_changes:
             if entry["from_step"] == step:
                 trainer.set_config(config_from_dict(entry["config"]))
@@ -199,17 +199,16 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
                 if not out.exact and topo == here and prev_fp == entry["rebased"]["fingerprint"]:
                     out.exact = True  # the state that resume trained on from here: back on the line
         out.exact = out.exact and topo == here
-        if record["pruned"]:
+        if record.pruned:
             raise ReplayError(f"step {step}'s samples were pruned from the journal (journal.retain_samples); it cannot be replayed")
         inputs = StepInputs.from_record(record)
         samples = trainer.take(step, inputs)
         trainer.advance_sampler(inputs)
         outcome = trainer.apply(step, inputs, samples)
-        events = {e["type"]: e for e in record["events"]}
-        journaled = events["metrics"]["values"]
+        journaled = record.metrics
         mine = {k: v for k, v in outcome.metrics.items() if not is_timing(k)}
         if out.exact:
-            want = events["state"]["fingerprint"]
+            want = record.fingerprint
             if outcome.fingerprint != want:
                 raise ReplayError(
                     f"replay diverged at step {step}: fingerprint {outcome.fingerprint[:16]}… but the journal has {want[:16]}…"

@@ -30,13 +30,6 @@ from ..state.manifest import check_snapshot
 from .steps import parse_steps
 
 
-def _events(record: dict) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    for e in record["events"]:
-        out.setdefault(e["type"], e)
-    return out
-
-
 def check_range(j: Ledger, step: int) -> None:
     first, last = j.base_step() + 1, j.last_step()
     if not first <= step <= last:
@@ -57,7 +50,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
         index = j.snapshots()
         ranks_now = j.topology_at(last)["world_size"]
         last_summary = j.journal.read_summary(last) if last > base else None
-        rollout = _events(last_summary).get("rollout") if last_summary else None
+        rollout = last_summary.first("rollout") if last_summary else None
         engine = {"engine": rollout["engine"], "version": rollout["version"]} if rollout else \
             {"engine": j.config_at(last).get("rollout", {}).get("engine", "hf"), "version": None}
         trend = []
@@ -65,7 +58,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
             steps = sorted({int(x) for x in np.linspace(base + 1, last, num=min(trend_points, last - base))})
             for s in steps:
                 summ = j.journal.read_summary(s)
-                values = _events(summ).get("metrics", {}).get("values", {}) if summ else {}
+                values = summ.metrics if summ else {}
                 trend.append({"step": s, "reward": values.get("critic/score/mean"), "loss": values.get("actor/pg_loss")})
     snaps = []
     names = {p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("step_")} | {i["path"] for i in index.values()}
@@ -194,37 +187,36 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
         check_range(j, step)
         record = j.journal.read_step(step)
         config = j.config_at(step)
-        ev = _events(record)
         cols = None
-        if record["pruned"]:
+        if record.pruned:
             cols = archive.Reader(run_dir, j).step_columns(step)
             note = (f"samples pruned from the journal (journal.retain_samples); shown from {archive.ARCHIVE_DIR}/"
                     if cols is not None else "samples pruned from the journal (journal.retain_samples) and not archived")
-        elif "buffer.add" in ev:
-            cols = table.step_columns(step, ev["buffer.add"]["samples"], table.text_decoder(config))
+        elif record.first("buffer.add") is not None:
+            cols = table.step_columns(step, record.first("buffer.add")["samples"], table.text_decoder(config))
     samples = _sample_view(cols) if cols is not None else []
-    n = len(np.asarray(ev.get("buffer.add", {}).get("ids", [])))
+    n = len(np.asarray((record.first("buffer.add") or {}).get("ids", [])))
     if max_samples is not None:
         samples = samples[:max_samples]
-    data = ev.get("data", {})
+    data, rng, rollout = record.first("data") or {}, record.first("rng") or {}, record.first("rollout") or {}
     return {
         "step": step,
-        "time": record["time"],
+        "time": record.time,
         "data": {"epoch": data.get("epoch"), "cursor": data.get("cursor"), "rounds": data.get("rounds"),
                  "indices": np.asarray(data.get("indices", [])).tolist()},
-        "seeds": ev.get("rng", {}).get("seeds"),
-        "rollout": {k: v for k, v in ev.get("rollout", {}).items() if k in ("engine", "version")} or None,
-        "rng_digests": ev.get("rng", {}).get("digests"),
+        "seeds": rng.get("seeds"),
+        "rollout": {k: v for k, v in rollout.items() if k in ("engine", "version")} or None,
+        "rng_digests": rng.get("digests"),
         "buffer": {
             "added": n,
-            "dropped": np.asarray(ev.get("buffer.drop", {}).get("ids", [])).tolist(),
-            "consumed": np.asarray(ev.get("buffer.consume", {}).get("ids", [])).tolist(),
+            "dropped": np.asarray((record.first("buffer.drop") or {}).get("ids", [])).tolist(),
+            "consumed": np.asarray((record.first("buffer.consume") or {}).get("ids", [])).tolist(),
         },
         "samples": samples,
         "samples_note": note,
-        "metrics": ev.get("metrics", {}).get("values", {}),
-        "fingerprint": ev.get("state", {}).get("fingerprint"),
-        "control": [e for e in record["events"] if e["type"] in ("control", "config")],
+        "metrics": record.metrics,
+        "fingerprint": record.fingerprint,
+        "control": record.all("control") + record.all("config"),
     }
 
 
@@ -403,19 +395,19 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
         config_changes = _config_differences(ja, jb)
         topology = {"a": ja.topology_history(), "b": jb.topology_history()}
         for x, y in zip(ja.journal.iter_summaries(base + 1, common), jb.journal.iter_summaries(base + 1, common)):
-            step = x["step"]
-            same = _comparable(x["events"]) == _comparable(y["events"])
+            step = x.step
+            same = _comparable(x.events) == _comparable(y.events)
             if same and not full:
                 continue
             ra, rb = ja.journal.read_step(step), jb.journal.read_step(step)
-            if ra["pruned"] or rb["pruned"]:  # samples gone on one side: compare what both still hold
-                ra, rb = _without_samples(ra), _without_samples(rb)
-            ea, eb = _comparable(ra["events"]), _comparable(rb["events"])
+            ea, eb = ra.events, rb.events
+            if ra.pruned or rb.pruned:  # samples gone on one side: compare what both still hold
+                ea, eb = _without_samples(ea), _without_samples(eb)
+            ea, eb = _comparable(ea), _comparable(eb)
             kinds = sorted(k for k in set(ea) | set(eb) if ea.get(k) != eb.get(k))
             if not kinds:
                 continue
-            ma = _events(x).get("metrics", {}).get("values", {})
-            mb = _events(y).get("metrics", {}).get("values", {})
+            ma, mb = x.metrics, y.metrics
             metrics = {k: [ma.get(k), mb.get(k)] for k in sorted(set(ma) | set(mb))
                        if not k.startswith("timing_s/") and _canon(ma.get(k)) != _canon(mb.get(k))}
             return {"identical": False, "step": step, "differs": kinds, "detail": {"metrics": metrics},
@@ -426,12 +418,11 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
     return {"identical": True, "step": None, "differs": [], "detail": {}, "config": config_changes, "steps_a": la, "steps_b": lb}
 
 
-def _without_samples(record: dict) -> dict:
-    """The record as retention leaves it: the payload fields (events.PAYLOAD_FIELDS) dropped."""
+def _without_samples(events: list[dict]) -> list[dict]:
+    """A step's events as retention leaves them: the payload fields (events.PAYLOAD_FIELDS) dropped."""
     from verlj.journal.events import PAYLOAD_FIELDS
 
-    return {**record, "events": [{k: v for k, v in e.items() if k not in PAYLOAD_FIELDS.get(e["type"], ())}
-                                 for e in record["events"]]}
+    return [{k: v for k, v in e.items() if k not in PAYLOAD_FIELDS.get(e["type"], ())} for e in events]
 
 
 def _config_differences(ja: Ledger, jb: Ledger) -> dict[str, list]:

@@ -28,11 +28,10 @@ def sample_fates(ledger, start: int | None, stop: int | None) -> dict[int, tuple
     Scans from `start` to the end of the run: a sample's fate comes at or after the step that made it."""
     fates: dict[int, tuple[str, int]] = {}
     for record in ledger.journal.iter_steps(start, None, payload=False):
-        for e in record["events"]:
-            if e["type"] in ("buffer.consume", "buffer.drop"):
-                status = "consumed" if e["type"] == "buffer.consume" else "dropped"
+        for kind, status in (("buffer.drop", "dropped"), ("buffer.consume", "consumed")):
+            for e in record.all(kind):
                 for sid in np.asarray(e["ids"]).tolist():
-                    fates[int(sid)] = (status, record["step"])
+                    fates[int(sid)] = (status, record.step)
     return fates
 
 
@@ -43,14 +42,14 @@ def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[
     missing: list[int] = []
     arch = archive.Reader(run_dir, ledger)
     for record in ledger.journal.iter_steps(start, stop):
-        step = record["step"]
-        if record["pruned"]:
+        step = record.step
+        if record.pruned:
             cols = arch.step_columns(step)
             if cols is None:
                 missing.append(step)
                 continue
         else:
-            add = next((e for e in record["events"] if e["type"] == "buffer.add"), None)
+            add = record.first("buffer.add")
             if add is None:
                 continue
             cfg = ledger.config_at(step)

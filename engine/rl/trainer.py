@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from verlj.journal import make_event
+from verlj.journal import StepRecord, make_event
 
 from ..config import Config, ConfigError
 from ..dist import Runtime
@@ -62,21 +62,19 @@ class StepInputs:
         ]
 
     @classmethod
-    def from_record(cls, record: dict) -> StepInputs:
-        ev = {}
-        for e in record["events"]:
-            ev.setdefault(e["type"], e)
-        data = ev["data"]
+    def from_record(cls, record: StepRecord) -> StepInputs:
+        """A journaled step's inputs, as `apply` takes them (replay)."""
+        data, rollout = record.first("data"), record.first("rollout")
         return cls(
-            seeds=dict(ev["rng"]["seeds"]),
+            seeds=dict(record.first("rng")["seeds"]),
             epoch=int(data["epoch"]),
             cursor=int(data["cursor"]),
             indices=data["indices"],
             rounds=int(data["rounds"]),
-            added=ev["buffer.add"]["samples"],
-            dropped=ev["buffer.drop"]["ids"],
-            consumed=ev["buffer.consume"]["ids"],
-            engine={"name": ev["rollout"]["engine"], "version": ev["rollout"]["version"]} if "rollout" in ev else {},
+            added=record.first("buffer.add")["samples"],
+            dropped=record.first("buffer.drop")["ids"],
+            consumed=record.first("buffer.consume")["ids"],
+            engine={"name": rollout["engine"], "version": rollout["version"]} if rollout is not None else {},
         )
 
 

@@ -38,7 +38,7 @@ elif mode == "follow":
     deadline = time.time() + 60
     while seen < n and time.time() < deadline:
         for rec in j.iter_steps(seen + 1):
-            assert rec["step"] == seen + 1, (rec["step"], seen)
-            seen = rec["step"]
+            assert rec.step == seen + 1, (rec.step, seen)
+            seen = rec.step
         time.sleep(0.005)
     print(f"followed {seen}", flush=True)

@@ -355,7 +355,7 @@ def test_metadata_lineage_diff_and_explicit_snapshots(copy, base, tmp_path):
 def test_inspect_shows_special_tokens_in_responses(base):
     d = json.loads(verlj("inspect", base, "--step", 1, "--json").stdout)
     with Journal.open_reader(base / "journal") as j:
-        add = next(e for e in j.read_step(1)["events"] if e["type"] == "buffer.add")["samples"]
+        add = next(e for e in j.read_step(1).events if e["type"] == "buffer.add")["samples"]
     eos_count = int(sum((add["response_ids"][i, : add["response_ids_len"][i]] == 2).sum() for i in range(len(add["id"]))))
     assert eos_count > 0, "no sample ended with <eos>: the check would be vacuous"
     assert sum(s["response"].count("<eos>") for s in d["samples"]) == eos_count

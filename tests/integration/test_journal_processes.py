@@ -39,7 +39,7 @@ def test_sigkill_mid_append_loses_nothing_committed(tmp_path):
             assert last >= max(printed)
             assert last <= max(printed) + 1  # at most the commit that raced the print
             for rec in j.iter_steps(last - 1, last):
-                assert rec["events"][2]["samples"]["response_ids"].shape == (8, 64)
+                assert rec.events[2]["samples"]["response_ids"].shape == (8, 64)
     # appending resumes at the next step
     with Journal.open_writer(path) as j:
         nxt = j.last_step() + 1

@@ -205,7 +205,7 @@ def test_export_and_snapshot_and_fork(keep_all, tmp_path):
         assert j.get_meta("parent")["step"] == 5
         assert verify_journal(j).ok
         first = j.read_step(6)
-    assert any(e["type"] == "control" and e["kind"] == "fork" for e in first["events"])
+    assert any(e["type"] == "control" and e["kind"] == "fork" for e in first.events)
     assert fingerprints(tmp_path / "fork")[6] != fingerprints(keep_all)[6]  # the new lr changed the update
     # the fork resumes exactly like any run
     fork_fp = fingerprints(tmp_path / "fork")[TARGET]
@@ -226,7 +226,7 @@ def test_config_change_on_resume(tmp_path, references):
     out = train(run, *GRPO_DYN, "trainer.total_steps=6", "model.actor.clip_ratio=0.1", "--allow-config-change", resume=True)
     assert out.returncode == 0, out.stderr[-2000:]
     with Journal.open_reader(run / "journal") as j:
-        ev6 = {e["type"]: e for e in j.read_step(6)["events"]}
+        ev6 = {e["type"]: e for e in j.read_step(6).events}
         assert ev6["config"]["changed"] == ["model.actor.clip_ratio", "trainer.total_steps"]
         assert [h["from_step"] for h in j.get_meta("config_history")] == [5, 6]
     # replay applies each step under the config in force then: steps 5 and 6 check out from step 4's snapshot

@@ -30,30 +30,22 @@ def steps(run):
         return list(j.iter_steps())
 
 
-def events(record):
-    out = {}
-    for e in record["events"]:
-        out.setdefault(e["type"], []).append(e)
-    return out
-
-
 def assert_same_process(run, ref):
     """Same prompts and samples every step; metrics within the tolerance; returns the largest deviation."""
     got, want = steps(run), steps(ref)
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 9))
+    assert [r.step for r in got] == [r.step for r in want] == list(range(1, 9))
     worst = 0.0
     for a, b in zip(got, want):
-        ea, eb = events(a), events(b)
-        assert np.array_equal(ea["data"][0]["indices"], eb["data"][0]["indices"]), a["step"]
-        sa, sb = ea["buffer.add"][0]["samples"], eb["buffer.add"][0]["samples"]
+        assert np.array_equal(a.first("data")["indices"], b.first("data")["indices"]), a.step
+        sa, sb = a.first("buffer.add")["samples"], b.first("buffer.add")["samples"]
         for key in ("index", "prompt_ids", "response_ids", "score"):
-            assert np.array_equal(sa[key], sb[key]), (a["step"], key)
-        ma, mb = ea["metrics"][0]["values"], eb["metrics"][0]["values"]
+            assert np.array_equal(sa[key], sb[key]), (a.step, key)
+        ma, mb = a.metrics, b.metrics
         keys = [k for k in mb if not k.startswith("timing_s/")]
         assert keys and set(keys) <= set(ma)
         for k in keys:
             dev = abs(ma[k] - mb[k])
-            assert dev <= TOLERANCE["atol"] + TOLERANCE["rtol"] * abs(mb[k]), (a["step"], k, ma[k], mb[k])
+            assert dev <= TOLERANCE["atol"] + TOLERANCE["rtol"] * abs(mb[k]), (a.step, k, ma[k], mb[k])
             worst = max(worst, dev)
     return worst
 
@@ -74,8 +66,8 @@ def assert_close_weights(a, b):
 
 def boundary(run):
     rec = steps(run)[3]
-    assert rec["step"] == 4
-    topo = [e for e in events(rec)["control"] if e["kind"] == "topology"]
+    assert rec.step == 4
+    topo = [e for e in rec.all("control") if e["kind"] == "topology"]
     assert len(topo) == 1
     return topo[0]["details"]
 

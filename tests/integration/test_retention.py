@@ -33,10 +33,10 @@ def journal_samples(run) -> dict[int, dict]:
     out = {}
     with open_journal_reader(run / "journal") as j:
         for record in j.iter_steps():
-            add = next(e for e in record["events"] if e["type"] == "buffer.add")
+            add = record.first("buffer.add")
             cols = add["samples"]
             for i, sid in enumerate(cols["id"].tolist()):
-                out[sid] = {"step": record["step"], "group": int(cols["group"][i]), "score": float(cols["score"][i]),
+                out[sid] = {"step": record.step, "group": int(cols["group"][i]), "score": float(cols["score"][i]),
                             "response_ids": cols["response_ids"][i, : cols["response_ids_len"][i]].tolist(),
                             "gen_logprobs": cols["gen_logprobs"][i, : cols["gen_logprobs_len"][i]].tolist()}
     return out
@@ -47,7 +47,7 @@ def test_pruned_run_is_exact_verifies_and_post_mortem_reads_across_pruned_steps(
     assert fingerprints(pruned) == fingerprints(ref)
     with open_journal_reader(pruned / "journal") as j:
         assert j.pruned_through() == 6  # snapshots 6 and 9 are kept: steps 1-6 are needed by neither
-        assert [j.read_step(s)["pruned"] for s in range(1, 10)] == [True] * 6 + [False] * 3
+        assert [j.read_step(s).pruned for s in range(1, 10)] == [True] * 6 + [False] * 3
     v = verlj("verify", pruned)
     assert v.returncode == 0, v.stdout + v.stderr
     assert "samples of 6 steps through step 6 were pruned" in v.stdout and "Rollout archive: 2 files" in v.stdout
@@ -123,7 +123,7 @@ def test_kill_while_archiving_or_pruning_loses_nothing(runs, failpoint):
     assert out.returncode == -9, out.stderr[-2000:]
     with open_journal_reader(run / "journal") as j:
         assert j.pruned_through() == 0 and j.get_meta("archive") is None  # nothing half-done is visible
-        assert not any(j.read_step(s)["pruned"] for s in range(1, j.last_step() + 1))
+        assert not any(j.read_step(s).pruned for s in range(1, j.last_step() + 1))
     left = [p.name for p in (run / "rollouts").iterdir()]
     assert left, "the kill should have left the file it was writing"
     v = verlj("verify", run)

@@ -126,7 +126,7 @@ def test_local_hf_actor_and_reward_model(tmp_path):
                 f"model.reward_model.model_name_or_path={tmp_path / 'rm'}", "trainer.total_steps=2")
     assert out.returncode == 0, out.stderr[-3000:]
     with Journal.open_reader(run / "journal") as j:
-        samples = next(e for e in j.read_step(1)["events"] if e["type"] == "buffer.add")["samples"]
+        samples = next(e for e in j.read_step(1).events if e["type"] == "buffer.add")["samples"]
     assert len(set(samples["rm_score"].tolist())) > 1  # the reward model scored every sample
     assert (samples["score"] == samples["rule_reward"] + samples["rm_score"]).all()
     assert len(fingerprints(run)) == 2

@@ -13,7 +13,6 @@ import pytest
 
 from journal_helpers import raw_get, raw_put, step_events, tamper
 from verlj.journal import Journal, make_event, packb, verify_journal
-from verlj.journal.events import ENVELOPE_VERSION
 from verlj.journal.store import NO_PAYLOAD, StepFrame, _summary_frame, frame_step, step_key
 
 
@@ -56,8 +55,8 @@ def test_compact_records_read_back_bit_for_bit_and_are_smaller(tmp_path):
     with Journal.open_reader(tmp_path / "j") as j:
         for s, ev in events.items():
             record = j.read_step(s)
-            assert record["pruned"] is False
-            assert same(record["events"], ev), s  # dtypes, shapes, NaN and -0.0 bits included
+            assert record.pruned is False
+            assert same(record.events, ev), s  # dtypes, shapes, NaN and -0.0 bits included
             frame = StepFrame.parse(j.read_raw(s))
             assert frame.version == 2 and frame.payload and frame.payload_digest != NO_PAYLOAD
             inline = frame_step(packb({"v": 1, "step": s, "time": 0.0, "events": events[s]}), bytes(32))
@@ -70,7 +69,7 @@ def test_uncompressed_level_zero_reads_back_the_same(tmp_path):
         j.compression_level = 0
         j.append_step(1, rollout_events(1))
         record = j.read_step(1)
-    assert same(record["events"], rollout_events(1))
+    assert same(record.events, rollout_events(1))
 
 
 def test_a_v1_journal_stays_readable_and_continues(tmp_path):
@@ -80,8 +79,8 @@ def test_a_v1_journal_stays_readable_and_continues(tmp_path):
     with Journal.open_writer(path) as j:
         j.append_step(1, old)  # creates the sub-databases; replaced below by a v1 frame
         summary_1 = j.read_summary(1)
-    v1 = frame_step(packb({"v": 1, "step": 1, "time": summary_1["time"], "events": old}), bytes(32))
-    v1_summary = _summary_frame(1, summary_1["time"], old)  # v1 journals kept a summary entry per step
+    v1 = frame_step(packb({"v": 1, "step": 1, "time": summary_1.time, "events": old}), bytes(32))
+    v1_summary = _summary_frame(1, summary_1.time, old)  # v1 journals kept a summary entry per step
 
     env = lmdb.open(str(path), max_dbs=8, subdir=True)
     with env.begin(write=True) as txn:
@@ -91,11 +90,11 @@ def test_a_v1_journal_stays_readable_and_continues(tmp_path):
     with Journal.open_writer(path) as j:
         j.append_step(2, step_events(2))
         r1, r2 = j.read_step(1), j.read_step(2)
-        assert r1["v"] == ENVELOPE_VERSION and r1["pruned"] is False and same(r1["events"], old)
-        assert same(r2["events"], step_events(2))
+        assert r1.pruned is False and same(r1.events, old)
+        assert same(r2.events, step_events(2))
         pruned, _ = j.prune(2)
         assert pruned == 1  # step 2 only: a v1 frame has no separate payload and stays as it is
-        assert j.read_step(1)["pruned"] is False and j.read_step(2)["pruned"] is True
+        assert j.read_step(1).pruned is False and j.read_step(2).pruned is True
         report = verify_journal(j)
     assert report.ok, report.problems
 
@@ -114,10 +113,10 @@ def test_pruning_keeps_the_chain_summaries_and_ids_and_drops_only_samples(tmp_pa
             record, frame = j.read_step(s), StepFrame.parse(j.read_raw(s))
             old = StepFrame.parse(before[s])
             assert (frame.checksum, frame.chain, frame.payload_digest, frame.body) == (old.checksum, old.chain, old.payload_digest, old.body)
-            add = next(e for e in record["events"] if e["type"] == "buffer.add")
+            add = next(e for e in record.events if e["type"] == "buffer.add")
             assert same(add["ids"], rollout_events(s)[1]["ids"])
-            assert record["pruned"] is (s <= 4) and ("samples" in add) is (s > 4)
-        assert same([j.read_summary(s) for s in range(1, 7)], summaries)
+            assert record.pruned is (s <= 4) and ("samples" in add) is (s > 4)
+        assert same([j.read_summary(s).to_dict() for s in range(1, 7)], [x.to_dict() for x in summaries])
         report = verify_journal(j)
         assert report.ok and report.pruned == 4 and report.pruned_through == 4
         assert j.prune(4) == (0, 0)  # nothing more to do
@@ -182,8 +181,8 @@ def test_kill_inside_the_prune_transaction_leaves_every_payload(tmp_path):
     assert out.returncode == -9, out.stderr
     with Journal.open_reader(path) as j:
         assert j.pruned_through() == 0 and j.get_meta("archive") is None
-        assert all(not j.read_step(s)["pruned"] for s in range(1, 5))
-        assert same(j.read_step(2)["events"], rollout_events(2))
+        assert all(not j.read_step(s).pruned for s in range(1, 5))
+        assert same(j.read_step(2).events, rollout_events(2))
         assert verify_journal(j).ok
 
 

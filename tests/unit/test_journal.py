@@ -30,14 +30,14 @@ def test_append_and_read_back(tmp_path):
     with Journal.open_reader(tmp_path / "j") as j:
         assert j.last_step() == 5 and j.first_step() == 1 and j.num_steps() == 5
         rec = j.read_step(3)
-        assert rec["step"] == 3
+        assert rec.step == 3
         want = step_events(3)
-        assert [e["type"] for e in rec["events"]] == [e["type"] for e in want]
-        add = rec["events"][2]["samples"]
+        assert [e["type"] for e in rec.events] == [e["type"] for e in want]
+        add = rec.events[2]["samples"]
         assert np.array_equal(add["response_ids"], want[2]["samples"]["response_ids"])
         assert add["logprobs"].dtype == np.float32
-        assert math.isnan(rec["events"][3]["values"]["critic/score/mean"])
-        assert [r["step"] for r in j.iter_steps(2, 4)] == [2, 3, 4]
+        assert math.isnan(rec.events[3]["values"]["critic/score/mean"])
+        assert [r.step for r in j.iter_steps(2, 4)] == [2, 3, 4]
         assert [s for s, _ in j.iter_events("metrics")] == [1, 2, 3, 4, 5]
         with pytest.raises(JournalError, match="step 9 is not in the journal"):
             j.read_step(9)
@@ -47,9 +47,9 @@ def test_streaming_crosses_read_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr("verlj.journal.store.READ_CHUNK", 3)
     write_steps(tmp_path / "j", 10)
     with Journal.open_reader(tmp_path / "j") as j:
-        assert [r["step"] for r in j.iter_steps()] == list(range(1, 11))
-        assert [r["step"] for r in j.iter_steps(4, 9)] == list(range(4, 10))
-        assert [r["step"] for r in j.iter_steps(10, 20)] == [10]
+        assert [r.step for r in j.iter_steps()] == list(range(1, 11))
+        assert [r.step for r in j.iter_steps(4, 9)] == list(range(4, 10))
+        assert [r.step for r in j.iter_steps(10, 20)] == [10]
 
 
 @pytest.mark.parametrize("bad_step", [0, 1, 2, 4, 5])
@@ -99,7 +99,7 @@ def test_newer_schema_is_refused_and_older_is_upcast(tmp_path, monkeypatch):
         # a v2 of "metrics" arrives: v1 records are lifted by the registered upcaster
         monkeypatch.setitem(events_mod.EVENT_VERSIONS, "metrics", 2)
         monkeypatch.setitem(events_mod.UPCASTERS, ("metrics", 1), lambda e: {**e, "v": 2, "source": None})
-        assert j.read_step(1)["events"] == [{"type": "metrics", "v": 2, "values": {"a": 1.0}, "source": None}]
+        assert j.read_step(1).events == [{"type": "metrics", "v": 2, "values": {"a": 1.0}, "source": None}]
 
 
 def test_reader_refuses_a_missing_journal(tmp_path):

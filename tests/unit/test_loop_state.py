@@ -1,0 +1,209 @@
+"""The loop's state in-process, without a trainer: the ledger and its history, the snapshot store's
+publish / rotate / quarantine / adoption, the retention bound, the checkpoint schedule, and recovery's
+choice of a snapshot. Real LMDB journals and real directories; no torch."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from verlj.engine.config import make_config
+from verlj.engine.errors import PluginError, ReplayError, SnapshotError
+from verlj.engine.loop.ledger import Ledger
+from verlj.engine.loop.policy import CheckpointSchedule
+from verlj.engine.loop.recovery import choose_snapshot, resolve_explicit
+from verlj.engine.loop.retention import prune_bound
+from verlj.engine.loop.snapshot_store import SnapshotStore
+from verlj.engine.state.manifest import ANCHOR, META
+from verlj.journal import Journal, make_event, packb
+
+
+class Said:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, msg):
+        self.lines.append(msg)
+
+    warn = info
+
+
+def fp(step: int) -> str:
+    return f"{step:064x}"
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A run directory whose journal holds steps 1..6 (fingerprint of step s: fp(s))."""
+    j = Journal.open_writer(tmp_path / "journal")
+    ledger = Ledger(j)
+    cfg = make_config(None, ["trainer.total_steps=6"])
+    ledger.start({"config": cfg.to_stored(), "world_size": 2, "tensor_parallel_size": 1, "versions": {"torch": "1"}})
+    for s in range(1, 7):
+        j.append_step(s, [make_event("metrics", values={"loss": s / 10}), make_event("state", fingerprint=fp(s), parts={})])
+    yield tmp_path, ledger
+    j.close()
+
+
+def snapshot(run_dir, ledger, step, fingerprint=None, publish=True):
+    """A snapshot directory of `step` with the files a manifest check reads; published through the store."""
+    tmp = run_dir / f".tmp-step_{step:05d}"
+    tmp.mkdir()
+    (tmp / META).write_text(json.dumps({"step": step, "fingerprint": fingerprint or fp(step), "time": 1.0}))
+    (tmp / ANCHOR).write_bytes(packb({"sampler": {"cursor": step, "epoch": 0}, "buffer": {"samples": {"id": []}}}))
+    (tmp / "weights.bin").write_bytes(bytes([step]) * 64)
+    if publish:
+        return SnapshotStore(run_dir, ledger).publish(step, fingerprint or fp(step), tmp)
+    SnapshotStore.publish_standalone(tmp, run_dir / f"step_{step:05d}")  # with its manifest, never indexed (a kill before indexing)
+    return run_dir / f"step_{step:05d}"
+
+
+# ----------------------------------------------------------------------------- the ledger
+
+
+def test_history_is_what_was_in_force_at_each_step(run):
+    _run_dir, ledger = run
+    lr = make_config(None, ["trainer.total_steps=6", "model.actor.optim.lr=0.002"]).to_stored()
+    ledger.record_config_change(4, lr)
+    ledger.record_topology_change(5, {"world_size": 1, "tensor_parallel_size": 1, "zero_stage": 0},
+                                  {"rebased": {"step": 4, "fingerprint": fp(4)}})
+    h = ledger.history()
+    assert (h.base_step, h.last_step, h.pruned_through) == (0, 6, 0)
+    assert [h.config_at(s)["model"]["actor"]["optim"]["lr"] for s in (1, 3, 4, 6)] == [0.001, 0.001, 0.002, 0.002]
+    assert h.topology_at(4)["world_size"] == 2 and h.topology_at(5)["world_size"] == 1
+    assert ledger.config_at(5) == h.config_at(5)  # the ledger answers through its history
+    assert type(h)(**h.to_dict()) == h  # what crosses ranks comes back whole
+
+
+def test_a_resume_records_its_own_choice_and_the_versions_that_moved(run):
+    _run_dir, ledger = run
+    moved = ledger.record_resume(6, 4, ["trainer.total_steps"], 1, resume_from="4")
+    assert moved and all(m.startswith("torch 1 → ") for m in moved[:1])
+    entry = ledger.lineage()[-1]
+    assert entry["resume_from"] == "4" and entry["versions_changed"] == moved
+    assert ledger.record_resume(6, 6, [], 1) == []  # compared with the last start: nothing moved since
+    assert "resume_from" not in ledger.lineage()[-1]
+    assert ledger.config_at(6)["trainer"]["resume_from"] is None
+
+
+def test_metrics_and_fingerprints_come_from_the_summaries(run):
+    _run_dir, ledger = run
+    assert [s for s, _ in ledger.metrics(2, 4)] == [2, 3, 4]
+    assert dict(ledger.metrics())[5] == {"loss": 0.5}
+    assert ledger.fingerprints() == {s: fp(s) for s in range(1, 7)} and ledger.fingerprint_at(3) == fp(3)
+
+
+# ----------------------------------------------------------------------------- the snapshot store
+
+
+def test_rotation_keeps_the_newest_and_latest_follows(run):
+    run_dir, ledger = run
+    for s in (2, 4, 6):
+        snapshot(run_dir, ledger, s)
+    SnapshotStore(run_dir, ledger).rotate(2)
+    assert sorted(ledger.snapshots()) == [4, 6]
+    assert not (run_dir / "step_00002").exists() and os.readlink(run_dir / "latest") == "step_00006"
+    assert not [p for p in run_dir.iterdir() if p.name.startswith(".trash-")]
+
+
+def test_quarantine_moves_out_of_the_index_and_the_way(run):
+    run_dir, ledger = run
+    for s in (4, 6):
+        snapshot(run_dir, ledger, s)
+    dest = SnapshotStore(run_dir, ledger).quarantine(6, run_dir / "step_00006", "a test's reason")
+    assert dest == run_dir / "quarantine" / "step_00006" and (dest / META).is_file()
+    assert sorted(ledger.snapshots()) == [4] and os.readlink(run_dir / "latest") == "step_00004"
+    assert ledger.quarantined()[-1]["reason"] == "a test's reason"
+
+
+def test_a_resume_adopts_what_checks_out_and_sets_aside_the_rest_never_deleting(run):
+    run_dir, ledger = run
+    snapshot(run_dir, ledger, 2)
+    snapshot(run_dir, ledger, 4, publish=False)  # valid, and step 4 is in the journal: adopted
+    snapshot(run_dir, ledger, 5, fingerprint=fp(99), publish=False)  # not the journal's state at step 5
+    snapshot(run_dir, ledger, 8, publish=False)  # its step was lost (the journal ends at 6)
+    (run_dir / ".tmp-step_00009").mkdir()
+    lines = SnapshotStore(run_dir, ledger).recover_leftovers()
+    assert "Removed what an interrupted run left behind: .tmp-step_00009" in lines
+    assert any(line.startswith("Adopted step_00004") for line in lines)
+    assert sorted(ledger.snapshots()) == [2, 4] and os.readlink(run_dir / "latest") == "step_00004"
+    assert {q["name"]: q["reason"] for q in ledger.quarantined()} == {
+        "step_00005": "published but not indexed, and its fingerprint does not match the journal's for step 5",
+        "step_00008": "published but not indexed, and step 8 is not in the journal (it ends at step 6)",
+    }
+    assert (run_dir / "quarantine" / "step_00008" / "weights.bin").is_file()
+
+
+# ----------------------------------------------------------------------------- retention and the schedule
+
+
+@pytest.mark.parametrize("policy, snaps, last, bound", [
+    ("all", [4, 6], 6, 0),
+    ("since_oldest_snapshot", [], 6, 0),
+    ("since_oldest_snapshot", [4, 6], 6, 4),
+    ("3", [4, 6], 6, 3),  # the last 3 steps keep their samples too
+    ("10", [4, 6], 6, 0),
+])
+def test_the_retention_bound(policy, snaps, last, bound):
+    assert prune_bound(policy, snaps, last) == bound
+
+
+def test_the_checkpoint_schedule_resumes_deciding_the_same():
+    cfg = make_config(None, ["trainer.save_interval=3", "trainer.checkpoint_policy=verlj.engine.loop.policy.SaveOnRewardDrop",
+                             "trainer.checkpoint_policy_kwargs={drop: 0.5}"]).trainer
+    a = CheckpointSchedule(cfg)
+    rewards = [1.0, 1.0, 0.4, 0.4, 0.1, 0.1]
+    due = [a.observe(s, {"critic/score/mean": r}, {}) for s, r in enumerate(rewards, 1)]
+    assert due == [False, False, True, False, True, True]  # a drop of more than half, and every third step
+    b = CheckpointSchedule(cfg)
+    b.load_state_dict(a.state_dict())
+    assert b.observe(7, {"critic/score/mean": 0.01}, {}) == a.observe(7, {"critic/score/mean": 0.01}, {})
+    with pytest.raises(PluginError, match="version"):
+        b.load_state_dict({**a.state_dict(), "version": 99})
+    old = make_config(None, ["trainer.checkpoint_policy=verlj.engine.state.policy.SaveOnRewardDrop"]).trainer
+    assert CheckpointSchedule(old).policy is not None  # the path runs made before the move stored still resolves
+
+
+# ----------------------------------------------------------------------------- recovery's choice
+
+
+def test_the_newest_valid_snapshot_at_or_before_the_limit_is_chosen(run):
+    run_dir, ledger = run
+    for s in (2, 4, 6):
+        snapshot(run_dir, ledger, s)
+    said = Said()
+    assert choose_snapshot(run_dir, ledger, 6, said)[0] == 6
+    assert choose_snapshot(run_dir, ledger, 5, said)[0] == 4
+    (run_dir / "step_00004" / "weights.bin").write_bytes(b"\0" * 64)  # damaged: same size, other bytes
+    store = SnapshotStore(run_dir, ledger)
+    assert choose_snapshot(run_dir, ledger, 5, said, store=store)[0] == 2
+    assert "Skipping damaged snapshot" in said.lines[-1] and (run_dir / "quarantine" / "step_00004").is_dir()
+    assert choose_snapshot(run_dir, ledger, 1, said) == (0, None)  # nothing usable: the initial state
+
+
+def test_pruned_samples_bound_where_a_replay_may_start(run):
+    run_dir, ledger = run
+    for s in (2, 4):
+        snapshot(run_dir, ledger, s)
+    ledger.prune(4)
+    assert choose_snapshot(run_dir, ledger, 6, Said())[0] == 4
+    with pytest.raises(ReplayError, match=r"no snapshot at or before step 3 can be used to reach step 6: .*through 4.* \(kept: step_00004\)"):
+        choose_snapshot(run_dir, ledger, 3, Said(), target=6)
+    (run_dir / "step_00004" / META).write_text("{}")
+    with pytest.raises(ReplayError, match="no valid one is kept from there to step 6"):
+        choose_snapshot(run_dir, ledger, 6, Said())
+
+
+def test_an_explicit_snapshot_must_be_this_runs_and_indexed(run, tmp_path_factory):
+    run_dir, ledger = run
+    snapshot(run_dir, ledger, 2)
+    assert resolve_explicit(run_dir, ledger, "step_00002") == (2, run_dir / "step_00002")
+    other = tmp_path_factory.mktemp("other")
+    (other / "step_00002").mkdir()
+    with pytest.raises(SnapshotError, match="is not a snapshot of the run in"):
+        resolve_explicit(run_dir, ledger, str(other / "step_00002"))
+    (run_dir / "step_00003").mkdir()
+    with pytest.raises(SnapshotError, match="not in this run's snapshot index"):
+        resolve_explicit(run_dir, ledger, "step_00003")
