@@ -34,25 +34,13 @@ def fail(msg: str, code: int = EXIT_DAMAGED) -> typer.Exit:
 
 
 def guarded(fn: Callable[[], T]) -> T:
-    """Run fn; turn the errors verlj knows into one line and an exit code."""
-    from verlj.engine.errors import (
-        ConfigError,
-        DataError,
-        ModelError,
-        PluginError,
-        ReplayError,
-        RewardError,
-        RunError,
-        SnapshotError,
-    )
-    from verlj.journal import JournalError
+    """Run fn; turn the errors verlj raises for users (VerljError) into one line and an exit code."""
+    from verlj.journal.errors import VerljError
 
     try:
         return fn()
-    except ConfigError as e:
-        raise fail(str(e), EXIT_USAGE) from None
-    except (RunError, JournalError, SnapshotError, ModelError, DataError, RewardError, ReplayError, PluginError) as e:
-        raise fail(str(e)) from None
+    except VerljError as e:
+        raise fail(str(e), e.exit_code) from None
     except KeyboardInterrupt:
         typer.echo("Interrupted: stopped at once; the journal holds every step committed so far.", err=True)
         raise typer.Exit(130) from None

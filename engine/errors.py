@@ -1,34 +1,39 @@
-"""The errors a user acts on. Each carries one sentence; the CLI prints it and exits non-zero.
-Kept free of heavy imports so every command can catch them without loading torch."""
+"""The errors a user acts on in the engine. Each carries one sentence; the CLI prints it and exits
+non-zero. All derive from verlj.journal's VerljError, the one class the CLI catches. Kept free of heavy
+imports so every command can catch them without loading torch."""
+
+from verlj.journal.errors import VerljError
 
 
-class ConfigError(ValueError):
-    """A config problem: one sentence naming the key (exit code 2)."""
+class ConfigError(VerljError, ValueError):
+    """A config problem: one sentence naming the key (exit code 2, like any usage error)."""
+
+    exit_code = 2
 
 
-class DataError(ValueError):
+class DataError(VerljError, ValueError):
     """The dataset cannot be used."""
 
 
-class ModelError(ValueError):
+class ModelError(VerljError, ValueError):
     """A model or tokenizer cannot be loaded."""
 
 
-class RewardError(ValueError):
+class RewardError(VerljError, ValueError):
     """A reward function cannot be loaded or returned something unusable."""
 
 
-class RunError(RuntimeError):
+class RunError(VerljError, RuntimeError):
     """Something about the run directory a user must act on."""
 
 
-class SnapshotError(RuntimeError):
+class SnapshotError(VerljError, RuntimeError):
     """A snapshot is missing, damaged or unusable: names the file."""
 
 
-class ReplayError(RuntimeError):
+class ReplayError(VerljError, RuntimeError):
     """Replay could not reproduce the journaled state."""
 
 
-class PluginError(ValueError):
+class PluginError(VerljError, ValueError):
     """User code named in the config (a checkpoint policy) cannot be loaded or misbehaved: names it."""

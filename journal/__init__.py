@@ -22,6 +22,7 @@ from .errors import (
     NotAJournalError,
     SchemaError,
     StepOrderError,
+    VerljError,
 )
 from .events import EVENT_VERSIONS, StepRecord, make_event, upcast_event, upcast_record
 from .segments import open_reader as open_journal_reader
@@ -42,6 +43,7 @@ __all__ = [
     "SchemaError",
     "StepOrderError",
     "StepRecord",
+    "VerljError",
     "make_event",
     "open_journal_reader",
     "segments",

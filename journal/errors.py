@@ -1,7 +1,17 @@
-"""Errors raised by the journal. Each carries one sentence meant for a user."""
+"""The errors verlj raises for a user to act on. Each carries one sentence; the CLI prints it and exits.
+
+:class:`VerljError` is the base of every one of them, the journal's and the engine's alike (the CLI
+catches it and nothing narrower): it lives here, at the bottom of the floor plan, so that both stand on it.
+"""
 
 
-class JournalError(Exception):
+class VerljError(Exception):
+    """Something a user must act on, said in one sentence. `exit_code`: what the CLI exits with."""
+
+    exit_code = 1
+
+
+class JournalError(VerljError):
     """Base class: something about the journal a user must act on."""
 
 

@@ -25,6 +25,7 @@ import json
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +49,26 @@ def rng_file(rank: int) -> str:
     return f"rng_rank{rank:05d}.msgpack"
 
 
+ANCHOR_PART, RANK_PART, ENGINE_PART = "anchor", "rank", "engine"
+
+
+@dataclass
+class Part:
+    """One resumable part of the run and where a snapshot keeps it (its `kind`):
+
+    anchor  a Stateful that is the same on every rank: rank 0 writes its state_dict into
+            dataflow_anchor.msgpack (sampler, rollout buffer, train state, checkpoint schedule)
+    rank    a Stateful of each rank's own: rng_rankNNNNN.msgpack (the global generators)
+    engine  a DeepSpeed engine: DeepSpeed writes and reads its sharded files under <name>/ (weights,
+            optimizer, LR scheduler); another topology's are read through their universal form
+    """
+
+    name: str
+    kind: str
+    obj: object
+    optional: bool = False  # snapshots written before the part existed lack it: it keeps its initial state
+
+
 class Checkpointer:
     """Snapshots of a live run (or a materialized state): schedule, write, publish, load."""
 
@@ -65,9 +86,14 @@ class Checkpointer:
         for engine in run.trainer.engines().values():
             install_safe_checkpointing(engine)
 
-    def parts(self) -> dict:
-        """The registry of rank-agnostic Stateful parts (the anchor); engines and RNG are per rank."""
-        return {**self.run.trainer.state_parts(), "checkpoint_schedule": self.schedule}
+    def parts(self) -> list[Part]:
+        """The registry of everything a snapshot holds: the one list save and load walk."""
+        trainer = self.run.trainer
+        out = [Part(tag, ENGINE_PART, engine) for tag, engine in trainer.engines().items()]
+        anchored = {**trainer.state_parts(), "checkpoint_schedule": self.schedule}
+        out += [Part(name, ANCHOR_PART, part, optional=name in ("train_state", "checkpoint_schedule")) for name, part in anchored.items()]
+        out.append(Part("rng", RANK_PART, self.rng))
+        return out
 
     # ------------------------------------------------------------------ deciding
 
@@ -97,7 +123,7 @@ class Checkpointer:
             error = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         if not self.run.rt.all_true(not error):
             self.run.reporter.warn(f"Snapshot at step {step} failed ({error or 'on another rank'}); training continues, "
-                               "the journal still holds every step")
+                                   "the journal still holds every step")
             if self.run.rt.is_main:
                 shutil.rmtree(self.store.tmp_dir(step), ignore_errors=True)
             return False
@@ -125,27 +151,33 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         rt.barrier()
         t0 = time.perf_counter()
-        engines = self.run.trainer.engines()
         async_save = self.run.cfg.trainer.async_save and publish
-        deferred: list[tuple[str, object]] = []
-        for tag, engine in engines.items():
-            ce = install_safe_checkpointing(engine)
-            ce.deferred = [] if async_save else None
-            try:
-                engine.save_checkpoint(str(tmp), tag=tag, client_state={}, save_latest=False)
-            finally:
-                if ce.deferred is not None:
-                    deferred += ce.deferred
-                ce.deferred = None
-        small = {rng_file(rt.rank): packb(self.rng.state_dict())}
+        deferred: list[tuple[str, object]] = []  # async: DeepSpeed's state copied to host memory, written in the background
+        small: dict[str, bytes] = {}
+        anchor: dict[str, dict] = {}
+        for part in self.parts():
+            if part.kind == ENGINE_PART:
+                ce = install_safe_checkpointing(part.obj)
+                ce.deferred = [] if async_save else None
+                try:
+                    part.obj.save_checkpoint(str(tmp), tag=part.name, client_state={}, save_latest=False)
+                finally:
+                    if ce.deferred is not None:
+                        deferred += ce.deferred
+                    ce.deferred = None
+            elif part.kind == RANK_PART:
+                small[rng_file(rt.rank)] = packb(part.obj.state_dict())
+            else:
+                anchor[part.name] = part.obj.state_dict()
+        engines = [p.name for p in self.parts() if p.kind == ENGINE_PART]
         if rt.is_main:
-            small[ANCHOR] = packb({name: part.state_dict() for name, part in self.parts().items()})
+            small[ANCHOR] = packb(anchor)
             small[META] = json.dumps({
                 "version": SNAPSHOT_VERSION,
                 "step": step,
                 "fingerprint": fp,
                 "config_hash": self.run.trainer.cfg.hash(),
-                "engines": list(engines),
+                "engines": engines,
                 "world_size": rt.world_size,
                 "tensor_parallel_size": rt.tp_size,
                 "zero_stage": self.run.cfg.distributed.zero_stage,
@@ -222,61 +254,66 @@ class Checkpointer:
     def write_metadata(self, step: int, resume_from: str | None = None, saved: bool = False) -> None:
         sampler, state = self.run.trainer.sampler, self.run.trainer.train_state
         self.run.ledger.write_train_metadata(self.run.run_dir, step=step, epoch=sampler.epoch, samples_seen=state.samples_seen,
-                                         config_hash=self.run.cfg.hash(), resume_from=resume_from, saved=saved)
+                                             config_hash=self.run.cfg.hash(), resume_from=resume_from, saved=saved)
 
     # ------------------------------------------------------------------ loading
 
     def load(self, path: Path) -> dict:
-        """Load a verified snapshot into the registry (collective). Returns its meta."""
+        """Load a verified snapshot into every part of the registry, in one loop (collective).
+        Returns its meta."""
         meta = json.loads((path / META).read_text())
-        engines = self.run.trainer.engines()
+        engines = [p.name for p in self.parts() if p.kind == ENGINE_PART]
         if sorted(meta["engines"]) != sorted(engines):
-            raise SnapshotError(f"{path} holds engines {meta['engines']}, this run has {list(engines)}")
+            raise SnapshotError(f"{path} holds engines {meta['engines']}, this run has {engines}")
         src, dst = Topology.of_snapshot(meta), Topology.of_runtime(self.run.rt, self.run.cfg)
         self.resharded = None
-        if src == dst:
-            for tag, engine in engines.items():
-                install_safe_checkpointing(engine)
-                load_path, _ = engine.load_checkpoint(
-                    str(path), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True
-                )
-                if load_path is None:
-                    raise SnapshotError(f"DeepSpeed found no checkpoint for {tag!r} in {path}")
-        else:
-            self.resharded = self._load_resharded(path, meta, src, dst)
+        universal = None
+        if src != dst:  # another topology's files: through their universal form, converted once
+            universal, self.resharded = self._converted(path, meta, src, dst)
         anchor = unpackb((path / ANCHOR).read_bytes())
-        for name, part in self.parts().items():
-            if name in anchor:
-                part.load_state_dict(anchor[name])
-            elif name != "train_state" and name != "checkpoint_schedule":
-                raise SnapshotError(f"{path / ANCHOR} has no {name!r} state")
-            # snapshots written before these parts existed: they start from their initial state
         own = path / rng_file(self.run.rt.rank)  # a rank the snapshot's topology did not have takes rank 0's
-        self.rng.load_state_dict(unpackb((own if own.is_file() else path / rng_file(0)).read_bytes()))
+        for part in self.parts():
+            if part.kind == ENGINE_PART:
+                self._load_engine(part, path, universal)
+            elif part.kind == RANK_PART:
+                part.obj.load_state_dict(unpackb((own if own.is_file() else path / rng_file(0)).read_bytes()))
+            elif part.name in anchor:
+                part.obj.load_state_dict(anchor[part.name])
+            elif not part.optional:
+                raise SnapshotError(f"{path / ANCHOR} has no {part.name!r} state")
         self.run.trainer.weights_changed()
         return meta
 
-    def _load_resharded(self, path: Path, meta: dict, src, dst) -> dict:
-        """Load a snapshot written under another topology through its universal form (state.reshard),
-        converting it first if no valid converted form is cached. Collective."""
+    def _load_engine(self, part: Part, path: Path, universal: Path | None) -> None:
+        engine, tag = part.obj, part.name
+        if universal is not None:
+            reshard.load(engine, tag, universal, self.run.rt)
+            reshard.check_loaded(engine, tag, universal, self.run.rt, self.run.trainer.param_layout()[tag])
+            return
+        install_safe_checkpointing(engine)
+        load_path, _ = engine.load_checkpoint(
+            str(path), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True
+        )
+        if load_path is None:
+            raise SnapshotError(f"DeepSpeed found no checkpoint for {tag!r} in {path}")
+
+    def _converted(self, path: Path, meta: dict, src, dst) -> tuple[Path, dict]:
+        """The universal form of a snapshot written under another topology (state.reshard), converted by
+        rank 0 unless a valid converted form is cached. Collective. Returns (its root, what was done)."""
         why = refusal(src, dst, self.run.cfg.algorithm.loss_normalization)
         if why:
             raise SnapshotError(f"{path} was saved on {src}; this run is on {dst}: {why}")
         layout = self.run.trainer.param_layout()
-        found = [None, 0.0, None]
-        if self.run.rt.is_main:
+
+        def convert() -> list:
             try:
                 root, seconds = reshard.ensure_converted(path, meta, layout)
-                found = [str(root), seconds, None]
-            except (SnapshotError, OSError, RuntimeError) as e:
-                found = [None, 0.0, str(e).splitlines()[0][:300] if str(e) else type(e).__name__]
-        root, seconds, error = self.run.rt.broadcast_obj(found)
-        if error:
-            raise SnapshotError(error)
-        for tag, engine in self.run.trainer.engines().items():
-            reshard.load(engine, tag, Path(root), self.run.rt)
-            reshard.check_loaded(engine, tag, Path(root), self.run.rt, layout[tag])
-        return {"from": src.as_dict(), "to": dst.as_dict(), "convert_s": seconds, "cached": seconds == 0.0}
+            except (OSError, RuntimeError) as e:  # DeepSpeed's converter fails in many words: its first line
+                raise SnapshotError(str(e).splitlines()[0][:300] if str(e) else type(e).__name__) from None
+            return [str(root), seconds]
+
+        root, seconds = self.run.rt.from_rank0(convert, f"converting {path.name} to the universal layout")
+        return Path(root), {"from": src.as_dict(), "to": dst.as_dict(), "convert_s": seconds, "cached": seconds == 0.0}
 
 
 def _write_small(tmp: Path, small: dict[str, bytes]) -> None:

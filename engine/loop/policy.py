@@ -19,6 +19,7 @@ import numpy as np
 from ..config import TrainerConfig
 from ..errors import PluginError
 from ..plugins import check_signature, import_object
+from ..state.stateful import check_version
 
 HISTORY = 100
 # dotted paths documented before the policy moved here (configs of runs made then name them)
@@ -100,8 +101,7 @@ class CheckpointSchedule:
         return {"version": self.VERSION, "history": self.history, "policy": policy}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["version"] != self.VERSION:
-            raise PluginError(f"checkpoint schedule state version {state['version']} is not {self.VERSION}")
+        state = check_version("checkpoint schedule", state, self.VERSION)
         self.history = list(state["history"])
         if self.policy is not None and hasattr(self.policy, "load_state_dict") and state["policy"]:
             self.policy.load_state_dict(state["policy"])

@@ -319,11 +319,10 @@ def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
 
 
 def preflight_rollout(cfg: Config, rt: Runtime) -> None:
-    """Before a run that generates writes anything: its rollout engine can run here (rl.vllm_engine)."""
-    if cfg.rollout.engine == "vllm":
-        from ..rl.vllm_engine import preflight
+    """Before a run that generates writes anything: its rollout engine can run here."""
+    from ..rl.rollout import engine_class
 
-        preflight(cfg, rt.device)
+    engine_class(cfg.rollout.engine).preflight(cfg, rt.device)
 
 
 def run_identity(run: Run) -> dict:

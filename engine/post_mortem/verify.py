@@ -113,7 +113,7 @@ def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: boo
     try:
         streams = set()
         for f in sorted(path.glob("rng_rank*.msgpack")):
-            streams |= set(unpackb(f.read_bytes()))
+            streams |= set(unpackb(f.read_bytes())) - {"version"}
         assert {"torch", "numpy", "python"} <= streams
         rep.lines.append(f"✓ RNG state verified ({', '.join(sorted(streams, key=['torch', 'numpy', 'python', 'cuda'].index))})")
     except Exception:  # noqa: BLE001

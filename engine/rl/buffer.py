@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..state.stateful import check_version
 from .samples import pack, unpack
 
 
@@ -41,6 +42,6 @@ class RolloutBuffer:
         return {"version": self.VERSION, "next_id": self.next_id, "samples": pack(list(self.samples.values()))}
 
     def load_state_dict(self, state: dict) -> None:
-        assert state["version"] == self.VERSION, f"buffer state version {state['version']}"
+        state = check_version("rollout buffer", state, self.VERSION)
         self.samples = {s["id"]: s for s in unpack(state["samples"])}
         self.next_id = int(state["next_id"])

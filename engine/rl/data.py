@@ -18,6 +18,7 @@ import numpy as np
 from ..config import DataConfig
 from ..errors import DataError
 from ..state.seeding import derive_seed
+from ..state.stateful import check_version
 
 BUILTIN_ADD = "builtin:add"
 
@@ -106,8 +107,7 @@ class Sampler:
         return {"version": self.VERSION, "size": self.size, "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["version"] != self.VERSION:
-            raise DataError(f"sampler state version {state['version']} is not {self.VERSION}")
+        state = check_version("sampler", state, self.VERSION)
         if state["size"] != self.size or state["seed"] != self.seed:
             raise DataError(
                 f"the dataset has {self.size} rows (seed {self.seed}) but the saved sampler was over "

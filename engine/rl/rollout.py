@@ -15,6 +15,7 @@ Only live steps generate: replay reads the samples from the journal, so it never
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -24,10 +25,42 @@ from ..state.seeding import generator
 from .models import forward_with_cache
 
 
+class RolloutEngine(Protocol):
+    """What generates a step's samples (``rollout.engine``; :func:`make_engine` chooses, in one place).
+
+    Exactness lives in ``Trainer.apply``, never here: whatever an engine returns is journaled and
+    replay reads it back, so an engine may be fast and nondeterministic. Only live steps use one.
+    """
+
+    name: str  # what the journal's `rollout` event records, with `version`
+    version: str  # the version of the package that generates (transformers for hf, vllm for vllm)
+
+    @classmethod
+    def preflight(cls, cfg: Config, device) -> None:
+        """Before a run that will generate writes anything: raise ConfigError if it cannot run here."""
+
+    def sync(self, cfg: Config) -> None:
+        """Make the engine generate from the actor's current weights (start it, push them). Collective."""
+
+    def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(response ids, their log-probs under the sampling distribution) of one sample per prompt,
+        each drawn from its own seed. Collective."""
+
+    def weights_changed(self) -> None:
+        """The actor's weights changed (an update, a snapshot load): the next sync must bring them."""
+
+    def close(self) -> None:
+        """Release what the engine holds (memory, threads), keeping the trainer's process group."""
+
+
 class HFEngine:
     """rollout.engine=hf: sampling with the actor's own module (ZeRO-3 and TP ranks step together)."""
 
     name = "hf"
+
+    @classmethod
+    def preflight(cls, cfg: Config, device) -> None:
+        """Runs wherever the actor runs."""
 
     def __init__(self, rt, actor, tokenizer):
         import transformers
@@ -54,13 +87,19 @@ class HFEngine:
         pass
 
 
-def make_engine(name: str, rt, actor, tokenizer):
-    """The rollout engine `rollout.engine` names. vLLM starts at its first sync, not here."""
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The class of the engine `rollout.engine` names: the one place the name is turned into code
+    (vLLM's module is imported only when it is named)."""
     if name == "vllm":
         from .vllm_engine import VllmEngine
 
-        return VllmEngine(rt, actor, tokenizer)
-    return HFEngine(rt, actor, tokenizer)
+        return VllmEngine
+    return HFEngine
+
+
+def make_engine(name: str, rt, actor, tokenizer) -> RolloutEngine:
+    """The rollout engine `rollout.engine` names. vLLM starts at its first sync, not here."""
+    return engine_class(name)(rt, actor, tokenizer)
 
 
 def sample_token(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float):

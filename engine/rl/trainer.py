@@ -26,13 +26,14 @@ from ..dist import Runtime
 from ..errors import ModelError
 from ..state.fingerprint import fingerprint
 from ..state.seeding import derive_seed, rng_digest, seed_globals
+from ..state.stateful import check_version
 from . import algorithms
 from . import samples as sample_codec
 from .buffer import RolloutBuffer
 from .data import Sampler, load_dataset
 from .models import ValueModel, load_causal_lm, load_reward_model, load_tokenizer, model_digest
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
-from .rollout import make_engine
+from .rollout import RolloutEngine, make_engine
 from .workers import ActorWorker, CriticWorker, collate, shard_batch
 
 
@@ -127,7 +128,7 @@ class Trainer:
                 p.requires_grad_(False)
         actor_model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, derive_seed(seed, 0, "init/actor"))
         self.actor = ActorWorker(actor_model, cfg, rt)
-        self.rollout = None  # built by the first live collect (replay never generates)
+        self.rollout: RolloutEngine | None = None  # built by the first live collect (replay never generates)
         self.critic = None
         if cfg.algorithm.name == "ppo":
             path = cfg.model.critic.model_name_or_path or cfg.model.actor.model_name_or_path
@@ -428,8 +429,7 @@ class TrainState:
         return {"version": self.VERSION, "step": self.step, "samples_seen": self.samples_seen}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["version"] != self.VERSION:
-            raise ValueError(f"train state version {state['version']} is not {self.VERSION}")
+        state = check_version("train", state, self.VERSION)
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
 
 

@@ -83,8 +83,6 @@ def _head_dim(model_config) -> int:
 def preflight(cfg: Config, device: torch.device) -> None:
     """Before a run that will generate with vLLM writes anything: vLLM is installed, and its CPU
     backend can run the actor's head size."""
-    if cfg.rollout.engine != "vllm":
-        return
     import_vllm()
     head, where = head_size(cfg)
     if device.type == "cpu" and head and head not in CPU_HEAD_SIZES:
@@ -219,7 +217,13 @@ def remove_stale_weights_copies() -> list[str]:
 
 
 class VllmEngine:
+    """rollout.engine=vllm (a rollout.RolloutEngine): a colocated vLLM engine in this process."""
+
     name = "vllm"
+
+    @classmethod
+    def preflight(cls, cfg: Config, device) -> None:
+        preflight(cfg, device)
 
     def __init__(self, rt, actor, tokenizer):
         self.rt, self.actor, self.tokenizer = rt, actor, tokenizer

@@ -6,6 +6,8 @@ import blake3
 import numpy as np
 import torch
 
+from .stateful import check_version
+
 
 def derive_seed(run_seed: int, step: int, stream: str, *extra: int) -> int:
     text = f"{run_seed}/{step}/{stream}/" + "/".join(map(str, extra))
@@ -43,13 +45,16 @@ def rng_digest() -> dict[str, str]:
 
 
 class RNGState:
-    """The process's global generators (torch, numpy, python, cuda) as a Stateful part of a snapshot.
-    Every step reseeds them, so this matters only for code that draws outside a step."""
+    """The process's global generators (torch, numpy, python, cuda) as a Stateful part of a snapshot,
+    one per rank. Every step reseeds them, so this matters only for code that draws outside a step."""
+
+    VERSION = 1
 
     def state_dict(self) -> dict:
         import random
 
         state = {
+            "version": self.VERSION,
             "torch": torch.get_rng_state().numpy(),
             "numpy": list(np.random.get_state()),
             "python": _py_rng_to_plain(random.getstate()),
@@ -61,6 +66,7 @@ class RNGState:
     def load_state_dict(self, state: dict) -> None:
         import random
 
+        state = check_version("random generators", state, self.VERSION)
         torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
         kind, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))

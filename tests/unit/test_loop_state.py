@@ -10,7 +10,7 @@ import os
 import pytest
 
 from verlj.engine.config import make_config
-from verlj.engine.errors import PluginError, ReplayError, SnapshotError
+from verlj.engine.errors import ReplayError, SnapshotError
 from verlj.engine.loop.ledger import Ledger
 from verlj.engine.loop.policy import CheckpointSchedule
 from verlj.engine.loop.recovery import choose_snapshot, resolve_explicit
@@ -160,7 +160,7 @@ def test_the_checkpoint_schedule_resumes_deciding_the_same():
     b = CheckpointSchedule(cfg)
     b.load_state_dict(a.state_dict())
     assert b.observe(7, {"critic/score/mean": 0.01}, {}) == a.observe(7, {"critic/score/mean": 0.01}, {})
-    with pytest.raises(PluginError, match="version"):
+    with pytest.raises(SnapshotError, match="checkpoint schedule state has version 99; this verlj reads version 1"):
         b.load_state_dict({**a.state_dict(), "version": 99})
     old = make_config(None, ["trainer.checkpoint_policy=verlj.engine.state.policy.SaveOnRewardDrop"]).trainer
     assert CheckpointSchedule(old).policy is not None  # the path runs made before the move stored still resolves
