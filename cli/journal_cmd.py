@@ -16,8 +16,8 @@ journal_app = typer.Typer(help="Low-level journal commands.", no_args_is_help=Tr
 def verify(path: Annotated[Path, typer.Argument(help="A journal directory (RUN/journal, with the LMDB files or shipped segments).")]) -> None:
     """Check a journal's chain, checksums, step continuity, schemas and LMDB structure."""
     try:
-        with open_journal_reader(path) as j:
-            report = verify_journal(j)
+        with open_journal_reader(path) as journal:
+            report = verify_journal(journal)
     except JournalError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

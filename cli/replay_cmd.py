@@ -38,19 +38,19 @@ def replay(
         from verlj.engine.loop.run import check_fork
 
         guarded(lambda: check_fork(run, to_step, fork, list(overrides or [])))
-    m = guarded(lambda: materialize.materialize(run, to_step, quiet=not verbose))
+    replayed = guarded(lambda: materialize.materialize(run, to_step, quiet=not verbose))
     if export is not None:
-        guarded(lambda: materialize.export_hf(m, export))
+        guarded(lambda: materialize.export_hf(replayed, export))
     if snapshot is not None:
-        guarded(lambda: materialize.write_snapshot(m, snapshot))
-    if m.run.rt.is_main:
+        guarded(lambda: materialize.write_snapshot(replayed, snapshot))
+    if replayed.run.rt.is_main:
         if as_json:
-            out(materialize.replay_report(m))
+            out(materialize.replay_report(replayed))
         else:
-            src = f"snapshot step_{m.from_snapshot:05d}" if m.from_snapshot else "the initial state"
-            n = m.step - m.from_snapshot
-            out(f"step {m.step}: fingerprint {m.fingerprint} (from {src}, replayed {n} step{'' if n == 1 else 's'})")
-            if (line := materialize.exactness_line(m)) is not None:
+            src = f"snapshot step_{replayed.from_snapshot:05d}" if replayed.from_snapshot else "the initial state"
+            n = replayed.step - replayed.from_snapshot
+            out(f"step {replayed.step}: fingerprint {replayed.fingerprint} (from {src}, replayed {n} step{'' if n == 1 else 's'})")
+            if (line := materialize.exactness_line(replayed)) is not None:
                 out(line)
             if export is not None:
                 out(f"exported the actor to {export}")
@@ -59,7 +59,7 @@ def replay(
     if fork is not None:
         from verlj.engine.loop.run import fork as fork_run
 
-        last = guarded(lambda: fork_run(m, run, fork, list(overrides or [])))
+        last = guarded(lambda: fork_run(replayed, run, fork, list(overrides or [])))
         out(f"Done: forked run {fork}, last committed step {last}")
 
 

@@ -51,7 +51,7 @@ from .claim import FencedError
 from .durable import fsync_dir
 from .errors import JournalError
 from .failpoints import failpoint
-from .store import GENESIS, HASH_LEN, STEP_HEADER, Journal, StepFrame, digest, unframe_plain
+from .store import BASE_STEP, CHAIN_BASE, GENESIS, HASH_LEN, STEP_HEADER, Journal, StepFrame, digest, unframe_plain
 
 MAGIC_SEGMENT = b"VJSEG\x01"
 _FIXED = struct.Struct(">QQQQ")  # file length, head length, first step + 1 (0: none), last step
@@ -324,10 +324,10 @@ def _walk(shipped: Path) -> SegmentScan:
 def _check_steps(seg: Segment, name: str, chain: bytes | None, last: int | None):
     """Continue the hash chain through a segment's step records. Returns (chain, last, problem)."""
     if chain is None and seg.meta is not None:  # the first segment with meta sets where the chain starts
-        base = seg.meta.get(b"base_step")
-        cbase = seg.meta.get(b"chain_base")
-        last = int(unframe_plain(base, "meta 'base_step'")) if base is not None else 0
-        chain = bytes.fromhex(unframe_plain(cbase, "meta 'chain_base'")) if cbase is not None else GENESIS
+        base = seg.meta.get(BASE_STEP.encode())
+        cbase = seg.meta.get(CHAIN_BASE.encode())
+        last = int(unframe_plain(base, f"meta {BASE_STEP!r}")) if base is not None else 0
+        chain = bytes.fromhex(unframe_plain(cbase, f"meta {CHAIN_BASE!r}")) if cbase is not None else GENESIS
     if not seg.steps:
         return chain, last, None
     if chain is None:

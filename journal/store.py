@@ -70,6 +70,9 @@ NO_PAYLOAD = bytes(HASH_LEN)  # the payload digest of a step without payload fie
 DEFAULT_COMPRESSION_LEVEL = 1  # zstd; 0 stores payloads uncompressed (level 3: no smaller here, 1.2-1.5x slower: bench_journal.py)
 _CORE_LEN = struct.Struct(">I")
 
+# meta keys of the chain's start (Journal.start_after): a fork's journal begins after its parent's step
+BASE_STEP, CHAIN_BASE = "base_step", "chain_base"
+
 DB_STEPS = b"steps"
 DB_META = b"meta"
 DB_SNAPSHOTS = b"snapshots"
@@ -449,7 +452,15 @@ class Journal:
 
     def base_step(self) -> int:
         """The step before the journal's first record (0 for a new run, N for a fork at step N)."""
-        return int(self.get_meta("base_step", 0))
+        return int(self.get_meta(BASE_STEP, 0))
+
+    def start_after(self, step: int, chain: str, meta: dict[str, Any] | None = None) -> None:
+        """Make this empty journal continue another's hash chain: its first record will be step + 1,
+        chained to `chain` (the other journal's chain hash after `step`; a fork). Written with the
+        given meta values in one transaction."""
+        if self.num_steps():
+            raise JournalError(f"journal {self.path} already holds steps; only an empty journal can start after another's step")
+        self.update_meta({**(meta or {}), BASE_STEP: step, CHAIN_BASE: chain})
 
     def append_step(self, step: int, events: list[dict], *, wall_time: float | None = None) -> str:
         """Append one step's events in one transaction. Returns the record's chain hash (hex)."""
@@ -554,12 +565,12 @@ class Journal:
         self._write(txn_fn)
 
     def _base_step_txn(self, txn) -> int:
-        raw = txn.get(b"base_step", db=self._meta)
-        return 0 if raw is None else int(unframe_plain(raw, "meta 'base_step'"))
+        raw = txn.get(BASE_STEP.encode(), db=self._meta)
+        return 0 if raw is None else int(unframe_plain(raw, f"meta {BASE_STEP!r}"))
 
     def _chain_base_txn(self, txn) -> bytes:
-        raw = txn.get(b"chain_base", db=self._meta)
-        return GENESIS if raw is None else bytes.fromhex(unframe_plain(raw, "meta 'chain_base'"))
+        raw = txn.get(CHAIN_BASE.encode(), db=self._meta)
+        return GENESIS if raw is None else bytes.fromhex(unframe_plain(raw, f"meta {CHAIN_BASE!r}"))
 
     def set_meta(self, name: str, value: Any) -> None:
         frame = frame_plain(codec.packb(value))

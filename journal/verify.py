@@ -22,6 +22,8 @@ from . import codec
 from .errors import CodecError, JournalError, SchemaError
 from .events import SUMMARY_TYPES
 from .store import (
+    BASE_STEP,
+    CHAIN_BASE,
     GENESIS,
     Journal,
     StepFrame,
@@ -106,10 +108,10 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
     base_step, prev_chain = 0, GENESIS
     try:
         meta = journal.meta()
-        base_step = int(meta.get("base_step", 0))
+        base_step = int(meta.get(BASE_STEP, 0))
         report.pruned_through = int(meta.get("pruned_through", 0))
-        if "chain_base" in meta:
-            prev_chain = bytes.fromhex(meta["chain_base"])
+        if CHAIN_BASE in meta:
+            prev_chain = bytes.fromhex(meta[CHAIN_BASE])
     except (JournalError, ValueError) as e:
         report.add(BAD_META, None, str(e))
 

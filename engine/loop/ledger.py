@@ -1,8 +1,8 @@
 """The run ledger: the one module that reads and writes a run's history in the journal's metadata.
 
     RUN/journal  meta        identity: config, config_hash, seed, versions, topology, created,
-                             git_commit, run_dir, reward_model digest; a fork's parent, base_step,
-                             chain_base
+                             git_commit, run_dir, reward_model digest; a fork's parent (its journal
+                             starts after the parent's step: Journal.start_after)
                  meta        history: config_history (changes from a step on), topology_history
                              (world size / ZeRO stage / TP size changes from a step on, with the
                              rebased fingerprint), lineage (start, resume, fork), quarantined snapshots
@@ -39,7 +39,7 @@ from ..errors import RunError
 
 # meta keys, named here only
 _CONFIG, _HISTORY, _LINEAGE, _QUARANTINE = "config", "config_history", "lineage", "quarantined"
-_PARENT, _BASE, _CHAIN_BASE = "parent", "base_step", "chain_base"
+_PARENT = "parent"
 _ARCHIVE = "archive"
 _TOPOLOGY = "topology_history"
 
@@ -176,9 +176,9 @@ def run_state(run_dir: Path) -> str:
         # a claim, or a pointer to a local journal that was never created: a start killed at its first breath
         started = segments.read_pointer(journal_dir(run_dir)) is not None or writer_dir(run_dir).is_dir()
         return "empty" if started else "none"
-    with open_journal_reader(journal_dir(run_dir)) as j:
+    with open_journal_reader(journal_dir(run_dir)) as journal:
         # a journal that holds a step is a run, whatever else it lacks: nothing discards it
-        if j.last_step() == j.base_step() and not j.snapshots() and j.get_meta(_PARENT) is None:
+        if journal.last_step() == journal.base_step() and not journal.snapshots() and journal.get_meta(_PARENT) is None:
             return "empty"
     return "run"
 
@@ -197,8 +197,8 @@ def has_run(run_dir: Path) -> bool:
     """A journal with a run's metadata (one without it died before its first write: not a run)."""
     if not journal_exists(run_dir):
         return False
-    with open_journal_reader(journal_dir(run_dir)) as j:
-        return j.get_meta(_CONFIG) is not None
+    with open_journal_reader(journal_dir(run_dir)) as journal:
+        return journal.get_meta(_CONFIG) is not None
 
 
 @dataclass
@@ -265,11 +265,13 @@ class Ledger:
     # ------------------------------------------------------------------ identity
 
     def start(self, identity: dict, parent: dict | None = None, base_step: int = 0, chain_base: str | None = None) -> None:
-        """Record a new run's identity (a fresh start, or a fork of `parent` at `base_step`)."""
+        """Record a new run's identity: a fresh start, or a fork of `parent` at `base_step`, whose journal
+        continues the parent's hash chain (`chain_base`: its chain hash after that step)."""
         values = {**identity, _LINEAGE: [{"kind": "fork" if parent else "start", "at_step": base_step, "time": now_iso()}]}
-        if parent is not None:
-            values.update({_PARENT: parent, _BASE: base_step, _CHAIN_BASE: chain_base})
-        self.journal.update_meta(values)
+        if parent is None:
+            self.journal.update_meta(values)
+        else:
+            self.journal.start_after(base_step, chain_base, {**values, _PARENT: parent})
 
     def identity(self) -> dict[str, Any]:
         """Everything recorded about the run (config, versions, topology, ...)."""

@@ -284,12 +284,12 @@ def check_fork(parent: Path, step: int, new_run: Path, overrides: list[str]) -> 
         fork_config(ledger.config_at(step), overrides, new_run)
 
 
-def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
+def fork(replayed, parent: Path, new_run: Path, overrides: list[str]) -> int:
     """`replay --fork`: a new run from a materialized state (post_mortem.materialize); its journal records
     the parent run and step."""
     from .checkpointer import Checkpointer
 
-    rt, trainer = m.run.rt, m.run.trainer
+    rt, trainer = replayed.run.rt, replayed.run.trainer
     cfg, changed = fork_config(trainer.cfg.to_dict(), overrides, new_run)
     preflight_rollout(cfg, rt)
     trainer.set_config(cfg)
@@ -299,19 +299,19 @@ def fork(m, parent: Path, new_run: Path, overrides: list[str]) -> int:
     try:
         if rt.is_main:
             with open_journal_reader(journal_dir(parent)) as pj:
-                chain = pj.chain_hash(m.step)
+                chain = pj.chain_hash(replayed.step)
             journal, notes = open_writer(new_run, cfg.journal, claim_run(new_run, cfg.journal))
             run.ledger = Ledger(journal)
-            origin = {"run": str(parent.resolve()), "step": m.step, "fingerprint": m.fingerprint}
-            run.ledger.start(run_identity(run), parent=origin, base_step=m.step, chain_base=chain)
+            origin = {"run": str(parent.resolve()), "step": replayed.step, "fingerprint": replayed.fingerprint}
+            run.ledger.start(run_identity(run), parent=origin, base_step=replayed.step, chain_base=chain)
             for note in notes:
                 say(run.reporter, note)
         run.ckpt = Checkpointer(run)
-        run.ckpt.save(m.step, m.fingerprint)  # the fork's base: recovery of the new run starts here
+        run.ckpt.save(replayed.step, replayed.fingerprint)  # the fork's base: recovery of the new run starts here
         run.ckpt.wait()
-        control = [make_event("control", kind="fork", details={"parent": str(parent), "parent_step": m.step, "config_changes": changed})]
-        run.reporter.info(f"Forked {parent} at step {m.step} into {new_run}.")
-        return train_loop(run, m.step, control)
+        control = [make_event("control", kind="fork", details={"parent": str(parent), "parent_step": replayed.step, "config_changes": changed})]
+        run.reporter.info(f"Forked {parent} at step {replayed.step} into {new_run}.")
+        return train_loop(run, replayed.step, control)
     finally:
         run.reporter.close()
         if run.ledger is not None:

@@ -30,8 +30,8 @@ from ..state.manifest import check_snapshot
 from .steps import parse_steps
 
 
-def check_range(j: Ledger, step: int) -> None:
-    first, last = j.base_step() + 1, j.last_step()
+def check_range(ledger: Ledger, step: int) -> None:
+    first, last = ledger.base_step() + 1, ledger.last_step()
     if not first <= step <= last:
         raise RunError(f"step {step} is out of range: this run has steps {first}–{last}")
 
@@ -41,23 +41,23 @@ def check_range(j: Ledger, step: int) -> None:
 
 def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
     run_dir = Path(run_dir)
-    with open_run(run_dir) as j:
-        meta = j.identity()
-        lineage = j.lineage()
-        topology = j.topology_history()
-        quarantined = j.quarantined()
-        last, base = j.last_step(), j.base_step()
-        index = j.snapshots()
-        ranks_now = j.topology_at(last)["world_size"]
-        last_summary = j.journal.read_summary(last) if last > base else None
+    with open_run(run_dir) as ledger:
+        meta = ledger.identity()
+        lineage = ledger.lineage()
+        topology = ledger.topology_history()
+        quarantined = ledger.quarantined()
+        last, base = ledger.last_step(), ledger.base_step()
+        index = ledger.snapshots()
+        ranks_now = ledger.topology_at(last)["world_size"]
+        last_summary = ledger.journal.read_summary(last) if last > base else None
         rollout = last_summary.first("rollout") if last_summary else None
         engine = {"engine": rollout["engine"], "version": rollout["version"]} if rollout else \
-            {"engine": j.config_at(last).get("rollout", {}).get("engine", "hf"), "version": None}
+            {"engine": ledger.config_at(last).get("rollout", {}).get("engine", "hf"), "version": None}
         trend = []
         if last > base:
             steps = sorted({int(x) for x in np.linspace(base + 1, last, num=min(trend_points, last - base))})
             for s in steps:
-                summ = j.journal.read_summary(s)
+                summ = ledger.journal.read_summary(s)
                 values = summ.metrics if summ else {}
                 trend.append({"step": s, "reward": values.get("critic/score/mean"), "loss": values.get("actor/pg_loss")})
     snaps = []
@@ -183,13 +183,13 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
     retention pruned them from the journal)."""
     run_dir = Path(run_dir)
     note = None
-    with open_run(run_dir) as j:
-        check_range(j, step)
-        record = j.journal.read_step(step)
-        config = j.config_at(step)
+    with open_run(run_dir) as ledger:
+        check_range(ledger, step)
+        record = ledger.journal.read_step(step)
+        config = ledger.config_at(step)
         cols = None
         if record.pruned:
-            cols = archive.Reader(run_dir, j).step_columns(step)
+            cols = archive.Reader(run_dir, ledger).step_columns(step)
             note = (f"samples pruned from the journal (journal.retain_samples); shown from {archive.ARCHIVE_DIR}/"
                     if cols is not None else "samples pruned from the journal (journal.retain_samples) and not archived")
         elif record.first("buffer.add") is not None:
@@ -258,8 +258,8 @@ def render_step(d: dict) -> str:
 def metric_rows(run_dir: Path, names: list[str] | None, steps: str | None) -> tuple[list[str], list[dict]]:
     start, stop = parse_steps(steps)
     rows, seen = [], set()
-    with open_run(run_dir) as j:
-        for step, values in j.metrics(start, stop):
+    with open_run(run_dir) as ledger:
+        for step, values in ledger.metrics(start, stop):
             seen |= set(values)
             rows.append({"step": step, **(values if names is None else {k: values.get(k) for k in names})})
     if names is not None:
@@ -344,8 +344,8 @@ def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[tupl
     conds = parse_where(where)
     out = []
     names_seen: set[str] = set()
-    with open_run(run_dir) as j:
-        for step, values in j.metrics():
+    with open_run(run_dir) as ledger:
+        for step, values in ledger.metrics():
             names_seen |= set(values)
             if all(c(values) for c in conds):
                 out.append((step, {c.name: values.get(c.name) for c in conds}))
@@ -407,9 +407,9 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
             kinds = sorted(k for k in set(ea) | set(eb) if ea.get(k) != eb.get(k))
             if not kinds:
                 continue
-            ma, mb = x.metrics, y.metrics
-            metrics = {k: [ma.get(k), mb.get(k)] for k in sorted(set(ma) | set(mb))
-                       if not k.startswith("timing_s/") and _canon(ma.get(k)) != _canon(mb.get(k))}
+            metrics_a, metrics_b = x.metrics, y.metrics
+            metrics = {k: [metrics_a.get(k), metrics_b.get(k)] for k in sorted(set(metrics_a) | set(metrics_b))
+                       if not k.startswith("timing_s/") and _canon(metrics_a.get(k)) != _canon(metrics_b.get(k))}
             return {"identical": False, "step": step, "differs": kinds, "detail": {"metrics": metrics},
                     "config": config_changes, "steps_a": la, "steps_b": lb, "topology": topology}
     if la != lb:

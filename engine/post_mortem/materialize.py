@@ -87,30 +87,30 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
     return Materialized(to_step, fp, step0, run, out.exact, out.tolerant_steps, out.worst)
 
 
-def export_hf(m: Materialized, out_dir: Path) -> None:
+def export_hf(replayed: Materialized, out_dir: Path) -> None:
     """Write the actor as a Hugging Face model directory (safetensors) with its tokenizer."""
     import deepspeed
 
-    module = m.run.trainer.actor.engine.module
-    if m.run.rt.tp_size > 1:  # AutoTP shards joined (state.reshard), saved under the model's own names
+    module = replayed.run.trainer.actor.engine.module
+    if replayed.run.rt.tp_size > 1:  # AutoTP shards joined (state.reshard), saved under the model's own names
         from ..state.reshard import full_parameters
 
-        whole = dict(full_parameters(m.run.trainer.actor.engine, m.run.rt, m.run.trainer.param_layout()["actor"]))
-        if m.run.rt.is_main:
+        whole = dict(full_parameters(replayed.run.trainer.actor.engine, replayed.run.rt, replayed.run.trainer.param_layout()["actor"]))
+        if replayed.run.rt.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             module.save_pretrained(str(out_dir), state_dict=whole, safe_serialization=True)
-            m.run.trainer.tokenizer.save_pretrained(str(out_dir))
-        m.run.rt.barrier()
+            replayed.run.trainer.tokenizer.save_pretrained(str(out_dir))
+        replayed.run.rt.barrier()
         return
     params = list(module.parameters())
     zero3 = any(hasattr(p, "ds_tensor") for p in params)
     ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else _null()
     with ctx:
-        if m.run.rt.is_main:
+        if replayed.run.rt.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             module.save_pretrained(str(out_dir), safe_serialization=True)
-            m.run.trainer.tokenizer.save_pretrained(str(out_dir))
-    m.run.rt.barrier()
+            replayed.run.trainer.tokenizer.save_pretrained(str(out_dir))
+    replayed.run.rt.barrier()
 
 
 class _null:
@@ -121,27 +121,27 @@ class _null:
         return False
 
 
-def write_snapshot(m: Materialized, out_dir: Path) -> None:
+def write_snapshot(replayed: Materialized, out_dir: Path) -> None:
     """A verlj snapshot of the materialized state at out_dir (with its manifest; not indexed anywhere)."""
-    m.run.ckpt.write_standalone(m.step, m.fingerprint, out_dir)
+    replayed.run.ckpt.write_standalone(replayed.step, replayed.fingerprint, out_dir)
 
 
-def replay_report(m: Materialized) -> str:
-    return json.dumps({"step": m.step, "fingerprint": m.fingerprint, "from_snapshot": m.from_snapshot,
-                       "exact": m.exact, "tolerant_steps": m.tolerant_steps, "max_deviation": m.worst})
+def replay_report(replayed: Materialized) -> str:
+    return json.dumps({"step": replayed.step, "fingerprint": replayed.fingerprint, "from_snapshot": replayed.from_snapshot,
+                       "exact": replayed.exact, "tolerant_steps": replayed.tolerant_steps, "max_deviation": replayed.worst})
 
 
-def exactness_line(m: Materialized) -> str | None:
+def exactness_line(replayed: Materialized) -> str | None:
     """What a replay that crossed a topology change can promise, in one line (None: bit for bit)."""
-    if m.exact and not m.tolerant_steps:
+    if replayed.exact and not replayed.tolerant_steps:
         return None
     from ..loop.recovery import TOLERANCE
 
-    if not m.tolerant_steps:
+    if not replayed.tolerant_steps:
         return ("resharded from a snapshot of another topology (the weights equal the snapshot's); the fingerprint "
                 "hashes this topology's layout, so it differs from the journal's")
-    w = m.worst
+    w = replayed.worst
     worst = f" (largest deviation {w['deviation']:.3g}, {w['metric']} at step {w['step']})" if w else ""
-    then = ("; exact again from the topology boundary on" if m.exact else "")
-    return (f"{m.tolerant_steps} step(s) replayed on another topology than the journal's: bits differ, every journaled "
+    then = ("; exact again from the topology boundary on" if replayed.exact else "")
+    return (f"{replayed.tolerant_steps} step(s) replayed on another topology than the journal's: bits differ, every journaled "
             f"metric agreed within rtol {TOLERANCE['rtol']}, atol {TOLERANCE['atol']}{worst}{then}")

@@ -18,9 +18,9 @@ def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open_run(run_dir) as j:
-        snaps = sorted(j.snapshots())
-        resumes = j.resume_steps()
+    with open_run(run_dir) as ledger:
+        snaps = sorted(ledger.snapshots())
+        resumes = ledger.resume_steps()
     n = max(1, len(cols))
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 * n), sharex=True, squeeze=False)
     steps = [r["step"] for r in rows]

@@ -312,10 +312,10 @@ def deep_check(report: RunReport, run_dir: Path, from_step: int | None) -> None:
         if stop in done or stop < start:
             continue
         try:
-            m = materialize(run_dir, stop, max_snapshot=start)
-            m.run.trainer.close()
-            src = snapshot_name(m.from_snapshot) if m.from_snapshot else "the initial state"
-            line = exactness_line(m)
+            replayed = materialize(run_dir, stop, max_snapshot=start)
+            replayed.run.trainer.close()
+            src = snapshot_name(replayed.from_snapshot) if replayed.from_snapshot else "the initial state"
+            line = exactness_line(replayed)
             report.deep_lines.append(f"✓ Replayed to step {stop} from {src}: " + ("every fingerprint matches" if line is None else line))
         except Exception as e:  # noqa: BLE001 - the report says what failed
             report.deep_ok = False

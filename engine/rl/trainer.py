@@ -204,8 +204,13 @@ class Trainer:
     # ================================================================== collect: stochastic, expensive
 
     def collect(self, step: int) -> StepInputs:
+        """The stochastic, expensive half of a step: draw prompts, generate `rollout.n` samples for each
+        (each from its own seed: its place in the step), score them, and decide what enters, leaves
+        and is consumed from the rollout buffer (dynamic sampling may draw more rounds). Changes the
+        sampler and nothing the update reads; returns exactly what the journal records. Live steps
+        only: replay reads these inputs back instead. Collective."""
         cfg, rt = self.cfg, self.rt
-        P, n, D = cfg.data.prompts_per_step, cfg.rollout.n, rt.dp_size
+        prompts_per_step, group_size, dp_size = cfg.data.prompts_per_step, cfg.rollout.n, rt.dp_size
         seeds = {
             "rollout": derive_seed(cfg.trainer.seed, step, "rollout"),
             "train": derive_seed(cfg.trainer.seed, step, "train"),
@@ -221,17 +226,17 @@ class Trainer:
         added, dropped, drawn = [], [], []
         rounds = 0
         while True:
-            indices = self.sampler.draw(P)
+            indices = self.sampler.draw(prompts_per_step)
             drawn.append(indices)
-            first = rt.dp_rank * (P // D)  # this rank's prompts are the step's first+0, first+1, ...
-            mine = indices[first : first + P // D]
+            first = rt.dp_rank * (prompts_per_step // dp_size)  # this rank's prompts are the step's first+0, first+1, ...
+            mine = indices[first : first + prompts_per_step // dp_size]
             t0 = time.perf_counter()
-            prompts = [self.prompt_ids[i] for i in mine for _ in range(n)]
+            prompts = [self.prompt_ids[i] for i in mine for _ in range(group_size)]
             # each sample's seed is its place in the step (round, k), whichever rank generates it
-            sample_seeds = [derive_seed(cfg.trainer.seed, step, "rollout/sample", rounds, k) for k in range(first * n, first * n + len(prompts))]
+            sample_seeds = [derive_seed(cfg.trainer.seed, step, "rollout/sample", rounds, k) for k in range(first * group_size, first * group_size + len(prompts))]
             responses, logps = self.rollout.generate(prompts, sample_seeds, cfg)
             t1 = time.perf_counter()
-            local = self._score(mine, n, prompts, responses, logps)
+            local = self._score(mine, group_size, prompts, responses, logps)
             timings["timing_s/gen"] += t1 - t0
             timings["timing_s/reward"] += time.perf_counter() - t1
             t2 = time.perf_counter()
@@ -242,23 +247,23 @@ class Trainer:
             new = [s for r, cols in enumerate(gathered) if r % rt.tp_size == 0 for s in sample_codec.unpack(cols)]
             for k, s in enumerate(new):
                 s["id"] = next_id + k
-                s["group"] = next_id + (k // n) * n  # a group is named by its first sample's id
+                s["group"] = next_id + (k // group_size) * group_size  # a group is named by its first sample's id
             next_id += len(new)
             added += new
             rounds += 1
             if not cfg.algorithm.dynamic_sampling:
                 break
-            for g in range(0, len(new), n):
-                scores = [s["score"] for s in new[g : g + n]]
+            for g in range(0, len(new), group_size):
+                scores = [s["score"] for s in new[g : g + group_size]]
                 if max(scores) == min(scores):
-                    dropped += [s["id"] for s in new[g : g + n]]
+                    dropped += [s["id"] for s in new[g : g + group_size]]
                 else:
                     pending_groups += 1
-            if pending_groups >= P or rounds >= cfg.algorithm.max_sampling_rounds:
+            if pending_groups >= prompts_per_step or rounds >= cfg.algorithm.max_sampling_rounds:
                 break
         consumed = self._choose_consumed(added, set(dropped))
         timings["sampling/rounds"] = float(rounds)
-        timings["sampling/dropped_groups"] = float(len(dropped) // n)
+        timings["sampling/dropped_groups"] = float(len(dropped) // group_size)
         return StepInputs(
             seeds=seeds,
             epoch=self.sampler.epoch,
@@ -272,17 +277,17 @@ class Trainer:
             engine={"name": self.rollout.name, "version": self.rollout.version},
         )
 
-    def _score(self, mine, n, prompts, responses, logps) -> list[dict]:
+    def _score(self, mine, group_size, prompts, responses, logps) -> list[dict]:
         tok = self.tokenizer
         texts_p = [tok.decode(p, skip_special_tokens=True) for p in prompts]
         texts_r = [tok.decode(r, skip_special_tokens=True) for r in responses]
-        answers = [self.dataset[i].answer for i in mine for _ in range(n)]
+        answers = [self.dataset[i].answer for i in mine for _ in range(group_size)]
         rule = rule_rewards(self.reward_fn, texts_p, texts_r, answers)
         rm = [0.0] * len(rule)
         if self.rm is not None:
             rm = reward_model_scores(self.rm[0], self.rm[1], [p + r for p, r in zip(texts_p, texts_r)], self.rt.device)
         w = self.cfg.model.reward_model.weight
-        rows = [int(i) for i in mine for _ in range(n)]
+        rows = [int(i) for i in mine for _ in range(group_size)]
         return [
             {
                 "id": 0, "group": 0, "index": rows[k], "prompt_ids": prompts[k], "response_ids": responses[k],
@@ -335,20 +340,25 @@ class Trainer:
     # ================================================================== apply: deterministic
 
     def apply(self, step: int, inputs: StepInputs, samples: list[dict]) -> StepOutcome:
+        """The deterministic half of a step: from the consumed samples (`take`), the old and reference
+        log-probs, advantages (and values and returns for PPO), the DeepSpeed updates of the actor (and
+        critic), the metrics and the fingerprint of the state after. The same code serves live
+        training and replay, which feeds it journaled inputs: the same inputs give the same bits.
+        Collective."""
         cfg, rt = self.cfg, self.rt
         seed_globals(inputs.seeds["train"])  # nothing should draw from them, but if it does it is seeded
         timings: dict[str, float] = {}
         metrics: dict[str, float] = {}
-        S, D = len(samples), rt.dp_size
+        dp_size = rt.dp_size
         scores_all = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
         metrics.update(_sample_metrics(samples, scores_all, len(self.buffer)))
-        if S == 0:  # dynamic sampling found no group with varying rewards: no update this step
+        if not samples:  # dynamic sampling found no group with varying rewards: no update this step
             metrics["actor/skipped_update"] = 1.0
         else:
             global_tokens = cfg.algorithm.loss_normalization == "global_tokens"
-            rows, minis = shard_batch(samples, cfg.model.actor.mini_batch_size, D, rt.dp_rank, global_tokens)
+            rows, minis = shard_batch(samples, cfg.model.actor.mini_batch_size, dp_size, rt.dp_rank, global_tokens)
             mine = [samples[i] for i in rows]
-            all_sum = rt.dp_sum if global_tokens and D > 1 else None  # token means over every rank's tokens
+            all_sum = rt.dp_sum if global_tokens and dp_size > 1 else None  # token means over every rank's tokens
             batch = collate(mine, self.tokenizer.pad_token_id, rt.device)
             # GRPO with one pass over one mini-batch: the policy before the update is the one the
             # update's own forward sees, so the "old" log-probs come from that forward (detached)
@@ -392,7 +402,7 @@ class Trainer:
             gen_lp = _padded(mine, "gen_logprobs", mask.shape[1], rt.device)
             fresh = set(np.asarray(inputs.added["id"]).tolist())
             now = torch.tensor([float(s["id"] in fresh) for s in mine], device=rt.device)[:, None] * mask
-            metrics.update(algorithms.logprob_gap(gen_lp, before, now, all_sum, rt.max_over if D > 1 else None))
+            metrics.update(algorithms.logprob_gap(gen_lp, before, now, all_sum, rt.max_over if dp_size > 1 else None))
             metrics = rt.mean(metrics)
             self.weights_changed()
         t = time.perf_counter()

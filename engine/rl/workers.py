@@ -285,14 +285,14 @@ class _Stepper:
 class ActorWorker(_Stepper):
     def __init__(self, model: torch.nn.Module, cfg: Config, rt: Runtime):
         self.cfg, self.rt = cfg, rt
-        self.ac = cfg.model.actor
-        self.optim = self.ac.optim
+        self.actor_cfg = cfg.model.actor
+        self.optim = self.actor_cfg.optim
         self.ref = copy.deepcopy(model).to(rt.device).eval()
         for p in self.ref.parameters():
             p.requires_grad_(False)
         model.train()
         self.full_shapes = trainable_shapes(model)
-        self.engine = make_engine(model, self.ac.optim, cfg, rt, self.ac.micro_batch_size)
+        self.engine = make_engine(model, self.actor_cfg.optim, cfg, rt, self.actor_cfg.micro_batch_size)
         self.temperature = cfg.rollout.temperature
 
     @property
@@ -300,16 +300,16 @@ class ActorWorker(_Stepper):
         return self.engine.module
 
     def set_config(self, cfg: Config) -> None:
-        self.cfg, self.ac, self.temperature = cfg, cfg.model.actor, cfg.rollout.temperature
-        self.optim = self.ac.optim
-        _set_lr(self.engine, self.ac.optim)
+        self.cfg, self.actor_cfg, self.temperature = cfg, cfg.model.actor, cfg.rollout.temperature
+        self.optim = self.actor_cfg.optim
+        _set_lr(self.engine, self.actor_cfg.optim)
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, model=None) -> torch.Tensor:
         model = self.engine.module if model is None else model
         was = model.training
         model.eval()
-        out = [response_logprobs(model, batch.slice(a, b), self.temperature)[0] for a, b in micro_chunks(len(batch), self.ac.micro_batch_size)]
+        out = [response_logprobs(model, batch.slice(a, b), self.temperature)[0] for a, b in micro_chunks(len(batch), self.actor_cfg.micro_batch_size)]
         model.train(was)
         return torch.cat(out)
 
@@ -319,19 +319,19 @@ class ActorWorker(_Stepper):
         policy before it ([B, R]: ``old_logprobs``, or, fused, those of each row's first forward)."""
         stats = UpdateStats(self.rt.dp_size)
         before = old_logprobs if old_logprobs is not None else torch.zeros_like(advantages)
-        for mb in accumulation(self.engine, self.ac.micro_batch_size, self.rt.dp_size, mini_batches, self.ac.ppo_epochs):
+        for mb in accumulation(self.engine, self.actor_cfg.micro_batch_size, self.rt.dp_size, mini_batches, self.actor_cfg.ppo_epochs):
             sl, micro_batch = mb.rows, batch.slice(mb.rows.start, mb.rows.stop)
             mask = micro_batch.resp_mask
             logp, ent = response_logprobs(self.engine, micro_batch, self.temperature, with_entropy=True)
             if old_logprobs is None:  # fused (see Trainer.apply): one epoch over one mini-batch, each row seen once
                 before[sl] = logp.detach()
             old = logp.detach() if old_logprobs is None else old_logprobs[sl]
-            pg_loss, clipfrac, ppo_kl = algorithms.policy_loss(logp, old, advantages[sl], mask, self.ac.clip_ratio, mb.denom)
+            pg_loss, clipfrac, ppo_kl = algorithms.policy_loss(logp, old, advantages[sl], mask, self.actor_cfg.clip_ratio, mb.denom)
             entropy = algorithms.masked_mean(ent, mask, mb.denom)
-            loss = pg_loss - self.ac.entropy_coeff * entropy
-            if self.cfg.algorithm.name == "grpo" and self.ac.use_kl_loss:
+            loss = pg_loss - self.actor_cfg.entropy_coeff * entropy
+            if self.cfg.algorithm.name == "grpo" and self.actor_cfg.use_kl_loss:
                 kl = algorithms.masked_mean(algorithms.kl_k3(logp, ref_logprobs[sl]), mask, mb.denom)
-                loss = loss + self.ac.kl_loss_coef * kl
+                loss = loss + self.actor_cfg.kl_loss_coef * kl
                 stats.token_term(mb, "actor/kl_loss", kl.item())
             stats.token_term(mb, "actor/pg_loss", pg_loss.item())
             stats.token_term(mb, "actor/pg_clipfrac", clipfrac.item())
@@ -347,16 +347,16 @@ class ActorWorker(_Stepper):
 class CriticWorker(_Stepper):
     def __init__(self, module: torch.nn.Module, cfg: Config, rt: Runtime):
         self.cfg, self.rt = cfg, rt
-        self.cc = cfg.model.critic
-        self.optim = self.cc.optim
+        self.critic_cfg = cfg.model.critic
+        self.optim = self.critic_cfg.optim
         module.train()
         self.full_shapes = trainable_shapes(module)
-        self.engine = make_engine(module, self.cc.optim, cfg, rt, self.cc.micro_batch_size)
+        self.engine = make_engine(module, self.critic_cfg.optim, cfg, rt, self.critic_cfg.micro_batch_size)
 
     def set_config(self, cfg: Config) -> None:
-        self.cfg, self.cc = cfg, cfg.model.critic
-        self.optim = self.cc.optim
-        _set_lr(self.engine, self.cc.optim)
+        self.cfg, self.critic_cfg = cfg, cfg.model.critic
+        self.optim = self.critic_cfg.optim
+        _set_lr(self.engine, self.critic_cfg.optim)
 
     def _values(self, model, batch: Batch) -> torch.Tensor:
         v = model(batch.input_ids, batch.attention_mask)[:, :-1].float()  # value of the state before each next token
@@ -365,16 +365,16 @@ class CriticWorker(_Stepper):
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
         self.engine.module.eval()
-        out = [self._values(self.engine.module, batch.slice(a, b)) for a, b in micro_chunks(len(batch), self.cc.micro_batch_size)]
+        out = [self._values(self.engine.module, batch.slice(a, b)) for a, b in micro_chunks(len(batch), self.critic_cfg.micro_batch_size)]
         self.engine.module.train()
         return torch.cat(out)
 
     def update(self, batch: Batch, old_values, returns, mini_batches: list[MiniBatch], epochs: int) -> dict[str, float]:
         stats = UpdateStats(self.rt.dp_size)
-        for mb in accumulation(self.engine, self.cc.micro_batch_size, self.rt.dp_size, mini_batches, epochs):
+        for mb in accumulation(self.engine, self.critic_cfg.micro_batch_size, self.rt.dp_size, mini_batches, epochs):
             sl, micro_batch = mb.rows, batch.slice(mb.rows.start, mb.rows.stop)
             v = self._values(self.engine, micro_batch)
-            loss, clipfrac = algorithms.value_loss(v, old_values[sl], returns[sl], micro_batch.resp_mask, self.cc.cliprange_value, mb.denom)
+            loss, clipfrac = algorithms.value_loss(v, old_values[sl], returns[sl], micro_batch.resp_mask, self.critic_cfg.cliprange_value, mb.denom)
             stats.token_term(mb, "critic/vf_loss", loss.item())
             stats.token_term(mb, "critic/vf_clipfrac", clipfrac.item())
             self._backward_and_step(mb, loss, stats, "critic")

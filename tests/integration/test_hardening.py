@@ -1,5 +1,5 @@
-"""Regression tests for the failure paths a user hit (issue 9): each ends in one clear line, a
-non-zero exit, and no damage to an existing run; no false alarm, no lost snapshot."""
+"""The failure paths users met, by subject: each ends in one clear line, a non-zero exit, and no
+damage to an existing run; no false alarm, no lost snapshot."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 
-# ----------------------------------------------------------------------------- 1. verify while rotation deletes
+# ----------------------------------------------------------------------------- verify while rotation deletes
 
 
 def test_verify_does_not_call_a_rotated_snapshot_damaged(copy, monkeypatch):
@@ -57,7 +57,7 @@ def test_verify_does_not_call_a_rotated_snapshot_damaged(copy, monkeypatch):
     assert "rotated away by the live run" in verify_mod.render(report)
 
 
-# ----------------------------------------------------------------------------- 2, 3. stdout and cold start
+# ----------------------------------------------------------------------------- stdout and cold start
 
 
 def test_replay_json_is_alone_on_stdout_and_no_extension_is_built(base, tmp_path):
@@ -70,7 +70,7 @@ def test_replay_json_is_alone_on_stdout_and_no_extension_is_built(base, tmp_path
     assert not ext.exists() or not any(ext.rglob("*.so")), list(ext.rglob("*"))
 
 
-# ----------------------------------------------------------------------------- 4. one line, nothing left behind
+# ----------------------------------------------------------------------------- bad input: one line, nothing left behind
 
 
 def test_user_code_that_fails_leaves_no_run(tmp_path):
@@ -132,7 +132,7 @@ def test_plot_without_matplotlib(base, tmp_path):
     assert not (tmp_path / "m.png").exists()
 
 
-# ----------------------------------------------------------------------------- 5. config changes
+# ----------------------------------------------------------------------------- config changes on resume
 
 
 @pytest.mark.parametrize("key", ["trainer.precision=bf16", "trainer.seed=7", "trainer.num_threads=2",
@@ -144,7 +144,7 @@ def test_allow_config_change_refuses_engine_and_determinism_keys(copy, key):
     assert tree(copy) == before
 
 
-# ----------------------------------------------------------------------------- 6, 7. quarantine, leftovers
+# ----------------------------------------------------------------------------- damaged snapshots and leftovers
 
 
 def flip(path: Path) -> None:
@@ -210,7 +210,7 @@ def test_weights_copies_of_killed_vllm_starts_are_listed_then_removed(copy, tmp_
         shutil.rmtree(live, ignore_errors=True)
 
 
-# ----------------------------------------------------------------------------- 8. damaged journal: one answer
+# ----------------------------------------------------------------------------- a damaged journal: one answer
 
 
 def test_verify_and_resume_agree_on_a_damaged_journal(copy, base, tmp_path):
@@ -234,7 +234,7 @@ def test_verify_and_resume_agree_on_a_damaged_journal(copy, base, tmp_path):
     assert fingerprints(new) == {s: fp for s, fp in fingerprints(base).items() if s > 2}  # the same state, exactly
 
 
-# ----------------------------------------------------------------------------- 9, 10. empty runs
+# ----------------------------------------------------------------------------- runs that never committed a step
 
 
 def test_resume_on_an_empty_directory_says_so(tmp_path):
@@ -257,7 +257,7 @@ def test_a_run_killed_before_its_first_step_does_not_block_a_retry(tmp_path):
     assert sorted(fingerprints(run)) == [1, 2]
 
 
-# ----------------------------------------------------------------------------- 11. replay outputs checked first
+# ----------------------------------------------------------------------------- replay outputs checked first
 
 
 def test_replay_refuses_occupied_outputs_before_replaying(base, tmp_path):
@@ -270,7 +270,7 @@ def test_replay_refuses_occupied_outputs_before_replaying(base, tmp_path):
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
 
-# ----------------------------------------------------------------------------- 12. the working directory
+# ----------------------------------------------------------------------------- user code from the working directory
 
 
 def test_the_verlj_script_imports_code_from_the_working_directory(tmp_path):
@@ -281,7 +281,7 @@ def test_the_verlj_script_imports_code_from_the_working_directory(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
 
 
-# ----------------------------------------------------------------------------- 13. checkpoint policy state
+# ----------------------------------------------------------------------------- checkpoint policy state
 
 
 def test_policy_state_travels_in_snapshots_and_resume_decides_the_same(tmp_path):
@@ -314,7 +314,7 @@ def test_policy_state_travels_in_snapshots_and_resume_decides_the_same(tmp_path)
     assert md["samples_seen"] == 8 * 16 and md["resume_from"] == "step_00004"
 
 
-# ----------------------------------------------------------------------------- 14. the reward model's identity
+# ----------------------------------------------------------------------------- the reward model's identity
 
 
 def test_reward_model_identity(tmp_path):
@@ -335,7 +335,7 @@ def test_reward_model_identity(tmp_path):
     assert tree(run) == before
 
 
-# ----------------------------------------------------------------------------- 15. the small things
+# ----------------------------------------------------------------------------- inspect, diff, help
 
 
 def test_metadata_lineage_diff_and_explicit_snapshots(copy, base, tmp_path):

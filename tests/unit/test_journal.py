@@ -75,11 +75,13 @@ def test_a_step_that_fails_to_encode_leaves_nothing(tmp_path):
 
 def test_fork_base_step_and_meta(tmp_path):
     with Journal.open_writer(tmp_path / "j") as j:
-        j.update_meta({"base_step": 40, "chain_base": "ab" * 32, "config": {"a": 1}})
+        j.start_after(40, "ab" * 32, {"config": {"a": 1}})
         assert j.last_step() == 40
         with pytest.raises(StepOrderError):
             j.append_step(1, [])
         j.append_step(41, step_events(41))
+        with pytest.raises(JournalError, match="only an empty journal can start after another's step"):
+            j.start_after(10, "cd" * 32)
         j.add_snapshot(41, {"path": "step_00041", "fingerprint": "f"})
     with Journal.open_reader(tmp_path / "j") as j:
         assert j.get_meta("config") == {"a": 1}
