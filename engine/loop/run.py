@@ -1,13 +1,16 @@
-"""A run directory and the `verlj train` entry point.
+"""`verlj train` (a fresh run, or --resume), the train loop, and `replay --fork`'s new run.
+
+    verlj train --output-dir runs/demo [--resume] [key=value ...]
 
     RUN/
       journal/              the LMDB journal (source of truth; loop.ledger reads and writes its history)
+      writer/               the writers' claims on the run (journal.claim): one writer at a time
       config.yaml           the effective config of the latest start
       step_00050/ ...       snapshots (loop.checkpointer, laid out by loop.snapshot_store)
       latest -> step_00050  the newest published snapshot
       train_metadata.json   a human-readable mirror of the ledger
       metrics.jsonl         one line per step (logging.jsonl)
-      tensorboard/          event files (logging.tensorboard)
+      tensorboard/, wandb/  TensorBoard's and W&B's files (logging.tensorboard, logging.wandb)
 """
 
 from __future__ import annotations
