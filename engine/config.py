@@ -96,6 +96,9 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = live(True)  # GRPO: divide group-centred rewards by the group std
     dynamic_sampling: bool = live(False)  # DAPO: drop groups whose rewards do not vary, draw more prompts
     max_sampling_rounds: int = live(4)  # dynamic sampling: generation rounds per step at most
+    # async rollout: each token's loss is weighted by min(pi_old / pi_gen, this) (truncated importance
+    # sampling, as verl's rollout correction): pi_old the policy the step starts from, pi_gen the generator's
+    rollout_is_threshold: float = live(2.0)
     # global_tokens: each mini-batch's loss is the token-mean over all its samples on all ranks, the
     # same objective at any world size | micro_batch: each micro-batch's own token-mean (runs made
     # before verlj had this key; their objective changes with the split, so they resume on the same topology)
@@ -108,6 +111,7 @@ class AlgorithmConfig:
         _range("algorithm.lam", self.lam, 0.0, 1.0)
         _at_least("algorithm.kl_coef", self.kl_coef, 0.0)
         _positive("algorithm.max_sampling_rounds", self.max_sampling_rounds)
+        _positive("algorithm.rollout_is_threshold", self.rollout_is_threshold)
 
 
 @dataclass
@@ -228,10 +232,34 @@ class RolloutConfig:
     reward_fn: str = live("builtin:add")  # builtin:add, or module:function(prompt, response, answer) -> float
     engine: str = live("hf")  # hf (verlj's KV-cached sampler) | vllm (a colocated vLLM engine: pip install -e '.[vllm]')
     gpu_memory_utilization: float = bookkeeping(0.5)  # vllm on GPU: the share of GPU memory vLLM takes (on CPU, KV memory is sized to the batch)
+    # sync: each step generates its own batch, then trains on it | async: a generator process beside
+    # the trainer generates the batch of step s+k while step s trains (README: asynchronous rollout)
+    mode: str = "sync"
+    max_staleness: Optional[int] = None  # async: k, the policy versions a trained sample may lag (>= 1; null = 1)
+    async_order: Optional[str] = None  # async: step (deterministic: step s trains on version max(0, s-1-k); null = step)
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
+        _choice("rollout.mode", self.mode, ("sync", "async"))
+        if self.mode == "sync":
+            for key in ("max_staleness", "async_order"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(f"rollout.{key} applies to rollout.mode=async only; remove it or set rollout.mode=async")
+        else:
+            if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 1):
+                raise ConfigError(f"rollout.max_staleness must be an integer of at least 1, got {self.max_staleness!r}")
+            if self.async_order == "completion":
+                raise ConfigError("rollout.async_order=completion is not available yet; use step (the default of async mode)")
+            if self.async_order is not None:
+                _choice("rollout.async_order", self.async_order, ("step",))
+            if self.engine != "hf":
+                raise ConfigError(f"rollout.mode=async generates with rollout.engine=hf only for now, got {self.engine!r}")
+
+    @property
+    def staleness(self) -> int:
+        """k: 0 in sync mode (step s trains on version s-1), max_staleness (default 1) in async mode."""
+        return 0 if self.mode == "sync" else (self.max_staleness or 1)
         _range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.01, 1.0)
         _positive("rollout.temperature", self.temperature)
         _range("rollout.top_p", self.top_p, 1e-6, 1.0)

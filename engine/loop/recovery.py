@@ -205,6 +205,7 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
         samples = trainer.take(step, inputs)
         trainer.advance_sampler(inputs)
         outcome = trainer.apply(step, inputs, samples)
+        outcome.metrics.update(trainer.buffer_metrics())
         journaled = record.metrics
         mine = {k: v for k, v in outcome.metrics.items() if not is_timing(k)}
         if out.exact:

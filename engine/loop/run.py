@@ -241,9 +241,11 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
     step, ship_cpu = last, 0.0
     for step in range(last + 1, cfg.trainer.total_steps + 1):
         t_step = time.perf_counter()
-        inputs = trainer.collect(step)
+        inputs = trainer.collect(step)  # async: also starts generating a later step's batch ...
         samples = trainer.take(step, inputs)
         outcome = trainer.apply(step, inputs, samples)
+        inputs = trainer.finish_collect(step, inputs)  # ... which is in the buffer, and in this record, before the commit
+        outcome.metrics.update(trainer.buffer_metrics())
         outcome.metrics.update(inputs.timings)
         outcome.metrics["timing_s/step"] = time.perf_counter() - t_step
         due = ckpt.due(step, outcome.metrics)
@@ -325,7 +327,7 @@ def preflight_rollout(cfg: Config, rt: Runtime) -> None:
     """Before a run that generates writes anything: its rollout engine can run here."""
     from ..rl.rollout import engine_class
 
-    engine_class(cfg.rollout.engine).preflight(cfg, rt.device)
+    engine_class(cfg.rollout.engine, cfg.rollout.mode).preflight(cfg, rt.device)
 
 
 def run_identity(run: Run) -> dict:

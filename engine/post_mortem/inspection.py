@@ -51,7 +51,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
         ranks_now = ledger.topology_at(last)["world_size"]
         last_summary = ledger.journal.read_summary(last) if last > base else None
         rollout = last_summary.first("rollout") if last_summary else None
-        engine = {"engine": rollout["engine"], "version": rollout["version"]} if rollout else \
+        engine = {k: rollout[k] for k in ("engine", "version", "mode", "max_staleness") if k in rollout} if rollout else \
             {"engine": ledger.config_at(last).get("rollout", {}).get("engine", "hf"), "version": None}
         trend = []
         if last > base:
@@ -137,7 +137,8 @@ def render_summary(s: dict) -> str:
         f"ranks      {s['world_size']}{started_on}   created {s['created']}",
         f"rollout    {s['rollout']['engine']}" + ("" if not s["rollout"]["version"] else
                                                     f" (transformers {s['rollout']['version']})" if s["rollout"]["engine"] == "hf"
-                                                    else f" {s['rollout']['version']}"),
+                                                    else f" {s['rollout']['version']}")
+        + (f", async (max_staleness {s['rollout']['max_staleness']})" if s["rollout"].get("mode") == "async" else ""),
         f"steps      {s['steps_committed']} committed, last step {s['last_step']}",
     ]
     if s["snapshots"]:
@@ -205,11 +206,12 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
         "data": {"epoch": data.get("epoch"), "cursor": data.get("cursor"), "rounds": data.get("rounds"),
                  "indices": np.asarray(data.get("indices", [])).tolist()},
         "seeds": rng.get("seeds"),
-        "rollout": {k: v for k, v in rollout.items() if k in ("engine", "version")} or None,
+        "rollout": {k: v for k, v in rollout.items() if k in ("engine", "version", "mode", "max_staleness")} or None,
+        "plans": _plans(record.first("buffer.plan")),
         "rng_digests": rng.get("digests"),
         "buffer": {
             "added": n,
-            "dropped": np.asarray((record.first("buffer.drop") or {}).get("ids", [])).tolist(),
+            "dropped": [i for e in record.all("buffer.drop") for i in np.asarray(e.get("ids", [])).tolist()],
             "consumed": np.asarray((record.first("buffer.consume") or {}).get("ids", [])).tolist(),
         },
         "samples": samples,
@@ -220,11 +222,21 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
     }
 
 
+def _plans(event: dict | None) -> dict[int, list[int]] | None:
+    """Async rollout: {step: the sample ids it will train on} for the batches generated at this step."""
+    if event is None:
+        return None
+    ids, out, at = np.asarray(event["ids"]).tolist(), {}, 0
+    for step, count in zip(np.asarray(event["steps"]).tolist(), np.asarray(event["counts"]).tolist()):
+        out[int(step)], at = ids[at : at + count], at + count
+    return out
+
+
 def _sample_view(cols: dict) -> list[dict]:
     """inspect --step's view of a step's samples (text where a decoder was found, else token ids)."""
     return [{"id": r["sample_id"], "group": r["group"], "index": r["index"], "prompt": r["prompt"] or r["prompt_ids"],
              "response": r["response"] or r["response_ids"], "score": r["score"], "rule_reward": r["rule_reward"],
-             "rm_score": r["rm_score"]} for r in table.rows(cols)]
+             "rm_score": r["rm_score"], "policy_version": r["policy_version"]} for r in table.rows(cols)]
 
 
 def render_step(d: dict) -> str:
@@ -234,18 +246,26 @@ def render_step(d: dict) -> str:
     lines.append(f"data       epoch {data['epoch']}  cursor {data['cursor']}  rounds {data['rounds']}  "
                  f"indices {idx[:16]}{' …' if len(idx) > 16 else ''} ({len(idx)})")
     lines.append(f"seeds      {d['seeds']}")
-    if d.get("rollout"):
-        lines.append(f"rollout    {d['rollout']['engine']} {d['rollout']['version']}")
+    ro = d.get("rollout")
+    if ro:
+        lines.append(f"rollout    {ro['engine']} {ro['version']}" + (f"  async, max_staleness {ro['max_staleness']}" if ro.get("mode") == "async" else ""))
     b = d["buffer"]
     lines.append(f"buffer     added {b['added']}  dropped {len(b['dropped'])}  consumed {len(b['consumed'])}")
+    m = d["metrics"]
+    if "rollout/staleness/mean" in m:
+        lines.append(f"trained    {len(b['consumed'])} samples, staleness mean {m['rollout/staleness/mean']:.3g} max "
+                     f"{m['rollout/staleness/max']:.3g} (policy versions behind the one step {d['step']} starts from)")
+    versions = sorted({s["policy_version"] for s in d["samples"]})
+    for step, ids in (d.get("plans") or {}).items():
+        lines.append(f"planned    step {step} will train on {len(ids)} samples" + (f" (generated here from policy version {versions[-1]})" if versions else ""))
     for c in d["control"]:
         lines.append(f"control    {c.get('kind', c['type'])} {c.get('details', c.get('changed', ''))}")
     if d.get("samples_note"):
         lines.append(f"samples    {d['samples_note']}")
-    lines.append("samples    (id group | prompt → response | score)")
+    lines.append("samples    (id group version | prompt → response | score)")
     for s in d["samples"]:
         mark = " consumed" if s["id"] in set(b["consumed"]) else (" dropped" if s["id"] in set(b["dropped"]) else "")
-        lines.append(f"  {s['id']:>6} {s['group']:>6} | {s['prompt']!s} → {s['response']!s} | {s['score']:.4g}{mark}")
+        lines.append(f"  {s['id']:>6} {s['group']:>6} v{s['policy_version']:<3} | {s['prompt']!s} → {s['response']!s} | {s['score']:.4g}{mark}")
     lines.append("metrics")
     for k in sorted(d["metrics"]):
         lines.append(f"  {k:32s} {d['metrics'][k]:.6g}")
@@ -446,7 +466,7 @@ def render_diff(d: dict, a: Path, b: Path) -> str:
     if d["differs"] == ["length"]:
         return "\n".join([f"the runs agree up to step {d['step'] - 1}; {a} has {d['steps_a']} steps, {b} has {d['steps_b']}", *config])
     names = {"data": "data (indices drawn)", "rng": "seeds", "rollout": "rollout engine", "buffer.add": "samples", "buffer.drop": "dropped samples",
-             "buffer.consume": "consumed samples", "metrics": "metrics", "state": "fingerprint"}
+             "buffer.consume": "consumed samples", "buffer.plan": "planned batches", "metrics": "metrics", "state": "fingerprint"}
     lines = [f"first difference at step {d['step']}: " + ", ".join(names.get(k, k) for k in d["differs"]), *config]
     for side, run in (("a", a), ("b", b)):
         for entry in d.get("topology", {}).get(side, []):

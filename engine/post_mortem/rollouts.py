@@ -30,8 +30,9 @@ def sample_fates(ledger, start: int | None, stop: int | None) -> dict[int, tuple
     for record in ledger.journal.iter_steps(start, None, payload=False):
         for kind, status in (("buffer.drop", "dropped"), ("buffer.consume", "consumed")):
             for e in record.all(kind):
+                fate = "stale" if e.get("reason") == "stale" else status  # async: too old for any later step
                 for sid in np.asarray(e["ids"]).tolist():
-                    fates[int(sid)] = (status, record.step)
+                    fates[int(sid)] = (fate, record.step)
     return fates
 
 

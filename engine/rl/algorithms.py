@@ -88,13 +88,17 @@ def global_masked_mean(x: torch.Tensor, mask: torch.Tensor, all_sum=None) -> tor
     return total / count.clamp(min=1)
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio: float, denom=None):
-    """Clipped surrogate. Returns (loss, clipfrac, approx_kl) with token-mean aggregation."""
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio: float, denom=None, token_weights=None):
+    """Clipped surrogate. Returns (loss, clipfrac, approx_kl) with token-mean aggregation.
+    ``token_weights``: each token's loss times its (detached) importance weight (async rollout)."""
     log_ratio = (logprobs - old_logprobs).clamp(-20, 20)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask, denom)
+    per_token = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * token_weights
+    loss = masked_mean(per_token, mask, denom)
     clipfrac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask, denom)
     approx_kl = masked_mean(-log_ratio, mask, denom)
     return loss, clipfrac, approx_kl

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..state.stateful import check_version
 from .samples import pack, unpack
 
 
 class RolloutBuffer:
-    """Samples waiting for an update, in arrival order. Stateful: state_dict / load_state_dict."""
+    """Samples waiting for an update, in arrival order, and (async rollout) the plans: which of them
+    each future step will train on, decided when its batch was generated. Stateful."""
 
-    VERSION = 1
+    VERSION = 2  # 2: plans
 
     def __init__(self):
         self.samples: dict[int, dict] = {}
         self.next_id = 0
+        self.plans: dict[int, np.ndarray] = {}  # step -> the sample ids it will consume (async rollout)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -32,16 +36,30 @@ class RolloutBuffer:
         return [self.samples.pop(int(i)) for i in ids]
 
     def groups(self) -> dict[int, list[int]]:
-        """group -> sample ids, groups in arrival order."""
+        """group -> sample ids not planned for a step yet, groups in arrival order."""
+        planned = {int(i) for ids in self.plans.values() for i in ids}
         out: dict[int, list[int]] = {}
         for sid, s in self.samples.items():
-            out.setdefault(s["group"], []).append(sid)
+            if sid not in planned:
+                out.setdefault(s["group"], []).append(sid)
         return out
 
+    def plan(self, plans: dict[int, np.ndarray]) -> None:
+        for step, ids in plans.items():
+            assert step not in self.plans, f"step {step} planned twice"
+            self.plans[int(step)] = np.asarray(ids, dtype=np.int64)
+
+    def planned_through(self) -> int | None:
+        """The last step whose batch is planned, None when none is."""
+        return max(self.plans) if self.plans else None
+
     def state_dict(self) -> dict:
-        return {"version": self.VERSION, "next_id": self.next_id, "samples": pack(list(self.samples.values()))}
+        steps = sorted(self.plans)
+        return {"version": self.VERSION, "next_id": self.next_id, "samples": pack(list(self.samples.values())),
+                "plan_steps": steps, "plans": [self.plans[s] for s in steps]}
 
     def load_state_dict(self, state: dict) -> None:
-        state = check_version("rollout buffer", state, self.VERSION)
+        state = check_version("rollout buffer", state, self.VERSION, oldest=1)
         self.samples = {s["id"]: s for s in unpack(state["samples"])}
         self.next_id = int(state["next_id"])
+        self.plans = {int(s): np.asarray(ids, dtype=np.int64) for s, ids in zip(state.get("plan_steps", []), state.get("plans", []))}

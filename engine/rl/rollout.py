@@ -1,28 +1,24 @@
-"""Rollout engines, and verlj's own sampler: a KV cache driven by explicit per-sample random numbers.
+"""Rollout engines: what turns prompts and one seed per sample into responses and their log-probs.
 
-An engine turns prompts and one seed per sample into responses and their generation log-probs.
 Each sample's seed comes from its place in the step (``Trainer.collect``), not from the rank that
 generates it, so the same weights give the same samples at any world size.
 
-- ``hf`` (:class:`HFEngine`): the actor's own module. No draw touches a global RNG: a sample's seed
-  gives its uniforms, one per response position, and a token is drawn by inverting the (top-p
-  truncated) CDF at the position's uniform.
+- ``hf`` (:class:`HFEngine`): verlj's own sampler (``rl.sampler``) on the actor's own module.
 - ``vllm`` (``vllm_engine.VllmEngine``): a colocated vLLM engine, the seed being the request's.
+- ``rollout.mode=async`` (``async_rollout.GeneratorProcess``): verlj's sampler in a process beside
+  the trainer, on its own copy of the policy.
 
 Only live steps generate: replay reads the samples from the journal, so it never builds an engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
-import torch
 
 from ..config import Config
-from ..state.seeding import generator
-from .models import forward_with_cache
+from .sampler import sample_seeded, sampling_params
 
 
 class RolloutEngine(Protocol):
@@ -39,12 +35,20 @@ class RolloutEngine(Protocol):
     def preflight(cls, cfg: Config, device) -> None:
         """Before a run that will generate writes anything: raise ConfigError if it cannot run here."""
 
-    def sync(self, cfg: Config) -> None:
-        """Make the engine generate from the actor's current weights (start it, push them). Collective."""
+    def sync(self, cfg: Config, version: int = 0) -> None:
+        """Make the engine generate from the actor's current weights, policy `version` (the step whose
+        update made them): start it, push them. Collective."""
 
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """(response ids, their log-probs under the sampling distribution) of one sample per prompt,
         each drawn from its own seed. Collective."""
+
+    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
+        """Start generating (as `generate`); `result` returns what it returned. An engine that runs
+        beside the trainer (async rollout) returns at once; the others generate here. Collective."""
+
+    def result(self, handle) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The responses and log-probs of a `submit`, waiting for them. Collective."""
 
     def weights_changed(self) -> None:
         """The actor's weights changed (an update, a snapshot load): the next sync must bring them."""
@@ -69,27 +73,32 @@ class HFEngine:
         self.version = str(transformers.__version__)
 
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        ro = cfg.rollout
-        uniforms = torch.stack([torch.rand(ro.max_response_length, generator=generator(s)) for s in seeds])
-        return generate(
-            self.actor.module, prompts, uniforms, max_new_tokens=ro.max_response_length, temperature=ro.temperature,
-            top_p=ro.top_p, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
-            device=self.rt.device, ignore_eos=ro.ignore_eos, all_done=self.rt.all_true,
-        )
+        return sample_seeded(self.actor.module, prompts, seeds, sampling_params(cfg), self.tokenizer.eos_token_id,
+                             self.tokenizer.pad_token_id, self.rt.device, all_done=self.rt.all_true)
+
+    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
+        return self.generate(prompts, seeds, cfg)
+
+    def result(self, handle):
+        return handle
 
     def weights_changed(self) -> None:
         """Nothing to do: it samples from the trained module itself."""
 
-    def sync(self, cfg: Config) -> None:
+    def sync(self, cfg: Config, version: int = 0) -> None:
         """Nothing to do (see weights_changed)."""
 
     def close(self) -> None:
         pass
 
 
-def engine_class(name: str) -> type[RolloutEngine]:
-    """The class of the engine `rollout.engine` names: the one place the name is turned into code
-    (vLLM's module is imported only when it is named)."""
+def engine_class(name: str, mode: str = "sync") -> type[RolloutEngine]:
+    """The class of the engine `rollout.engine` and `rollout.mode` name: the one place they are turned
+    into code (vLLM's module is imported only when it is named)."""
+    if mode == "async":
+        from .async_rollout import GeneratorProcess
+
+        return GeneratorProcess
     if name == "vllm":
         from .vllm_engine import VllmEngine
 
@@ -97,89 +106,7 @@ def engine_class(name: str) -> type[RolloutEngine]:
     return HFEngine
 
 
-def make_engine(name: str, rt, actor, tokenizer) -> RolloutEngine:
-    """The rollout engine `rollout.engine` names. vLLM starts at its first sync, not here."""
-    return engine_class(name)(rt, actor, tokenizer)
-
-
-def sample_token(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float):
-    """Sample one token per row from logits [B, V] at the rows' uniforms [B] in [0, 1);
-    returns (tokens [B], logprobs [B]) under temperature."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    probs = logp.exp()
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        remove = cum - sorted_p > top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_p = sorted_p.masked_fill(remove, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    # inverse CDF on CPU (a sequential cumsum: the same bits everywhere); probs need not sum to 1.
-    # The first index whose cumulative mass exceeds u * total never lands on a zero-probability token.
-    cum = torch.cumsum(probs.cpu().double(), dim=-1)
-    target = uniforms.double()[:, None] * cum[:, -1:]
-    tokens = torch.searchsorted(cum, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
-    tokens = tokens.to(logits.device)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-@torch.no_grad()
-def generate(
-    model,
-    prompts: list[np.ndarray],
-    uniforms: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    eos_id: int,
-    pad_id: int,
-    device: torch.device,
-    ignore_eos: bool = False,
-    all_done: Callable[[bool], bool] = lambda done: done,
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Sample a response for each prompt, token t of row i at ``uniforms[i, t]`` ([B, max_new_tokens]).
-    Returns (response ids, generation log-probs) per prompt.
-
-    Prompts are left-padded into one batch; positions come from the attention mask. A response
-    ends at eos (included) or at max_new_tokens. ``all_done`` lets ranks that share sharded
-    weights (ZeRO-3, TP) keep stepping together until every rank has finished.
-    """
-    was_training = model.training
-    model.eval()
-    B = len(prompts)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((B, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
-        mask[i, width - len(p) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    out_tokens, out_logps = [], []
-    cache = None
-    step_ids, step_pos = ids, positions
-    for _ in range(max_new_tokens):
-        logits, cache = forward_with_cache(model, step_ids, mask, step_pos, cache)
-        tok, lp = sample_token(logits[:, -1, :], uniforms[:, len(out_tokens)], temperature, top_p)
-        tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
-        out_tokens.append(tok)
-        out_logps.append(lp)
-        if not ignore_eos:
-            finished = finished | (tok == eos_id)
-        if all_done(bool(finished.all())):
-            break
-        mask = torch.cat([mask, (~finished | (tok == eos_id)).long()[:, None]], dim=1)
-        step_pos = step_pos[:, -1:] + 1
-        step_ids = tok[:, None]
-    model.train(was_training)
-    toks = torch.stack(out_tokens, 1).cpu().numpy()
-    logps = torch.stack(out_logps, 1).float().cpu().numpy()
-    responses, logprobs = [], []
-    for i in range(B):
-        row = toks[i]
-        ends = np.nonzero(row == eos_id)[0] if not ignore_eos else []
-        n = int(ends[0]) + 1 if len(ends) else len(row)
-        responses.append(row[:n].astype(np.int64))
-        logprobs.append(logps[i, :n].astype(np.float32))
-    return responses, logprobs
+def make_engine(name: str, rt, actor, tokenizer, mode: str = "sync") -> RolloutEngine:
+    """The rollout engine `rollout.engine` and `rollout.mode` name. vLLM and the async generator start
+    at their first sync, not here."""
+    return engine_class(name, mode)(rt, actor, tokenizer)

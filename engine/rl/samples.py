@@ -8,6 +8,9 @@ A sample is a dict with these fields (FIELDS, the only place they are declared):
     score         float64  the reward the update uses: rule_reward + model.reward_model.weight * rm_score
     rule_reward   float64
     rm_score      float64
+    policy_version int64   the policy that generated it: the step whose update produced the weights
+                           (0 = the initial ones); a sync step s samples from version s-1. Journals
+                           from before async rollout lack it: read as step - 1 (they were all sync)
     prompt_ids    int32[]  (int64 in memory)
     response_ids  int32[]  (int64 in memory)
     gen_logprobs  float32[] per response token, as the rollout engine sampled it
@@ -32,7 +35,9 @@ import numpy as np
 
 from ..errors import RunError
 
-SCALARS = {"id": np.int64, "index": np.int64, "group": np.int64, "score": np.float64, "rule_reward": np.float64, "rm_score": np.float64}
+SCALARS = {"id": np.int64, "index": np.int64, "group": np.int64, "score": np.float64, "rule_reward": np.float64, "rm_score": np.float64,
+           "policy_version": np.int64}
+UNKNOWN_VERSION = -1  # policy_version of a sample journaled before the field existed (its step - 1: all were sync)
 SEQUENCES = {"prompt_ids": np.int32, "response_ids": np.int32, "gen_logprobs": np.float32, "ref_logprobs": np.float32}
 FIELDS = {**SCALARS, **SEQUENCES}
 PAD = -1  # fills token-id rows past their length in the columnar form (log-probs: 0)
@@ -60,6 +65,8 @@ def pack(samples: list[dict]) -> dict:
 def unpack(cols: dict) -> list[dict]:
     n = len(cols["id"])
     out = []
+    if "policy_version" not in cols:  # written before the field existed
+        cols = {**cols, "policy_version": np.full(n, UNKNOWN_VERSION, np.int64)}
     for i in range(n):
         s = {k: (int(cols[k][i]) if dt is np.int64 else float(cols[k][i])) for k, dt in SCALARS.items()}
         for k, dt in SEQUENCES.items():
@@ -72,7 +79,7 @@ def unpack(cols: dict) -> list[dict]:
 
 TABLE_NAMES = {"id": "sample_id"}  # a field's column name where it differs (a table has several ids)
 TEXT = ("prompt", "response")
-COLUMNS = ["step", "sample_id", "group", "index", "prompt", "response", *SEQUENCES, "rule_reward", "rm_score", "score"]
+COLUMNS = ["step", "sample_id", "group", "index", "prompt", "response", *SEQUENCES, "rule_reward", "rm_score", "score", "policy_version"]
 FATE = ["status", "status_step"]
 _TABLE_SCALARS = {"step": np.int64, **{TABLE_NAMES.get(k, k): dt for k, dt in SCALARS.items()}}
 
@@ -112,6 +119,8 @@ def step_columns(step: int, samples: dict, decoder) -> dict:
     cols: dict = {"step": np.full(n, step, np.int64)}
     for k, dt in SCALARS.items():
         cols[TABLE_NAMES.get(k, k)] = np.asarray(samples.get(k, np.zeros(n)), dt)
+    if "policy_version" not in samples:  # journaled before the field existed: a sync step's
+        cols["policy_version"] = np.full(n, step - 1, np.int64)
     for k, dt in SEQUENCES.items():
         arr = np.asarray(samples.get(k, np.zeros((n, 0))), dt)
         lens = np.asarray(samples.get(k + "_len", np.zeros(n)), np.int64)
@@ -168,6 +177,9 @@ def table_columns(table) -> dict:
     """Table rows (a pyarrow Table of the archive's schema) back into step_columns' form."""
     cols: dict = {}
     for name in COLUMNS:
+        if name == "policy_version" and name not in table.column_names:  # archived before the field existed
+            cols[name] = cols["step"] - 1
+            continue
         col = table.column(name).combine_chunks()
         if name in SEQUENCES:
             cols[name] = (col.values.to_numpy(zero_copy_only=False).astype(SEQUENCES[name]),

@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from verlj.journal import StepRecord, make_event
+from verlj.journal.failpoints import failpoint
 
 from ..config import Config, ConfigError
 from ..dist import Runtime
-from ..errors import ModelError
+from ..errors import ModelError, ReplayError, RunError
 from ..state.fingerprint import fingerprint
 from ..state.seeding import derive_seed, rng_digest, seed_globals
 from ..state.stateful import check_version
@@ -39,7 +40,11 @@ from .workers import ActorWorker, CriticWorker, collate, shard_batch
 
 @dataclass
 class StepInputs:
-    """Everything `apply` needs that `collect` produced: the journal's record of a step's inputs."""
+    """Everything `apply` needs that `collect` produced: the journal's record of a step's inputs.
+
+    The batches generated this step (`added`, `dropped`, the dataset rows drawn) and what the step
+    trains on (`consumed`). Sync mode generates the step's own batch; async mode the batch of step
+    s+k (the first step: of steps 1..k+1), with `plans` saying which samples that step will train on."""
 
     seeds: dict[str, int]
     epoch: int
@@ -51,21 +56,36 @@ class StepInputs:
     consumed: np.ndarray  # ids the update trains on, in order
     timings: dict[str, float] = field(default_factory=dict)  # collect's own metrics (timings, sampling)
     engine: dict = field(default_factory=dict)  # the rollout engine that generated: {"name", "version"}
+    plans: dict[int, np.ndarray] = field(default_factory=dict)  # async: step -> the ids it will train on
+    stale: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # async: ids dropped as too stale for any later step
+    mode: dict = field(default_factory=dict)  # async: {"mode": "async", "max_staleness": k}; sync: {}
+    admitted: bool = False  # live: collect has put the batches into the buffer already (not journaled)
 
     def events(self) -> list[dict]:
-        return [
+        out = [
             make_event("data", epoch=self.epoch, cursor=self.cursor, indices=self.indices, rounds=self.rounds),
-            make_event("rollout", engine=self.engine["name"], version=self.engine["version"]),
+            make_event("rollout", engine=self.engine["name"], version=self.engine["version"], **self.mode),
             make_event("rng", seeds=self.seeds, digests=rng_digest()),
             make_event("buffer.add", ids=self.added["id"], samples=self.added),
             make_event("buffer.drop", ids=self.dropped, reason="zero_variance"),
             make_event("buffer.consume", ids=self.consumed),
         ]
+        if self.mode:
+            out.append(make_event("buffer.drop", ids=self.stale, reason="stale"))
+            steps = sorted(self.plans)
+            out.append(make_event("buffer.plan", steps=np.asarray(steps, np.int64),
+                                  counts=np.asarray([len(self.plans[j]) for j in steps], np.int64),
+                                  ids=np.concatenate([self.plans[j] for j in steps]) if steps else np.zeros(0, np.int64)))
+        return out
 
     @classmethod
     def from_record(cls, record: StepRecord) -> StepInputs:
         """A journaled step's inputs, as `apply` takes them (replay)."""
-        data, rollout = record.first("data"), record.first("rollout")
+        data, rollout, plan = record.first("data"), record.first("rollout"), record.first("buffer.plan")
+        plans = {}
+        if plan is not None:
+            ends = np.cumsum(plan["counts"])
+            plans = {int(j): np.asarray(plan["ids"][e - c : e], np.int64) for j, c, e in zip(plan["steps"], plan["counts"], ends)}
         return cls(
             seeds=dict(record.first("rng")["seeds"]),
             epoch=int(data["epoch"]),
@@ -73,10 +93,33 @@ class StepInputs:
             indices=data["indices"],
             rounds=int(data["rounds"]),
             added=record.first("buffer.add")["samples"],
-            dropped=record.first("buffer.drop")["ids"],
+            dropped=_drops(record, "zero_variance"),
+            stale=_drops(record, "stale"),
             consumed=record.first("buffer.consume")["ids"],
             engine={"name": rollout["engine"], "version": rollout["version"]} if rollout is not None else {},
+            plans=plans,
+            mode={k: rollout[k] for k in ("mode", "max_staleness") if k in rollout} if rollout is not None else {},
         )
+
+
+@dataclass
+class Production:
+    """One step's batch being generated: its rounds (dynamic sampling may need several), the samples
+    and drops so far, and, once finished, the plan (the ids that step will train on)."""
+
+    step: int  # the step that will train on it (its samples' seeds are their places in that step)
+    version: int  # the policy version generating it
+    pending_groups: int  # valid groups already waiting (carried over, unplanned, fresh enough)
+    next_id: int
+    stale: list = field(default_factory=list)  # async: waiting groups too old for this step, and so for any later one
+    drawn: list = field(default_factory=list)
+    added: list = field(default_factory=list)
+    dropped: list = field(default_factory=list)
+    rounds: int = 0
+    handle: object = None  # the round in flight (RolloutEngine.submit)
+    mine: np.ndarray | None = None
+    prompts: list = field(default_factory=list)
+    plan: np.ndarray | None = None
 
 
 @dataclass
@@ -129,6 +172,9 @@ class Trainer:
         actor_model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, derive_seed(seed, 0, "init/actor"))
         self.actor = ActorWorker(actor_model, cfg, rt)
         self.rollout: RolloutEngine | None = None  # built by the first live collect (replay never generates)
+        self._inflight: Production | None = None  # async: the batch generating while the update runs
+        if cfg.rollout.mode == "async" and rt.tp_size > 1:
+            raise ConfigError("rollout.mode=async does not run with distributed.tensor_parallel_size > 1 yet; use ZeRO (any stage) for the ranks")
         self.critic = None
         if cfg.algorithm.name == "ppo":
             path = cfg.model.critic.model_name_or_path or cfg.model.actor.model_name_or_path
@@ -205,12 +251,18 @@ class Trainer:
 
     def collect(self, step: int) -> StepInputs:
         """The stochastic, expensive half of a step: draw prompts, generate `rollout.n` samples for each
-        (each from its own seed: its place in the step), score them, and decide what enters, leaves
-        and is consumed from the rollout buffer (dynamic sampling may draw more rounds). Changes the
-        sampler and nothing the update reads; returns exactly what the journal records. Live steps
-        only: replay reads these inputs back instead. Collective."""
+        (each from its own seed: its place in the step that trains on it), score them, and decide what
+        enters, leaves and is consumed from the rollout buffer (dynamic sampling may draw more
+        rounds). Changes the sampler and the buffer, nothing the update reads; returns exactly what
+        the journal records. Live steps only: replay reads these inputs back instead. Collective.
+
+        Sync mode generates the step's own batch from the policy the step starts from (version s-1).
+        Async mode (k = rollout.max_staleness) has the batch of step s planned already; it starts
+        generating the batch of step s+k from version s-1 (k = 1: verl's one-step-off-policy), which
+        `finish_collect` waits for once the update is done. Step 1 first generates batches 1..k (all
+        from version 0: the staleness of step s is min(k, s-1))."""
         cfg, rt = self.cfg, self.rt
-        prompts_per_step, group_size, dp_size = cfg.data.prompts_per_step, cfg.rollout.n, rt.dp_size
+        k = cfg.rollout.staleness
         seeds = {
             "rollout": derive_seed(cfg.trainer.seed, step, "rollout"),
             "train": derive_seed(cfg.trainer.seed, step, "train"),
@@ -218,25 +270,95 @@ class Trainer:
         seed_globals(derive_seed(cfg.trainer.seed, step, "globals"))
         t = time.perf_counter()
         if self.rollout is None:
-            self.rollout = make_engine(cfg.rollout.engine, rt, self.actor, self.tokenizer)
-        self.rollout.sync(cfg)  # vLLM: started at the first live step, then the last update pushed
+            self.rollout = make_engine(cfg.rollout.engine, rt, self.actor, self.tokenizer, cfg.rollout.mode)
+        version = self.train_state.step  # the update of the last step trained made the actor's weights
+        self.rollout.sync(cfg, version)  # vLLM, the async generator: started at the first live step, then the last update pushed
         timings = {"timing_s/weight_sync": time.perf_counter() - t, "timing_s/gen": 0.0, "timing_s/reward": 0.0}
-        pending_groups = len(self.buffer.groups())
-        next_id = self.buffer.next_id
-        added, dropped, drawn = [], [], []
-        rounds = 0
+        made: list[Production] = []
+        if k == 0:
+            made.append(self._admit(self._finish(self._start(step, version), timings), planned=False))
+            consumed = made[0].plan
+        else:
+            through = self.buffer.planned_through() or step - 1
+            for j in range(through + 1, step + k):  # only at the run's first step: batches 2..k wait for no update
+                made.append(self._admit(self._finish(self._start(j, version), timings), planned=True))
+            self._inflight = self._start(step + k, version) if through < step + k else None
+            consumed = self.buffer.plans[step]
+        self._made, self._consumed, self._timings, self._seeds = made, consumed, timings, seeds
+        return self._inputs()
+
+    def finish_collect(self, step: int, inputs: StepInputs) -> StepInputs:
+        """Async mode, after the update: wait for the batch `collect` started, score it, admit it and
+        plan it; the step's inputs then include it. Sync mode: `inputs` as they are. Collective."""
+        if self._inflight is None:
+            return inputs
+        self._made.append(self._admit(self._finish(self._inflight, self._timings), planned=True))
+        self._inflight = None
+        return self._inputs()
+
+    def _inputs(self) -> StepInputs:
+        made, cfg = self._made, self.cfg
+        added = [s for p in made for s in p.added]
+        drawn = [i for p in made for i in p.drawn]
+        self._timings["sampling/rounds"] = float(sum(p.rounds for p in made))
+        self._timings["sampling/dropped_groups"] = float(sum(len(p.dropped) for p in made) // cfg.rollout.n)
+        async_mode = cfg.rollout.mode == "async"
+        return StepInputs(
+            seeds=self._seeds,
+            epoch=self.sampler.epoch,
+            cursor=self.sampler.cursor,
+            indices=np.concatenate(drawn) if drawn else np.zeros(0, np.int64),
+            rounds=sum(p.rounds for p in made),
+            added=sample_codec.pack(added),
+            dropped=np.asarray([i for p in made for i in p.dropped], dtype=np.int64),
+            consumed=self._consumed,
+            timings=self._timings,
+            engine={"name": self.rollout.name, "version": self.rollout.version},
+            plans={p.step: p.plan for p in made} if async_mode else {},
+            stale=np.asarray([i for p in made for i in p.stale], dtype=np.int64),
+            mode={"mode": "async", "max_staleness": cfg.rollout.staleness} if async_mode else {},
+            admitted=True,
+        )
+
+    def _start(self, step: int, version: int) -> Production:
+        """Begin generating the batch of `step` from the actor's weights (policy `version`)."""
+        want = max(0, step - 1 - self.cfg.rollout.staleness)
+        if want != version:  # collect's schedule guarantees it; a broken invariant must not train silently
+            raise RunError(f"the batch of step {step} must come from policy version {want} but the actor holds version {version}")
+        waiting = self.buffer.groups()
+        stale = []
+        if self.cfg.rollout.staleness:  # async: a step trains on no sample more than k versions behind it
+            stale = [ids for ids in waiting.values() if self.buffer.samples[ids[0]]["policy_version"] < want]
+        prod = Production(step=step, version=version, pending_groups=len(waiting) - len(stale), next_id=self.buffer.next_id,
+                          stale=[i for ids in stale for i in ids])
+        self._submit_round(prod)
+        return prod
+
+    def _submit_round(self, prod: Production) -> None:
+        cfg, rt = self.cfg, self.rt
+        prompts_per_step, group_size, dp_size = cfg.data.prompts_per_step, cfg.rollout.n, rt.dp_size
+        indices = self.sampler.draw(prompts_per_step)
+        prod.drawn.append(indices)
+        first = rt.dp_rank * (prompts_per_step // dp_size)  # this rank's prompts are the step's first+0, first+1, ...
+        prod.mine = indices[first : first + prompts_per_step // dp_size]
+        prod.prompts = [self.prompt_ids[i] for i in prod.mine for _ in range(group_size)]
+        # each sample's seed is its place in its step (round, k), whichever rank generates it
+        sample_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, q)
+                        for q in range(first * group_size, first * group_size + len(prod.prompts))]
+        prod.handle = self.rollout.submit(prod.prompts, sample_seeds, cfg)
+
+    def _finish(self, prod: Production, timings: dict) -> Production:
+        """Wait for the round in flight, score it, and draw more rounds while dynamic sampling needs
+        them; then plan what the batch's step trains on."""
+        cfg, rt = self.cfg, self.rt
+        prompts_per_step, group_size = cfg.data.prompts_per_step, cfg.rollout.n
         while True:
-            indices = self.sampler.draw(prompts_per_step)
-            drawn.append(indices)
-            first = rt.dp_rank * (prompts_per_step // dp_size)  # this rank's prompts are the step's first+0, first+1, ...
-            mine = indices[first : first + prompts_per_step // dp_size]
             t0 = time.perf_counter()
-            prompts = [self.prompt_ids[i] for i in mine for _ in range(group_size)]
-            # each sample's seed is its place in the step (round, k), whichever rank generates it
-            sample_seeds = [derive_seed(cfg.trainer.seed, step, "rollout/sample", rounds, k) for k in range(first * group_size, first * group_size + len(prompts))]
-            responses, logps = self.rollout.generate(prompts, sample_seeds, cfg)
+            responses, logps = self.rollout.result(prod.handle)
             t1 = time.perf_counter()
-            local = self._score(mine, group_size, prompts, responses, logps)
+            local = self._score(prod.mine, group_size, prod.prompts, responses, logps)
+            for s in local:
+                s["policy_version"] = prod.version
             timings["timing_s/gen"] += t1 - t0
             timings["timing_s/reward"] += time.perf_counter() - t1
             t2 = time.perf_counter()
@@ -245,37 +367,37 @@ class Trainer:
             # every rank gets every sample; TP peers generated the same ones, keep one copy per DP rank
             gathered = rt.all_gather_obj(sample_codec.pack(local))
             new = [s for r, cols in enumerate(gathered) if r % rt.tp_size == 0 for s in sample_codec.unpack(cols)]
-            for k, s in enumerate(new):
-                s["id"] = next_id + k
-                s["group"] = next_id + (k // group_size) * group_size  # a group is named by its first sample's id
-            next_id += len(new)
-            added += new
-            rounds += 1
+            for q, s in enumerate(new):
+                s["id"] = prod.next_id + q
+                s["group"] = prod.next_id + (q // group_size) * group_size  # a group is named by its first sample's id
+            prod.next_id += len(new)
+            prod.added += new
+            prod.rounds += 1
             if not cfg.algorithm.dynamic_sampling:
                 break
             for g in range(0, len(new), group_size):
                 scores = [s["score"] for s in new[g : g + group_size]]
                 if max(scores) == min(scores):
-                    dropped += [s["id"] for s in new[g : g + group_size]]
+                    prod.dropped += [s["id"] for s in new[g : g + group_size]]
                 else:
-                    pending_groups += 1
-            if pending_groups >= prompts_per_step or rounds >= cfg.algorithm.max_sampling_rounds:
+                    prod.pending_groups += 1
+            if prod.pending_groups >= prompts_per_step or prod.rounds >= cfg.algorithm.max_sampling_rounds:
                 break
-        consumed = self._choose_consumed(added, set(dropped))
-        timings["sampling/rounds"] = float(rounds)
-        timings["sampling/dropped_groups"] = float(len(dropped) // group_size)
-        return StepInputs(
-            seeds=seeds,
-            epoch=self.sampler.epoch,
-            cursor=self.sampler.cursor,
-            indices=np.concatenate(drawn),
-            rounds=rounds,
-            added=sample_codec.pack(added),
-            dropped=np.asarray(dropped, dtype=np.int64),
-            consumed=consumed,
-            timings=timings,
-            engine={"name": self.rollout.name, "version": self.rollout.version},
-        )
+            t0 = time.perf_counter()
+            self._submit_round(prod)
+            timings["timing_s/gen"] += time.perf_counter() - t0
+        prod.plan = self._choose_consumed(prod.added, set(prod.dropped) | set(prod.stale))
+        return prod
+
+    def _admit(self, prod: Production, planned: bool) -> Production:
+        """A finished batch enters the buffer (async: with its plan); only then may a step count on it."""
+        self.buffer.add(prod.added)
+        self.buffer.drop(prod.dropped)
+        self.buffer.drop(prod.stale)
+        if planned:
+            self.buffer.plan({prod.step: prod.plan})
+            failpoint("async.admit")
+        return prod
 
     def _score(self, mine, group_size, prompts, responses, logps) -> list[dict]:
         tok = self.tokenizer
@@ -316,8 +438,9 @@ class Trainer:
 
     def _choose_consumed(self, added: list[dict], dropped: set[int]) -> np.ndarray:
         """The first prompts_per_step valid groups in arrival order (carried-over ones first),
-        trimmed so every data-parallel rank gets the same number of samples."""
-        order: dict[int, list[int]] = self.buffer.groups()
+        trimmed so every data-parallel rank gets the same number of samples. `dropped`: ids that may not
+        be chosen (zero-variance groups, and in async mode waiting groups too stale)."""
+        order: dict[int, list[int]] = {g: ids for g, ids in self.buffer.groups().items() if ids[0] not in dropped}
         for s in added:
             if s["id"] not in dropped:
                 order.setdefault(s["group"], []).append(s["id"])
@@ -329,9 +452,18 @@ class Trainer:
     # ================================================================== buffer: shared by live and replay
 
     def take(self, step: int, inputs: StepInputs) -> list[dict]:
-        """Apply the step's buffer changes (add, drop, consume) and return the consumed samples."""
-        self.buffer.add(sample_codec.unpack(inputs.added))
-        self.buffer.drop(inputs.dropped)
+        """Apply the step's buffer changes (add, drop, plan: unless a live collect did; then consume)
+        and return the consumed samples."""
+        if not inputs.admitted:  # replay: the journaled batches enter the buffer as they did live
+            self.buffer.add(sample_codec.unpack(inputs.added))
+            self.buffer.drop(inputs.dropped)
+            self.buffer.drop(inputs.stale)
+            self.buffer.plan(inputs.plans)
+        planned = self.buffer.plans.pop(step, None)
+        if planned is not None:
+            if not np.array_equal(planned, inputs.consumed):
+                raise ReplayError(f"step {step} consumes other samples than the plan made when its batch was generated")
+            failpoint("async.consume")
         samples = self.buffer.consume(inputs.consumed)
         self.train_state.step = step
         self.train_state.samples_seen += len(samples)
@@ -351,7 +483,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         dp_size = rt.dp_size
         scores_all = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
-        metrics.update(_sample_metrics(samples, scores_all, len(self.buffer)))
+        metrics.update(_sample_metrics(samples, scores_all))
         if not samples:  # dynamic sampling found no group with varying rewards: no update this step
             metrics["actor/skipped_update"] = 1.0
         else:
@@ -362,7 +494,9 @@ class Trainer:
             batch = collate(mine, self.tokenizer.pad_token_id, rt.device)
             # GRPO with one pass over one mini-batch: the policy before the update is the one the
             # update's own forward sees, so the "old" log-probs come from that forward (detached)
-            fuse_old = cfg.algorithm.name == "grpo" and cfg.model.actor.ppo_epochs == 1 and len(minis) == 1
+            # (async: the samples come from an older policy, so the old log-probs are computed apart)
+            async_mode = cfg.rollout.mode == "async"
+            fuse_old = cfg.algorithm.name == "grpo" and cfg.model.actor.ppo_epochs == 1 and len(minis) == 1 and not async_mode
             t = time.perf_counter()
             old_lp = None if fuse_old else self.actor.logprobs(batch)
             timings["timing_s/old_log_prob"] = time.perf_counter() - t
@@ -389,19 +523,27 @@ class Trainer:
                 metrics["critic/returns/mean"] = algorithms.global_masked_mean(returns, mask, all_sum).item()
             metrics["critic/advantages/mean"] = algorithms.global_masked_mean(advantages, mask, all_sum).item()
             timings["timing_s/adv"] = time.perf_counter() - t
+            gen_lp = _padded(mine, "gen_logprobs", mask.shape[1], rt.device)
+            token_weights = None
+            if async_mode:
+                token_weights = self._off_policy(step, samples, old_lp, gen_lp, mask, all_sum, metrics)
             t = time.perf_counter()
             if self.critic is not None:
                 metrics.update(self.critic.update(batch, old_values, returns, minis, cfg.model.actor.ppo_epochs))
                 timings["timing_s/update_critic"] = time.perf_counter() - t
                 t = time.perf_counter()
-            actor_metrics, before = self.actor.update(batch, advantages, old_lp, ref_lp, minis)
+            actor_metrics, before = self.actor.update(batch, advantages, old_lp, ref_lp, minis, token_weights)
             metrics.update(actor_metrics)
             timings["timing_s/update_actor"] = time.perf_counter() - t
-            # the engine against the trainer, on the samples generated this step (carried-over groups
-            # were generated by an older policy): 0 when every sample is carried over
-            gen_lp = _padded(mine, "gen_logprobs", mask.shape[1], rt.device)
-            fresh = set(np.asarray(inputs.added["id"]).tolist())
-            now = torch.tensor([float(s["id"] in fresh) for s in mine], device=rt.device)[:, None] * mask
+            # the engine against the trainer, on the samples generated by the policy the step starts
+            # from (sync: this step's; carried-over groups and async's stale samples came from an
+            # older policy): 0 when there are none
+            if async_mode:
+                now_rows = [float(s["policy_version"] == step - 1) for s in mine]
+            else:
+                fresh = set(np.asarray(inputs.added["id"]).tolist())
+                now_rows = [float(s["id"] in fresh) for s in mine]
+            now = torch.tensor(now_rows, device=rt.device)[:, None] * mask
             metrics.update(algorithms.logprob_gap(gen_lp, before, now, all_sum, rt.max_over if dp_size > 1 else None))
             metrics = rt.mean(metrics)
             self.weights_changed()
@@ -409,6 +551,29 @@ class Trainer:
         fp, parts = fingerprint(self.engines(), rt)
         timings["timing_s/fingerprint"] = time.perf_counter() - t
         return StepOutcome({**metrics, **timings}, fp, parts)
+
+    def _off_policy(self, step: int, samples: list[dict], old_lp, gen_lp, mask, all_sum, metrics: dict) -> torch.Tensor:
+        """Async rollout: each token's truncated importance weight min(pi_old / pi_gen, threshold), where
+        pi_old is the policy this step starts from (the clipped ratio's denominator, recomputed) and
+        pi_gen the generator's (journaled with the sample); and the staleness of the step's samples."""
+        rt, threshold = self.rt, self.cfg.algorithm.rollout_is_threshold
+        raw = torch.exp((old_lp - gen_lp).clamp(-20, 20)) * mask
+        weights = raw.clamp(max=threshold)
+        top = raw.max() if raw.numel() else torch.zeros((), device=raw.device)
+        staleness = np.array([step - 1 - s["policy_version"] for s in samples], dtype=np.float64)
+        metrics.update({
+            "rollout/is_weight/mean": algorithms.global_masked_mean(weights, mask, all_sum).item(),
+            "rollout/is_weight/max": (rt.max_over(top) if rt.dp_size > 1 else top).item(),
+            "rollout/is_truncated": algorithms.global_masked_mean((raw > threshold).float(), mask, all_sum).item(),
+            "rollout/staleness/mean": float(staleness.mean()),
+            "rollout/staleness/max": float(staleness.max()),
+        })
+        return weights
+
+    def buffer_metrics(self) -> dict[str, float]:
+        """The buffer once the step is done (async: with the batch generated during the update):
+        live steps read it after finish_collect, replay after apply."""
+        return {"buffer/pending": float(len(self.buffer))}
 
     # ================================================================== Stateful parts
 
@@ -443,6 +608,12 @@ class TrainState:
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
 
 
+def _drops(record: StepRecord, reason: str) -> np.ndarray:
+    """The ids a step's record drops for `reason` (zero_variance: dynamic sampling; stale: async)."""
+    ids = [np.asarray(e["ids"], np.int64) for e in record.all("buffer.drop") if e.get("reason", "zero_variance") == reason]
+    return np.concatenate(ids) if ids else np.zeros(0, np.int64)
+
+
 def _padded(samples: list[dict], key: str, width: int, device) -> torch.Tensor:
     out = torch.zeros((len(samples), width), dtype=torch.float32)
     for i, s in enumerate(samples):
@@ -450,9 +621,9 @@ def _padded(samples: list[dict], key: str, width: int, device) -> torch.Tensor:
     return out.to(device)
 
 
-def _sample_metrics(samples: list[dict], scores: torch.Tensor, pending: int) -> dict[str, float]:
+def _sample_metrics(samples: list[dict], scores: torch.Tensor) -> dict[str, float]:
     if not samples:
-        return {"buffer/pending": float(pending), "batch/samples": 0.0}
+        return {"batch/samples": 0.0}
     resp = np.array([len(s["response_ids"]) for s in samples], dtype=np.float64)
     prm = np.array([len(s["prompt_ids"]) for s in samples], dtype=np.float64)
     rule = np.array([s["rule_reward"] for s in samples], dtype=np.float64)
@@ -465,6 +636,5 @@ def _sample_metrics(samples: list[dict], scores: torch.Tensor, pending: int) -> 
         "response_length/max": float(resp.max()),
         "prompt_length/mean": float(prm.mean()),
         "batch/samples": float(len(samples)),
-        "buffer/pending": float(pending),
     }
 

@@ -295,7 +295,7 @@ class VllmEngine:
         """The actor was updated or loaded: push before the next generate."""
         self.stale = True
 
-    def sync(self, cfg: Config) -> None:
+    def sync(self, cfg: Config, version: int = 0) -> None:
         """Make the engine generate from the actor's current weights: start it, or push. Collective."""
         if self.llm is None:
             self._start(cfg)
@@ -303,6 +303,13 @@ class VllmEngine:
             self.push()
 
     # ------------------------------------------------------------------ generation
+
+    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
+        """Generates here (the colocated engine shares the trainer's process): see `generate`."""
+        return self.generate(prompts, seeds, cfg)
+
+    def result(self, handle):
+        return handle
 
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
         from vllm import SamplingParams

@@ -30,11 +30,12 @@ class Stateful(Protocol):
         """Become what state_dict returned (check_version first)."""
 
 
-def check_version(name: str, state: dict, version: int) -> dict:
-    """`state` when this code wrote it (a state without a version, from before parts carried one, is
-    version 1); otherwise one sentence naming the part."""
+def check_version(name: str, state: dict, version: int, oldest: int | None = None) -> dict:
+    """`state` when this code wrote it, or an older version from `oldest` on that the part still reads
+    (a state without a version, from before parts carried one, is version 1); otherwise one sentence
+    naming the part."""
     got = state.get("version", 1) if isinstance(state, dict) else None
-    if got != version:
+    if not isinstance(got, int) or not (oldest or version) <= got <= version:
         raise SnapshotError(f"the snapshot's {name} state has version {got!r}; this verlj reads version {version} "
                             "(the snapshot was written by another verlj)")
     return state

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from verlj.engine.config import DataConfig
+from verlj.engine.errors import SnapshotError
 from verlj.engine.rl.buffer import RolloutBuffer
 from verlj.engine.rl.data import DataError, Sampler, load_dataset
 from verlj.engine.rl.rewards import RewardError, add_reward, load_reward_fn, rule_rewards
-from verlj.engine.rl.rollout import sample_token
+from verlj.engine.rl.sampler import sample_token
 from verlj.engine.rl.samples import pack, unpack
 from verlj.journal import packb, unpackb
 
@@ -56,6 +57,7 @@ def sample(i, plen, rlen):
     rng = np.random.default_rng(i)
     return {
         "id": i, "index": i * 3, "group": i - i % 2, "score": float(rng.standard_normal()), "rule_reward": 0.5, "rm_score": 0.0,
+        "policy_version": i // 2,
         "prompt_ids": rng.integers(0, 50, plen), "response_ids": rng.integers(0, 50, rlen),
         "gen_logprobs": rng.standard_normal(rlen).astype(np.float32),
         "ref_logprobs": rng.standard_normal(rlen).astype(np.float32),
@@ -81,6 +83,30 @@ def test_buffer_ops_and_state():
     other = RolloutBuffer()
     other.load_state_dict(unpackb(packb(buf.state_dict())))
     assert list(other.samples) == [4, 5] and other.next_id == 6
+
+
+def test_buffer_plans_hide_planned_samples_and_survive_a_snapshot():
+    buf = RolloutBuffer()
+    buf.add([sample(i, 2, 2) for i in range(8)])
+    buf.plan({3: np.array([2, 3]), 2: np.array([0, 1])})
+    assert buf.groups() == {4: [4, 5], 6: [6, 7]} and buf.planned_through() == 3
+    with pytest.raises(AssertionError, match="planned twice"):
+        buf.plan({3: np.array([4, 5])})
+    other = RolloutBuffer()
+    other.load_state_dict(unpackb(packb(buf.state_dict())))
+    assert sorted(other.plans) == [2, 3] and other.plans[3].tolist() == [2, 3] and other.groups() == buf.groups()
+    assert [s["policy_version"] for s in other.samples.values()] == [0, 0, 1, 1, 2, 2, 3, 3]
+    # a version-1 state (before plans and policy versions): no plans, versions unknown
+    old = buf.state_dict()
+    old["version"] = 1
+    del old["plan_steps"], old["plans"]
+    old["samples"] = {k: v for k, v in old["samples"].items() if k != "policy_version"}
+    v1 = RolloutBuffer()
+    v1.load_state_dict(unpackb(packb(old)))
+    assert v1.plans == {} and {s["policy_version"] for s in v1.samples.values()} == {-1} and len(v1) == 8
+    old["version"] = 3
+    with pytest.raises(SnapshotError, match="version 3"):
+        RolloutBuffer().load_state_dict(old)
 
 
 def test_rule_reward_and_loading():

@@ -1,0 +1,214 @@
+"""Asynchronous rollout (``rollout.mode=async``): a generator process beside each trainer rank.
+
+The process holds its own copy of the policy and generates with verlj's sampler (sampler.sample_seeded),
+so a sample depends only on its seed and the weights it was generated from. It is spawned with
+``torch.multiprocessing`` and shares the weights with the trainer through shared memory: its
+parameters *are* tensors the trainer allocated once (``share_memory_``), and a push is the trainer
+copying the actor's current parameters into them while the generator is idle. Requests and results
+travel over the context's queues. Nothing else is shared, and nothing is written to disk.
+
+What the trainer asks for is decided by ``Trainer.collect`` (deterministic step order: the batch of
+step s+k is generated from version s-1 while step s trains), so the generator needs no policy of its
+own: it generates what it is told, from the version it holds, and says which version that was.
+
+The process ignores SIGINT and SIGTERM (the trainer finishes its step and stops it), and dies with
+the trainer (PR_SET_PDEATHSIG, and a parent check between requests). If it dies first, the trainer's
+next wait ends with one sentence naming it, and ``--resume`` continues exactly: a batch counts only
+once the journal holds it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+
+import numpy as np
+import torch
+
+from verlj.journal.failpoints import failpoint
+
+from ..config import Config
+from ..errors import RunError
+from ..state.reshard import full_parameters
+from .sampler import sampling_params
+
+POLL_S = 0.5  # how often a wait checks that the other side is alive
+START_TIMEOUT_S = 600.0
+
+
+class GeneratorProcess:
+    """rollout.mode=async: the RolloutEngine that generates in a separate process (see the module's doc).
+    ``submit`` returns at once; ``result`` waits. ``policy_version`` is the version it holds."""
+
+    name = "hf"
+
+    @classmethod
+    def preflight(cls, cfg: Config, device) -> None:
+        """Runs wherever the actor runs (the process uses the trainer's device)."""
+
+    def __init__(self, rt, actor, tokenizer):
+        import transformers
+
+        self.rt, self.actor, self.tokenizer = rt, actor, tokenizer
+        self.version = str(transformers.__version__)
+        self.proc = None
+        self.shared: dict[str, torch.Tensor] = {}
+        self.policy_version: int | None = None  # the version the process holds
+        self.stale = True
+        self._next = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def sync(self, cfg: Config, version: int) -> None:
+        """Start the process (first call) or push the actor's weights (after an update), as `version`.
+        Called only while the process is idle. Collective (ZeRO-3 gathers the parameters)."""
+        if self.proc is not None and not self.stale and self.policy_version == version:
+            return
+        params = full_parameters(self.actor.engine, self.rt, self.actor.full_shapes)
+        if self.proc is None:
+            self._start(cfg, params, version)
+        else:
+            failpoint("async.push")
+            with torch.no_grad():
+                for name, t in params:
+                    self.shared[name].copy_(t)
+            self._call(("version", version), "push")
+        self.policy_version, self.stale = version, False
+
+    def _start(self, cfg: Config, params, version: int) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.shared = {name: t.detach().clone().share_memory_() for name, t in params}
+        self.requests, self.results = ctx.Queue(), ctx.Queue()
+        tok = self.tokenizer
+        self.proc = ctx.Process(
+            target=serve,
+            args=(self.requests, self.results, cfg.to_dict(), self.shared, version, tok.eos_token_id, tok.pad_token_id,
+                  torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), os.getpid()),
+            name=f"verlj-generator-{self.rt.rank}",
+            daemon=True,
+        )
+        self.proc.start()
+        self._wait("ready", START_TIMEOUT_S)
+
+    def weights_changed(self) -> None:
+        self.stale = True
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.is_alive():
+            try:
+                self.requests.put(("stop",))
+            except (OSError, ValueError):
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+        for q in (self.requests, self.results):
+            q.close()
+            q.cancel_join_thread()
+        self.proc = None
+        self.shared = {}
+
+    # ------------------------------------------------------------------ generation
+
+    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> int:
+        self._next += 1
+        self.requests.put(("generate", self._next, [np.asarray(p) for p in prompts], list(seeds), sampling_params(cfg), self.policy_version))
+        return self._next
+
+    def result(self, handle: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        reply = self._wait(handle, None)
+        return reply[2], reply[3]
+
+    def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
+        return self.result(self.submit(prompts, seeds, cfg))
+
+    def _call(self, message: tuple, tag) -> tuple:
+        self.requests.put(message)
+        return self._wait(tag, None)
+
+    def _wait(self, tag, timeout: float | None) -> tuple:
+        """The process's reply `tag`, waiting while it is alive; one sentence when it died or erred."""
+        start = time.monotonic()
+        while True:
+            try:
+                reply = self.results.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    code = self.proc.exitcode
+                    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+                    raise RunError(f"the rollout generator process (pid {self.proc.pid}) {how}; every committed step is in "
+                                   "the journal: `verlj train --resume` continues the run exactly") from None
+                if timeout is not None and time.monotonic() - start > timeout:
+                    raise RunError(f"the rollout generator process (pid {self.proc.pid}) did not start within {timeout:.0f} s") from None
+                continue
+            if reply[0] == "error":
+                raise RunError(f"the rollout generator process failed: {reply[1]}")
+            if reply[1] != tag:
+                raise RunError(f"the rollout generator process answered {reply[1]!r} where {tag!r} was awaited")
+            return reply
+
+
+def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id: int, pad_id: int, threads: int,
+          deterministic: bool, parent: int) -> None:
+    """The generator process's main loop (spawned: everything it needs comes as arguments)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
+    try:
+        from ..config import config_from_dict
+        from .models import load_causal_lm
+        from .sampler import sample_seeded
+
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        cfg = config_from_dict(cfg_dict)
+        model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, 0)  # its structure: the weights are the trainer's
+        params = dict(model.named_parameters())
+        if set(params) != set(weights):
+            raise RuntimeError(f"the policy's parameters differ from the trainer's: {sorted(set(params) ^ set(weights))[:3]}")
+        for name, t in weights.items():
+            params[name].data = t
+        model.eval()
+        device = next(iter(weights.values())).device
+        results.put(("ready", "ready", os.getpid()))
+    except Exception as e:  # noqa: BLE001 - reported to the trainer in one sentence
+        results.put(("error", f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        try:
+            msg = requests.get(timeout=POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        try:
+            if msg[0] == "stop":
+                return
+            if msg[0] == "version":  # the trainer has copied new weights in: they are this version
+                version = msg[1]
+                results.put(("ok", "push"))
+            elif msg[0] == "generate":
+                _, tag, prompts, seeds, params, want = msg
+                if want != version:
+                    raise RuntimeError(f"asked for policy version {want}, holding {version}")
+                responses, logps = sample_seeded(model, prompts, seeds, params, eos_id, pad_id, device)
+                failpoint("generator.before_reply")
+                results.put(("done", tag, responses, logps, version))
+        except Exception as e:  # noqa: BLE001 - reported to the trainer in one sentence
+            results.put(("error", f"{type(e).__name__}: {e}"))
+            return
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the trainer dies (PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
