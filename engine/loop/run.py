@@ -321,6 +321,7 @@ def fork(replayed, parent: Path, new_run: Path, overrides: list[str]) -> int:
         run.reporter.close()
         if run.ledger is not None:
             run.ledger.close()
+        trainer.close()  # its rollout engine too (vLLM, the async generator)
 
 
 def preflight_rollout(cfg: Config, rt: Runtime) -> None:

@@ -19,6 +19,7 @@ once the journal holds it.
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import signal
@@ -78,6 +79,7 @@ class GeneratorProcess:
         self.policy_version, self.stale = version, False
 
     def _start(self, cfg: Config, params, version: int) -> None:
+        failpoint("async.start")
         ctx = torch.multiprocessing.get_context("spawn")
         self.shared = {name: t.detach().clone().share_memory_() for name, t in params}
         self.requests, self.results = ctx.Queue(), ctx.Queue()
@@ -90,6 +92,7 @@ class GeneratorProcess:
             daemon=True,
         )
         self.proc.start()
+        atexit.register(self.close)  # before multiprocessing's own exit handler, which would wait on it forever
         self._wait("ready", START_TIMEOUT_S)
 
     def weights_changed(self) -> None:
@@ -112,6 +115,7 @@ class GeneratorProcess:
             q.cancel_join_thread()
         self.proc = None
         self.shared = {}
+        atexit.unregister(self.close)
 
     # ------------------------------------------------------------------ generation
 

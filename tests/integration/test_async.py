@@ -1,0 +1,205 @@
+"""rollout.mode=async (deterministic step order): a real generator process beside the trainer, real
+SIGKILLs of the trainer (at random moments and at the failpoints of admit, push, consume and commit)
+and of the generator alone; every resumed run must equal the uninterrupted async run, step for step."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from verlj.journal import open_journal_reader
+from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
+
+# dynamic sampling over 2 rounds at most, so carried-over groups meet the staleness bound
+ASYNC = ["rollout.mode=async", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=2", "trainer.total_steps=6",
+         "trainer.save_interval=3"]
+
+
+def finish(run, over, **env_extra):
+    out = train(run, *over, resume=True, **env_extra)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("async") / "ref"
+    out = train(run, *ASYNC)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def test_the_journal_records_versions_plans_and_the_off_policy_metrics(reference):
+    with open_journal_reader(reference / "journal") as j:
+        records = {r.step: r for r in j.iter_steps()}
+    first = records[1]
+    plan = first.first("buffer.plan")
+    assert plan["steps"].tolist() == [1, 2]  # step 1 generates its own batch and step 2's, both from version 0
+    assert first.first("rollout")["mode"] == "async" and first.first("rollout")["max_staleness"] == 1
+    for step, r in records.items():
+        m = r.metrics
+        assert m["rollout/staleness/max"] <= 1 and m["rollout/staleness/mean"] == (0.0 if step == 1 else 1.0), (step, m)
+        assert 0 < m["rollout/is_weight/mean"] and m["rollout/is_weight/max"] > 0
+        if step > 1:
+            assert r.first("buffer.plan")["steps"].tolist() == [step + 1]
+            assert set(r.first("buffer.add")["samples"]["policy_version"].tolist()) == {step - 1}
+    # the step-1 samples come from the weights the trainer holds: the generator's log-probs are the
+    # trainer's, up to the KV cache's rounding
+    assert records[1].metrics["rollout/logprob_diff/max"] < 1e-5
+    # the weights move: after step 1 the trainer's log-probs of stale samples are not the generator's
+    assert any(r.metrics["rollout/is_weight/max"] != 1.0 for s, r in records.items() if s > 1)
+    out = verlj("inspect", reference, "--step", "3", check=True).stdout
+    assert "async, max_staleness 1" in out and "planned    step 4 will train on" in out and "staleness mean 1 max 1" in out
+    assert " v2   |" in out  # the samples generated at step 3 come from version 2
+    path = reference.parent / "rollouts.jsonl"
+    verlj("export", reference, "--rollouts", "-o", path, check=True)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {(r["step"], r["policy_version"]) for r in rows} == {(1, 0), *((s, s - 1) for s in range(2, 7))}
+
+
+def test_the_result_does_not_depend_on_which_side_is_faster(tmp_path, reference):
+    """The generator 0.3 s slower per batch: the trainer waits, and the run is bit-identical."""
+    run = tmp_path / "slow"
+    out = train(run, *ASYNC, VERLJ_FAILPOINT="generator.before_reply:1:sleep-each=0.3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_journal(reference, run)
+
+
+@pytest.mark.parametrize("point", ["async.admit:3", "async.push:2", "async.consume:4", "step.before_commit:3"])
+def test_kill_at_an_async_failpoint_then_resume_is_exact(tmp_path, reference, point):
+    run = tmp_path / "run"
+    out = train(run, *ASYNC, VERLJ_FAILPOINT=point)
+    assert out.returncode == -9, out.stderr[-3000:]
+    finish(run, ASYNC)
+    assert_same_journal(reference, run)
+
+
+def test_a_dead_generator_stops_the_run_in_one_line_and_resume_is_exact(tmp_path, reference):
+    run = tmp_path / "run"
+    out = train(run, *ASYNC, VERLJ_FAILPOINT="generator.before_reply:4")  # SIGKILL of the generator process alone
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "the rollout generator process (pid " in lines[0] and "killed by signal 9" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+    finish(run, ASYNC)
+    assert_same_journal(reference, run)
+
+
+def test_random_kills_of_the_trainer_then_resume_is_exact(tmp_path, reference):
+    """SIGKILL of the trainer process alone at random moments: its generator dies with it."""
+    rng = random.Random(22)
+    run = tmp_path / "run"
+    for _ in range(2):
+        cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *ASYNC, "--resume"]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env(), cwd=REPO)
+        want, seen = rng.randint(1, 3), 0
+        for line in p.stdout:
+            if "[INFO] Step" in line and ": reward=" in line:
+                seen += 1
+                if seen >= want:
+                    time.sleep(rng.uniform(0.0, 0.15))
+                    break
+        kids = children(p.pid)
+        assert kids, "no generator process beside the trainer"
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 10
+        while any(alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(k) for k in kids), "the generator outlived the trainer"
+    finish(run, ASYNC)
+    assert_same_journal(reference, run)
+
+
+def test_sigint_finishes_the_step_stops_the_generator_and_exits_0(tmp_path, reference):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *ASYNC]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO, start_new_session=True)
+    for line in p.stdout:
+        if "[INFO] Step 2: reward=" in line:
+            break
+    kids = children(p.pid)
+    os.killpg(p.pid, signal.SIGINT)  # the whole group, as a terminal's Ctrl-C: the generator ignores it
+    rest, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    assert "Received SIGINT" in rest and "snapshot taken" in rest, rest
+    assert kids and not any(alive(k) for k in kids)
+    last = max(fingerprints(run))
+    assert (run / f"step_{last:05d}").is_dir()
+    finish(run, ASYNC)
+    assert_same_journal(reference, run)
+
+
+def test_replay_never_starts_a_generator_and_a_fork_continues_exactly(tmp_path, reference):
+    out = verlj("replay", reference, "--to-step", "5", VERLJ_FAILPOINT="async.start:1", check=True)
+    assert fingerprints(reference)[5] in out.stdout
+    fork = tmp_path / "fork"
+    verlj("replay", reference, "--to-step", "4", "--fork", fork, check=True)
+    want, got = fingerprints(reference), fingerprints(fork)
+    assert {s: got[s] for s in (5, 6)} == {s: want[s] for s in (5, 6)}
+
+
+def test_two_ranks_zero3_ppo_killed_and_resumed_match_the_uninterrupted_run(tmp_path):
+    over = ["rollout.mode=async", "rollout.max_staleness=2", "algorithm.name=ppo", "distributed.zero_stage=3", "trainer.total_steps=5",
+            "trainer.save_interval=2"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert train(ref, *over, ranks=2).returncode == 0
+    out = train(run, *over, ranks=2, VERLJ_FAILPOINT="async.admit:4")
+    assert out.returncode != 0
+    out = train(run, *over, ranks=2, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_journal(ref, run)
+    with open_journal_reader(run / "journal") as j:
+        assert j.read_step(5).metrics["rollout/staleness/max"] == 2.0
+
+
+@pytest.mark.parametrize("over, says", [
+    (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.max_staleness must be an integer of at least 1, got 0"),
+    (["rollout.max_staleness=2"], "rollout.max_staleness applies to rollout.mode=async only"),
+    (["rollout.mode=async", "rollout.async_order=fifo"], "rollout.async_order must be one of step"),
+    (["rollout.mode=async", "rollout.engine=vllm"], "rollout.mode=async generates with rollout.engine=hf only"),
+    (["rollout.mode=turbo"], "rollout.mode must be one of sync, async"),
+])
+def test_bad_async_values_end_in_one_line_and_write_nothing(tmp_path, over, says):
+    run = tmp_path / "run"
+    out = train(run, *over)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and says in out.stderr, out.stderr
+    assert not run.exists()
+
+
+def test_mode_and_staleness_are_fixed_for_a_run(tmp_path, reference):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run, symlinks=True)
+    before = fingerprints(run)
+    for change in ("rollout.mode=sync", "rollout.max_staleness=3"):
+        out = train(run, *ASYNC, change, "trainer.total_steps=8", resume=True)
+        assert out.returncode == 2 and change.split("=")[0] in out.stderr and out.stderr.count("\n") == 1, out.stderr
+    assert fingerprints(run) == before
