@@ -28,6 +28,11 @@ samples, metrics other than timings, and fingerprint). Kinds:
   two-writers  two trainers on one shipped run from two local directories, the second started at a
                random moment, with or without --resume: refused (one line naming the live writer,
                the run's files untouched, the first run exact) | NOT REFUSED | TOUCHED | NOT EXACT
+  async        rollout.mode=async (step order, max_staleness 1 or 4): SIGKILL of the trainer's process
+               group or of the trainer alone at a random moment, at a failpoint of generator start /
+               admit / push / consume / commit, or of the generator process alone; then `--resume`
+               until the target step. exact (and, counted against the uninterrupted run: completed
+               samples lost, prompts trained more or fewer times) | NOT EXACT
   bad-input    malformed configs, wrong overrides, missing paths, a newer-schema journal, a
                directory that is not a run: one line, non-zero exit, no traceback, nothing written.
 
@@ -135,7 +140,8 @@ def resume_until_done(run: Path, *over, tries=8) -> subprocess.CompletedProcess 
 # ----------------------------------------------------------------------------- kills
 
 
-def kill_at_random(run: Path, rng: random.Random, *over: str) -> None:
+def kill_at_random(run: Path, rng: random.Random, *over: str, group: bool = True) -> None:
+    """SIGKILL `verlj train` at a random moment: its whole process group, or (group=False) the trainer alone."""
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, *over, "--resume"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env(), cwd=REPO,
                          start_new_session=True)
@@ -152,7 +158,10 @@ def kill_at_random(run: Path, rng: random.Random, *over: str) -> None:
                 break
         time.sleep(rng.uniform(0.0, 0.12))
     try:
-        os.killpg(p.pid, signal.SIGKILL)
+        if group:
+            os.killpg(p.pid, signal.SIGKILL)
+        else:
+            p.kill()
     except ProcessLookupError:
         pass
     p.wait()
@@ -182,6 +191,68 @@ def kill_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
     same, note = identical(run, ref)
     shutil.rmtree(run, ignore_errors=True)
     return Trial("kill", n, what, "exact" if same else "NOT EXACT", note)
+
+
+# ----------------------------------------------------------------------------- async rollout
+
+ASYNC = ["rollout.mode=async", "algorithm.max_sampling_rounds=2"]
+ASYNC_POINTS = {"async.start": 1, "async.admit": TARGET, "async.push": TARGET - 1, "async.consume": TARGET, "step.before_commit": TARGET,
+                "journal.before_commit": TARGET}
+
+
+def async_trial(root: Path, refs: dict[int, Path], rng: random.Random, n: int, counts: Counter) -> Trial:
+    k = rng.choice(sorted(refs))
+    over = [*ASYNC, f"rollout.max_staleness={k}"]
+    run = root / f"async{n}"
+    mode = rng.choice(["group", "trainer", "failpoint", "failpoint", "generator"])
+    if mode in ("group", "trainer"):
+        kills = rng.randint(1, 2)
+        for _ in range(kills):
+            kill_at_random(run, rng, *over, group=mode == "group")
+        what = f"k={k}: {kills} random SIGKILL(s) of the " + ("trainer and its generator" if mode == "group" else "trainer alone")
+    elif mode == "failpoint":
+        point = rng.choice(sorted(ASYNC_POINTS))
+        count = rng.randint(1, ASYNC_POINTS[point])
+        out = train(run, *over, VERLJ_FAILPOINT=f"{point}:{count}")
+        what = f"k={k}: SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
+    else:
+        count = rng.randint(1, TARGET)
+        out = train(run, *over, VERLJ_FAILPOINT=f"generator.before_reply:{count}")
+        stopped = out.returncode == 1 and "the rollout generator process" in out.stderr and clean_error(out)
+        what = f"k={k}: SIGKILL of the generator at its reply {count}" + ("" if out.returncode else " (not reached)")
+        if out.returncode and not stopped:
+            return Trial("async", n, what, "NOT EXACT", "the run did not stop in one clear line: " + out.stderr[-300:])
+    out = resume_until_done(run, *over)
+    if out is None or out.returncode != 0:
+        return Trial("async", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+    same, note = identical(run, refs[k])
+    lost, dup, skipped = sample_accounting(run, refs[k])
+    counts.update(lost=lost, duplicated=dup, skipped=skipped)
+    shutil.rmtree(run, ignore_errors=True)
+    if lost or dup or skipped:
+        same, note = False, f"{lost} completed samples lost, {dup} prompts trained more, {skipped} fewer than uninterrupted; " + note
+    return Trial("async", n, what, "exact" if same else "NOT EXACT", note)
+
+
+def sample_accounting(run: Path, ref: Path) -> tuple[int, int, int]:
+    """Against the uninterrupted run: completed samples (journaled, by id and content) it lacks, and
+    dataset rows trained more or fewer times."""
+    Journal, _ = _journal()
+
+    def read(path: Path):
+        samples, trained = {}, Counter()
+        with Journal.open_reader(path / "journal") as j:
+            for r in j.iter_steps():
+                cols = r.first("buffer.add")["samples"]
+                for q, sid in enumerate(cols["id"].tolist()):
+                    samples[sid] = (int(cols["index"][q]), cols["response_ids"][q].tobytes(), int(cols["policy_version"][q]))
+                for sid in r.first("buffer.consume")["ids"].tolist():
+                    trained[samples[sid][0]] += 1
+        return samples, trained
+
+    (a, ta), (b, tb) = read(run), read(ref)
+    lost = sum(1 for sid, v in b.items() if a.get(sid) != v)
+    return lost, sum((ta - tb).values()), sum((tb - ta).values())
 
 
 # ----------------------------------------------------------------------------- node loss
@@ -497,12 +568,13 @@ def main() -> int:
     ap.add_argument("--disk-full", type=int, default=2)
     ap.add_argument("--node-losses", type=int, default=20)
     ap.add_argument("--two-writers", type=int, default=6)
+    ap.add_argument("--asyncs", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="a few trials of each kind (the test suite runs this)")
-    ap.add_argument("--kinds", default="kill,corruption,disk-full,node-loss,concurrency,two-writers,bad-input")
+    ap.add_argument("--kinds", default="kill,corruption,disk-full,node-loss,concurrency,two-writers,async,bad-input")
     args = ap.parse_args()
     if args.quick:
-        args.kills, args.corruptions, args.disk_full, args.node_losses, args.two_writers = 1, 3, 1, 1, 1
+        args.kills, args.corruptions, args.disk_full, args.node_losses, args.two_writers, args.asyncs = 1, 3, 1, 1, 1, 1
     kinds = set(args.kinds.split(","))
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="verlj-faults-"))
@@ -515,6 +587,12 @@ def main() -> int:
         assert train(finished, "trainer.save_total_limit=0", resume=False).returncode == 0
         ref10 = root / "ref10"
         assert train(ref10, "trainer.total_steps=10", resume=False).returncode == 0
+        async_refs: dict[int, Path] = {}
+        if "async" in kinds:
+            for k in (1, 4):
+                async_refs[k] = root / f"ref_async{k}"
+                assert train(async_refs[k], *ASYNC, f"rollout.max_staleness={k}", resume=False).returncode == 0
+        async_counts: Counter = Counter()
 
         def record(t: Trial) -> None:
             trials.append(t)
@@ -538,6 +616,9 @@ def main() -> int:
         if "two-writers" in kinds:
             for n in range(1, args.two_writers + 1):
                 record(two_writers_trial(root, ref, rng, n))
+        if "async" in kinds:
+            for n in range(1, args.asyncs + 1):
+                record(async_trial(root, async_refs, rng, n, async_counts))
         if "bad-input" in kinds:
             for t in bad_input_trials(root, finished, quick=args.quick):
                 record(t)
@@ -545,11 +626,14 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     print()
     print(f"{'kind':12s} {'trials':>6s}  outcomes")
-    for kind in ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "bad-input"):
+    for kind in ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "async", "bad-input"):
         ts = [t for t in trials if t.kind == kind]
         if ts:
             counts = Counter(t.outcome for t in ts)
             print(f"{kind:12s} {len(ts):6d}  " + ", ".join(f"{k}: {v}" for k, v in counts.most_common()))
+    if any(t.kind == "async" for t in trials):
+        print(f"async: completed samples lost {async_counts['lost']}, prompts trained more {async_counts['duplicated']}, "
+              f"fewer {async_counts['skipped']} (against the uninterrupted runs)")
     bad = [t for t in trials if not t.ok and t.outcome != "skipped"]
     silent = sum(1 for t in trials if t.outcome == "SILENT")
     print(f"\n{len(trials)} trials, {len(bad)} failed, {silent} silent, in {time.time() - t0:.0f} s")

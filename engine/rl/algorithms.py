@@ -104,6 +104,13 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio: float, den
     return loss, clipfrac, approx_kl
 
 
+def truncated_is_weights(old_logprobs, gen_logprobs, mask, threshold: float):
+    """Async rollout's correction: each token's importance weight pi_old / pi_gen, truncated at
+    `threshold` (verl's rollout correction, TIS). Returns (weights, untruncated), both 0 off the mask."""
+    raw = torch.exp((old_logprobs - gen_logprobs).clamp(-20, 20)) * mask
+    return raw.clamp(max=threshold), raw
+
+
 def value_loss(values, old_values, returns, mask, cliprange: float, denom=None):
     """Clipped value loss, 0.5 * max((v - R)^2, (v_clip - R)^2). Returns (loss, clipfrac)."""
     clipped = old_values + torch.clamp(values - old_values, -cliprange, cliprange)

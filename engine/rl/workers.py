@@ -314,10 +314,11 @@ class ActorWorker(_Stepper):
         return torch.cat(out)
 
     def update(self, batch: Batch, advantages, old_logprobs, ref_logprobs,
-               mini_batches: list[MiniBatch], token_weights=None) -> tuple[dict[str, float], torch.Tensor]:
+               mini_batches: list[MiniBatch], gen_logprobs=None, is_threshold: float = 0.0) -> tuple[dict[str, float], torch.Tensor]:
         """One update over the step's mini-batches. Returns its metrics and the log-probs of the
         policy before it ([B, R]: ``old_logprobs``, or, fused, those of each row's first forward).
-        ``token_weights`` ([B, R], async rollout): each token's importance weight in the policy loss."""
+        ``gen_logprobs`` ([B, R], async rollout): the generator's; each token's policy loss is weighted
+        by its truncated importance weight (algorithms.truncated_is_weights)."""
         stats = UpdateStats(self.rt.dp_size)
         before = old_logprobs if old_logprobs is not None else torch.zeros_like(advantages)
         for mb in accumulation(self.engine, self.actor_cfg.micro_batch_size, self.rt.dp_size, mini_batches, self.actor_cfg.ppo_epochs):
@@ -327,7 +328,7 @@ class ActorWorker(_Stepper):
             if old_logprobs is None:  # fused (see Trainer.apply): one epoch over one mini-batch, each row seen once
                 before[sl] = logp.detach()
             old = logp.detach() if old_logprobs is None else old_logprobs[sl]
-            weights = None if token_weights is None else token_weights[sl]
+            weights = None if gen_logprobs is None else algorithms.truncated_is_weights(old, gen_logprobs[sl], mask, is_threshold)[0]
             pg_loss, clipfrac, ppo_kl = algorithms.policy_loss(logp, old, advantages[sl], mask, self.actor_cfg.clip_ratio, mb.denom, weights)
             entropy = algorithms.masked_mean(ent, mask, mb.denom)
             loss = pg_loss - self.actor_cfg.entropy_coeff * entropy

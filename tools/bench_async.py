@@ -1,0 +1,88 @@
+"""Async rollout against sync rollout, side by side in one run on the same work.
+
+    python tools/bench_async.py                      # about 2 minutes on 2 cores
+    python tools/bench_async.py --steps 16 --repeats 5 --response-length 128
+
+Each repeat trains the same GRPO job twice with `verlj train` — rollout.mode=sync, then
+rollout.mode=async with max_staleness 1 (step s+1's batch generated while step s trains) — each
+side on one thread (the trainer with trainer.num_threads=1; the generator process takes the
+trainer's count). Steps after the first two are kept (the first starts the generator and builds
+the first batches). Printed, as medians over the kept steps of all repeats:
+
+  - the step time of each mode (`timing_s/step`: collect, update, waiting for the generator) and
+    async over sync (the goal here: <= 0.7);
+  - the bound of that ratio, max(gen, rest) / (gen + rest), from the sync run's generation time and
+    the rest of its step: overlap can hide the shorter of the two, nothing more;
+  - the journal commit's share of an async step (`timing_s/commit` over step + commit): the cost of
+    making every completed batch durable before a step may count on it (the goal: <= 1%).
+
+Absolute times depend on the machine and its neighbours; the ratios are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(out: Path, mode: str, args) -> list[dict]:
+    over = [
+        f"trainer.total_steps={args.steps}", "trainer.num_threads=1", "trainer.save_interval=0", "logging.progress=off",
+        f"rollout.max_response_length={args.response_length}", "rollout.ignore_eos=true", "data.max_prompt_length=16",
+        f"data.prompts_per_step={args.prompts}", f"rollout.n={args.n}", "model.actor.use_kl_loss=false", f"rollout.mode={mode}",
+        *(["rollout.max_staleness=1"] if mode == "async" else []),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    env.pop("VERLJ_FAILPOINT", None)
+    proc = subprocess.run([sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(out), *over], capture_output=True, text=True,
+                          env=env, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"verlj train ({mode}) failed:\n{proc.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return rows[2:]
+
+
+def med(rows: list[dict], key: str) -> float:
+    return statistics.median(r.get(key, 0.0) for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--response-length", type=int, default=96)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="verlj-bench-async-"))
+    rows: dict[str, list[dict]] = {"sync": [], "async": []}
+    try:
+        for r in range(args.repeats):
+            for mode in ("sync", "async"):
+                rows[mode] += run(root / f"{mode}{r}", mode, args)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    sync_step, async_step = med(rows["sync"], "timing_s/step"), med(rows["async"], "timing_s/step")
+    gen = med(rows["sync"], "timing_s/gen")
+    rest = sync_step - gen
+    commit = med(rows["async"], "timing_s/commit")
+    print(f"GRPO, {args.prompts} prompts x {args.n} samples x {args.response_length} tokens, built-in model, one thread a side; "
+          f"medians of steps 3..{args.steps} over {args.repeats} repeats")
+    print(f"  sync step            {sync_step:8.4f} s   (generation {gen:.4f} s, the rest {rest:.4f} s)")
+    print(f"  async step (k=1)     {async_step:8.4f} s   (waiting for the generator {med(rows['async'], 'timing_s/gen'):.4f} s)")
+    print(f"  async / sync         {async_step / sync_step:8.2f}    (goal <= 0.7)")
+    print(f"  bound                {max(gen, rest) / (gen + rest):8.2f}    max(gen, rest) / (gen + rest)")
+    print(f"  journal commit share {commit / (async_step + commit):8.2%}    of an async step (goal <= 1%)")
+
+
+if __name__ == "__main__":
+    main()
