@@ -47,6 +47,10 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def committed(run: Path) -> int:
+    return max(fingerprints(run), default=0) if (run / "journal" / "data.mdb").exists() else 0
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("async") / "ref"
@@ -91,22 +95,26 @@ def test_the_result_does_not_depend_on_which_side_is_faster(tmp_path, reference)
     assert_same_journal(reference, run)
 
 
-@pytest.mark.parametrize("point", ["async.admit:3", "async.push:2", "async.consume:4", "step.before_commit:3"])
-def test_kill_at_an_async_failpoint_then_resume_is_exact(tmp_path, reference, point):
+def test_a_dead_generator_and_kills_at_every_async_failpoint_then_resume_is_exact(tmp_path, reference):
+    """One run, stopped six times: its generator killed alone, then the trainer SIGKILLed at each
+    failpoint of the async path in turn (each resume replays and continues until the next)."""
     run = tmp_path / "run"
-    out = train(run, *ASYNC, VERLJ_FAILPOINT=point)
-    assert out.returncode == -9, out.stderr[-3000:]
-    finish(run, ASYNC)
-    assert_same_journal(reference, run)
-
-
-def test_a_dead_generator_stops_the_run_in_one_line_and_resume_is_exact(tmp_path, reference):
-    run = tmp_path / "run"
-    out = train(run, *ASYNC, VERLJ_FAILPOINT="generator.before_reply:4")  # SIGKILL of the generator process alone
+    out = train(run, *ASYNC, VERLJ_FAILPOINT="generator.before_reply:5")  # SIGKILL of the generator process alone
     assert out.returncode == 1, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "the rollout generator process (pid " in lines[0] and "killed by signal 9" in lines[0], out.stderr
     assert "Traceback" not in out.stderr
+    last = committed(run)
+    assert last >= 1
+    # each count is in hits after that resume: admit (a batch made durable), push (new weights),
+    # consume (a step taking its plan), commit (the update done, not journaled), the generator's start
+    for point in ("async.admit:2", "async.push:1", "async.consume:2", "step.before_commit:1", "async.start:1"):
+        out = train(run, *ASYNC, resume=True, VERLJ_FAILPOINT=point)
+        assert out.returncode == -9, (point, out.stderr[-3000:])
+        now = committed(run)
+        assert now >= last, point
+        last = now
+    assert last < 6
     finish(run, ASYNC)
     assert_same_journal(reference, run)
 

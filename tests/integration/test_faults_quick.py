@@ -17,5 +17,5 @@ def test_quick_fault_campaign():
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     summary = out.stdout.strip().splitlines()[-1]
     assert " 0 failed, 0 silent" in summary
-    for kind in ("kill", "corruption", "disk-full", "node-loss", "concurrency", "bad-input"):
+    for kind in ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "async", "bad-input"):
         assert any(line.startswith(kind) for line in out.stdout.splitlines()), kind
