@@ -33,27 +33,19 @@ from verlj.journal.failpoints import failpoint
 from ..config import Config
 from ..errors import RunError
 from ..state.reshard import full_parameters
-from .sampler import sampling_params
+from .sampler import SamplerEngine, sampling_params
 
 POLL_S = 0.5  # how often a wait checks that the other side is alive
 START_TIMEOUT_S = 600.0
 
 
-class GeneratorProcess:
-    """rollout.mode=async: the RolloutEngine that generates in a separate process (see the module's doc).
-    ``submit`` returns at once; ``result`` waits. ``policy_version`` is the version it holds."""
-
-    name = "hf"
-
-    @classmethod
-    def preflight(cls, cfg: Config, device) -> None:
-        """Runs wherever the actor runs (the process uses the trainer's device)."""
+class GeneratorProcess(SamplerEngine):
+    """rollout.mode=async: the RolloutEngine that generates in a separate process (see the module's doc),
+    on the trainer's device. ``submit`` returns at once; ``result`` waits. ``policy_version`` is the
+    version it holds."""
 
     def __init__(self, rt, actor, tokenizer):
-        import transformers
-
-        self.rt, self.actor, self.tokenizer = rt, actor, tokenizer
-        self.version = str(transformers.__version__)
+        super().__init__(rt, actor, tokenizer)
         self.proc = None
         self.shared: dict[str, torch.Tensor] = {}
         self.policy_version: int | None = None  # the version the process holds

@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from ..config import Config
-from .sampler import sample_seeded, sampling_params
+from .sampler import SamplerEngine, sample_seeded, sampling_params
 
 
 class RolloutEngine(Protocol):
@@ -57,20 +57,8 @@ class RolloutEngine(Protocol):
         """Release what the engine holds (memory, threads), keeping the trainer's process group."""
 
 
-class HFEngine:
+class HFEngine(SamplerEngine):
     """rollout.engine=hf: sampling with the actor's own module (ZeRO-3 and TP ranks step together)."""
-
-    name = "hf"
-
-    @classmethod
-    def preflight(cls, cfg: Config, device) -> None:
-        """Runs wherever the actor runs."""
-
-    def __init__(self, rt, actor, tokenizer):
-        import transformers
-
-        self.rt, self.actor, self.tokenizer = rt, actor, tokenizer
-        self.version = str(transformers.__version__)
 
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
         return sample_seeded(self.actor.module, prompts, seeds, sampling_params(cfg), self.tokenizer.eos_token_id,

@@ -17,6 +17,22 @@ from ..state.seeding import generator
 from .models import forward_with_cache
 
 
+class SamplerEngine:
+    """What the engines that run verlj's sampler share: their name in the journal and version."""
+
+    name = "hf"
+
+    @classmethod
+    def preflight(cls, cfg: Config, device) -> None:
+        """Runs wherever the actor runs."""
+
+    def __init__(self, rt, actor, tokenizer):
+        import transformers
+
+        self.rt, self.actor, self.tokenizer = rt, actor, tokenizer
+        self.version = str(transformers.__version__)
+
+
 def sampling_params(cfg: Config) -> dict:
     """What one generation call reads of the config (live keys: they may change between steps)."""
     ro = cfg.rollout

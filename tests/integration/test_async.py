@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_recovery import kill_at_random
 
 from verlj.journal import open_journal_reader
 from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
@@ -28,15 +29,7 @@ def finish(run, over, **env_extra):
 
 
 def children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def alive(pid: int) -> bool:
@@ -124,19 +117,8 @@ def test_random_kills_of_the_trainer_then_resume_is_exact(tmp_path, reference):
     rng = random.Random(22)
     run = tmp_path / "run"
     for _ in range(2):
-        cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *ASYNC, "--resume"]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env(), cwd=REPO)
-        want, seen = rng.randint(1, 3), 0
-        for line in p.stdout:
-            if "[INFO] Step" in line and ": reward=" in line:
-                seen += 1
-                if seen >= want:
-                    time.sleep(rng.uniform(0.0, 0.15))
-                    break
-        kids = children(p.pid)
+        kids = kill_at_random(run, ASYNC, rng, group=False)
         assert kids, "no generator process beside the trainer"
-        p.kill()
-        p.wait()
         deadline = time.monotonic() + 10
         while any(alive(k) for k in kids) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -86,8 +87,9 @@ def test_kill_during_the_replay_of_a_resume(tmp_path, references):
     assert_same_journal(run, references["ppo"])
 
 
-def kill_at_random(run, over, rng, ranks=1):
-    """Start `verlj train`, SIGKILL its whole process group after a random number of steps and a random delay."""
+def kill_at_random(run, over, rng, ranks=1, group=True):
+    """Start `verlj train`, SIGKILL its whole process group (group=False: the trainer alone) after a
+    random number of steps and a random delay. Returns the pids of the trainer's children then."""
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *over, "--resume"]
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), *cmd[1:]]
@@ -102,8 +104,13 @@ def kill_at_random(run, over, rng, ranks=1):
             if seen >= want:
                 time.sleep(rng.uniform(0.0, 0.15))
                 break
-    os.killpg(p.pid, signal.SIGKILL)
+    kids = [int(pid) for pid in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()] if group is False else []
+    if group:
+        os.killpg(p.pid, signal.SIGKILL)
+    else:
+        p.kill()
     p.wait()
+    return kids
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
