@@ -27,7 +27,7 @@ from ..loop import archive
 from ..loop.ledger import Ledger, open_run, writer_dir
 from ..rl import samples as table
 from ..state.manifest import check_snapshot
-from .steps import parse_steps
+from .steps import parse_steps, ranges
 
 
 def check_range(ledger: Ledger, step: int) -> None:
@@ -407,13 +407,17 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
     """The first step where two journals differ (timings, wall time and control events aside).
 
     Compares the summaries (data, seeds, metrics, fingerprint): samples that differ show there
-    too, since the update trains on them. ``full`` also compares every step's samples (slower)."""
+    too, since the update trains on them. ``full`` also compares every step's samples (slower):
+    from the rollout archive where retention pruned them from a journal; the steps whose samples
+    neither holds are counted in ``samples_not_compared``."""
+    not_compared: list[int] = []
     with open_run(run_a) as ja, open_run(run_b) as jb:
         la, lb = ja.last_step(), jb.last_step()
         base = max(ja.base_step(), jb.base_step())
         common = min(la, lb)
         config_changes = _config_differences(ja, jb)
         topology = {"a": ja.topology_history(), "b": jb.topology_history()}
+        readers = (archive.Reader(Path(run_a), ja), archive.Reader(Path(run_b), jb))
         for x, y in zip(ja.journal.iter_summaries(base + 1, common), jb.journal.iter_summaries(base + 1, common)):
             step = x.step
             same = _comparable(x.events) == _comparable(y.events)
@@ -425,6 +429,12 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
                 ea, eb = _without_samples(ea), _without_samples(eb)
             ea, eb = _comparable(ea), _comparable(eb)
             kinds = sorted(k for k in set(ea) | set(eb) if ea.get(k) != eb.get(k))
+            if not kinds and (ra.pruned or rb.pruned) and full:  # then the samples, from the archive
+                ca, cb = _step_samples(ra, readers[0]), _step_samples(rb, readers[1])
+                if ca is None or cb is None:
+                    not_compared.append(step)
+                elif not _same_samples(ca, cb):
+                    kinds = ["buffer.add"]
             if not kinds:
                 continue
             metrics_a, metrics_b = x.metrics, y.metrics
@@ -434,8 +444,35 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
                     "config": config_changes, "steps_a": la, "steps_b": lb, "topology": topology}
     if la != lb:
         return {"identical": False, "step": common + 1, "differs": ["length"], "detail": {}, "config": config_changes,
-                "steps_a": la, "steps_b": lb}
-    return {"identical": True, "step": None, "differs": [], "detail": {}, "config": config_changes, "steps_a": la, "steps_b": lb}
+                "steps_a": la, "steps_b": lb, "samples_not_compared": not_compared}
+    return {"identical": True, "step": None, "differs": [], "detail": {}, "config": config_changes, "steps_a": la, "steps_b": lb,
+            "samples_not_compared": not_compared}
+
+
+def _step_samples(record, reader) -> dict | None:
+    """A step's samples as table columns: from the journal, or from the run's rollout archive when
+    retention pruned them (None when it does not hold them, or pyarrow is missing)."""
+    if not record.pruned:
+        add = record.first("buffer.add")
+        return table.step_columns(record.step, add["samples"], None) if add is not None else {}
+    try:
+        return reader.step_columns(record.step)
+    except RunError:
+        return None
+
+
+def _same_samples(a: dict, b: dict) -> bool:
+    """Every sample field alike, bit for bit (the decoded text aside: it follows from the ids)."""
+    for name in table.COLUMNS:
+        if name in table.TEXT:
+            continue
+        va, vb = a.get(name), b.get(name)
+        if isinstance(va, tuple) or isinstance(vb, tuple):
+            if not (isinstance(va, tuple) and isinstance(vb, tuple) and all(np.array_equal(p, q) for p, q in zip(va, vb))):
+                return False
+        elif not np.array_equal(np.asarray(va), np.asarray(vb)):
+            return False
+    return True
 
 
 def _without_samples(events: list[dict]) -> list[dict]:
@@ -461,8 +498,11 @@ def _dotted(d: dict, key: str):
 
 def render_diff(d: dict, a: Path, b: Path) -> str:
     config = [f"  config {k}: {va!r} vs {vb!r}" for k, (va, vb) in d.get("config", {}).items()]
+    skipped = d.get("samples_not_compared") or []
+    unseen = (f"; the samples of {len(skipped)} pruned step{'' if len(skipped) == 1 else 's'} ({ranges(skipped)}) were not "
+              "compared: neither the journal nor the rollout archive holds them" if skipped else "")
     if d["identical"]:
-        return "\n".join([f"identical: {a} and {b} agree on all {d['steps_a']} steps (timings aside)", *config])
+        return "\n".join([f"identical: {a} and {b} agree on all {d['steps_a']} steps (timings aside){unseen}", *config])
     if d["differs"] == ["length"]:
         return "\n".join([f"the runs agree up to step {d['step'] - 1}; {a} has {d['steps_a']} steps, {b} has {d['steps_b']}", *config])
     names = {"data": "data (indices drawn)", "rng": "seeds", "rollout": "rollout engine", "buffer.add": "samples", "buffer.drop": "dropped samples",

@@ -53,7 +53,7 @@ def test_pruned_run_is_exact_verifies_and_post_mortem_reads_across_pruned_steps(
     assert "samples of 6 steps through step 6 were pruned" in v.stdout and "Rollout archive: 2 files" in v.stdout
     for args in (("diff", ref, pruned), ("diff", ref, pruned, "--full")):
         d = verlj(*args)
-        assert d.returncode == 0 and d.stdout.startswith("identical"), d.stdout + d.stderr
+        assert d.returncode == 0 and d.stdout.startswith("identical") and "not compared" not in d.stdout, d.stdout + d.stderr
     m = verlj("metrics", pruned, "--names", "actor/pg_loss", "--steps", "1:9", "--csv", check=True)
     assert len(m.stdout.strip().splitlines()) == 10
     f = verlj("find", pruned, "--where", "actor/pg_loss > -1000", "--json", check=True)
@@ -139,6 +139,27 @@ def test_kill_while_archiving_or_pruning_loses_nothing(runs, failpoint):
     assert verlj("verify", run).returncode == 0
 
 
+def test_diff_full_compares_pruned_steps_samples_from_the_archive(runs):
+    """The pruned run's archived samples against the reference's journal, field by field; a changed
+    token is a difference."""
+    from verlj.engine.loop import archive
+    from verlj.engine.loop.ledger import open_run
+    from verlj.engine.post_mortem.inspection import _same_samples, _step_samples
+
+    root, ref, pruned = runs
+    with open_run(ref) as la, open_run(pruned) as lb:
+        reader = archive.Reader(pruned, lb)
+        for step in (2, 5):
+            a = _step_samples(la.journal.read_step(step), archive.Reader(ref, la))
+            b = _step_samples(lb.journal.read_step(step), reader)
+            assert lb.journal.read_step(step).pruned and len(b["sample_id"]) == len(a["sample_id"]) > 0
+            assert _same_samples(a, b)
+            values, offsets = b["response_ids"]
+            changed = values.copy()
+            changed[0] += 1
+            assert not _same_samples(a, {**b, "response_ids": (changed, offsets)})
+
+
 def test_archived_steps_without_pyarrow_and_exports_named_by_their_suffix(runs, tmp_path):
     root, ref, pruned = runs
     blocker = tmp_path / "block"
@@ -153,6 +174,9 @@ def test_archived_steps_without_pyarrow_and_exports_named_by_their_suffix(runs, 
     every = verlj("export", pruned, "--rollouts", "--output", tmp_path / "all.jsonl", PYTHONPATH=blocker)
     assert every.returncode == 1 and every.stderr.count("\n") == 1 and "needs pyarrow" in every.stderr
     assert not (tmp_path / "all.jsonl").exists()
+    d = verlj("diff", ref, pruned, "--full", PYTHONPATH=blocker)  # the archive unreadable: said, not silently skipped
+    assert d.returncode == 0 and d.stdout.startswith("identical"), d.stdout + d.stderr
+    assert "; the samples of 6 pruned steps (1–6) were not compared: neither the journal nor the rollout archive holds them" in d.stdout
     csv = verlj("export", pruned, "--rollouts", "--output", tmp_path / "out.csv")
     assert csv.returncode == 2 and "name the file .parquet or .jsonl" in csv.stderr and not (tmp_path / "out.csv").exists()
 
