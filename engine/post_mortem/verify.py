@@ -46,11 +46,13 @@ class RunReport:
     host_leftovers: list[str] = field(default_factory=list)  # on this node, outside the run (vLLM weights copies)
     quarantined: list[dict] = field(default_factory=list)  # damaged snapshots moved aside on resume
     rotated: list[str] = field(default_factory=list)  # snapshots rotation removed while verify read them
+    rotated_by_lost: list[str] = field(default_factory=list)  # removed by a rotation whose commit was in a torn last segment
     deep_lines: list[str] = field(default_factory=list)
     deep_ok: bool = True
     archive_ok: bool = True
     pruned_through: int = 0
     bytes_hashed: int = 0
+    torn_segment: str | None = None  # the last shipped segment is torn or damaged: --resume sets it aside
 
     @property
     def ok(self) -> bool:
@@ -211,16 +213,22 @@ def _verify_segments(report: RunReport, run_dir: Path, ledger: Ledger | None) ->
     if found.problem is None:
         report.journal_lines.append(f"✓ Journal segments: {len(found.segments)} sealed in {segments.segment_dir(jd)} "
                                     f"({found.bytes / 2**20:.1f} MiB), steps through {shipped}; digests, links and hash chain verified")
+    elif found.problem_at_end:  # a torn or damaged last segment: what --resume does with it, not a refusal
+        live = ledger is not None and ledger.last_step() > shipped and ledger.journal.shipped_problem is None
+        if live:
+            then = "`verlj train --resume` ships its steps again from the local journal; nothing is lost"
+        elif found.lost_steps is None:
+            then = "it carried no steps; `verlj train --resume` sets it aside"
+        else:
+            a, b = found.lost_steps
+            lost = f"the steps from {a} on" if b is None else (f"step {a}" if a == b else f"steps {a}–{b}")
+            then = f"`verlj train --resume` sets it aside and runs {lost} again (the shipped journal holds steps through {shipped})"
+        report.journal_lines.append(f"⚠ journal segments: {found.problem}; {then}")
+        report.torn_segment = found.problem
     else:
         report.journal_ok = False
         report.journal_lines.append(f"✗ journal segments: {found.problem}")
-        live = ledger is not None and ledger.last_step() > shipped and ledger.journal.shipped_problem is None
-        if found.problem_at_end:
-            report.advice = (f"the last journal segment is damaged ({found.problem}); `verlj train --resume` "
-                             + ("ships its steps again from the local journal" if live else
-                                f"drops it and runs the steps after {shipped} again"))
-        else:
-            report.advice = damaged_journal_advice(run_dir, found.problem, shipped, ledger.base_step() if ledger else 0)
+        report.advice = damaged_journal_advice(run_dir, found.problem, shipped, ledger.base_step() if ledger else 0)
     if ledger is not None and ledger.journal.shipped_problem is None and ledger.last_step() > shipped:
         report.journal_lines.append(f"· the local journal at {ledger.journal.path} holds steps through {ledger.last_step()} "
                                     f"({ledger.last_step() - shipped} not shipped yet)")
@@ -271,6 +279,10 @@ def _verify_all(report: RunReport, run_dir: Path, index: dict, fps, ledger: Ledg
             # training goes on while verify reads: rotation unindexed and deleted this snapshot under
             # us. A snapshot leaving the index is not damage.
             report.rotated.append(info["path"])
+            continue
+        if not rep.valid and report.torn_segment is not None and not (run_dir / info["path"]).exists():
+            # the commit that rotated it away was in the torn last segment: resume skips it as well
+            report.rotated_by_lost.append(info["path"])
             continue
         report.snapshots.append(rep)
         report.bytes_hashed += n
@@ -330,6 +342,8 @@ def render(report: RunReport) -> str:
         lines += [f"  {line}" for line in s.lines]
     for name in report.rotated:
         lines.append(f"· {name} was rotated away by the live run while verify read it (not damage)")
+    for name in report.rotated_by_lost:
+        lines.append(f"· {name} is gone: the rotation that removed it was committed in the torn last segment (resume skips it)")
     for q in report.quarantined:
         lines.append(f"· {q['name']} was set aside by a resume and moved to {q['path']} ({q['reason']}); never used")
     for name in report.leftovers:
