@@ -502,6 +502,23 @@ def matches(local: Path, shipped: Path, found: SegmentScan) -> bool:
         return False
 
 
+def _older_local_copy(shipped: Path, local: Path, found: SegmentScan) -> tuple[Path, int] | None:
+    """The local journal the run last wrote, when it is another directory on this host that still
+    holds the shipped steps (same hash chain) and more: (its path, its last step); else None."""
+    ptr = read_pointer(shipped)
+    if ptr is None or ptr.get("host") != socket.gethostname():
+        return None
+    old = Path(ptr["path"])
+    if os.path.realpath(old) == os.path.realpath(local) or not (old / "data.mdb").is_file() or not matches(old, shipped, found):
+        return None
+    try:
+        with Journal.open_reader(old) as j:
+            last = j.last_step()
+    except JournalError:
+        return None
+    return (old, last) if last > (found.last_step or 0) else None
+
+
 # ----------------------------------------------------------------------------- the writer
 
 
@@ -521,6 +538,12 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None) -> tuple[J
     if found.problem and not found.problem_at_end:
         raise JournalError(f"{found.problem}; the shipped journal is damaged before its last segment "
                            f"(intact through step {found.last_step or 0})")
+    if not (local / "data.mdb").is_file() and (older := _older_local_copy(shipped, local, found)) is not None:
+        old, last = older  # this host still has the previous local journal, ahead of what was shipped: keep its steps
+        with Journal.open_reader(old) as j:
+            j.copy_to(local)
+        notes.append(f"Copied the journal from the previous local directory {old} (steps through {last}, "
+                     f"{last - (found.last_step or 0)} not shipped) to {local}")
     if (local / "data.mdb").is_file():
         if not matches(local, shipped, found):
             raise JournalError(f"journal.local_dir {local} holds a journal that does not match the segments in "

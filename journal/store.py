@@ -54,6 +54,7 @@ import lmdb
 import zstandard
 
 from . import codec
+from .durable import fsync_dir, fsync_file
 from .errors import CodecError, JournalError, JournalLockedError, NotAJournalError, StepOrderError
 from .events import ENVELOPE_VERSION, PAYLOAD_FIELDS, SUMMARY_TYPES, StepRecord, upcast_event, upcast_record
 from .failpoints import failpoint
@@ -379,6 +380,17 @@ class Journal:
             raise JournalError(f"{path} lacks the journal's sub-databases: not a verlj journal, or one from an incompatible version") from None
         except lmdb.Error as e:
             raise JournalError(f"cannot open journal {path}: {e}") from None
+
+    def copy_to(self, dest: str | os.PathLike) -> None:
+        """A consistent copy of this journal's LMDB file into the empty directory `dest` (fsynced)."""
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            self._env.copy(str(dest))
+        except lmdb.Error as e:
+            raise JournalError(f"cannot copy journal {self.path} to {dest}: {e}") from None
+        fsync_file(dest / "data.mdb")
+        fsync_dir(dest)
 
     def add_commit_hook(self, fn) -> None:
         """fn(step) after every committed write transaction: step is the last appended step, None for

@@ -216,3 +216,20 @@ def test_a_local_dir_inside_the_run_directory_is_refused(tmp_path):
         assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr[-2000:]
         assert f"journal.local_dir {local} is inside the run directory {run}" in out.stderr
         assert not run.exists()
+
+
+def test_a_resume_on_the_same_host_with_a_new_local_dir_keeps_the_unshipped_steps(tmp_path, reference):
+    """The previous local journal is still on this host, ahead of the segments: its steps are copied,
+    not run again."""
+    run, old, new = tmp_path / "run", tmp_path / "L", tmp_path / "L2"
+    out = train(run, *COMMON, f"journal.local_dir={old}", "journal.ship_max_lag_steps=4",
+                VERLJ_FAILPOINT="ship.before_publish:1:sleep-each=0.4,step.before_commit:7")
+    assert out.returncode == -9, out.stderr[-3000:]
+    held, shipped = _committed(old), segments.scan(run / "journal").last_step or 0
+    assert held == 6 and shipped < held
+    out = train(run, *COMMON, f"journal.local_dir={new}", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"Copied the journal from the previous local directory {old} (steps through 6, {6 - shipped} not shipped)" in out.stdout
+    trained = [int(s) for s in re.findall(r"\[INFO\] Step (\d+): reward=", out.stdout)]
+    assert trained == list(range(7, TARGET + 1)), out.stdout  # steps 1-6 were not run again
+    assert_same_journal(reference, run)
