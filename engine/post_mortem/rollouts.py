@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import RunError
 from ..loop import archive
 from ..loop.ledger import open_run
-from ..rl.samples import arrow_schema, num_rows, require_pyarrow, rows, step_columns, text_decoder, to_arrow
+from ..rl.samples import PARQUET_OPTIONS, arrow_schema, num_rows, require_pyarrow, rows, step_columns, text_decoder, to_arrow
 from .steps import parse_steps, ranges
 
 
@@ -86,7 +86,7 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None) ->
             if fmt == "parquet":
                 import pyarrow.parquet as pq
 
-                with pq.ParquetWriter(tmp, arrow_schema(True), compression="zstd") as w:
+                with pq.ParquetWriter(tmp, arrow_schema(True), **PARQUET_OPTIONS) as w:
                     for _step, cols in iter_step_columns(run_dir, ledger, a, b, notes):
                         w.write_table(to_arrow(cols, fates))
                         written += num_rows(cols)

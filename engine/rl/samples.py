@@ -93,6 +93,14 @@ def require_pyarrow(what: str):
     return pa
 
 
+# How the table is written to Parquet (the archive, `export --rollouts x.parquet`): log-probs and
+# scores byte-stream-split (their bytes compress well apart, badly interleaved), dictionaries for the
+# rest; zstd at level 9. Measured on the default task: 0.67x the bytes of plain zstd row groups.
+_FLOATS = [k for k, dt in {**SCALARS, **SEQUENCES}.items() if dt in (np.float32, np.float64)]
+PARQUET_OPTIONS = {"compression": "zstd", "compression_level": 9, "use_byte_stream_split": _FLOATS,
+                   "use_dictionary": [c for c in COLUMNS + FATE if c not in _FLOATS]}
+
+
 def arrow_schema(with_fate: bool):
     pa = require_pyarrow("Parquet")
     arrow = {np.int64: pa.int64(), np.float64: pa.float64(), np.int32: pa.int32(), np.float32: pa.float32()}

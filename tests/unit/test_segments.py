@@ -1,6 +1,7 @@
 """Shipped journals (journal/segments.py): sealed segments, the bounded lag, rebuild, damage."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -132,7 +133,9 @@ def test_damaged_last_segment_costs_only_its_steps(tmp_path, damage):
     assert found.problem_at_end and found.lost_steps == (last.first, last.last)
     with Journal.open_reader(tmp_path / "L2") as j:
         assert j.last_step() == last.first - 1 and verify_journal(j).ok
-    # the writer sets it aside, says what was lost, and ships the steps again under the same number
+    # the node is lost with its local journal; a writer elsewhere sets the segment aside, says what was
+    # lost, and ships the steps again under the same number
+    shutil.rmtree(local)
     j, notes = segments.open_writer(tmp_path / "L3", shipped, 0)
     with j:
         assert any("were lost with it" in n for n in notes), notes
