@@ -41,3 +41,7 @@ def _usage_errors(fn):
 
 def register(app: typer.Typer) -> None:
     app.command("verify")(verify)
+    # the spelling of the verl rollback tutorial users come from: `verlj checkpoint verify PATH`
+    checkpoint = typer.Typer(help="Snapshot commands, as the verl tutorial spells them.", no_args_is_help=True)
+    checkpoint.command("verify", help="The same as `verlj verify`.")(verify)
+    app.add_typer(checkpoint, name="checkpoint")

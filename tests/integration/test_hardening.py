@@ -367,3 +367,12 @@ def test_help_shows_flags_and_defaults():
     assert "verlj config show" in out.stdout
     out = verlj("inspect", "--help")
     assert out.returncode == 0 and "--max-samples" in out.stdout
+
+
+def test_checkpoint_verify_is_verify_as_the_verl_tutorial_spells_it(base):
+    """`verlj checkpoint verify PATH` (the tutorial users come from) is `verlj verify PATH`."""
+    for path in (base / "step_00004", base):
+        a, b = verlj("checkpoint", "verify", path), verlj("verify", path)
+        assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and "Checkpoint is valid for resume." in a.stdout
+    missing = verlj("checkpoint", "verify", base / "step_00099")
+    assert missing.returncode == 2 and missing.stderr.strip() == f"error: {base / 'step_00099'} does not exist"

@@ -84,6 +84,8 @@ def test_export_round_trip_holds_exactly_the_journal_and_archive_samples(runs):
     a = pq.read_table(root / "ref.parquet").to_pylist()
     b = pq.read_table(root / "pruned.parquet").to_pylist()
     assert a == b  # the archive gives back what the journal held, column for column
+    df = pytest.importorskip("pandas").read_parquet(root / "pruned.parquet")  # the table as its users read it
+    assert len(df) == len(b) and list(df.columns) == list(b[0]) and (df["policy_version"] == df["step"] - 1).all()
     assert [json.loads(line) for line in (root / "pruned.jsonl").read_text().splitlines()] == b
     want = journal_samples(ref)
     assert sorted(r["sample_id"] for r in b) == sorted(want)
