@@ -44,6 +44,13 @@ class RolloutBuffer:
                 out.setdefault(s["group"], []).append(sid)
         return out
 
+    def admit(self, samples: list[dict], dropped, plans: dict[int, np.ndarray]) -> None:
+        """A finished batch enters: its samples, less the dropped ids (its own zero-variance groups, and
+        waiting groups too stale), with its plans. Live steps and replay both come through here."""
+        self.add(samples)
+        self.drop(dropped)
+        self.plan(plans)
+
     def plan(self, plans: dict[int, np.ndarray]) -> None:
         for step, ids in plans.items():
             assert step not in self.plans, f"step {step} planned twice"

@@ -393,11 +393,8 @@ class Trainer:
 
     def _admit(self, prod: Production, planned: bool) -> Production:
         """A finished batch enters the buffer (async: with its plan); only then may a step count on it."""
-        self.buffer.add(prod.added)
-        self.buffer.drop(prod.dropped)
-        self.buffer.drop(prod.stale)
+        self.buffer.admit(prod.added, [*prod.dropped, *prod.stale], {prod.step: prod.plan} if planned else {})
         if planned:
-            self.buffer.plan({prod.step: prod.plan})
             failpoint("async.admit")
         return prod
 
@@ -457,10 +454,7 @@ class Trainer:
         """Apply the step's buffer changes (add, drop, plan: unless a live collect did; then consume)
         and return the consumed samples."""
         if not inputs.admitted:  # replay: the journaled batches enter the buffer as they did live
-            self.buffer.add(sample_codec.unpack(inputs.added))
-            self.buffer.drop(inputs.dropped)
-            self.buffer.drop(inputs.stale)
-            self.buffer.plan(inputs.plans)
+            self.buffer.admit(sample_codec.unpack(inputs.added), np.concatenate([inputs.dropped, inputs.stale]), inputs.plans)
         planned = self.buffer.plans.pop(step, None)
         if planned is not None:
             if not np.array_equal(planned, inputs.consumed):
