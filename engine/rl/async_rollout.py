@@ -5,7 +5,8 @@ so a sample depends only on its seed and the weights it was generated from. It i
 ``torch.multiprocessing`` and shares the weights with the trainer through shared memory: its
 parameters *are* tensors the trainer allocated once (``share_memory_``), and a push is the trainer
 copying the actor's current parameters into them while the generator is idle. Requests and results
-travel over the context's queues. Nothing else is shared, and nothing is written to disk.
+travel over two pipes (no named semaphores, so a SIGKILL of the whole process group leaves nothing in
+/dev/shm). Nothing else is shared, and nothing is written to disk.
 
 What the trainer asks for is decided by ``Trainer.collect`` (deterministic step order: the batch of
 step s+k is generated from version s-1 while step s trains), so the generator needs no policy of its
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import queue
 import signal
 import time
 
@@ -74,16 +74,19 @@ class GeneratorProcess(SamplerEngine):
         failpoint("async.start")
         ctx = torch.multiprocessing.get_context("spawn")
         self.shared = {name: t.detach().clone().share_memory_() for name, t in params}
-        self.requests, self.results = ctx.Queue(), ctx.Queue()
+        child_requests, self.requests = ctx.Pipe(duplex=False)  # (receiving end, sending end)
+        self.results, child_results = ctx.Pipe(duplex=False)
         tok = self.tokenizer
         self.proc = ctx.Process(
             target=serve,
-            args=(self.requests, self.results, cfg.to_dict(), self.shared, version, tok.eos_token_id, tok.pad_token_id,
+            args=(child_requests, child_results, cfg.to_dict(), self.shared, version, tok.eos_token_id, tok.pad_token_id,
                   torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), os.getpid()),
             name=f"verlj-generator-{self.rt.rank}",
             daemon=True,
         )
         self.proc.start()
+        child_requests.close()  # the child's ends: a dead child then reads as end-of-file here
+        child_results.close()
         atexit.register(self.close)  # before multiprocessing's own exit handler, which would wait on it forever
         self._wait("ready", START_TIMEOUT_S)
 
@@ -95,16 +98,15 @@ class GeneratorProcess(SamplerEngine):
             return
         if self.proc.is_alive():
             try:
-                self.requests.put(("stop",))
+                self.requests.send(("stop",))
             except (OSError, ValueError):
                 pass
             self.proc.join(10)
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(5)
-        for q in (self.requests, self.results):
-            q.close()
-            q.cancel_join_thread()
+        for conn in (self.requests, self.results):
+            conn.close()
         self.proc = None
         self.shared = {}
         atexit.unregister(self.close)
@@ -113,7 +115,7 @@ class GeneratorProcess(SamplerEngine):
 
     def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> int:
         self._next += 1
-        self.requests.put(("generate", self._next, [np.asarray(p) for p in prompts], list(seeds), sampling_params(cfg), self.policy_version))
+        self.requests.send(("generate", self._next, [np.asarray(p) for p in prompts], list(seeds), sampling_params(cfg), self.policy_version))
         return self._next
 
     def result(self, handle: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -124,7 +126,7 @@ class GeneratorProcess(SamplerEngine):
         return self.result(self.submit(prompts, seeds, cfg))
 
     def _call(self, message: tuple, tag) -> tuple:
-        self.requests.put(message)
+        self.requests.send(message)
         return self._wait(tag, None)
 
     def _wait(self, tag, timeout: float | None) -> tuple:
@@ -132,8 +134,11 @@ class GeneratorProcess(SamplerEngine):
         start = time.monotonic()
         while True:
             try:
-                reply = self.results.get(timeout=POLL_S)
-            except queue.Empty:
+                reply = self.results.recv() if self.results.poll(POLL_S) else None
+            except (EOFError, OSError):  # the child's end closed: it is gone (the exit code comes with the join)
+                self.proc.join(5)
+                reply = None
+            if reply is None:
                 if not self.proc.is_alive():
                     code = self.proc.exitcode
                     how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
@@ -171,14 +176,16 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
             params[name].data = t
         model.eval()
         device = next(iter(weights.values())).device
-        results.put(("ready", "ready", os.getpid()))
+        results.send(("ready", "ready", os.getpid()))
     except Exception as e:  # noqa: BLE001 - reported to the trainer in one sentence
-        results.put(("error", f"{type(e).__name__}: {e}"))
+        results.send(("error", f"{type(e).__name__}: {e}"))
         return
     while True:
         try:
-            msg = requests.get(timeout=POLL_S)
-        except queue.Empty:
+            msg = requests.recv() if requests.poll(POLL_S) else None
+        except (EOFError, OSError):  # the trainer closed its end or died
+            return
+        if msg is None:
             if os.getppid() != parent:
                 return
             continue
@@ -187,16 +194,16 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
                 return
             if msg[0] == "version":  # the trainer has copied new weights in: they are this version
                 version = msg[1]
-                results.put(("ok", "push"))
+                results.send(("ok", "push"))
             elif msg[0] == "generate":
                 _, tag, prompts, seeds, params, want = msg
                 if want != version:
                     raise RuntimeError(f"asked for policy version {want}, holding {version}")
                 responses, logps = sample_seeded(model, prompts, seeds, params, eos_id, pad_id, device)
                 failpoint("generator.before_reply")
-                results.put(("done", tag, responses, logps, version))
+                results.send(("done", tag, responses, logps, version))
         except Exception as e:  # noqa: BLE001 - reported to the trainer in one sentence
-            results.put(("error", f"{type(e).__name__}: {e}"))
+            results.send(("error", f"{type(e).__name__}: {e}"))
             return
 
 
