@@ -38,6 +38,7 @@ import yaml
 from .errors import ConfigError
 
 FIXED, LIVE, BOOKKEEPING, TOPOLOGY = "fixed", "live", "bookkeeping", "topology"
+REASONING_GYM = "reasoning_gym"  # data.train_dataset=reasoning_gym:TASK, rollout.reward_fn=reasoning_gym
 MAX_SEED = 2**63 - 1  # seeds are journaled as msgpack integers and seed int64 generators
 
 
@@ -69,6 +70,7 @@ class TrainerConfig:
     checkpoint_policy: Optional[str] = bookkeeping(None)  # dotted path of a CheckpointPolicy class
     checkpoint_policy_kwargs: dict = field(default_factory=dict, metadata={"policy": BOOKKEEPING})  # its constructor's arguments
     async_save: bool = bookkeeping(False)  # write snapshots in the background
+    eval_interval: int = bookkeeping(0)  # score the policy on the held-out prompts every N steps (0 = never; data.eval_size)
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "fp32"  # fp32 | bf16
     num_threads: int = 1  # torch intra-op threads per rank (fixed for reproducibility)
@@ -78,6 +80,7 @@ class TrainerConfig:
         _positive("trainer.total_steps", self.total_steps)
         _at_least("trainer.save_interval", self.save_interval, 0)
         _at_least("trainer.save_total_limit", self.save_total_limit, 0)
+        _at_least("trainer.eval_interval", self.eval_interval, 0)
         _range("trainer.seed", self.seed, 0, MAX_SEED)
         if self.resume_from is not None and self.resume_from != "auto" and self.resume_from.lstrip("+-").isdigit() \
                 and int(self.resume_from) < 0:
@@ -137,12 +140,16 @@ class OptimConfig:
 class TinyModelConfig:
     hidden_size: int = 64  # built-in tiny Llama: width
     num_layers: int = 2  # built-in tiny Llama: decoder layers
-    num_heads: int = 4  # built-in tiny Llama: attention heads
+    num_heads: int = 2  # built-in tiny Llama: attention heads (head size 32: both rollout engines run it)
     intermediate_size: int = 128  # built-in tiny Llama: MLP width
+    # its character vocabulary: digits (0-9 + - * = and space: the built-in task) | ascii (printable
+    # ASCII and newline) | auto (digits for builtin:add, ascii for any other dataset)
+    vocab: str = "auto"
 
     def validate(self) -> None:
         for k in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
             _positive(f"model.tiny.{k}", getattr(self, k))
+        _choice("model.tiny.vocab", self.vocab, ("auto", "digits", "ascii"))
         if self.hidden_size % self.num_heads:
             raise ConfigError("model.tiny.hidden_size must be a multiple of model.tiny.num_heads")
 
@@ -206,16 +213,42 @@ class ModelConfig:
 
 
 @dataclass
+class ReasoningGymConfig:
+    size: int = 1000  # rows generated for training (the held-out rows, data.eval_size, come after them)
+    seed: Optional[int] = None  # the generator's seed (null = trainer.seed)
+    config: dict = field(default_factory=dict)  # the task's own config (one task), or {task: its config} for several
+    weights: dict = field(default_factory=dict)  # several tasks: {task: weight} (default 1 each), as reasoning-gym's composite
+
+    def validate(self) -> None:
+        _positive("data.reasoning_gym.size", self.size)
+        if self.seed is not None:
+            _range("data.reasoning_gym.seed", self.seed, 0, 2**31 - 1)
+        for task, w in self.weights.items():
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0:
+                raise ConfigError(f"data.reasoning_gym.weights.{task} must be a positive number, got {w!r}")
+
+
+@dataclass
 class DataConfig:
-    train_dataset: str = "builtin:add"  # builtin:add, or a .jsonl / .parquet file of prompts
+    # builtin:add | reasoning_gym:TASK (or TASK,TASK,...: several, mixed by data.reasoning_gym.weights) |
+    # a .jsonl / .parquet file of prompts
+    train_dataset: str = "builtin:add"
     prompt_key: str = "prompt"  # field holding the prompt text
     answer_key: str = "answer"  # field holding the ground truth for rule rewards
     num_examples: int = 512  # builtin:add: how many problems to generate
     max_operand: int = 9  # builtin:add: operands are drawn from 0..max_operand
     prompts_per_step: int = 16  # prompts per step (verl's data.train_batch_size)
     max_prompt_length: int = 64  # longer prompts are refused when the dataset loads
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)  # reasoning_gym:TASK datasets
+    # held-out prompts for the eval pass (trainer.eval_interval): a generated dataset generates this many
+    # rows after its training rows, and no held-out prompt is trained on (training rows that repeat one
+    # are left out) | 0: none
+    eval_size: int = 0
+    eval_dataset: Optional[str] = None  # a .jsonl / .parquet file of held-out prompts (null = held out of a generated dataset)
 
     def validate(self) -> None:
+        self.reasoning_gym.validate()
+        _at_least("data.eval_size", self.eval_size, 0)
         _positive("data.num_examples", self.num_examples)
         _at_least("data.max_operand", self.max_operand, 1)
         _positive("data.prompts_per_step", self.prompts_per_step)
@@ -229,7 +262,11 @@ class RolloutConfig:
     top_p: float = live(1.0)  # nucleus sampling
     max_response_length: int = live(4)  # tokens generated per sample at most
     ignore_eos: bool = False  # keep generating past eos to max_response_length (benchmarks)
-    reward_fn: str = live("builtin:add")  # builtin:add, or module:function(prompt, response, answer) -> float
+    # auto (the dataset's own scorer: builtin:add for builtin:add, reasoning_gym for reasoning_gym:...) |
+    # builtin:add | reasoning_gym (the task's own score_answer) | module:function(prompt, response, answer) -> float
+    reward_fn: str = live("auto")
+    answer_format: str = live("text")  # what a scorer gets of the response: text (all of it, stripped) | answer_tag (inside the last <answer></answer>)
+    eval_temperature: float = bookkeeping(0.0)  # sampling temperature of the eval pass (0 = greedy)
     engine: str = live("hf")  # hf (verlj's KV-cached sampler) | vllm (a colocated vLLM engine: pip install -e '.[vllm]')
     gpu_memory_utilization: float = bookkeeping(0.5)  # vllm on GPU: the share of GPU memory vLLM takes (on CPU, KV memory is sized to the batch)
     # sync: each step generates its own batch, then trains on it | async: a generator process beside
@@ -241,6 +278,14 @@ class RolloutConfig:
     def validate(self) -> None:
         _positive("rollout.n", self.n)
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
+        _range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.01, 1.0)
+        _positive("rollout.temperature", self.temperature)
+        _range("rollout.top_p", self.top_p, 1e-6, 1.0)
+        _positive("rollout.max_response_length", self.max_response_length)
+        _at_least("rollout.eval_temperature", self.eval_temperature, 0.0)
+        _choice("rollout.answer_format", self.answer_format, ("text", "answer_tag"))
+        if not (self.reward_fn in ("auto", REASONING_GYM) or self.reward_fn.startswith("builtin:") or ":" in self.reward_fn):
+            raise ConfigError(f"rollout.reward_fn must be auto, reasoning_gym, builtin:NAME or module:function, got {self.reward_fn!r}")
         _choice("rollout.mode", self.mode, ("sync", "async"))
         if self.mode == "sync":
             for key in ("max_staleness", "async_order"):
@@ -260,12 +305,6 @@ class RolloutConfig:
     def staleness(self) -> int:
         """k: 0 in sync mode (step s trains on version s-1), max_staleness (default 1) in async mode."""
         return 0 if self.mode == "sync" else (self.max_staleness or 1)
-        _range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.01, 1.0)
-        _positive("rollout.temperature", self.temperature)
-        _range("rollout.top_p", self.top_p, 1e-6, 1.0)
-        _positive("rollout.max_response_length", self.max_response_length)
-        if not (self.reward_fn.startswith("builtin:") or ":" in self.reward_fn):
-            raise ConfigError(f"rollout.reward_fn must be builtin:NAME or module:function, got {self.reward_fn!r}")
 
 
 @dataclass
@@ -339,6 +378,16 @@ class Config:
     def validate(self) -> Config:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
+        data, ro = self.data, self.rollout
+        generated = data.train_dataset == "builtin:add" or data.train_dataset.startswith(REASONING_GYM + ":")
+        if ro.reward_fn == "auto" and not generated:
+            raise ConfigError("rollout.reward_fn: a dataset file has no scorer of its own; name one (builtin:add, or module:function)")
+        if ro.reward_fn == REASONING_GYM and not data.train_dataset.startswith(REASONING_GYM + ":"):
+            raise ConfigError("rollout.reward_fn=reasoning_gym scores with a reasoning-gym task's own scorer: it needs "
+                              "data.train_dataset=reasoning_gym:TASK")
+        if self.trainer.eval_interval and data.eval_dataset is None and not (generated and data.eval_size):
+            raise ConfigError("trainer.eval_interval needs held-out prompts: set data.eval_size (a generated dataset holds "
+                              "them out) or data.eval_dataset (a .jsonl / .parquet file)")
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be at least 2 for grpo (advantages are relative within a group)")
         return self
@@ -377,6 +426,14 @@ def _policies(cls=None, prefix: str = "") -> dict[str, str]:
 POLICIES = _policies()
 
 
+def policy_of(dotted: str) -> str:
+    """The policy of a dotted key, or of the mapping field it lies in (data.reasoning_gym.config.x is
+    data.reasoning_gym.config's)."""
+    while dotted not in POLICIES and "." in dotted:
+        dotted = dotted.rsplit(".", 1)[0]
+    return POLICIES.get(dotted, FIXED)
+
+
 def keys_with_policy(policy: str) -> list[str]:
     return [k for k, p in POLICIES.items() if p == policy]
 
@@ -389,7 +446,7 @@ def check_change(old: dict, new: Config, allow_live: bool, how: str) -> list[str
     take their defaults and are not a change. Topology keys pass like bookkeeping ones (and like the
     number of ranks): the snapshot is resharded."""
     changed = [k for k in diff_configs(config_from_dict(old).to_dict(), new.to_dict()) if k not in ONE_OFF_KEYS]
-    fixed = [k for k in changed if POLICIES.get(k, FIXED) == FIXED]
+    fixed = [k for k in changed if policy_of(k) == FIXED]
     if fixed:
         instead = (f"start a new run with them (a fork may change live keys such as {keys_with_policy(LIVE)[0]}, and bookkeeping ones)"
                    if how == "fork" else
@@ -399,7 +456,7 @@ def check_change(old: dict, new: Config, allow_live: bool, how: str) -> list[str
             f"{', '.join(fixed)} cannot change within a run ({how}): they shape the engines, the data or the random "
             f"streams; {instead}"
         )
-    needs_flag = [k for k in changed if POLICIES[k] == LIVE]
+    needs_flag = [k for k in changed if policy_of(k) == LIVE]
     if needs_flag and not allow_live:
         raise ConfigError(
             f"the config differs from the run's in {', '.join(needs_flag)}; these change the trained state, "
@@ -434,7 +491,7 @@ def _without_one_off(data: dict) -> dict:
     return data
 # Keys added with a new default whose absence from a stored config means the old behaviour: a run
 # made before the key existed keeps training (and replaying) exactly as it did.
-LEGACY_VALUES = {"algorithm.loss_normalization": "micro_batch"}
+LEGACY_VALUES = {"algorithm.loss_normalization": "micro_batch", "model.tiny.vocab": "digits"}
 
 
 def stored_config(data: dict) -> dict:

@@ -246,12 +246,18 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
         outcome = trainer.apply(step, inputs, samples)
         inputs = trainer.finish_collect(step, inputs)  # ... which is in the buffer, and in this record, before the commit
         outcome.metrics.update(trainer.buffer_metrics())
+        evaluated = []
+        if trainer.eval_due(step):
+            t_eval = time.perf_counter()
+            eval_metrics, eval_event = trainer.evaluate(step)
+            outcome.metrics.update(eval_metrics, **{"timing_s/eval": time.perf_counter() - t_eval})
+            evaluated = [eval_event]
         outcome.metrics.update(inputs.timings)
         outcome.metrics["timing_s/step"] = time.perf_counter() - t_step
         due = ckpt.due(step, outcome.metrics)
         failpoint("step.before_commit")  # the update is done, the journal does not know it yet
         t_commit = time.perf_counter()
-        events = control + inputs.events() + outcome.events()
+        events = control + inputs.events() + outcome.events() + evaluated
         rt.from_rank0(lambda: ledger.journal.append_step(step, events), f"the journal commit of step {step}")
         control = []
         # the commit's own time cannot be in the record it commits: it goes to the logs only

@@ -219,7 +219,22 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
         "metrics": record.metrics,
         "fingerprint": record.fingerprint,
         "control": record.all("control") + record.all("config"),
+        "eval": _eval_view(record.first("eval"), table.text_decoder(config)),
     }
+
+
+def _eval_view(event: dict | None, decoder) -> dict | None:
+    """The held-out eval of a step (trainer.eval_interval): each row's response and score."""
+    if event is None:
+        return None
+    ids, lens = np.asarray(event["response_ids"]), np.asarray(event["response_len"])
+    ends = np.cumsum(lens)
+    responses = [ids[e - n : e].tolist() for n, e in zip(lens.tolist(), ends.tolist())]
+    if decoder is not None:
+        responses = [decoder.decode(r) for r in responses]
+    scores = np.asarray(event["scores"], np.float64)
+    return {"rows": np.asarray(event["rows"]).tolist(), "responses": responses, "scores": scores.tolist(),
+            "score_mean": float(scores.mean()) if len(scores) else None}
 
 
 def _plans(event: dict | None) -> dict[int, list[int]] | None:
@@ -260,6 +275,10 @@ def render_step(d: dict) -> str:
         lines.append(f"planned    step {step} will train on {len(ids)} samples" + (f" (generated here from policy version {versions[-1]})" if versions else ""))
     for c in d["control"]:
         lines.append(f"control    {c.get('kind', c['type'])} {c.get('details', c.get('changed', ''))}")
+    ev = d.get("eval")
+    if ev:
+        shown = ", ".join(f"{r}: {resp!r} {sc:.3g}" for r, resp, sc in list(zip(ev["rows"], ev["responses"], ev["scores"]))[:4])
+        lines.append(f"eval       {len(ev['rows'])} held-out prompts, score {ev['score_mean']:.4g} (row: response score; {shown}{', …' if len(ev['rows']) > 4 else ''})")
     if d.get("samples_note"):
         lines.append(f"samples    {d['samples_note']}")
     lines.append("samples    (id group version | prompt → response | score)")
@@ -506,7 +525,7 @@ def render_diff(d: dict, a: Path, b: Path) -> str:
     if d["differs"] == ["length"]:
         return "\n".join([f"the runs agree up to step {d['step'] - 1}; {a} has {d['steps_a']} steps, {b} has {d['steps_b']}", *config])
     names = {"data": "data (indices drawn)", "rng": "seeds", "rollout": "rollout engine", "buffer.add": "samples", "buffer.drop": "dropped samples",
-             "buffer.consume": "consumed samples", "buffer.plan": "planned batches", "metrics": "metrics", "state": "fingerprint"}
+             "buffer.consume": "consumed samples", "buffer.plan": "planned batches", "metrics": "metrics", "state": "fingerprint", "eval": "held-out eval"}
     lines = [f"first difference at step {d['step']}: " + ", ".join(names.get(k, k) for k in d["differs"]), *config]
     for side, run in (("a", a), ("b", b)):
         for entry in d.get("topology", {}).get(side, []):

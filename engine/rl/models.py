@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import Config, TinyModelConfig
 from ..errors import ModelError
-from .vocab import BUILTIN_CHARS, builtin_vocab
+from .vocab import builtin_chars, builtin_vocab
 
 BUILTIN_TINY = "builtin:tiny"
 
@@ -23,12 +23,12 @@ BUILTIN_TINY = "builtin:tiny"
 # ----------------------------------------------------------------------------- tokenizers
 
 
-def builtin_tokenizer():
-    """A character-level PreTrainedTokenizerFast (saveable, so exports are real HF directories)."""
+def builtin_tokenizer(chars: list[str]):
+    """A character-level PreTrainedTokenizerFast over `chars` (saveable, so exports are real HF directories)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = builtin_vocab()
+    vocab = builtin_vocab(chars)
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
@@ -44,9 +44,15 @@ def _local_dir(path: str, key: str) -> Path:
     return p
 
 
-def load_tokenizer(path: str, key: str = "model.actor.model_name_or_path"):
+def tiny_chars(cfg: Config) -> list[str]:
+    """The built-in model's characters for this run (model.tiny.vocab)."""
+    return builtin_chars(cfg.model.tiny.vocab, cfg.data.train_dataset)
+
+
+def load_tokenizer(path: str, key: str = "model.actor.model_name_or_path", cfg: Config | None = None):
+    """A local directory's tokenizer, or the built-in model's (its vocabulary from `cfg`)."""
     if path == BUILTIN_TINY:
-        return builtin_tokenizer()
+        return builtin_tokenizer(tiny_chars(cfg))
     from transformers import AutoTokenizer
 
     try:
@@ -88,7 +94,7 @@ def load_causal_lm(path: str, cfg: Config, seed: int, key: str = "model.actor.mo
 
     if path == BUILTIN_TINY:
         max_pos = cfg.data.max_prompt_length + cfg.rollout.max_response_length + 8
-        config = tiny_llama_config(cfg.model.tiny, len(BUILTIN_CHARS) + 4, max_pos)
+        config = tiny_llama_config(cfg.model.tiny, len(tiny_chars(cfg)) + 4, max_pos)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = LlamaForCausalLM(config)

@@ -1,7 +1,8 @@
 """Rewards: rule-based functions and reward models.
 
 A rule reward is ``fn(prompt: str, response: str, answer: str) -> float``: ``builtin:add`` for the
-built-in task, or any ``module:function`` importable by the run. A reward model (a local
+built-in task, ``reasoning_gym`` (a reasoning-gym task's own scorer, rl.tasks), or any
+``module:function`` importable by the run; ``auto`` is the dataset's own. A reward model (a local
 sequence-classification directory) adds ``weight * logits[:, 0]`` of prompt + response.
 """
 
@@ -12,8 +13,10 @@ import numbers
 import re
 from collections.abc import Callable
 
+from ..config import REASONING_GYM
 from ..errors import RewardError
 from ..plugins import check_signature, describe, import_object
+from .tasks import TaskScorer
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -37,8 +40,16 @@ def add_reward(prompt: str, response: str, answer: str) -> float:
 BUILTIN = {"builtin:add": add_reward}
 
 
-def load_reward_fn(spec: str) -> RewardFn:
+def load_reward_fn(spec: str, train_dataset: str = "builtin:add", task_dataset=None, answer_format: str = "text"):
+    """The rule reward `spec` names (rollout.reward_fn): a RewardFn, or for reasoning_gym the
+    task's scorer over `task_dataset` (rl.data.Dataset.task_dataset)."""
     key = "rollout.reward_fn"
+    if spec == "auto":
+        spec = REASONING_GYM if train_dataset.startswith(REASONING_GYM + ":") else "builtin:add"
+    if spec == REASONING_GYM:
+        if task_dataset is None:
+            raise RewardError(f"{key}=reasoning_gym needs data.train_dataset=reasoning_gym:TASK")
+        return TaskScorer(task_dataset, answer_format)
     if spec in BUILTIN:
         return BUILTIN[spec]
     if spec.startswith("builtin:"):
@@ -51,13 +62,13 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
-def rule_rewards(fn: RewardFn, prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
-    """fn on every sample; numpy scalars are numbers too. Anything else, or an exception, is one
-    sentence naming the function and the prompt."""
+def rule_rewards(fn, prompts: list[str], responses: list[str], examples: list) -> list[float]:
+    """fn on every sample (`examples`: the rl.data.Example each was drawn from); numpy scalars are
+    numbers too. Anything else, or an exception, is one sentence naming the function and the prompt."""
     out = []
-    for p, r, a in zip(prompts, responses, answers):
+    for p, r, ex in zip(prompts, responses, examples):
         try:
-            v = fn(p, r, a)
+            v = fn.score(r, ex.entry) if isinstance(fn, TaskScorer) else fn(p, r, ex.answer)
         except Exception as e:  # noqa: BLE001 - the user's function: one line naming it
             raise RewardError(f"reward function {describe(fn)} raised {type(e).__name__}: {e} (prompt {p!r})") from None
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):

@@ -48,7 +48,12 @@ def sample_seeded(model, prompts: list[np.ndarray], seeds: list[int], params: di
 
 def sample_token(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float):
     """Sample one token per row from logits [B, V] at the rows' uniforms [B] in [0, 1);
-    returns (tokens [B], logprobs [B]) under temperature."""
+    returns (tokens [B], logprobs [B]) under temperature. Temperature 0 is greedy (the first of equal
+    maxima; log-probs at temperature 1)."""
+    if temperature == 0:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        tokens = logp.argmax(dim=-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     probs = logp.exp()
     if top_p < 1.0:

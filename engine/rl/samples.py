@@ -111,11 +111,13 @@ def arrow_schema(with_fate: bool):
 
 def text_decoder(config: dict | None):
     """The run's decoder (built-in vocabulary or tokenizer.json), or None when it cannot be found."""
-    from .vocab import TextDecoder
+    from .vocab import TextDecoder, builtin_chars
 
-    path = (config or {}).get("model", {}).get("actor", {}).get("model_name_or_path")
+    config = config or {}
+    path = config.get("model", {}).get("actor", {}).get("model_name_or_path")
+    chars = builtin_chars(config.get("model", {}).get("tiny", {}).get("vocab", "digits"), config.get("data", {}).get("train_dataset", ""))
     try:
-        return TextDecoder(path) if path else None
+        return TextDecoder(path, chars) if path else None
     except Exception:  # noqa: BLE001 - no tokenizer.json (model dir moved): show token ids instead
         return None
 

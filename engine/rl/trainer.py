@@ -31,10 +31,12 @@ from ..state.stateful import check_version
 from . import algorithms
 from . import samples as sample_codec
 from .buffer import RolloutBuffer
-from .data import Sampler, load_dataset
+from .data import Sampler, check_identity, load_data
 from .models import ValueModel, load_causal_lm, load_reward_model, load_tokenizer, model_digest
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
 from .rollout import RolloutEngine, make_engine
+from .sampler import sample_seeded, sampling_params
+from .tasks import TaskScorer
 from .workers import ActorWorker, CriticWorker, collate, shard_batch
 
 
@@ -155,13 +157,17 @@ class Trainer:
         if cfg.model.reward_model.trainable:
             raise ConfigError("model.reward_model.trainable: training the reward model during RL is not supported yet; set it to false")
         seed = cfg.trainer.seed
-        self.tokenizer = load_tokenizer(cfg.model.actor.model_name_or_path)
-        self.dataset = load_dataset(cfg.data, seed)
+        self.tokenizer = load_tokenizer(cfg.model.actor.model_name_or_path, cfg=cfg)
+        self.data = load_data(cfg.data, seed)
+        self.dataset = self.data.train
         self.prompt_ids = [self._encode_prompt(i, ex.prompt) for i, ex in enumerate(self.dataset)]
+        self.held_out_ids = [self._encode_prompt(i, ex.prompt, "held-out prompt") for i, ex in enumerate(self.data.held_out)]
         self.sampler = Sampler(len(self.dataset), seed)
         self.buffer = RolloutBuffer()
         self.train_state = TrainState(self.sampler)
-        self.reward_fn = load_reward_fn(cfg.rollout.reward_fn)
+        self.reward_fn = self._reward_fn(cfg)
+        # the eval pass scores with the task's own scorer (reasoning-gym), else with the rule reward
+        self.eval_scorer = TaskScorer(self.data.task_dataset, cfg.rollout.answer_format) if self.data.task_dataset is not None else None
         self.rm = None
         self.rm_digest = None
         if cfg.model.reward_model.model_name_or_path:
@@ -186,11 +192,13 @@ class Trainer:
             self.critic = CriticWorker(value_model, cfg, rt)
 
     def identity(self) -> dict:
-        """What the trainer loaded that the config alone does not pin: the frozen reward model's files."""
-        return {"reward_model_digest": self.rm_digest}
+        """What the trainer loaded that the config alone does not pin: the prompts (a file's rows, a
+        reasoning-gym task's generated ones and its version) and the frozen reward model's files."""
+        return {"reward_model_digest": self.rm_digest, "dataset": self.data.identity}
 
     def check_identity(self, recorded: dict) -> None:
-        """On resume: the frozen reward model must be the one the run started with."""
+        """On resume: the prompts and the frozen reward model must be the ones the run started with."""
+        check_identity(recorded.get("dataset"), self.data.identity)
         want = recorded.get("reward_model_digest")
         if want is not None and want != self.rm_digest:
             raise ModelError(
@@ -200,8 +208,10 @@ class Trainer:
 
     def set_config(self, cfg: Config) -> None:
         """Switch to another config of the same run (its live keys may differ: config.check_change)."""
-        if cfg.rollout.reward_fn != self.cfg.rollout.reward_fn:
-            self.reward_fn = load_reward_fn(cfg.rollout.reward_fn)
+        if (cfg.rollout.reward_fn, cfg.rollout.answer_format) != (self.cfg.rollout.reward_fn, self.cfg.rollout.answer_format):
+            self.reward_fn = self._reward_fn(cfg)
+            if self.eval_scorer is not None:
+                self.eval_scorer.answer_format = cfg.rollout.answer_format
         if self.rollout is not None and cfg.rollout.engine != self.rollout.name:
             self.rollout.close()
             self.rollout = None
@@ -210,14 +220,17 @@ class Trainer:
         if self.critic is not None:
             self.critic.set_config(cfg)
 
-    def _encode_prompt(self, i: int, text: str) -> np.ndarray:
+    def _reward_fn(self, cfg: Config):
+        return load_reward_fn(cfg.rollout.reward_fn, cfg.data.train_dataset, self.data.task_dataset, cfg.rollout.answer_format)
+
+    def _encode_prompt(self, i: int, text: str, what: str = "prompt") -> np.ndarray:
         tok = self.tokenizer
         ids = tok(text, add_special_tokens=False)["input_ids"]
         if tok.bos_token_id is not None:
             ids = [tok.bos_token_id] + ids
         if len(ids) > self.cfg.data.max_prompt_length:
             raise ConfigError(
-                f"data.max_prompt_length is {self.cfg.data.max_prompt_length} but prompt {i} has {len(ids)} tokens; raise it"
+                f"data.max_prompt_length is {self.cfg.data.max_prompt_length} but {what} {i} has {len(ids)} tokens; raise it"
             )
         return np.asarray(ids, dtype=np.int64)
 
@@ -402,8 +415,8 @@ class Trainer:
         tok = self.tokenizer
         texts_p = [tok.decode(p, skip_special_tokens=True) for p in prompts]
         texts_r = [tok.decode(r, skip_special_tokens=True) for r in responses]
-        answers = [self.dataset[i].answer for i in mine for _ in range(group_size)]
-        rule = rule_rewards(self.reward_fn, texts_p, texts_r, answers)
+        examples = [self.dataset[i] for i in mine for _ in range(group_size)]
+        rule = rule_rewards(self.reward_fn, texts_p, texts_r, examples)
         rm = [0.0] * len(rule)
         if self.rm is not None:
             rm = reward_model_scores(self.rm[0], self.rm[1], [p + r for p, r in zip(texts_p, texts_r)], self.rt.device)
@@ -562,6 +575,48 @@ class Trainer:
             "rollout/staleness/mean": float(staleness.mean()),
             "rollout/staleness/max": float(staleness.max()),
         }
+
+    # ================================================================== eval: held-out prompts
+
+    def eval_due(self, step: int) -> bool:
+        return bool(self.cfg.trainer.eval_interval) and step % self.cfg.trainer.eval_interval == 0
+
+    def evaluate(self, step: int) -> tuple[dict[str, float], dict]:
+        """The policy after step `step`'s update on the held-out prompts: one response each, at
+        rollout.eval_temperature (0: greedy; else each from its own seed), scored by the task's own
+        scorer (reasoning-gym; rollout.answer_format) or else the rule reward.
+        Returns (metrics: eval/score/mean, per task eval/score/TASK/mean for reasoning-gym, and
+        eval/response_length/mean; the `eval` event with every row's response and score). Live steps
+        only: replay reads them back. Draws from no stream training uses. Collective."""
+        cfg, rt, held, tok = self.cfg, self.rt, self.data.held_out, self.tokenizer
+        mine = np.array_split(np.arange(len(held)), rt.dp_size)[rt.dp_rank]
+        rows = mine if len(mine) else np.zeros(1, np.int64)  # a rank with no row still steps with the others (ZeRO-3, TP)
+        params = {**sampling_params(cfg), "temperature": cfg.rollout.eval_temperature}
+        seeds = [derive_seed(cfg.trainer.seed, step, "eval", int(i)) for i in rows]
+        responses, _ = sample_seeded(self.actor.module, [self.held_out_ids[i] for i in rows], seeds, params, tok.eos_token_id,
+                                     tok.pad_token_id, rt.device, all_done=rt.all_true)
+        responses = responses[: len(mine)]
+        prompts = [held[i].prompt for i in mine]
+        scores = rule_rewards(self.eval_scorer or self.reward_fn, prompts, [tok.decode(r, skip_special_tokens=True) for r in responses],
+                              [held[i] for i in mine])
+        gathered = rt.all_gather_obj((mine.tolist(), scores, [r.tolist() for r in responses]))
+        out_rows, out_scores, out_resp = [], [], []
+        for r, (g_rows, g_scores, g_resp) in enumerate(gathered):
+            if r % rt.tp_size == 0:  # TP peers evaluated the same rows
+                out_rows += g_rows
+                out_scores += g_scores
+                out_resp += g_resp
+        score = np.asarray(out_scores, np.float64)
+        metrics = {"eval/score/mean": float(score.mean()),
+                   "eval/response_length/mean": float(np.mean([len(x) for x in out_resp]))}
+        tasks = [held[i].task for i in out_rows]
+        if len(set(tasks)) > 1 or tasks[0]:
+            for task in sorted(set(tasks)):
+                metrics[f"eval/score/{task}/mean"] = float(score[[t == task for t in tasks]].mean())
+        event = make_event("eval", rows=np.asarray(out_rows, np.int64), scores=score,
+                           response_ids=np.asarray([t for x in out_resp for t in x], np.int32),
+                           response_len=np.asarray([len(x) for x in out_resp], np.int64))
+        return metrics, event
 
     def buffer_metrics(self) -> dict[str, float]:
         """The buffer once the step is done (async: with the batch generated during the update):

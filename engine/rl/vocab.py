@@ -1,26 +1,41 @@
-"""The built-in tiny model's character vocabulary, and decoding token ids to text without torch
-(post-mortem commands decode journaled samples; they should not load a deep-learning stack)."""
+"""The built-in tiny model's character vocabularies, and decoding token ids to text without torch
+(post-mortem commands decode journaled samples; they should not load a deep-learning stack).
+
+``model.tiny.vocab`` chooses: ``digits`` (what the built-in arithmetic task needs), ``ascii``
+(printable ASCII and newline: any text task) or ``auto`` (digits for ``builtin:add``, ascii for any
+other dataset). A run stored before the key existed is a digits run (config.LEGACY_VALUES).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-BUILTIN_CHARS = list("0123456789+-*= ")  # the built-in arithmetic task needs no more
+VOCABS = {
+    "digits": list("0123456789+-*= "),
+    "ascii": [chr(c) for c in range(32, 127)] + ["\n"],
+}
 
 
-def builtin_vocab() -> dict[str, int]:
-    return {tok: i for i, tok in enumerate(SPECIALS + BUILTIN_CHARS)}
+def builtin_chars(vocab: str, train_dataset: str) -> list[str]:
+    """The characters of the built-in model's vocabulary (after the specials)."""
+    if vocab == "auto":
+        vocab = "digits" if train_dataset == "builtin:add" else "ascii"
+    return VOCABS[vocab]
+
+
+def builtin_vocab(chars: list[str]) -> dict[str, int]:
+    return {tok: i for i, tok in enumerate(SPECIALS + chars)}
 
 
 class TextDecoder:
-    """decode(ids, skip_special_tokens=True) for the built-in vocabulary or a tokenizer.json."""
+    """decode(ids, skip_special_tokens=True) for a built-in vocabulary (`chars`) or a tokenizer.json."""
 
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, chars: list[str] | None = None):
         self._tok = None
         self._chars = None
         if model_path == "builtin:tiny":
-            self._chars = SPECIALS + BUILTIN_CHARS
+            self._chars = SPECIALS + (chars or VOCABS["digits"])
         else:
             from tokenizers import Tokenizer  # fast tokenizers' own package: no torch
 

@@ -107,8 +107,9 @@ def save_tiny_hf(path, kind):
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     from verlj.engine.rl.models import builtin_tokenizer
+    from verlj.engine.rl.vocab import VOCABS
 
-    tok = builtin_tokenizer()
+    tok = builtin_tokenizer(VOCABS["digits"])
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          intermediate_size=64, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                          num_labels=1)

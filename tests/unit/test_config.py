@@ -40,6 +40,14 @@ def test_file_then_overrides(tmp_path):
         ("trainer", "override 'trainer' must look like key.path=value"),
         ("model.actor=3", "model.actor must be a section"),
         ("bogus.key=1", "unknown config key 'bogus'"),
+        ("rollout.temperature=0", "rollout.temperature must be positive, got 0.0"),
+        ("rollout.top_p=0", "rollout.top_p must be between"),
+        ("rollout.reward_fn=nope", "rollout.reward_fn must be auto, reasoning_gym, builtin:NAME or module:function"),
+        ("data.train_dataset=d.jsonl", "rollout.reward_fn: a dataset file has no scorer of its own"),
+        ("rollout.reward_fn=reasoning_gym", "it needs data.train_dataset=reasoning_gym:TASK"),
+        ("trainer.eval_interval=5", "trainer.eval_interval needs held-out prompts: set data.eval_size"),
+        ("model.tiny.vocab=utf8", "model.tiny.vocab must be one of auto, digits, ascii"),
+        ("rollout.answer_format=json", "rollout.answer_format must be one of text, answer_tag"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -90,3 +98,23 @@ def test_resume_from_is_a_choice_of_one_command_never_the_runs_config():
     old = make_config().to_dict()
     old["trainer"]["resume_from"] = "15"  # as runs stored it before this rule
     assert stored_config(old)["trainer"]["resume_from"] is None
+
+
+def test_keys_added_since_a_run_began_keep_its_behaviour_and_mapping_keys_take_their_fields_policy():
+    """A stored config from before model.tiny.vocab is a digits run; a change inside a mapping field
+    (a reasoning-gym task's config) has that field's policy: fixed, so a resume refuses it."""
+    from verlj.engine.config import check_change, policy_of, stored_config
+
+    old = make_config(None, ["data.train_dataset=reasoning_gym:spell_backward", "data.reasoning_gym.config={min_word_len: 3}"])
+    data = old.to_stored()
+    del data["model"]["tiny"]["vocab"]
+    assert stored_config(data)["model"]["tiny"]["vocab"] == "digits"
+    assert policy_of("data.reasoning_gym.config.min_word_len") == "fixed"
+    assert policy_of("trainer.checkpoint_policy_kwargs.every") == "bookkeeping"
+    new = make_config(None, ["data.reasoning_gym.config.min_word_len=4"], base=old.to_stored())
+    with pytest.raises(ConfigError, match="data.reasoning_gym.config.min_word_len cannot change within a run"):
+        check_change(old.to_stored(), new, allow_live=True, how="resume")
+    kwargs = make_config(None, ["trainer.checkpoint_policy_kwargs={every: 3}"])
+    assert check_change(old.to_stored(), make_config(None, ["trainer.checkpoint_policy_kwargs={every: 3}"], base=old.to_stored()),
+                        allow_live=False, how="resume") == ["trainer.checkpoint_policy_kwargs.every"]
+    assert kwargs.trainer.checkpoint_policy_kwargs == {"every": 3}

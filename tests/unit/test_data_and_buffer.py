@@ -8,7 +8,7 @@ import torch
 from verlj.engine.config import DataConfig
 from verlj.engine.errors import SnapshotError
 from verlj.engine.rl.buffer import RolloutBuffer
-from verlj.engine.rl.data import DataError, Sampler, load_dataset
+from verlj.engine.rl.data import DataError, Example, Sampler, check_identity, load_data
 from verlj.engine.rl.rewards import RewardError, add_reward, load_reward_fn, rule_rewards
 from verlj.engine.rl.sampler import sample_token
 from verlj.engine.rl.samples import pack, unpack
@@ -30,7 +30,9 @@ def test_sampler_is_a_per_epoch_permutation_with_a_cursor():
 
 def test_builtin_dataset_is_deterministic():
     cfg = DataConfig()
-    a, b = load_dataset(cfg, 1), load_dataset(cfg, 1)
+    a, b = load_data(cfg, 1), load_data(cfg, 1)
+    assert a.identity == b.identity and a.held_out == []
+    a, b = a.train, b.train
     assert a == b and len(a) == cfg.num_examples
     p, ans = a[0].prompt, a[0].answer
     x, y = p.rstrip("=").split("+")
@@ -41,16 +43,16 @@ def test_jsonl_and_parquet_and_missing_fields(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"q": "1+1=", "a": "2"}) + "\n")
     cfg = DataConfig(train_dataset=str(f), prompt_key="q", answer_key="a")
-    assert load_dataset(cfg, 0)[0].answer == "2"
+    assert load_data(cfg, 0).train[0].answer == "2"
     with pytest.raises(DataError, match="lacks the fields 'prompt' and 'answer'"):
-        load_dataset(DataConfig(train_dataset=str(f)), 0)
+        load_data(DataConfig(train_dataset=str(f)), 0)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"prompt": ["2+2="], "answer": ["4"]}), tmp_path / "d.parquet")
-    assert load_dataset(DataConfig(train_dataset=str(tmp_path / "d.parquet")), 0)[0].prompt == "2+2="
+    assert load_data(DataConfig(train_dataset=str(tmp_path / "d.parquet")), 0).train[0].prompt == "2+2="
     with pytest.raises(DataError, match="does not exist"):
-        load_dataset(DataConfig(train_dataset=str(tmp_path / "none.jsonl")), 0)
+        load_data(DataConfig(train_dataset=str(tmp_path / "none.jsonl")), 0)
 
 
 def sample(i, plen, rlen):
@@ -109,6 +111,69 @@ def test_buffer_plans_hide_planned_samples_and_survive_a_snapshot():
         RolloutBuffer().load_state_dict(old)
 
 
+def test_held_out_prompts_are_never_trained_on_and_the_identity_is_the_rows(tmp_path):
+    """data.eval_size: generated rows after the training rows, none of whose prompts is trained on;
+    a file's rows through data.eval_dataset; the identity's digest changes with the rows."""
+    plain = load_data(DataConfig(), 1)
+    held = load_data(DataConfig(eval_size=20), 1)
+    out = {ex.prompt for ex in held.held_out}
+    assert len(held.held_out) == 20 and out
+    assert not out & {ex.prompt for ex in held.train}
+    assert held.train == [ex for ex in plain.train if ex.prompt not in out]  # the same rows, less the held-out prompts
+    assert held.identity["digest"] != plain.identity["digest"]
+    check_identity(plain.identity, load_data(DataConfig(), 1).identity)
+    check_identity(None, plain.identity)  # a run from before verlj recorded it
+    with pytest.raises(DataError, match="differ from the ones this run started with"):
+        check_identity(plain.identity, load_data(DataConfig(), 2).identity)
+    f = tmp_path / "e.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(5)))
+    from_file = load_data(DataConfig(eval_dataset=str(f), eval_size=3), 1)
+    assert [ex.answer for ex in from_file.held_out] == ["1", "2", "3"] and from_file.train == plain.train
+
+
+def test_reasoning_gym_rows_scorer_and_refusals():
+    """reasoning_gym:TASK rows are the task's items from the seed (several tasks: its composite); the
+    task's own scorer judges the answer the response gives (text or <answer> tags); a task or config
+    reasoning-gym does not know is one DataError."""
+    from verlj.engine.rl.tasks import TaskScorer
+
+    cfg = DataConfig(train_dataset="reasoning_gym:basic_arithmetic", eval_size=8)
+    cfg.reasoning_gym.size = 50
+    cfg.reasoning_gym.config = {"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+"], "allow_negation": False,
+                            "allow_parentheses": False}
+    a, b = load_data(cfg, 7), load_data(cfg, 7)
+    assert [ex.prompt for ex in a.train] == [ex.prompt for ex in b.train] and a.identity == b.identity
+    assert a.identity["reasoning_gym"]["tasks"] == ["basic_arithmetic"] and a.identity["reasoning_gym"]["seed"] == 7
+    assert len(a.held_out) <= 8 and a.held_out and all(ex.task == "basic_arithmetic" for ex in a.train)
+    ex = a.train[0]
+    x, y = ex.prompt.removeprefix("Calculate ").rstrip(".").split(" + ")
+    assert ex.answer == str(int(x) + int(y))
+    text, tags = TaskScorer(a.task_dataset, "text"), TaskScorer(a.task_dataset, "answer_tag")
+    assert text.score(f" {ex.answer} ", ex.entry) == 1.0 and text.score("no", ex.entry) == 0.0
+    assert tags.score(f"I think <answer>{ex.answer}</answer>", ex.entry) == 1.0 and tags.score(ex.answer, ex.entry) == 0.0
+    assert rule_rewards(load_reward_fn("auto", cfg.train_dataset, a.task_dataset), [ex.prompt], [ex.answer], [ex]) == [1.0]
+    assert load_data(DataConfig(train_dataset="reasoning_gym:basic_arithmetic", eval_size=8), 8).identity != a.identity
+    mixed = DataConfig(train_dataset="reasoning_gym:basic_arithmetic,chain_sum")
+    mixed.reasoning_gym.size, mixed.reasoning_gym.weights = 40, {"chain_sum": 3}
+    tasks = [ex.task for ex in load_data(mixed, 1).train]
+    assert set(tasks) == {"basic_arithmetic", "chain_sum"} and tasks.count("chain_sum") > tasks.count("basic_arithmetic")
+    with pytest.raises(DataError, match="reasoning-gym has no task 'no_such_task'"):
+        load_data(DataConfig(train_dataset="reasoning_gym:no_such_task"), 1)
+    bad = DataConfig(train_dataset="reasoning_gym:basic_arithmetic")
+    bad.reasoning_gym.config = {"min_terms": 0}
+    with pytest.raises(DataError, match="reasoning-gym refused the config of basic_arithmetic"):
+        load_data(bad, 1)
+    bad.reasoning_gym.config = {"seed": 3}
+    with pytest.raises(DataError, match="set seed with data.reasoning_gym.seed"):
+        load_data(bad, 1)
+
+
+def test_reasoning_gym_missing_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if not installed
+    with pytest.raises(DataError, match=r"needs reasoning-gym: pip install 'verlj\[tasks\]'"):
+        load_data(DataConfig(train_dataset="reasoning_gym:basic_arithmetic"), 1)
+
+
 def test_rule_reward_and_loading():
     assert add_reward("3+4=", "7", "7") == 1.0
     assert add_reward("3+4=", "8", "7") == pytest.approx(0.3)
@@ -134,13 +199,13 @@ def test_user_reward_functions_fail_in_one_sentence(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     fn = load_reward_fn("my_rewards_ok:np_score")
-    assert rule_rewards(fn, ["1+1="], ["2"], ["2"]) == [0.5]
+    assert rule_rewards(fn, ["1+1="], ["2"], [Example("1+1=", "2")]) == [0.5]
     with pytest.raises(RewardError, match=r"reward function my_rewards_ok.boom raised ValueError: no answer key \(prompt '1\+1='\)"):
-        rule_rewards(load_reward_fn("my_rewards_ok:boom"), ["1+1="], ["2"], ["2"])
+        rule_rewards(load_reward_fn("my_rewards_ok:boom"), ["1+1="], ["2"], [Example("1+1=", "2")])
     with pytest.raises(RewardError, match="my_rewards_ok:two .* has the wrong signature"):
         load_reward_fn("my_rewards_ok:two")
     with pytest.raises(RewardError, match="returned 'high'.*must return a finite number"):
-        rule_rewards(load_reward_fn("my_rewards_ok:text"), ["1+1="], ["2"], ["2"])
+        rule_rewards(load_reward_fn("my_rewards_ok:text"), ["1+1="], ["2"], [Example("1+1=", "2")])
     with pytest.raises(RewardError, match="importing module 'my_rewards_broken' failed: RuntimeError: cannot start"):
         load_reward_fn("my_rewards_broken:f")
     with pytest.raises(RewardError, match="module 'my_rewards_ok' has no 'nope'"):

@@ -1,0 +1,77 @@
+"""reasoning-gym tasks end to end: a run killed (SIGKILL at a failpoint) and resumed is bit-exact,
+held-out eval included; a changed task config or changed prompts on resume are refused."""
+
+import json
+
+import numpy as np
+import pytest
+
+from verlj.engine.loop.run import train as run_train
+from verlj.journal import open_journal_reader
+from verlj_testing import TINY, assert_same_journal, train
+
+TASK = [
+    "data.train_dataset=reasoning_gym:spell_backward,basic_arithmetic",
+    "data.reasoning_gym.size=60",
+    "data.reasoning_gym.config={spell_backward: {min_word_len: 3, max_word_len: 3}, basic_arithmetic: {max_terms: 2, max_digits: 1}}",
+    "data.eval_size=6",
+    "data.max_prompt_length=64",
+    "trainer.eval_interval=2",
+    "trainer.total_steps=6",
+    "trainer.save_interval=4",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("tasks") / "ref"
+    run_train(run, None, [*TINY, *TASK])
+    return run
+
+
+def assert_one_line_error(out, code, text):
+    assert out.returncode == code, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert "Traceback" not in out.stderr and len(errors) == 1 and text in errors[0], out.stderr[-3000:]
+
+
+def test_a_killed_reasoning_gym_run_resumes_exactly_with_its_eval(tmp_path, reference):
+    with open_journal_reader(reference / "journal") as j:
+        steps = {rec.step: rec for rec in j.iter_steps()}
+    evals = {s: rec.first("eval") for s, rec in steps.items() if rec.first("eval") is not None}
+    assert sorted(evals) == [2, 4, 6]
+    for s, e in evals.items():
+        metrics = steps[s].metrics
+        assert len(e["rows"]) == len(e["scores"]) == len(e["response_len"]) and e["response_len"].sum() == len(e["response_ids"])
+        assert metrics["eval/score/mean"] == pytest.approx(float(np.mean(e["scores"])))
+        tasks = [k for k in metrics if k.startswith("eval/score/") and k != "eval/score/mean"]
+        assert tasks and set(tasks) <= {"eval/score/spell_backward/mean", "eval/score/basic_arithmetic/mean"}
+    assert "eval/score/mean" not in steps[3].metrics
+
+    run = tmp_path / "run"
+    out = train(run, *TASK, VERLJ_FAILPOINT="step.before_commit:4")  # step 4 trained and evaluated, not journaled
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *TASK, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_journal(run, reference)  # every event, eval rows, responses and scores included
+
+    # the task's config is part of what the run is: a resume that changes it is refused, nothing written
+    before = sorted(p.name for p in run.iterdir())
+    changed = [t.replace("min_word_len: 3, max_word_len: 3", "min_word_len: 4, max_word_len: 4") for t in TASK]
+    out = train(run, *changed, "trainer.total_steps=8", resume=True)
+    assert_one_line_error(out, 2, "data.reasoning_gym.config.spell_backward.max_word_len, "
+                                  "data.reasoning_gym.config.spell_backward.min_word_len cannot change within a run (resume)")
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_changed_prompts_on_resume_are_refused(tmp_path):
+    """The run's identity holds a digest of its prompts: a data file edited between two sessions is
+    named, not trained on."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(10)))
+    over = [f"data.train_dataset={data}", "rollout.reward_fn=builtin:add", "trainer.total_steps=2"]
+    run = tmp_path / "run"
+    assert train(run, *over).returncode == 0
+    data.write_text(data.read_text().replace('"answer": "4"', '"answer": "5"'))
+    out = train(run, *over, "trainer.total_steps=3", resume=True)
+    assert_one_line_error(out, 1, f"the prompts of {data} differ from the ones this run started with")
