@@ -75,6 +75,10 @@ class TrainerConfig:
     precision: str = "fp32"  # fp32 | bf16
     num_threads: int = 1  # torch intra-op threads per rank (fixed for reproducibility)
     deterministic: bool = True  # torch.use_deterministic_algorithms(True)
+    # the per-step state fingerprint: sum64 (position-weighted int64 sums computed where the tensors
+    # live: a few bytes a tensor leave the device) | blake3 (every tensor copied to the host and
+    # hashed: runs made before sum64 keep it)
+    state_digest: str = "sum64"
 
     def validate(self) -> None:
         _positive("trainer.total_steps", self.total_steps)
@@ -88,6 +92,7 @@ class TrainerConfig:
         _positive("trainer.num_threads", self.num_threads)
         _choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
         _choice("trainer.precision", self.precision, ("fp32", "bf16"))
+        _choice("trainer.state_digest", self.state_digest, ("sum64", "blake3"))
 
 
 @dataclass
@@ -491,7 +496,7 @@ def _without_one_off(data: dict) -> dict:
     return data
 # Keys added with a new default whose absence from a stored config means the old behaviour: a run
 # made before the key existed keeps training (and replaying) exactly as it did.
-LEGACY_VALUES = {"algorithm.loss_normalization": "micro_batch", "model.tiny.vocab": "digits"}
+LEGACY_VALUES = {"algorithm.loss_normalization": "micro_batch", "model.tiny.vocab": "digits", "trainer.state_digest": "blake3"}
 
 
 def stored_config(data: dict) -> dict:

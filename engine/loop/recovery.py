@@ -143,7 +143,7 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
         f"Dataflow anchor restored: dataloader at batch_idx={run.trainer.sampler.cursor}, "
         f"buffer has {len(run.trainer.buffer)} pending samples."
     )
-    fp, _ = fingerprint(run.trainer.engines(), rt)
+    fp, _ = fingerprint(run.trainer.engines(), rt, run.trainer.cfg.trainer.state_digest)
     if ckpt.resharded is None and fp != meta["fingerprint"]:
         raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {meta['fingerprint'][:16]}…")
     ckpt.loaded_fingerprint = fp
@@ -288,7 +288,7 @@ def _topology_boundary(run: Run, history: History, step0: int, last: int, out: R
     before = history.topology_at(last)
     if out.exact and here == before:
         return None
-    fp, _ = fingerprint(run.trainer.engines(), run.rt)
+    fp, _ = fingerprint(run.trainer.engines(), run.rt, run.trainer.cfg.trainer.state_digest)
     return {"from": before, "to": here, "snapshot_step": step0, "resharded": run.ckpt.resharded,
             "replayed": [step0 + 1, last] if step0 < last else None, "tolerance": TOLERANCE,
             "checked_steps": out.tolerant_steps, "max_deviation": out.worst, "rebased": {"step": last, "fingerprint": fp}}

@@ -80,7 +80,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
         step0, out = materialize_steps(run, to_step, max_snapshot=max_snapshot)
         fp = out.fingerprint
         if fp is None:
-            fp, _ = fingerprint(run.trainer.engines(), rt)
+            fp, _ = fingerprint(run.trainer.engines(), rt, run.trainer.cfg.trainer.state_digest)
     finally:
         ledger.close()
         run.ledger = None  # closed: the replayed state outlives it (export, --snapshot, --fork)

@@ -23,11 +23,11 @@ def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) ->
         resumes = ledger.resume_steps()
     n = max(1, len(cols))
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 * n), sharex=True, squeeze=False)
-    steps = [r["step"] for r in rows]
     for ax, name in zip(axes[:, 0], cols):
-        ys = [r.get(name) for r in rows]
-        ys = [math.nan if y is None else y for y in ys]
-        ax.plot(steps, ys, lw=1.2)
+        # a metric only some steps have (the held-out eval every N steps) is drawn through its points
+        have = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+        sparse = len(have) < len(rows)
+        ax.plot([s for s, _ in have], [math.nan if y is None else y for _, y in have], lw=1.2, marker="o" if sparse else None, ms=3)
         ax.set_ylabel(name, fontsize=8)
         ax.grid(alpha=0.3)
         for s in snaps:

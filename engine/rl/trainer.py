@@ -556,7 +556,7 @@ class Trainer:
             metrics = rt.mean(metrics)
             self.weights_changed()
         t = time.perf_counter()
-        fp, parts = fingerprint(self.engines(), rt)
+        fp, parts = fingerprint(self.engines(), rt, cfg.trainer.state_digest)
         timings["timing_s/fingerprint"] = time.perf_counter() - t
         return StepOutcome({**metrics, **timings}, fp, parts)
 

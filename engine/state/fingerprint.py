@@ -1,5 +1,20 @@
-"""The fingerprint of a run's trained state: BLAKE3 over every rank's parameters, optimizer and
-LR-scheduler state, in a fixed order. Journaled after every step; replay must reproduce it bit for bit."""
+"""The fingerprint of a run's trained state: a digest of every rank's parameters, optimizer and
+LR-scheduler state, in a fixed order. Journaled after every step; replay must reproduce it bit for bit.
+
+Two kinds (``trainer.state_digest``, fixed for a run; runs made before the key are ``blake3``):
+
+- ``sum64`` (the default): computed where the tensors live, with torch reductions, so only 16
+  bytes per tensor leave the device. Each tensor's bytes are read as int64 words (the bytes past
+  the last whole word make one more), laid out as rows of ``ROW`` words, and reduced twice:
+  Σ_r (r+1)·rowsum_r and Σ_c (c+1)·colsum_c. Integer sums wrap modulo 2^64, which is associative,
+  so the result is the same bits on any device and in any reduction order. Any change of one word
+  changes it, and so does an exchange of two different words (two rows' sums change, or, within a
+  row, two columns').
+  It is a checksum for telling states apart, not a cryptographic hash: the journal's chain and the
+  snapshot manifests stay BLAKE3. The host then hashes these sums with the tensors' names, dtypes
+  and shapes with BLAKE3.
+- ``blake3``: every tensor copied to host memory and hashed whole (what verlj did before sum64).
+"""
 
 from __future__ import annotations
 
@@ -8,42 +23,129 @@ import torch
 
 from ..dist import Runtime
 
+KINDS = ("sum64", "blake3")
+SMALL = 1 << 20  # tensors under this many bytes are digested together
+ROW = 16  # int64 words per row of the sum64 layout (128 bytes: both reductions stream at memory speed on CPU)
 
-def _hash_tree(h: blake3.blake3, obj, path: str = "") -> None:
-    """Feed every tensor and scalar of a nested state (dicts in sorted key order) into h."""
+
+# ----------------------------------------------------------------------------- sum64
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat tensor of int64 words, and the bytes past the last whole word
+    as one more word (zero-padded). No copy when the tensor is contiguous and 8-byte aligned."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    raw = flat.view(torch.uint8) if flat.dtype != torch.bool else flat.view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    try:
+        words = raw[:whole].view(torch.int64)
+    except RuntimeError:  # a view into a flat buffer at an offset that is not 8-byte aligned
+        words = raw[:whole].clone().view(torch.int64)
+    if whole < raw.numel():
+        rest = raw[whole:].to(torch.int64)
+        last = (rest << (8 * torch.arange(rest.numel(), device=rest.device, dtype=torch.int64))).sum().reshape(1)
+        words = torch.cat([words, last])
+    return words
+
+
+def tensor_sums(t: torch.Tensor) -> torch.Tensor:
+    """The sum64 digest of one tensor: int64 [2] on the tensor's device (see the module's doc)."""
+    w = _words(t)
+    n = w.numel()
+    rows = n // ROW
+    out = torch.zeros(2, dtype=torch.int64, device=w.device)
+    if rows:
+        main = w[: rows * ROW].view(rows, ROW)
+        out[0] += (main.sum(1) * torch.arange(1, rows + 1, dtype=torch.int64, device=w.device)).sum()
+        out[1] += (main.sum(0) * torch.arange(1, ROW + 1, dtype=torch.int64, device=w.device)).sum()
+    if n > rows * ROW:
+        tail = w[rows * ROW :]
+        out[0] += (tail * torch.arange(rows * ROW + 1, n + 1, dtype=torch.int64, device=w.device)).sum()
+        out[1] += tail.sum()
+    return out
+
+
+# ----------------------------------------------------------------------------- traversal
+
+
+def _leaves(obj, path: str, out: list) -> None:
+    """(path, tensor or scalar) of every leaf of a nested state, dicts in sorted key order."""
     if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.is_cuda:
-            t = t.cpu()
-        t = t.contiguous()
-        h.update(f"{path}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        out.append((path, obj))
     elif isinstance(obj, dict):
         for k in sorted(obj, key=str):
-            _hash_tree(h, obj[k], f"{path}/{k}")
+            _leaves(obj[k], f"{path}/{k}", out)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            _hash_tree(h, v, f"{path}/{i}")
+            _leaves(v, f"{path}/{i}", out)
     elif isinstance(obj, (int, float, str, bool)) or obj is None:
-        h.update(f"{path}={obj!r}".encode())
+        out.append((path, obj))
     # other objects (enums, configs inside optimizer states) do not carry training state
 
 
-def engine_digest(engine) -> str:
-    """This rank's share of an engine's state: parameters (ZeRO-3 partitions), optimizer, LR scheduler."""
-    h = blake3.blake3()
+def state_leaves(engine) -> list:
+    """This rank's share of an engine's state, as (path, leaf): parameters (ZeRO-3 partitions),
+    optimizer, LR scheduler, step count."""
+    out: list = []
     for name, p in engine.module.named_parameters():
-        _hash_tree(h, p.ds_tensor if hasattr(p, "ds_tensor") else p, "param/" + name)
-    _hash_tree(h, engine.optimizer.state_dict(), "optim")
+        _leaves(p.ds_tensor if hasattr(p, "ds_tensor") else p, "param/" + name, out)
+    _leaves(engine.optimizer.state_dict(), "optim", out)
     if engine.lr_scheduler is not None:
-        _hash_tree(h, engine.lr_scheduler.state_dict(), "sched")
-    h.update(f"global_steps={engine.global_steps}".encode())
+        _leaves(engine.lr_scheduler.state_dict(), "sched", out)
+    out.append(("global_steps", engine.global_steps))
+    return out
+
+
+def leaves_digest(leaves: list, kind: str) -> str:
+    h = blake3.blake3()
+    if kind == "blake3":
+        for path, v in leaves:
+            if isinstance(v, torch.Tensor):
+                t = v.detach()
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                t = t.contiguous()
+                h.update(f"{path}:{t.dtype}:{tuple(t.shape)}".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            else:
+                h.update(_scalar(path, v))
+        return h.hexdigest()
+    # the small tensors of a device are digested as one concatenation (one set of kernels, not one
+    # per tensor); the large ones one by one, without a copy. Names, dtypes and shapes are hashed
+    # on the host, so where one small tensor ends and the next begins is part of the digest.
+    small: dict = {}
+    sums: dict = {}
+    for path, v in leaves:
+        if isinstance(v, torch.Tensor):
+            h.update(f"{path}:{v.dtype}:{tuple(v.shape)}".encode())
+            if v.numel() * v.element_size() < SMALL:
+                small.setdefault(v.device, []).append(_words(v))
+            else:
+                sums.setdefault(v.device, []).append(tensor_sums(v))
+        else:
+            h.update(_scalar(path, v))
+    for dev, words in small.items():
+        sums.setdefault(dev, []).insert(0, tensor_sums(torch.cat(words)))
+    for dev in sorted(sums, key=str):  # 16 bytes a large tensor (and one pair for the small ones) leave each device
+        h.update(f"{dev.type}".encode())
+        h.update(torch.stack(sums[dev]).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
-def fingerprint(engines: dict[str, object], rt: Runtime) -> tuple[str, dict[str, str]]:
+def _scalar(path: str, v) -> bytes:
+    return (f"global_steps={v}" if path == "global_steps" else f"{path}={v!r}").encode()
+
+
+def engine_digest(engine, kind: str = "sum64") -> str:
+    """This rank's share of an engine's state, digested (`kind`: see the module's doc)."""
+    return leaves_digest(state_leaves(engine), kind)
+
+
+def fingerprint(engines: dict[str, object], rt: Runtime, kind: str = "sum64") -> tuple[str, dict[str, str]]:
     """A digest of the whole trained state across ranks: (fingerprint, {part: digest})."""
-    local = {name: engine_digest(e) for name, e in engines.items()}
+    local = {name: engine_digest(e, kind) for name, e in engines.items()}
     per_rank = rt.all_gather_obj(local)
     parts = {name: blake3.blake3("|".join(r[name] for r in per_rank).encode()).hexdigest() for name in engines}
     fp = blake3.blake3("|".join(f"{k}={parts[k]}" for k in sorted(parts)).encode()).hexdigest()

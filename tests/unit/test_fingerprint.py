@@ -1,0 +1,65 @@
+"""The state digests: sum64 tells apart any two states that differ in one word or in the order of
+two different words, is the same for the same bytes however they are laid out in memory, and the
+blake3 kind is byte for byte the digest verlj journaled before sum64 (old runs replay against it)."""
+
+import blake3
+import numpy as np
+import pytest
+import torch
+
+from verlj.engine.state.fingerprint import ROW, leaves_digest, tensor_sums
+
+
+def sums(t):
+    return tensor_sums(t).tolist()
+
+
+@pytest.mark.parametrize("n", [1, 7, ROW - 1, ROW, 3 * ROW + 5])
+def test_sum64_sees_every_word_and_every_exchange(n):
+    g = torch.Generator().manual_seed(n)
+    t = torch.randn(n, generator=g)
+    base = sums(t)
+    assert sums(t.clone()) == base
+    for i in sorted({0, n // 2, n - 1}):
+        for bit in (0, 13, 31):
+            u = t.clone()
+            u.view(torch.int32)[i] ^= 1 << bit
+            assert sums(u) != base, (i, bit)
+    if n > 1:
+        for i, j in ((0, n - 1), (0, 1), (n // 3, (2 * n) // 3 + 1 if (2 * n) // 3 + 1 < n else n - 1)):
+            if i != j and t[i] != t[j]:
+                u = t.clone()
+                u[i], u[j] = t[j], t[i]
+                assert sums(u) != base, (i, j)
+
+
+def test_sum64_is_layout_free_and_covers_every_dtype():
+    t = torch.randn(64, 96)
+    assert sums(t.t().contiguous().t()) == sums(t)  # a non-contiguous view of the same values
+    assert sums(t) == sums(t.reshape(-1))
+    for x in (t.to(torch.bfloat16), t.to(torch.float64), torch.arange(10), torch.tensor([True, False]), torch.tensor(3.5)):
+        s = sums(x)
+        y = x.clone()
+        y.reshape(-1)[0] = (~y.reshape(-1)[0]) if y.dtype == torch.bool else y.reshape(-1)[0] + 1
+        assert sums(y) != s, x.dtype
+
+
+def test_leaves_digest_names_shapes_and_the_old_blake3_bytes():
+    a = torch.arange(6, dtype=torch.float32)
+    leaves = [("param/w", a), ("optim/state/0/step", torch.tensor(4.0)), ("optim/param_groups/0/lr", 0.001), ("global_steps", 4)]
+    d = leaves_digest(leaves, "sum64")
+    assert d == leaves_digest(list(leaves), "sum64")
+    assert leaves_digest([("param/w", a.reshape(2, 3)), *leaves[1:]], "sum64") != d  # the shape is part of it
+    assert leaves_digest([("param/v", a), *leaves[1:]], "sum64") != d  # and the name
+    # blake3: what engine_digest hashed before there were kinds
+    h = blake3.blake3()
+    for path, v in leaves:
+        if isinstance(v, torch.Tensor):
+            h.update(f"{path}:{v.dtype}:{tuple(v.shape)}".encode())
+            h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif path == "global_steps":
+            h.update(f"global_steps={v}".encode())
+        else:
+            h.update(f"{path}={v!r}".encode())
+    assert leaves_digest(leaves, "blake3") == h.hexdigest()
+    assert np.asarray(tensor_sums(a)).dtype == np.int64
