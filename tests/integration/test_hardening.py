@@ -116,7 +116,7 @@ def test_bad_values_are_refused_up_front(tmp_path, override, text):
 def test_non_utf8_dataset_and_yaml_line(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff\xfe", "answer": "1"}\n')
-    one_line_error(train(tmp_path / "r", f"data.train_dataset={data}"), 1, f"line 2 of {data} is not UTF-8 text")
+    one_line_error(train(tmp_path / "r", f"data.train_dataset={data}", "rollout.reward_fn=builtin:add"), 1, f"line 2 of {data} is not UTF-8 text")
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  total_steps: 5\n  seed: [1,\nmodel: {}\n")
     one_line_error(verlj("train", "--config", bad, "-o", tmp_path / "r"), 2, "not valid YAML at line 3")

