@@ -39,6 +39,7 @@ EVENT_VERSIONS: dict[str, int] = {
     "state": 1,  # fingerprint (hex str), parts {name: hex}
     "control": 1,  # kind (start|resume|fork), details {...}
     "config": 1,  # config (nested map) now in force, hash, changed keys
+    "stages": 1,  # digests {stage: hex}, summary {stage: {n, mean, absmax}}: each stage's output in the step (engine.state.stages)
     "eval": 1,  # rows (np.int64[]: held-out rows), scores (np.float64[]), response_ids (flat np.int32[]), response_len (np.int64[])
 }
 

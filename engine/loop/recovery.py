@@ -163,7 +163,7 @@ class ReplayOutcome:
     worst: dict | None = None  # {step, metric, replayed, journaled, deviation}: the largest deviation seen
 
 
-def replay(run: Run, history: History, start: int, stop: int, check_metrics: bool = True) -> ReplayOutcome:
+def replay(run: Run, history: History, start: int, stop: int, check_metrics: bool = True, observe=None) -> ReplayOutcome:
     """Apply journaled steps start..stop (inclusive) and check each one. Collective.
 
     The rule: a step is checked bit for bit (fingerprint and metrics) while the state is on the
@@ -171,8 +171,12 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
     journaled under another topology, leaves the line: from there each step's journaled metrics are
     checked within TOLERANCE and the largest deviation is kept. A topology boundary recorded by an
     earlier resume (history.topology_changes) brings the replay back on the line when this replay
-    reaches it on the same topology with the same state that resume had (its rebased fingerprint)."""
+    reaches it on the same topology with the same state that resume had (its rebased fingerprint).
+
+    `observe(step, record, outcome)` (verlj rerun): called for every step instead of the checks,
+    which then raise nothing; it returns False to stop."""
     from ..rl.trainer import StepInputs, is_timing
+    from ..state.stages import first_difference as first_stage_difference
 
     rt, trainer, ckpt = run.rt, run.trainer, run.ckpt
     out = ReplayOutcome(exact=ckpt is None or ckpt.resharded is None)
@@ -208,7 +212,18 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
         outcome.metrics.update(trainer.buffer_metrics())
         journaled = record.metrics
         mine = {k: v for k, v in outcome.metrics.items() if not is_timing(k)}
+        if observe is not None:
+            out.fingerprint = prev_fp = outcome.fingerprint
+            if not observe(step, record, outcome):
+                break
+            continue
         if out.exact:
+            journaled_stages = record.first("stages")
+            if journaled_stages is not None and observe is None:
+                stage = first_stage_difference(journaled_stages, outcome.stages)
+                if stage is not None:
+                    raise ReplayError(f"replay diverged at step {step}: its {stage} differ from the journal's "
+                                      f"(`verlj rerun {run.run_dir} --steps {step}:{step}` says more)")
             want = record.fingerprint
             if outcome.fingerprint != want:
                 raise ReplayError(

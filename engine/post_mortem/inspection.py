@@ -459,13 +459,60 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
             metrics_a, metrics_b = x.metrics, y.metrics
             metrics = {k: [metrics_a.get(k), metrics_b.get(k)] for k in sorted(set(metrics_a) | set(metrics_b))
                        if not k.startswith("timing_s/") and _canon(metrics_a.get(k)) != _canon(metrics_b.get(k))}
-            return {"identical": False, "step": step, "differs": kinds, "detail": {"metrics": metrics},
+            detail = {"metrics": metrics}
+            stages = _stage_difference(ra, rb)
+            if stages is not None:
+                detail["stages"] = stages
+            return {"identical": False, "step": step, "differs": kinds, "detail": detail,
                     "config": config_changes, "steps_a": la, "steps_b": lb, "topology": topology}
     if la != lb:
         return {"identical": False, "step": common + 1, "differs": ["length"], "detail": {}, "config": config_changes,
                 "steps_a": la, "steps_b": lb, "samples_not_compared": not_compared}
     return {"identical": True, "step": None, "differs": [], "detail": {}, "config": config_changes, "steps_a": la, "steps_b": lb,
             "samples_not_compared": not_compared}
+
+
+def _stage_difference(ra, rb) -> dict | None:
+    """The first stage (state.stages) whose digest differs between two records of a step, with both
+    sides' summaries; for the stages the journal holds as values (samples, scores, reference
+    log-probs), the first consumed sample and token that differ, with both values."""
+    from ..state.stages import first_difference as first_stage
+
+    sa, sb = ra.first("stages"), rb.first("stages")
+    if sa is None or sb is None:
+        return None
+    stage = first_stage(sa, sb)
+    if stage is None:
+        return None
+    out = {"stage": stage, "a": sa.get("summary", {}).get(stage), "b": sb.get("summary", {}).get(stage)}
+    if stage in ("samples", "scores", "ref_logprobs") and not (ra.pruned or rb.pruned):
+        out["element"] = _first_sample_difference(ra, rb, stage)
+    return out
+
+
+def _first_sample_difference(ra, rb, stage: str) -> dict | None:
+    """The first consumed sample (in the order the update took them) whose `stage` field differs."""
+    from ..rl.samples import unpack
+
+    def consumed(record):
+        by_id = {int(s["id"]): s for s in unpack(record.first("buffer.add")["samples"])} if record.first("buffer.add") else {}
+        return [by_id.get(int(i)) for i in np.asarray((record.first("buffer.consume") or {}).get("ids", []))]
+
+    field = {"samples": "response_ids", "scores": "score", "ref_logprobs": "ref_logprobs"}[stage]
+    for n, (a, b) in enumerate(zip(consumed(ra), consumed(rb))):
+        if a is None or b is None:
+            continue
+        if stage == "samples" and not np.array_equal(a["prompt_ids"], b["prompt_ids"]):
+            field = "prompt_ids"
+        va, vb = np.atleast_1d(np.asarray(a[field])), np.atleast_1d(np.asarray(b[field]))
+        if va.shape == vb.shape and np.array_equal(va, vb):
+            continue
+        k = next((i for i in range(min(len(va), len(vb))) if va[i] != vb[i]), min(len(va), len(vb)))
+        both = min(len(va), len(vb))
+        largest = float(np.max(np.abs(va[:both].astype(np.float64) - vb[:both].astype(np.float64)))) if both else None
+        return {"consumed": n, "sample_a": int(a["id"]), "sample_b": int(b["id"]), "field": field, "index": int(k),
+                "a": va[k].item() if k < len(va) else None, "b": vb[k].item() if k < len(vb) else None, "largest_abs_diff": largest}
+    return None
 
 
 def _step_samples(record, reader) -> dict | None:
@@ -525,12 +572,22 @@ def render_diff(d: dict, a: Path, b: Path) -> str:
     if d["differs"] == ["length"]:
         return "\n".join([f"the runs agree up to step {d['step'] - 1}; {a} has {d['steps_a']} steps, {b} has {d['steps_b']}", *config])
     names = {"data": "data (indices drawn)", "rng": "seeds", "rollout": "rollout engine", "buffer.add": "samples", "buffer.drop": "dropped samples",
-             "buffer.consume": "consumed samples", "buffer.plan": "planned batches", "metrics": "metrics", "state": "fingerprint", "eval": "held-out eval"}
+             "buffer.consume": "consumed samples", "buffer.plan": "planned batches", "metrics": "metrics", "state": "fingerprint", "eval": "held-out eval",
+             "stages": "stage digests"}
     lines = [f"first difference at step {d['step']}: " + ", ".join(names.get(k, k) for k in d["differs"]), *config]
     for side, run in (("a", a), ("b", b)):
         for entry in d.get("topology", {}).get(side, []):
             if entry["from_step"] <= d["step"]:
                 lines.append(f"  note: {run} changed topology {topology_line(entry)}")
+    st = d["detail"].get("stages")
+    if st:
+        def summary(x):
+            return f"mean {x['mean']:.6g}, |max| {x['absmax']:.6g}" if x else "digest only"
+        lines.append(f"  first differing stage: {st['stage']} ({summary(st['a'])} vs {summary(st['b'])})")
+        e = st.get("element")
+        if e:
+            lines.append(f"    consumed sample #{e['consumed']} (ids {e['sample_a']} / {e['sample_b']}) {e['field']}[{e['index']}]: "
+                         f"{e['a']!r} vs {e['b']!r} (largest difference {e['largest_abs_diff']!r})")
     for k, (va, vb) in list(d["detail"].get("metrics", {}).items())[:12]:
         lines.append(f"  {k:32s} {va!r:>14} vs {vb!r}")
     return "\n".join(lines)

@@ -27,6 +27,8 @@ from ..dist import Runtime
 from ..errors import ModelError, ReplayError, RunError
 from ..state.fingerprint import fingerprint
 from ..state.seeding import derive_seed, rng_digest, seed_globals
+from ..state.stage_recorder import StageRecorder
+from ..state.stages import combine
 from ..state.stateful import check_version
 from . import algorithms
 from . import samples as sample_codec
@@ -130,9 +132,11 @@ class StepOutcome:
     metrics: dict[str, float]
     fingerprint: str
     parts: dict[str, str]
+    stages: dict = field(default_factory=dict)  # {"digests": {stage: hex}, "summary": {stage: {n, mean, absmax}}} (state.stages)
 
     def events(self) -> list[dict]:
-        return [make_event("metrics", values=self.metrics), make_event("state", fingerprint=self.fingerprint, parts=self.parts)]
+        return [make_event("metrics", values=self.metrics), make_event("state", fingerprint=self.fingerprint, parts=self.parts),
+                make_event("stages", **self.stages)]
 
 
 def is_timing(name: str) -> bool:
@@ -493,6 +497,12 @@ class Trainer:
         dp_size = rt.dp_size
         scores_all = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
         metrics.update(_sample_metrics(samples, scores_all))
+        t_stages = time.perf_counter()
+        rec = StageRecorder()  # each stage's output, digested (state.stages): what `verlj rerun` and `diff` compare
+        rec.host("data", np.asarray(inputs.indices, np.int64), np.asarray(inputs.consumed, np.int64))
+        rec.host("samples", *_id_arrays(samples))
+        rec.tensor("scores", scores_all)
+        stage_s = time.perf_counter() - t_stages
         if not samples:  # dynamic sampling found no group with varying rewards: no update this step
             metrics["actor/skipped_update"] = 1.0
         else:
@@ -539,6 +549,23 @@ class Trainer:
                 t = time.perf_counter()
             threshold = cfg.algorithm.rollout_is_threshold
             actor_metrics, before = self.actor.update(batch, advantages, old_lp, ref_lp, minis, gen_lp if async_mode else None, threshold)
+            t_stages = time.perf_counter()
+            rec.tensor("old_logprobs", before * mask, mask)
+            if ref_lp is not None:
+                rec.tensor("ref_logprobs", ref_lp * mask, mask)
+            if self.critic is not None:
+                rec.tensor("values", old_values * mask, mask)
+                rec.tensor("returns", returns * mask, mask)
+            rec.tensor("advantages", advantages, mask)
+            for worker in (self.critic, self.actor):
+                if worker is not None:
+                    losses, norms, grads = worker.stage_outputs()
+                    rec.tensor("loss", torch.cat(losses))
+                    rec.numbers("grad_norm", norms)
+                    for g in grads:
+                        if g is not None:
+                            rec.digest_only("grads", g)
+            stage_s += time.perf_counter() - t_stages
             if async_mode:
                 metrics.update(self._off_policy_metrics(step, samples, before, gen_lp, mask, all_sum))
             metrics.update(actor_metrics)
@@ -558,7 +585,10 @@ class Trainer:
         t = time.perf_counter()
         fp, parts = fingerprint(self.engines(), rt, cfg.trainer.state_digest)
         timings["timing_s/fingerprint"] = time.perf_counter() - t
-        return StepOutcome({**metrics, **timings}, fp, parts)
+        t = time.perf_counter()
+        stages = combine(rt.all_gather_obj(rec.local()), parts)
+        timings["timing_s/stages"] = stage_s + time.perf_counter() - t
+        return StepOutcome({**metrics, **timings}, fp, parts, stages)
 
     def _off_policy_metrics(self, step: int, samples: list[dict], old_lp, gen_lp, mask, all_sum) -> dict[str, float]:
         """Async rollout: the truncated importance weights min(pi_old / pi_gen, threshold) the update
@@ -660,6 +690,14 @@ def _drops(record: StepRecord, reason: str) -> np.ndarray:
     """The ids a step's record drops for `reason` (zero_variance: dynamic sampling; stale: async)."""
     ids = [np.asarray(e["ids"], np.int64) for e in record.all("buffer.drop") if e.get("reason", "zero_variance") == reason]
     return np.concatenate(ids) if ids else np.zeros(0, np.int64)
+
+
+def _id_arrays(samples: list[dict]) -> tuple[np.ndarray, ...]:
+    """The consumed samples' ids, prompt and response token ids and their lengths, as flat arrays."""
+    ids = np.asarray([s["id"] for s in samples], np.int64)
+    lens = np.asarray([[len(s["prompt_ids"]), len(s["response_ids"])] for s in samples], np.int64).reshape(-1, 2)
+    flat = [np.asarray(s[k], np.int64) for s in samples for k in ("prompt_ids", "response_ids")]
+    return ids, lens, np.concatenate(flat) if flat else np.zeros(0, np.int64)
 
 
 def _padded(samples: list[dict], key: str, width: int, device) -> torch.Tensor:

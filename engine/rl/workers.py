@@ -259,15 +259,49 @@ class _Stepper:
     engine: object
     full_shapes: dict
     optim: OptimConfig  # the worker's own optimizer section (actor or critic)
+    stage_losses: list
+    stage_norms: list
+    stage_grads: list
 
     def _backward_and_step(self, mb: Micro, loss, stats: UpdateStats, prefix: str) -> None:
         """Backward (scaled when the loss is a share of a global token mean), then the engine's step;
-        the gradient norm is recorded at the mini-batch boundary."""
+        the gradient norm is recorded at the mini-batch boundary. The stage digests (state.stages)
+        get every micro-batch's loss, each optimizer step's gradient norm and local gradients."""
         self.engine.backward(loss if mb.denom is None else loss * mb.scale)
+        self.stage_losses.append(loss.detach().float().reshape(1))
+        if mb.boundary:
+            self.stage_grads.append(self._grad_sums())
         norm = self._step(mb.boundary)
         if mb.boundary:
             stats.add(f"{prefix}/grad_norm", norm)
+            self.stage_norms.append(norm)
         stats.end_micro(mb)
+
+    def stage_outputs(self) -> tuple[list, list, list]:
+        """(losses, gradient norms, gradient sums) since the last call, cleared."""
+        out = (self.stage_losses, self.stage_norms, self.stage_grads)
+        self.stage_losses, self.stage_norms, self.stage_grads = [], [], []
+        return out
+
+    def _grad_sums(self):
+        """sum64 of this rank's gradients before the optimizer step: where DeepSpeed leaves them
+        (``.grad`` at ZeRO-0/1 and with TP; the local partition at ZeRO-3; ZeRO-2 has moved them
+        into its buckets, and only their norm is digested)."""
+        from ..state.fingerprint import group_sums
+
+        grads = []
+        for p in self.engine.module.parameters():
+            g = p.grad
+            if g is None and hasattr(p, "ds_id"):
+                from deepspeed.utils import safe_get_local_grad
+
+                try:
+                    g = safe_get_local_grad(p)
+                except (AssertionError, AttributeError, KeyError, RuntimeError):
+                    g = None
+            if g is not None:
+                grads.append(g)
+        return group_sums(grads) if grads else None
 
     def _result(self, stats: UpdateStats, prefix: str) -> dict[str, float]:
         out = stats.result()
@@ -294,6 +328,7 @@ class ActorWorker(_Stepper):
         self.full_shapes = trainable_shapes(model)
         self.engine = make_engine(model, self.actor_cfg.optim, cfg, rt, self.actor_cfg.micro_batch_size)
         self.temperature = cfg.rollout.temperature
+        self.stage_losses, self.stage_norms, self.stage_grads = [], [], []
 
     @property
     def module(self):
@@ -355,6 +390,7 @@ class CriticWorker(_Stepper):
         module.train()
         self.full_shapes = trainable_shapes(module)
         self.engine = make_engine(module, self.critic_cfg.optim, cfg, rt, self.critic_cfg.micro_batch_size)
+        self.stage_losses, self.stage_norms, self.stage_grads = [], [], []
 
     def set_config(self, cfg: Config) -> None:
         self.cfg, self.critic_cfg = cfg, cfg.model.critic

@@ -67,6 +67,15 @@ def tensor_sums(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def group_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """sum64 of many tensors of one device, [k, 2]: the small ones as one concatenation (first),
+    then each large one (one set of kernels for all the small tensors, no copy of a large one)."""
+    small = [_words(t) for t in tensors if t.numel() * t.element_size() < SMALL]
+    out = [tensor_sums(torch.cat(small))] if small else []
+    out += [tensor_sums(t) for t in tensors if t.numel() * t.element_size() >= SMALL]
+    return torch.stack(out) if out else torch.zeros((0, 2), dtype=torch.int64)
+
+
 # ----------------------------------------------------------------------------- traversal
 
 
@@ -115,22 +124,16 @@ def leaves_digest(leaves: list, kind: str) -> str:
     # the small tensors of a device are digested as one concatenation (one set of kernels, not one
     # per tensor); the large ones one by one, without a copy. Names, dtypes and shapes are hashed
     # on the host, so where one small tensor ends and the next begins is part of the digest.
-    small: dict = {}
-    sums: dict = {}
+    by_device: dict = {}
     for path, v in leaves:
         if isinstance(v, torch.Tensor):
             h.update(f"{path}:{v.dtype}:{tuple(v.shape)}".encode())
-            if v.numel() * v.element_size() < SMALL:
-                small.setdefault(v.device, []).append(_words(v))
-            else:
-                sums.setdefault(v.device, []).append(tensor_sums(v))
+            by_device.setdefault(v.device, []).append(v)
         else:
             h.update(_scalar(path, v))
-    for dev, words in small.items():
-        sums.setdefault(dev, []).insert(0, tensor_sums(torch.cat(words)))
-    for dev in sorted(sums, key=str):  # 16 bytes a large tensor (and one pair for the small ones) leave each device
+    for dev in sorted(by_device, key=str):  # 16 bytes a large tensor (and one pair for the small ones) leave each device
         h.update(f"{dev.type}".encode())
-        h.update(torch.stack(sums[dev]).cpu().numpy().tobytes())
+        h.update(group_sums(by_device[dev]).cpu().numpy().tobytes())
     return h.hexdigest()
 
 

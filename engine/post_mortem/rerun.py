@@ -1,0 +1,157 @@
+"""`verlj rerun RUN --steps A:B`: re-execute journaled steps from the nearest snapshot, on this
+machine, and compare every stage digest (state.stages) with the journal.
+
+One verdict per step: ``reproduced`` (every stage and the fingerprint bit-identical), ``differs``
+(at the first stage that differs, with both sides' summary numbers), or ``not checked`` (a step
+after one that differed: the state it starts from is no longer the journal's). A step that
+differs is re-executed a second time from the snapshot: if the two re-executions agree with each
+other the difference is ``persistent`` (the code, a library or the platform changed: the recorded
+versions that differ from this machine's are named), else ``transient`` (this machine does not
+give the same result twice: suspect the hardware). Nothing is written into the run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import config_from_dict
+from ..dist import configure_determinism, setup
+from ..errors import RunError
+from ..loop.context import Run
+from ..loop.ledger import Ledger, has_run, versions
+from ..report import Reporter
+
+
+class StepsError(RunError):
+    """--steps names no steps this run can re-execute: a usage error (exit 2)."""
+
+    exit_code = 2
+
+
+@dataclass
+class Verdict:
+    step: int
+    verdict: str  # reproduced | differs | not checked
+    stage: str | None = None  # the first stage that differs
+    journaled: dict = field(default_factory=dict)  # that stage's summary in the journal
+    rerun: dict = field(default_factory=dict)  # and in this re-execution
+    kind: str | None = None  # persistent | transient (the first step that differs)
+    second: dict = field(default_factory=dict)  # the second re-execution's summary of that stage
+
+
+def parse_steps(spec: str) -> tuple[int, int]:
+    a, sep, b = spec.partition(":")
+    try:
+        start = int(a)
+        stop = int(b) if sep else start
+    except ValueError:
+        raise StepsError(f"--steps {spec!r} must be A:B (or one step number)") from None
+    if start < 1 or stop < start:
+        raise StepsError(f"--steps {spec!r} must name steps A <= B, from 1")
+    return start, stop
+
+
+def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int) -> tuple[int, dict]:
+    """Restore the newest valid snapshot before `start`, re-execute the journaled steps up to `stop`;
+    returns (snapshot step, {step: (journaled stages, rerun stages, journaled fingerprint, rerun fingerprint)})."""
+    from ..loop.checkpointer import Checkpointer
+    from ..loop.recovery import replay, restore
+    from ..rl.trainer import Trainer
+
+    cfg = config_from_dict(ledger.config_at(start))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % cfg.distributed.tensor_parallel_size:
+        cfg.distributed.tensor_parallel_size = 1
+    rt = setup(cfg)
+    configure_determinism(cfg)
+    reporter = Reporter(cfg.logging, run_dir, enabled=False, total_steps=stop, sinks=False)
+    run = Run(run_dir, cfg, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
+    try:
+        run.ckpt = Checkpointer(run)
+        step0 = restore(run, start - 1)
+        seen: dict = {}
+
+        def observe(step, record, outcome) -> bool:
+            seen[step] = ((record.first("stages") or {}), outcome.stages, record.fingerprint, outcome.fingerprint)
+            return True
+
+        if step0 < stop:
+            replay(run, run.history(), step0 + 1, stop, observe=observe)
+        return step0, seen
+    finally:
+        run.trainer.close()
+
+
+def rerun(run_dir: Path, start: int, stop: int) -> dict:
+    """The verdict of every step start..stop (see the module's doc), as a report."""
+    from ..state.stages import first_difference
+
+    run_dir = Path(run_dir)
+    if not has_run(run_dir):
+        raise RunError(f"{run_dir} is not a verlj run (no journal/)")
+    with Ledger.open_reader(run_dir) as ledger:
+        last, base = ledger.last_step(), ledger.base_step()
+        if not base < start <= stop <= last:
+            raise StepsError(f"--steps {start}:{stop} is out of range: {run_dir} has steps {base + 1}–{last}")
+        pruned = [s for s in range(base + 1, stop + 1) if ledger.journal.read_step(s).pruned]
+        recorded = ledger.versions_in_force()
+        step0, first = _execute(run_dir, ledger, start, stop)
+        late = [s for s in pruned if s > step0]
+        if late:
+            raise RunError(f"step {late[0]}'s samples were pruned from the journal (journal.retain_samples) and the newest "
+                           f"snapshot before step {start} is step {step0}: steps {step0 + 1}–{stop} cannot be re-executed")
+        verdicts: list[Verdict] = []
+        broken = None
+        for step in range(step0 + 1, stop + 1):
+            want, got, want_fp, got_fp = first[step]
+            if broken is not None:
+                v = Verdict(step, "not checked")
+            else:
+                stage = first_difference(want, got) if want else None
+                if stage is None and want_fp != got_fp:
+                    stage = "state"
+                v = Verdict(step, "reproduced") if stage is None else Verdict(
+                    step, "differs", stage, want.get("summary", {}).get(stage, {}), got.get("summary", {}).get(stage, {}))
+                if stage is not None:
+                    broken = v
+            if step >= start:
+                verdicts.append(v)
+        if broken is not None:
+            _, second = _execute(run_dir, ledger, broken.step, broken.step)
+            again = second[broken.step][1]
+            same = first_difference(first[broken.step][1], again) is None and first[broken.step][3] == second[broken.step][3]
+            broken.kind = "persistent" if same else "transient"
+            broken.second = again.get("summary", {}).get(broken.stage, {})
+    now = versions()
+    moved = {k: [recorded.get(k), now[k]] for k in now if recorded.get(k) not in (None, now[k])}
+    return {"run": str(run_dir), "steps": [start, stop], "from_snapshot": step0,
+            "verdicts": [v.__dict__ for v in verdicts], "versions_changed": moved,
+            "reproduced": all(v.verdict == "reproduced" for v in verdicts)}
+
+
+def render(report: dict) -> str:
+    lines = []
+    for v in report["verdicts"]:
+        if v["verdict"] == "reproduced":
+            lines.append(f"step {v['step']}: reproduced")
+        elif v["verdict"] == "not checked":
+            lines.append(f"step {v['step']}: not checked (the state it starts from already differs)")
+        else:
+            j, r = v["journaled"], v["rerun"]
+            nums = (f" (journal: mean {j['mean']:.9g}, |max| {j['absmax']:.9g}; rerun: mean {r['mean']:.9g}, |max| {r['absmax']:.9g})"
+                    if j and r else "")
+            kind = v["kind"]
+            why = ""
+            if kind == "persistent":
+                moved = report["versions_changed"]
+                why = (" — " + ", ".join(f"{k} {a} → {b}" for k, (a, b) in moved.items()) if moved
+                       else " — no recorded version changed: the code or the platform did")
+            elif kind == "transient":
+                why = " — a second re-execution here gave another result: suspect the hardware"
+            lines.append(f"step {v['step']}: differs at {v['stage']}{nums}{', ' + kind if kind else ''}{why}")
+    src = f"snapshot step_{report['from_snapshot']:05d}" if report["from_snapshot"] else "the initial state"
+    ok = sum(v["verdict"] == "reproduced" for v in report["verdicts"])
+    lines.append(f"{ok} of {len(report['verdicts'])} step(s) reproduced (re-executed from {src})")
+    return "\n".join(lines)
