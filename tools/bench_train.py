@@ -5,7 +5,8 @@
     python tools/bench_train.py --ship           # also the same run with journal.local_dir, side by side
 
 Prints each part's share of the step time (median over steps after the first, which warms up),
-the journal commit's share (goal < 1%), bytes journaled per step, and the run's peak RSS.
+the journal commit's share (goal < 1%), the stage digests' share (goal <= 1%), bytes journaled per
+step, and the run's peak RSS.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ PARTS = {
     "update (actor, critic)": ["timing_s/update_actor", "timing_s/update_critic"],
     "fingerprint": ["timing_s/fingerprint"],
 }
+# the stage digests (state.stages): their own share, partly spent inside the update (the gradients')
+STAGES = "timing_s/stages"
 
 
 def main() -> None:
@@ -60,6 +63,8 @@ def main() -> None:
             print(f"  {name:32s} {t / step:6.1%}")
         commit = statistics.median(r["timing_s/commit"] for r in rows)
         print(f"  {'journal commit':32s} {commit / step:6.2%}   (goal < 1%; {commit * 1e3:.2f} ms)")
+        stages = statistics.median(r.get(STAGES, 0.0) for r in rows)
+        print(f"  {'stage digests':32s} {stages / step:6.2%}   (goal <= 1%; {stages * 1e3:.2f} ms, the gradients' inside the update)")
         print(f"  {'other (collect plumbing, buffer)':32s} {max(0.0, 1 - (accounted + commit) / step):6.1%}")
         size = sum(p.stat().st_size for p in (run / "journal").glob("*.mdb"))
         print(f"journal: {size / args.steps / 1024:.1f} KiB per step on disk")

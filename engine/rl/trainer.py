@@ -559,7 +559,8 @@ class Trainer:
             rec.tensor("advantages", advantages, mask)
             for worker in (self.critic, self.actor):
                 if worker is not None:
-                    losses, norms, grads = worker.stage_outputs()
+                    losses, norms, grads, grad_s = worker.stage_outputs()
+                    stage_s += grad_s  # digested inside the update (its time counts there too)
                     rec.tensor("loss", torch.cat(losses))
                     rec.numbers("grad_norm", norms)
                     for g in grads:

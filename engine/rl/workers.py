@@ -9,6 +9,7 @@ gradient-accumulation count is set per mini-batch with ``set_train_batch_size``.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -262,6 +263,7 @@ class _Stepper:
     stage_losses: list
     stage_norms: list
     stage_grads: list
+    stage_seconds: float
 
     def _backward_and_step(self, mb: Micro, loss, stats: UpdateStats, prefix: str) -> None:
         """Backward (scaled when the loss is a share of a global token mean), then the engine's step;
@@ -270,17 +272,19 @@ class _Stepper:
         self.engine.backward(loss if mb.denom is None else loss * mb.scale)
         self.stage_losses.append(loss.detach().float().reshape(1))
         if mb.boundary:
+            t = time.perf_counter()
             self.stage_grads.append(self._grad_sums())
+            self.stage_seconds += time.perf_counter() - t
         norm = self._step(mb.boundary)
         if mb.boundary:
             stats.add(f"{prefix}/grad_norm", norm)
             self.stage_norms.append(norm)
         stats.end_micro(mb)
 
-    def stage_outputs(self) -> tuple[list, list, list]:
-        """(losses, gradient norms, gradient sums) since the last call, cleared."""
-        out = (self.stage_losses, self.stage_norms, self.stage_grads)
-        self.stage_losses, self.stage_norms, self.stage_grads = [], [], []
+    def stage_outputs(self) -> tuple[list, list, list, float]:
+        """(losses, gradient norms, gradient sums, seconds spent digesting gradients) since the last call, cleared."""
+        out = (self.stage_losses, self.stage_norms, self.stage_grads, self.stage_seconds)
+        self.stage_losses, self.stage_norms, self.stage_grads, self.stage_seconds = [], [], [], 0.0
         return out
 
     def _grad_sums(self):
@@ -328,7 +332,7 @@ class ActorWorker(_Stepper):
         self.full_shapes = trainable_shapes(model)
         self.engine = make_engine(model, self.actor_cfg.optim, cfg, rt, self.actor_cfg.micro_batch_size)
         self.temperature = cfg.rollout.temperature
-        self.stage_losses, self.stage_norms, self.stage_grads = [], [], []
+        self.stage_losses, self.stage_norms, self.stage_grads, self.stage_seconds = [], [], [], 0.0
 
     @property
     def module(self):
@@ -390,7 +394,7 @@ class CriticWorker(_Stepper):
         module.train()
         self.full_shapes = trainable_shapes(module)
         self.engine = make_engine(module, self.critic_cfg.optim, cfg, rt, self.critic_cfg.micro_batch_size)
-        self.stage_losses, self.stage_norms, self.stage_grads = [], [], []
+        self.stage_losses, self.stage_norms, self.stage_grads, self.stage_seconds = [], [], [], 0.0
 
     def set_config(self, cfg: Config) -> None:
         self.cfg, self.critic_cfg = cfg, cfg.model.critic
