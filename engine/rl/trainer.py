@@ -499,7 +499,8 @@ class Trainer:
         metrics.update(_sample_metrics(samples, scores_all))
         t_stages = time.perf_counter()
         rec = StageRecorder()  # each stage's output, digested (state.stages): what `verlj rerun` and `diff` compare
-        rec.host("data", np.asarray(inputs.indices, np.int64), np.asarray(inputs.consumed, np.int64))
+        # what the update trains on: the ids consumed and their dataset rows (async: drawn steps before)
+        rec.host("data", np.asarray(inputs.consumed, np.int64), np.asarray([s["index"] for s in samples], np.int64))
         rec.host("samples", *_id_arrays(samples))
         rec.tensor("scores", scores_all)
         stage_s = time.perf_counter() - t_stages

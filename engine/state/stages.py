@@ -2,8 +2,8 @@
 beside the fingerprint, so a post-mortem can name the first stage where two runs (or a run and its
 re-execution) part.
 
-The stages, in the order a step computes them: ``data`` (the rows drawn and the sample ids the
-update trains on), ``samples`` (their prompt and response ids), ``scores``, ``old_logprobs``,
+The stages, in the order a step computes them: ``data`` (the sample ids the update trains on and
+their dataset rows), ``samples`` (their prompt and response ids), ``scores``, ``old_logprobs``,
 ``ref_logprobs``, ``advantages`` (and ``values``, ``returns`` for PPO), ``loss`` (every
 micro-batch's loss, in order), ``grad_norm`` (each optimizer step's, before clipping), ``grads``
 (every parameter's local gradient at each optimizer step, before clipping: where DeepSpeed leaves

@@ -233,7 +233,8 @@ def test_diff(run, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     out = verlj("diff", run, other)
     assert out.returncode == 1
-    assert "first difference at step 4: metrics, fingerprint" in out.stdout and "actor/lr" in out.stdout
+    assert "first difference at step 4: metrics, stage digests, fingerprint" in out.stdout and "actor/lr" in out.stdout
+    assert "first differing stage: state" in out.stdout  # the data, samples, advantages, loss and gradients agree
     d = json.loads(verlj("diff", run, other, "--json").stdout)
     assert d["step"] == 4 and "state" in d["differs"]
 
