@@ -18,13 +18,14 @@ class StageRecorder:
         self._stats: dict[str, list] = {}
 
     def tensor(self, stage: str, t: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """A stage output held as a tensor (this rank's share); `mask` selects what the summary counts."""
+        """A stage output held as a tensor (this rank's share), zero wherever `mask` is: the summary
+        counts the masked positions (all, without a mask)."""
         t = t.detach()
         self._parts.setdefault(stage, []).append(("t", tensor_sums(t), tuple(t.shape), str(t.dtype)))
-        vals = t.float()[mask.bool()] if mask is not None else t.float().reshape(-1)
-        self._stats.setdefault(stage, []).append(torch.stack([torch.tensor(float(vals.numel()), device=vals.device),
-                                                              vals.double().sum().float() if vals.numel() else vals.new_zeros(()),
-                                                              vals.abs().max() if vals.numel() else vals.new_zeros(())]))
+        if t.numel() == 0:
+            return
+        count = mask.sum(dtype=torch.float64) if mask is not None else torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device)
+        self._stats.setdefault(stage, []).append(torch.stack([count, t.sum(dtype=torch.float64), t.abs().max().double()]))
 
     def host(self, stage: str, *arrays) -> None:
         """A stage output already on the host (ids, rows): hashed whole."""
@@ -44,20 +45,37 @@ class StageRecorder:
         self.host(stage, np.asarray(values, np.float64))
         if values:
             v = np.asarray(values, np.float64)
-            self._stats.setdefault(stage, []).append(torch.tensor([float(v.size), float(v.sum()), float(np.abs(v).max())]))
+            self._stats.setdefault(stage, []).append(torch.tensor([float(v.size), float(v.sum()), float(np.abs(v).max())], dtype=torch.float64))
 
     def local(self) -> dict:
-        """This rank's digests and summary sums: a small picklable dict (only 16 bytes a tensor
-        come off the device)."""
+        """This rank's digests and summary sums: a small picklable dict. Everything on a device
+        comes off it in one transfer a device (16 bytes a tensor, 24 a summary)."""
+        on_device: dict = {}
+        for parts in self._parts.values():
+            for p in parts:
+                if p[0] == "t":
+                    on_device.setdefault(p[1].device, []).append(p[1].reshape(-1))
+        for xs in self._stats.values():
+            for x in xs:
+                on_device.setdefault(x.device, []).append(x.reshape(-1).to(torch.int64) if x.dtype != torch.float64 else x.view(torch.int64))
+        host = {dev: iter(_split(torch.cat(ts).cpu().numpy(), [t.numel() for t in ts])) for dev, ts in on_device.items()}
         digests = {}
         for stage, parts in self._parts.items():
             h = blake3.blake3()
             for p in parts:
                 if p[0] == "t":
                     h.update(f"{p[2]}:{p[3]}".encode())
-                    h.update(p[1].cpu().numpy().tobytes())
+                    h.update(next(host[p[1].device]).tobytes())
                 else:
                     h.update(p[1])
             digests[stage] = h.hexdigest()
-        stats = {stage: [x.cpu().double().tolist() for x in xs] for stage, xs in self._stats.items()}
+        stats = {stage: [next(host[x.device]).view(np.float64).tolist() for x in xs] for stage, xs in self._stats.items()}
         return {"digests": digests, "stats": stats}
+
+
+def _split(flat: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(flat[at : at + n])
+        at += n
+    return out
