@@ -12,7 +12,10 @@ from .common import data_stdout, fail, guarded, log_to_stderr_only_on_rank0, qui
 
 def replay(
     run: Annotated[Path, typer.Argument(help="Run directory.")],
-    to_step: Annotated[int, typer.Option("--to-step", help="The completed step to bring back.")],
+    to_step: Annotated[Optional[int], typer.Option("--to-step", help="The completed step to bring back.")] = None,
+    steps: Annotated[Optional[str], typer.Option("--steps", help="With --probe: A:B, the steps to measure.")] = None,
+    probe: Annotated[Optional[str], typer.Option("--probe", help="module:function(step, batch, model) -> {name: number}, "
+                                                                 "called before each of --steps (one JSON line a step).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print {step, fingerprint, from_snapshot} as JSON (the only thing on stdout).")] = False,
     export: Annotated[Optional[Path], typer.Option("--export", help="Write the actor as a Hugging Face model directory (new or empty).")] = None,
     snapshot: Annotated[Optional[Path], typer.Option("--snapshot", help="Write the state as a verlj snapshot directory (new or empty).")] = None,
@@ -29,6 +32,21 @@ def replay(
     out = data_stdout()  # what this command prints for people or tools; everything else goes to stderr
     from verlj.engine.post_mortem import materialize
 
+    if probe is not None or steps is not None:
+        if probe is None or steps is None or to_step is not None or export or snapshot or fork:
+            raise fail("--probe and --steps go together, without --to-step, --export, --snapshot or --fork", 2)
+        import json
+
+        from verlj.engine.post_mortem import probe as probes
+        from verlj.engine.post_mortem.rerun import parse_steps
+
+        start, stop = guarded(lambda: parse_steps(steps))
+        rows = guarded(lambda: probes.probe_steps(run, start, stop, probe))
+        for row in rows:
+            out(json.dumps(row))
+        return
+    if to_step is None:
+        raise fail("--to-step N is needed (or --steps A:B with --probe)", 2)
     if overrides and fork is None:
         raise fail("config overrides are only meaningful with --fork", 2)
     if to_step < 0:

@@ -163,7 +163,8 @@ class ReplayOutcome:
     worst: dict | None = None  # {step, metric, replayed, journaled, deviation}: the largest deviation seen
 
 
-def replay(run: Run, history: History, start: int, stop: int, check_metrics: bool = True, observe=None) -> ReplayOutcome:
+def replay(run: Run, history: History, start: int, stop: int, check_metrics: bool = True, observe=None,
+           before=None) -> ReplayOutcome:
     """Apply journaled steps start..stop (inclusive) and check each one. Collective.
 
     The rule: a step is checked bit for bit (fingerprint and metrics) while the state is on the
@@ -174,7 +175,8 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
     reaches it on the same topology with the same state that resume had (its rebased fingerprint).
 
     `observe(step, record, outcome)` (verlj rerun): called for every step instead of the checks,
-    which then raise nothing; it returns False to stop."""
+    which then raise nothing; it returns False to stop. `before(step, inputs, samples)` (probes):
+    called with each step's inputs just before it is applied, the state being the step before's."""
     from ..rl.trainer import StepInputs, is_timing
     from ..state.stages import first_difference as first_stage_difference
 
@@ -208,6 +210,8 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
         inputs = StepInputs.from_record(record)
         samples = trainer.take(step, inputs)
         trainer.advance_sampler(inputs)
+        if before is not None:
+            before(step, inputs, samples)
         outcome = trainer.apply(step, inputs, samples)
         outcome.metrics.update(trainer.buffer_metrics())
         journaled = record.metrics

@@ -53,9 +53,11 @@ def parse_steps(spec: str) -> tuple[int, int]:
     return start, stop
 
 
-def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int) -> tuple[int, dict]:
+def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, checked: bool = False) -> tuple[int, dict]:
     """Restore the newest valid snapshot before `start`, re-execute the journaled steps up to `stop`;
-    returns (snapshot step, {step: (journaled stages, rerun stages, journaled fingerprint, rerun fingerprint)})."""
+    returns (snapshot step, {step: (journaled stages, rerun stages, journaled fingerprint, rerun fingerprint)}).
+    `checked`: replay's own checks stay on (a probe runs on verified states) and nothing is observed;
+    `before(step, inputs, samples, trainer)`: called before each step from `start` on."""
     from ..loop.checkpointer import Checkpointer
     from ..loop.recovery import replay, restore
     from ..rl.trainer import Trainer
@@ -77,8 +79,12 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int) -> tuple[int,
             seen[step] = ((record.first("stages") or {}), outcome.stages, record.fingerprint, outcome.fingerprint)
             return True
 
+        def pre(step, inputs, samples) -> None:
+            if step >= start:
+                before(step, inputs, samples, run.trainer)
+
         if step0 < stop:
-            replay(run, run.history(), step0 + 1, stop, observe=observe)
+            replay(run, run.history(), step0 + 1, stop, observe=None if checked else observe, before=pre if before else None)
         return step0, seen
     finally:
         run.trainer.close()

@@ -72,3 +72,26 @@ def test_replay_names_the_stage_it_diverged_at(journaled, monkeypatch):
     monkeypatch.setattr(algorithms, "whiten", lambda adv, *a, **k: real(adv, *a, **k) * (1 + 1e-6))
     with pytest.raises(ReplayError, match="replay diverged at step 3: its advantages differ from the journal's"):
         materialize.materialize(journaled, 3)
+
+
+def test_a_probe_measures_past_steps_on_their_journaled_state(journaled, tmp_path):
+    """`verlj replay --steps A:B --probe module:function`: one JSON line a step, computed on what the
+    step trains on and the model it starts from; a probe that fails is one line naming it."""
+    (tmp_path / "my_probe.py").write_text(
+        "def batch_stats(step, batch, model):\n"
+        "    numel = sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters())\n"
+        "    return {'probe/score': sum(s['score'] for s in batch) / len(batch), 'probe/samples': len(batch), 'probe/params': numel}\n"
+        "def broken(step, batch, model):\n"
+        "    raise ValueError('no such layer')\n"
+    )
+    out = verlj("replay", journaled, "--steps", "3:4", "--probe", "my_probe:batch_stats", PYTHONPATH=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    with open_journal_reader(journaled / "journal") as j:
+        want = {s: j.read_step(s).metrics for s in (3, 4)}
+    assert [r["step"] for r in rows] == [3, 4]
+    for r in rows:
+        assert r["probe/score"] == pytest.approx(want[r["step"]]["critic/score/mean"], rel=1e-6)
+        assert r["probe/samples"] == want[r["step"]]["batch/samples"] and r["probe/params"] > 0
+    bad = verlj("replay", journaled, "--steps", "3:3", "--probe", "my_probe:broken", PYTHONPATH=tmp_path)
+    assert bad.returncode == 1 and bad.stderr.strip() == "error: probe my_probe.broken raised ValueError: no such layer (step 3)"
