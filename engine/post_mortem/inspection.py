@@ -502,15 +502,14 @@ def _first_sample_difference(ra, rb, stage: str) -> dict | None:
     for n, (a, b) in enumerate(zip(consumed(ra), consumed(rb))):
         if a is None or b is None:
             continue
-        if stage == "samples" and not np.array_equal(a["prompt_ids"], b["prompt_ids"]):
-            field = "prompt_ids"
-        va, vb = np.atleast_1d(np.asarray(a[field])), np.atleast_1d(np.asarray(b[field]))
+        f = "prompt_ids" if stage == "samples" and not np.array_equal(a["prompt_ids"], b["prompt_ids"]) else field
+        va, vb = np.atleast_1d(np.asarray(a[f])), np.atleast_1d(np.asarray(b[f]))
         if va.shape == vb.shape and np.array_equal(va, vb):
             continue
         k = next((i for i in range(min(len(va), len(vb))) if va[i] != vb[i]), min(len(va), len(vb)))
         both = min(len(va), len(vb))
         largest = float(np.max(np.abs(va[:both].astype(np.float64) - vb[:both].astype(np.float64)))) if both else None
-        return {"consumed": n, "sample_a": int(a["id"]), "sample_b": int(b["id"]), "field": field, "index": int(k),
+        return {"consumed": n, "sample_a": int(a["id"]), "sample_b": int(b["id"]), "field": f, "index": int(k),
                 "a": va[k].item() if k < len(va) else None, "b": vb[k].item() if k < len(vb) else None, "largest_abs_diff": largest}
     return None
 

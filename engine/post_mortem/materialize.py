@@ -47,6 +47,15 @@ def check_outputs(export: Path | None, snapshot: Path | None, fork: Path | None)
             raise RunError(f"--fork {fork} exists and is not empty; choose a new or empty directory")
 
 
+def replay_config(ledger: Ledger, step: int):
+    """The config to re-execute `step` under in this process group: the run's at that step, its TP
+    size folded to 1 when the ranks here cannot hold it (e.g. a TP run replayed in one process)."""
+    cfg = config_from_dict(ledger.config_at(step))
+    if int(os.environ.get("WORLD_SIZE", "1")) % cfg.distributed.tensor_parallel_size:
+        cfg.distributed.tensor_parallel_size = 1
+    return cfg
+
+
 def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, quiet: bool = True,
                 max_snapshot: int | None = None) -> Materialized:
     """Load the newest valid snapshot <= to_step (and <= max_snapshot) and replay the journal up to
@@ -64,10 +73,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
         last, base = ledger.last_step(), ledger.base_step()
         if not base < to_step <= last and not (to_step == base and base > 0):
             raise RunError(f"--to-step {to_step} is out of range: {run_dir} has steps {base + 1}–{last}")
-        cfg = config_from_dict(ledger.config_at(to_step))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world % cfg.distributed.tensor_parallel_size:  # e.g. a TP run replayed in one process
-            cfg.distributed.tensor_parallel_size = 1
+        cfg = replay_config(ledger, to_step)
     except BaseException:
         ledger.close()
         raise

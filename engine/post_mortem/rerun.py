@@ -12,16 +12,15 @@ give the same result twice: suspect the hardware). Nothing is written into the r
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import config_from_dict
 from ..dist import configure_determinism, setup
 from ..errors import RunError
 from ..loop.context import Run
 from ..loop.ledger import Ledger, has_run, versions
 from ..report import Reporter
+from .materialize import replay_config
 
 
 class StepsError(RunError):
@@ -62,10 +61,7 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
     from ..loop.recovery import replay, restore
     from ..rl.trainer import Trainer
 
-    cfg = config_from_dict(ledger.config_at(start))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % cfg.distributed.tensor_parallel_size:
-        cfg.distributed.tensor_parallel_size = 1
+    cfg = replay_config(ledger, start)
     rt = setup(cfg)
     configure_determinism(cfg)
     reporter = Reporter(cfg.logging, run_dir, enabled=False, total_steps=stop, sinks=False)

@@ -23,7 +23,6 @@ import torch
 
 from ..dist import Runtime
 
-KINDS = ("sum64", "blake3")
 SMALL = 1 << 20  # tensors under this many bytes are digested together
 ROW = 16  # int64 words per row of the sum64 layout (128 bytes: both reductions stream at memory speed on CPU)
 
@@ -37,7 +36,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().contiguous().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
-    raw = flat.view(torch.uint8) if flat.dtype != torch.bool else flat.view(torch.uint8)
+    raw = flat.view(torch.uint8)
     whole = raw.numel() // 8 * 8
     try:
         words = raw[:whole].view(torch.int64)

@@ -41,10 +41,10 @@ class StageRecorder:
         self._parts.setdefault(stage, []).append(("t", t.reshape(-1), tuple(t.shape), str(t.dtype)))
 
     def numbers(self, stage: str, values: list[float]) -> None:
-        """A stage output that is a few numbers (the micro-batch losses): their exact bits."""
-        self.host(stage, np.asarray(values, np.float64))
+        """A stage output that is a few host numbers (the gradient norms): their exact bits."""
+        v = np.asarray(values, np.float64)
+        self.host(stage, v)
         if values:
-            v = np.asarray(values, np.float64)
             self._stats.setdefault(stage, []).append(torch.tensor([float(v.size), float(v.sum()), float(np.abs(v).max())], dtype=torch.float64))
 
     def local(self) -> dict:
@@ -57,8 +57,8 @@ class StageRecorder:
                     on_device.setdefault(p[1].device, []).append(p[1].reshape(-1))
         for xs in self._stats.values():
             for x in xs:
-                on_device.setdefault(x.device, []).append(x.reshape(-1).to(torch.int64) if x.dtype != torch.float64 else x.view(torch.int64))
-        host = {dev: iter(_split(torch.cat(ts).cpu().numpy(), [t.numel() for t in ts])) for dev, ts in on_device.items()}
+                on_device.setdefault(x.device, []).append(x.view(torch.int64))  # float64 summaries, bit for bit
+        host = {dev: iter(np.split(torch.cat(ts).cpu().numpy(), np.cumsum([t.numel() for t in ts])[:-1])) for dev, ts in on_device.items()}
         digests = {}
         for stage, parts in self._parts.items():
             h = blake3.blake3()
@@ -72,10 +72,3 @@ class StageRecorder:
         stats = {stage: [next(host[x.device]).view(np.float64).tolist() for x in xs] for stage, xs in self._stats.items()}
         return {"digests": digests, "stats": stats}
 
-
-def _split(flat: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
-    out, at = [], 0
-    for n in sizes:
-        out.append(flat[at : at + n])
-        at += n
-    return out
