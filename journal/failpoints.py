@@ -6,7 +6,11 @@
 
 A real ``kill -9`` at an exact moment (etcd's failpoints, SQLite's crash tests): nothing is
 cleaned up, no handler runs. ``sleep=S`` stalls the S seconds at that hit; ``sleep-each=S``
-stalls at that hit and every later one. Unset (the normal case) a failpoint costs one dict lookup.
+stalls at that hit and every later one. Any other action is handed back to the call site, which
+acts on it: ``update.grads:3:flip=7`` flips one bit (chosen by seed 7) in the gradients of the 3rd
+optimizer step, ``update.params:2:flip=7`` in the actor's parameters after the 2nd step's update
+(silent data corruption, for `verlj rerun` to find). Unset (the normal case) a failpoint costs one
+dict lookup.
 """
 
 from __future__ import annotations
@@ -29,18 +33,22 @@ _POINTS = _parse(os.environ.get("VERLJ_FAILPOINT", ""))
 _hits: dict[str, int] = {}
 
 
-def failpoint(name: str) -> None:
+def failpoint(name: str) -> str | None:
+    """Act at this hit of `name` when it is armed; returns an action that is the call site's to carry out."""
     armed = _POINTS.get(name)
     if armed is None:
-        return
+        return None
     target, action = armed
     _hits[name] = hit = _hits.get(name, 0) + 1
     if action.startswith("sleep-each="):
         if hit >= target:
             time.sleep(float(action.split("=", 1)[1]))
     elif hit != target:
-        return
+        return None
     elif action.startswith("sleep="):
         time.sleep(float(action.split("=", 1)[1]))
-    else:
+    elif action in ("", "kill"):
         os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        return action
+    return None

@@ -19,6 +19,7 @@ commands read the ledger without loading a deep-learning stack.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -30,6 +31,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+import blake3
 
 from verlj.journal import Claim, Journal, open_journal_reader, segments
 from verlj.journal.claim import describe, live_holder
@@ -138,16 +141,31 @@ def now_iso() -> str:
 
 def versions() -> dict[str, str]:
     """The versions of what shapes a run's numbers, from the installed packages' metadata (the same
-    strings as their __version__; reading them loads no deep-learning stack)."""
+    strings as their __version__; reading them loads no deep-learning stack), and a digest of the
+    verlj source that computes them (an edit between two runs is a version change too)."""
     from importlib.metadata import version
 
     return {
         "verlj": version("verlj"),
+        "verlj-source": source_digest(),
         "torch": version("torch"),
         "deepspeed": version("deepspeed"),
         "transformers": version("transformers"),
         "python": platform.python_version(),
     }
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """BLAKE3 of the engine's and the journal's Python source (what computes a step), 16 hex digits."""
+    import verlj.journal
+
+    h = blake3.blake3()
+    for base in (Path(__file__).resolve().parents[1], Path(verlj.journal.__file__).resolve().parent):
+        for f in sorted(base.rglob("*.py")):
+            h.update(f"{base.name}/{f.relative_to(base)}\0".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def git_commit() -> str | None:

@@ -3,11 +3,13 @@ machine, and compare every stage digest (state.stages) with the journal.
 
 One verdict per step: ``reproduced`` (every stage and the fingerprint bit-identical), ``differs``
 (at the first stage that differs, with both sides' summary numbers), or ``not checked`` (a step
-after one that differed: the state it starts from is no longer the journal's). A step that
-differs is re-executed a second time from the snapshot: if the two re-executions agree with each
-other the difference is ``persistent`` (the code, a library or the platform changed: the recorded
-versions that differ from this machine's are named), else ``transient`` (this machine does not
-give the same result twice: suspect the hardware). Nothing is written into the run.
+after one that differed, up to the next snapshot: the state it starts from is no longer the
+journal's; from that snapshot on, the check goes on). A step that differs is re-executed a second
+time: if the two re-executions agree with each other the difference is ``persistent`` (the recorded
+versions that differ from this machine's are named, the verlj source's digest among them; when none
+differs, the run's own execution of the step went wrong, or the platform changed), else
+``transient`` (this machine does not give the same result twice: suspect its hardware). Nothing is
+written into the run.
 """
 
 from __future__ import annotations
@@ -87,9 +89,9 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
 
 
 def rerun(run_dir: Path, start: int, stop: int) -> dict:
-    """The verdict of every step start..stop (see the module's doc), as a report."""
-    from ..state.stages import first_difference
-
+    """The verdict of every step start..stop (see the module's doc), as a report. After a step that
+    differs, the check goes on from the next snapshot at or after it (which holds the run's state
+    as it was, difference included): the steps in between are ``not checked``."""
     run_dir = Path(run_dir)
     if not has_run(run_dir):
         raise RunError(f"{run_dir} is not a verlj run (no journal/)")
@@ -99,38 +101,66 @@ def rerun(run_dir: Path, start: int, stop: int) -> dict:
             raise StepsError(f"--steps {start}:{stop} is out of range: {run_dir} has steps {base + 1}–{last}")
         pruned = [s for s in range(base + 1, stop + 1) if ledger.journal.read_step(s).pruned]
         recorded = ledger.versions_in_force()
-        step0, first = _execute(run_dir, ledger, start, stop)
-        late = [s for s in pruned if s > step0]
-        if late:
-            raise RunError(f"step {late[0]}'s samples were pruned from the journal (journal.retain_samples) and the newest "
-                           f"snapshot before step {start} is step {step0}: steps {step0 + 1}–{stop} cannot be re-executed")
+        snapshots = sorted(ledger.snapshots())
         verdicts: list[Verdict] = []
-        broken = None
-        for step in range(step0 + 1, stop + 1):
-            want, got, want_fp, got_fp = first[step]
-            if broken is not None:
-                v = Verdict(step, "not checked")
-            else:
-                stage = first_difference(want, got) if want else None
-                if stage is None and want_fp != got_fp:
-                    stage = "state"
-                v = Verdict(step, "reproduced") if stage is None else Verdict(
-                    step, "differs", stage, want.get("summary", {}).get(stage, {}), got.get("summary", {}).get(stage, {}))
-                if stage is not None:
-                    broken = v
-            if step >= start:
-                verdicts.append(v)
-        if broken is not None:
-            _, second = _execute(run_dir, ledger, broken.step, broken.step)
-            again = second[broken.step][1]
-            same = first_difference(first[broken.step][1], again) is None and first[broken.step][3] == second[broken.step][3]
-            broken.kind = "persistent" if same else "transient"
-            broken.second = again.get("summary", {}).get(broken.stage, {})
+        origins: list[int] = []
+        pos = start
+        while pos <= stop:
+            step0, seen = _execute(run_dir, ledger, pos, stop)
+            late = [s for s in pruned if s > step0]
+            if late:
+                raise RunError(f"step {late[0]}'s samples were pruned from the journal (journal.retain_samples) and the newest "
+                               f"snapshot before step {pos} is step {step0}: steps {step0 + 1}–{stop} cannot be re-executed")
+            if origins and step0 != pos - 1:  # the restart snapshot did not load: nothing after it can be checked
+                verdicts += [Verdict(s, "not checked") for s in range(pos, stop + 1)]
+                break
+            origins.append(step0)
+            broken = _judge(seen, step0, pos, stop, verdicts)
+            if broken is None:
+                break
+            _classify(run_dir, ledger, broken, seen[broken.step])
+            resume_at = next((n for n in snapshots if broken.step <= n < stop), None)
+            resume_at = stop if resume_at is None else resume_at
+            verdicts += [Verdict(s, "not checked") for s in range(broken.step + 1, resume_at + 1)]
+            pos = resume_at + 1
     now = versions()
     moved = {k: [recorded.get(k), now[k]] for k in now if recorded.get(k) not in (None, now[k])}
-    return {"run": str(run_dir), "steps": [start, stop], "from_snapshot": step0,
-            "verdicts": [v.__dict__ for v in verdicts], "versions_changed": moved,
+    return {"run": str(run_dir), "steps": [start, stop], "from_snapshot": origins[0], "restarted_from": origins[1:],
+            "verdicts": [v.__dict__ for v in verdicts], "versions_changed": moved, "source_recorded": "verlj-source" in recorded,
             "reproduced": all(v.verdict == "reproduced" for v in verdicts)}
+
+
+def _judge(seen: dict, step0: int, pos: int, stop: int, verdicts: list) -> Verdict | None:
+    """Verdicts for the steps pos..stop of one re-execution (from step0), up to the first that differs (returned)."""
+    from ..state.stages import first_difference
+
+    for step in range(step0 + 1, stop + 1):
+        want, got, want_fp, got_fp = seen[step]
+        stage = first_difference(want, got) if want else None
+        if stage is None and want_fp != got_fp:
+            stage = "state"
+        if step < pos:  # re-executed on the way to the range, not judged
+            if stage is not None:
+                raise RunError(f"step {step}, before the range, does not reproduce (at {stage}): re-run from it")
+            continue
+        if stage is None:
+            verdicts.append(Verdict(step, "reproduced"))
+            continue
+        v = Verdict(step, "differs", stage, want.get("summary", {}).get(stage, {}), got.get("summary", {}).get(stage, {}))
+        verdicts.append(v)
+        return v
+    return None
+
+
+def _classify(run_dir: Path, ledger: Ledger, broken: Verdict, first: tuple) -> None:
+    """Execute the differing step a second time: persistent when both re-executions agree, else transient."""
+    from ..state.stages import first_difference
+
+    _, second = _execute(run_dir, ledger, broken.step, broken.step)
+    again = second[broken.step][1]
+    same = first_difference(first[1], again) is None and first[3] == second[broken.step][3]
+    broken.kind = "persistent" if same else "transient"
+    broken.second = again.get("summary", {}).get(broken.stage, {})
 
 
 def render(report: dict) -> str:
@@ -148,12 +178,19 @@ def render(report: dict) -> str:
             why = ""
             if kind == "persistent":
                 moved = report["versions_changed"]
-                why = (" — " + ", ".join(f"{k} {a} → {b}" for k, (a, b) in moved.items()) if moved
-                       else " — no recorded version changed: the code or the platform did")
+                if moved:
+                    why = " — " + ", ".join(f"{k} {a} → {b}" for k, (a, b) in moved.items())
+                elif report["source_recorded"]:
+                    why = (" — the same code and versions give another result than the run did: the run's own execution "
+                           "of this step went wrong (suspect the machine that ran it), or the platform changed")
+                else:
+                    why = " — no recorded version changed: the code or the platform did"
             elif kind == "transient":
                 why = " — a second re-execution here gave another result: suspect the hardware"
             lines.append(f"step {v['step']}: differs at {v['stage']}{nums}{', ' + kind if kind else ''}{why}")
     src = f"snapshot step_{report['from_snapshot']:05d}" if report["from_snapshot"] else "the initial state"
+    if report["restarted_from"]:
+        src += ", and after each difference from " + ", ".join(f"step_{s:05d}" for s in report["restarted_from"])
     ok = sum(v["verdict"] == "reproduced" for v in report["verdicts"])
     lines.append(f"{ok} of {len(report['verdicts'])} step(s) reproduced (re-executed from {src})")
     return "\n".join(lines)

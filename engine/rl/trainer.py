@@ -25,6 +25,7 @@ from verlj.journal.failpoints import failpoint
 from ..config import Config, ConfigError
 from ..dist import Runtime
 from ..errors import ModelError, ReplayError, RunError
+from ..state.bitflip import flip_one_bit
 from ..state.fingerprint import fingerprint
 from ..state.seeding import derive_seed, rng_digest, seed_globals
 from ..state.stage_recorder import StageRecorder
@@ -583,6 +584,9 @@ class Trainer:
             now = torch.tensor(now_rows, device=rt.device)[:, None] * mask
             metrics.update(algorithms.logprob_gap(gen_lp, before, now, all_sum, rt.max_over if dp_size > 1 else None))
             metrics = rt.mean(metrics)
+            act = failpoint("update.params")
+            if act is not None and act.startswith("flip="):  # fault injection: silent corruption of the weights
+                flip_one_bit([p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in self.actor.module.parameters()], act)
             self.weights_changed()
         t = time.perf_counter()
         fp, parts = fingerprint(self.engines(), rt, cfg.trainer.state_digest)

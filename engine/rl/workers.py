@@ -15,8 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from verlj.journal.failpoints import failpoint
+
 from ..config import Config, OptimConfig
 from ..dist import Runtime
+from ..state.bitflip import flip_one_bit
+from ..state.fingerprint import group_sums
 from . import algorithms
 
 
@@ -272,8 +276,12 @@ class _Stepper:
         self.engine.backward(loss if mb.denom is None else loss * mb.scale)
         self.stage_losses.append(loss.detach().float().reshape(1))
         if mb.boundary:
+            act = failpoint("update.grads")
+            if act is not None and act.startswith("flip="):
+                self._flip_a_gradient_bit(act)
             t = time.perf_counter()
-            self.stage_grads.append(self._grad_sums())
+            grads = [g for _, g in self._local_grads()]
+            self.stage_grads.append(group_sums(grads) if grads else None)
             self.stage_seconds += time.perf_counter() - t
         norm = self._step(mb.boundary)
         if mb.boundary:
@@ -287,12 +295,15 @@ class _Stepper:
         self.stage_losses, self.stage_norms, self.stage_grads, self.stage_seconds = [], [], [], 0.0
         return out
 
-    def _grad_sums(self):
-        """sum64 of this rank's gradients before the optimizer step: where DeepSpeed leaves them
-        (``.grad`` at ZeRO-0/1 and with TP; the local partition at ZeRO-3; ZeRO-2 has moved them
-        into its buckets, and only their norm is digested)."""
-        from ..state.fingerprint import group_sums
-
+    def _local_grads(self) -> list:
+        """This rank's gradients before the optimizer step, as [(parameter or None, gradient)], where
+        DeepSpeed leaves them: ``.grad`` at ZeRO-0 and with TP, this rank's partition in the
+        optimizer's ``averaged_gradients`` at ZeRO-1/2 (None for the parameter: the pieces are
+        partition slices), the local partition at ZeRO-3."""
+        zero = self.engine.zero_optimization_stage()
+        if zero in (1, 2):
+            averaged = getattr(self.engine.optimizer, "averaged_gradients", None) or {}
+            return [(None, g) for i in sorted(averaged) for g in (averaged[i] or []) if g is not None]
         grads = []
         for p in self.engine.module.parameters():
             g = p.grad
@@ -304,8 +315,18 @@ class _Stepper:
                 except (AssertionError, AttributeError, KeyError, RuntimeError):
                     g = None
             if g is not None:
-                grads.append(g)
-        return group_sums(grads) if grads else None
+                grads.append((p, g))
+        return grads
+
+    def _flip_a_gradient_bit(self, action: str) -> None:
+        """Fault injection (the ``update.grads`` failpoint): one bit of this step's gradients flipped."""
+        pairs = self._local_grads()
+        flip_one_bit([g for _, g in pairs], action)
+        if self.engine.zero_optimization_stage() == 3:  # its local gradients can be copies: written back
+            from deepspeed.utils import safe_set_local_grad
+
+            for p, g in pairs:
+                safe_set_local_grad(p, g)
 
     def _result(self, stats: UpdateStats, prefix: str) -> dict[str, float]:
         out = stats.result()

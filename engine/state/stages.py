@@ -5,9 +5,10 @@ re-execution) part.
 The stages, in the order a step computes them: ``data`` (the sample ids the update trains on and
 their dataset rows), ``samples`` (their prompt and response ids), ``scores``, ``old_logprobs``,
 ``ref_logprobs``, ``advantages`` (and ``values``, ``returns`` for PPO), ``loss`` (every
-micro-batch's loss, in order), ``grad_norm`` (each optimizer step's, before clipping), ``grads``
-(every parameter's local gradient at each optimizer step, before clipping: where DeepSpeed leaves
-it in ``.grad`` (ZeRO-0, TP) or in the ZeRO-3 partition) and ``state`` (the fingerprint's parts).
+micro-batch's loss, in order), ``grads`` (every parameter's local gradient at each optimizer step,
+before clipping: where DeepSpeed leaves it, in ``.grad`` (ZeRO-0, TP) or this rank's partition
+(ZeRO-1/2/3)), ``grad_norm`` (each optimizer step's, before clipping: computed from the gradients) and
+``state`` (the fingerprint's parts).
 
 Tensors are reduced where they live with :func:`~.fingerprint.tensor_sums` (the recorder:
 ``stage_recorder``); each rank digests its own share and the shares are combined in rank order, like
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import blake3
 
-ORDER = ("data", "samples", "scores", "old_logprobs", "ref_logprobs", "values", "returns", "advantages", "loss", "grad_norm", "grads",
+ORDER = ("data", "samples", "scores", "old_logprobs", "ref_logprobs", "values", "returns", "advantages", "loss", "grads", "grad_norm",
          "state")
 
 

@@ -28,7 +28,7 @@ def test_every_step_journals_its_stages(journaled):
         rec = j.read_step(3)
     stages = rec.first("stages")
     assert list(stages["digests"]) == ["data", "samples", "scores", "old_logprobs", "values", "returns", "advantages",
-                                       "loss", "grad_norm", "grads", "state"]
+                                       "loss", "grads", "grad_norm", "state"]
     s = stages["summary"]
     assert s["scores"]["n"] == 16 and s["scores"]["mean"] == pytest.approx(rec.metrics["critic/score/mean"], rel=1e-6)
     assert s["grad_norm"]["n"] == 2  # the critic's and the actor's optimizer step
