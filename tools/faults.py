@@ -33,6 +33,11 @@ samples, metrics other than timings, and fingerprint). Kinds:
                admit / push / consume / commit, or of the generator process alone; then `--resume`
                until the target step. exact (and, counted against the uninterrupted run: completed
                samples lost, prompts trained more or fewer times) | NOT EXACT
+  bitflip      silent data corruption: one mantissa bit flipped in the actor's gradients (before the
+               optimizer step) or in its parameters (after the update) during one step of a clean run
+               (ZeRO 0-3, failpoints update.grads / update.params); then `verlj rerun` over every step.
+               found (that step, at stage `grads` / `state`, and every other step re-executed
+               reproduced) | MISSED | WRONG STAGE | FALSE ALARM. Counts the clean steps re-executed.
   bad-input    malformed configs, wrong overrides, missing paths, a newer-schema journal, a
                directory that is not a run: one line, non-zero exit, no traceback, nothing written.
 
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -71,7 +77,7 @@ NODE_LOSS_POINTS = {"snapshot.before_rename": 3, "snapshot.before_index": 3, "sn
                     "snapshot.rotated": 3}
 RETENTION_POINTS = {"journal.prune": 3, "archive.mid_write": 6}
 SLOW_SHIPPING = "ship.before_publish:1:sleep-each=0.3"
-GOOD = {"exact", "recovered exactly", "refused clearly", "unaffected", "stopped clearly, resumed exactly", "kept going without snapshots",
+GOOD = {"exact", "found", "recovered exactly", "refused clearly", "unaffected", "stopped clearly, resumed exactly", "kept going without snapshots",
         "refused", "undisturbed", "clear error"}
 
 
@@ -191,6 +197,57 @@ def kill_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
     same, note = identical(run, ref)
     shutil.rmtree(run, ignore_errors=True)
     return Trial("kill", n, what, "exact" if same else "NOT EXACT", note)
+
+
+# ----------------------------------------------------------------------------- bit flips
+
+FLIP_STEPS = 12
+BITFLIP = [f"trainer.total_steps={FLIP_STEPS}", "trainer.save_interval=3", "trainer.save_total_limit=0", "algorithm.dynamic_sampling=false"]
+
+
+def bitflip_trial(root: Path, refs: dict[int, Path], rng: random.Random, n: int, counts: Counter) -> Trial:
+    """One bit flipped in one step of a clean run; `verlj rerun` over all its steps must name that
+    step and stage and reproduce every other step it re-executes."""
+    from verlj.journal import open_journal_reader
+
+    zero, target = rng.choice([0, 1, 2, 3]), rng.choice(["grads", "params"])
+    step, seed = rng.randint(1, FLIP_STEPS), rng.randrange(1 << 30)
+    ref = refs.get(zero)
+    if ref is None:
+        ref = refs[zero] = root / f"ref_flip{zero}"
+        assert train(ref, *BITFLIP, f"distributed.zero_stage={zero}", resume=False).returncode == 0
+    with open_journal_reader(ref / "journal") as j:
+        per_step = int(j.read_step(1).first("stages")["summary"]["grad_norm"]["n"])  # optimizer steps a step
+        ref_fp = j.read_step(step).fingerprint
+    if target == "grads":
+        point, count, stage = "update.grads", (step - 1) * per_step + rng.randint(1, per_step), "grads"
+    else:
+        point, count, stage = "update.params", step, "state"
+    run = root / f"flip{n}"
+    out = train(run, *BITFLIP, f"distributed.zero_stage={zero}", resume=False, VERLJ_FAILPOINT=f"{point}:{count}:flip={seed}")
+    what = f"ZeRO-{zero}: a bit of the {target} flipped at step {step}"
+    if out.returncode != 0:
+        return Trial("bitflip", n, what, "CRASH", out.stderr[-300:])
+    with open_journal_reader(run / "journal") as j:
+        effective = j.read_step(step).fingerprint != ref_fp
+    out = verlj("rerun", run, "--steps", f"1:{FLIP_STEPS}", "--json")
+    shutil.rmtree(run, ignore_errors=True)
+    if out.returncode not in (0, 1):
+        return Trial("bitflip", n, what, "CRASH", out.stderr[-300:])
+    verdicts = json.loads(out.stdout)["verdicts"]
+    differs = [v for v in verdicts if v["verdict"] == "differs"]
+    false = [v["step"] for v in differs if v["step"] != step]
+    hit = [v for v in differs if v["step"] == step]
+    counts.update(clean=sum(v["verdict"] == "reproduced" for v in verdicts) + len(false), false=len(false),
+                  unchecked=sum(v["verdict"] == "not checked" for v in verdicts), changed_run=int(effective))
+    note = "" if effective else "the flip left the step's state as the clean run's"
+    if false:
+        return Trial("bitflip", n, what, "FALSE ALARM", f"clean steps flagged: {false}")
+    if not hit:
+        return Trial("bitflip", n, what, "MISSED", note)
+    if hit[0]["stage"] != stage:
+        return Trial("bitflip", n, what, "WRONG STAGE", f"named {hit[0]['stage']}, not {stage}")
+    return Trial("bitflip", n, what, "found", note)
 
 
 # ----------------------------------------------------------------------------- async rollout
@@ -569,12 +626,14 @@ def main() -> int:
     ap.add_argument("--node-losses", type=int, default=20)
     ap.add_argument("--two-writers", type=int, default=6)
     ap.add_argument("--asyncs", type=int, default=50)
+    ap.add_argument("--bitflips", type=int, default=24)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="a few trials of each kind (the test suite runs this)")
-    ap.add_argument("--kinds", default="kill,corruption,disk-full,node-loss,concurrency,two-writers,async,bad-input")
+    ap.add_argument("--kinds", default="kill,corruption,disk-full,node-loss,concurrency,two-writers,async,bitflip,bad-input")
     args = ap.parse_args()
     if args.quick:
         args.kills, args.corruptions, args.disk_full, args.node_losses, args.two_writers, args.asyncs = 1, 3, 1, 1, 1, 1
+        args.bitflips = 1
     kinds = set(args.kinds.split(","))
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="verlj-faults-"))
@@ -593,6 +652,8 @@ def main() -> int:
                 async_refs[k] = root / f"ref_async{k}"
                 assert train(async_refs[k], *ASYNC, f"rollout.max_staleness={k}", resume=False).returncode == 0
         async_counts: Counter = Counter()
+        flip_refs: dict[int, Path] = {}
+        flip_counts: Counter = Counter()
 
         def record(t: Trial) -> None:
             trials.append(t)
@@ -619,6 +680,9 @@ def main() -> int:
         if "async" in kinds:
             for n in range(1, args.asyncs + 1):
                 record(async_trial(root, async_refs, rng, n, async_counts))
+        if "bitflip" in kinds:
+            for n in range(1, args.bitflips + 1):
+                record(bitflip_trial(root, flip_refs, rng, n, flip_counts))
         if "bad-input" in kinds:
             for t in bad_input_trials(root, finished, quick=args.quick):
                 record(t)
@@ -626,7 +690,7 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     print()
     print(f"{'kind':12s} {'trials':>6s}  outcomes")
-    for kind in ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "async", "bad-input"):
+    for kind in ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "async", "bitflip", "bad-input"):
         ts = [t for t in trials if t.kind == kind]
         if ts:
             counts = Counter(t.outcome for t in ts)
@@ -634,6 +698,10 @@ def main() -> int:
     if any(t.kind == "async" for t in trials):
         print(f"async: completed samples lost {async_counts['lost']}, prompts trained more {async_counts['duplicated']}, "
               f"fewer {async_counts['skipped']} (against the uninterrupted runs)")
+    if any(t.kind == "bitflip" for t in trials):
+        print(f"bitflip: {flip_counts['clean']} clean steps re-executed, {flip_counts['false']} false alarms; "
+              f"{flip_counts['unchecked']} steps not checked (between a flip and the next snapshot); "
+              f"the flip changed the run's state in {flip_counts['changed_run']} trials")
     bad = [t for t in trials if not t.ok and t.outcome != "skipped"]
     silent = sum(1 for t in trials if t.outcome == "SILENT")
     print(f"\n{len(trials)} trials, {len(bad)} failed, {silent} silent, in {time.time() - t0:.0f} s")
