@@ -15,7 +15,9 @@ def replay(
     to_step: Annotated[Optional[int], typer.Option("--to-step", help="The completed step to bring back.")] = None,
     steps: Annotated[Optional[str], typer.Option("--steps", help="With --probe: A:B, the steps to measure.")] = None,
     probe: Annotated[Optional[str], typer.Option("--probe", help="module:function(step, batch, model) -> {name: number}, "
-                                                                 "called before each of --steps (one JSON line a step).")] = None,
+                                                                 "called before each of --steps (one JSON line a step; "
+                                                                 "stored as probe/<module.function>/<name>).")] = None,
+    workers: Annotated[int, typer.Option("--workers", help="With --probe: split --steps at snapshots over this many processes.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print {step, fingerprint, from_snapshot} as JSON (the only thing on stdout).")] = False,
     export: Annotated[Optional[Path], typer.Option("--export", help="Write the actor as a Hugging Face model directory (new or empty).")] = None,
     snapshot: Annotated[Optional[Path], typer.Option("--snapshot", help="Write the state as a verlj snapshot directory (new or empty).")] = None,
@@ -32,18 +34,23 @@ def replay(
     out = data_stdout()  # what this command prints for people or tools; everything else goes to stderr
     from verlj.engine.post_mortem import materialize
 
-    if probe is not None or steps is not None:
+    if probe is not None or steps is not None or workers != 1:
         if probe is None or steps is None or to_step is not None or export or snapshot or fork:
-            raise fail("--probe and --steps go together, without --to-step, --export, --snapshot or --fork", 2)
+            raise fail("--probe and --steps go together (with --workers), without --to-step, --export, --snapshot or --fork", 2)
         import json
 
         from verlj.engine.post_mortem import probe as probes
         from verlj.engine.post_mortem.rerun import parse_steps
 
         start, stop = guarded(lambda: parse_steps(steps))
-        rows = guarded(lambda: probes.probe_steps(run, start, stop, probe))
+        rows, parts, note = guarded(lambda: probes.probe_steps(run, start, stop, probe, workers))
         for row in rows:
             out(json.dumps(row))
+        if note:
+            typer.echo(note, err=True)
+        split = f" in {len(parts)} processes ({', '.join(f'{a}–{b}' for a, b in parts)})" if len(parts) > 1 else ""
+        typer.echo(f"stored {len(rows)} step(s) of probe {probes.probe_name(probe)}{split}: verlj metrics {run} "
+                   f"--names probe/{probes.probe_name(probe)}/…", err=True)
         return
     if to_step is None:
         raise fail("--to-step N is needed (or --steps A:B with --probe)", 2)

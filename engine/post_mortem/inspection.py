@@ -27,6 +27,7 @@ from ..loop import archive
 from ..loop.ledger import Ledger, open_run, writer_dir
 from ..rl import samples as table
 from ..state.manifest import check_snapshot
+from . import derived
 from .steps import parse_steps, ranges
 
 
@@ -84,6 +85,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
         "writer": _writer(run_dir),
         "quarantined": quarantined,
         "trend": trend,
+        "probes": derived.probes(run_dir),
     }
 
 
@@ -166,6 +168,9 @@ def render_summary(s: dict) -> str:
                 lines.append(f"versions   changed at that resume: {', '.join(entry['versions_changed'])}")
     for entry in s.get("topology", []):
         lines.append(f"topology   {topology_line(entry)}")
+    for pr in s.get("probes", []):
+        span = f"steps {pr['steps'][0]}–{pr['steps'][1]} ({pr['count']})" if pr["steps"] else "no steps"
+        lines.append(f"probe      {pr['probe']} version {pr['version']}: {span}, as probe/{pr['probe']}/… (verlj replay --probe)")
     if s["trend"]:
         rewards = [t["reward"] for t in s["trend"]]
         losses = [t["loss"] for t in s["trend"]]
@@ -217,6 +222,7 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
         "samples": samples,
         "samples_note": note,
         "metrics": record.metrics,
+        "probes": {"metrics": derived.values(run_dir).get(step, {}), "stored": derived.probes(run_dir)},
         "fingerprint": record.fingerprint,
         "control": record.all("control") + record.all("config"),
         "eval": _eval_view(record.first("eval"), table.text_decoder(config)),
@@ -288,6 +294,13 @@ def render_step(d: dict) -> str:
     lines.append("metrics")
     for k in sorted(d["metrics"]):
         lines.append(f"  {k:32s} {d['metrics'][k]:.6g}")
+    probed = d.get("probes") or {}
+    if probed.get("metrics"):
+        versions = {p["probe"]: p["version"] for p in probed["stored"]}
+        lines.append("probes     (computed afterwards by verlj replay --probe; not in the journal)")
+        for k in sorted(probed["metrics"]):
+            name = k.split("/")[1]
+            lines.append(f"  {k:32s} {probed['metrics'][k]:.6g}  (version {versions.get(name)})")
     return "\n".join(lines)
 
 
@@ -297,8 +310,10 @@ def render_step(d: dict) -> str:
 def metric_rows(run_dir: Path, names: list[str] | None, steps: str | None) -> tuple[list[str], list[dict]]:
     start, stop = parse_steps(steps)
     rows, seen = [], set()
+    probed = derived.values(run_dir)  # `verlj replay --probe`'s, beside the journal
     with open_run(run_dir) as ledger:
         for step, values in ledger.metrics(start, stop):
+            values = {**values, **probed.get(step, {})}
             seen |= set(values)
             rows.append({"step": step, **(values if names is None else {k: values.get(k) for k in names})})
     if names is not None:
@@ -383,8 +398,10 @@ def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[tupl
     conds = parse_where(where)
     out = []
     names_seen: set[str] = set()
+    probed = derived.values(run_dir)
     with open_run(run_dir) as ledger:
         for step, values in ledger.metrics():
+            values = {**values, **probed.get(step, {})}
             names_seen |= set(values)
             if all(c(values) for c in conds):
                 out.append((step, {c.name: values.get(c.name) for c in conds}))

@@ -1,4 +1,5 @@
-"""`verlj replay RUN --steps A:B --probe module:function`: new per-step metrics over past steps.
+"""`verlj replay RUN --steps A:B --probe module:function [--workers K]`: new per-step metrics over
+past steps (hindsight logging).
 
 The probe is called once a step, as ``fn(step, batch, model) -> {name: number}``, before the step
 is applied: ``batch`` is what the step trains on (a list of sample dicts: ``prompt_ids``,
@@ -6,19 +7,29 @@ is applied: ``batch`` is what the step trains on (a list of sample dicts: ``prom
 ``index``, ``policy_version``), ``model`` the actor (its ``torch.nn.Module``) holding the
 weights the step starts from. The states are the journal's: the steps are replayed from the
 newest snapshot before A with every fingerprint and stage checked, so a probe measures the run as
-it was. Nothing is written into the run. (``--workers``, ranges split over processes, is not
-built.)
+it was. The values go to the run's derived-metrics store (post_mortem.derived), only once every
+step was measured; the journal is not written.
+
+``--workers K`` splits A..B at snapshots (each part starts right after one, so no step is
+replayed twice) into at most K parts of about equal work, each replayed in its own process from
+its own snapshot.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
+import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+import blake3
 
 from ..errors import PluginError, RunError
 from ..loop.ledger import Ledger, has_run
 from ..plugins import check_signature, describe, import_object
+from . import derived
 from .rerun import _execute
 
 
@@ -31,14 +42,26 @@ def load_probe(spec: str):
     return fn
 
 
-def probe_steps(run_dir: Path, start: int, stop: int, spec: str) -> list[dict]:
-    """[{"step": s, **fn's metrics}] for s in start..stop."""
-    from .rerun import StepsError
+def probe_name(spec: str) -> str:
+    """module:function -> module.function (the name its metrics are shown under)."""
+    return spec.replace(":", ".")
 
+
+def probe_version(fn) -> str:
+    """Its ``version`` attribute, else its module's ``__version__``, else a digest of its module's source."""
+    v = getattr(fn, "version", None) or getattr(sys.modules.get(getattr(fn, "__module__", "")), "__version__", None)
+    if v is not None:
+        return str(v)
+    try:
+        src = inspect.getsource(sys.modules[fn.__module__])
+    except (OSError, TypeError, KeyError):
+        src = getattr(getattr(fn, "__code__", None), "co_code", b"").hex()
+    return "src-" + blake3.blake3(src.encode()).hexdigest()[:12]
+
+
+def _measure(run_dir: Path, start: int, stop: int, spec: str) -> list[dict]:
+    """[{"step": s, **fn's metrics}] for s in start..stop, in this process."""
     fn = load_probe(spec)
-    run_dir = Path(run_dir)
-    if not has_run(run_dir):
-        raise RunError(f"{run_dir} is not a verlj run (no journal/)")
     rows: list[dict] = []
 
     def before(step, inputs, samples, trainer) -> None:
@@ -52,8 +75,67 @@ def probe_steps(run_dir: Path, start: int, stop: int, spec: str) -> list[dict]:
         rows.append({"step": step, **{k: float(v) for k, v in out.items()}})
 
     with Ledger.open_reader(run_dir) as ledger:
+        _execute(run_dir, ledger, start, stop, before=before, checked=True)
+    return rows
+
+
+def _worker(run_dir: str, start: int, stop: int, spec: str) -> list[dict]:
+    """One part of the range, in a process of its own (spawned: a fresh torch.distributed group)."""
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    for name in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return _measure(Path(run_dir), start, stop, spec)
+
+
+def split(start: int, stop: int, snapshots: list[int], workers: int) -> list[tuple[int, int]]:
+    """start..stop in at most `workers` contiguous parts, each after the first beginning right after a
+    snapshot, of about equal work (steps replayed from the part's snapshot)."""
+    cuts = [s + 1 for s in snapshots if start < s + 1 <= stop]
+    if workers <= 1 or not cuts:
+        return [(start, stop)]
+    base = max([s for s in snapshots if s < start], default=0)
+    total = stop - base
+    chosen: list[int] = []
+    for i in range(1, workers):
+        want = base + total * i / workers
+        best = min(cuts, key=lambda c: abs(c - 1 - want))
+        if best not in chosen and (not chosen or best > chosen[-1]):
+            chosen.append(best)
+    bounds = [start, *chosen, stop + 1]
+    return [(a, b - 1) for a, b in zip(bounds, bounds[1:])]
+
+
+def probe_steps(run_dir: Path, start: int, stop: int, spec: str, workers: int = 1) -> tuple[list[dict], list[tuple[int, int]], str | None]:
+    """Measure start..stop with the probe and store the values (post_mortem.derived). Returns (rows,
+    the parts the range was split into, a note when an older version's stored values were dropped)."""
+    from .rerun import StepsError
+
+    fn = load_probe(spec)
+    if workers < 1:
+        raise StepsError(f"--workers must be >= 1, not {workers}")
+    run_dir = Path(run_dir)
+    if not has_run(run_dir):
+        raise RunError(f"{run_dir} is not a verlj run (no journal/)")
+    with Ledger.open_reader(run_dir) as ledger:
         last, base = ledger.last_step(), ledger.base_step()
         if not base < start <= stop <= last:
             raise StepsError(f"--steps {start}:{stop} is out of range: {run_dir} has steps {base + 1}–{last}")
-        _execute(run_dir, ledger, start, stop, before=before, checked=True)
-    return rows
+        snapshots = sorted(ledger.snapshots())
+    parts = split(start, stop, snapshots, workers)
+    if len(parts) == 1:
+        rows = _measure(run_dir, start, stop, spec)
+    else:
+        import multiprocessing
+        from concurrent.futures.process import BrokenProcessPool
+
+        with ProcessPoolExecutor(len(parts), mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_worker, str(run_dir), a, b, spec) for a, b in parts]
+            try:
+                rows = [row for f in futures for row in f.result()]
+            except BrokenProcessPool:
+                raise RunError(f"a --workers process died while measuring steps {start}–{stop}; nothing was stored") from None
+    note = derived.store(run_dir, probe_name(spec), probe_version(fn), rows)
+    return rows, parts, note

@@ -20,10 +20,11 @@ def flip_one_bit(tensors: list[torch.Tensor], action: str) -> str:
     if not pool:
         return "nothing to flip"
     k = rng.randrange(sum(t.numel() for t in pool))
-    for n, t in enumerate(pool):
-        if k < t.numel():
-            break
-        k -= t.numel()
+    n = 0
+    while k >= pool[n].numel():
+        k -= pool[n].numel()
+        n += 1
+    t = pool[n]
     int_dtype, mantissa = _INT_VIEW[t.dtype]
     bit = rng.randrange(mantissa)
     words = t.detach().view(-1).view(int_dtype)

@@ -12,7 +12,7 @@ from verlj.engine.post_mortem import materialize
 from verlj.engine.post_mortem.rerun import rerun
 from verlj.engine.rl import algorithms
 from verlj.journal import open_journal_reader
-from verlj_testing import TINY, verlj
+from verlj_testing import TINY, train, verlj
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,27 @@ def test_a_difference_that_does_not_repeat_is_transient(journaled, monkeypatch):
     assert (v["verdict"], v["stage"], v["kind"]) == ("differs", "advantages", "transient")
 
 
+@pytest.mark.slow
+def test_rerun_finds_a_flipped_gradient_bit_and_a_flipped_parameter_bit(tmp_path):
+    """Silent data corruption in a live run (the update.grads / update.params failpoints flip one
+    mantissa bit): rerun names exactly those steps and stages, goes on from the next snapshot, and
+    reproduces every other step; the same code and versions are recorded, so the run's own
+    execution is blamed."""
+    run = tmp_path / "run"
+    out = train(run, "trainer.total_steps=6", "trainer.save_total_limit=0", "distributed.zero_stage=1",
+                VERLJ_FAILPOINT="update.grads:2:flip=3,update.params:4:flip=9")
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = verlj("rerun", run, "--steps", "1:6", "--json")
+    assert out.returncode == 1, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    got = [(v["step"], v["verdict"], v["stage"], v["kind"]) for v in report["verdicts"]]
+    assert got == [(1, "reproduced", None, None), (2, "differs", "grads", "persistent"), (3, "reproduced", None, None),
+                   (4, "differs", "state", "persistent"), (5, "reproduced", None, None), (6, "reproduced", None, None)]
+    assert report["restarted_from"] == [2, 4] and report["versions_changed"] == {} and report["source_recorded"]
+    text = verlj("rerun", run, "--steps", "1:6").stdout
+    assert "step 2: differs at grads" in text and "the run's own execution of this step went wrong" in text
+
+
 def test_replay_names_the_stage_it_diverged_at(journaled, monkeypatch):
     real = algorithms.whiten
     monkeypatch.setattr(algorithms, "whiten", lambda adv, *a, **k: real(adv, *a, **k) * (1 + 1e-6))
@@ -76,22 +97,40 @@ def test_replay_names_the_stage_it_diverged_at(journaled, monkeypatch):
 
 def test_a_probe_measures_past_steps_on_their_journaled_state(journaled, tmp_path):
     """`verlj replay --steps A:B --probe module:function`: one JSON line a step, computed on what the
-    step trains on and the model it starts from; a probe that fails is one line naming it."""
+    step trains on and the model it starts from, stored beside the journal (whose chain it leaves as
+    it was) and shown by metrics, find and inspect; `--workers 2` splits the range at a snapshot and
+    measures the same numbers; a probe that fails is one line naming it, and nothing is stored."""
     (tmp_path / "my_probe.py").write_text(
         "def batch_stats(step, batch, model):\n"
         "    numel = sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters())\n"
-        "    return {'probe/score': sum(s['score'] for s in batch) / len(batch), 'probe/samples': len(batch), 'probe/params': numel}\n"
+        "    return {'score': sum(s['score'] for s in batch) / len(batch), 'samples': len(batch), 'params': numel}\n"
+        "batch_stats.version = '1'\n"
         "def broken(step, batch, model):\n"
         "    raise ValueError('no such layer')\n"
     )
+    with open_journal_reader(journaled / "journal") as j:
+        chain = j.chain_hash(5)
+        want = {s: j.read_step(s).metrics for s in (3, 4, 5)}
     out = verlj("replay", journaled, "--steps", "3:4", "--probe", "my_probe:batch_stats", PYTHONPATH=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    with open_journal_reader(journaled / "journal") as j:
-        want = {s: j.read_step(s).metrics for s in (3, 4)}
     assert [r["step"] for r in rows] == [3, 4]
     for r in rows:
-        assert r["probe/score"] == pytest.approx(want[r["step"]]["critic/score/mean"], rel=1e-6)
-        assert r["probe/samples"] == want[r["step"]]["batch/samples"] and r["probe/params"] > 0
+        assert r["score"] == pytest.approx(want[r["step"]]["critic/score/mean"], rel=1e-6)
+        assert r["samples"] == want[r["step"]]["batch/samples"] and r["params"] > 0
+    two = verlj("replay", journaled, "--steps", "3:5", "--probe", "my_probe:batch_stats", "--workers", "2", PYTHONPATH=tmp_path)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "in 2 processes (3–4, 5–5)" in two.stderr  # split after the snapshot of step 4
+    assert [json.loads(line) for line in two.stdout.splitlines()][:2] == rows
+    shown = json.loads(verlj("metrics", journaled, "--names", "probe/my_probe.batch_stats/score", "--jsonl").stdout.splitlines()[2])
+    assert shown["step"] == 3 and shown["probe/my_probe.batch_stats/score"] == rows[0]["score"]
+    assert "3 step(s) match" in verlj("find", journaled, "--where", "probe/my_probe.batch_stats/samples > 0").stdout
+    assert "probe/my_probe.batch_stats/score" in verlj("inspect", journaled, "--step", "4").stdout
+    assert "probe      my_probe.batch_stats version 1: steps 3–5 (3)" in verlj("inspect", journaled).stdout
+    with open_journal_reader(journaled / "journal") as j:
+        assert j.chain_hash(5) == chain
+    before = (journaled / "derived" / "my_probe.batch_stats.msgpack").read_bytes()
     bad = verlj("replay", journaled, "--steps", "3:3", "--probe", "my_probe:broken", PYTHONPATH=tmp_path)
     assert bad.returncode == 1 and bad.stderr.strip() == "error: probe my_probe.broken raised ValueError: no such layer (step 3)"
+    assert not (journaled / "derived" / "my_probe.broken.msgpack").exists()
+    assert (journaled / "derived" / "my_probe.batch_stats.msgpack").read_bytes() == before
