@@ -232,9 +232,10 @@ def bitflip_trial(root: Path, refs: dict[int, Path], rng: random.Random, n: int,
         effective = j.read_step(step).fingerprint != ref_fp
     out = verlj("rerun", run, "--steps", f"1:{FLIP_STEPS}", "--json")
     shutil.rmtree(run, ignore_errors=True)
-    if out.returncode not in (0, 1):
-        return Trial("bitflip", n, what, "CRASH", out.stderr[-300:])
-    verdicts = json.loads(out.stdout)["verdicts"]
+    try:
+        verdicts = json.loads(out.stdout)["verdicts"]
+    except ValueError:
+        return Trial("bitflip", n, what, "CRASH", f"rerun exited {out.returncode}: " + out.stderr[-300:])
     differs = [v for v in verdicts if v["verdict"] == "differs"]
     false = [v["step"] for v in differs if v["step"] != step]
     hit = [v for v in differs if v["step"] == step]
