@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import EXIT_USAGE, fail, guarded, quiet_libraries
+from .common import EXIT_USAGE, data_stdout, fail, guarded, quiet_libraries
 
 
 def _jsonable(x):
@@ -114,13 +114,21 @@ def diff(
     run_b: Annotated[Path, typer.Argument(help="Second run directory.")],
     full: Annotated[bool, typer.Option("--full", help="Also compare every step's samples (slower).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    stages: Annotated[bool, typer.Option("--stages", help="Where the first differing stage is journaled as a digest only, "
+                                                          "re-execute both runs' step to name the first differing element.")] = False,
 ) -> None:
     """The first step where two runs' journals differ, and what differs there. Exit 1 if they differ."""
     quiet_libraries()
     from verlj.engine.post_mortem import inspection
 
-    d = guarded(lambda: inspection.first_difference(run_a, run_b, full))
-    typer.echo(json.dumps(_jsonable(d), indent=2) if as_json else inspection.render_diff(d, run_a, run_b))
+    echo = typer.echo
+    if stages:  # the re-execution loads DeepSpeed, which prints: stdout stays this command's
+        from verlj.engine.dist import prepare_accelerator
+
+        prepare_accelerator()
+        echo = data_stdout()
+    d = guarded(lambda: inspection.first_difference(run_a, run_b, full, stages))
+    echo(json.dumps(_jsonable(d), indent=2) if as_json else inspection.render_diff(d, run_a, run_b))
     raise typer.Exit(0 if d["identical"] else 1)
 
 

@@ -439,13 +439,16 @@ def _comparable(events: list[dict]) -> dict[str, object]:
     return out
 
 
-def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
+def first_difference(run_a: Path, run_b: Path, full: bool = False, stages: bool = False) -> dict:
     """The first step where two journals differ (timings, wall time and control events aside).
 
     Compares the summaries (data, seeds, metrics, fingerprint): samples that differ show there
     too, since the update trains on them. ``full`` also compares every step's samples (slower):
     from the rollout archive where retention pruned them from a journal; the steps whose samples
-    neither holds are counted in ``samples_not_compared``."""
+    neither holds are counted in ``samples_not_compared``. ``stages``: when the first differing
+    stage is one the journal holds only digests of (log-probs, advantages, loss, gradients,
+    state), both runs' step is re-executed from their snapshots to name the first differing
+    element (post_mortem.rerun.stage_values)."""
     not_compared: list[int] = []
     with open_run(run_a) as ja, open_run(run_b) as jb:
         la, lb = ja.last_step(), jb.last_step()
@@ -477,9 +480,11 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
             metrics = {k: [metrics_a.get(k), metrics_b.get(k)] for k in sorted(set(metrics_a) | set(metrics_b))
                        if not k.startswith("timing_s/") and _canon(metrics_a.get(k)) != _canon(metrics_b.get(k))}
             detail = {"metrics": metrics}
-            stages = _stage_difference(ra, rb)
-            if stages is not None:
-                detail["stages"] = stages
+            st = _stage_difference(ra, rb)
+            if st is not None:
+                detail["stages"] = st
+                if stages and st["stage"] not in JOURNALED_STAGES:
+                    st["element"], st["reexecuted"] = _reexecuted_difference(Path(run_a), Path(run_b), step, st["stage"]), True
             return {"identical": False, "step": step, "differs": kinds, "detail": detail,
                     "config": config_changes, "steps_a": la, "steps_b": lb, "topology": topology}
     if la != lb:
@@ -487,6 +492,18 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
                 "steps_a": la, "steps_b": lb, "samples_not_compared": not_compared}
     return {"identical": True, "step": None, "differs": [], "detail": {}, "config": config_changes, "steps_a": la, "steps_b": lb,
             "samples_not_compared": not_compared}
+
+
+# the stages whose values the journal holds (compared there); the others are digests only
+JOURNALED_STAGES = ("data", "samples", "scores", "ref_logprobs")
+
+
+def _reexecuted_difference(run_a: Path, run_b: Path, step: int, stage: str) -> dict | None:
+    """Both runs' `step` re-executed: the first element of `stage` that differs."""
+    from ..state.stages import first_element_difference
+    from .rerun import stage_values
+
+    return first_element_difference(stage_values(run_a, step, stage), stage_values(run_b, step, stage))
 
 
 def _stage_difference(ra, rb) -> dict | None:
@@ -502,7 +519,7 @@ def _stage_difference(ra, rb) -> dict | None:
     if stage is None:
         return None
     out = {"stage": stage, "a": sa.get("summary", {}).get(stage), "b": sb.get("summary", {}).get(stage)}
-    if stage in ("samples", "scores", "ref_logprobs") and not (ra.pruned or rb.pruned):
+    if stage in JOURNALED_STAGES and not (ra.pruned or rb.pruned):
         out["element"] = _first_sample_difference(ra, rb, stage)
     return out
 
@@ -515,7 +532,7 @@ def _first_sample_difference(ra, rb, stage: str) -> dict | None:
         by_id = {int(s["id"]): s for s in unpack(record.first("buffer.add")["samples"])} if record.first("buffer.add") else {}
         return [by_id.get(int(i)) for i in np.asarray((record.first("buffer.consume") or {}).get("ids", []))]
 
-    field = {"samples": "response_ids", "scores": "score", "ref_logprobs": "ref_logprobs"}[stage]
+    field = {"data": "index", "samples": "response_ids", "scores": "score", "ref_logprobs": "ref_logprobs"}[stage]
     for n, (a, b) in enumerate(zip(consumed(ra), consumed(rb))):
         if a is None or b is None:
             continue
@@ -601,7 +618,13 @@ def render_diff(d: dict, a: Path, b: Path) -> str:
             return f"mean {x['mean']:.6g}, |max| {x['absmax']:.6g}" if x else "digest only"
         lines.append(f"  first differing stage: {st['stage']} ({summary(st['a'])} vs {summary(st['b'])})")
         e = st.get("element")
-        if e:
+        if e and st.get("reexecuted"):
+            at = f"[{e['index']}]" if e["index"] is not None else ""
+            lines.append(f"    {e['part']}{at}: {e['a']!r} vs {e['b']!r} (largest difference {e['largest_abs_diff']!r}; "
+                         f"both runs' step {d['step']} re-executed)")
+        elif st.get("reexecuted"):
+            lines.append(f"    re-executed, both runs' step {d['step']} give the same {st['stage']}: the difference is in the journal only")
+        elif e:
             lines.append(f"    consumed sample #{e['consumed']} (ids {e['sample_a']} / {e['sample_b']}) {e['field']}[{e['index']}]: "
                          f"{e['a']!r} vs {e['b']!r} (largest difference {e['largest_abs_diff']!r})")
     for k, (va, vb) in list(d["detail"].get("metrics", {}).items())[:12]:

@@ -12,7 +12,8 @@ step was measured; the journal is not written.
 
 ``--workers K`` splits A..B at snapshots (each part starts right after one, so no step is
 replayed twice) into at most K parts of about equal work, each replayed in its own process from
-its own snapshot.
+its own snapshot (the first in this process, the others forked from it once torch and DeepSpeed
+are loaded).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _measure(run_dir: Path, start: int, stop: int, spec: str) -> list[dict]:
 
 
 def _worker(run_dir: str, start: int, stop: int, spec: str) -> list[dict]:
-    """One part of the range, in a process of its own (spawned: a fresh torch.distributed group)."""
+    """One part of the range, in a process of its own (forked before any process group: its own one-rank group)."""
     import logging
     import warnings
 
@@ -131,10 +132,15 @@ def probe_steps(run_dir: Path, start: int, stop: int, spec: str, workers: int = 
         import multiprocessing
         from concurrent.futures.process import BrokenProcessPool
 
-        with ProcessPoolExecutor(len(parts), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_worker, str(run_dir), a, b, spec) for a, b in parts]
+        from ..rl.trainer import Trainer  # noqa: F401 - loaded once here (torch, DeepSpeed): the forked workers start with it
+
+        # the other parts in forked processes (this one has started no thread and no process group
+        # yet), the first one here meanwhile
+        with ProcessPoolExecutor(len(parts) - 1, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [pool.submit(_worker, str(run_dir), a, b, spec) for a, b in parts[1:]]
+            rows = _measure(run_dir, *parts[0], spec)
             try:
-                rows = [row for f in futures for row in f.result()]
+                rows += [row for f in futures for row in f.result()]
             except BrokenProcessPool:
                 raise RunError(f"a --workers process died while measuring steps {start}–{stop}; nothing was stored") from None
     note = derived.store(run_dir, probe_name(spec), probe_version(fn), rows)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..dist import configure_determinism, setup
-from ..errors import RunError
+from ..errors import ReplayError, RunError, SnapshotError
 from ..loop.context import Run
 from ..loop.ledger import Ledger, has_run, versions
 from ..report import Reporter
@@ -40,6 +40,7 @@ class Verdict:
     rerun: dict = field(default_factory=dict)  # and in this re-execution
     kind: str | None = None  # persistent | transient (the first step that differs)
     second: dict = field(default_factory=dict)  # the second re-execution's summary of that stage
+    note: str | None = None  # why a step was not checked, when not for the usual reason
 
 
 def parse_steps(spec: str) -> tuple[int, int]:
@@ -54,11 +55,13 @@ def parse_steps(spec: str) -> tuple[int, int]:
     return start, stop
 
 
-def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, checked: bool = False) -> tuple[int, dict]:
+def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, checked: bool = False,
+             keep: bool = False) -> tuple[int, dict]:
     """Restore the newest valid snapshot before `start`, re-execute the journaled steps up to `stop`;
     returns (snapshot step, {step: (journaled stages, rerun stages, journaled fingerprint, rerun fingerprint)}).
     `checked`: replay's own checks stay on (a probe runs on verified states) and nothing is observed;
-    `before(step, inputs, samples, trainer)`: called before each step from `start` on."""
+    `before(step, inputs, samples, trainer)`: called before each step from `start` on; `keep`: each
+    step's tuple also holds the stages' values (StepOutcome.kept)."""
     from ..loop.checkpointer import Checkpointer
     from ..loop.recovery import replay, restore
     from ..rl.trainer import Trainer
@@ -70,11 +73,12 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
     run = Run(run_dir, cfg, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
     try:
         run.ckpt = Checkpointer(run)
+        run.trainer.keep_stages = keep
         step0 = restore(run, start - 1)
         seen: dict = {}
 
         def observe(step, record, outcome) -> bool:
-            seen[step] = ((record.first("stages") or {}), outcome.stages, record.fingerprint, outcome.fingerprint)
+            seen[step] = ((record.first("stages") or {}), outcome.stages, record.fingerprint, outcome.fingerprint, outcome.kept)
             return True
 
         def pre(step, inputs, samples) -> None:
@@ -106,7 +110,13 @@ def rerun(run_dir: Path, start: int, stop: int) -> dict:
         origins: list[int] = []
         pos = start
         while pos <= stop:
-            step0, seen = _execute(run_dir, ledger, pos, stop)
+            try:
+                step0, seen = _execute(run_dir, ledger, pos, stop)
+            except (ReplayError, SnapshotError) as e:
+                if not origins:
+                    raise
+                verdicts += [Verdict(s, "not checked", note=f"the restart from the snapshot before it failed: {e}") for s in range(pos, stop + 1)]
+                break
             late = [s for s in pruned if s > step0]
             if late:
                 raise RunError(f"step {late[0]}'s samples were pruned from the journal (journal.retain_samples) and the newest "
@@ -130,12 +140,26 @@ def rerun(run_dir: Path, start: int, stop: int) -> dict:
             "reproduced": all(v.verdict == "reproduced" for v in verdicts)}
 
 
+def stage_values(run_dir: Path, step: int, stage: str) -> list[tuple[str, object]]:
+    """Re-execute `step` from the newest snapshot before it and return `stage`'s values there, as
+    [(name, host array)] (this process's share). The steps replayed on the way must reproduce."""
+    run_dir = Path(run_dir)
+    with Ledger.open_reader(run_dir) as ledger:
+        last, base = ledger.last_step(), ledger.base_step()
+        if not base < step <= last:
+            raise StepsError(f"step {step} is out of range: {run_dir} has steps {base + 1}–{last}")
+        step0, seen = _execute(run_dir, ledger, step, step, keep=True)
+    verdicts: list[Verdict] = []
+    _judge({s: v for s, v in seen.items() if s < step}, step0, step, step - 1, verdicts)
+    return (seen[step][4] or {}).get(stage, [])
+
+
 def _judge(seen: dict, step0: int, pos: int, stop: int, verdicts: list) -> Verdict | None:
     """Verdicts for the steps pos..stop of one re-execution (from step0), up to the first that differs (returned)."""
     from ..state.stages import first_difference
 
     for step in range(step0 + 1, stop + 1):
-        want, got, want_fp, got_fp = seen[step]
+        want, got, want_fp, got_fp, _ = seen[step]
         stage = first_difference(want, got) if want else None
         if stage is None and want_fp != got_fp:
             stage = "state"
@@ -169,7 +193,7 @@ def render(report: dict) -> str:
         if v["verdict"] == "reproduced":
             lines.append(f"step {v['step']}: reproduced")
         elif v["verdict"] == "not checked":
-            lines.append(f"step {v['step']}: not checked (the state it starts from already differs)")
+            lines.append(f"step {v['step']}: not checked ({v.get('note') or 'the state it starts from already differs'})")
         else:
             j, r = v["journaled"], v["rerun"]
             nums = (f" (journal: mean {j['mean']:.9g}, |max| {j['absmax']:.9g}; rerun: mean {r['mean']:.9g}, |max| {r['absmax']:.9g})"

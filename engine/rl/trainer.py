@@ -25,8 +25,7 @@ from verlj.journal.failpoints import failpoint
 from ..config import Config, ConfigError
 from ..dist import Runtime
 from ..errors import ModelError, ReplayError, RunError
-from ..state.bitflip import flip_one_bit
-from ..state.fingerprint import fingerprint
+from ..state.fingerprint import fingerprint, state_leaves
 from ..state.seeding import derive_seed, rng_digest, seed_globals
 from ..state.stage_recorder import StageRecorder
 from ..state.stages import combine
@@ -134,6 +133,7 @@ class StepOutcome:
     fingerprint: str
     parts: dict[str, str]
     stages: dict = field(default_factory=dict)  # {"digests": {stage: hex}, "summary": {stage: {n, mean, absmax}}} (state.stages)
+    kept: dict | None = None  # with Trainer.keep_stages: {stage: [(name, host array)]}, this rank's (never journaled)
 
     def events(self) -> list[dict]:
         return [make_event("metrics", values=self.metrics), make_event("state", fingerprint=self.fingerprint, parts=self.parts),
@@ -146,6 +146,8 @@ def is_timing(name: str) -> bool:
 
 class Trainer:
     """Holds the run's Stateful parts: actor (+ reference), critic, sampler, rollout buffer."""
+
+    keep_stages = False  # a re-execution for `verlj diff --stages` keeps every stage's values (StepOutcome.kept)
 
     def __init__(self, cfg: Config, rt: Runtime):
         self.cfg, self.rt = cfg, rt
@@ -499,7 +501,10 @@ class Trainer:
         scores_all = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
         metrics.update(_sample_metrics(samples, scores_all))
         t_stages = time.perf_counter()
-        rec = StageRecorder()  # each stage's output, digested (state.stages): what `verlj rerun` and `diff` compare
+        rec = StageRecorder(keep=self.keep_stages)  # each stage's output, digested (state.stages): what `verlj rerun` and `diff` compare
+        for worker in (self.critic, self.actor):
+            if worker is not None:
+                worker.kept_grads = [] if self.keep_stages else None
         # what the update trains on: the ids consumed and their dataset rows (async: drawn steps before)
         rec.host("data", np.asarray(inputs.consumed, np.int64), np.asarray([s["index"] for s in samples], np.int64))
         rec.host("samples", *_id_arrays(samples))
@@ -568,6 +573,9 @@ class Trainer:
                     for g in grads:
                         if g is not None:
                             rec.digest_only("grads", g)
+                    for k, step_grads in enumerate(worker.kept_grads or []):
+                        for j, g in enumerate(step_grads):
+                            rec.keep("grads", f"{worker.role} optimizer step {k}, gradient {j}", g)
             stage_s += time.perf_counter() - t_stages
             if async_mode:
                 metrics.update(self._off_policy_metrics(step, samples, before, gen_lp, mask, all_sum))
@@ -586,15 +594,20 @@ class Trainer:
             metrics = rt.mean(metrics)
             act = failpoint("update.params")
             if act is not None and act.startswith("flip="):  # fault injection: silent corruption of the weights
-                flip_one_bit([p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in self.actor.module.parameters()], act)
+                self.actor.flip_a_weight_bit(act)
             self.weights_changed()
         t = time.perf_counter()
         fp, parts = fingerprint(self.engines(), rt, cfg.trainer.state_digest)
         timings["timing_s/fingerprint"] = time.perf_counter() - t
+        if self.keep_stages:
+            for role, engine in self.engines().items():
+                for path, leaf in state_leaves(engine):
+                    if isinstance(leaf, torch.Tensor):
+                        rec.keep("state", f"{role}/{path}", leaf)
         t = time.perf_counter()
         stages = combine(rt.all_gather_obj(rec.local()), parts)
         timings["timing_s/stages"] = stage_s + time.perf_counter() - t
-        return StepOutcome({**metrics, **timings}, fp, parts, stages)
+        return StepOutcome({**metrics, **timings}, fp, parts, stages, rec.kept)
 
     def _off_policy_metrics(self, step: int, samples: list[dict], old_lp, gen_lp, mask, all_sum) -> dict[str, float]:
         """Async rollout: the truncated importance weights min(pi_old / pi_gen, threshold) the update

@@ -282,12 +282,16 @@ class _Stepper:
             t = time.perf_counter()
             grads = [g for _, g in self._local_grads()]
             self.stage_grads.append(group_sums(grads) if grads else None)
+            if self.kept_grads is not None:  # a re-execution for `verlj diff --stages`: the values themselves
+                self.kept_grads.append([g.detach().cpu().clone() for g in grads])
             self.stage_seconds += time.perf_counter() - t
         norm = self._step(mb.boundary)
         if mb.boundary:
             stats.add(f"{prefix}/grad_norm", norm)
             self.stage_norms.append(norm)
         stats.end_micro(mb)
+
+    kept_grads: list | None = None  # set to [] to keep a host copy of every optimizer step's gradients
 
     def stage_outputs(self) -> tuple[list, list, list, float]:
         """(losses, gradient norms, gradient sums, seconds spent digesting gradients) since the last call, cleared."""
@@ -328,6 +332,22 @@ class _Stepper:
             for p, g in pairs:
                 safe_set_local_grad(p, g)
 
+    def flip_a_weight_bit(self, action: str) -> None:
+        """Fault injection (the ``update.params`` failpoint): one bit of the weights flipped, where the
+        state lives: the parameters at ZeRO-0, the optimizer's fp32 master partition at ZeRO-1/2
+        (which the module's copy is refreshed from, and which a snapshot saves and reloads), and at
+        ZeRO-3 the same bit of the master and of the parameters' partition (a ZeRO-3 snapshot saves
+        the master only and rebuilds the partition from it: the two must agree to round-trip)."""
+        opt, zero = self.engine.optimizer, self.engine.zero_optimization_stage()
+        if zero in (1, 2):
+            flip_one_bit(list(opt.single_partition_of_fp32_groups), action)
+        elif zero == 3:
+            flip_one_bit(list(opt.fp32_partitioned_groups_flat), action)
+            if any(a is not b for a, b in zip(opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat)):
+                flip_one_bit(list(opt.fp16_partitioned_groups_flat), action)
+        else:
+            flip_one_bit([p.data for p in self.engine.module.parameters()], action)
+
     def _result(self, stats: UpdateStats, prefix: str) -> dict[str, float]:
         out = stats.result()
         out[f"{prefix}/lr"] = float(self.engine.get_lr()[0])
@@ -342,6 +362,8 @@ class _Stepper:
 
 
 class ActorWorker(_Stepper):
+    role = "actor"
+
     def __init__(self, model: torch.nn.Module, cfg: Config, rt: Runtime):
         self.cfg, self.rt = cfg, rt
         self.actor_cfg = cfg.model.actor
@@ -408,6 +430,8 @@ class ActorWorker(_Stepper):
 
 
 class CriticWorker(_Stepper):
+    role = "critic"
+
     def __init__(self, module: torch.nn.Module, cfg: Config, rt: Runtime):
         self.cfg, self.rt = cfg, rt
         self.critic_cfg = cfg.model.critic

@@ -11,16 +11,26 @@ from .fingerprint import tensor_sums
 
 
 class StageRecorder:
-    """Collects one step's stage outputs on this rank (rank-local), then digests them over all ranks."""
+    """Collects one step's stage outputs on this rank (rank-local), then digests them over all ranks.
+    With ``keep``, it also keeps a host copy of every output, as ``kept[stage] = [(name, array)]``:
+    what `verlj diff --stages` compares element by element when the journal holds only digests."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = False) -> None:
         self._parts: dict[str, list] = {}
         self._stats: dict[str, list] = {}
+        self.kept: dict[str, list] | None = {} if keep else None
+
+    def keep(self, stage: str, name: str, value) -> None:
+        """A host copy of one output of `stage` (only when keeping)."""
+        if self.kept is not None:
+            a = value.detach().cpu().clone().numpy() if isinstance(value, torch.Tensor) else np.array(value)
+            self.kept.setdefault(stage, []).append((name, a))
 
     def tensor(self, stage: str, t: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """A stage output held as a tensor (this rank's share), zero wherever `mask` is: the summary
         counts the masked positions (all, without a mask)."""
         t = t.detach()
+        self.keep(stage, f"{stage}[{len(self._parts.get(stage, []))}]", t)
         self._parts.setdefault(stage, []).append(("t", tensor_sums(t), tuple(t.shape), str(t.dtype)))
         if t.numel() == 0:
             return
@@ -43,6 +53,7 @@ class StageRecorder:
     def numbers(self, stage: str, values: list[float]) -> None:
         """A stage output that is a few host numbers (the gradient norms): their exact bits."""
         v = np.asarray(values, np.float64)
+        self.keep(stage, f"{stage}[{len(self._parts.get(stage, []))}]", v)
         self.host(stage, v)
         if values:
             self._stats.setdefault(stage, []).append(torch.tensor([float(v.size), float(v.sum()), float(np.abs(v).max())], dtype=torch.float64))

@@ -19,6 +19,7 @@ loads no torch: the post-mortem readers compare journaled stages with it.
 from __future__ import annotations
 
 import blake3
+import numpy as np
 
 ORDER = ("data", "samples", "scores", "old_logprobs", "ref_logprobs", "values", "returns", "advantages", "loss", "grads", "grad_norm",
          "state")
@@ -46,3 +47,30 @@ def first_difference(want: dict, got: dict) -> str | None:
         if stage in a and stage in b and a[stage] != b[stage]:
             return stage
     return None
+
+
+def first_element_difference(a: list[tuple[str, np.ndarray]], b: list[tuple[str, np.ndarray]]) -> dict | None:
+    """Between two stages' values (``[(name, array)]``, in the order the step produced them): the
+    first part and element whose bits differ, both values, and the largest absolute difference over
+    the stage's parts of equal shape. None when they agree bit for bit."""
+    first, largest = None, 0.0
+    for (name, x), (_, y) in zip(a, b):
+        x, y = np.asarray(x).reshape(-1), np.asarray(y).reshape(-1)
+        if x.shape != y.shape:
+            if first is None:
+                first = {"part": name, "index": None, "a": f"shape {x.shape}", "b": f"shape {y.shape}"}
+            continue
+        if x.dtype == y.dtype and x.tobytes() == y.tobytes():
+            continue
+        diff = np.abs(x.astype(np.float64) - y.astype(np.float64))
+        if diff.size:
+            largest = max(largest, float(np.nanmax(diff)) if not np.all(np.isnan(diff)) else float("nan"))
+        if first is None:
+            xb, yb = x.view(np.uint8).reshape(x.size, -1), y.view(np.uint8).reshape(y.size, -1)
+            k = int(np.flatnonzero((xb != yb).any(axis=1))[0]) if x.dtype == y.dtype else int(np.flatnonzero(x != y)[0])
+            first = {"part": name, "index": k, "a": x[k].item(), "b": y[k].item()}
+    if first is None and len(a) != len(b):
+        first = {"part": f"{len(a)} vs {len(b)} parts", "index": None, "a": None, "b": None}
+    if first is not None:
+        first["largest_abs_diff"] = largest
+    return first
