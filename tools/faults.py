@@ -210,7 +210,7 @@ def bitflip_trial(root: Path, refs: dict[int, Path], rng: random.Random, n: int,
     step and stage and reproduce every other step it re-executes."""
     from verlj.journal import open_journal_reader
 
-    zero, target = rng.choice([0, 1, 2, 3]), rng.choice(["grads", "params"])
+    zero, target = rng.choice([0, 1, 2, 3]), ("params", "grads")[n % 2]  # as many of each
     step, seed = rng.randint(1, FLIP_STEPS), rng.randrange(1 << 30)
     ref = refs.get(zero)
     if ref is None:
