@@ -1,9 +1,9 @@
 """Hindsight metrics over past steps: `verlj replay --steps A:B --probe` with --workers 1 and 2, side by side.
 
-    python tools/bench_probe.py              # 40 steps, snapshots every 20; ~3 min on 2 cores
+    python tools/bench_probe.py              # 40 steps, snapshots every 20; ~5 min on 2 cores
     python tools/bench_probe.py --steps 20 --save-interval 10
 
-Trains one run (the built-in model at bench_train.py's size), then measures its steps 1..N with a
+Trains one run (the built-in model, 4 layers of width 256, 64 samples x 64 tokens a step), then measures its steps 1..N with a
 probe that does a forward pass per step (the policy's mean entropy on the batch), twice with one
 worker and twice with two, alternating, through the real CLI. Prints the wall times, the speed-up
 of two workers (goal on this 2-core machine: >= 1.6; the range splits at the middle snapshot, so
@@ -46,6 +46,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--save-interval", type=int, default=20)
+    ap.add_argument("--hidden", type=int, default=256, help="the built-in model's width (4 layers)")
+    ap.add_argument("--response-length", type=int, default=64)
     args = ap.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="verlj-bench-probe-"))
@@ -54,8 +56,9 @@ def main() -> None:
     run = root / "run"
     overrides = [
         f"trainer.total_steps={args.steps}", f"trainer.save_interval={args.save_interval}", "trainer.save_total_limit=0",
-        "rollout.max_response_length=32", "rollout.ignore_eos=true", "data.max_prompt_length=16", "data.prompts_per_step=8",
-        "rollout.n=8", "model.tiny.hidden_size=128", "model.tiny.num_layers=4", "model.tiny.intermediate_size=256",
+        f"rollout.max_response_length={args.response_length}", "rollout.ignore_eos=true", "data.max_prompt_length=16",
+        "data.prompts_per_step=8", "rollout.n=8", f"model.tiny.hidden_size={args.hidden}", "model.tiny.num_layers=4",
+        f"model.tiny.intermediate_size={2 * args.hidden}",
         "logging.progress=off",
     ]
     try:
