@@ -303,8 +303,6 @@ class RolloutConfig:
                 raise ConfigError("rollout.async_order=completion is not available yet; use step (the default of async mode)")
             if self.async_order is not None:
                 _choice("rollout.async_order", self.async_order, ("step",))
-            if self.engine != "hf":
-                raise ConfigError(f"rollout.mode=async generates with rollout.engine=hf only for now, got {self.engine!r}")
 
     @property
     def staleness(self) -> int:

@@ -478,7 +478,7 @@ def concurrency_trial(root: Path, ref: Path, n: int) -> list[Trial]:
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL]
     # stall step 5 so the probes certainly run while training is live
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env(VERLJ_FAILPOINT="step.before_commit:5:sleep=20"), cwd=REPO)
+                         env=env(VERLJ_FAILPOINT="step.before_commit:5:sleep=10"), cwd=REPO)
     out: list[Trial] = []
     for line in p.stdout:
         if "[INFO] Step 4:" in line:

@@ -80,7 +80,7 @@ class GeneratorProcess(SamplerEngine):
         self.proc = ctx.Process(
             target=serve,
             args=(child_requests, child_results, cfg.to_dict(), self.shared, version, tok.eos_token_id, tok.pad_token_id,
-                  torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), os.getpid()),
+                  torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), os.getpid(), self.rt.dp_size),
             name=f"verlj-generator-{self.rt.rank}",
             daemon=True,
         )
@@ -154,9 +154,30 @@ class GeneratorProcess(SamplerEngine):
             return reply
 
 
+class VllmGeneratorProcess(GeneratorProcess):
+    """rollout.mode=async with rollout.engine=vllm: the generator process runs a vLLM engine, built
+    from the shared weights and reloaded from them at every push (vLLM's own weight reload)."""
+
+    name = "vllm"
+
+    @classmethod
+    def preflight(cls, cfg: Config, device) -> None:
+        from .vllm_engine import preflight
+
+        preflight(cfg, device)
+
+    def __init__(self, rt, actor, tokenizer):
+        from .vllm_engine import import_vllm
+
+        super().__init__(rt, actor, tokenizer)
+        self.version = str(import_vllm().__version__)
+
+
 def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id: int, pad_id: int, threads: int,
-          deterministic: bool, parent: int) -> None:
-    """The generator process's main loop (spawned: everything it needs comes as arguments)."""
+          deterministic: bool, parent: int, dp_size: int = 1) -> None:
+    """The generator process's main loop (spawned: everything it needs comes as arguments). With
+    rollout.engine=vllm it generates with a vLLM engine of its own, else with verlj's sampler on the
+    shared weights."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
@@ -176,6 +197,12 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
             params[name].data = t
         model.eval()
         device = next(iter(weights.values())).device
+        llm = None
+        if cfg.rollout.engine == "vllm":
+            from . import vllm_engine
+
+            names = list(weights)
+            llm = vllm_engine.start_llm(cfg, model.config, list(weights.items()), dp_size, device.type)
         results.send(("ready", "ready", os.getpid()))
     except Exception as e:  # noqa: BLE001 - reported to the trainer in one sentence
         results.send(("error", f"{type(e).__name__}: {e}"))
@@ -193,13 +220,18 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
             if msg[0] == "stop":
                 return
             if msg[0] == "version":  # the trainer has copied new weights in: they are this version
+                if llm is not None:
+                    vllm_engine.push_llm(llm, names, list(weights.items()))
                 version = msg[1]
                 results.send(("ok", "push"))
             elif msg[0] == "generate":
                 _, tag, prompts, seeds, params, want = msg
                 if want != version:
                     raise RuntimeError(f"asked for policy version {want}, holding {version}")
-                responses, logps = sample_seeded(model, prompts, seeds, params, eos_id, pad_id, device)
+                if llm is not None:
+                    responses, logps = vllm_engine.generate_llm(llm, prompts, seeds, params, eos_id)
+                else:
+                    responses, logps = sample_seeded(model, prompts, seeds, params, eos_id, pad_id, device)
                 failpoint("generator.before_reply")
                 results.send(("done", tag, responses, logps, version))
         except Exception as e:  # noqa: BLE001 - reported to the trainer in one sentence

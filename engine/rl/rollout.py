@@ -5,8 +5,8 @@ generates it, so the same weights give the same samples at any world size.
 
 - ``hf`` (:class:`HFEngine`): verlj's own sampler (``rl.sampler``) on the actor's own module.
 - ``vllm`` (``vllm_engine.VllmEngine``): a colocated vLLM engine, the seed being the request's.
-- ``rollout.mode=async`` (``async_rollout.GeneratorProcess``): verlj's sampler in a process beside
-  the trainer, on its own copy of the policy.
+- ``rollout.mode=async`` (``async_rollout.GeneratorProcess``): verlj's sampler (or, with
+  ``rollout.engine=vllm``, a vLLM engine) in a process beside the trainer, on its own copy of the policy.
 
 Only live steps generate: replay reads the samples from the journal, so it never builds an engine.
 """
@@ -84,9 +84,9 @@ def engine_class(name: str, mode: str = "sync") -> type[RolloutEngine]:
     """The class of the engine `rollout.engine` and `rollout.mode` name: the one place they are turned
     into code (vLLM's module is imported only when it is named)."""
     if mode == "async":
-        from .async_rollout import GeneratorProcess
+        from .async_rollout import GeneratorProcess, VllmGeneratorProcess
 
-        return GeneratorProcess
+        return VllmGeneratorProcess if name == "vllm" else GeneratorProcess
     if name == "vllm":
         from .vllm_engine import VllmEngine
 

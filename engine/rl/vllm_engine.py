@@ -39,6 +39,7 @@ from verlj.journal.claim import process_start
 
 from ..config import Config, ConfigError
 from .models import BUILTIN_TINY
+from .sampler import sampling_params
 
 # vLLM's CPU attention backend (0.32) takes these head sizes only (CPUAttentionBackend; checked by
 # tests/integration/test_vllm.py against the installed vLLM).
@@ -216,6 +217,88 @@ def remove_stale_weights_copies() -> list[str]:
     return lines
 
 
+def start_llm(cfg: Config, model_config, weights: list[tuple[str, torch.Tensor]], dp_size: int, device_type: str):
+    """A vLLM engine (in this process) built from `weights` (every actor parameter, whole) and the
+    model's config, sized to one rank's batch: the colocated engine's and the async generator's."""
+    vllm = import_vllm()
+    from safetensors.torch import save_file
+
+    dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
+    tmp = _weights_copy_dir()
+    try:
+        model_config.save_pretrained(tmp)
+        save_file({n: t.detach().contiguous().cpu() for n, t in weights}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        seqs = max(1, cfg.data.prompts_per_step // dp_size * cfg.rollout.n)
+        blocks = seqs * -(-max_len // CPU_BLOCK)
+        if device_type == "cpu":  # every sequence of a round fits at full length: nothing is preempted
+            memory = {"block_size": CPU_BLOCK, "kv_cache_memory_bytes": _kv_cache_bytes(model_config, dtype, blocks)}
+        else:
+            memory = {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization}
+        with _preserved(), _output_held():
+            llm = vllm.LLM(
+                model=str(tmp), skip_tokenizer_init=True, dtype=dtype, seed=cfg.trainer.seed, enforce_eager=True,
+                enable_chunked_prefill=False,  # seeded requests need whole prefills (vLLM CPU)
+                enable_prefix_caching=True, max_model_len=max_len, max_num_seqs=seqs,
+                max_num_batched_tokens=max(max_len * seqs, 2048),
+                logprobs_mode="processed_logprobs", max_logprobs=0, **memory,
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    got = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    if device_type == "cpu" and got is not None and got < blocks:
+        raise RuntimeError(f"vLLM allotted {got} KV blocks, {blocks} are needed for {seqs} sequences of {max_len} tokens")
+    return llm
+
+
+def push_llm(llm, names: list[str], weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Every actor parameter into a running engine; refused if vLLM did not take them all."""
+    if [n for n, _ in weights] != names:
+        raise RuntimeError(f"vLLM weight push: the actor has {len(weights)} parameters, the engine was built from {len(names)}")
+    missing, taken = llm.collective_rpc(_reload, args=(weights,))[0]
+    if missing:
+        raise RuntimeError(
+            f"vLLM weight push: {len(missing)} of the engine's parameters were not reloaded ({missing[0]}"
+            f"{', ...' if len(missing) > 1 else ''}); the engine would generate from stale weights"
+        )
+
+
+def generate_llm(llm, prompts: list[np.ndarray], seeds: list[int], params: dict, eos: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """One sample per prompt, each from its own seed (the request's), and their log-probs; `params`:
+    sampler.sampling_params."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.reset_prefix_cache()  # nothing but the weights carries over between collects
+    per_request = [
+        SamplingParams(n=1, seed=int(s), temperature=params["temperature"], top_p=params["top_p"], max_tokens=params["max_new_tokens"],
+                       ignore_eos=params["ignore_eos"], stop_token_ids=[] if params["ignore_eos"] else [eos], logprobs=0,
+                       detokenize=False)
+        for s in seeds
+    ]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts], per_request, use_tqdm=False)
+    return samples_of(outs)
+
+
+def close_llm(llm) -> None:
+    """Shut an engine down, keeping this process's process group (vLLM's teardown destroys the
+    default group, which in-process is the trainer's own; its own subgroups go)."""
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def keep_world(group=None):
+        if group is not None:
+            destroy(group)
+
+    dist.destroy_process_group = keep_world
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        dist.destroy_process_group = destroy
+        gc.collect()
+
+
 class VllmEngine:
     """rollout.engine=vllm (a rollout.RolloutEngine): a colocated vLLM engine in this process."""
 
@@ -242,52 +325,14 @@ class VllmEngine:
         return full_parameters(self.actor.engine, self.rt, self.actor.full_shapes)
 
     def _start(self, cfg: Config) -> None:
-        vllm = import_vllm()
-        from safetensors.torch import save_file
-
         weights = self._weights()
         self.names = [n for n, _ in weights]
-        model_config = self.actor.module.config
-        dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
-        tmp = _weights_copy_dir()
-        try:
-            model_config.save_pretrained(tmp)
-            save_file({n: t.detach().contiguous().cpu() for n, t in weights}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            del weights
-            max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-            seqs = max(1, cfg.data.prompts_per_step // self.rt.dp_size * cfg.rollout.n)
-            blocks = seqs * -(-max_len // CPU_BLOCK)
-            if self.rt.device.type == "cpu":  # every sequence of a round fits at full length: nothing is preempted
-                memory = {"block_size": CPU_BLOCK, "kv_cache_memory_bytes": _kv_cache_bytes(model_config, dtype, blocks)}
-            else:
-                memory = {"gpu_memory_utilization": cfg.rollout.gpu_memory_utilization}
-            with _preserved(), _output_held():
-                self.llm = vllm.LLM(
-                    model=str(tmp), skip_tokenizer_init=True, dtype=dtype, seed=cfg.trainer.seed, enforce_eager=True,
-                    enable_chunked_prefill=False,  # seeded requests need whole prefills (vLLM CPU)
-                    enable_prefix_caching=True, max_model_len=max_len, max_num_seqs=seqs,
-                    max_num_batched_tokens=max(max_len * seqs, 2048),
-                    logprobs_mode="processed_logprobs", max_logprobs=0, **memory,
-                )
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        got = self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-        if self.rt.device.type == "cpu" and got is not None and got < blocks:
-            raise RuntimeError(f"vLLM allotted {got} KV blocks, {blocks} are needed for {seqs} sequences of {max_len} tokens")
+        self.llm = start_llm(cfg, self.actor.module.config, weights, self.rt.dp_size, self.rt.device.type)
         self.stale = False
 
     def push(self) -> None:
         """Every actor parameter into the running engine; refused if vLLM did not take them all. Collective."""
-        weights = self._weights()
-        names = [n for n, _ in weights]
-        if names != self.names:
-            raise RuntimeError(f"vLLM weight push: the actor has {len(names)} parameters, the engine was built from {len(self.names)}")
-        missing, taken = self.llm.collective_rpc(_reload, args=(weights,))[0]
-        if missing:
-            raise RuntimeError(
-                f"vLLM weight push: {len(missing)} of the engine's parameters were not reloaded ({missing[0]}"
-                f"{', ...' if len(missing) > 1 else ''}); the engine would generate from stale weights"
-            )
+        push_llm(self.llm, self.names, self._weights())
         self.stale = False
         self.pushes += 1
 
@@ -312,37 +357,13 @@ class VllmEngine:
         return handle
 
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         self.sync(cfg)  # a no-op after the collect's own sync
-        self.llm.reset_prefix_cache()  # nothing but the weights carries over between collects
-        ro, eos = cfg.rollout, self.tokenizer.eos_token_id
-        params = [
-            SamplingParams(n=1, seed=int(s), temperature=ro.temperature, top_p=ro.top_p, max_tokens=ro.max_response_length,
-                           ignore_eos=ro.ignore_eos, stop_token_ids=[] if ro.ignore_eos else [eos], logprobs=0, detokenize=False)
-            for s in seeds
-        ]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts], params, use_tqdm=False)
-        return samples_of(outs)
+        return generate_llm(self.llm, prompts, seeds, sampling_params(cfg), self.tokenizer.eos_token_id)
 
     def close(self) -> None:
-        """Shut the engine down, keeping the trainer's process group (vLLM's teardown destroys the
-        default group, which in-process is the trainer's own; its own subgroups go)."""
         if self.llm is None:
             return
-        import torch.distributed as dist
-
-        destroy = dist.destroy_process_group
-
-        def keep_world(group=None):
-            if group is not None:
-                destroy(group)
-
-        dist.destroy_process_group = keep_world
         try:
-            self.llm.llm_engine.engine_core.shutdown()
+            close_llm(self.llm)
         finally:
-            dist.destroy_process_group = destroy
             self.llm = None
-            gc.collect()

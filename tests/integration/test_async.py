@@ -173,7 +173,7 @@ def test_two_ranks_zero3_ppo_killed_and_resumed_match_the_uninterrupted_run(tmp_
     (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.max_staleness must be an integer of at least 1, got 0"),
     (["rollout.max_staleness=2"], "rollout.max_staleness applies to rollout.mode=async only"),
     (["rollout.mode=async", "rollout.async_order=fifo"], "rollout.async_order must be one of step"),
-    (["rollout.mode=async", "rollout.engine=vllm"], "rollout.mode=async generates with rollout.engine=hf only"),
+    (["rollout.mode=async", "rollout.async_order=completion"], "rollout.async_order=completion is not available yet"),
     (["rollout.mode=turbo"], "rollout.mode must be one of sync, async"),
 ])
 def test_bad_async_values_end_in_one_line_and_write_nothing(tmp_path, over, says):

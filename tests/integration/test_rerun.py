@@ -9,7 +9,7 @@ import pytest
 from verlj.engine.errors import ReplayError
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.post_mortem import materialize
-from verlj.engine.post_mortem.rerun import rerun
+from verlj.engine.post_mortem.rerun import render, rerun
 from verlj.engine.rl import algorithms
 from verlj.journal import open_journal_reader
 from verlj_testing import TINY, train, verlj
@@ -84,7 +84,7 @@ def test_rerun_finds_a_flipped_gradient_bit_and_a_flipped_parameter_bit(tmp_path
     assert got == [(1, "reproduced", None, None), (2, "differs", "grads", "persistent"), (3, "reproduced", None, None),
                    (4, "differs", "state", "persistent"), (5, "reproduced", None, None), (6, "reproduced", None, None)]
     assert report["restarted_from"] == [2, 4] and report["versions_changed"] == {} and report["source_recorded"]
-    text = verlj("rerun", run, "--steps", "1:6").stdout
+    text = render(report)
     assert "step 2: differs at grads" in text and "the run's own execution of this step went wrong" in text
 
 

@@ -231,3 +231,24 @@ def test_two_ranks_generate_what_one_rank_does(tmp_path, reference):
     for step in (1, 2, 3):
         for col in ("prompt_ids", "response_ids"):
             assert [a.tolist() for a in ours[step]["samples"][col]] == [b.tolist() for b in theirs[step]["samples"][col]], (step, col)
+
+
+def test_async_rollout_on_vllm_samples_what_sync_does_and_resumes_exactly(tmp_path, reference):
+    """rollout.mode=async with rollout.engine=vllm: the generator process runs its own vLLM engine,
+    reloaded from the shared weights at each push. Steps 1 and 2 both train on version 0, so step
+    1's samples are the sync run's; a SIGKILL at the 2nd push, then --resume, ends bit-identical to
+    the uninterrupted async run."""
+    over = [o for o in GRPO_DYN if not o.startswith("trainer.total_steps")] + ["trainer.total_steps=3", "rollout.mode=async"]
+    ref = tmp_path / "ref"
+    out = train(ref, *over)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ours, theirs = _events(ref, "buffer.add"), _events(reference, "buffer.add")
+    n = len(theirs[1]["samples"]["response_ids"])
+    for col in ("prompt_ids", "response_ids", "gen_logprobs"):
+        assert [a.tolist() for a in ours[1]["samples"][col][:n]] == [b.tolist() for b in theirs[1]["samples"][col]], col
+    assert {e["engine"] for e in _events(ref, "rollout").values()} == {"vllm"}
+    run = tmp_path / "run"
+    assert train(run, *over, VERLJ_FAILPOINT="async.push:2").returncode == -9
+    out = train(run, *over, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_journal(run, ref)
