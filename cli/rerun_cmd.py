@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .common import data_stdout, fail, guarded, log_to_stderr_only_on_rank0, quiet_libraries
+from .common import data_stdout, fail, guarded, is_rank0, log_to_stderr_only_on_rank0, quiet_libraries
 
 
 def rerun(
@@ -31,7 +31,8 @@ def rerun(
         raise fail(f"{run} does not exist", 2)
     start, stop = guarded(lambda: rr.parse_steps(steps))
     report = guarded(lambda: rr.rerun(run, start, stop))
-    out(json.dumps(report) if as_json else rr.render(report))
+    if is_rank0():
+        out(json.dumps(report) if as_json else rr.render(report))
     raise typer.Exit(0 if report["reproduced"] else 1)
 
 

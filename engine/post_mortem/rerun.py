@@ -68,6 +68,13 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
 
     cfg = replay_config(ledger, start)
     rt = setup(cfg)
+    if not checked:  # digests compared bit for bit: only on the process group that made them
+        for step in sorted({start, stop, *(e["from_step"] for e in ledger.history().topology_changes if start <= e["from_step"] <= stop)}):
+            topo = ledger.topology_at(step)
+            if (topo["world_size"], topo["tensor_parallel_size"]) != (rt.world_size, rt.tp_size):
+                raise RunError(f"step {step} ran on {topo['world_size']} rank(s) with TP {topo['tensor_parallel_size']}, this is "
+                               f"{rt.world_size} with TP {rt.tp_size}: its digests are compared on as many ranks "
+                               f"(torchrun --nproc_per_node {topo['world_size']} -m verlj.cli ...)")
     configure_determinism(cfg)
     reporter = Reporter(cfg.logging, run_dir, enabled=False, total_steps=stop, sinks=False)
     run = Run(run_dir, cfg, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
@@ -165,7 +172,8 @@ def _judge(seen: dict, step0: int, pos: int, stop: int, verdicts: list) -> Verdi
             stage = "state"
         if step < pos:  # re-executed on the way to the range, not judged
             if stage is not None:
-                raise RunError(f"step {step}, before the range, does not reproduce (at {stage}): re-run from it")
+                raise RunError(f"step {step}, re-executed on the way to step {pos}, does not reproduce (it differs at {stage}): "
+                               f"start --steps at {step} to see it")
             continue
         if stage is None:
             verdicts.append(Verdict(step, "reproduced"))

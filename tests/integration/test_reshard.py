@@ -172,6 +172,11 @@ def test_replay_of_a_two_rank_run_in_one_process_and_the_reverse(tmp_path, refs)
     two, said2 = exported(refs["z2x2"], tmp_path, "two", ranks=2, step=3)
     assert "other topology" not in said2
     assert_close_weights(one, two)
+    # digests compared bit for bit need the run's own topology: rerun in one process says so in one line
+    out = verlj("rerun", refs["z2x2"], "--steps", "3:3")
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        "error: step 3 ran on 2 rank(s) with TP 1, this is 1 with TP 1: its digests are compared on as many ranks "
+        "(torchrun --nproc_per_node 2 -m verlj.cli ...)"]
     # and a 1-rank run replayed on 2 ranks
     one, _ = exported(refs["z0x1"], tmp_path, "one1", step=3)
     two, said = exported(refs["z0x1"], tmp_path, "two1", ranks=2, step=3)
