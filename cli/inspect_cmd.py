@@ -121,13 +121,14 @@ def diff(
     quiet_libraries()
     from verlj.engine.post_mortem import inspection
 
-    echo = typer.echo
+    echo, compare = typer.echo, inspection.first_difference
     if stages:  # the re-execution loads DeepSpeed, which prints: stdout stays this command's
         from verlj.engine.dist import prepare_accelerator
 
         prepare_accelerator()
         echo = data_stdout()
-    d = guarded(lambda: inspection.first_difference(run_a, run_b, full, stages))
+        from verlj.engine.post_mortem.rerun import diff_stages as compare
+    d = guarded(lambda: compare(run_a, run_b, full))
     echo(json.dumps(_jsonable(d), indent=2) if as_json else inspection.render_diff(d, run_a, run_b))
     raise typer.Exit(0 if d["identical"] else 1)
 

@@ -439,16 +439,14 @@ def _comparable(events: list[dict]) -> dict[str, object]:
     return out
 
 
-def first_difference(run_a: Path, run_b: Path, full: bool = False, stages: bool = False) -> dict:
+def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
     """The first step where two journals differ (timings, wall time and control events aside).
 
     Compares the summaries (data, seeds, metrics, fingerprint): samples that differ show there
     too, since the update trains on them. ``full`` also compares every step's samples (slower):
     from the rollout archive where retention pruned them from a journal; the steps whose samples
-    neither holds are counted in ``samples_not_compared``. ``stages``: when the first differing
-    stage is one the journal holds only digests of (log-probs, advantages, loss, gradients,
-    state), both runs' step is re-executed from their snapshots to name the first differing
-    element (post_mortem.rerun.stage_values)."""
+    neither holds are counted in ``samples_not_compared``. Where the first differing stage is one
+    the journal holds only digests of, post_mortem.rerun.diff_stages re-executes the step."""
     not_compared: list[int] = []
     with open_run(run_a) as ja, open_run(run_b) as jb:
         la, lb = ja.last_step(), jb.last_step()
@@ -483,8 +481,6 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False, stages: bool 
             st = _stage_difference(ra, rb)
             if st is not None:
                 detail["stages"] = st
-                if stages and st["stage"] not in JOURNALED_STAGES:
-                    st["element"], st["reexecuted"] = _reexecuted_difference(Path(run_a), Path(run_b), step, st["stage"]), True
             return {"identical": False, "step": step, "differs": kinds, "detail": detail,
                     "config": config_changes, "steps_a": la, "steps_b": lb, "topology": topology}
     if la != lb:
@@ -496,14 +492,6 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False, stages: bool 
 
 # the stages whose values the journal holds (compared there); the others are digests only
 JOURNALED_STAGES = ("data", "samples", "scores", "ref_logprobs")
-
-
-def _reexecuted_difference(run_a: Path, run_b: Path, step: int, stage: str) -> dict | None:
-    """Both runs' `step` re-executed: the first element of `stage` that differs."""
-    from ..state.stages import first_element_difference
-    from .rerun import stage_values
-
-    return first_element_difference(stage_values(run_a, step, stage), stage_values(run_b, step, stage))
 
 
 def _stage_difference(ra, rb) -> dict | None:

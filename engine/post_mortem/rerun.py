@@ -161,6 +161,22 @@ def stage_values(run_dir: Path, step: int, stage: str) -> list[tuple[str, object
     return (seen[step][4] or {}).get(stage, [])
 
 
+def diff_stages(run_a: Path, run_b: Path, full: bool = False) -> dict:
+    """`verlj diff --stages`: inspection.first_difference, and where the first differing stage is one
+    the journal holds only digests of (log-probs, advantages, loss, gradients, state), both runs'
+    step re-executed from their snapshots to name the first differing element."""
+    from ..state.stages import first_element_difference
+    from .inspection import JOURNALED_STAGES, first_difference
+
+    d = first_difference(run_a, run_b, full)
+    st = d["detail"].get("stages")
+    if st is not None and st["stage"] not in JOURNALED_STAGES:
+        step, stage = d["step"], st["stage"]
+        st["element"] = first_element_difference(stage_values(run_a, step, stage), stage_values(run_b, step, stage))
+        st["reexecuted"] = True
+    return d
+
+
 def _judge(seen: dict, step0: int, pos: int, stop: int, verdicts: list) -> Verdict | None:
     """Verdicts for the steps pos..stop of one re-execution (from step0), up to the first that differs (returned)."""
     from ..state.stages import first_difference

@@ -6,6 +6,7 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.post_mortem.inspection import first_difference, render_diff
+from verlj.engine.post_mortem.rerun import diff_stages
 from verlj_testing import TINY, verlj
 
 REWARD = '''
@@ -38,7 +39,7 @@ def runs(tmp_path_factory):
 
 
 def test_a_changed_learning_rate_first_differs_in_the_parameters_after(runs):
-    d = first_difference(runs / "base", runs / "lr", stages=True)
+    d = diff_stages(runs / "base", runs / "lr")
     st = d["detail"]["stages"]
     assert d["step"] == 1 and st["stage"] == "state" and st["reexecuted"]
     e = st["element"]
@@ -48,7 +49,7 @@ def test_a_changed_learning_rate_first_differs_in_the_parameters_after(runs):
 
 def test_a_changed_kl_coefficient_first_differs_in_the_loss(runs):
     """The policy equals the reference at step 1 (no KL), so the runs part at step 2's loss."""
-    d = first_difference(runs / "base", runs / "kl", stages=True)
+    d = diff_stages(runs / "base", runs / "kl")
     st = d["detail"]["stages"]
     assert d["step"] == 2 and st["stage"] == "loss"
     assert st["element"]["part"] == "loss[0]" and st["element"]["a"] != st["element"]["b"]
@@ -58,7 +59,7 @@ def test_a_reward_changed_for_one_sample_is_named_with_that_sample(runs):
     out = verlj("diff", runs / "base", runs / "reward", "--stages")
     assert out.returncode == 1, out.stderr[-2000:]
     assert "first differing stage: scores" in out.stdout and "consumed sample #5 (ids 5 / 5) score[0]" in out.stdout
-    d = first_difference(runs / "base", runs / "reward", stages=True)
+    d = diff_stages(runs / "base", runs / "reward")
     e = d["detail"]["stages"]["element"]
     assert (e["field"], e["sample_a"], e["b"] - e["a"]) == ("score", 5, 0.5)  # the 6th sample scored
 
