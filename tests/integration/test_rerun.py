@@ -3,6 +3,7 @@ change to the code (an advantage scaled by 1 + 1e-6) is named by its stage and c
 persistent, a change that happens once as transient; replay names the stage it diverged at."""
 
 import json
+import re
 
 import pytest
 
@@ -134,3 +135,22 @@ def test_a_probe_measures_past_steps_on_their_journaled_state(journaled, tmp_pat
     assert bad.returncode == 1 and bad.stderr.strip() == "error: probe my_probe.broken raised ValueError: no such layer (step 3)"
     assert not (journaled / "derived" / "my_probe.broken.msgpack").exists()
     assert (journaled / "derived" / "my_probe.batch_stats.msgpack").read_bytes() == before
+
+
+def test_bad_probes_are_one_line_each_and_store_nothing(journaled, tmp_path, monkeypatch):
+    from verlj.engine.errors import PluginError
+    from verlj.engine.post_mortem.probe import probe_steps
+    from verlj.engine.post_mortem.rerun import StepsError
+
+    (tmp_path / "odd_probe.py").write_text("def words(step, batch, model):\n    return {'x': 'high'}\n"
+                                           "def two_args(step, batch):\n    return {}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stored = sorted((journaled / "derived").glob("*")) if (journaled / "derived").exists() else []
+    for spec, says in (("odd_probe:words", "returned {'x': 'high'} at step 3; it must return {name: finite number}"),
+                       ("odd_probe:two_args", "has the wrong signature"),
+                       ("no_such_module:fn", "cannot import 'no_such_module:fn'")):
+        with pytest.raises(PluginError, match=re.escape(says)):
+            probe_steps(journaled, 3, 3, spec)
+    with pytest.raises(StepsError, match="out of range"):
+        probe_steps(journaled, 0, 2, "odd_probe:words")
+    assert (sorted((journaled / "derived").glob("*")) if (journaled / "derived").exists() else []) == stored
