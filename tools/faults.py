@@ -28,7 +28,8 @@ samples, metrics other than timings, and fingerprint). Kinds:
   two-writers  two trainers on one shipped run from two local directories, the second started at a
                random moment, with or without --resume: refused (one line naming the live writer,
                the run's files untouched, the first run exact) | NOT REFUSED | TOUCHED | NOT EXACT
-  async        rollout.mode=async (step order, max_staleness 1 or 4): SIGKILL of the trainer's process
+  async        rollout.mode=async (step order, max_staleness 1 or 4; the generator on verlj's sampler, or
+               on vLLM with --async-engine vllm): SIGKILL of the trainer's process
                group or of the trainer alone at a random moment, at a failpoint of generator start /
                admit / push / consume / commit, or of the generator process alone; then `--resume`
                until the target step. exact (and, counted against the uninterrupted run: completed
@@ -628,6 +629,7 @@ def main() -> int:
     ap.add_argument("--two-writers", type=int, default=6)
     ap.add_argument("--asyncs", type=int, default=50)
     ap.add_argument("--bitflips", type=int, default=24)
+    ap.add_argument("--async-engine", default="hf", choices=["hf", "vllm"], help="what the async trials' generator runs")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="a few trials of each kind (the test suite runs this)")
     ap.add_argument("--kinds", default="kill,corruption,disk-full,node-loss,concurrency,two-writers,async,bitflip,bad-input")
@@ -636,6 +638,8 @@ def main() -> int:
         args.kills, args.corruptions, args.disk_full, args.node_losses, args.two_writers, args.asyncs = 1, 3, 1, 1, 1, 1
         args.bitflips = 1
     kinds = set(args.kinds.split(","))
+    if args.async_engine == "vllm":
+        ASYNC.append("rollout.engine=vllm")
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="verlj-faults-"))
     trials: list[Trial] = []
