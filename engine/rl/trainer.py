@@ -187,8 +187,6 @@ class Trainer:
         self.actor = ActorWorker(actor_model, cfg, rt)
         self.rollout: RolloutEngine | None = None  # built by the first live collect (replay never generates)
         self._inflight: Production | None = None  # async: the batch generating while the update runs
-        if cfg.rollout.mode == "async" and rt.tp_size > 1:
-            raise ConfigError("rollout.mode=async does not run with distributed.tensor_parallel_size > 1 yet; use ZeRO (any stage) for the ranks")
         self.critic = None
         if cfg.algorithm.name == "ppo":
             path = cfg.model.critic.model_name_or_path or cfg.model.actor.model_name_or_path

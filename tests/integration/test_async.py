@@ -169,6 +169,25 @@ def test_two_ranks_zero3_ppo_killed_and_resumed_match_the_uninterrupted_run(tmp_
         assert j.read_step(4).metrics["rollout/staleness/max"] == 2.0
 
 
+@pytest.mark.slow
+def test_tensor_parallel_ranks_generate_what_one_rank_does_and_resume_exactly(tmp_path):
+    """TP=2: each rank's generator holds the whole policy (gathered from the TP shards at each push)
+    and generates its data-parallel group's share, so step 1 (version 0) samples are a one-rank
+    async run's; a SIGKILL at the first push, then --resume, ends bit-identical."""
+    over = ["rollout.mode=async", "distributed.tensor_parallel_size=2", "trainer.total_steps=3", "trainer.save_interval=2"]
+    one, ref, run = tmp_path / "one", tmp_path / "ref", tmp_path / "run"
+    assert train(one, "rollout.mode=async", "trainer.total_steps=1").returncode == 0
+    assert train(ref, *over, ranks=2).returncode == 0
+    with open_journal_reader(one / "journal") as a, open_journal_reader(ref / "journal") as b:
+        ours, theirs = b.read_step(1).first("buffer.add")["samples"], a.read_step(1).first("buffer.add")["samples"]
+    for col in ("prompt_ids", "response_ids", "gen_logprobs"):
+        assert [x.tolist() for x in ours[col]] == [y.tolist() for y in theirs[col]], col
+    assert train(run, *over, ranks=2, VERLJ_FAILPOINT="async.push:1").returncode != 0
+    out = train(run, *over, ranks=2, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_journal(ref, run)
+
+
 @pytest.mark.parametrize("over, says", [
     (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.max_staleness must be an integer of at least 1, got 0"),
     (["rollout.max_staleness=2"], "rollout.max_staleness applies to rollout.mode=async only"),
