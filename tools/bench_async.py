@@ -2,6 +2,7 @@
 
     python tools/bench_async.py                      # about 2 minutes on 2 cores
     python tools/bench_async.py --steps 16 --repeats 5 --response-length 128
+    python tools/bench_async.py --engine vllm        # the same with vLLM generating (colocated vs in the generator)
 
 Each repeat trains the same GRPO job twice with `verlj train` — rollout.mode=sync, then
 rollout.mode=async with max_staleness 1 (step s+1's batch generated while step s trains) — each
@@ -39,7 +40,7 @@ def run(out: Path, mode: str, args) -> list[dict]:
         f"trainer.total_steps={args.steps}", "trainer.num_threads=1", "trainer.save_interval=0", "logging.progress=off",
         f"rollout.max_response_length={args.response_length}", "rollout.ignore_eos=true", "data.max_prompt_length=16",
         f"data.prompts_per_step={args.prompts}", f"rollout.n={args.n}", "model.actor.use_kl_loss=false", f"rollout.mode={mode}",
-        *(["rollout.max_staleness=1"] if mode == "async" else []),
+        *(["rollout.max_staleness=1"] if mode == "async" else []), f"rollout.engine={args.engine}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     env.pop("VERLJ_FAILPOINT", None)
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--response-length", type=int, default=96)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="what generates (rollout.engine)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="verlj-bench-async-"))
     rows: dict[str, list[dict]] = {"sync": [], "async": []}
@@ -75,7 +77,7 @@ def main() -> None:
     gen = med(rows["sync"], "timing_s/gen")
     rest = sync_step - gen
     commit = med(rows["async"], "timing_s/commit")
-    print(f"GRPO, {args.prompts} prompts x {args.n} samples x {args.response_length} tokens, built-in model, one thread a side; "
+    print(f"GRPO, {args.prompts} prompts x {args.n} samples x {args.response_length} tokens, built-in model, {args.engine}, one thread a side; "
           f"medians of steps 3..{args.steps} over {args.repeats} repeats")
     print(f"  sync step            {sync_step:8.4f} s   (generation {gen:.4f} s, the rest {rest:.4f} s)")
     print(f"  async step (k=1)     {async_step:8.4f} s   (waiting for the generator {med(rows['async'], 'timing_s/gen'):.4f} s)")
