@@ -28,7 +28,7 @@ from pathlib import Path
 import blake3
 
 from ..errors import PluginError, RunError
-from ..loop.ledger import Ledger, has_run
+from ..loop.ledger import Ledger
 from ..plugins import check_signature, describe, import_object
 from . import derived
 from .rerun import _execute
@@ -112,18 +112,13 @@ def split(start: int, stop: int, snapshots: list[int], workers: int) -> list[tup
 def probe_steps(run_dir: Path, start: int, stop: int, spec: str, workers: int = 1) -> tuple[list[dict], list[tuple[int, int]], str | None]:
     """Measure start..stop with the probe and store the values (post_mortem.derived). Returns (rows,
     the parts the range was split into, a note when an older version's stored values were dropped)."""
-    from .rerun import StepsError
+    from .rerun import StepsError, steps_reader
 
     fn = load_probe(spec)
     if workers < 1:
         raise StepsError(f"--workers must be >= 1, not {workers}")
     run_dir = Path(run_dir)
-    if not has_run(run_dir):
-        raise RunError(f"{run_dir} is not a verlj run (no journal/)")
-    with Ledger.open_reader(run_dir) as ledger:
-        last, base = ledger.last_step(), ledger.base_step()
-        if not base < start <= stop <= last:
-            raise StepsError(f"--steps {start}:{stop} is out of range: {run_dir} has steps {base + 1}–{last}")
+    with steps_reader(run_dir, start, stop) as ledger:
         snapshots = sorted(ledger.snapshots())
     parts = split(start, stop, snapshots, workers)
     if len(parts) == 1:

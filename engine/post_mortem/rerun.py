@@ -14,6 +14,7 @@ written into the run.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,19 @@ class Verdict:
     kind: str | None = None  # persistent | transient (the first step that differs)
     second: dict = field(default_factory=dict)  # the second re-execution's summary of that stage
     note: str | None = None  # why a step was not checked, when not for the usual reason
+
+
+@contextmanager
+def steps_reader(run_dir: Path, start: int, stop: int, what: str | None = None):
+    """The run's ledger, open for reading, once start..stop are steps it holds; else one line
+    (`what`: how the command named them, ``--steps A:B`` by default)."""
+    if not has_run(run_dir):
+        raise RunError(f"{run_dir} is not a verlj run (no journal/)")
+    with Ledger.open_reader(run_dir) as ledger:
+        last, base = ledger.last_step(), ledger.base_step()
+        if not base < start <= stop <= last:
+            raise StepsError(f"{what or f'--steps {start}:{stop}'} is out of range: {run_dir} has steps {base + 1}–{last}")
+        yield ledger
 
 
 def parse_steps(spec: str) -> tuple[int, int]:
@@ -104,13 +118,8 @@ def rerun(run_dir: Path, start: int, stop: int) -> dict:
     differs, the check goes on from the next snapshot at or after it (which holds the run's state
     as it was, difference included): the steps in between are ``not checked``."""
     run_dir = Path(run_dir)
-    if not has_run(run_dir):
-        raise RunError(f"{run_dir} is not a verlj run (no journal/)")
-    with Ledger.open_reader(run_dir) as ledger:
-        last, base = ledger.last_step(), ledger.base_step()
-        if not base < start <= stop <= last:
-            raise StepsError(f"--steps {start}:{stop} is out of range: {run_dir} has steps {base + 1}–{last}")
-        pruned = [s for s in range(base + 1, stop + 1) if ledger.journal.read_step(s).pruned]
+    with steps_reader(run_dir, start, stop) as ledger:
+        pruned = [s for s in range(ledger.base_step() + 1, stop + 1) if ledger.journal.read_step(s).pruned]
         recorded = ledger.versions_in_force()
         snapshots = sorted(ledger.snapshots())
         verdicts: list[Verdict] = []
@@ -151,10 +160,7 @@ def stage_values(run_dir: Path, step: int, stage: str) -> list[tuple[str, object
     """Re-execute `step` from the newest snapshot before it and return `stage`'s values there, as
     [(name, host array)] (this process's share). The steps replayed on the way must reproduce."""
     run_dir = Path(run_dir)
-    with Ledger.open_reader(run_dir) as ledger:
-        last, base = ledger.last_step(), ledger.base_step()
-        if not base < step <= last:
-            raise StepsError(f"step {step} is out of range: {run_dir} has steps {base + 1}–{last}")
+    with steps_reader(run_dir, step, step, f"step {step}") as ledger:
         step0, seen = _execute(run_dir, ledger, step, step, keep=True)
     verdicts: list[Verdict] = []
     _judge({s: v for s, v in seen.items() if s < step}, step0, step, step - 1, verdicts)
