@@ -278,7 +278,9 @@ class RolloutConfig:
     # the trainer generates the batch of step s+k while step s trains (README: asynchronous rollout)
     mode: str = "sync"
     max_staleness: Optional[int] = None  # async: k, the policy versions a trained sample may lag (>= 1; null = 1)
-    async_order: Optional[str] = None  # async: step (deterministic: step s trains on version max(0, s-1-k); null = step)
+    # async: step (deterministic: step s trains on version max(0, s-1-k); null = step) | completion
+    # (free-running: each step takes the completed groups within k versions, in completion order)
+    async_order: Optional[str] = None
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
@@ -299,15 +301,18 @@ class RolloutConfig:
         else:
             if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 1):
                 raise ConfigError(f"rollout.max_staleness must be an integer of at least 1, got {self.max_staleness!r}")
-            if self.async_order == "completion":
-                raise ConfigError("rollout.async_order=completion is not available yet; use step (the default of async mode)")
             if self.async_order is not None:
-                _choice("rollout.async_order", self.async_order, ("step",))
+                _choice("rollout.async_order", self.async_order, ("step", "completion"))
 
     @property
     def staleness(self) -> int:
         """k: 0 in sync mode (step s trains on version s-1), max_staleness (default 1) in async mode."""
         return 0 if self.mode == "sync" else (self.max_staleness or 1)
+
+    @property
+    def free_running(self) -> bool:
+        """rollout.async_order=completion: the generator runs ahead on its own, timing decides what a step takes."""
+        return self.mode == "async" and self.async_order == "completion"
 
 
 @dataclass
@@ -393,6 +398,9 @@ class Config:
                               "them out) or data.eval_dataset (a .jsonl / .parquet file)")
         if self.algorithm.name == "grpo" and self.rollout.n < 2:
             raise ConfigError("rollout.n must be at least 2 for grpo (advantages are relative within a group)")
+        if ro.free_running and self.distributed.tensor_parallel_size > 1:
+            raise ConfigError("rollout.async_order=completion does not combine with tensor parallelism yet "
+                              "(distributed.tensor_parallel_size > 1); use rollout.async_order=step")
         return self
 
     def to_dict(self) -> dict:

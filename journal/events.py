@@ -30,11 +30,12 @@ ENVELOPE_VERSION = 2
 EVENT_VERSIONS: dict[str, int] = {
     "data": 1,  # epoch, cursor, indices (np.int64[]) drawn this step
     "rng": 1,  # seeds {stream: int}, digests {stream: hex}
-    "rollout": 1,  # engine (hf|vllm) that generated the step's samples, version (its package's); async: mode, max_staleness
+    "rollout": 1,  # engine (hf|vllm) that generated the step's samples, version (its package's); async: mode, max_staleness[, async_order]
     "buffer.add": 1,  # ids (np.int64[]), samples {field: array}
     "buffer.consume": 1,  # ids consumed by this step's update
     "buffer.drop": 1,  # ids dropped (e.g. zero-variance groups), reason
     "buffer.plan": 1,  # async rollout: steps, counts, ids (np.int64[]): what each later step will train on
+    "buffer.request": 1,  # async completion order: groups, rows asked this step; regenerated: groups asked again (in flight at a stop)
     "metrics": 1,  # values {name: float}
     "state": 1,  # fingerprint (hex str), parts {name: hex}
     "control": 1,  # kind (start|resume|fork), details {...}

@@ -52,7 +52,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
         ranks_now = ledger.topology_at(last)["world_size"]
         last_summary = ledger.journal.read_summary(last) if last > base else None
         rollout = last_summary.first("rollout") if last_summary else None
-        engine = {k: rollout[k] for k in ("engine", "version", "mode", "max_staleness") if k in rollout} if rollout else \
+        engine = {k: rollout[k] for k in ("engine", "version", "mode", "max_staleness", "async_order") if k in rollout} if rollout else \
             {"engine": ledger.config_at(last).get("rollout", {}).get("engine", "hf"), "version": None}
         trend = []
         if last > base:
@@ -140,7 +140,7 @@ def render_summary(s: dict) -> str:
         f"rollout    {s['rollout']['engine']}" + ("" if not s["rollout"]["version"] else
                                                     f" (transformers {s['rollout']['version']})" if s["rollout"]["engine"] == "hf"
                                                     else f" {s['rollout']['version']}")
-        + (f", async (max_staleness {s['rollout']['max_staleness']})" if s["rollout"].get("mode") == "async" else ""),
+        + (f", async ({_order(s['rollout'])}max_staleness {s['rollout']['max_staleness']})" if s["rollout"].get("mode") == "async" else ""),
         f"steps      {s['steps_committed']} committed, last step {s['last_step']}",
     ]
     if s["snapshots"]:
@@ -211,8 +211,10 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
         "data": {"epoch": data.get("epoch"), "cursor": data.get("cursor"), "rounds": data.get("rounds"),
                  "indices": np.asarray(data.get("indices", [])).tolist()},
         "seeds": rng.get("seeds"),
-        "rollout": {k: v for k, v in rollout.items() if k in ("engine", "version", "mode", "max_staleness")} or None,
+        "rollout": {k: v for k, v in rollout.items() if k in ("engine", "version", "mode", "max_staleness", "async_order")} or None,
         "plans": _plans(record.first("buffer.plan")),
+        "requests": {k: np.asarray(v).tolist() for k, v in record.first("buffer.request").items() if k in ("groups", "rows", "regenerated")}
+        if record.first("buffer.request") else None,
         "rng_digests": rng.get("digests"),
         "buffer": {
             "added": n,
@@ -243,6 +245,10 @@ def _eval_view(event: dict | None, decoder) -> dict | None:
             "score_mean": float(scores.mean()) if len(scores) else None}
 
 
+def _order(rollout: dict) -> str:
+    return "completion order, " if rollout.get("async_order") == "completion" else ""
+
+
 def _plans(event: dict | None) -> dict[int, list[int]] | None:
     """Async rollout: {step: the sample ids it will train on} for the batches generated at this step."""
     if event is None:
@@ -269,7 +275,7 @@ def render_step(d: dict) -> str:
     lines.append(f"seeds      {d['seeds']}")
     ro = d.get("rollout")
     if ro:
-        lines.append(f"rollout    {ro['engine']} {ro['version']}" + (f"  async, max_staleness {ro['max_staleness']}" if ro.get("mode") == "async" else ""))
+        lines.append(f"rollout    {ro['engine']} {ro['version']}" + (f"  async, {_order(ro)}max_staleness {ro['max_staleness']}" if ro.get("mode") == "async" else ""))
     b = d["buffer"]
     lines.append(f"buffer     added {b['added']}  dropped {len(b['dropped'])}  consumed {len(b['consumed'])}")
     m = d["metrics"]
@@ -279,6 +285,10 @@ def render_step(d: dict) -> str:
     versions = sorted({s["policy_version"] for s in d["samples"]})
     for step, ids in (d.get("plans") or {}).items():
         lines.append(f"planned    step {step} will train on {len(ids)} samples" + (f" (generated here from policy version {versions[-1]})" if versions else ""))
+    req = d.get("requests")
+    if req:
+        again = f"; asked again {len(req['regenerated'])} groups in flight when the last process stopped (from their seeds)" if req["regenerated"] else ""
+        lines.append(f"asked      {len(req['groups'])} groups of the generator (rows {req['rows'][:8]}{' …' if len(req['rows']) > 8 else ''}){again}")
     for c in d["control"]:
         lines.append(f"control    {c.get('kind', c['type'])} {c.get('details', c.get('changed', ''))}")
     ev = d.get("eval")

@@ -10,6 +10,7 @@ pyarrow is needed for Parquet only (``pip install 'verlj[archive]'``); JSONL nee
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,55 @@ def sample_fates(ledger, start: int | None, stop: int | None) -> dict[int, tuple
                 for sid in np.asarray(e["ids"]).tolist():
                     fates[int(sid)] = (fate, record.step)
     return fates
+
+
+def group_accounting(ledger) -> dict | None:
+    """Async completion order: every group asked of the generator and what became of it, from the
+    records' small events (payloads not read); None for a run that never asked (sync, step order).
+
+    ``asked`` groups (``rows``: their dataset rows, in the order asked), ``arrived``, ``regenerated``
+    (asked again: in flight when a process stopped), ``in_flight`` (asked, not arrived),
+    ``trained``/``dropped``/``waiting`` in samples (dropped by reason), and the faults, each a list
+    that must be empty: ``arrived_twice``, ``arrived_unasked``, ``fate_twice`` (a sample consumed or
+    dropped twice), ``fate_unarrived`` (one that never arrived). Needs the run from its first step."""
+    starts: list[int] = []  # the groups asked, by id (ids are given in increasing order)
+    arrived: set[int] = set()
+    samples: set[int] = set()
+    fated: set[int] = set()
+    out = {"rows": [], "regenerated": 0, "trained": 0, "dropped": {}, "arrived_twice": [], "arrived_unasked": [],
+           "fate_twice": [], "fate_unarrived": []}
+    for record in ledger.journal.iter_steps(None, None, payload=False):
+        req = record.first("buffer.request")
+        if req is not None:
+            starts += np.asarray(req["groups"]).tolist()
+            out["rows"] += np.asarray(req["rows"]).tolist()
+            out["regenerated"] += len(np.asarray(req.get("regenerated", [])))
+        add = record.first("buffer.add")
+        for sid in np.asarray(add["ids"]).tolist() if add is not None else []:
+            samples.add(sid)
+            k = bisect.bisect_right(starts, sid) - 1
+            if k < 0:
+                out["arrived_unasked"].append(sid)
+            elif sid == starts[k]:  # a group's first sample
+                if sid in arrived:
+                    out["arrived_twice"].append(sid)
+                arrived.add(sid)
+        for kind in ("buffer.drop", "buffer.consume"):
+            for e in record.all(kind):
+                for sid in np.asarray(e["ids"]).tolist():
+                    if sid in fated:
+                        out["fate_twice"].append(sid)
+                    if sid not in samples:
+                        out["fate_unarrived"].append(sid)
+                    fated.add(sid)
+                    if kind == "buffer.consume":
+                        out["trained"] += 1
+                    else:
+                        out["dropped"][e["reason"]] = out["dropped"].get(e["reason"], 0) + 1
+    if not starts:
+        return None
+    out.update(asked=len(starts), arrived=len(arrived), in_flight=len(set(starts) - arrived), waiting=len(samples - fated))
+    return out
 
 
 def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[str]) -> Iterator[tuple[int, dict]]:

@@ -181,6 +181,8 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
         _verify_segments(report, run_dir, ledger)
         if jr is not None and ledger is not None:
             _verify_retention(report, run_dir, ledger, jr)
+            if jr.ok:
+                _verify_accounting(report, ledger)
     elif not single:
         raise NotAJournalError(f"{path} is not a verlj run (no journal/ inside)")
     else:
@@ -257,6 +259,35 @@ def _verify_retention(report: RunReport, run_dir: Path, ledger: Ledger, jr) -> N
         rows, size = sum(e["rows"] for e in entries), sum(e["bytes"] for e in entries)
         report.journal_lines.append(f"✓ Rollout archive: {len(entries)} files in {archive.ARCHIVE_DIR}/ (steps {entries[0]['first']}–"
                                     f"{entries[-1]['last']}, {rows} samples, {size / 2**20:.1f} MiB), digests verified")
+
+
+def _verify_accounting(report: RunReport, ledger: Ledger) -> None:
+    """Async completion order: every group asked arrived at most once, every sample was trained or
+    dropped at most once, and what waits is what the buffer held after the last step."""
+    from .rollouts import group_accounting
+
+    if ledger.base_step() > 0:
+        return
+    acc = group_accounting(ledger)
+    if acc is None:
+        return
+    last = ledger.journal.read_summary(ledger.last_step())
+    pending = int(last.metrics.get("buffer/pending", -1)) if last is not None else -1
+    faults = [f"{len(acc[k])} {what} (first: {acc[k][0]})" for k, what in (
+        ("arrived_twice", "groups arrived twice"), ("arrived_unasked", "samples arrived unasked"),
+        ("fate_twice", "samples trained or dropped twice"), ("fate_unarrived", "samples trained or dropped without arriving"))
+        if acc[k]]
+    if acc["waiting"] != pending:
+        faults.append(f"{acc['waiting']} samples wait by the journal's account but the buffer held {pending} after step {ledger.last_step()}")
+    dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(acc["dropped"].items())) or "0"
+    counts = (f"{acc['asked']} groups asked, {acc['arrived']} arrived ({acc['regenerated']} asked again after a stop), "
+              f"{acc['in_flight']} in flight; samples: {acc['trained']} trained, {dropped} dropped, {acc['waiting']} waiting")
+    if faults:
+        report.journal_ok = False
+        report.journal_lines.append(f"✗ rollout accounting (async completion order): {counts}; " + "; ".join(faults))
+    else:
+        report.journal_lines.append(f"✓ Rollout accounting (async completion order): {counts}; each group arrived once, "
+                                    "each sample was trained or dropped once at most")
 
 
 def _verify_one(report: RunReport, path: Path, index: dict, fps) -> None:

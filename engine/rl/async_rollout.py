@@ -8,9 +8,20 @@ copying the actor's current parameters into them while the generator is idle. Re
 travel over two pipes (no named semaphores, so a SIGKILL of the whole process group leaves nothing in
 /dev/shm). Nothing else is shared, and nothing is written to disk.
 
-What the trainer asks for is decided by ``Trainer.collect`` (deterministic step order: the batch of
-step s+k is generated from version s-1 while step s trains), so the generator needs no policy of its
+What the trainer asks for is decided by ``Trainer.collect``, so the generator needs no policy of its
 own: it generates what it is told, from the version it holds, and says which version that was.
+
+- Step order (``rollout.async_order=step``): one batch at a time (``submit``/``result``), the batch of
+  step s+k generated from version s-1 while step s trains.
+- Completion order (``rollout.async_order=completion``): the trainer queues groups (``ask``) and the
+  process works through the queue on its own, one group (one prompt, ``rollout.n`` samples) at a
+  time, sending each back as it completes (``arrived``).
+
+A push (``sync``) first pauses the process at the boundary of a group (or batch): every generation
+begun from the old version has then been sent back, so whatever is still queued starts from the new
+one. Trainer.finish_collect pushes before the step's commit, so a group in flight at a crash began
+(if at all) from the last committed version, the one a resume holds: generating it again from its
+seeds gives its original samples.
 
 The process ignores SIGINT and SIGTERM (the trainer finishes its step and stops it), and dies with
 the trainer (PR_SET_PDEATHSIG, and a parent check between requests). If it dies first, the trainer's
@@ -24,6 +35,7 @@ import atexit
 import os
 import signal
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -51,6 +63,7 @@ class GeneratorProcess(SamplerEngine):
         self.policy_version: int | None = None  # the version the process holds
         self.stale = True
         self._next = 0
+        self._arrivals: list[tuple] = []  # completion order: groups sent back, not yet taken by `arrived`
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -63,6 +76,7 @@ class GeneratorProcess(SamplerEngine):
         if self.proc is None:
             self._start(cfg, params, version)
         else:
+            self._call(("pause",), "paused")  # at a group's boundary: what began from the old version is sent back
             failpoint("async.push")
             with torch.no_grad():
                 for name, t in params:
@@ -125,9 +139,44 @@ class GeneratorProcess(SamplerEngine):
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
         return self.result(self.submit(prompts, seeds, cfg))
 
+    def ask(self, groups: list[tuple[int, np.ndarray, list[int]]], cfg: Config) -> None:
+        """Completion order: queue groups (group id, prompt, one seed per sample); they come back from
+        `arrived`, in the order the process completes them."""
+        if groups:
+            self.requests.send(("ask", [(int(g), np.asarray(p), list(seeds)) for g, p, seeds in groups], sampling_params(cfg)))
+
+    def arrived(self, wait: float) -> list[tuple]:
+        """Completion order: the groups completed since the last call, as (group, responses, log-probs,
+        version), waiting up to `wait` seconds for the first when none has."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                ready = self.results.poll(0 if self._arrivals else max(0.0, deadline - time.monotonic()))
+                reply = self.results.recv() if ready else None
+            except (EOFError, OSError):
+                self.proc.join(5)
+                reply = None
+            if reply is None:
+                if not self.proc.is_alive():
+                    self._died()
+                break
+            if reply[0] == "error":
+                raise RunError(f"the rollout generator process failed: {reply[1]}")
+            if reply[0] != "group":
+                raise RunError(f"the rollout generator process answered {reply[1]!r} unasked")
+            self._arrivals.append(reply[1:])
+        out, self._arrivals = self._arrivals, []
+        return out
+
     def _call(self, message: tuple, tag) -> tuple:
         self.requests.send(message)
         return self._wait(tag, None)
+
+    def _died(self):
+        code = self.proc.exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        raise RunError(f"the rollout generator process (pid {self.proc.pid}) {how}; every committed step is in "
+                       "the journal: `verlj train --resume` continues the run exactly") from None
 
     def _wait(self, tag, timeout: float | None) -> tuple:
         """The process's reply `tag`, waiting while it is alive; one sentence when it died or erred."""
@@ -140,15 +189,15 @@ class GeneratorProcess(SamplerEngine):
                 reply = None
             if reply is None:
                 if not self.proc.is_alive():
-                    code = self.proc.exitcode
-                    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-                    raise RunError(f"the rollout generator process (pid {self.proc.pid}) {how}; every committed step is in "
-                                   "the journal: `verlj train --resume` continues the run exactly") from None
+                    self._died()
                 if timeout is not None and time.monotonic() - start > timeout:
                     raise RunError(f"the rollout generator process (pid {self.proc.pid}) did not start within {timeout:.0f} s") from None
                 continue
             if reply[0] == "error":
                 raise RunError(f"the rollout generator process failed: {reply[1]}")
+            if reply[0] == "group":  # completion order: a group that completed before the reply awaited
+                self._arrivals.append(reply[1:])
+                continue
             if reply[1] != tag:
                 raise RunError(f"the rollout generator process answered {reply[1]!r} where {tag!r} was awaited")
             return reply
@@ -207,22 +256,39 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
     except Exception as e:  # noqa: BLE001 - reported to the trainer in one sentence
         results.send(("error", f"{type(e).__name__}: {e}"))
         return
+    queue: deque = deque()  # completion order: (group, prompt, seeds, params) asked, not begun
+    paused = False
     while True:
+        idle = paused or not queue
         try:
-            msg = requests.recv() if requests.poll(POLL_S) else None
+            msg = requests.recv() if requests.poll(POLL_S if idle else 0) else None
         except (EOFError, OSError):  # the trainer closed its end or died
             return
-        if msg is None:
-            if os.getppid() != parent:
-                return
-            continue
         try:
-            if msg[0] == "stop":
+            if msg is None:
+                if idle:
+                    if os.getppid() != parent:
+                        return
+                    continue
+                group, prompt, seeds, params = queue.popleft()  # one group, from the version held now
+                prompts = [prompt] * len(seeds)
+                if llm is not None:
+                    responses, logps = vllm_engine.generate_llm(llm, prompts, seeds, params, eos_id)
+                else:
+                    responses, logps = sample_seeded(model, prompts, seeds, params, eos_id, pad_id, device)
+                failpoint("generator.before_reply")
+                results.send(("group", group, responses, logps, version))
+            elif msg[0] == "stop":
                 return
-            if msg[0] == "version":  # the trainer has copied new weights in: they are this version
+            elif msg[0] == "ask":
+                queue.extend((g, p, seeds, msg[2]) for g, p, seeds in msg[1])
+            elif msg[0] == "pause":  # between two groups: nothing is begun from the version held
+                paused = True
+                results.send(("ok", "paused"))
+            elif msg[0] == "version":  # the trainer has copied new weights in: they are this version
                 if llm is not None:
                     vllm_engine.push_llm(llm, names, list(weights.items()))
-                version = msg[1]
+                version, paused = msg[1], False
                 results.send(("ok", "push"))
             elif msg[0] == "generate":
                 _, tag, prompts, seeds, params, want = msg

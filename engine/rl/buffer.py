@@ -9,15 +9,24 @@ from .samples import pack, unpack
 
 
 class RolloutBuffer:
-    """Samples waiting for an update, in arrival order, and (async rollout) the plans: which of them
-    each future step will train on, decided when its batch was generated. Stateful."""
+    """Samples waiting for an update, in arrival order; (async rollout, step order) the plans: which of
+    them each future step will train on, decided when its batch was generated; (completion order) the
+    requests: groups asked of the generator whose samples have not arrived. Stateful."""
 
-    VERSION = 2  # 2: plans
+    VERSION = 3  # 2: plans; 3: requests
 
     def __init__(self):
         self.samples: dict[int, dict] = {}
         self.next_id = 0
         self.plans: dict[int, np.ndarray] = {}  # step -> the sample ids it will consume (async rollout)
+        self.requests: dict[int, int] = {}  # completion order: group (its first sample id) -> dataset row, in order asked
+
+    def request(self, groups, rows, group_size: int) -> None:
+        """Groups asked of the generator: their samples will have ids group .. group + group_size - 1."""
+        for g, row in zip(groups, rows):
+            assert int(g) not in self.requests, f"group {g} requested twice"
+            self.requests[int(g)] = int(row)
+            self.next_id = max(self.next_id, int(g) + group_size)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -27,6 +36,7 @@ class RolloutBuffer:
             assert s["id"] not in self.samples, f"sample {s['id']} added twice"
             self.samples[s["id"]] = s
             self.next_id = max(self.next_id, s["id"] + 1)
+            self.requests.pop(s["group"], None)
 
     def drop(self, ids) -> None:
         for i in ids:
@@ -63,10 +73,12 @@ class RolloutBuffer:
     def state_dict(self) -> dict:
         steps = sorted(self.plans)
         return {"version": self.VERSION, "next_id": self.next_id, "samples": pack(list(self.samples.values())),
-                "plan_steps": steps, "plans": [self.plans[s] for s in steps]}
+                "plan_steps": steps, "plans": [self.plans[s] for s in steps],
+                "request_groups": np.asarray(list(self.requests), np.int64), "request_rows": np.asarray(list(self.requests.values()), np.int64)}
 
     def load_state_dict(self, state: dict) -> None:
         state = check_version("rollout buffer", state, self.VERSION, oldest=1)
         self.samples = {s["id"]: s for s in unpack(state["samples"])}
         self.next_id = int(state["next_id"])
         self.plans = {int(s): np.asarray(ids, dtype=np.int64) for s, ids in zip(state.get("plan_steps", []), state.get("plans", []))}
+        self.requests = {int(g): int(r) for g, r in zip(state.get("request_groups", []), state.get("request_rows", []))}

@@ -62,7 +62,8 @@ class StepInputs:
     engine: dict = field(default_factory=dict)  # the rollout engine that generated: {"name", "version"}
     plans: dict[int, np.ndarray] = field(default_factory=dict)  # async: step -> the ids it will train on
     stale: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # async: ids dropped as too stale for any later step
-    mode: dict = field(default_factory=dict)  # async: {"mode": "async", "max_staleness": k}; sync: {}
+    mode: dict = field(default_factory=dict)  # async: {"mode": "async", "max_staleness": k[, "async_order": "completion"]}; sync: {}
+    requests: dict = field(default_factory=dict)  # completion order: {"groups", "rows", "regenerated"} (np.int64[] each)
     admitted: bool = False  # live: collect has put the batches into the buffer already (not journaled)
 
     def events(self) -> list[dict]:
@@ -76,6 +77,9 @@ class StepInputs:
         ]
         if self.mode:
             out.append(make_event("buffer.drop", ids=self.stale, reason="stale"))
+            if self.mode.get("async_order") == "completion":
+                out.append(make_event("buffer.request", **self.requests))
+                return out
             steps = sorted(self.plans)
             out.append(make_event("buffer.plan", steps=np.asarray(steps, np.int64),
                                   counts=np.asarray([len(self.plans[j]) for j in steps], np.int64),
@@ -85,7 +89,7 @@ class StepInputs:
     @classmethod
     def from_record(cls, record: StepRecord) -> StepInputs:
         """A journaled step's inputs, as `apply` takes them (replay)."""
-        data, rollout, plan = record.first("data"), record.first("rollout"), record.first("buffer.plan")
+        data, rollout, plan, asked = record.first("data"), record.first("rollout"), record.first("buffer.plan"), record.first("buffer.request")
         plans = {}
         if plan is not None:
             ends = np.cumsum(plan["counts"])
@@ -102,7 +106,8 @@ class StepInputs:
             consumed=record.first("buffer.consume")["ids"],
             engine={"name": rollout["engine"], "version": rollout["version"]} if rollout is not None else {},
             plans=plans,
-            mode={k: rollout[k] for k in ("mode", "max_staleness") if k in rollout} if rollout is not None else {},
+            mode={k: rollout[k] for k in ("mode", "max_staleness", "async_order") if k in rollout} if rollout is not None else {},
+            requests={k: np.asarray(asked[k], np.int64) for k in ("groups", "rows", "regenerated")} if asked is not None else {},
         )
 
 
@@ -128,6 +133,18 @@ class Production:
 
 
 @dataclass
+class Flow:
+    """Completion order: what one step's collect saw of the free-running generator."""
+
+    asked: list = field(default_factory=list)  # (group, row) asked this step, in order
+    regenerated: list = field(default_factory=list)  # groups asked again: in flight when the last process stopped
+    added: list = field(default_factory=list)  # samples arrived, in arrival order
+    dropped: list = field(default_factory=list)  # ids of zero-variance groups (dynamic sampling)
+    stale: list = field(default_factory=list)  # ids of waiting groups more than k versions behind
+    rounds: int = 0  # rounds of prompts_per_step prompts asked
+
+
+@dataclass
 class StepOutcome:
     metrics: dict[str, float]
     fingerprint: str
@@ -138,6 +155,9 @@ class StepOutcome:
     def events(self) -> list[dict]:
         return [make_event("metrics", values=self.metrics), make_event("state", fingerprint=self.fingerprint, parts=self.parts),
                 make_event("stages", **self.stages)]
+
+
+ARRIVAL_POLL_S = 0.5  # completion order: how long one wait for the generator's groups lasts before the ranks compare
 
 
 def is_timing(name: str) -> bool:
@@ -187,6 +207,8 @@ class Trainer:
         self.actor = ActorWorker(actor_model, cfg, rt)
         self.rollout: RolloutEngine | None = None  # built by the first live collect (replay never generates)
         self._inflight: Production | None = None  # async: the batch generating while the update runs
+        self._flow: Flow | None = None  # completion order: this step's arrivals and asks
+        self._resumed_asks = False  # completion order: the groups asked and not arrived were asked again of this process's generator
         self.critic = None
         if cfg.algorithm.name == "ppo":
             path = cfg.model.critic.model_name_or_path or cfg.model.actor.model_name_or_path
@@ -294,6 +316,10 @@ class Trainer:
         self.rollout.sync(cfg, version)  # vLLM, the async generator: started at the first live step, then the last update pushed
         timings = {"timing_s/weight_sync": time.perf_counter() - t, "timing_s/gen": 0.0, "timing_s/reward": 0.0}
         made: list[Production] = []
+        if cfg.rollout.free_running:
+            self._made, self._timings, self._seeds = made, timings, seeds
+            self._consumed = self._collect_free(step, timings)
+            return self._inputs()
         if k == 0:
             made.append(self._admit(self._finish(self._start(step, version), timings), planned=False))
             consumed = made[0].plan
@@ -308,7 +334,15 @@ class Trainer:
 
     def finish_collect(self, step: int, inputs: StepInputs) -> StepInputs:
         """Async mode, after the update: wait for the batch `collect` started, score it, admit it and
-        plan it; the step's inputs then include it. Sync mode: `inputs` as they are. Collective."""
+        plan it; the step's inputs then include it. Completion order: push the new weights (the
+        generator pauses at a group's boundary first) and take in what arrived. Sync mode: `inputs` as
+        they are. Collective."""
+        if self.cfg.rollout.free_running:
+            t = time.perf_counter()
+            self.rollout.sync(self.cfg, step)  # before the commit: a group in flight at a crash began from a committed version
+            self._timings["timing_s/weight_sync"] += time.perf_counter() - t
+            self._receive(0.0)
+            return self._inputs()
         if self._inflight is None:
             return inputs
         self._made.append(self._admit(self._finish(self._inflight, self._timings), planned=True))
@@ -316,6 +350,8 @@ class Trainer:
         return self._inputs()
 
     def _inputs(self) -> StepInputs:
+        if self.cfg.rollout.free_running:
+            return self._flow_inputs()
         made, cfg = self._made, self.cfg
         added = [s for p in made for s in p.added]
         drawn = [i for p in made for i in p.drawn]
@@ -466,17 +502,131 @@ class Trainer:
             groups.pop()
         return np.asarray([i for g in groups for i in g], dtype=np.int64)
 
+    # ================================================================== async, completion order
+
+    def _collect_free(self, step: int, timings: dict) -> np.ndarray:
+        """rollout.async_order=completion: the generator works through the groups asked of it on its
+        own; the step takes the first prompts_per_step groups that have arrived, in arrival order,
+        dropping those more than k versions behind it. Arrivals enter the buffer (and this step's
+        record) as they come; the step asks for more when what waits and what is asked cannot fill
+        it, then asks for the next k rounds, which generate while it trains. A process's first step
+        asks again for every group the journal shows asked and not arrived (in flight when the last
+        process stopped), from its original seeds. Collective."""
+        cfg, P = self.cfg, self.cfg.data.prompts_per_step
+        self._flow = flow = Flow()
+        if not self._resumed_asks:
+            flow.regenerated = list(self.buffer.requests)
+            self._ask(list(self.buffer.requests.items()))
+            self._resumed_asks = True
+        oldest = max(0, step - 1 - cfg.rollout.staleness)
+        wait = 0.0
+        while True:
+            self._receive(wait)
+            stale = [i for ids in self.buffer.groups().values() if self.buffer.samples[ids[0]]["policy_version"] < oldest for i in ids]
+            self.buffer.drop(stale)
+            flow.stale += stale
+            waiting = len(self.buffer.groups())
+            if waiting >= P:
+                break
+            if waiting + len(self.buffer.requests) < P and flow.rounds < cfg.algorithm.max_sampling_rounds:
+                self._ask_round(step)
+            elif not self.buffer.requests:
+                break  # dynamic sampling drew its rounds: the step trains on what it has
+            wait = ARRIVAL_POLL_S if self.rt.world_size == 1 else ARRIVAL_POLL_S / 10  # ranks gather as often
+        consumed = self._choose_consumed([], set())
+        ahead = len(self.buffer.groups()) - len({int(self.buffer.samples[int(i)]["group"]) for i in consumed})
+        while ahead + len(self.buffer.requests) + P <= cfg.rollout.staleness * P:  # k rounds ahead
+            self._ask_round(step)
+        return consumed
+
+    def _ask_round(self, step: int) -> None:
+        """Draw prompts_per_step prompts and ask the generator for their groups: each group's samples
+        get their ids now, and their seeds from the group's id."""
+        cfg, n = self.cfg, self.cfg.rollout.n
+        rows = self.sampler.draw(cfg.data.prompts_per_step)
+        groups = [self.buffer.next_id + q * n for q in range(len(rows))]
+        self.buffer.request(groups, rows, n)
+        self._flow.asked += list(zip(groups, rows.tolist()))
+        self._flow.rounds += 1
+        self._ask(list(zip(groups, rows.tolist())))
+
+    def _ask(self, groups: list[tuple[int, int]]) -> None:
+        """Ask this rank's generator for its share of `groups` (group, row): the q-th goes to rank q mod dp."""
+        cfg, n, dp = self.cfg, self.cfg.rollout.n, self.rt.dp_size
+        self.rollout.ask([(g, self.prompt_ids[r], [derive_seed(cfg.trainer.seed, 0, "rollout/group", g, j) for j in range(n)])
+                          for q, (g, r) in enumerate(groups) if q % dp == self.rt.dp_rank], cfg)
+
+    def _receive(self, wait: float) -> None:
+        """Take in the groups every rank's generator sent back (rank order, then arrival order): score
+        them, add their reference log-probs, and admit them; dynamic sampling drops the groups whose
+        rewards do not vary. Collective."""
+        cfg, n = self.cfg, self.cfg.rollout.n
+        t = time.perf_counter()
+        arrived = [a for got in self.rt.all_gather_obj(self.rollout.arrived(wait)) for a in got]
+        self._timings["timing_s/gen"] += time.perf_counter() - t  # the wait the update did not cover
+        if not arrived:
+            return
+        t = time.perf_counter()
+        new = []
+        for g, responses, logps, version in arrived:
+            g, row = int(g), self.buffer.requests[int(g)]
+            got = self._score([row], n, [self.prompt_ids[row]] * n, list(responses), list(logps))
+            for j, smp in enumerate(got):
+                smp.update(id=g + j, group=g, policy_version=int(version))
+            new += got
+        self._timings["timing_s/reward"] += time.perf_counter() - t
+        t = time.perf_counter()
+        self._reference_logprobs(new)
+        self._timings["timing_s/ref"] = self._timings.get("timing_s/ref", 0.0) + time.perf_counter() - t
+        dropped = []
+        if cfg.algorithm.dynamic_sampling:
+            for g in range(0, len(new), n):
+                scores = [smp["score"] for smp in new[g : g + n]]
+                if max(scores) == min(scores):
+                    dropped += [smp["id"] for smp in new[g : g + n]]
+        self.buffer.admit(new, dropped, {})
+        self._flow.added += new
+        self._flow.dropped += dropped
+        failpoint("async.admit")
+
+    def _flow_inputs(self) -> StepInputs:
+        flow, cfg = self._flow, self.cfg
+        self._timings["sampling/rounds"] = float(flow.rounds)
+        self._timings["sampling/dropped_groups"] = float(len(flow.dropped) // cfg.rollout.n)
+        self._timings["rollout/regenerated_groups"] = float(len(flow.regenerated))
+        ids = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+        return StepInputs(
+            seeds=self._seeds,
+            epoch=self.sampler.epoch,
+            cursor=self.sampler.cursor,
+            indices=ids([r for _, r in flow.asked]),
+            rounds=flow.rounds,
+            added=sample_codec.pack(flow.added),
+            dropped=ids(flow.dropped),
+            consumed=self._consumed,
+            timings=self._timings,
+            engine={"name": self.rollout.name, "version": self.rollout.version},
+            stale=ids(flow.stale),
+            mode={"mode": "async", "max_staleness": cfg.rollout.staleness, "async_order": "completion"},
+            requests={"groups": ids([g for g, _ in flow.asked]), "rows": ids([r for _, r in flow.asked]), "regenerated": ids(flow.regenerated)},
+            admitted=True,
+        )
+
     # ================================================================== buffer: shared by live and replay
 
     def take(self, step: int, inputs: StepInputs) -> list[dict]:
         """Apply the step's buffer changes (add, drop, plan: unless a live collect did; then consume)
         and return the consumed samples."""
         if not inputs.admitted:  # replay: the journaled batches enter the buffer as they did live
+            if inputs.requests:
+                self.buffer.request(inputs.requests["groups"], inputs.requests["rows"], self.cfg.rollout.n)
             self.buffer.admit(sample_codec.unpack(inputs.added), np.concatenate([inputs.dropped, inputs.stale]), inputs.plans)
         planned = self.buffer.plans.pop(step, None)
         if planned is not None:
             if not np.array_equal(planned, inputs.consumed):
                 raise ReplayError(f"step {step} consumes other samples than the plan made when its batch was generated")
+            failpoint("async.consume")
+        elif inputs.requests:
             failpoint("async.consume")
         samples = self.buffer.consume(inputs.consumed)
         self.train_state.step = step
@@ -668,7 +818,10 @@ class Trainer:
     def buffer_metrics(self) -> dict[str, float]:
         """The buffer once the step is done (async: with the batch generated during the update):
         live steps read it after finish_collect, replay after apply."""
-        return {"buffer/pending": float(len(self.buffer))}
+        out = {"buffer/pending": float(len(self.buffer))}
+        if self.cfg.rollout.free_running:
+            out["buffer/requested_groups"] = float(len(self.buffer.requests))
+        return out
 
     # ================================================================== Stateful parts
 

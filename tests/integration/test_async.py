@@ -191,8 +191,10 @@ def test_tensor_parallel_ranks_generate_what_one_rank_does_and_resume_exactly(tm
 @pytest.mark.parametrize("over, says", [
     (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.max_staleness must be an integer of at least 1, got 0"),
     (["rollout.max_staleness=2"], "rollout.max_staleness applies to rollout.mode=async only"),
-    (["rollout.mode=async", "rollout.async_order=fifo"], "rollout.async_order must be one of step"),
-    (["rollout.mode=async", "rollout.async_order=completion"], "rollout.async_order=completion is not available yet"),
+    (["rollout.mode=async", "rollout.async_order=fifo"], "rollout.async_order must be one of step, completion"),
+    (["rollout.mode=async", "rollout.async_order=completion", "distributed.tensor_parallel_size=2"],
+     "rollout.async_order=completion does not combine with tensor parallelism yet"),
+    (["rollout.async_order=completion"], "rollout.async_order applies to rollout.mode=async only"),
     (["rollout.mode=turbo"], "rollout.mode must be one of sync, async"),
 ])
 def test_bad_async_values_end_in_one_line_and_write_nothing(tmp_path, over, says):
@@ -208,7 +210,7 @@ def test_mode_and_staleness_are_fixed_for_a_run(tmp_path, reference):
     run = tmp_path / "run"
     shutil.copytree(reference, run, symlinks=True)
     before = fingerprints(run)
-    for change in ("rollout.mode=sync", "rollout.max_staleness=3"):
+    for change in ("rollout.mode=sync", "rollout.max_staleness=3", "rollout.async_order=completion"):
         out = train(run, *ASYNC, change, "trainer.total_steps=8", resume=True)
         assert out.returncode == 2 and change.split("=")[0] in out.stderr and out.stderr.count("\n") == 1, out.stderr
     assert fingerprints(run) == before
