@@ -301,7 +301,7 @@ class Trainer:
         Async mode (k = rollout.max_staleness) has the batch of step s planned already; it starts
         generating the batch of step s+k from version s-1 (k = 1: verl's one-step-off-policy), which
         `finish_collect` waits for once the update is done. Step 1 first generates batches 1..k (all
-        from version 0: the staleness of step s is min(k, s-1))."""
+        from version 0: the staleness of step s is min(k, s-1)). Completion order: see `_collect_free`."""
         cfg, rt = self.cfg, self.rt
         k = cfg.rollout.staleness
         seeds = {

@@ -106,9 +106,23 @@ def test_buffer_plans_hide_planned_samples_and_survive_a_snapshot():
     v1 = RolloutBuffer()
     v1.load_state_dict(unpackb(packb(old)))
     assert v1.plans == {} and {s["policy_version"] for s in v1.samples.values()} == {-1} and len(v1) == 8
-    old["version"] = 3
-    with pytest.raises(SnapshotError, match="version 3"):
+    old["version"] = RolloutBuffer.VERSION + 1
+    with pytest.raises(SnapshotError, match=f"version {RolloutBuffer.VERSION + 1}"):
         RolloutBuffer().load_state_dict(old)
+
+
+def test_buffer_requests_leave_as_their_groups_arrive_and_survive_a_snapshot():
+    """Completion order: the groups asked and not arrived are the buffer's, in the order asked."""
+    buf = RolloutBuffer()
+    buf.request([0, 2, 4], [7, 3, 9], group_size=2)
+    assert buf.next_id == 6 and list(buf.requests.items()) == [(0, 7), (2, 3), (4, 9)]
+    buf.add([{**sample(i, 2, 3), "group": 2} for i in (2, 3)])
+    assert list(buf.requests) == [0, 4] and len(buf) == 2
+    with pytest.raises(AssertionError, match="requested twice"):
+        buf.request([0], [1], group_size=2)
+    other = RolloutBuffer()
+    other.load_state_dict(unpackb(packb(buf.state_dict())))
+    assert other.requests == buf.requests and list(other.requests) == [0, 4] and other.next_id == 6 and other.groups() == buf.groups()
 
 
 def test_held_out_prompts_are_never_trained_on_and_the_identity_is_the_rows(tmp_path):
