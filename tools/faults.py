@@ -28,12 +28,17 @@ samples, metrics other than timings, and fingerprint). Kinds:
   two-writers  two trainers on one shipped run from two local directories, the second started at a
                random moment, with or without --resume: refused (one line naming the live writer,
                the run's files untouched, the first run exact) | NOT REFUSED | TOUCHED | NOT EXACT
-  async        rollout.mode=async (step order, max_staleness 1 or 4; the generator on verlj's sampler, or
-               on vLLM with --async-engine vllm): SIGKILL of the trainer's process
-               group or of the trainer alone at a random moment, at a failpoint of generator start /
-               admit / push / consume / commit, or of the generator process alone; then `--resume`
-               until the target step. exact (and, counted against the uninterrupted run: completed
-               samples lost, prompts trained more or fewer times) | NOT EXACT
+  async        rollout.mode=async (max_staleness 1 or 4; --async-order step, completion or both, which
+               alternates; the generator on verlj's sampler, or on vLLM with --async-engine vllm):
+               SIGKILL of the trainer's process group or of the trainer alone at a random moment, at
+               a failpoint of generator start / admit / push / consume / commit, or of the generator
+               process alone; then `--resume` until the target step. Step order: exact (bit-identical
+               to the uninterrupted run; completed samples lost, prompts trained more or fewer times,
+               counted against it) | NOT EXACT. Completion order (the generator slowed, so groups are
+               in flight at every commit): exact when no committed step changed, `verify --deep`
+               passes (every fingerprint replayed, every group accounted for), the prompts were asked
+               in the dataset's order, and the groups asked again after a kill carry the version the
+               resume held | NOT EXACT
   bitflip      silent data corruption: one mantissa bit flipped in the actor's gradients (before the
                optimizer step) or in its parameters (after the update) during one step of a clean run
                (ZeRO 0-3, failpoints update.grads / update.params); then `verlj rerun` over every step.
