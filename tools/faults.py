@@ -298,8 +298,8 @@ def async_trial(root: Path, refs: dict[int, Path], rng: random.Random, n: int, c
     return Trial("async", n, what, "exact" if same else "NOT EXACT", note)
 
 
-# completion order: the generator slowed so that groups are in flight at every commit
-SLOW_GENERATOR = "generator.before_reply:1:sleep-each=0.05"
+# completion order: the generator slowed (below the trainer) so that groups are queued at every commit
+SLOW_GENERATOR = "generator.before_reply:1:sleep-each=0.3"
 
 
 def completion_trial(root: Path, rng: random.Random, n: int, counts: Counter) -> Trial:

@@ -13,15 +13,16 @@ own: it generates what it is told, from the version it holds, and says which ver
 
 - Step order (``rollout.async_order=step``): one batch at a time (``submit``/``result``), the batch of
   step s+k generated from version s-1 while step s trains.
-- Completion order (``rollout.async_order=completion``): the trainer queues groups (``ask``) and the
-  process works through the queue on its own, one group (one prompt, ``rollout.n`` samples) at a
-  time, sending each back as it completes (``arrived``).
+- Completion order (``rollout.async_order=completion``): the trainer queues groups (``ask``: one
+  prompt, ``rollout.n`` samples each) and the process works through the queue on its own, taking
+  what is queued (up to a rank's share of a step) as one batch, and sends each group back as its
+  batch completes (``arrived``).
 
-A push (``sync``) first pauses the process at the boundary of a group (or batch): every generation
-begun from the old version has then been sent back, so whatever is still queued starts from the new
-one. Trainer.finish_collect pushes before the step's commit, so a group in flight at a crash began
-(if at all) from the last committed version, the one a resume holds: generating it again from its
-seeds gives its original samples.
+A push (``sync``) first pauses the process at a batch's boundary: every generation begun from the
+old version has then been sent back, so whatever is still queued starts from the new one.
+Trainer.finish_collect pushes before the step's commit, so a group in flight at a crash began (if at
+all) from the last committed version, the one a resume holds, which generates it again from its
+seeds (in a batch that timing composes: the same version and seeds, not necessarily the same bits).
 
 The process ignores SIGINT and SIGTERM (the trainer finishes its step and stops it), and dies with
 the trainer (PR_SET_PDEATHSIG, and a parent check between requests). If it dies first, the trainer's
@@ -139,11 +140,13 @@ class GeneratorProcess(SamplerEngine):
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
         return self.result(self.submit(prompts, seeds, cfg))
 
-    def ask(self, groups: list[tuple[int, np.ndarray, list[int]]], cfg: Config) -> None:
+    def ask(self, groups: list[tuple[int, np.ndarray, list[int]]], cfg: Config, batch_groups: int) -> None:
         """Completion order: queue groups (group id, prompt, one seed per sample); they come back from
-        `arrived`, in the order the process completes them."""
+        `arrived`, in the order the process completes them. It generates up to `batch_groups` queued
+        groups together, as one batch from one version."""
         if groups:
-            self.requests.send(("ask", [(int(g), np.asarray(p), list(seeds)) for g, p, seeds in groups], sampling_params(cfg)))
+            self.requests.send(("ask", [(int(g), np.asarray(p), list(seeds)) for g, p, seeds in groups], sampling_params(cfg),
+                                batch_groups))
 
     def arrived(self, wait: float) -> list[tuple]:
         """Completion order: the groups completed since the last call, as (group, responses, log-probs,
@@ -257,6 +260,7 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
         results.send(("error", f"{type(e).__name__}: {e}"))
         return
     queue: deque = deque()  # completion order: (group, prompt, seeds, params) asked, not begun
+    batch_groups = 1  # completion order: the most groups generated together (one batch: one version)
     paused = False
     while True:
         idle = paused or not queue
@@ -270,18 +274,25 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
                     if os.getppid() != parent:
                         return
                     continue
-                group, prompt, seeds, params = queue.popleft()  # one group, from the version held now
-                prompts = [prompt] * len(seeds)
+                batch = [queue.popleft() for _ in range(min(len(queue), batch_groups))]  # from the version held now
+                prompts = [p for _, p, seeds, _ in batch for _ in seeds]
+                seeds = [x for _, _, seeds, _ in batch for x in seeds]
+                params = batch[-1][3]
                 if llm is not None:
                     responses, logps = vllm_engine.generate_llm(llm, prompts, seeds, params, eos_id)
                 else:
                     responses, logps = sample_seeded(model, prompts, seeds, params, eos_id, pad_id, device)
                 failpoint("generator.before_reply")
-                results.send(("group", group, responses, logps, version))
+                at = 0
+                for group, _, group_seeds, _ in batch:
+                    n = len(group_seeds)
+                    results.send(("group", group, responses[at : at + n], logps[at : at + n], version))
+                    at += n
             elif msg[0] == "stop":
                 return
             elif msg[0] == "ask":
                 queue.extend((g, p, seeds, msg[2]) for g, p, seeds in msg[1])
+                batch_groups = msg[3]
             elif msg[0] == "pause":  # between two groups: nothing is begun from the version held
                 paused = True
                 results.send(("ok", "paused"))

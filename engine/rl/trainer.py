@@ -554,7 +554,7 @@ class Trainer:
         """Ask this rank's generator for its share of `groups` (group, row): the q-th goes to rank q mod dp."""
         cfg, n, dp = self.cfg, self.cfg.rollout.n, self.rt.dp_size
         self.rollout.ask([(g, self.prompt_ids[r], [derive_seed(cfg.trainer.seed, 0, "rollout/group", g, j) for j in range(n)])
-                          for q, (g, r) in enumerate(groups) if q % dp == self.rt.dp_rank], cfg)
+                          for q, (g, r) in enumerate(groups) if q % dp == self.rt.dp_rank], cfg, max(1, cfg.data.prompts_per_step // dp))
 
     def _receive(self, wait: float) -> None:
         """Take in the groups every rank's generator sent back (rank order, then arrival order): score
