@@ -264,28 +264,39 @@ ASYNC_POINTS = {"async.start": 1, "async.admit": TARGET, "async.push": TARGET - 
                 "journal.before_commit": TARGET}
 
 
-def async_trial(root: Path, refs: dict[int, Path], rng: random.Random, n: int, counts: Counter) -> Trial:
-    k = rng.choice(sorted(refs))
-    over = [*ASYNC, f"rollout.max_staleness={k}"]
-    run = root / f"async{n}"
+def async_kills(run: Path, over: list[str], rng: random.Random, label: str, slow: str = "", each=lambda: None) -> tuple[str, str | None]:
+    """An async trial's kills: random SIGKILLs of the trainer (alone or with its generator), one at a
+    failpoint, or the generator's alone (`slow`: a failpoint spec slowing the generator meanwhile;
+    `each` runs after each kill). Returns what was done, and why the trial failed already, if it did."""
+    slowed = {"VERLJ_FAILPOINT": slow} if slow else {}
     mode = rng.choice(["group", "trainer", "failpoint", "failpoint", "generator"])
     if mode in ("group", "trainer"):
         kills = rng.randint(1, 2)
         for _ in range(kills):
-            kill_at_random(run, rng, *over, group=mode == "group")
-        what = f"k={k}: {kills} random SIGKILL(s) of the " + ("trainer and its generator" if mode == "group" else "trainer alone")
-    elif mode == "failpoint":
+            kill_at_random(run, rng, *over, group=mode == "group", **slowed)
+            each()
+        return f"{label}: {kills} random SIGKILL(s) of the " + ("trainer and its generator" if mode == "group" else "trainer alone"), None
+    if mode == "failpoint":
         point = rng.choice(sorted(ASYNC_POINTS))
         count = rng.randint(1, ASYNC_POINTS[point])
-        out = train(run, *over, VERLJ_FAILPOINT=f"{point}:{count}")
-        what = f"k={k}: SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
-    else:
-        count = rng.randint(1, TARGET)
-        out = train(run, *over, VERLJ_FAILPOINT=f"generator.before_reply:{count}")
-        stopped = out.returncode == 1 and "the rollout generator process" in out.stderr and clean_error(out)
-        what = f"k={k}: SIGKILL of the generator at its reply {count}" + ("" if out.returncode else " (not reached)")
-        if out.returncode and not stopped:
-            return Trial("async", n, what, "NOT EXACT", "the run did not stop in one clear line: " + out.stderr[-300:])
+        out = train(run, *over, VERLJ_FAILPOINT=",".join(filter(None, [slow, f"{point}:{count}"])))
+        each()
+        return f"{label}: SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)"), None
+    count = rng.randint(1, TARGET)
+    out = train(run, *over, VERLJ_FAILPOINT=f"generator.before_reply:{count}")  # one entry a failpoint: not slowed here
+    each()
+    what = f"{label}: SIGKILL of the generator at its reply {count}" + ("" if out.returncode else " (not reached)")
+    stopped = out.returncode == 1 and "the rollout generator process" in out.stderr and clean_error(out)
+    return what, ("the run did not stop in one clear line: " + out.stderr[-300:]) if out.returncode and not stopped else None
+
+
+def async_trial(root: Path, refs: dict[int, Path], rng: random.Random, n: int, counts: Counter) -> Trial:
+    k = rng.choice(sorted(refs))
+    over = [*ASYNC, f"rollout.max_staleness={k}"]
+    run = root / f"async{n}"
+    what, failed = async_kills(run, over, rng, f"k={k}")
+    if failed:
+        return Trial("async", n, what, "NOT EXACT", failed)
     out = resume_until_done(run, *over)
     if out is None or out.returncode != 0:
         return Trial("async", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
@@ -310,28 +321,17 @@ def completion_trial(root: Path, rng: random.Random, n: int, counts: Counter) ->
     k = rng.choice([1, 4])
     over = [*ASYNC, f"rollout.max_staleness={k}", "rollout.async_order=completion"]
     run = root / f"completion{n}"
-    mode = rng.choice(["group", "trainer", "failpoint", "failpoint", "generator"])
     kept: dict[int, str] = {}
-    if mode in ("group", "trainer"):
-        kills = rng.randint(1, 2)
-        for _ in range(kills):
-            kill_at_random(run, rng, *over, group=mode == "group", VERLJ_FAILPOINT=SLOW_GENERATOR)
-            kept = _kept(run, kept)
-        what = f"completion k={k}: {kills} random SIGKILL(s) of the " + ("trainer and its generator" if mode == "group" else "trainer alone")
-    elif mode == "failpoint":
-        point = rng.choice(sorted(ASYNC_POINTS))
-        count = rng.randint(1, ASYNC_POINTS[point])
-        out = train(run, *over, VERLJ_FAILPOINT=f"{SLOW_GENERATOR},{point}:{count}")
-        what = f"completion k={k}: SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
-        kept = _kept(run, kept)
-    else:
-        count = rng.randint(1, TARGET * 2)
-        out = train(run, *over, VERLJ_FAILPOINT=f"{SLOW_GENERATOR},generator.before_reply:{count}")
-        stopped = out.returncode == 1 and "the rollout generator process" in out.stderr and clean_error(out)
-        what = f"completion k={k}: SIGKILL of the generator at its group {count}" + ("" if out.returncode else " (not reached)")
-        if out.returncode and not stopped:
-            return Trial("async", n, what, "NOT EXACT", "the run did not stop in one clear line: " + out.stderr[-300:])
-        kept = _kept(run, kept)
+
+    def keep() -> None:
+        kept.update(_kept(run, kept))
+
+    try:
+        what, failed = async_kills(run, over, rng, f"completion k={k}", slow=SLOW_GENERATOR, each=keep)
+    except AssertionError as e:  # a committed step changed
+        return Trial("async", n, f"completion k={k}", "NOT EXACT", str(e))
+    if failed:
+        return Trial("async", n, what, "NOT EXACT", failed)
     out = resume_until_done(run, *over, VERLJ_FAILPOINT=SLOW_GENERATOR)
     if out is None or out.returncode != 0:
         return Trial("async", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
