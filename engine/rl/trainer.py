@@ -242,6 +242,7 @@ class Trainer:
         if self.rollout is not None and cfg.rollout.engine != self.rollout.name:
             self.rollout.close()
             self.rollout = None
+            self._resumed_asks = False  # a new generator: what the old one was asked must be asked again
         self.cfg = cfg
         self.actor.set_config(cfg)
         if self.critic is not None:
@@ -335,7 +336,7 @@ class Trainer:
     def finish_collect(self, step: int, inputs: StepInputs) -> StepInputs:
         """Async mode, after the update: wait for the batch `collect` started, score it, admit it and
         plan it; the step's inputs then include it. Completion order: push the new weights (the
-        generator pauses at a group's boundary first) and take in what arrived. Sync mode: `inputs` as
+        generator pauses at a batch's boundary first) and take in what arrived. Sync mode: `inputs` as
         they are. Collective."""
         if self.cfg.rollout.free_running:
             t = time.perf_counter()
