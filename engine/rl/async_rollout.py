@@ -77,7 +77,7 @@ class GeneratorProcess(SamplerEngine):
         if self.proc is None:
             self._start(cfg, params, version)
         else:
-            self._call(("pause",), "paused")  # at a group's boundary: what began from the old version is sent back
+            self._call(("pause",), "paused")  # at a batch's boundary: what began from the old version is sent back
             failpoint("async.push")
             with torch.no_grad():
                 for name, t in params:
@@ -152,19 +152,7 @@ class GeneratorProcess(SamplerEngine):
         """Completion order: the groups completed since the last call, as (group, responses, log-probs,
         version), waiting up to `wait` seconds for the first when none has."""
         deadline = time.monotonic() + wait
-        while True:
-            try:
-                ready = self.results.poll(0 if self._arrivals else max(0.0, deadline - time.monotonic()))
-                reply = self.results.recv() if ready else None
-            except (EOFError, OSError):
-                self.proc.join(5)
-                reply = None
-            if reply is None:
-                if not self.proc.is_alive():
-                    self._died()
-                break
-            if reply[0] == "error":
-                raise RunError(f"the rollout generator process failed: {reply[1]}")
+        while (reply := self._reply(0 if self._arrivals else max(0.0, deadline - time.monotonic()))) is not None:
             if reply[0] != "group":
                 raise RunError(f"the rollout generator process answered {reply[1]!r} unasked")
             self._arrivals.append(reply[1:])
@@ -181,23 +169,31 @@ class GeneratorProcess(SamplerEngine):
         raise RunError(f"the rollout generator process (pid {self.proc.pid}) {how}; every committed step is in "
                        "the journal: `verlj train --resume` continues the run exactly") from None
 
+    def _reply(self, timeout: float) -> tuple | None:
+        """The process's next message within `timeout` seconds (None: nothing yet); one sentence when it
+        died or erred."""
+        try:
+            reply = self.results.recv() if self.results.poll(timeout) else None
+        except (EOFError, OSError):  # the child's end closed: it is gone (the exit code comes with the join)
+            self.proc.join(5)
+            reply = None
+        if reply is None:
+            if not self.proc.is_alive():
+                self._died()
+            return None
+        if reply[0] == "error":
+            raise RunError(f"the rollout generator process failed: {reply[1]}")
+        return reply
+
     def _wait(self, tag, timeout: float | None) -> tuple:
         """The process's reply `tag`, waiting while it is alive; one sentence when it died or erred."""
         start = time.monotonic()
         while True:
-            try:
-                reply = self.results.recv() if self.results.poll(POLL_S) else None
-            except (EOFError, OSError):  # the child's end closed: it is gone (the exit code comes with the join)
-                self.proc.join(5)
-                reply = None
+            reply = self._reply(POLL_S)
             if reply is None:
-                if not self.proc.is_alive():
-                    self._died()
                 if timeout is not None and time.monotonic() - start > timeout:
                     raise RunError(f"the rollout generator process (pid {self.proc.pid}) did not start within {timeout:.0f} s") from None
                 continue
-            if reply[0] == "error":
-                raise RunError(f"the rollout generator process failed: {reply[1]}")
             if reply[0] == "group":  # completion order: a group that completed before the reply awaited
                 self._arrivals.append(reply[1:])
                 continue
@@ -259,6 +255,12 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
     except Exception as e:  # noqa: BLE001 - reported to the trainer in one sentence
         results.send(("error", f"{type(e).__name__}: {e}"))
         return
+
+    def generate(prompts, seeds, params):
+        if llm is not None:
+            return vllm_engine.generate_llm(llm, prompts, seeds, params, eos_id)
+        return sample_seeded(model, prompts, seeds, params, eos_id, pad_id, device)
+
     queue: deque = deque()  # completion order: (group, prompt, seeds, params) asked, not begun
     batch_groups = 1  # completion order: the most groups generated together (one batch: one version)
     paused = False
@@ -277,11 +279,7 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
                 batch = [queue.popleft() for _ in range(min(len(queue), batch_groups))]  # from the version held now
                 prompts = [p for _, p, seeds, _ in batch for _ in seeds]
                 seeds = [x for _, _, seeds, _ in batch for x in seeds]
-                params = batch[-1][3]
-                if llm is not None:
-                    responses, logps = vllm_engine.generate_llm(llm, prompts, seeds, params, eos_id)
-                else:
-                    responses, logps = sample_seeded(model, prompts, seeds, params, eos_id, pad_id, device)
+                responses, logps = generate(prompts, seeds, batch[-1][3])
                 failpoint("generator.before_reply")
                 at = 0
                 for group, _, group_seeds, _ in batch:
@@ -293,7 +291,7 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
             elif msg[0] == "ask":
                 queue.extend((g, p, seeds, msg[2]) for g, p, seeds in msg[1])
                 batch_groups = msg[3]
-            elif msg[0] == "pause":  # between two groups: nothing is begun from the version held
+            elif msg[0] == "pause":  # between two batches: nothing is begun from the version held
                 paused = True
                 results.send(("ok", "paused"))
             elif msg[0] == "version":  # the trainer has copied new weights in: they are this version
@@ -305,10 +303,7 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
                 _, tag, prompts, seeds, params, want = msg
                 if want != version:
                     raise RuntimeError(f"asked for policy version {want}, holding {version}")
-                if llm is not None:
-                    responses, logps = vllm_engine.generate_llm(llm, prompts, seeds, params, eos_id)
-                else:
-                    responses, logps = sample_seeded(model, prompts, seeds, params, eos_id, pad_id, device)
+                responses, logps = generate(prompts, seeds, params)
                 failpoint("generator.before_reply")
                 results.send(("done", tag, responses, logps, version))
         except Exception as e:  # noqa: BLE001 - reported to the trainer in one sentence

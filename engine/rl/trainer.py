@@ -433,12 +433,9 @@ class Trainer:
             prod.rounds += 1
             if not cfg.algorithm.dynamic_sampling:
                 break
-            for g in range(0, len(new), group_size):
-                scores = [s["score"] for s in new[g : g + group_size]]
-                if max(scores) == min(scores):
-                    prod.dropped += [s["id"] for s in new[g : g + group_size]]
-                else:
-                    prod.pending_groups += 1
+            flat = _zero_variance(new, group_size)
+            prod.dropped += flat
+            prod.pending_groups += (len(new) - len(flat)) // group_size
             if prod.pending_groups >= prompts_per_step or prod.rounds >= cfg.algorithm.max_sampling_rounds:
                 break
             self._submit_round(prod)
@@ -579,12 +576,7 @@ class Trainer:
         t = time.perf_counter()
         self._reference_logprobs(new)
         self._timings["timing_s/ref"] = self._timings.get("timing_s/ref", 0.0) + time.perf_counter() - t
-        dropped = []
-        if cfg.algorithm.dynamic_sampling:
-            for g in range(0, len(new), n):
-                scores = [smp["score"] for smp in new[g : g + n]]
-                if max(scores) == min(scores):
-                    dropped += [smp["id"] for smp in new[g : g + n]]
+        dropped = _zero_variance(new, n) if cfg.algorithm.dynamic_sampling else []
         self.buffer.admit(new, dropped, {})
         self._flow.added += new
         self._flow.dropped += dropped
@@ -855,6 +847,16 @@ class TrainState:
     def load_state_dict(self, state: dict) -> None:
         state = check_version("train", state, self.VERSION)
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
+
+
+def _zero_variance(samples: list[dict], group_size: int) -> list[int]:
+    """Dynamic sampling: the ids of the groups (consecutive runs of group_size samples) whose rewards do not vary."""
+    out = []
+    for g in range(0, len(samples), group_size):
+        scores = [s["score"] for s in samples[g : g + group_size]]
+        if max(scores) == min(scores):
+            out += [s["id"] for s in samples[g : g + group_size]]
+    return out
 
 
 def _drops(record: StepRecord, reason: str) -> np.ndarray:
