@@ -9,10 +9,18 @@ bytes``. NaN, inf and -0.0 round-trip bit for bit; nothing is ever pickled.
 their value range needs, as an offset from their minimum: ``msgpack([dtype.str, stored dtype.str,
 shape, minimum]) + raw bytes`` (extension 3). Decoding gives back the original dtype and values
 exactly; token ids of a 32k vocabulary padded with -1 take 2 bytes each instead of 4.
+
+:func:`pack_core` / :func:`unpack_core` (a step record's core, kept forever: envelope v3) store
+what repeats from step to step once per journal instead of once per step: every map with string
+keys becomes ``[shape id, *values]`` over an interned :class:`Shapes` table (a map of floats,
+the metrics, becomes its shape id and raw float64 values), a lowercase hex string its bytes, a
+1-d integer array of consecutive values ``[dtype, first, count]``. A core declares the shapes it
+is first to use, so the table is covered by the journal's hash chain like everything else.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 
 import msgpack
@@ -23,6 +31,11 @@ from .errors import CodecError
 EXT_NDARRAY = 1
 EXT_NPSCALAR = 2
 EXT_NARROW = 3
+EXT_MAP = 4  # core v3: a str-keyed map as msgpack [shape id, *values]
+EXT_FLOATS = 5  # core v3: a str-keyed map of Python floats: msgpack(shape id) + its values as '<f8'
+EXT_HEX = 6  # core v3: a lowercase hex string as its bytes
+EXT_RANGE = 7  # core v3: a 1-d integer array of consecutive values as msgpack [dtype, first, count]
+CORE_VERSION = 3
 NARROW_MIN_SIZE = 16  # smaller arrays are not worth the header
 _UNSIGNED = [np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32)]
 
@@ -77,13 +90,14 @@ def _unnarrow(head, raw: bytes) -> np.ndarray:
     return (arr.astype(np.int64) + lo).astype(dtype) if lo else arr.astype(dtype)
 
 
-def _ext_hook(code: int, data: bytes):
+def _ext_hook(code: int, data: bytes, shapes: Shapes | None = None):
+    if code in (EXT_MAP, EXT_FLOATS, EXT_HEX, EXT_RANGE):
+        if shapes is None:
+            raise CodecError(f"msgpack extension type {code} belongs in a step record's core")
+        return _core_ext(code, data, shapes)
     if code not in (EXT_NDARRAY, EXT_NPSCALAR, EXT_NARROW):
         raise CodecError(f"unknown msgpack extension type {code}")
-    unpacker = msgpack.Unpacker(raw=False)
-    unpacker.feed(data)
-    head = unpacker.unpack()
-    raw = data[unpacker.tell():]
+    head, raw = _split_head(data)
     if code == EXT_NARROW:
         return _unnarrow(head, raw)
     if code == EXT_NDARRAY:
@@ -100,6 +114,198 @@ def _ext_hook(code: int, data: bytes):
     if dtype.kind not in _ALLOWED_KINDS or dtype.itemsize != len(raw):
         raise CodecError("stored numpy scalar is malformed")
     return np.frombuffer(raw, dtype=dtype)[0]
+
+
+def _split_head(data: bytes, hook=None):
+    """An extension's msgpack head and the raw bytes after it."""
+    unpacker = msgpack.Unpacker(raw=False, ext_hook=hook or msgpack.ExtType, strict_map_key=False)
+    unpacker.feed(data)
+    head = unpacker.unpack()
+    return head, data[unpacker.tell():]
+
+
+# ----------------------------------------------------------------------------- compact cores (v3)
+
+SHAPE_MAP, SHAPE_FLOATS, SHAPE_EVENT = 0, 1, 2  # a shape's kind: its first entry
+_HEX = re.compile(r"(?:[0-9a-f]{2}){8,}")  # 16+ lowercase hex digits: bytes.fromhex(s).hex() == s
+
+
+class Shapes:
+    """A journal's interned shapes: id -> (kind, *names). SHAPE_MAP and SHAPE_FLOATS: a map's keys in
+    order; SHAPE_EVENT: an event's type, schema version, then its field names. Append-only: an id,
+    once declared, means the same shape for the journal's whole life."""
+
+    def __init__(self, entries=()):
+        self.entries: list[tuple] = []
+        self._ids: dict[tuple, int] = {}
+        self.declare(0, entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def intern(self, key: tuple) -> int:
+        sid = self._ids.get(key)
+        if sid is None:
+            sid = len(self.entries)
+            self.entries.append(key)
+            self._ids[key] = sid
+        return sid
+
+    def declare(self, first: int, entries) -> None:
+        """Take the shapes a record declares (ids first, first + 1, ...): new ones are added, known
+        ones must be the same. Raises CodecError on a gap or a contradiction."""
+        for sid, entry in enumerate(entries, first):
+            if not isinstance(entry, (list, tuple)) or not entry or entry[0] not in (SHAPE_MAP, SHAPE_FLOATS, SHAPE_EVENT):
+                raise CodecError(f"shape {sid} is malformed")
+            key = tuple(entry)
+            if sid < len(self.entries):
+                if self.entries[sid] != key:
+                    raise CodecError(f"shape {sid} is declared as {list(key)} but is already {list(self.entries[sid])}")
+            elif sid == len(self.entries):
+                self.intern(key)
+            else:
+                raise CodecError(f"shape {sid} is declared before shape {len(self.entries)}")
+
+    def truncate(self, n: int) -> None:
+        """Forget the shapes from id n on (an encoding whose record was never committed)."""
+        for key in self.entries[n:]:
+            del self._ids[key]
+        del self.entries[n:]
+
+    def get(self, sid, kind: int) -> tuple:
+        if not isinstance(sid, int) or not 0 <= sid < len(self.entries):
+            raise UnknownShapeError(f"step record uses shape {sid!r}, which no record declared")
+        key = self.entries[sid]
+        if key[0] != kind:
+            raise CodecError(f"shape {sid} is not of the kind the record uses it as")
+        return key
+
+
+class UnknownShapeError(CodecError):
+    """A core uses a shape id this table does not hold (a reader behind the writer: reload it)."""
+
+
+def _compact(obj, shapes: Shapes):
+    t = type(obj)
+    if t is dict:
+        if not obj or not all(type(k) is str for k in obj):
+            return {k: _compact(v, shapes) for k, v in obj.items()}
+        values = list(obj.values())
+        if len(values) >= 2 and all(type(v) is float for v in values):
+            sid = shapes.intern((SHAPE_FLOATS, *obj))
+            return msgpack.ExtType(EXT_FLOATS, msgpack.packb(sid) + np.array(values, "<f8").tobytes())
+        sid = shapes.intern((SHAPE_MAP, *obj))
+        return msgpack.ExtType(EXT_MAP, packb_compact([sid, *(_compact(v, shapes) for v in values)]))
+    if t is list or t is tuple:
+        return [_compact(v, shapes) for v in obj]
+    if t is str and _HEX.fullmatch(obj):
+        return msgpack.ExtType(EXT_HEX, bytes.fromhex(obj))
+    if t is np.ndarray and obj.ndim == 1 and obj.dtype.kind in "iu" and obj.size >= 2:
+        first, last = int(obj[0]), int(obj[-1])
+        if last - first == obj.size - 1 and bool((np.diff(obj) == 1).all()):
+            return msgpack.ExtType(EXT_RANGE, msgpack.packb([obj.dtype.newbyteorder("<").str, first, int(obj.size)]))
+    return obj
+
+
+def _core_ext(code: int, data: bytes, shapes: Shapes):
+    if code == EXT_HEX:
+        return bytes(data).hex()
+    if code == EXT_RANGE:
+        dtype_str, first, count = unpackb(data)
+        dtype = np.dtype(dtype_str)
+        if dtype.kind not in "iu" or not isinstance(first, int) or not isinstance(count, int) or count < 0:
+            raise CodecError("stored integer range is malformed")
+        return np.arange(first, first + count, dtype=np.int64 if dtype.kind == "i" else np.uint64).astype(dtype)
+    hook = lambda c, d: _ext_hook(c, d, shapes)  # noqa: E731
+    if code == EXT_FLOATS:
+        sid, raw = _split_head(data)
+        key = shapes.get(sid, SHAPE_FLOATS)
+        if len(raw) != 8 * (len(key) - 1):
+            raise CodecError("stored float map's length does not match its shape")
+        return dict(zip(key[1:], np.frombuffer(raw, "<f8").tolist()))
+    sid, *values = _unpack_with(data, hook)
+    key = shapes.get(sid, SHAPE_MAP)
+    if len(values) != len(key) - 1:
+        raise CodecError("stored map's length does not match its shape")
+    return dict(zip(key[1:], values))
+
+
+def _unpack_with(data: bytes, hook):
+    try:
+        return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False)
+    except CodecError:
+        raise
+    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types on garbage
+        raise CodecError(f"undecodable record: {type(e).__name__}: {e}") from None
+
+
+def pack_core(step: int, wall_time: float, events: list[dict], payload_desc, shapes: Shapes) -> bytes:
+    """A step record's core in the v3 encoding: ``[3, declared, step, time, payload, events]``, each
+    event ``[shape id, *field values]``, ``declared`` the shapes this record is first to use
+    (``[first id, [shape, ...]]``, or nil). New shapes stay in `shapes` (the caller truncates them
+    again if the record is not committed)."""
+    mark = len(shapes)
+    out_events = []
+    for event in events:
+        if type(event) is not dict or type(event.get("type")) is not str or type(event.get("v")) is not int:
+            raise CodecError("a journal event must be a map with a type (str) and a schema version (int): use make_event")
+        fields = [k for k in event if k not in ("type", "v")]
+        sid = shapes.intern((SHAPE_EVENT, event["type"], event["v"], *fields))
+        out_events.append([sid, *(_compact(event[k], shapes) for k in fields)])
+    desc = _compact(payload_desc, shapes)
+    declared = [mark, [list(e) for e in shapes.entries[mark:]]] if len(shapes) > mark else None
+    return packb_compact([CORE_VERSION, declared, step, wall_time, desc, out_events])
+
+
+def is_core_v3(body: bytes) -> bool:
+    """Whether a core is in the v3 encoding (a msgpack array; v1/v2 records are maps)."""
+    return len(body) > 1 and (0x90 <= body[0] <= 0x9F or body[0] in (0xDC, 0xDD)) and body[1] == CORE_VERSION
+
+
+def core_head(body: bytes) -> tuple[list | None, int]:
+    """(declared, step) of a v3 core, read without its events."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(body)
+    try:
+        unpacker.read_array_header()
+        unpacker.skip()
+        declared, step = unpacker.unpack(), unpacker.unpack()
+    except Exception as e:  # noqa: BLE001
+        raise CodecError(f"undecodable record: {type(e).__name__}: {e}") from None
+    return declared, step
+
+
+def unpack_core(body: bytes, shapes: Shapes) -> dict:
+    """A v3 core back as the record map ``{"v", "step", "time", "events", "payload"}`` (events as
+    written). Takes the shapes it declares into `shapes` first."""
+    top = _unpack_with(body, msgpack.ExtType)  # extensions resolved below, once the declarations are in
+    if not isinstance(top, list) or len(top) != 6 or top[0] != CORE_VERSION:
+        raise CodecError("step record's core is malformed")
+    _v, declared, step, wall_time, desc, events = top
+    if declared is not None:
+        if not isinstance(declared, list) or len(declared) != 2 or not isinstance(declared[1], list):
+            raise CodecError("step record's shape declarations are malformed")
+        shapes.declare(declared[0], declared[1])
+    out = []
+    for event in events:
+        if not isinstance(event, list) or not event:
+            raise CodecError("step record holds a malformed event")
+        key = shapes.get(event[0], SHAPE_EVENT)
+        if len(event) != len(key) - 2:
+            raise CodecError("stored event's length does not match its shape")
+        out.append({"type": key[1], "v": key[2], **{k: _resolve(v, shapes) for k, v in zip(key[3:], event[1:])}})
+    return {"v": CORE_VERSION, "step": step, "time": wall_time, "events": out, "payload": _resolve(desc, shapes)}
+
+
+def _resolve(obj, shapes: Shapes):
+    """Decode the extensions a top-level unpack left as ExtType (now that the shapes are known)."""
+    if isinstance(obj, msgpack.ExtType):
+        return _ext_hook(obj.code, obj.data, shapes)
+    if isinstance(obj, list):
+        return [_resolve(v, shapes) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _resolve(v, shapes) for k, v in obj.items()}
+    return obj
 
 
 _local = threading.local()

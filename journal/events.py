@@ -5,7 +5,9 @@ A step record is an envelope::
     {"v": ENVELOPE_VERSION, "step": int, "time": float, "events": [event, ...]}
 
 (envelope v2 adds ``"pruned": bool``: whether the step's payload fields, :data:`PAYLOAD_FIELDS`,
-were removed by retention; the store keeps those fields compressed apart from the rest.)
+were removed by retention; the store keeps those fields compressed apart from the rest. v3 changes
+only how the store encodes the rest, the core: over shapes interned once per journal, see
+``codec.pack_core``; the record read back is the same.)
 
 and every event is a map with a ``type`` and a schema version ``v``::
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 from .errors import SchemaError
 
-ENVELOPE_VERSION = 2
+ENVELOPE_VERSION = 3
 
 # type -> current schema version. Field sketch in the comment; the engine owns meaning.
 EVENT_VERSIONS: dict[str, int] = {
@@ -59,6 +61,7 @@ UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {}
 # Envelope versions lift the same way: from_version -> function.
 ENVELOPE_UPCASTERS: dict[int, Callable[[dict], dict]] = {
     1: lambda r: {**r, "v": 2, "pruned": False},  # v1 records kept everything inline and were never pruned
+    2: lambda r: {**r, "v": 3},  # v3 changed the core's encoding only
 }
 
 

@@ -56,7 +56,7 @@ import zstandard
 from . import codec
 from .durable import fsync_dir, fsync_file
 from .errors import CodecError, JournalError, JournalLockedError, NotAJournalError, StepOrderError
-from .events import ENVELOPE_VERSION, PAYLOAD_FIELDS, SUMMARY_TYPES, StepRecord, upcast_event, upcast_record
+from .events import PAYLOAD_FIELDS, SUMMARY_TYPES, StepRecord, upcast_event, upcast_record
 from .failpoints import failpoint
 
 MAGIC_STEP = b"VJ\x01"
@@ -70,6 +70,8 @@ GENESIS = bytes(HASH_LEN)
 NO_PAYLOAD = bytes(HASH_LEN)  # the payload digest of a step without payload fields
 DEFAULT_COMPRESSION_LEVEL = 1  # zstd; 0 stores payloads uncompressed (level 3: no smaller here, 1.2-1.5x slower: bench_journal.py)
 _CORE_LEN = struct.Struct(">I")
+
+SHAPES = "shapes"  # meta: the journal's interned core shapes (codec.Shapes), as the cores declare them
 
 # meta keys of the chain's start (Journal.start_after): a fork's journal begins after its parent's step
 BASE_STEP, CHAIN_BASE = "base_step", "chain_base"
@@ -176,8 +178,9 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cache[level]
 
 
-def encode_step(step: int, wall_time: float, events: list[dict], level: int) -> tuple[bytes, bytes]:
-    """(core, payload) of a step record: the payload fields go, compressed, into the payload."""
+def split_payload(events: list[dict], level: int) -> tuple[list[dict], bytes, dict | None]:
+    """(core events, payload, payload description) of a step: its payload fields (PAYLOAD_FIELDS)
+    msgpack'd with narrow integers and zstd-compressed apart from the rest."""
     core_events, parts = [], []
     for i, event in enumerate(events):
         fields = PAYLOAD_FIELDS.get(event["type"], ())
@@ -190,18 +193,34 @@ def encode_step(step: int, wall_time: float, events: list[dict], level: int) -> 
         raw = codec.packb_compact(parts)
         payload = _compressor(level).compress(raw) if level > 0 else raw
         desc = {"codec": "zstd" if level > 0 else "none", "size": len(payload), "raw_size": len(raw)}
-    core = codec.packb_compact({"v": ENVELOPE_VERSION, "step": step, "time": wall_time, "events": core_events, "payload": desc})
-    return core, payload
+    return core_events, payload, desc
 
 
-def decode_frame(frame: StepFrame, payload: bool = True) -> StepRecord:
+def encode_step(step: int, wall_time: float, events: list[dict], level: int, shapes: codec.Shapes | None = None) -> tuple[bytes, bytes]:
+    """(core, payload) of a step record, the core in the v3 encoding over `shapes` (the journal's
+    interned shapes; a fresh table when None: the core then declares every shape it uses)."""
+    core_events, payload, desc = split_payload(events, level)
+    return codec.pack_core(step, wall_time, core_events, desc, codec.Shapes() if shapes is None else shapes), payload
+
+
+def decode_core(body: bytes, shapes: codec.Shapes | None) -> dict:
+    """A v2 or v3 core (or a v1 body) as its record map, before upcasting. `shapes`: the journal's
+    table (a v3 core's own declarations are taken into it first)."""
+    if codec.is_core_v3(body):
+        return codec.unpack_core(body, codec.Shapes() if shapes is None else shapes)
+    record = codec.unpackb(body)
+    if not isinstance(record, dict):
+        raise CodecError("step record is not a map")
+    return record
+
+
+def decode_frame(frame: StepFrame, payload: bool = True, shapes: codec.Shapes | None = None) -> StepRecord:
     """The full record of a checked frame, upcast (payload fields put back unless pruned: then
     ``record.pruned`` is true and those fields are absent). payload=False leaves them out
-    without decompressing them (v2 frames; a v1 frame has them inline)."""
-    record = codec.unpackb(frame.body)
+    without decompressing them (v2 frames; a v1 frame has them inline). `shapes`: the journal's
+    interned shapes (v3 cores)."""
+    record = decode_core(frame.body, shapes)
     if frame.version == 2:
-        if not isinstance(record, dict):
-            raise CodecError("step record is not a map")
         desc = record.pop("payload", None)
         if (desc is None) != (frame.payload_digest == NO_PAYLOAD):
             raise CodecError("step record's payload description does not match its frame")
@@ -330,6 +349,7 @@ class Journal:
         self.claim = None  # a claim.Claim: the run's writer slot, checked before every write (fencing)
         self.shipped_problem: str | None = None  # set by segments.open_reader: damage found in the segments
         self.compression_level = DEFAULT_COMPRESSION_LEVEL  # zstd level of step payloads written from now on
+        self._shape_table: codec.Shapes | None = None  # loaded from meta SHAPES on first use
 
     # ------------------------------------------------------------------ opening
 
@@ -482,34 +502,65 @@ class Journal:
         """Append consecutive steps in one transaction (all or none). Returns their chain hashes (hex)."""
         now = time.time() if wall_time is None else wall_time
         level = self.compression_level
-        bodies = [(step, encode_step(step, now, ev, level)) for step, ev in steps]
+        split = [(step, split_payload(ev, level)) for step, ev in steps]  # compression outside the transaction
 
         def txn_fn(txn):
-            cur = txn.cursor(self._steps)
-            if cur.last():
-                last = key_step(cur.key())
-                prev_chain = bytes(cur.value()[len(MAGIC_STEP) + HASH_LEN : STEP_HEADER])
-            else:
-                last = self._base_step_txn(txn)
-                prev_chain = self._chain_base_txn(txn)
-            chains = []
-            for step, body in bodies:
-                if step != last + 1:
-                    raise StepOrderError(
-                        f"cannot append step {step}: the journal's last step is {last}, so the next must be {last + 1}"
-                    )
-                value = frame_step2(*body, prev_chain)
-                txn.put(step_key(step), value, db=self._steps, append=True)
-                prev_chain = value[len(MAGIC_STEP) + HASH_LEN : STEP_HEADER]
-                chains.append(prev_chain.hex())
-                last = step
-            failpoint("journal.before_commit")  # inside the transaction: the step must vanish
-            return chains
+            if self._shape_table is None:
+                raw = txn.get(SHAPES.encode(), db=self._meta)
+                self._shape_table = codec.Shapes([] if raw is None else unframe_plain(raw, f"meta {SHAPES!r}"))
+            shapes = self._shape_table
+            mark = len(shapes)
+            try:
+                return self._append_txn(txn, [(step, codec.pack_core(step, now, ev, desc, shapes), payload)
+                                              for step, (ev, payload, desc) in split], shapes, mark)
+            except BaseException:
+                shapes.truncate(mark)  # not committed: the shapes it declared were never declared
+                raise
 
         chains = self._write(txn_fn)
         failpoint("journal.after_commit")
         self._committed(steps[-1][0] if steps else None)
         return chains
+
+    def _append_txn(self, txn, bodies: list[tuple[int, bytes, bytes]], shapes: codec.Shapes, mark: int) -> list[str]:
+        cur = txn.cursor(self._steps)
+        if cur.last():
+            last = key_step(cur.key())
+            prev_chain = bytes(cur.value()[len(MAGIC_STEP) + HASH_LEN : STEP_HEADER])
+        else:
+            last = self._base_step_txn(txn)
+            prev_chain = self._chain_base_txn(txn)
+        chains = []
+        for step, core, payload in bodies:
+            if step != last + 1:
+                raise StepOrderError(
+                    f"cannot append step {step}: the journal's last step is {last}, so the next must be {last + 1}"
+                )
+            value = frame_step2(core, payload, prev_chain)
+            txn.put(step_key(step), value, db=self._steps, append=True)
+            prev_chain = value[len(MAGIC_STEP) + HASH_LEN : STEP_HEADER]
+            chains.append(prev_chain.hex())
+            last = step
+        if len(shapes) > mark:  # the table as the committed cores declare it, in the same transaction
+            txn.put(SHAPES.encode(), frame_plain(codec.packb([list(e) for e in shapes.entries])), db=self._meta)
+        failpoint("journal.before_commit")  # inside the transaction: the step must vanish
+        return chains
+
+    def _shapes(self, reload: bool = False) -> codec.Shapes:
+        """The journal's interned core shapes (from meta SHAPES; reload: read again, for a reader
+        behind its writer)."""
+        if self._shape_table is None or reload:
+            self._shape_table = codec.Shapes(self.get_meta(SHAPES, []))
+        return self._shape_table
+
+    def _decode_with_shapes(self, fn):
+        """fn(shapes), read again with the table reloaded once if a core uses a shape it lacks."""
+        try:
+            return fn(self._shapes())
+        except codec.UnknownShapeError:
+            if self.writable:
+                raise
+            return fn(self._shapes(reload=True))
 
     def prune(self, through: int, meta: dict[str, Any] | None = None) -> tuple[int, int]:
         """Remove the payloads of the steps after the last pruned one up to `through` (inclusive),
@@ -557,10 +608,15 @@ class Journal:
         summaries, stored = [], []
         for i, raw in enumerate(frames):
             frame = StepFrame.parse(raw)
-            record = codec.unpackb(frame.body)  # a v2 core holds every summary event
-            if record["step"] != first + i:
-                raise JournalError(f"record to restore at step {first + i} says it is step {record['step']}")
-            summaries.append(_summary_frame(record["step"], record["time"], record["events"]) if frame.version == 1 else None)
+            if codec.is_core_v3(frame.body):
+                step = codec.core_head(frame.body)[1]
+                summaries.append(None)  # a v2 frame's core is its summary
+            else:
+                record = codec.unpackb(frame.body)
+                step = record["step"]
+                summaries.append(_summary_frame(step, record["time"], record["events"]) if frame.version == 1 else None)
+            if step != first + i:
+                raise JournalError(f"record to restore at step {first + i} says it is step {step}")
             stored.append(frame.without_payload() if first + i <= pruned_through and frame.payload_len else raw)
 
         def txn_fn(txn):
@@ -575,6 +631,7 @@ class Journal:
                         txn.put(bytes(k), bytes(v), db=db)
 
         self._write(txn_fn)
+        self._shape_table = None  # the meta may have been replaced
 
     def _base_step_txn(self, txn) -> int:
         raw = txn.get(BASE_STEP.encode(), db=self._meta)
@@ -655,7 +712,7 @@ class Journal:
         frame = StepFrame.parse(raw)
         if not frame.checksum_ok():
             raise JournalError(f"journal record for step {step} is damaged (checksum mismatch); run `verlj verify`")
-        record = decode_frame(frame, payload)
+        record = self._decode_with_shapes(lambda shapes: decode_frame(frame, payload, shapes))
         if record.step != step:
             raise JournalError(f"journal record stored at step {step} says it is step {record.step}; run `verlj verify`")
         return record
@@ -729,7 +786,7 @@ class Journal:
         version, raw = source
         if raw is None:
             return None
-        d = unframe_plain(raw, f"summary of step {step}") if version == 1 else codec.unpackb(raw)
+        d = unframe_plain(raw, f"summary of step {step}") if version == 1 else self._decode_with_shapes(lambda shapes: decode_core(raw, shapes))
         return StepRecord(d["step"], d["time"], [upcast_event(e) for e in d["events"] if e["type"] in SUMMARY_TYPES])
 
     def get_meta(self, name: str, default: Any = None) -> Any:

@@ -9,7 +9,8 @@ Checks, in one streaming pass (constant memory):
   the previous record, decodability, schema versions, and that the record's own
   step number matches its key; steps are consecutive from ``base_step + 1``. A step whose
   payload is gone is fine only if retention pruned it (meta ``pruned_through``).
-- meta and snapshot-index entries: frame header and checksum.
+- meta and snapshot-index entries: frame header and checksum; the interned core shapes (meta
+  ``shapes``) are exactly the ones the records declare, in order (so the chain covers them too).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .store import (
     BASE_STEP,
     CHAIN_BASE,
     GENESIS,
+    SHAPES,
     Journal,
     StepFrame,
     decode_frame,
@@ -105,7 +107,7 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
     dbs = journal.dbs()
 
     # meta first: base_step and chain_base decide where the chain starts
-    base_step, prev_chain = 0, GENESIS
+    base_step, prev_chain, meta = 0, GENESIS, {}
     try:
         meta = journal.meta()
         base_step = int(meta.get(BASE_STEP, 0))
@@ -116,6 +118,7 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
         report.add(BAD_META, None, str(e))
 
     expected = base_step + 1
+    declared = codec.Shapes()  # built from the records' own declarations only: each may use only what came before it
     try:
         for step, raw in journal.iter_raw():
             report.steps += 1
@@ -151,7 +154,7 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
                     report.add(BAD_SUMMARY, step, str(e))
                 continue
             try:
-                record = decode_frame(frame)
+                record = decode_frame(frame, shapes=declared)
             except CodecError as e:
                 report.add(UNDECODABLE, step, str(e))
                 continue
@@ -176,6 +179,9 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
                 report.add(BAD_SUMMARY, step, "the step's summary entry is missing or differs from its record")
     except lmdb.Error as e:
         report.add(LMDB_STRUCTURE, None, f"LMDB error while walking steps: {e}")
+
+    if decode and report.problems == [] and meta.get(SHAPES, []) != [list(e) for e in declared.entries]:
+        report.add(BAD_META, None, "the journal's interned shapes (meta 'shapes') differ from the shapes its records declare")
 
     # structural check of every sub-database: cursor walk vs B-tree entry count
     try:

@@ -33,6 +33,7 @@ import lmdb
 import numpy as np
 
 from verlj.journal import Journal, make_event, packb
+from verlj.journal.codec import Shapes
 from verlj.journal.events import SUMMARY_TYPES
 from verlj.journal.store import StepFrame, encode_step, frame_plain, frame_step, frame_step2, step_key
 
@@ -72,9 +73,10 @@ def step_events(step: int, rng: np.random.Generator, samples: int, tokens: int) 
     ]
 
 
-def stored(step: int, events: list[dict], level: int) -> bytes:
-    """The bytes the journal stores for a step (its frame; the core is also its summary), built the way it builds them."""
-    core, payload = encode_step(step, 0.0, events, level)
+def stored(step: int, events: list[dict], level: int, shapes: Shapes) -> bytes:
+    """The bytes the journal stores for a step (its frame; the core is also its summary), built the way it builds them
+    (`shapes`: the run's interned core shapes, one table for all its steps)."""
+    core, payload = encode_step(step, 0.0, events, level, shapes)
     return frame_step2(core, payload, bytes(32))
 
 
@@ -104,9 +106,10 @@ def bench_vs_floor(root: Path, steps: int, samples: int, tokens: int, level: int
     floor_env = lmdb.open(str(fpath), map_size=1 << 36, max_dbs=4, subdir=True)  # same flags: sync on
     floor_db = floor_env.open_db(b"steps")
     j_times, f_times, sizes, old_sizes, ntok, raw_payload, payload = [], [], [], [], 0, 0, 0
+    shapes = Shapes()
     for s, events in enumerate(records, start=1):
         # The floor writes the bytes the journal stores for this step; building them here is not timed.
-        raw = stored(s, events, level)
+        raw = stored(s, events, level, shapes)
         sizes.append(len(raw))
         old_sizes.append(v1_bytes(s, events))
         ntok += tokens_of(events)

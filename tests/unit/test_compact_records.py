@@ -86,6 +86,7 @@ def test_a_v1_journal_stays_readable_and_continues(tmp_path):
     with env.begin(write=True) as txn:
         txn.put(step_key(1), v1, db=env.open_db(b"steps", txn=txn))
         txn.put(step_key(1), v1_summary, db=env.open_db(b"summary", txn=txn))
+        txn.delete(b"shapes", db=env.open_db(b"meta", txn=txn))  # a v1 journal had no interned shapes
     env.close()
     with Journal.open_writer(path) as j:
         j.append_step(2, step_events(2))
@@ -190,3 +191,85 @@ def raw_read(path, step):
     out = {}
     tamper(path, lambda txn, db: out.setdefault("v", raw_get(txn, db, step)))
     return out["v"]
+
+
+def varied_events(step: int, extra: bool = False) -> list[dict]:
+    """Everything the v3 core encoding treats specially, and what it must leave alone."""
+    events = [
+        make_event("data", epoch=0, cursor=step, indices=np.arange(5, dtype=np.int64) + step, rounds=1),
+        make_event("rng", seeds={"data": step, "rollout": 2**40 + step}, digests={"torch": f"{step:064x}", "numpy": "ABCDEF0123456789"}),
+        make_event("buffer.consume", ids=np.array([7, 3, 9, 10], np.int64)),  # not consecutive: stays an array
+        make_event("buffer.drop", ids=np.arange(2**63 - 3, 2**63, dtype=np.uint64), reason="stale"),
+        make_event("metrics", values={"a/x": 1.5, "a/nan": float("nan"), "a/neg0": -0.0, "a/inf": float("-inf")}),
+        make_event("state", fingerprint=f"{step:064x}", parts={"actor": "ab" * 32, "odd": "abc"}),
+        make_event("control", kind="start", details={1: "int key", "nested": {"f": np.float64(0.25), "e": {}}, "one": 2.0}),
+    ]
+    if extra:
+        events.append(make_event("eval", rows=np.arange(3, dtype=np.int32), scores=np.ones(3)))
+    return events
+
+
+def test_v3_cores_read_back_exactly_and_declare_each_shape_once(tmp_path):
+    from verlj.journal import codec
+
+    with Journal.open_writer(tmp_path / "j") as j:
+        j.append_step(1, varied_events(1))
+        j.append_step(2, varied_events(2))
+        j.append_step(3, varied_events(3, extra=True))
+        heads = [codec.core_head(StepFrame.parse(j.read_raw(s)).body)[0] for s in (1, 2, 3)]
+        back = [j.read_step(s).events for s in (1, 2, 3)]
+    assert heads[0] is not None and heads[1] is None  # step 2 reuses step 1's shapes
+    assert heads[2][0] == len(heads[0][1]) and len(heads[2][1]) == 1  # step 3 declares only the eval event's
+    for s, events in zip((1, 2, 3), back):
+        assert same(events, varied_events(s, extra=s == 3)), s
+    with Journal.open_reader(tmp_path / "j") as j:
+        assert same(j.read_summary(3).metrics, varied_events(3)[4]["values"])
+        assert verify_journal(j).ok
+
+
+def test_v3_core_is_a_fraction_of_the_v2_core(tmp_path):
+    """On the journal bench's records (40 metrics, a fingerprint, consecutive ids): the core is what a
+    pruned step keeps forever."""
+    rng = np.random.default_rng(0)
+
+    def events(s):
+        ev = rollout_events(s)
+        ev[3] = make_event("metrics", values={f"actor/metric_{i}": float(rng.standard_normal()) for i in range(40)})
+        return ev
+
+    with Journal.open_writer(tmp_path / "j") as j:
+        for s in range(1, 4):
+            j.append_step(s, events(s))
+        v3 = len(StepFrame.parse(j.read_raw(3)).body)
+    core_events = [{k: v for k, v in e.items() if k != "samples"} for e in events(3)]
+    v2 = len(packb({"v": 2, "step": 3, "time": 0.0, "events": core_events, "payload": {"codec": "zstd", "size": 1, "raw_size": 1}}))
+    assert v3 <= 40 * 8 + 32 + 80 and v3 < 0.35 * v2, (v3, v2)  # the 40 float64 values and the digest, plus little
+
+
+def test_an_append_that_fails_declares_nothing_and_readers_follow_new_shapes(tmp_path):
+    from verlj.journal import StepOrderError
+
+    with Journal.open_writer(tmp_path / "j") as w:
+        w.append_step(1, varied_events(1))
+        with Journal.open_reader(tmp_path / "j") as r:  # another process's reader: its own table (a fresh handle here)
+            r._shape_table = None
+            assert same(r.read_step(1).events, varied_events(1))
+            with pytest.raises(StepOrderError):
+                w.append_step(5, varied_events(5, extra=True))  # not committed: its new shape is forgotten
+            w.append_step(2, varied_events(2, extra=True))  # declares it again, in a committed record
+            assert same(r.read_step(2).events, varied_events(2, extra=True))  # the reader reloads the table
+        assert verify_journal(w).ok
+
+
+def test_tampered_shapes_in_meta_are_caught(tmp_path):
+    path = tmp_path / "j"
+    with Journal.open_writer(path) as j:
+        j.append_step(1, varied_events(1))
+        j.append_step(2, varied_events(2))
+        shapes = j.get_meta("shapes")
+    floats = next(i for i, e in enumerate(shapes) if e[0] == 1)
+    shapes[floats] = [1, *reversed(shapes[floats][1:])]  # metric names swapped: the values would change names
+    with Journal.open_writer(path) as j:
+        j.set_meta("shapes", shapes)
+        report = verify_journal(j)
+    assert [p.kind for p in report.problems] == ["bad_meta"], report.problems
