@@ -350,6 +350,7 @@ class LoggingConfig:
 class JournalConfig:
     local_dir: Optional[str] = bookkeeping(None)  # node-local dir for the LMDB journal; RUN/journal then receives shipped segments (null = LMDB in RUN/journal)
     ship_max_lag_steps: int = bookkeeping(2)  # with local_dir: training waits while more committed steps than this are unshipped (a lost node costs at most this many)
+    segment_fanout: int = bookkeeping(64)  # with local_dir: merge this many shipped segments into one file, and fanout/4 of those into one at each level above (0 = never merge)
     compression_level: int = bookkeeping(1)  # zstd level of each step's samples in the journal (0 = stored uncompressed)
     retain_samples: str = bookkeeping("all")  # all | since_oldest_snapshot | N: keep samples of steps after the oldest kept snapshot (and of the last N steps); headers, metrics and the hash chain always stay
     archive: bool = bookkeeping(False)  # before pruning, write the samples to RUN/rollouts/*.parquet (needs pyarrow: pip install 'verlj[archive]')
@@ -358,6 +359,8 @@ class JournalConfig:
     def validate(self) -> None:
         _range("journal.ship_max_lag_steps", self.ship_max_lag_steps, 0, 10_000)
         _range("journal.compression_level", self.compression_level, 0, 22)
+        if self.segment_fanout != 0:
+            _range("journal.segment_fanout", self.segment_fanout, 2, 1_000_000)
         _range("journal.writer_lease_s", self.writer_lease_s, 0.5, 86400.0)
         policy = str(self.retain_samples)
         if policy not in ("all", "since_oldest_snapshot") and not (policy.isdigit() and int(policy) >= 0):

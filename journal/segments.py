@@ -6,8 +6,9 @@ the LMDB environment on local disk and a background :class:`Shipper` copies each
 run directory as an immutable segment (Litestream's model)::
 
     RUN/journal/
-      segments/0000000001.seg     sealed, immutable, one per shipment, numbered without gaps
-      segments/.tmp-0000000002    a shipment being written (never read; removed on the next start)
+      segments/0000000001-0000000064.seg   shipments 1-64 compacted into one file (see below)
+      segments/0000000065.seg     sealed, immutable, one per shipment, numbered without gaps
+      segments/.tmp-0000000066    a shipment being written (never read; removed on the next start)
       local.json                  where the live LMDB environment is (host, path): readers on that
                                   host use it; anyone else rebuilds from the segments
 
@@ -28,6 +29,15 @@ segment is checked three ways: its own digest, the link to the previous segment,
 checksum and the journal's hash chain through them. :func:`rebuild` turns the segments back into an LMDB
 environment; a damaged or torn last segment costs only the steps in it, damage before the last
 is refused.
+
+Compaction (:meth:`Shipper.compact_once`, in the shipper's thread while it has nothing to ship)
+keeps the file count bounded (the rule: :func:`plan_compaction`): runs of segments are merged into
+one file named by the shipments it holds, whose head adds ``first_seq``, ``level``, ``link`` (the
+digest the next segment's ``prev`` names) and ``pruned``; with retention, the records of steps
+pruned in the shipped meta are written without their samples (each keeps its checksum and place in
+the chain), and a compacted file is written again when retention passes it. The new file is sealed,
+fsynced and published before what it replaces is removed; a scan reads the widest file that checks
+and ignores what it holds (``SegmentScan.superseded``, removed by the next writer).
 """
 
 from __future__ import annotations
@@ -60,6 +70,8 @@ SEGMENTS = "segments"
 POINTER = "local.json"
 JOURNAL_ID = "journal_id"  # meta: a random id given to a shipped journal when it is created
 MAX_SEGMENT_BYTES = 64 << 20  # a shipment larger than this is split over several segments
+L0_FANOUT = 64  # compaction: one-shipment segments merged into a level-1 file
+FANOUT = 16  # compaction: level-k files merged into a level-k+1 file
 
 # filesystems on which LMDB's locks and shared memory map are not coherent across hosts
 NETWORK_FILESYSTEMS = {
@@ -85,19 +97,26 @@ def is_shipped(shipped: Path) -> bool:
     return ptr is not None and (Path(ptr["path"]) / "data.mdb").is_file()
 
 
-def _segment_files(shipped: Path) -> list[tuple[int, Path]]:
+def _segment_files(shipped: Path) -> list[tuple[int, int, Path]]:
+    """(first seq, last seq, path) of every segment file: ``N.seg`` (one shipment) and ``A-B.seg``
+    (shipments A..B compacted into one), by first seq, the widest first."""
     d = segment_dir(shipped)
     if not d.is_dir():
         return []
     out = []
     for p in d.iterdir():
-        if p.suffix == ".seg" and p.stem.isdigit():
-            out.append((int(p.stem), p))
-    return sorted(out)
+        if p.suffix != ".seg" or p.name.startswith("."):
+            continue
+        a, _, b = p.stem.partition("-")
+        if a.isdigit() and (b.isdigit() or not b) and (not b or int(b) >= int(a)):
+            out.append((int(a), int(b or a), p))
+    return sorted(out, key=lambda t: (t[0], -t[1]))
 
 
-def _segment_path(shipped: Path, seq: int) -> Path:
-    return segment_dir(shipped) / f"{seq:010d}.seg"
+def _segment_path(shipped: Path, seq: int, first_seq: int | None = None) -> Path:
+    if first_seq is None or first_seq == seq:
+        return segment_dir(shipped) / f"{seq:010d}.seg"
+    return segment_dir(shipped) / f"{first_seq:010d}-{seq:010d}.seg"
 
 
 def write_pointer(shipped: Path, local: Path) -> None:
@@ -150,13 +169,33 @@ class Segment:
     snapshots: dict[bytes, bytes] | None
     digest: str = ""
     size: int = 0
+    # a compacted segment (Compactor): the shipments first_seq..seq in one file, at `level` (0: one
+    # shipment); `link`: the digest the next segment's prev names (the last shipment's); `pruned`:
+    # retention's bound when written (its steps through there carry no samples)
+    first_seq: int | None = None
+    link: str = ""
+    level: int = 0
+    pruned: int = 0
+    path: Path | None = None  # where it was read from (not stored)
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return (self.seq if self.first_seq is None else self.first_seq), self.seq
+
+    @property
+    def link_digest(self) -> str:
+        """What the next segment's prev must be."""
+        return self.link or self.digest
 
     def seal(self) -> list[bytes]:
         """The file's parts, in order (written with writelines: the step frames are not copied again)."""
-        head = codec.packb({
+        head = {
             "seq": self.seq, "prev": self.prev, "first": self.first, "last": self.last, "chain": self.chain,
             "sizes": [len(f) for f in self.steps], "meta": self.meta, "snapshots": self.snapshots,
-        })
+        }
+        if self.level:
+            head.update(first_seq=self.first_seq, link=self.link, level=self.level, pruned=self.pruned)
+        head = codec.packb(head)
         self.size = SEG_HEADER + len(head) + sum(len(f) for f in self.steps)
         fixed = _FIXED.pack(self.size, len(head), 0 if self.first is None else self.first + 1, self.last)
         h = _seal_digest(fixed, head, self.steps)
@@ -181,7 +220,8 @@ class Segment:
                 steps.append(raw[at : at + n])
                 at += n
             seg = cls(int(d["seq"]), d["prev"], d["first"], int(d["last"]), d["chain"], steps,
-                      d["meta"], d["snapshots"], h.hex(), len(raw))
+                      d["meta"], d["snapshots"], h.hex(), len(raw), d.get("first_seq"), d.get("link", ""),
+                      int(d.get("level", 0)), int(d.get("pruned", 0)))
         except (KeyError, TypeError, ValueError, JournalError) as e:
             raise JournalError(f"journal segment {name} is undecodable: {e}") from None
         if at != total or _seal_digest(fixed, raw[SEG_HEADER : SEG_HEADER + head_len], steps) != h:
@@ -204,40 +244,48 @@ def read_segment(path: Path) -> Segment:
         raw = path.read_bytes()
     except OSError as e:
         raise JournalError(f"cannot read journal segment {path.name}: {e.strerror}") from None
-    return Segment.parse(raw, path.name)
+    seg = Segment.parse(raw, path.name)
+    seg.path = path
+    return seg
 
 
-def _publish(shipped: Path, seg: Segment, claim=None) -> None:
+def _publish(shipped: Path, seg: Segment, claim=None, *, replace: bool = False, point: str = "ship.before_publish") -> Path:
     """Write a sealed segment durably and atomically: tmp file, fsync, then link(2) to its name (which
     never replaces an existing segment), fsync the directory. `claim`: the run's writer claim, checked
-    first, so a writer that was taken over publishes nothing."""
+    first, so a writer that was taken over publishes nothing. replace=True: the file takes the place
+    of the one of the same name (rename(2): either is whole; a compacted segment pruned again)."""
     d = segment_dir(shipped)
     d.mkdir(parents=True, exist_ok=True)
     parts = seg.seal()
-    tmp = d / f".tmp-{seg.seq:010d}"
+    final = _segment_path(shipped, seg.seq, seg.first_seq)
+    tmp = d / f".tmp-{final.stem}"
     with open(tmp, "wb") as f:
         f.writelines(parts)
         f.flush()
         os.fsync(f.fileno())
-    failpoint("ship.before_publish")  # written, not yet visible under its name
+    failpoint(point)  # written, not yet visible under its name
     if claim is not None:
         claim.check()
-    final = _segment_path(shipped, seg.seq)
     taken = f"journal segment {final.name} already exists: another process ships this run's journal"
-    try:
-        os.link(tmp, final)
-    except FileExistsError:
-        tmp.unlink(missing_ok=True)
-        raise JournalError(taken) from None
-    except OSError as e:  # a filesystem without hard links
-        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-            raise
-        if final.exists():
-            raise JournalError(taken) from None
+    if replace:
         os.replace(tmp, final)
     else:
-        tmp.unlink()
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            tmp.unlink(missing_ok=True)
+            raise JournalError(taken) from None
+        except OSError as e:  # a filesystem without hard links
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            if final.exists():
+                raise JournalError(taken) from None
+            os.replace(tmp, final)
+        else:
+            tmp.unlink()
     fsync_dir(d)
+    seg.path = final
+    return final
 
 
 # ----------------------------------------------------------------------------- the chain of segments
@@ -250,8 +298,10 @@ class SegmentScan:
     segments: list[Segment] = field(default_factory=list)  # the good prefix, in order
     problem: str | None = None  # the first problem, one sentence
     problem_at_end: bool = False  # the problem is in the last segment file only (a torn tail)
+    problem_path: Path | None = None  # the file with the problem, when it is one file
     lost_steps: tuple[int, int | None] | None = None  # steps in a dropped last segment (last None: unknown)
     leftovers: list[str] = field(default_factory=list)
+    superseded: list[Path] = field(default_factory=list)  # shipments a compacted segment holds (a compaction killed before it removed them)
 
     @property
     def _last_with_steps(self) -> Segment | None:
@@ -261,6 +311,10 @@ class SegmentScan:
     def last_step(self) -> int | None:
         seg = self._last_with_steps
         return None if seg is None else seg.last
+
+    @property
+    def last_seq(self) -> int:
+        return self.segments[-1].seq if self.segments else 0
 
     @property
     def journal_id(self) -> str | None:
@@ -284,40 +338,57 @@ def scan(shipped: Path) -> SegmentScan:
     the journal's hash chain through the step records. Stops at the first problem; when that is in
     the last segment file, ``lost_steps`` says which steps it held."""
     out = _walk(shipped)
-    if out.problem_at_end:
-        out.lost_steps = _lost_range(shipped, len(out.segments) + 1, out.last_step)
+    if out.problem_at_end and out.problem_path is not None:
+        out.lost_steps = _lost_range(out.problem_path, out.last_step)
     return out
 
 
 def _walk(shipped: Path) -> SegmentScan:
+    """The segments in order. Shipments 1, 2, ... are each in one file, alone (N.seg) or compacted with
+    their neighbours (A-B.seg); where a compacted file and the files it replaced are both there (a
+    compaction killed before it removed them), the compacted one is read and the others are
+    superseded; if it fails its checks, they are read instead."""
     out = SegmentScan()
     files = _segment_files(shipped)
     d = segment_dir(shipped)
     if d.is_dir():
         out.leftovers = sorted(p.name for p in d.iterdir() if p.name.startswith((".tmp-", ".damaged-")))
-    prev_digest, chain, last = "", None, None
-    for i, (seq, path) in enumerate(files):
-        at_end = i == len(files) - 1
-        if seq != i + 1:
-            out.problem = f"journal segment {i + 1:010d}.seg is missing (the next one is {path.name})"
+    starts: dict[int, list[tuple[int, Path]]] = {}
+    for a, b, path in files:
+        starts.setdefault(a, []).append((b, path))
+    end = max((b for _a, b, _p in files), default=0)
+    prev_digest, chain, last, seq = "", None, None, 1
+    while seq <= end:
+        candidates = starts.get(seq)
+        if not candidates:
+            later = min(a for a, _b, _p in files if a > seq)
+            out.problem = f"journal segment {seq:010d}.seg is missing (the next one is {_segment_path(shipped, later).name})"
             return out
-        try:
-            seg = read_segment(path)
-        except JournalError as e:
-            out.problem, out.problem_at_end = str(e), at_end
-            return out
-        why = None
-        if seg.seq != seq:
-            why = f"journal segment {path.name} says it is segment {seg.seq}"
-        elif seg.prev != prev_digest:
-            why = f"journal segment {path.name} does not link to segment {seq - 1}"
+        first_why = None
+        for b, path in candidates:  # the widest first
+            at_end = b == end
+            try:
+                seg = read_segment(path)
+            except JournalError as e:
+                why = str(e)
+            else:
+                why = None
+                if seg.span != (seq, b):
+                    why = f"journal segment {path.name} says it holds shipments {seg.span[0]}–{seg.span[1]}"
+                elif seg.prev != prev_digest:
+                    why = f"journal segment {path.name} does not link to segment {seq - 1}"
+                else:
+                    new_chain, new_last, why = _check_steps(seg, path.name, chain, last)
+            if why is None:
+                break
+            first_why = first_why or (why, at_end, path)
         else:
-            chain, last, why = _check_steps(seg, path.name, chain, last)
-        if why:
-            out.problem, out.problem_at_end = why, at_end
+            out.problem, out.problem_at_end, out.problem_path = first_why
             return out
         out.segments.append(seg)
-        prev_digest = seg.digest
+        chain, last, prev_digest, seq = new_chain, new_last, seg.link_digest, b + 1
+    kept = {seg.path for seg in out.segments}
+    out.superseded = [p for _a, b, p in files if p not in kept and b <= out.last_seq]  # held by what was read
     return out
 
 
@@ -359,7 +430,7 @@ def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail", found: Segment
     """
     found = found or scan(shipped)
     if found.problem and not found.problem_at_end and tolerate != "any":
-        raise JournalError(f"{found.problem}; the journal cannot be rebuilt past segment {len(found.segments)} "
+        raise JournalError(f"{found.problem}; the journal cannot be rebuilt past segment {found.last_seq} "
                            f"(step {found.last_step or 0})")
     if not found.segments:
         raise JournalError(f"no intact journal segment in {segment_dir(shipped)}"
@@ -391,10 +462,10 @@ def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail", found: Segment
     return found
 
 
-def _lost_range(shipped: Path, seq: int, last_good: int | None) -> tuple[int, int | None] | None:
+def _lost_range(path: Path, last_good: int | None) -> tuple[int, int | None] | None:
     """The steps a dropped last segment held, from its fixed header: (first, last); last None when the
     header itself is unreadable; None when it carried no steps (only metadata, shipped again next)."""
-    raw = _segment_path(shipped, seq).read_bytes()[:SEG_HEADER]
+    raw = path.read_bytes()[:SEG_HEADER]
     m = len(MAGIC_SEGMENT)
     if len(raw) < m + _FIXED.size or raw[:m] != MAGIC_SEGMENT:
         return (last_good or 0) + 1, None
@@ -462,7 +533,7 @@ def _tail(shipped: Path) -> SegmentScan:
     found: enough to decide whether a local journal is this one's live copy. Checks nothing."""
     out = SegmentScan()
     have_steps = have_id = False
-    for _seq, path in reversed(_segment_files(shipped)):
+    for _a, _b, path in sorted(_segment_files(shipped), key=lambda t: t[1], reverse=True):
         try:
             seg = read_segment(path)
         except JournalError:
@@ -522,7 +593,8 @@ def _older_local_copy(shipped: Path, local: Path, found: SegmentScan) -> tuple[P
 # ----------------------------------------------------------------------------- the writer
 
 
-def open_writer(local: Path, shipped: Path, max_lag: int, claim=None) -> tuple[Journal, list[str]]:
+def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention: bool = False,
+                fanout: int = L0_FANOUT) -> tuple[Journal, list[str]]:
     """The run's journal writer at `local`, shipping to `shipped`. Returns (journal, notes): notes are
     one-line messages for the user (steps lost with a damaged last segment, a rebuild, a warning).
 
@@ -549,22 +621,22 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None) -> tuple[J
             raise JournalError(f"journal.local_dir {local} holds a journal that does not match the segments in "
                                f"{segment_dir(shipped)} (another run's, or an older copy); empty it or choose another directory")
         if found.problem:  # the local journal still holds what the damaged segment carried: ship it again
-            _set_aside(shipped, len(found.segments) + 1, claim)
+            _set_aside(shipped, found.problem_path, claim)
             notes.append(f"{found.problem}; shipping its steps again from {local}")
-            found = SegmentScan(segments=found.segments, leftovers=found.leftovers)
+            found = SegmentScan(segments=found.segments, leftovers=found.leftovers, superseded=found.superseded)
     elif found.segments:
         rebuilt = _rebuild_for_writer(shipped, local, found)
         notes.append(f"Rebuilt the journal in {local} from {len(rebuilt.segments)} segment(s) in {segment_dir(shipped)} "
                      f"(steps through {rebuilt.last_step or 0}, every checksum and the hash chain verified)")
         if rebuilt.problem:
-            _set_aside(shipped, len(rebuilt.segments) + 1, claim)
+            _set_aside(shipped, rebuilt.problem_path, claim)
             if rebuilt.lost_steps is None:
                 notes.append(f"{rebuilt.problem}: it carried no steps; set it aside")
             else:
                 a, b = rebuilt.lost_steps
                 lost = f"the steps from {a} on" if b is None else (f"step {a}" if a == b else f"steps {a}–{b}")
                 notes.append(f"{rebuilt.problem}: {lost} were lost with it and will be run again")
-            found = SegmentScan(segments=found.segments, leftovers=found.leftovers)
+            found = SegmentScan(segments=found.segments, leftovers=found.leftovers, superseded=found.superseded)
     warning = lmdb_location_warning(local)
     if warning:
         notes.append(warning)
@@ -575,7 +647,8 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None) -> tuple[J
     try:
         if journal.get_meta(JOURNAL_ID) is None:
             journal.set_meta(JOURNAL_ID, uuid.uuid4().hex)
-        shipper = Shipper(journal, shipped, max_lag, found, claim)
+        shipper = Shipper(journal, shipped, max_lag, found, claim, retention)
+        shipper.l0_fanout, shipper.fanout = fanout, max(2, fanout // 4)  # fanout 0: never merged
     except BaseException:
         journal.close()
         raise
@@ -600,13 +673,12 @@ def _rebuild_for_writer(shipped: Path, local: Path, found: SegmentScan) -> Segme
     return found
 
 
-def _set_aside(shipped: Path, seq: int, claim=None) -> None:
-    """Move a damaged last segment out of the numbering (kept for inspection as .damaged-N.seg)."""
-    path = _segment_path(shipped, seq)
+def _set_aside(shipped: Path, path: Path | None, claim=None) -> None:
+    """Move a damaged last segment out of the numbering (kept for inspection as .damaged-NAME)."""
     if claim is not None:
         claim.check()
-    if path.exists():
-        os.replace(path, segment_dir(shipped) / f".damaged-{seq:010d}.seg")
+    if path is not None and path.exists():
+        os.replace(path, segment_dir(shipped) / f".damaged-{path.name}")
         fsync_dir(segment_dir(shipped))
 
 
@@ -630,26 +702,44 @@ class Shipper:
     any moment then costs at most ``max_lag`` steps plus the one being committed.
     """
 
-    def __init__(self, journal: Journal, shipped: Path, max_lag: int, found: SegmentScan | None = None, claim=None):
+    l0_fanout = L0_FANOUT  # compaction's fan-ins (journal.segment_fanout; 0: no compaction)
+    fanout = FANOUT
+
+    def __init__(self, journal: Journal, shipped: Path, max_lag: int, found: SegmentScan | None = None, claim=None,
+                 retention: bool = False):
         """`found`: the caller's scan of `shipped` (the segments as they are now), when it has one;
-        `claim`: the run's writer claim, checked before each segment is published."""
+        `claim`: the run's writer claim, checked before each segment is published; `retention`:
+        whether the run prunes samples (then compacted segments merge further only once pruned)."""
         self.journal = journal
         self.shipped = Path(shipped)
         self.max_lag = max_lag
         self.claim = claim
+        self.retention = retention
         found = found or scan(self.shipped)
         if found.problem:
             raise JournalError(f"cannot ship to {segment_dir(self.shipped)}: {found.problem}")
         for name in found.leftovers:  # a shipment interrupted by a kill: never published, never read
             if name.startswith(".tmp-"):
                 (segment_dir(self.shipped) / name).unlink(missing_ok=True)
-        self._seq = len(found.segments)
-        self._prev = found.segments[-1].digest if found.segments else ""
+        if found.superseded:  # a compaction killed after it published: finish it
+            if claim is not None:
+                claim.check()
+            for path in found.superseded:
+                path.unlink(missing_ok=True)
+            fsync_dir(segment_dir(self.shipped))
+        self._seq = found.last_seq
+        self._prev = found.segments[-1].link_digest if found.segments else ""
         self._shipped = found.last_step if found.last_step is not None else journal.base_step()
         self._meta_digest = self._snap_digest = None
+        self._pruned = 0  # retention's bound in the last shipped meta: what compaction may strip
+        self._index = [_Entry.of(seg) for seg in found.segments]  # the segment files, in order (no step bytes)
+        self.compaction_problem: str | None = None  # set when a compaction failed (it is not tried again)
+        self.compactions = 0
+        self._compact_lock = threading.Lock()
         for seg in found.segments:
             if seg.meta is not None:
                 self._meta_digest = _map_digest(seg.meta)
+                self._pruned = _pruned_of(seg.meta)
             if seg.snapshots is not None:
                 self._snap_digest = _map_digest(seg.snapshots)
         self.bytes_shipped = 0
@@ -748,6 +838,8 @@ class Shipper:
                     self._shipped_written = max(self._shipped_written, written)
                     self._cond.notify_all()
                 backoff = 0.1
+                while not self._dirty and self.compact_once():  # shipping first: compaction only while idle
+                    pass
             except FencedError as e:  # another writer owns the run now: never retry
                 with self._cond:
                     self._error = str(e)
@@ -782,6 +874,9 @@ class Shipper:
                           meta if new_meta else None, snaps if new_snaps else None)
             _publish(self.shipped, seg, self.claim)
             with self._cond:
+                self._index.append(_Entry.of(seg))
+                if new_meta:
+                    self._pruned = _pruned_of(meta)
                 self._seq, self._prev, self._shipped = seg.seq, seg.digest, last
                 self._meta_digest, self._snap_digest = meta_digest, snap_digest
                 self.bytes_shipped += seg.size
@@ -791,6 +886,124 @@ class Shipper:
         self.seconds_shipping += time.perf_counter() - t0
         self.cpu_seconds += time.thread_time() - c0
         return wrote
+
+
+    def compact_once(self) -> bool:
+        """Do the next compaction the rule asks for (plan_compaction), if any: merge segment files into
+        one, or write a compacted one again without the samples retention has pruned since. The new
+        file is sealed, fsynced and published before the ones it replaces are removed, so a kill at
+        any moment leaves a complete set (scan reads the compacted file and ignores what it holds).
+        Returns whether it did one. A failure is kept in compaction_problem; compaction stops there."""
+        with self._compact_lock:  # the shipper thread, or a caller that wants it done now
+            return self._compact_locked()
+
+    def _compact_locked(self) -> bool:
+        if self.compaction_problem is not None or not self.l0_fanout:
+            return False
+        job = plan_compaction(self._index, self._pruned, self.retention, self.l0_fanout, self.fanout)
+        if job is None:
+            return False
+        i, j, level, rewrite = job
+        try:
+            merged = _merge([read_segment(e.path) for e in self._index[i:j]], level, self._pruned)
+            _publish(self.shipped, merged, self.claim, replace=rewrite,
+                     point="compact.rewrite" if rewrite else "compact.before_publish")
+            if not rewrite:
+                failpoint("compact.after_publish")
+                if self.claim is not None:
+                    self.claim.check()
+                for k, e in enumerate(self._index[i:j]):
+                    e.path.unlink()
+                    if k == 0:
+                        failpoint("compact.delete")
+                fsync_dir(segment_dir(self.shipped))
+        except FencedError:
+            raise
+        except (OSError, JournalError) as e:
+            self.compaction_problem = f"journal segment compaction stopped: {e}"
+            return False
+        self._index[i:j] = [_Entry.of(merged)]
+        self.compactions += 1
+        return True
+
+    def files(self) -> int:
+        """How many segment files the shipped journal has now."""
+        return len(self._index)
+
+
+@dataclass
+class _Entry:
+    """What the shipper keeps of a segment file to plan compactions (not its bytes)."""
+
+    span: tuple[int, int]
+    level: int
+    first: int | None
+    last: int
+    pruned: int
+    path: Path
+
+    @classmethod
+    def of(cls, seg: Segment) -> _Entry:
+        return cls(seg.span, seg.level, seg.first, seg.last, seg.pruned, seg.path)
+
+
+def plan_compaction(index: list, pruned: int, retention: bool, l0_fanout: int = L0_FANOUT,
+                    fanout: int = FANOUT) -> tuple[int, int, int, bool] | None:
+    """The next compaction of the segment files `index` (oldest first; entries with span, level,
+    first, last, pruned): ``(i, j, level, rewrite)``, files i..j-1 replaced by one at `level`.
+
+    The rule, first match wins:
+      1. a compacted file holding samples of steps retention has since pruned (through `pruned`) is
+         written again without them (rewrite);
+      2. the oldest `l0_fanout` consecutive one-shipment files become one level-1 file (never the
+         newest file: the last file is always the last shipment itself, as a torn tail expects);
+      3. the oldest `fanout` consecutive settled level-k files (k >= 1) become one level-k+1 file;
+         settled: pruned whole, or any file when the run keeps its samples (retention off).
+    So a run leaves at most l0_fanout - 1 one-shipment files, fanout - 1 settled files per level
+    (the files of commit n at level k hold l0_fanout * fanout**(k-1) shipments), and the level-1
+    files of its retention window: for 100,000 shipments and the defaults, under 100 + window / 64.
+    """
+    for i, e in enumerate(index):
+        if e.level >= 1 and e.first is not None and max(e.pruned, e.first - 1) < min(e.last, pruned):
+            return i, i + 1, e.level, True
+
+    def settled(e) -> bool:
+        return not retention or e.first is None or e.last <= pruned
+
+    i, n = 0, len(index)
+    while i < n:
+        level, j = index[i].level, i
+        while j < n and index[j].level == level and (level == 0 and j < n - 1 or level and settled(index[j])):
+            j += 1
+        need = l0_fanout if level == 0 else fanout
+        if j - i >= need:
+            return i, i + need, level + 1, False
+        i = max(j, i + 1)
+    return None
+
+
+def _merge(segs: list[Segment], level: int, pruned: int) -> Segment:
+    """One segment holding what `segs` (consecutive, checked) hold, the samples of steps through
+    `pruned` removed (each record keeps its checksum and place in the chain: StepFrame.without_payload)."""
+    frames, prev_chain = [], None
+    for seg in segs:
+        for k, raw in enumerate(seg.steps):
+            frame = StepFrame.parse(raw)
+            step = seg.first + k
+            if not frame.checksum_ok() or (prev_chain is not None and frame.chain != digest(prev_chain, frame.checksum)):
+                raise JournalError(f"journal segment {seg.path.name}: step {step} fails its checksum or hash chain")
+            prev_chain = frame.chain
+            frames.append(frame.without_payload() if step <= pruned and frame.payload_len else raw)
+    meta = next((s.meta for s in reversed(segs) if s.meta is not None), None)
+    snaps = next((s.snapshots for s in reversed(segs) if s.snapshots is not None), None)
+    first = next((s.first for s in segs if s.first is not None), None)
+    return Segment(segs[-1].seq, segs[0].prev, first, segs[-1].last, segs[-1].chain, frames, meta, snaps,
+                   first_seq=segs[0].span[0], link=segs[-1].link_digest, level=level, pruned=pruned)
+
+
+def _pruned_of(meta: dict[bytes, bytes]) -> int:
+    raw = meta.get(b"pruned_through")
+    return 0 if raw is None else int(unframe_plain(raw, "meta 'pruned_through'"))
 
 
 def _map_digest(frames: dict[bytes, bytes]) -> bytes:

@@ -101,7 +101,8 @@ def open_writer(run_dir: Path, jc, claim: Claim) -> tuple[Journal, list[str]]:
     process's claim on the run (claim_run), which the journal owns from here (checked before every
     write, released when it closes, or here when the journal cannot be opened)."""
     try:
-        journal, notes = _open_writer(run_dir, jc.local_dir, jc.ship_max_lag_steps, claim)
+        journal, notes = _open_writer(run_dir, jc.local_dir, jc.ship_max_lag_steps, claim, str(jc.retain_samples) != "all",
+                                      jc.segment_fanout)
     except BaseException:
         claim.release()
         raise
@@ -109,7 +110,8 @@ def open_writer(run_dir: Path, jc, claim: Claim) -> tuple[Journal, list[str]]:
     return journal, notes
 
 
-def _open_writer(run_dir: Path, local_dir: str | None, max_lag: int, claim: Claim) -> tuple[Journal, list[str]]:
+def _open_writer(run_dir: Path, local_dir: str | None, max_lag: int, claim: Claim, retention: bool,
+                 fanout: int) -> tuple[Journal, list[str]]:
     jd = journal_dir(run_dir)
     if local_dir is None:
         if segments.is_shipped(jd) and not (jd / "data.mdb").is_file():
@@ -120,7 +122,7 @@ def _open_writer(run_dir: Path, local_dir: str | None, max_lag: int, claim: Clai
     if (jd / "data.mdb").is_file():
         raise RunError(f"{run_dir} keeps its LMDB journal in {jd}; journal.local_dir applies to new runs "
                        "(set it to null to resume this one)")
-    return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag, claim)
+    return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag, claim, retention, fanout)
 
 
 def discard_journal(run_dir: Path) -> None:

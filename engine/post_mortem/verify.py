@@ -211,9 +211,12 @@ def _verify_segments(report: RunReport, run_dir: Path, ledger: Ledger | None) ->
         return
     found = segments.scan(jd)
     report.leftovers += [f"journal/segments/{name}" for name in found.leftovers]
+    report.leftovers += [f"journal/segments/{path.name} (held by a compacted segment)" for path in found.superseded]
     shipped = found.last_step or 0
     if found.problem is None:
-        report.journal_lines.append(f"✓ Journal segments: {len(found.segments)} sealed in {segments.segment_dir(jd)} "
+        compacted = sum(1 for seg in found.segments if seg.level)
+        held = f" ({found.last_seq} shipments, {compacted} compacted files)" if compacted else ""
+        report.journal_lines.append(f"✓ Journal segments: {len(found.segments)} sealed in {segments.segment_dir(jd)}{held} "
                                     f"({found.bytes / 2**20:.1f} MiB), steps through {shipped}; digests, links and hash chain verified")
     elif found.problem_at_end:  # a torn or damaged last segment: what --resume does with it, not a refusal
         live = ledger is not None and ledger.last_step() > shipped and ledger.journal.shipped_problem is None

@@ -1,0 +1,142 @@
+"""Compaction of shipped segments (journal/segments.py): merged files, samples pruned from them too,
+and a kill at every point of a compaction followed by the loss of the local journal."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from verlj.journal import Journal, make_event, segments, verify_journal
+from verlj.journal.store import StepFrame
+
+HERE = Path(__file__).parent
+
+
+def _events(step: int) -> list[dict]:
+    rng = np.random.default_rng(step)
+    return [
+        make_event("data", epoch=0, cursor=step * 2, indices=np.arange(2, dtype=np.int64) + 2 * step),
+        make_event("buffer.add", ids=np.arange(8, dtype=np.int64) + 8 * step,
+                   samples={"response_ids": rng.integers(0, 32000, (8, 64), dtype=np.int64)}),
+        make_event("metrics", values={"loss": step / 3, "reward": -step / 7}),
+        make_event("state", fingerprint=f"{step:064x}"),
+    ]
+
+
+def run(local: Path, shipped: Path, upto: int, interval: int = 5, window: int = 2, fan=(4, 2)) -> tuple[int, int]:
+    """What the trainer does to its journal: a step a commit (max_lag 0), a snapshot every `interval`
+    steps keeping `window` of them, samples pruned through the oldest kept one (retention). Fixed
+    wall times: two runs of the same steps store the same bytes."""
+    j, _notes = segments.open_writer(local, shipped, 0, retention=True)
+    j.shipper.l0_fanout, j.shipper.fanout = fan
+    with j:
+        for s in range(j.last_step() + 1, upto + 1):
+            j.append_step(s, _events(s), wall_time=float(s))
+            if s % interval == 0:
+                j.add_snapshot(s, {"path": f"step_{s:05d}"})
+                kept = sorted(j.snapshots())[-window:]
+                for old in sorted(j.snapshots())[:-window]:
+                    j.remove_snapshot(old)
+                if kept[0] > j.pruned_through():
+                    j.make_durable()
+                    j.prune(kept[0])
+        j.make_durable()
+        while j.shipper.compact_once():
+            pass
+        assert j.shipper.compaction_problem is None
+        return j.pruned_through(), j.shipper.compactions
+
+
+def frames(path: Path) -> dict[int, bytes]:
+    with Journal.open_reader(path) as j:
+        return dict(j.iter_raw())
+
+
+def test_the_rule_bounds_the_file_count_over_100000_shipments():
+    """plan_compaction alone, on 100,000 one-step shipments with retention (snapshot every 200, two
+    kept): the files it leaves, at every moment, and that every step is in exactly one file."""
+    from types import SimpleNamespace as E
+
+    index, pruned, most = [], 0, 0
+    for s in range(1, 100_001):
+        index.append(E(span=(s, s), level=0, first=s, last=s, pruned=pruned))
+        if s % 200 == 0 and s >= 400:
+            pruned = s - 200
+        while (job := segments.plan_compaction(index, pruned, True)) is not None:
+            i, j, level, _rewrite = job
+            part = index[i:j]
+            index[i:j] = [E(span=(part[0].span[0], part[-1].span[1]), level=level, first=part[0].first,
+                            last=part[-1].last, pruned=pruned)]
+        most = max(most, len(index))
+    assert [e.span[0] for e in index] == [1] + [e.span[1] + 1 for e in index[:-1]]  # contiguous, no overlap
+    assert index[-1].span[1] == 100_000
+    assert most <= 100 + 400 // 64 + 1, most  # the bound the rule states
+    assert all(e.level == 0 or e.pruned >= min(e.last, pruned) or e.last > pruned for e in index)
+
+
+def test_compacted_segments_hold_every_step_and_no_pruned_samples(tmp_path):
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    pruned, compactions = run(local, shipped, 60)
+    found = segments.scan(shipped)
+    assert found.problem is None and found.superseded == [] and found.last_step == 60
+    n_files = len(list(segments.segment_dir(shipped).glob("*.seg")))
+    assert n_files == len(found.segments) and n_files < 20 and compactions > 0
+    assert any(seg.level >= 2 for seg in found.segments)
+    assert pruned == 55  # the oldest of the two snapshots kept at step 60
+    for seg in found.segments:
+        for k, raw in enumerate(seg.steps):
+            frame = StepFrame.parse(raw)
+            assert frame.payload_len == 0 if seg.first + k <= pruned and seg.level else True
+    in_segments = sum(StepFrame.parse(raw).payload_len for seg in found.segments for raw in seg.steps)
+    with Journal.open_reader(local) as jr:
+        live = sum(StepFrame.parse(raw).payload_len for _s, raw in jr.iter_raw())
+    assert in_segments <= live + 4 * max(StepFrame.parse(r).payload_len for seg in found.segments for r in seg.steps)
+    segments.rebuild(shipped, tmp_path / "L2")  # the node is lost: the segments alone
+    assert frames(tmp_path / "L2") == frames(local)
+    with Journal.open_reader(tmp_path / "L2") as jr:
+        report = verify_journal(jr)
+    assert report.ok and report.pruned_through == pruned, report.problems
+
+
+CHILD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {here!r})
+    from pathlib import Path
+    from test_compaction import run
+    run(Path({local!r}), Path({shipped!r}), {upto})
+""")
+
+
+@pytest.mark.parametrize("point", ["compact.before_publish:3", "compact.after_publish:3", "compact.delete:3",
+                                   "compact.rewrite:1", "compact.rewrite:4"])
+def test_a_kill_at_any_point_of_a_compaction_then_the_node_lost(tmp_path, point):
+    """Killed inside a compaction (a merge or a rewrite that drops pruned samples), the local journal
+    lost with the node: a new node rebuilds from the segments, finishes the run, and holds exactly what
+    an uninterrupted run holds; verify is clean and nothing of the compaction is left over."""
+    run(tmp_path / "ref" / "L", tmp_path / "ref" / "run", 60)
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    child = CHILD.format(here=str(HERE), local=str(local), shipped=str(shipped), upto=60)
+    out = subprocess.run([sys.executable, "-c", child], env={**os.environ, "VERLJ_FAILPOINT": point},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stderr[-2000:]
+    with Journal.open_reader(local) as j:
+        committed = j.last_step()
+    found = segments.scan(shipped)
+    assert found.problem is None and committed - found.last_step <= 1  # max_lag 0: at most the step in flight
+    if point.startswith(("compact.before_publish", "compact.rewrite")):  # the new file never became visible
+        assert any(name.startswith(".tmp-") for name in found.leftovers)
+    else:  # visible: it is read, and what it replaced (all of it, or what deletion left) is ignored
+        assert found.superseded
+    os.replace(local, tmp_path / "lost")  # the node is gone
+    run(tmp_path / "L-new", shipped, 60)
+    assert frames(tmp_path / "L-new") == frames(tmp_path / "ref" / "L")
+    found = segments.scan(shipped)
+    assert found.problem is None and found.superseded == [] and found.leftovers == []
+    segments.rebuild(shipped, tmp_path / "again")
+    assert frames(tmp_path / "again") == frames(tmp_path / "ref" / "L")
+    with Journal.open_reader(tmp_path / "again") as jr:
+        assert verify_journal(jr).ok
