@@ -833,12 +833,12 @@ class Shipper:
                 self._dirty = False
                 written = self._written
             try:
-                self.ship_once()
+                self.ship_once(compact=True)
                 with self._cond:
                     self._shipped_written = max(self._shipped_written, written)
                     self._cond.notify_all()
                 backoff = 0.1
-                while not self._dirty and self.compact_once():  # shipping first: compaction only while idle
+                while not self._dirty and self.compact_once():  # the rest while nothing waits to be shipped
                     pass
             except FencedError as e:  # another writer owns the run now: never retry
                 with self._cond:
@@ -854,11 +854,15 @@ class Shipper:
                 time.sleep(backoff)
                 backoff *= 2
 
-    def ship_once(self) -> bool:
-        """Ship everything committed and not yet shipped. Returns whether a segment was written."""
+    def ship_once(self, compact: bool = False) -> bool:
+        """Ship everything committed and not yet shipped. Returns whether a segment was written.
+        compact: one compaction job after each segment (so compaction keeps up with a loop that
+        commits faster than this ships, which never leaves the shipper idle)."""
         t0, c0 = time.perf_counter(), time.thread_time()
         wrote = False
         while True:
+            if wrote and compact:
+                self.compact_once()
             # one consistent cut per segment: a segment whose steps outlive it never lacks the metadata
             # committed before them (the run's identity written before step 1, say)
             steps, meta, snaps = self.journal.read_cut(self._shipped, MAX_SEGMENT_BYTES)
@@ -886,7 +890,6 @@ class Shipper:
         self.seconds_shipping += time.perf_counter() - t0
         self.cpu_seconds += time.thread_time() - c0
         return wrote
-
 
     def compact_once(self) -> bool:
         """Do the next compaction the rule asks for (plan_compaction), if any: merge segment files into

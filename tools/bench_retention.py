@@ -2,6 +2,7 @@
 
     python tools/bench_retention.py                      # journal only, realistic records (~1 min)
     python tools/bench_retention.py --train              # a real `verlj train` run (slow: ~10-20 min)
+    python tools/bench_retention.py --shipped --steps 20000   # journal.local_dir: the run directory's segments
 
 Journal mode appends step records shaped like the engine's (bench_journal.samples_columns: 64
 samples x 128 tokens by default) to two journals side by side in one process, snapshotting every
@@ -12,6 +13,11 @@ to step N/2, then resumes it to step N (`--resume`, as a long job would be), and
 retain_samples=all. Both print the used size of data.mdb (the pages LMDB has handed out: the file
 never shrinks, freed pages are reused) at N/2 and N, the ratio (goal <= 1.1 with retention), and
 what every step keeps after pruning (its record without samples).
+
+Shipped mode writes the same records through journal.local_dir's shipper (ship_max_lag_steps=2,
+retention on, the default segment_fanout): the run directory's segments, bytes and file count at N/2
+and N, then rebuilds a local journal from the segments alone (what a resume on a new node does) and
+times it against a plain copy of the same files.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_journal import step_events  # noqa: E402
 
 from verlj.engine.loop.retention import prune_bound  # noqa: E402
-from verlj.journal import Journal, open_journal_reader  # noqa: E402
+from verlj.journal import Journal, open_journal_reader, segments  # noqa: E402
 from verlj.journal.store import StepFrame  # noqa: E402
 
 
@@ -75,6 +81,62 @@ def journal_mode(root: Path, steps: int, interval: int, samples: int, tokens: in
     print(f"  pruning took {prune_time / append_time * 100:.2f}% of the time spent appending")
 
 
+def shipped_mode(root: Path, steps: int, interval: int, samples: int, tokens: int) -> None:
+    rng = np.random.default_rng(0)
+    templates = [step_events(s, rng, samples, tokens) for s in range(1, 9)]
+    shipped = root / "run" / "journal"
+    j, _notes = segments.open_writer(root / "local", shipped, 2, retention=True)
+    snaps: list[int] = []
+    seen: dict = {}
+    most = 0
+
+    def files() -> list[Path]:
+        return sorted(segments.segment_dir(shipped).glob("*.seg"))
+
+    with j:
+        for s in range(1, steps + 1):
+            j.append_step(s, templates[s % len(templates)])
+            if s % interval == 0:
+                j.add_snapshot(s, {"path": f"step_{s:06d}"})
+                snaps = [*snaps, s]
+                if len(snaps) > 2:  # save_total_limit=2
+                    j.remove_snapshot(snaps.pop(0))
+                bound = prune_bound("since_oldest_snapshot", snaps, s)
+                if bound > j.pruned_through():
+                    j.make_durable()
+                    j.prune(bound)
+            if s % 100 == 0:
+                most = max(most, len(files()))
+            if s in (steps // 2, steps):
+                j.make_durable()
+                seen[s] = (sum(p.stat().st_size for p in files()), len(files()), j.shipper.compactions)
+        problem = j.shipper.compaction_problem
+    half = steps // 2
+    print(f"shipped journal (journal.local_dir, retention since_oldest_snapshot, snapshot every {interval}, 2 kept): "
+          f"{steps} steps of {samples} samples x {tokens} tokens")
+    for s in (half, steps):
+        size, n, done = seen[s]
+        print(f"  step {s:6d}: segments {size / 2**20:7.1f} MiB in {n} files ({done} compactions so far)")
+    print(f"  segments at step {steps} over step {half}: {seen[steps][0] / seen[half][0]:.2f}x  (goal <= 1.05); "
+          f"most files at once: {most}" + (f"; compaction stopped: {problem}" if problem else ""))
+    copy_times, rebuild_times = [], []
+    for rep in range(3):
+        t = time.perf_counter()
+        dest = root / f"copy{rep}"
+        dest.mkdir()
+        for p in files():
+            shutil.copyfile(p, dest / p.name)
+            with open(dest / p.name, "rb+") as f:
+                os.fsync(f.fileno())
+        copy_times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        segments.rebuild(shipped, root / f"rebuilt{rep}")
+        rebuild_times.append(time.perf_counter() - t)
+    c, r = min(copy_times), min(rebuild_times)
+    print(f"  a new node's rebuild from the segments alone: {r:.2f} s against {c:.2f} s for a plain copy (+ fsync) "
+          f"of the same files: {r / c:.2f}x (best of 3 each)")
+
+
 def train_mode(root: Path, steps: int, interval: int) -> None:
     base = [sys.executable, "-m", "verlj.cli", "train", "trainer.save_total_limit=2", f"trainer.save_interval={interval}",
             "data.prompts_per_step=8", "rollout.n=8", "rollout.max_response_length=64", "rollout.ignore_eos=true",
@@ -113,12 +175,15 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--train", action="store_true", help="run the real trainer instead of appending records")
+    ap.add_argument("--shipped", action="store_true", help="append through journal.local_dir's shipper: the run directory's segments")
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="verlj-retention-", dir=args.dir))
     try:
         if args.train:
             train_mode(root, args.steps, args.save_interval or 250)
+        elif args.shipped:
+            shipped_mode(root, args.steps, args.save_interval or 200, args.samples, args.tokens)
         else:
             journal_mode(root, args.steps, args.save_interval or 200, args.samples, args.tokens)
     finally:
