@@ -17,8 +17,9 @@ samples, metrics other than timings, and fingerprint). Kinds:
   disk-full    the run directory on a small tmpfs, so a snapshot or a journal commit hits ENOSPC;
                then more space and `--resume`.
   node-loss    journal.local_dir with one snapshot kept (every save rotates), retention and the archive
-               on or off: SIGKILL at a random moment, mid shipment, or, with shipping slowed (a slow
-               shared filesystem), at a failpoint of publish / index / rotate / prune / archive; then
+               on or off, shipped segments compacted all along (segment_fanout 2) or not: SIGKILL at a
+               random moment, mid shipment, or, with shipping slowed (a slow shared filesystem), at a
+               failpoint of publish / index / rotate / prune / archive / segment compaction; then
                the local journal deleted (the node is gone), sometimes the last segment torn or
                bit-flipped too; then `--resume` with a new local directory. exact (no more steps
                lost than the lag bound allows, nothing the shipped journal names deleted, the resume
@@ -82,6 +83,7 @@ FAILPOINTS = {
 NODE_LOSS_POINTS = {"snapshot.before_rename": 3, "snapshot.before_index": 3, "snapshot.rotate": 3, "snapshot.before_delete": 3,
                     "snapshot.rotated": 3}
 RETENTION_POINTS = {"journal.prune": 3, "archive.mid_write": 6}
+COMPACTION_POINTS = {"compact.before_publish": 4, "compact.after_publish": 4, "compact.delete": 4}  # with segment_fanout 2
 SLOW_SHIPPING = "ship.before_publish:1:sleep-each=0.3"
 GOOD = {"exact", "found", "recovered exactly", "refused clearly", "unaffected", "stopped clearly, resumed exactly", "kept going without snapshots",
         "refused", "undisturbed", "clear error"}
@@ -423,9 +425,11 @@ def node_loss_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
     run, local = root / f"node{n}", root / f"node{n}-local"
     lag = rng.choice([0, 1, 2, 4])
     retain = rng.random() < 0.5
+    fanout = rng.choice([2, 2, 64])  # 2: segments compacted all the time; 64 (the default): never in so short a run
     over = [f"journal.local_dir={local}", f"journal.ship_max_lag_steps={lag}", "trainer.save_total_limit=1",
+            f"journal.segment_fanout={fanout}",
             *(["journal.retain_samples=since_oldest_snapshot", "journal.archive=true"] if retain else [])]
-    what = f"lag {lag}, retention {'on' if retain else 'off'}: "
+    what = f"lag {lag}, retention {'on' if retain else 'off'}, segment fanout {fanout}: "
     mode = rng.random()
     if mode < 0.3:
         kill_at_random(run, rng, *over)
@@ -435,7 +439,8 @@ def node_loss_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
         out = train(run, *over, VERLJ_FAILPOINT=f"ship.before_publish:{k}")
         what += f"SIGKILL mid shipment {k}" + ("" if out.returncode == -9 else " (not reached)")
     else:
-        points = {**NODE_LOSS_POINTS, **(RETENTION_POINTS if retain else {})}
+        points = {**NODE_LOSS_POINTS, **(RETENTION_POINTS if retain else {}),
+                  **(COMPACTION_POINTS if fanout == 2 else {}), **({"compact.rewrite": 2} if fanout == 2 and retain else {})}
         point = rng.choice(sorted(points))
         count = rng.randint(1, points[point])
         out = train(run, *over, VERLJ_FAILPOINT=f"{SLOW_SHIPPING},{point}:{count}")

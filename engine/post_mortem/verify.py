@@ -215,9 +215,10 @@ def _verify_segments(report: RunReport, run_dir: Path, ledger: Ledger | None) ->
     shipped = found.last_step or 0
     if found.problem is None:
         compacted = sum(1 for seg in found.segments if seg.level)
-        held = f" ({found.last_seq} shipments, {compacted} compacted files)" if compacted else ""
-        report.journal_lines.append(f"✓ Journal segments: {len(found.segments)} sealed in {segments.segment_dir(jd)}{held} "
-                                    f"({found.bytes / 2**20:.1f} MiB), steps through {shipped}; digests, links and hash chain verified")
+        size = f"{found.bytes / 2**20:.1f} MiB" if found.bytes >= 2**20 else f"{found.bytes / 1024:.0f} KiB"
+        held = f"{found.last_seq} shipments, {compacted} of the files compacted; " if compacted else ""
+        report.journal_lines.append(f"✓ Journal segments: {len(found.segments)} sealed in {segments.segment_dir(jd)} "
+                                    f"({held}{size}), steps through {shipped}; digests, links and hash chain verified")
     elif found.problem_at_end:  # a torn or damaged last segment: what --resume does with it, not a refusal
         live = ledger is not None and ledger.last_step() > shipped and ledger.journal.shipped_problem is None
         if live:
