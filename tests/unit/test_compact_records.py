@@ -273,3 +273,28 @@ def test_tampered_shapes_in_meta_are_caught(tmp_path):
         j.set_meta("shapes", shapes)
         report = verify_journal(j)
     assert [p.kind for p in report.problems] == ["bad_meta"], report.problems
+
+
+def test_a_journal_of_v2_cores_continues_in_v3(tmp_path):
+    """Steps written before cores were compacted read as they were; new steps chain on in v3."""
+    from verlj.journal import codec
+    from verlj.journal.store import frame_step2, split_payload
+
+    path = tmp_path / "j"
+    with Journal.open_writer(path) as j:
+        j.append_step(1, varied_events(1))  # creates the sub-databases; replaced below by a v2 frame
+    core_events, payload, desc = split_payload(varied_events(1), 1)
+    v2 = frame_step2(codec.packb_compact({"v": 2, "step": 1, "time": 1.0, "events": core_events, "payload": desc}), payload, bytes(32))
+
+    env = lmdb.open(str(path), max_dbs=8, subdir=True)
+    with env.begin(write=True) as txn:
+        txn.put(step_key(1), v2, db=env.open_db(b"steps", txn=txn))
+        txn.delete(b"shapes", db=env.open_db(b"meta", txn=txn))  # a v2 journal had no shapes
+    env.close()
+    with Journal.open_writer(path) as j:
+        j.append_step(2, varied_events(2))
+        assert not codec.is_core_v3(StepFrame.parse(j.read_raw(1)).body) and codec.is_core_v3(StepFrame.parse(j.read_raw(2)).body)
+        assert same(j.read_step(1).events, varied_events(1)) and same(j.read_step(2).events, varied_events(2))
+        assert same(j.read_summary(1).metrics, j.read_summary(2).metrics | {"a/x": 1.5})
+        report = verify_journal(j)
+    assert report.ok, report.problems
