@@ -14,7 +14,8 @@ exactly; token ids of a 32k vocabulary padded with -1 take 2 bytes each instead 
 what repeats from step to step once per journal instead of once per step: every map with string
 keys becomes ``[shape id, *values]`` over an interned :class:`Shapes` table (a map of floats,
 the metrics, becomes its shape id and raw float64 values), a lowercase hex string its bytes, a
-1-d integer array of consecutive values ``[dtype, first, count]``. A core declares the shapes it
+1-d integer array of consecutive values ``[dtype, first, count]`` (other integer arrays are narrowed
+however small). A core declares the shapes it
 is first to use, so the table is covered by the journal's hash chain like everything else.
 """
 
@@ -66,16 +67,26 @@ def _default(obj):
 
 
 def _narrow_default(obj):
-    if isinstance(obj, np.ndarray) and obj.dtype.kind in "iu" and obj.size >= NARROW_MIN_SIZE and obj.dtype.itemsize > 1:
-        lo, hi = int(obj.min()), int(obj.max())
-        span = hi - lo
-        stored = next((u for u in _UNSIGNED if span <= np.iinfo(u).max), None)
-        if stored is not None and stored.itemsize < obj.dtype.itemsize and -(1 << 63) <= lo < (1 << 63):
-            arr = _to_le(obj)
-            shifted = (arr.astype(np.int64) - lo).astype(stored.newbyteorder("<")) if lo else arr.astype(stored.newbyteorder("<"))
-            head = msgpack.packb([arr.dtype.str, shifted.dtype.str, list(arr.shape), lo])
-            return msgpack.ExtType(EXT_NARROW, b"".join((head, shifted.reshape(-1).view(np.uint8))))
+    if isinstance(obj, np.ndarray) and obj.size >= NARROW_MIN_SIZE:
+        narrowed = _narrowed(obj)
+        if narrowed is not None:
+            return narrowed
     return _default(obj)
+
+
+def _narrowed(obj: np.ndarray) -> msgpack.ExtType | None:
+    """An integer array in the narrowest unsigned width its value range needs (EXT_NARROW), or None."""
+    if obj.dtype.kind not in "iu" or obj.dtype.itemsize == 1 or obj.size == 0:
+        return None
+    lo, hi = int(obj.min()), int(obj.max())
+    span = hi - lo
+    stored = next((u for u in _UNSIGNED if span <= np.iinfo(u).max), None)
+    if stored is None or stored.itemsize >= obj.dtype.itemsize or not -(1 << 63) <= lo < (1 << 63):
+        return None
+    arr = _to_le(obj)
+    shifted = (arr.astype(np.int64) - lo).astype(stored.newbyteorder("<")) if lo else arr.astype(stored.newbyteorder("<"))
+    head = msgpack.packb([arr.dtype.str, shifted.dtype.str, list(arr.shape), lo])
+    return msgpack.ExtType(EXT_NARROW, b"".join((head, shifted.reshape(-1).view(np.uint8))))
 
 
 def _unnarrow(head, raw: bytes) -> np.ndarray:
@@ -200,10 +211,12 @@ def _compact(obj, shapes: Shapes):
         return [_compact(v, shapes) for v in obj]
     if t is str and _HEX.fullmatch(obj):
         return msgpack.ExtType(EXT_HEX, bytes.fromhex(obj))
-    if t is np.ndarray and obj.ndim == 1 and obj.dtype.kind in "iu" and obj.size >= 2:
-        first, last = int(obj[0]), int(obj[-1])
-        if last - first == obj.size - 1 and bool((np.diff(obj) == 1).all()):
-            return msgpack.ExtType(EXT_RANGE, msgpack.packb([obj.dtype.newbyteorder("<").str, first, int(obj.size)]))
+    if t is np.ndarray and obj.dtype.kind in "iu" and obj.size >= 2:
+        if obj.ndim == 1:
+            first, last = int(obj[0]), int(obj[-1])
+            if last - first == obj.size - 1 and bool((np.diff(obj) == 1).all()):
+                return msgpack.ExtType(EXT_RANGE, msgpack.packb([obj.dtype.newbyteorder("<").str, first, int(obj.size)]))
+        return _narrowed(obj) or obj  # a core's arrays are small: narrowed whatever their size
     return obj
 
 
