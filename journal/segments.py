@@ -731,15 +731,20 @@ class Shipper:
         self._prev = found.segments[-1].link_digest if found.segments else ""
         self._shipped = found.last_step if found.last_step is not None else journal.base_step()
         self._meta_digest = self._snap_digest = None
-        self._pruned = 0  # retention's bound in the last shipped meta: what compaction may strip
+        # retention's bound as compaction may use it: from the newest meta shipped in a segment that is
+        # not the last file. A damaged last file is dropped by a rebuild (a torn tail); one before it
+        # is refused. So the meta that says steps through _pruned were pruned (and archived) is never
+        # lost while a compacted file holds them without samples. _pruned_last: the last file's.
+        self._pruned = self._pruned_last = 0
         self._index = [_Entry.of(seg) for seg in found.segments]  # the segment files, in order (no step bytes)
         self.compaction_problem: str | None = None  # set when a compaction failed (it is not tried again)
         self.compactions = 0
         self._compact_lock = threading.Lock()
         for seg in found.segments:
+            self._pruned = self._pruned_last
             if seg.meta is not None:
                 self._meta_digest = _map_digest(seg.meta)
-                self._pruned = _pruned_of(seg.meta)
+                self._pruned_last = _pruned_of(seg.meta)
             if seg.snapshots is not None:
                 self._snap_digest = _map_digest(seg.snapshots)
         self.bytes_shipped = 0
@@ -879,8 +884,9 @@ class Shipper:
             _publish(self.shipped, seg, self.claim)
             with self._cond:
                 self._index.append(_Entry.of(seg))
+                self._pruned = self._pruned_last  # the file that carried it is no longer the last
                 if new_meta:
-                    self._pruned = _pruned_of(meta)
+                    self._pruned_last = _pruned_of(meta)
                 self._seq, self._prev, self._shipped = seg.seq, seg.digest, last
                 self._meta_digest, self._snap_digest = meta_digest, snap_digest
                 self.bytes_shipped += seg.size

@@ -87,14 +87,15 @@ def test_compacted_segments_hold_every_step_and_no_pruned_samples(tmp_path):
     assert n_files == len(found.segments) and n_files < 20 and compactions > 0
     assert any(seg.level >= 2 for seg in found.segments)
     assert pruned == 55  # the oldest of the two snapshots kept at step 60
+    usable = 50  # compaction strips through the bound of a meta in a file before the last (the last's, 55, waits)
     for seg in found.segments:
         for k, raw in enumerate(seg.steps):
             frame = StepFrame.parse(raw)
-            assert frame.payload_len == 0 if seg.first + k <= pruned and seg.level else True
+            assert frame.payload_len == 0 if seg.first + k <= usable and seg.level else True
     in_segments = sum(StepFrame.parse(raw).payload_len for seg in found.segments for raw in seg.steps)
     with Journal.open_reader(local) as jr:
         live = sum(StepFrame.parse(raw).payload_len for _s, raw in jr.iter_raw())
-    assert in_segments <= live + 4 * max(StepFrame.parse(r).payload_len for seg in found.segments for r in seg.steps)
+    assert in_segments <= live + (pruned - usable + 4) * max(StepFrame.parse(r).payload_len for seg in found.segments for r in seg.steps)  # steps 51-55 and up to 3 one-shipment files
     segments.rebuild(shipped, tmp_path / "L2")  # the node is lost: the segments alone
     assert frames(tmp_path / "L2") == frames(local)
     with Journal.open_reader(tmp_path / "L2") as jr:
@@ -140,3 +141,23 @@ def test_a_kill_at_any_point_of_a_compaction_then_the_node_lost(tmp_path, point)
     assert frames(tmp_path / "again") == frames(tmp_path / "ref" / "L")
     with Journal.open_reader(tmp_path / "again") as jr:
         assert verify_journal(jr).ok
+
+
+def test_a_damaged_last_segment_never_takes_the_meta_that_compaction_pruned_by(tmp_path):
+    """The last file carries the newest meta (retention's bound after the last snapshot). A rebuild drops
+    that file if it is damaged, so compaction strips samples only through the bound of a meta in a
+    file that is not the last: the rebuilt journal never holds a step without samples that its meta
+    does not call pruned (found by the node-loss campaign: a bit flipped in the last segment)."""
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    run(local, shipped, 60)
+    last = max(segments.segment_dir(shipped).glob("*.seg"))
+    assert last.stem == f"{segments.scan(shipped).last_seq:010d}"  # the last file is always one shipment
+    raw = bytearray(last.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    last.write_bytes(bytes(raw))
+    found = segments.scan(shipped)
+    assert found.problem_at_end
+    segments.rebuild(shipped, tmp_path / "L2", tolerate="tail")
+    with Journal.open_reader(tmp_path / "L2") as jr:
+        report = verify_journal(jr)
+    assert report.ok, report.problems
