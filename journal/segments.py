@@ -740,6 +740,9 @@ class Shipper:
         self.compaction_problem: str | None = None  # set when a compaction failed (it is not tried again)
         self.compactions = 0
         self._compact_lock = threading.Lock()
+        self._seal_wanted = False  # flush(sealed=True) asked for what is shipped to be followed by a segment
+        self._last_empty = bool(found.segments) and found.segments[-1].first is None and \
+            found.segments[-1].meta is None and found.segments[-1].snapshots is None
         for seg in found.segments:
             self._pruned = self._pruned_last
             if seg.meta is not None:
@@ -778,12 +781,16 @@ class Shipper:
             self._written += 1
             self._cond.notify_all()
 
-    def flush(self, timeout: float = 600.0) -> None:
+    def flush(self, timeout: float = 600.0, sealed: bool = False) -> None:
         """Block until everything committed so far (steps, metadata, the snapshot index) is shipped.
-        Raises JournalError if shipping fails or stalls past `timeout`."""
+        sealed: and followed by another segment (an empty one if nothing else comes), so that it is not
+        in the last file, which a rebuild drops if it is damaged: what is about to be deleted on the
+        strength of it stays unneeded whatever happens to that file. Raises JournalError if shipping
+        fails or stalls past `timeout`."""
         deadline = time.monotonic() + timeout
         with self._cond:
             want = self._written
+            self._seal_wanted = self._seal_wanted or sealed
             self._dirty = True
             self._cond.notify_all()
             while self._shipped_written < want:
@@ -875,27 +882,39 @@ class Shipper:
             new_meta = meta_digest != self._meta_digest
             new_snaps = snap_digest != self._snap_digest
             if not steps and not new_meta and not new_snaps:
+                with self._cond:
+                    seal, self._seal_wanted = self._seal_wanted, False
+                if seal and not self._last_empty:  # nothing more to ship: seal what was with an empty segment
+                    self._publish_next(Segment(self._seq + 1, self._prev, None, self._shipped,
+                                               self.journal.chain_hash(self._shipped) or "", [], None, None))
+                    wrote = True
                 break
             first = self._shipped + 1 if steps else None
             last = self._shipped + len(steps)
             chain = StepFrame.parse(steps[-1]).chain.hex() if steps else (self.journal.chain_hash(self._shipped) or "")
             seg = Segment(self._seq + 1, self._prev, first, last, chain, steps,
                           meta if new_meta else None, snaps if new_snaps else None)
-            _publish(self.shipped, seg, self.claim)
+            self._publish_next(seg)
             with self._cond:
-                self._index.append(_Entry.of(seg))
-                self._pruned = self._pruned_last  # the file that carried it is no longer the last
                 if new_meta:
                     self._pruned_last = _pruned_of(meta)
-                self._seq, self._prev, self._shipped = seg.seq, seg.digest, last
                 self._meta_digest, self._snap_digest = meta_digest, snap_digest
-                self.bytes_shipped += seg.size
-                self._error = None
-                self._cond.notify_all()
             wrote = True
         self.seconds_shipping += time.perf_counter() - t0
         self.cpu_seconds += time.thread_time() - c0
         return wrote
+
+    def _publish_next(self, seg: Segment) -> None:
+        """Publish the next segment and take it into the shipper's state."""
+        _publish(self.shipped, seg, self.claim)
+        with self._cond:
+            self._index.append(_Entry.of(seg))
+            self._pruned = self._pruned_last  # the file that carried it is no longer the last
+            self._last_empty = seg.first is None and seg.meta is None and seg.snapshots is None
+            self._seq, self._prev, self._shipped = seg.seq, seg.digest, seg.last
+            self.bytes_shipped += seg.size
+            self._error = None
+            self._cond.notify_all()
 
     def compact_once(self) -> bool:
         """Do the next compaction the rule asks for (plan_compaction), if any: merge segment files into

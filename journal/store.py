@@ -668,10 +668,12 @@ class Journal:
 
     def make_durable(self) -> None:
         """Return once every write so far is in the copy a recovery would read: at once for a journal in
-        the run directory (each commit is fsynced), after the shipper has shipped it for a shipped one.
-        Call before deleting anything the previous state of the journal still needs."""
+        the run directory (each commit is fsynced), after the shipper has shipped it and sealed it with
+        a later segment for a shipped one (a recovery drops a damaged last segment: what it carried
+        must not be all that made a deletion safe). Call before deleting anything the previous state
+        of the journal still needs."""
         if self.shipper is not None:
-            self.shipper.flush()
+            self.shipper.flush(sealed=True)
 
     # ------------------------------------------------------------------ reading
 
