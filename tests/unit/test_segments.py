@@ -213,3 +213,29 @@ def test_network_filesystems_are_recognised():
     assert segments.network_filesystem(Path("/mnt/shared/local/j"), mounts) is None  # the longest mount wins
     assert segments.network_filesystem(Path("/lustre/x"), mounts) == "lustre"
     assert segments.network_filesystem(Path("/home/u"), mounts) is None
+
+
+def test_make_durable_seals_what_a_deletion_relies_on_behind_another_segment(tmp_path):
+    """A rebuild drops a damaged last segment. So make_durable (called before a rotation deletes a
+    snapshot, or retention prunes) returns only once what it shipped is followed by another segment:
+    damage to the last file then never takes away the index that made the deletion safe."""
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    j, _notes = segments.open_writer(local, shipped, 0)
+    with j:
+        for s in range(1, 5):
+            j.append_step(s, _events(s))
+        j.add_snapshot(4, {"path": "step_00004"})
+        j.make_durable()  # a rotation would now delete the older snapshot
+        newest = max(segments.segment_dir(shipped).glob("*.seg"))
+        seal = segments.read_segment(newest)
+        assert (seal.first, seal.meta, seal.snapshots, seal.steps) == (None, None, None, [])
+        j.make_durable()  # nothing new: no second seal
+        assert max(segments.segment_dir(shipped).glob("*.seg")) == newest
+    raw = bytearray(newest.read_bytes())
+    raw[-1] ^= 0x01
+    newest.write_bytes(bytes(raw))
+    found = segments.scan(shipped)
+    assert found.problem_at_end and found.lost_steps is None and found.last_step == 4
+    segments.rebuild(shipped, tmp_path / "L2")
+    with Journal.open_reader(tmp_path / "L2") as jr:
+        assert list(jr.snapshots()) == [4] and jr.last_step() == 4
