@@ -30,12 +30,13 @@ checksum and the journal's hash chain through them. :func:`rebuild` turns the se
 environment; a damaged or torn last segment costs only the steps in it, damage before the last
 is refused.
 
-Compaction (:meth:`Shipper.compact_once`, in the shipper's thread while it has nothing to ship)
-keeps the file count bounded (the rule: :func:`plan_compaction`): runs of segments are merged into
+Compaction (:meth:`Shipper.compact_once`, in the shipper's thread: one job after each segment it
+ships, the rest while it has nothing to ship) keeps the file count bounded (the rule: :func:`plan_compaction`): runs of segments are merged into
 one file named by the shipments it holds, whose head adds ``first_seq``, ``level``, ``link`` (the
 digest the next segment's ``prev`` names) and ``pruned``; with retention, the records of steps
 pruned in the shipped meta are written without their samples (each keeps its checksum and place in
-the chain), and a compacted file is written again when retention passes it. The new file is sealed,
+the chain; only through the bound of a meta in a file that is not the last, since a rebuild drops a
+damaged last file), and a compacted file is written again when retention passes it. The new file is sealed,
 fsynced and published before what it replaces is removed; a scan reads the widest file that checks
 and ignores what it holds (``SegmentScan.superseded``, removed by the next writer).
 """
@@ -169,7 +170,7 @@ class Segment:
     snapshots: dict[bytes, bytes] | None
     digest: str = ""
     size: int = 0
-    # a compacted segment (Compactor): the shipments first_seq..seq in one file, at `level` (0: one
+    # a compacted segment (Shipper.compact_once): the shipments first_seq..seq in one file, at `level` (0: one
     # shipment); `link`: the digest the next segment's prev names (the last shipment's); `pruned`:
     # retention's bound when written (its steps through there carry no samples)
     first_seq: int | None = None
