@@ -1,6 +1,7 @@
 """journal.local_dir when things go wrong at the worst moment: no run becomes unrecoverable, one writer.
 
-- A failpoint matrix over publish / index / ship / rotate / prune / archive / compact: shipping is slowed (a
+- A failpoint matrix over publish / index / ship / rotate / prune / archive, segments compacted all
+  along (kills inside a compaction: tests/unit/test_compaction.py): shipping is slowed (a
   slow shared filesystem), the trainer is killed at the point, the node's local journal is lost, and
   a resume elsewhere must be exact, with no more steps lost than the lag bound allows.
 - Two trainers on one shipped run from two local directories: the second is refused before it
@@ -70,7 +71,6 @@ def committed(local: Path) -> int:
     (True, f"{SLOW_SHIPPING},journal.prune:2"),  # inside the transaction that prunes steps 3-4
     (True, f"{SLOW_SHIPPING},archive.mid_write:3"),  # writing steps 3-4 to the rollout archive
     (True, "ship.before_publish:5"),  # a shipment written, not published
-    (True, "compact.rewrite:1"),  # a compacted segment written again without pruned samples, not yet in place
 ])
 def test_node_lost_at_each_crash_point_resumes_exactly(tmp_path, references, retain, points):
     reference = references(retain)

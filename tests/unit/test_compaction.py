@@ -113,7 +113,7 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("point", ["compact.before_publish:3", "compact.after_publish:3", "compact.delete:3",
-                                   "compact.rewrite:1", "compact.rewrite:4"])
+                                   "compact.rewrite:2"])
 def test_a_kill_at_any_point_of_a_compaction_then_the_node_lost(tmp_path, point):
     """Killed inside a compaction (a merge or a rewrite that drops pruned samples), the local journal
     lost with the node: a new node rebuilds from the segments, finishes the run, and holds exactly what
