@@ -127,9 +127,9 @@ def _ext_hook(code: int, data: bytes, shapes: Shapes | None = None):
     return np.frombuffer(raw, dtype=dtype)[0]
 
 
-def _split_head(data: bytes, hook=None):
+def _split_head(data: bytes):
     """An extension's msgpack head and the raw bytes after it."""
-    unpacker = msgpack.Unpacker(raw=False, ext_hook=hook or msgpack.ExtType, strict_map_key=False)
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
     unpacker.feed(data)
     head = unpacker.unpack()
     return head, data[unpacker.tell():]
@@ -229,14 +229,13 @@ def _core_ext(code: int, data: bytes, shapes: Shapes):
         if dtype.kind not in "iu" or not isinstance(first, int) or not isinstance(count, int) or count < 0:
             raise CodecError("stored integer range is malformed")
         return np.arange(first, first + count, dtype=np.int64 if dtype.kind == "i" else np.uint64).astype(dtype)
-    hook = lambda c, d: _ext_hook(c, d, shapes)  # noqa: E731
     if code == EXT_FLOATS:
         sid, raw = _split_head(data)
         key = shapes.get(sid, SHAPE_FLOATS)
         if len(raw) != 8 * (len(key) - 1):
             raise CodecError("stored float map's length does not match its shape")
         return dict(zip(key[1:], np.frombuffer(raw, "<f8").tolist()))
-    sid, *values = _unpack_with(data, hook)
+    sid, *values = _unpack_with(data, lambda c, d: _ext_hook(c, d, shapes))
     key = shapes.get(sid, SHAPE_MAP)
     if len(values) != len(key) - 1:
         raise CodecError("stored map's length does not match its shape")
@@ -271,8 +270,9 @@ def pack_core(step: int, wall_time: float, events: list[dict], payload_desc, sha
 
 
 def is_core_v3(body: bytes) -> bool:
-    """Whether a core is in the v3 encoding (a msgpack array; v1/v2 records are maps)."""
-    return len(body) > 1 and (0x90 <= body[0] <= 0x9F or body[0] in (0xDC, 0xDD)) and body[1] == CORE_VERSION
+    """Whether a core is in the v3 encoding: a msgpack array of six whose first item is the version
+    (v1/v2 records are maps)."""
+    return body[:2] == bytes((0x96, CORE_VERSION))
 
 
 def core_head(body: bytes) -> tuple[list | None, int]:
@@ -355,9 +355,4 @@ def _pack(packer: msgpack.Packer, obj) -> bytes:
 
 
 def unpackb(data: bytes):
-    try:
-        return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
-    except CodecError:
-        raise
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise CodecError(f"undecodable record: {type(e).__name__}: {e}") from None
+    return _unpack_with(data, _ext_hook)

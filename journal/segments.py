@@ -184,6 +184,11 @@ class Segment:
         return (self.seq if self.first_seq is None else self.first_seq), self.seq
 
     @property
+    def empty(self) -> bool:
+        """It carries nothing: no steps, no meta, no snapshot index (a seal: Shipper.flush(sealed=True))."""
+        return self.first is None and self.meta is None and self.snapshots is None
+
+    @property
     def link_digest(self) -> str:
         """What the next segment's prev must be."""
         return self.link or self.digest
@@ -742,8 +747,7 @@ class Shipper:
         self.compactions = 0
         self._compact_lock = threading.Lock()
         self._seal_wanted = False  # flush(sealed=True) asked for what is shipped to be followed by a segment
-        self._last_empty = bool(found.segments) and found.segments[-1].first is None and \
-            found.segments[-1].meta is None and found.segments[-1].snapshots is None
+        self._last_empty = bool(found.segments) and found.segments[-1].empty
         for seg in found.segments:
             self._pruned = self._pruned_last
             if seg.meta is not None:
@@ -911,7 +915,7 @@ class Shipper:
         with self._cond:
             self._index.append(_Entry.of(seg))
             self._pruned = self._pruned_last  # the file that carried it is no longer the last
-            self._last_empty = seg.first is None and seg.meta is None and seg.snapshots is None
+            self._last_empty = seg.empty
             self._seq, self._prev, self._shipped = seg.seq, seg.digest, seg.last
             self.bytes_shipped += seg.size
             self._error = None
