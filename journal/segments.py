@@ -451,8 +451,7 @@ def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail", found: Segment
         meta = seg.meta if seg.meta is not None else meta
         snaps = seg.snapshots if seg.snapshots is not None else snaps
     # segments keep each step as it was committed; retention pruned the writer's copy since: so is this one
-    pruned = meta.get(b"pruned_through") if meta else None
-    pruned_through = int(unframe_plain(pruned, "meta 'pruned_through'")) if pruned is not None else 0
+    pruned_through = _pruned_of(meta) if meta else 0
     try:
         with Journal.open_writer(work) as j:
             for seg in found.segments:
@@ -958,10 +957,6 @@ class Shipper:
         self._index[i:j] = [_Entry.of(merged)]
         self.compactions += 1
         return True
-
-    def files(self) -> int:
-        """How many segment files the shipped journal has now."""
-        return len(self._index)
 
 
 @dataclass
