@@ -342,8 +342,13 @@ class SegmentScan:
 def scan(shipped: Path) -> SegmentScan:
     """Read and check every segment: digest, numbering, link to the previous one, step continuity and
     the journal's hash chain through the step records. Stops at the first problem; when that is in
-    the last segment file, ``lost_steps`` says which steps it held."""
-    out = _walk(shipped)
+    the last segment file, ``lost_steps`` says which steps it held. A live writer's compaction may
+    replace files under the walk: a problem found while the files changed is looked at again."""
+    for _ in range(5):
+        before = _segment_files(shipped)
+        out = _walk(shipped)
+        if out.problem is None or _segment_files(shipped) == before:
+            break
     if out.problem_at_end and out.problem_path is not None:
         out.lost_steps = _lost_range(out.problem_path, out.last_step)
     return out

@@ -161,3 +161,21 @@ def test_a_damaged_last_segment_never_takes_the_meta_that_compaction_pruned_by(t
     with Journal.open_reader(tmp_path / "L2") as jr:
         report = verify_journal(jr)
     assert report.ok, report.problems
+
+
+def test_scans_during_live_compaction_never_report_damage(tmp_path):
+    """verify reads the segments while the trainer writes: files a compaction replaces under a scan
+    are not damage."""
+    import threading
+
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    writer = threading.Thread(target=run, args=(local, shipped, 120))
+    writer.start()
+    problems, scans = [], 0
+    while writer.is_alive():
+        found = segments.scan(shipped)
+        scans += 1
+        if found.problem is not None:
+            problems.append(found.problem)
+    writer.join()
+    assert scans > 5 and problems == [], problems[:3]
