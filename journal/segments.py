@@ -490,7 +490,17 @@ def _lost_range(path: Path, last_good: int | None) -> tuple[int, int | None] | N
 # ----------------------------------------------------------------------------- readers
 
 
-_REBUILT: dict[tuple, Path] = {}  # (segments dir, last segment's digest, count) -> a rebuilt copy (this process)
+@dataclass
+class _Rebuilt:
+    """A copy of a shipped journal rebuilt by this process, reused while the segment files stay as they were."""
+
+    path: Path  # the rebuilt LMDB environment
+    found: SegmentScan  # the scan it was rebuilt from
+    files: tuple  # the segment files then: (name, size, mtime_ns) each
+    staged_for: Path | None = None  # the writer's local_dir it was rebuilt beside (stage_for_writer), or None: a temporary
+
+
+_REBUILT: dict[str, _Rebuilt] = {}  # the segments directory (realpath) -> this process's rebuilt copy of it
 
 
 def open_reader(shipped: Path) -> Journal:
@@ -499,8 +509,9 @@ def open_reader(shipped: Path) -> Journal:
     Today's layout (data.mdb in RUN/journal) opens directly. A shipped journal opens the live LMDB
     environment named by local.json when this host has it and it agrees with the segments (it may
     hold steps not yet shipped; only the last segments are read to decide). Otherwise the segments
-    are checked and rebuilt into a temporary directory, kept for this process's later readers and
-    removed when it exits; ``journal.shipped_problem`` then names any damage found.
+    are checked and rebuilt once per process (into a temporary directory removed when it exits, or
+    where :func:`stage_for_writer` put them), and read again only when the files change;
+    ``journal.shipped_problem`` then names any damage found.
     """
     shipped = Path(shipped)
     if (shipped / "data.mdb").is_file():
@@ -510,32 +521,96 @@ def open_reader(shipped: Path) -> Journal:
     local = _usable_local(shipped, _tail(shipped))
     if local is not None:
         return Journal.open_reader(local)
-    found = scan(shipped)
-    j = Journal.open_reader(_rebuilt_copy(shipped, found))
-    j.shipped_problem = found.problem
+    rebuilt = _current_rebuild(shipped) or _rebuild_for_readers(shipped)
+    j = Journal.open_reader(rebuilt.path)
+    j.shipped_problem = rebuilt.found.problem
     return j
 
 
-def _rebuilt_copy(shipped: Path, found: SegmentScan) -> Path:
-    """The segments' good prefix rebuilt in a temporary directory, once per process and segment state."""
-    key = _rebuild_key(shipped, found)
-    cached = _REBUILT.get(key)
-    if cached is not None and (cached / "data.mdb").is_file():
-        return cached
-    tmp = Path(tempfile.mkdtemp(prefix="verlj-journal-"))
+def _files_state(shipped: Path) -> tuple:
+    """The segment files as they are now (name, size, mtime_ns): a rebuilt copy is current while this is unchanged."""
+    out = []
+    for _a, _b, path in _segment_files(shipped):
+        try:
+            st = path.stat()
+        except FileNotFoundError:  # removed by a live writer's compaction under the listing
+            return ("changing",)
+        out.append((path.name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def _current_rebuild(shipped: Path) -> _Rebuilt | None:
+    """This process's rebuilt copy of `shipped`, when the segment files are still those it was rebuilt from."""
+    entry = _REBUILT.get(os.path.realpath(segment_dir(shipped)))
+    if entry is None or not (entry.path / "data.mdb").is_file() or entry.files != _files_state(shipped):
+        return None
+    return entry
+
+
+def _remember(shipped: Path, entry: _Rebuilt) -> _Rebuilt:
     if not _REBUILT:
-        atexit.register(lambda: [shutil.rmtree(p.parent, ignore_errors=True) for p in _REBUILT.values()])
+        atexit.register(_remove_rebuilt)
+    old = _REBUILT.pop(os.path.realpath(segment_dir(shipped)), None)
+    if old is not None:
+        shutil.rmtree(old.path.parent, ignore_errors=True)
+    _REBUILT[os.path.realpath(segment_dir(shipped))] = entry
+    return entry
+
+
+def _remove_rebuilt() -> None:
+    """At exit: the rebuilt copies nobody adopted (open_writer forgets the staged copy it renames)."""
+    for entry in _REBUILT.values():
+        shutil.rmtree(entry.path.parent, ignore_errors=True)
+    _REBUILT.clear()
+
+
+def _rebuild_for_readers(shipped: Path) -> _Rebuilt:
+    """The segments' good prefix rebuilt in a temporary directory."""
+    files = _files_state(shipped)
+    found = scan(shipped)
+    tmp = Path(tempfile.mkdtemp(prefix="verlj-journal-"))
     try:
         rebuild(shipped, tmp / "journal", tolerate="any", found=found)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _REBUILT[key] = tmp / "journal"
-    return tmp / "journal"
+    return _remember(shipped, _Rebuilt(tmp / "journal", found, files))
 
 
-def _rebuild_key(shipped: Path, found: SegmentScan) -> tuple:
-    return os.path.realpath(segment_dir(shipped)), len(found.segments), found.segments[-1].digest if found.segments else ""
+def stage_for_writer(shipped: Path, local: Path) -> bool:
+    """Before a resume reads its run: when this node has no usable local journal and the writer will
+    rebuild one at `local` (journal.local_dir), rebuild it now, once, beside `local` (the same
+    filesystem): this process's readers open that copy and :func:`open_writer` renames it into place,
+    so a resume from segments reads them once and copies nothing. Returns whether it staged one;
+    when it does not (a usable local journal, `local` already holds one, damage before the last
+    segment), everything goes as without it. Removed at exit unless adopted."""
+    shipped, local = Path(shipped), Path(local)
+    if (shipped / "data.mdb").is_file() or not _segment_files(shipped) or (local / "data.mdb").is_file():
+        return False
+    if _usable_local(shipped, _tail(shipped)) is not None or _current_rebuild(shipped) is not None:
+        return False
+    files = _files_state(shipped)
+    found = scan(shipped)
+    if not found.segments or (found.problem and not found.problem_at_end):
+        return False
+    local.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".verlj-rebuild-{local.name}-", dir=local.parent))
+    try:
+        rebuild(shipped, stage / "journal", tolerate="tail", found=found)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    _remember(shipped, _Rebuilt(stage / "journal", found, files, staged_for=local))
+    return True
+
+
+def shipped_meta(shipped: Path) -> tuple[dict, int | None]:
+    """The journal's metadata as last shipped, and the last shipped step, read from the newest
+    segments only (nothing rebuilt; each meta frame's checksum checked): what a resume needs before it
+    reads the run (the config in force, hence journal.local_dir). ({}, None) when none was shipped."""
+    found = _tail(shipped)
+    raw = next((seg.meta for seg in reversed(found.segments) if seg.meta is not None), None) or {}
+    return {bytes(k).decode(): unframe_plain(v, f"meta {bytes(k).decode()!r}") for k, v in raw.items()}, found.last_step
 
 
 def _tail(shipped: Path) -> SegmentScan:
@@ -616,7 +691,8 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
     if os.path.realpath(local) == os.path.realpath(shipped):
         raise JournalError(f"journal.local_dir {local} is the run's own journal directory; choose a node-local directory")
     notes: list[str] = []
-    found = scan(shipped)
+    rebuilt = _current_rebuild(shipped)  # this process's readers had them rebuilt: the same files, read once
+    found = rebuilt.found if rebuilt is not None else scan(shipped)
     if found.problem and not found.problem_at_end:
         raise JournalError(f"{found.problem}; the shipped journal is damaged before its last segment "
                            f"(intact through step {found.last_step or 0})")
@@ -669,18 +745,38 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
 
 
 def _rebuild_for_writer(shipped: Path, local: Path, found: SegmentScan) -> SegmentScan:
-    """Rebuild into `local`; a copy a reader of this process already rebuilt from the same segments is
-    copied instead (a resume reads the run's config before it opens the writer)."""
-    cached = _REBUILT.get(_rebuild_key(shipped, found))
-    if cached is None or not (cached / "data.mdb").is_file():
+    """Rebuild into `local`. The copy stage_for_writer rebuilt beside it is renamed into place; one a
+    reader of this process rebuilt elsewhere from the same segments is copied (a resume reads the
+    run's config before it opens the writer); else the segments are read."""
+    cached = _current_rebuild(shipped)
+    if cached is None:
         return rebuild(shipped, local, tolerate="tail", found=found)
+    if cached.staged_for is not None and os.path.realpath(cached.staged_for) == os.path.realpath(local) and _adopt(cached, local):
+        _REBUILT.pop(os.path.realpath(segment_dir(shipped)), None)
+        return found
     local.mkdir(parents=True, exist_ok=True)
     tmp = local / "data.mdb.tmp"
-    shutil.copyfile(cached / "data.mdb", tmp)
+    shutil.copyfile(cached.path / "data.mdb", tmp)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, local / "data.mdb")
     return found
+
+
+def _adopt(staged: _Rebuilt, local: Path) -> bool:
+    """Rename the staged rebuild to `local` (absent or an empty directory); False when it cannot be
+    (a reader still has it open, `local` is a mount point or not empty): the caller copies it."""
+    if Journal.is_open_here(staged.path):
+        return False
+    try:
+        if local.is_dir():
+            local.rmdir()
+        os.replace(staged.path, local)
+    except OSError:
+        return False
+    fsync_dir(local.parent)
+    shutil.rmtree(staged.path.parent, ignore_errors=True)
+    return True
 
 
 def _set_aside(shipped: Path, path: Path | None, claim=None) -> None:

@@ -386,6 +386,12 @@ class Journal:
             journal.on_close(claim.release)  # registered first, so it runs after every later close hook (a last shipment)
         return journal
 
+    @staticmethod
+    def is_open_here(path: str | os.PathLike) -> bool:
+        """Whether this process has the journal at `path` open (a reader or the writer)."""
+        cached = _ENVS.get(os.path.realpath(path))
+        return cached is not None and cached[1] == os.getpid()
+
     @classmethod
     def open_reader(cls, path: str | os.PathLike) -> Journal:
         """Open an existing journal read-only. Works while a writer appends; each read sees a committed prefix."""

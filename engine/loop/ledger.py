@@ -34,7 +34,7 @@ from typing import Any
 
 import blake3
 
-from verlj.journal import Claim, Journal, open_journal_reader, segments
+from verlj.journal import Claim, Journal, JournalError, open_journal_reader, segments
 from verlj.journal.claim import describe, live_holder
 
 from ..config import stored_config
@@ -123,6 +123,39 @@ def _open_writer(run_dir: Path, local_dir: str | None, max_lag: int, claim: Clai
         raise RunError(f"{run_dir} keeps its LMDB journal in {jd}; journal.local_dir applies to new runs "
                        "(set it to null to resume this one)")
     return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag, claim, retention, fanout)
+
+
+def shipped_config(run_dir: Path) -> dict | None:
+    """The config in force at a shipped journal's last shipped step, from the newest segments alone
+    (nothing rebuilt): None when the journal is not shipped or they hold none."""
+    jd = journal_dir(run_dir)
+    if (jd / "data.mdb").is_file() or not segments.is_shipped(jd):
+        return None
+    try:
+        meta, last = segments.shipped_meta(jd)
+    except JournalError:
+        return None  # the readers that follow say what is wrong
+    if _CONFIG not in meta:
+        return None
+    changes = [{**e, "config": stored_config(e["config"])} for e in meta.get(_HISTORY) or []]
+    return _config_in_force(stored_config(meta[_CONFIG]), changes, last or 0)
+
+
+def stage_local_journal(run_dir: Path, local_dir: str) -> bool:
+    """A resume that will rebuild its local journal at `local_dir` from the segments: rebuild it once,
+    before the resume reads the run (segments.stage_for_writer). Not while a live writer holds the
+    run (that start is refused, and leaves nothing behind)."""
+    if writer_refusal(run_dir) is not None:
+        return False
+    return segments.stage_for_writer(journal_dir(run_dir), Path(local_dir).expanduser())
+
+
+def _config_in_force(first: dict, changes: list[dict], step: int) -> dict:
+    cfg = first
+    for entry in changes:
+        if entry["from_step"] <= step:
+            cfg = entry["config"]
+    return cfg
 
 
 def discard_journal(run_dir: Path) -> None:
@@ -236,11 +269,7 @@ class History:
     topology_changes: list[dict]  # [{from_step, topology, rebased: {step, fingerprint}, ...}] (Ledger.topology_history)
 
     def config_at(self, step: int) -> dict:
-        cfg = self.first_config
-        for entry in self.config_changes:
-            if entry["from_step"] <= step:
-                cfg = entry["config"]
-        return cfg
+        return _config_in_force(self.first_config, self.config_changes, step)
 
     def topology_at(self, step: int) -> dict:
         topo = self.topology_start

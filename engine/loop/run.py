@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import time
@@ -28,7 +29,7 @@ from verlj.journal import Claim, Journal, make_event, open_journal_reader
 from verlj.journal.failpoints import failpoint
 
 from ..config import ONE_OFF_KEYS, Config, check_change, config_from_dict, diff_configs, make_config, stored_config, to_yaml
-from ..errors import RunError
+from ..errors import ConfigError, RunError
 from ..report import Reporter
 from . import archive
 from .context import Run
@@ -44,6 +45,8 @@ from .ledger import (
     now_iso,
     open_writer,
     run_state,
+    shipped_config,
+    stage_local_journal,
     versions,
     writer_refusal,
 )
@@ -110,6 +113,21 @@ def unstarted_config(run_dir: Path) -> dict | None:
     return stored_config(data) if isinstance(data, dict) else None
 
 
+def stage_resume_journal(run_dir: Path, config_file, overrides) -> None:
+    """A resume of a shipped run on a node without its local journal: the journal is rebuilt from the
+    segments once, where the config it resumes with puts journal.local_dir, before anything reads
+    the run; every reader of this process opens that copy and the writer renames it into place (one
+    read of the segments, no copy). Rank 0 only: the other ranks read as before."""
+    if os.environ.get("RANK", "0") != "0" or (stored := shipped_config(run_dir)) is None:
+        return
+    try:
+        local_dir = make_config(config_file, overrides, base=stored).journal.local_dir
+    except ConfigError:
+        return  # resolve_config says what is wrong with it
+    if local_dir is not None:
+        stage_local_journal(run_dir, local_dir)
+
+
 def train(
     output_dir: str | Path,
     config_file: str | Path | None = None,
@@ -121,6 +139,8 @@ def train(
     run_dir = Path(output_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--output-dir {run_dir} exists and is not a directory")
+    if resume:
+        stage_resume_journal(run_dir, config_file, overrides)
     state = run_state(run_dir)
     existing = state == "run"
     if existing and not resume:

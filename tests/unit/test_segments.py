@@ -116,6 +116,54 @@ def test_reader_without_the_local_copy_rebuilds_and_cleans_up(tmp_path):
     assert Path(out.stdout.strip()).name == "journal" and not Path(out.stdout.strip()).exists()
 
 
+@pytest.mark.parametrize("damage", [None, "truncate"])
+def test_a_resume_from_segments_reads_them_once_and_copies_nothing(tmp_path, monkeypatch, damage):
+    """The node is lost with its local journal. A resume stages the rebuild beside the new local_dir
+    before it reads the run: every reader opens that copy, and the writer renames it into place. The
+    segments are read (scanned) once, the data.mdb the writer opens is the staged file itself (same
+    inode: not a copy), and the result is byte-identical to a rebuild, with a torn last segment too."""
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    _write(local, shipped, range(1, 13), max_lag=0)
+    if damage:
+        last = sorted(segments.segment_dir(shipped).glob("*.seg"))[-1]
+        last.write_bytes(last.read_bytes()[:-7])
+    segments.rebuild(shipped, tmp_path / "expected")
+    shutil.rmtree(local)
+    scans = []
+    real_scan = segments.scan
+    monkeypatch.setattr(segments, "scan", lambda where: scans.append(where) or real_scan(where))
+
+    new = tmp_path / "node2" / "L"
+    meta, last_step = segments.shipped_meta(shipped)
+    assert meta["config"] == {"seed": 1} and last_step == segments.scan(shipped).last_step
+    scans.clear()
+    assert segments.stage_for_writer(shipped, new)
+    staged = next((tmp_path / "node2").glob(".verlj-rebuild-L-*")) / "journal"
+    inode = (staged / "data.mdb").stat().st_ino
+    for _ in range(3):  # a resume reads the run several times before it opens the writer
+        with open_journal_reader(shipped) as j:
+            assert Path(j.path) == staged and (j.shipped_problem is not None) == bool(damage)
+    j, notes = segments.open_writer(new, shipped, 0)
+    with j:
+        assert any(n.startswith(f"Rebuilt the journal in {new}") for n in notes), notes
+        assert any("were lost with it" in n for n in notes) == bool(damage), notes
+        assert (new / "data.mdb").stat().st_ino == inode
+    assert len(scans) == 1
+    assert [p.name for p in (tmp_path / "node2").iterdir()] == ["L"]  # the staging directory is gone
+    assert _dump(new)["steps"] == _dump(tmp_path / "expected")["steps"]
+    assert not segments.stage_for_writer(shipped, new)  # it holds a journal now: nothing to stage
+
+
+def test_a_staged_rebuild_nobody_adopts_is_removed_at_exit(tmp_path):
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    _write(local, shipped, range(1, 4))
+    shutil.rmtree(local)
+    code = ("import sys; from verlj.journal import segments\n"
+            "assert segments.stage_for_writer(sys.argv[1], sys.argv[2])")
+    subprocess.run([sys.executable, "-c", code, str(shipped), str(tmp_path / "n" / "L")], check=True)
+    assert list((tmp_path / "n").iterdir()) == []
+
+
 @pytest.mark.parametrize("damage", ["truncate", "bitflip"])
 def test_damaged_last_segment_costs_only_its_steps(tmp_path, damage):
     local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
