@@ -836,6 +836,7 @@ class Shipper:
         self._seq = found.last_seq
         self._prev = found.segments[-1].link_digest if found.segments else ""
         self._shipped = found.last_step if found.last_step is not None else journal.base_step()
+        self._chain = found.segments[-1].chain if found.segments else (journal.chain_hash(self._shipped) or "")  # after _shipped
         self._meta_digest = self._snap_digest = None
         # retention's bound as compaction may use it: from the newest meta shipped in a segment that is
         # not the last file. A damaged last file is dropped by a rebuild (a torn tail); one before it
@@ -990,13 +991,12 @@ class Shipper:
                 with self._cond:
                     seal, self._seal_wanted = self._seal_wanted, False
                 if seal and not self._last_empty:  # nothing more to ship: seal what was with an empty segment
-                    self._publish_next(Segment(self._seq + 1, self._prev, None, self._shipped,
-                                               self.journal.chain_hash(self._shipped) or "", [], None, None))
+                    self._publish_next(Segment(self._seq + 1, self._prev, None, self._shipped, self._chain, [], None, None))
                     wrote = True
                 break
             first = self._shipped + 1 if steps else None
             last = self._shipped + len(steps)
-            chain = StepFrame.parse(steps[-1]).chain.hex() if steps else (self.journal.chain_hash(self._shipped) or "")
+            chain = StepFrame.parse(steps[-1]).chain.hex() if steps else self._chain
             seg = Segment(self._seq + 1, self._prev, first, last, chain, steps,
                           meta if new_meta else None, snaps if new_snaps else None)
             self._publish_next(seg)
@@ -1016,7 +1016,7 @@ class Shipper:
             self._index.append(_Entry.of(seg))
             self._pruned = self._pruned_last  # the file that carried it is no longer the last
             self._last_empty = seg.empty
-            self._seq, self._prev, self._shipped = seg.seq, seg.digest, seg.last
+            self._seq, self._prev, self._shipped, self._chain = seg.seq, seg.digest, seg.last, seg.chain
             self.bytes_shipped += seg.size
             self._error = None
             self._cond.notify_all()
