@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import codec
-from .claim import FencedError
+from .claim import FencedError, process_start
 from .durable import fsync_dir
 from .errors import JournalError
 from .failpoints import failpoint
@@ -594,7 +594,8 @@ def stage_for_writer(shipped: Path, local: Path) -> bool:
     if not found.segments or (found.problem and not found.problem_at_end):
         return False
     local.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".verlj-rebuild-{local.name}-", dir=local.parent))
+    _remove_dead_stages(local)
+    stage = Path(tempfile.mkdtemp(prefix=f"{_STAGE_PREFIX}{local.name}-{os.getpid()}-", dir=local.parent))
     try:
         rebuild(shipped, stage / "journal", tolerate="tail", found=found)
     except BaseException:
@@ -602,6 +603,17 @@ def stage_for_writer(shipped: Path, local: Path) -> bool:
         raise
     _remember(shipped, _Rebuilt(stage / "journal", found, files, staged_for=local))
     return True
+
+
+_STAGE_PREFIX = ".verlj-rebuild-"
+
+
+def _remove_dead_stages(local: Path) -> None:
+    """Staged rebuilds beside `local` left by resumes that were killed (their process is gone)."""
+    for p in local.parent.glob(f"{_STAGE_PREFIX}{local.name}-*-*"):
+        pid = p.name[len(_STAGE_PREFIX) + len(local.name) + 1 :].split("-")[0]
+        if pid.isdigit() and not process_start(int(pid)):  # node-local: a pid here is a process here
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def shipped_meta(shipped: Path) -> tuple[dict, int | None]:

@@ -154,14 +154,23 @@ def test_a_resume_from_segments_reads_them_once_and_copies_nothing(tmp_path, mon
     assert not segments.stage_for_writer(shipped, new)  # it holds a journal now: nothing to stage
 
 
-def test_a_staged_rebuild_nobody_adopts_is_removed_at_exit(tmp_path):
+def test_a_staged_rebuild_nobody_adopts_is_removed_at_exit_or_by_the_next_resume(tmp_path):
     local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
     _write(local, shipped, range(1, 4))
     shutil.rmtree(local)
-    code = ("import sys; from verlj.journal import segments\n"
-            "assert segments.stage_for_writer(sys.argv[1], sys.argv[2])")
-    subprocess.run([sys.executable, "-c", code, str(shipped), str(tmp_path / "n" / "L")], check=True)
+    code = ("import os, sys; from verlj.journal import segments\n"
+            "assert segments.stage_for_writer(sys.argv[1], sys.argv[2])\n"
+            "if sys.argv[3] == 'kill': os.kill(os.getpid(), 9)")
+    new = tmp_path / "n" / "L"
+    subprocess.run([sys.executable, "-c", code, str(shipped), str(new), "exit"], check=True)
     assert list((tmp_path / "n").iterdir()) == []
+    killed = subprocess.run([sys.executable, "-c", code, str(shipped), str(new), "kill"])
+    assert killed.returncode == -9 and len(list((tmp_path / "n").iterdir())) == 1  # a resume killed after staging
+    assert segments.stage_for_writer(shipped, new)  # the next resume removes it
+    assert len(list((tmp_path / "n").iterdir())) == 1
+    j, _notes = segments.open_writer(new, shipped, 0)
+    j.close()
+    assert [p.name for p in (tmp_path / "n").iterdir()] == ["L"]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "bitflip"])
