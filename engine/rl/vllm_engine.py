@@ -185,7 +185,14 @@ def samples_of(outputs) -> tuple[list[np.ndarray], list[np.ndarray]]:
 COPY_PREFIX = "verlj-vllm-"  # /dev/shm/verlj-vllm-PID-START-XXXX: the process that wrote it, and when it started
 
 
+COPY_DIR_ENV = "VERLJ_WEIGHTS_COPY_DIR"  # where the copies go instead (a container's /dev/shm is often 64 MB)
+
+
 def _copy_root() -> Path:
+    chosen = os.environ.get(COPY_DIR_ENV)
+    if chosen:
+        Path(chosen).mkdir(parents=True, exist_ok=True)
+        return Path(chosen)
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 

@@ -89,8 +89,11 @@ def test_two_ranks_zero2_ppo_completion_order_resume(tmp_path):
     over = ["rollout.mode=async", "rollout.async_order=completion", "rollout.max_staleness=2", "algorithm.name=ppo",
             "distributed.zero_stage=2", "trainer.total_steps=3", "trainer.save_interval=2"]
     run = tmp_path / "run"
-    out = train(run, *over, ranks=2, VERLJ_FAILPOINT=f"{SLOW},async.push:2")  # step 1's look-ahead is still queued
+    # step 1's look-ahead is still queued at the kill: the generator is a second per batch, far slower than a
+    # step even when another test shares the cores (at 0.3 s a loaded trainer let it catch up: nothing in flight)
+    slower = "generator.before_reply:1:sleep-each=1.0"
+    out = train(run, *over, ranks=2, VERLJ_FAILPOINT=f"{slower},async.push:2")
     assert out.returncode != 0
-    out = train(run, *over, ranks=2, resume=True, VERLJ_FAILPOINT=SLOW)
+    out = train(run, *over, ranks=2, resume=True, VERLJ_FAILPOINT=slower)
     assert out.returncode == 0, out.stderr[-3000:]
     assert check_accounting(run)["regenerated"] > 0

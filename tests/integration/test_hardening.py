@@ -188,26 +188,25 @@ def test_leftovers_are_reported_then_sorted_out(copy):
 
 
 def test_weights_copies_of_killed_vllm_starts_are_listed_then_removed(copy, tmp_path):
-    from verlj.engine.rl.vllm_engine import COPY_PREFIX, _copy_root
+    """In a directory of the test's own (VERLJ_WEIGHTS_COPY_DIR): in /dev/shm, any `verlj train` of a test
+    running beside this one would remove the stale copy first."""
+    from verlj.engine.rl.vllm_engine import COPY_DIR_ENV, COPY_PREFIX
     from verlj.journal.claim import process_start
 
+    root = tmp_path / "shm"
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = _copy_root() / f"{COPY_PREFIX}{int(gone.stdout)}-0-test{tmp_path.name}"  # its process is gone
-    live = _copy_root() / f"{COPY_PREFIX}{os.getpid()}-{process_start(os.getpid())}-test{tmp_path.name}"  # this one runs
+    stale = root / f"{COPY_PREFIX}{int(gone.stdout)}-0-test"  # its process is gone
+    live = root / f"{COPY_PREFIX}{os.getpid()}-{process_start(os.getpid())}-test"  # this one runs
     for d in (stale, live):
-        d.mkdir()
+        d.mkdir(parents=True)
         (d / "model.safetensors").write_bytes(b"\0" * 4096)
-    try:
-        v = verlj("verify", copy)
-        assert f"· {stale} (0.0 MiB): a weights copy a killed vLLM start left on this node" in v.stdout, v.stdout
-        assert str(live) not in v.stdout
-        out = train(copy, *SMALL, "trainer.total_steps=5", resume=True)
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert f"Removed {stale} (0.0 MiB): a weights copy left by a killed vLLM start" in out.stdout
-        assert not stale.exists() and live.is_dir()
-    finally:
-        shutil.rmtree(stale, ignore_errors=True)
-        shutil.rmtree(live, ignore_errors=True)
+    v = verlj("verify", copy, **{COPY_DIR_ENV: str(root)})
+    assert f"· {stale} (0.0 MiB): a weights copy a killed vLLM start left on this node" in v.stdout, v.stdout
+    assert str(live) not in v.stdout
+    out = train(copy, *SMALL, "trainer.total_steps=5", resume=True, **{COPY_DIR_ENV: str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"Removed {stale} (0.0 MiB): a weights copy left by a killed vLLM start" in out.stdout
+    assert not stale.exists() and live.is_dir()
 
 
 # ----------------------------------------------------------------------------- a damaged journal: one answer
