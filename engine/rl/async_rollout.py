@@ -130,7 +130,7 @@ class GeneratorProcess(SamplerEngine):
 
     def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> int:
         self._next += 1
-        self.requests.send(("generate", self._next, [np.asarray(p) for p in prompts], list(seeds), sampling_params(cfg), self.policy_version))
+        self._send(("generate", self._next, [np.asarray(p) for p in prompts], list(seeds), sampling_params(cfg), self.policy_version))
         return self._next
 
     def result(self, handle: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -145,7 +145,7 @@ class GeneratorProcess(SamplerEngine):
         `arrived`, in the order the process completes them. It generates up to `batch_groups` queued
         groups together, as one batch from one version."""
         if groups:
-            self.requests.send(("ask", [(int(g), np.asarray(p), list(seeds)) for g, p, seeds in groups], sampling_params(cfg),
+            self._send(("ask", [(int(g), np.asarray(p), list(seeds)) for g, p, seeds in groups], sampling_params(cfg),
                                 batch_groups))
 
     def arrived(self, wait: float) -> list[tuple]:
@@ -160,8 +160,18 @@ class GeneratorProcess(SamplerEngine):
         return out
 
     def _call(self, message: tuple, tag) -> tuple:
-        self.requests.send(message)
+        self._send(message)
         return self._wait(tag, None)
+
+    def _send(self, message: tuple) -> None:
+        """Send to the process; one sentence when it died (the pipe breaks when it is gone)."""
+        try:
+            self.requests.send(message)
+        except OSError:  # BrokenPipeError, ...: its end closed
+            self.proc.join(5)
+            if not self.proc.is_alive():
+                self._died()
+            raise
 
     def _died(self):
         code = self.proc.exitcode
