@@ -568,13 +568,19 @@ def _rebuild_for_readers(shipped: Path) -> _Rebuilt:
     """The segments' good prefix rebuilt in a temporary directory."""
     files = _files_state(shipped)
     found = scan(shipped)
-    tmp = Path(tempfile.mkdtemp(prefix="verlj-journal-"))
+    return _rebuild_in(shipped, Path(tempfile.mkdtemp(prefix="verlj-journal-")), "any", found, files)
+
+
+def _rebuild_in(shipped: Path, where: Path, tolerate: str, found: SegmentScan, files: tuple,
+                staged_for: Path | None = None) -> _Rebuilt:
+    """Rebuild into where/journal (`where`: a fresh directory of its own, removed if that fails) and
+    remember it for this process's readers."""
     try:
-        rebuild(shipped, tmp / "journal", tolerate="any", found=found)
+        rebuild(shipped, where / "journal", tolerate=tolerate, found=found)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(where, ignore_errors=True)
         raise
-    return _remember(shipped, _Rebuilt(tmp / "journal", found, files))
+    return _remember(shipped, _Rebuilt(where / "journal", found, files, staged_for))
 
 
 def stage_for_writer(shipped: Path, local: Path) -> bool:
@@ -596,12 +602,7 @@ def stage_for_writer(shipped: Path, local: Path) -> bool:
     local.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_stages(local)
     stage = Path(tempfile.mkdtemp(prefix=f"{_STAGE_PREFIX}{local.name}-{os.getpid()}-", dir=local.parent))
-    try:
-        rebuild(shipped, stage / "journal", tolerate="tail", found=found)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    _remember(shipped, _Rebuilt(stage / "journal", found, files, staged_for=local))
+    _rebuild_in(shipped, stage, "tail", found, files, staged_for=local)
     return True
 
 
@@ -703,8 +704,8 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
     if os.path.realpath(local) == os.path.realpath(shipped):
         raise JournalError(f"journal.local_dir {local} is the run's own journal directory; choose a node-local directory")
     notes: list[str] = []
-    rebuilt = _current_rebuild(shipped)  # this process's readers had them rebuilt: the same files, read once
-    found = rebuilt.found if rebuilt is not None else scan(shipped)
+    cached = _current_rebuild(shipped)  # this process's readers had them rebuilt: the same files, read once
+    found = cached.found if cached is not None else scan(shipped)
     if found.problem and not found.problem_at_end:
         raise JournalError(f"{found.problem}; the shipped journal is damaged before its last segment "
                            f"(intact through step {found.last_step or 0})")
@@ -723,7 +724,7 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
             notes.append(f"{found.problem}; shipping its steps again from {local}")
             found = SegmentScan(segments=found.segments, leftovers=found.leftovers, superseded=found.superseded)
     elif found.segments:
-        rebuilt = _rebuild_for_writer(shipped, local, found)
+        rebuilt = _rebuild_for_writer(shipped, local, found, cached)
         notes.append(f"Rebuilt the journal in {local} from {len(rebuilt.segments)} segment(s) in {segment_dir(shipped)} "
                      f"(steps through {rebuilt.last_step or 0}, every checksum and the hash chain verified)")
         if rebuilt.problem:
@@ -756,11 +757,11 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
     return journal, notes
 
 
-def _rebuild_for_writer(shipped: Path, local: Path, found: SegmentScan) -> SegmentScan:
-    """Rebuild into `local`. The copy stage_for_writer rebuilt beside it is renamed into place; one a
-    reader of this process rebuilt elsewhere from the same segments is copied (a resume reads the
-    run's config before it opens the writer); else the segments are read."""
-    cached = _current_rebuild(shipped)
+def _rebuild_for_writer(shipped: Path, local: Path, found: SegmentScan, cached: _Rebuilt | None) -> SegmentScan:
+    """Rebuild into `local`. `cached`: this process's current rebuilt copy of these segments, if any.
+    The copy stage_for_writer rebuilt beside `local` is renamed into place; one a reader of this
+    process rebuilt elsewhere is copied (a resume reads the run's config before it opens the
+    writer); else the segments are read."""
     if cached is None:
         return rebuild(shipped, local, tolerate="tail", found=found)
     if cached.staged_for is not None and os.path.realpath(cached.staged_for) == os.path.realpath(local) and _adopt(cached, local):
