@@ -22,13 +22,12 @@ rotate (loop.snapshot_store), and loads.
 from __future__ import annotations
 
 import json
+import platform
 import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from verlj.journal import JournalError, packb, unpackb
 from verlj.journal.failpoints import failpoint
@@ -36,7 +35,7 @@ from verlj.journal.failpoints import failpoint
 from ..errors import RunError, SnapshotError
 from ..state import reshard
 from ..state.manifest import ANCHOR, META, SNAPSHOT_VERSION, fsync_tree, snapshot_name, write_bytes_durable
-from ..state.safe_load import install_safe_checkpointing
+from ..state.safe_load import install_safe_checkpointing, save_portable
 from ..state.seeding import RNGState
 from ..state.topology import Topology, refusal
 from . import retention
@@ -182,6 +181,7 @@ class Checkpointer:
                 "tensor_parallel_size": rt.tp_size,
                 "zero_stage": self.run.cfg.distributed.zero_stage,
                 "time": time.time(),
+                "python": platform.python_version(),  # the pickled form of an enum depends on it (state.safe_load)
             }, indent=2).encode()
         self.blocked_s = time.perf_counter() - t0
         self.last_saved = step
@@ -207,7 +207,7 @@ class Checkpointer:
         try:
             for path, state in deferred:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-                torch.save(state, path)
+                save_portable(state, path)
             _write_small(tmp, small)
             failpoint("snapshot.mid_write")
             fsync_tree(tmp)

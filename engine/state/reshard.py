@@ -38,7 +38,7 @@ import torch
 
 from ..errors import SnapshotError
 from .manifest import MANIFEST, META, RESHARDED, build_manifest, check_files, fsync_tree, write_bytes_durable
-from .safe_load import load_weights_only, weights_only_everywhere
+from .safe_load import load_weights_only, save_portable, weights_only_everywhere
 from .topology import Topology
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -110,7 +110,7 @@ def _complete(out: Path, shapes: dict[str, tuple]) -> None:
             if isinstance(t, torch.Tensor):
                 if t.numel() != math.prod(shapes[n]):
                     raise SnapshotError(f"the converted {n} has {t.numel()} elements, the parameter {math.prod(shapes[n])}")
-                torch.save({"param": t.reshape(shapes[n]), "cat_dim": 0}, f)
+                save_portable({"param": t.reshape(shapes[n]), "cat_dim": 0}, f)
     have = [n for n in (MODEL_STATES, ZERO3_MODEL_STATES) if (out / n).is_file()]
     if not have:
         raise SnapshotError(f"the converted {out.name} state has no module states file")
@@ -128,7 +128,7 @@ def _complete(out: Path, shapes: dict[str, tuple]) -> None:
         steps = [out / "zero" / n / "step.pt" for n in names if (out / "zero" / n / "step.pt").is_file()]
         step = load_weights_only(steps[0]) if steps else None
         sd["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": sd["param_groups"]}
-    torch.save(sd, path)
+    save_portable(sd, path)
 
 
 def _from_zero(src: Path, out: Path) -> None:
@@ -184,7 +184,7 @@ def _from_zero0(src: Path, out: Path, names: list[str], full_shapes: dict) -> No
         merged_module[name] = param
         d = out / "zero" / name
         d.mkdir(parents=True, exist_ok=True)
-        torch.save({"param": param.float(), "cat_dim": 0}, d / "fp32.pt")
+        save_portable({"param": param.float(), "cat_dim": 0}, d / "fp32.pt")
         per_rank = [o["state"].get(i) for o in optim]
         if per_rank[0] is None:
             continue  # no update has touched this parameter yet
@@ -192,20 +192,20 @@ def _from_zero0(src: Path, out: Path, names: list[str], full_shapes: dict) -> No
             parts = [st[key] for st in per_rank]
             if [tuple(t.shape) for t in parts] != [tuple(t.shape) for t in shards]:
                 raise SnapshotError(f"{src}: the optimizer state of {name} does not have the parameter's shape")
-            torch.save({"param": join(parts).float(), "cat_dim": 0}, d / f"{key}.pt")
+            save_portable({"param": join(parts).float(), "cat_dim": 0}, d / f"{key}.pt")
         step = per_rank[0]["step"]
-        torch.save(step, d / "step.pt")
+        save_portable(step, d / "step.pt")
     for name, t in states[0]["module"].items():  # buffers and anything not trained: rank 0's copy
         merged_module.setdefault(name, t)
     groups = optim[0]["param_groups"]
-    torch.save({"clip_grad": states[0].get("ds_config", {}).get("gradient_clipping", 0.0), "ds_version": deepspeed.__version__,
+    save_portable({"clip_grad": states[0].get("ds_config", {}).get("gradient_clipping", 0.0), "ds_version": deepspeed.__version__,
                 "param_groups": groups, "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": groups}},
                out / "zero" / OPTIMIZER_STATE)
     model = {k: v for k, v in states[0].items() if k not in ("optimizer", "module")}
     model.update(module=merged_module, optimizer=None, mp_world_size=1,
                  param_shapes=[{n: torch.Size(full_shapes[n]) for n in names}])
     model.pop("universal_checkpoint_info", None)
-    torch.save(model, out / MODEL_STATES)
+    save_portable(model, out / MODEL_STATES)
 
 
 # ----------------------------------------------------------------------------- loading (collective)

@@ -3,13 +3,30 @@
 DeepSpeed writes its checkpoints with ``torch.save``; verlj reads them back through
 :class:`SafeCheckpointEngine`, which wraps the engine's checkpoint engine and loads with
 ``torch.load(weights_only=True)``. The same wrapper can defer saves to host memory (async snapshots).
+
+Enum members, whichever Python wrote them. Python 3.11.0-3.11.4 pickle a member of an enum with a
+mixed-in type (DeepSpeed's ``ZeroStageEnum(int, Enum)``, in every ZeRO 1-3 optimizer state) by name,
+as ``getattr(ZeroStageEnum, "optimizer_states")``; 3.10, 3.11.5+ and 3.12+ pickle it by value, as
+``ZeroStageEnum(1)``. The weights-only loader refuses the global ``getattr``, so on those
+interpreters every ZeRO 1-3 snapshot was one verlj's own loader refused. Two halves fix it:
+
+- :func:`save_portable` (every ``torch.save`` of DeepSpeed state in verlj) pickles every enum member by value,
+  whichever Python runs it, so what verlj writes is the same form everywhere;
+- the loader maps the by-name form of the allowlisted enums (``_BY_NAME``) to their members, and
+  nothing else: the name ``builtins.getattr`` in a checkpoint resolves to :func:`_enum_member`,
+  which refuses any class but those enums and any name but a member's. Snapshots already written
+  under 3.11.0-3.11.4 load on every interpreter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import enum
 import importlib
+import pickle
+import platform
+import types
 from collections import OrderedDict
 
 import torch
@@ -25,12 +42,54 @@ _SAFE_GLOBAL_NAMES = (
 )
 
 
+# The enums whose members may arrive pickled by name (getattr(cls, name)): see the module's docstring.
+_BY_NAME = ("deepspeed.runtime.zero.config.ZeroStageEnum",)
+
+
+def _resolve(dotted: str):
+    mod, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(mod), name)
+
+
+def _enum_member(cls, name):
+    """What ``builtins.getattr`` means in a checkpoint: a member of an allowlisted enum, by name; nothing else."""
+    if not (isinstance(cls, type) and f"{cls.__module__}.{cls.__qualname__}" in _BY_NAME and isinstance(name, str)
+            and name in cls.__members__):
+        raise pickle.UnpicklingError(f"refusing getattr({getattr(cls, '__qualname__', type(cls).__name__)}, {name!r}): only a "
+                                     f"member of {', '.join(d.rpartition('.')[2] for d in _BY_NAME)} may be named")
+    return cls[name]
+
+
 def safe_globals() -> list:
-    out = []
-    for dotted in _SAFE_GLOBAL_NAMES:
-        mod, _, name = dotted.rpartition(".")
-        out.append(getattr(importlib.import_module(mod), name))
-    return out
+    return [_resolve(dotted) for dotted in _SAFE_GLOBAL_NAMES] + [(_enum_member, "builtins.getattr")]
+
+
+class _ByValuePickler(pickle.Pickler):
+    """Pickles every enum member by value (cls, (value,)), as Python 3.12 does, on every interpreter."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return type(obj), (obj._value_,)
+        return NotImplemented
+
+
+_BY_VALUE = types.ModuleType("verlj_pickle_by_value")  # torch.save's pickle_module: pickle with that Pickler
+_BY_VALUE.__dict__.update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")}, Pickler=_ByValuePickler)
+
+
+def save_portable(obj, path, zipfile: bool = True) -> None:
+    """``torch.save`` with enum members pickled by value: the form every interpreter's loader reads."""
+    torch.save(obj, path, pickle_module=_BY_VALUE, _use_new_zipfile_serialization=zipfile)
+
+
+def load_error(e: BaseException) -> str:
+    """What a failed weights-only load says, in one short line: torch wraps the refusal (which global,
+    which call) in a paragraph of advice to load with weights_only=False, which verlj never does."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation", 1)[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[0] if lines else type(e).__name__)[:200]
 
 
 def load_weights_only(path, map_location=None, mmap: bool = False):
@@ -85,13 +144,17 @@ class SafeCheckpointEngine:
         if self.deferred is not None:
             self.deferred.append((path, _copy_state(state_dict)))
             return None
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        if isinstance(self._base, TorchCheckpointEngine):  # what it does, with enums pickled by value
+            return save_portable(state_dict, path, self._base.zipfile_serialization)
         return self._base.save(state_dict, path)
 
     def load(self, path: str, map_location=None):
         try:
             return load_weights_only(path, map_location=map_location)
         except Exception as e:  # noqa: BLE001 - any failure to read is a damaged or foreign file
-            raise SnapshotError(f"cannot load {path}: {str(e).splitlines()[0][:200]}") from None
+            raise SnapshotError(f"cannot load {path} on Python {platform.python_version()}: {load_error(e)}") from None
 
 
 def install_safe_checkpointing(engine) -> SafeCheckpointEngine:

@@ -1,0 +1,92 @@
+"""Enum members in DeepSpeed's files, whichever Python pickled them (state.safe_load).
+
+Python 3.11.0-3.11.4 pickle a member of an int-mixin enum as getattr(cls, name); the others pickle it
+by value. These tests make both forms on any interpreter (the by-name one through a pickler that
+reduces the member exactly as those interpreters do), so they hold whichever Python runs them.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import types
+import zipfile
+from collections import OrderedDict
+
+import pytest
+import torch
+from deepspeed.runtime.zero.config import ZeroStageEnum
+
+from verlj.engine.errors import SnapshotError
+from verlj.engine.state.safe_load import SafeCheckpointEngine, load_weights_only, save_portable
+
+
+def _pickle_module(reduce):
+    """A pickle module whose Pickler reduces what `reduce` claims (else as usual), for torch.save."""
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            out = reduce(obj)
+            return NotImplemented if out is None else out
+
+    mod = types.ModuleType("test_pickle")
+    mod.__dict__.update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")}, Pickler=Pickler)
+    return mod
+
+
+# What Python 3.11.0-3.11.4's enum.__reduce_ex__ returns for a member of an int-mixin enum.
+BY_NAME = _pickle_module(lambda obj: (getattr, (type(obj), obj._name_)) if isinstance(obj, ZeroStageEnum) else None)
+
+
+def _state() -> dict:
+    return {"optimizer_state_dict": {"zero_stage": ZeroStageEnum.optimizer_states, "loss_scaler": None,
+                                     "partition": [torch.arange(6, dtype=torch.float32)]}, "ds_version": "0.19"}
+
+
+def _globals_in(path) -> set[str]:
+    with zipfile.ZipFile(path) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    out = set()
+    for op, arg, _pos in pickletools.genops(io.BytesIO(data)):
+        if op.name in ("GLOBAL", "STACK_GLOBAL"):
+            out.add(arg.replace(" ", ".") if arg else op.name)
+    return {g.replace("__builtin__.", "builtins.") for g in out}  # protocol 2 spells builtins so
+
+
+def test_a_member_pickled_by_name_loads_as_the_member(tmp_path):
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save(_state(), path, pickle_module=BY_NAME)
+    assert "builtins.getattr" in _globals_in(path)  # the form Python 3.11.2 writes
+    with pytest.raises(pickle.UnpicklingError):  # what torch's loader alone says of it
+        torch.load(path, weights_only=True)
+    for loaded in (load_weights_only(path), SafeCheckpointEngine(None).load(str(path))):
+        assert loaded["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.optimizer_states
+        assert torch.equal(loaded["optimizer_state_dict"]["partition"][0], torch.arange(6, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("target", [(OrderedDict, "fromkeys"), (ZeroStageEnum, "mro"), (ZeroStageEnum, "__class__")])
+def test_getattr_on_anything_else_is_refused(tmp_path, target):
+    cls, name = target
+    evil = _pickle_module(lambda obj: (getattr, target) if isinstance(obj, ZeroStageEnum) else None)
+    path = tmp_path / "f.pt"
+    torch.save(_state(), path, pickle_module=evil)
+    with pytest.raises(pickle.UnpicklingError, match="refusing getattr"):
+        load_weights_only(path)
+    with pytest.raises(SnapshotError, match="refusing getattr"):
+        SafeCheckpointEngine(None).load(str(path))
+
+
+def test_verljs_saves_pickle_members_by_value_on_every_interpreter(tmp_path, monkeypatch):
+    # Make this interpreter reduce the member as 3.11.0-3.11.4 do, whatever it is.
+    monkeypatch.setattr(ZeroStageEnum, "__reduce_ex__", lambda self, proto: (getattr, (type(self), self._name_)))
+    plain, portable = tmp_path / "plain.pt", tmp_path / "portable.pt"
+    torch.save(_state(), plain)
+    save_portable(_state(), portable)
+    assert "builtins.getattr" in _globals_in(plain)
+    assert "builtins.getattr" not in _globals_in(portable)
+    assert "deepspeed.runtime.zero.config.ZeroStageEnum" in _globals_in(portable)
+    monkeypatch.undo()
+    with torch.serialization.safe_globals([ZeroStageEnum]):  # torch's own loader reads it: no getattr in it
+        assert torch.load(portable, weights_only=True)["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.optimizer_states
+    assert load_weights_only(plain)["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.optimizer_states
