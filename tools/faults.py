@@ -47,6 +47,13 @@ samples, metrics other than timings, and fingerprint). Kinds:
                reproduced) | MISSED | WRONG STAGE | FALSE ALARM. Counts the clean steps re-executed.
   bad-input    malformed configs, wrong overrides, missing paths, a newer-schema journal, a
                directory that is not a run: one line, non-zero exit, no traceback, nothing written.
+  operator     an operator's hands on a run (its journal in the run or in journal.local_dir), after a
+               SIGKILL at a random moment or between runs: `cp -a` of the run then --resume of the copy,
+               `mv` of the run, `rm -rf` of one or two snapshot directories, `journal/` lost,
+               train_metadata.json lost; then --resume and verify. exact (the copy or the moved run
+               resumed exactly, the copy's original untouched and still exact; no valid snapshot
+               quarantined or deleted but by rotation) | refused clearly (journal lost: one line,
+               nothing moved) | SILENT | SNAPSHOT LOST | NOT EXACT
 
 Exit status 1 if any trial is NOT EXACT, SILENT, CRASH or otherwise failed.
 """
@@ -576,6 +583,90 @@ def disk_full_trial(root: Path, ref: Path, n: int, size_kb: int) -> Trial:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+# ----------------------------------------------------------------------------- an operator's hands
+
+OPERATOR_ACTIONS = ("copy", "move", "rm-snapshot", "rm-snapshots", "lose-journal", "lose-metadata")
+
+
+def _snapshots_on_disk(run: Path) -> list[str]:
+    return sorted(p.name for p in run.glob("step_*") if p.is_dir())
+
+
+def operator_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
+    """What an operator does by hand to a run directory, at a random moment (after a SIGKILL at a random
+    point, or between runs), then --resume (and verify). Passes when the resumed run is exact (or the
+    resume is refused in one line where the run cannot go on: its journal lost), the original of a copy
+    is untouched and still resumes exactly, and no snapshot that was valid is lost (quarantined, or
+    deleted other than by save_total_limit's rotation after newer ones)."""
+    run, local = root / f"op{n}", root / f"op{n}-local"
+    shipped = rng.random() < 0.5
+    over = [f"journal.local_dir={local}"] if shipped else []
+    action = rng.choice(OPERATOR_ACTIONS)
+    what = f"{'journal.local_dir' if shipped else 'journal in the run'}: "
+    if action == "lose-journal" or rng.random() < 0.4:
+        k = rng.randint(2, TARGET - 1)
+        train(run, *over, f"trainer.total_steps={k}", resume=False)
+        what += f"stopped at step {k}, "
+    else:
+        kill_at_random(run, rng, *over)
+        what += "SIGKILL at a random moment, "
+    snaps = _snapshots_on_disk(run)
+    target = run
+    if action == "copy":
+        target = root / f"op{n}-copy"
+        shutil.copytree(run, target, symlinks=True)
+        what += "cp -a of the run resumed"
+    elif action == "move":
+        target = root / f"op{n}-moved"
+        os.replace(run, target)
+        what += "mv of the run resumed"
+    elif action in ("rm-snapshot", "rm-snapshots") and snaps:
+        gone = rng.sample(snaps, min(len(snaps), 1 if action == "rm-snapshot" else 2))
+        for name in gone:
+            shutil.rmtree(run / name)
+        what += f"rm -rf {', '.join(gone)}"
+    elif action == "lose-journal":
+        shutil.rmtree(run / "journal")
+        what += "journal/ lost"
+    elif action == "lose-metadata":
+        (run / "train_metadata.json").unlink(missing_ok=True)
+        what += "train_metadata.json lost"
+    else:
+        what += f"{action}: nothing to remove"
+    kept = set(_snapshots_on_disk(target)) - {"quarantine"}
+    original = tree_digest(run) + tree_digest(local) if action == "copy" else None
+    if action == "lose-journal":
+        before = tree_digest(target)
+        out = train(target, *over)
+        if not (clean_error(out) and tree_digest(target) == before):
+            return Trial("operator", n, what, "SILENT", f"exit {out.returncode}: " + (out.stderr.strip().splitlines() or ["(no message)"])[-1][:160])
+        return Trial("operator", n, what, "refused clearly", out.stderr.strip().splitlines()[-1][:160])
+    out = resume_until_done(target, *over)
+    if action == "copy":
+        if tree_digest(run) + tree_digest(local) != original:
+            return Trial("operator", n, what, "NOT EXACT", "the copy's resume wrote into the original run or its local journal")
+        if out is not None and out.returncode != 0:
+            if not clean_error(out):
+                return Trial("operator", n, what, "NOT EXACT", "unclear refusal: " + out.stderr.strip()[-200:])
+            what += f" (refused: {out.stderr.strip().splitlines()[-1][:100]})"
+            target = run  # the copy was refused: the original must still resume exactly
+            out = resume_until_done(run, *over)
+    if out is None or out.returncode != 0:
+        return Trial("operator", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+    quarantined = sorted(p.name for p in (target / "quarantine").glob("step_*")) if (target / "quarantine").is_dir() else []
+    lost = sorted(name for name in kept if not (target / name).is_dir()
+                  and len([s for s in _snapshots_on_disk(target) if s > name]) < 2)  # save_total_limit=2 rotates only after newer ones
+    if quarantined or lost:
+        return Trial("operator", n, what, "SNAPSHOT LOST", f"quarantined {quarantined}, deleted {lost}")
+    ver = verlj("verify", target)
+    if ver.returncode != 0:
+        return Trial("operator", n, what, "NOT EXACT", "verify after the resume: " + (ver.stdout.strip().splitlines() or ["?"])[-1][:160])
+    same, note = identical(target, ref)
+    for p in (run, local, root / f"op{n}-copy", root / f"op{n}-moved"):
+        shutil.rmtree(p, ignore_errors=True)
+    return Trial("operator", n, what, "exact" if same else "NOT EXACT", note)
+
+
 # ----------------------------------------------------------------------------- concurrency
 
 
@@ -734,16 +825,17 @@ def main() -> int:
     ap.add_argument("--two-writers", type=int, default=6)
     ap.add_argument("--asyncs", type=int, default=50)
     ap.add_argument("--bitflips", type=int, default=24)
+    ap.add_argument("--operators", type=int, default=30)
     ap.add_argument("--async-engine", default="hf", choices=["hf", "vllm"], help="what the async trials' generator runs")
     ap.add_argument("--async-order", default="both", choices=["step", "completion", "both"],
                     help="the async trials' rollout.async_order (both: alternate)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="a few trials of each kind (the test suite runs this)")
-    ap.add_argument("--kinds", default="kill,corruption,disk-full,node-loss,concurrency,two-writers,async,bitflip,bad-input")
+    ap.add_argument("--kinds", default="kill,corruption,disk-full,node-loss,concurrency,two-writers,async,bitflip,bad-input,operator")
     args = ap.parse_args()
     if args.quick:
         args.kills, args.corruptions, args.disk_full, args.node_losses, args.two_writers, args.asyncs = 1, 3, 1, 1, 1, 1
-        args.bitflips = 1
+        args.bitflips, args.operators = 1, 3
     kinds = set(args.kinds.split(","))
     if args.async_engine == "vllm":
         ASYNC.append("rollout.engine=vllm")
@@ -753,7 +845,7 @@ def main() -> int:
     t0 = time.time()
     try:
         ref = root / "ref"  # the uninterrupted run, for the kinds that compare against it
-        if kinds & {"kill", "disk-full", "node-loss", "concurrency", "two-writers"}:
+        if kinds & {"kill", "disk-full", "node-loss", "concurrency", "two-writers", "operator"}:
             assert train(ref, resume=False).returncode == 0, "reference run failed"
         finished = root / "finished"  # a finished run to damage: keeps every snapshot
         if kinds & {"corruption", "bad-input"}:
@@ -802,11 +894,14 @@ def main() -> int:
         if "bad-input" in kinds:
             for t in bad_input_trials(root, finished, quick=args.quick):
                 record(t)
+        if "operator" in kinds:
+            for n in range(1, args.operators + 1):
+                record(operator_trial(root, ref, rng, n))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print()
     print(f"{'kind':12s} {'trials':>6s}  outcomes")
-    for kind in ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "async", "bitflip", "bad-input"):
+    for kind in ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "async", "bitflip", "bad-input", "operator"):
         ts = [t for t in trials if t.kind == kind]
         if ts:
             counts = Counter(t.outcome for t in ts)

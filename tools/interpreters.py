@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ def interpreters() -> dict[str, str]:
 
 def run(cmd: list[str], log, timeout: float, cwd: Path = REPO, **kw) -> subprocess.CompletedProcess:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env={**os.environ, **ENV}, **kw)
-    log.write(f"$ {' '.join(map(str, cmd))}  -> {out.returncode}\n{out.stdout[-20000:]}\n{out.stderr[-20000:]}\n")
+    log.write(f"$ {' '.join(map(str, cmd))}  -> {out.returncode}\n{out.stdout[-20000:]}\n{out.stderr[-20000:]}\n")  # one write: threads
     log.flush()
     return out
 
@@ -119,16 +120,21 @@ def main() -> int:
     t_all = time.time()
     with open(log_path, "w") as log:
         pythons: dict[str, str] = {}
-        for v, exe in found.items():
+
+        def make(v: str) -> None:  # the installs wait on downloads and disk: all at once
             t0 = time.time()
             try:
-                pythons[v] = environment(v, exe, log)
+                pythons[v] = environment(v, found[v], log)
             except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
                 failed.append(f"Python {v}: environment: {e}")
                 print(f"✗ Python {v}: environment: {e}", flush=True)
-                continue
+                return
             if pythons[v] != sys.executable:
                 print(f"  Python {v}: environment ready in {time.time() - t0:.0f} s", flush=True)
+
+        with ThreadPoolExecutor(max_workers=len(found)) as pool:
+            list(pool.map(make, found))
+        pythons = {v: pythons[v] for v in found if v in pythons}  # in version order
         for v, py in pythons.items():
             if py == sys.executable:
                 continue  # this interpreter runs them in the suite itself
