@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,8 +140,10 @@ def main() -> int:
             if py == sys.executable:
                 continue  # this interpreter runs them in the suite itself
             t0 = time.time()
-            out = run([py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2", "--dist", "load", *TESTS], log, timeout=1800)
-            tail = (out.stdout.strip().splitlines() or ["(no output)"])[-1]
+            out = run([py, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-n", "2", "--dist", "load", *TESTS], log,
+                      timeout=1800)
+            tail = next((line.strip("= ") for line in reversed(out.stdout.splitlines()) if re.search(r"\d+ (passed|failed)", line)),
+                        f"exit {out.returncode}")
             ok = out.returncode == 0
             print(f"{'✓' if ok else '✗'} Python {v}: {' '.join(t.rsplit('/', 1)[1] for t in TESTS)}: {tail} ({time.time() - t0:.0f} s)",
                   flush=True)
