@@ -125,7 +125,7 @@ def test_a_resume_adopts_what_checks_out_and_sets_aside_the_rest_never_deleting(
     snapshot(run_dir, ledger, 5, fingerprint=fp(99), publish=False)  # not the journal's state at step 5
     snapshot(run_dir, ledger, 8, publish=False)  # its step was lost (the journal ends at 6)
     (run_dir / ".tmp-step_00009").mkdir()
-    lines = SnapshotStore(run_dir, ledger).recover_leftovers()
+    lines = [item.done for item in SnapshotStore(run_dir, ledger).recover_leftovers()]
     assert "Removed what an interrupted run left behind: .tmp-step_00009" in lines
     assert any(line.startswith("Adopted step_00004") for line in lines)
     assert sorted(ledger.snapshots()) == [2, 4] and os.readlink(run_dir / "latest") == "step_00004"
