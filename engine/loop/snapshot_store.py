@@ -212,13 +212,13 @@ class SnapshotStore:
         :meth:`recover_leftovers` carries out. Reading only (adoption checks hash the snapshot).
 
         `refused`: why a resume would refuse this run before touching anything (a damaged or
-        unreadable journal); every leftover is then kept as it is. `index` None with no ledger: the
-        index cannot be read, so no published snapshot can be told apart from a leftover."""
+        unreadable journal); every leftover is then kept as it is. An unreadable index is given as {}:
+        every published snapshot is then listed, kept as it is."""
         plan: list[Leftover] = []
+        if index is None:
+            index = self.ledger.snapshots() if self.ledger is not None else {}
         if refused is not None:
-            names = self.temporaries() + (self.unindexed(index) if index is not None else self.unindexed({}))
-            return [Leftover(name, KEEP, _step_of(name), refused) for name in sorted(names)]
-        index = self.ledger.snapshots() if index is None else index
+            return [Leftover(name, KEEP, _step_of(name), refused) for name in self.temporaries() + self.unindexed(index)]
         plan += [Leftover(name, REMOVE, None, "left by an interrupted run; never used") for name in self.temporaries()]
         for name in self.unindexed(index):
             step = _step_of(name)
@@ -232,7 +232,7 @@ class SnapshotStore:
         for step, info in sorted(index.items()):
             if not (self.run_dir / info["path"]).exists():
                 plan.append(Leftover(info["path"], UNINDEX, step, "in the index but not on disk (deleted by hand?)"))
-        return sorted(plan, key=lambda x: (x.name.lstrip("."), x.name))
+        return plan
 
     def recover_leftovers(self) -> list[Leftover]:
         """A resume's first act on the run directory (rank 0, the claim held, the journal checked):
