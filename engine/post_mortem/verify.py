@@ -315,7 +315,7 @@ def _verify_all(report: RunReport, run_dir: Path, index: dict | None, fps, ledge
     refused = None
     if index is None:
         refused = "the journal cannot be read, so --resume refuses the run before touching any snapshot"
-    elif not report.journal_ok:
+    elif report.advice is not None:  # what makes a resume refuse (not, say, a rollout accounting fault)
         refused = "the journal is damaged, so --resume refuses the run before touching any snapshot"
     plan = store.plan_leftovers(index if index is not None else {}, refused)
     for item in plan:
@@ -399,12 +399,14 @@ def deep_check(report: RunReport, run_dir: Path, from_step: int | None) -> None:
 def render(report: RunReport) -> str:
     lines = list(report.journal_lines)
     for s in report.snapshots:
-        lines.append(f"{s.name}{'' if s.indexed else ' (not in the snapshot index: the next --resume adopts it)' if s.adopted else ' (not in the snapshot index)'}:")
+        note = "" if s.indexed else " (not in the snapshot index: the next --resume adopts it)" if s.adopted else " (not in the snapshot index)"
+        lines.append(f"{s.name}{note}:")
         lines += [f"  {line}" for line in s.lines]
     for name in report.rotated:
         lines.append(f"· {name} was rotated away by the live run while verify read it (not damage)")
     for name in report.rotated_by_lost:
-        lines.append(f"· {name} is gone: the rotation that removed it was committed in the torn last segment (resume removes it from the index)")
+        lines.append(f"· {name} is gone: the rotation that removed it was committed in the torn last segment "
+                     "(the next --resume removes it from the index)")
     for q in report.quarantined:
         lines.append(f"· {q['name']} was set aside by a resume and moved to {q['path']} ({q['reason']}); never used")
     for m in report.missing:
