@@ -5,7 +5,8 @@
                              starts after the parent's step: Journal.start_after)
                  meta        history: config_history (changes from a step on), topology_history
                              (world size / ZeRO stage / TP size changes from a step on, with the
-                             rebased fingerprint), lineage (start, resume, fork), quarantined snapshots
+                             rebased fingerprint), lineage (start, resume, fork), quarantined snapshots,
+                             missing snapshots (indexed, gone from disk: unindexed by a resume)
                  meta        retention: pruned_through (set by the journal's prune), archive (the
                              index of RUN/rollouts/*.parquet, loop.archive)
                  snapshots   the snapshot index: step -> path, fingerprint, manifest digest, time
@@ -42,6 +43,7 @@ from ..errors import RunError
 
 # meta keys, named here only
 _CONFIG, _HISTORY, _LINEAGE, _QUARANTINE = "config", "config_history", "lineage", "quarantined"
+_MISSING = "missing_snapshots"
 _PARENT = "parent"
 _ARCHIVE = "archive"
 _TOPOLOGY = "topology_history"
@@ -442,6 +444,14 @@ class Ledger:
 
     def record_quarantine(self, entry: dict) -> None:
         self.journal.set_meta(_QUARANTINE, [*self.quarantined(), {**entry, "time": now_iso()}])
+
+    def missing(self) -> list[dict]:
+        """Snapshots the index named that were not on disk (deleted by hand?), which a resume removed
+        from the index: [{name, step, reason, time}]."""
+        return self.journal.get_meta(_MISSING) or []
+
+    def record_missing(self, entry: dict) -> None:
+        self.journal.set_meta(_MISSING, [*self.missing(), {**entry, "time": now_iso()}])
 
     # ------------------------------------------------------------------ retention
 

@@ -26,6 +26,7 @@ from ..config import config_from_dict
 from ..errors import ReplayError, SnapshotError
 from ..state.manifest import snapshot_name
 from ..state.topology import Topology
+from . import archive
 from .context import Run
 from .ledger import History, Ledger
 from .snapshot_store import SnapshotStore, check_against_journal
@@ -83,6 +84,9 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
     for step, path in candidates:
         if step < need:  # replaying forward from here would need pruned samples
             break
+        if not path.exists() and explicit is None:  # deleted by hand: a resume has unindexed it already (plan_leftovers)
+            reporter.warn(f"Skipping {path.name}: it is in the index but not on disk (deleted by hand?)")
+            continue
         _res, problem = check_against_journal(ledger, step, path, index.get(step, {}).get("manifest"))
         if problem is not None:
             if store is not None and path.exists():
@@ -318,6 +322,11 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
     Returns (last committed step, control events for the next record)."""
     rt, cfg, reporter = run.rt, run.cfg, run.reporter
     rt.from_rank0(lambda: check_journal(run.run_dir, run.ledger), "checking the journal")
+    if rt.is_main:  # only once the journal is known good: a refused resume touches nothing in the run directory
+        for item in run.ckpt.store.recover_leftovers():
+            (reporter.warn if item.warning else reporter.info)(item.done)
+        for line in archive.clean_leftovers(run.run_dir, run.ledger):
+            reporter.info(line)
     history = run.history()
     last = history.last_step
     spec = cfg.trainer.resume_from

@@ -5,7 +5,9 @@
                             N                       as above, but the last N steps keep theirs too
 
 Every kept snapshot holds the rollout buffer's pending samples, so replay from any of them reads
-only later steps' samples: pruning up to the oldest one never costs recovery anything. With
+only later steps' samples: pruning up to the oldest one never costs recovery anything. "Kept" is
+what is on disk and whole (SnapshotStore.sound): an indexed snapshot deleted by hand, or one whose
+manifest no longer checks, never sets the bound, so the older good one stays replayable. With
 journal.local_dir, pruning waits until the shipped segments hold those steps whole and the index
 that makes them unneeded (a rebuild from segments then prunes its copy the same way). What stays
 of a pruned step: its record without the samples (data, seeds, sample ids added, dropped and
@@ -19,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import archive
+from .snapshot_store import SnapshotStore
 
 
 def prune_bound(policy: str, snapshot_steps: list[int], last_step: int) -> int:
@@ -35,7 +38,8 @@ def prune_bound(policy: str, snapshot_steps: list[int], last_step: int) -> int:
 def apply(run_dir: Path, cfg, ledger, reporter) -> tuple[int, int] | None:
     """Prune (and archive) what the policy allows now. Returns (steps pruned, bytes freed) or None."""
     jc = cfg.journal
-    bound = prune_bound(jc.retain_samples, sorted(ledger.snapshots()), ledger.last_step())
+    oldest = next(SnapshotStore(run_dir, ledger).sound(), None)  # the bound only needs the oldest sound one
+    bound = prune_bound(jc.retain_samples, [] if oldest is None else [oldest], ledger.last_step())
     done = ledger.pruned_through()
     if bound <= done:
         return None

@@ -31,7 +31,6 @@ from verlj.journal.failpoints import failpoint
 from ..config import ONE_OFF_KEYS, Config, check_change, config_from_dict, diff_configs, make_config, stored_config, to_yaml
 from ..errors import ConfigError, RunError
 from ..report import Reporter
-from . import archive
 from .context import Run
 from .ledger import (
     WRITER_DIR,
@@ -201,9 +200,6 @@ def train(
         run.ckpt = Checkpointer(run)
         control: list[dict] = []
         if existing:
-            if rt.is_main:
-                for line in run.ckpt.store.recover_leftovers() + archive.clean_leftovers(run_dir, run.ledger):
-                    reporter.info(line)
             rt.from_rank0(lambda: trainer.check_identity(run.ledger.identity()), "checking the run's identity")
             last, control = resume(run, changed, allow_config_change)
             if rt.is_main:

@@ -6,6 +6,8 @@
     RUN/.trash-step_00050-PID/   being deleted by rotation (removed on resume)
     RUN/quarantine/step_00200/   found damaged: out of the index, never chosen, never counted by
                                  save_total_limit; kept for a person to look at
+    (an index entry, no dir)     missing (deleted by hand?): never counted, rotated or pruned against;
+                                 the next resume removes it from the index and the ledger records it
 
 Publishing: manifest written and fsynced, the directory renamed into place, the run directory
 fsynced, then indexed in the ledger, then `latest` swapped, then rotation. Rotation unindexes
@@ -15,8 +17,11 @@ journal.local_dir, once it is shipped), so a node lost at any moment never leave
 journal names only deleted snapshots. Every rename and delete first checks the writer's claim on
 the run (``Ledger.fence``): a writer that was taken over touches nothing. Only rank 0 calls the
 writers. A resume never deletes a published snapshot: one the index lacks is adopted when its
-manifest, step and fingerprint check out against the journal, and quarantined otherwise
-(:meth:`SnapshotStore.recover_leftovers`). No torch here.
+manifest, step and fingerprint check out against the journal, and quarantined otherwise; one the
+index names that is not on disk leaves the index. What a resume does with each of these is decided
+by one function, :meth:`SnapshotStore.plan_leftovers`: `verify` prints its plan, a resume carries it
+out (:meth:`SnapshotStore.recover_leftovers`). Rotation and retention count only the snapshots that
+:meth:`SnapshotStore.sound` finds on disk and whole. No torch here.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import blake3
@@ -38,6 +45,52 @@ from .ledger import Ledger
 QUARANTINE = "quarantine"
 _LEFTOVER = re.compile(r"^(\.tmp-step_\d+|\.trash-step_\d+-\d+|\.latest\.tmp)$")  # never published, or unindexed durably
 _SNAPSHOT = re.compile(r"^step_(\d+)$")
+
+# what the next resume does with a leftover (SnapshotStore.plan_leftovers)
+REMOVE, ADOPT, QUARANTINE, UNINDEX, KEEP = "remove", "adopt", "quarantine", "unindex", "keep"
+
+
+@dataclass
+class Leftover:
+    """One thing in the run directory that is not an indexed snapshot on disk, and what the next
+    resume does with it: `plan` is how verify says it beforehand, `done` how the resume says it did it."""
+
+    name: str  # in the run directory (UNINDEX: the index's path, not on disk)
+    action: str  # REMOVE | ADOPT | QUARANTINE | UNINDEX | KEEP
+    step: int | None
+    reason: str
+    entry: dict | None = None  # ADOPT: its index entry
+    moved_to: str | None = None  # QUARANTINE, once done: where it went
+
+    @property
+    def warning(self) -> bool:
+        return self.action == UNINDEX
+
+    @property
+    def plan(self) -> str:
+        return {
+            REMOVE: f"{self.name}: {self.reason}, and the next --resume removes it",
+            ADOPT: f"{self.name}: published but not in the index (the run stopped before indexing it); {self.reason}: "
+                   "the next --resume adopts it into the index",
+            QUARANTINE: f"{self.name}: published but not in the index, and {self.reason}: the next --resume quarantines it "
+                        f"(moves it to {QUARANTINE}/)",
+            UNINDEX: f"{self.name} is {self.reason}: the next --resume removes it from the index; it is never counted, "
+                     "rotated against or pruned against",
+            KEEP: f"{self.name}: kept as it is: {self.reason}",
+        }[self.action]
+
+    @property
+    def done(self) -> str:
+        return {
+            REMOVE: f"Removed what an interrupted run left behind: {self.name}",
+            ADOPT: f"Adopted {self.name}: published but not indexed when the run stopped; {self.reason}",
+            QUARANTINE: f"Quarantined {self.name} to {self.moved_to}: published but not indexed, and {self.reason}",
+            UNINDEX: f"{self.name} is {self.reason}: removed from the index",
+            KEEP: f"Kept {self.name} as it is: {self.reason}",
+        }[self.action]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "action": self.action, "step": self.step, "reason": self.reason, "plan": self.plan}
 
 
 class SnapshotStore:
@@ -74,11 +127,14 @@ class SnapshotStore:
         fsync_dir(out_dir.parent)
 
     def rotate(self, limit: int) -> None:
-        """Keep the newest `limit` indexed snapshots (quarantined ones are not indexed: not counted)."""
+        """Keep the newest `limit` sound snapshots. Only what is on disk and whole is counted: a
+        quarantined one (out of the index), one missing from disk (deleted by hand) or one that fails
+        the cheap check is neither counted nor deleted, so the good older ones stay (the next resume
+        unindexes the missing, and its choice of snapshot quarantines the damaged)."""
         if limit <= 0:
             return
         index = self.ledger.snapshots()
-        old = sorted(index)[:-limit]
+        old = list(self.sound(index))[:-limit]
         for step in old:
             self.ledger.unindex_snapshot(step)  # unindex first: a half-deleted snapshot is never offered
             failpoint("snapshot.rotate")
@@ -91,6 +147,21 @@ class SnapshotStore:
             if path.exists():
                 self._delete(path)
         failpoint("snapshot.rotated")
+
+    def sound(self, index: dict[int, dict] | None = None) -> Iterator[int]:
+        """The indexed steps whose snapshot is on disk and whole by the check rotation and retention
+        make at every snapshot (they count, rotate and prune against these only), oldest first, each
+        checked as it is asked for (retention asks for the oldest only).
+
+        The check is the cheap one: the directory exists; its manifest is the one the index recorded
+        (BLAKE3 of a few KiB); every file it lists is there with its size, and nothing else; meta and
+        anchor parse; step and fingerprint are the journal's. No weight file is hashed: that would read
+        every kept snapshot in full at every save. A flipped bit inside a file is left to the full
+        check a resume makes of the snapshot it picks (it falls back to an older one, which this keeps)."""
+        index = self.ledger.snapshots() if index is None else index
+        for step, info in sorted(index.items()):
+            if check_against_journal(self.ledger, step, self.run_dir / info["path"], info.get("manifest"), hash_files=False)[1] is None:
+                yield step
 
     def quarantine(self, step: int | None, path: Path, reason: str) -> Path:
         """Move a damaged snapshot out of the index and out of the way; say where it went. `step` None:
@@ -118,7 +189,7 @@ class SnapshotStore:
         os.replace(path, trash)
         shutil.rmtree(trash)
 
-    # ------------------------------------------------------------------ leftovers of killed runs
+    # ------------------------------------------------------------------ leftovers of killed runs and of hands
 
     def temporaries(self) -> list[str]:
         """Names a killed run left that were never a published snapshot (or were unindexed durably
@@ -135,46 +206,63 @@ class SnapshotStore:
         indexed = {info["path"] for info in (self.ledger.snapshots() if index is None else index).values()}
         return [p.name for p in sorted(self.run_dir.iterdir()) if _SNAPSHOT.match(p.name) and p.is_dir() and p.name not in indexed]
 
-    def leftovers(self, index: dict[int, dict] | None = None) -> list[str]:
-        """Everything the next resume sorts out (verify lists these)."""
-        return sorted(self.temporaries() + self.unindexed(index))
+    def plan_leftovers(self, index: dict[int, dict] | None = None, refused: str | None = None) -> list[Leftover]:
+        """What the next resume does, before it chooses a snapshot, with each thing in the run
+        directory that is not an indexed snapshot on disk: the one classification `verify` prints and
+        :meth:`recover_leftovers` carries out. Reading only (adoption checks hash the snapshot).
 
-    def remove_temporaries(self) -> list[str]:
-        """Remove the temporaries (the writer's claim is held: nothing else is writing them)."""
-        gone = self.temporaries()
-        if gone:
-            self.ledger.fence()
-        for name in gone:
-            p = self.run_dir / name
-            if p.is_symlink() or p.is_file():
-                p.unlink()
-            else:
-                shutil.rmtree(p)
-        if gone:
-            fsync_dir(self.run_dir)
-        return gone
-
-    def recover_leftovers(self) -> list[str]:
-        """A resume's first act on the run directory (rank 0, the claim held): temporaries removed;
-        each published snapshot the index lacks adopted into the index when its manifest verifies and
-        its step and fingerprint are the journal's, else quarantined. Returns one line per action."""
-        lines = [f"Removed what an interrupted run left behind: {name}" for name in self.remove_temporaries()]
-        for name in self.unindexed():
-            path = self.run_dir / name
-            step = int(_SNAPSHOT.match(name).group(1))
-            res, problem = check_against_journal(self.ledger, step, path)
+        `refused`: why a resume would refuse this run before touching anything (a damaged or
+        unreadable journal); every leftover is then kept as it is. An unreadable index is given as {}:
+        every published snapshot is then listed, kept as it is."""
+        plan: list[Leftover] = []
+        if index is None:
+            index = self.ledger.snapshots() if self.ledger is not None else {}
+        if refused is not None:
+            return [Leftover(name, KEEP, _step_of(name), refused) for name in self.temporaries() + self.unindexed(index)]
+        plan += [Leftover(name, REMOVE, None, "left by an interrupted run; never used") for name in self.temporaries()]
+        for name in self.unindexed(index):
+            step = _step_of(name)
+            res, problem = check_against_journal(self.ledger, step, self.run_dir / name)
             if problem is None:
-                self.ledger.fence()
-                manifest = (path / MANIFEST).read_bytes()
-                self.ledger.index_snapshot(step, _index_entry(name, res.meta["fingerprint"], manifest, res.meta.get("time", time.time())))
-                lines.append(f"Adopted {name}: published but not indexed when the run stopped; its manifest, step and fingerprint "
-                             "agree with the journal")
-                continue
-            dest = self.quarantine(None, path, f"published but not indexed, and {problem}")
-            lines.append(f"Quarantined {name} to {dest.relative_to(self.run_dir)}: published but not indexed, and {problem}")
-        if any(line.startswith("Adopted") for line in lines):
+                entry = _index_entry(name, res.meta["fingerprint"], (self.run_dir / name / MANIFEST).read_bytes(),
+                                     res.meta.get("time", time.time()))
+                plan.append(Leftover(name, ADOPT, step, "its manifest, step and fingerprint agree with the journal", entry))
+            else:
+                plan.append(Leftover(name, QUARANTINE, step, problem))
+        for step, info in sorted(index.items()):
+            if not (self.run_dir / info["path"]).exists():
+                plan.append(Leftover(info["path"], UNINDEX, step, "in the index but not on disk (deleted by hand?)"))
+        return plan
+
+    def recover_leftovers(self) -> list[Leftover]:
+        """A resume's first act on the run directory (rank 0, the claim held, the journal checked):
+        carry out :meth:`plan_leftovers`. Temporaries removed; each published snapshot the index lacks
+        adopted into the index when its manifest verifies and its step and fingerprint are the
+        journal's, else quarantined; each indexed one missing from disk unindexed and recorded
+        (Ledger.missing). Returns what was done (Leftover.done says it)."""
+        plan = self.plan_leftovers()
+        if plan:
+            self.ledger.fence()
+        for item in plan:
+            path = self.run_dir / item.name
+            if item.action == REMOVE:
+                if path.is_symlink() or path.is_file():
+                    path.unlink()
+                else:
+                    shutil.rmtree(path)
+            elif item.action == ADOPT:
+                self.ledger.index_snapshot(item.step, item.entry)
+            elif item.action == QUARANTINE:
+                item.moved_to = str(self.quarantine(None, path, f"published but not indexed, and {item.reason}").relative_to(self.run_dir))
+            elif item.action == UNINDEX:
+                # recorded before it leaves the index: a kill in between records it twice, never loses it
+                self.ledger.record_missing({"name": item.name, "step": item.step, "reason": item.reason})
+                self.ledger.unindex_snapshot(item.step)
+        if any(item.action == REMOVE for item in plan):
+            fsync_dir(self.run_dir)
+        if any(item.action in (ADOPT, UNINDEX) for item in plan):
             self._point_latest()
-        return lines
+        return plan
 
     def _point_latest(self) -> None:
         """`latest` -> the newest indexed snapshot (removed when none is left)."""
@@ -191,12 +279,14 @@ class SnapshotStore:
         os.replace(link_tmp, latest)
 
 
-def check_against_journal(ledger: Ledger, step: int, path: Path, expected_manifest: str | None = None) -> tuple[SnapshotCheck, str | None]:
+def check_against_journal(ledger: Ledger, step: int, path: Path, expected_manifest: str | None = None,
+                          hash_files: bool = True) -> tuple[SnapshotCheck, str | None]:
     """Whether the snapshot at `path` is the state after `step` as the journal knows it: its manifest
     and files (and the manifest's digest, when the index recorded one), the step its meta names, and
     its fingerprint against the one journaled for that step (a fork's base step, which its journal
-    does not hold, against the parent's). Returns (the check, the first problem or None)."""
-    res = check_snapshot(path, expected_manifest=expected_manifest)
+    does not hold, against the parent's). hash_files=False: file sizes only (SnapshotStore.sound).
+    Returns (the check, the first problem or None)."""
+    res = check_snapshot(path, hash_files=hash_files, expected_manifest=expected_manifest)
     if not res.valid:
         return res, res.problems[0]
     if res.step != step:
@@ -209,6 +299,11 @@ def check_against_journal(ledger: Ledger, step: int, path: Path, expected_manife
     if res.meta["fingerprint"] != want:
         return res, f"its fingerprint does not match the journal's for step {step}"
     return res, None
+
+
+def _step_of(name: str) -> int | None:
+    m = _SNAPSHOT.match(name)
+    return int(m.group(1)) if m else None
 
 
 def _index_entry(name: str, fingerprint: str, manifest_bytes: bytes, when: float) -> dict:

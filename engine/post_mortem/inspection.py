@@ -47,6 +47,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
         lineage = ledger.lineage()
         topology = ledger.topology_history()
         quarantined = ledger.quarantined()
+        missing = ledger.missing()
         last, base = ledger.last_step(), ledger.base_step()
         index = ledger.snapshots()
         ranks_now = ledger.topology_at(last)["world_size"]
@@ -84,6 +85,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
         "topology": topology,
         "writer": _writer(run_dir),
         "quarantined": quarantined,
+        "missing": missing,
         "trend": trend,
         "probes": derived.probes(run_dir),
     }
@@ -154,6 +156,8 @@ def render_summary(s: dict) -> str:
                      f"{', released' if w['released'] else ''})")
     for q in s.get("quarantined", []):
         lines.append(f"quarantine {q['name']} ({q['reason']}) moved to {q['path']}")
+    for m in s.get("missing", []):
+        lines.append(f"missing    {m['name']} was {m['reason']}: a resume removed it from the index")
     for entry in s["lineage"]:
         if entry["kind"] == "start":
             continue

@@ -19,7 +19,7 @@ from verlj.journal import JournalError, NotAJournalError, segments, unpackb, ver
 from ..loop import archive
 from ..loop.ledger import Ledger, journal_dir, journal_exists
 from ..loop.recovery import damaged_journal_advice
-from ..loop.snapshot_store import SnapshotStore
+from ..loop.snapshot_store import ADOPT, UNINDEX, SnapshotStore
 from ..state.manifest import META, check_snapshot, snapshot_name
 
 
@@ -30,6 +30,7 @@ class SnapshotReport:
     indexed: bool
     lines: list[str] = field(default_factory=list)  # "✓ ..." / "✗ ..."
     valid: bool = True
+    adopted: bool = False  # not indexed, and the next --resume adopts it (SnapshotStore.plan_leftovers)
 
 
 @dataclass
@@ -43,7 +44,9 @@ class RunReport:
     resume_from: str | None = None
     replay: list[int] | None = None
     advice: str | None = None  # what to do when the journal is damaged (the same words --resume says)
-    leftovers: list[str] = field(default_factory=list)  # left by a killed run; resume removes them
+    leftovers: list[str] = field(default_factory=list)  # journal segments and archive files a killed run left; resume removes them
+    next_resume: list[dict] = field(default_factory=list)  # what the next resume does with each snapshot leftover (Leftover.to_dict)
+    missing: list[dict] = field(default_factory=list)  # indexed snapshots a resume found gone from disk and unindexed
     host_leftovers: list[str] = field(default_factory=list)  # on this node, outside the run (vLLM weights copies)
     quarantined: list[dict] = field(default_factory=list)  # damaged snapshots moved aside on resume
     rotated: list[str] = field(default_factory=list)  # snapshots rotation removed while verify read them
@@ -155,7 +158,7 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
     run_dir = path.parent if single else path
     report = RunReport(str(path))
     fps: dict[int, str] | None = None
-    index: dict[int, dict] = {}
+    index: dict[int, dict] | None = None  # None: the index cannot be read
     ledger = None
     if journal_exists(run_dir):
         try:
@@ -166,8 +169,9 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
             try:
                 index = ledger.snapshots()
                 report.quarantined = ledger.quarantined()
+                report.missing = ledger.missing()
             except JournalError:
-                index = {}
+                index = None
             try:
                 fps = ledger.fingerprints()
             except JournalError:
@@ -308,31 +312,53 @@ def _verify_accounting(report: RunReport, ledger: Ledger) -> None:
 def _verify_one(report: RunReport, path: Path, index: dict, fps) -> None:
     if not path.is_dir():
         raise JournalError(f"snapshot {path} does not exist")
-    entry = next((info for info in index.values() if info["path"] == path.name), None)
+    entry = next((info for info in (index or {}).values() if info["path"] == path.name), None)
     rep, n = verify_snapshot(path, fps, indexed=entry is not None, recorded_manifest=entry and entry.get("manifest"))
     report.snapshots.append(rep)
     report.bytes_hashed += n
 
 
-def _verify_all(report: RunReport, run_dir: Path, index: dict, fps, ledger: Ledger | None) -> None:
-    """Every indexed snapshot; leftovers of killed runs are listed, not checked (they are never used)."""
+def _verify_all(report: RunReport, run_dir: Path, index: dict | None, fps, ledger: Ledger | None) -> None:
+    """Every indexed snapshot on disk, checked; everything else a resume would sort out, with what the
+    next --resume does about it: SnapshotStore.plan_leftovers, the classification the resume carries
+    out itself (a snapshot it will adopt is checked like an indexed one, and counts for resume)."""
     store = SnapshotStore(run_dir, ledger)
-    report.leftovers += store.leftovers(index)
-    for step in sorted(index):
-        info = index[step]
-        rep, n = verify_snapshot(run_dir / info["path"], fps, indexed=True, recorded_manifest=info.get("manifest"))
-        if not rep.valid and ledger is not None and _rotated_away(ledger, step, run_dir / info["path"]):
+    refused = None
+    if index is None:
+        refused = "the journal cannot be read, so --resume refuses the run before touching any snapshot"
+    elif report.advice is not None:  # what makes a resume refuse (not, say, a rollout accounting fault)
+        refused = "the journal is damaged, so --resume refuses the run before touching any snapshot"
+    plan = store.plan_leftovers(index if index is not None else {}, refused)
+    for item in plan:
+        path = run_dir / item.name
+        if item.action == UNINDEX and ledger is not None and _rotated_away(ledger, item.step, path):
             # training goes on while verify reads: rotation unindexed and deleted this snapshot under
             # us. A snapshot leaving the index is not damage.
-            report.rotated.append(info["path"])
+            report.rotated.append(item.name)
             continue
-        if not rep.valid and report.torn_segment is not None and not (run_dir / info["path"]).exists():
-            # the commit that rotated it away was in the torn last segment: resume skips it as well
-            report.rotated_by_lost.append(info["path"])
+        if item.action == UNINDEX and report.torn_segment is not None:
+            # the commit that rotated it away was in the torn last segment
+            report.rotated_by_lost.append(item.name)
+            continue
+        if item.action == ADOPT:
+            rep, n = verify_snapshot(path, fps, indexed=False)
+            rep.adopted = True
+            report.snapshots.append(rep)
+            report.bytes_hashed += n
+        report.next_resume.append(item.to_dict())
+    gone = {item.name for item in plan if item.action == UNINDEX}
+    for step in sorted(index or {}):
+        info = index[step]
+        if info["path"] in gone:
+            continue
+        rep, n = verify_snapshot(run_dir / info["path"], fps, indexed=True, recorded_manifest=info.get("manifest"))
+        if not rep.valid and ledger is not None and _rotated_away(ledger, step, run_dir / info["path"]):
+            report.rotated.append(info["path"])  # rotated away between the plan and this check
             continue
         report.snapshots.append(rep)
         report.bytes_hashed += n
-    usable = [s for s in report.snapshots if s.valid and s.indexed and s.step is not None
+    report.snapshots.sort(key=lambda s: (s.step is None, s.step or 0, s.name))
+    usable = [s for s in report.snapshots if s.valid and (s.indexed or s.adopted) and s.step is not None
               and (report.last_good_step is None or s.step <= report.last_good_step)]
     if report.journal_ok and report.last_good_step is not None:
         if usable:
@@ -384,16 +410,22 @@ def deep_check(report: RunReport, run_dir: Path, from_step: int | None) -> None:
 def render(report: RunReport) -> str:
     lines = list(report.journal_lines)
     for s in report.snapshots:
-        lines.append(f"{s.name}{'' if s.indexed else ' (not in the snapshot index)'}:")
+        note = "" if s.indexed else " (not in the snapshot index: the next --resume adopts it)" if s.adopted else " (not in the snapshot index)"
+        lines.append(f"{s.name}{note}:")
         lines += [f"  {line}" for line in s.lines]
     for name in report.rotated:
         lines.append(f"· {name} was rotated away by the live run while verify read it (not damage)")
     for name in report.rotated_by_lost:
-        lines.append(f"· {name} is gone: the rotation that removed it was committed in the torn last segment (resume skips it)")
+        lines.append(f"· {name} is gone: the rotation that removed it was committed in the torn last segment "
+                     "(the next --resume removes it from the index)")
     for q in report.quarantined:
         lines.append(f"· {q['name']} was set aside by a resume and moved to {q['path']} ({q['reason']}); never used")
+    for m in report.missing:
+        lines.append(f"· {m['name']} was {m['reason']}; a resume removed it from the index")
     for name in report.leftovers:
         lines.append(f"· {name}: left by an interrupted run; never used, and the next --resume removes it")
+    for item in report.next_resume:
+        lines.append(f"{'⚠' if item['action'] == UNINDEX else '·'} {item['plan']}")
     for name in report.host_leftovers:
         lines.append(f"· {name}: a weights copy a killed vLLM start left on this node; the next `verlj train` removes it")
     lines += report.deep_lines

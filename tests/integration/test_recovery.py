@@ -7,6 +7,7 @@ fingerprints) equal, step for step, to an uninterrupted run's.
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,6 +75,51 @@ def test_kill_at_a_failpoint_then_resume_is_exact(tmp_path, references, algo, po
         assert "Resuming from checkpoint" in out.stdout and "step_00004" in out.stdout
     assert_same_journal(run, references[algo])
     assert journal_ok(run) == (True, TARGET)
+
+
+def test_verify_says_what_the_next_resume_does_with_each_leftover_and_it_does_that(tmp_path, references):
+    """One plan (SnapshotStore.plan_leftovers): verify prints it, the resume carries it out. A kill
+    after step_00006 was published and before it was indexed; then, by hand, a copy of step_00004
+    named step_00005, a temporary, and step_00002 deleted."""
+    run = tmp_path / "run"
+    out = train(run, *GRPO_DYN, VERLJ_FAILPOINT="snapshot.before_index:3")
+    assert out.returncode == -9, out.stderr[-3000:]
+    shutil.copytree(run / "step_00004", run / "step_00005")
+    (run / ".tmp-step_00009").mkdir()
+    shutil.rmtree(run / "step_00002")
+    v = verlj("verify", run)
+    assert v.returncode == 0, v.stdout  # nothing resume uses is damaged
+    plan = [
+        "· .tmp-step_00009: left by an interrupted run; never used, and the next --resume removes it",
+        "· step_00005: published but not in the index, and its meta says step 4, its name and the index say 5: the next "
+        "--resume quarantines it (moves it to quarantine/)",
+        "· step_00006: published but not in the index (the run stopped before indexing it); its manifest, step and fingerprint "
+        "agree with the journal: the next --resume adopts it into the index",
+        "⚠ step_00002 is in the index but not on disk (deleted by hand?): the next --resume removes it from the index; it is "
+        "never counted, rotated against or pruned against",
+        "Resume is possible from step_00006.",
+    ]
+    for line in plan:
+        assert line in v.stdout.splitlines(), v.stdout
+    planned = {x["name"]: x["action"] for x in json.loads(verlj("verify", run, "--json").stdout)["next_resume"]}
+    assert planned == {".tmp-step_00009": "remove", "step_00005": "quarantine", "step_00006": "adopt", "step_00002": "unindex"}
+    out = resume_until_done(run, GRPO_DYN)
+    done = [
+        "[INFO] Removed what an interrupted run left behind: .tmp-step_00009",
+        "[INFO] Quarantined step_00005 to quarantine/step_00005: published but not indexed, and its meta says step 4, its "
+        "name and the index say 5",
+        "[INFO] Adopted step_00006: published but not indexed when the run stopped; its manifest, step and fingerprint agree "
+        "with the journal",
+        f"[INFO] Resuming from checkpoint: {run / 'step_00006'}",
+    ]
+    for line in done:
+        assert line in out.stdout.splitlines(), out.stdout
+    warned = "[WARNING] step_00002 is in the index but not on disk (deleted by hand?): removed from the index"
+    assert warned in out.stderr.splitlines() and "Skipping" not in out.stderr, out.stderr
+    assert_same_journal(run, references["grpo"])
+    after = verlj("verify", run)
+    assert after.returncode == 0 and "next --resume" not in after.stdout, after.stdout
+    assert "· step_00002 was in the index but not on disk (deleted by hand?); a resume removed it from the index" in after.stdout
 
 
 def test_kill_during_the_replay_of_a_resume(tmp_path, references):

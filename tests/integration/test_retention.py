@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from verlj.journal import open_journal_reader
-from verlj_testing import assert_same_journal, fingerprints, train, verlj
+from verlj_testing import REPO, TINY, _same, assert_same_journal, comparable_steps, env, fingerprints, train, verlj
 
 pytestmark = pytest.mark.slow
 
@@ -192,3 +194,80 @@ def test_a_resume_from_before_what_retention_kept_says_why_in_one_line(runs, tmp
     assert out.stderr.strip() == ("error: no snapshot at or before step 3 can be used to reach step 9: journal.retain_samples pruned "
                                   "the samples of steps through 6, so replay must start from a snapshot at step 6 or later "
                                   "(kept: step_00006, step_00009)")
+
+
+# ----------------------------------------------------------------------------- snapshots deleted by hand
+
+HAND = ["trainer.save_interval=2", "trainer.save_total_limit=3", "journal.retain_samples=since_oldest_snapshot"]
+
+
+def index_and_pruned(run) -> tuple[list[int], int]:
+    with open_journal_reader(run / "journal") as j:
+        return sorted(j.snapshots()), j.pruned_through()
+
+
+def test_snapshots_deleted_by_hand_leave_the_index_and_nothing_is_rotated_or_pruned_against_them(tmp_path):
+    """rm -rf of the two newest snapshots, then --resume: they leave the index in one warning each,
+    the good older one is neither rotated out nor pruned past, and every step replays exactly from it."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert train(ref, "trainer.total_steps=12", *HAND).returncode == 0
+    assert train(run, "trainer.total_steps=8", *HAND).returncode == 0
+    assert index_and_pruned(run) == ([4, 6, 8], 4)
+    shutil.rmtree(run / "step_00006")
+    shutil.rmtree(run / "step_00008")
+    v = verlj("verify", run)
+    assert v.returncode == 0 and "DAMAGED" not in v.stdout, v.stdout  # missing is not damage: a ⚠, and what resume does
+    for s in (6, 8):
+        assert (f"⚠ step_{s:05d} is in the index but not on disk (deleted by hand?): the next --resume removes it from the index; "
+                "it is never counted, rotated against or pruned against") in v.stdout.splitlines(), v.stdout
+    assert "Resume is possible from step_00004, then replay steps 5–8 from the journal." in v.stdout
+    out = train(run, "trainer.total_steps=12", *HAND, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [line for line in out.stderr.splitlines() if line.startswith("[WARNING]")] == [
+        f"[WARNING] step_{s:05d} is in the index but not on disk (deleted by hand?): removed from the index" for s in (6, 8)]
+    assert f"Resuming from checkpoint: {run / 'step_00004'}" in out.stdout
+    # step_00004 is the oldest snapshot on disk and whole: kept (3 of them now), and nothing pruned past it
+    assert index_and_pruned(run) == ([4, 10, 12], 4)
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step_")) == ["step_00004", "step_00010", "step_00012"]
+    assert fingerprints(run) == fingerprints(ref)
+    mine, theirs = comparable_steps(run), comparable_steps(ref)
+    assert all(_same(a, b) for a, b in zip(mine[8:], theirs[8:], strict=True))  # the live steps 9-12 (ref pruned 5-8)
+    deep = verlj("verify", run, "--deep")
+    assert deep.returncode == 0, deep.stdout + deep.stderr
+    assert "✓ Replayed to step 10 from step_00004: every fingerprint matches" in deep.stdout  # steps 5-10 from the older one
+    assert "✓ Replayed to step 12 from step_00010: every fingerprint matches" in deep.stdout
+    for s in (6, 8):
+        assert f"· step_{s:05d} was in the index but not on disk (deleted by hand?); a resume removed it from the index" in deep.stdout
+    inspect = verlj("inspect", run, check=True).stdout
+    assert "missing    step_00006 was in the index but not on disk (deleted by hand?): a resume removed it from the index" in inspect
+
+
+def test_a_snapshot_deleted_while_the_run_trains_is_not_counted_and_the_older_one_brings_the_run_back(tmp_path):
+    """save_total_limit=2, step_00006 deleted by hand while step 7 trains: at step 8 rotation counts only
+    the snapshots on disk and whole, so step_00004 stays and retention does not prune past it; one
+    flipped byte in step_00008 later, the run is still brought back, exactly, from step_00004."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    live = ["trainer.save_interval=2", "trainer.save_total_limit=2", "journal.retain_samples=since_oldest_snapshot"]
+    assert train(ref, "trainer.total_steps=10", *live).returncode == 0
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, "trainer.total_steps=8", *live]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                         env=env(VERLJ_FAILPOINT="step.before_commit:7:sleep=3"))  # time to delete it before step 8's snapshot
+    for line in p.stdout:
+        if line.startswith("[INFO] Step 6: Saving checkpoint"):
+            shutil.rmtree(run / "step_00006")
+            break
+    rest, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    assert index_and_pruned(run) == ([4, 6, 8], 4)  # step_00006 is still named (no resume yet), never counted nor pruned against
+    assert (run / "step_00004").is_dir()
+    v = verlj("verify", run)
+    assert v.returncode == 0 and "⚠ step_00006 is in the index but not on disk" in v.stdout, v.stdout
+    data = bytearray((run / "step_00008" / "actor" / "mp_rank_00_model_states.pt").read_bytes())
+    data[len(data) // 2] ^= 1
+    (run / "step_00008" / "actor" / "mp_rank_00_model_states.pt").write_bytes(bytes(data))
+    out = train(run, "trainer.total_steps=10", *live, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step_00006 is in the index but not on disk (deleted by hand?): removed from the index" in out.stderr
+    assert "Skipping damaged snapshot" in out.stderr and f"Resuming from checkpoint: {run / 'step_00004'}" in out.stdout
+    assert fingerprints(run) == fingerprints(ref)
+    assert (run / "quarantine" / "step_00008").is_dir() and index_and_pruned(run)[0] == [4, 10]

@@ -141,6 +141,40 @@ def test_damaged_journal_record(copy):
     assert f"`verlj replay {copy} --to-step 2 --fork NEW_RUN`" in out.stdout
 
 
+def _truncate(run):
+    data = run / "journal" / "data.mdb"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+
+def _bad_record(run):
+    def f(txn, db):
+        v = bytearray(raw_get(txn, db, 3))
+        v[-5] ^= 0x10
+        raw_put(txn, db, 3, bytes(v))
+
+    tamper(run / "journal", f)
+
+
+@pytest.mark.parametrize("damage, why", [(_truncate, "the journal cannot be read"), (_bad_record, "the journal is damaged")])
+def test_on_a_damaged_journal_verify_says_resume_keeps_every_snapshot_and_it_does(copy, damage, why):
+    """Resume refuses a damaged journal before it touches the run directory, so no snapshot is a
+    leftover it removes: verify says what the refusal keeps (from the plan the resume itself follows)."""
+    shutil.copytree(copy / "step_00004", copy / "step_00003")  # published, never indexed
+    (copy / ".tmp-step_00006" / "actor").mkdir(parents=True)  # a killed run's temporary
+    damage(copy)
+    out = verlj("verify", copy)
+    assert out.returncode == 1 and "Resume is not possible" in out.stdout, out.stdout
+    assert "left by an interrupted run" not in out.stdout and "removes it" not in out.stdout, out.stdout
+    unindexed = ["step_00003", ".tmp-step_00006"] + (["step_00002", "step_00004", "step_00005"] if damage is _truncate else [])
+    for name in unindexed:  # a truncated journal's index cannot be read: the three intact snapshots are named too
+        assert f"· {name}: kept as it is: {why}, so --resume refuses the run before touching any snapshot" in out.stdout, out.stdout
+    snaps = {p.name: digest_tree(p) for p in copy.iterdir() if p.name.startswith(("step_", ".tmp-"))}
+    res = train(copy, *PPO, "trainer.total_steps=6", resume=True)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert {p.name: digest_tree(p) for p in copy.iterdir() if p.name.startswith(("step_", ".tmp-"))} == snaps
+    assert not (copy / "quarantine").exists()
+
+
 def test_verify_usage_errors(tmp_path):
     out = verlj("verify", tmp_path / "nope")
     assert out.returncode == 2 and "does not exist" in out.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -14,8 +15,9 @@ from verlj.engine.errors import ReplayError, SnapshotError
 from verlj.engine.loop.ledger import Ledger
 from verlj.engine.loop.policy import CheckpointSchedule
 from verlj.engine.loop.recovery import choose_snapshot, resolve_explicit
+from verlj.engine.loop.retention import apply as apply_retention
 from verlj.engine.loop.retention import prune_bound
-from verlj.engine.loop.snapshot_store import SnapshotStore
+from verlj.engine.loop.snapshot_store import ADOPT, KEEP, QUARANTINE, REMOVE, UNINDEX, SnapshotStore
 from verlj.engine.state.manifest import ANCHOR, META
 from verlj.journal import Journal, make_event, packb
 
@@ -125,7 +127,7 @@ def test_a_resume_adopts_what_checks_out_and_sets_aside_the_rest_never_deleting(
     snapshot(run_dir, ledger, 5, fingerprint=fp(99), publish=False)  # not the journal's state at step 5
     snapshot(run_dir, ledger, 8, publish=False)  # its step was lost (the journal ends at 6)
     (run_dir / ".tmp-step_00009").mkdir()
-    lines = SnapshotStore(run_dir, ledger).recover_leftovers()
+    lines = [item.done for item in SnapshotStore(run_dir, ledger).recover_leftovers()]
     assert "Removed what an interrupted run left behind: .tmp-step_00009" in lines
     assert any(line.startswith("Adopted step_00004") for line in lines)
     assert sorted(ledger.snapshots()) == [2, 4] and os.readlink(run_dir / "latest") == "step_00004"
@@ -134,6 +136,65 @@ def test_a_resume_adopts_what_checks_out_and_sets_aside_the_rest_never_deleting(
         "step_00008": "published but not indexed, and step 8 is not in the journal (it ends at step 6)",
     }
     assert (run_dir / "quarantine" / "step_00008" / "weights.bin").is_file()
+
+
+def test_rotation_counts_only_snapshots_on_disk_and_whole(run):
+    """save_total_limit=2 with step_00002 deleted by hand and step_00003's manifest rewritten: neither
+    is counted nor deleted, so the good step_00001 stays until two good newer ones exist."""
+    run_dir, ledger = run
+    for s in (1, 2, 3):
+        snapshot(run_dir, ledger, s)
+    shutil.rmtree(run_dir / "step_00002")
+    (run_dir / "step_00003" / "manifest.json").write_text("{}")
+    store = SnapshotStore(run_dir, ledger)
+    assert list(store.sound()) == [1]
+    store.rotate(2)
+    assert sorted(ledger.snapshots()) == [1, 2, 3] and (run_dir / "step_00001").is_dir() and (run_dir / "step_00003").is_dir()
+    snapshot(run_dir, ledger, 5)
+    store.rotate(2)  # the checkpointer rotates after each publish
+    assert sorted(ledger.snapshots()) == [1, 2, 3, 5] and (run_dir / "step_00001").is_dir()
+    snapshot(run_dir, ledger, 6)
+    store.rotate(2)  # two good newer ones: now the oldest good one goes
+    assert sorted(ledger.snapshots()) == [2, 3, 5, 6] and not (run_dir / "step_00001").exists()
+    assert (run_dir / "step_00003").is_dir()  # the one that fails its check is left for a resume to quarantine
+
+
+@pytest.mark.parametrize("gone, bound", [((), 2), ((2,), 4), ((2, 4), 0)])
+def test_retention_prunes_only_against_a_snapshot_on_disk_and_whole(run, gone, bound):
+    run_dir, ledger = run
+    for s in (2, 4):
+        snapshot(run_dir, ledger, s)
+    for s in gone:
+        shutil.rmtree(run_dir / f"step_{s:05d}")
+    cfg = make_config(None, ["trainer.total_steps=6", "journal.retain_samples=since_oldest_snapshot"])
+    apply_retention(run_dir, cfg, ledger, Said())
+    assert ledger.pruned_through() == bound  # step 4 deleted by hand never lets steps 1-4 go while step_00002 is all there is
+
+
+def test_verify_and_resume_share_one_plan_for_leftovers(run):
+    """plan_leftovers is what verify prints; recover_leftovers carries out exactly that plan."""
+    run_dir, ledger = run
+    for s in (2, 3):
+        snapshot(run_dir, ledger, s)
+    snapshot(run_dir, ledger, 4, publish=False)  # adopted
+    shutil.copytree(run_dir / "step_00004", run_dir / "step_00005")  # meta says step 4: quarantined
+    shutil.rmtree(run_dir / "step_00003")  # deleted by hand: unindexed
+    (run_dir / ".trash-step_00001-77").mkdir()  # removed
+    store = SnapshotStore(run_dir, ledger)
+    plan = store.plan_leftovers()
+    assert [(x.name, x.action) for x in plan] == [(".trash-step_00001-77", REMOVE), ("step_00004", ADOPT),
+                                                  ("step_00005", QUARANTINE), ("step_00003", UNINDEX)]
+    assert plan[-1].plan == ("step_00003 is in the index but not on disk (deleted by hand?): the next --resume removes it from the "
+                            "index; it is never counted, rotated against or pruned against")
+    refused = store.plan_leftovers(refused="the journal is damaged")
+    assert {(x.name, x.action) for x in refused} == {(".trash-step_00001-77", KEEP), ("step_00004", KEEP), ("step_00005", KEEP)}
+    done = store.recover_leftovers()
+    assert [(x.name, x.action) for x in done] == [(x.name, x.action) for x in plan]
+    assert [x.done for x in done if x.warning] == ["step_00003 is in the index but not on disk (deleted by hand?): removed from the index"]
+    assert sorted(ledger.snapshots()) == [2, 4] and os.readlink(run_dir / "latest") == "step_00004"
+    assert [(m["name"], m["step"]) for m in ledger.missing()] == [("step_00003", 3)]
+    assert (run_dir / "quarantine" / "step_00005").is_dir() and not (run_dir / ".trash-step_00001-77").exists()
+    assert store.plan_leftovers() == []
 
 
 # ----------------------------------------------------------------------------- retention and the schedule
