@@ -114,10 +114,13 @@ def diff(
     run_b: Annotated[Path, typer.Argument(help="Second run directory.")],
     full: Annotated[bool, typer.Option("--full", help="Also compare every step's samples (slower).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    strict_env: Annotated[bool, typer.Option("--strict-env", help="Exit 1 also when only the environment differs (library "
+                                                                 "versions, verlj's source), every step alike.")] = False,
     stages: Annotated[bool, typer.Option("--stages", help="Where the first differing stage is journaled as a digest only, "
                                                           "re-execute both runs' step to name the first differing element.")] = False,
 ) -> None:
-    """The first step where two runs' journals differ, and what differs there. Exit 1 if they differ."""
+    """The first step where two runs' journals differ, and what differs there. Exit 1 if they differ; a
+    difference in library versions alone is named and exits 0 (--strict-env: 1)."""
     quiet_libraries()
     from verlj.engine.post_mortem import inspection
 
@@ -130,7 +133,7 @@ def diff(
         from verlj.engine.post_mortem.rerun import diff_stages as compare
     d = guarded(lambda: compare(run_a, run_b, full))
     echo(json.dumps(_jsonable(d), indent=2) if as_json else inspection.render_diff(d, run_a, run_b))
-    raise typer.Exit(0 if d["identical"] else 1)
+    raise typer.Exit(0 if d["identical"] and not (strict_env and d["environment"]) else 1)
 
 
 def register(app: typer.Typer) -> None:
