@@ -15,6 +15,7 @@ T = TypeVar("T")
 
 EXIT_DAMAGED = 1
 EXIT_USAGE = 2
+EXIT_SNAPSHOTS_FAILED = 3  # `verlj train` ran to its end, every step journaled, but snapshots failed
 
 
 def quiet_libraries() -> None:

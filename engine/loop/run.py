@@ -59,6 +59,15 @@ RUN_FILES = ("journal", "config.yaml", "metrics.jsonl", "train_metadata.json", "
 
 
 @dataclass
+class Trained:
+    """What `verlj train` ended with: the last committed step, and (None when none did) one line on
+    the snapshots that failed, which the CLI prints and exits non-zero on (the run itself is whole)."""
+
+    last: int
+    snapshots_failed: str | None = None
+
+
+@dataclass
 class StopFlag:
     """SIGINT/SIGTERM: the first finishes the current step, commits and snapshots; a second stops at once."""
 
@@ -134,8 +143,9 @@ def train(
     overrides: tuple[str, ...] | list[str] = (),
     resume: bool = False,
     allow_config_change: bool = False,
-) -> int:
-    """`verlj train`: a fresh run, or `--resume` of an existing one. Returns the last committed step."""
+) -> Trained:
+    """`verlj train`: a fresh run, or `--resume` of an existing one. Returns the last committed step
+    and what failed of its snapshots."""
     run_dir = Path(output_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--output-dir {run_dir} exists and is not a directory")
@@ -214,7 +224,8 @@ def train(
                 run.ledger.start(run_identity(run))
             control.append(make_event("control", kind="start", details={"config_hash": cfg.hash(), "world_size": rt.world_size}))
             reporter.info("Step 0: Starting training...")
-        return train_loop(run, last, control, stop)
+        last = train_loop(run, last, control, stop)
+        return Trained(last, run.ckpt.failures())
     finally:
         if reporter is not None:
             reporter.close()

@@ -375,3 +375,67 @@ def test_checkpoint_verify_is_verify_as_the_verl_tutorial_spells_it(base):
         assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and "Checkpoint is valid for resume." in a.stdout
     missing = verlj("checkpoint", "verify", base / "step_00099")
     assert missing.returncode == 2 and missing.stderr.strip() == f"error: {base / 'step_00099'} does not exist"
+
+
+# ----------------------------------------------------------------------------- full disk, file-size limit
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1600 KiB tmpfs: room for the journal and one snapshot of SMALL (1.1 MB), not two."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here (the suite runs as root in CI)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_snapshot_on_a_full_disk_is_named_and_the_run_exits_non_zero(small_disk, base):
+    run = small_disk / "run"
+    out = train(run, *SMALL)
+    assert out.returncode == 3, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    assert "Traceback" not in out.stderr and "inline_container" not in out.stderr
+    assert "Snapshot at step 4 failed: no space left on the run directory's disk (" in out.stderr
+    done, summary = out.stdout.strip().splitlines()[-2:]
+    assert done == f"Done: last committed step 4 in {run}"
+    assert summary.startswith("Snapshots failed: 1 of 2 (step 4): no space left on the run directory's disk (")
+    assert " free); every step is in the journal, and a resume replays from the newest snapshot that was written" in summary
+    # the failed snapshot left nothing behind, damaged nothing, and every step is the straight run's
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(("step_", ".tmp"))) == ["step_00002"]
+    assert_same_journal(run, base)
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    out = train(run, *SMALL, "trainer.total_steps=5", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Replayed steps 3–4 from the journal." in out.stdout
+
+
+def _limited(fsize: int):
+    def apply():
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.RLIM_INFINITY))
+    return apply
+
+
+def test_the_file_size_limit_is_named_for_a_snapshot_and_for_a_journal_commit(tmp_path, base):
+    def limited_train(run, fsize, *extra):
+        cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *SMALL, *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env(), cwd=REPO, preexec_fn=_limited(fsize))
+
+    run = tmp_path / "snap"
+    out = limited_train(run, 512 << 10)  # the journal fits, a snapshot's 1 MB weights file does not
+    assert out.returncode == 3, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    assert "Snapshot at step 2 failed: file-size limit (ulimit -f) of 512.0 KiB reached by mp_rank_00_model_states.pt" in out.stderr
+    assert out.stdout.strip().splitlines()[-1].startswith("Snapshots failed: 2 of 2 (steps 2, 4): file-size limit")
+    assert_same_journal(run, base)
+
+    run = tmp_path / "journal"
+    out = limited_train(run, 40 << 10)  # the journal outgrows it within a few steps
+    err = one_line_error(out, 1, "journal write failed under ")
+    assert "file-size limit (ulimit -f) of 40.0 KiB reached by data.mdb" in err and "Input/output error" not in err
+    out = train(run, *SMALL, resume=True)  # nothing committed was lost: the resume finishes the straight run's steps
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_journal(run, base)
