@@ -125,7 +125,7 @@ def _placed_sums(w: torch.Tensor, offset: int, end: int) -> torch.Tensor:
     return torch.stack([sum(s0), sum(s1)])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _columns(dev: torch.device) -> torch.Tensor:
     """The column weights 1..ROW on a device, made once."""
     return torch.arange(1, ROW + 1, dtype=torch.int64, device=dev)
