@@ -439,3 +439,42 @@ def test_the_file_size_limit_is_named_for_a_snapshot_and_for_a_journal_commit(tm
     out = train(run, *SMALL, resume=True)  # nothing committed was lost: the resume finishes the straight run's steps
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_journal(run, base)
+
+
+# ----------------------------------------------------------------------------- small refusals (issue 34, item 7)
+
+
+def test_cli_options_that_were_silently_ignored_or_misread_are_refused(base, copy, tmp_path):
+    from typer.testing import CliRunner
+
+    from verlj.cli.main import app
+
+    def cli(*args):
+        return CliRunner().invoke(app, [str(a) for a in args])
+
+    out = cli("metrics", base, "--plot", tmp_path / "no" / "dir" / "p.png")
+    assert out.exit_code == 2 and f"directory {tmp_path / 'no' / 'dir'} does not exist" in out.output
+    assert not (tmp_path / "no").exists()  # it made the directory and wrote there
+    out = cli("metrics", base, "--csv", "--jsonl")
+    assert out.exit_code == 2 and "--csv and --jsonl each choose the output; pass one" in out.output
+    out = cli("verify", base, "--from-step", "2")
+    assert out.exit_code == 2 and "pass --deep with it" in out.output
+    one_line_error(verlj("train", "-o", tmp_path / "r", "--config", tmp_path), 2, f"config file {tmp_path} is a directory; name a YAML file")
+    out = cli("journal", "verify", base)  # the run directory, as every other command takes it
+    assert out.exit_code == 0 and "✓ journal intact: steps 1–4" in out.output, out.output
+    # the table shows every name whole (they were cut to 'critic/scor…', three alike)
+    out = cli("metrics", base, "--names", "critic/score/mean,critic/score/max,critic/score/min")
+    assert out.exit_code == 0 and "…" not in out.output
+    header = out.output.splitlines()[0].split()
+    assert header == ["step", "critic/score/mean", "critic/score/max", "critic/score/min"], header
+    # the model-path error says its key once
+    err = one_line_error(train(tmp_path / "m", "model.actor.model_name_or_path=/nonexistent/m"), 1, "model directory /nonexistent/m")
+    assert err.count("model.actor.model_name_or_path") == 1, err
+    # a resume to fewer steps than the run has: refused, the run untouched; to as many: said, nothing trained
+    before = tree(copy)
+    one_line_error(train(copy, *SMALL, "trainer.total_steps=3", resume=True), 2,
+                   f"trainer.total_steps=3 is below step 4, where {copy} already is: a resume only goes forward")
+    assert tree(copy) == before
+    out = train(copy, *SMALL, resume=True)
+    assert out.returncode == 0 and "Step 4: already at trainer.total_steps=4; nothing to train." in out.stdout, out.stderr[-2000:]
+    assert fingerprints(copy) == fingerprints(base)
