@@ -15,6 +15,7 @@ T = TypeVar("T")
 
 EXIT_DAMAGED = 1
 EXIT_USAGE = 2
+EXIT_SNAPSHOTS_FAILED = 3  # `verlj train` ran to its end, every step journaled, but snapshots failed
 
 
 def quiet_libraries() -> None:
@@ -33,8 +34,13 @@ def fail(msg: str, code: int = EXIT_DAMAGED) -> typer.Exit:
     return typer.Exit(code)
 
 
-def guarded(fn: Callable[[], T]) -> T:
-    """Run fn; turn the errors verlj raises for users (VerljError) into one line and an exit code."""
+INTERRUPTED = "Interrupted: stopped at once."
+INTERRUPTED_TRAINING = "Interrupted: stopped at once; the journal holds every step committed so far."
+
+
+def guarded(fn: Callable[[], T], interrupted: str = INTERRUPTED) -> T:
+    """Run fn; turn the errors verlj raises for users (VerljError) into one line and an exit code.
+    `interrupted`: what a Ctrl-C says (INTERRUPTED_TRAINING where fn commits steps)."""
     from verlj.journal.errors import VerljError
 
     try:
@@ -42,7 +48,7 @@ def guarded(fn: Callable[[], T]) -> T:
     except VerljError as e:
         raise fail(str(e), e.exit_code) from None
     except KeyboardInterrupt:
-        typer.echo("Interrupted: stopped at once; the journal holds every step committed so far.", err=True)
+        typer.echo(interrupted, err=True)
         raise typer.Exit(130) from None
     except OSError as e:
         raise fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e)) from None

@@ -48,6 +48,14 @@ def metrics(
     quiet_libraries()
     from verlj.engine.post_mortem import inspection
 
+    chosen = [flag for flag, on in (("--csv", as_csv), ("--jsonl", as_jsonl), ("--plot", plot is not None)) if on]
+    if len(chosen) > 1:
+        raise fail(f"{' and '.join(chosen)} each choose the output; pass one", EXIT_USAGE)
+    if plot is not None and plot.is_dir():
+        raise fail(f"--plot {plot} is a directory; name a .png file", EXIT_USAGE)
+    if plot is not None and not plot.parent.is_dir():
+        raise fail(f"--plot {plot}: directory {plot.parent} does not exist", EXIT_USAGE)
+
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
     cols, rows = guarded(lambda: inspection.metric_rows(run, wanted, steps))
     if plot is not None:
@@ -70,10 +78,11 @@ def metrics(
 
         t = Table(show_edge=False, box=None)
         for c in ["step", *cols]:
-            t.add_column(c, justify="right")
+            t.add_column(c, justify="right", no_wrap=True)
         for r in rows:
             t.add_row(str(r["step"]), *[_fmt(r.get(c)) for c in cols])
-        Console(width=max(100, 14 * (len(cols) + 1))).print(t)
+        # wide enough for every name whole: cut to fit, critic/score/mean, /max and /min all read "critic/scor…"
+        Console(width=max(100, sum(max(len(c), 12) + 1 for c in ["step", *cols]) + 1)).print(t)
 
 
 def _fmt(v) -> str:
@@ -114,10 +123,13 @@ def diff(
     run_b: Annotated[Path, typer.Argument(help="Second run directory.")],
     full: Annotated[bool, typer.Option("--full", help="Also compare every step's samples (slower).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    strict_env: Annotated[bool, typer.Option("--strict-env", help="Exit 1 also when only the environment differs (library "
+                                                                 "versions, verlj's source), every step alike.")] = False,
     stages: Annotated[bool, typer.Option("--stages", help="Where the first differing stage is journaled as a digest only, "
                                                           "re-execute both runs' step to name the first differing element.")] = False,
 ) -> None:
-    """The first step where two runs' journals differ, and what differs there. Exit 1 if they differ."""
+    """The first step where two runs' journals differ, and what differs there. Exit 1 if they differ; a
+    difference in library versions alone is named and exits 0 (--strict-env: 1)."""
     quiet_libraries()
     from verlj.engine.post_mortem import inspection
 
@@ -130,7 +142,7 @@ def diff(
         from verlj.engine.post_mortem.rerun import diff_stages as compare
     d = guarded(lambda: compare(run_a, run_b, full))
     echo(json.dumps(_jsonable(d), indent=2) if as_json else inspection.render_diff(d, run_a, run_b))
-    raise typer.Exit(0 if d["identical"] else 1)
+    raise typer.Exit(0 if d["identical"] and not (strict_env and d["environment"]) else 1)
 
 
 def register(app: typer.Typer) -> None:

@@ -13,8 +13,11 @@ journal_app = typer.Typer(help="Low-level journal commands.", no_args_is_help=Tr
 
 
 @journal_app.command("verify")
-def verify(path: Annotated[Path, typer.Argument(help="A journal directory (RUN/journal, with the LMDB files or shipped segments).")]) -> None:
+def verify(path: Annotated[Path, typer.Argument(help="A journal directory (RUN/journal, with the LMDB files or shipped segments), "
+                                                    "or the run directory that holds it.")]) -> None:
     """Check a journal's chain, checksums, step continuity, schemas and LMDB structure."""
+    if (path / "journal").is_dir():  # a run directory: a journal directory never holds one named so
+        path = path / "journal"
     try:
         with open_journal_reader(path) as journal:
             report = verify_journal(journal)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import data_stdout, fail, guarded, log_to_stderr_only_on_rank0, quiet_libraries
+from .common import INTERRUPTED_TRAINING, data_stdout, fail, guarded, log_to_stderr_only_on_rank0, quiet_libraries
 
 
 def replay(
@@ -84,7 +84,7 @@ def replay(
     if fork is not None:
         from verlj.engine.loop.run import fork as fork_run
 
-        last = guarded(lambda: fork_run(replayed, run, fork, list(overrides or [])))
+        last = guarded(lambda: fork_run(replayed, run, fork, list(overrides or [])), INTERRUPTED_TRAINING)
         out(f"Done: forked run {fork}, last committed step {last}")
 
 

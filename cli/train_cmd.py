@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import guarded, log_to_stderr_only_on_rank0, quiet_libraries
+from .common import EXIT_SNAPSHOTS_FAILED, INTERRUPTED_TRAINING, guarded, log_to_stderr_only_on_rank0, quiet_libraries
 
 
 def train(
@@ -33,8 +33,12 @@ def train(
     overrides = list(overrides or [])
     if any(o == "trainer.resume_from=auto" or o.startswith("trainer.resume_from=") for o in overrides):
         resume = True
-    last = guarded(lambda: run_train(output_dir, config, overrides, resume=resume, allow_config_change=allow_config_change))
-    typer.echo(f"Done: last committed step {last} in {output_dir}")
+    done = guarded(lambda: run_train(output_dir, config, overrides, resume=resume, allow_config_change=allow_config_change),
+                   INTERRUPTED_TRAINING)
+    typer.echo(f"Done: last committed step {done.last} in {output_dir}")
+    if done.snapshots_failed:  # the run is whole, but a scheduler must see that its snapshots are not
+        typer.echo(f"Snapshots failed: {done.snapshots_failed}")
+        raise typer.Exit(EXIT_SNAPSHOTS_FAILED)
 
 
 def register(app: typer.Typer) -> None:

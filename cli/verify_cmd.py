@@ -17,6 +17,8 @@ def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False,
 ) -> None:
     """Check the journal's chain and checksums and every snapshot's manifest; say whether and how resume can proceed."""
+    if from_step is not None and not deep:
+        raise fail("--from-step chooses where --deep starts replaying; pass --deep with it", EXIT_USAGE)
     quiet_libraries()
     from verlj.engine.dist import prepare_accelerator
 

@@ -652,6 +652,8 @@ def parse_override(text: str) -> dict:
 
 def load_config_file(path: str | Path) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; name a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:

@@ -565,10 +565,36 @@ def _remove_rebuilt() -> None:
 
 
 def _rebuild_for_readers(shipped: Path) -> _Rebuilt:
-    """The segments' good prefix rebuilt in a temporary directory."""
+    """The segments' good prefix rebuilt in a temporary directory, named by this process (removed at
+    exit, or by the next reader when this process was killed)."""
     files = _files_state(shipped)
     found = scan(shipped)
-    return _rebuild_in(shipped, Path(tempfile.mkdtemp(prefix="verlj-journal-")), "any", found, files)
+    _remove_dead_reader_copies()
+    me = f"{_READER_PREFIX}{_pid_namespace_id()}-{os.getpid()}-{process_start(os.getpid())}-"
+    return _rebuild_in(shipped, Path(tempfile.mkdtemp(prefix=me)), "any", found, files)
+
+
+_READER_PREFIX = "verlj-journal-"
+
+
+def _pid_namespace_id() -> str:
+    """This process's pid namespace, as digits ('' when unknown): a pid names a process only within it."""
+    try:
+        return "".join(c for c in os.readlink("/proc/self/ns/pid") if c.isdigit())
+    except OSError:
+        return ""
+
+
+def _remove_dead_reader_copies() -> None:
+    """The rebuilt copies in the temporary directory of readers that were killed (SIGKILL skips the
+    removal at exit): those named by a process of this pid namespace that is gone."""
+    ns = _pid_namespace_id()
+    if not ns:
+        return
+    for p in Path(tempfile.gettempdir()).glob(f"{_READER_PREFIX}{ns}-*-*-*"):
+        pid, start = p.name[len(_READER_PREFIX) + len(ns) + 1 :].split("-")[:2]
+        if pid.isdigit() and start.isdigit() and process_start(int(pid)) != start:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _rebuild_in(shipped: Path, where: Path, tolerate: str, found: SegmentScan, files: tuple,
@@ -733,8 +759,8 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
                 notes.append(f"{rebuilt.problem}: it carried no steps; set it aside")
             else:
                 a, b = rebuilt.lost_steps
-                lost = f"the steps from {a} on" if b is None else (f"step {a}" if a == b else f"steps {a}–{b}")
-                notes.append(f"{rebuilt.problem}: {lost} were lost with it and will be run again")
+                lost = (f"the steps from {a} on were" if b is None else (f"step {a} was" if a == b else f"steps {a}–{b} were"))
+                notes.append(f"{rebuilt.problem}: {lost} lost with it and will be run again")
             found = SegmentScan(segments=found.segments, leftovers=found.leftovers, superseded=found.superseded)
     warning = lmdb_location_warning(local)
     if warning:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import socket
 import struct
 import sys
@@ -58,6 +57,7 @@ from .durable import fsync_dir, fsync_file
 from .errors import CodecError, JournalError, JournalLockedError, NotAJournalError, StepOrderError
 from .events import PAYLOAD_FIELDS, SUMMARY_TYPES, StepRecord, upcast_event, upcast_record
 from .failpoints import failpoint
+from .space import files_under, write_failure_cause
 
 MAGIC_STEP = b"VJ\x01"
 MAGIC_STEP2 = b"VJ\x02"
@@ -481,9 +481,9 @@ class Journal:
                 raise JournalError(self._write_failure(e)) from None
 
     def _write_failure(self, e: lmdb.Error) -> str:
-        free = shutil.disk_usage(self.path).free
-        if free < 16 << 20 or "No space left" in str(e):
-            return f"journal write failed: no space left on device ({free} bytes free under {self.path}); nothing committed was lost"
+        cause = write_failure_cause(e, self.path, files_under(self.path))
+        if cause is not None:
+            return f"journal write failed under {self.path}: {cause}; nothing committed was lost, make room and resume"
         return f"journal write failed: {e}"
 
     # ------------------------------------------------------------------ writing

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from verlj.journal import JournalError, packb, unpackb
 from verlj.journal.failpoints import failpoint
+from verlj.journal.space import files_under, write_failure_cause
 
 from ..errors import RunError, SnapshotError
 from ..state import reshard
@@ -78,6 +79,10 @@ class Checkpointer:
         self.rng = RNGState()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._error_step: int | None = None
+        self._error_cause: str | None = None
+        self.tried: list[int] = []  # the steps a snapshot was written at, this process
+        self.failed: dict[int, str] = {}  # step -> why its snapshot failed (the run goes on: the journal holds every step)
         self.last_saved: int | None = None
         self.resharded: dict | None = None  # set by load() when the snapshot came from another topology
         self.loaded_fingerprint: str | None = None  # the state's fingerprint right after a restore (recovery)
@@ -116,17 +121,33 @@ class Checkpointer:
         """A snapshot that fails (disk full, I/O error) costs only that snapshot: the journal still
         holds every step, so training goes on and recovery replays from an older one."""
         error = ""
+        self.tried.append(step)
         try:
             self.save(step, fp)
-        except (OSError, RuntimeError, SnapshotError) as e:  # torch.save reports a full disk as RuntimeError
-            error = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        except SnapshotError as e:  # the previous (background) snapshot's failure: already said why
+            error = str(e)
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError ('unexpected pos ...')
+            tmp = self.store.tmp_dir(step)
+            error = write_failure_cause(e, tmp, files_under(tmp)) or (str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
         if not self.run.rt.all_true(not error):
-            self.run.reporter.warn(f"Snapshot at step {step} failed ({error or 'on another rank'}); training continues, "
+            self.failed[step] = error or "on another rank"
+            self.run.reporter.warn(f"Snapshot at step {step} failed: {error or 'on another rank'}; training continues, "
                                    "the journal still holds every step")
             if self.run.rt.is_main:
                 shutil.rmtree(self.store.tmp_dir(step), ignore_errors=True)
             return False
         return True
+
+    def failures(self) -> str | None:
+        """One line for the end of a run whose snapshots failed (None when none did): how many, which,
+        and why, so that the exit code and the summary tell a scheduler."""
+        if not self.failed:
+            return None
+        steps = sorted(self.failed)
+        whys = list(dict.fromkeys(self.failed[s] for s in steps))
+        return (f"{len(steps)} of {len(set(self.tried))} (step{'' if len(steps) == 1 else 's'} "
+                f"{', '.join(map(str, steps))}): {whys[0]}" + (f" (and {len(whys) - 1} other reason(s))" if len(whys) > 1 else "")
+                + "; every step is in the journal, and a resume replays from the newest snapshot that was written")
 
     def save(self, step: int, fp: str) -> None:
         """Snapshot the state after `step` into the run: published, indexed, rotated."""
@@ -221,7 +242,8 @@ class Checkpointer:
                 self._publish(step, fp, tmp)
                 self._retain()
         except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-            self._error = e
+            self._error, self._error_step = e, step
+            self._error_cause = write_failure_cause(e, tmp, files_under(tmp))
 
     def _publish(self, step: int, fp: str, tmp: Path) -> None:
         self.store.publish(step, fp, tmp)
@@ -242,7 +264,9 @@ class Checkpointer:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
-            raise SnapshotError(f"background snapshot failed: {err}")
+            why = self._error_cause or (str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
+            self.failed[self._error_step] = why
+            raise SnapshotError(f"background snapshot of step {self._error_step} failed: {why}")
 
     def finish(self) -> None:
         try:

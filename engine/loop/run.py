@@ -58,6 +58,15 @@ RUN_FILES = ("journal", "config.yaml", "metrics.jsonl", "train_metadata.json", "
 
 
 @dataclass
+class Trained:
+    """What `verlj train` ended with: the last committed step, and (None when none did) one line on
+    the snapshots that failed, which the CLI prints and exits non-zero on (the run itself is whole)."""
+
+    last: int
+    snapshots_failed: str | None = None
+
+
+@dataclass
 class StopFlag:
     """SIGINT/SIGTERM: the first finishes the current step, commits and snapshots; a second stops at once."""
 
@@ -84,8 +93,13 @@ def resolve_config(run_dir: Path, state: str, config_file, overrides, resume: bo
     the file and overrides on the defaults."""
     if state == "run" and resume:
         with Ledger.open_reader(run_dir) as ledger:
-            stored = ledger.config_at(ledger.last_step())
+            last = ledger.last_step()
+            stored = ledger.config_at(last)
         cfg = make_config(config_file, overrides, base=stored)
+        if cfg.trainer.total_steps < last:  # a resume only goes forward: it would train nothing, silently
+            raise ConfigError(f"trainer.total_steps={cfg.trainer.total_steps} is below step {last}, where {run_dir} already is: "
+                              f"a resume only goes forward (to branch off at an earlier step: verlj replay {run_dir} "
+                              f"--to-step {cfg.trainer.total_steps} --fork NEW_RUN)")
         return cfg, check_change(stored, cfg, allow_change, "resume"), None
     if state != "empty":
         return make_config(config_file, overrides), [], None
@@ -133,8 +147,9 @@ def train(
     overrides: tuple[str, ...] | list[str] = (),
     resume: bool = False,
     allow_config_change: bool = False,
-) -> int:
-    """`verlj train`: a fresh run, or `--resume` of an existing one. Returns the last committed step."""
+) -> Trained:
+    """`verlj train`: a fresh run, or `--resume` of an existing one. Returns the last committed step
+    and what failed of its snapshots."""
     run_dir = Path(output_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--output-dir {run_dir} exists and is not a directory")
@@ -168,6 +183,7 @@ def train(
     journal = trainer = reporter = None
     claim: Claim | None = None
     notes: list[str] = []
+    interrupted = False
     stop = StopFlag()
     stop.install()
 
@@ -210,7 +226,11 @@ def train(
                 run.ledger.start(run_identity(run))
             control.append(make_event("control", kind="start", details={"config_hash": cfg.hash(), "world_size": rt.world_size}))
             reporter.info("Step 0: Starting training...")
-        return train_loop(run, last, control, stop)
+        last = train_loop(run, last, control, stop)
+        return Trained(last, run.ckpt.failures())
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, waiting for nothing in flight
+        interrupted = True
+        raise
     finally:
         if reporter is not None:
             reporter.close()
@@ -223,7 +243,7 @@ def train(
         elif claim is not None:
             claim.release()
         if trainer is not None:
-            trainer.close()
+            trainer.close(at_once=interrupted)
         if unstarted:
             discard_unstarted(run_dir, remove_dir=created)
 
@@ -254,6 +274,12 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
     if rt.is_main:
         (run.run_dir / "config.yaml").write_text(to_yaml(cfg, stored=True))
     reporter.start(last + 1)
+    if not rt.all_true(not stop.requested):  # a signal during the resume's replay: stop there, train nothing new
+        reporter.info(f"Received {stop.signal_name or 'a stop signal'} during the resume: its replay reached step {last}; "
+                      "nothing new trained; exiting.")
+        return last
+    if last >= cfg.trainer.total_steps:
+        reporter.info(f"Step {last}: already at trainer.total_steps={cfg.trainer.total_steps}; nothing to train.")
     step, ship_cpu = last, 0.0
     for step in range(last + 1, cfg.trainer.total_steps + 1):
         t_step = time.perf_counter()

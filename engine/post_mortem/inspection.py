@@ -443,13 +443,38 @@ def _canon(x):
 
 
 def _comparable(events: list[dict]) -> dict[str, object]:
+    """A step's events as diff compares them: control events, timings and the rollout engine's package
+    version aside (a version is the environment, named apart: _environment_differences)."""
     out = {}
     for e in events:
         if e["type"] in ("control", "config"):
             continue
         if e["type"] == "metrics":
             e = {**e, "values": {k: v for k, v in e["values"].items() if not k.startswith("timing_s/")}}
+        if e["type"] == "rollout":
+            e = {k: v for k, v in e.items() if k != "version"}
         out[e["type"]] = _canon(e)
+    return out
+
+
+def _rollout_version(events: list[dict]) -> tuple[str, str] | None:
+    for e in events:
+        if e["type"] == "rollout":
+            return e.get("engine"), e.get("version")
+    return None
+
+
+def _environment_differences(ja: Ledger, jb: Ledger, rollout: dict | None) -> dict[str, list]:
+    """Package -> [version in a, version in b]: the library versions (and verlj source digest) each run
+    last started on, and the rollout engine's package where a step generated under different ones.
+    An environment difference alone changes no number: diff names it apart from a training difference."""
+    va, vb = ja.versions_in_force(), jb.versions_in_force()
+    out = {k: [va.get(k), vb.get(k)] for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)}
+    if rollout is not None:
+        (ea, a), (eb, b) = rollout["a"], rollout["b"]
+        package = {"hf": "transformers"}.get(ea, ea) if ea == eb else f"{ea}/{eb}"
+        if out.get(package) != [a, b]:
+            out[f"{package} (rollout, step {rollout['step']})"] = [a, b]
     return out
 
 
@@ -469,8 +494,13 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
         config_changes = _config_differences(ja, jb)
         topology = {"a": ja.topology_history(), "b": jb.topology_history()}
         readers = (archive.Reader(Path(run_a), ja), archive.Reader(Path(run_b), jb))
+        rollout = None  # the first step whose rollout engine's package version differs
         for x, y in zip(ja.journal.iter_summaries(base + 1, common), jb.journal.iter_summaries(base + 1, common)):
             step = x.step
+            if rollout is None:
+                ra_, rb_ = _rollout_version(x.events), _rollout_version(y.events)
+                if ra_ is not None and rb_ is not None and ra_[1] != rb_[1]:
+                    rollout = {"step": step, "a": ra_, "b": rb_}
             same = _comparable(x.events) == _comparable(y.events)
             if same and not full:
                 continue
@@ -495,13 +525,14 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
             st = _stage_difference(ra, rb)
             if st is not None:
                 detail["stages"] = st
-            return {"identical": False, "step": step, "differs": kinds, "detail": detail,
-                    "config": config_changes, "steps_a": la, "steps_b": lb, "topology": topology}
+            return {"identical": False, "step": step, "differs": kinds, "detail": detail, "config": config_changes,
+                    "environment": _environment_differences(ja, jb, rollout), "steps_a": la, "steps_b": lb, "topology": topology}
+        environment = _environment_differences(ja, jb, rollout)
     if la != lb:
         return {"identical": False, "step": common + 1, "differs": ["length"], "detail": {}, "config": config_changes,
-                "steps_a": la, "steps_b": lb, "samples_not_compared": not_compared}
-    return {"identical": True, "step": None, "differs": [], "detail": {}, "config": config_changes, "steps_a": la, "steps_b": lb,
-            "samples_not_compared": not_compared}
+                "environment": environment, "steps_a": la, "steps_b": lb, "samples_not_compared": not_compared}
+    return {"identical": True, "step": None, "differs": [], "detail": {}, "config": config_changes, "environment": environment,
+            "steps_a": la, "steps_b": lb, "samples_not_compared": not_compared}
 
 
 # the stages whose values the journal holds (compared there); the others are digests only
@@ -599,6 +630,10 @@ def _dotted(d: dict, key: str):
 
 def render_diff(d: dict, a: Path, b: Path) -> str:
     config = [f"  config {k}: {va!r} vs {vb!r}" for k, (va, vb) in d.get("config", {}).items()]
+    env = d.get("environment") or {}
+    if env:
+        config.append(("  environment only (every fingerprint and metric agrees): " if d["identical"] else "  environment: ")
+                      + ", ".join(f"{k} {va} vs {vb}" for k, (va, vb) in env.items()))
     skipped = d.get("samples_not_compared") or []
     unseen = (f"; the samples of {len(skipped)} pruned step{'' if len(skipped) == 1 else 's'} ({ranges(skipped)}) were not "
               "compared: neither the journal nor the rollout archive holds them" if skipped else "")

@@ -37,6 +37,5 @@ def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) ->
     axes[-1, 0].set_xlabel("step")
     fig.suptitle(f"{Path(run_dir).name}: green dotted = snapshot, red dashed = resume", fontsize=9)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
     plt.close(fig)

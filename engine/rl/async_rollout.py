@@ -108,7 +108,10 @@ class GeneratorProcess(SamplerEngine):
     def weights_changed(self) -> None:
         self.stale = True
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
+        """Stop the generator process: it finishes the batch in hand, then exits; `at_once` (a second
+        Ctrl-C) kills it instead. It holds nothing that must outlive it: every sample the run may
+        rely on is journaled by the trainer."""
         if self.proc is None:
             return
         if self.proc.is_alive():
@@ -116,7 +119,7 @@ class GeneratorProcess(SamplerEngine):
                 self.requests.send(("stop",))
             except (OSError, ValueError):
                 pass
-            self.proc.join(10)
+            self.proc.join(0 if at_once else 10)
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(5)

@@ -55,8 +55,9 @@ def load_tokenizer(path: str, key: str = "model.actor.model_name_or_path", cfg: 
         return builtin_tokenizer(tiny_chars(cfg))
     from transformers import AutoTokenizer
 
+    local = _local_dir(path, key)  # its own sentence, already naming the key
     try:
-        tok = AutoTokenizer.from_pretrained(str(_local_dir(path, key)), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(local), local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelError(f"{key}: cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
     if tok.pad_token_id is None:
@@ -99,9 +100,10 @@ def load_causal_lm(path: str, cfg: Config, seed: int, key: str = "model.actor.mo
             torch.manual_seed(seed)
             model = LlamaForCausalLM(config)
     else:
+        local = _local_dir(path, key)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                str(_local_dir(path, key)), local_files_only=True, torch_dtype=torch.float32, attn_implementation="eager"
+                str(local), local_files_only=True, torch_dtype=torch.float32, attn_implementation="eager"
             )
         except (OSError, ValueError) as e:
             raise ModelError(f"{key}: cannot load a causal LM from {path}: {str(e).splitlines()[0]}") from None
@@ -116,9 +118,10 @@ def load_reward_model(path: str):
     from transformers import AutoModelForSequenceClassification
 
     key = "model.reward_model.model_name_or_path"
+    local = _local_dir(path, key)
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            str(_local_dir(path, key)), local_files_only=True, torch_dtype=torch.float32, output_loading_info=True
+            str(local), local_files_only=True, torch_dtype=torch.float32, output_loading_info=True
         )
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"{key}: cannot load a sequence-classification model from {path}: {str(e).splitlines()[0]}") from None

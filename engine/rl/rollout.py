@@ -53,8 +53,9 @@ class RolloutEngine(Protocol):
     def weights_changed(self) -> None:
         """The actor's weights changed (an update, a snapshot load): the next sync must bring them."""
 
-    def close(self) -> None:
-        """Release what the engine holds (memory, threads), keeping the trainer's process group."""
+    def close(self, at_once: bool = False) -> None:
+        """Release what the engine holds (memory, threads), keeping the trainer's process group.
+        `at_once`: the user asked to stop now (a second Ctrl-C): wait for no work in flight."""
 
 
 class HFEngine(SamplerEngine):
@@ -76,7 +77,7 @@ class HFEngine(SamplerEngine):
     def sync(self, cfg: Config, version: int = 0) -> None:
         """Nothing to do (see weights_changed)."""
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
         pass
 
 

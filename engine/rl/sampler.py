@@ -27,10 +27,10 @@ class SamplerEngine:
         """Runs wherever the actor runs."""
 
     def __init__(self, rt, actor, tokenizer):
-        import transformers
+        from importlib.metadata import version
 
         self.rt, self.actor, self.tokenizer = rt, actor, tokenizer
-        self.version = str(transformers.__version__)
+        self.version = version("transformers")  # read as loop.ledger.versions() reads it: one answer for both
 
 
 def sampling_params(cfg: Config) -> dict:

@@ -262,10 +262,11 @@ class Trainer:
             )
         return np.asarray(ids, dtype=np.int64)
 
-    def close(self) -> None:
-        """Release the rollout and DeepSpeed engines (hooks, buffers, threads) so a process can build another run."""
+    def close(self, at_once: bool = False) -> None:
+        """Release the rollout and DeepSpeed engines (hooks, buffers, threads) so a process can build another run.
+        `at_once`: the user asked to stop now; nothing in flight is waited for."""
         if self.rollout is not None:
-            self.rollout.close()
+            self.rollout.close(at_once)
             self.rollout = None
         for engine in self.engines().values():
             engine.destroy()

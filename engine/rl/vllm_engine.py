@@ -367,7 +367,7 @@ class VllmEngine:
         self.sync(cfg)  # a no-op after the collect's own sync
         return generate_llm(self.llm, prompts, seeds, sampling_params(cfg), self.tokenizer.eos_token_id)
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
         if self.llm is None:
             return
         try:

@@ -18,12 +18,15 @@ Two kinds (``trainer.state_digest``, fixed for a run; runs made before the key a
 
 from __future__ import annotations
 
+import functools
+
 import blake3
 import torch
 
 from ..dist import Runtime
 
-SMALL = 1 << 20  # tensors under this many bytes are digested together
+SMALL = 1 << 20  # tensors under this many bytes are digested together (one row of sums for all of them) ...
+CHUNK = 4 << 20  # ... gathered into buffers of at most this many bytes (group_sums)
 ROW = 16  # int64 words per row of the sum64 layout (128 bytes: both reductions stream at memory speed on CPU)
 
 
@@ -67,12 +70,65 @@ def tensor_sums(t: torch.Tensor) -> torch.Tensor:
 
 
 def group_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """sum64 of many tensors of one device, [k, 2]: the small ones as one concatenation (first),
-    then each large one (one set of kernels for all the small tensors, no copy of a large one)."""
+    """sum64 of many tensors of one device, [k, 2]: the small ones as if concatenated (first), then
+    each large one (no copy of a large one).
+
+    The small ones' row is tensor_sums of their words laid end to end, but that layout is never
+    built whole (on a model whose every tensor is small, that copied its whole state each step, and
+    a fresh buffer of it costs more than the copy): they are gathered at most CHUNK bytes at a time,
+    and each chunk adds its share at its place in the layout (_placed_sums; the sums are linear
+    modulo 2^64, so the row is the same bits). One set of kernels still serves many small tensors."""
     small = [_words(t) for t in tensors if t.numel() * t.element_size() < SMALL]
-    out = [tensor_sums(torch.cat(small))] if small else []
+    out = []
+    if small:
+        end = sum(w.numel() for w in small) // ROW * ROW  # the layout's rows end here; the words past it are its tail
+        row, offset, chunk, held = None, 0, [], 0
+        for w in [*small, None]:
+            if chunk and (w is None or (held + w.numel()) * 8 > CHUNK):
+                share = _placed_sums(torch.cat(chunk) if len(chunk) > 1 else chunk[0], offset, end)
+                row = share if row is None else row + share
+                offset, chunk, held = offset + held, [], 0
+            if w is not None:
+                chunk.append(w)
+                held += w.numel()
+        out.append(row)
     out += [tensor_sums(t) for t in tensors if t.numel() * t.element_size() >= SMALL]
     return torch.stack(out) if out else torch.zeros((0, 2), dtype=torch.int64)
+
+
+def _placed_sums(w: torch.Tensor, offset: int, end: int) -> torch.Tensor:
+    """The share of words `w` in tensor_sums of a layout that holds them at [offset, offset + len),
+    whose rows end at `end` (a multiple of ROW; the words past it are the layout's tail): int64 [2].
+    Whole rows are reduced as rows, in place; the few words before the first and after the last
+    whole row, and the tail's, with their weights spelled out."""
+    dev, m = w.device, w.numel()
+    s0, s1 = [], []
+    main = min(offset + m, end)
+    if offset < main:
+        first = min(main, -(-offset // ROW) * ROW)  # the first row boundary at or after offset
+        last = max(first, main // ROW * ROW)  # the last row boundary at or before main
+        for lo, hi in ((offset, first), (last, main)):  # part rows: weights row+1 and column+1
+            if hi > lo:
+                part, j = w[lo - offset : hi - offset], torch.arange(lo, hi, dtype=torch.int64, device=dev)
+                s0.append((part * (j // ROW + 1)).sum())
+                s1.append((part * (j % ROW + 1)).sum())
+        if last > first:
+            rows = w[first - offset : last - offset].view(-1, ROW)
+            r0 = first // ROW
+            s0.append((rows.sum(1) * torch.arange(r0 + 1, r0 + rows.shape[0] + 1, dtype=torch.int64, device=dev)).sum())
+            s1.append((rows.sum(0) * _columns(dev)).sum())
+    if offset + m > end:  # the layout's tail: weights position+1 and 1
+        lo = max(offset, end)
+        tail = w[lo - offset :]
+        s0.append((tail * torch.arange(lo + 1, offset + m + 1, dtype=torch.int64, device=dev)).sum())
+        s1.append(tail.sum())
+    return torch.stack([sum(s0), sum(s1)])
+
+
+@functools.cache
+def _columns(dev: torch.device) -> torch.Tensor:
+    """The column weights 1..ROW on a device, made once."""
+    return torch.arange(1, ROW + 1, dtype=torch.int64, device=dev)
 
 
 # ----------------------------------------------------------------------------- traversal
@@ -120,8 +176,8 @@ def leaves_digest(leaves: list, kind: str) -> str:
             else:
                 h.update(_scalar(path, v))
         return h.hexdigest()
-    # the small tensors of a device are digested as one concatenation (one set of kernels, not one
-    # per tensor); the large ones one by one, without a copy. Names, dtypes and shapes are hashed
+    # the small tensors of a device are digested as one concatenation (computed without building it:
+    # group_sums); the large ones one by one, without a copy. Names, dtypes and shapes are hashed
     # on the host, so where one small tensor ends and the next begins is part of the digest.
     by_device: dict = {}
     for path, v in leaves:

@@ -378,3 +378,106 @@ def test_checkpoint_verify_is_verify_as_the_verl_tutorial_spells_it(base):
         assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and "Checkpoint is valid for resume." in a.stdout
     missing = verlj("checkpoint", "verify", base / "step_00099")
     assert missing.returncode == 2 and missing.stderr.strip() == f"error: {base / 'step_00099'} does not exist"
+
+
+# ----------------------------------------------------------------------------- full disk, file-size limit
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1600 KiB tmpfs: room for the journal and one snapshot of SMALL (1.1 MB), not two."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here (the suite runs as root in CI)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_snapshot_on_a_full_disk_is_named_and_the_run_exits_non_zero(small_disk, base):
+    run = small_disk / "run"
+    out = train(run, *SMALL)
+    assert out.returncode == 3, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    assert "Traceback" not in out.stderr and "inline_container" not in out.stderr
+    assert "Snapshot at step 4 failed: no space left on the run directory's disk (" in out.stderr
+    done, summary = out.stdout.strip().splitlines()[-2:]
+    assert done == f"Done: last committed step 4 in {run}"
+    assert summary.startswith("Snapshots failed: 1 of 2 (step 4): no space left on the run directory's disk (")
+    assert " free); every step is in the journal, and a resume replays from the newest snapshot that was written" in summary
+    # the failed snapshot left nothing behind, damaged nothing, and every step is the straight run's
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(("step_", ".tmp"))) == ["step_00002"]
+    assert_same_journal(run, base)
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    out = train(run, *SMALL, "trainer.total_steps=5", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Replayed steps 3–4 from the journal." in out.stdout
+
+
+def _limited(fsize: int):
+    def apply():
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.RLIM_INFINITY))
+    return apply
+
+
+def test_the_file_size_limit_is_named_for_a_snapshot_and_for_a_journal_commit(tmp_path, base):
+    def limited_train(run, fsize, *extra):
+        cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *SMALL, *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env(), cwd=REPO, preexec_fn=_limited(fsize))
+
+    run = tmp_path / "snap"
+    out = limited_train(run, 512 << 10)  # the journal fits, a snapshot's 1 MB weights file does not
+    assert out.returncode == 3, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    assert "Snapshot at step 2 failed: file-size limit (ulimit -f) of 512.0 KiB reached by mp_rank_00_model_states.pt" in out.stderr
+    assert out.stdout.strip().splitlines()[-1].startswith("Snapshots failed: 2 of 2 (steps 2, 4): file-size limit")
+    assert_same_journal(run, base)
+
+    run = tmp_path / "journal"
+    out = limited_train(run, 40 << 10)  # the journal outgrows it within a few steps
+    err = one_line_error(out, 1, "journal write failed under ")
+    assert "file-size limit (ulimit -f) of 40.0 KiB reached by data.mdb" in err and "Input/output error" not in err
+    out = train(run, *SMALL, resume=True)  # nothing committed was lost: the resume finishes the straight run's steps
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_journal(run, base)
+
+
+# ----------------------------------------------------------------------------- small refusals (issue 34, item 7)
+
+
+def test_cli_options_that_were_silently_ignored_or_misread_are_refused(base, copy, tmp_path):
+    from typer.testing import CliRunner
+
+    from verlj.cli.main import app
+
+    def cli(*args):
+        return CliRunner().invoke(app, [str(a) for a in args])
+
+    out = cli("metrics", base, "--plot", tmp_path / "no" / "dir" / "p.png")
+    assert out.exit_code == 2 and f"directory {tmp_path / 'no' / 'dir'} does not exist" in out.output
+    assert not (tmp_path / "no").exists()  # it made the directory and wrote there
+    out = cli("metrics", base, "--csv", "--jsonl")
+    assert out.exit_code == 2 and "--csv and --jsonl each choose the output; pass one" in out.output
+    out = cli("verify", base, "--from-step", "2")
+    assert out.exit_code == 2 and "pass --deep with it" in out.output
+    one_line_error(verlj("train", "-o", tmp_path / "r", "--config", tmp_path), 2, f"config file {tmp_path} is a directory; name a YAML file")
+    out = cli("journal", "verify", base)  # the run directory, as every other command takes it
+    assert out.exit_code == 0 and "✓ journal intact: steps 1–4" in out.output, out.output
+    # the table shows every name whole (they were cut to 'critic/scor…', three alike)
+    out = cli("metrics", base, "--names", "critic/score/mean,critic/score/max,critic/score/min")
+    assert out.exit_code == 0 and "…" not in out.output
+    header = out.output.splitlines()[0].split()
+    assert header == ["step", "critic/score/mean", "critic/score/max", "critic/score/min"], header
+    # the model-path error says its key once
+    err = one_line_error(train(tmp_path / "m", "model.actor.model_name_or_path=/nonexistent/m"), 1, "model directory /nonexistent/m")
+    assert err.count("model.actor.model_name_or_path") == 1, err
+    # a resume to fewer steps than the run has: refused, the run untouched; to as many: said, nothing trained
+    before = tree(copy)
+    one_line_error(train(copy, *SMALL, "trainer.total_steps=3", resume=True), 2,
+                   f"trainer.total_steps=3 is below step 4, where {copy} already is: a resume only goes forward")
+    assert tree(copy) == before
+    out = train(copy, *SMALL, resume=True)
+    assert out.returncode == 0 and "Step 4: already at trainer.total_steps=4; nothing to train." in out.stdout, out.stderr[-2000:]
+    assert fingerprints(copy) == fingerprints(base)

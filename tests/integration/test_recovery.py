@@ -133,6 +133,26 @@ def test_kill_during_the_replay_of_a_resume(tmp_path, references):
     assert_same_journal(run, references["ppo"])
 
 
+def test_sigint_during_the_replay_of_a_resume_trains_nothing_new(tmp_path, references):
+    run = tmp_path / "run"
+    assert train(run, *PPO_Z3, VERLJ_FAILPOINT="journal.after_commit:5").returncode == -9
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *PPO_Z3, "--resume"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env(VERLJ_FAILPOINT="replay.step:1:sleep=3"), cwd=REPO)
+    for line in p.stdout:
+        if "Resuming from checkpoint" in line:  # step 5 is replayed next, stalled 3 s: the signal lands inside it
+            time.sleep(1.0)
+            p.send_signal(signal.SIGINT)
+            break
+    rest, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    assert "Received SIGINT during the resume: its replay reached step 5; nothing new trained; exiting." in rest
+    assert "Step 6: reward" not in rest and "Saving checkpoint" not in rest  # it trained and snapshotted step 6 before
+    assert journal_ok(run) == (True, 5) and not (run / "step_00006").exists()
+    resume_until_done(run, PPO_Z3)
+    assert_same_journal(run, references["ppo"])
+
+
 def kill_at_random(run, over, rng, ranks=1, group=True):
     """Start `verlj train`, SIGKILL its whole process group (group=False: the trainer alone) after a
     random number of steps and a random delay. Returns the pids of the trainer's children then."""

@@ -273,6 +273,34 @@ def test_diff(run, tmp_path):
     assert d["step"] == 4 and "state" in d["differs"]
 
 
+def test_diff_names_an_environment_difference_apart_from_a_training_one(run, tmp_path):
+    # the same run trained where the installed transformers says another version (as installing an extra moves it)
+    site = tmp_path / "site"
+    (site / "transformers-5.24.0.dist-info").mkdir(parents=True)
+    (site / "transformers-5.24.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 5.24.0\n")
+    other = tmp_path / "other"
+    r = train(other, *PPO, PYTHONPATH=site)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import transformers
+
+    here = transformers.__version__
+    assert here != "5.24.0"
+    out = verlj("diff", run, other)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"identical: {run} and {other} agree on all 5 steps (timings aside)" in out.stdout
+    assert f"environment only (every fingerprint and metric agrees): transformers {here} vs 5.24.0" in out.stdout
+    assert "first difference" not in out.stdout
+    assert verlj("diff", run, other, "--strict-env").returncode == 1
+    d = json.loads(verlj("diff", run, other, "--json").stdout)
+    assert d["identical"] and d["environment"] == {"transformers": [here, "5.24.0"]}
+    # a training difference still exits 1, with the environment named beside it
+    r = train(other, *PPO, "trainer.total_steps=6", resume=True, PYTHONPATH=site)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = verlj("diff", run, other)
+    assert out.returncode == 1 and "the runs agree up to step 5" in out.stdout
+    assert f"  environment: transformers {here} vs 5.24.0" in out.stdout
+
+
 def test_commands_work_while_training_writes(tmp_path):
     live = tmp_path / "live"
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(live), *TINY, "trainer.total_steps=400",

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from verlj.engine.state.fingerprint import ROW, leaves_digest, tensor_sums
+from verlj.engine.state.fingerprint import ROW, _words, group_sums, leaves_digest, tensor_sums
 
 
 def sums(t):
@@ -63,3 +63,29 @@ def test_leaves_digest_names_shapes_and_the_old_blake3_bytes():
             h.update(f"{path}={v!r}".encode())
     assert leaves_digest(leaves, "blake3") == h.hexdigest()
     assert np.asarray(tensor_sums(a)).dtype == np.int64
+
+
+def test_the_small_tensors_row_is_their_concatenation_s_without_building_it():
+    """group_sums reduces the small tensors in place (and the tiny ones in bounded chunks): the row it
+    gives must be tensor_sums of all their words laid end to end, as every journaled sum64 holds."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(30):
+        sizes = torch.randint(1, 70000, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        if trial % 3 == 0:
+            sizes = [int(x) % 40 + 1 for x in sizes]  # only tiny ones: every word in gathered chunks
+        ts = [torch.randint(-(2**62), 2**62, (n,), generator=g, dtype=torch.int64).view(torch.float64) if i % 4 == 0
+              else torch.randn(n * 2 + i % 3, generator=g).to(torch.bfloat16 if i % 4 == 1 else torch.float32)
+              for i, n in enumerate(sizes)]
+        small = [t for t in ts if t.numel() * t.element_size() < 1 << 20]
+        want = tensor_sums(torch.cat([_words(t) for t in small]))
+        assert group_sums(ts)[0].tolist() == want.tolist(), sizes
+
+
+def test_sum64_digest_is_pinned():
+    """A journaled fingerprint must never change: this digest was computed by the concatenating code."""
+    g = torch.Generator().manual_seed(7)
+    leaves = [(f"param/t{i}", torch.randn(n, generator=g)) for i, n in enumerate([3, 17, 1000, 65537, 40000, 262143, 5, 300000, 16, 33])]
+    leaves += [("optim/b", torch.randint(0, 255, (13,), generator=g, dtype=torch.uint8)),
+               ("optim/h", torch.randn(7, generator=g).to(torch.bfloat16)), ("optim/big", torch.randn(600, 1000, generator=g)),
+               ("global_steps", 3)]
+    assert leaves_digest(leaves, "sum64") == "cfdb0486ab1759c46c060a75c1926fd51c6bbc495d32e1ce54b58473cd172064"

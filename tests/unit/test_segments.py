@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -146,7 +147,7 @@ def test_a_resume_from_segments_reads_them_once_and_copies_nothing(tmp_path, mon
     j, notes = segments.open_writer(new, shipped, 0)
     with j:
         assert any(n.startswith(f"Rebuilt the journal in {new}") for n in notes), notes
-        assert any("were lost with it" in n for n in notes) == bool(damage), notes
+        assert any(" lost with it and will be run again" in n for n in notes) == bool(damage), notes
         assert (new / "data.mdb").stat().st_ino == inode
     assert len(scans) == 1
     assert [p.name for p in (tmp_path / "node2").iterdir()] == ["L"]  # the staging directory is gone
@@ -173,6 +174,27 @@ def test_a_staged_rebuild_nobody_adopts_is_removed_at_exit_or_by_the_next_resume
     assert [p.name for p in (tmp_path / "n").iterdir()] == ["L"]
 
 
+def test_a_killed_reader_s_rebuilt_copy_is_removed_by_the_next_reader(tmp_path, monkeypatch):
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    _write(local, shipped, range(1, 4))
+    shutil.rmtree(local)  # segments only: every reader rebuilds them into the temporary directory
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code = ("import os, sys; from verlj.journal import open_journal_reader\n"
+            "j = open_journal_reader(sys.argv[1]); assert j.last_step() == 3\n"
+            "if sys.argv[2] == 'kill': os.kill(os.getpid(), 9)")
+    subprocess.run([sys.executable, "-c", code, str(shipped), "exit"], check=True, env={**os.environ, "TMPDIR": str(tmp)})
+    assert list(tmp.iterdir()) == []  # removed at exit
+    killed = subprocess.run([sys.executable, "-c", code, str(shipped), "kill"], env={**os.environ, "TMPDIR": str(tmp)})
+    assert killed.returncode == -9 and [p.name.startswith("verlj-journal-") for p in tmp.iterdir()] == [True]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    segments._REBUILT.pop(os.path.realpath(segments.segment_dir(shipped)), None)
+    with open_journal_reader(shipped) as j:  # the next reader: its own copy, and the dead one's is gone
+        assert j.last_step() == 3
+        assert [p for p in tmp.iterdir()] == [Path(j.path).parent]
+    segments._remove_rebuilt()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "bitflip"])
 def test_damaged_last_segment_costs_only_its_steps(tmp_path, damage):
     local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
@@ -195,7 +217,8 @@ def test_damaged_last_segment_costs_only_its_steps(tmp_path, damage):
     shutil.rmtree(local)
     j, notes = segments.open_writer(tmp_path / "L3", shipped, 0)
     with j:
-        assert any("were lost with it" in n for n in notes), notes
+        was = f"step {last.first} was" if last.first == last.last else f"steps {last.first}–{last.last} were"  # "step 27 were lost" was said
+        assert any(f": {was} lost with it and will be run again" in n for n in notes), notes
         j.append_step(last.first, _events(last.first))
     assert segments.scan(shipped).problem is None
     assert (segments.segment_dir(shipped) / f".damaged-{last.seq:010d}.seg").exists()
