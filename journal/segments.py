@@ -70,6 +70,7 @@ SEG_HEADER = len(MAGIC_SEGMENT) + _FIXED.size + HASH_LEN
 SEGMENTS = "segments"
 POINTER = "local.json"
 JOURNAL_ID = "journal_id"  # meta: a random id given to a shipped journal when it is created
+OWNER = "shipped_to"  # meta: the journal directory (RUN/journal, its realpath) the writer ships to: whose local journal it is
 MAX_SEGMENT_BYTES = 64 << 20  # a shipment larger than this is split over several segments
 L0_FANOUT = 64  # compaction: one-shipment segments merged into a level-1 file
 FANOUT = 16  # compaction: level-k files merged into a level-k+1 file
@@ -655,20 +656,55 @@ def _usable_local(shipped: Path, found: SegmentScan) -> Path | None:
 
 
 def matches(local: Path, shipped: Path, found: SegmentScan) -> bool:
-    """Whether the LMDB journal at `local` is this shipped journal's live copy: the same journal id and
-    every shipped step in it (the same chain hash at the last one). Before anything carrying the id
-    was shipped, only the run's own pointer can vouch for it."""
+    """Whether the LMDB journal at `local` is this shipped journal's live copy: the same journal id,
+    every shipped step in it (the same chain hash at the last one), and not another run directory's
+    (:func:`copied_from`: `shipped` is a copy of that run). Before anything carrying the id was
+    shipped, only the run's own pointer can vouch for it."""
     try:
         with Journal.open_reader(local) as j:
             if found.journal_id is None:
                 ptr = read_pointer(shipped)
-                return ptr is not None and os.path.realpath(ptr["path"]) == os.path.realpath(local)
-            if j.get_meta(JOURNAL_ID) != found.journal_id:
+                same = ptr is not None and os.path.realpath(ptr["path"]) == os.path.realpath(local)
+            elif j.get_meta(JOURNAL_ID) != found.journal_id:
                 return False
-            last = found.last_step
-            return last is None or (j.last_step() >= last and j.chain_hash(last) == found.last_chain)
+            else:
+                last = found.last_step
+                same = last is None or (j.last_step() >= last and j.chain_hash(last) == found.last_chain)
+            owner = j.get_meta(OWNER)
     except JournalError:
         return False
+    return same and _in_use_by_another(owner, local, shipped) is None
+
+
+def copied_from(local: Path, shipped: Path) -> Path | None:
+    """The journal directory (RUN/journal) of the run whose local journal `local` is, when that is not
+    `shipped` and that run still uses it (its pointer names `local`, on this host): `shipped` is then a
+    copy of it (cp -a carries the pointer along), which must neither write into `local` nor read it as
+    its own. None when `local` ships to `shipped`, says nowhere (written before this was recorded: the
+    first writer to open it takes it), or ships to a directory that is gone or uses another local
+    journal now: `shipped` is that run moved, and resumes as itself."""
+    try:
+        with Journal.open_reader(local) as j:
+            owner = j.get_meta(OWNER)
+    except JournalError:
+        return None
+    return _in_use_by_another(owner, local, shipped)
+
+
+def _in_use_by_another(owner: str | None, local: Path, shipped: Path) -> Path | None:
+    if owner is None or _same_dir(owner, shipped):
+        return None
+    ptr = read_pointer(Path(owner))
+    if ptr is None or ptr.get("host") != socket.gethostname() or not _same_dir(ptr["path"], local):
+        return None
+    return Path(owner)
+
+
+def _same_dir(a, b) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them is gone
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _older_local_copy(shipped: Path, local: Path, found: SegmentScan) -> tuple[Path, int] | None:
@@ -691,6 +727,14 @@ def _older_local_copy(shipped: Path, local: Path, found: SegmentScan) -> tuple[P
 # ----------------------------------------------------------------------------- the writer
 
 
+class CopiedJournalError(JournalError):
+    """journal.local_dir holds the journal of the run this one was copied from (copied_from)."""
+
+    def __init__(self, message: str, owner: Path, local: Path):
+        super().__init__(message)
+        self.owner, self.local = owner, local
+
+
 def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention: bool = False,
                 fanout: int = L0_FANOUT) -> tuple[Journal, list[str]]:
     """The run's journal writer at `local`, shipping to `shipped`. Returns (journal, notes): notes are
@@ -703,6 +747,9 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
     local, shipped = Path(local), Path(shipped)
     if os.path.realpath(local) == os.path.realpath(shipped):
         raise JournalError(f"journal.local_dir {local} is the run's own journal directory; choose a node-local directory")
+    if (local / "data.mdb").is_file() and (owner := copied_from(local, shipped)) is not None:
+        raise CopiedJournalError(f"journal.local_dir {local} holds the journal of {owner}, which still uses it: "
+                                 f"{shipped} is a copy of that one, and a copy never writes into its files", owner, local)
     notes: list[str] = []
     cached = _current_rebuild(shipped)  # this process's readers had them rebuilt: the same files, read once
     found = cached.found if cached is not None else scan(shipped)
@@ -744,8 +791,11 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
     write_pointer(shipped, local)  # before the journal exists: a kill in between leaves a run that never started
     journal = Journal.open_writer(local, claim=claim)
     try:
+        mine = {OWNER: os.path.realpath(shipped)}  # a moved run's writer takes it over (copied_from)
         if journal.get_meta(JOURNAL_ID) is None:
-            journal.set_meta(JOURNAL_ID, uuid.uuid4().hex)
+            mine[JOURNAL_ID] = uuid.uuid4().hex
+        if any(journal.get_meta(k) != v for k, v in mine.items()):
+            journal.update_meta(mine)
         shipper = Shipper(journal, shipped, max_lag, found, claim, retention)
         shipper.l0_fanout, shipper.fanout = fanout, max(2, fanout // 4)  # fanout 0: never merged
     except BaseException:

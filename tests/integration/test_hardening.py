@@ -256,6 +256,40 @@ def test_a_run_killed_before_its_first_step_does_not_block_a_retry(tmp_path):
     assert sorted(fingerprints(run)) == [1, 2]
 
 
+# ----------------------------------------------------------------------------- journal/ or train_metadata.json lost
+
+
+def test_a_run_whose_journal_is_lost_is_refused_and_nothing_is_moved(copy):
+    """Snapshots, train_metadata.json and metrics.jsonl without journal/: a past run, not one that never
+    started. Every command says so in one line; nothing is moved, quarantined or replaced."""
+    shutil.rmtree(copy / "journal")
+    before = tree(copy)
+    said = f"{copy} has snapshots (step_00002, step_00004), train_metadata.json at step 4 and metrics.jsonl but no journal/"
+    for resume in (True, False):
+        line = one_line_error(train(copy, *SMALL, "trainer.total_steps=6", resume=resume), 1, said)
+        assert "nothing was changed" in line and f"Restore {copy / 'journal'} from a backup" in line, line
+        assert f"`verlj verify {copy / 'step_00004'}`" in line, line
+    for args in (("verify", copy), ("inspect", copy), ("replay", copy, "--to-step", 3)):
+        one_line_error(verlj(*args), 1, said)
+    assert tree(copy) == before and not (copy / "journal").exists() and not (copy / "quarantine").exists()
+    assert verlj("verify", copy / "step_00004").returncode == 0  # what the sentence offers works
+
+
+def test_a_lost_train_metadata_json_is_harmless(base, copy, tmp_path):
+    """The journal is the truth, train_metadata.json its mirror: the resume continues exactly and writes it
+    again. (`copy` is a cp of a run keeping its LMDB journal in RUN/journal: a journal of its own.)"""
+    reference = tmp_path / "reference"
+    run_train(reference, None, [*SMALL, "trainer.total_steps=6"])
+    (copy / "train_metadata.json").unlink()
+    out = train(copy, *SMALL, "trainer.total_steps=6", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(copy) == fingerprints(reference) and sorted(fingerprints(copy)) == list(range(1, 7))
+    assert_same_journal(reference, copy)
+    meta = json.loads((copy / "train_metadata.json").read_text())
+    assert meta["global_step"] == 6 and meta["last_snapshot"] == "step_00006", meta
+    assert sorted(fingerprints(base)) == [1, 2, 3, 4]  # the run it was copied from is as it was
+
+
 # ----------------------------------------------------------------------------- replay outputs checked first
 
 
