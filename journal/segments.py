@@ -658,7 +658,7 @@ def _usable_local(shipped: Path, found: SegmentScan) -> Path | None:
 def matches(local: Path, shipped: Path, found: SegmentScan) -> bool:
     """Whether the LMDB journal at `local` is this shipped journal's live copy: the same journal id,
     every shipped step in it (the same chain hash at the last one), and not another run directory's
-    (:func:`copied_from`: `shipped` is a copy of that run). Before anything carrying the id was
+    (:func:`local_owner`). Before anything carrying the id was
     shipped, only the run's own pointer can vouch for it."""
     try:
         with Journal.open_reader(local) as j:
@@ -676,19 +676,21 @@ def matches(local: Path, shipped: Path, found: SegmentScan) -> bool:
     return same and _in_use_by_another(owner, local, shipped) is None
 
 
-def copied_from(local: Path, shipped: Path) -> Path | None:
-    """The journal directory (RUN/journal) of the run whose local journal `local` is, when that is not
-    `shipped` and that run still uses it (its pointer names `local`, on this host): `shipped` is then a
-    copy of it (cp -a carries the pointer along), which must neither write into `local` nor read it as
-    its own. None when `local` ships to `shipped`, says nowhere (written before this was recorded: the
-    first writer to open it takes it), or ships to a directory that is gone or uses another local
-    journal now: `shipped` is that run moved, and resumes as itself."""
+def local_owner(local: Path, shipped: Path) -> tuple[Path, str | None] | None:
+    """(the journal directory, RUN/journal, of the run whose local journal `local` is, and the journal's
+    id) when that is not `shipped` and that run still uses it (its pointer names `local`, on this host):
+    `shipped` must then neither write into `local` nor read it as its own; with the same journal id, it
+    is a copy of that run (cp -a carries the pointer along). None when `local` ships to `shipped`, says
+    nowhere (written before this was recorded: the first writer to open it takes it), or ships to a
+    directory that is gone or uses another local journal now: `shipped` is that run moved, and
+    resumes as itself."""
     try:
         with Journal.open_reader(local) as j:
-            owner = j.get_meta(OWNER)
+            owner, jid = j.get_meta(OWNER), j.get_meta(JOURNAL_ID)
     except JournalError:
         return None
-    return _in_use_by_another(owner, local, shipped)
+    other = _in_use_by_another(owner, local, shipped)
+    return None if other is None else (other, jid)
 
 
 def _in_use_by_another(owner: str | None, local: Path, shipped: Path) -> Path | None:
@@ -728,7 +730,7 @@ def _older_local_copy(shipped: Path, local: Path, found: SegmentScan) -> tuple[P
 
 
 class CopiedJournalError(JournalError):
-    """journal.local_dir holds the journal of the run this one was copied from (copied_from)."""
+    """journal.local_dir holds the journal of the run this one was copied from (local_owner)."""
 
     def __init__(self, message: str, owner: Path, local: Path):
         super().__init__(message)
@@ -747,15 +749,16 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
     local, shipped = Path(local), Path(shipped)
     if os.path.realpath(local) == os.path.realpath(shipped):
         raise JournalError(f"journal.local_dir {local} is the run's own journal directory; choose a node-local directory")
-    if (local / "data.mdb").is_file() and (owner := copied_from(local, shipped)) is not None:
-        raise CopiedJournalError(f"journal.local_dir {local} holds the journal of {owner}, which still uses it: "
-                                 f"{shipped} is a copy of that one, and a copy never writes into its files", owner, local)
     notes: list[str] = []
     cached = _current_rebuild(shipped)  # this process's readers had them rebuilt: the same files, read once
     found = cached.found if cached is not None else scan(shipped)
     if found.problem and not found.problem_at_end:
         raise JournalError(f"{found.problem}; the shipped journal is damaged before its last segment "
                            f"(intact through step {found.last_step or 0})")
+    other = local_owner(local, shipped) if (local / "data.mdb").is_file() else None
+    if other is not None and found.journal_id is not None and other[1] == found.journal_id:
+        raise CopiedJournalError(f"journal.local_dir {local} holds the journal of {other[0]}, which still uses it: "
+                                 f"{shipped} is a copy of that one, and a copy never writes into its files", other[0], local)
     if not (local / "data.mdb").is_file() and (older := _older_local_copy(shipped, local, found)) is not None:
         old, last = older  # this host still has the previous local journal, ahead of what was shipped: keep its steps
         with Journal.open_reader(old) as j:
@@ -791,7 +794,7 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
     write_pointer(shipped, local)  # before the journal exists: a kill in between leaves a run that never started
     journal = Journal.open_writer(local, claim=claim)
     try:
-        mine = {OWNER: os.path.realpath(shipped)}  # a moved run's writer takes it over (copied_from)
+        mine = {OWNER: os.path.realpath(shipped)}  # a moved run's writer takes it over (local_owner)
         if journal.get_meta(JOURNAL_ID) is None:
             mine[JOURNAL_ID] = uuid.uuid4().hex
         if any(journal.get_meta(k) != v for k, v in mine.items()):

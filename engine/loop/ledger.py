@@ -169,10 +169,10 @@ def _config_in_force(first: dict, changes: list[dict], step: int) -> dict:
 def discard_journal(run_dir: Path) -> None:
     """Remove a journal that never committed a step: RUN/journal and, for a shipped one, the LMDB files
     in the local directory its pointer names (on this host; never a directory it does not name, nor the
-    local journal of the run this one is a copy of: segments.copied_from)."""
+    local journal of another run directory that still uses it: segments.local_owner)."""
     jd = journal_dir(run_dir)
     pointer = segments.read_pointer(jd)
-    ours = pointer is not None and pointer.get("host") == socket.gethostname() and segments.copied_from(Path(pointer["path"]), jd) is None
+    ours = pointer is not None and pointer.get("host") == socket.gethostname() and segments.local_owner(Path(pointer["path"]), jd) is None
     if jd.is_dir():
         shutil.rmtree(jd)
     if ours:
