@@ -10,7 +10,11 @@ run directory as an immutable segment (Litestream's model)::
       segments/0000000065.seg     sealed, immutable, one per shipment, numbered without gaps
       segments/.tmp-0000000066    a shipment being written (never read; removed on the next start)
       local.json                  where the live LMDB environment is (host, path): readers on that
-                                  host use it; anyone else rebuilds from the segments
+                                  host use it; anyone else rebuilds from the segments. The LMDB
+                                  environment names the RUN/journal it ships to (meta shipped_to): a
+                                  copy of the run directory (cp -a carries local.json along) never
+                                  writes into or reads it while its original uses it (local_owner);
+                                  a moved one takes it over
 
 A segment is ``MAGIC | fixed | H | head | step frames``: ``fixed`` is the file length, the head's
 length, first step + 1 (0: none) and last step, 8 bytes each, big-endian (the step range readable
@@ -658,8 +662,8 @@ def _usable_local(shipped: Path, found: SegmentScan) -> Path | None:
 def matches(local: Path, shipped: Path, found: SegmentScan) -> bool:
     """Whether the LMDB journal at `local` is this shipped journal's live copy: the same journal id,
     every shipped step in it (the same chain hash at the last one), and not another run directory's
-    (:func:`local_owner`). Before anything carrying the id was
-    shipped, only the run's own pointer can vouch for it."""
+    (:func:`local_owner`). Before anything carrying the id was shipped, only the run's own pointer
+    can vouch for it."""
     try:
         with Journal.open_reader(local) as j:
             if found.journal_id is None:
