@@ -36,7 +36,7 @@ from typing import Any
 import blake3
 
 from verlj.journal import Claim, Journal, JournalError, open_journal_reader, segments
-from verlj.journal.claim import describe, live_holder
+from verlj.journal.claim import being_written, live_holder
 
 from ..config import stored_config
 from ..errors import RunError
@@ -75,7 +75,7 @@ def writer_refusal(run_dir: Path) -> str | None:
         return None
     holder, here = found
     tail = "" if here else " on another node (or did until that node was lost: a --resume takes over once its claim expires)"
-    return f"run {run_dir} is being written by {describe(holder)}{tail}; stop that process first (only one writer per run)"
+    return f"{being_written(f'run {run_dir}', holder, writer_dir(run_dir))}{tail}; stop that process first (only one writer per run)"
 
 
 def check_local_dir(run_dir: Path, jc) -> None:

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -288,6 +289,43 @@ def test_a_lost_train_metadata_json_is_harmless(base, copy, tmp_path):
     meta = json.loads((copy / "train_metadata.json").read_text())
     assert meta["global_step"] == 6 and meta["last_snapshot"] == "step_00006", meta
     assert sorted(fingerprints(base)) == [1, 2, 3, 4]  # the run it was copied from is as it was
+
+
+def test_a_copy_made_while_its_run_is_written_names_the_writer_of_the_original(base, tmp_path):
+    """cp -a of a live run carries its claim along: the copy's resume names the process writing the
+    original (not the copy) and waits for it; once that process is gone, the copy resumes exactly. The
+    original's claim is never touched by the copy."""
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+                            env=env(VERLJ_FAILPOINT="step.before_commit:3:sleep=120"))
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and 2 not in _snapshots(run):
+            time.sleep(0.1)
+        assert 2 in _snapshots(run)
+        time.sleep(1)  # step 3 runs into its failpoint: nothing is written while it sleeps
+        shutil.copytree(run, copy, symlinks=True)
+        claims = {p.name: p.read_bytes() for p in (run / "writer").iterdir()}
+        out = train(copy, *SMALL, resume=True)
+        line = one_line_error(out, 1, f"run {copy} holds a claim copied from {run.resolve()}, which pid {proc.pid} ")
+        assert "stop that process first" in line
+        assert {p.name for p in (run / "writer").iterdir()} == set(claims)  # the copy's claims are its own
+    finally:
+        proc.kill()
+        proc.wait()
+    out = train(copy, *SMALL, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(copy) == fingerprints(base)
+    assert_same_journal(base, copy)
+
+
+def _snapshots(run: Path) -> dict:
+    try:
+        with Journal.open_reader(run / "journal") as j:
+            return j.snapshots()
+    except Exception:  # noqa: BLE001 - not created yet
+        return {}
 
 
 # ----------------------------------------------------------------------------- replay outputs checked first
