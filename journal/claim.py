@@ -106,6 +106,16 @@ def describe(holder: dict) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')} ({holder.get('command') or 'verlj'})"
 
 
+def being_written(what: str, holder: dict, directory: Path) -> str:
+    """'WHAT is being written by HOLDER'; for a claim made in another directory (a run directory copied
+    or moved while its writer ran: cp -a carries the claims along), which directory that writer writes.
+    Only on the writer's node: another node may mount the same directory under another path."""
+    made = holder.get("directory")
+    if made and made != os.path.realpath(directory) and _same_node(holder, this_process()):
+        return f"{what} holds a claim copied from {Path(made).parent}, which {describe(holder)} is writing"
+    return f"{what} is being written by {describe(holder)}"
+
+
 def _name(epoch: int) -> str:
     return f"{epoch:0{_WIDTH}d}.json"
 
@@ -205,7 +215,7 @@ class Claim:
                 note = f"the claim of writer epoch {epoch} in {directory} was unreadable (torn by a crash); taking over"
             elif previous is not None and not previous.get("released"):
                 note = _judge(directory, epoch, previous, me, what)
-            data = {**me, "epoch": epoch + 1, "lease_s": float(lease_s), "renewals": 0, "released": False,
+            data = {**me, "directory": os.path.realpath(directory), "epoch": epoch + 1, "lease_s": float(lease_s), "renewals": 0, "released": False,
                     "claimed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             if previous is not None:
                 data["previous"] = {k: previous.get(k) for k in ("host", "pid", "command", "released")}
@@ -283,7 +293,7 @@ class Claim:
 
 def _judge(directory: Path, epoch: int, holder: dict, me: dict, what: str) -> str | None:
     """Return a note when the unreleased claim `holder` may be taken over; raise while it lives."""
-    refuse = f"{what} is being written by {describe(holder)}; stop that process first (only one writer per run)"
+    refuse = f"{being_written(what, holder, directory)}; stop that process first (only one writer per run)"
     if _same_node(holder, me):
         if _alive_here(holder):
             raise WriterClaimedError(refuse)

@@ -10,7 +10,11 @@ run directory as an immutable segment (Litestream's model)::
       segments/0000000065.seg     sealed, immutable, one per shipment, numbered without gaps
       segments/.tmp-0000000066    a shipment being written (never read; removed on the next start)
       local.json                  where the live LMDB environment is (host, path): readers on that
-                                  host use it; anyone else rebuilds from the segments
+                                  host use it; anyone else rebuilds from the segments. The LMDB
+                                  environment names the RUN/journal it ships to (meta shipped_to): a
+                                  copy of the run directory (cp -a carries local.json along) never
+                                  writes into or reads it while its original uses it (local_owner);
+                                  a moved one takes it over
 
 A segment is ``MAGIC | fixed | H | head | step frames``: ``fixed`` is the file length, the head's
 length, first step + 1 (0: none) and last step, 8 bytes each, big-endian (the step range readable
@@ -70,6 +74,7 @@ SEG_HEADER = len(MAGIC_SEGMENT) + _FIXED.size + HASH_LEN
 SEGMENTS = "segments"
 POINTER = "local.json"
 JOURNAL_ID = "journal_id"  # meta: a random id given to a shipped journal when it is created
+OWNER = "shipped_to"  # meta: the journal directory (RUN/journal, its realpath) the writer ships to: whose local journal it is
 MAX_SEGMENT_BYTES = 64 << 20  # a shipment larger than this is split over several segments
 L0_FANOUT = 64  # compaction: one-shipment segments merged into a level-1 file
 FANOUT = 16  # compaction: level-k files merged into a level-k+1 file
@@ -681,20 +686,57 @@ def _usable_local(shipped: Path, found: SegmentScan) -> Path | None:
 
 
 def matches(local: Path, shipped: Path, found: SegmentScan) -> bool:
-    """Whether the LMDB journal at `local` is this shipped journal's live copy: the same journal id and
-    every shipped step in it (the same chain hash at the last one). Before anything carrying the id
-    was shipped, only the run's own pointer can vouch for it."""
+    """Whether the LMDB journal at `local` is this shipped journal's live copy: the same journal id,
+    every shipped step in it (the same chain hash at the last one), and not another run directory's
+    (:func:`local_owner`). Before anything carrying the id was shipped, only the run's own pointer
+    can vouch for it."""
     try:
         with Journal.open_reader(local) as j:
             if found.journal_id is None:
                 ptr = read_pointer(shipped)
-                return ptr is not None and os.path.realpath(ptr["path"]) == os.path.realpath(local)
-            if j.get_meta(JOURNAL_ID) != found.journal_id:
+                same = ptr is not None and os.path.realpath(ptr["path"]) == os.path.realpath(local)
+            elif j.get_meta(JOURNAL_ID) != found.journal_id:
                 return False
-            last = found.last_step
-            return last is None or (j.last_step() >= last and j.chain_hash(last) == found.last_chain)
+            else:
+                last = found.last_step
+                same = last is None or (j.last_step() >= last and j.chain_hash(last) == found.last_chain)
+            owner = j.get_meta(OWNER)
     except JournalError:
         return False
+    return same and _in_use_by_another(owner, local, shipped) is None
+
+
+def local_owner(local: Path, shipped: Path) -> tuple[Path, str | None] | None:
+    """(the journal directory, RUN/journal, of the run whose local journal `local` is, and the journal's
+    id) when that is not `shipped` and that run still uses it (its pointer names `local`, on this host):
+    `shipped` must then neither write into `local` nor read it as its own; with the same journal id, it
+    is a copy of that run (cp -a carries the pointer along). None when `local` ships to `shipped`, says
+    nowhere (written before this was recorded: the first writer to open it takes it), or ships to a
+    directory that is gone or uses another local journal now: `shipped` is that run moved, and
+    resumes as itself."""
+    try:
+        with Journal.open_reader(local) as j:
+            owner, jid = j.get_meta(OWNER), j.get_meta(JOURNAL_ID)
+    except JournalError:
+        return None
+    other = _in_use_by_another(owner, local, shipped)
+    return None if other is None else (other, jid)
+
+
+def _in_use_by_another(owner: str | None, local: Path, shipped: Path) -> Path | None:
+    if owner is None or _same_dir(owner, shipped):
+        return None
+    ptr = read_pointer(Path(owner))
+    if ptr is None or ptr.get("host") != socket.gethostname() or not _same_dir(ptr["path"], local):
+        return None
+    return Path(owner)
+
+
+def _same_dir(a, b) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them is gone
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _older_local_copy(shipped: Path, local: Path, found: SegmentScan) -> tuple[Path, int] | None:
@@ -717,6 +759,14 @@ def _older_local_copy(shipped: Path, local: Path, found: SegmentScan) -> tuple[P
 # ----------------------------------------------------------------------------- the writer
 
 
+class CopiedJournalError(JournalError):
+    """journal.local_dir holds the journal of the run this one was copied from (local_owner)."""
+
+    def __init__(self, message: str, owner: Path, local: Path):
+        super().__init__(message)
+        self.owner, self.local = owner, local
+
+
 def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention: bool = False,
                 fanout: int = L0_FANOUT) -> tuple[Journal, list[str]]:
     """The run's journal writer at `local`, shipping to `shipped`. Returns (journal, notes): notes are
@@ -735,6 +785,10 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
     if found.problem and not found.problem_at_end:
         raise JournalError(f"{found.problem}; the shipped journal is damaged before its last segment "
                            f"(intact through step {found.last_step or 0})")
+    other = local_owner(local, shipped) if (local / "data.mdb").is_file() else None
+    if other is not None and found.journal_id is not None and other[1] == found.journal_id:
+        raise CopiedJournalError(f"journal.local_dir {local} holds the journal of {other[0]}, which still uses it: "
+                                 f"{shipped} is a copy of that one, and a copy never writes into its files", other[0], local)
     if not (local / "data.mdb").is_file() and (older := _older_local_copy(shipped, local, found)) is not None:
         old, last = older  # this host still has the previous local journal, ahead of what was shipped: keep its steps
         with Journal.open_reader(old) as j:
@@ -770,8 +824,11 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
     write_pointer(shipped, local)  # before the journal exists: a kill in between leaves a run that never started
     journal = Journal.open_writer(local, claim=claim)
     try:
+        mine = {OWNER: os.path.realpath(shipped)}  # a moved run's writer takes it over (local_owner)
         if journal.get_meta(JOURNAL_ID) is None:
-            journal.set_meta(JOURNAL_ID, uuid.uuid4().hex)
+            mine[JOURNAL_ID] = uuid.uuid4().hex
+        if any(journal.get_meta(k) != v for k, v in mine.items()):
+            journal.update_meta(mine)
         shipper = Shipper(journal, shipped, max_lag, found, claim, retention)
         shipper.l0_fanout, shipper.fanout = fanout, max(2, fanout // 4)  # fanout 0: never merged
     except BaseException:

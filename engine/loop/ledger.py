@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -36,7 +37,7 @@ from typing import Any
 import blake3
 
 from verlj.journal import Claim, Journal, JournalError, open_journal_reader, segments
-from verlj.journal.claim import describe, live_holder
+from verlj.journal.claim import being_written, live_holder
 
 from ..config import stored_config
 from ..errors import RunError
@@ -76,7 +77,7 @@ def writer_refusal(run_dir: Path) -> str | None:
         return None
     holder, here = found
     tail = "" if here else " on another node (or did until that node was lost: a --resume takes over once its claim expires)"
-    return f"run {run_dir} is being written by {describe(holder)}{tail}; stop that process first (only one writer per run)"
+    return f"{being_written(f'run {run_dir}', holder, writer_dir(run_dir))}{tail}; stop that process first (only one writer per run)"
 
 
 def check_local_dir(run_dir: Path, jc) -> None:
@@ -124,7 +125,14 @@ def _open_writer(run_dir: Path, local_dir: str | None, max_lag: int, claim: Clai
     if (jd / "data.mdb").is_file():
         raise RunError(f"{run_dir} keeps its LMDB journal in {jd}; journal.local_dir applies to new runs "
                        "(set it to null to resume this one)")
-    return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag, claim, retention, fanout)
+    try:
+        return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag, claim, retention, fanout)
+    except segments.CopiedJournalError as e:  # a copy (cp -a) of a run: never written into the original's journal
+        last = segments.shipped_meta(jd)[1] or 0
+        raise RunError(f"{run_dir} is a copy of the run in {e.owner.parent}, whose journal is in journal.local_dir "
+                       f"{e.local}; a copy never writes into it (nothing was changed). Go on from the copy as a new run: "
+                       f"`verlj replay {run_dir} --to-step {last} --fork NEW_RUN journal.local_dir=NEW_LOCAL_DIR`, "
+                       f"or resume it with a journal of its own: journal.local_dir=NEW_EMPTY_DIR") from None
 
 
 def shipped_config(run_dir: Path) -> dict | None:
@@ -162,12 +170,14 @@ def _config_in_force(first: dict, changes: list[dict], step: int) -> dict:
 
 def discard_journal(run_dir: Path) -> None:
     """Remove a journal that never committed a step: RUN/journal and, for a shipped one, the LMDB files
-    in the local directory its pointer names (on this host; never a directory it does not name)."""
+    in the local directory its pointer names (on this host; never a directory it does not name, nor the
+    local journal of another run directory that still uses it: segments.local_owner)."""
     jd = journal_dir(run_dir)
     pointer = segments.read_pointer(jd)
+    ours = pointer is not None and pointer.get("host") == socket.gethostname() and segments.local_owner(Path(pointer["path"]), jd) is None
     if jd.is_dir():
         shutil.rmtree(jd)
-    if pointer is not None and pointer.get("host") == socket.gethostname():
+    if ours:
         for name in ("data.mdb", "lock.mdb", "writer.lock"):
             (Path(pointer["path"]) / name).unlink(missing_ok=True)
 
@@ -226,8 +236,11 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 def run_state(run_dir: Path) -> str:
     """'none' (no journal), 'empty' (a journal that never committed a step nor a snapshot: a run that
-    died before step 1, which a new start may replace), or 'run'."""
+    died before step 1, which a new start may replace), 'lost' (no journal, but what a past run leaves:
+    lost_journal), or 'run'."""
     if not journal_exists(run_dir):
+        if lost_journal(run_dir) is not None:
+            return "lost"
         # a claim, or a pointer to a local journal that was never created: a start killed at its first breath
         started = segments.read_pointer(journal_dir(run_dir)) is not None or writer_dir(run_dir).is_dir()
         return "empty" if started else "none"
@@ -244,8 +257,47 @@ def open_run(run_dir: Path) -> Ledger:
     if not run_dir.is_dir():
         raise RunError(f"{run_dir} does not exist")
     if not has_run(run_dir):
-        raise RunError(f"{run_dir} is not a verlj run (no journal/ with run metadata)")
+        raise RunError(lost_journal(run_dir) or f"{run_dir} is not a verlj run (no journal/ with run metadata)")
     return Ledger.open_reader(run_dir)
+
+
+_SNAPSHOT_DIR = re.compile(r"^step_\d+$")  # a published snapshot's name (state.manifest.snapshot_name)
+
+
+def lost_journal(run_dir: Path) -> str | None:
+    """One sentence when `run_dir` has no journal but shows a past run: snapshots, train_metadata.json,
+    metrics.jsonl with a line in it (none of which a start that died before its first step leaves).
+    Its history is gone: nothing may take it for a run that never started, nor move a file of it."""
+    run_dir = Path(run_dir)
+    if journal_exists(run_dir) or not run_dir.is_dir():
+        return None
+    snaps = sorted(p.name for p in run_dir.iterdir() if _SNAPSHOT_DIR.match(p.name) and p.is_dir())
+    quarantined = run_dir / "quarantine"
+    held = sum(1 for p in quarantined.iterdir() if _SNAPSHOT_DIR.match(p.name)) if quarantined.is_dir() else 0
+    signs = []
+    if snaps:
+        signs.append(f"snapshot{'s' if len(snaps) > 1 else ''} ({', '.join(snaps)})")
+    if held:
+        signs.append(f"{held} quarantined snapshot{'s' if held > 1 else ''}")
+    meta = run_dir / "train_metadata.json"
+    if meta.is_file():
+        try:
+            step = json.loads(meta.read_text()).get("global_step")
+        except (OSError, ValueError, AttributeError):
+            step = None
+        signs.append("train_metadata.json" + (f" at step {step}" if isinstance(step, int) else ""))
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        signs.append("metrics.jsonl")
+    if not signs:
+        return None
+    has = ", ".join(signs[:-1]) + (" and " if len(signs) > 1 else "") + signs[-1]
+    jd = journal_dir(run_dir)
+    missing = "no journal/" if not jd.exists() else "no journal in journal/ (neither the LMDB journal nor shipped segments)"
+    check = f" (`verlj verify {run_dir / snaps[-1]}` still checks that snapshot on its own)" if snaps else ""
+    return (f"{run_dir} has {has} but {missing}: its history, which a resume, a replay and a fork read; nothing was changed. "
+            f"Restore {jd} from a backup to go on; without it no verlj command can resume, replay or fork this run{check}, "
+            "so start a new run in another --output-dir")
 
 
 def has_run(run_dir: Path) -> bool:

@@ -41,7 +41,9 @@ from .ledger import (
     git_commit,
     has_run,
     journal_dir,
+    lost_journal,
     now_iso,
+    open_run,
     open_writer,
     run_state,
     shipped_config,
@@ -153,6 +155,9 @@ def train(
     run_dir = Path(output_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--output-dir {run_dir} exists and is not a directory")
+    lost = lost_journal(run_dir)  # a past run without its journal: never taken for one that never started
+    if lost is not None:
+        raise RunError(lost)
     if resume:
         stage_resume_journal(run_dir, config_file, overrides)
     state = run_state(run_dir)
@@ -253,8 +258,9 @@ def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
     (or held, and has just released) the run's writer claim; the claims go only with the directory."""
     from .snapshot_store import SnapshotStore
 
-    discard_journal(run_dir)
-    for name in RUN_FILES:
+    for name in RUN_FILES:  # the journal last: a kill in between leaves a run that never started, not a lost journal
+        if name == "journal":
+            continue
         p = run_dir / name
         if p.is_dir():
             shutil.rmtree(p)
@@ -262,6 +268,7 @@ def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
             p.unlink()
     for p in SnapshotStore(run_dir, None).temporaries():
         shutil.rmtree(run_dir / p, ignore_errors=True)
+    discard_journal(run_dir)
     if remove_dir and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {WRITER_DIR}:
         shutil.rmtree(run_dir)
 
@@ -333,7 +340,7 @@ def fork_config(old: dict, overrides: list[str], new_run: Path) -> tuple[Config,
 def check_fork(parent: Path, step: int, new_run: Path, overrides: list[str]) -> None:
     """`replay --fork`'s config, checked before anything is replayed (fork() checks it again on the
     replayed trainer's config, which may differ only in topology keys)."""
-    with Ledger.open_reader(parent) as ledger:
+    with open_run(parent) as ledger:
         fork_config(ledger.config_at(step), overrides, new_run)
 
 

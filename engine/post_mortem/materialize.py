@@ -20,7 +20,7 @@ from ..config import config_from_dict
 from ..dist import configure_determinism, setup
 from ..errors import RunError
 from ..loop.context import Run
-from ..loop.ledger import Ledger, has_run, run_state
+from ..loop.ledger import Ledger, has_run, lost_journal, run_state
 from ..report import Reporter
 
 
@@ -67,7 +67,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
 
     run_dir = Path(run_dir)
     if not has_run(run_dir):
-        raise RunError(f"{run_dir} is not a verlj run (no journal/)")
+        raise RunError(lost_journal(run_dir) or f"{run_dir} is not a verlj run (no journal/)")
     ledger = Ledger.open_reader(run_dir)
     try:
         last, base = ledger.last_step(), ledger.base_step()

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..dist import configure_determinism, setup
 from ..errors import ReplayError, RunError, SnapshotError
 from ..loop.context import Run
-from ..loop.ledger import Ledger, has_run, versions
+from ..loop.ledger import Ledger, has_run, lost_journal, versions
 from ..report import Reporter
 from .materialize import replay_config
 
@@ -49,7 +49,7 @@ def steps_reader(run_dir: Path, start: int, stop: int, what: str | None = None):
     """The run's ledger, open for reading, once start..stop are steps it holds; else one line
     (`what`: how the command named them, ``--steps A:B`` by default)."""
     if not has_run(run_dir):
-        raise RunError(f"{run_dir} is not a verlj run (no journal/)")
+        raise RunError(lost_journal(run_dir) or f"{run_dir} is not a verlj run (no journal/)")
     with Ledger.open_reader(run_dir) as ledger:
         last, base = ledger.last_step(), ledger.base_step()
         if not base < start <= stop <= last:

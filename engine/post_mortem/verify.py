@@ -16,8 +16,9 @@ from pathlib import Path
 
 from verlj.journal import JournalError, NotAJournalError, segments, unpackb, verify_journal
 
+from ..errors import RunError
 from ..loop import archive
-from ..loop.ledger import Ledger, journal_dir, journal_exists
+from ..loop.ledger import Ledger, journal_dir, journal_exists, lost_journal
 from ..loop.recovery import damaged_journal_advice
 from ..loop.snapshot_store import ADOPT, UNINDEX, SnapshotStore
 from ..state.manifest import META, check_snapshot, snapshot_name
@@ -199,6 +200,8 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
             if jr.ok:
                 _verify_accounting(report, ledger)
     elif not single:
+        if (lost := lost_journal(run_dir)) is not None:  # damage, not a wrong path
+            raise RunError(lost)
         raise NotAJournalError(f"{path} is not a verlj run (no journal/ inside)")
     else:
         report.journal_lines.append("· no journal next to this snapshot: checked on its own")

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -257,6 +258,77 @@ def test_a_run_killed_before_its_first_step_does_not_block_a_retry(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "never committed a step; starting it afresh" in out.stdout
     assert sorted(fingerprints(run)) == [1, 2]
+
+
+# ----------------------------------------------------------------------------- journal/ or train_metadata.json lost
+
+
+def test_a_run_whose_journal_is_lost_is_refused_and_nothing_is_moved(copy):
+    """Snapshots, train_metadata.json and metrics.jsonl without journal/: a past run, not one that never
+    started. Every command says so in one line; nothing is moved, quarantined or replaced."""
+    shutil.rmtree(copy / "journal")
+    before = tree(copy)
+    said = f"{copy} has snapshots (step_00002, step_00004), train_metadata.json at step 4 and metrics.jsonl but no journal/"
+    for resume in (True, False):
+        line = one_line_error(train(copy, *SMALL, "trainer.total_steps=6", resume=resume), 1, said)
+        assert "nothing was changed" in line and f"Restore {copy / 'journal'} from a backup" in line, line
+        assert f"`verlj verify {copy / 'step_00004'}`" in line, line
+    for args in (("verify", copy), ("inspect", copy), ("replay", copy, "--to-step", 3)):
+        one_line_error(verlj(*args), 1, said)
+    assert tree(copy) == before and not (copy / "journal").exists() and not (copy / "quarantine").exists()
+    assert verlj("verify", copy / "step_00004").returncode == 0  # what the sentence offers works
+
+
+def test_a_lost_train_metadata_json_is_harmless(base, copy, tmp_path):
+    """The journal is the truth, train_metadata.json its mirror: the resume continues exactly and writes it
+    again. (`copy` is a cp of a run keeping its LMDB journal in RUN/journal: a journal of its own.)"""
+    reference = tmp_path / "reference"
+    run_train(reference, None, [*SMALL, "trainer.total_steps=6"])
+    (copy / "train_metadata.json").unlink()
+    out = train(copy, *SMALL, "trainer.total_steps=6", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(copy) == fingerprints(reference) and sorted(fingerprints(copy)) == list(range(1, 7))
+    assert_same_journal(reference, copy)
+    meta = json.loads((copy / "train_metadata.json").read_text())
+    assert meta["global_step"] == 6 and meta["last_snapshot"] == "step_00006", meta
+    assert sorted(fingerprints(base)) == [1, 2, 3, 4]  # the run it was copied from is as it was
+
+
+def test_a_copy_made_while_its_run_is_written_names_the_writer_of_the_original(base, tmp_path):
+    """cp -a of a live run carries its claim along: the copy's resume names the process writing the
+    original (not the copy) and waits for it; once that process is gone, the copy resumes exactly. The
+    original's claim is never touched by the copy."""
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+                            env=env(VERLJ_FAILPOINT="step.before_commit:3:sleep=120"))
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and 2 not in _snapshots(run):
+            time.sleep(0.1)
+        assert 2 in _snapshots(run)
+        time.sleep(1)  # step 3 runs into its failpoint: nothing is written while it sleeps
+        shutil.copytree(run, copy, symlinks=True)
+        claims = {p.name: p.read_bytes() for p in (run / "writer").iterdir()}
+        out = train(copy, *SMALL, resume=True)
+        line = one_line_error(out, 1, f"run {copy} holds a claim copied from {run.resolve()}, which pid {proc.pid} ")
+        assert "stop that process first" in line
+        assert {p.name for p in (run / "writer").iterdir()} == set(claims)  # the copy's claims are its own
+    finally:
+        proc.kill()
+        proc.wait()
+    out = train(copy, *SMALL, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(copy) == fingerprints(base)
+    assert_same_journal(base, copy)
+
+
+def _snapshots(run: Path) -> dict:
+    try:
+        with Journal.open_reader(run / "journal") as j:
+            return j.snapshots()
+    except Exception:  # noqa: BLE001 - not created yet
+        return {}
 
 
 # ----------------------------------------------------------------------------- replay outputs checked first

@@ -234,3 +234,56 @@ def test_a_resume_on_the_same_host_with_a_new_local_dir_keeps_the_unshipped_step
     trained = [int(s) for s in re.findall(r"\[INFO\] Step (\d+): reward=", out.stdout)]
     assert trained == list(range(7, TARGET + 1)), out.stdout  # steps 1-6 were not run again
     assert_same_journal(reference, run)
+
+
+def _tree(root) -> dict[str, bytes]:
+    """A directory's files but its locks (LMDB's, and the writers' claims, which every writer that starts adds to)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name not in ("lock.mdb", "writer.lock") and p.relative_to(root).parts[0] != "writer"}
+
+
+def test_a_copy_never_writes_into_the_original_s_local_journal(tmp_path, reference):
+    """cp -a of a journal.local_dir run carries local.json along: the copy's --resume is refused in one
+    line (the original's local journal and run directory untouched, its own resume exact), and with a
+    journal.local_dir of its own the copy goes on from its segments, exactly."""
+    run, local, copy = tmp_path / "run", tmp_path / "L", tmp_path / "copy"
+    out = train(run, *COMMON, "trainer.total_steps=6", f"journal.local_dir={local}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    shutil.copytree(run, copy, symlinks=True)
+    before, held = _tree(run), _tree(local)
+    out = train(copy, *COMMON, resume=True)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{copy} is a copy of the run in {run}" in errors[0], out.stderr[-3000:]
+    assert f"`verlj replay {copy} --to-step 6 --fork NEW_RUN journal.local_dir=NEW_LOCAL_DIR`" in errors[0]
+    assert _tree(run) == before and _tree(local) == held and _committed(local) == 6
+    out = train(run, *COMMON, f"journal.local_dir={local}", resume=True)  # the original goes on as itself
+    assert out.returncode == 0 and "Rebuilt" not in out.stdout, out.stderr[-3000:]
+    assert_same_journal(reference, run)
+    assert fingerprints(reference) == fingerprints(run) and verlj("verify", run).returncode == 0
+    # the copy's readers do not take the original's local journal (now through step 10) for its own
+    assert "6 committed, last step 6" in verlj("inspect", copy, check=True).stdout
+    assert verlj("verify", copy).returncode == 0
+    out = train(copy, *COMMON, f"journal.local_dir={tmp_path / 'L2'}", resume=True)  # a journal of its own
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Rebuilt the journal" in out.stdout and "Copied the journal" not in out.stdout, out.stdout
+    assert_same_journal(reference, copy)
+    assert fingerprints(reference) == fingerprints(copy) == fingerprints(run)
+
+
+def test_a_moved_run_resumes_as_itself(tmp_path, reference):
+    """mv of a journal.local_dir run: the local journal is still its own, with the steps not yet shipped."""
+    run, local, moved = tmp_path / "run", tmp_path / "L", tmp_path / "moved"
+    out = train(run, *COMMON, f"journal.local_dir={local}", "journal.ship_max_lag_steps=4",
+                VERLJ_FAILPOINT="ship.before_publish:1:sleep-each=0.4,step.before_commit:7")
+    assert out.returncode == -9, out.stderr[-3000:]
+    held, shipped = _committed(local), segments.scan(run / "journal").last_step or 0
+    assert held == 6 and shipped < held
+    run.rename(moved)
+    out = train(moved, *COMMON, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    trained = [int(s) for s in re.findall(r"\[INFO\] Step (\d+): reward=", out.stdout)]
+    assert trained == list(range(7, TARGET + 1)) and "Rebuilt" not in out.stdout, out.stdout  # steps 1-6 kept
+    assert segments.read_pointer(moved / "journal")["path"] == str(local.resolve())
+    assert_same_journal(reference, moved)
+    assert fingerprints(reference) == fingerprints(moved)

@@ -258,6 +258,31 @@ def test_a_local_dir_holding_another_journal_is_refused(tmp_path):
         segments.open_writer(tmp_path / "L", tmp_path / "b" / "journal", 1)
 
 
+def test_a_copy_never_opens_the_original_s_local_journal_and_a_move_takes_it_over(tmp_path):
+    """cp -a carries local.json along: the copy neither writes into nor reads the local journal its original
+    still uses; a moved run (its old path gone) is that run and goes on in it."""
+    local, run, copy, moved = tmp_path / "L", tmp_path / "run", tmp_path / "copy", tmp_path / "moved"
+    _write(local, run / "journal", range(1, 6))
+    shutil.copytree(run, copy)
+    held = _dump(local)
+    with pytest.raises(segments.CopiedJournalError, match=f"{copy / 'journal'} is a copy of that one"):
+        segments.open_writer(local, copy / "journal", 1)
+    assert _dump(local) == held
+    _write(local, run / "journal", range(6, 9))  # the original goes on
+    with open_journal_reader(copy / "journal") as j:  # the copy reads its own history, not the original's steps 6-8
+        assert Path(j.path) != local.resolve() and j.last_step() == 5
+    shutil.rmtree(copy)
+    run.rename(moved)
+    with open_journal_reader(moved / "journal") as j:
+        assert Path(j.path) == local.resolve() and j.last_step() == 8
+    _write(local, moved / "journal", range(9, 11))
+    with Journal.open_reader(local) as j:
+        assert j.last_step() == 10 and j.get_meta(segments.OWNER) == str((moved / "journal").resolve())
+    shutil.copytree(moved, copy)  # and a copy of the moved run is a copy of it
+    with pytest.raises(segments.CopiedJournalError, match=f"holds the journal of {(moved / 'journal').resolve()}"):
+        segments.open_writer(local, copy / "journal", 1)
+
+
 def test_kill_during_shipping_leaves_nothing_half_visible(tmp_path):
     local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
     child = textwrap.dedent(f"""
