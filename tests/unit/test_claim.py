@@ -122,10 +122,10 @@ def test_two_claimers_racing_for_one_epoch(tmp_path):
     """link(2) decides: of processes that all find the run free, exactly one claims it."""
     d = tmp_path / "writer"
     code = ("import sys, time; from verlj.journal.claim import Claim, WriterClaimedError\n"
-            "time.sleep(float(sys.argv[2]) - time.time())\n"
-            "try:\n    c = Claim.acquire(sys.argv[1], 60); print('won', c.epoch); time.sleep(1.5); c.release()\n"
+            "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"  # a child that starts late (a loaded machine) goes at once
+            "try:\n    c = Claim.acquire(sys.argv[1], 60); print('won', c.epoch); time.sleep(4); c.release()\n"
             "except WriterClaimedError: print('refused')\n")
-    start = time.time() + 1.5
+    start = time.time() + 3  # every child is up by then (the winner holds the claim 4 s: a late one is still refused)
     procs = [subprocess.Popen([sys.executable, "-c", code, str(d), str(start)], stdout=subprocess.PIPE, text=True) for _ in range(4)]
     outs = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
     assert outs.count("won 1") == 1 and outs.count("refused") == 3, outs
