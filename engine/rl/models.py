@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import Config, TinyModelConfig
-from ..errors import ModelError
+from ..errors import DataError, ModelError
 from .vocab import builtin_chars, builtin_vocab
 
 BUILTIN_TINY = "builtin:tiny"
@@ -35,6 +35,25 @@ def builtin_tokenizer(chars: list[str]):
     return PreTrainedTokenizerFast(
         tokenizer_object=tk, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
     )
+
+
+# The built-in tokenizer's chat template: each message as "<|ROLE|>\nCONTENT\n", then the generation
+# prompt "<|assistant|>\n" (the model answers after it). The trainer prepends <bos> as to any prompt.
+BUILTIN_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
+BUILTIN_GENERATION_PROMPT = "<|assistant|>\n"
+
+
+def render_chat(tok, messages: list[dict], builtin: bool) -> str:
+    """A chat prompt's text: the built-in template (`builtin`), else the tokenizer's own
+    (`apply_chat_template` with the generation prompt). DataError if it has none or it fails."""
+    if builtin:
+        return "".join(BUILTIN_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + BUILTIN_GENERATION_PROMPT
+    if not getattr(tok, "chat_template", None):
+        raise DataError("its prompt is a list of chat messages but the model's tokenizer has no chat template")
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - the tokenizer's template (jinja) failing on these messages
+        raise DataError(f"the tokenizer's chat template failed on its messages ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
 
 
 def _local_dir(path: str, key: str) -> Path:

@@ -1,13 +1,15 @@
 """Rewards: rule-based functions and reward models.
 
-A rule reward is ``fn(prompt: str, response: str, answer: str) -> float``: ``builtin:add`` for the
-built-in task, ``reasoning_gym`` (a reasoning-gym task's own scorer, rl.tasks), or any
+A rule reward is ``fn(prompt: str, response: str, answer: str) -> float``, or verl's
+``compute_score(data_source, solution_str, ground_truth, extra_info)`` (told apart by its parameter
+names, called with keywords: ComputeScore): ``builtin:add`` for the built-in task, ``reasoning_gym`` (a reasoning-gym task's own scorer, rl.tasks), or any
 ``module:function`` importable by the run; ``auto`` is the dataset's own. A reward model (a local
 sequence-classification directory) adds ``weight * logits[:, 0]`` of prompt + response.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import re
@@ -39,6 +41,37 @@ def add_reward(prompt: str, response: str, answer: str) -> float:
 
 BUILTIN = {"builtin:add": add_reward}
 
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+class ComputeScore:
+    """A verl-style reward ``compute_score(data_source, solution_str, ground_truth, extra_info)``:
+    called with keywords (those of the four it names; all four if it takes **kwargs): the row's
+    `data_source` and `extra_info` fields, the response, the answer. verl's {"score": x, ...} result
+    scores x."""
+
+    def __init__(self, fn, names: tuple[str, ...]):
+        self.fn, self.names = fn, names
+        self.__module__, self.__qualname__ = getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", repr(fn))
+
+    @staticmethod
+    def names_of(fn) -> tuple[str, ...] | None:
+        """The verl parameters fn takes, or None when it is not verl-style (no solution_str and ground_truth)."""
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return None
+        if "solution_str" not in params or "ground_truth" not in params:
+            return None
+        if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            return VERL_PARAMS
+        return tuple(n for n in VERL_PARAMS if n in params)
+
+    def score(self, response: str, ex):
+        args = {"data_source": ex.data_source, "solution_str": response, "ground_truth": ex.answer, "extra_info": ex.extra_info}
+        v = self.fn(**{n: args[n] for n in self.names})
+        return v["score"] if isinstance(v, dict) and "score" in v else v
+
 
 def load_reward_fn(spec: str, train_dataset: str = "builtin:add", task_dataset=None, answer_format: str = "text"):
     """The rule reward `spec` names (rollout.reward_fn): a RewardFn, or for reasoning_gym the
@@ -58,6 +91,11 @@ def load_reward_fn(spec: str, train_dataset: str = "builtin:add", task_dataset=N
     fn = import_object(spec, module_name, attr, key, RewardError)
     if not callable(fn):
         raise RewardError(f"{key}: {spec!r} is not a function")
+    names = ComputeScore.names_of(fn)
+    if names is not None:
+        check_signature(fn, 0, f"{key}: {spec} (called as compute_score({', '.join(f'{n}=' for n in VERL_PARAMS)}))", RewardError,
+                        **dict.fromkeys(names))
+        return ComputeScore(fn, names)
     check_signature(fn, 3, f"{key}: {spec} (called as fn(prompt, response, answer))", RewardError)
     return fn
 
@@ -68,7 +106,12 @@ def rule_rewards(fn, prompts: list[str], responses: list[str], examples: list) -
     out = []
     for p, r, ex in zip(prompts, responses, examples):
         try:
-            v = fn.score(r, ex.entry) if isinstance(fn, TaskScorer) else fn(p, r, ex.answer)
+            if isinstance(fn, TaskScorer):
+                v = fn.score(r, ex.entry)
+            elif isinstance(fn, ComputeScore):
+                v = fn.score(r, ex)
+            else:
+                v = fn(p, r, ex.answer)
         except Exception as e:  # noqa: BLE001 - the user's function: one line naming it
             raise RewardError(f"reward function {describe(fn)} raised {type(e).__name__}: {e} (prompt {p!r})") from None
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):

@@ -33,8 +33,8 @@ from ..state.stateful import check_version
 from . import algorithms
 from . import samples as sample_codec
 from .buffer import RolloutBuffer
-from .data import Sampler, check_identity, load_data
-from .models import ValueModel, load_causal_lm, load_reward_model, load_tokenizer, model_digest
+from .data import Example, Sampler, check_identity, load_data
+from .models import BUILTIN_TINY, ValueModel, load_causal_lm, load_reward_model, load_tokenizer, model_digest, render_chat
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
 from .rollout import RolloutEngine, make_engine
 from .sampler import sample_seeded, sampling_params
@@ -185,10 +185,11 @@ class Trainer:
             raise ConfigError("model.reward_model.trainable: training the reward model during RL is not supported yet; set it to false")
         seed = cfg.trainer.seed
         self.tokenizer = load_tokenizer(cfg.model.actor.model_name_or_path, cfg=cfg)
-        self.data = load_data(cfg.data, seed)
+        builtin = cfg.model.actor.model_name_or_path == BUILTIN_TINY
+        self.data = load_data(cfg.data, seed, render=lambda messages: render_chat(self.tokenizer, messages, builtin))
         self.dataset = self.data.train
-        self.prompt_ids = [self._encode_prompt(i, ex.prompt) for i, ex in enumerate(self.dataset)]
-        self.held_out_ids = [self._encode_prompt(i, ex.prompt, "held-out prompt") for i, ex in enumerate(self.data.held_out)]
+        self.prompt_ids = [self._encode_prompt(i, ex) for i, ex in enumerate(self.dataset)]
+        self.held_out_ids = [self._encode_prompt(i, ex, "held-out prompt") for i, ex in enumerate(self.data.held_out)]
         self.sampler = Sampler(len(self.dataset), seed)
         self.buffer = RolloutBuffer()
         self.train_state = TrainState(self.sampler)
@@ -251,10 +252,12 @@ class Trainer:
     def _reward_fn(self, cfg: Config):
         return load_reward_fn(cfg.rollout.reward_fn, cfg.data.train_dataset, self.data.task_dataset, cfg.rollout.answer_format)
 
-    def _encode_prompt(self, i: int, text: str, what: str = "prompt") -> np.ndarray:
+    def _encode_prompt(self, i: int, ex: Example, what: str = "prompt") -> np.ndarray:
+        """A prompt's token ids: <bos> and its text (a chat template that writes its own <bos> keeps just that one)."""
         tok = self.tokenizer
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        if tok.bos_token_id is not None:
+        ids = tok(ex.prompt, add_special_tokens=False)["input_ids"]
+        own_bos = ex.messages is not None and tok.bos_token and ex.prompt.startswith(tok.bos_token)
+        if tok.bos_token_id is not None and not own_bos:
             ids = [tok.bos_token_id] + ids
         if len(ids) > self.cfg.data.max_prompt_length:
             raise ConfigError(

@@ -75,3 +75,47 @@ def test_changed_prompts_on_resume_are_refused(tmp_path):
     data.write_text(data.read_text().replace('"answer": "4"', '"answer": "5"'))
     out = train(run, *over, "trainer.total_steps=3", resume=True)
     assert_one_line_error(out, 1, f"the prompts of {data} differ from the ones this run started with")
+
+
+def test_verl_format_chat_parquet_trains_with_a_compute_score_reward(tmp_path):
+    """verl's GSM8K-style parquet unchanged: chat-message prompts rendered by the built-in template (their
+    tokens journaled), the answer at reward_model.ground_truth, and a compute_score(data_source,
+    solution_str, ground_truth, extra_info) reward whose scores are the journal's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verlj.engine.rl.samples import unpack
+    from verlj.engine.rl.vocab import SPECIALS, VOCABS, TextDecoder, builtin_vocab
+
+    rows = [{"data_source": "openai/gsm8k", "ability": "math",
+             "prompt": [{"role": "user", "content": f"{i}+{i}? Answer after \"####\"."}],
+             "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"split": "train", "index": i, "question": f"{i}+{i}?"}} for i in range(3)]
+    data = tmp_path / "gsm8k_train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    mod = tmp_path / "mod"
+    mod.mkdir()
+    (mod / "verl_gsm8k_reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    assert data_source == 'openai/gsm8k', data_source\n"
+        "    return (1.0 if ground_truth in solution_str else 0.0) + 0.01 * len(solution_str) + 0.1 * extra_info['index']\n"
+    )
+    run = tmp_path / "run"
+    out = train(run, f"data.train_dataset={data}", "data.prompt_key=prompt", "data.answer_key=reward_model.ground_truth",
+                "data.max_prompt_length=64", "rollout.reward_fn=verl_gsm8k_reward:compute_score", "trainer.total_steps=2",
+                PYTHONPATH=mod)
+    assert out.returncode == 0, out.stderr[-3000:]
+    vocab, decoder = builtin_vocab(VOCABS["ascii"]), TextDecoder("builtin:tiny", VOCABS["ascii"])
+    texts = [f"<|user|>\n{i}+{i}? Answer after \"####\".\n<|assistant|>\n" for i in range(3)]
+    seen = set()
+    with open_journal_reader(run / "journal") as j:
+        for step in (1, 2):
+            for s in unpack(j.read_step(step).first("buffer.add")["samples"]):
+                i = s["index"]
+                assert s["prompt_ids"].tolist() == [vocab["<bos>"]] + [vocab[c] for c in texts[i]]
+                assert decoder.decode(s["prompt_ids"].tolist()) == texts[i]
+                response = decoder.decode(s["response_ids"].tolist())
+                want = (1.0 if str(2 * i) in response else 0.0) + 0.01 * len(response) + 0.1 * i
+                assert s["rule_reward"] == s["score"] == want, (i, response)
+                seen.add(i)
+    assert seen == {0, 1, 2} and SPECIALS[1] == "<bos>"

@@ -249,3 +249,89 @@ def test_top_p_keeps_the_nucleus():
     # u = 0 and the largest uniform torch.rand gives (1 - 2**-24) stay inside the support
     assert int(sample_token(logits, torch.tensor([0.0]), 1.0, 0.8)[0]) == 0
     assert int(sample_token(logits, torch.tensor([1.0 - 2**-24]), 1.0, 0.8)[0]) == 1
+
+
+VERL_ROWS = [
+    {"data_source": "openai/gsm8k", "ability": "math",
+     "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i}+{i}? Output the final answer after \"####\"."}],
+     "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"split": "train", "index": i}}
+    for i in range(3)
+]
+
+
+def _builtin_render(messages):
+    from verlj.engine.rl.models import render_chat
+
+    return render_chat(None, messages, builtin=True)
+
+
+def test_chat_prompts_render_with_the_template_and_dotted_keys_reach_nested_fields(tmp_path):
+    """verl's parquet rows: a list of messages rendered by the built-in template, the answer at
+    reward_model.ground_truth, data_source and extra_info kept for compute_score; a string row's
+    prompt is the string itself, as before."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "verl.parquet"
+    pq.write_table(pa.Table.from_pylist(VERL_ROWS), f)
+    cfg = DataConfig(train_dataset=str(f), prompt_key="prompt", answer_key="reward_model.ground_truth")
+    ex = load_data(cfg, 0, render=_builtin_render).train[1]
+    assert ex.prompt == '<|system|>\nBe brief.\n<|user|>\n1+1? Output the final answer after "####".\n<|assistant|>\n'
+    assert ex.answer == "2" and ex.data_source == "openai/gsm8k" and ex.extra_info == {"split": "train", "index": 1}
+    assert ex.messages[0] == (("role", "system"), ("content", "Be brief."))
+    with pytest.raises(DataError, match="is a chat prompt and nothing renders it"):
+        load_data(cfg, 0)
+    # a Hugging Face tokenizer's own template (apply_chat_template, with the generation prompt)
+    from verlj.engine.rl.models import builtin_tokenizer, render_chat
+    from verlj.engine.rl.vocab import VOCABS
+
+    tok = builtin_tokenizer(VOCABS["ascii"])
+    with pytest.raises(DataError, match="row 0 of .*verl.parquet: its prompt is a list of chat messages but the model's tokenizer has no chat template"):
+        load_data(cfg, 0, render=lambda m: render_chat(tok, m, builtin=False))
+    tok.chat_template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    ex = load_data(cfg, 0, render=lambda m: render_chat(tok, m, builtin=False)).train[0]
+    assert ex.prompt == '[system] Be brief.\n[user] 0+0? Output the final answer after "####".\n[assistant] '
+    # JSONL too; a string prompt is untouched by the renderer, and a key with dots in its own name wins
+    j = tmp_path / "d.jsonl"
+    j.write_text(json.dumps({"prompt": "3+4=", "a.b": "7", "a": {"b": "no"}}) + "\n")
+    ex = load_data(DataConfig(train_dataset=str(j), answer_key="a.b"), 0, render=_builtin_render).train[0]
+    assert (ex.prompt, ex.answer, ex.messages) == ("3+4=", "7", None)
+
+
+@pytest.mark.parametrize("row, keys, message", [
+    ({"prompt": [{"role": "user"}], "answer": "1"}, {}, r"row 0 of .*: chat message 0 must be \{\"role\": str, \"content\": str\}, got \{'role': 'user'\}"),
+    ({"prompt": [{"content": "hi"}], "answer": "1"}, {}, r"row 0 of .*: chat message 0 must be"),
+    ({"prompt": [], "answer": "1"}, {}, r"row 0 of .*: its prompt is an empty list of chat messages"),
+    ({"prompt": "1+1=", "reward_model": {"style": "rule"}}, {"answer_key": "reward_model.ground_truth"},
+     r"row 0 of .* has no field 'reward_model.ground_truth' \(data.answer_key: a dotted path"),
+    ({"q": {"text": "1+1="}, "answer": "2"}, {"prompt_key": "q.body"}, r"row 0 of .* has no field 'q.body' \(data.prompt_key"),
+])
+def test_bad_chat_rows_and_missing_dotted_keys_are_one_line(tmp_path, row, keys, message):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"prompt": "0+0=", "answer": "0", "reward_model": {"ground_truth": "0"}, "q": {"body": "x"}}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=message.replace("row 0", "row 1")) as e:
+        load_data(DataConfig(train_dataset=str(f), **keys), 0, render=_builtin_render)
+    assert "\n" not in str(e.value) and str(f) in str(e.value)
+
+
+def test_compute_score_rewards_take_verls_keywords(tmp_path, monkeypatch):
+    """A function named like verl's compute_score(data_source, solution_str, ground_truth, extra_info)
+    is called with keywords from the row; {"score": x} scores x; one naming another parameter is refused."""
+    (tmp_path / "verl_style_rewards.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    assert data_source == 'openai/gsm8k' and extra_info['index'] == 4, (data_source, extra_info)\n"
+        "    return 1.0 if solution_str.split('####')[-1].strip() == ground_truth else 0.25\n"
+        "def as_dict(solution_str, ground_truth, **kw):\n    return {'score': 0.5 + len(kw), 'acc': True}\n"
+        "def partial(solution_str, ground_truth):\n    return 0.75\n"
+        "def odd(solution_str, ground_truth, tokenizer):\n    return 0.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ex = Example("p", "8", data_source="openai/gsm8k", extra_info={"index": 4})
+    fn = load_reward_fn("verl_style_rewards:compute_score")
+    assert rule_rewards(fn, ["p", "p"], ["so #### 8", "#### 9"], [ex, ex]) == [1.0, 0.25]
+    assert rule_rewards(load_reward_fn("verl_style_rewards:as_dict"), ["p"], ["x"], [ex]) == [2.5]
+    assert rule_rewards(load_reward_fn("verl_style_rewards:partial"), ["p"], ["x"], [ex]) == [0.75]
+    with pytest.raises(RewardError, match=r"verl_style_rewards:odd \(called as compute_score\(data_source=, .*has the wrong signature"):
+        load_reward_fn("verl_style_rewards:odd")
+    with pytest.raises(RewardError, match=r"reward function verl_style_rewards.compute_score raised AssertionError"):
+        rule_rewards(fn, ["p"], ["x"], [Example("p", "8")])
