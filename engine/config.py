@@ -238,8 +238,8 @@ class DataConfig:
     # builtin:add | reasoning_gym:TASK (or TASK,TASK,...: several, mixed by data.reasoning_gym.weights) |
     # a .jsonl / .parquet file of prompts
     train_dataset: str = "builtin:add"
-    prompt_key: str = "prompt"  # field holding the prompt text
-    answer_key: str = "answer"  # field holding the ground truth for rule rewards
+    prompt_key: str = "prompt"  # field holding the prompt: a string, or chat messages [{role, content}] (the chat template renders them); a dotted path reaches a nested field
+    answer_key: str = "answer"  # field holding the ground truth for rule rewards; a dotted path reaches a nested field (verl: reward_model.ground_truth)
     num_examples: int = 512  # builtin:add: how many problems to generate
     max_operand: int = 9  # builtin:add: operands are drawn from 0..max_operand
     prompts_per_step: int = 16  # prompts per step (verl's data.train_batch_size)
