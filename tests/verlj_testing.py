@@ -109,3 +109,19 @@ def fingerprints(run_dir: Path) -> dict[int, str]:
         for step, e in j.iter_events("state"):
             out[step] = e["fingerprint"]
     return out
+
+
+def pickle_module_reducing(reduce):
+    """A pickle module for torch.save(pickle_module=...) whose Pickler reduces an object as `reduce(obj)`
+    says (None: as usual): the forms other interpreters write, made on this one."""
+    import pickle
+    import types
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            out = reduce(obj)
+            return NotImplemented if out is None else out
+
+    mod = types.ModuleType("pickle_reducing")
+    mod.__dict__.update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")}, Pickler=Pickler)
+    return mod

@@ -19,7 +19,7 @@ import torch
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.post_mortem.verify import verify_snapshot
 from verlj.engine.state.manifest import MANIFEST, build_manifest
-from verlj_testing import TINY, assert_same_journal, fingerprints, train, verlj
+from verlj_testing import TINY, assert_same_journal, fingerprints, pickle_module_reducing, train, verlj
 
 FOUR = ["trainer.total_steps=4", "trainer.save_interval=2"]
 
@@ -71,15 +71,8 @@ def test_an_intact_file_in_a_form_this_python_refuses_is_not_called_damaged(tmp_
     optim = next(snap.rglob("*optim_states.pt"))
     state = load_weights_only(optim)
 
-    class Refused(pickletools.pickle.Pickler):  # the member as a getattr no loader of verlj's resolves
-        def reducer_override(self, obj):
-            return (getattr, (OrderedDict, "fromkeys")) if isinstance(obj, ZeroStageEnum) else NotImplemented
-
-    import types
-
-    mod = types.ModuleType("refused")
-    mod.__dict__.update({k: getattr(pickletools.pickle, k) for k in dir(pickletools.pickle) if not k.startswith("__")}, Pickler=Refused)
-    torch.save(state, optim, pickle_module=mod)
+    refused = pickle_module_reducing(lambda obj: (getattr, (OrderedDict, "fromkeys")) if isinstance(obj, ZeroStageEnum) else None)
+    torch.save(state, optim, pickle_module=refused)  # the member as a getattr no loader of verlj's resolves
     (snap / MANIFEST).write_text(json.dumps(build_manifest(snap), indent=1))  # sealed as written: every checksum verifies
 
     rep, _ = verify_snapshot(snap, None, indexed=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
-import types
 import zipfile
 from collections import OrderedDict
 
@@ -20,23 +19,10 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 
 from verlj.engine.errors import SnapshotError
 from verlj.engine.state.safe_load import SafeCheckpointEngine, load_weights_only, save_portable
-
-
-def _pickle_module(reduce):
-    """A pickle module whose Pickler reduces what `reduce` claims (else as usual), for torch.save."""
-
-    class Pickler(pickle.Pickler):
-        def reducer_override(self, obj):
-            out = reduce(obj)
-            return NotImplemented if out is None else out
-
-    mod = types.ModuleType("test_pickle")
-    mod.__dict__.update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")}, Pickler=Pickler)
-    return mod
-
+from verlj_testing import pickle_module_reducing
 
 # What Python 3.11.0-3.11.4's enum.__reduce_ex__ returns for a member of an int-mixin enum.
-BY_NAME = _pickle_module(lambda obj: (getattr, (type(obj), obj._name_)) if isinstance(obj, ZeroStageEnum) else None)
+BY_NAME = pickle_module_reducing(lambda obj: (getattr, (type(obj), obj._name_)) if isinstance(obj, ZeroStageEnum) else None)
 
 
 def _state() -> dict:
@@ -68,7 +54,7 @@ def test_a_member_pickled_by_name_loads_as_the_member(tmp_path):
 @pytest.mark.parametrize("target", [(OrderedDict, "fromkeys"), (ZeroStageEnum, "mro"), (ZeroStageEnum, "__class__")])
 def test_getattr_on_anything_else_is_refused(tmp_path, target):
     cls, name = target
-    evil = _pickle_module(lambda obj: (getattr, target) if isinstance(obj, ZeroStageEnum) else None)
+    evil = pickle_module_reducing(lambda obj: (getattr, target) if isinstance(obj, ZeroStageEnum) else None)
     path = tmp_path / "f.pt"
     torch.save(_state(), path, pickle_module=evil)
     with pytest.raises(pickle.UnpicklingError, match="refusing getattr"):
