@@ -174,10 +174,11 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def versions() -> dict[str, str]:
+def versions(config: dict | None = None) -> dict[str, str]:
     """The versions of what shapes a run's numbers, from the installed packages' metadata (the same
-    strings as their __version__; reading them loads no deep-learning stack), and a digest of the
-    verlj source that computes them (an edit between two runs is a version change too)."""
+    strings as their __version__; reading them loads no deep-learning stack), a digest of the verlj
+    source that computes them (an edit between two runs is a version change too), and with the run's
+    stored `config`, a digest of each user module it imports by name (user_modules)."""
     from importlib.metadata import version
 
     return {
@@ -187,7 +188,28 @@ def versions() -> dict[str, str]:
         "deepspeed": version("deepspeed"),
         "transformers": version("transformers"),
         "python": platform.python_version(),
+        **(user_modules(config) if config is not None else {}),
     }
+
+
+def user_modules(config: dict) -> dict[str, str]:
+    """'reward module NAME' (rollout.reward_fn=NAME:function) and 'checkpoint policy module NAME'
+    (trainer.checkpoint_policy=NAME.Class) -> BLAKE3 of the module's source file, 16 hex digits
+    ('missing' when it cannot be found): an edit to the user's code is a version change too."""
+    from ..plugins import module_file
+
+    named = {}
+    reward = str((config.get("rollout") or {}).get("reward_fn") or "")
+    if ":" in reward and not reward.startswith("builtin:"):
+        named["reward module " + reward.partition(":")[0]] = reward.partition(":")[0]
+    policy = (config.get("trainer") or {}).get("checkpoint_policy")
+    if policy and "." in policy:
+        named["checkpoint policy module " + policy.rsplit(".", 1)[0]] = policy.rsplit(".", 1)[0]
+    out = {}
+    for key, module in named.items():
+        path = module_file(module)
+        out[key] = blake3.blake3(path.read_bytes()).hexdigest()[:16] if path is not None else "missing"
+    return out
 
 
 @functools.lru_cache(maxsize=1)
@@ -398,11 +420,12 @@ class Ledger:
         return entries
 
     def record_resume(self, at_step: int, snapshot_step: int, config_changes: list[str], world_size: int,
-                      resume_from: str | None = None) -> list[str]:
+                      resume_from: str | None = None, config: dict | None = None) -> list[str]:
         """Record a resume (and the trainer.resume_from it was asked for: one resume's choice, never the
-        run's config) with the library versions it runs on. Returns the versions that changed since
-        the run last started, as 'name old → new'."""
-        now = versions()
+        run's config) with the library versions it runs on (and the user modules `config`, the one it
+        resumes with, imports). Returns the versions that changed since the run last started, as
+        'name old → new'."""
+        now = versions(config)
         before = self.versions_in_force()
         entry = {"kind": "resume", "at_step": at_step, "snapshot_step": snapshot_step, "config_changes": config_changes,
                  "world_size": world_size, "time": now_iso(), "versions": now}

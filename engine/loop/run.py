@@ -364,7 +364,7 @@ def run_identity(run: Run) -> dict:
         "config": cfg.to_stored(),
         "config_hash": cfg.hash(),
         "seed": cfg.trainer.seed,
-        "versions": versions(),
+        "versions": versions(cfg.to_stored()),
         "world_size": rt.world_size,
         "tensor_parallel_size": rt.tp_size,
         "num_threads": cfg.trainer.num_threads,

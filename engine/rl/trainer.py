@@ -450,17 +450,38 @@ class Trainer:
             failpoint("async.admit")
         return prod
 
-    def _score(self, mine, group_size, prompts, responses, logps) -> list[dict]:
+    def _rewards(self, rows: list[int], prompts, responses, model: bool = True) -> tuple[list[float], list[float] | None]:
+        """(rule rewards, reward model scores: None when `model` is false or there is no reward model)
+        of each response to the prompt of dataset row `rows[k]`."""
         tok = self.tokenizer
         texts_p = [tok.decode(p, skip_special_tokens=True) for p in prompts]
         texts_r = [tok.decode(r, skip_special_tokens=True) for r in responses]
-        examples = [self.dataset[i] for i in mine for _ in range(group_size)]
-        rule = rule_rewards(self.reward_fn, texts_p, texts_r, examples)
-        rm = [0.0] * len(rule)
-        if self.rm is not None:
+        rule = rule_rewards(self.reward_fn, texts_p, texts_r, [self.dataset[i] for i in rows])
+        rm = None
+        if model and self.rm is not None:
             rm = reward_model_scores(self.rm[0], self.rm[1], [p + r for p, r in zip(texts_p, texts_r)], self.rt.device)
+        return rule, rm
+
+    def rescore(self, samples: list[dict], model: bool = False) -> None:
+        """`verlj rerun`, what-ifs: score journaled samples again, in place, with the reward function the
+        config names now (and the reward model with `model`; else its journaled scores are kept), as
+        collect scored them: score = rule_reward + weight * rm_score. Reads, generates nothing."""
+        if not samples:
+            return
+        rule, rm = self._rewards([int(s["index"]) for s in samples], [s["prompt_ids"] for s in samples],
+                                 [s["response_ids"] for s in samples], model)
         w = self.cfg.model.reward_model.weight
+        for k, s in enumerate(samples):
+            s["rule_reward"] = rule[k]
+            if rm is not None:
+                s["rm_score"] = rm[k]
+            s["score"] = s["rule_reward"] + w * s["rm_score"]
+
+    def _score(self, mine, group_size, prompts, responses, logps) -> list[dict]:
         rows = [int(i) for i in mine for _ in range(group_size)]
+        rule, rm = self._rewards(rows, prompts, responses)
+        rm = rm or [0.0] * len(rule)
+        w = self.cfg.model.reward_model.weight
         return [
             {
                 "id": 0, "group": 0, "index": rows[k], "prompt_ids": prompts[k], "response_ids": responses[k],
