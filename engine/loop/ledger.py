@@ -45,6 +45,7 @@ _CONFIG, _HISTORY, _LINEAGE, _QUARANTINE = "config", "config_history", "lineage"
 _PARENT = "parent"
 _ARCHIVE = "archive"
 _TOPOLOGY = "topology_history"
+_COUNTERFACTUAL = "counterfactual"
 
 
 WRITER_DIR = "writer"
@@ -335,10 +336,16 @@ class Ledger:
 
     # ------------------------------------------------------------------ identity
 
-    def start(self, identity: dict, parent: dict | None = None, base_step: int = 0, chain_base: str | None = None) -> None:
+    def start(self, identity: dict, parent: dict | None = None, base_step: int = 0, chain_base: str | None = None,
+              counterfactual: dict | None = None) -> None:
         """Record a new run's identity: a fresh start, or a fork of `parent` at `base_step`, whose journal
-        continues the parent's hash chain (`chain_base`: its chain hash after that step)."""
-        values = {**identity, _LINEAGE: [{"kind": "fork" if parent else "start", "at_step": base_step, "time": now_iso()}]}
+        continues the parent's hash chain (`chain_base`: its chain hash after that step). A what-if
+        (loop.whatif) is such a fork whose identity says it is `counterfactual`: {run, from_step,
+        to_step, overrides, changed}; its steps are trained on that run's samples."""
+        kind = "whatif" if counterfactual else "fork" if parent else "start"
+        values = {**identity, _LINEAGE: [{"kind": kind, "at_step": base_step, "time": now_iso()}]}
+        if counterfactual:
+            values[_COUNTERFACTUAL] = counterfactual
         if parent is None:
             self.journal.update_meta(values)
         else:
@@ -354,6 +361,11 @@ class Ledger:
 
     def parent(self) -> dict | None:
         return self.journal.get_meta(_PARENT)
+
+    def counterfactual(self) -> dict | None:
+        """A what-if's {run, from_step, to_step, overrides, changed}: the run whose samples it trains
+        on; None for a run trained on its own samples."""
+        return self.journal.get_meta(_COUNTERFACTUAL)
 
     def base_step(self) -> int:
         return self.journal.base_step()
@@ -412,10 +424,10 @@ class Ledger:
         """start / fork / resume entries, oldest first (runs from before this entry existed start with a resume)."""
         entries = list(self.journal.get_meta(_LINEAGE) or [])
         parent = self.parent()
-        if parent is not None and not any(e["kind"] == "fork" for e in entries):
+        if parent is not None and not any(e["kind"] in ("fork", "whatif") for e in entries):
             entries.insert(0, {"kind": "fork", "at_step": parent["step"]})
         for e in entries:
-            if e["kind"] == "fork":
+            if e["kind"] in ("fork", "whatif"):
                 e.setdefault("parent", parent)
         return entries
 

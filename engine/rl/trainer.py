@@ -168,6 +168,7 @@ class Trainer:
     """Holds the run's Stateful parts: actor (+ reference), critic, sampler, rollout buffer."""
 
     keep_stages = False  # a re-execution for `verlj diff --stages` keeps every stage's values (StepOutcome.kept)
+    counterfactual = False  # a what-if (loop.whatif): trains on samples another run's policy drew; its steps journal their drift
 
     def __init__(self, cfg: Config, rt: Runtime):
         self.cfg, self.rt = cfg, rt
