@@ -362,6 +362,12 @@ class Ledger:
     def parent(self) -> dict | None:
         return self.journal.get_meta(_PARENT)
 
+    def base_fingerprint(self) -> str | None:
+        """A fork's state at its base step (which its journal does not hold): the parent's after that
+        step, or for a what-if, that state under the what-if's config. None for a run that was not forked."""
+        parent = self.parent()
+        return None if parent is None else parent.get("base_fingerprint", parent.get("fingerprint"))
+
     def counterfactual(self) -> dict | None:
         """A what-if's {run, from_step, to_step, overrides, changed}: the run whose samples it trains
         on; None for a run trained on its own samples."""

@@ -369,7 +369,6 @@ def start_whatif(replayed, parent: Path, new_run: Path, overrides: list[str], to
     rt, trainer = replayed.run.rt, replayed.run.trainer
     cfg, changed = whatif.whatif_config(trainer.cfg.to_dict(), overrides, to_step, new_run)
     trainer.set_config(cfg)
-    trainer.counterfactual = True
     trainer.rescore(list(trainer.buffer.samples.values()))  # samples waiting from before the what-if: its reward too
     # the base snapshot holds the state under the what-if's config (an optimizer's lr is part of its state)
     base_fp, _ = fingerprint(trainer.engines(), rt, cfg.trainer.state_digest)
@@ -383,7 +382,8 @@ def start_whatif(replayed, parent: Path, new_run: Path, overrides: list[str], to
                 chain = pj.chain_hash(replayed.step)
             journal, notes = open_writer(new_run, cfg.journal, claim_run(new_run, cfg.journal))
             run.ledger = Ledger(journal)
-            origin = {"run": str(parent.resolve()), "step": replayed.step, "fingerprint": replayed.fingerprint}
+            # base_fingerprint: the state this run starts from, the parent's under the what-if's config
+            origin = {"run": str(parent.resolve()), "step": replayed.step, "fingerprint": replayed.fingerprint, "base_fingerprint": base_fp}
             counterfactual = {"run": str(parent.resolve()), "from_step": replayed.step, "to_step": to_step,
                               "overrides": list(overrides), "changed": changed}
             run.ledger.start(run_identity(run), parent=origin, base_step=replayed.step, chain_base=chain, counterfactual=counterfactual)

@@ -55,28 +55,34 @@ class WhatifSource:
 
     def __init__(self, run: Run, parent: Path):
         self.run, self.parent = run, Path(parent)
-        self.journal = None
+        self.ledger = None
         if run.rt.is_main:
             if not (journal_dir(parent)).exists():
                 raise RunError(f"{run.run_dir} is a what-if of {parent}, whose journal is gone: it cannot go on")
-            self.journal = open_journal_reader(journal_dir(parent))
+            self.ledger = Ledger(open_journal_reader(journal_dir(parent)))
 
     def collect(self, step: int):
+        """Step `step`'s inputs from RUN's journal, its samples scored again, and whether the update
+        corrects for the policy that generated them no longer being the one it starts from (the state
+        now differs from RUN's after step - 1): the async objective's truncated importance weights."""
         from ..rl import samples as sample_codec
         from ..rl.trainer import StepInputs
+        from ..state.fingerprint import fingerprint
 
         trainer = self.run.trainer
 
-        def read() -> dict:
-            record = self.journal.read_step(step)
+        def read() -> list:
+            record = self.ledger.journal.read_step(step)
             if record is None:
                 raise RunError(f"{self.parent} has no step {step}: the what-if cannot train it")
             if record.pruned:
                 raise RunError(f"step {step}'s samples were pruned from {self.parent}'s journal (journal.retain_samples)")
-            return record.to_dict()
+            return [record.to_dict(), self.ledger.fingerprint_at(step - 1) or self._origin(step - 1)]
 
-        record = StepRecord.from_dict(self.run.rt.from_rank0(read, f"reading step {step} of {self.parent}"))
-        inputs = StepInputs.from_record(record)
+        got, theirs = self.run.rt.from_rank0(read, f"reading step {step} of {self.parent}")
+        inputs = StepInputs.from_record(StepRecord.from_dict(got))
+        mine, _ = fingerprint(trainer.engines(), self.run.rt, trainer.cfg.trainer.state_digest)
+        inputs.whatif = {"correction": mine != theirs}
         added = sample_codec.unpack(inputs.added)
         trainer.rescore(added)
         inputs.added = sample_codec.pack(added)
@@ -109,14 +115,18 @@ class WhatifSource:
     def eval_due(self, step: int) -> bool:
         return False  # evaluating would generate
 
+    def _origin(self, step: int) -> str | None:
+        """RUN's fingerprint after its base step (a fork's), from its parent record."""
+        parent = self.ledger.parent()
+        return parent["fingerprint"] if parent is not None and parent["step"] == step else None
+
     def close(self) -> None:
-        if self.journal is not None:
-            self.journal.close()
+        if self.ledger is not None:
+            self.ledger.close()
 
 
 def resume_source(run: Run, counterfactual: dict, changed: list[str]) -> WhatifSource:
     """`verlj train -o NEW --resume` of a what-if: it goes on training on its parent's samples. The
     config keys its resume changes (`changed`) must be ones a what-if may change."""
     check_whatif_keys(changed)
-    run.trainer.counterfactual = True
     return WhatifSource(run, Path(counterfactual["run"]))

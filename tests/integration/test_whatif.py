@@ -75,6 +75,8 @@ def test_a_whatif_says_so_and_is_never_forked(parent):
     with open_journal_reader(new / "journal") as j:
         cf = j.get_meta("counterfactual")
     assert (cf["from_step"], cf["to_step"], cf["changed"]) == (2, 3, ["model.actor.optim.lr"])
+    for args in (("verify", new), ("replay", new, "--to-step", "3"), ("rerun", new, "--steps", "3:3")):  # a real run
+        assert verlj(*args).returncode == 0, args
     for args in (("replay", new, "--to-step", "3", "--fork", parent / "fork"), ("whatif", new, "--from-step", "2", "-o", parent / "fork")):
         refused = verlj(*args)
         assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
@@ -87,10 +89,20 @@ def test_a_whatif_killed_at_a_random_moment_and_resumed_is_bit_identical(tmp_pat
     run = tmp_path / "run"
     run_train(run, None, [*TINY, "trainer.total_steps=10", "trainer.save_interval=3", "trainer.save_total_limit=0"])
     whatif(run, 1, None, tmp_path / "straight", ["model.actor.optim.lr=0.002"])
-    new = tmp_path / "killed"
+    # once before the what-if's first snapshot after its base (recovery starts from the base), once anywhere
+    for at in (2, random.Random(os.getpid()).randint(3, 8)):
+        killed = tmp_path / f"killed{at}"
+        kill_during(run, killed, at)
+        out = verlj("train", "--output-dir", killed, "--resume")
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert_same_journal(killed, tmp_path / "straight")
+        assert fingerprints(killed) == fingerprints(tmp_path / "straight") and sorted(fingerprints(killed)) == list(range(2, 11))
+
+
+def kill_during(run, new, at: int) -> None:
+    """`verlj whatif RUN --from-step 1 -o NEW` (lr 0.002), killed with SIGKILL once its step `at` is committed."""
     cmd = [sys.executable, "-m", "verlj.cli", "whatif", str(run), "--from-step", "1", "-o", str(new), "model.actor.optim.lr=0.002"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    at = random.Random(os.getpid()).randint(2, 7)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         try:
@@ -104,8 +116,32 @@ def test_a_whatif_killed_at_a_random_moment_and_resumed_is_bit_identical(tmp_pat
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     with open_journal_reader(new / "journal") as j:
-        assert 2 <= j.last_step() < 10
-    out = verlj("train", "--output-dir", new, "--resume")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert_same_journal(new, tmp_path / "straight")
-    assert fingerprints(new) == fingerprints(tmp_path / "straight") and sorted(fingerprints(new)) == list(range(2, 11))
+        assert at <= j.last_step() < 10
+
+
+def test_each_whatif_step_journals_how_far_its_policy_drifted(parent, monkeypatch):
+    """whatif/drift/*: |log pi_whatif - log pi_gen| over the response tokens. With the run's own config
+    it is the run's own rollout/logprob_diff and no correction is applied; the off-policy correction
+    (the async objective's truncated importance weights) applies from the first step whose starting
+    state is not the run's: at once with another lr (the optimizer's state), a step later with
+    another reward (the state after A is still the run's)."""
+    monkeypatch.syspath_prepend(str(parent))
+    runs = {over: parent / f"drift{i}" for i, over in enumerate([None, "model.actor.optim.lr=0.003", "rollout.reward_fn=wirew:negated"])}
+    for over, new in runs.items():
+        whatif(parent / "run", 2, 4, new, [over] if over else [])
+    with open_journal_reader(parent / "run" / "journal") as j:
+        theirs = {s: j.read_step(s).metrics for s in (3, 4)}
+
+    def metrics(new):
+        with open_journal_reader(new / "journal") as j:
+            return {s: j.read_step(s).metrics for s in (3, 4)}
+
+    same, lr, reward = (metrics(new) for new in runs.values())
+    for s in (3, 4):
+        assert same[s]["whatif/off_policy_correction"] == 0.0
+        assert same[s]["whatif/drift/mean"] == theirs[s]["rollout/logprob_diff/mean"]
+        assert same[s]["whatif/drift/max"] == theirs[s]["rollout/logprob_diff/max"]
+        assert lr[s]["whatif/off_policy_correction"] == 1.0
+        assert 0.0 <= lr[s]["whatif/is_clipped_frac"] <= 1.0 and 0 < lr[s]["whatif/is_weight/mean"] <= lr[s]["whatif/is_weight/max"]
+    assert lr[4]["whatif/drift/mean"] != theirs[4]["rollout/logprob_diff/mean"]
+    assert [reward[s]["whatif/off_policy_correction"] for s in (3, 4)] == [0.0, 1.0]
