@@ -145,3 +145,17 @@ def test_each_whatif_step_journals_how_far_its_policy_drifted(parent, monkeypatc
         assert 0.0 <= lr[s]["whatif/is_clipped_frac"] <= 1.0 and 0 < lr[s]["whatif/is_weight/mean"] <= lr[s]["whatif/is_weight/max"]
     assert lr[4]["whatif/drift/mean"] != theirs[4]["rollout/logprob_diff/mean"]
     assert [reward[s]["whatif/off_policy_correction"] for s in (3, 4)] == [0.0, 1.0]
+
+
+def test_metrics_draws_a_whatif_beside_its_run(parent):
+    lr, same = parent / "plot_lr", parent / "plot_same"
+    whatif(parent / "run", 2, 4, lr, ["model.actor.optim.lr=0.003"])
+    whatif(parent / "run", 2, 4, same, [])
+    out = verlj("metrics", parent / "run", lr, "--plot", parent / "lr.png")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == f"wrote {parent / 'lr.png'} (the runs part at step 3)"
+    assert (parent / "lr.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = verlj("metrics", parent / "run", same, "--plot", parent / "same.png", "--names", "critic/score/mean")
+    assert out.returncode == 0 and out.stdout.strip().endswith("(the runs never part)"), out.stderr[-2000:]
+    bad = verlj("metrics", parent / "run", lr)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: a second run is drawn beside the first with --plot out.png only"
