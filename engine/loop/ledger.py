@@ -364,7 +364,8 @@ class Ledger:
 
     def base_fingerprint(self) -> str | None:
         """A fork's state at its base step (which its journal does not hold): the parent's after that
-        step, or for a what-if, that state under the what-if's config. None for a run that was not forked."""
+        step under the fork's config (a what-if's too; forks made before this was recorded: the
+        parent's fingerprint). None for a run that was not forked."""
         parent = self.parent()
         return None if parent is None else parent.get("base_fingerprint", parent.get("fingerprint"))
 

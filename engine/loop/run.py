@@ -327,12 +327,15 @@ def check_fork(parent: Path, step: int, new_run: Path, overrides: list[str]) -> 
 def fork(replayed, parent: Path, new_run: Path, overrides: list[str]) -> int:
     """`replay --fork`: a new run from a materialized state (post_mortem.materialize); its journal records
     the parent run and step."""
+    from ..state.fingerprint import fingerprint
     from .checkpointer import Checkpointer
 
     rt, trainer = replayed.run.rt, replayed.run.trainer
     cfg, changed = fork_config(trainer.cfg.to_dict(), overrides, new_run)
     preflight_rollout(cfg, rt)
     trainer.set_config(cfg)
+    # the base snapshot holds the state under the fork's config (an optimizer's lr is part of its state)
+    base_fp, _ = fingerprint(trainer.engines(), rt, cfg.trainer.state_digest)
     if rt.is_main:
         new_run.mkdir(parents=True, exist_ok=True)
     run = Run(new_run, cfg, rt, trainer, Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps))
@@ -342,12 +345,12 @@ def fork(replayed, parent: Path, new_run: Path, overrides: list[str]) -> int:
                 chain = pj.chain_hash(replayed.step)
             journal, notes = open_writer(new_run, cfg.journal, claim_run(new_run, cfg.journal))
             run.ledger = Ledger(journal)
-            origin = {"run": str(parent.resolve()), "step": replayed.step, "fingerprint": replayed.fingerprint}
+            origin = {"run": str(parent.resolve()), "step": replayed.step, "fingerprint": replayed.fingerprint, "base_fingerprint": base_fp}
             run.ledger.start(run_identity(run), parent=origin, base_step=replayed.step, chain_base=chain)
             for note in notes:
                 say(run.reporter, note)
         run.ckpt = Checkpointer(run)
-        run.ckpt.save(replayed.step, replayed.fingerprint)  # the fork's base: recovery of the new run starts here
+        run.ckpt.save(replayed.step, base_fp)  # the fork's base: recovery of the new run starts here
         run.ckpt.wait()
         control = [make_event("control", kind="fork", details={"parent": str(parent), "parent_step": replayed.step, "config_changes": changed})]
         run.reporter.info(f"Forked {parent} at step {replayed.step} into {new_run}.")
