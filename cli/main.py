@@ -36,11 +36,12 @@ def root(
 
 
 def _register() -> None:
-    from . import config_cmd, export_cmd, inspect_cmd, journal_cmd, replay_cmd, rerun_cmd, train_cmd, verify_cmd
+    from . import config_cmd, export_cmd, inspect_cmd, journal_cmd, replay_cmd, rerun_cmd, train_cmd, verify_cmd, whatif_cmd
 
     train_cmd.register(app)
     replay_cmd.register(app)
     rerun_cmd.register(app)
+    whatif_cmd.register(app)
     verify_cmd.register(app)
     inspect_cmd.register(app)
     config_cmd.register(app)

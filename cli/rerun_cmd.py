@@ -15,10 +15,13 @@ def rerun(
     run: Annotated[Path, typer.Argument(help="Run directory.")],
     steps: Annotated[str, typer.Option("--steps", help="A:B, inclusive (or one step).")],
     as_json: Annotated[bool, typer.Option("--json", help="The verdicts as JSON (the only thing on stdout).")] = False,
+    rescore_model: Annotated[bool, typer.Option("--rescore-model", help="Score the samples with the reward model again too "
+                                                "(a forward pass per sample); else its journaled scores are kept.")] = False,
 ) -> None:
-    """Re-execute steps A..B from the nearest snapshot and compare every stage digest with the
-    journal: reproduced, or where it differs, transient or persistent. Exit 0 when every step
-    reproduced, 1 otherwise. Writes nothing into the run."""
+    """Re-execute steps A..B from the nearest snapshot, the samples scored again with the reward
+    function the config names as it is now, and compare every stage digest with the journal:
+    reproduced, or where it differs, transient or persistent. Exit 0 when every step reproduced,
+    1 otherwise. Writes nothing into the run."""
     quiet_libraries()
     from verlj.engine.dist import prepare_accelerator
 
@@ -30,7 +33,7 @@ def rerun(
     if not run.is_dir():
         raise fail(f"{run} does not exist", 2)
     start, stop = guarded(lambda: rr.parse_steps(steps))
-    report = guarded(lambda: rr.rerun(run, start, stop))
+    report = guarded(lambda: rr.rerun(run, start, stop, rescore_model))
     if is_rank0():
         out(json.dumps(report) if as_json else rr.render(report))
     raise typer.Exit(0 if report["reproduced"] else 1)

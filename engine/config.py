@@ -479,6 +479,42 @@ def check_change(old: dict, new: Config, allow_live: bool, how: str) -> list[str
     return changed
 
 
+# ----------------------------------------------------------------------------- what-if policy
+
+# What `verlj whatif RUN --from-step A -o NEW key=value` may change (loop.whatif): how RUN's journaled
+# samples are scored, filtered and trained on, and bookkeeping keys. Any other key would need new
+# samples (sampling, lengths, the engine, the model, the data, the seeds) or another state (the
+# algorithm's parts, the topology): refused by check_whatif, naming the key.
+WHATIF_KEYS = (
+    "model.actor.optim.lr", "model.critic.optim.lr",  # the optimizers
+    "model.actor.clip_ratio", "model.critic.cliprange_value", "model.actor.entropy_coeff",  # the objective
+    "model.actor.use_kl_loss", "model.actor.kl_loss_coef", "algorithm.kl_coef",  # the KL term (GRPO: in the loss; PPO: in the rewards)
+    "algorithm.loss_normalization", "model.actor.ppo_epochs", "model.actor.mini_batch_size",  # loss aggregation, passes
+    "algorithm.norm_adv_by_std", "algorithm.gamma", "algorithm.lam",  # the advantage estimator
+    "algorithm.rollout_is_threshold",  # the off-policy correction's truncation
+    "rollout.reward_fn", "rollout.answer_format", "model.reward_model.weight",  # the samples are scored again
+    "algorithm.dynamic_sampling",  # the zero-variance filter, on the scores given again
+)
+
+
+def check_whatif(old: dict, new: Config) -> list[str]:
+    """The dotted keys a what-if changes from `old` (RUN's config), if it may change them (WHATIF_KEYS
+    and bookkeeping keys); else one sentence naming the first key it may not."""
+    changed = [k for k in diff_configs(config_from_dict(old).to_dict(), new.to_dict()) if k not in ONE_OFF_KEYS]
+    check_whatif_keys(changed)
+    return changed
+
+
+def check_whatif_keys(changed: list[str]) -> None:
+    """One sentence naming the first of the `changed` keys a what-if may not change (check_whatif)."""
+    refused = [k for k in changed if k not in WHATIF_KEYS and policy_of(k) != BOOKKEEPING]
+    if refused:
+        raise ConfigError(
+            f"{refused[0]} cannot change in a what-if: it re-trains on the run's journaled samples, and this key would need "
+            f"new samples or another state (fork the run to change it: `verlj replay RUN --to-step A --fork NEW {refused[0]}=...`)"
+        )
+
+
 def _pop_dotted(d: dict, dotted: str) -> None:
     *parents, leaf = dotted.split(".")
     for p in parents:

@@ -8,10 +8,12 @@ works from the ``verlj`` script too.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -35,6 +37,21 @@ def import_object(spec: str, module_name: str, attr: str, key: str, error: type[
     if not hasattr(module, attr):
         raise error(f"{key}: cannot import {spec!r} (module {module_name!r} has no {attr!r})")
     return getattr(module, attr)
+
+
+def module_file(module_name: str) -> Path | None:
+    """The source file of the user module `module_name` (the one imported, else the one an import would
+    load; its package's ``__init__.py`` for a package), or None when there is none."""
+    _cwd_importable()
+    module = sys.modules.get(module_name)
+    origin = getattr(module, "__file__", None) if module is not None else None
+    if origin is None:
+        try:
+            spec = importlib.util.find_spec(module_name)
+        except (ImportError, ValueError):
+            return None
+        origin = spec.origin if spec is not None else None
+    return Path(origin) if origin and Path(origin).is_file() else None
 
 
 def check_signature(fn: Callable, n_args: int, what: str, error: type[Exception], **kwargs) -> None:

@@ -48,6 +48,7 @@ _MISSING = "missing_snapshots"
 _PARENT = "parent"
 _ARCHIVE = "archive"
 _TOPOLOGY = "topology_history"
+_COUNTERFACTUAL = "counterfactual"
 
 
 WRITER_DIR = "writer"
@@ -186,10 +187,11 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def versions() -> dict[str, str]:
+def versions(config: dict | None = None) -> dict[str, str]:
     """The versions of what shapes a run's numbers, from the installed packages' metadata (the same
-    strings as their __version__; reading them loads no deep-learning stack), and a digest of the
-    verlj source that computes them (an edit between two runs is a version change too)."""
+    strings as their __version__; reading them loads no deep-learning stack), a digest of the verlj
+    source that computes them (an edit between two runs is a version change too), and with the run's
+    stored `config`, a digest of each user module it imports by name (user_modules)."""
     from importlib.metadata import version
 
     return {
@@ -199,7 +201,28 @@ def versions() -> dict[str, str]:
         "deepspeed": version("deepspeed"),
         "transformers": version("transformers"),
         "python": platform.python_version(),
+        **(user_modules(config) if config is not None else {}),
     }
+
+
+def user_modules(config: dict) -> dict[str, str]:
+    """'reward module NAME' (rollout.reward_fn=NAME:function) and 'checkpoint policy module NAME'
+    (trainer.checkpoint_policy=NAME.Class) -> BLAKE3 of the module's source file, 16 hex digits
+    ('missing' when it cannot be found): an edit to the user's code is a version change too."""
+    from ..plugins import module_file
+
+    named = {}
+    reward = str((config.get("rollout") or {}).get("reward_fn") or "")
+    if ":" in reward and not reward.startswith("builtin:"):
+        named["reward module " + reward.partition(":")[0]] = reward.partition(":")[0]
+    policy = (config.get("trainer") or {}).get("checkpoint_policy")
+    if policy and "." in policy:
+        named["checkpoint policy module " + policy.rsplit(".", 1)[0]] = policy.rsplit(".", 1)[0]
+    out = {}
+    for key, module in named.items():
+        path = module_file(module)
+        out[key] = blake3.blake3(path.read_bytes()).hexdigest()[:16] if path is not None else "missing"
+    return out
 
 
 @functools.lru_cache(maxsize=1)
@@ -367,10 +390,16 @@ class Ledger:
 
     # ------------------------------------------------------------------ identity
 
-    def start(self, identity: dict, parent: dict | None = None, base_step: int = 0, chain_base: str | None = None) -> None:
+    def start(self, identity: dict, parent: dict | None = None, base_step: int = 0, chain_base: str | None = None,
+              counterfactual: dict | None = None) -> None:
         """Record a new run's identity: a fresh start, or a fork of `parent` at `base_step`, whose journal
-        continues the parent's hash chain (`chain_base`: its chain hash after that step)."""
-        values = {**identity, _LINEAGE: [{"kind": "fork" if parent else "start", "at_step": base_step, "time": now_iso()}]}
+        continues the parent's hash chain (`chain_base`: its chain hash after that step). A what-if
+        (loop.whatif) is such a fork whose identity says it is `counterfactual`: {run, from_step,
+        to_step, overrides, changed}; its steps are trained on that run's samples."""
+        kind = "whatif" if counterfactual else "fork" if parent else "start"
+        values = {**identity, _LINEAGE: [{"kind": kind, "at_step": base_step, "time": now_iso()}]}
+        if counterfactual:
+            values[_COUNTERFACTUAL] = counterfactual
         if parent is None:
             self.journal.update_meta(values)
         else:
@@ -386,6 +415,18 @@ class Ledger:
 
     def parent(self) -> dict | None:
         return self.journal.get_meta(_PARENT)
+
+    def base_fingerprint(self) -> str | None:
+        """A fork's state at its base step (which its journal does not hold): the parent's after that
+        step under the fork's config (a what-if's too; forks made before this was recorded: the
+        parent's fingerprint). None for a run that was not forked."""
+        parent = self.parent()
+        return None if parent is None else parent.get("base_fingerprint", parent.get("fingerprint"))
+
+    def counterfactual(self) -> dict | None:
+        """A what-if's {run, from_step, to_step, overrides, changed}: the run whose samples it trains
+        on; None for a run trained on its own samples."""
+        return self.journal.get_meta(_COUNTERFACTUAL)
 
     def base_step(self) -> int:
         return self.journal.base_step()
@@ -444,19 +485,20 @@ class Ledger:
         """start / fork / resume entries, oldest first (runs from before this entry existed start with a resume)."""
         entries = list(self.journal.get_meta(_LINEAGE) or [])
         parent = self.parent()
-        if parent is not None and not any(e["kind"] == "fork" for e in entries):
+        if parent is not None and not any(e["kind"] in ("fork", "whatif") for e in entries):
             entries.insert(0, {"kind": "fork", "at_step": parent["step"]})
         for e in entries:
-            if e["kind"] == "fork":
+            if e["kind"] in ("fork", "whatif"):
                 e.setdefault("parent", parent)
         return entries
 
     def record_resume(self, at_step: int, snapshot_step: int, config_changes: list[str], world_size: int,
-                      resume_from: str | None = None) -> list[str]:
+                      resume_from: str | None = None, config: dict | None = None) -> list[str]:
         """Record a resume (and the trainer.resume_from it was asked for: one resume's choice, never the
-        run's config) with the library versions it runs on. Returns the versions that changed since
-        the run last started, as 'name old → new'."""
-        now = versions()
+        run's config) with the library versions it runs on (and the user modules `config`, the one it
+        resumes with, imports). Returns the versions that changed since the run last started, as
+        'name old → new'."""
+        now = versions(config)
         before = self.versions_in_force()
         entry = {"kind": "resume", "at_step": at_step, "snapshot_step": snapshot_step, "config_changes": config_changes,
                  "world_size": world_size, "time": now_iso(), "versions": now}

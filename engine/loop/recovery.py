@@ -361,7 +361,7 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
         ledger = run.ledger
         if topology is not None:
             ledger.record_topology_change(last + 1, topology["to"], {k: v for k, v in topology.items() if k != "to"})
-        moved = ledger.record_resume(last, step0, changed, rt.world_size, resume_from=spec)
+        moved = ledger.record_resume(last, step0, changed, rt.world_size, resume_from=spec, config=cfg.to_stored())
         if moved:
             reporter.warn(f"library versions changed since this run last started: {', '.join(moved)} (recorded in its lineage)")
         if changed:

@@ -1,4 +1,4 @@
-"""`verlj train` (a fresh run, or --resume), the train loop, and `replay --fork`'s new run.
+"""`verlj train` (a fresh run, or --resume), the train loop, `replay --fork`'s and `whatif`'s new run.
 
     verlj train --output-dir runs/demo [--resume] [key=value ...]
 
@@ -31,6 +31,7 @@ from verlj.journal.failpoints import failpoint
 from ..config import ONE_OFF_KEYS, Config, check_change, config_from_dict, diff_configs, make_config, stored_config, to_yaml
 from ..errors import ConfigError, RunError
 from ..report import Reporter
+from . import whatif
 from .context import Run
 from .ledger import (
     WRITER_DIR,
@@ -185,7 +186,7 @@ def train(
     configure_determinism(cfg)
     preflight_rollout(cfg, rt)
     created = not run_dir.exists()
-    journal = trainer = reporter = None
+    journal = trainer = reporter = source = None
     claim: Claim | None = None
     notes: list[str] = []
     interrupted = False
@@ -222,6 +223,9 @@ def train(
         control: list[dict] = []
         if existing:
             rt.from_rank0(lambda: trainer.check_identity(run.ledger.identity()), "checking the run's identity")
+            counterfactual = rt.from_rank0(lambda: run.ledger.counterfactual(), "reading the run's identity")
+            if counterfactual is not None:  # a what-if goes on training on its parent's samples
+                source = whatif.resume_source(run, counterfactual, changed)
             last, control = resume(run, changed, allow_config_change)
             if rt.is_main:
                 reporter.catch_up(run.ledger.metrics, last)
@@ -231,12 +235,14 @@ def train(
                 run.ledger.start(run_identity(run))
             control.append(make_event("control", kind="start", details={"config_hash": cfg.hash(), "world_size": rt.world_size}))
             reporter.info("Step 0: Starting training...")
-        last = train_loop(run, last, control, stop)
+        last = train_loop(run, last, control, stop, source)
         return Trained(last, run.ckpt.failures())
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, waiting for nothing in flight
         interrupted = True
         raise
     finally:
+        if source is not None:
+            source.close()
         if reporter is not None:
             reporter.close()
         # a start that never committed a step leaves nothing behind to block a retry: only this process's
@@ -273,11 +279,14 @@ def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
         shutil.rmtree(run_dir)
 
 
-def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None = None) -> int:
+def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None = None, source=None) -> int:
     """Live steps last+1 .. total_steps: collect, apply, commit, maybe snapshot. Returns the last step.
-    `control`: events for the first step's record (start, resume, fork, a config change)."""
+    `control`: events for the first step's record (start, resume, fork, a config change). `source`:
+    what collects each step's inputs (collect, finish_collect, eval_due): the trainer, or a what-if's
+    reader of another run's journal (loop.whatif.WhatifSource)."""
     cfg, rt, trainer, ckpt, ledger, reporter = run.cfg, run.rt, run.trainer, run.ckpt, run.ledger, run.reporter
     stop = stop or StopFlag()
+    source = source or trainer
     if rt.is_main:
         (run.run_dir / "config.yaml").write_text(to_yaml(cfg, stored=True))
     reporter.start(last + 1)
@@ -290,13 +299,13 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
     step, ship_cpu = last, 0.0
     for step in range(last + 1, cfg.trainer.total_steps + 1):
         t_step = time.perf_counter()
-        inputs = trainer.collect(step)  # async: also starts generating a later step's batch ...
+        inputs = source.collect(step)  # async: also starts generating a later step's batch ...
         samples = trainer.take(step, inputs)
         outcome = trainer.apply(step, inputs, samples)
-        inputs = trainer.finish_collect(step, inputs)  # ... which is in the buffer, and in this record, before the commit
+        inputs = source.finish_collect(step, inputs)  # ... which is in the buffer, and in this record, before the commit
         outcome.metrics.update(trainer.buffer_metrics())
         evaluated = []
-        if trainer.eval_due(step):
+        if source.eval_due(step):
             t_eval = time.perf_counter()
             eval_metrics, eval_event = trainer.evaluate(step)
             outcome.metrics.update(eval_metrics, **{"timing_s/eval": time.perf_counter() - t_eval})
@@ -339,20 +348,24 @@ def fork_config(old: dict, overrides: list[str], new_run: Path) -> tuple[Config,
 
 def check_fork(parent: Path, step: int, new_run: Path, overrides: list[str]) -> None:
     """`replay --fork`'s config, checked before anything is replayed (fork() checks it again on the
-    replayed trainer's config, which may differ only in topology keys)."""
+    replayed trainer's config, which may differ only in topology keys). A what-if is never forked."""
     with open_run(parent) as ledger:
+        whatif.refuse_counterfactual(ledger, parent, "forked", "fork")
         fork_config(ledger.config_at(step), overrides, new_run)
 
 
 def fork(replayed, parent: Path, new_run: Path, overrides: list[str]) -> int:
     """`replay --fork`: a new run from a materialized state (post_mortem.materialize); its journal records
     the parent run and step."""
+    from ..state.fingerprint import fingerprint
     from .checkpointer import Checkpointer
 
     rt, trainer = replayed.run.rt, replayed.run.trainer
     cfg, changed = fork_config(trainer.cfg.to_dict(), overrides, new_run)
     preflight_rollout(cfg, rt)
     trainer.set_config(cfg)
+    # the base snapshot holds the state under the fork's config (an optimizer's lr is part of its state)
+    base_fp, _ = fingerprint(trainer.engines(), rt, cfg.trainer.state_digest)
     if rt.is_main:
         new_run.mkdir(parents=True, exist_ok=True)
     run = Run(new_run, cfg, rt, trainer, Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps))
@@ -362,12 +375,12 @@ def fork(replayed, parent: Path, new_run: Path, overrides: list[str]) -> int:
                 chain = pj.chain_hash(replayed.step)
             journal, notes = open_writer(new_run, cfg.journal, claim_run(new_run, cfg.journal))
             run.ledger = Ledger(journal)
-            origin = {"run": str(parent.resolve()), "step": replayed.step, "fingerprint": replayed.fingerprint}
+            origin = {"run": str(parent.resolve()), "step": replayed.step, "fingerprint": replayed.fingerprint, "base_fingerprint": base_fp}
             run.ledger.start(run_identity(run), parent=origin, base_step=replayed.step, chain_base=chain)
             for note in notes:
                 say(run.reporter, note)
         run.ckpt = Checkpointer(run)
-        run.ckpt.save(replayed.step, replayed.fingerprint)  # the fork's base: recovery of the new run starts here
+        run.ckpt.save(replayed.step, base_fp)  # the fork's base: recovery of the new run starts here
         run.ckpt.wait()
         control = [make_event("control", kind="fork", details={"parent": str(parent), "parent_step": replayed.step, "config_changes": changed})]
         run.reporter.info(f"Forked {parent} at step {replayed.step} into {new_run}.")
@@ -377,6 +390,54 @@ def fork(replayed, parent: Path, new_run: Path, overrides: list[str]) -> int:
         if run.ledger is not None:
             run.ledger.close()
         trainer.close()  # its rollout engine too (vLLM, the async generator)
+
+
+def start_whatif(replayed, parent: Path, new_run: Path, overrides: list[str], to_step: int) -> int:
+    """A new what-if run from a materialized state of `parent` (post_mortem.materialize): its journal
+    continues the parent's chain after the state's step and says it is counterfactual; then steps
+    up to `to_step` trained on the parent's samples. Returns the last committed step."""
+    from ..state.fingerprint import fingerprint
+    from .checkpointer import Checkpointer
+
+    rt, trainer = replayed.run.rt, replayed.run.trainer
+    cfg, changed = whatif.whatif_config(trainer.cfg.to_dict(), overrides, to_step, new_run)
+    trainer.set_config(cfg)
+    trainer.rescore(list(trainer.buffer.samples.values()))  # samples waiting from before the what-if: its reward too
+    # the base snapshot holds the state under the what-if's config (an optimizer's lr is part of its state)
+    base_fp, _ = fingerprint(trainer.engines(), rt, cfg.trainer.state_digest)
+    if rt.is_main:
+        new_run.mkdir(parents=True, exist_ok=True)
+    run = Run(new_run, cfg, rt, trainer, Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps))
+    source = None
+    try:
+        if rt.is_main:
+            with open_journal_reader(journal_dir(parent)) as pj:
+                chain = pj.chain_hash(replayed.step)
+            journal, notes = open_writer(new_run, cfg.journal, claim_run(new_run, cfg.journal))
+            run.ledger = Ledger(journal)
+            # base_fingerprint: the state this run starts from, the parent's under the what-if's config
+            origin = {"run": str(parent.resolve()), "step": replayed.step, "fingerprint": replayed.fingerprint, "base_fingerprint": base_fp}
+            counterfactual = {"run": str(parent.resolve()), "from_step": replayed.step, "to_step": to_step,
+                              "overrides": list(overrides), "changed": changed}
+            run.ledger.start(run_identity(run), parent=origin, base_step=replayed.step, chain_base=chain, counterfactual=counterfactual)
+            for note in notes:
+                say(run.reporter, note)
+        source = whatif.WhatifSource(run, parent)
+        run.ckpt = Checkpointer(run)
+        run.ckpt.save(replayed.step, base_fp)  # the what-if's base: its recovery starts here
+        run.ckpt.wait()
+        control = [make_event("control", kind="whatif", details={"parent": str(parent), "parent_step": replayed.step,
+                                                                  "to_step": to_step, "config_changes": changed})]
+        run.reporter.info(f"What-if of {parent} from step {replayed.step} in {new_run}: steps {replayed.step + 1}–{to_step} "
+                          f"re-trained on its samples{' with ' + ', '.join(changed) + ' changed' if changed else ''}.")
+        return train_loop(run, replayed.step, control, source=source)
+    finally:
+        if source is not None:
+            source.close()
+        run.reporter.close()
+        if run.ledger is not None:
+            run.ledger.close()
+        trainer.close()
 
 
 def preflight_rollout(cfg: Config, rt: Runtime) -> None:
@@ -393,7 +454,7 @@ def run_identity(run: Run) -> dict:
         "config": cfg.to_stored(),
         "config_hash": cfg.hash(),
         "seed": cfg.trainer.seed,
-        "versions": versions(),
+        "versions": versions(cfg.to_stored()),
         "world_size": rt.world_size,
         "tensor_parallel_size": rt.tp_size,
         "num_threads": cfg.trainer.num_threads,

@@ -284,7 +284,7 @@ def check_against_journal(ledger: Ledger, step: int, path: Path, expected_manife
     """Whether the snapshot at `path` is the state after `step` as the journal knows it: its manifest
     and files (and the manifest's digest, when the index recorded one), the step its meta names, and
     its fingerprint against the one journaled for that step (a fork's base step, which its journal
-    does not hold, against the parent's). hash_files=False: file sizes only (SnapshotStore.sound).
+    does not hold, against Ledger.base_fingerprint). hash_files=False: file sizes only (SnapshotStore.sound).
     Returns (the check, the first problem or None)."""
     res = check_snapshot(path, hash_files=hash_files, expected_manifest=expected_manifest)
     if not res.valid:
@@ -292,8 +292,8 @@ def check_against_journal(ledger: Ledger, step: int, path: Path, expected_manife
     if res.step != step:
         return res, f"its meta says step {res.step}, its name and the index say {step}"
     want = ledger.fingerprint_at(step)
-    if want is None and step == ledger.base_step() and ledger.parent() is not None:
-        want = ledger.parent().get("fingerprint")
+    if want is None and step == ledger.base_step():
+        want = ledger.base_fingerprint()
     if want is None:
         return res, f"step {step} is not in the journal (it ends at step {ledger.last_step()})"
     if res.meta["fingerprint"] != want:

@@ -88,6 +88,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
         "missing": missing,
         "trend": trend,
         "probes": derived.probes(run_dir),
+        "counterfactual": meta.get("counterfactual"),
     }
 
 
@@ -145,6 +146,11 @@ def render_summary(s: dict) -> str:
         + (f", async ({_order(s['rollout'])}max_staleness {s['rollout']['max_staleness']})" if s["rollout"].get("mode") == "async" else ""),
         f"steps      {s['steps_committed']} committed, last step {s['last_step']}",
     ]
+    if s.get("counterfactual"):
+        cf = s["counterfactual"]
+        changed = ", ".join(cf["overrides"]) if cf["overrides"] else "nothing (RUN's own config)"
+        lines.insert(1, f"what-if    COUNTERFACTUAL: steps {cf['from_step'] + 1}–{cf['to_step']} re-trained on the samples of "
+                        f"{cf['run']} (not drawn by this run's policy), changed: {changed}")
     if s["snapshots"]:
         lines.append("snapshots  " + "  ".join(
             f"{x['name']}{'' if x['valid'] else ' ✗ ' + x['problem']}{'' if x['indexed'] else ' (unindexed)'}" for x in s["snapshots"]))
@@ -163,6 +169,8 @@ def render_summary(s: dict) -> str:
             continue
         if entry["kind"] == "fork":
             lines.append(f"lineage    forked from {entry['parent']['run']} at step {entry['parent']['step']}")
+        elif entry["kind"] == "whatif":
+            lines.append(f"lineage    a what-if of {entry['parent']['run']} from its step {entry['parent']['step']}")
         else:
             changes = f", config changes: {', '.join(entry['config_changes'])}" if entry.get("config_changes") else ""
             asked = f" (asked: trainer.resume_from={entry['resume_from']})" if entry.get("resume_from") else ""

@@ -8,8 +8,11 @@ journal's; from that snapshot on, the check goes on). A step that differs is re-
 time: if the two re-executions agree with each other the difference is ``persistent`` (the recorded
 versions that differ from this machine's are named, the verlj source's digest among them; when none
 differs, the run's own execution of the step went wrong, or the platform changed), else
-``transient`` (this machine does not give the same result twice: suspect its hardware). Nothing is
-written into the run.
+``transient`` (this machine does not give the same result twice: suspect its hardware). Each
+step's samples are scored again with the reward function the config names as it is now (a reward
+model too with --rescore-model): an edited reward module differs at ``scores``, persistent, naming
+the module's digest change (loop.ledger.user_modules) and the first sample scored otherwise.
+Nothing is written into the run.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Verdict:
     journaled: dict = field(default_factory=dict)  # that stage's summary in the journal
     rerun: dict = field(default_factory=dict)  # and in this re-execution
     kind: str | None = None  # persistent | transient (the first step that differs)
+    sample: dict | None = None  # differs at scores: the first sample scored otherwise {id, index, journaled, rerun}
     second: dict = field(default_factory=dict)  # the second re-execution's summary of that stage
     note: str | None = None  # why a step was not checked, when not for the usual reason
 
@@ -70,12 +74,15 @@ def parse_steps(spec: str) -> tuple[int, int]:
 
 
 def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, checked: bool = False,
-             keep: bool = False) -> tuple[int, dict]:
+             keep: bool = False, rescore: str | None = None, rescored: dict | None = None) -> tuple[int, dict]:
     """Restore the newest valid snapshot before `start`, re-execute the journaled steps up to `stop`;
     returns (snapshot step, {step: (journaled stages, rerun stages, journaled fingerprint, rerun fingerprint)}).
     `checked`: replay's own checks stay on (a probe runs on verified states) and nothing is observed;
     `before(step, inputs, samples, trainer)`: called before each step from `start` on; `keep`: each
-    step's tuple also holds the stages' values (StepOutcome.kept)."""
+    step's tuple also holds the stages' values (StepOutcome.kept). `rescore` ("rule", or "model": the
+    reward model too): the samples of each step from `start` on are scored again with the reward the
+    config names now (Trainer.rescore); `rescored[step]` then holds the first sample whose score
+    changed: {id, index, journaled, rerun}."""
     from ..loop.checkpointer import Checkpointer
     from ..loop.recovery import replay, restore
     from ..rl.trainer import Trainer
@@ -103,22 +110,40 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
             return True
 
         def pre(step, inputs, samples) -> None:
-            if step >= start:
+            if step < start:
+                return
+            if rescore is not None:
+                journaled = [s["score"] for s in samples]
+                run.trainer.rescore(samples, model=rescore == "model")
+                moved = [(s, j) for s, j in zip(samples, journaled) if s["score"] != j]
+                if moved and rescored is not None:
+                    s, j = moved[0]
+                    rescored[step] = {"id": int(s["id"]), "index": int(s["index"]), "journaled": j, "rerun": s["score"]}
+            if before is not None:
                 before(step, inputs, samples, run.trainer)
 
         if step0 < stop:
-            replay(run, run.history(), step0 + 1, stop, observe=None if checked else observe, before=pre if before else None)
+            replay(run, run.history(), step0 + 1, stop, observe=None if checked else observe,
+                   before=pre if before or rescore else None)
         return step0, seen
     finally:
         run.trainer.close()
 
 
-def rerun(run_dir: Path, start: int, stop: int) -> dict:
+def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> dict:
     """The verdict of every step start..stop (see the module's doc), as a report. After a step that
     differs, the check goes on from the next snapshot at or after it (which holds the run's state
-    as it was, difference included): the steps in between are ``not checked``."""
+    as it was, difference included): the steps in between are ``not checked``.
+
+    Each step's samples are scored again with the reward function the config names now (a changed
+    one differs at ``scores``, naming the first sample scored otherwise); a reward model's scores only
+    with `rescore_model` (a forward pass per sample), else the journal's are kept and the report says so."""
     run_dir = Path(run_dir)
+    rescore = "model" if rescore_model else "rule"
+    rescored: dict = {}
     with steps_reader(run_dir, start, stop) as ledger:
+        config = ledger.config_at(stop)
+        reward_model = bool((config.get("model", {}).get("reward_model") or {}).get("model_name_or_path"))
         pruned = [s for s in range(ledger.base_step() + 1, stop + 1) if ledger.journal.read_step(s).pruned]
         recorded = ledger.versions_in_force()
         snapshots = sorted(ledger.snapshots())
@@ -127,7 +152,7 @@ def rerun(run_dir: Path, start: int, stop: int) -> dict:
         pos = start
         while pos <= stop:
             try:
-                step0, seen = _execute(run_dir, ledger, pos, stop)
+                step0, seen = _execute(run_dir, ledger, pos, stop, rescore=rescore, rescored=rescored)
             except (ReplayError, SnapshotError) as e:
                 if not origins:
                     raise
@@ -144,24 +169,28 @@ def rerun(run_dir: Path, start: int, stop: int) -> dict:
             broken = _judge(seen, step0, pos, stop, verdicts)
             if broken is None:
                 break
-            _classify(run_dir, ledger, broken, seen[broken.step])
+            if broken.stage == "scores":
+                broken.sample = rescored.get(broken.step)
+            _classify(run_dir, ledger, broken, seen[broken.step], rescore)
             resume_at = next((n for n in snapshots if broken.step <= n < stop), None)
             resume_at = stop if resume_at is None else resume_at
             verdicts += [Verdict(s, "not checked") for s in range(broken.step + 1, resume_at + 1)]
             pos = resume_at + 1
-    now = versions()
+    now = versions(config)
     moved = {k: [recorded.get(k), now[k]] for k in now if recorded.get(k) not in (None, now[k])}
     return {"run": str(run_dir), "steps": [start, stop], "from_snapshot": origins[0], "restarted_from": origins[1:],
             "verdicts": [v.__dict__ for v in verdicts], "versions_changed": moved, "source_recorded": "verlj-source" in recorded,
+            "reward_model": ("rescored" if rescore_model else "kept") if reward_model else None,
             "reproduced": all(v.verdict == "reproduced" for v in verdicts)}
 
 
 def stage_values(run_dir: Path, step: int, stage: str) -> list[tuple[str, object]]:
-    """Re-execute `step` from the newest snapshot before it and return `stage`'s values there, as
-    [(name, host array)] (this process's share). The steps replayed on the way must reproduce."""
+    """Re-execute `step` from the newest snapshot before it (its samples scored again with the rule
+    reward the config names now, as rerun does) and return `stage`'s values there, as [(name, host
+    array)] (this process's share). The steps replayed on the way must reproduce."""
     run_dir = Path(run_dir)
     with steps_reader(run_dir, step, step, f"step {step}") as ledger:
-        step0, seen = _execute(run_dir, ledger, step, step, keep=True)
+        step0, seen = _execute(run_dir, ledger, step, step, keep=True, rescore="rule")
     verdicts: list[Verdict] = []
     _judge({s: v for s, v in seen.items() if s < step}, step0, step, step - 1, verdicts)
     return (seen[step][4] or {}).get(stage, [])
@@ -206,11 +235,11 @@ def _judge(seen: dict, step0: int, pos: int, stop: int, verdicts: list) -> Verdi
     return None
 
 
-def _classify(run_dir: Path, ledger: Ledger, broken: Verdict, first: tuple) -> None:
+def _classify(run_dir: Path, ledger: Ledger, broken: Verdict, first: tuple, rescore: str | None = None) -> None:
     """Execute the differing step a second time: persistent when both re-executions agree, else transient."""
     from ..state.stages import first_difference
 
-    _, second = _execute(run_dir, ledger, broken.step, broken.step)
+    _, second = _execute(run_dir, ledger, broken.step, broken.step, rescore=rescore)
     again = second[broken.step][1]
     same = first_difference(first[1], again) is None and first[3] == second[broken.step][3]
     broken.kind = "persistent" if same else "transient"
@@ -233,7 +262,7 @@ def render(report: dict) -> str:
             if kind == "persistent":
                 moved = report["versions_changed"]
                 if moved:
-                    why = " — " + ", ".join(f"{k} {a} → {b}" for k, (a, b) in moved.items())
+                    why = " — " + ", ".join(f"{k}{':' if ' module ' in k else ''} {a} → {b}" for k, (a, b) in moved.items())
                 elif report["source_recorded"]:
                     why = (" — the same code and versions give another result than the run did: the run's own execution "
                            "of this step went wrong (suspect the machine that ran it), or the platform changed")
@@ -242,9 +271,16 @@ def render(report: dict) -> str:
             elif kind == "transient":
                 why = " — a second re-execution here gave another result: suspect the hardware"
             lines.append(f"step {v['step']}: differs at {v['stage']}{nums}{', ' + kind if kind else ''}{why}")
+            x = v.get("sample")
+            if x:
+                lines.append(f"  first sample scored otherwise: sample {x['id']} (dataset row {x['index']}): "
+                             f"journal {x['journaled']!r}, rerun {x['rerun']!r}")
     src = f"snapshot step_{report['from_snapshot']:05d}" if report["from_snapshot"] else "the initial state"
     if report["restarted_from"]:
         src += ", and after each difference from " + ", ".join(f"step_{s:05d}" for s in report["restarted_from"])
+    if report.get("reward_model") == "kept":
+        lines.append("the reward model did not score the samples again (its journaled scores were kept): "
+                     "pass --rescore-model to re-score them (a forward pass per sample)")
     ok = sum(v["verdict"] == "reproduced" for v in report["verdicts"])
     lines.append(f"{ok} of {len(report['verdicts'])} step(s) reproduced (re-executed from {src})")
     return "\n".join(lines)

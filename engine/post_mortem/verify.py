@@ -175,6 +175,8 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
                 index = None
             try:
                 fps = ledger.fingerprints()
+                if ledger.base_fingerprint() is not None:  # a fork's base snapshot: the state it started from
+                    fps.setdefault(ledger.base_step(), ledger.base_fingerprint())
             except JournalError:
                 fps = {}
         except NotAJournalError:

@@ -65,11 +65,13 @@ class StepInputs:
     mode: dict = field(default_factory=dict)  # async: {"mode": "async", "max_staleness": k[, "async_order": "completion"]}; sync: {}
     requests: dict = field(default_factory=dict)  # completion order: {"groups", "rows", "regenerated"} (np.int64[] each)
     admitted: bool = False  # live: collect has put the batches into the buffer already (not journaled)
+    whatif: dict = field(default_factory=dict)  # a what-if's step (loop.whatif): {"correction": the update applies the off-policy correction}
 
     def events(self) -> list[dict]:
         out = [
             make_event("data", epoch=self.epoch, cursor=self.cursor, indices=self.indices, rounds=self.rounds),
-            make_event("rollout", engine=self.engine["name"], version=self.engine["version"], **self.mode),
+            make_event("rollout", engine=self.engine["name"], version=self.engine["version"], **self.mode,
+                       **({"whatif": True, "whatif_correction": bool(self.whatif["correction"])} if self.whatif else {})),
             make_event("rng", seeds=self.seeds, digests=rng_digest()),
             make_event("buffer.add", ids=self.added["id"], samples=self.added),
             make_event("buffer.drop", ids=self.dropped, reason="zero_variance"),
@@ -108,6 +110,7 @@ class StepInputs:
             plans=plans,
             mode={k: rollout[k] for k in ("mode", "max_staleness", "async_order") if k in rollout} if rollout is not None else {},
             requests={k: np.asarray(asked[k], np.int64) for k in ("groups", "rows", "regenerated")} if asked is not None else {},
+            whatif={"correction": bool(rollout.get("whatif_correction"))} if rollout is not None and rollout.get("whatif") else {},
         )
 
 
@@ -454,17 +457,38 @@ class Trainer:
             failpoint("async.admit")
         return prod
 
-    def _score(self, mine, group_size, prompts, responses, logps) -> list[dict]:
+    def _rewards(self, rows: list[int], prompts, responses, model: bool = True) -> tuple[list[float], list[float] | None]:
+        """(rule rewards, reward model scores: None when `model` is false or there is no reward model)
+        of each response to the prompt of dataset row `rows[k]`."""
         tok = self.tokenizer
         texts_p = [tok.decode(p, skip_special_tokens=True) for p in prompts]
         texts_r = [tok.decode(r, skip_special_tokens=True) for r in responses]
-        examples = [self.dataset[i] for i in mine for _ in range(group_size)]
-        rule = rule_rewards(self.reward_fn, texts_p, texts_r, examples)
-        rm = [0.0] * len(rule)
-        if self.rm is not None:
+        rule = rule_rewards(self.reward_fn, texts_p, texts_r, [self.dataset[i] for i in rows])
+        rm = None
+        if model and self.rm is not None:
             rm = reward_model_scores(self.rm[0], self.rm[1], [p + r for p, r in zip(texts_p, texts_r)], self.rt.device)
+        return rule, rm
+
+    def rescore(self, samples: list[dict], model: bool = False) -> None:
+        """`verlj rerun`, what-ifs: score journaled samples again, in place, with the reward function the
+        config names now (and the reward model with `model`; else its journaled scores are kept), as
+        collect scored them: score = rule_reward + weight * rm_score. Reads, generates nothing."""
+        if not samples:
+            return
+        rule, rm = self._rewards([int(s["index"]) for s in samples], [s["prompt_ids"] for s in samples],
+                                 [s["response_ids"] for s in samples], model)
         w = self.cfg.model.reward_model.weight
+        for k, s in enumerate(samples):
+            s["rule_reward"] = rule[k]
+            if rm is not None:
+                s["rm_score"] = rm[k]
+            s["score"] = s["rule_reward"] + w * s["rm_score"]
+
+    def _score(self, mine, group_size, prompts, responses, logps) -> list[dict]:
         rows = [int(i) for i in mine for _ in range(group_size)]
+        rule, rm = self._rewards(rows, prompts, responses)
+        rm = rm or [0.0] * len(rule)
+        w = self.cfg.model.reward_model.weight
         return [
             {
                 "id": 0, "group": 0, "index": rows[k], "prompt_ids": prompts[k], "response_ids": responses[k],
@@ -700,7 +724,9 @@ class Trainer:
                 timings["timing_s/update_critic"] = time.perf_counter() - t
                 t = time.perf_counter()
             threshold = cfg.algorithm.rollout_is_threshold
-            actor_metrics, before = self.actor.update(batch, advantages, old_lp, ref_lp, minis, gen_lp if async_mode else None, threshold)
+            # async rollout, and a what-if whose policy is no longer the one that generated: the off-policy correction
+            correct = async_mode or bool(inputs.whatif.get("correction"))
+            actor_metrics, before = self.actor.update(batch, advantages, old_lp, ref_lp, minis, gen_lp if correct else None, threshold)
             t_stages = time.perf_counter()
             rec.tensor("old_logprobs", before * mask, mask)
             if ref_lp is not None:
@@ -724,6 +750,8 @@ class Trainer:
             stage_s += time.perf_counter() - t_stages
             if async_mode:
                 metrics.update(self._off_policy_metrics(step, samples, before, gen_lp, mask, all_sum))
+            if inputs.whatif:
+                metrics.update(self._drift_metrics(before, gen_lp, mask, all_sum, correct))
             metrics.update(actor_metrics)
             timings["timing_s/update_actor"] = time.perf_counter() - t
             # the engine against the trainer, on the samples generated by the policy the step starts
@@ -768,6 +796,25 @@ class Trainer:
             "rollout/is_truncated": algorithms.global_masked_mean((raw > threshold).float(), mask, all_sum).item(),
             "rollout/staleness/mean": float(staleness.mean()),
             "rollout/staleness/max": float(staleness.max()),
+        }
+
+    def _drift_metrics(self, old_lp, gen_lp, mask, all_sum, corrected: bool) -> dict[str, float]:
+        """A what-if's step: how far the policy it starts from (pi_whatif) has moved from the one that
+        generated its samples (pi_gen, journaled with them), over the response tokens: |log pi_whatif -
+        log pi_gen|, mean and max; the importance weights min(pi_whatif / pi_gen, threshold), their
+        mean and max, and the share of tokens past the threshold; whether the update applied them."""
+        rt, threshold = self.rt, self.cfg.algorithm.rollout_is_threshold
+        zero = torch.zeros((), device=mask.device)
+        gap = (old_lp - gen_lp).abs() * mask
+        weights, raw = algorithms.truncated_is_weights(old_lp, gen_lp, mask, threshold)
+        top = lambda t: (rt.max_over(t.max() if t.numel() else zero) if rt.dp_size > 1 else (t.max() if t.numel() else zero)).item()
+        return {
+            "whatif/drift/mean": algorithms.global_masked_mean(gap, mask, all_sum).item(),
+            "whatif/drift/max": top(gap),
+            "whatif/is_weight/mean": algorithms.global_masked_mean(weights, mask, all_sum).item(),
+            "whatif/is_weight/max": top(raw),
+            "whatif/is_clipped_frac": algorithms.global_masked_mean((raw > threshold).float(), mask, all_sum).item(),
+            "whatif/off_policy_correction": float(corrected),
         }
 
     # ================================================================== eval: held-out prompts

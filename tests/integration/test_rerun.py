@@ -154,3 +154,57 @@ def test_bad_probes_are_one_line_each_and_store_nothing(journaled, tmp_path, mon
     with pytest.raises(StepsError, match="out of range"):
         probe_steps(journaled, 0, 2, "odd_probe:words")
     assert (sorted((journaled / "derived").glob("*")) if (journaled / "derived").exists() else []) == stored
+
+
+# ----------------------------------------------------------------------------- rerun scores the samples again
+
+
+def test_rerun_scores_again_with_the_reward_module_as_it_is_now(tmp_path):
+    """A user reward module (rollout.reward_fn=rrrew:score): unchanged, rerun reproduces; edited after
+    the run, the step differs at scores, persistent, naming the module's digest change and the first
+    sample scored otherwise with both values."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "rrrew.py").write_text("from verlj.engine.rl.rewards import add_reward\n\n"
+                                   "def score(prompt, response, answer):\n    return add_reward(prompt, response, answer)\n")
+    run = tmp_path / "run"
+    out = train(run, "trainer.total_steps=3", "rollout.reward_fn=rrrew:score", PYTHONPATH=code)
+    assert out.returncode == 0, out.stderr[-2000:]
+    with open_journal_reader(run / "journal") as j:
+        recorded = j.get_meta("versions")["reward module rrrew"]
+        first = j.read_step(3).first("buffer.add")["samples"]
+    same = verlj("rerun", run, "--steps", "3:3", PYTHONPATH=code)
+    assert same.returncode == 0, same.stderr[-2000:]
+    assert "step 3: reproduced" in same.stdout and "rescore-model" not in same.stdout
+    (code / "rrrew.py").write_text("from verlj.engine.rl.rewards import add_reward\n\n"
+                                   "def score(prompt, response, answer):\n    return add_reward(prompt, response, answer) + 0.25\n")
+    changed = verlj("rerun", run, "--steps", "3:3", "--json", PYTHONPATH=code)
+    assert changed.returncode == 1, changed.stderr[-2000:]
+    report = json.loads(changed.stdout)
+    (v,) = report["verdicts"]
+    assert (v["verdict"], v["stage"], v["kind"]) == ("differs", "scores", "persistent")
+    now = report["versions_changed"]["reward module rrrew"]
+    assert now[0] == recorded and now[1] != recorded and len(now[1]) == 16
+    assert list(report["versions_changed"]) == ["reward module rrrew"]
+    x = v["sample"]
+    assert x["id"] == int(first["id"][0]) and x["journaled"] == float(first["score"][0]) and x["rerun"] == x["journaled"] + 0.25
+    text = render(report)
+    assert "step 3: differs at scores" in text and f"reward module rrrew: {recorded} → {now[1]}" in text
+    assert f"first sample scored otherwise: sample {x['id']}" in text
+
+
+def test_rerun_keeps_the_reward_models_scores_unless_asked(tmp_path):
+    from test_train_cli import save_tiny_hf
+
+    save_tiny_hf(tmp_path / "rm", "cls")
+    run = tmp_path / "run"
+    out = train(run, "trainer.total_steps=2", f"model.reward_model.model_name_or_path={tmp_path / 'rm'}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    kept = verlj("rerun", run, "--steps", "2:2")
+    assert kept.returncode == 0, kept.stderr[-2000:]
+    line = ("the reward model did not score the samples again (its journaled scores were kept): "
+            "pass --rescore-model to re-score them (a forward pass per sample)")
+    assert kept.stdout.splitlines().count(line) == 1
+    again = verlj("rerun", run, "--steps", "2:2", "--rescore-model", "--json")
+    assert again.returncode in (0, 1), again.stderr[-2000:]
+    assert json.loads(again.stdout)["reward_model"] == "rescored" and line not in render(json.loads(again.stdout))

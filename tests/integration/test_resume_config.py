@@ -68,3 +68,16 @@ def test_a_fork_with_a_fixed_key_is_refused_before_the_replay(base, tmp_path):
                                   "the random streams; start a new run with them (a fork may change live keys such as "
                                   "algorithm.gamma, and bookkeeping ones)")
     assert not new.exists()
+
+
+def test_a_fork_that_changes_the_learning_rate_resumes_from_its_base_snapshot(base, tmp_path):
+    """The fork's base snapshot holds the parent's state under the fork's config (the optimizer's lr
+    is part of it), and records that state's fingerprint: a resume from it (a fork killed before its
+    first snapshot of its own) loads it and replays the fork's steps exactly."""
+    new = tmp_path / "fork"
+    out = verlj("replay", base, "--to-step", 2, "--fork", new, "model.actor.optim.lr=0.003", "trainer.total_steps=3")
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = verlj("train", "-o", new, "--resume", "trainer.resume_from=2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"Resuming from checkpoint: {new / 'step_00002'}" in out.stdout and "Replayed step 3 from the journal." in out.stdout
+    assert verlj("verify", new).returncode == 0
