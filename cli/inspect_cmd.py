@@ -38,14 +38,14 @@ def inspect(
 
 def metrics(
     run: Annotated[Path, typer.Argument(help="Run directory.")],
-    other: Annotated[Optional[Path], typer.Argument(help="With --plot: a second run (a what-if, a fork) drawn beside the first.")] = None,
+    others: Annotated[Optional[list[Path]], typer.Argument(help="With --plot: other runs (what-ifs, forks) drawn beside the first.")] = None,
     names: Annotated[Optional[str], typer.Option("--names", help="Comma-separated metric names (default: all).")] = None,
     steps: Annotated[Optional[str], typer.Option("--steps", help="START:STOP, inclusive; either may be empty.")] = None,
     as_csv: Annotated[bool, typer.Option("--csv", help="CSV to stdout.")] = False,
     as_jsonl: Annotated[bool, typer.Option("--jsonl", help="One JSON object per step to stdout.")] = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: one panel per metric, snapshot and resume markers.")] = None,
 ) -> None:
-    """Metrics per step as a table, CSV, JSONL or a plot; two runs side by side on one plot."""
+    """Metrics per step as a table, CSV, JSONL or a plot; several runs side by side on one plot."""
     quiet_libraries()
     from verlj.engine.post_mortem import inspection
 
@@ -58,13 +58,17 @@ def metrics(
         raise fail(f"--plot {plot}: directory {plot.parent} does not exist", EXIT_USAGE)
 
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
-    if other is not None:
+    if others:
         if plot is None:
             raise fail("a second run is drawn beside the first with --plot out.png only", 2)
         from verlj.engine.post_mortem.plot import plot_compare
 
-        parted = guarded(lambda: plot_compare(run, other, wanted, steps, plot, _default_plot_cols))
-        typer.echo(f"wrote {plot} ({'the runs part at step ' + str(parted) if parted is not None else 'the runs never part'})")
+        parted = guarded(lambda: plot_compare(run, others, wanted, steps, plot, _default_plot_cols))
+        if len(others) == 1:
+            typer.echo(f"wrote {plot} ({'the runs part at step ' + str(parted[0]) if parted[0] is not None else 'the runs never part'})")
+        else:
+            said = [f"{o.name} parts at step {p}" if p is not None else f"{o.name} never parts" for o, p in zip(others, parted)]
+            typer.echo(f"wrote {plot} ({'; '.join(said)})")
         return
     cols, rows = guarded(lambda: inspection.metric_rows(run, wanted, steps))
     if plot is not None:

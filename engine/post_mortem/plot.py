@@ -44,10 +44,14 @@ def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) ->
 DRIFT = "whatif/drift/mean"  # a what-if's drift from the policy that generated (loop.whatif)
 
 
-def plot_compare(run_a: Path, run_b: Path, names: list[str] | None, steps: str | None, out: Path, choose=None) -> int | None:
-    """`verlj metrics RUN NEW --plot out.png`: both runs' curves on each panel (`names`, else
-    `choose(common metric names)`), a line at the first step whose fingerprints differ, and a panel
-    of the what-if's drift when either run is one. Returns that first step (None: they never part)."""
+CLIPPED = "whatif/is_clipped_frac"  # the share of its tokens past the importance-weight threshold
+
+
+def plot_compare(run_a: Path, others: list[Path], names: list[str] | None, steps: str | None, out: Path, choose=None) -> list[int | None]:
+    """`verlj metrics RUN NEW [NEW2 …] --plot out.png`: every run's curves on each panel (`names`, else
+    `choose(the metric names all runs have)`), a line at the first step where each other run's
+    fingerprints part from RUN's, and panels of each what-if's drift and clipped share when any run is
+    one. Returns each other run's parting step (None: it never parts)."""
     try:
         import matplotlib
     except ImportError:
@@ -57,32 +61,47 @@ def plot_compare(run_a: Path, run_b: Path, names: list[str] | None, steps: str |
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (cols_a, rows_a), (cols_b, rows_b) = metric_rows(run_a, None, steps), metric_rows(run_b, None, steps)
-    common = [c for c in cols_a if c in set(cols_b)]
+    runs = [Path(run_a), *map(Path, others)]
+    loaded = [metric_rows(r, None, steps) for r in runs]
+    common = [c for c in loaded[0][0] if all(c in set(cols) for cols, _ in loaded[1:])]
     cols = names or (choose(common) if choose else common[:6])
-    unknown = [c for c in cols if c not in set(cols_a) | set(cols_b)]
+    known = set().union(*(set(cols) for cols, _ in loaded))
+    unknown = [c for c in cols if c not in known]
     if unknown:
         raise RunError(f"unknown metric {unknown[0]!r}; the runs have: {', '.join(common)}")
-    with open_run(run_a) as la, open_run(run_b) as lb:
-        fa, fb = la.fingerprints(), lb.fingerprints()
-    parted = next((s for s in sorted(set(fa) & set(fb)) if fa[s] != fb[s]), None)
-    drift = [(r["step"], r[DRIFT], label) for label, rows in ((Path(run_a).name, rows_a), (Path(run_b).name, rows_b))
-             for r in rows if r.get(DRIFT) is not None]
-    panels = [*cols, DRIFT] if drift and DRIFT not in cols else cols
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.2 * len(panels)), sharex=True, squeeze=False)
+    prints = []
+    for r in runs:
+        with open_run(r) as ledger:
+            prints.append(ledger.fingerprints())
+    fa = prints[0]
+    parted = [next((s for s in sorted(set(fa) & set(fb)) if fa[s] != fb[s]), None) for fb in prints[1:]]
+    extra = [m for m in (DRIFT, CLIPPED) if m not in cols and any(r.get(m) is not None for _, rows in loaded for r in rows)]
+    panels = [*cols, *extra]
+    labels = [r.name for r in runs]
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    # one other run: its parting line is red; several: each in its run's colour
+    part_colors = ["tab:red"] if len(others) == 1 else colors[1:]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.0 * len(panels)), sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], panels):
-        for label, rows, style in ((Path(run_a).name, rows_a, "-"), (Path(run_b).name, rows_b, "--")):
+        for i, (label, (_, rows)) in enumerate(zip(labels, loaded)):
             have = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
             if have:
-                ax.plot([s for s, _ in have], [y for _, y in have], ls=style, lw=1.2, label=label)
+                ax.plot([s for s, _ in have], [y for _, y in have], ls="-" if i == 0 else "--", lw=1.2, color=colors[i], label=label)
         ax.set_ylabel(name, fontsize=8)
         ax.grid(alpha=0.3)
-        if parted is not None:
-            ax.axvline(parted, color="tab:red", ls=":", lw=0.9)
+        for p, c in zip(parted, part_colors):
+            if p is not None:
+                ax.axvline(p, color=c, ls=":", lw=0.9)
     axes[0, 0].legend(fontsize=7)
     axes[-1, 0].set_xlabel("step")
-    said = f"they part at step {parted} (red dotted)" if parted is not None else "the same state at every common step"
-    fig.suptitle(f"{Path(run_a).name} vs {Path(run_b).name}: {said}", fontsize=9)
+    if len(others) == 1:
+        said = f"they part at step {parted[0]} (red dotted)" if parted[0] is not None else "the same state at every common step"
+        title = f"{labels[0]} vs {labels[1]}: {said}"
+    else:
+        title = f"{labels[0]} vs " + ", ".join(
+            f"{label} (parts at {p})" if p is not None else f"{label} (never parts)" for label, p in zip(labels[1:], parted)
+        ) + "; dotted lines: where each parts"
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)

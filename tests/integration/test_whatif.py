@@ -159,3 +159,18 @@ def test_metrics_draws_a_whatif_beside_its_run(parent):
     assert out.returncode == 0 and out.stdout.strip().endswith("(the runs never part)"), out.stderr[-2000:]
     bad = verlj("metrics", parent / "run", lr)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: a second run is drawn beside the first with --plot out.png only"
+
+
+def test_metrics_draws_several_whatifs_beside_their_run(parent):
+    """`verlj metrics RUN NEW1 NEW2 NEW3 --plot`: one PNG, each run's parting step said in one line."""
+    news = {name: parent / f"three_{name}" for name in ("lr", "kl", "same")}
+    for new, over in zip(news.values(), (["model.actor.optim.lr=0.003"], ["model.actor.kl_loss_coef=0.5"], [])):
+        whatif(parent / "run", 2, 4, new, over)
+    out = verlj("metrics", parent / "run", *news.values(), "--plot", parent / "three.png")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == (
+        f"wrote {parent / 'three.png'} (three_lr parts at step 3; three_kl parts at step 3; three_same never parts)"
+    )
+    assert (parent / "three.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = verlj("metrics", parent / "run", *news.values())
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: a second run is drawn beside the first with --plot out.png only"
