@@ -14,11 +14,13 @@ LONGEST_FIRST = [
     "test_reshard.py",  # 166
     "test_node_loss.py",  # 142
     "test_async.py",  # 139
+    "test_whatif.py",  # ~130 (new: estimated from its runs under load)
     "test_vllm.py",  # 125
     "test_hardening.py",  # 97
     "test_shipping.py",  # 87
     "test_async_completion.py",  # 83
     "test_distributed.py",  # 82
+    "test_interpreters.py",  # ~80 (new)
     "test_faults_quick.py",  # 66 when measured; 45 since it runs three kinds
     "test_retention.py",  # 62
     "test_examples.py",  # 60

@@ -131,9 +131,9 @@ def _open_writer(run_dir: Path, local_dir: str | None, max_lag: int, claim: Clai
     except segments.CopiedJournalError as e:  # a copy (cp -a) of a run: never written into the original's journal
         last = segments.shipped_meta(jd)[1] or 0
         raise RunError(f"{run_dir} is a copy of the run in {e.owner.parent}, whose journal is in journal.local_dir "
-                       f"{e.local}; a copy never writes into it (nothing was changed). Go on from the copy as a new run: "
-                       f"`verlj replay {run_dir} --to-step {last} --fork NEW_RUN journal.local_dir=NEW_LOCAL_DIR`, "
-                       f"or resume it with a journal of its own: journal.local_dir=NEW_EMPTY_DIR") from None
+                       f"{e.local}; a copy never writes into it (nothing was changed). Resume the copy (through step "
+                       f"{last}) with a journal of its own, rebuilt from its segments: "
+                       f"`verlj train -o {run_dir} --resume journal.local_dir=NEW_EMPTY_DIR`") from None
 
 
 def shipped_config(run_dir: Path) -> dict | None:

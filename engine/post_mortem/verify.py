@@ -61,7 +61,7 @@ class RunReport:
 
     @property
     def ok(self) -> bool:
-        return self.journal_ok and all(s.valid for s in self.snapshots) and self.deep_ok and self.archive_ok
+        return self.journal_ok and all(s.valid for s in self.snapshots) and self.deep_ok and self.archive_ok and self.advice is None
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
@@ -439,7 +439,12 @@ def render(report: RunReport) -> str:
     elif report.resume_from is not None:
         tail = f", then replay steps {report.replay[0]}–{report.replay[1]} from the journal" if report.replay else ""
         lines.append(f"Resume is possible from {report.resume_from}{tail}.")
-    lines.append("OK: everything used for resume is intact." if report.ok else "DAMAGED: see the ✗ lines above.")
+    if report.ok:
+        lines.append("OK: everything used for resume is intact.")
+    elif report.advice is not None and not any("✗" in line for line in lines):  # nothing damaged, but not resumable
+        lines.append("NOT RESUMABLE: see the line above.")
+    else:
+        lines.append("DAMAGED: see the ✗ lines above.")
     return "\n".join(lines)
 
 

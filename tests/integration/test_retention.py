@@ -196,6 +196,21 @@ def test_a_resume_from_before_what_retention_kept_says_why_in_one_line(runs, tmp
                                   "(kept: step_00006, step_00009)")
 
 
+def test_verify_of_a_pruned_run_whose_snapshots_are_all_deleted_says_it_cannot_resume(runs, tmp_path):
+    """Nothing is damaged, but nothing can bring the run back: verify says so and exits 1, as resume refuses."""
+    _root, _ref, pruned = runs
+    run = tmp_path / "run"
+    shutil.copytree(pruned, run, symlinks=True)
+    for snap in run.glob("step_*"):
+        shutil.rmtree(snap)
+    out = verlj("verify", run)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    assert "Resume is not possible: no valid snapshot is kept, and retention pruned the samples" in out.stdout, out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "NOT RESUMABLE: see the line above.", out.stdout
+    assert "OK:" not in out.stdout
+    assert train(run, "trainer.total_steps=10", *RETAIN, resume=True).returncode == 1  # the resume refuses as verify said
+
+
 # ----------------------------------------------------------------------------- snapshots deleted by hand
 
 HAND = ["trainer.save_interval=2", "trainer.save_total_limit=3", "journal.retain_samples=since_oldest_snapshot"]

@@ -255,7 +255,7 @@ def test_a_copy_never_writes_into_the_original_s_local_journal(tmp_path, referen
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and f"{copy} is a copy of the run in {run}" in errors[0], out.stderr[-3000:]
-    assert f"`verlj replay {copy} --to-step 6 --fork NEW_RUN journal.local_dir=NEW_LOCAL_DIR`" in errors[0]
+    assert f"(through step 6) with a journal of its own, rebuilt from its segments: `verlj train -o {copy} --resume journal.local_dir=NEW_EMPTY_DIR`" in errors[0]
     assert _tree(run) == before and _tree(local) == held and _committed(local) == 6
     out = train(run, *COMMON, f"journal.local_dir={local}", resume=True)  # the original goes on as itself
     assert out.returncode == 0 and "Rebuilt" not in out.stdout, out.stderr[-3000:]
