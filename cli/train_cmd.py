@@ -3,17 +3,21 @@
     verlj train --output-dir runs/demo
     verlj train --config ppo_config.yaml --output_dir ./checkpoints algorithm.name=ppo trainer.total_steps=40
     verlj train --output-dir runs/demo --resume trainer.total_steps=80
+    verlj train --output-dir runs/demo trainer.max_restarts=3      # restarted with --resume when it dies
     torchrun --nproc_per_node 2 -m verlj.cli train --output-dir runs/dp2 distributed.zero_stage=3
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from .common import EXIT_SNAPSHOTS_FAILED, INTERRUPTED_TRAINING, guarded, log_to_stderr_only_on_rank0, quiet_libraries
+from .supervise import SUPERVISED, supervise, under_launcher
 
 
 def train(
@@ -28,11 +32,26 @@ def train(
     """Train with GRPO or PPO; every step is journaled, snapshots are taken every save_interval steps."""
     quiet_libraries()
     log_to_stderr_only_on_rank0()
-    from verlj.engine.loop.run import train as run_train
+    from verlj.engine.config import restarts_asked
 
     overrides = list(overrides or [])
     if any(o == "trainer.resume_from=auto" or o.startswith("trainer.resume_from=") for o in overrides):
         resume = True
+    restarts = guarded(lambda: restarts_asked(config, overrides))
+    if restarts and os.environ.get(SUPERVISED) != "1":
+        if not under_launcher():
+            argv = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(output_dir), *(["--config", str(config)] if config else []),
+                    *(["--resume"] if resume else []), *(["--allow-config-change"] if allow_config_change else []), *overrides]
+            raise typer.Exit(supervise(argv, restarts))
+        if os.environ.get("RANK", "0") == "0" and not os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0").strip("0"):
+            typer.echo(f"verlj: trainer.max_restarts={restarts} is not applied under torchrun: its ranks are restarted by "
+                       f"`torchrun --max-restarts {restarts}` (each restart resumes by itself)", err=True)
+    if not resume and (restart := os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")).isdigit() and int(restart) > 0:
+        resume = True  # torchrun --max-restarts started this rank again: the run goes on from its journal
+        if os.environ.get("RANK", "0") == "0":
+            typer.echo(f"verlj: torchrun restart {restart}: resuming the run in {output_dir}", err=True)
+    from verlj.engine.loop.run import train as run_train  # torch and DeepSpeed: not in a supervisor
+
     done = guarded(lambda: run_train(output_dir, config, overrides, resume=resume, allow_config_change=allow_config_change),
                    INTERRUPTED_TRAINING)
     typer.echo(f"Done: last committed step {done.last} in {output_dir}")

@@ -79,9 +79,14 @@ class TrainerConfig:
     # live: a few bytes a tensor leave the device) | blake3 (every tensor copied to the host and
     # hashed: runs made before sum64 keep it)
     state_digest: str = "sum64"
+    # a plain `verlj train` supervises the process that trains and restarts it with --resume when it
+    # dies (killed, crashed) at most N times; one command's choice, never stored with the run (under
+    # torchrun: `torchrun --max-restarts N`, each restart resumes by itself)
+    max_restarts: int = 0
 
     def validate(self) -> None:
         _positive("trainer.total_steps", self.total_steps)
+        _at_least("trainer.max_restarts", self.max_restarts, 0)
         _at_least("trainer.save_interval", self.save_interval, 0)
         _at_least("trainer.save_total_limit", self.save_total_limit, 0)
         _at_least("trainer.eval_interval", self.eval_interval, 0)
@@ -527,7 +532,7 @@ RETIRED_KEYS = ("model.reward_model.save_checkpoint",)
 # Keys that choose how one command runs, not what the run is: never stored as the run's config (a
 # resume records its trainer.resume_from in the run's lineage), and set back to the default (the
 # value here) when read from a run that stored them before this rule.
-ONE_OFF_KEYS = {"trainer.resume_from": None}
+ONE_OFF_KEYS = {"trainer.resume_from": None, "trainer.max_restarts": 0}
 
 
 def _without_one_off(data: dict) -> dict:
@@ -729,6 +734,18 @@ def make_config(config_file: str | Path | None = None, overrides: list[str] | tu
     for o in overrides:
         data = _merge(data, parse_override(o))
     return config_from_dict(data)
+
+
+def restarts_asked(config_file: str | Path | None, overrides: list[str] | tuple[str, ...]) -> int:
+    """trainer.max_restarts as one command asks it: the config file and the overrides (a one-off key,
+    never read from a run's stored config), without building the rest of the config."""
+    data: dict = load_config_file(config_file) if config_file is not None else {}
+    for o in overrides:
+        data = _merge(data, parse_override(o))
+    value = (data.get("trainer") or {}).get("max_restarts", 0) if isinstance(data.get("trainer"), dict) else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"trainer.max_restarts must be an integer >= 0, got {value!r}")
+    return value
 
 
 def config_from_dict(data: dict) -> Config:

@@ -1,0 +1,53 @@
+"""A run that goes on by itself after its trainer is killed: `verlj train … trainer.max_restarts=N`
+(the process the user started supervises the one that trains) and `torchrun --max-restarts N` (each
+restarted rank resumes by itself). Both end bit-identical to the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verlj_testing import REPO, TINY, _port, assert_same_journal, env, train
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("restarts") / "reference"
+    out = train(run)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def test_a_trainer_killed_by_sigkill_is_restarted_and_the_run_ends_identical(tmp_path, reference):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, "trainer.max_restarts=2"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+    killed = None
+    for line in p.stdout:
+        if "[INFO] Step 2: reward=" in line:  # the trainer is a child of the supervisor: kill -9 it alone
+            (killed,) = [int(pid) for pid in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
+            os.kill(killed, signal.SIGKILL)
+            break
+    rest, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    assert "the training process was killed by SIGKILL; restarting it with --resume (1 of 2)" in err
+    assert "Step 4: reward=" in rest and f"Done: last committed step 4 in {run}" in rest
+    assert_same_journal(run, reference)
+
+
+def test_torchrun_max_restarts_resumes_each_restart_by_itself(tmp_path, reference):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--max-restarts", "1", "--master_port",
+           str(_port()), "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                         env=env(VERLJ_FAILPOINT="journal.after_commit:3"))  # SIGKILL after step 3, once per process
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"torchrun restart 1: resuming the run in {run}" in out.stderr
+    assert_same_journal(run, reference)
