@@ -22,8 +22,11 @@ def verify(path: Annotated[Path, typer.Argument(help="A journal directory (RUN/j
         with open_journal_reader(path) as journal:
             report = verify_journal(journal)
     except JournalError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        from verlj.engine.loop.ledger import lost_journal
+
+        lost = lost_journal(path)  # a run directory whose journal/ is gone: say so, as `verlj verify` does
+        typer.echo(f"error: {lost or e}", err=True)
+        raise typer.Exit(1 if lost else 2) from None
     for p in report.problems:
         typer.echo(f"✗ {p}")
     if report.ok:

@@ -9,8 +9,9 @@ Why: DeepSpeed's ZeRO optimizer states hold an int-mixin enum member, which Pyth
 pickle by name (getattr) and the others by value; verlj's snapshots must load whichever interpreter
 wrote them and whichever reads them (engine/state/safe_load.py).
 
-The interpreters take turns, one environment on disk at a time (a CI machine's disk is not ours to
-fill: four PyPI torch builds side by side are 20 GB). Each one other than the one running this gets
+The interpreters take turns, at most two environments on disk at a time (a CI machine's disk is not
+ours to fill: four PyPI torch builds side by side are 20 GB); the next one installs while this one
+tests. Each one other than the one running this gets
 a virtual environment in .interpreters/VERSION, removed after its turn unless --keep: the same
 minor version as this one (3.11.2 beside 3.11.7) reads this one's packages; another gets PyPI's
 torch 2.13.0 (it runs on the CPU), whose CUDA libraries are installed once into .interpreters/nvidia
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,7 +181,7 @@ def main() -> int:
         print(f"Python {v}: {exe}" + ("  (this one)" if exe == sys.executable else ""))
     if args.list:
         return 0
-    print(f"{free_gb():.1f} GB free under {CACHE}; one interpreter at a time, each removed after its turn"
+    print(f"{free_gb():.1f} GB free under {CACHE}; one interpreter at a time (the next one installing), each removed after its turn"
           + (" (kept: --keep)" if args.keep else ""), flush=True)
     failed: list[str] = []
     log_path = CACHE / "last-run.log"
@@ -189,7 +191,7 @@ def main() -> int:
     # A chain that starts and ends with this interpreter, the others newest first, so that a by-value
     # writer (3.12) hands to a by-name one (3.11.2) and that one to a by-value reader (3.10).
     others = sorted((v for v in found if v != this), key=lambda v: tuple(map(int, v.split("."))), reverse=True)
-    with open(log_path, "w") as log:
+    with open(log_path, "w") as log, ThreadPoolExecutor(max_workers=1) as pool:
         prev: tuple[str, Path] | None = None
         if this is not None:
             prev = (this, work / f"written-by-{this}")
@@ -197,15 +199,25 @@ def main() -> int:
                 failed.append(f"Python {this}: writing a ZeRO-2 run")
                 print(f"✗ Python {this}: writing a ZeRO-2 run failed (see {log_path})", flush=True)
                 prev = None
-        for v in [*others, *([this] if this else [])]:
-            t0 = time.time()
+        order = [*others, *([this] if this else [])]
+        started: dict[str, tuple[float, Future]] = {}
+
+        def prepare(i: int) -> None:  # the next one installs (network, disk) while this one tests (CPU): two on disk at most
+            if i < len(order) and order[i] not in started:
+                started[order[i]] = (time.time(), pool.submit(environment, order[i], found[order[i]], log))
+
+        prepare(0)
+        for i, v in enumerate(order):
+            t0, future = started[v]
             try:
-                py = environment(v, found[v], log)
+                py = future.result()
             except (RuntimeError, OSError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
                 failed.append(f"Python {v}: environment: {e}")
                 print(f"✗ Python {v}: environment ({free_gb():.1f} GB free): {e}", flush=True)
                 shutil.rmtree(CACHE / v, ignore_errors=True)
+                prepare(i + 1)
                 continue
+            prepare(i + 1)
             if py != sys.executable:
                 print(f"  Python {v}: environment ready in {time.time() - t0:.0f} s", flush=True)
                 t0 = time.time()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from verlj.journal import JournalError, NotAJournalError, segments, unpackb, verify_journal
 
-from ..errors import RunError
+from ..errors import ConfigError, RunError
 from ..loop import archive
 from ..loop.ledger import Ledger, journal_dir, journal_exists, lost_journal
 from ..loop.recovery import damaged_journal_advice
@@ -390,6 +390,9 @@ def deep_check(report: RunReport, run_dir: Path, from_step: int | None) -> None:
     """Replay the journal from each valid snapshot (or from --from-step) to the next one, checking fingerprints."""
     from .materialize import exactness_line, materialize
 
+    if from_step is not None and not 0 <= from_step <= (report.last_good_step or 0):
+        raise ConfigError(f"--from-step {from_step} is outside the steps this run committed (0–{report.last_good_step or 0}): "
+                          "there is nothing to replay from there")
     if report.last_good_step is None or report.last_good_step < 1:
         return
     starts = sorted(s.step for s in report.snapshots if s.valid and s.indexed and s.step is not None)

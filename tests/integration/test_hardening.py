@@ -273,7 +273,7 @@ def test_a_run_whose_journal_is_lost_is_refused_and_nothing_is_moved(copy):
         line = one_line_error(train(copy, *SMALL, "trainer.total_steps=6", resume=resume), 1, said)
         assert "nothing was changed" in line and f"Restore {copy / 'journal'} from a backup" in line, line
         assert f"`verlj verify {copy / 'step_00004'}`" in line, line
-    for args in (("verify", copy), ("inspect", copy), ("replay", copy, "--to-step", 3)):
+    for args in (("verify", copy), ("inspect", copy), ("replay", copy, "--to-step", 3), ("journal", "verify", copy)):
         one_line_error(verlj(*args), 1, said)
     assert tree(copy) == before and not (copy / "journal").exists() and not (copy / "quarantine").exists()
     assert verlj("verify", copy / "step_00004").returncode == 0  # what the sentence offers works
@@ -534,6 +534,8 @@ def test_cli_options_that_were_silently_ignored_or_misread_are_refused(base, cop
     assert out.exit_code == 2 and "--csv and --jsonl each choose the output; pass one" in out.output
     out = cli("verify", base, "--from-step", "2")
     assert out.exit_code == 2 and "pass --deep with it" in out.output
+    out = cli("verify", base, "--deep", "--from-step", "99")  # it replayed nothing and said OK
+    assert out.exit_code == 2 and "--from-step 99 is outside the steps this run committed (0–4)" in out.output, out.output
     one_line_error(verlj("train", "-o", tmp_path / "r", "--config", tmp_path), 2, f"config file {tmp_path} is a directory; name a YAML file")
     out = cli("journal", "verify", base)  # the run directory, as every other command takes it
     assert out.exit_code == 0 and "✓ journal intact: steps 1–4" in out.output, out.output
