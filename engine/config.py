@@ -82,7 +82,7 @@ class TrainerConfig:
     # a plain `verlj train` supervises the process that trains and restarts it with --resume when it
     # dies (killed, crashed) at most N times; one command's choice, never stored with the run (under
     # torchrun: `torchrun --max-restarts N`, each restart resumes by itself)
-    max_restarts: int = 0
+    max_restarts: int = bookkeeping(0)
 
     def validate(self) -> None:
         _positive("trainer.total_steps", self.total_steps)
