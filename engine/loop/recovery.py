@@ -108,6 +108,9 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
                 f"no snapshot at or before step {limit} can be used to reach step {target}: {pruned}, so replay must start "
                 f"from a snapshot at step {need} or later ({'kept: ' + ', '.join(kept) if kept else 'none is kept'})"
             )
+        if need >= limit:  # the target's own samples are gone: only a snapshot of that very step holds it
+            raise ReplayError(f"step {target} cannot be brought back: {pruned}, so only a snapshot taken at step {target} "
+                              "itself could hold its state, and none is kept")
         raise ReplayError(f"step {target} cannot be brought back: {pruned}, so replay must start from a snapshot at "
                           f"step {need} or later, and no valid one is kept from there to step {limit}")
     if base > 0:

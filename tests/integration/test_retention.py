@@ -73,6 +73,9 @@ def test_replay_into_pruned_steps_is_refused_in_one_line_and_writes_nothing(runs
     out = verlj("replay", pruned, "--to-step", "4", "--fork", fork)
     assert out.returncode == 1 and not fork.exists()
     assert out.stderr.strip().count("\n") == 0 and "pruned the samples of steps through 6" in out.stderr, out.stderr
+    # step 4's own samples are gone: only a snapshot of step 4 could hold it (it said "from a snapshot at step 4 or
+    # later, and no valid one is kept from there to step 4")
+    assert "so only a snapshot taken at step 4 itself could hold its state, and none is kept" in out.stderr, out.stderr
     ok = verlj("replay", pruned, "--to-step", "8", "--json", check=True)  # from snapshot 6: needs only steps 7-8
     assert json.loads(ok.stdout.strip().splitlines()[-1])["fingerprint"] == fingerprints(ref)[8]
 
