@@ -6,6 +6,11 @@ committed step: the resume is verlj's own (the newest valid snapshot, then the j
 A run that finishes, a bad command (exit 2) and a stop the user asked for (Ctrl-C, SIGTERM, which
 are passed on to the trainer once each) are never restarted. Under torchrun the restarts are
 torchrun's (`--max-restarts N`); each restarted rank resumes by itself (train_cmd).
+
+While restarts remain, a standby process waits beside the trainer: the same command with --resume,
+its libraries (torch, DeepSpeed, transformers) already imported, blocked on its stdin. A restart
+tells it "go" (half of a restart's time on this machine was those imports); one that never hears it
+exits quietly when its stdin closes, or with the supervisor.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import typer
 from .common import EXIT_SNAPSHOTS_FAILED, EXIT_USAGE
 
 SUPERVISED = "VERLJ_SUPERVISED"  # set in the trainer's environment: it trains, never supervises
+STANDBY = "VERLJ_STANDBY"  # set in a standby's: import, then wait for "go" on stdin
 FINAL = (0, EXIT_SNAPSHOTS_FAILED, EXIT_USAGE, 130)  # exits a restart would not change
 
 
@@ -50,13 +56,15 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def supervise(cmd: list[str], restarts: int, say: Callable[[str], None] | None = None) -> int:
+def supervise(cmd: list[str], restarts: int, say: Callable[[str], None] | None = None, standby: bool = True) -> int:
     """Run CMD (`python -m verlj.cli train …`) as a child and restart it with --resume when it dies, at
     most `restarts` times. Returns the exit status to end with (the last child's; 128+N for signal N)."""
     say = say or (lambda line: typer.echo(f"verlj: {line}", err=True))
     cmd = list(cmd)
+    resume_cmd = cmd if "--resume" in cmd else [*cmd, "--resume"]
     env = {**os.environ, SUPERVISED: "1"}
     child: subprocess.Popen | None = None
+    spare: subprocess.Popen | None = None
     stopping = False
 
     def pass_on(signum, _frame) -> None:
@@ -65,13 +73,42 @@ def supervise(cmd: list[str], restarts: int, say: Callable[[str], None] | None =
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
+    def start_spare() -> subprocess.Popen | None:
+        if not standby:
+            return None
+        return subprocess.Popen(resume_cmd, env={**env, STANDBY: "1"}, stdin=subprocess.PIPE, text=True,
+                                preexec_fn=_own_group_dying_with_parent)
+
+    def take_spare() -> subprocess.Popen | None:
+        nonlocal spare
+        taken, spare = spare, None
+        if taken is None or taken.poll() is not None:
+            return None
+        try:
+            taken.stdin.write("go\n")
+            taken.stdin.close()
+        except (BrokenPipeError, OSError):  # it died meanwhile
+            return None
+        return taken
+
+    def end(code: int) -> int:
+        if spare is not None:
+            spare.stdin.close()  # EOF: it exits without training
+            try:
+                spare.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                spare.kill()
+        return exit_status(code)
+
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, pass_on)
     restarted = 0
+    child = subprocess.Popen(cmd, env=env, preexec_fn=_own_group_dying_with_parent)
     while True:
-        child = subprocess.Popen(cmd, env=env, preexec_fn=_own_group_dying_with_parent)
         say(f"training in process {child.pid}" + (f" (restart {restarted} of {restarts})" if restarted else
                                                     f" (restarted with --resume if it dies, at most {restarts} times)"))
+        if restarted < restarts and spare is None:
+            spare = start_spare()
         while True:
             try:
                 code = child.wait()
@@ -79,12 +116,11 @@ def supervise(cmd: list[str], restarts: int, say: Callable[[str], None] | None =
             except KeyboardInterrupt:  # a signal arrived between handlers: wait on
                 continue
         if code in FINAL or stopping:
-            return exit_status(code)
+            return end(code)
         if restarted >= restarts:
             say(f"the training process {how_it_ended(code)}; no restart left (trainer.max_restarts={restarts}): "
                 "every committed step is in the journal, and `verlj train --resume` continues it")
-            return exit_status(code)
+            return end(code)
         restarted += 1
         say(f"the training process {how_it_ended(code)}; restarting it with --resume ({restarted} of {restarts})")
-        if "--resume" not in cmd:
-            cmd.append("--resume")
+        child = take_spare() or subprocess.Popen(resume_cmd, env=env, preexec_fn=_own_group_dying_with_parent)

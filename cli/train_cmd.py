@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from .common import EXIT_SNAPSHOTS_FAILED, INTERRUPTED_TRAINING, guarded, log_to_stderr_only_on_rank0, quiet_libraries
-from .supervise import SUPERVISED, supervise, under_launcher
+from .supervise import STANDBY, SUPERVISED, supervise, under_launcher
 
 
 def train(
@@ -50,6 +50,8 @@ def train(
         resume = True  # torchrun --max-restarts started this rank again: the run goes on from its journal
         if os.environ.get("RANK", "0") == "0":
             typer.echo(f"verlj: torchrun restart {restart}: resuming the run in {output_dir}", err=True)
+    if os.environ.pop(STANDBY, None) == "1" and not ready_when_told():
+        return  # a standby the supervisor did not need
     from verlj.engine.loop.run import train as run_train  # torch and DeepSpeed: not in a supervisor
 
     done = guarded(lambda: run_train(output_dir, config, overrides, resume=resume, allow_config_change=allow_config_change),
@@ -58,6 +60,21 @@ def train(
     if done.snapshots_failed:  # the run is whole, but a scheduler must see that its snapshots are not
         typer.echo(f"Snapshots failed: {done.snapshots_failed}")
         raise typer.Exit(EXIT_SNAPSHOTS_FAILED)
+
+
+def ready_when_told() -> bool:
+    """A standby (cli/supervise.py): import what training needs now, then wait for the supervisor's
+    "go" on stdin; False when stdin closes without it."""
+    from verlj.engine.dist import prepare_accelerator
+
+    prepare_accelerator()  # before DeepSpeed is imported, as a run does
+    import deepspeed  # noqa: F401
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
+
+    from verlj.engine.loop import checkpointer, recovery, run  # noqa: F401
+    from verlj.engine.rl import trainer  # noqa: F401
+
+    return sys.stdin.readline().strip() == "go"
 
 
 def register(app: typer.Typer) -> None:

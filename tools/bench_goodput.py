@@ -103,13 +103,15 @@ def verlj_run(run: Path, steps: int, save_interval: int, killer_times: list[floa
         cmd.append("trainer.max_restarts=1000")
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENV}, cwd=REPO)
-    killer = None
-    if killer_times is not None:  # the trainer is the supervisor's child
-        killer = Killer(killer_times, lambda: next(iter(children(p.pid)), None))
+    killer, active = None, [None]
+    if killer_times is not None:  # the trainer is the supervisor's child (beside its standby, which waits)
+        killer = Killer(killer_times, lambda: active[0] if active[0] in children(p.pid) else None)
         killer.start()
     trained, replayed = [], 0
     for line in p.stdout:
-        if m := re.search(r"\[INFO\] Step (\d+): reward=", line):
+        if m := re.search(r"verlj: training in process (\d+)", line):
+            active[0] = int(m.group(1))
+        elif m := re.search(r"\[INFO\] Step (\d+): reward=", line):
             trained.append(int(m.group(1)))
         elif m := re.search(r"Replayed steps? (\d+)(?:–(\d+))? from the journal", line):
             replayed += int(m.group(2) or m.group(1)) - int(m.group(1)) + 1

@@ -5,6 +5,7 @@ restarted rank resumes by itself). Both end bit-identical to the uninterrupted r
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,10 @@ import pytest
 from verlj_testing import REPO, TINY, _port, assert_same_journal, env, train
 
 pytestmark = pytest.mark.slow
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +33,22 @@ def reference(tmp_path_factory) -> Path:
 def test_a_trainer_killed_by_sigkill_is_restarted_and_the_run_ends_identical(tmp_path, reference):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, "trainer.max_restarts=2"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
-    killed = None
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=REPO)
+    active = killed = None
     for line in p.stdout:
-        if "[INFO] Step 2: reward=" in line:  # the trainer is a child of the supervisor: kill -9 it alone
-            (killed,) = [int(pid) for pid in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
+        if m := re.search(r"verlj: training in process (\d+)", line):
+            active = int(m.group(1))
+        if "[INFO] Step 2: reward=" in line:  # the trainer is a child of the supervisor (beside its standby): kill -9 it alone
+            assert active in children(p.pid) and len(children(p.pid)) == 2
+            killed = active
             os.kill(killed, signal.SIGKILL)
             break
-    rest, err = p.communicate(timeout=600)
-    assert p.returncode == 0, err[-3000:]
-    assert "the training process was killed by SIGKILL; restarting it with --resume (1 of 2)" in err
-    assert "Step 4: reward=" in rest and f"Done: last committed step 4 in {run}" in rest
+    rest, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, rest[-3000:]
+    assert "the training process was killed by SIGKILL; restarting it with --resume (1 of 2)" in rest
+    restarted = int(re.search(r"verlj: training in process (\d+) \(restart 1 of 2\)", rest).group(1))
+    assert restarted != killed and "Step 4: reward=" in rest and f"Done: last committed step 4 in {run}" in rest
+    assert not Path(f"/proc/{p.pid}").exists() or not children(p.pid)  # no standby left behind
     assert_same_journal(run, reference)
 
 

@@ -13,21 +13,26 @@ import time
 
 import pytest
 
-from verlj.cli.supervise import SUPERVISED, supervise
+from verlj.cli.supervise import STANDBY, SUPERVISED, supervise
 from verlj.engine.config import make_config, restarts_asked
 from verlj.engine.errors import ConfigError
 
 
 def child(tmp_path, body: str) -> list[str]:
-    """A stand-in trainer: appends its argv and environment mark to calls.jsonl, then runs BODY
-    (`n` is how many times it was started before)."""
+    """A stand-in trainer: as a standby, waits for "go" on stdin (counting in idle.txt the ones never
+    told); then appends its argv and environment marks to calls.jsonl and runs BODY (`n` is how many
+    times it was started before)."""
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(f"""
         import json, os, signal, sys, time
         calls = {str(tmp_path / "calls.jsonl")!r}
+        standby = os.environ.get({STANDBY!r}) == "1"
+        if standby and sys.stdin.readline().strip() != "go":
+            open({str(tmp_path / "idle.txt")!r}, "a").write("idle\\n")
+            sys.exit(0)
         n = sum(1 for _ in open(calls)) if os.path.exists(calls) else 0
         with open(calls, "a") as f:
-            f.write(json.dumps({{"argv": sys.argv[1:], "supervised": os.environ.get({SUPERVISED!r})}}) + "\\n")
+            f.write(json.dumps({{"argv": sys.argv[1:], "supervised": os.environ.get({SUPERVISED!r}), "standby": standby}}) + "\\n")
     """) + textwrap.dedent(body))
     return [sys.executable, str(script), "train", "--output-dir", "r"]
 
@@ -43,7 +48,15 @@ def test_a_killed_trainer_is_restarted_with_resume_until_it_finishes(tmp_path):
     seen = calls(tmp_path)
     assert [c["argv"] for c in seen] == [["train", "--output-dir", "r"]] + [["train", "--output-dir", "r", "--resume"]] * 2
     assert all(c["supervised"] == "1" for c in seen)  # the trainer never supervises in turn
+    assert [c["standby"] for c in seen] == [False, True, True]  # each restart was a standby, its imports done
+    assert (tmp_path / "idle.txt").read_text() == "idle\n"  # the one standby not needed exited, and was waited for
     assert sum("was killed by SIGKILL; restarting it with --resume" in line for line in said) == 2
+
+
+def test_without_a_standby_a_restart_starts_a_new_process(tmp_path):
+    cmd = child(tmp_path, "if n < 1: os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert supervise(cmd, restarts=2, say=lambda _: None, standby=False) == 0
+    assert [c["standby"] for c in calls(tmp_path)] == [False, False] and not (tmp_path / "idle.txt").exists()
 
 
 def test_restarts_run_out_with_one_line_and_the_trainer_s_status(tmp_path):
