@@ -9,7 +9,7 @@ torchrun's (`--max-restarts N`); each restarted rank resumes by itself (train_cm
 
 While restarts remain, a standby process waits beside the trainer: the same command with --resume,
 its libraries (torch, DeepSpeed, transformers) already imported, blocked on its stdin. A restart
-tells it "go" (half of a restart's time on this machine was those imports); one that never hears it
+tells it "go" (most of a restart's time on this machine went to those imports); one that never hears it
 exits quietly when its stdin closes, or with the supervisor.
 """
 
