@@ -373,7 +373,7 @@ def _walk(shipped: Path) -> SegmentScan:
     for a, b, path in files:
         starts.setdefault(a, []).append((b, path))
     end = max((b for _a, b, _p in files), default=0)
-    prev_digest, chain, last, seq = "", None, None, 1
+    prev_digest, chain, last, seq, stepped = "", None, None, 1, False
     while seq <= end:
         candidates = starts.get(seq)
         if not candidates:
@@ -394,7 +394,7 @@ def _walk(shipped: Path) -> SegmentScan:
                 elif seg.prev != prev_digest:
                     why = f"journal segment {path.name} does not link to segment {seq - 1}"
                 else:
-                    new_chain, new_last, why = _check_steps(seg, path.name, chain, last)
+                    new_chain, new_last, why = _check_steps(seg, path.name, chain, last, stepped)
             if why is None:
                 break
             first_why = first_why or (why, at_end, path)
@@ -403,18 +403,18 @@ def _walk(shipped: Path) -> SegmentScan:
             return out
         out.segments.append(seg)
         chain, last, prev_digest, seq = new_chain, new_last, seg.link_digest, b + 1
+        stepped = stepped or seg.first is not None
     kept = {seg.path for seg in out.segments}
     out.superseded = [p for _a, b, p in files if p not in kept and b <= out.last_seq]  # held by what was read
     return out
 
 
-def _check_steps(seg: Segment, name: str, chain: bytes | None, last: int | None):
-    """Continue the hash chain through a segment's step records. Returns (chain, last, problem)."""
-    if chain is None and seg.meta is not None:  # the first segment with meta sets where the chain starts
-        base = seg.meta.get(BASE_STEP.encode())
-        cbase = seg.meta.get(CHAIN_BASE.encode())
-        last = int(unframe_plain(base, f"meta {BASE_STEP!r}")) if base is not None else 0
-        chain = bytes.fromhex(unframe_plain(cbase, f"meta {CHAIN_BASE!r}")) if cbase is not None else GENESIS
+def _check_steps(seg: Segment, name: str, chain: bytes | None, last: int | None, stepped: bool = False):
+    """Continue the hash chain through a segment's step records. Returns (chain, last, problem).
+    `stepped`: whether an earlier segment carried steps."""
+    if not stepped and seg.meta is not None:  # the newest meta before the first step sets where the chain starts
+        last, start = _chain_start(seg.meta)  # (a fork records its base after its writer shipped a first meta)
+        chain = bytes.fromhex(start) if start else GENESIS
     if not seg.steps:
         return chain, last, None
     if chain is None:
@@ -433,6 +433,14 @@ def _check_steps(seg: Segment, name: str, chain: bytes | None, last: int | None)
     if seg.last != last or seg.chain != chain.hex():
         return chain, last, f"journal segment {name}'s header does not match its steps"
     return chain, last, None
+
+
+def _chain_start(meta: dict[bytes, bytes]) -> tuple[int, str]:
+    """Where a journal's chain starts, from its meta frames: (the step before its first record, the
+    chain hash it continues, hex; "" for a new run's, which starts at GENESIS)."""
+    base, cbase = meta.get(BASE_STEP.encode()), meta.get(CHAIN_BASE.encode())
+    return (int(unframe_plain(base, f"meta {BASE_STEP!r}")) if base is not None else 0,
+            unframe_plain(cbase, f"meta {CHAIN_BASE!r}") if cbase is not None else "")
 
 
 def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail", found: SegmentScan | None = None) -> SegmentScan:
@@ -933,6 +941,7 @@ class Shipper:
         self._prev = found.segments[-1].link_digest if found.segments else ""
         self._shipped = found.last_step if found.last_step is not None else journal.base_step()
         self._chain = found.segments[-1].chain if found.segments else (journal.chain_hash(self._shipped) or "")  # after _shipped
+        self._stepped = found.last_step is not None  # a shipped segment carries steps: from here on, where the chain starts is known
         self._meta_digest = self._snap_digest = None
         # retention's bound as compaction may use it: from the newest meta shipped in a segment that is
         # not the last file. A damaged last file is dropped by a rebuild (a torn tail); one before it
@@ -1080,6 +1089,9 @@ class Shipper:
             # one consistent cut per segment: a segment whose steps outlive it never lacks the metadata
             # committed before them (the run's identity written before step 1, say)
             steps, meta, snaps = self.journal.read_cut(self._shipped, MAX_SEGMENT_BYTES)
+            if not self._stepped:  # no step shipped yet: the chain starts where this cut's meta says (a fork
+                with self._cond:  # records its parent's step and chain after its writer opened)
+                    self._shipped, self._chain = _chain_start(meta)
             meta_digest, snap_digest = _map_digest(meta), _map_digest(snaps)
             new_meta = meta_digest != self._meta_digest
             new_snaps = snap_digest != self._snap_digest
@@ -1113,6 +1125,7 @@ class Shipper:
             self._pruned = self._pruned_last  # the file that carried it is no longer the last
             self._last_empty = seg.empty
             self._seq, self._prev, self._shipped, self._chain = seg.seq, seg.digest, seg.last, seg.chain
+            self._stepped = self._stepped or seg.first is not None
             self.bytes_shipped += seg.size
             self._error = None
             self._cond.notify_all()

@@ -67,8 +67,7 @@ def main() -> None:
 
     from verlj.engine.config import config_from_dict
     from verlj.engine.dist import configure_determinism, setup
-    from verlj.engine.loop.checkpointer import Checkpointer
-    from verlj.engine.loop.context import Run
+    from verlj.engine.loop.checkpointer import make_run
     from verlj.engine.loop.ledger import Ledger
     from verlj.engine.loop.recovery import replay, restore
     from verlj.engine.loop.run import train
@@ -91,9 +90,7 @@ def main() -> None:
         configure_determinism(cfg)
 
         def fresh():
-            r = Run(run, cfg, rt, Trainer(cfg, rt), Silent(), journal)
-            r.ckpt = Checkpointer(r)
-            return r
+            return make_run(run, cfg, rt, Trainer(cfg, rt), Silent(), journal)
 
         recov, replay_per_step, rerun = [], [], []
         for _ in range(args.repeats):
@@ -133,7 +130,7 @@ def main() -> None:
                 c = copy.deepcopy(cfg)
                 c.trainer.async_save = async_save
                 c.trainer.save_total_limit = 0
-                sm = Checkpointer(Run(scratch, c, rt, trainer, Silent(), sj))
+                sm = make_run(scratch, c, rt, trainer, Silent(), sj).ckpt
                 step = 100 + 2 * i + int(async_save)
                 t = time.perf_counter()
                 sm.save(step, "bench")

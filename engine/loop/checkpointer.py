@@ -69,6 +69,15 @@ class Part:
     optional: bool = False  # snapshots written before the part existed lack it: it keeps its initial state
 
 
+def make_run(run_dir: Path, cfg, rt, trainer, reporter, ledger=None) -> Run:
+    """The run being driven (loop.context.Run), with its checkpointer, which is built from the run it
+    serves: the one way a Run is made, so that none is ever seen without its checkpointer. `ledger`:
+    rank 0's (None on the other ranks, and for a run without a journal)."""
+    run = Run(run_dir, cfg, rt, trainer, reporter, ledger)
+    run.ckpt = Checkpointer(run)
+    return run
+
+
 class Checkpointer:
     """Snapshots of a live run (or a materialized state): schedule, write, publish, load."""
 

@@ -1,7 +1,6 @@
 """The run being driven: one object for what every part of the loop needs, handed around whole.
 
-    run = Run(run_dir, cfg, rt, trainer, reporter, ledger)   # ledger: rank 0's; None on the others
-    run.ckpt = Checkpointer(run)
+    run = make_run(run_dir, cfg, rt, trainer, reporter, ledger)  # loop.checkpointer; ledger: rank 0's, None on the others
     last, control = resume(run, changed, allow_change)       # loop.recovery
     train_loop(run, last, control, stop)                     # loop.run
 
@@ -35,7 +34,7 @@ class Run:
     trainer: Trainer
     reporter: Reporter
     ledger: Ledger | None = None  # the run's history in its journal: rank 0 only
-    ckpt: Checkpointer | None = None  # built from the run, right after it
+    ckpt: Checkpointer | None = None  # built from the run by make_run (loop.checkpointer), which makes every Run
 
     def history(self) -> History:
         """The run's history, read on rank 0 and sent to every rank (collective)."""

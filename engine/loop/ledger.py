@@ -133,7 +133,8 @@ def _open_writer(run_dir: Path, local_dir: str | None, max_lag: int, claim: Clai
         raise RunError(f"{run_dir} is a copy of the run in {e.owner.parent}, whose journal is in journal.local_dir "
                        f"{e.local}; a copy never writes into it (nothing was changed). Resume the copy (through step "
                        f"{last}) with a journal of its own, rebuilt from its segments: "
-                       f"`verlj train -o {run_dir} --resume journal.local_dir=NEW_EMPTY_DIR`") from None
+                       f"`verlj train -o {run_dir} --resume journal.local_dir=NEW_EMPTY_DIR`, or go on from it as a new run: "
+                       f"`verlj replay {run_dir} --to-step {last} --fork NEW_RUN journal.local_dir=NEW_LOCAL_DIR`") from None
 
 
 def shipped_config(run_dir: Path) -> dict | None:

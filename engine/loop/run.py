@@ -154,33 +154,14 @@ def train(
     """`verlj train`: a fresh run, or `--resume` of an existing one. Returns the last committed step
     and what failed of its snapshots."""
     run_dir = Path(output_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunError(f"--output-dir {run_dir} exists and is not a directory")
-    lost = lost_journal(run_dir)  # a past run without its journal: never taken for one that never started
-    if lost is not None:
-        raise RunError(lost)
-    if resume:
-        stage_resume_journal(run_dir, config_file, overrides)
-    state = run_state(run_dir)
+    state, cfg, changed, said = check_start(run_dir, config_file, overrides, resume, allow_config_change)
     existing = state == "run"
-    if existing and not resume:
-        raise RunError(writer_refusal(run_dir) or f"{run_dir} already holds a run; pass --resume to continue it, or choose "
-                       "another --output-dir")
-    if state == "none" and run_dir.exists() and any(run_dir.iterdir()):
-        raise RunError(f"{run_dir} is not a verlj run and is not empty (no journal/ with run metadata); "
-                       "choose an empty or new --output-dir")
-    cfg, changed, said = resolve_config(run_dir, state, config_file, overrides, resume, allow_config_change)
-    if cfg.trainer.resume_from not in (None, "auto") and not existing:
-        raise RunError(f"trainer.resume_from is {cfg.trainer.resume_from!r} but {run_dir} holds no run")
-    check_local_dir(run_dir, cfg.journal)
 
     from ..dist import configure_determinism, prepare_accelerator, setup
 
     prepare_accelerator()
     from ..rl.trainer import Trainer
-    from ..rl.vllm_engine import remove_stale_weights_copies
-    from .checkpointer import Checkpointer
-    from .recovery import resume
+    from .checkpointer import make_run
 
     rt = setup(cfg)
     configure_determinism(cfg)
@@ -210,31 +191,10 @@ def train(
         if not existing:
             journal = rt.from_rank0(open_journal, "opening the journal", share=False)
         reporter = Reporter(cfg.logging, run_dir, rt.is_main, cfg.trainer.total_steps)
-        for note in notes:
-            say(reporter, note)
-        for line in remove_stale_weights_copies():  # every rank: its node's /dev/shm
-            reporter.info(line)
-        if said:
-            reporter.info(said)
-        elif resume and not existing:
-            reporter.info(f"No run in {run_dir} yet: starting a new one (--resume continues a run when there is one).")
-        run = Run(run_dir, cfg, rt, trainer, reporter, Ledger(journal) if journal is not None else None)
-        run.ckpt = Checkpointer(run)
-        control: list[dict] = []
-        if existing:
-            rt.from_rank0(lambda: trainer.check_identity(run.ledger.identity()), "checking the run's identity")
-            counterfactual = rt.from_rank0(lambda: run.ledger.counterfactual(), "reading the run's identity")
-            if counterfactual is not None:  # a what-if goes on training on its parent's samples
-                source = whatif.resume_source(run, counterfactual, changed)
-            last, control = resume(run, changed, allow_config_change)
-            if rt.is_main:
-                reporter.catch_up(run.ledger.metrics, last)
-        else:
-            last = 0
-            if rt.is_main:
-                run.ledger.start(run_identity(run))
-            control.append(make_event("control", kind="start", details={"config_hash": cfg.hash(), "world_size": rt.world_size}))
-            reporter.info("Step 0: Starting training...")
+        greet(reporter, notes, said or (f"No run in {run_dir} yet: starting a new one (--resume continues a run when there is "
+                                        "one)." if resume and not existing else None))
+        run = make_run(run_dir, cfg, rt, trainer, reporter, Ledger(journal) if journal is not None else None)
+        last, control, source = begin(run, existing, changed, allow_config_change)
         last = train_loop(run, last, control, stop, source)
         return Trained(last, run.ckpt.failures())
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, waiting for nothing in flight
@@ -257,6 +217,71 @@ def train(
             trainer.close(at_once=interrupted)
         if unstarted:
             discard_unstarted(run_dir, remove_dir=created)
+
+
+def check_start(run_dir: Path, config_file, overrides, resume: bool, allow_change: bool) -> tuple[str, Config, list[str], str | None]:
+    """What `verlj train` may do in `run_dir`, checked before anything loads or is written: one sentence
+    when it may not. Returns (its run_state, the config, the changed keys, a note to print)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunError(f"--output-dir {run_dir} exists and is not a directory")
+    lost = lost_journal(run_dir)  # a past run without its journal: never taken for one that never started
+    if lost is not None:
+        raise RunError(lost)
+    if resume:
+        stage_resume_journal(run_dir, config_file, overrides)
+    state = run_state(run_dir)
+    existing = state == "run"
+    if existing and not resume:
+        raise RunError(writer_refusal(run_dir) or f"{run_dir} already holds a run; pass --resume to continue it, or choose "
+                       "another --output-dir")
+    if state == "none" and run_dir.exists() and any(run_dir.iterdir()):
+        raise RunError(f"{run_dir} is not a verlj run and is not empty (no journal/ with run metadata); "
+                       "choose an empty or new --output-dir")
+    cfg, changed, said = resolve_config(run_dir, state, config_file, overrides, resume, allow_change)
+    if cfg.trainer.resume_from not in (None, "auto") and not existing:
+        raise RunError(f"trainer.resume_from is {cfg.trainer.resume_from!r} but {run_dir} holds no run")
+    check_local_dir(run_dir, cfg.journal)
+    return state, cfg, changed, said
+
+
+def greet(reporter: Reporter, notes: list[str], said: str | None) -> None:
+    """A start's first lines: the notes from opening the journal, the stale weight copies removed
+    (every rank: its node's /dev/shm), and what the config resolution had to say."""
+    from ..rl.vllm_engine import remove_stale_weights_copies
+
+    for note in notes:
+        say(reporter, note)
+    for line in remove_stale_weights_copies():
+        reporter.info(line)
+    if said:
+        reporter.info(said)
+
+
+def begin(run: Run, existing: bool, changed: list[str], allow_change: bool) -> tuple[int, list[dict], whatif.WhatifSource | None]:
+    """Resume an existing run (recovery.resume) or record a new one's start. Returns (the last step, the
+    control events of the first step's record, what collects a what-if's steps: None for a run trained
+    on its own samples)."""
+    from .recovery import resume
+
+    rt, reporter, ledger = run.rt, run.reporter, run.ledger
+    if not existing:
+        if rt.is_main:
+            ledger.start(run_identity(run))
+        reporter.info("Step 0: Starting training...")
+        return 0, [make_event("control", kind="start", details={"config_hash": run.cfg.hash(), "world_size": rt.world_size})], None
+    rt.from_rank0(lambda: run.trainer.check_identity(ledger.identity()), "checking the run's identity")
+    counterfactual = rt.from_rank0(lambda: ledger.counterfactual(), "reading the run's identity")
+    # a what-if goes on training on its parent's samples
+    source = whatif.resume_source(run, counterfactual, changed) if counterfactual is not None else None
+    try:
+        last, control = resume(run, changed, allow_change)
+        if rt.is_main:
+            reporter.catch_up(ledger.metrics, last)
+    except BaseException:
+        if source is not None:
+            source.close()
+        raise
+    return last, control, source
 
 
 def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
@@ -357,73 +382,36 @@ def check_fork(parent: Path, step: int, new_run: Path, overrides: list[str]) -> 
 def fork(replayed, parent: Path, new_run: Path, overrides: list[str]) -> int:
     """`replay --fork`: a new run from a materialized state (post_mortem.materialize); its journal records
     the parent run and step."""
-    from ..state.fingerprint import fingerprint
-    from .checkpointer import Checkpointer
-
     rt, trainer = replayed.run.rt, replayed.run.trainer
     cfg, changed = fork_config(trainer.cfg.to_dict(), overrides, new_run)
     preflight_rollout(cfg, rt)
     trainer.set_config(cfg)
-    # the base snapshot holds the state under the fork's config (an optimizer's lr is part of its state)
-    base_fp, _ = fingerprint(trainer.engines(), rt, cfg.trainer.state_digest)
-    if rt.is_main:
-        new_run.mkdir(parents=True, exist_ok=True)
-    run = Run(new_run, cfg, rt, trainer, Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps))
+    run = None
     try:
-        if rt.is_main:
-            with open_journal_reader(journal_dir(parent)) as pj:
-                chain = pj.chain_hash(replayed.step)
-            journal, notes = open_writer(new_run, cfg.journal, claim_run(new_run, cfg.journal))
-            run.ledger = Ledger(journal)
-            origin = {"run": str(parent.resolve()), "step": replayed.step, "fingerprint": replayed.fingerprint, "base_fingerprint": base_fp}
-            run.ledger.start(run_identity(run), parent=origin, base_step=replayed.step, chain_base=chain)
-            for note in notes:
-                say(run.reporter, note)
-        run.ckpt = Checkpointer(run)
+        run, base_fp = start_child(replayed, parent, new_run, cfg)
         run.ckpt.save(replayed.step, base_fp)  # the fork's base: recovery of the new run starts here
         run.ckpt.wait()
         control = [make_event("control", kind="fork", details={"parent": str(parent), "parent_step": replayed.step, "config_changes": changed})]
         run.reporter.info(f"Forked {parent} at step {replayed.step} into {new_run}.")
         return train_loop(run, replayed.step, control)
     finally:
-        run.reporter.close()
-        if run.ledger is not None:
-            run.ledger.close()
-        trainer.close()  # its rollout engine too (vLLM, the async generator)
+        close_child(run, trainer)
 
 
 def start_whatif(replayed, parent: Path, new_run: Path, overrides: list[str], to_step: int) -> int:
     """A new what-if run from a materialized state of `parent` (post_mortem.materialize): its journal
     continues the parent's chain after the state's step and says it is counterfactual; then steps
     up to `to_step` trained on the parent's samples. Returns the last committed step."""
-    from ..state.fingerprint import fingerprint
-    from .checkpointer import Checkpointer
-
-    rt, trainer = replayed.run.rt, replayed.run.trainer
+    trainer = replayed.run.trainer
     cfg, changed = whatif.whatif_config(trainer.cfg.to_dict(), overrides, to_step, new_run)
     trainer.set_config(cfg)
     trainer.rescore(list(trainer.buffer.samples.values()))  # samples waiting from before the what-if: its reward too
-    # the base snapshot holds the state under the what-if's config (an optimizer's lr is part of its state)
-    base_fp, _ = fingerprint(trainer.engines(), rt, cfg.trainer.state_digest)
-    if rt.is_main:
-        new_run.mkdir(parents=True, exist_ok=True)
-    run = Run(new_run, cfg, rt, trainer, Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps))
-    source = None
+    counterfactual = {"run": str(parent.resolve()), "from_step": replayed.step, "to_step": to_step,
+                      "overrides": list(overrides), "changed": changed}
+    run = source = None
     try:
-        if rt.is_main:
-            with open_journal_reader(journal_dir(parent)) as pj:
-                chain = pj.chain_hash(replayed.step)
-            journal, notes = open_writer(new_run, cfg.journal, claim_run(new_run, cfg.journal))
-            run.ledger = Ledger(journal)
-            # base_fingerprint: the state this run starts from, the parent's under the what-if's config
-            origin = {"run": str(parent.resolve()), "step": replayed.step, "fingerprint": replayed.fingerprint, "base_fingerprint": base_fp}
-            counterfactual = {"run": str(parent.resolve()), "from_step": replayed.step, "to_step": to_step,
-                              "overrides": list(overrides), "changed": changed}
-            run.ledger.start(run_identity(run), parent=origin, base_step=replayed.step, chain_base=chain, counterfactual=counterfactual)
-            for note in notes:
-                say(run.reporter, note)
+        run, base_fp = start_child(replayed, parent, new_run, cfg, counterfactual)
         source = whatif.WhatifSource(run, parent)
-        run.ckpt = Checkpointer(run)
         run.ckpt.save(replayed.step, base_fp)  # the what-if's base: its recovery starts here
         run.ckpt.wait()
         control = [make_event("control", kind="whatif", details={"parent": str(parent), "parent_step": replayed.step,
@@ -434,10 +422,50 @@ def start_whatif(replayed, parent: Path, new_run: Path, overrides: list[str], to
     finally:
         if source is not None:
             source.close()
-        run.reporter.close()
-        if run.ledger is not None:
-            run.ledger.close()
-        trainer.close()
+        close_child(run, trainer)
+
+
+def start_child(replayed, parent: Path, new_run: Path, cfg: Config, counterfactual: dict | None = None) -> tuple[Run, str]:
+    """The new run of `replay --fork` or `whatif` around the replayed trainer (already under `cfg`):
+    on rank 0, its journal, claimed and continuing `parent`'s hash chain after the replayed step (a
+    what-if's identity says it is `counterfactual`). Returns (the run, its base fingerprint: the
+    parent's state under `cfg`, which the caller snapshots as the run's base)."""
+    from ..state.fingerprint import fingerprint
+    from .checkpointer import make_run
+
+    rt, trainer, step = replayed.run.rt, replayed.run.trainer, replayed.step
+    # the base snapshot holds the state under the new config (an optimizer's lr is part of its state)
+    base_fp, _ = fingerprint(trainer.engines(), rt, cfg.trainer.state_digest)
+    ledger, notes = None, []
+    if rt.is_main:
+        new_run.mkdir(parents=True, exist_ok=True)
+        with open_journal_reader(journal_dir(parent)) as pj:
+            chain = pj.chain_hash(step)
+        journal, notes = open_writer(new_run, cfg.journal, claim_run(new_run, cfg.journal))
+        ledger = Ledger(journal)
+    try:
+        run = make_run(new_run, cfg, rt, trainer, Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps), ledger)
+    except BaseException:
+        if ledger is not None:
+            ledger.close()
+        raise
+    if rt.is_main:
+        origin = {"run": str(parent.resolve()), "step": step, "fingerprint": replayed.fingerprint, "base_fingerprint": base_fp}
+        run.ledger.start(run_identity(run), parent=origin, base_step=step, chain_base=chain, counterfactual=counterfactual)
+        for note in notes:
+            say(run.reporter, note)
+    return run, base_fp
+
+
+def close_child(run: Run | None, trainer) -> None:
+    """Close what start_child opened (`run`: None when it failed) and the replayed trainer."""
+    try:
+        if run is not None:
+            run.reporter.close()
+            if run.ledger is not None:
+                run.ledger.close()
+    finally:
+        trainer.close()  # its rollout engine too (vLLM, the async generator)
 
 
 def preflight_rollout(cfg: Config, rt: Runtime) -> None:

@@ -60,7 +60,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
                 max_snapshot: int | None = None) -> Materialized:
     """Load the newest valid snapshot <= to_step (and <= max_snapshot) and replay the journal up to
     to_step, checking every fingerprint (collective)."""
-    from ..loop.checkpointer import Checkpointer
+    from ..loop.checkpointer import make_run
     from ..loop.recovery import materialize_steps
     from ..rl.trainer import Trainer
     from ..state.fingerprint import fingerprint
@@ -80,16 +80,17 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
     rt = setup(cfg)
     configure_determinism(cfg)
     reporter = reporter or Reporter(cfg.logging, run_dir, enabled=rt.is_main and not quiet, total_steps=to_step, sinks=False)
+    run = None
     try:
-        run = Run(run_dir, cfg, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
-        run.ckpt = Checkpointer(run)
+        run = make_run(run_dir, cfg, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
         step0, out = materialize_steps(run, to_step, max_snapshot=max_snapshot)
         fp = out.fingerprint
         if fp is None:
             fp, _ = fingerprint(run.trainer.engines(), rt, run.trainer.cfg.trainer.state_digest)
     finally:
         ledger.close()
-        run.ledger = None  # closed: the replayed state outlives it (export, --snapshot, --fork)
+        if run is not None:
+            run.ledger = None  # closed: the replayed state outlives it (export, --snapshot, --fork)
     return Materialized(to_step, fp, step0, run, out.exact, out.tolerant_steps, out.worst)
 
 

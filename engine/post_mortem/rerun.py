@@ -23,7 +23,6 @@ from pathlib import Path
 
 from ..dist import configure_determinism, setup
 from ..errors import ReplayError, RunError, SnapshotError
-from ..loop.context import Run
 from ..loop.ledger import Ledger, has_run, lost_journal, versions
 from ..report import Reporter
 from .materialize import replay_config
@@ -83,7 +82,7 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
     reward model too): the samples of each step from `start` on are scored again with the reward the
     config names now (Trainer.rescore); `rescored[step]` then holds the first sample whose score
     changed: {id, index, journaled, rerun}."""
-    from ..loop.checkpointer import Checkpointer
+    from ..loop.checkpointer import make_run
     from ..loop.recovery import replay, restore
     from ..rl.trainer import Trainer
 
@@ -98,9 +97,9 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
                                f"(torchrun --nproc_per_node {topo['world_size']} -m verlj.cli ...)")
     configure_determinism(cfg)
     reporter = Reporter(cfg.logging, run_dir, enabled=False, total_steps=stop, sinks=False)
-    run = Run(run_dir, cfg, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
+    trainer = Trainer(cfg, rt)
     try:
-        run.ckpt = Checkpointer(run)
+        run = make_run(run_dir, cfg, rt, trainer, reporter, ledger if rt.is_main else None)
         run.trainer.keep_stages = keep
         step0 = restore(run, start - 1)
         seen: dict = {}
@@ -127,7 +126,7 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
                    before=pre if before or rescore else None)
         return step0, seen
     finally:
-        run.trainer.close()
+        trainer.close()
 
 
 def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> dict:

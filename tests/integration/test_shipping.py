@@ -16,7 +16,7 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal, segments
-from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
+from verlj_testing import REPO, TINY, _same, assert_same_journal, comparable_steps, env, fingerprints, train, verlj
 
 TARGET = 10
 COMMON = [f"trainer.total_steps={TARGET}", "trainer.save_interval=3", "trainer.save_total_limit=2"]
@@ -256,6 +256,7 @@ def test_a_copy_never_writes_into_the_original_s_local_journal(tmp_path, referen
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and f"{copy} is a copy of the run in {run}" in errors[0], out.stderr[-3000:]
     assert f"(through step 6) with a journal of its own, rebuilt from its segments: `verlj train -o {copy} --resume journal.local_dir=NEW_EMPTY_DIR`" in errors[0]
+    assert f"`verlj replay {copy} --to-step 6 --fork NEW_RUN journal.local_dir=NEW_LOCAL_DIR`" in errors[0]
     assert _tree(run) == before and _tree(local) == held and _committed(local) == 6
     out = train(run, *COMMON, f"journal.local_dir={local}", resume=True)  # the original goes on as itself
     assert out.returncode == 0 and "Rebuilt" not in out.stdout, out.stderr[-3000:]
@@ -264,6 +265,9 @@ def test_a_copy_never_writes_into_the_original_s_local_journal(tmp_path, referen
     # the copy's readers do not take the original's local journal (now through step 10) for its own
     assert "6 committed, last step 6" in verlj("inspect", copy, check=True).stdout
     assert verlj("verify", copy).returncode == 0
+    forked = tmp_path / "forked"  # the other way on: a new run from the copy's state, its journal shipped too
+    verlj("replay", copy, "--to-step", 6, "--fork", forked, f"journal.local_dir={tmp_path / 'L3'}", check=True)
+    assert verlj("verify", forked).returncode == 0
     out = train(copy, *COMMON, f"journal.local_dir={tmp_path / 'L2'}", resume=True)  # a journal of its own
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Rebuilt the journal" in out.stdout and "Copied the journal" not in out.stdout, out.stdout
@@ -287,3 +291,48 @@ def test_a_moved_run_resumes_as_itself(tmp_path, reference):
     assert segments.read_pointer(moved / "journal")["path"] == str(local.resolve())
     assert_same_journal(reference, moved)
     assert fingerprints(reference) == fingerprints(moved)
+
+
+def _same_steps(reference, run) -> None:
+    """Every step of `run` (a fork of `reference`) as `reference` journaled it, but its control and
+    config events and timings (verlj_testing.comparable_steps)."""
+    want = {s["step"]: s for s in comparable_steps(reference)}
+    for got in comparable_steps(run):
+        assert _same(got, want[got["step"]]), f"step {got['step']} differs"
+
+
+def test_a_fork_with_local_dir_verifies_and_resumes_exactly(tmp_path, reference):
+    """replay --fork with journal.local_dir: the fork's segments verify (they were called damaged at
+    its first step), and the fork, stopped at step 7 and its node lost, resumes from them alone to
+    the uninterrupted run's steps."""
+    fork, local = tmp_path / "fork", tmp_path / "L"
+    verlj("replay", reference, "--to-step", 4, "--fork", fork, f"journal.local_dir={local}",
+          f"journal.ship_max_lag_steps={LAG}", "trainer.total_steps=7", check=True)
+    v = verlj("verify", fork)
+    assert v.returncode == 0 and "steps through 7" in v.stdout, v.stdout
+    lose_node(local)
+    out = train(fork, *COMMON, f"journal.local_dir={tmp_path / 'L2'}", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Rebuilt the journal" in out.stdout, out.stdout
+    assert fingerprints(fork) == {s: fp for s, fp in fingerprints(reference).items() if s > 4}
+    _same_steps(reference, fork)
+    assert verlj("verify", fork).returncode == 0
+
+
+def test_a_fork_at_the_parent_s_last_step_with_local_dir_ends_and_resumes_exactly(tmp_path, reference):
+    """A fork at its parent's last step trains nothing: it ends at once (it waited 10 minutes for its
+    shipper), verifies, and resumed from its segments alone goes on as the uninterrupted run did."""
+    parent, fork, local = tmp_path / "parent", tmp_path / "fork", tmp_path / "L"
+    assert train(parent, *COMMON, "trainer.total_steps=6").returncode == 0
+    t0 = time.monotonic()
+    out = verlj("replay", parent, "--to-step", 6, "--fork", fork, f"journal.local_dir={local}", timeout=240)
+    assert out.returncode == 0 and time.monotonic() - t0 < 120, out.stderr[-3000:]
+    assert "already at trainer.total_steps=6; nothing to train" in out.stderr + out.stdout
+    v = verlj("verify", fork)
+    assert v.returncode == 0, v.stdout
+    lose_node(local)
+    out = train(fork, *COMMON, f"journal.local_dir={tmp_path / 'L2'}", resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(fork) == {s: fp for s, fp in fingerprints(reference).items() if s > 6}
+    _same_steps(reference, fork)
+    assert verlj("verify", fork).returncode == 0

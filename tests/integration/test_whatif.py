@@ -6,6 +6,7 @@ is bit-identical to one that was not."""
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,6 +83,26 @@ def test_a_whatif_says_so_and_is_never_forked(parent):
         assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
         assert "is a what-if of" in refused.stderr and "its samples were not drawn by its own policy" in refused.stderr
         assert not (parent / "fork").exists()
+
+
+def test_a_whatif_with_local_dir_verifies_and_resumes_exactly(parent, tmp_path):
+    """A what-if whose journal is shipped (journal.local_dir): its segments verify (they were called
+    damaged, and closing it waited 10 minutes for steps it never holds), and stopped at step 3, its
+    node lost, it resumes from them alone to the steps of the what-if that ran straight to 4."""
+    straight, new, local = tmp_path / "straight", tmp_path / "new", tmp_path / "L"
+    assert whatif(parent / "run", 2, 4, straight, ["model.actor.optim.lr=0.003"]) == (3, 4)
+    out = verlj("whatif", parent / "run", "--from-step", "2", "--to-step", "3", "-o", new, "model.actor.optim.lr=0.003",
+                f"journal.local_dir={local}", timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    v = verlj("verify", new)
+    assert v.returncode == 0 and "steps through 3" in v.stdout, v.stdout
+    shutil.rmtree(local)  # the node is lost: only the run directory is left
+    out = verlj("train", "--output-dir", new, "--resume", "trainer.total_steps=4", f"journal.local_dir={tmp_path / 'L2'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Rebuilt the journal" in out.stdout, out.stdout
+    assert_same_journal(straight, new)
+    assert fingerprints(new) == fingerprints(straight) and sorted(fingerprints(new)) == [3, 4]
+    assert verlj("verify", new).returncode == 0
 
 
 @pytest.mark.slow

@@ -344,3 +344,58 @@ def test_make_durable_seals_what_a_deletion_relies_on_behind_another_segment(tmp
     segments.rebuild(shipped, tmp_path / "L2")
     with Journal.open_reader(tmp_path / "L2") as jr:
         assert list(jr.snapshots()) == [4] and jr.last_step() == 4
+
+
+def _parent(path: Path, last: int) -> str:
+    """A plain journal with steps 1..last; returns its chain hash after `last` (what a fork continues)."""
+    with Journal.open_writer(path) as p:
+        p.update_meta({"config": {"seed": 1}})
+        for s in range(1, last + 1):
+            p.append_step(s, _events(s))
+        return p.chain_hash(last)
+
+
+def test_a_fork_s_segments_continue_its_parent_s_chain_and_rebuild(tmp_path):
+    """A fork opens its shipped writer (which ships the journal id at once) and only then records the
+    parent's step and chain (Journal.start_after): its segments still carry its steps under their own
+    numbers, and the scan starts the chain at the parent's, not at GENESIS."""
+    chain = _parent(tmp_path / "parent", 3)
+    local, shipped = tmp_path / "L", tmp_path / "fork" / "journal"
+    j, _notes = segments.open_writer(local, shipped, max_lag=1)
+    with j:
+        j.shipper.flush()  # the meta-only first shipment is out before the fork's base is recorded
+        assert segments.scan(shipped).segments[0].meta is not None
+        j.start_after(3, chain, {"config": {"seed": 1}})
+        for s in range(4, 9):
+            j.append_step(s, _events(s))
+            assert j.shipper.shipped_step >= s - 1
+    found = segments.scan(shipped)
+    assert found.problem is None and found.last_step == 8, found.problem
+    assert [(seg.first, seg.last) for seg in found.segments if seg.first is not None] == [(s, s) for s in range(4, 9)]
+    segments.rebuild(shipped, tmp_path / "L2")
+    assert _dump(tmp_path / "L2") == _dump(local)
+    with Journal.open_reader(tmp_path / "L2") as r:
+        assert (r.base_step(), r.first_step(), r.last_step()) == (3, 4, 8)
+        assert verify_journal(r).ok
+
+
+def test_a_fork_at_its_parent_s_last_step_closes_at_once(tmp_path):
+    """A fork with no step of its own yet: everything is shipped when it closes (it waited 600 s for
+    steps 1..N it never holds), and its segments rebuild a journal that starts after the parent's step."""
+    import threading
+
+    chain = _parent(tmp_path / "parent", 5)
+    local, shipped = tmp_path / "L", tmp_path / "fork" / "journal"
+    j, _notes = segments.open_writer(local, shipped, max_lag=2)
+    j.shipper.flush()
+    j.start_after(5, chain, {"config": {"seed": 1}})
+    closing = threading.Thread(target=j.close, daemon=True)
+    closing.start()
+    closing.join(30)
+    assert not closing.is_alive(), "closing the journal hung"
+    assert j.shipper.shipped_step == 5
+    found = segments.scan(shipped)
+    assert found.problem is None and found.last_step is None
+    with open_journal_reader(shipped) as r:  # another host: rebuilt from the segments
+        assert (r.base_step(), r.last_step(), r.num_steps()) == (5, 5, 0)
+        assert r.get_meta("chain_base") == chain
