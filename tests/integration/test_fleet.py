@@ -53,8 +53,10 @@ def test_step_order_is_bit_identical_whatever_m_through_a_killed_actor_and_a_res
     assert {m["rollout/fleet/size"] for m in fleet_metrics(ref).values()} == {2.0}
     assert sum(m["rollout/fleet/deaths"] for m in fleet_metrics(ref).values()) == 0
 
-    one = tmp_path / "m1"
-    ok(train(one, *FLEET, "rollout.fleet_size=1", **cluster))
+    one = tmp_path / "m1"  # its only actor killed as it gets batch 3: the run waits for Ray to restart it
+    ok(train(one, *FLEET, "rollout.fleet_size=1", VERLJ_FAILPOINT="fleet.dispatch:3:kill-actor", **cluster))
+    last = fleet_metrics(one)[4]
+    assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] == 4, last
     assert_same_journal(ref, one, ignore=NOT_FLEET)
 
     killed = tmp_path / "killed"
@@ -65,8 +67,10 @@ def test_step_order_is_bit_identical_whatever_m_through_a_killed_actor_and_a_res
     out = verlj("verify", killed)
     assert out.returncode == 0, out.stdout + out.stderr
 
-    resized = tmp_path / "resized"
-    ok(train(resized, *FLEET, "trainer.total_steps=2", **cluster))
+    resized = tmp_path / "resized"  # the trainer killed in step 3's commit (batch 4 generated), resumed with one actor
+    out = train(resized, *FLEET, VERLJ_FAILPOINT="step.before_commit:3", **cluster)
+    assert out.returncode == -9, out.stderr[-3000:]
+    assert max(fingerprints(resized)) == 2
     ok(train(resized, *FLEET, "rollout.fleet_size=1", resume=True, **cluster))  # M is bookkeeping: no --allow-config-change
     sizes = {s: m["rollout/fleet/size"] for s, m in fleet_metrics(resized).items()}
     assert sizes == {1: 2.0, 2: 2.0, 3: 1.0, 4: 1.0}, sizes
@@ -96,3 +100,12 @@ def test_without_ray_a_fleet_is_one_line_and_exit_2(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "rollout.fleet=ray needs ray: pip install 'verlj[ray]'" in lines[0], out.stderr
     assert not run.exists()
+
+
+def test_a_fleet_with_no_live_actor_for_its_timeout_stops_in_one_line(tmp_path, cluster):
+    """Actors asking for a resource no node has are never placed: none is alive, and the run stops."""
+    out = train(tmp_path / "run", *FLEET, "rollout.fleet_resources={num_cpus: 1, no_such_node: 1}", "rollout.fleet_timeout_s=3",
+                **cluster)
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no actor of the rollout fleet has been alive for 3 s (rollout.fleet_timeout_s; 0 deaths)" in lines[0], out.stderr
