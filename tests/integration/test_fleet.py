@@ -6,6 +6,7 @@ through a kill with every group accounted for. Without ray, rollout.fleet=ray is
 The README's test command installs the `ray` extra, so CI runs these; elsewhere, without ray, the
 cluster's tests are skipped."""
 
+import json
 import os
 import subprocess
 import sys
@@ -37,6 +38,17 @@ def cluster():
         ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ragged(tmp_path_factory) -> list[str]:
+    """Prompts of 5 to 20 tokens: a group generated in one batch with others (left-padded to the longest)
+    would get other log-prob bits than alone, so step order's equality across M checks that the
+    fleet generates each group on its own."""
+    data = tmp_path_factory.mktemp("data") / "ragged.jsonl"
+    rows = [(int("7" * (1 + i % 8)), int("3" * (1 + (i * 5) % 8))) for i in range(64)]
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a, b in rows))
+    return [f"data.train_dataset={data}", "rollout.reward_fn=builtin:add"]
+
+
 def fleet_metrics(run) -> dict[int, dict]:
     with open_journal_reader(run / "journal") as j:
         return {s: {k: v for k, v in e["values"].items() if k.startswith("rollout/fleet/")} for s, e in j.iter_events("metrics")}
@@ -47,20 +59,21 @@ def ok(out):
     return out
 
 
-def test_step_order_is_bit_identical_whatever_m_through_a_killed_actor_and_a_resize(tmp_path, cluster):
+def test_step_order_is_bit_identical_whatever_m_through_a_killed_actor_and_a_resize(tmp_path, cluster, ragged):
+    over = [*FLEET, *ragged]
     ref = tmp_path / "m2"
-    ok(train(ref, *FLEET, **cluster))
+    ok(train(ref, *over, **cluster))
     assert {m["rollout/fleet/size"] for m in fleet_metrics(ref).values()} == {2.0}
     assert sum(m["rollout/fleet/deaths"] for m in fleet_metrics(ref).values()) == 0
 
     one = tmp_path / "m1"  # its only actor killed as it gets batch 3: the run waits for Ray to restart it
-    ok(train(one, *FLEET, "rollout.fleet_size=1", VERLJ_FAILPOINT="fleet.dispatch:3:kill-actor", **cluster))
+    ok(train(one, *over, "rollout.fleet_size=1", VERLJ_FAILPOINT="fleet.dispatch:3:kill-actor", **cluster))
     last = fleet_metrics(one)[4]
     assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] == 4, last
     assert_same_journal(ref, one, ignore=NOT_FLEET)
 
     killed = tmp_path / "killed"
-    ok(train(killed, *FLEET, VERLJ_FAILPOINT=KILL, **cluster))
+    ok(train(killed, *over, VERLJ_FAILPOINT=KILL, **cluster))
     last = fleet_metrics(killed)[max(fleet_metrics(killed))]
     assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] >= 1, last
     assert_same_journal(ref, killed, ignore=NOT_FLEET)
@@ -68,10 +81,10 @@ def test_step_order_is_bit_identical_whatever_m_through_a_killed_actor_and_a_res
     assert out.returncode == 0, out.stdout + out.stderr
 
     resized = tmp_path / "resized"  # the trainer killed in step 3's commit (batch 4 generated), resumed with one actor
-    out = train(resized, *FLEET, VERLJ_FAILPOINT="step.before_commit:3", **cluster)
+    out = train(resized, *over, VERLJ_FAILPOINT="step.before_commit:3", **cluster)
     assert out.returncode == -9, out.stderr[-3000:]
     assert max(fingerprints(resized)) == 2
-    ok(train(resized, *FLEET, "rollout.fleet_size=1", resume=True, **cluster))  # M is bookkeeping: no --allow-config-change
+    ok(train(resized, *over, "rollout.fleet_size=1", resume=True, **cluster))  # M is bookkeeping: no --allow-config-change
     sizes = {s: m["rollout/fleet/size"] for s, m in fleet_metrics(resized).items()}
     assert sizes == {1: 2.0, 2: 2.0, 3: 1.0, 4: 1.0}, sizes
     assert_same_journal(ref, resized, ignore=NOT_FLEET)
