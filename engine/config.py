@@ -286,6 +286,13 @@ class RolloutConfig:
     # async: step (deterministic: step s trains on version max(0, s-1-k); null = step) | completion
     # (free-running: each step takes the completed groups within k versions, in completion order)
     async_order: Optional[str] = None
+    # async: none (the generator process beside each rank) | ray (rollout.fleet_size generator actors on a
+    # Ray cluster: pip install 'verlj[ray]'; README: a rollout fleet on Ray)
+    fleet: str = live("none")
+    fleet_size: int = bookkeeping(1)  # fleet=ray: M, the generator actors (may change on resume)
+    # fleet=ray: the Ray resources each actor asks for: num_cpus, num_gpus, memory (bytes), or a custom resource's name
+    fleet_resources: dict = field(default_factory=lambda: {"num_cpus": 1}, metadata={"policy": BOOKKEEPING})
+    fleet_timeout_s: float = bookkeeping(300.0)  # fleet=ray: the run stops when no actor has been alive for this long
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
@@ -308,6 +315,23 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.max_staleness must be an integer of at least 1, got {self.max_staleness!r}")
             if self.async_order is not None:
                 _choice("rollout.async_order", self.async_order, ("step", "completion"))
+        _choice("rollout.fleet", self.fleet, ("none", "ray"))
+        if self.fleet == "ray":
+            if self.mode != "async":
+                raise ConfigError("rollout.fleet=ray applies to rollout.mode=async only; set rollout.mode=async or rollout.fleet=none")
+            if self.engine != "hf":
+                raise ConfigError("rollout.fleet=ray generates with verlj's sampler only; set rollout.engine=hf or rollout.fleet=none")
+            _positive("rollout.fleet_size", self.fleet_size)
+            _positive("rollout.fleet_timeout_s", self.fleet_timeout_s)
+            if not isinstance(self.fleet_resources, dict) or not all(
+                    isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                    for k, v in self.fleet_resources.items()):
+                raise ConfigError("rollout.fleet_resources must map resource names to amounts >= 0, e.g. {num_gpus: 1}, "
+                                  f"got {self.fleet_resources!r}")
+            try:
+                import ray  # noqa: F401
+            except ImportError:
+                raise ConfigError("rollout.fleet=ray needs ray: pip install 'verlj[ray]'") from None
 
     @property
     def staleness(self) -> int:
@@ -325,6 +349,7 @@ class DistributedConfig:
     zero_stage: int = topology(0)  # DeepSpeed ZeRO stage 0-3
     tensor_parallel_size: int = topology(1)  # DeepSpeed AutoTP degree (tensor_parallel.autotp_size)
     backend: str = "auto"  # auto (gloo on CPU, nccl on GPU) | gloo | nccl
+    ray_address: Optional[str] = bookkeeping(None)  # rollout.fleet=ray: the Ray cluster to join (RAY_ADDRESS wins; null and unset: verlj starts a local one)
 
     def validate(self) -> None:
         _range("distributed.zero_stage", self.zero_stage, 0, 3)

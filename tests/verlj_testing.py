@@ -62,8 +62,9 @@ def train(run_dir: Path, *overrides: str, ranks: int = 1, resume: bool = False, 
     return verlj(*args, ranks=ranks, **env_extra)
 
 
-def comparable_steps(run_dir: Path) -> list[dict]:
-    """Each step's events with wall time, timing metrics and nothing else removed."""
+def comparable_steps(run_dir: Path, ignore: tuple[str, ...] = ()) -> list[dict]:
+    """Each step's events with wall time, timing metrics (and the metrics whose names start with one of
+    `ignore`) and nothing else removed."""
     out = []
     with open_journal_reader(Path(run_dir) / "journal") as j:
         for rec in j.iter_steps():
@@ -74,14 +75,14 @@ def comparable_steps(run_dir: Path) -> list[dict]:
                 if e["type"] == "config":
                     continue
                 if e["type"] == "metrics":
-                    e = {**e, "values": {k: v for k, v in e["values"].items() if not k.startswith("timing_s/")}}
+                    e = {**e, "values": {k: v for k, v in e["values"].items() if not k.startswith(("timing_s/", *ignore))}}
                 events.append(e)
             out.append({"step": rec.step, "events": events})
     return out
 
 
-def assert_same_journal(a: Path, b: Path) -> None:
-    sa, sb = comparable_steps(a), comparable_steps(b)
+def assert_same_journal(a: Path, b: Path, ignore: tuple[str, ...] = ()) -> None:
+    sa, sb = comparable_steps(a, ignore), comparable_steps(b, ignore)
     assert [s["step"] for s in sa] == [s["step"] for s in sb]
     for x, y in zip(sa, sb):
         for ex, ey in zip(x["events"], y["events"], strict=True):

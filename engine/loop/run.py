@@ -309,6 +309,8 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
     `control`: events for the first step's record (start, resume, fork, a config change). `source`:
     what collects each step's inputs (collect, finish_collect, eval_due): the trainer, or a what-if's
     reader of another run's journal (loop.whatif.WhatifSource)."""
+    from ..rl.rollout import engine_metrics
+
     cfg, rt, trainer, ckpt, ledger, reporter = run.cfg, run.rt, run.trainer, run.ckpt, run.ledger, run.reporter
     stop = stop or StopFlag()
     source = source or trainer
@@ -336,6 +338,7 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
             outcome.metrics.update(eval_metrics, **{"timing_s/eval": time.perf_counter() - t_eval})
             evaluated = [eval_event]
         outcome.metrics.update(inputs.timings)
+        outcome.metrics.update(engine_metrics(trainer.rollout))  # the fleet's deaths, groups asked again, live actors
         outcome.metrics["timing_s/step"] = time.perf_counter() - t_step
         due = ckpt.due(step, outcome.metrics)
         failpoint("step.before_commit")  # the update is done, the journal does not know it yet
@@ -472,7 +475,7 @@ def preflight_rollout(cfg: Config, rt: Runtime) -> None:
     """Before a run that generates writes anything: its rollout engine can run here."""
     from ..rl.rollout import engine_class
 
-    engine_class(cfg.rollout.engine, cfg.rollout.mode).preflight(cfg, rt.device)
+    engine_class(cfg.rollout.engine, cfg.rollout.mode, cfg.rollout.fleet).preflight(cfg, rt.device)
 
 
 def run_identity(run: Run) -> dict:

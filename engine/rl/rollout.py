@@ -7,6 +7,7 @@ generates it, so the same weights give the same samples at any world size.
 - ``vllm`` (``vllm_engine.VllmEngine``): a colocated vLLM engine, the seed being the request's.
 - ``rollout.mode=async`` (``async_rollout.GeneratorProcess``): verlj's sampler (or, with
   ``rollout.engine=vllm``, a vLLM engine) in a process beside the trainer, on its own copy of the policy.
+- ``rollout.fleet=ray`` (``fleet.RayFleet``): verlj's sampler in ``rollout.fleet_size`` Ray actors.
 
 Only live steps generate: replay reads the samples from the journal, so it never builds an engine.
 """
@@ -81,9 +82,13 @@ class HFEngine(SamplerEngine):
         pass
 
 
-def engine_class(name: str, mode: str = "sync") -> type[RolloutEngine]:
-    """The class of the engine `rollout.engine` and `rollout.mode` name: the one place they are turned
-    into code (vLLM's module is imported only when it is named)."""
+def engine_class(name: str, mode: str = "sync", fleet: str = "none") -> type[RolloutEngine]:
+    """The class of the engine `rollout.engine`, `rollout.mode` and `rollout.fleet` name: the one place
+    they are turned into code (vLLM's and Ray's modules are imported only when they are named)."""
+    if fleet == "ray":
+        from .fleet import RayFleet
+
+        return RayFleet
     if mode == "async":
         from .async_rollout import GeneratorProcess, VllmGeneratorProcess
 
@@ -96,6 +101,12 @@ def engine_class(name: str, mode: str = "sync") -> type[RolloutEngine]:
 
 
 def make_engine(name: str, rt, actor, tokenizer, mode: str = "sync") -> RolloutEngine:
-    """The rollout engine `rollout.engine` and `rollout.mode` name. vLLM and the async generator start
-    at their first sync, not here."""
-    return engine_class(name, mode)(rt, actor, tokenizer)
+    """The rollout engine `rollout.engine` and `rollout.mode` name, and the actor's config's
+    `rollout.fleet`. vLLM, the async generator and the fleet start at their first sync, not here."""
+    return engine_class(name, mode, actor.cfg.rollout.fleet)(rt, actor, tokenizer)
+
+
+def engine_metrics(engine: RolloutEngine | None) -> dict[str, float]:
+    """What an engine counts of itself for the step's metrics (the fleet: rollout/fleet/*); {} for the others."""
+    metrics = getattr(engine, "metrics", None)
+    return metrics() if metrics is not None else {}

@@ -57,6 +57,24 @@ def test_bad_values_name_the_key(override, message):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.fleet=k8s"], "rollout.fleet must be one of none, ray"),
+        (["rollout.fleet=ray"], "rollout.fleet=ray applies to rollout.mode=async only"),
+        (["rollout.fleet=ray", "rollout.mode=async", "rollout.engine=vllm"], "rollout.fleet=ray generates with verlj's sampler only"),
+        (["rollout.fleet=ray", "rollout.mode=async", "rollout.fleet_size=0"], "rollout.fleet_size must be positive, got 0"),
+        (["rollout.fleet=ray", "rollout.mode=async", "rollout.fleet_resources={num_gpus: -1}"],
+         "rollout.fleet_resources must map resource names to amounts >= 0"),
+    ],
+)
+def test_bad_fleet_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        make_config(None, overrides)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         make_config(tmp_path / "nope.yaml")

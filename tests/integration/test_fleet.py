@@ -1,0 +1,124 @@
+"""rollout.fleet=ray: generator actors on a real local Ray cluster (CPU), one cluster for the module,
+which every `verlj train` subprocess joins through RAY_ADDRESS. Step order is bit-identical whatever the
+fleet's size and whichever actor generates what, through a real SIGKILL of an actor's process (its
+groups are asked again of the fleet) and a resize on resume; completion order trains on two actors
+through a kill with every group accounted for. Without ray, rollout.fleet=ray is one line, exit 2.
+The README's test command installs the `ray` extra, so CI runs these; elsewhere, without ray, the
+cluster's tests are skipped."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_async_completion import check_accounting
+
+from verlj.journal import open_journal_reader
+from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
+
+pytestmark = pytest.mark.slow
+
+FLEET = ["rollout.mode=async", "rollout.fleet=ray", "rollout.fleet_size=2"]
+NOT_FLEET = ("rollout/fleet/",)  # the fleet's own counters (deaths, live actors, M) differ by design between the runs compared
+KILL = "fleet.dispatch:5:kill-actor"  # SIGKILL of the actor given the 5th call, as it gets it (batch 3, while step 2 trains)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster for the module (started and stopped by this process); its address for the runs."""
+    if os.environ.get("CI"):
+        import ray  # in CI a missing ray is a failure, not a skip
+    else:
+        ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", object_store_memory=256 * 1024 * 1024)
+    try:
+        yield {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ragged(tmp_path_factory) -> list[str]:
+    """Prompts of 5 to 20 tokens: a group generated in one batch with others (left-padded to the longest)
+    would get other log-prob bits than alone, so step order's equality across M checks that the
+    fleet generates each group on its own."""
+    data = tmp_path_factory.mktemp("data") / "ragged.jsonl"
+    rows = [(int("7" * (1 + i % 8)), int("3" * (1 + (i * 5) % 8))) for i in range(64)]
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a, b in rows))
+    return [f"data.train_dataset={data}", "rollout.reward_fn=builtin:add"]
+
+
+def fleet_metrics(run) -> dict[int, dict]:
+    with open_journal_reader(run / "journal") as j:
+        return {s: {k: v for k, v in e["values"].items() if k.startswith("rollout/fleet/")} for s, e in j.iter_events("metrics")}
+
+
+def ok(out):
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_step_order_is_bit_identical_whatever_m_through_a_killed_actor_and_a_resize(tmp_path, cluster, ragged):
+    over = [*FLEET, *ragged]
+    ref = tmp_path / "m2"
+    ok(train(ref, *over, **cluster))
+    assert {m["rollout/fleet/size"] for m in fleet_metrics(ref).values()} == {2.0}
+    assert sum(m["rollout/fleet/deaths"] for m in fleet_metrics(ref).values()) == 0
+
+    one = tmp_path / "m1"  # its only actor killed as it gets batch 3: the run waits for Ray to restart it
+    ok(train(one, *over, "rollout.fleet_size=1", VERLJ_FAILPOINT="fleet.dispatch:3:kill-actor", **cluster))
+    last = fleet_metrics(one)[4]
+    assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] == 4, last
+    assert_same_journal(ref, one, ignore=NOT_FLEET)
+
+    killed = tmp_path / "killed"
+    ok(train(killed, *over, VERLJ_FAILPOINT=KILL, **cluster))
+    last = fleet_metrics(killed)[max(fleet_metrics(killed))]
+    assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] >= 1, last
+    assert_same_journal(ref, killed, ignore=NOT_FLEET)
+    out = verlj("verify", killed)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+    resized = tmp_path / "resized"  # the trainer killed in step 3's commit (batch 4 generated), resumed with one actor
+    out = train(resized, *over, VERLJ_FAILPOINT="step.before_commit:3", **cluster)
+    assert out.returncode == -9, out.stderr[-3000:]
+    assert max(fingerprints(resized)) == 2
+    ok(train(resized, *over, "rollout.fleet_size=1", resume=True, **cluster))  # M is bookkeeping: no --allow-config-change
+    sizes = {s: m["rollout/fleet/size"] for s, m in fleet_metrics(resized).items()}
+    assert sizes == {1: 2.0, 2: 2.0, 3: 1.0, 4: 1.0}, sizes
+    assert_same_journal(ref, resized, ignore=NOT_FLEET)
+    assert fingerprints(resized) == fingerprints(ref)
+
+
+def test_completion_order_on_two_actors_through_a_killed_actor_accounts_for_every_group(tmp_path, cluster):
+    over = [*FLEET, "rollout.async_order=completion", "rollout.max_staleness=2", "algorithm.dynamic_sampling=true",
+            "algorithm.max_sampling_rounds=2", "trainer.total_steps=4"]
+    run = tmp_path / "run"
+    ok(train(run, *over, VERLJ_FAILPOINT=KILL, **cluster))
+    last = fleet_metrics(run)[4]
+    assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] >= 1, last
+    check_accounting(run)  # verify passes; every group asked once, arrived once, trained or dropped
+    out = verlj("replay", run, "--to-step", "4", check=True)
+    assert fingerprints(run)[4] in out.stdout
+
+
+def test_without_ray_a_fleet_is_one_line_and_exit_2(tmp_path):
+    """ray hidden from the CLI's process (None in sys.modules: `import ray` raises ImportError there)."""
+    run = tmp_path / "run"
+    code = ("import sys; sys.modules['ray'] = None; from verlj.cli.main import main; "
+            f"sys.argv = ['verlj', 'train', '--output-dir', {str(run)!r}, *{[*TINY, *FLEET]!r}]; main()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rollout.fleet=ray needs ray: pip install 'verlj[ray]'" in lines[0], out.stderr
+    assert not run.exists()
+
+
+def test_a_fleet_with_no_live_actor_for_its_timeout_stops_in_one_line(tmp_path, cluster):
+    """Actors asking for a resource no node has are never placed: none is alive, and the run stops."""
+    out = train(tmp_path / "run", *FLEET, "rollout.fleet_resources={num_cpus: 1, no_such_node: 1}", "rollout.fleet_timeout_s=3",
+                **cluster)
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no actor of the rollout fleet has been alive for 3 s (rollout.fleet_timeout_s; 0 deaths)" in lines[0], out.stderr
