@@ -952,7 +952,10 @@ class Shipper:
         self.compaction_problem: str | None = None  # set when a compaction failed (it is not tried again)
         self.compactions = 0
         self._compact_lock = threading.Lock()
-        self._seal_wanted = False  # flush(sealed=True) asked for what is shipped to be followed by a segment
+        # flush(sealed=True) asks for what is shipped to be followed by a segment: requests are counted,
+        # and a pass seals only the requests made before it read its cut (one made after may be about
+        # a commit that cut does not hold)
+        self._seals_asked = self._seals_done = 0
         self._last_empty = bool(found.segments) and found.segments[-1].empty
         for seg in found.segments:
             self._pruned = self._pruned_last
@@ -1000,8 +1003,10 @@ class Shipper:
         fails or stalls past `timeout`."""
         deadline = time.monotonic() + timeout
         with self._cond:
+            if sealed:  # and wait for a pass that begins after this request
+                self._seals_asked += 1
+                self._written += 1
             want = self._written
-            self._seal_wanted = self._seal_wanted or sealed
             self._dirty = True
             self._cond.notify_all()
             while self._shipped_written < want:
@@ -1088,6 +1093,8 @@ class Shipper:
                 self.compact_once()
             # one consistent cut per segment: a segment whose steps outlive it never lacks the metadata
             # committed before them (the run's identity written before step 1, say)
+            with self._cond:
+                seals_asked = self._seals_asked  # before the cut: these requests are about commits it holds
             steps, meta, snaps = self.journal.read_cut(self._shipped, MAX_SEGMENT_BYTES)
             if not self._stepped:  # no step shipped yet: the chain starts where this cut's meta says (a fork
                 with self._cond:  # records its parent's step and chain after its writer opened)
@@ -1097,7 +1104,7 @@ class Shipper:
             new_snaps = snap_digest != self._snap_digest
             if not steps and not new_meta and not new_snaps:
                 with self._cond:
-                    seal, self._seal_wanted = self._seal_wanted, False
+                    seal, self._seals_done = seals_asked > self._seals_done, max(self._seals_done, seals_asked)
                 if seal and not self._last_empty:  # nothing more to ship: seal what was with an empty segment
                     self._publish_next(Segment(self._seq + 1, self._prev, None, self._shipped, self._chain, [], None, None))
                     wrote = True

@@ -371,7 +371,9 @@ def test_a_fork_s_segments_continue_its_parent_s_chain_and_rebuild(tmp_path):
             assert j.shipper.shipped_step >= s - 1
     found = segments.scan(shipped)
     assert found.problem is None and found.last_step == 8, found.problem
-    assert [(seg.first, seg.last) for seg in found.segments if seg.first is not None] == [(s, s) for s in range(4, 9)]
+    # under their own numbers, 4-8, contiguous (the shipper thread may put two steps in one cut)
+    ranges = [(seg.first, seg.last) for seg in found.segments if seg.first is not None]
+    assert ranges[0][0] == 4 and ranges[-1][1] == 8 and all(b[0] == a[1] + 1 for a, b in zip(ranges, ranges[1:])), ranges
     segments.rebuild(shipped, tmp_path / "L2")
     assert _dump(tmp_path / "L2") == _dump(local)
     with Journal.open_reader(tmp_path / "L2") as r:
