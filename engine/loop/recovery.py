@@ -126,8 +126,6 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
     """Load the chosen snapshot (or keep the initial state). Collective. Returns its step.
     A snapshot of another topology is resharded (``run.ckpt.resharded`` says so); its fingerprint,
     which hashes the old layout, cannot be compared: the loaded weights are checked instead."""
-    from ..state.fingerprint import fingerprint
-
     rt, ckpt, reporter = run.rt, run.ckpt, run.reporter
 
     def choose() -> list:
@@ -150,7 +148,7 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
         f"Dataflow anchor restored: dataloader at batch_idx={run.trainer.sampler.cursor}, "
         f"buffer has {len(run.trainer.buffer)} pending samples."
     )
-    fp, _ = fingerprint(run.trainer.engines(), rt, run.trainer.cfg.trainer.state_digest)
+    fp, _ = run.trainer.fingerprint()
     if ckpt.resharded is None and fp != meta["fingerprint"]:
         raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {meta['fingerprint'][:16]}…")
     ckpt.loaded_fingerprint = fp
@@ -185,7 +183,6 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
     which then raise nothing; it returns False to stop. `before(step, inputs, samples)` (probes):
     called with each step's inputs just before it is applied, the state being the step before's."""
     from ..rl.trainer import StepInputs, is_timing
-    from ..state.stages import first_difference as first_stage_difference
 
     rt, trainer, ckpt = run.rt, run.trainer, run.ckpt
     out = ReplayOutcome(exact=ckpt is None or ckpt.resharded is None)
@@ -229,21 +226,7 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
                 break
             continue
         if out.exact:
-            journaled_stages = record.first("stages")
-            if journaled_stages is not None and observe is None:
-                stage = first_stage_difference(journaled_stages, outcome.stages)
-                if stage is not None:
-                    raise ReplayError(f"replay diverged at step {step}: its {stage} differ from the journal's "
-                                      f"(`verlj rerun {run.run_dir} --steps {step}:{step}` says more)")
-            want = record.fingerprint
-            if outcome.fingerprint != want:
-                raise ReplayError(
-                    f"replay diverged at step {step}: fingerprint {outcome.fingerprint[:16]}… but the journal has {want[:16]}…"
-                )
-            if check_metrics:
-                bad = [k for k in journaled if not is_timing(k) and k in mine and not _same_float(journaled[k], mine[k])]
-                if bad:
-                    raise ReplayError(f"replay diverged at step {step}: metric {bad[0]} is {mine[bad[0]]!r}, journaled {journaled[bad[0]]!r}")
+            _check_exact(run, step, record, outcome, mine if check_metrics else None)
         else:
             _check_within_tolerance(step, journaled, mine, out)
         if ckpt is not None:
@@ -251,6 +234,30 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
         out.fingerprint = prev_fp = outcome.fingerprint
         failpoint("replay.step")
     return out
+
+
+def _check_exact(run: Run, step: int, record: StepRecord, outcome, mine: dict | None) -> None:
+    """On the journal's reference line: the replayed step's stages and fingerprint must be the
+    journaled ones bit for bit, and so must its metrics `mine` (None: not checked)."""
+    from ..rl.trainer import is_timing
+    from ..state.stages import first_difference as first_stage_difference
+
+    journaled_stages = record.first("stages")
+    if journaled_stages is not None:
+        stage = first_stage_difference(journaled_stages, outcome.stages)
+        if stage is not None:
+            raise ReplayError(f"replay diverged at step {step}: its {stage} differ from the journal's "
+                              f"(`verlj rerun {run.run_dir} --steps {step}:{step}` says more)")
+    want = record.fingerprint
+    if outcome.fingerprint != want:
+        raise ReplayError(
+            f"replay diverged at step {step}: fingerprint {outcome.fingerprint[:16]}… but the journal has {want[:16]}…"
+        )
+    if mine is not None:
+        journaled = record.metrics
+        bad = [k for k in journaled if not is_timing(k) and k in mine and not _same_float(journaled[k], mine[k])]
+        if bad:
+            raise ReplayError(f"replay diverged at step {step}: metric {bad[0]} is {mine[bad[0]]!r}, journaled {journaled[bad[0]]!r}")
 
 
 def _check_within_tolerance(step: int, journaled: dict, mine: dict, out: ReplayOutcome) -> None:
@@ -308,13 +315,11 @@ def _topology_boundary(run: Run, history: History, step0: int, last: int, out: R
     """After a resume's restore and replay: the details of a topology boundary at step last + 1, or
     None when the state is still on the journal's reference line on the same topology. The rebased
     fingerprint is the state now, which the steps from last + 1 on build on."""
-    from ..state.fingerprint import fingerprint
-
     here = Topology.of_runtime(run.rt, run.cfg).as_dict()
     before = history.topology_at(last)
     if out.exact and here == before:
         return None
-    fp, _ = fingerprint(run.trainer.engines(), run.rt, run.trainer.cfg.trainer.state_digest)
+    fp, _ = run.trainer.fingerprint()
     return {"from": before, "to": here, "snapshot_step": step0, "resharded": run.ckpt.resharded,
             "replayed": [step0 + 1, last] if step0 < last else None, "tolerance": TOLERANCE,
             "checked_steps": out.tolerant_steps, "max_deviation": out.worst, "rebased": {"step": last, "fingerprint": fp}}

@@ -67,7 +67,6 @@ class WhatifSource:
         now differs from RUN's after step - 1): the async objective's truncated importance weights."""
         from ..rl import samples as sample_codec
         from ..rl.trainer import StepInputs
-        from ..state.fingerprint import fingerprint
 
         trainer = self.run.trainer
 
@@ -81,7 +80,7 @@ class WhatifSource:
 
         got, theirs = self.run.rt.from_rank0(read, f"reading step {step} of {self.parent}")
         inputs = StepInputs.from_record(StepRecord.from_dict(got))
-        mine, _ = fingerprint(trainer.engines(), self.run.rt, trainer.cfg.trainer.state_digest)
+        mine, _ = trainer.fingerprint()
         inputs.whatif = {"correction": mine != theirs}
         added = sample_codec.unpack(inputs.added)
         trainer.rescore(added)

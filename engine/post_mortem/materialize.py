@@ -63,7 +63,6 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
     from ..loop.checkpointer import make_run
     from ..loop.recovery import materialize_steps
     from ..rl.trainer import Trainer
-    from ..state.fingerprint import fingerprint
 
     run_dir = Path(run_dir)
     if not has_run(run_dir):
@@ -86,7 +85,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
         step0, out = materialize_steps(run, to_step, max_snapshot=max_snapshot)
         fp = out.fingerprint
         if fp is None:
-            fp, _ = fingerprint(run.trainer.engines(), rt, run.trainer.cfg.trainer.state_digest)
+            fp, _ = run.trainer.fingerprint()
     finally:
         ledger.close()
         if run is not None:

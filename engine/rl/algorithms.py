@@ -71,6 +71,25 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, returns
 
 
+def grpo_token_advantages(scores: torch.Tensor, groups: torch.Tensor, rows, mask: torch.Tensor, norm_by_std: bool = True) -> torch.Tensor:
+    """GRPO's advantages, [B, R]: each sample's group-normalised score (`grpo_advantages` over the
+    step's samples, [N] each, every rank's) on each of its response tokens, for the rows `rows` of
+    them this rank trains on (the [B, R] `mask`'s rows)."""
+    adv = grpo_advantages(scores, groups, norm_by_std)
+    return adv[rows].to(mask.device)[:, None] * mask
+
+
+def ppo_advantages(scores: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, logprobs: torch.Tensor,
+                   ref_logprobs: torch.Tensor | None, kl_coef: float, gamma: float, lam: float, all_sum=None):
+    """PPO's advantages and returns, [B, R] each: the token rewards (the [B] score on the last
+    response token, minus kl_coef times the k3 KL to the reference per token when `ref_logprobs`),
+    GAE over the critic's `values`, then the advantages whitened over every rank's tokens (`all_sum`)."""
+    kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else None
+    rewards = token_rewards(scores, mask, kl, kl_coef)
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    return whiten(advantages, mask, all_sum), returns
+
+
 def whiten(x: torch.Tensor, mask: torch.Tensor, all_sum=None) -> torch.Tensor:
     """Zero mean, unit variance over the masked tokens; over every data-parallel rank's tokens when
     `all_sum` (a sum across ranks) is given."""

@@ -243,36 +243,13 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     try:
-        from ..config import config_from_dict
-        from .models import load_causal_lm
-        from .sampler import sample_seeded
-
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
-        cfg = config_from_dict(cfg_dict)
-        model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, 0)  # its structure: the weights are the trainer's
-        params = dict(model.named_parameters())
-        if set(params) != set(weights):
-            raise RuntimeError(f"the policy's parameters differ from the trainer's: {sorted(set(params) ^ set(weights))[:3]}")
-        for name, t in weights.items():
-            params[name].data = t
-        model.eval()
-        device = next(iter(weights.values())).device
-        llm = None
-        if cfg.rollout.engine == "vllm":
-            from . import vllm_engine
-
-            names = list(weights)
-            llm = vllm_engine.start_llm(cfg, model.config, list(weights.items()), dp_size, device.type)
+        generate, push = _generator(cfg_dict, weights, eos_id, pad_id, dp_size)
         results.send(("ready", "ready", os.getpid()))
     except Exception as e:  # noqa: BLE001 - reported to the trainer in one sentence
         results.send(("error", f"{type(e).__name__}: {e}"))
         return
-
-    def generate(prompts, seeds, params):
-        if llm is not None:
-            return vllm_engine.generate_llm(llm, prompts, seeds, params, eos_id)
-        return sample_seeded(model, prompts, seeds, params, eos_id, pad_id, device)
 
     queue: deque = deque()  # completion order: (group, prompt, seeds, params) asked, not begun
     batch_groups = 1  # completion order: the most groups generated together (one batch: one version)
@@ -308,8 +285,7 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
                 paused = True
                 results.send(("ok", "paused"))
             elif msg[0] == "version":  # the trainer has copied new weights in: they are this version
-                if llm is not None:
-                    vllm_engine.push_llm(llm, names, list(weights.items()))
+                push()
                 version, paused = msg[1], False
                 results.send(("ok", "push"))
             elif msg[0] == "generate":
@@ -322,6 +298,33 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
         except Exception as e:  # noqa: BLE001 - reported to the trainer in one sentence
             results.send(("error", f"{type(e).__name__}: {e}"))
             return
+
+
+def _generator(cfg_dict: dict, weights: dict, eos_id: int, pad_id: int, dp_size: int):
+    """The generator process's policy, its parameters the trainer's shared `weights` (with
+    rollout.engine=vllm, a vLLM engine built from them). Returns (generate(prompts, seeds, params)
+    -> (responses, log-probs), push(): the weights changed, reload them where they are copied)."""
+    from ..config import config_from_dict
+    from .models import load_causal_lm
+    from .sampler import sample_seeded
+
+    cfg = config_from_dict(cfg_dict)
+    model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, 0)  # its structure: the weights are the trainer's
+    params = dict(model.named_parameters())
+    if set(params) != set(weights):
+        raise RuntimeError(f"the policy's parameters differ from the trainer's: {sorted(set(params) ^ set(weights))[:3]}")
+    for name, t in weights.items():
+        params[name].data = t
+    model.eval()
+    device = next(iter(weights.values())).device
+    if cfg.rollout.engine != "vllm":
+        return (lambda prompts, seeds, p: sample_seeded(model, prompts, seeds, p, eos_id, pad_id, device)), (lambda: None)
+    from . import vllm_engine
+
+    names = list(weights)
+    llm = vllm_engine.start_llm(cfg, model.config, list(weights.items()), dp_size, device.type)
+    return ((lambda prompts, seeds, p: vllm_engine.generate_llm(llm, prompts, seeds, p, eos_id)),
+            (lambda: vllm_engine.push_llm(llm, names, list(weights.items()))))
 
 
 def _die_with_parent() -> None:

@@ -14,6 +14,7 @@ from training because it is the same code.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +26,8 @@ from verlj.journal.failpoints import failpoint
 from ..config import Config, ConfigError
 from ..dist import Runtime
 from ..errors import ModelError, ReplayError, RunError
-from ..state.fingerprint import fingerprint, state_leaves
+from ..state.fingerprint import fingerprint as state_fingerprint
+from ..state.fingerprint import state_leaves
 from ..state.seeding import derive_seed, rng_digest, seed_globals
 from ..state.stage_recorder import StageRecorder
 from ..state.stages import combine
@@ -158,6 +160,31 @@ class StepOutcome:
     def events(self) -> list[dict]:
         return [make_event("metrics", values=self.metrics), make_event("state", fingerprint=self.fingerprint, parts=self.parts),
                 make_event("stages", **self.stages)]
+
+
+class StepBook:
+    """A step's bookkeeping in `Trainer.apply`: its metrics and timings, and its stage outputs
+    (state.stages: what `verlj rerun` and `diff` compare) with the time spent digesting them."""
+
+    def __init__(self, keep_stages: bool):
+        self.metrics: dict[str, float] = {}
+        self.timings: dict[str, float] = {}
+        self.rec = StageRecorder(keep=keep_stages)  # each stage's output, digested
+        self.stage_s = 0.0
+
+    @contextmanager
+    def timed(self, name: str):
+        """The block's wall time, as the timing metric `name`."""
+        t = time.perf_counter()
+        yield
+        self.timings[name] = time.perf_counter() - t
+
+    @contextmanager
+    def staging(self):
+        """The stage recorder, the block's time counted as digesting stages (timing_s/stages)."""
+        t = time.perf_counter()
+        yield self.rec
+        self.stage_s += time.perf_counter() - t
 
 
 ARRIVAL_POLL_S = 0.5  # completion order: how long one wait for the generator's groups lasts before the ranks compare
@@ -295,6 +322,11 @@ class Trainer:
         if self.critic is not None:
             out["critic"] = self.critic.engine
         return out
+
+    def fingerprint(self) -> tuple[str, dict[str, str]]:
+        """The fingerprint of the trained state now (every engine's, of trainer.state_digest's kind)
+        and its parts by engine. Collective."""
+        return state_fingerprint(self.engines(), self.rt, self.cfg.trainer.state_digest)
 
     # ================================================================== collect: stochastic, expensive
 
@@ -662,83 +694,125 @@ class Trainer:
         critic), the metrics and the fingerprint of the state after. The same code serves live
         training and replay, which feeds it journaled inputs: the same inputs give the same bits.
         Collective."""
-        cfg, rt = self.cfg, self.rt
         seed_globals(inputs.seeds["train"])  # nothing should draw from them, but if it does it is seeded
-        timings: dict[str, float] = {}
-        metrics: dict[str, float] = {}
-        dp_size = rt.dp_size
-        scores_all = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
-        metrics.update(_sample_metrics(samples, scores_all))
-        t_stages = time.perf_counter()
-        rec = StageRecorder(keep=self.keep_stages)  # each stage's output, digested (state.stages): what `verlj rerun` and `diff` compare
-        for worker in (self.critic, self.actor):
-            if worker is not None:
-                worker.kept_grads = [] if self.keep_stages else None
-        # what the update trains on: the ids consumed and their dataset rows (async: drawn steps before)
-        rec.host("data", np.asarray(inputs.consumed, np.int64), np.asarray([s["index"] for s in samples], np.int64))
-        rec.host("samples", *_id_arrays(samples))
-        rec.tensor("scores", scores_all)
-        stage_s = time.perf_counter() - t_stages
-        if not samples:  # dynamic sampling found no group with varying rewards: no update this step
-            metrics["actor/skipped_update"] = 1.0
-        else:
-            global_tokens = cfg.algorithm.loss_normalization == "global_tokens"
-            rows, minis = shard_batch(samples, cfg.model.actor.mini_batch_size, dp_size, rt.dp_rank, global_tokens)
-            mine = [samples[i] for i in rows]
-            all_sum = rt.dp_sum if global_tokens and dp_size > 1 else None  # token means over every rank's tokens
-            batch = collate(mine, self.tokenizer.pad_token_id, rt.device)
-            # GRPO with one pass over one mini-batch: the policy before the update is the one the
-            # update's own forward sees, so the "old" log-probs come from that forward (detached)
-            async_mode = cfg.rollout.mode == "async"
-            fuse_old = cfg.algorithm.name == "grpo" and cfg.model.actor.ppo_epochs == 1 and len(minis) == 1
-            t = time.perf_counter()
+        book = StepBook(self.keep_stages)
+        scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
+        book.metrics.update(_sample_metrics(samples, scores))
+        self._record_inputs(book, inputs, samples, scores)
+        if samples:
+            self._update(step, inputs, samples, scores, book)
+        else:  # dynamic sampling found no group with varying rewards: no update this step
+            book.metrics["actor/skipped_update"] = 1.0
+        return self._outcome(book)
+
+    def _update(self, step: int, inputs: StepInputs, samples: list[dict], scores: torch.Tensor, book: StepBook) -> None:
+        """The step's update, top to bottom: this rank's share of the samples, the log-probs of the
+        policy the step starts from (and the reference's), the advantages, the critic's update (PPO),
+        the actor's; then the metrics averaged over the ranks. Collective."""
+        cfg, rt = self.cfg, self.rt
+        global_tokens = cfg.algorithm.loss_normalization == "global_tokens"
+        rows, minis = shard_batch(samples, cfg.model.actor.mini_batch_size, rt.dp_size, rt.dp_rank, global_tokens)
+        mine = [samples[i] for i in rows]
+        all_sum = rt.dp_sum if global_tokens and rt.dp_size > 1 else None  # token means over every rank's tokens
+        batch = collate(mine, self.tokenizer.pad_token_id, rt.device)
+        mask = batch.resp_mask
+        # GRPO with one pass over one mini-batch: the policy before the update is the one the
+        # update's own forward sees, so the "old" log-probs come from that forward (detached)
+        fuse_old = cfg.algorithm.name == "grpo" and cfg.model.actor.ppo_epochs == 1 and len(minis) == 1
+        with book.timed("timing_s/old_log_prob"):
             old_lp = None if fuse_old else self.actor.logprobs(batch)
-            timings["timing_s/old_log_prob"] = time.perf_counter() - t
-            ref_lp = None
-            if self.needs_reference():
-                # samples from before a config change that turned the KL on have none journaled
-                self._reference_logprobs([s for s in mine if len(s["ref_logprobs"]) != len(s["response_ids"])])
-                ref_lp = _padded(mine, "ref_logprobs", batch.resp_mask.shape[1], rt.device)
-            t = time.perf_counter()
-            mask = batch.resp_mask
-            if cfg.algorithm.name == "grpo":
-                groups = torch.tensor([s["group"] for s in samples], dtype=torch.long)
-                adv_all = algorithms.grpo_advantages(scores_all, groups, cfg.algorithm.norm_adv_by_std)
-                advantages = adv_all[rows].to(rt.device)[:, None] * mask
-            else:
-                t_v = time.perf_counter()
-                old_values = self.critic.values(batch)
-                timings["timing_s/values"] = time.perf_counter() - t_v
-                kl = algorithms.kl_k3(old_lp, ref_lp) if ref_lp is not None else None
-                rewards = algorithms.token_rewards(scores_all[rows].to(rt.device), mask, kl, cfg.algorithm.kl_coef)
-                advantages, returns = algorithms.gae(rewards, old_values, mask, cfg.algorithm.gamma, cfg.algorithm.lam)
-                advantages = algorithms.whiten(advantages, mask, all_sum)
-                metrics["critic/values/mean"] = algorithms.global_masked_mean(old_values, mask, all_sum).item()
-                metrics["critic/returns/mean"] = algorithms.global_masked_mean(returns, mask, all_sum).item()
-            metrics["critic/advantages/mean"] = algorithms.global_masked_mean(advantages, mask, all_sum).item()
-            timings["timing_s/adv"] = time.perf_counter() - t
-            gen_lp = _padded(mine, "gen_logprobs", mask.shape[1], rt.device)
-            t = time.perf_counter()
-            if self.critic is not None:
-                metrics.update(self.critic.update(batch, old_values, returns, minis, cfg.model.actor.ppo_epochs))
-                timings["timing_s/update_critic"] = time.perf_counter() - t
-                t = time.perf_counter()
-            threshold = cfg.algorithm.rollout_is_threshold
-            # async rollout, and a what-if whose policy is no longer the one that generated: the off-policy correction
-            correct = async_mode or bool(inputs.whatif.get("correction"))
-            actor_metrics, before = self.actor.update(batch, advantages, old_lp, ref_lp, minis, gen_lp if correct else None, threshold)
-            t_stages = time.perf_counter()
+        ref_lp = self._ref_logprobs(mine, mask.shape[1]) if self.needs_reference() else None
+        with book.timed("timing_s/adv"):
+            advantages, values, returns = self._advantages(samples, rows, batch, scores, old_lp, ref_lp, all_sum, book)
+        gen_lp = _padded(mine, "gen_logprobs", mask.shape[1], rt.device)
+        if self.critic is not None:
+            with book.timed("timing_s/update_critic"):
+                book.metrics.update(self.critic.update(batch, values, returns, minis, cfg.model.actor.ppo_epochs))
+        async_mode = cfg.rollout.mode == "async"
+        # async rollout, and a what-if whose policy is no longer the one that generated: the off-policy correction
+        correct = async_mode or bool(inputs.whatif.get("correction"))
+        with book.timed("timing_s/update_actor"):
+            actor_metrics, before = self.actor.update(batch, advantages, old_lp, ref_lp, minis, gen_lp if correct else None,
+                                                      cfg.algorithm.rollout_is_threshold)
+            self._record_update(book, mask, before, ref_lp, values, returns, advantages)
+            if async_mode:
+                book.metrics.update(self._off_policy_metrics(step, samples, before, gen_lp, mask, all_sum))
+            if inputs.whatif:
+                book.metrics.update(self._drift_metrics(before, gen_lp, mask, all_sum, correct))
+            book.metrics.update(actor_metrics)
+        book.metrics.update(self._logprob_gap(step, inputs, mine, gen_lp, before, mask, all_sum))
+        book.metrics = rt.mean(book.metrics)
+        act = failpoint("update.params")
+        if act is not None and act.startswith("flip="):  # fault injection: silent corruption of the weights
+            self.actor.flip_a_weight_bit(act)
+        self.weights_changed()
+
+    def _ref_logprobs(self, mine: list[dict], width: int) -> torch.Tensor:
+        """The frozen reference's log-probs of this rank's rows ([B, R]), as journaled with the samples."""
+        # samples from before a config change that turned the KL on have none journaled
+        self._reference_logprobs([s for s in mine if len(s["ref_logprobs"]) != len(s["response_ids"])])
+        return _padded(mine, "ref_logprobs", width, self.rt.device)
+
+    def _advantages(self, samples: list[dict], rows: list[int], batch, scores: torch.Tensor, old_lp, ref_lp, all_sum,
+                    book: StepBook) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """This rank's advantages ([B, R]), by the algorithm's rule (rl.algorithms); PPO's also the
+        critic's values before the update and the returns (GRPO: None, None)."""
+        cfg, mask = self.cfg, batch.resp_mask
+        values = returns = None
+        if cfg.algorithm.name == "grpo":
+            groups = torch.tensor([s["group"] for s in samples], dtype=torch.long)
+            advantages = algorithms.grpo_token_advantages(scores, groups, rows, mask, cfg.algorithm.norm_adv_by_std)
+        else:
+            with book.timed("timing_s/values"):
+                values = self.critic.values(batch)
+            advantages, returns = algorithms.ppo_advantages(scores[rows].to(self.rt.device), values, mask, old_lp, ref_lp,
+                                                            cfg.algorithm.kl_coef, cfg.algorithm.gamma, cfg.algorithm.lam, all_sum)
+            book.metrics["critic/values/mean"] = algorithms.global_masked_mean(values, mask, all_sum).item()
+            book.metrics["critic/returns/mean"] = algorithms.global_masked_mean(returns, mask, all_sum).item()
+        book.metrics["critic/advantages/mean"] = algorithms.global_masked_mean(advantages, mask, all_sum).item()
+        return advantages, values, returns
+
+    def _logprob_gap(self, step: int, inputs: StepInputs, mine: list[dict], gen_lp, before, mask, all_sum) -> dict[str, float]:
+        """The engine against the trainer, on the samples generated by the policy the step starts from
+        (sync: this step's; carried-over groups and async's stale samples came from an older policy):
+        0 when there are none (algorithms.logprob_gap)."""
+        rt = self.rt
+        if self.cfg.rollout.mode == "async":
+            now_rows = [float(s["policy_version"] == step - 1) for s in mine]
+        else:
+            fresh = set(np.asarray(inputs.added["id"]).tolist())
+            now_rows = [float(s["id"] in fresh) for s in mine]
+        now = torch.tensor(now_rows, device=rt.device)[:, None] * mask
+        return algorithms.logprob_gap(gen_lp, before, now, all_sum, rt.max_over if rt.dp_size > 1 else None)
+
+    # ------------------------------------------------------------------ apply's bookkeeping: stages, fingerprint
+
+    def _record_inputs(self, book: StepBook, inputs: StepInputs, samples: list[dict], scores: torch.Tensor) -> None:
+        """The stages the update starts from: the ids it trains on, their dataset rows and tokens, the scores."""
+        with book.staging() as rec:
+            for worker in (self.critic, self.actor):
+                if worker is not None:
+                    worker.kept_grads = [] if self.keep_stages else None
+            # what the update trains on: the ids consumed and their dataset rows (async: drawn steps before)
+            rec.host("data", np.asarray(inputs.consumed, np.int64), np.asarray([s["index"] for s in samples], np.int64))
+            rec.host("samples", *_id_arrays(samples))
+            rec.tensor("scores", scores)
+
+    def _record_update(self, book: StepBook, mask, before, ref_lp, values, returns, advantages) -> None:
+        """The update's stages: what it started from (log-probs, values, returns, advantages), and each
+        worker's losses, gradient norms and gradients (digested inside the update)."""
+        with book.staging() as rec:
             rec.tensor("old_logprobs", before * mask, mask)
             if ref_lp is not None:
                 rec.tensor("ref_logprobs", ref_lp * mask, mask)
             if self.critic is not None:
-                rec.tensor("values", old_values * mask, mask)
+                rec.tensor("values", values * mask, mask)
                 rec.tensor("returns", returns * mask, mask)
             rec.tensor("advantages", advantages, mask)
             for worker in (self.critic, self.actor):
                 if worker is not None:
                     losses, norms, grads, grad_s = worker.stage_outputs()
-                    stage_s += grad_s  # digested inside the update (its time counts there too)
+                    book.stage_s += grad_s  # digested inside the update (its time counts there too)
                     rec.tensor("loss", torch.cat(losses))
                     rec.numbers("grad_norm", norms)
                     for g in grads:
@@ -747,40 +821,21 @@ class Trainer:
                     for k, step_grads in enumerate(worker.kept_grads or []):
                         for j, g in enumerate(step_grads):
                             rec.keep("grads", f"{worker.role} optimizer step {k}, gradient {j}", g)
-            stage_s += time.perf_counter() - t_stages
-            if async_mode:
-                metrics.update(self._off_policy_metrics(step, samples, before, gen_lp, mask, all_sum))
-            if inputs.whatif:
-                metrics.update(self._drift_metrics(before, gen_lp, mask, all_sum, correct))
-            metrics.update(actor_metrics)
-            timings["timing_s/update_actor"] = time.perf_counter() - t
-            # the engine against the trainer, on the samples generated by the policy the step starts
-            # from (sync: this step's; carried-over groups and async's stale samples came from an
-            # older policy): 0 when there are none
-            if async_mode:
-                now_rows = [float(s["policy_version"] == step - 1) for s in mine]
-            else:
-                fresh = set(np.asarray(inputs.added["id"]).tolist())
-                now_rows = [float(s["id"] in fresh) for s in mine]
-            now = torch.tensor(now_rows, device=rt.device)[:, None] * mask
-            metrics.update(algorithms.logprob_gap(gen_lp, before, now, all_sum, rt.max_over if dp_size > 1 else None))
-            metrics = rt.mean(metrics)
-            act = failpoint("update.params")
-            if act is not None and act.startswith("flip="):  # fault injection: silent corruption of the weights
-                self.actor.flip_a_weight_bit(act)
-            self.weights_changed()
-        t = time.perf_counter()
-        fp, parts = fingerprint(self.engines(), rt, cfg.trainer.state_digest)
-        timings["timing_s/fingerprint"] = time.perf_counter() - t
+
+    def _outcome(self, book: StepBook) -> StepOutcome:
+        """The step's outcome: its metrics and timings, the fingerprint of the state after it, and the
+        stage digests of every rank combined (with the state's parts). Collective."""
+        with book.timed("timing_s/fingerprint"):
+            fp, parts = self.fingerprint()
         if self.keep_stages:
             for role, engine in self.engines().items():
                 for path, leaf in state_leaves(engine):
                     if isinstance(leaf, torch.Tensor):
-                        rec.keep("state", f"{role}/{path}", leaf)
-        t = time.perf_counter()
-        stages = combine(rt.all_gather_obj(rec.local()), parts)
-        timings["timing_s/stages"] = stage_s + time.perf_counter() - t
-        return StepOutcome({**metrics, **timings}, fp, parts, stages, rec.kept)
+                        book.rec.keep("state", f"{role}/{path}", leaf)
+        with book.staging() as rec:
+            stages = combine(self.rt.all_gather_obj(rec.local()), parts)
+        book.timings["timing_s/stages"] = book.stage_s
+        return StepOutcome({**book.metrics, **book.timings}, fp, parts, stages, book.rec.kept)
 
     def _off_policy_metrics(self, step: int, samples: list[dict], old_lp, gen_lp, mask, all_sum) -> dict[str, float]:
         """Async rollout: the truncated importance weights min(pi_old / pi_gen, threshold) the update

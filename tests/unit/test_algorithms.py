@@ -73,6 +73,27 @@ def test_token_rewards_place_score_on_last_token():
     assert torch.allclose(r, torch.tensor([[-0.05, 1.95, 0.0], [-0.05, -0.05, -1.05]]))
 
 
+def test_grpo_token_advantages_put_each_rows_advantage_on_its_tokens():
+    scores, groups = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 2, 2])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    adv = algorithms.grpo_token_advantages(scores, groups, [1, 0], mask, norm_by_std=False)  # this rank's rows: 1, then 0
+    assert torch.equal(adv, torch.tensor([[-0.5, -0.5, 0.0], [0.5, 0.0, 0.0]]))
+
+
+def test_ppo_advantages_are_gae_of_the_kl_penalised_rewards_whitened():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    scores, values = torch.tensor([2.0, -1.0]), torch.tensor([[0.5, 0.25, 0.0], [0.1, -0.2, 0.3]])
+    lp, ref = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -1.0]]), torch.tensor([[-1.5, -1.0, 0.0], [-0.5, -2.0, -0.25]])
+    adv, ret = algorithms.ppo_advantages(scores, values, mask, lp, ref, 0.1, 0.9, 0.8)
+    rewards = algorithms.token_rewards(scores, mask, algorithms.kl_k3(lp, ref), 0.1)
+    want_adv, want_ret = algorithms.gae(rewards, values, mask, 0.9, 0.8)
+    assert torch.equal(adv, algorithms.whiten(want_adv, mask)) and torch.equal(ret, want_ret)
+    assert math.isclose(algorithms.masked_mean(adv, mask).item(), 0.0, abs_tol=1e-6)
+    no_kl, _ = algorithms.ppo_advantages(scores, values, mask, lp, None, 0.1, 0.9, 0.8)
+    assert torch.equal(no_kl, algorithms.whiten(algorithms.gae(algorithms.token_rewards(scores, mask, None, 0.1), values, mask, 0.9, 0.8)[0], mask))
+    assert not torch.equal(no_kl, adv)
+
+
 def test_value_loss_clipping_by_hand():
     v, old, ret = torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[2.0]])
     loss, clipfrac = algorithms.value_loss(v, old, ret, torch.ones(1, 1), cliprange=0.5)
