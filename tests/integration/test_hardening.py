@@ -34,6 +34,15 @@ def tree(root: Path) -> dict[str, bytes]:
 
 
 
+@pytest.fixture(scope="module")
+def base6(tmp_path_factory):
+    """`base`'s config trained straight to 6 steps: the reference the resumes of a copy of `base` to step 6
+    are compared with (made once per module, only read)."""
+    run = tmp_path_factory.mktemp("base6") / "run"
+    run_train(run, None, [*SMALL, "trainer.total_steps=6"])
+    return run
+
+
 # ----------------------------------------------------------------------------- verify while rotation deletes
 
 
@@ -154,7 +163,7 @@ def flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_damaged_snapshot_is_quarantined_and_good_ones_kept(copy, tmp_path):
+def test_damaged_snapshot_is_quarantined_and_good_ones_kept(copy, base6):
     flip(next((copy / "step_00004" / "actor").iterdir()))
     assert verlj("verify", copy).returncode == 1  # before the resume: the damage is reported
     out = train(copy, *SMALL, "trainer.total_steps=6", resume=True)
@@ -167,9 +176,7 @@ def test_damaged_snapshot_is_quarantined_and_good_ones_kept(copy, tmp_path):
     assert "step_00004 was set aside by a resume and moved to quarantine/step_00004" in out.stdout
     md = json.loads((copy / "train_metadata.json").read_text())
     assert md["resume_from"] == "step_00002" and md["global_step"] == 6
-    ref = tmp_path / "ref"
-    run_train(ref, None, [*SMALL, "trainer.total_steps=6"])
-    assert_same_journal(copy, ref)
+    assert_same_journal(copy, base6)
 
 
 def test_leftovers_are_reported_then_sorted_out(copy):
@@ -279,11 +286,10 @@ def test_a_run_whose_journal_is_lost_is_refused_and_nothing_is_moved(copy):
     assert verlj("verify", copy / "step_00004").returncode == 0  # what the sentence offers works
 
 
-def test_a_lost_train_metadata_json_is_harmless(base, copy, tmp_path):
+def test_a_lost_train_metadata_json_is_harmless(base, copy, base6):
     """The journal is the truth, train_metadata.json its mirror: the resume continues exactly and writes it
     again. (`copy` is a cp of a run keeping its LMDB journal in RUN/journal: a journal of its own.)"""
-    reference = tmp_path / "reference"
-    run_train(reference, None, [*SMALL, "trainer.total_steps=6"])
+    reference = base6
     (copy / "train_metadata.json").unlink()
     out = train(copy, *SMALL, "trainer.total_steps=6", resume=True)
     assert out.returncode == 0, out.stderr[-3000:]
