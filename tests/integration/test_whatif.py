@@ -15,7 +15,7 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.post_mortem.whatif import whatif
-from verlj.journal import JournalError, open_journal_reader
+from verlj.journal import JournalError, VerljError, open_journal_reader
 from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, verlj
 
 REWARD = "from verlj.engine.rl.rewards import add_reward\n\ndef negated(prompt, response, answer):\n    return -add_reward(prompt, response, answer)\n"
@@ -72,13 +72,23 @@ def test_a_changed_lr_kl_or_reward_parts_from_the_run_at_the_first_step(parent, 
 
 def test_keys_that_need_new_samples_are_refused_in_one_line(parent):
     new = parent / "refused"
-    for key in ("rollout.temperature=0.5", "rollout.n=2", "rollout.max_response_length=8"):
-        out = verlj("whatif", parent / "run", "--from-step", "2", "-o", new, key)
-        assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
-        assert out.stderr.startswith(f"error: {key.split('=')[0]} cannot change in a what-if"), out.stderr
+    # the command, in a process of its own: the engine's refusal is its one line on stderr and its exit code
+    key = "rollout.temperature=0.5"
+    out = verlj("whatif", parent / "run", "--from-step", "2", "-o", new, key)
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+    assert out.stderr.startswith(f"error: {key.split('=')[0]} cannot change in a what-if"), out.stderr
+    assert not new.exists()
+    # the other keys and the range, refused by the engine call the command makes (the sentence and exit code
+    # the CLI prints and exits with: VerljError -> "error: " + str(e), e.exit_code)
+    for key in ("rollout.n=2", "rollout.max_response_length=8"):
+        with pytest.raises(VerljError) as refused:
+            whatif(parent / "run", 2, None, new, [key])
+        assert refused.value.exit_code != 0 and "\n" not in str(refused.value), str(refused.value)
+        assert str(refused.value).startswith(f"{key.split('=')[0]} cannot change in a what-if"), str(refused.value)
         assert not new.exists()
-    out = verlj("whatif", parent / "run", "--from-step", "4", "-o", new)
-    assert out.returncode == 2 and "out of range" in out.stderr and not new.exists()
+    with pytest.raises(VerljError) as refused:
+        whatif(parent / "run", 4, None, new, [])
+    assert refused.value.exit_code == 2 and "out of range" in str(refused.value) and not new.exists()
 
 
 def test_a_whatif_says_so_and_is_never_forked(parent):
