@@ -239,10 +239,18 @@ def replay_json(run, n):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def replay_here(run, n):
+    """What `verlj replay RUN --to-step N --json` prints, from the calls it makes, in this process."""
+    from verlj.engine.post_mortem import materialize
+
+    return json.loads(materialize.replay_report(materialize.materialize(run, n)))
+
+
 def test_replay_to_step_matches_the_live_run(keep_all, tmp_path):
     live = fingerprints(keep_all)
-    for n, expect_from in ((1, 0), (5, 4), (7, 7)):  # from the initial state, between snapshots, at one
-        got = replay_json(keep_all, n)
+    # from the initial state and between snapshots on the replay itself, at a snapshot through the command
+    for n, expect_from, replayed in ((1, 0, replay_here), (5, 4, replay_here), (7, 7, replay_json)):
+        got = replayed(keep_all, n)
         assert got == {"step": n, "fingerprint": live[n], "from_snapshot": expect_from, "exact": True, "tolerant_steps": 0,
                        "max_deviation": None}
 
@@ -261,7 +269,7 @@ def test_damaged_newer_snapshots_fall_back_and_stay_exact(keep_all, ref8, tmp_pa
     shutil.copytree(keep_all, run, symlinks=True)
     flip_byte(next((run / "step_00004" / "actor").iterdir()))
     flip_byte(run / "step_00006" / "dataflow_anchor.msgpack", 3)
-    got = replay_json(run, 6)
+    got = replay_here(run, 6)
     assert got == {"step": 6, "fingerprint": fingerprints(keep_all)[6], "from_snapshot": 2, "exact": True, "tolerant_steps": 0,
                    "max_deviation": None}
     # --resume skips the damaged newest snapshot too
@@ -301,8 +309,7 @@ def test_export_and_snapshot_and_fork(keep_all, tmp_path):
     assert fingerprints(tmp_path / "fork")[6] != fingerprints(keep_all)[6]  # the new lr changed the update
     # the fork resumes exactly like any run
     fork_fp = fingerprints(tmp_path / "fork")[TARGET]
-    out = verlj("replay", tmp_path / "fork", "--to-step", TARGET, "--json", check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1])["fingerprint"] == fork_fp
+    assert replay_here(tmp_path / "fork", TARGET)["fingerprint"] == fork_fp
 
 
 def test_config_change_on_resume(tmp_path, references):
@@ -322,8 +329,7 @@ def test_config_change_on_resume(tmp_path, references):
         assert ev6["config"]["changed"] == ["model.actor.clip_ratio", "trainer.total_steps"]
         assert [h["from_step"] for h in j.get_meta("config_history")] == [5, 6]
     # replay applies each step under the config in force then: steps 5 and 6 check out from step 4's snapshot
-    out = verlj("replay", run, "--to-step", 6, "--json", check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1])["fingerprint"] == fingerprints(run)[6]
+    assert replay_here(run, 6)["fingerprint"] == fingerprints(run)[6]
 
 
 def signal_after(run, sig, marker, *extra, **env_extra) -> tuple[int, str, str]:
