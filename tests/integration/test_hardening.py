@@ -26,12 +26,31 @@ def one_line_error(out, code, text):
     return errors[0]
 
 
+def refused_in_one_line(call, code, text):
+    """What one_line_error checks, on the engine call a command makes: the VerljError it raises is the
+    command's one `error: ` line (one sentence, naming `text`) and its exit code."""
+    from verlj.journal import VerljError
+
+    with pytest.raises(VerljError) as refused:
+        call()
+    assert refused.value.exit_code == code and "\n" not in str(refused.value) and text in str(refused.value), str(refused.value)
+
+
 def tree(root: Path) -> dict[str, bytes]:
     """A run's files, but its locks: LMDB's, and the writers' claims (RUN/writer), which every writer that starts adds to."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file() and p.name not in ("lock.mdb", "writer.lock") and p.relative_to(root).parts[0] != "writer"}
 
 
+
+
+@pytest.fixture(scope="module")
+def base6(tmp_path_factory):
+    """`base`'s config trained straight to 6 steps: the reference the resumes of a copy of `base` to step 6
+    are compared with (made once per module, only read)."""
+    run = tmp_path_factory.mktemp("base6") / "run"
+    run_train(run, None, [*SMALL, "trainer.total_steps=6"])
+    return run
 
 
 # ----------------------------------------------------------------------------- verify while rotation deletes
@@ -110,7 +129,10 @@ def test_user_code_that_fails_leaves_no_run(tmp_path):
     ("trainer.resume_from=-3", "trainer.resume_from must be null, auto, a snapshot path or a step number >= 0"),
 ])
 def test_bad_values_are_refused_up_front(tmp_path, override, text):
-    one_line_error(train(tmp_path / "r", override), 2, text)
+    if override.startswith("model."):  # one through the real command in a process of its own: one line, exit 2
+        one_line_error(train(tmp_path / "r", override), 2, text)
+    else:  # the rest on the call `verlj train` makes (it prints "error: " + the sentence, exits with its exit_code)
+        refused_in_one_line(lambda: run_train(tmp_path / "r", None, [*TINY, override]), 2, text)
     assert not (tmp_path / "r").exists()
 
 
@@ -140,8 +162,12 @@ def test_plot_without_matplotlib(base, tmp_path):
                                  "trainer.deterministic=false", "algorithm.name=ppo"])
 def test_allow_config_change_refuses_engine_and_determinism_keys(copy, key):
     before = tree(copy)
-    out = train(copy, *SMALL, "trainer.total_steps=5", key, "--allow-config-change", resume=True)
-    one_line_error(out, 2, f"{key.split('=')[0]} cannot change within a run")
+    said = f"{key.split('=')[0]} cannot change within a run"
+    if key == "algorithm.name=ppo":  # one through the real command in a process of its own: one line, exit 2
+        one_line_error(train(copy, *SMALL, "trainer.total_steps=5", key, "--allow-config-change", resume=True), 2, said)
+    else:  # the rest on the call `verlj train --resume --allow-config-change` makes
+        refused_in_one_line(lambda: run_train(copy, None, [*SMALL, "trainer.total_steps=5", key], resume=True,
+                                              allow_config_change=True), 2, said)
     assert tree(copy) == before
 
 
@@ -154,7 +180,7 @@ def flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_damaged_snapshot_is_quarantined_and_good_ones_kept(copy, tmp_path):
+def test_damaged_snapshot_is_quarantined_and_good_ones_kept(copy, base6):
     flip(next((copy / "step_00004" / "actor").iterdir()))
     assert verlj("verify", copy).returncode == 1  # before the resume: the damage is reported
     out = train(copy, *SMALL, "trainer.total_steps=6", resume=True)
@@ -167,9 +193,7 @@ def test_damaged_snapshot_is_quarantined_and_good_ones_kept(copy, tmp_path):
     assert "step_00004 was set aside by a resume and moved to quarantine/step_00004" in out.stdout
     md = json.loads((copy / "train_metadata.json").read_text())
     assert md["resume_from"] == "step_00002" and md["global_step"] == 6
-    ref = tmp_path / "ref"
-    run_train(ref, None, [*SMALL, "trainer.total_steps=6"])
-    assert_same_journal(copy, ref)
+    assert_same_journal(copy, base6)
 
 
 def test_leftovers_are_reported_then_sorted_out(copy):
@@ -279,11 +303,10 @@ def test_a_run_whose_journal_is_lost_is_refused_and_nothing_is_moved(copy):
     assert verlj("verify", copy / "step_00004").returncode == 0  # what the sentence offers works
 
 
-def test_a_lost_train_metadata_json_is_harmless(base, copy, tmp_path):
+def test_a_lost_train_metadata_json_is_harmless(base, copy, base6):
     """The journal is the truth, train_metadata.json its mirror: the resume continues exactly and writes it
     again. (`copy` is a cp of a run keeping its LMDB journal in RUN/journal: a journal of its own.)"""
-    reference = tmp_path / "reference"
-    run_train(reference, None, [*SMALL, "trainer.total_steps=6"])
+    reference = base6
     (copy / "train_metadata.json").unlink()
     out = train(copy, *SMALL, "trainer.total_steps=6", resume=True)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -36,6 +36,29 @@ def references(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def ref8(tmp_path_factory):
+    """The uninterrupted 8-step GRPO run two tests extend their resumed runs to (trained once)."""
+    run = tmp_path_factory.mktemp("ref8") / "run"
+    run_train(run, None, [*TINY, *GRPO_DYN, "trainer.total_steps=8"])
+    return run
+
+
+@pytest.fixture(scope="module")
+def killed_after_5(tmp_path_factory):
+    """A PPO/ZeRO-3 run SIGKILLed (a real kill -9, at a failpoint) right after step 5 committed: step 5 needs
+    replaying from step_00004 on resume. Made once; each test resumes a copy of its own."""
+    run = tmp_path_factory.mktemp("killed5") / "run"
+    assert train(run, *PPO_Z3, VERLJ_FAILPOINT="journal.after_commit:5").returncode == -9
+    return run
+
+
+def copy_of(run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run, out, symlinks=True)
+    return out
+
+
 def resume_until_done(run, over, tries=6, **env_extra):
     for _ in range(tries):
         out = train(run, *over, resume=True, **env_extra)
@@ -122,9 +145,8 @@ def test_verify_says_what_the_next_resume_does_with_each_leftover_and_it_does_th
     assert "· step_00002 was in the index but not on disk (deleted by hand?); a resume removed it from the index" in after.stdout
 
 
-def test_kill_during_the_replay_of_a_resume(tmp_path, references):
-    run = tmp_path / "run"
-    assert train(run, *PPO_Z3, VERLJ_FAILPOINT="journal.after_commit:5").returncode == -9
+def test_kill_during_the_replay_of_a_resume(tmp_path, references, killed_after_5):
+    run = copy_of(killed_after_5, tmp_path)
     # step 5 needs replaying from step_00004; die in the middle of that replay, then resume again
     out = train(run, *PPO_Z3, resume=True, VERLJ_FAILPOINT="replay.step:1")
     assert out.returncode == -9
@@ -133,9 +155,8 @@ def test_kill_during_the_replay_of_a_resume(tmp_path, references):
     assert_same_journal(run, references["ppo"])
 
 
-def test_sigint_during_the_replay_of_a_resume_trains_nothing_new(tmp_path, references):
-    run = tmp_path / "run"
-    assert train(run, *PPO_Z3, VERLJ_FAILPOINT="journal.after_commit:5").returncode == -9
+def test_sigint_during_the_replay_of_a_resume_trains_nothing_new(tmp_path, references, killed_after_5):
+    run = copy_of(killed_after_5, tmp_path)
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *PPO_Z3, "--resume"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=env(VERLJ_FAILPOINT="replay.step:1:sleep=3"), cwd=REPO)
@@ -218,10 +239,18 @@ def replay_json(run, n):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def replay_here(run, n):
+    """What `verlj replay RUN --to-step N --json` prints, from the calls it makes, in this process."""
+    from verlj.engine.post_mortem import materialize
+
+    return json.loads(materialize.replay_report(materialize.materialize(run, n)))
+
+
 def test_replay_to_step_matches_the_live_run(keep_all, tmp_path):
     live = fingerprints(keep_all)
-    for n, expect_from in ((1, 0), (5, 4), (7, 7)):  # from the initial state, between snapshots, at one
-        got = replay_json(keep_all, n)
+    # from the initial state and between snapshots on the replay itself, at a snapshot through the command
+    for n, expect_from, replayed in ((1, 0, replay_here), (5, 4, replay_here), (7, 7, replay_json)):
+        got = replayed(keep_all, n)
         assert got == {"step": n, "fingerprint": live[n], "from_snapshot": expect_from, "exact": True, "tolerant_steps": 0,
                        "max_deviation": None}
 
@@ -233,14 +262,14 @@ def flip_byte(path, offset=None):
     path.write_bytes(bytes(data))
 
 
-def test_damaged_newer_snapshots_fall_back_and_stay_exact(keep_all, tmp_path):
+def test_damaged_newer_snapshots_fall_back_and_stay_exact(keep_all, ref8, tmp_path):
     import shutil
 
     run = tmp_path / "run"
     shutil.copytree(keep_all, run, symlinks=True)
     flip_byte(next((run / "step_00004" / "actor").iterdir()))
     flip_byte(run / "step_00006" / "dataflow_anchor.msgpack", 3)
-    got = replay_json(run, 6)
+    got = replay_here(run, 6)
     assert got == {"step": 6, "fingerprint": fingerprints(keep_all)[6], "from_snapshot": 2, "exact": True, "tolerant_steps": 0,
                    "max_deviation": None}
     # --resume skips the damaged newest snapshot too
@@ -250,8 +279,6 @@ def test_damaged_newer_snapshots_fall_back_and_stay_exact(keep_all, tmp_path):
     assert "Skipping damaged snapshot" in out.stderr and "step_00007" in out.stderr
     assert "Resuming from checkpoint" in out.stdout and "step_00002" in out.stdout
     assert "Replayed steps 3–7 from the journal." in out.stdout
-    ref8 = tmp_path / "ref8"
-    run_train(ref8, None, [*TINY, *GRPO_DYN, "trainer.total_steps=8"])
     assert_same_journal(run, ref8)
 
 
@@ -282,8 +309,7 @@ def test_export_and_snapshot_and_fork(keep_all, tmp_path):
     assert fingerprints(tmp_path / "fork")[6] != fingerprints(keep_all)[6]  # the new lr changed the update
     # the fork resumes exactly like any run
     fork_fp = fingerprints(tmp_path / "fork")[TARGET]
-    out = verlj("replay", tmp_path / "fork", "--to-step", TARGET, "--json", check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1])["fingerprint"] == fork_fp
+    assert replay_here(tmp_path / "fork", TARGET)["fingerprint"] == fork_fp
 
 
 def test_config_change_on_resume(tmp_path, references):
@@ -303,8 +329,7 @@ def test_config_change_on_resume(tmp_path, references):
         assert ev6["config"]["changed"] == ["model.actor.clip_ratio", "trainer.total_steps"]
         assert [h["from_step"] for h in j.get_meta("config_history")] == [5, 6]
     # replay applies each step under the config in force then: steps 5 and 6 check out from step 4's snapshot
-    out = verlj("replay", run, "--to-step", 6, "--json", check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1])["fingerprint"] == fingerprints(run)[6]
+    assert replay_here(run, 6)["fingerprint"] == fingerprints(run)[6]
 
 
 def signal_after(run, sig, marker, *extra, **env_extra) -> tuple[int, str, str]:
@@ -355,7 +380,7 @@ def test_sigterm_and_double_sigint(tmp_path, references):
     assert_same_journal(run, references["grpo"])
 
 
-def test_async_save_matches_sync(tmp_path, references):
+def test_async_save_matches_sync(tmp_path, references, ref8):
     run = tmp_path / "run"
     out = train(run, *GRPO_DYN, "trainer.async_save=true")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -367,6 +392,4 @@ def test_async_save_matches_sync(tmp_path, references):
     flip_byte(next((run / "step_00007" / "actor").iterdir()))
     out = train(run, *GRPO_DYN, "trainer.total_steps=8", "trainer.async_save=true", resume=True)
     assert out.returncode == 0 and "step_00006" in out.stdout
-    ref8 = tmp_path / "ref8"
-    run_train(ref8, None, [*TINY, *GRPO_DYN, "trainer.total_steps=8"])
     assert_same_journal(run, ref8)

@@ -41,6 +41,23 @@ def lose_node(local):
     shutil.rmtree(local)
 
 
+@pytest.fixture(scope="module")
+def node_lost(tmp_path_factory):
+    """shipped_run's run directory after its node was lost (the local dir deleted), made once per module:
+    what another machine holds. The tests that start there take a copy of their own (lost_node_copy)."""
+    run, local = shipped_run(tmp_path_factory.mktemp("shipped"))
+    with Journal.open_reader(local) as j:
+        assert j.last_step() == TARGET  # it finished
+    lose_node(local)
+    return run
+
+
+def lost_node_copy(node_lost, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(node_lost, run, symlinks=True)
+    return run
+
+
 def test_node_lost_at_a_random_moment(tmp_path, reference):
     run, local = tmp_path / "run", tmp_path / "L"
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *COMMON,
@@ -128,8 +145,8 @@ def test_kill_during_shipping_then_the_same_node_resumes(tmp_path, reference):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "bitflip"])
-def test_damaged_last_segment_costs_only_its_steps(tmp_path, reference, damage):
-    run, local = shipped_run(tmp_path)
+def test_damaged_last_segment_costs_only_its_steps(tmp_path, reference, node_lost, damage):
+    run = lost_node_copy(node_lost, tmp_path)  # the node is lost; the damaged segment is found on the resume elsewhere
     files = sorted(segments.segment_dir(run / "journal").glob("*.seg"))
     while segments.read_segment(files[-1]).first is None:  # shipments after the last step never happened
         files.pop().unlink()
@@ -140,7 +157,6 @@ def test_damaged_last_segment_costs_only_its_steps(tmp_path, reference, damage):
     else:
         raw[-9] ^= 0x04
         files[-1].write_bytes(bytes(raw))
-    lose_node(local)
     lost = f"step {last.first}" if last.first == last.last else f"steps {last.first}–{last.last}"
     was = f"step {last.first} was" if last.first == last.last else f"steps {last.first}–{last.last} were"
     v = verlj("verify", run)  # the same answer as the resume below: not damage that stops it
@@ -155,9 +171,8 @@ def test_damaged_last_segment_costs_only_its_steps(tmp_path, reference, damage):
     assert v.returncode == 0 and "journal/segments/.damaged-" in v.stdout, v.stdout
 
 
-def test_segment_missing_in_the_middle_is_refused(tmp_path):
-    run, local = shipped_run(tmp_path)
-    lose_node(local)
+def test_segment_missing_in_the_middle_is_refused(tmp_path, node_lost):
+    run = lost_node_copy(node_lost, tmp_path)
     seg_dir = segments.segment_dir(run / "journal")
     (seg_dir / "0000000004.seg").unlink()
     before = sorted(p.name for p in seg_dir.iterdir())
@@ -172,9 +187,8 @@ def test_segment_missing_in_the_middle_is_refused(tmp_path):
     assert "--fork NEW_RUN" in v.stdout  # the way forward: replay the intact prefix into a new run
 
 
-def test_post_mortem_from_the_run_directory_alone(tmp_path, reference):
-    run, local = shipped_run(tmp_path)
-    lose_node(local)  # another machine: only the run directory
+def test_post_mortem_from_the_run_directory_alone(tmp_path, reference, node_lost):
+    run = lost_node_copy(node_lost, tmp_path)  # another machine: only the run directory
     v = verlj("verify", run)
     assert v.returncode == 0 and "Journal segments:" in v.stdout and f"steps through {TARGET}" in v.stdout, v.stdout
     assert verlj("journal", "verify", run / "journal").returncode == 0

@@ -16,7 +16,7 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.post_mortem.whatif import whatif
-from verlj.journal import JournalError, open_journal_reader
+from verlj.journal import JournalError, VerljError, open_journal_reader
 from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, verlj
 
 REWARD = "from verlj.engine.rl.rewards import add_reward\n\ndef negated(prompt, response, answer):\n    return -add_reward(prompt, response, answer)\n"
@@ -30,6 +30,24 @@ def parent(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def whatifs(parent):
+    """`whatif RUN --from-step 2 --to-step 4` with one override (None: the run's own config), each made once
+    per module on first use; the tests only read them."""
+    names = {None: "three_same", "model.actor.optim.lr=0.003": "three_lr", "model.actor.kl_loss_coef=0.5": "three_kl",
+             "rollout.reward_fn=wirew:negated": "negated"}
+    made = {}
+
+    def get(override):
+        if override not in made:
+            new = parent / names[override]
+            assert whatif(parent / "run", 2, 4, new, [override] if override else []) == (3, 4)
+            made[override] = new
+        return made[override]
+
+    return get
+
+
 def test_a_whatif_with_the_runs_own_config_reproduces_every_fingerprint(parent):
     for a in (1, 2):  # from the initial state replayed, from a snapshot
         new = parent / f"same{a}"
@@ -39,10 +57,9 @@ def test_a_whatif_with_the_runs_own_config_reproduces_every_fingerprint(parent):
 
 
 @pytest.mark.parametrize("override", ["model.actor.optim.lr=0.003", "model.actor.kl_loss_coef=0.5", "rollout.reward_fn=wirew:negated"])
-def test_a_changed_lr_kl_or_reward_parts_from_the_run_at_the_first_step(parent, override, monkeypatch):
+def test_a_changed_lr_kl_or_reward_parts_from_the_run_at_the_first_step(parent, whatifs, override, monkeypatch):
     monkeypatch.syspath_prepend(str(parent))
-    new = parent / override.split("=")[0].replace(".", "_")
-    assert whatif(parent / "run", 2, 4, new, [override]) == (3, 4)
+    new = whatifs(override)
     mine, theirs = fingerprints(new), fingerprints(parent / "run")
     assert sorted(mine) == [3, 4] and all(mine[s] != theirs[s] for s in (3, 4))
     with open_journal_reader(new / "journal") as j, open_journal_reader(parent / "run" / "journal") as p:
@@ -56,13 +73,23 @@ def test_a_changed_lr_kl_or_reward_parts_from_the_run_at_the_first_step(parent, 
 
 def test_keys_that_need_new_samples_are_refused_in_one_line(parent):
     new = parent / "refused"
-    for key in ("rollout.temperature=0.5", "rollout.n=2", "rollout.max_response_length=8"):
-        out = verlj("whatif", parent / "run", "--from-step", "2", "-o", new, key)
-        assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
-        assert out.stderr.startswith(f"error: {key.split('=')[0]} cannot change in a what-if"), out.stderr
+    # the command, in a process of its own: the engine's refusal is its one line on stderr and its exit code
+    key = "rollout.temperature=0.5"
+    out = verlj("whatif", parent / "run", "--from-step", "2", "-o", new, key)
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+    assert out.stderr.startswith(f"error: {key.split('=')[0]} cannot change in a what-if"), out.stderr
+    assert not new.exists()
+    # the other keys and the range, refused by the engine call the command makes (the sentence and exit code
+    # the CLI prints and exits with: VerljError -> "error: " + str(e), e.exit_code)
+    for key in ("rollout.n=2", "rollout.max_response_length=8"):
+        with pytest.raises(VerljError) as refused:
+            whatif(parent / "run", 2, None, new, [key])
+        assert refused.value.exit_code != 0 and "\n" not in str(refused.value), str(refused.value)
+        assert str(refused.value).startswith(f"{key.split('=')[0]} cannot change in a what-if"), str(refused.value)
         assert not new.exists()
-    out = verlj("whatif", parent / "run", "--from-step", "4", "-o", new)
-    assert out.returncode == 2 and "out of range" in out.stderr and not new.exists()
+    with pytest.raises(VerljError) as refused:
+        whatif(parent / "run", 4, None, new, [])
+    assert refused.value.exit_code == 2 and "out of range" in str(refused.value) and not new.exists()
 
 
 def test_a_whatif_says_so_and_is_never_forked(parent):
@@ -140,16 +167,14 @@ def kill_during(run, new, at: int) -> None:
         assert at <= j.last_step() < 10
 
 
-def test_each_whatif_step_journals_how_far_its_policy_drifted(parent, monkeypatch):
+def test_each_whatif_step_journals_how_far_its_policy_drifted(parent, whatifs, monkeypatch):
     """whatif/drift/*: |log pi_whatif - log pi_gen| over the response tokens. With the run's own config
     it is the run's own rollout/logprob_diff and no correction is applied; the off-policy correction
     (the async objective's truncated importance weights) applies from the first step whose starting
     state is not the run's: at once with another lr (the optimizer's state), a step later with
     another reward (the state after A is still the run's)."""
     monkeypatch.syspath_prepend(str(parent))
-    runs = {over: parent / f"drift{i}" for i, over in enumerate([None, "model.actor.optim.lr=0.003", "rollout.reward_fn=wirew:negated"])}
-    for over, new in runs.items():
-        whatif(parent / "run", 2, 4, new, [over] if over else [])
+    runs = {over: whatifs(over) for over in [None, "model.actor.optim.lr=0.003", "rollout.reward_fn=wirew:negated"]}
     with open_journal_reader(parent / "run" / "journal") as j:
         theirs = {s: j.read_step(s).metrics for s in (3, 4)}
 
@@ -168,10 +193,8 @@ def test_each_whatif_step_journals_how_far_its_policy_drifted(parent, monkeypatc
     assert [reward[s]["whatif/off_policy_correction"] for s in (3, 4)] == [0.0, 1.0]
 
 
-def test_metrics_draws_a_whatif_beside_its_run(parent):
-    lr, same = parent / "plot_lr", parent / "plot_same"
-    whatif(parent / "run", 2, 4, lr, ["model.actor.optim.lr=0.003"])
-    whatif(parent / "run", 2, 4, same, [])
+def test_metrics_draws_a_whatif_beside_its_run(parent, whatifs):
+    lr, same = whatifs("model.actor.optim.lr=0.003"), whatifs(None)
     out = verlj("metrics", parent / "run", lr, "--plot", parent / "lr.png")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == f"wrote {parent / 'lr.png'} (the runs part at step 3)"
@@ -182,11 +205,10 @@ def test_metrics_draws_a_whatif_beside_its_run(parent):
     assert bad.returncode == 2 and bad.stderr.strip() == "error: a second run is drawn beside the first with --plot out.png only"
 
 
-def test_metrics_draws_several_whatifs_beside_their_run(parent):
+def test_metrics_draws_several_whatifs_beside_their_run(parent, whatifs):
     """`verlj metrics RUN NEW1 NEW2 NEW3 --plot`: one PNG, each run's parting step said in one line."""
-    news = {name: parent / f"three_{name}" for name in ("lr", "kl", "same")}
-    for new, over in zip(news.values(), (["model.actor.optim.lr=0.003"], ["model.actor.kl_loss_coef=0.5"], [])):
-        whatif(parent / "run", 2, 4, new, over)
+    news = {name: whatifs(over) for name, over in (("lr", "model.actor.optim.lr=0.003"), ("kl", "model.actor.kl_loss_coef=0.5"),
+                                                   ("same", None))}
     out = verlj("metrics", parent / "run", *news.values(), "--plot", parent / "three.png")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == (
