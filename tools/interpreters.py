@@ -168,7 +168,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="print the interpreters found and stop")
     ap.add_argument("--only", nargs="+", metavar="VERSION", help="these versions only (as --list prints them)")
-    ap.add_argument("--keep", action="store_true", help="keep the environments in .interpreters/ for the next run (about 5 GB)")
+    ap.add_argument("--keep", action="store_true", help="keep the environments in .interpreters/ for the next run (about 10 GB)")
     args = ap.parse_args()
     found = interpreters()
     if args.only:
