@@ -5,7 +5,7 @@
     python tools/bench_goodput.py --trl-python /path/to/venv/bin/python   # TRL from another environment
 
 Each arm trains the built-in addition task on the same tiny Llama (4 layers, 256 wide, 32-token
-responses, 4 prompts x 4 samples a step) for --steps steps, twice: once without failures (its
+responses, 4 prompts x 4 samples a step) for 3 untimed warm-up steps, then for --steps steps, twice: once without failures (its
 reference: wall time W0, final state), once under the failure schedule (wall time W): SIGKILLs of
 the training process at times drawn once from --seed (exponential gaps, mean --mtbf seconds, the
 same times for every arm), each followed by an automatic restart. It prints, per arm:
@@ -132,6 +132,7 @@ def verlj_fingerprints(run: Path) -> dict[int, str]:
 
 
 def verlj_arm(root: Path, args, times: list[float]) -> dict:
+    verlj_run(root / "verlj-warmup", 3, args.save_interval, None)  # untimed: first-time costs (caches, page cache) out of W0
     ref = verlj_run(root / "verlj-ref", args.steps, args.save_interval, None)
     got = verlj_run(root / "verlj-failures", args.steps, args.save_interval, times)
     return {**got, "w0": ref["wall"], "identical": verlj_fingerprints(root / "verlj-ref") == verlj_fingerprints(root / "verlj-failures")}
@@ -229,8 +230,9 @@ def trl_arm(root: Path, args, times: list[float]) -> dict | str:
     if probe.returncode != 0:
         return f"skipped: TRL cannot be imported by {args.trl_python} (pip install trl, or --trl-python)"
     model = trl_model_dir(root)
-    for name in ("trl-ref", "trl-failures"):
+    for name in ("trl-warmup", "trl-ref", "trl-failures"):
         (root / name).mkdir()
+    trl_run(args.trl_python, model, root / "trl-warmup" / "out", argparse.Namespace(**{**vars(args), "steps": 3}), None)  # untimed
     ref = trl_run(args.trl_python, model, root / "trl-ref" / "out", args, None)
     got = trl_run(args.trl_python, model, root / "trl-failures" / "out", args, times)
     return {**got, "w0": ref["wall"], "identical": trl_weights_equal(root / "trl-ref" / "out", root / "trl-failures" / "out"),
@@ -271,6 +273,8 @@ def main() -> int:
               f"{r.get('replayed', '-'):>9}  "
               f"{'yes' if r['identical'] else 'no'}")
     done = [r for r in rows.values() if not isinstance(r, str)]
+    if any(r["failures"] < 10 for r in done):
+        print("warning: fewer than 10 failures landed in an arm: its goodput says little (raise --steps or lower --mtbf)")
     if "verlj" in rows and "trl" in rows and len(done) == 2:
         print(f"goodput verlj / TRL: {(rows['verlj']['w0'] / rows['verlj']['wall']) / (rows['trl']['w0'] / rows['trl']['wall']):.2f}")
     return 0
