@@ -433,12 +433,11 @@ def start_child(replayed, parent: Path, new_run: Path, cfg: Config, counterfactu
     on rank 0, its journal, claimed and continuing `parent`'s hash chain after the replayed step (a
     what-if's identity says it is `counterfactual`). Returns (the run, its base fingerprint: the
     parent's state under `cfg`, which the caller snapshots as the run's base)."""
-    from ..state.fingerprint import fingerprint
     from .checkpointer import make_run
 
     rt, trainer, step = replayed.run.rt, replayed.run.trainer, replayed.step
     # the base snapshot holds the state under the new config (an optimizer's lr is part of its state)
-    base_fp, _ = fingerprint(trainer.engines(), rt, cfg.trainer.state_digest)
+    base_fp, _ = trainer.fingerprint()
     ledger, notes = None, []
     if rt.is_main:
         new_run.mkdir(parents=True, exist_ok=True)
