@@ -793,3 +793,14 @@ def diff_configs(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             keys.append(dotted)
     return keys
+
+
+def read_stored(data: dict | None) -> Config | None:
+    """The typed config of a config a run stored (post-mortem readers), or None when this verlj cannot
+    read it (a key it does not know)."""
+    if not data:
+        return None
+    try:
+        return config_from_dict(stored_config(data))
+    except ConfigError:
+        return None

@@ -24,14 +24,14 @@ import numpy as np
 
 
 def events(step: int, rng) -> list:
-    from verlj.engine.rl.samples import pack
+    from verlj.engine.rl.samples import Sample, pack
     from verlj.journal import make_event
 
-    samples = [{
-        "id": step * 16 + i, "index": i, "group": step * 16 + i - i % 4, "score": float(rng.random()), "rule_reward": 0.0,
-        "rm_score": 0.0, "prompt_ids": rng.integers(4, 19, 6), "response_ids": rng.integers(4, 19, 32),
-        "gen_logprobs": rng.standard_normal(32).astype(np.float32),
-        "ref_logprobs": rng.standard_normal(32).astype(np.float32)} for i in range(16)]
+    samples = [Sample(
+        id=step * 16 + i, index=i, group=step * 16 + i - i % 4, score=float(rng.random()), rule_reward=0.0,
+        rm_score=0.0, policy_version=step - 1, prompt_ids=rng.integers(4, 19, 6), response_ids=rng.integers(4, 19, 32),
+        gen_logprobs=rng.standard_normal(32).astype(np.float32),
+        ref_logprobs=rng.standard_normal(32).astype(np.float32)) for i in range(16)]
     cols = pack(samples)
     metrics = {f"actor/m{i}": float(rng.standard_normal()) for i in range(38)}
     metrics["critic/score/mean"] = float(rng.random())

@@ -18,12 +18,14 @@ its own policy; `verlj train -o NEW --resume` continues the what-if from RUN's j
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from verlj.journal import StepRecord, open_journal_reader
 
 from ..config import Config, check_whatif, check_whatif_keys, make_config
 from ..errors import RunError
+from ..schema.sample import Sample
 from .context import Run
 from .ledger import Ledger, check_local_dir, journal_dir
 
@@ -81,23 +83,23 @@ class WhatifSource:
         got, theirs = self.run.rt.from_rank0(read, f"reading step {step} of {self.parent}")
         inputs = StepInputs.from_record(StepRecord.from_dict(got))
         mine, _ = trainer.fingerprint()
-        inputs.whatif = {"correction": mine != theirs}
+        inputs.rollout = dataclasses.replace(inputs.rollout, whatif=True, whatif_correction=mine != theirs)
         added = sample_codec.unpack(inputs.added)
         trainer.rescore(added)
         inputs.added = sample_codec.pack(added)
-        if trainer.cfg.algorithm.dynamic_sampling and not inputs.mode:
+        if trainer.cfg.algorithm.dynamic_sampling and not inputs.rollout.is_async:
             self._filter(inputs, added)
         trainer.advance_sampler(inputs)
         return inputs
 
-    def _filter(self, inputs, added: list[dict]) -> None:
+    def _filter(self, inputs, added: list[Sample]) -> None:
         """Dynamic sampling on the scores given again: the consumed groups whose scores do not vary are
         dropped, and groups trimmed from the end so every data-parallel rank gets as many samples."""
-        known = {**self.run.trainer.buffer.samples, **{s["id"]: s for s in added}}
+        known = {**self.run.trainer.buffer.samples, **{s.id: s for s in added}}
         groups: dict[int, list[int]] = {}
         for i in inputs.consumed.tolist():
-            groups.setdefault(known[i]["group"], []).append(i)
-        keep = [ids for ids in groups.values() if len({known[i]["score"] for i in ids}) > 1]
+            groups.setdefault(known[i].group, []).append(i)
+        keep = [ids for ids in groups.values() if len({known[i].score for i in ids}) > 1]
         while keep and sum(map(len, keep)) % self.run.rt.dp_size:
             keep.pop()
         kept = [i for ids in keep for i in ids]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..state.stateful import check_version
-from .samples import pack, unpack
+from .samples import Sample, pack, unpack
 
 
 class RolloutBuffer:
@@ -16,7 +16,7 @@ class RolloutBuffer:
     VERSION = 3  # 2: plans; 3: requests
 
     def __init__(self):
-        self.samples: dict[int, dict] = {}
+        self.samples: dict[int, Sample] = {}
         self.next_id = 0
         self.plans: dict[int, np.ndarray] = {}  # step -> the sample ids it will consume (async rollout)
         self.requests: dict[int, int] = {}  # completion order: group (its first sample id) -> dataset row, in order asked
@@ -31,18 +31,18 @@ class RolloutBuffer:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def add(self, samples: list[dict]) -> None:
+    def add(self, samples: list[Sample]) -> None:
         for s in samples:
-            assert s["id"] not in self.samples, f"sample {s['id']} added twice"
-            self.samples[s["id"]] = s
-            self.next_id = max(self.next_id, s["id"] + 1)
-            self.requests.pop(s["group"], None)
+            assert s.id not in self.samples, f"sample {s.id} added twice"
+            self.samples[s.id] = s
+            self.next_id = max(self.next_id, s.id + 1)
+            self.requests.pop(s.group, None)
 
     def drop(self, ids) -> None:
         for i in ids:
             del self.samples[int(i)]
 
-    def consume(self, ids) -> list[dict]:
+    def consume(self, ids) -> list[Sample]:
         return [self.samples.pop(int(i)) for i in ids]
 
     def groups(self) -> dict[int, list[int]]:
@@ -51,10 +51,10 @@ class RolloutBuffer:
         out: dict[int, list[int]] = {}
         for sid, s in self.samples.items():
             if sid not in planned:
-                out.setdefault(s["group"], []).append(sid)
+                out.setdefault(s.group, []).append(sid)
         return out
 
-    def admit(self, samples: list[dict], dropped, plans: dict[int, np.ndarray]) -> None:
+    def admit(self, samples: list[Sample], dropped, plans: dict[int, np.ndarray]) -> None:
         """A finished batch enters: its samples, less the dropped ids (its own zero-variance groups, and
         waiting groups too stale), with its plans. Live steps and replay both come through here."""
         self.add(samples)
@@ -78,7 +78,7 @@ class RolloutBuffer:
 
     def load_state_dict(self, state: dict) -> None:
         state = check_version("rollout buffer", state, self.VERSION, oldest=1)
-        self.samples = {s["id"]: s for s in unpack(state["samples"])}
+        self.samples = {s.id: s for s in unpack(state["samples"])}
         self.next_id = int(state["next_id"])
         self.plans = {int(s): np.asarray(ids, dtype=np.int64) for s, ids in zip(state.get("plan_steps", []), state.get("plans", []))}
         self.requests = {int(g): int(r) for g, r in zip(state.get("request_groups", []), state.get("request_rows", []))}

@@ -228,6 +228,11 @@ class Sampler:
     def state_dict(self) -> dict:
         return {"version": self.VERSION, "size": self.size, "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor}
 
+    def move_to(self, epoch: int, cursor: int) -> None:
+        """Replay: stand where the journal says a step left the sampler."""
+        self.epoch, self.cursor = int(epoch), int(cursor)
+        self._perm = self._permutation(self.epoch)
+
     def load_state_dict(self, state: dict) -> None:
         state = check_version("sampler", state, self.VERSION)
         if state["size"] != self.size or state["seed"] != self.seed:

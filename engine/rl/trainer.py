@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from verlj.journal import StepRecord, make_event
+from verlj.journal import StepRecord
 from verlj.journal.failpoints import failpoint
 
 from ..config import Config, ConfigError
 from ..dist import Runtime
 from ..errors import ModelError, ReplayError, RunError
+from ..schema import events as ev
 from ..state.fingerprint import fingerprint as state_fingerprint
 from ..state.fingerprint import state_leaves
 from ..state.seeding import derive_seed, rng_digest, seed_globals
@@ -40,6 +41,7 @@ from .models import BUILTIN_TINY, ValueModel, load_causal_lm, load_reward_model,
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
 from .rollout import RolloutEngine, make_engine
 from .sampler import sample_seeded, sampling_params
+from .samples import Columns, Sample
 from .tasks import TaskScorer
 from .workers import ActorWorker, CriticWorker, collate, shard_batch
 
@@ -53,66 +55,51 @@ class StepInputs:
     s+k (the first step: of steps 1..k+1), with `plans` saying which samples that step will train on."""
 
     seeds: dict[str, int]
-    epoch: int
-    cursor: int
-    indices: np.ndarray  # dataset rows drawn this step (all rounds)
-    rounds: int
-    added: dict  # the samples generated this step, columnar (rl.samples.pack)
+    data: ev.Data  # the dataset rows drawn this step (all rounds) and the sampler's place after them
+    added: dict  # the samples generated this step, columnar (schema.sample.pack)
     dropped: np.ndarray  # ids dropped (zero-variance groups)
     consumed: np.ndarray  # ids the update trains on, in order
+    rollout: ev.Rollout  # the engine that generated, the rollout mode, a what-if's correction
     timings: dict[str, float] = field(default_factory=dict)  # collect's own metrics (timings, sampling)
-    engine: dict = field(default_factory=dict)  # the rollout engine that generated: {"name", "version"}
     plans: dict[int, np.ndarray] = field(default_factory=dict)  # async: step -> the ids it will train on
     stale: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # async: ids dropped as too stale for any later step
-    mode: dict = field(default_factory=dict)  # async: {"mode": "async", "max_staleness": k[, "async_order": "completion"]}; sync: {}
-    requests: dict = field(default_factory=dict)  # completion order: {"groups", "rows", "regenerated"} (np.int64[] each)
+    requests: ev.Requests | None = None  # completion order: the groups and rows asked, and those asked again
     admitted: bool = False  # live: collect has put the batches into the buffer already (not journaled)
-    whatif: dict = field(default_factory=dict)  # a what-if's step (loop.whatif): {"correction": the update applies the off-policy correction}
 
     def events(self) -> list[dict]:
         out = [
-            make_event("data", epoch=self.epoch, cursor=self.cursor, indices=self.indices, rounds=self.rounds),
-            make_event("rollout", engine=self.engine["name"], version=self.engine["version"], **self.mode,
-                       **({"whatif": True, "whatif_correction": bool(self.whatif["correction"])} if self.whatif else {})),
-            make_event("rng", seeds=self.seeds, digests=rng_digest()),
-            make_event("buffer.add", ids=self.added["id"], samples=self.added),
-            make_event("buffer.drop", ids=self.dropped, reason="zero_variance"),
-            make_event("buffer.consume", ids=self.consumed),
+            self.data.to_event(),
+            self.rollout.to_event(),
+            ev.Rng(self.seeds, rng_digest()).to_event(),
+            ev.Added(Columns(self.added).ids, self.added).to_event(),
+            ev.Dropped(self.dropped, ev.DropReason.ZERO_VARIANCE).to_event(),
+            ev.Consumed(self.consumed).to_event(),
         ]
-        if self.mode:
-            out.append(make_event("buffer.drop", ids=self.stale, reason="stale"))
-            if self.mode.get("async_order") == "completion":
-                out.append(make_event("buffer.request", **self.requests))
-                return out
-            steps = sorted(self.plans)
-            out.append(make_event("buffer.plan", steps=np.asarray(steps, np.int64),
-                                  counts=np.asarray([len(self.plans[j]) for j in steps], np.int64),
-                                  ids=np.concatenate([self.plans[j] for j in steps]) if steps else np.zeros(0, np.int64)))
+        if self.rollout.is_async:
+            out.append(ev.Dropped(self.stale, ev.DropReason.STALE).to_event())
+            if self.rollout.completion_order:
+                out.append((self.requests or ev.Requests()).to_event())
+            else:
+                out.append(ev.Plan.of(self.plans).to_event())
         return out
 
     @classmethod
     def from_record(cls, record: StepRecord) -> StepInputs:
         """A journaled step's inputs, as `apply` takes them (replay)."""
-        data, rollout, plan, asked = record.first("data"), record.first("rollout"), record.first("buffer.plan"), record.first("buffer.request")
-        plans = {}
-        if plan is not None:
-            ends = np.cumsum(plan["counts"])
-            plans = {int(j): np.asarray(plan["ids"][e - c : e], np.int64) for j, c, e in zip(plan["steps"], plan["counts"], ends)}
+        step = ev.StepEvents.of(record)
+        data, rng, added, consumed = step.require_inputs()
+        if added.samples is None:
+            raise ReplayError(f"step {record.step}'s samples were pruned from the journal (journal.retain_samples); it cannot be replayed")
         return cls(
-            seeds=dict(record.first("rng")["seeds"]),
-            epoch=int(data["epoch"]),
-            cursor=int(data["cursor"]),
-            indices=data["indices"],
-            rounds=int(data["rounds"]),
-            added=record.first("buffer.add")["samples"],
-            dropped=_drops(record, "zero_variance"),
-            stale=_drops(record, "stale"),
-            consumed=record.first("buffer.consume")["ids"],
-            engine={"name": rollout["engine"], "version": rollout["version"]} if rollout is not None else {},
-            plans=plans,
-            mode={k: rollout[k] for k in ("mode", "max_staleness", "async_order") if k in rollout} if rollout is not None else {},
-            requests={k: np.asarray(asked[k], np.int64) for k in ("groups", "rows", "regenerated")} if asked is not None else {},
-            whatif={"correction": bool(rollout.get("whatif_correction"))} if rollout is not None and rollout.get("whatif") else {},
+            seeds=dict(rng.seeds),
+            data=data,
+            added=added.samples,
+            dropped=step.dropped(ev.DropReason.ZERO_VARIANCE),
+            stale=step.dropped(ev.DropReason.STALE),
+            consumed=consumed.ids,
+            rollout=step.rollout or ev.Rollout("hf", None),
+            plans=step.plan.plans() if step.plan is not None else {},
+            requests=step.requests,
         )
 
 
@@ -158,8 +145,7 @@ class StepOutcome:
     kept: dict | None = None  # with Trainer.keep_stages: {stage: [(name, host array)]}, this rank's (never journaled)
 
     def events(self) -> list[dict]:
-        return [make_event("metrics", values=self.metrics), make_event("state", fingerprint=self.fingerprint, parts=self.parts),
-                make_event("stages", **self.stages)]
+        return [ev.Metrics(self.metrics).to_event(), ev.State(self.fingerprint, self.parts).to_event(), ev.Stages(**self.stages).to_event()]
 
 
 class StepBook:
@@ -285,7 +271,7 @@ class Trainer:
     def _encode_prompt(self, i: int, ex: Example, what: str = "prompt") -> np.ndarray:
         """A prompt's token ids: <bos> and its text (a chat template that writes its own <bos> keeps just that one)."""
         tok = self.tokenizer
-        ids = tok(ex.prompt, add_special_tokens=False)["input_ids"]
+        ids = tok(ex.prompt, add_special_tokens=False).input_ids
         own_bos = ex.messages is not None and tok.bos_token and ex.prompt.startswith(tok.bos_token)
         if tok.bos_token_id is not None and not own_bos:
             ids = [tok.bos_token_id] + ids
@@ -307,10 +293,7 @@ class Trainer:
 
     def param_layout(self) -> dict[str, dict[str, tuple]]:
         """{engine: {parameter: whole shape}} of what each engine trains (state.reshard)."""
-        out = {"actor": self.actor.full_shapes}
-        if self.critic is not None:
-            out["critic"] = self.critic.full_shapes
-        return out
+        return {"actor": self.actor.full_shapes, **({"critic": self.critic.full_shapes} if self.critic is not None else {})}
 
     def weights_changed(self) -> None:
         """The actor's weights changed (an update, a snapshot load): the rollout engine must catch up."""
@@ -318,10 +301,7 @@ class Trainer:
             self.rollout.weights_changed()
 
     def engines(self) -> dict:
-        out = {"actor": self.actor.engine}
-        if self.critic is not None:
-            out["critic"] = self.critic.engine
-        return out
+        return {"actor": self.actor.engine, **({"critic": self.critic.engine} if self.critic is not None else {})}
 
     def fingerprint(self) -> tuple[str, dict[str, str]]:
         """The fingerprint of the trained state now (every engine's, of trainer.state_digest's kind)
@@ -380,7 +360,7 @@ class Trainer:
         if self.cfg.rollout.free_running:
             t = time.perf_counter()
             self.rollout.sync(self.cfg, step)  # before the commit: a group in flight at a crash began from a committed version
-            self._timings["timing_s/weight_sync"] += time.perf_counter() - t
+            _add_time(self._timings, "timing_s/weight_sync", time.perf_counter() - t)
             self._receive(0.0)
             return self._inputs()
         if self._inflight is None:
@@ -395,23 +375,21 @@ class Trainer:
         made, cfg = self._made, self.cfg
         added = [s for p in made for s in p.added]
         drawn = [i for p in made for i in p.drawn]
-        self._timings["sampling/rounds"] = float(sum(p.rounds for p in made))
-        self._timings["sampling/dropped_groups"] = float(sum(len(p.dropped) for p in made) // cfg.rollout.n)
+        self._timings.update({"sampling/rounds": float(sum(p.rounds for p in made)),
+                              "sampling/dropped_groups": float(sum(len(p.dropped) for p in made) // cfg.rollout.n)})
         async_mode = cfg.rollout.mode == "async"
+        mode = ev.RolloutMode.ASYNC if async_mode else ev.RolloutMode.SYNC
         return StepInputs(
             seeds=self._seeds,
-            epoch=self.sampler.epoch,
-            cursor=self.sampler.cursor,
-            indices=np.concatenate(drawn) if drawn else np.zeros(0, np.int64),
-            rounds=sum(p.rounds for p in made),
+            data=ev.Data(self.sampler.epoch, self.sampler.cursor, np.concatenate(drawn) if drawn else np.zeros(0, np.int64),
+                         sum(p.rounds for p in made)),
             added=sample_codec.pack(added),
             dropped=np.asarray([i for p in made for i in p.dropped], dtype=np.int64),
             consumed=self._consumed,
             timings=self._timings,
-            engine={"name": self.rollout.name, "version": self.rollout.version},
+            rollout=ev.Rollout(self.rollout.name, self.rollout.version, mode, cfg.rollout.staleness if async_mode else None),
             plans={p.step: p.plan for p in made} if async_mode else {},
             stale=np.asarray([i for p in made for i in p.stale], dtype=np.int64),
-            mode={"mode": "async", "max_staleness": cfg.rollout.staleness} if async_mode else {},
             admitted=True,
         )
 
@@ -423,7 +401,7 @@ class Trainer:
         waiting = self.buffer.groups()
         stale = []
         if self.cfg.rollout.staleness:  # async: a step trains on no sample more than k versions behind it
-            stale = [ids for ids in waiting.values() if self.buffer.samples[ids[0]]["policy_version"] < want]
+            stale = [ids for ids in waiting.values() if self.buffer.samples[ids[0]].policy_version < want]
         prod = Production(step=step, version=version, pending_groups=len(waiting) - len(stale), next_id=self.buffer.next_id,
                           stale=[i for ids in stale for i in ids])
         self._submit_round(prod)
@@ -455,18 +433,18 @@ class Trainer:
             t1 = time.perf_counter()
             local = self._score(prod.mine, group_size, prod.prompts, responses, logps)
             for s in local:
-                s["policy_version"] = prod.version
+                s.policy_version = prod.version
             prod.gen_s += t1 - t0
-            timings["timing_s/reward"] += time.perf_counter() - t1
+            _add_time(timings, "timing_s/reward", time.perf_counter() - t1)
             t2 = time.perf_counter()
             self._reference_logprobs(local)
-            timings["timing_s/ref"] = timings.get("timing_s/ref", 0.0) + time.perf_counter() - t2
+            _add_time(timings, "timing_s/ref", time.perf_counter() - t2)
             # every rank gets every sample; TP peers generated the same ones, keep one copy per DP rank
             gathered = rt.all_gather_obj(sample_codec.pack(local))
             new = [s for r, cols in enumerate(gathered) if r % rt.tp_size == 0 for s in sample_codec.unpack(cols)]
             for q, s in enumerate(new):
-                s["id"] = prod.next_id + q
-                s["group"] = prod.next_id + (q // group_size) * group_size  # a group is named by its first sample's id
+                s.id = prod.next_id + q
+                s.group = prod.next_id + (q // group_size) * group_size  # a group is named by its first sample's id
             prod.next_id += len(new)
             prod.added += new
             prod.rounds += 1
@@ -478,7 +456,7 @@ class Trainer:
             if prod.pending_groups >= prompts_per_step or prod.rounds >= cfg.algorithm.max_sampling_rounds:
                 break
             self._submit_round(prod)
-        timings["timing_s/gen"] += prod.gen_s  # async: only the wait the update did not cover
+        _add_time(timings, "timing_s/gen", prod.gen_s)  # async: only the wait the update did not cover
         prod.plan = self._choose_consumed(prod.added, set(prod.dropped) | set(prod.stale))
         return prod
 
@@ -501,60 +479,55 @@ class Trainer:
             rm = reward_model_scores(self.rm[0], self.rm[1], [p + r for p, r in zip(texts_p, texts_r)], self.rt.device)
         return rule, rm
 
-    def rescore(self, samples: list[dict], model: bool = False) -> None:
+    def rescore(self, samples: list[Sample], model: bool = False) -> None:
         """`verlj rerun`, what-ifs: score journaled samples again, in place, with the reward function the
         config names now (and the reward model with `model`; else its journaled scores are kept), as
         collect scored them: score = rule_reward + weight * rm_score. Reads, generates nothing."""
         if not samples:
             return
-        rule, rm = self._rewards([int(s["index"]) for s in samples], [s["prompt_ids"] for s in samples],
-                                 [s["response_ids"] for s in samples], model)
+        rule, rm = self._rewards([int(s.index) for s in samples], [s.prompt_ids for s in samples],
+                                 [s.response_ids for s in samples], model)
         w = self.cfg.model.reward_model.weight
         for k, s in enumerate(samples):
-            s["rule_reward"] = rule[k]
+            s.rule_reward = rule[k]
             if rm is not None:
-                s["rm_score"] = rm[k]
-            s["score"] = s["rule_reward"] + w * s["rm_score"]
+                s.rm_score = rm[k]
+            s.score = s.rule_reward + w * s.rm_score
 
-    def _score(self, mine, group_size, prompts, responses, logps) -> list[dict]:
+    def _score(self, mine, group_size, prompts, responses, logps) -> list[Sample]:
         rows = [int(i) for i in mine for _ in range(group_size)]
         rule, rm = self._rewards(rows, prompts, responses)
         rm = rm or [0.0] * len(rule)
         w = self.cfg.model.reward_model.weight
-        return [
-            {
-                "id": 0, "group": 0, "index": rows[k], "prompt_ids": prompts[k], "response_ids": responses[k],
-                "gen_logprobs": logps[k], "rule_reward": rule[k], "rm_score": rm[k], "score": rule[k] + w * rm[k],
-            }
-            for k in range(len(prompts))
-        ]
+        return [Sample(index=rows[k], prompt_ids=prompts[k], response_ids=responses[k], gen_logprobs=logps[k], id=0, group=0,
+                       score=rule[k] + w * rm[k], rule_reward=rule[k], rm_score=rm[k]) for k in range(len(prompts))]
 
     def needs_reference(self) -> bool:
         cfg = self.cfg
         return (cfg.algorithm.name == "grpo" and cfg.model.actor.use_kl_loss) or cfg.algorithm.kl_coef > 0
 
-    def _reference_logprobs(self, samples: list[dict]) -> None:
+    def _reference_logprobs(self, samples: list[Sample]) -> None:
         """The frozen reference's log-probs of each response, computed once at collect time and
         journaled with the sample: they depend on nothing the update changes, so replay reads them."""
         if not samples:
             return
         if not self.needs_reference():
             for s in samples:
-                s["ref_logprobs"] = np.zeros(0, dtype=np.float32)
+                s.ref_logprobs = np.zeros(0, dtype=np.float32)
             return
         batch = collate(samples, self.tokenizer.pad_token_id, self.rt.device)
         ref = self.actor.logprobs(batch, model=self.actor.ref).float().cpu().numpy()
         for i, s in enumerate(samples):
-            s["ref_logprobs"] = ref[i, : len(s["response_ids"])].astype(np.float32)
+            s.ref_logprobs = ref[i, : len(s.response_ids)].astype(np.float32)
 
-    def _choose_consumed(self, added: list[dict], dropped: set[int]) -> np.ndarray:
+    def _choose_consumed(self, added: list[Sample], dropped: set[int]) -> np.ndarray:
         """The first prompts_per_step valid groups in arrival order (carried-over ones first),
         trimmed so every data-parallel rank gets the same number of samples. `dropped`: ids that may not
         be chosen (zero-variance groups, and in async mode waiting groups too stale)."""
         order: dict[int, list[int]] = {g: ids for g, ids in self.buffer.groups().items() if ids[0] not in dropped}
         for s in added:
-            if s["id"] not in dropped:
-                order.setdefault(s["group"], []).append(s["id"])
+            if s.id not in dropped:
+                order.setdefault(s.group, []).append(s.id)
         groups = list(order.values())[: self.cfg.data.prompts_per_step]
         while groups and sum(map(len, groups)) % self.rt.dp_size:
             groups.pop()
@@ -580,7 +553,7 @@ class Trainer:
         wait = 0.0
         while True:
             self._receive(wait)
-            stale = [i for ids in self.buffer.groups().values() if self.buffer.samples[ids[0]]["policy_version"] < oldest for i in ids]
+            stale = [i for ids in self.buffer.groups().values() if self.buffer.samples[ids[0]].policy_version < oldest for i in ids]
             self.buffer.drop(stale)
             flow.stale += stale
             waiting = len(self.buffer.groups())
@@ -592,7 +565,7 @@ class Trainer:
                 break  # dynamic sampling drew its rounds: the step trains on what it has
             wait = ARRIVAL_POLL_S if self.rt.world_size == 1 else ARRIVAL_POLL_S / 10  # ranks gather as often
         consumed = self._choose_consumed([], set())
-        ahead = len(self.buffer.groups()) - len({int(self.buffer.samples[int(i)]["group"]) for i in consumed})
+        ahead = len(self.buffer.groups()) - len({int(self.buffer.samples[int(i)].group) for i in consumed})
         while ahead + len(self.buffer.requests) + P <= cfg.rollout.staleness * P:  # k rounds ahead
             self._ask_round(step)
         return consumed
@@ -621,7 +594,7 @@ class Trainer:
         cfg, n = self.cfg, self.cfg.rollout.n
         t = time.perf_counter()
         arrived = [a for got in self.rt.all_gather_obj(self.rollout.arrived(wait)) for a in got]
-        self._timings["timing_s/gen"] += time.perf_counter() - t  # the wait the update did not cover
+        _add_time(self._timings, "timing_s/gen", time.perf_counter() - t)  # the wait the update did not cover
         if not arrived:
             return
         t = time.perf_counter()
@@ -630,12 +603,12 @@ class Trainer:
             g, row = int(g), self.buffer.requests[int(g)]
             got = self._score([row], n, [self.prompt_ids[row]] * n, list(responses), list(logps))
             for j, smp in enumerate(got):
-                smp.update(id=g + j, group=g, policy_version=int(version))
+                smp.id, smp.group, smp.policy_version = g + j, g, int(version)
             new += got
-        self._timings["timing_s/reward"] += time.perf_counter() - t
+        _add_time(self._timings, "timing_s/reward", time.perf_counter() - t)
         t = time.perf_counter()
         self._reference_logprobs(new)
-        self._timings["timing_s/ref"] = self._timings.get("timing_s/ref", 0.0) + time.perf_counter() - t
+        _add_time(self._timings, "timing_s/ref", time.perf_counter() - t)
         dropped = _zero_variance(new, n) if cfg.algorithm.dynamic_sampling else []
         self.buffer.admit(new, dropped, {})
         self._flow.added += new
@@ -644,42 +617,37 @@ class Trainer:
 
     def _flow_inputs(self) -> StepInputs:
         flow, cfg = self._flow, self.cfg
-        self._timings["sampling/rounds"] = float(flow.rounds)
-        self._timings["sampling/dropped_groups"] = float(len(flow.dropped) // cfg.rollout.n)
-        self._timings["rollout/regenerated_groups"] = float(len(flow.regenerated))
+        self._timings.update({"sampling/rounds": float(flow.rounds), "sampling/dropped_groups": float(len(flow.dropped) // cfg.rollout.n),
+                              "rollout/regenerated_groups": float(len(flow.regenerated))})
         ids = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
         return StepInputs(
             seeds=self._seeds,
-            epoch=self.sampler.epoch,
-            cursor=self.sampler.cursor,
-            indices=ids([r for _, r in flow.asked]),
-            rounds=flow.rounds,
+            data=ev.Data(self.sampler.epoch, self.sampler.cursor, ids([r for _, r in flow.asked]), flow.rounds),
             added=sample_codec.pack(flow.added),
             dropped=ids(flow.dropped),
             consumed=self._consumed,
             timings=self._timings,
-            engine={"name": self.rollout.name, "version": self.rollout.version},
+            rollout=ev.Rollout(self.rollout.name, self.rollout.version, ev.RolloutMode.ASYNC, cfg.rollout.staleness, ev.AsyncOrder.COMPLETION),
             stale=ids(flow.stale),
-            mode={"mode": "async", "max_staleness": cfg.rollout.staleness, "async_order": "completion"},
-            requests={"groups": ids([g for g, _ in flow.asked]), "rows": ids([r for _, r in flow.asked]), "regenerated": ids(flow.regenerated)},
+            requests=ev.Requests(ids([g for g, _ in flow.asked]), ids([r for _, r in flow.asked]), ids(flow.regenerated)),
             admitted=True,
         )
 
     # ================================================================== buffer: shared by live and replay
 
-    def take(self, step: int, inputs: StepInputs) -> list[dict]:
+    def take(self, step: int, inputs: StepInputs) -> list[Sample]:
         """Apply the step's buffer changes (add, drop, plan: unless a live collect did; then consume)
         and return the consumed samples."""
         if not inputs.admitted:  # replay: the journaled batches enter the buffer as they did live
-            if inputs.requests:
-                self.buffer.request(inputs.requests["groups"], inputs.requests["rows"], self.cfg.rollout.n)
+            if inputs.requests is not None:
+                self.buffer.request(inputs.requests.groups, inputs.requests.rows, self.cfg.rollout.n)
             self.buffer.admit(sample_codec.unpack(inputs.added), np.concatenate([inputs.dropped, inputs.stale]), inputs.plans)
         planned = self.buffer.plans.pop(step, None)
         if planned is not None:
             if not np.array_equal(planned, inputs.consumed):
                 raise ReplayError(f"step {step} consumes other samples than the plan made when its batch was generated")
             failpoint("async.consume")
-        elif inputs.requests:
+        elif inputs.requests is not None:
             failpoint("async.consume")
         samples = self.buffer.consume(inputs.consumed)
         self.train_state.step = step
@@ -688,24 +656,24 @@ class Trainer:
 
     # ================================================================== apply: deterministic
 
-    def apply(self, step: int, inputs: StepInputs, samples: list[dict]) -> StepOutcome:
+    def apply(self, step: int, inputs: StepInputs, samples: list[Sample]) -> StepOutcome:
         """The deterministic half of a step: from the consumed samples (`take`), the old and reference
         log-probs, advantages (and values and returns for PPO), the DeepSpeed updates of the actor (and
         critic), the metrics and the fingerprint of the state after. The same code serves live
         training and replay, which feeds it journaled inputs: the same inputs give the same bits.
         Collective."""
-        seed_globals(inputs.seeds["train"])  # nothing should draw from them, but if it does it is seeded
+        seed_globals(inputs.seeds[ev.Stream.TRAIN])  # nothing should draw from them, but if it does it is seeded
         book = StepBook(self.keep_stages)
-        scores = torch.tensor([s["score"] for s in samples], dtype=torch.float32)
+        scores = torch.tensor([s.score for s in samples], dtype=torch.float32)
         book.metrics.update(_sample_metrics(samples, scores))
         self._record_inputs(book, inputs, samples, scores)
         if samples:
             self._update(step, inputs, samples, scores, book)
         else:  # dynamic sampling found no group with varying rewards: no update this step
-            book.metrics["actor/skipped_update"] = 1.0
+            book.metrics.update({"actor/skipped_update": 1.0})
         return self._outcome(book)
 
-    def _update(self, step: int, inputs: StepInputs, samples: list[dict], scores: torch.Tensor, book: StepBook) -> None:
+    def _update(self, step: int, inputs: StepInputs, samples: list[Sample], scores: torch.Tensor, book: StepBook) -> None:
         """The step's update, top to bottom: this rank's share of the samples, the log-probs of the
         policy the step starts from (and the reference's), the advantages, the critic's update (PPO),
         the actor's; then the metrics averaged over the ranks. Collective."""
@@ -730,14 +698,14 @@ class Trainer:
                 book.metrics.update(self.critic.update(batch, values, returns, minis, cfg.model.actor.ppo_epochs))
         async_mode = cfg.rollout.mode == "async"
         # async rollout, and a what-if whose policy is no longer the one that generated: the off-policy correction
-        correct = async_mode or bool(inputs.whatif.get("correction"))
+        correct = async_mode or inputs.rollout.whatif_correction
         with book.timed("timing_s/update_actor"):
             actor_metrics, before = self.actor.update(batch, advantages, old_lp, ref_lp, minis, gen_lp if correct else None,
                                                       cfg.algorithm.rollout_is_threshold)
             self._record_update(book, mask, before, ref_lp, values, returns, advantages)
             if async_mode:
                 book.metrics.update(self._off_policy_metrics(step, samples, before, gen_lp, mask, all_sum))
-            if inputs.whatif:
+            if inputs.rollout.whatif:
                 book.metrics.update(self._drift_metrics(before, gen_lp, mask, all_sum, correct))
             book.metrics.update(actor_metrics)
         book.metrics.update(self._logprob_gap(step, inputs, mine, gen_lp, before, mask, all_sum))
@@ -747,54 +715,54 @@ class Trainer:
             self.actor.flip_a_weight_bit(act)
         self.weights_changed()
 
-    def _ref_logprobs(self, mine: list[dict], width: int) -> torch.Tensor:
+    def _ref_logprobs(self, mine: list[Sample], width: int) -> torch.Tensor:
         """The frozen reference's log-probs of this rank's rows ([B, R]), as journaled with the samples."""
         # samples from before a config change that turned the KL on have none journaled
-        self._reference_logprobs([s for s in mine if len(s["ref_logprobs"]) != len(s["response_ids"])])
+        self._reference_logprobs([s for s in mine if len(s.ref_logprobs) != len(s.response_ids)])
         return _padded(mine, "ref_logprobs", width, self.rt.device)
 
-    def _advantages(self, samples: list[dict], rows: list[int], batch, scores: torch.Tensor, old_lp, ref_lp, all_sum,
+    def _advantages(self, samples: list[Sample], rows: list[int], batch, scores: torch.Tensor, old_lp, ref_lp, all_sum,
                     book: StepBook) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """This rank's advantages ([B, R]), by the algorithm's rule (rl.algorithms); PPO's also the
         critic's values before the update and the returns (GRPO: None, None)."""
         cfg, mask = self.cfg, batch.resp_mask
         values = returns = None
         if cfg.algorithm.name == "grpo":
-            groups = torch.tensor([s["group"] for s in samples], dtype=torch.long)
+            groups = torch.tensor([s.group for s in samples], dtype=torch.long)
             advantages = algorithms.grpo_token_advantages(scores, groups, rows, mask, cfg.algorithm.norm_adv_by_std)
         else:
             with book.timed("timing_s/values"):
                 values = self.critic.values(batch)
             advantages, returns = algorithms.ppo_advantages(scores[rows].to(self.rt.device), values, mask, old_lp, ref_lp,
                                                             cfg.algorithm.kl_coef, cfg.algorithm.gamma, cfg.algorithm.lam, all_sum)
-            book.metrics["critic/values/mean"] = algorithms.global_masked_mean(values, mask, all_sum).item()
-            book.metrics["critic/returns/mean"] = algorithms.global_masked_mean(returns, mask, all_sum).item()
-        book.metrics["critic/advantages/mean"] = algorithms.global_masked_mean(advantages, mask, all_sum).item()
+            book.metrics.update({"critic/values/mean": algorithms.global_masked_mean(values, mask, all_sum).item(),
+                                 "critic/returns/mean": algorithms.global_masked_mean(returns, mask, all_sum).item()})
+        book.metrics.update({"critic/advantages/mean": algorithms.global_masked_mean(advantages, mask, all_sum).item()})
         return advantages, values, returns
 
-    def _logprob_gap(self, step: int, inputs: StepInputs, mine: list[dict], gen_lp, before, mask, all_sum) -> dict[str, float]:
+    def _logprob_gap(self, step: int, inputs: StepInputs, mine: list[Sample], gen_lp, before, mask, all_sum) -> dict[str, float]:
         """The engine against the trainer, on the samples generated by the policy the step starts from
         (sync: this step's; carried-over groups and async's stale samples came from an older policy):
         0 when there are none (algorithms.logprob_gap)."""
         rt = self.rt
         if self.cfg.rollout.mode == "async":
-            now_rows = [float(s["policy_version"] == step - 1) for s in mine]
+            now_rows = [float(s.policy_version == step - 1) for s in mine]
         else:
-            fresh = set(np.asarray(inputs.added["id"]).tolist())
-            now_rows = [float(s["id"] in fresh) for s in mine]
+            fresh = set(Columns(inputs.added).ids.tolist())
+            now_rows = [float(s.id in fresh) for s in mine]
         now = torch.tensor(now_rows, device=rt.device)[:, None] * mask
         return algorithms.logprob_gap(gen_lp, before, now, all_sum, rt.max_over if rt.dp_size > 1 else None)
 
     # ------------------------------------------------------------------ apply's bookkeeping: stages, fingerprint
 
-    def _record_inputs(self, book: StepBook, inputs: StepInputs, samples: list[dict], scores: torch.Tensor) -> None:
+    def _record_inputs(self, book: StepBook, inputs: StepInputs, samples: list[Sample], scores: torch.Tensor) -> None:
         """The stages the update starts from: the ids it trains on, their dataset rows and tokens, the scores."""
         with book.staging() as rec:
             for worker in (self.critic, self.actor):
                 if worker is not None:
                     worker.kept_grads = [] if self.keep_stages else None
             # what the update trains on: the ids consumed and their dataset rows (async: drawn steps before)
-            rec.host("data", np.asarray(inputs.consumed, np.int64), np.asarray([s["index"] for s in samples], np.int64))
+            rec.host("data", np.asarray(inputs.consumed, np.int64), np.asarray([s.index for s in samples], np.int64))
             rec.host("samples", *_id_arrays(samples))
             rec.tensor("scores", scores)
 
@@ -834,17 +802,17 @@ class Trainer:
                         book.rec.keep("state", f"{role}/{path}", leaf)
         with book.staging() as rec:
             stages = combine(self.rt.all_gather_obj(rec.local()), parts)
-        book.timings["timing_s/stages"] = book.stage_s
+        book.timings.update({"timing_s/stages": book.stage_s})
         return StepOutcome({**book.metrics, **book.timings}, fp, parts, stages, book.rec.kept)
 
-    def _off_policy_metrics(self, step: int, samples: list[dict], old_lp, gen_lp, mask, all_sum) -> dict[str, float]:
+    def _off_policy_metrics(self, step: int, samples: list[Sample], old_lp, gen_lp, mask, all_sum) -> dict[str, float]:
         """Async rollout: the truncated importance weights min(pi_old / pi_gen, threshold) the update
         used, where pi_old is the policy this step starts from (the clipped ratio's denominator) and
         pi_gen the generator's (journaled with the sample); and the staleness of the step's samples."""
         rt, threshold = self.rt, self.cfg.algorithm.rollout_is_threshold
         weights, raw = algorithms.truncated_is_weights(old_lp, gen_lp, mask, threshold)
         top = raw.max() if raw.numel() else torch.zeros((), device=raw.device)
-        staleness = np.array([step - 1 - s["policy_version"] for s in samples], dtype=np.float64)
+        staleness = np.array([step - 1 - s.policy_version for s in samples], dtype=np.float64)
         return {
             "rollout/is_weight/mean": algorithms.global_masked_mean(weights, mask, all_sum).item(),
             "rollout/is_weight/max": (rt.max_over(top) if rt.dp_size > 1 else top).item(),
@@ -909,9 +877,8 @@ class Trainer:
         if len(set(tasks)) > 1 or tasks[0]:
             for task in sorted(set(tasks)):
                 metrics[f"eval/score/{task}/mean"] = float(score[[t == task for t in tasks]].mean())
-        event = make_event("eval", rows=np.asarray(out_rows, np.int64), scores=score,
-                           response_ids=np.asarray([t for x in out_resp for t in x], np.int32),
-                           response_len=np.asarray([len(x) for x in out_resp], np.int64))
+        event = ev.Eval(rows=np.asarray(out_rows, np.int64), scores=score, response_ids=np.asarray([t for x in out_resp for t in x], np.int32),
+                        response_len=np.asarray([len(x) for x in out_resp], np.int64)).to_event()
         return metrics, event
 
     def buffer_metrics(self) -> dict[str, float]:
@@ -919,7 +886,7 @@ class Trainer:
         live steps read it after finish_collect, replay after apply."""
         out = {"buffer/pending": float(len(self.buffer))}
         if self.cfg.rollout.free_running:
-            out["buffer/requested_groups"] = float(len(self.buffer.requests))
+            out.update({"buffer/requested_groups": float(len(self.buffer.requests))})
         return out
 
     # ================================================================== Stateful parts
@@ -931,7 +898,7 @@ class Trainer:
 
     def advance_sampler(self, inputs: StepInputs) -> None:
         """Replay: the sampler ends where the journal says this step left it."""
-        self.sampler.load_state_dict({**self.sampler.state_dict(), "epoch": inputs.epoch, "cursor": inputs.cursor})
+        self.sampler.move_to(inputs.data.epoch, inputs.data.cursor)
 
 
 class TrainState:
@@ -955,43 +922,42 @@ class TrainState:
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
 
 
-def _zero_variance(samples: list[dict], group_size: int) -> list[int]:
+def _zero_variance(samples: list[Sample], group_size: int) -> list[int]:
     """Dynamic sampling: the ids of the groups (consecutive runs of group_size samples) whose rewards do not vary."""
     out = []
     for g in range(0, len(samples), group_size):
-        scores = [s["score"] for s in samples[g : g + group_size]]
+        scores = [s.score for s in samples[g : g + group_size]]
         if max(scores) == min(scores):
-            out += [s["id"] for s in samples[g : g + group_size]]
+            out += [s.id for s in samples[g : g + group_size]]
     return out
 
 
-def _drops(record: StepRecord, reason: str) -> np.ndarray:
-    """The ids a step's record drops for `reason` (zero_variance: dynamic sampling; stale: async)."""
-    ids = [np.asarray(e["ids"], np.int64) for e in record.all("buffer.drop") if e.get("reason", "zero_variance") == reason]
-    return np.concatenate(ids) if ids else np.zeros(0, np.int64)
+def _add_time(timings: dict[str, float], name: str, seconds: float) -> None:
+    timings.update({name: timings.get(name, 0.0) + seconds})
 
 
-def _id_arrays(samples: list[dict]) -> tuple[np.ndarray, ...]:
+def _id_arrays(samples: list[Sample]) -> tuple[np.ndarray, ...]:
     """The consumed samples' ids, prompt and response token ids and their lengths, as flat arrays."""
-    ids = np.asarray([s["id"] for s in samples], np.int64)
-    lens = np.asarray([[len(s["prompt_ids"]), len(s["response_ids"])] for s in samples], np.int64).reshape(-1, 2)
-    flat = [np.asarray(s[k], np.int64) for s in samples for k in ("prompt_ids", "response_ids")]
+    ids = np.asarray([s.id for s in samples], np.int64)
+    lens = np.asarray([[len(s.prompt_ids), len(s.response_ids)] for s in samples], np.int64).reshape(-1, 2)
+    flat = [np.asarray(x, np.int64) for s in samples for x in (s.prompt_ids, s.response_ids)]
     return ids, lens, np.concatenate(flat) if flat else np.zeros(0, np.int64)
 
 
-def _padded(samples: list[dict], key: str, width: int, device) -> torch.Tensor:
+def _padded(samples: list[Sample], key: str, width: int, device) -> torch.Tensor:
     out = torch.zeros((len(samples), width), dtype=torch.float32)
     for i, s in enumerate(samples):
-        out[i, : len(s[key])] = torch.from_numpy(s[key])
+        values = getattr(s, key)
+        out[i, : len(values)] = torch.from_numpy(values)
     return out.to(device)
 
 
-def _sample_metrics(samples: list[dict], scores: torch.Tensor) -> dict[str, float]:
+def _sample_metrics(samples: list[Sample], scores: torch.Tensor) -> dict[str, float]:
     if not samples:
         return {"batch/samples": 0.0}
-    resp = np.array([len(s["response_ids"]) for s in samples], dtype=np.float64)
-    prm = np.array([len(s["prompt_ids"]) for s in samples], dtype=np.float64)
-    rule = np.array([s["rule_reward"] for s in samples], dtype=np.float64)
+    resp = np.array([len(s.response_ids) for s in samples], dtype=np.float64)
+    prm = np.array([len(s.prompt_ids) for s in samples], dtype=np.float64)
+    rule = np.array([s.rule_reward for s in samples], dtype=np.float64)
     return {
         "critic/score/mean": float(scores.double().mean()),
         "critic/score/max": float(scores.max()),

@@ -22,6 +22,7 @@ from ..dist import Runtime
 from ..state.bitflip import flip_one_bit
 from ..state.fingerprint import group_sums
 from . import algorithms
+from .samples import Sample
 
 
 def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int, n_params: int) -> dict:
@@ -54,12 +55,12 @@ def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int, n_params
         "zero_allow_untested_optimizer": True,
     }
     if optim.warmup_steps > 0:
-        conf["scheduler"] = {
+        conf.update(scheduler={
             "type": "WarmupLR",
             "params": {"warmup_min_lr": 0.0, "warmup_max_lr": optim.lr, "warmup_num_steps": optim.warmup_steps, "warmup_type": "linear"},
-        }
+        })
     if rt.tp_size > 1:
-        conf["tensor_parallel"] = {"autotp_size": rt.tp_size}
+        conf.update(tensor_parallel={"autotp_size": rt.tp_size})
     return conf
 
 
@@ -136,21 +137,21 @@ class Batch:
         return Batch(*(t[a:b] for t in (self.input_ids, self.attention_mask, self.resp_index, self.resp_mask, self.response_ids)))
 
 
-def collate(samples: list[dict], pad_id: int, device) -> Batch:
+def collate(samples: list[Sample], pad_id: int, device) -> Batch:
     B = len(samples)
-    L = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-    R = max(len(s["response_ids"]) for s in samples)
+    L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    R = max(len(s.response_ids) for s in samples)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     att = torch.zeros((B, L), dtype=torch.long)
     resp = torch.full((B, R), pad_id, dtype=torch.long)
     index = torch.zeros((B, R), dtype=torch.long)
     rmask = torch.zeros((B, R), dtype=torch.float32)
     for i, s in enumerate(samples):
-        p, r = len(s["prompt_ids"]), len(s["response_ids"])
-        ids[i, :p] = torch.as_tensor(s["prompt_ids"])
-        ids[i, p : p + r] = torch.as_tensor(s["response_ids"])
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        ids[i, :p] = torch.as_tensor(s.prompt_ids)
+        ids[i, p : p + r] = torch.as_tensor(s.response_ids)
         att[i, : p + r] = 1
-        resp[i, :r] = torch.as_tensor(s["response_ids"])
+        resp[i, :r] = torch.as_tensor(s.response_ids)
         index[i] = torch.clamp(torch.arange(R) + p - 1, max=L - 2)
         rmask[i, :r] = 1.0
     return Batch(ids.to(device), att.to(device), index.to(device), rmask.to(device), resp.to(device))
@@ -179,7 +180,7 @@ class MiniBatch:
     tokens: float | None  # response tokens of the whole mini-batch on all ranks (global_tokens), else None
 
 
-def shard_batch(samples: list[dict], mini_size: int, dp_size: int, dp_rank: int,
+def shard_batch(samples: list[Sample], mini_size: int, dp_size: int, dp_rank: int,
                 global_tokens: bool) -> tuple[list[int], list[MiniBatch]]:
     """Which of the step's samples this data-parallel rank trains on (indices, in order) and how
     they form mini-batches.
@@ -199,7 +200,7 @@ def shard_batch(samples: list[dict], mini_size: int, dp_size: int, dp_rank: int,
     minis: list[MiniBatch] = []
     for a, b in micro_chunks(S, mini_size or S):
         share = (b - a) // D
-        tokens = float(sum(len(samples[i]["response_ids"]) for i in range(a, b)))
+        tokens = float(sum(len(samples[i].response_ids) for i in range(a, b)))
         minis.append(MiniBatch(len(rows), len(rows) + share, tokens))
         rows += range(a + r * share, a + (r + 1) * share)
     return rows, minis

@@ -46,6 +46,13 @@ class DropReason(str, enum.Enum):
     STALE = "stale"  # async: too many versions behind for any later step
 
 
+class Stream:
+    """The named random streams whose seeds a step draws (the `rng` event's `seeds`)."""
+
+    ROLLOUT = "rollout"  # generation (each sample's own seed derives from it and its place in the step)
+    TRAIN = "train"  # the update (dropout, if any)
+
+
 class ControlKind(str, enum.Enum):
     START = "start"
     RESUME = "resume"
@@ -177,7 +184,7 @@ class Dropped:
 
     @classmethod
     def from_event(cls, e: dict) -> Dropped:
-        return cls(_ids(e.get("ids")), DropReason(e["reason"]))
+        return cls(_ids(e.get("ids")), DropReason(e.get("reason", "zero_variance")))  # the first drops had no reason
 
 
 @dataclass(frozen=True)

@@ -111,11 +111,11 @@ def test_verl_format_chat_parquet_trains_with_a_compute_score_reward(tmp_path):
     with open_journal_reader(run / "journal") as j:
         for step in (1, 2):
             for s in unpack(j.read_step(step).first("buffer.add")["samples"]):
-                i = s["index"]
-                assert s["prompt_ids"].tolist() == [vocab["<bos>"]] + [vocab[c] for c in texts[i]]
-                assert decoder.decode(s["prompt_ids"].tolist()) == texts[i]
-                response = decoder.decode(s["response_ids"].tolist())
+                i = s.index
+                assert s.prompt_ids.tolist() == [vocab["<bos>"]] + [vocab[c] for c in texts[i]]
+                assert decoder.decode(s.prompt_ids.tolist()) == texts[i]
+                response = decoder.decode(s.response_ids.tolist())
                 want = (1.0 if str(2 * i) in response else 0.0) + 0.01 * len(response) + 0.1 * i
-                assert s["rule_reward"] == s["score"] == want, (i, response)
+                assert s.rule_reward == s.score == want, (i, response)
                 seen.add(i)
     assert seen == {0, 1, 2} and SPECIALS[1] == "<bos>"

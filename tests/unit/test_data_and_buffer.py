@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import sys
 
@@ -11,7 +12,7 @@ from verlj.engine.rl.buffer import RolloutBuffer
 from verlj.engine.rl.data import DataError, Example, Sampler, check_identity, load_data
 from verlj.engine.rl.rewards import RewardError, add_reward, load_reward_fn, rule_rewards
 from verlj.engine.rl.sampler import sample_token
-from verlj.engine.rl.samples import pack, unpack
+from verlj.engine.rl.samples import FIELDS, Sample, pack, unpack
 from verlj.journal import packb, unpackb
 
 
@@ -57,22 +58,22 @@ def test_jsonl_and_parquet_and_missing_fields(tmp_path):
 
 def sample(i, plen, rlen):
     rng = np.random.default_rng(i)
-    return {
-        "id": i, "index": i * 3, "group": i - i % 2, "score": float(rng.standard_normal()), "rule_reward": 0.5, "rm_score": 0.0,
-        "policy_version": i // 2,
-        "prompt_ids": rng.integers(0, 50, plen), "response_ids": rng.integers(0, 50, rlen),
-        "gen_logprobs": rng.standard_normal(rlen).astype(np.float32),
-        "ref_logprobs": rng.standard_normal(rlen).astype(np.float32),
-    }
+    return Sample(
+        id=i, index=i * 3, group=i - i % 2, score=float(rng.standard_normal()), rule_reward=0.5, rm_score=0.0,
+        policy_version=i // 2,
+        prompt_ids=rng.integers(0, 50, plen), response_ids=rng.integers(0, 50, rlen),
+        gen_logprobs=rng.standard_normal(rlen).astype(np.float32),
+        ref_logprobs=rng.standard_normal(rlen).astype(np.float32),
+    )
 
 
 def test_pack_unpack_through_the_codec_is_exact():
     samples = [sample(i, 3 + i, 1 + 2 * i) for i in range(4)]
     back = unpack(unpackb(packb(pack(samples))))
     for a, b in zip(samples, back):
-        for k in a:
-            assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
-        assert b["gen_logprobs"].dtype == np.float32 and b["response_ids"].dtype == np.int64
+        for k in FIELDS:
+            assert np.array_equal(np.asarray(getattr(a, k)), np.asarray(getattr(b, k))), k
+        assert b.gen_logprobs.dtype == np.float32 and b.response_ids.dtype == np.int64
 
 
 def test_buffer_ops_and_state():
@@ -80,7 +81,7 @@ def test_buffer_ops_and_state():
     buf.add([sample(i, 2, 2) for i in range(6)])
     buf.drop([2, 3])
     taken = buf.consume([0, 1])
-    assert [s["id"] for s in taken] == [0, 1] and list(buf.samples) == [4, 5] and buf.next_id == 6
+    assert [s.id for s in taken] == [0, 1] and list(buf.samples) == [4, 5] and buf.next_id == 6
     assert buf.groups() == {4: [4, 5]}
     other = RolloutBuffer()
     other.load_state_dict(unpackb(packb(buf.state_dict())))
@@ -97,7 +98,7 @@ def test_buffer_plans_hide_planned_samples_and_survive_a_snapshot():
     other = RolloutBuffer()
     other.load_state_dict(unpackb(packb(buf.state_dict())))
     assert sorted(other.plans) == [2, 3] and other.plans[3].tolist() == [2, 3] and other.groups() == buf.groups()
-    assert [s["policy_version"] for s in other.samples.values()] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [s.policy_version for s in other.samples.values()] == [0, 0, 1, 1, 2, 2, 3, 3]
     # a version-1 state (before plans and policy versions): no plans, versions unknown
     old = buf.state_dict()
     old["version"] = 1
@@ -105,7 +106,7 @@ def test_buffer_plans_hide_planned_samples_and_survive_a_snapshot():
     old["samples"] = {k: v for k, v in old["samples"].items() if k != "policy_version"}
     v1 = RolloutBuffer()
     v1.load_state_dict(unpackb(packb(old)))
-    assert v1.plans == {} and {s["policy_version"] for s in v1.samples.values()} == {-1} and len(v1) == 8
+    assert v1.plans == {} and {s.policy_version for s in v1.samples.values()} == {-1} and len(v1) == 8
     old["version"] = RolloutBuffer.VERSION + 1
     with pytest.raises(SnapshotError, match=f"version {RolloutBuffer.VERSION + 1}"):
         RolloutBuffer().load_state_dict(old)
@@ -116,7 +117,7 @@ def test_buffer_requests_leave_as_their_groups_arrive_and_survive_a_snapshot():
     buf = RolloutBuffer()
     buf.request([0, 2, 4], [7, 3, 9], group_size=2)
     assert buf.next_id == 6 and list(buf.requests.items()) == [(0, 7), (2, 3), (4, 9)]
-    buf.add([{**sample(i, 2, 3), "group": 2} for i in (2, 3)])
+    buf.add([dataclasses.replace(sample(i, 2, 3), group=2) for i in (2, 3)])
     assert list(buf.requests) == [0, 4] and len(buf) == 2
     with pytest.raises(AssertionError, match="requested twice"):
         buf.request([0], [1], group_size=2)

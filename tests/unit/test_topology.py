@@ -2,19 +2,22 @@
 for resharding: mini-batch sharding, global-token loss normalisation, the stored config's legacy
 values, the topology policy, TP shard layouts."""
 
+import numpy as np
 import pytest
 import torch
 
 from verlj.engine.config import Config, check_change, config_from_dict, stored_config
 from verlj.engine.errors import ConfigError, SnapshotError
 from verlj.engine.rl import algorithms
+from verlj.engine.rl.samples import Sample
 from verlj.engine.rl.workers import shard_batch
 from verlj.engine.state.reshard import _split_dim
 from verlj.engine.state.topology import Topology, refusal
 
 
 def samples(lengths):
-    return [{"response_ids": [0] * n} for n in lengths]
+    return [Sample(index=0, prompt_ids=np.zeros(1, np.int64), response_ids=np.zeros(n, np.int64), gen_logprobs=np.zeros(n, np.float32))
+            for n in lengths]
 
 
 @pytest.mark.parametrize("mini", [0, 4, 6])
@@ -28,7 +31,7 @@ def test_global_mini_batches_are_the_same_at_any_world_size(mini):
             union = sorted(i for rows, m in per_rank for i in rows[m[k].start : m[k].stop])
             assert union == one_rows[whole.start : whole.stop]  # the same samples form mini-batch k
             assert all(m[k].tokens == whole.tokens for _, m in per_rank)  # divided by the same token count
-            assert whole.tokens == sum(len(s[i]["response_ids"]) for i in one_rows[whole.start : whole.stop])
+            assert whole.tokens == sum(len(s[i].response_ids) for i in one_rows[whole.start : whole.stop])
 
 
 def test_micro_batch_normalisation_keeps_the_old_contiguous_shares():
