@@ -293,6 +293,11 @@ class RolloutConfig:
     # fleet=ray: the Ray resources each actor asks for: num_cpus, num_gpus, memory (bytes), or a custom resource's name
     fleet_resources: dict = field(default_factory=lambda: {"num_cpus": 1}, metadata={"policy": BOOKKEEPING})
     fleet_timeout_s: float = bookkeeping(300.0)  # fleet=ray: the run stops when no actor has been alive for this long
+    # multi-turn episodes (rl.envs; docs/guides/environments.md): null (none: one response a sample) |
+    # builtin:calculator | builtin:guess | builtin:reasoning_gym | module:Class (yours, made with no arguments)
+    env: Optional[str] = live(None)
+    max_turns: int = live(1)  # rollout.env: the policy's actions per episode at most (the built-ins end their episodes within it)
+    env_timeout_s: float = bookkeeping(30.0)  # rollout.env: an env call (reset, step) that has not answered in this many seconds is a fault
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
@@ -315,6 +320,7 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.max_staleness must be an integer of at least 1, got {self.max_staleness!r}")
             if self.async_order is not None:
                 _choice("rollout.async_order", self.async_order, ("step", "completion"))
+        self._validate_env()
         _choice("rollout.fleet", self.fleet, ("none", "ray"))
         if self.fleet == "ray":
             if self.mode != "async":
@@ -332,6 +338,18 @@ class RolloutConfig:
                 import ray  # noqa: F401
             except ImportError:
                 raise ConfigError("rollout.fleet=ray needs ray: pip install 'verlj[ray]'") from None
+
+    def _validate_env(self) -> None:
+        _positive("rollout.max_turns", self.max_turns)
+        _positive("rollout.env_timeout_s", self.env_timeout_s)
+        if self.env is None:
+            if self.max_turns > 1:
+                raise ConfigError("rollout.max_turns > 1 needs rollout.env (without an environment a sample is one response)")
+            return
+        if not (self.env.startswith("builtin:") or ":" in self.env.strip(":")):
+            raise ConfigError(f"rollout.env must be null, builtin:NAME or module:Class, got {self.env!r}")
+        # rl.envs is built and tested; the rollout does not run episodes yet (issue 36). Remove this with the wiring.
+        raise ConfigError("rollout.env: training does not run environments yet (multi-turn rollout is coming); remove rollout.env")
 
     @property
     def staleness(self) -> int:

@@ -48,6 +48,12 @@ def test_file_then_overrides(tmp_path):
         ("trainer.eval_interval=5", "trainer.eval_interval needs held-out prompts: set data.eval_size"),
         ("model.tiny.vocab=utf8", "model.tiny.vocab must be one of auto, digits, ascii"),
         ("rollout.answer_format=json", "rollout.answer_format must be one of text, answer_tag"),
+        ("rollout.max_turns=0", "rollout.max_turns must be positive, got 0"),
+        ("rollout.max_turns=3", "rollout.max_turns > 1 needs rollout.env (without an environment a sample is one response)"),
+        ("rollout.env_timeout_s=0", "rollout.env_timeout_s must be positive, got 0.0"),
+        ("rollout.env=calculator", "rollout.env must be null, builtin:NAME or module:Class, got 'calculator'"),
+        # until the rollout runs episodes (issue 36), a run that names an env is refused rather than trained single-turn
+        ("rollout.env=builtin:calculator", "rollout.env: training does not run environments yet"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

@@ -1,0 +1,397 @@
+"""Environments: multi-turn episodes with tools and games, one text action and one text observation a turn.
+
+    rollout.env: builtin:calculator       # a tool: <calc>12+7</calc> -> <result>19</result>; no tag: the final answer
+    rollout.env: builtin:guess            # a game: guess the number, told "higher" / "lower"
+    rollout.env: builtin:reasoning_gym    # a reasoning-gym row, answered in up to rollout.max_turns attempts
+    rollout.env: my_envs:Maze             # yours: a class (or a function) that makes an Environment, called with no arguments
+    rollout.max_turns: 4                  # actions per episode at most (the built-ins end their episodes within it)
+    rollout.env_timeout_s: 30             # an env call that has not answered by then is a fault (safe_step)
+
+An episode: ``obs = env.reset(row, seed)`` (text appended after the prompt; may be ""), then
+``env.step(action)`` for each of the policy's actions until a StepResult says done (or the rollout has
+taken rollout.max_turns actions). An env is deterministic given its seed and the actions it got: the
+rollout journals the row, the seed and the actions (the journal holds what the world answered, and
+replay never calls an env), and :func:`restore` rebuilds an env in the middle of an episode by replaying
+those actions on a fresh ``reset(row, seed)``; no state_dict is needed.
+
+A ``row`` is the dataset row as a dict (:func:`row_of`): ``prompt`` and ``answer`` (strings) for every
+dataset, ``entry`` (reasoning-gym's item) for ``reasoning_gym:TASK`` data, ``data_source`` and
+``extra_info`` for a verl file. The rollout calls an env through :func:`safe_reset` / :func:`safe_step`,
+which turn an exception, a wrong return type or a hang into an :class:`EnvFault` naming it. Loading
+(:func:`load_env`, :func:`check_env`) turns an env that cannot be imported or made into one ConfigError.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import numbers
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Protocol, runtime_checkable
+
+import blake3
+
+from ..config import REASONING_GYM, Config
+from ..errors import ConfigError
+from ..plugins import import_object
+from . import tasks
+
+KEY = "rollout.env"
+
+# ----------------------------------------------------------------------------- the protocol
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one action brought: the observation (text the policy reads next; "" for none), the reward
+    of this step (None: none yet) and whether the episode is over."""
+
+    observation: str
+    reward: float | None
+    done: bool
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A multi-turn environment. Deterministic given `seed` and the actions `step` received since."""
+
+    def reset(self, row: dict, seed: int) -> str:
+        """Start an episode on the dataset row `row` (row_of); the first observation, appended after the prompt."""
+
+    def step(self, action: str) -> StepResult:
+        """The policy's next action (the text it generated this turn): what the world answers."""
+
+
+@dataclass(frozen=True)
+class EnvFault:
+    """An env call that failed: `reason` in a few words ("raised ValueError: ...", "no answer in 5.0 s")."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def row_of(example) -> dict:
+    """The row an env's reset gets for an rl.data.Example (its fields, as plain values)."""
+    messages = [dict(m) for m in example.messages] if example.messages is not None else None
+    return {"prompt": example.prompt, "answer": example.answer, "task": example.task, "entry": example.entry,
+            "messages": messages, "data_source": example.data_source, "extra_info": example.extra_info}
+
+
+def restore(env_factory: Callable[[], Environment], row: dict, seed: int, actions: list[str]) -> Environment:
+    """A fresh env from `env_factory`, reset on (row, seed), with `actions` stepped in order: the env as it
+    was after them (what the rollout's recovery uses in the middle of an episode)."""
+    env = env_factory()
+    env.reset(row, seed)
+    for action in actions:
+        env.step(action)
+    return env
+
+
+# ----------------------------------------------------------------------------- calling an env safely
+
+
+def safe_reset(env, row: dict, seed: int, timeout_s: float) -> str | EnvFault:
+    """env.reset(row, seed), or an EnvFault when it raised, returned something else than a str, or hung."""
+    out = _call(lambda: env.reset(row, seed), timeout_s)
+    if isinstance(out, EnvFault) or isinstance(out, str):
+        return out
+    return EnvFault(f"returned {_a(out)}, not str")
+
+
+def safe_step(env, action: str, timeout_s: float) -> StepResult | EnvFault:
+    """env.step(action), or an EnvFault when it raised, returned something else than a well-formed
+    StepResult (observation str, reward a finite number or None, done bool), or hung."""
+    out = _call(lambda: env.step(action), timeout_s)
+    if isinstance(out, EnvFault):
+        return out
+    if not isinstance(out, StepResult):
+        return EnvFault(f"returned {_a(out)}, not StepResult")
+    if not isinstance(out.observation, str):
+        return EnvFault(f"returned a StepResult whose observation is {_a(out.observation)}, not str")
+    r = out.reward
+    if r is not None and (isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r))):
+        return EnvFault(f"returned a StepResult whose reward is {r!r}, not a finite number or None"[:200])
+    if not isinstance(out.done, bool):
+        return EnvFault(f"returned a StepResult whose done is {_a(out.done)}, not bool")
+    return out if r is None or type(r) is float else StepResult(out.observation, float(r), out.done)
+
+
+def _call(fn: Callable[[], object], timeout_s: float):
+    """fn() in a worker thread, waiting `timeout_s` for it. A call that does not return in time is
+    abandoned: its thread (a daemon) runs on, or hangs, on its own, and the env must not be used again."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - the env's own code: reported, never raised here
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="verlj-env", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return EnvFault(f"no answer in {float(timeout_s)} s")
+    if "error" in box:
+        e = box["error"]
+        text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        return EnvFault(f"raised {type(e).__name__}: {text}" if text else f"raised {type(e).__name__}")
+    return box["value"]
+
+
+def _a(value) -> str:
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+# ----------------------------------------------------------------------------- answers
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
+def final_answer(action: str) -> str:
+    """The answer an action gives: the text inside its last <answer>…</answer>, else all of it; stripped."""
+    tagged = _ANSWER_TAG.findall(action)
+    return (tagged[-1] if tagged else action).strip()
+
+
+def same_answer(given: str, expected: str) -> bool:
+    """Exact match: as integers when both are integers (so "+7" is "7"), else as stripped strings."""
+    given, expected = given.strip(), expected.strip()
+    if _INTEGER.fullmatch(given) and _INTEGER.fullmatch(expected):
+        return int(given) == int(expected)
+    return given == expected
+
+
+class _Episode:
+    """Turn counting shared by the built-ins: step only after reset, never after done."""
+
+    max_turns: int
+    over: bool | None = None  # None until reset
+
+    def _start(self) -> None:
+        self.turns, self.over = 0, False
+
+    def _turn(self) -> bool:
+        """Count one action; True when it is the last one the episode allows."""
+        if self.over is None:
+            raise RuntimeError("step() before reset()")
+        if self.over:
+            raise RuntimeError("step() after the episode ended")
+        self.turns += 1
+        return self.turns >= self.max_turns
+
+    def _end(self, reward: float) -> StepResult:
+        self.over = True
+        return StepResult("", reward, True)
+
+
+# ----------------------------------------------------------------------------- builtin:calculator
+
+CALC = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+MAX_EXPRESSION = 256  # characters of one <calc> expression
+MAX_DIGITS = 100  # any value (numerator or denominator) while evaluating: at most this many digits
+MAX_EXPONENT = 64  # |e| of a ** e
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+        ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: Fraction(a // b), ast.Mod: lambda a, b: a % b}
+_LIMIT = 10**MAX_DIGITS
+
+
+class CalcError(ValueError):
+    """An expression the calculator does not evaluate (its text says why)."""
+
+
+def calculate(expression: str) -> str:
+    """The value of an arithmetic expression, as text: integers, + - * / // % **, unary + -, parentheses.
+    Exact (fractions): a whole result is an integer, any other a decimal of 12 significant digits.
+    Parsed with ast and evaluated node by node (never eval): names, calls, attributes, floats, strings,
+    more than MAX_EXPRESSION characters, values over MAX_DIGITS digits, exponents over MAX_EXPONENT and
+    division by zero are a CalcError."""
+    if len(expression) > MAX_EXPRESSION:
+        raise CalcError(f"longer than {MAX_EXPRESSION} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+        value = _evaluate(tree.body)
+    except (SyntaxError, RecursionError, MemoryError):
+        raise CalcError("not an arithmetic expression") from None
+    except ZeroDivisionError:
+        raise CalcError("division by zero") from None
+    return str(value.numerator) if value.denominator == 1 else f"{float(value):.12g}"
+
+
+def _evaluate(node: ast.AST) -> Fraction:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return _bounded(Fraction(node.value))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        v = _evaluate(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        base, exp = _evaluate(node.left), _evaluate(node.right)
+        if exp.denominator != 1 or abs(exp) > MAX_EXPONENT:
+            raise CalcError(f"exponents must be integers from -{MAX_EXPONENT} to {MAX_EXPONENT}")
+        return _bounded(base ** int(exp))  # at most 64 times 100 digits before the bound: cheap
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _bounded(_OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right)))
+    raise CalcError(f"{type(node).__name__} is not arithmetic on integers")
+
+
+def _bounded(v: Fraction) -> Fraction:
+    if abs(v.numerator) >= _LIMIT or v.denominator >= _LIMIT:
+        raise CalcError(f"a value over {MAX_DIGITS} digits")
+    return v
+
+
+class Calculator(_Episode):
+    """builtin:calculator. An action holding ``<calc>EXPRESSION</calc>`` calls the tool on the first such
+    tag: the observation is ``<result>VALUE</result>`` (``<result>error</result>`` for an expression
+    `calculate` refuses), no reward, not done. An action without the tag is the final answer
+    (final_answer): reward 1.0 when it is the row's ``answer`` (same_answer), else 0.0; done. The
+    `max_turns`-th action ends the episode whatever it is (a tool call there scores 0.0)."""
+
+    def __init__(self, max_turns: int = 1):
+        self.max_turns = max_turns
+
+    def reset(self, row: dict, seed: int) -> str:
+        self.answer = str(row["answer"])
+        self._start()
+        return ""
+
+    def step(self, action: str) -> StepResult:
+        last = self._turn()
+        call = CALC.search(action)
+        if call is None:
+            return self._end(1.0 if same_answer(final_answer(action), self.answer) else 0.0)
+        if last:
+            return self._end(0.0)
+        try:
+            value = calculate(call.group(1))
+        except CalcError:
+            value = "error"
+        return StepResult(f"<result>{value}</result>", None, False)
+
+
+# ----------------------------------------------------------------------------- builtin:guess
+
+
+class Guess(_Episode):
+    """builtin:guess. A secret whole number in [lo, hi], drawn from the seed alone (blake3 of it, the same
+    on every machine and Python); each action is a guess (final_answer, an integer). The observation is
+    "higher" (the secret is above the guess), "lower", or "not a number"; a correct guess ends the
+    episode with reward 1.0, the `max_turns`-th wrong one with 0.0. The rules are the first observation."""
+
+    def __init__(self, max_turns: int = 7, lo: int = 1, hi: int = 100):
+        if not lo <= hi:
+            raise ValueError(f"lo ({lo}) must be at most hi ({hi})")
+        self.max_turns, self.lo, self.hi = max_turns, lo, hi
+
+    def reset(self, row: dict, seed: int) -> str:
+        draw = int.from_bytes(blake3.blake3(f"guess/{seed}".encode()).digest()[:8], "big")
+        self.secret = self.lo + draw % (self.hi - self.lo + 1)
+        self._start()
+        turns = "1 guess" if self.max_turns == 1 else f"{self.max_turns} guesses"
+        return f"Guess a whole number from {self.lo} to {self.hi}; you have {turns}. Answer with the number only."
+
+    def step(self, action: str) -> StepResult:
+        last = self._turn()
+        text = final_answer(action)
+        guess = int(text) if _INTEGER.fullmatch(text) else None
+        if guess == self.secret:
+            return self._end(1.0)
+        if last:
+            return self._end(0.0)
+        if guess is None:
+            return StepResult("not a number", None, False)
+        return StepResult("higher" if self.secret > guess else "lower", None, False)
+
+
+# ----------------------------------------------------------------------------- builtin:reasoning_gym
+
+
+class ReasoningGymAttempts(_Episode):
+    """builtin:reasoning_gym. A reasoning-gym row (``entry``, data.train_dataset=reasoning_gym:TASK)
+    answered in up to `max_turns` attempts, each scored by the task's own score_answer (`score`: the
+    run's task dataset's, so the task's config counts) on final_answer(action). A score of 1.0 ends the
+    episode with reward 1.0; a lower one is told as ``<feedback>incorrect (score S); try again</feedback>``
+    until the last attempt, whose score is the reward."""
+
+    def __init__(self, score: Callable[[str, dict], float], max_turns: int = 1):
+        self.score, self.max_turns = score, max_turns
+
+    def reset(self, row: dict, seed: int) -> str:
+        if not isinstance(row.get("entry"), dict):
+            raise ValueError("builtin:reasoning_gym needs a reasoning-gym row (data.train_dataset=reasoning_gym:TASK)")
+        self.entry = row["entry"]
+        self._start()
+        return ""
+
+    def step(self, action: str) -> StepResult:
+        last = self._turn()
+        score = float(self.score(final_answer(action), self.entry))
+        if score >= 1.0 or last:
+            return self._end(score)
+        return StepResult(f"<feedback>incorrect (score {score:g}); try again</feedback>", None, False)
+
+
+# ----------------------------------------------------------------------------- loading
+
+BUILTIN = ("builtin:calculator", "builtin:guess", "builtin:reasoning_gym")
+
+
+@dataclass(frozen=True)
+class EnvFactory:
+    """Makes the envs rollout.env names: ``factory()`` is a fresh Environment (one per episode)."""
+
+    spec: str
+    make: Callable[[], object]
+
+    def __call__(self) -> Environment:
+        try:
+            env = self.make()
+        except Exception as e:  # noqa: BLE001 - the user's constructor: one sentence naming it
+            raise ConfigError(f"{KEY}: making {self.spec} failed: {type(e).__name__}: {str(e).strip()[:200]}") from None
+        if not isinstance(env, Environment):
+            raise ConfigError(f"{KEY}: {self.spec} made {_a(env)}, which is not an Environment "
+                              "(it needs reset(row, seed) -> str and step(action) -> StepResult)")
+        return env
+
+
+def load_env(cfg: Config, task_dataset=None) -> EnvFactory | None:
+    """The factory of the envs cfg.rollout.env names (None: no env, single-turn samples), checked by
+    making one. `task_dataset`: the run's reasoning-gym dataset (rl.data.Dataset.task_dataset), whose
+    scorer builtin:reasoning_gym uses; None makes it from cfg.data. One ConfigError for an env that cannot
+    be imported or made."""
+    spec, turns = cfg.rollout.env, cfg.rollout.max_turns
+    if spec is None:
+        return None
+    if spec == "builtin:calculator":
+        factory = EnvFactory(spec, lambda: Calculator(turns))
+    elif spec == "builtin:guess":
+        factory = EnvFactory(spec, lambda: Guess(turns))
+    elif spec == "builtin:reasoning_gym":
+        if not tasks.is_task(cfg.data.train_dataset):
+            raise ConfigError(f"{KEY}=builtin:reasoning_gym answers reasoning-gym rows: it needs data.train_dataset={REASONING_GYM}:TASK")
+        if task_dataset is None:
+            task_dataset, _ = tasks.generate(cfg.data, cfg.trainer.seed)
+        factory = EnvFactory(spec, lambda: ReasoningGymAttempts(task_dataset.score_answer, turns))
+    elif spec.startswith("builtin:"):
+        raise ConfigError(f"{KEY}: unknown built-in {spec!r}; known: {', '.join(BUILTIN)}")
+    else:
+        module_name, _, attr = spec.partition(":")
+        make = import_object(spec, module_name, attr, KEY, ConfigError)
+        if not callable(make):
+            raise ConfigError(f"{KEY}: {spec!r} is {_a(make)}, not a class or function that makes an Environment")
+        factory = EnvFactory(spec, make)
+    factory()
+    return factory
+
+
+def check_env(cfg: Config) -> None:
+    """Before training: one ConfigError if cfg.rollout.env cannot be imported or made (load_env)."""
+    load_env(cfg)

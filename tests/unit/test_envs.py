@@ -1,0 +1,360 @@
+"""rl.envs: the Environment protocol, the built-ins (calculator, guess, reasoning-gym attempts), restore()
+by replaying actions, safe_reset/safe_step on envs that raise, return the wrong thing or hang, and
+loading rollout.env with one ConfigError for every way it can fail."""
+
+import threading
+import time
+
+import pytest
+
+from verlj.engine.config import Config, ConfigError, DataConfig, ReasoningGymConfig, policy_of
+from verlj.engine.rl import envs, tasks
+from verlj.engine.rl.data import Example
+from verlj.engine.rl.envs import (
+    CalcError,
+    Calculator,
+    EnvFault,
+    Environment,
+    Guess,
+    ReasoningGymAttempts,
+    StepResult,
+    calculate,
+    load_env,
+    restore,
+    row_of,
+    safe_reset,
+    safe_step,
+)
+
+ADD_ROW = row_of(Example("3+4=", "7"))
+
+
+def episode(env, row, seed, actions):
+    """The first observation and every StepResult of `actions` on a fresh episode."""
+    return [env.reset(row, seed)] + [env.step(a) for a in actions]
+
+
+def cfg_with(env, max_turns=3, train_dataset="builtin:add"):
+    """A config naming `env` (set after validation: training refuses rollout.env until the rollout runs episodes)."""
+    cfg = Config()
+    cfg.rollout.env, cfg.rollout.max_turns, cfg.data.train_dataset = env, max_turns, train_dataset
+    cfg.data.reasoning_gym.size = 8
+    return cfg
+
+
+def rg_dataset(task="basic_arithmetic"):
+    ds, _ = tasks.generate(DataConfig(train_dataset=f"reasoning_gym:{task}", reasoning_gym=ReasoningGymConfig(size=8)), seed=3)
+    return ds
+
+
+# ----------------------------------------------------------------------------- determinism
+
+
+def test_builtins_are_environments_and_results_are_frozen():
+    for env in (Calculator(2), Guess(2), ReasoningGymAttempts(lambda a, e: 0.0, 2)):
+        assert isinstance(env, Environment)
+    assert not isinstance(object(), Environment)
+    with pytest.raises(AttributeError):
+        StepResult("", None, False).done = True
+
+
+def test_same_seed_and_actions_give_the_same_observations():
+    actions = ["50", "25", "75", "12", "88", "<answer>60</answer>", "x"]
+    runs = [episode(Guess(7), ADD_ROW, 11, actions) for _ in range(2)]
+    assert runs[0] == runs[1]
+    calc = ["<calc>12*(3+4)</calc>", "<calc>7/0</calc>", "84"]
+    assert episode(Calculator(3), ADD_ROW, 5, calc) == episode(Calculator(3), ADD_ROW, 99, calc)
+
+
+def test_the_guess_secret_comes_from_the_seed_alone():
+    secrets = {}
+    for seed in (0, 1, 2, 3, 2**63 - 1):
+        env = Guess(7)
+        env.reset(ADD_ROW, seed)
+        secrets[seed] = env.secret
+        again = Guess(7)
+        again.reset({"prompt": "other row", "answer": "0"}, seed)
+        assert again.secret == env.secret and 1 <= env.secret <= 100
+    assert len(set(secrets.values())) > 1
+    # blake3 of the seed, the same on every machine and Python: a journaled episode restores anywhere
+    assert secrets[0] == 1 + int.from_bytes(__import__("blake3").blake3(b"guess/0").digest()[:8], "big") % 100
+
+
+# ----------------------------------------------------------------------------- builtin:guess
+
+
+@pytest.mark.parametrize("seed", [0, 7, 123456789])
+def test_guess_binary_search_wins_and_the_hints_point_at_the_secret(seed):
+    env = Guess(7)
+    assert env.reset(ADD_ROW, seed) == "Guess a whole number from 1 to 100; you have 7 guesses. Answer with the number only."
+    lo, hi = 1, 100
+    for _ in range(7):
+        mid = (lo + hi) // 2
+        r = env.step(f" {mid}\n")
+        if r.done:
+            assert r == StepResult("", 1.0, True) and mid == env.secret
+            break
+        assert r.reward is None and r.observation in ("higher", "lower")
+        lo, hi = (mid + 1, hi) if r.observation == "higher" else (lo, mid - 1)
+        assert lo <= env.secret <= hi
+    else:
+        pytest.fail("binary search did not find the secret in 7 guesses")
+
+
+def test_guess_ends_with_zero_when_the_turns_run_out():
+    env = Guess(3, lo=1, hi=1000)
+    env.reset(ADD_ROW, 4)
+    wrong = str(env.secret % 1000 + 1)
+    assert env.step("a guess?") == StepResult("not a number", None, False)
+    assert env.step(wrong).done is False
+    assert env.step(wrong) == StepResult("", 0.0, True)
+    with pytest.raises(RuntimeError, match="after the episode ended"):
+        env.step(str(env.secret))
+    with pytest.raises(RuntimeError, match="before reset"):
+        Guess(3).step("1")
+    one = Guess(1)
+    one.reset(ADD_ROW, 4)
+    assert one.step(str(one.secret)) == StepResult("", 1.0, True)
+
+
+# ----------------------------------------------------------------------------- builtin:calculator
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("12+7", "19"), ("2*(3+4)", "14"), (" 7 / 2 ", "3.5"), ("7//2", "3"), ("-7 % 3", "2"), ("-(2-5)", "3"),
+    ("2**10", "1024"), ("2**-2", "0.25"), ("1/3", "0.333333333333"), ("(1/3)*3", "1"), ("10**64", "1" + "0" * 64),
+])
+def test_calculate_evaluates_integer_arithmetic_exactly(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize("expression, why", [
+    ("x+1", "Name is not arithmetic"), ("abs(-1)", "Call is not arithmetic"), ("__import__('os').system('true')", "Call"),
+    ("(1).real", "Attribute"), ("1.5+1", "Constant"), ("'a'*3", "Constant"), ("True+1", "Constant"), ("[1][0]", "Subscript"),
+    ("1 if 1 else 0", "IfExp"), ("1<2", "Compare"), ("1 & 3", "BinOp"), ("2**1000000", "exponents must be integers from -64"),
+    ("9**9**9", "exponents must be"), ("99**60", "over 100 digits"), ("(10**60)*(10**60)", "over 100 digits"),
+    ("1/0", "division by zero"), ("5%0", "division by zero"), ("0**-1", "division by zero"),
+    ("1+" * 200 + "1", "longer than 256"), ("1+", "not an arithmetic expression"), ("", "not an arithmetic expression"),
+])
+def test_calculate_refuses_anything_but_bounded_arithmetic(expression, why):
+    t = time.monotonic()
+    with pytest.raises(CalcError, match=why.replace("(", r"\(").replace("*", r"\*")):
+        calculate(expression)
+    assert time.monotonic() - t < 0.5  # a huge power is refused before it is computed
+
+
+def test_calculator_answers_tool_calls_then_scores_the_final_answer():
+    env = Calculator(4)
+    assert env.reset(ADD_ROW, 0) == ""
+    assert env.step("Let me add. <calc>3+4</calc> and more") == StepResult("<result>7</result>", None, False)
+    assert env.step("<calc>import os</calc>") == StepResult("<result>error</result>", None, False)
+    assert env.step("<answer> 7 </answer>") == StepResult("", 1.0, True)
+    env.reset(ADD_ROW, 0)
+    assert env.step("8") == StepResult("", 0.0, True)
+    env.reset(ADD_ROW, 0)
+    assert env.step("+7") == StepResult("", 1.0, True)
+
+
+def test_calculator_last_turn_ends_the_episode_even_on_a_tool_call():
+    env = Calculator(2)
+    env.reset(ADD_ROW, 0)
+    assert env.step("<calc>1+1</calc>").done is False
+    assert env.step("<calc>3+4</calc>") == StepResult("", 0.0, True)
+
+
+def test_calculator_scores_reasoning_gym_arithmetic_rows():
+    ds = rg_dataset("basic_arithmetic")
+    row = row_of(Example(ds[0]["question"], str(ds[0]["answer"]), "basic_arithmetic", ds[0]))
+    expression = ds[0]["metadata"]["expression"]
+    env = Calculator(2)
+    env.reset(row, 0)
+    observation = env.step(f"<calc>{expression}</calc>").observation
+    value = observation.removeprefix("<result>").removesuffix("</result>")
+    assert value == row["answer"]
+    assert env.step(f"<answer>{value}</answer>") == StepResult("", 1.0, True)
+
+
+# ----------------------------------------------------------------------------- builtin:reasoning_gym
+
+
+def test_reasoning_gym_attempts_score_with_the_tasks_own_scorer():
+    ds = rg_dataset("basic_arithmetic")
+    row = row_of(Example(ds[1]["question"], str(ds[1]["answer"]), "basic_arithmetic", ds[1]))
+    env = ReasoningGymAttempts(ds.score_answer, 3)
+    assert env.reset(row, 0) == ""
+    wrong = str(int(row["answer"]) + 1)
+    assert env.step(wrong) == StepResult("<feedback>incorrect (score 0); try again</feedback>", None, False)
+    assert env.step(f"<answer>{row['answer']}</answer>") == StepResult("", 1.0, True)
+    env.reset(row, 0)
+    assert [env.step(wrong).done for _ in range(3)] == [False, False, True]
+    with pytest.raises(ValueError, match="needs a reasoning-gym row"):
+        env.reset(ADD_ROW, 0)
+
+
+# ----------------------------------------------------------------------------- restore
+
+
+@pytest.mark.parametrize("make, actions, probe", [
+    (lambda: Guess(4), ["1", "hello", "100"], "0"),
+    (lambda: Calculator(3), ["<calc>1+2</calc>", "<calc>2*3</calc>"], "<calc>9</calc>"),
+])
+def test_restore_reapplies_the_actions_and_the_next_step_is_the_live_envs(make, actions, probe):
+    live = make()
+    live.reset(ADD_ROW, 21)
+    for a in actions:
+        live.step(a)
+    restored = restore(make, ADD_ROW, 21, actions)
+    assert restored is not live and restored.__dict__ == live.__dict__
+    expected = live.step(probe)
+    assert expected.done  # the probe is the last turn: only an env that counted the replayed actions ends here
+    assert restored.step(probe) == expected
+    fresh = restore(make, ADD_ROW, 21, actions[:1])
+    assert fresh.step(probe) != expected
+
+
+def test_restore_calls_only_reset_and_step():
+    calls = []
+
+    class Recorder:
+        def reset(self, row, seed):
+            calls.append(("reset", row["answer"], seed))
+            return ""
+
+        def step(self, action):
+            calls.append(("step", action))
+            return StepResult("ok", None, False)
+
+    env = restore(Recorder, ADD_ROW, 3, ["a", "b"])
+    assert isinstance(env, Recorder) and calls == [("reset", "7", 3), ("step", "a"), ("step", "b")]
+
+
+# ----------------------------------------------------------------------------- safe calls
+
+
+class Faulty:
+    def __init__(self, step_returns=None, raises=None, hang=None):
+        self.step_returns, self.raises, self.hang = step_returns, raises, hang
+
+    def reset(self, row, seed):
+        return self.step(None)
+
+    def step(self, action):
+        if self.hang is not None:
+            self.hang.wait(10)
+        if self.raises is not None:
+            raise self.raises
+        return self.step_returns
+
+
+@pytest.mark.parametrize("returns, reason", [
+    ([1, 2], "returned a list, not StepResult"),
+    (None, "returned a NoneType, not StepResult"),
+    (StepResult(3, None, False), "returned a StepResult whose observation is an int, not str"),
+    (StepResult("", "1", True), "returned a StepResult whose reward is '1', not a finite number or None"),
+    (StepResult("", float("nan"), True), "returned a StepResult whose reward is nan, not a finite number or None"),
+    (StepResult("", True, True), "returned a StepResult whose reward is True, not a finite number or None"),
+    (StepResult("", 1.0, 1), "returned a StepResult whose done is an int, not bool"),
+])
+def test_safe_step_names_a_wrong_return(returns, reason):
+    assert safe_step(Faulty(step_returns=returns), "a", 5.0) == EnvFault(reason)
+
+
+def test_safe_step_names_an_exception_and_passes_a_good_result_through():
+    assert safe_step(Faulty(raises=ValueError("bad action\nsecond line")), "a", 5.0) == EnvFault("raised ValueError: bad action")
+    assert str(safe_step(Faulty(raises=KeyError()), "a", 5.0)) == "raised KeyError"
+    assert safe_step(Faulty(raises=SystemExit(3)), "a", 5.0) == EnvFault("raised SystemExit: 3")
+    good = StepResult("obs", 0.5, False)
+    assert safe_step(Faulty(step_returns=good), "a", 5.0) is good
+    as_float = safe_step(Faulty(step_returns=StepResult("", 1, True)), "a", 5.0)
+    assert as_float == StepResult("", 1.0, True) and type(as_float.reward) is float
+
+
+def test_a_hung_env_is_a_fault_after_the_timeout_and_its_thread_is_abandoned():
+    release = threading.Event()
+    try:
+        t = time.monotonic()
+        assert safe_step(Faulty(hang=release), "a", 0.2) == EnvFault("no answer in 0.2 s")
+        assert safe_reset(Faulty(hang=release), ADD_ROW, 0, 0.2) == EnvFault("no answer in 0.2 s")
+        assert 0.4 <= time.monotonic() - t < 3
+        stuck = [th for th in threading.enumerate() if th.name == "verlj-env"]
+        assert len(stuck) == 2 and all(th.daemon for th in stuck)
+    finally:
+        release.set()
+
+
+def test_safe_reset_names_faults_and_returns_the_observation():
+    assert safe_reset(Faulty(step_returns=5), ADD_ROW, 0, 5.0) == EnvFault("returned an int, not str")
+    assert safe_reset(Faulty(raises=RuntimeError("no")), ADD_ROW, 0, 5.0) == EnvFault("raised RuntimeError: no")
+    assert safe_reset(Guess(2), ADD_ROW, 0, 5.0).startswith("Guess a whole number")
+    assert safe_reset(Calculator(2), ADD_ROW, 0, 5.0) == ""
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def test_load_env_makes_the_builtins_with_max_turns():
+    assert load_env(Config()) is None
+    calc = load_env(cfg_with("builtin:calculator", 5))()
+    guess = load_env(cfg_with("builtin:guess", 6))()
+    rg = load_env(cfg_with("builtin:reasoning_gym", 2, "reasoning_gym:basic_arithmetic"))()
+    assert (type(calc), calc.max_turns, type(guess), guess.max_turns) == (Calculator, 5, Guess, 6)
+    assert isinstance(rg, ReasoningGymAttempts) and rg.max_turns == 2
+    factory = load_env(cfg_with("builtin:guess"))
+    assert factory() is not factory()  # one env per episode
+
+
+USER_ENVS = '''
+from verlj.engine.rl.envs import StepResult
+
+class Echo:
+    def reset(self, row, seed):
+        return row["prompt"]
+    def step(self, action):
+        return StepResult(action.upper(), 1.0, True)
+
+class Broken:
+    def __init__(self):
+        raise OSError("no sandbox here")
+
+class NotAnEnv:
+    def reset(self, row, seed):
+        return ""
+
+NOT_CALLABLE = 3
+'''
+
+
+@pytest.fixture
+def user_envs(tmp_path, monkeypatch):
+    (tmp_path / "user_envs_mod.py").write_text(USER_ENVS)
+    (tmp_path / "user_envs_broken.py").write_text("raise RuntimeError('half-written module')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_users_env_loads_by_module_and_class(user_envs):
+    env = load_env(cfg_with("user_envs_mod:Echo"))()
+    assert env.reset(ADD_ROW, 0) == "3+4=" and env.step("done") == StepResult("DONE", 1.0, True)
+    envs.check_env(cfg_with("user_envs_mod:Echo"))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("builtin:chess", "rollout.env: unknown built-in 'builtin:chess'; known: builtin:calculator, builtin:guess, builtin:reasoning_gym"),
+    ("no_such_module_xyz:Env", "rollout.env: cannot import 'no_such_module_xyz:Env' (No module named 'no_such_module_xyz')"),
+    ("user_envs_mod:Missing", "rollout.env: cannot import 'user_envs_mod:Missing' (module 'user_envs_mod' has no 'Missing')"),
+    ("user_envs_broken:Env", "rollout.env: importing module 'user_envs_broken' failed: RuntimeError: half-written module"),
+    ("user_envs_mod:NOT_CALLABLE", "rollout.env: 'user_envs_mod:NOT_CALLABLE' is an int, not a class or function that makes an Environment"),
+    ("user_envs_mod:Broken", "rollout.env: making user_envs_mod:Broken failed: OSError: no sandbox here"),
+    ("user_envs_mod:NotAnEnv", "rollout.env: user_envs_mod:NotAnEnv made a NotAnEnv, which is not an Environment"),
+    ("builtin:reasoning_gym", "rollout.env=builtin:reasoning_gym answers reasoning-gym rows: it needs data.train_dataset=reasoning_gym:TASK"),
+])
+def test_an_env_that_cannot_be_loaded_is_one_config_error(user_envs, spec, message):
+    with pytest.raises(ConfigError) as e:
+        envs.check_env(cfg_with(spec))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_env_keys_resume_policy():
+    # env and max_turns change what a step generates, as reward_fn and max_response_length do: live (replay reads
+    # the journaled episodes and never calls an env); the timeout only says when a call has failed: bookkeeping
+    assert (policy_of("rollout.env"), policy_of("rollout.max_turns"), policy_of("rollout.env_timeout_s")) == ("live", "live", "bookkeeping")
+    assert policy_of("rollout.reward_fn") == policy_of("rollout.max_response_length") == "live"
