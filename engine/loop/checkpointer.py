@@ -43,6 +43,8 @@ from ..state.stateful import Stateful
 from ..state.topology import Topology, refusal
 from . import retention
 from .context import Run
+from .policy import CheckpointSchedule
+from .snapshot_store import SnapshotStore
 
 if TYPE_CHECKING:
     from ..dist import Runtime
@@ -56,8 +58,6 @@ if TYPE_CHECKING:
                   rng: RNGState) -> list[Stateful]:
         """Every part a snapshot keeps by state_dict is a Stateful: mypy fails here when one stops being one."""
         return [sampler, buffer, train_state, schedule, rng]
-from .policy import CheckpointSchedule
-from .snapshot_store import SnapshotStore
 
 
 def rng_file(rank: int) -> str:
@@ -160,7 +160,7 @@ class Checkpointer:
         if not self.rt.all_true(not error):
             self.failed[step] = error or "on another rank"
             self.reporter.warn(f"Snapshot at step {step} failed: {error or 'on another rank'}; training continues, "
-                                   "the journal still holds every step")
+                               "the journal still holds every step")
             if self.rt.is_main:
                 shutil.rmtree(self.store.tmp_dir(step), ignore_errors=True)
             return False

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 class Run:
     """Made whole, once, by make_run (loop.checkpointer), which builds its checkpointer first.
 
-    One config: the trainer's (:attr:`cfg`). What this process is fixed to whatever config the
-    trainer is under (its topology, the snapshot schedule) is taken from it when the run is made."""
+    One config: the trainer's (:attr:`cfg`). What stays fixed for the process while a replay moves
+    the trainer through older configs (its topology, the snapshot schedule) is taken from that config
+    when the run is made."""
 
     run_dir: Path
     rt: Runtime
@@ -56,5 +57,4 @@ class Run:
 
     def history(self) -> History:
         """The run's history, read on rank 0 and sent to every rank (collective)."""
-
         return History(**self.rt.from_rank0(lambda: self.main_ledger().history().to_dict(), "reading the run's history"))
