@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -146,7 +147,8 @@ def diff(
     quiet_libraries()
     from verlj.engine.post_mortem import inspection
 
-    echo, compare = typer.echo, inspection.first_difference
+    echo: Callable[[str], None] = typer.echo
+    compare = inspection.first_difference
     if stages:  # the re-execution loads DeepSpeed, which prints: stdout stays this command's
         from verlj.engine.dist import prepare_accelerator
 

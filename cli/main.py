@@ -80,7 +80,8 @@ def _leave_process_group() -> None:
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
     os._exit(0)

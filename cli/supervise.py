@@ -84,6 +84,7 @@ def supervise(cmd: list[str], restarts: int, say: Callable[[str], None] | None =
         taken, spare = spare, None
         if taken is None or taken.poll() is not None:
             return None
+        assert taken.stdin is not None  # started with stdin=PIPE
         try:
             taken.stdin.write("go\n")
             taken.stdin.close()
@@ -93,6 +94,7 @@ def supervise(cmd: list[str], restarts: int, say: Callable[[str], None] | None =
 
     def end(code: int) -> int:
         if spare is not None:
+            assert spare.stdin is not None  # started with stdin=PIPE
             spare.stdin.close()  # EOF: it exits without training
             try:
                 spare.wait(timeout=60)

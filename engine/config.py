@@ -30,7 +30,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import blake3
 import yaml
@@ -581,7 +581,7 @@ ONE_OFF_KEYS = {"trainer.resume_from": None, "trainer.max_restarts": 0}
 def _without_one_off(data: dict) -> dict:
     for dotted, default in ONE_OFF_KEYS.items():
         *parents, leaf = dotted.split(".")
-        d = data
+        d: Any = data
         for part in parents:
             d = d.get(part) if isinstance(d, dict) else None
         if isinstance(d, dict) and leaf in d:

@@ -12,7 +12,7 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,12 @@ class Runtime:
         buf = self._bytes_tensor(data) if self.rank == src else torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
         dist.broadcast(buf, src)
         return obj if self.rank == src else unpackb(buf.cpu().numpy().tobytes())
+
+    @overload
+    def from_rank0(self, fn: Callable[[], T], what: str = "", share: Literal[True] = True) -> T: ...
+
+    @overload
+    def from_rank0(self, fn: Callable[[], T], what: str = "", *, share: Literal[False]) -> T | None: ...
 
     def from_rank0(self, fn: Callable[[], T], what: str = "", share: bool = True) -> T | None:
         """fn() on rank 0 and its result on every rank: how every rank learns what only rank 0 may read
@@ -165,7 +171,8 @@ def _skip_shm_comm_build() -> None:
     import importlib
 
     # by module name: the package `deepspeed.comm` re-exports `torch` itself under that attribute
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    comm: Any = importlib.import_module("deepspeed.comm.torch")
+    comm.build_shm_op = lambda: None
 
 
 def setup(cfg: Config) -> Runtime:

@@ -26,6 +26,7 @@ import sys
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from .config import LoggingConfig
 
@@ -44,11 +45,12 @@ class Reporter:
         self.enabled = enabled
         self.total = total_steps
         self.run_dir = Path(run_dir)
-        self._jsonl = None
-        self._tb = None
-        self._wandb = None
-        self._bar = None
-        self._task = None
+        # each open only while its sink is on (None otherwise): what uses one asks for that sink
+        self._jsonl: Any = None
+        self._tb: Any = None
+        self._wandb: Any = None
+        self._bar: Any = None
+        self._task: Any = None
         self._held: dict[str, int] = {}  # sink -> the last step it held when this process started (catch_up)
         self.mode = "off"
         if not enabled:
@@ -219,7 +221,7 @@ def wandb_steps(run_dir: Path) -> list[int]:
     from wandb.proto import wandb_internal_pb2
 
     run_id = wandb_run_id(run_dir)
-    steps = []
+    steps: list[int] = []
     root = Path(run_dir) / "wandb"
     if not root.is_dir():
         return steps

@@ -286,8 +286,8 @@ class Claim:
             if epoch < self.epoch - KEEP_OLD:
                 (self.directory / _name(epoch)).unlink(missing_ok=True)
         for name in os.listdir(self.directory):  # left by killed claimers of earlier epochs (never read)
-            epoch = name[len(".tmp-"):].split("-")[0]
-            if name.startswith(".tmp-") and epoch.isdigit() and int(epoch) < self.epoch:
+            prefix = name[len(".tmp-"):].split("-")[0]
+            if name.startswith(".tmp-") and prefix.isdigit() and int(prefix) < self.epoch:
                 (self.directory / name).unlink(missing_ok=True)
 
 

@@ -38,7 +38,7 @@ EXT_HEX = 6  # core v3: a lowercase hex string as its bytes
 EXT_RANGE = 7  # core v3: a 1-d integer array of consecutive values as msgpack [dtype, first, count]
 CORE_VERSION = 3
 NARROW_MIN_SIZE = 16  # smaller arrays are not worth the header
-_UNSIGNED = [np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32)]
+_UNSIGNED: list[np.dtype[np.unsignedinteger]] = [np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32)]
 
 _ALLOWED_KINDS = set("biufc")  # bool, int, uint, float, complex: fixed-size, no objects
 
@@ -86,7 +86,7 @@ def _narrowed(obj: np.ndarray) -> msgpack.ExtType | None:
     arr = _to_le(obj)
     shifted = (arr.astype(np.int64) - lo).astype(stored.newbyteorder("<")) if lo else arr.astype(stored.newbyteorder("<"))
     head = msgpack.packb([arr.dtype.str, shifted.dtype.str, list(arr.shape), lo])
-    return msgpack.ExtType(EXT_NARROW, b"".join((head, shifted.reshape(-1).view(np.uint8))))
+    return msgpack.ExtType(EXT_NARROW, b"".join((head, shifted.reshape(-1).view(np.uint8))))  # type: ignore[arg-type]  # an ndarray is a buffer
 
 
 def _unnarrow(head, raw: bytes) -> np.ndarray:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import errno
 import resource
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 LOW_SPACE = 16 << 20  # under this much free, a failed write is put down to the full disk
 
 
-def human_bytes(n: int) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
@@ -41,7 +42,7 @@ def file_size_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def write_failure_cause(error: BaseException, where: Path, written: list[Path] = ()) -> str | None:
+def write_failure_cause(error: BaseException, where: Path, written: Sequence[Path] = ()) -> str | None:
     """'no space left on the run directory's disk (N free)' or 'file-size limit (ulimit -f) of N
     reached by FILE', when either explains `error` (raised writing under `where`, the files in
     `written` being what was written); None when neither does."""

@@ -91,7 +91,7 @@ def step_key(step: int) -> bytes:
     return _KEY.pack(step)
 
 
-def key_step(key: bytes) -> int:
+def key_step(key: bytes | memoryview) -> int:
     return _KEY.unpack(bytes(key))[0]
 
 
@@ -249,7 +249,7 @@ def _summary_frame(step: int, wall_time: float, events: list[dict]) -> bytes:
     return frame_plain(codec.packb_compact({"step": step, "time": wall_time, "events": [e for e in events if e["type"] in SUMMARY_TYPES]}))
 
 
-def unframe_plain(raw: bytes, what: str) -> Any:
+def unframe_plain(raw: bytes | memoryview, what: str) -> Any:
     raw = bytes(raw)
     if len(raw) < PLAIN_HEADER or raw[: len(MAGIC_PLAIN)] != MAGIC_PLAIN:
         raise JournalError(f"{what} has no valid frame header")
@@ -611,7 +611,9 @@ class Journal:
         (segments.rebuild; the caller has checked their chain), and replace the meta and snapshot
         index when given. Frames of steps through `pruned_through` are written without their payload,
         as retention left them in that copy. One transaction: all or none."""
-        summaries, stored = [], []
+        summaries: list[bytes | None] = []
+        stored: list[bytes] = []
+        base = 0 if first is None else first  # None: no frames, only the meta and the index
         for i, raw in enumerate(frames):
             frame = StepFrame.parse(raw)
             if codec.is_core_v3(frame.body):
@@ -621,15 +623,15 @@ class Journal:
                 record = codec.unpackb(frame.body)
                 step = record["step"]
                 summaries.append(_summary_frame(step, record["time"], record["events"]) if frame.version == 1 else None)
-            if step != first + i:
-                raise JournalError(f"record to restore at step {first + i} says it is step {step}")
-            stored.append(frame.without_payload() if first + i <= pruned_through and frame.payload_len else raw)
+            if step != base + i:
+                raise JournalError(f"record to restore at step {base + i} says it is step {step}")
+            stored.append(frame.without_payload() if base + i <= pruned_through and frame.payload_len else raw)
 
         def txn_fn(txn):
             for i, raw in enumerate(stored):
-                txn.put(step_key(first + i), raw, db=self._steps, append=True)
+                txn.put(step_key(base + i), raw, db=self._steps, append=True)
                 if summaries[i] is not None:
-                    txn.put(step_key(first + i), summaries[i], db=self._summary, append=True)
+                    txn.put(step_key(base + i), summaries[i], db=self._summary, append=True)
             for db, values in ((self._meta, meta), (self._snaps, snapshots)):
                 if values is not None:
                     txn.drop(db, delete=False)

@@ -90,7 +90,7 @@ def main() -> None:
         configure_determinism(cfg)
 
         def fresh():
-            return make_run(run, cfg, rt, Trainer(cfg, rt), Silent(), journal)
+            return make_run(run, rt, Trainer(cfg, rt), Silent(), journal)
 
         recov, replay_per_step, rerun = [], [], []
         for _ in range(args.repeats):
@@ -130,7 +130,8 @@ def main() -> None:
                 c = copy.deepcopy(cfg)
                 c.trainer.async_save = async_save
                 c.trainer.save_total_limit = 0
-                sm = make_run(scratch, c, rt, trainer, Silent(), sj).ckpt
+                trainer.set_config(c)  # the checkpointer reads the trainer's config
+                sm = make_run(scratch, rt, trainer, Silent(), sj).ckpt
                 step = 100 + 2 * i + int(async_save)
                 t = time.perf_counter()
                 sm.save(step, "bench")

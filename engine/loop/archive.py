@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import blake3
 
@@ -96,8 +97,8 @@ class Reader:
     def __init__(self, run_dir: Path, ledger):
         self.run_dir = Path(run_dir)
         self.entries = ledger.archive_index()
-        self._table = None
-        self._entry = None
+        self._table: Any = None  # the pyarrow Table of `_entry`'s file
+        self._entry: dict | None = None
 
     def covers(self, step: int) -> dict | None:
         return next((e for e in self.entries if e["first"] <= step <= e["last"]), None)

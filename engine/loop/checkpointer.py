@@ -28,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from verlj.journal import JournalError, packb, unpackb
 from verlj.journal.failpoints import failpoint
@@ -38,11 +39,25 @@ from ..state import reshard
 from ..state.manifest import ANCHOR, META, SNAPSHOT_VERSION, fsync_tree, snapshot_name, write_bytes_durable
 from ..state.safe_load import install_safe_checkpointing, save_portable
 from ..state.seeding import RNGState
+from ..state.stateful import Stateful
 from ..state.topology import Topology, refusal
 from . import retention
 from .context import Run
 from .policy import CheckpointSchedule
 from .snapshot_store import SnapshotStore
+
+if TYPE_CHECKING:
+    from ..dist import Runtime
+    from ..report import Reporter
+    from ..rl.buffer import RolloutBuffer
+    from ..rl.data import Sampler
+    from ..rl.trainer import Trainer, TrainState
+    from .ledger import Ledger
+
+    def _stateful(sampler: Sampler, buffer: RolloutBuffer, train_state: TrainState, schedule: CheckpointSchedule,
+                  rng: RNGState) -> list[Stateful]:
+        """Every part a snapshot keeps by state_dict is a Stateful: mypy fails here when one stops being one."""
+        return [sampler, buffer, train_state, schedule, rng]
 
 
 def rng_file(rank: int) -> str:
@@ -65,26 +80,30 @@ class Part:
 
     name: str
     kind: str
-    obj: object
+    obj: Any  # a Stateful (anchor, rank) or a DeepSpeed engine (engine)
     optional: bool = False  # snapshots written before the part existed lack it: it keeps its initial state
 
 
-def make_run(run_dir: Path, cfg, rt, trainer, reporter, ledger=None) -> Run:
-    """The run being driven (loop.context.Run), with its checkpointer, which is built from the run it
-    serves: the one way a Run is made, so that none is ever seen without its checkpointer. `ledger`:
-    rank 0's (None on the other ranks, and for a run without a journal)."""
-    run = Run(run_dir, cfg, rt, trainer, reporter, ledger)
-    run.ckpt = Checkpointer(run)
-    return run
+def make_run(run_dir: Path, rt: Runtime, trainer: Trainer, reporter: Reporter, ledger: Ledger | None = None) -> Run:
+    """The run being driven (loop.context.Run), made whole at once: its checkpointer first, from the
+    parts it serves; the topology and the snapshot schedule from the config the trainer is under (the
+    run's). The one way a Run is made. `ledger`: rank 0's (None on the other ranks, and for a run
+    without a journal)."""
+    topology = Topology.of_runtime(rt, trainer.cfg)
+    ckpt = Checkpointer(run_dir, rt, trainer, reporter, ledger, topology)
+    return Run(run_dir, rt, trainer, reporter, ledger, topology, ckpt)
 
 
 class Checkpointer:
-    """Snapshots of a live run (or a materialized state): schedule, write, publish, load."""
+    """Snapshots of a live run (or a materialized state): schedule, write, publish, load. What it reads
+    of the config it reads from the trainer's (the state's), but for the topology it loads into (this
+    process's) and the schedule's policy, both fixed when the run is made."""
 
-    def __init__(self, run: Run):
-        self.run = run
-        self.store = SnapshotStore(run.run_dir, run.ledger)
-        self.schedule = CheckpointSchedule(run.cfg.trainer)
+    def __init__(self, run_dir: Path, rt: Runtime, trainer: Trainer, reporter: Reporter, ledger: Ledger | None, topology: Topology):
+        self.run_dir, self.rt, self.trainer, self.reporter, self.ledger = run_dir, rt, trainer, reporter, ledger
+        self.topology = topology
+        self.store = SnapshotStore(run_dir, ledger)
+        self.schedule = CheckpointSchedule(trainer.cfg.trainer)
         self.rng = RNGState()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -96,14 +115,14 @@ class Checkpointer:
         self.resharded: dict | None = None  # set by load() when the snapshot came from another topology
         self.loaded_fingerprint: str | None = None  # the state's fingerprint right after a restore (recovery)
         self.blocked_s = 0.0  # how long the last snapshot blocked the loop
-        for engine in run.trainer.engines().values():
+        for engine in trainer.engines().values():
             install_safe_checkpointing(engine)
 
     def parts(self) -> list[Part]:
         """The registry of everything a snapshot holds: the one list save and load walk."""
-        trainer = self.run.trainer
+        trainer = self.trainer
         out = [Part(tag, ENGINE_PART, engine) for tag, engine in trainer.engines().items()]
-        anchored = {**trainer.state_parts(), "checkpoint_schedule": self.schedule}
+        anchored: dict[str, Stateful] = {**trainer.state_parts(), "checkpoint_schedule": self.schedule}
         out += [Part(name, ANCHOR_PART, part, optional=name in ("train_state", "checkpoint_schedule")) for name, part in anchored.items()]
         out.append(Part("rng", RANK_PART, self.rng))
         return out
@@ -113,7 +132,7 @@ class Checkpointer:
     def due(self, step: int, metrics: dict) -> bool:
         """Whether the schedule wants a snapshot after this live step. Asked before the step is
         committed, so a policy that fails costs the step it failed on, never a committed one."""
-        return self.run.rt.all_true(self.schedule.observe(step, metrics, self.run.trainer.train_state.trainer_state()))
+        return self.rt.all_true(self.schedule.observe(step, metrics, self.trainer.train_state.trainer_state()))
 
     def after_step(self, step: int, fingerprint: str, due: bool) -> None:
         """A live step is committed: snapshot it if it is due."""
@@ -122,7 +141,7 @@ class Checkpointer:
 
     def replayed(self, step: int, metrics: dict) -> None:
         """A replayed step: the schedule sees its journaled metrics as the live run's did."""
-        self.schedule.observe(step, metrics, self.run.trainer.train_state.trainer_state())
+        self.schedule.observe(step, metrics, self.trainer.train_state.trainer_state())
 
     # ------------------------------------------------------------------ writing
 
@@ -138,11 +157,11 @@ class Checkpointer:
         except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError ('unexpected pos ...')
             tmp = self.store.tmp_dir(step)
             error = write_failure_cause(e, tmp, files_under(tmp)) or (str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
-        if not self.run.rt.all_true(not error):
+        if not self.rt.all_true(not error):
             self.failed[step] = error or "on another rank"
-            self.run.reporter.warn(f"Snapshot at step {step} failed: {error or 'on another rank'}; training continues, "
-                                   "the journal still holds every step")
-            if self.run.rt.is_main:
+            self.reporter.warn(f"Snapshot at step {step} failed: {error or 'on another rank'}; training continues, "
+                               "the journal still holds every step")
+            if self.rt.is_main:
                 shutil.rmtree(self.store.tmp_dir(step), ignore_errors=True)
             return False
         return True
@@ -168,19 +187,19 @@ class Checkpointer:
         self.wait()
         tmp = out_dir.parent / f".tmp-{out_dir.name}"
         self._write(step, fp, tmp, publish=False)
-        if self.run.rt.is_main:
+        if self.rt.is_main:
             SnapshotStore.publish_standalone(tmp, out_dir)
-        self.run.rt.barrier()
+        self.rt.barrier()
 
     def _write(self, step: int, fp: str, tmp: Path, publish: bool) -> None:
-        rt = self.run.rt
+        rt = self.rt
         if rt.is_main:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         rt.barrier()
         t0 = time.perf_counter()
-        async_save = self.run.cfg.trainer.async_save and publish
+        async_save = self.trainer.cfg.trainer.async_save and publish
         deferred: list[tuple[str, object]] = []  # async: DeepSpeed's state copied to host memory, written in the background
         small: dict[str, bytes] = {}
         anchor: dict[str, dict] = {}
@@ -205,11 +224,11 @@ class Checkpointer:
                 "version": SNAPSHOT_VERSION,
                 "step": step,
                 "fingerprint": fp,
-                "config_hash": self.run.trainer.cfg.hash(),
+                "config_hash": self.trainer.cfg.hash(),
                 "engines": engines,
                 "world_size": rt.world_size,
                 "tensor_parallel_size": rt.tp_size,
-                "zero_stage": self.run.cfg.distributed.zero_stage,
+                "zero_stage": self.topology.zero_stage,
                 "time": time.time(),
                 "python": platform.python_version(),  # the pickled form of an enum depends on it (state.safe_load)
             }, indent=2).encode()
@@ -218,7 +237,7 @@ class Checkpointer:
         if async_save:
             self._thread = threading.Thread(target=self._finish_async, args=(step, fp, tmp, deferred, small), daemon=True)
             self._thread.start()
-            self.run.reporter.info(f"Step {step}: Saving checkpoint to {self.run.run_dir / snapshot_name(step)} in the background...")
+            self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / snapshot_name(step)} in the background...")
             return
         _write_small(tmp, small)
         failpoint("snapshot.mid_write")
@@ -228,7 +247,7 @@ class Checkpointer:
             if rt.is_main:
                 self._publish(step, fp, tmp)
             rt.barrier()
-            self.run.reporter.info(f"Step {step}: Saving checkpoint to {self.run.run_dir / snapshot_name(step)}...")
+            self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / snapshot_name(step)}...")
             if rt.is_main:
                 self._retain()
 
@@ -241,9 +260,9 @@ class Checkpointer:
             _write_small(tmp, small)
             failpoint("snapshot.mid_write")
             fsync_tree(tmp)
-            write_bytes_durable(tmp / f".done-rank{self.run.rt.rank:05d}", b"")
-            if self.run.rt.is_main:
-                markers = [tmp / f".done-rank{r:05d}" for r in range(self.run.rt.world_size)]
+            write_bytes_durable(tmp / f".done-rank{self.rt.rank:05d}", b"")
+            if self.rt.is_main:
+                markers = [tmp / f".done-rank{r:05d}" for r in range(self.rt.world_size)]
                 while not all(m.exists() for m in markers):
                     time.sleep(0.01)
                 for m in markers:
@@ -257,14 +276,14 @@ class Checkpointer:
     def _publish(self, step: int, fp: str, tmp: Path) -> None:
         self.store.publish(step, fp, tmp)
         self.write_metadata(step, saved=True)
-        self.store.rotate(self.run.cfg.trainer.save_total_limit)
+        self.store.rotate(self.trainer.cfg.trainer.save_total_limit)
 
     def _retain(self) -> None:
         """Rank 0, after a snapshot is published and rotation is done: prune what no kept snapshot needs."""
         try:
-            retention.apply(self.run.run_dir, self.run.cfg, self.run.ledger, self.run.reporter)
+            retention.apply(self.run_dir, self.trainer.cfg, self.ledger, self.reporter)
         except (RunError, JournalError, OSError) as e:  # the samples stay; the next snapshot tries again
-            self.run.reporter.warn(f"journal retention did not run: {e}")
+            self.reporter.warn(f"journal retention did not run: {e}")
 
     def wait(self) -> None:
         """Block until an in-flight async snapshot is published (or raise its error)."""
@@ -273,6 +292,7 @@ class Checkpointer:
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
+            assert self._error_step is not None  # set with _error
             why = self._error_cause or (str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
             self.failed[self._error_step] = why
             raise SnapshotError(f"background snapshot of step {self._error_step} failed: {why}")
@@ -281,13 +301,14 @@ class Checkpointer:
         try:
             self.wait()
         except SnapshotError as e:
-            self.run.reporter.warn(f"{e}; the journal still holds every step")
-        self.run.rt.barrier()
+            self.reporter.warn(f"{e}; the journal still holds every step")
+        self.rt.barrier()
 
     def write_metadata(self, step: int, resume_from: str | None = None, saved: bool = False) -> None:
-        sampler, state = self.run.trainer.sampler, self.run.trainer.train_state
-        self.run.ledger.write_train_metadata(self.run.run_dir, step=step, epoch=sampler.epoch, samples_seen=state.samples_seen,
-                                             config_hash=self.run.cfg.hash(), resume_from=resume_from, saved=saved)
+        sampler, state = self.trainer.sampler, self.trainer.train_state
+        assert self.ledger is not None  # rank 0's
+        self.ledger.write_train_metadata(self.run_dir, step=step, epoch=sampler.epoch, samples_seen=state.samples_seen,
+                                         config_hash=self.trainer.cfg.hash(), resume_from=resume_from, saved=saved)
 
     # ------------------------------------------------------------------ loading
 
@@ -298,13 +319,13 @@ class Checkpointer:
         engines = [p.name for p in self.parts() if p.kind == ENGINE_PART]
         if sorted(meta["engines"]) != sorted(engines):
             raise SnapshotError(f"{path} holds engines {meta['engines']}, this run has {engines}")
-        src, dst = Topology.of_snapshot(meta), Topology.of_runtime(self.run.rt, self.run.cfg)
+        src, dst = Topology.of_snapshot(meta), self.topology
         self.resharded = None
         universal = None
         if src != dst:  # another topology's files: through their universal form, converted once
             universal, self.resharded = self._converted(path, meta, src, dst)
         anchor = unpackb((path / ANCHOR).read_bytes())
-        own = path / rng_file(self.run.rt.rank)  # a rank the snapshot's topology did not have takes rank 0's
+        own = path / rng_file(self.rt.rank)  # a rank the snapshot's topology did not have takes rank 0's
         for part in self.parts():
             if part.kind == ENGINE_PART:
                 self._load_engine(part, path, universal)
@@ -314,14 +335,14 @@ class Checkpointer:
                 part.obj.load_state_dict(anchor[part.name])
             elif not part.optional:
                 raise SnapshotError(f"{path / ANCHOR} has no {part.name!r} state")
-        self.run.trainer.weights_changed()
+        self.trainer.weights_changed()
         return meta
 
     def _load_engine(self, part: Part, path: Path, universal: Path | None) -> None:
         engine, tag = part.obj, part.name
         if universal is not None:
-            reshard.load(engine, tag, universal, self.run.rt)
-            reshard.check_loaded(engine, tag, universal, self.run.rt, self.run.trainer.param_layout()[tag])
+            reshard.load(engine, tag, universal, self.rt)
+            reshard.check_loaded(engine, tag, universal, self.rt, self.trainer.param_layout()[tag])
             return
         install_safe_checkpointing(engine)
         load_path, _ = engine.load_checkpoint(
@@ -333,10 +354,10 @@ class Checkpointer:
     def _converted(self, path: Path, meta: dict, src, dst) -> tuple[Path, dict]:
         """The universal form of a snapshot written under another topology (state.reshard), converted by
         rank 0 unless a valid converted form is cached. Collective. Returns (its root, what was done)."""
-        why = refusal(src, dst, self.run.cfg.algorithm.loss_normalization)
+        why = refusal(src, dst, self.trainer.cfg.algorithm.loss_normalization)
         if why:
             raise SnapshotError(f"{path} was saved on {src}; this run is on {dst}: {why}")
-        layout = self.run.trainer.param_layout()
+        layout = self.trainer.param_layout()
 
         def convert() -> list:
             try:
@@ -345,7 +366,7 @@ class Checkpointer:
                 raise SnapshotError(str(e).splitlines()[0][:300] if str(e) else type(e).__name__) from None
             return [str(root), seconds]
 
-        root, seconds = self.run.rt.from_rank0(convert, f"converting {path.name} to the universal layout")
+        root, seconds = self.rt.from_rank0(convert, f"converting {path.name} to the universal layout")
         return Path(root), {"from": src.as_dict(), "to": dst.as_dict(), "convert_s": seconds, "cached": seconds == 0.0}
 
 

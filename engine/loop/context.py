@@ -1,6 +1,6 @@
 """The run being driven: one object for what every part of the loop needs, handed around whole.
 
-    run = make_run(run_dir, cfg, rt, trainer, reporter, ledger)  # loop.checkpointer; ledger: rank 0's, None on the others
+    run = make_run(run_dir, rt, trainer, reporter, ledger)  # loop.checkpointer; ledger: rank 0's, None on the others
     last, control = resume(run, changed, allow_change)       # loop.recovery
     train_loop(run, last, control, stop)                     # loop.run
 
@@ -22,20 +22,39 @@ if TYPE_CHECKING:
     from ..dist import Runtime
     from ..report import Reporter
     from ..rl.trainer import Trainer
+    from ..state.topology import Topology
     from .checkpointer import Checkpointer
     from .ledger import Ledger
 
 
 @dataclass
 class Run:
+    """Made whole, once, by make_run (loop.checkpointer), which builds its checkpointer first.
+
+    One config: the trainer's (:attr:`cfg`). What stays fixed for the process while a replay moves
+    the trainer through older configs (its topology, the snapshot schedule) is taken from that config
+    when the run is made."""
+
     run_dir: Path
-    cfg: Config  # the config this process runs under (a resume's, a fork's, a replay's target step's)
     rt: Runtime
     trainer: Trainer
     reporter: Reporter
-    ledger: Ledger | None = None  # the run's history in its journal: rank 0 only
-    ckpt: Checkpointer | None = None  # built from the run by make_run (loop.checkpointer), which makes every Run
+    ledger: Ledger | None  # the run's history in its journal: rank 0 only
+    topology: Topology  # this process's: its ranks, TP size and ZeRO stage (what a snapshot of another is resharded to)
+    ckpt: Checkpointer
+
+    @property
+    def cfg(self) -> Config:
+        """The run's config, the one its state is under: the run's own (a start's, a resume's, a fork's,
+        a replay's target step's), except while a replay moves the trainer through the configs the
+        journal recorded at each step (loop.recovery), which sets it back after."""
+        return self.trainer.cfg
+
+    def main_ledger(self) -> Ledger:
+        """The run's ledger, on rank 0, the one rank that holds it (what only rank 0 runs asks for it)."""
+        assert self.ledger is not None, "the ledger is rank 0's"
+        return self.ledger
 
     def history(self) -> History:
         """The run's history, read on rank 0 and sent to every rank (collective)."""
-        return History(**self.rt.from_rank0(lambda: self.ledger.history().to_dict(), "reading the run's history"))
+        return History(**self.rt.from_rank0(lambda: self.main_ledger().history().to_dict(), "reading the run's history"))

@@ -187,7 +187,7 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
     rt, trainer, ckpt = run.rt, run.trainer, run.ckpt
     out = ReplayOutcome(exact=ckpt is None or ckpt.resharded is None)
     records = run.ledger.journal.iter_steps(start, stop) if rt.is_main else None
-    here = Topology.of_runtime(rt, run.cfg).as_dict()
+    here = run.topology.as_dict()
     topo = history.topology_at(start)
     prev_fp = ckpt.loaded_fingerprint if ckpt is not None else None
     trainer.set_config(config_from_dict(history.config_at(start)))
@@ -315,7 +315,7 @@ def _topology_boundary(run: Run, history: History, step0: int, last: int, out: R
     """After a resume's restore and replay: the details of a topology boundary at step last + 1, or
     None when the state is still on the journal's reference line on the same topology. The rebased
     fingerprint is the state now, which the steps from last + 1 on build on."""
-    here = Topology.of_runtime(run.rt, run.cfg).as_dict()
+    here = run.topology.as_dict()
     before = history.topology_at(last)
     if out.exact and here == before:
         return None

@@ -107,11 +107,11 @@ def resolve_config(run_dir: Path, state: str, config_file, overrides, resume: bo
     if state != "empty":
         return make_config(config_file, overrides), [], None
     said = f"{run_dir} held a run that never committed a step; starting it afresh"
-    stored = unstarted_config(run_dir) if resume else None
-    if stored is None:
+    unstarted = unstarted_config(run_dir) if resume else None
+    if unstarted is None:
         return make_config(config_file, overrides), [], said + ("." if not resume else " (no config of it was stored).")
-    cfg = make_config(config_file, overrides, base=stored)
-    changed = [k for k in diff_configs(config_from_dict(stored).to_dict(), cfg.to_dict()) if k not in ONE_OFF_KEYS]
+    cfg = make_config(config_file, overrides, base=unstarted)
+    changed = [k for k in diff_configs(config_from_dict(unstarted).to_dict(), cfg.to_dict()) if k not in ONE_OFF_KEYS]
     return cfg, [], said + " with its stored config" + (f", changed by this command in {', '.join(changed)}." if changed else ".")
 
 
@@ -193,7 +193,7 @@ def train(
         reporter = Reporter(cfg.logging, run_dir, rt.is_main, cfg.trainer.total_steps)
         greet(reporter, notes, said or (f"No run in {run_dir} yet: starting a new one (--resume continues a run when there is "
                                         "one)." if resume and not existing else None))
-        run = make_run(run_dir, cfg, rt, trainer, reporter, Ledger(journal) if journal is not None else None)
+        run = make_run(run_dir, rt, trainer, reporter, Ledger(journal) if journal is not None else None)
         last, control, source = begin(run, existing, changed, allow_config_change)
         last = train_loop(run, last, control, stop, source)
         return Trained(last, run.ckpt.failures())
@@ -263,20 +263,20 @@ def begin(run: Run, existing: bool, changed: list[str], allow_change: bool) -> t
     on its own samples)."""
     from .recovery import resume
 
-    rt, reporter, ledger = run.rt, run.reporter, run.ledger
+    rt, reporter = run.rt, run.reporter
     if not existing:
         if rt.is_main:
-            ledger.start(run_identity(run))
+            run.main_ledger().start(run_identity(run))
         reporter.info("Step 0: Starting training...")
         return 0, [make_event("control", kind="start", details={"config_hash": run.cfg.hash(), "world_size": rt.world_size})], None
-    rt.from_rank0(lambda: run.trainer.check_identity(ledger.identity()), "checking the run's identity")
-    counterfactual = rt.from_rank0(lambda: ledger.counterfactual(), "reading the run's identity")
+    rt.from_rank0(lambda: run.trainer.check_identity(run.main_ledger().identity()), "checking the run's identity")
+    counterfactual = rt.from_rank0(lambda: run.main_ledger().counterfactual(), "reading the run's identity")
     # a what-if goes on training on its parent's samples
     source = whatif.resume_source(run, counterfactual, changed) if counterfactual is not None else None
     try:
         last, control = resume(run, changed, allow_change)
         if rt.is_main:
-            reporter.catch_up(ledger.metrics, last)
+            reporter.catch_up(run.main_ledger().metrics, last)
     except BaseException:
         if source is not None:
             source.close()
@@ -297,8 +297,8 @@ def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
-    for p in SnapshotStore(run_dir, None).temporaries():
-        shutil.rmtree(run_dir / p, ignore_errors=True)
+    for name in SnapshotStore(run_dir, None).temporaries():
+        shutil.rmtree(run_dir / name, ignore_errors=True)
     discard_journal(run_dir)
     if remove_dir and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {WRITER_DIR}:
         shutil.rmtree(run_dir)
@@ -344,7 +344,7 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
         failpoint("step.before_commit")  # the update is done, the journal does not know it yet
         t_commit = time.perf_counter()
         events = control + inputs.events() + outcome.events() + evaluated
-        rt.from_rank0(lambda: ledger.journal.append_step(step, events), f"the journal commit of step {step}")
+        rt.from_rank0(lambda: run.main_ledger().journal.append_step(step, events), f"the journal commit of step {step}")
         control = []
         # the commit's own time cannot be in the record it commits: it goes to the logs only
         logged = {**outcome.metrics, "timing_s/commit": time.perf_counter() - t_commit}
@@ -438,7 +438,8 @@ def start_child(replayed, parent: Path, new_run: Path, cfg: Config, counterfactu
     rt, trainer, step = replayed.run.rt, replayed.run.trainer, replayed.step
     # the base snapshot holds the state under the new config (an optimizer's lr is part of its state)
     base_fp, _ = trainer.fingerprint()
-    ledger, notes = None, []
+    ledger: Ledger | None = None
+    notes: list[str] = []
     if rt.is_main:
         new_run.mkdir(parents=True, exist_ok=True)
         with open_journal_reader(journal_dir(parent)) as pj:
@@ -446,14 +447,14 @@ def start_child(replayed, parent: Path, new_run: Path, cfg: Config, counterfactu
         journal, notes = open_writer(new_run, cfg.journal, claim_run(new_run, cfg.journal))
         ledger = Ledger(journal)
     try:
-        run = make_run(new_run, cfg, rt, trainer, Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps), ledger)
+        run = make_run(new_run, rt, trainer, Reporter(cfg.logging, new_run, rt.is_main, cfg.trainer.total_steps), ledger)
     except BaseException:
         if ledger is not None:
             ledger.close()
         raise
     if rt.is_main:
         origin = {"run": str(parent.resolve()), "step": step, "fingerprint": replayed.fingerprint, "base_fingerprint": base_fp}
-        run.ledger.start(run_identity(run), parent=origin, base_step=step, chain_base=chain, counterfactual=counterfactual)
+        run.main_ledger().start(run_identity(run), parent=origin, base_step=step, chain_base=chain, counterfactual=counterfactual)
         for note in notes:
             say(run.reporter, note)
     return run, base_fp

@@ -57,7 +57,7 @@ class WhatifSource:
 
     def __init__(self, run: Run, parent: Path):
         self.run, self.parent = run, Path(parent)
-        self.ledger = None
+        self.ledger: Ledger | None = None  # RUN's (the parent's), rank 0's
         if run.rt.is_main:
             if not (journal_dir(parent)).exists():
                 raise RunError(f"{run.run_dir} is a what-if of {parent}, whose journal is gone: it cannot go on")
@@ -73,6 +73,7 @@ class WhatifSource:
         trainer = self.run.trainer
 
         def read() -> list:
+            assert self.ledger is not None  # rank 0's
             record = self.ledger.journal.read_step(step)
             if record is None:
                 raise RunError(f"{self.parent} has no step {step}: the what-if cannot train it")
@@ -118,6 +119,7 @@ class WhatifSource:
 
     def _origin(self, step: int) -> str | None:
         """RUN's fingerprint after its base step (a fork's), from its parent record."""
+        assert self.ledger is not None  # rank 0's
         parent = self.ledger.parent()
         return parent["fingerprint"] if parent is not None and parent["step"] == step else None
 

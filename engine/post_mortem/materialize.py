@@ -81,7 +81,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
     reporter = reporter or Reporter(cfg.logging, run_dir, enabled=rt.is_main and not quiet, total_steps=to_step, sinks=False)
     run = None
     try:
-        run = make_run(run_dir, cfg, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
+        run = make_run(run_dir, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
         step0, out = materialize_steps(run, to_step, max_snapshot=max_snapshot)
         fp = out.fingerprint
         if fp is None:

@@ -99,7 +99,7 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
     reporter = Reporter(cfg.logging, run_dir, enabled=False, total_steps=stop, sinks=False)
     trainer = Trainer(cfg, rt)
     try:
-        run = make_run(run_dir, cfg, rt, trainer, reporter, ledger if rt.is_main else None)
+        run = make_run(run_dir, rt, trainer, reporter, ledger if rt.is_main else None)
         run.trainer.keep_stages = keep
         step0 = restore(run, start - 1)
         seen: dict = {}

@@ -37,6 +37,7 @@ import os
 import signal
 import time
 from collections import deque
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,9 +58,9 @@ class GeneratorProcess(SamplerEngine):
     on the trainer's device. ``submit`` returns at once; ``result`` waits. ``policy_version`` is the
     version it holds."""
 
-    def __init__(self, rt, actor, tokenizer):
+    def __init__(self, rt, actor, tokenizer) -> None:
         super().__init__(rt, actor, tokenizer)
-        self.proc = None
+        self.proc: Any = None  # the generator's (torch.multiprocessing) Process: None until the first sync, after close
         self.shared: dict[str, torch.Tensor] = {}
         self.policy_version: int | None = None  # the version the process holds
         self.stale = True

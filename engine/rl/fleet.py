@@ -38,6 +38,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -103,7 +104,7 @@ class GeneratorActor:
 class _Slot:
     """One actor as the fleet sees it: alive (answered since its last death) or not; `inc` counts its deaths."""
 
-    handle: object
+    handle: Any  # Ray's ActorHandle (its methods are Ray's remote calls)
     alive: bool = False
     pid: int | None = None
     inc: int = 0
@@ -127,12 +128,12 @@ class RayFleet(SamplerEngine):
         except ImportError:
             raise ConfigError("rollout.fleet=ray needs ray: pip install 'verlj[ray]'") from None
 
-    def __init__(self, rt, actor, tokenizer):
+    def __init__(self, rt, actor, tokenizer) -> None:
         super().__init__(rt, actor, tokenizer)
         self.slots: list[_Slot] = []
         self.policy_version: int | None = None
         self.stale = True
-        self._weights = None  # (version, ObjectRef) the actors generate from
+        self._weights: tuple[int, Any] | None = None  # (version, ObjectRef) the actors generate from
         self._lock = threading.Condition()
         self._queue: deque = deque()  # work items not handed out: (owner, key, prompt, seeds, params)
         self._chunk = 1

@@ -71,6 +71,7 @@ def tiny_chars(cfg: Config) -> list[str]:
 def load_tokenizer(path: str, key: str = "model.actor.model_name_or_path", cfg: Config | None = None):
     """A local directory's tokenizer, or the built-in model's (its vocabulary from `cfg`)."""
     if path == BUILTIN_TINY:
+        assert cfg is not None, "the built-in model's tokenizer needs the run's config (model.tiny.vocab)"
         return builtin_tokenizer(tiny_chars(cfg))
     from transformers import AutoTokenizer
 

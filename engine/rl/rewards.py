@@ -103,7 +103,7 @@ def load_reward_fn(spec: str, train_dataset: str = "builtin:add", task_dataset=N
 def rule_rewards(fn, prompts: list[str], responses: list[str], examples: list) -> list[float]:
     """fn on every sample (`examples`: the rl.data.Example each was drawn from); numpy scalars are
     numbers too. Anything else, or an exception, is one sentence naming the function and the prompt."""
-    out = []
+    out: list[float] = []
     for p, r, ex in zip(prompts, responses, examples):
         try:
             if isinstance(fn, TaskScorer):

@@ -14,16 +14,32 @@ Only live steps generate: replay reads the samples from the journal, so it never
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ..config import Config
 from .sampler import SamplerEngine, sample_seeded, sampling_params
 
+if TYPE_CHECKING:
+    from ..dist import Runtime
+    from .async_rollout import GeneratorProcess, VllmGeneratorProcess
+    from .fleet import RayFleet
+    from .vllm_engine import VllmEngine
+    from .workers import ActorWorker
+
+
+# What a `submit` hands back for `result`: the samples themselves (engines that generate at once) or a
+# ticket for them (engines that generate beside the trainer). Only the engine that made one reads it.
+Handle = Any
+
+# (group id, prompt token ids, one seed per sample): one group `ask` queues in completion order
+AskedGroup = tuple[int, np.ndarray, list[int]]
+
 
 class RolloutEngine(Protocol):
-    """What generates a step's samples (``rollout.engine``; :func:`make_engine` chooses, in one place).
+    """What generates a step's samples (``rollout.engine``; :func:`make_engine` chooses, in one place):
+    exactly what the trainer and the loop call on one. mypy holds every engine to it (``_conforms``).
 
     Exactness lives in ``Trainer.apply``, never here: whatever an engine returns is journaled and
     replay reads it back, so an engine may be fast and nondeterministic. Only live steps use one.
@@ -36,27 +52,46 @@ class RolloutEngine(Protocol):
     def preflight(cls, cfg: Config, device) -> None:
         """Before a run that will generate writes anything: raise ConfigError if it cannot run here."""
 
-    def sync(self, cfg: Config, version: int = 0) -> None:
+    def __init__(self, rt: Runtime, actor: ActorWorker, tokenizer) -> None:
+        """Build nothing yet: an engine starts at its first `sync`."""
+
+    def sync(self, cfg: Config, version: int) -> None:
         """Make the engine generate from the actor's current weights, policy `version` (the step whose
         update made them): start it, push them. Collective."""
 
-    def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """(response ids, their log-probs under the sampling distribution) of one sample per prompt,
-        each drawn from its own seed. Collective."""
+    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> Handle:
+        """Start generating one sample per prompt, each drawn from its own seed; `result` returns them.
+        An engine that runs beside the trainer (async rollout) returns at once; the others generate
+        here. Collective."""
 
-    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
-        """Start generating (as `generate`); `result` returns what it returned. An engine that runs
-        beside the trainer (async rollout) returns at once; the others generate here. Collective."""
+    def result(self, handle: Handle) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(response ids, their log-probs under the sampling distribution) of a `submit`, waiting for
+        them. Collective."""
 
-    def result(self, handle) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """The responses and log-probs of a `submit`, waiting for them. Collective."""
+    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int) -> None:
+        """Completion order (``rollout.async_order=completion``): queue groups; they come back from
+        `arrived` in the order they complete, up to `batch_groups` of them generated together.
+        Engines that generate only in step order refuse it (config.validate never lets it reach them)."""
+
+    def arrived(self, wait: float) -> list[tuple]:
+        """Completion order: the groups completed since the last call, as (group, responses, log-probs,
+        version), waiting up to `wait` seconds for the first when none has."""
 
     def weights_changed(self) -> None:
         """The actor's weights changed (an update, a snapshot load): the next sync must bring them."""
 
+    def metrics(self) -> dict[str, float]:
+        """What the engine counts of itself for the step's metrics (the fleet: rollout/fleet/*; {} for the others)."""
+
     def close(self, at_once: bool = False) -> None:
         """Release what the engine holds (memory, threads), keeping the trainer's process group.
         `at_once`: the user asked to stop now (a second Ctrl-C): wait for no work in flight."""
+
+
+def step_order_only(engine: str) -> AssertionError:
+    """What an engine that generates only in step order raises when asked for completion order."""
+    return AssertionError(f"rollout.engine={engine} in rollout.mode=sync generates in step order only: "
+                          "rollout.async_order=completion needs rollout.mode=async (config.validate refuses the rest)")
 
 
 class HFEngine(SamplerEngine):
@@ -66,16 +101,22 @@ class HFEngine(SamplerEngine):
         return sample_seeded(self.actor.module, prompts, seeds, sampling_params(cfg), self.tokenizer.eos_token_id,
                              self.tokenizer.pad_token_id, self.rt.device, all_done=self.rt.all_true)
 
-    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
+    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
         return self.generate(prompts, seeds, cfg)
 
-    def result(self, handle):
+    def result(self, handle: tuple[list[np.ndarray], list[np.ndarray]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         return handle
+
+    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int) -> None:
+        raise step_order_only(self.name)
+
+    def arrived(self, wait: float) -> list[tuple]:
+        raise step_order_only(self.name)
 
     def weights_changed(self) -> None:
         """Nothing to do: it samples from the trained module itself."""
 
-    def sync(self, cfg: Config, version: int = 0) -> None:
+    def sync(self, cfg: Config, version: int) -> None:
         """Nothing to do (see weights_changed)."""
 
     def close(self, at_once: bool = False) -> None:
@@ -108,5 +149,11 @@ def make_engine(name: str, rt, actor, tokenizer, mode: str = "sync") -> RolloutE
 
 def engine_metrics(engine: RolloutEngine | None) -> dict[str, float]:
     """What an engine counts of itself for the step's metrics (the fleet: rollout/fleet/*); {} for the others."""
-    metrics = getattr(engine, "metrics", None)
-    return metrics() if metrics is not None else {}
+    return engine.metrics() if engine is not None else {}
+
+
+if TYPE_CHECKING:  # every engine is a RolloutEngine: mypy fails here (the README's test command) when one stops conforming
+
+    def _conforms(hf: HFEngine, vllm: VllmEngine, gen: GeneratorProcess, vllm_gen: VllmGeneratorProcess,
+                  fleet: RayFleet) -> list[RolloutEngine]:
+        return [hf, vllm, gen, vllm_gen, fleet]

@@ -26,11 +26,15 @@ class SamplerEngine:
     def preflight(cls, cfg: Config, device) -> None:
         """Runs wherever the actor runs."""
 
-    def __init__(self, rt, actor, tokenizer):
+    def __init__(self, rt, actor, tokenizer) -> None:
         from importlib.metadata import version
 
         self.rt, self.actor, self.tokenizer = rt, actor, tokenizer
         self.version = version("transformers")  # read as loop.ledger.versions() reads it: one answer for both
+
+    def metrics(self) -> dict[str, float]:
+        """What the engine counts of itself for the step's metrics: nothing (the fleet counts its actors)."""
+        return {}
 
 
 def sampling_params(cfg: Config) -> dict:
@@ -105,7 +109,8 @@ def generate(
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    out_tokens, out_logps = [], []
+    out_tokens: list[torch.Tensor] = []
+    out_logps: list[torch.Tensor] = []
     cache = None
     step_ids, step_pos = ids, positions
     for _ in range(max_new_tokens):
@@ -127,7 +132,7 @@ def generate(
     responses, logprobs = [], []
     for i in range(B):
         row = toks[i]
-        ends = np.nonzero(row == eos_id)[0] if not ignore_eos else []
+        ends = np.nonzero(row == eos_id)[0] if not ignore_eos else np.zeros(0, dtype=np.int64)
         n = int(ends[0]) + 1 if len(ends) else len(row)
         responses.append(row[:n].astype(np.int64))
         logprobs.append(logps[i, :n].astype(np.float32))

@@ -39,6 +39,7 @@ from verlj.journal.claim import process_start
 
 from ..config import Config, ConfigError
 from .models import BUILTIN_TINY
+from .rollout import AskedGroup, step_order_only
 from .sampler import sampling_params
 
 # vLLM's CPU attention backend (0.32) takes these head sizes only (CPUAttentionBackend; checked by
@@ -238,6 +239,7 @@ def start_llm(cfg: Config, model_config, weights: list[tuple[str, torch.Tensor]]
         max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         seqs = max(1, cfg.data.prompts_per_step // dp_size * cfg.rollout.n)
         blocks = seqs * -(-max_len // CPU_BLOCK)
+        memory: dict[str, int | float]
         if device_type == "cpu":  # every sequence of a round fits at full length: nothing is preempted
             memory = {"block_size": CPU_BLOCK, "kv_cache_memory_bytes": _kv_cache_bytes(model_config, dtype, blocks)}
         else:
@@ -315,7 +317,7 @@ class VllmEngine:
     def preflight(cls, cfg: Config, device) -> None:
         preflight(cfg, device)
 
-    def __init__(self, rt, actor, tokenizer):
+    def __init__(self, rt, actor, tokenizer) -> None:
         self.rt, self.actor, self.tokenizer = rt, actor, tokenizer
         self.version = str(import_vllm().__version__)
         self.llm = None
@@ -348,7 +350,8 @@ class VllmEngine:
         self.stale = True
 
     def sync(self, cfg: Config, version: int = 0) -> None:
-        """Make the engine generate from the actor's current weights: start it, or push. Collective."""
+        """Make the engine generate from the actor's current weights: start it, or push (`version`: the
+        trainer's, unused here: vLLM generates from whatever it holds). Collective."""
         if self.llm is None:
             self._start(cfg)
         elif self.stale:
@@ -356,12 +359,21 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
+    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Generates here (the colocated engine shares the trainer's process): see `generate`."""
         return self.generate(prompts, seeds, cfg)
 
-    def result(self, handle):
+    def result(self, handle: tuple[list[np.ndarray], list[np.ndarray]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         return handle
+
+    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int) -> None:
+        raise step_order_only(self.name)
+
+    def arrived(self, wait: float) -> list[tuple]:
+        raise step_order_only(self.name)
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
         self.sync(cfg)  # a no-op after the collect's own sync

@@ -33,7 +33,7 @@ class TextDecoder:
 
     def __init__(self, model_path: str, chars: list[str] | None = None):
         self._tok = None
-        self._chars = None
+        self._chars: list[str] = []  # the built-in vocabulary (its specials first); [] for a tokenizer.json
         if model_path == "builtin:tiny":
             self._chars = SPECIALS + (chars or VOCABS["digits"])
         else:

@@ -82,7 +82,8 @@ def group_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     out = []
     if small:
         end = sum(w.numel() for w in small) // ROW * ROW  # the layout's rows end here; the words past it are its tail
-        row, offset, chunk, held = None, 0, [], 0
+        row, offset, held = None, 0, 0
+        chunk: list[torch.Tensor] = []
         for w in [*small, None]:
             if chunk and (w is None or (held + w.numel()) * 8 > CHUNK):
                 share = _placed_sums(torch.cat(chunk) if len(chunk) > 1 else chunk[0], offset, end)

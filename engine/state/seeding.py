@@ -36,7 +36,7 @@ def rng_digest() -> dict[str, str]:
 
     parts = {
         "torch": blake3.blake3(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16],
-        "numpy": blake3.blake3(np.random.get_state()[1].tobytes()).hexdigest()[:16],
+        "numpy": blake3.blake3(np.random.get_state(legacy=True)[1].tobytes()).hexdigest()[:16],  # type: ignore[index]  # legacy: a tuple
         "python": blake3.blake3(repr(random.getstate()).encode()).hexdigest()[:16],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():

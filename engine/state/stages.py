@@ -53,7 +53,8 @@ def first_element_difference(a: list[tuple[str, np.ndarray]], b: list[tuple[str,
     """Between two stages' values (``[(name, array)]``, in the order the step produced them): the
     first part and element whose bits differ, both values, and the largest absolute difference over
     the stage's parts of equal shape. None when they agree bit for bit."""
-    first, largest = None, 0.0
+    first: dict | None = None
+    largest = 0.0
     for (name, x), (_, y) in zip(a, b):
         x, y = np.asarray(x).reshape(-1), np.asarray(y).reshape(-1)
         if x.shape != y.shape:
