@@ -344,11 +344,11 @@ def render_summary(s: RunSummary) -> str:
         w = s.writer
         lines.append(f"writer     pid {w.pid} on {w.host} (writer epoch {w.epoch}, claimed {w.claimed}"
                      f"{', released' if w.released else ''})")
-    for q in map(lambda x: _view(Snapshot, x), s.quarantined):
+    for q in (_view(Snapshot, x) for x in s.quarantined):
         lines.append(f"quarantine {q.name} ({q.reason}) moved to {q.path}")
-    for m in map(lambda x: _view(Snapshot, x), s.missing):
+    for m in (_view(Snapshot, x) for x in s.missing):
         lines.append(f"missing    {m.name} was {m.reason}: a resume removed it from the index")
-    for entry in map(lambda x: _view(LineageEntry, x), s.lineage):
+    for entry in (_view(LineageEntry, x) for x in s.lineage):
         if entry.kind == "start":
             continue
         parent = _view(Parent, entry.parent or {})
@@ -365,7 +365,7 @@ def render_summary(s: RunSummary) -> str:
                 lines.append(f"versions   changed at that resume: {', '.join(entry.versions_changed)}")
     for entry in s.topology:
         lines.append(f"topology   {topology_line(entry)}")
-    for pr in map(lambda x: _view(Probe, x), s.probes):
+    for pr in (_view(Probe, x) for x in s.probes):
         span = f"steps {pr.steps[0]}–{pr.steps[1]} ({pr.count})" if pr.steps else "no steps"
         lines.append(f"probe      {pr.probe} version {pr.version}: {span}, as probe/{pr.probe}/… (verlj replay --probe)")
     if s.trend:
@@ -563,7 +563,7 @@ def render_step(d: StepDetail) -> str:
     for k in sorted(m):
         lines.append(f"  {k:32s} {m[k]:.6g}")
     if d.probe_metrics:
-        versions = {p.probe: p.version for p in map(lambda x: _view(Probe, x), d.probes)}
+        versions = {p.probe: p.version for p in (_view(Probe, x) for x in d.probes)}
         lines.append("probes     (computed afterwards by verlj replay --probe; not in the journal)")
         for k in sorted(d.probe_metrics):
             name = k.split("/")[1]
