@@ -31,10 +31,10 @@ def inspect(
 
     if step is None:
         s = guarded(lambda: inspection.run_summary(run))
-        typer.echo(json.dumps(_jsonable(s), indent=2) if as_json else inspection.render_summary(s))
+        typer.echo(json.dumps(_jsonable(s.to_json()), indent=2) if as_json else inspection.render_summary(s))
     else:
         d = guarded(lambda: inspection.step_detail(run, step, max_samples))
-        typer.echo(json.dumps(_jsonable(d), indent=2) if as_json else inspection.render_step(d))
+        typer.echo(json.dumps(_jsonable(d.to_json()), indent=2) if as_json else inspection.render_step(d))
 
 
 def metrics(
@@ -122,14 +122,14 @@ def find(
 
     hits = guarded(lambda: inspection.find_steps(run, where, limit))
     if as_json:
-        typer.echo(json.dumps([{"step": s, **v} for s, v in hits], allow_nan=True))
+        typer.echo(json.dumps([m.to_json() for m in hits], allow_nan=True))
         return
     if not hits:
         typer.echo(f"no step matches {where!r}")
         return
-    typer.echo(f"{len(hits)} step(s) match {where!r}; first: {hits[0][0]}")
-    for s, v in hits:
-        typer.echo(f"  step {s}: " + "  ".join(f"{k}={_fmt(x)}" for k, x in v.items()))
+    typer.echo(f"{len(hits)} step(s) match {where!r}; first: {hits[0].step}")
+    for m in hits:
+        typer.echo(f"  step {m.step}: " + "  ".join(f"{k}={_fmt(x)}" for k, x in m.values.items()))
 
 
 def diff(
@@ -156,8 +156,8 @@ def diff(
         echo = data_stdout()
         from verlj.engine.post_mortem.rerun import diff_stages as compare
     d = guarded(lambda: compare(run_a, run_b, full))
-    echo(json.dumps(_jsonable(d), indent=2) if as_json else inspection.render_diff(d, run_a, run_b))
-    raise typer.Exit(0 if d["identical"] and not (strict_env and d["environment"]) else 1)
+    echo(json.dumps(_jsonable(d.to_json()), indent=2) if as_json else inspection.render_diff(d, run_a, run_b))
+    raise typer.Exit(0 if d.identical and not (strict_env and d.environment) else 1)
 
 
 def register(app: typer.Typer) -> None:

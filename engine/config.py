@@ -795,6 +795,12 @@ def config_from_dict(data: dict) -> Config:
     return _build(Config, data).validate()
 
 
+def config_from_stored(data: dict) -> Config:
+    """A config a run stored (`stored_config` applied) as types, for reading only: not validated again
+    (it was when the run started; what validation imports, pyarrow or wandb, may be missing where it is read)."""
+    return _build(Config, stored_config(data))
+
+
 def to_yaml(cfg: Config, stored: bool = False) -> str:
     """The config as YAML (stored=True: as the run keeps it, without one-off choices)."""
     return yaml.safe_dump(cfg.to_stored() if stored else cfg.to_dict(), sort_keys=False)

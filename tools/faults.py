@@ -143,9 +143,9 @@ def identical(run: Path, ref: Path) -> tuple[bool, str]:
         d = first_difference(run, ref, full=True)
     except Exception as e:  # noqa: BLE001 - reported as the trial's note
         return False, f"diff failed: {e}"
-    if d["identical"]:
+    if d.identical:
         return True, ""
-    return False, f"first difference at step {d['step']}: {', '.join(d['differs'])}"
+    return False, f"first difference at step {d.step}: {', '.join(d.differs)}"
 
 
 def resume_until_done(run: Path, *over, tries=8, **extra) -> subprocess.CompletedProcess | None:

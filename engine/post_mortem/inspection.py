@@ -8,6 +8,12 @@
 
 Metrics, find and diff read the journal's summary sub-database (no samples), so they stream a long
 run quickly; a single step is one key lookup.
+
+Each command's answer is a frozen dataclass here (:class:`RunSummary`, :class:`StepDetail`,
+:class:`Match`, :class:`Difference`): ``to_json()`` is its ``--json`` form, ``render_*`` its text.
+Journal records are read through ``schema.events.StepEvents``; the ledger's own entries (lineage,
+topology changes, quarantined snapshots, ...) and the probe files are shown in ``--json`` as they are
+kept, and read for the text through the views below.
 """
 
 from __future__ import annotations
@@ -16,19 +22,28 @@ import json
 import math
 import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ..config import diff_configs
+from ..config import config_from_stored, diff_configs
 from ..errors import RunError
 from ..loop import archive
 from ..loop.ledger import Ledger, open_run, writer_dir
 from ..rl import samples as table
+from ..schema.events import ConfigChange, Control, Eval, Metrics, Requests, Rollout, StepEvents
+from ..schema.sample import Columns
 from ..state.manifest import check_snapshot
 from . import derived
 from .steps import parse_steps, ranges
+
+REWARD = "critic/score/mean"  # the summary's trend
+PG_LOSS = "actor/pg_loss"
+STALENESS_MEAN = "rollout/staleness/mean"  # async: how far behind the samples a step trains on are
+STALENESS_MAX = "rollout/staleness/max"
+TIMING = "timing_s/"  # the prefix of the wall-time metrics: diff leaves them aside
 
 
 def check_range(ledger: Ledger, step: int) -> None:
@@ -37,62 +52,231 @@ def check_range(ledger: Ledger, step: int) -> None:
         raise RunError(f"step {step} is out of range: this run has steps {first}–{last}")
 
 
+def _view(cls, d: dict):
+    """`cls` (a frozen dataclass) over a plain map another module keeps (the ledger's entries, a
+    probe file's, a rollout-table row): the keys its fields name; a key `d` lacks is the field's default."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _json(view) -> dict:
+    """A view's fields as a map, in their order (the values as they are)."""
+    return {f.name: getattr(view, f.name) for f in fields(view)}
+
+
+def _rollout_json(r: Rollout) -> dict:
+    """The rollout event as inspect shows it: engine, its package's version, and the async fields."""
+    return {"engine": r.engine, "version": r.version, **r.mode_fields()}
+
+
+def _order(r: Rollout) -> str:
+    return "completion order, " if r.completion_order else ""
+
+
+# ----------------------------------------------------------------------------- views of the ledger's entries
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What inspect shows of a run's identity (Ledger.identity); a fact it lacks is None."""
+
+    config_hash: str | None = None
+    config: dict | None = None  # as stored (--json shows it so); read through config_from_stored
+    versions: dict | None = None
+    world_size: int | None = None  # at the start
+    created: str | None = None
+    counterfactual: dict | None = None  # a what-if's (Ledger.start), as stored
+
+
+@dataclass(frozen=True)
+class Counterfactual:
+    run: str | None = None
+    from_step: int = 0
+    to_step: int | None = None
+    overrides: list | None = None
+
+
+@dataclass(frozen=True)
+class Parent:
+    run: str | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class LineageEntry:
+    """One entry of Ledger.lineage: a start, a fork or what-if (`parent`), or a resume."""
+
+    kind: str
+    at_step: int | None = None
+    snapshot_step: int | None = None
+    time: str | None = None
+    parent: dict | None = None
+    config_changes: list | None = None
+    resume_from: str | None = None
+    versions_changed: list | None = None
+
+
+@dataclass(frozen=True)
+class Deviation:
+    deviation: float = 0
+    metric: str | None = None
+
+
+@dataclass(frozen=True)
+class TopologyChange:
+    """One entry of Ledger.topology_history: the topology before (`prior`: the entry's `from`) and after."""
+
+    from_step: int
+    prior: dict
+    topology: dict
+    checked_steps: int | None = None
+    max_deviation: dict | None = None
+
+    @classmethod
+    def of(cls, entry: dict) -> TopologyChange:
+        return _view(cls, {**entry, "prior": entry["from"]})
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A snapshot the ledger moved aside (Ledger.quarantined: `path`) or found missing (Ledger.missing)."""
+
+    name: str
+    reason: str | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class Indexed:
+    path: str  # the snapshot index's entry (Ledger.snapshots): where the snapshot is
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A stored probe (derived.probes): its name, version, first and last step and how many."""
+
+    probe: str
+    version: str | None = None
+    count: int = 0
+    steps: list = field(default_factory=list)
+
+
 # ----------------------------------------------------------------------------- summary
 
 
-def run_summary(run_dir: Path, trend_points: int = 20) -> dict:
+@dataclass(frozen=True)
+class SnapshotLine:
+    name: str
+    indexed: bool
+    valid: bool
+    problem: str | None
+
+
+@dataclass(frozen=True)
+class Writer:
+    """The run's latest writer claim (journal.claim): who trains it, or trained it last."""
+
+    epoch: int
+    host: str | None = None
+    pid: int | None = None
+    command: Any = None
+    claimed: str | None = None
+    released: Any = None
+
+
+@dataclass(frozen=True)
+class TrendPoint:
+    step: int
+    reward: float | None
+    loss: float | None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """`verlj inspect RUN`. The ledger's entries (lineage, topology, quarantined, missing) and the
+    stored probes are kept as the ledger and the probe files hold them: --json shows them so."""
+
+    run: str
+    identity: Identity
+    world_size: int
+    rollout: Rollout
+    steps_committed: int
+    first_step: int | None
+    last_step: int
+    snapshots: tuple[SnapshotLine, ...]
+    lineage: list[dict]
+    topology: list[dict]
+    writer: Writer | None
+    quarantined: list[dict]
+    missing: list[dict]
+    trend: tuple[TrendPoint, ...]
+    probes: list[dict]
+
+    def to_json(self) -> dict:
+        ident = self.identity
+        return {
+            "run": self.run,
+            "config_hash": ident.config_hash,
+            "config": ident.config,
+            "versions": ident.versions,
+            "world_size": self.world_size,
+            "world_size_at_start": ident.world_size,
+            "rollout": _rollout_json(self.rollout),
+            "created": ident.created,
+            "steps_committed": self.steps_committed,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "snapshots": [_json(x) for x in self.snapshots],
+            "lineage": self.lineage,
+            "topology": self.topology,
+            "writer": _json(self.writer) if self.writer is not None else None,
+            "quarantined": self.quarantined,
+            "missing": self.missing,
+            "trend": [_json(t) for t in self.trend],
+            "probes": self.probes,
+            "counterfactual": ident.counterfactual,
+        }
+
+
+def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
+    from ..state.topology import Topology
+
     run_dir = Path(run_dir)
     with open_run(run_dir) as ledger:
-        meta = ledger.identity()
+        identity = _view(Identity, ledger.identity())
         lineage = ledger.lineage()
         topology = ledger.topology_history()
         quarantined = ledger.quarantined()
         missing = ledger.missing()
         last, base = ledger.last_step(), ledger.base_step()
         index = ledger.snapshots()
-        ranks_now = ledger.topology_at(last)["world_size"]
+        ranks_now = Topology(**ledger.topology_at(last)).world_size
         last_summary = ledger.journal.read_summary(last) if last > base else None
-        rollout = last_summary.first("rollout") if last_summary else None
-        engine = {k: rollout[k] for k in ("engine", "version", "mode", "max_staleness", "async_order") if k in rollout} if rollout else \
-            {"engine": ledger.config_at(last).get("rollout", {}).get("engine", "hf"), "version": None}
+        rollout = StepEvents.of(last_summary).rollout if last_summary else None
+        if rollout is None:
+            rollout = Rollout(config_from_stored(ledger.config_at(last)).rollout.engine, None)
         trend = []
         if last > base:
             steps = sorted({int(x) for x in np.linspace(base + 1, last, num=min(trend_points, last - base))})
             for s in steps:
                 summ = ledger.journal.read_summary(s)
-                values = summ.metrics if summ else {}
-                trend.append({"step": s, "reward": values.get("critic/score/mean"), "loss": values.get("actor/pg_loss")})
+                values = StepEvents.of(summ).values if summ else {}
+                trend.append(TrendPoint(s, values.get(REWARD), values.get(PG_LOSS)))
     snaps = []
-    names = {p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("step_")} | {i["path"] for i in index.values()}
-    indexed = {i["path"] for i in index.values()}
+    indexed = {_view(Indexed, i).path for i in index.values()}
+    names = {p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("step_")} | indexed
     for name in sorted(names):
         res = check_snapshot(run_dir / name, hash_files=False)
-        snaps.append({"name": name, "indexed": name in indexed, "valid": res.valid, "problem": res.problems[0] if res.problems else None})
-    return {
-        "run": str(run_dir),
-        "config_hash": meta.get("config_hash"),
-        "config": meta.get("config"),
-        "versions": meta.get("versions"),
-        "world_size": ranks_now,
-        "world_size_at_start": meta.get("world_size"),
-        "rollout": engine,
-        "created": meta.get("created"),
-        "steps_committed": last - base,
-        "first_step": base + 1 if last > base else None,
-        "last_step": last,
-        "snapshots": snaps,
-        "lineage": lineage,
-        "topology": topology,
-        "writer": _writer(run_dir),
-        "quarantined": quarantined,
-        "missing": missing,
-        "trend": trend,
-        "probes": derived.probes(run_dir),
-        "counterfactual": meta.get("counterfactual"),
-    }
+        snaps.append(SnapshotLine(name, name in indexed, res.valid, res.problems[0] if res.problems else None))
+    return RunSummary(
+        run=str(run_dir), identity=identity, world_size=ranks_now, rollout=rollout, steps_committed=last - base,
+        first_step=base + 1 if last > base else None, last_step=last, snapshots=tuple(snaps), lineage=lineage,
+        topology=topology, writer=_writer(run_dir), quarantined=quarantined, missing=missing, trend=tuple(trend),
+        probes=derived.probes(run_dir),
+    )
 
 
-def _writer(run_dir: Path) -> dict | None:
+def _writer(run_dir: Path) -> Writer | None:
     """The run's latest writer claim (journal.claim): who trains it, or trained it last."""
     from verlj.journal.claim import current
 
@@ -100,18 +284,19 @@ def _writer(run_dir: Path) -> dict | None:
     if found is None or found[1] is None:
         return None
     epoch, data = found
-    return {"epoch": epoch, **{k: data.get(k) for k in ("host", "pid", "command", "claimed", "released")}}
+    return Writer(epoch, **{f.name: data.get(f.name) for f in fields(Writer)[1:]})
 
 
 def topology_line(entry: dict) -> str:
-    """One topology boundary of the ledger's history, in words."""
+    """One topology boundary of the ledger's history (an entry of Ledger.topology_history), in words."""
     from ..state.topology import Topology
 
-    said = f"from step {entry['from_step']}: {Topology(**entry['from'])} -> {Topology(**entry['topology'])}"
-    if entry.get("checked_steps"):
-        w = entry.get("max_deviation") or {}
-        said += (f"; {entry['checked_steps']} replayed step(s) agreed with the journal within the tolerance "
-                 f"(largest deviation {w.get('deviation', 0):.3g}, {w.get('metric')})")
+    change = TopologyChange.of(entry)
+    said = f"from step {change.from_step}: {Topology(**change.prior)} -> {Topology(**change.topology)}"
+    if change.checked_steps:
+        w = _view(Deviation, change.max_deviation or {})
+        said += (f"; {change.checked_steps} replayed step(s) agreed with the journal within the tolerance "
+                 f"(largest deviation {w.deviation:.3g}, {w.metric})")
     return said + "; bits differ from here by design, the new fingerprints are the reference"
 
 
@@ -130,62 +315,62 @@ def sparkline(values: list[float | None]) -> str:
     return "".join(out)
 
 
-def render_summary(s: dict) -> str:
-    cfg = s["config"] or {}
-    started_on = "" if s["world_size"] == s["world_size_at_start"] else f" (started on {s['world_size_at_start']})"
+def render_summary(s: RunSummary) -> str:
+    ident, ro = s.identity, s.rollout
+    cfg = config_from_stored(ident.config) if ident.config else None
+    started_on = "" if s.world_size == ident.world_size else f" (started on {ident.world_size})"
     lines = [
-        f"run        {s['run']}",
-        f"config     hash {s['config_hash']}  algorithm {cfg.get('algorithm', {}).get('name')}  "
-        f"zero {cfg.get('distributed', {}).get('zero_stage')}  tp {cfg.get('distributed', {}).get('tensor_parallel_size')}  "
-        f"actor {cfg.get('model', {}).get('actor', {}).get('model_name_or_path')}",
-        "versions   " + "  ".join(f"{k} {v}" for k, v in (s["versions"] or {}).items()),
-        f"ranks      {s['world_size']}{started_on}   created {s['created']}",
-        f"rollout    {s['rollout']['engine']}" + ("" if not s["rollout"]["version"] else
-                                                    f" (transformers {s['rollout']['version']})" if s["rollout"]["engine"] == "hf"
-                                                    else f" {s['rollout']['version']}")
-        + (f", async ({_order(s['rollout'])}max_staleness {s['rollout']['max_staleness']})" if s["rollout"].get("mode") == "async" else ""),
-        f"steps      {s['steps_committed']} committed, last step {s['last_step']}",
+        f"run        {s.run}",
+        f"config     hash {ident.config_hash}  algorithm {cfg.algorithm.name if cfg else None}  "
+        f"zero {cfg.distributed.zero_stage if cfg else None}  tp {cfg.distributed.tensor_parallel_size if cfg else None}  "
+        f"actor {cfg.model.actor.model_name_or_path if cfg else None}",
+        "versions   " + "  ".join(f"{k} {v}" for k, v in (ident.versions or {}).items()),
+        f"ranks      {s.world_size}{started_on}   created {ident.created}",
+        f"rollout    {ro.engine}" + ("" if not ro.version else f" (transformers {ro.version})" if ro.engine == "hf" else f" {ro.version}")
+        + (f", async ({_order(ro)}max_staleness {ro.max_staleness})" if ro.is_async else ""),
+        f"steps      {s.steps_committed} committed, last step {s.last_step}",
     ]
-    if s.get("counterfactual"):
-        cf = s["counterfactual"]
-        changed = ", ".join(cf["overrides"]) if cf["overrides"] else "nothing (RUN's own config)"
-        lines.insert(1, f"what-if    COUNTERFACTUAL: steps {cf['from_step'] + 1}–{cf['to_step']} re-trained on the samples of "
-                        f"{cf['run']} (not drawn by this run's policy), changed: {changed}")
-    if s["snapshots"]:
+    if ident.counterfactual:
+        cf = _view(Counterfactual, ident.counterfactual)
+        changed = ", ".join(cf.overrides) if cf.overrides else "nothing (RUN's own config)"
+        lines.insert(1, f"what-if    COUNTERFACTUAL: steps {cf.from_step + 1}–{cf.to_step} re-trained on the samples of "
+                        f"{cf.run} (not drawn by this run's policy), changed: {changed}")
+    if s.snapshots:
         lines.append("snapshots  " + "  ".join(
-            f"{x['name']}{'' if x['valid'] else ' ✗ ' + x['problem']}{'' if x['indexed'] else ' (unindexed)'}" for x in s["snapshots"]))
+            f"{x.name}{'' if x.valid else ' ✗ ' + x.problem}{'' if x.indexed else ' (unindexed)'}" for x in s.snapshots))
     else:
         lines.append("snapshots  none")
-    if s.get("writer"):
-        w = s["writer"]
-        lines.append(f"writer     pid {w['pid']} on {w['host']} (writer epoch {w['epoch']}, claimed {w['claimed']}"
-                     f"{', released' if w['released'] else ''})")
-    for q in s.get("quarantined", []):
-        lines.append(f"quarantine {q['name']} ({q['reason']}) moved to {q['path']}")
-    for m in s.get("missing", []):
-        lines.append(f"missing    {m['name']} was {m['reason']}: a resume removed it from the index")
-    for entry in s["lineage"]:
-        if entry["kind"] == "start":
+    if s.writer:
+        w = s.writer
+        lines.append(f"writer     pid {w.pid} on {w.host} (writer epoch {w.epoch}, claimed {w.claimed}"
+                     f"{', released' if w.released else ''})")
+    for q in (_view(Snapshot, x) for x in s.quarantined):
+        lines.append(f"quarantine {q.name} ({q.reason}) moved to {q.path}")
+    for m in (_view(Snapshot, x) for x in s.missing):
+        lines.append(f"missing    {m.name} was {m.reason}: a resume removed it from the index")
+    for entry in (_view(LineageEntry, x) for x in s.lineage):
+        if entry.kind == "start":
             continue
-        if entry["kind"] == "fork":
-            lines.append(f"lineage    forked from {entry['parent']['run']} at step {entry['parent']['step']}")
-        elif entry["kind"] == "whatif":
-            lines.append(f"lineage    a what-if of {entry['parent']['run']} from its step {entry['parent']['step']}")
+        parent = _view(Parent, entry.parent or {})
+        if entry.kind == "fork":
+            lines.append(f"lineage    forked from {parent.run} at step {parent.step}")
+        elif entry.kind == "whatif":
+            lines.append(f"lineage    a what-if of {parent.run} from its step {parent.step}")
         else:
-            changes = f", config changes: {', '.join(entry['config_changes'])}" if entry.get("config_changes") else ""
-            asked = f" (asked: trainer.resume_from={entry['resume_from']})" if entry.get("resume_from") else ""
-            lines.append(f"lineage    resumed after step {entry['at_step']} from snapshot step {entry['snapshot_step']}{asked} "
-                         f"at {entry['time']}{changes}")
-            if entry.get("versions_changed"):
-                lines.append(f"versions   changed at that resume: {', '.join(entry['versions_changed'])}")
-    for entry in s.get("topology", []):
+            changes = f", config changes: {', '.join(entry.config_changes)}" if entry.config_changes else ""
+            asked = f" (asked: trainer.resume_from={entry.resume_from})" if entry.resume_from else ""
+            lines.append(f"lineage    resumed after step {entry.at_step} from snapshot step {entry.snapshot_step}{asked} "
+                         f"at {entry.time}{changes}")
+            if entry.versions_changed:
+                lines.append(f"versions   changed at that resume: {', '.join(entry.versions_changed)}")
+    for entry in s.topology:
         lines.append(f"topology   {topology_line(entry)}")
-    for pr in s.get("probes", []):
-        span = f"steps {pr['steps'][0]}–{pr['steps'][1]} ({pr['count']})" if pr["steps"] else "no steps"
-        lines.append(f"probe      {pr['probe']} version {pr['version']}: {span}, as probe/{pr['probe']}/… (verlj replay --probe)")
-    if s["trend"]:
-        rewards = [t["reward"] for t in s["trend"]]
-        losses = [t["loss"] for t in s["trend"]]
+    for pr in (_view(Probe, x) for x in s.probes):
+        span = f"steps {pr.steps[0]}–{pr.steps[1]} ({pr.count})" if pr.steps else "no steps"
+        lines.append(f"probe      {pr.probe} version {pr.version}: {span}, as probe/{pr.probe}/… (verlj replay --probe)")
+    if s.trend:
+        rewards = [t.reward for t in s.trend]
+        losses = [t.loss for t in s.trend]
         fr = [r for r in rewards if r is not None]
         lines.append(f"reward     {sparkline(rewards)}  {fr[0]:.4g} → {fr[-1]:.4g}" if fr else "reward     (none)")
         fl = [x for x in losses if x is not None]
@@ -196,7 +381,124 @@ def render_summary(s: dict) -> str:
 # ----------------------------------------------------------------------------- one step
 
 
-def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dict:
+@dataclass(frozen=True)
+class DataLine:
+    """The data event as inspect shows it (None, and no indices, when the step has none)."""
+
+    epoch: int | None
+    cursor: int | None
+    rounds: int | None
+    indices: list[int]
+
+
+@dataclass(frozen=True)
+class BufferLine:
+    added: int  # how many samples the step generated
+    dropped: list[int]  # ids, over every drop event
+    consumed: list[int]  # ids, in the order the update took them
+
+
+@dataclass(frozen=True)
+class SampleLine:
+    """One sample as inspect --step shows it: its prompt and response as text where the run's decoder
+    was found, else as token ids."""
+
+    id: int
+    group: int
+    index: int
+    prompt: str | list[int]
+    response: str | list[int]
+    score: float
+    rule_reward: float
+    rm_score: float
+    policy_version: int
+
+    @classmethod
+    def of(cls, row: dict) -> SampleLine:
+        """A row of the rollout table (rl.samples.rows)."""
+        text = {name: row[name] or row[f"{name}_ids"] for name in table.TEXT}
+        return cls(**{f.name: row[table.TABLE_NAMES.get(f.name, f.name)] for f in fields(cls) if f.name not in text}, **text)
+
+
+@dataclass(frozen=True)
+class EvalLine:
+    """The held-out eval of a step (trainer.eval_interval): each row's response and score."""
+
+    rows: list[int]
+    responses: list
+    scores: list[float]
+    score_mean: float | None
+
+    @classmethod
+    def of(cls, ev: Eval, decoder) -> EvalLine:
+        responses = [r.tolist() for r in ev.responses()]
+        if decoder is not None:
+            responses = [decoder.decode(r) for r in responses]
+        return cls(ev.rows.tolist(), responses, ev.scores.tolist(), float(ev.scores.mean()) if len(ev.scores) else None)
+
+
+@dataclass(frozen=True)
+class StepDetail:
+    """`verlj inspect RUN --step N`: everything journaled at the step."""
+
+    step: int
+    time: float
+    data: DataLine
+    seeds: dict | None
+    rollout: Rollout | None
+    plans: dict[int, list[int]] | None  # async step order: {step: the sample ids it will train on}
+    requests: Requests | None
+    rng_digests: dict | None
+    buffer: BufferLine
+    samples: tuple[SampleLine, ...]
+    samples_note: str | None
+    metrics: dict[str, float]
+    probe_metrics: dict[str, float]  # `verlj replay --probe`'s for this step
+    probes: list[dict]  # the stored probes (derived.probes)
+    fingerprint: str | None
+    control: tuple[Control | ConfigChange, ...]
+    eval: EvalLine | None
+
+    @classmethod
+    def of(cls, ev: StepEvents, samples: list[SampleLine], note: str | None, decoder, run_dir: Path) -> StepDetail:
+        data, rng = ev.data, ev.rng
+        return cls(
+            step=ev.step, time=ev.time,
+            data=DataLine(data.epoch, data.cursor, data.rounds, data.indices.tolist()) if data else DataLine(None, None, None, []),
+            seeds=rng.seeds if rng else None, rollout=ev.rollout,
+            plans={j: ids.tolist() for j, ids in ev.plan.plans().items()} if ev.plan else None,
+            requests=ev.requests, rng_digests=rng.digests if rng else None,
+            buffer=BufferLine(len(ev.added.ids) if ev.added else 0, [i for d in ev.drops for i in d.ids.tolist()],
+                              ev.consumed.ids.tolist() if ev.consumed else []),
+            samples=tuple(samples), samples_note=note, metrics=ev.values,
+            probe_metrics=derived.values(run_dir).get(ev.step, {}), probes=derived.probes(run_dir),
+            fingerprint=ev.fingerprint, control=(*ev.controls, *ev.configs),
+            eval=EvalLine.of(ev.eval, decoder) if ev.eval is not None else None,
+        )
+
+    def to_json(self) -> dict:
+        req = self.requests
+        return {
+            "step": self.step,
+            "time": self.time,
+            "data": _json(self.data),
+            "seeds": self.seeds,
+            "rollout": _rollout_json(self.rollout) if self.rollout else None,
+            "plans": self.plans,
+            "requests": {"groups": req.groups.tolist(), "rows": req.rows.tolist(), "regenerated": req.regenerated.tolist()} if req else None,
+            "rng_digests": self.rng_digests,
+            "buffer": _json(self.buffer),
+            "samples": [_json(s) for s in self.samples],
+            "samples_note": self.samples_note,
+            "metrics": self.metrics,
+            "probes": {"metrics": self.probe_metrics, "stored": self.probes},
+            "fingerprint": self.fingerprint,
+            "control": [c.to_event() for c in self.control],
+            "eval": _json(self.eval) if self.eval else None,
+        }
+
+
+def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> StepDetail:
     """Everything journaled at `step`, with samples decoded to text (from the rollout archive when
     retention pruned them from the journal)."""
     run_dir = Path(run_dir)
@@ -204,125 +506,68 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
     with open_run(run_dir) as ledger:
         check_range(ledger, step)
         record = ledger.journal.read_step(step)
-        config = ledger.config_at(step)
+        ev = StepEvents.of(record)
+        decoder = table.text_decoder(ledger.config_at(step))
         cols = None
         if record.pruned:
             cols = archive.Reader(run_dir, ledger).step_columns(step)
             note = (f"samples pruned from the journal (journal.retain_samples); shown from {archive.ARCHIVE_DIR}/"
                     if cols is not None else "samples pruned from the journal (journal.retain_samples) and not archived")
-        elif record.first("buffer.add") is not None:
-            cols = table.step_columns(step, record.first("buffer.add")["samples"], table.text_decoder(config))
-    samples = _sample_view(cols) if cols is not None else []
-    n = len(np.asarray((record.first("buffer.add") or {}).get("ids", [])))
+        elif ev.added is not None:
+            cols = table.step_columns(step, ev.added.samples, decoder)
+    samples = [SampleLine.of(r) for r in table.rows(cols)] if cols is not None else []
     if max_samples is not None:
         samples = samples[:max_samples]
-    data, rng, rollout = record.first("data") or {}, record.first("rng") or {}, record.first("rollout") or {}
-    return {
-        "step": step,
-        "time": record.time,
-        "data": {"epoch": data.get("epoch"), "cursor": data.get("cursor"), "rounds": data.get("rounds"),
-                 "indices": np.asarray(data.get("indices", [])).tolist()},
-        "seeds": rng.get("seeds"),
-        "rollout": {k: v for k, v in rollout.items() if k in ("engine", "version", "mode", "max_staleness", "async_order")} or None,
-        "plans": _plans(record.first("buffer.plan")),
-        "requests": {k: np.asarray(v).tolist() for k, v in record.first("buffer.request").items() if k in ("groups", "rows", "regenerated")}
-        if record.first("buffer.request") else None,
-        "rng_digests": rng.get("digests"),
-        "buffer": {
-            "added": n,
-            "dropped": [i for e in record.all("buffer.drop") for i in np.asarray(e.get("ids", [])).tolist()],
-            "consumed": np.asarray((record.first("buffer.consume") or {}).get("ids", [])).tolist(),
-        },
-        "samples": samples,
-        "samples_note": note,
-        "metrics": record.metrics,
-        "probes": {"metrics": derived.values(run_dir).get(step, {}), "stored": derived.probes(run_dir)},
-        "fingerprint": record.fingerprint,
-        "control": record.all("control") + record.all("config"),
-        "eval": _eval_view(record.first("eval"), table.text_decoder(config)),
-    }
+    return StepDetail.of(ev, samples, note, decoder, run_dir)
 
 
-def _eval_view(event: dict | None, decoder) -> dict | None:
-    """The held-out eval of a step (trainer.eval_interval): each row's response and score."""
-    if event is None:
-        return None
-    ids, lens = np.asarray(event["response_ids"]), np.asarray(event["response_len"])
-    ends = np.cumsum(lens)
-    responses = [ids[e - n : e].tolist() for n, e in zip(lens.tolist(), ends.tolist())]
-    if decoder is not None:
-        responses = [decoder.decode(r) for r in responses]
-    scores = np.asarray(event["scores"], np.float64)
-    return {"rows": np.asarray(event["rows"]).tolist(), "responses": responses, "scores": scores.tolist(),
-            "score_mean": float(scores.mean()) if len(scores) else None}
-
-
-def _order(rollout: dict) -> str:
-    return "completion order, " if rollout.get("async_order") == "completion" else ""
-
-
-def _plans(event: dict | None) -> dict[int, list[int]] | None:
-    """Async rollout: {step: the sample ids it will train on} for the batches generated at this step."""
-    if event is None:
-        return None
-    ids, out, at = np.asarray(event["ids"]).tolist(), {}, 0
-    for step, count in zip(np.asarray(event["steps"]).tolist(), np.asarray(event["counts"]).tolist()):
-        out[int(step)], at = ids[at : at + count], at + count
-    return out
-
-
-def _sample_view(cols: dict) -> list[dict]:
-    """inspect --step's view of a step's samples (text where a decoder was found, else token ids)."""
-    return [{"id": r["sample_id"], "group": r["group"], "index": r["index"], "prompt": r["prompt"] or r["prompt_ids"],
-             "response": r["response"] or r["response_ids"], "score": r["score"], "rule_reward": r["rule_reward"],
-             "rm_score": r["rm_score"], "policy_version": r["policy_version"]} for r in table.rows(cols)]
-
-
-def render_step(d: dict) -> str:
-    lines = [f"step {d['step']}  fingerprint {d['fingerprint']}"]
-    data = d["data"]
-    idx = data["indices"]
-    lines.append(f"data       epoch {data['epoch']}  cursor {data['cursor']}  rounds {data['rounds']}  "
+def render_step(d: StepDetail) -> str:
+    lines = [f"step {d.step}  fingerprint {d.fingerprint}"]
+    data = d.data
+    idx = data.indices
+    lines.append(f"data       epoch {data.epoch}  cursor {data.cursor}  rounds {data.rounds}  "
                  f"indices {idx[:16]}{' …' if len(idx) > 16 else ''} ({len(idx)})")
-    lines.append(f"seeds      {d['seeds']}")
-    ro = d.get("rollout")
+    lines.append(f"seeds      {d.seeds}")
+    ro = d.rollout
     if ro:
-        lines.append(f"rollout    {ro['engine']} {ro['version']}" + (f"  async, {_order(ro)}max_staleness {ro['max_staleness']}" if ro.get("mode") == "async" else ""))
-    b = d["buffer"]
-    lines.append(f"buffer     added {b['added']}  dropped {len(b['dropped'])}  consumed {len(b['consumed'])}")
-    m = d["metrics"]
-    if "rollout/staleness/mean" in m:
-        lines.append(f"trained    {len(b['consumed'])} samples, staleness mean {m['rollout/staleness/mean']:.3g} max "
-                     f"{m['rollout/staleness/max']:.3g} (policy versions behind the one step {d['step']} starts from)")
-    versions = sorted({s["policy_version"] for s in d["samples"]})
-    for step, ids in (d.get("plans") or {}).items():
+        lines.append(f"rollout    {ro.engine} {ro.version}" + (f"  async, {_order(ro)}max_staleness {ro.max_staleness}" if ro.is_async else ""))
+    b = d.buffer
+    lines.append(f"buffer     added {b.added}  dropped {len(b.dropped)}  consumed {len(b.consumed)}")
+    m = d.metrics
+    if STALENESS_MEAN in m:
+        lines.append(f"trained    {len(b.consumed)} samples, staleness mean {m[STALENESS_MEAN]:.3g} max "
+                     f"{m[STALENESS_MAX]:.3g} (policy versions behind the one step {d.step} starts from)")
+    versions = sorted({s.policy_version for s in d.samples})
+    for step, ids in (d.plans or {}).items():
         lines.append(f"planned    step {step} will train on {len(ids)} samples" + (f" (generated here from policy version {versions[-1]})" if versions else ""))
-    req = d.get("requests")
+    req = d.requests
     if req:
-        again = f"; asked again {len(req['regenerated'])} groups in flight when the last process stopped (from their seeds)" if req["regenerated"] else ""
-        lines.append(f"asked      {len(req['groups'])} groups of the generator (rows {req['rows'][:8]}{' …' if len(req['rows']) > 8 else ''}){again}")
-    for c in d["control"]:
-        lines.append(f"control    {c.get('kind', c['type'])} {c.get('details', c.get('changed', ''))}")
-    ev = d.get("eval")
+        rows = req.rows.tolist()
+        again = (f"; asked again {len(req.regenerated)} groups in flight when the last process stopped (from their seeds)"
+                 if len(req.regenerated) else "")
+        lines.append(f"asked      {len(req.groups)} groups of the generator (rows {rows[:8]}{' …' if len(rows) > 8 else ''}){again}")
+    for c in d.control:
+        lines.append(f"control    {c.kind.value} {c.details}" if isinstance(c, Control) else f"control    {c.TYPE} {c.changed}")
+    ev = d.eval
     if ev:
-        shown = ", ".join(f"{r}: {resp!r} {sc:.3g}" for r, resp, sc in list(zip(ev["rows"], ev["responses"], ev["scores"]))[:4])
-        lines.append(f"eval       {len(ev['rows'])} held-out prompts, score {ev['score_mean']:.4g} (row: response score; {shown}{', …' if len(ev['rows']) > 4 else ''})")
-    if d.get("samples_note"):
-        lines.append(f"samples    {d['samples_note']}")
+        shown = ", ".join(f"{r}: {resp!r} {sc:.3g}" for r, resp, sc in list(zip(ev.rows, ev.responses, ev.scores))[:4])
+        lines.append(f"eval       {len(ev.rows)} held-out prompts, score {ev.score_mean:.4g} (row: response score; {shown}{', …' if len(ev.rows) > 4 else ''})")
+    if d.samples_note:
+        lines.append(f"samples    {d.samples_note}")
     lines.append("samples    (id group version | prompt → response | score)")
-    for s in d["samples"]:
-        mark = " consumed" if s["id"] in set(b["consumed"]) else (" dropped" if s["id"] in set(b["dropped"]) else "")
-        lines.append(f"  {s['id']:>6} {s['group']:>6} v{s['policy_version']:<3} | {s['prompt']!s} → {s['response']!s} | {s['score']:.4g}{mark}")
+    consumed, dropped = set(b.consumed), set(b.dropped)
+    for s in d.samples:
+        mark = " consumed" if s.id in consumed else (" dropped" if s.id in dropped else "")
+        lines.append(f"  {s.id:>6} {s.group:>6} v{s.policy_version:<3} | {s.prompt!s} → {s.response!s} | {s.score:.4g}{mark}")
     lines.append("metrics")
-    for k in sorted(d["metrics"]):
-        lines.append(f"  {k:32s} {d['metrics'][k]:.6g}")
-    probed = d.get("probes") or {}
-    if probed.get("metrics"):
-        versions = {p["probe"]: p["version"] for p in probed["stored"]}
+    for k in sorted(m):
+        lines.append(f"  {k:32s} {m[k]:.6g}")
+    if d.probe_metrics:
+        versions = {p.probe: p.version for p in (_view(Probe, x) for x in d.probes)}
         lines.append("probes     (computed afterwards by verlj replay --probe; not in the journal)")
-        for k in sorted(probed["metrics"]):
+        for k in sorted(d.probe_metrics):
             name = k.split("/")[1]
-            lines.append(f"  {k:32s} {probed['metrics'][k]:.6g}  (version {versions.get(name)})")
+            lines.append(f"  {k:32s} {d.probe_metrics[k]:.6g}  (version {versions.get(name)})")
     return "\n".join(lines)
 
 
@@ -330,20 +575,22 @@ def render_step(d: dict) -> str:
 
 
 def metric_rows(run_dir: Path, names: list[str] | None, steps: str | None) -> tuple[list[str], list[dict]]:
+    """The metric names shown and one row a step: {"step": step, name: value, ...} (--jsonl's lines)."""
     start, stop = parse_steps(steps)
-    rows, seen = [], set()
+    rows, seen, at = [], set(), []
     probed = derived.values(run_dir)  # `verlj replay --probe`'s, beside the journal
     with open_run(run_dir) as ledger:
         for step, values in ledger.metrics(start, stop):
             values = {**values, **probed.get(step, {})}
             seen |= set(values)
             rows.append({"step": step, **(values if names is None else {k: values.get(k) for k in names})})
+            at.append(step)
     if names is not None:
         unknown = [n for n in names if n not in seen]
         if unknown and rows:  # measured after a step's commit, some metrics are only in the logs
             logged = _logged_only(Path(run_dir) / "metrics.jsonl", set(unknown))
-            for row in rows:
-                row.update({k: v for k, v in logged.get(row["step"], {}).items()})
+            for step, row in zip(at, rows):
+                row.update(logged.get(step, {}))
             found = {k for values in logged.values() for k in values}
             unknown = [n for n in unknown if n not in found]
         if unknown and rows:
@@ -416,7 +663,18 @@ def parse_where(where: str) -> list[Condition]:
     return conds
 
 
-def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[tuple[int, dict]]:
+@dataclass(frozen=True)
+class Match:
+    """A step `verlj find` found, with the values of the metrics its condition names."""
+
+    step: int
+    values: dict[str, float | None]
+
+    def to_json(self) -> dict:
+        return {"step": self.step, **self.values}
+
+
+def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[Match]:
     conds = parse_where(where)
     out = []
     names_seen: set[str] = set()
@@ -426,7 +684,7 @@ def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[tupl
             values = {**values, **probed.get(step, {})}
             names_seen |= set(values)
             if all(c(values) for c in conds):
-                out.append((step, {c.name: values.get(c.name) for c in conds}))
+                out.append(Match(step, {c.name: values.get(c.name) for c in conds}))
                 if limit is not None and len(out) >= limit:
                     break
     missing = [c.name for c in conds if names_seen and c.name not in names_seen]
@@ -436,6 +694,115 @@ def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[tupl
 
 
 # ----------------------------------------------------------------------------- diff
+
+
+@dataclass(frozen=True)
+class SampleDifference:
+    """The first consumed sample (in the order the update took them) whose field differs, read from the journal."""
+
+    consumed: int  # its position in the update's order
+    sample_a: int
+    sample_b: int
+    field: str
+    index: int
+    a: Any
+    b: Any
+    largest_abs_diff: float | None
+
+    def to_json(self) -> dict:
+        return _json(self)
+
+
+@dataclass(frozen=True)
+class ElementDifference:
+    """The first part and element of a stage whose bits differ, both runs' step re-executed
+    (state.stages.first_element_difference)."""
+
+    part: str
+    index: int | None = None
+    a: Any = None
+    b: Any = None
+    largest_abs_diff: float | None = None
+
+    def to_json(self) -> dict:
+        return _json(self)
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    """A stage's output in a step, summarized (the `stages` event's summary of it: state.stages)."""
+
+    n: int = 0
+    mean: float = 0.0
+    absmax: float = 0.0
+
+
+@dataclass(frozen=True)
+class StageDifference:
+    """The first stage (state.stages) whose digest differs, both sides' summaries ({n, mean, absmax}),
+    and where known (`compared`) its first differing element."""
+
+    stage: str
+    a: dict | None
+    b: dict | None
+    element: SampleDifference | ElementDifference | None = None
+    compared: bool = False  # the element was looked for (from the journal, or `reexecuted`)
+    reexecuted: bool = False
+
+    @property
+    def summary_a(self) -> StageSummary | None:
+        return _view(StageSummary, self.a) if self.a else None
+
+    @property
+    def summary_b(self) -> StageSummary | None:
+        return _view(StageSummary, self.b) if self.b else None
+
+    def to_json(self) -> dict:
+        element = {"element": self.element.to_json() if self.element is not None else None} if self.compared else {}
+        return {"stage": self.stage, "a": self.a, "b": self.b, **element, **({"reexecuted": True} if self.reexecuted else {})}
+
+
+@dataclass(frozen=True)
+class Detail:
+    """What differs at the first differing step: metrics (name -> [a, b]) and the first stage."""
+
+    metrics: dict[str, list] | None = None  # None: no step differs (identical, or only in length)
+    stages: StageDifference | None = None
+
+    def to_json(self) -> dict:
+        if self.metrics is None:
+            return {}
+        return {"metrics": self.metrics, **({"stages": self.stages.to_json()} if self.stages is not None else {})}
+
+
+@dataclass(frozen=True)
+class Difference:
+    """`verlj diff RUN_A RUN_B`: the first step where two journals differ (None: identical), the
+    event types that differ there (or ["length"]), config keys and environment ({name: [a, b]})."""
+
+    identical: bool
+    step: int | None
+    differs: list[str]
+    detail: Detail
+    config: dict[str, list]
+    environment: dict[str, list]
+    steps_a: int
+    steps_b: int
+    topology: tuple[list[dict], list[dict]] | None = None  # each run's Ledger.topology_history (a step differs)
+    samples_not_compared: list[int] | None = None  # --full: pruned steps neither holds the samples of (no step differs)
+
+    def reexecuted(self, element: dict | None) -> Difference:
+        """With the first differing element of the first differing stage, from both runs' step re-executed."""
+        st = replace(self.detail.stages, element=_view(ElementDifference, element) if element is not None else None,
+                     compared=True, reexecuted=True)
+        return replace(self, detail=replace(self.detail, stages=st))
+
+    def to_json(self) -> dict:
+        topology = {"topology": dict(zip(("a", "b"), self.topology))} if self.topology is not None else {}
+        skipped = {"samples_not_compared": self.samples_not_compared} if self.samples_not_compared is not None else {}
+        return {"identical": self.identical, "step": self.step, "differs": self.differs, "detail": self.detail.to_json(),
+                "config": self.config, "environment": self.environment, "steps_a": self.steps_a, "steps_b": self.steps_b,
+                **topology, **skipped}
 
 
 def _canon(x):
@@ -450,43 +817,35 @@ def _canon(x):
     return x
 
 
-def _comparable(events: list[dict]) -> dict[str, object]:
+def _comparable(ev: StepEvents, without_samples: bool = False) -> dict[str, object]:
     """A step's events as diff compares them: control events, timings and the rollout engine's package
-    version aside (a version is the environment, named apart: _environment_differences)."""
-    out = {}
-    for e in events:
-        if e["type"] in ("control", "config"):
-            continue
-        if e["type"] == "metrics":
-            e = {**e, "values": {k: v for k, v in e["values"].items() if not k.startswith("timing_s/")}}
-        if e["type"] == "rollout":
-            e = {k: v for k, v in e.items() if k != "version"}
-        out[e["type"]] = _canon(e)
-    return out
+    version aside (a version is the environment, named apart: _environment_differences); the samples
+    aside too when retention pruned them on one side (`without_samples`). Of a step's drop events,
+    the last."""
+    metrics = Metrics({k: v for k, v in ev.metrics.values.items() if not k.startswith(TIMING)}) if ev.metrics else None
+    rollout = replace(ev.rollout, version=None) if ev.rollout else None
+    added = replace(ev.added, samples=None) if ev.added and without_samples else ev.added
+    events = (ev.data, rollout, ev.rng, added, ev.consumed, *ev.drops[-1:], ev.plan, ev.requests, metrics, ev.state, ev.stages, ev.eval)
+    return {e.TYPE: _canon(e.to_event()) for e in events if e is not None}
 
 
-def _rollout_version(events: list[dict]) -> tuple[str, str] | None:
-    for e in events:
-        if e["type"] == "rollout":
-            return e.get("engine"), e.get("version")
-    return None
-
-
-def _environment_differences(ja: Ledger, jb: Ledger, rollout: dict | None) -> dict[str, list]:
+def _environment_differences(ja: Ledger, jb: Ledger, rollout: tuple[int, Rollout, Rollout] | None) -> dict[str, list]:
     """Package -> [version in a, version in b]: the library versions (and verlj source digest) each run
-    last started on, and the rollout engine's package where a step generated under different ones.
+    last started on, and the rollout engine's package where a step generated under different ones
+    (`rollout`: that step and both runs' rollout there).
     An environment difference alone changes no number: diff names it apart from a training difference."""
     va, vb = ja.versions_in_force(), jb.versions_in_force()
     out = {k: [va.get(k), vb.get(k)] for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)}
     if rollout is not None:
-        (ea, a), (eb, b) = rollout["a"], rollout["b"]
+        step, ra, rb = rollout
+        (ea, a), (eb, b) = (ra.engine, ra.version), (rb.engine, rb.version)
         package = {"hf": "transformers"}.get(ea, ea) if ea == eb else f"{ea}/{eb}"
         if out.get(package) != [a, b]:
-            out[f"{package} (rollout, step {rollout['step']})"] = [a, b]
+            out[f"{package} (rollout, step {step})"] = [a, b]
     return out
 
 
-def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
+def first_difference(run_a: Path, run_b: Path, full: bool = False) -> Difference:
     """The first step where two journals differ (timings, wall time and control events aside).
 
     Compares the summaries (data, seeds, metrics, fingerprint): samples that differ show there
@@ -500,25 +859,22 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
         base = max(ja.base_step(), jb.base_step())
         common = min(la, lb)
         config_changes = _config_differences(ja, jb)
-        topology = {"a": ja.topology_history(), "b": jb.topology_history()}
+        topology = (ja.topology_history(), jb.topology_history())
         readers = (archive.Reader(Path(run_a), ja), archive.Reader(Path(run_b), jb))
         rollout = None  # the first step whose rollout engine's package version differs
         for x, y in zip(ja.journal.iter_summaries(base + 1, common), jb.journal.iter_summaries(base + 1, common)):
-            step = x.step
-            if rollout is None:
-                ra_, rb_ = _rollout_version(x.events), _rollout_version(y.events)
-                if ra_ is not None and rb_ is not None and ra_[1] != rb_[1]:
-                    rollout = {"step": step, "a": ra_, "b": rb_}
-            same = _comparable(x.events) == _comparable(y.events)
+            step, sx, sy = x.step, StepEvents.of(x), StepEvents.of(y)
+            if rollout is None and sx.rollout is not None and sy.rollout is not None and sx.rollout.version != sy.rollout.version:
+                rollout = (step, sx.rollout, sy.rollout)
+            same = _comparable(sx) == _comparable(sy)
             if same and not full:
                 continue
             ra, rb = ja.journal.read_step(step), jb.journal.read_step(step)
-            ea, eb = ra.events, rb.events
-            if ra.pruned or rb.pruned:  # samples gone on one side: compare what both still hold
-                ea, eb = _without_samples(ea), _without_samples(eb)
-            ea, eb = _comparable(ea), _comparable(eb)
+            pruned = ra.pruned or rb.pruned  # samples gone on one side: compare what both still hold
+            fa, fb = StepEvents.of(ra), StepEvents.of(rb)
+            ea, eb = _comparable(fa, pruned), _comparable(fb, pruned)
             kinds = sorted(k for k in set(ea) | set(eb) if ea.get(k) != eb.get(k))
-            if not kinds and (ra.pruned or rb.pruned) and full:  # then the samples, from the archive
+            if not kinds and pruned and full:  # then the samples, from the archive
                 ca, cb = _step_samples(ra, readers[0]), _step_samples(rb, readers[1])
                 if ca is None or cb is None:
                     not_compared.append(step)
@@ -526,66 +882,59 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> dict:
                     kinds = ["buffer.add"]
             if not kinds:
                 continue
-            metrics_a, metrics_b = x.metrics, y.metrics
+            metrics_a, metrics_b = sx.values, sy.values
             metrics = {k: [metrics_a.get(k), metrics_b.get(k)] for k in sorted(set(metrics_a) | set(metrics_b))
-                       if not k.startswith("timing_s/") and _canon(metrics_a.get(k)) != _canon(metrics_b.get(k))}
-            detail = {"metrics": metrics}
-            st = _stage_difference(ra, rb)
-            if st is not None:
-                detail["stages"] = st
-            return {"identical": False, "step": step, "differs": kinds, "detail": detail, "config": config_changes,
-                    "environment": _environment_differences(ja, jb, rollout), "steps_a": la, "steps_b": lb, "topology": topology}
+                       if not k.startswith(TIMING) and _canon(metrics_a.get(k)) != _canon(metrics_b.get(k))}
+            return Difference(False, step, kinds, Detail(metrics, _stage_difference(fa, fb)), config_changes,
+                              _environment_differences(ja, jb, rollout), la, lb, topology=topology)
         environment = _environment_differences(ja, jb, rollout)
     if la != lb:
-        return {"identical": False, "step": common + 1, "differs": ["length"], "detail": {}, "config": config_changes,
-                "environment": environment, "steps_a": la, "steps_b": lb, "samples_not_compared": not_compared}
-    return {"identical": True, "step": None, "differs": [], "detail": {}, "config": config_changes, "environment": environment,
-            "steps_a": la, "steps_b": lb, "samples_not_compared": not_compared}
+        return Difference(False, common + 1, ["length"], Detail(), config_changes, environment, la, lb, samples_not_compared=not_compared)
+    return Difference(True, None, [], Detail(), config_changes, environment, la, lb, samples_not_compared=not_compared)
 
 
 # the stages whose values the journal holds (compared there); the others are digests only
 JOURNALED_STAGES = ("data", "samples", "scores", "ref_logprobs")
 
 
-def _stage_difference(ra, rb) -> dict | None:
+def _stage_difference(ea: StepEvents, eb: StepEvents) -> StageDifference | None:
     """The first stage (state.stages) whose digest differs between two records of a step, with both
     sides' summaries; for the stages the journal holds as values (samples, scores, reference
     log-probs), the first consumed sample and token that differ, with both values."""
     from ..state.stages import first_difference as first_stage
 
-    sa, sb = ra.first("stages"), rb.first("stages")
+    sa, sb = ea.stages, eb.stages
     if sa is None or sb is None:
         return None
-    stage = first_stage(sa, sb)
+    stage = first_stage(sa.as_dict(), sb.as_dict())
     if stage is None:
         return None
-    out = {"stage": stage, "a": sa.get("summary", {}).get(stage), "b": sb.get("summary", {}).get(stage)}
-    if stage in JOURNALED_STAGES and not (ra.pruned or rb.pruned):
-        out["element"] = _first_sample_difference(ra, rb, stage)
+    out = StageDifference(stage, sa.summary.get(stage), sb.summary.get(stage))
+    if stage in JOURNALED_STAGES and not (ea.pruned or eb.pruned):
+        out = replace(out, element=_first_sample_difference(ea, eb, stage), compared=True)
     return out
 
 
-def _first_sample_difference(ra, rb, stage: str) -> dict | None:
+def _first_sample_difference(ea: StepEvents, eb: StepEvents, stage: str) -> SampleDifference | None:
     """The first consumed sample (in the order the update took them) whose `stage` field differs."""
-    from ..rl.samples import unpack
 
-    def consumed(record):
-        by_id = {int(s["id"]): s for s in unpack(record.first("buffer.add")["samples"])} if record.first("buffer.add") else {}
-        return [by_id.get(int(i)) for i in np.asarray((record.first("buffer.consume") or {}).get("ids", []))]
+    def consumed(ev: StepEvents):
+        by_id = {s.id: s for s in Columns(ev.added.samples).samples()} if ev.added is not None else {}
+        return [by_id.get(int(i)) for i in (ev.consumed.ids if ev.consumed is not None else ())]
 
-    field = {"data": "index", "samples": "response_ids", "scores": "score", "ref_logprobs": "ref_logprobs"}[stage]
-    for n, (a, b) in enumerate(zip(consumed(ra), consumed(rb))):
+    field_of = {"data": "index", "samples": "response_ids", "scores": "score", "ref_logprobs": "ref_logprobs"}[stage]
+    for n, (a, b) in enumerate(zip(consumed(ea), consumed(eb))):
         if a is None or b is None:
             continue
-        f = "prompt_ids" if stage == "samples" and not np.array_equal(a["prompt_ids"], b["prompt_ids"]) else field
-        va, vb = np.atleast_1d(np.asarray(a[f])), np.atleast_1d(np.asarray(b[f]))
+        f = "prompt_ids" if stage == "samples" and not np.array_equal(a.prompt_ids, b.prompt_ids) else field_of
+        va, vb = np.atleast_1d(np.asarray(getattr(a, f))), np.atleast_1d(np.asarray(getattr(b, f)))
         if va.shape == vb.shape and np.array_equal(va, vb):
             continue
         k = next((i for i in range(min(len(va), len(vb))) if va[i] != vb[i]), min(len(va), len(vb)))
         both = min(len(va), len(vb))
         largest = float(np.max(np.abs(va[:both].astype(np.float64) - vb[:both].astype(np.float64)))) if both else None
-        return {"consumed": n, "sample_a": int(a["id"]), "sample_b": int(b["id"]), "field": f, "index": int(k),
-                "a": va[k].item() if k < len(va) else None, "b": vb[k].item() if k < len(vb) else None, "largest_abs_diff": largest}
+        return SampleDifference(n, int(a.id), int(b.id), f, int(k), va[k].item() if k < len(va) else None,
+                                vb[k].item() if k < len(vb) else None, largest)
     return None
 
 
@@ -593,8 +942,8 @@ def _step_samples(record, reader) -> dict | None:
     """A step's samples as table columns: from the journal, or from the run's rollout archive when
     retention pruned them (None when it does not hold them, or pyarrow is missing)."""
     if not record.pruned:
-        add = record.first("buffer.add")
-        return table.step_columns(record.step, add["samples"], None) if add is not None else {}
+        add = StepEvents.of(record).added
+        return table.step_columns(record.step, add.samples, None) if add is not None else {}
     try:
         return reader.step_columns(record.step)
     except RunError:
@@ -615,13 +964,6 @@ def _same_samples(a: dict, b: dict) -> bool:
     return True
 
 
-def _without_samples(events: list[dict]) -> list[dict]:
-    """A step's events as retention leaves them: the payload fields (events.PAYLOAD_FIELDS) dropped."""
-    from verlj.journal.events import PAYLOAD_FIELDS
-
-    return [{k: v for k, v in e.items() if k not in PAYLOAD_FIELDS.get(e["type"], ())} for e in events]
-
-
 def _config_differences(ja: Ledger, jb: Ledger) -> dict[str, list]:
     """Dotted key -> [value in a, value in b] for the configs the two runs started with."""
     a, b = ja.first_config(), jb.first_config()
@@ -636,43 +978,44 @@ def _dotted(d: dict, key: str):
     return d
 
 
-def render_diff(d: dict, a: Path, b: Path) -> str:
-    config = [f"  config {k}: {va!r} vs {vb!r}" for k, (va, vb) in d.get("config", {}).items()]
-    env = d.get("environment") or {}
+_NAMES = {"data": "data (indices drawn)", "rng": "seeds", "rollout": "rollout engine", "buffer.add": "samples", "buffer.drop": "dropped samples",
+          "buffer.consume": "consumed samples", "buffer.plan": "planned batches", "metrics": "metrics", "state": "fingerprint", "eval": "held-out eval",
+          "stages": "stage digests"}
+
+
+def render_diff(d: Difference, a: Path, b: Path) -> str:
+    config = [f"  config {k}: {va!r} vs {vb!r}" for k, (va, vb) in d.config.items()]
+    env = d.environment or {}
     if env:
-        config.append(("  environment only (every fingerprint and metric agrees): " if d["identical"] else "  environment: ")
+        config.append(("  environment only (every fingerprint and metric agrees): " if d.identical else "  environment: ")
                       + ", ".join(f"{k} {va} vs {vb}" for k, (va, vb) in env.items()))
-    skipped = d.get("samples_not_compared") or []
+    skipped = d.samples_not_compared or []
     unseen = (f"; the samples of {len(skipped)} pruned step{'' if len(skipped) == 1 else 's'} ({ranges(skipped)}) were not "
               "compared: neither the journal nor the rollout archive holds them" if skipped else "")
-    if d["identical"]:
-        return "\n".join([f"identical: {a} and {b} agree on all {d['steps_a']} steps (timings aside){unseen}", *config])
-    if d["differs"] == ["length"]:
-        return "\n".join([f"the runs agree up to step {d['step'] - 1}; {a} has {d['steps_a']} steps, {b} has {d['steps_b']}", *config])
-    names = {"data": "data (indices drawn)", "rng": "seeds", "rollout": "rollout engine", "buffer.add": "samples", "buffer.drop": "dropped samples",
-             "buffer.consume": "consumed samples", "buffer.plan": "planned batches", "metrics": "metrics", "state": "fingerprint", "eval": "held-out eval",
-             "stages": "stage digests"}
-    lines = [f"first difference at step {d['step']}: " + ", ".join(names.get(k, k) for k in d["differs"]), *config]
-    for side, run in (("a", a), ("b", b)):
-        for entry in d.get("topology", {}).get(side, []):
-            if entry["from_step"] <= d["step"]:
+    if d.identical:
+        return "\n".join([f"identical: {a} and {b} agree on all {d.steps_a} steps (timings aside){unseen}", *config])
+    if d.differs == ["length"]:
+        return "\n".join([f"the runs agree up to step {d.step - 1}; {a} has {d.steps_a} steps, {b} has {d.steps_b}", *config])
+    lines = [f"first difference at step {d.step}: " + ", ".join(_NAMES.get(k, k) for k in d.differs), *config]
+    for history, run in zip(d.topology or ((), ()), (a, b)):
+        for entry in history:
+            if TopologyChange.of(entry).from_step <= d.step:
                 lines.append(f"  note: {run} changed topology {topology_line(entry)}")
-    st = d["detail"].get("stages")
+    st = d.detail.stages
     if st:
         def summary(x):
-            return f"mean {x['mean']:.6g}, |max| {x['absmax']:.6g}" if x else "digest only"
-        lines.append(f"  first differing stage: {st['stage']} ({summary(st['a'])} vs {summary(st['b'])})")
-        e = st.get("element")
-        if e and st.get("reexecuted"):
-            at = f"[{e['index']}]" if e["index"] is not None else ""
-            lines.append(f"    {e['part']}{at}: {e['a']!r} vs {e['b']!r} (largest difference {e['largest_abs_diff']!r}; "
-                         f"both runs' step {d['step']} re-executed)")
-        elif st.get("reexecuted"):
-            lines.append(f"    re-executed, both runs' step {d['step']} give the same {st['stage']}: the difference is in the journal only")
+            return f"mean {x.mean:.6g}, |max| {x.absmax:.6g}" if x else "digest only"
+        lines.append(f"  first differing stage: {st.stage} ({summary(st.summary_a)} vs {summary(st.summary_b)})")
+        e = st.element
+        if e and st.reexecuted:
+            at = f"[{e.index}]" if e.index is not None else ""
+            lines.append(f"    {e.part}{at}: {e.a!r} vs {e.b!r} (largest difference {e.largest_abs_diff!r}; "
+                         f"both runs' step {d.step} re-executed)")
+        elif st.reexecuted:
+            lines.append(f"    re-executed, both runs' step {d.step} give the same {st.stage}: the difference is in the journal only")
         elif e:
-            lines.append(f"    consumed sample #{e['consumed']} (ids {e['sample_a']} / {e['sample_b']}) {e['field']}[{e['index']}]: "
-                         f"{e['a']!r} vs {e['b']!r} (largest difference {e['largest_abs_diff']!r})")
-    for k, (va, vb) in list(d["detail"].get("metrics", {}).items())[:12]:
+            lines.append(f"    consumed sample #{e.consumed} (ids {e.sample_a} / {e.sample_b}) {e.field}[{e.index}]: "
+                         f"{e.a!r} vs {e.b!r} (largest difference {e.largest_abs_diff!r})")
+    for k, (va, vb) in list((d.detail.metrics or {}).items())[:12]:
         lines.append(f"  {k:32s} {va!r:>14} vs {vb!r}")
     return "\n".join(lines)
-

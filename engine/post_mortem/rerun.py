@@ -20,12 +20,16 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..dist import configure_determinism, setup
 from ..errors import ReplayError, RunError, SnapshotError
 from ..loop.ledger import Ledger, has_run, lost_journal, versions
 from ..report import Reporter
 from .materialize import replay_config
+
+if TYPE_CHECKING:
+    from .inspection import Difference
 
 
 class StepsError(RunError):
@@ -195,7 +199,7 @@ def stage_values(run_dir: Path, step: int, stage: str) -> list[tuple[str, object
     return (seen[step][4] or {}).get(stage, [])
 
 
-def diff_stages(run_a: Path, run_b: Path, full: bool = False) -> dict:
+def diff_stages(run_a: Path, run_b: Path, full: bool = False) -> Difference:
     """`verlj diff --stages`: inspection.first_difference, and where the first differing stage is one
     the journal holds only digests of (log-probs, advantages, loss, gradients, state), both runs'
     step re-executed from their snapshots to name the first differing element."""
@@ -203,11 +207,9 @@ def diff_stages(run_a: Path, run_b: Path, full: bool = False) -> dict:
     from .inspection import JOURNALED_STAGES, first_difference
 
     d = first_difference(run_a, run_b, full)
-    st = d["detail"].get("stages")
-    if st is not None and st["stage"] not in JOURNALED_STAGES:
-        step, stage = d["step"], st["stage"]
-        st["element"] = first_element_difference(stage_values(run_a, step, stage), stage_values(run_b, step, stage))
-        st["reexecuted"] = True
+    st = d.detail.stages
+    if st is not None and st.stage not in JOURNALED_STAGES:
+        d = d.reexecuted(first_element_difference(stage_values(run_a, d.step, st.stage), stage_values(run_b, d.step, st.stage)))
     return d
 
 

@@ -40,19 +40,19 @@ def runs(tmp_path_factory):
 
 def test_a_changed_learning_rate_first_differs_in_the_parameters_after(runs):
     d = diff_stages(runs / "base", runs / "lr")
-    st = d["detail"]["stages"]
-    assert d["step"] == 1 and st["stage"] == "state" and st["reexecuted"]
-    e = st["element"]
-    assert e["part"].startswith("actor/param/") and e["a"] != e["b"] and 0 < e["largest_abs_diff"] < 0.01
+    st = d.detail.stages
+    assert d.step == 1 and st.stage == "state" and st.reexecuted
+    e = st.element
+    assert e.part.startswith("actor/param/") and e.a != e.b and 0 < e.largest_abs_diff < 0.01
     assert "both runs' step 1 re-executed" in render_diff(d, runs / "base", runs / "lr")
 
 
 def test_a_changed_kl_coefficient_first_differs_in_the_loss(runs):
     """The policy equals the reference at step 1 (no KL), so the runs part at step 2's loss."""
     d = diff_stages(runs / "base", runs / "kl")
-    st = d["detail"]["stages"]
-    assert d["step"] == 2 and st["stage"] == "loss"
-    assert st["element"]["part"] == "loss[0]" and st["element"]["a"] != st["element"]["b"]
+    st = d.detail.stages
+    assert d.step == 2 and st.stage == "loss"
+    assert st.element.part == "loss[0]" and st.element.a != st.element.b
 
 
 def test_a_reward_changed_for_one_sample_is_named_with_that_sample(runs):
@@ -60,12 +60,12 @@ def test_a_reward_changed_for_one_sample_is_named_with_that_sample(runs):
     assert out.returncode == 1, out.stderr[-2000:]
     assert "first differing stage: scores" in out.stdout and "consumed sample #5 (ids 5 / 5) score[0]" in out.stdout
     d = diff_stages(runs / "base", runs / "reward")
-    e = d["detail"]["stages"]["element"]
-    assert (e["field"], e["sample_a"], e["b"] - e["a"]) == ("score", 5, 0.5)  # the 6th sample scored
+    e = d.detail.stages.element
+    assert (e.field, e.sample_a, e.b - e.a) == ("score", 5, 0.5)  # the 6th sample scored
 
 
 def test_a_different_seed_first_differs_in_the_data_drawn(runs):
     d = first_difference(runs / "base", runs / "seed")
-    st = d["detail"]["stages"]
-    assert d["step"] == 1 and st["stage"] == "data" and st["element"]["field"] == "index"
-    assert st["element"]["a"] != st["element"]["b"]
+    st = d.detail.stages
+    assert d.step == 1 and st.stage == "data" and st.element.field == "index"
+    assert st.element.a != st.element.b
