@@ -777,6 +777,12 @@ def config_from_dict(data: dict) -> Config:
     return _build(Config, data).validate()
 
 
+def read_config(data: dict) -> Config:
+    """A config a run stored (Ledger.config_at), typed for reading only: not validated, so what this
+    machine lacks (pyarrow for journal.archive, ...) does not keep a post-mortem command from reading it."""
+    return _build(Config, data)
+
+
 def to_yaml(cfg: Config, stored: bool = False) -> str:
     """The config as YAML (stored=True: as the run keeps it, without one-off choices)."""
     return yaml.safe_dump(cfg.to_stored() if stored else cfg.to_dict(), sort_keys=False)

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from ..config import config_from_dict
+from ..config import read_config
 from ..dist import configure_determinism, setup
 from ..errors import ReplayError, RunError, SnapshotError
 from ..loop.ledger import Ledger, has_run, lost_journal, versions
@@ -255,7 +255,7 @@ def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> 
     rescored: dict = {}
     with steps_reader(run_dir, start, stop) as ledger:
         config = ledger.config_at(stop)
-        reward_model = bool(config_from_dict(config).model.reward_model.model_name_or_path)
+        reward_model = bool(read_config(config).model.reward_model.model_name_or_path)
         pruned = [s for s in range(ledger.base_step() + 1, stop + 1) if ledger.journal.read_step(s).pruned]
         recorded = ledger.versions_in_force()
         snapshots = sorted(ledger.snapshots())

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..config import config_from_dict
+from ..config import read_config
 from ..errors import RunError
 from ..loop import archive
 from ..loop.ledger import open_run
@@ -144,7 +144,7 @@ def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[
             if added is None:
                 continue
             cfg = ledger.config_at(step)
-            key = json.dumps(config_from_dict(cfg).model.actor.model_name_or_path)
+            key = json.dumps(read_config(cfg).model.actor.model_name_or_path)
             if key not in decoders:
                 decoders[key] = text_decoder(cfg)
             cols = step_columns(step, added.samples, decoders[key])
