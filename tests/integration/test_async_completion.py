@@ -96,4 +96,4 @@ def test_two_ranks_zero2_ppo_completion_order_resume(tmp_path):
     assert out.returncode != 0
     out = train(run, *over, ranks=2, resume=True, VERLJ_FAILPOINT=slower)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert check_accounting(run)["regenerated"] > 0
+    assert check_accounting(run).regenerated > 0
