@@ -45,7 +45,7 @@ def replay(
         start, stop = guarded(lambda: parse_steps(steps))
         rows, parts, note = guarded(lambda: probes.probe_steps(run, start, stop, probe, workers))
         for row in rows:
-            out(json.dumps(row))
+            out(json.dumps(row.to_dict()))
         if note:
             typer.echo(note, err=True)
         split = f" in {len(parts)} processes ({', '.join(f'{a}–{b}' for a, b in parts)})" if len(parts) > 1 else ""

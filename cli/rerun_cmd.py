@@ -35,8 +35,8 @@ def rerun(
     start, stop = guarded(lambda: rr.parse_steps(steps))
     report = guarded(lambda: rr.rerun(run, start, stop, rescore_model))
     if is_rank0():
-        out(json.dumps(report) if as_json else rr.render(report))
-    raise typer.Exit(0 if report["reproduced"] else 1)
+        out(json.dumps(report.to_dict()) if as_json else rr.render(report))
+    raise typer.Exit(0 if report.reproduced else 1)
 
 
 def register(app: typer.Typer) -> None:

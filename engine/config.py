@@ -825,6 +825,6 @@ def read_stored(data: dict | None) -> Config | None:
     if not data:
         return None
     try:
-        return config_from_dict(stored_config(data))
+        return config_from_stored(data)
     except ConfigError:
         return None

@@ -381,10 +381,10 @@ def completion_problems(run: Path, kept: dict[int, str], counts: Counter) -> lis
         cfg = config_from_dict(ledger.identity()["config"])
         records = list(ledger.journal.iter_steps())
     size = len(load_data(cfg.data, cfg.trainer.seed).train)
-    want = Sampler(size, cfg.trainer.seed).draw(len(acc["rows"])).tolist()
-    skipped = sum(1 for a, b in zip(acc["rows"], want) if a != b)
-    duplicated = len(acc["fate_twice"]) + len(acc["arrived_twice"])
-    lost = len(acc["fate_unarrived"]) + len(acc["arrived_unasked"])
+    want = Sampler(size, cfg.trainer.seed).draw(len(acc.rows)).tolist()
+    skipped = sum(1 for a, b in zip(acc.rows, want) if a != b)
+    duplicated = len(acc.fate_twice) + len(acc.arrived_twice)
+    lost = len(acc.fate_unarrived) + len(acc.arrived_unasked)
     wrong_version = 0
     for r in records:
         again = r.first("buffer.request")["regenerated"]
@@ -394,7 +394,7 @@ def completion_problems(run: Path, kept: dict[int, str], counts: Counter) -> lis
             wrong_version += sum(1 for q in mine if int(cols["policy_version"][q]) != r.step - 1)
         if r.metrics["rollout/logprob_diff/max"] >= 1e-5:
             problems.append(f"step {r.step}: samples of version {r.step - 1} are not that version's (log-prob gap {r.metrics['rollout/logprob_diff/max']:.2g})")
-    counts.update(lost=lost, duplicated=duplicated, skipped=skipped, regenerated=acc["regenerated"], wrong_version=wrong_version,
+    counts.update(lost=lost, duplicated=duplicated, skipped=skipped, regenerated=acc.regenerated, wrong_version=wrong_version,
                   completion=1)
     if lost or duplicated or skipped or wrong_version:
         problems.append(f"{lost} completed samples lost, {duplicated} trained or arrived twice, {skipped} prompts out of the dataset's "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import msgpack
@@ -28,35 +29,66 @@ def metric_name(probe: str, key: str) -> str:
     return f"{PREFIX}{probe}/{key.removeprefix(PREFIX)}"
 
 
+@dataclass(frozen=True)
+class Row:
+    """A probe's numbers for one step (what `verlj replay --probe` prints, one JSON line a step)."""
+
+    step: int
+    values: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, **self.values}
+
+
+@dataclass(frozen=True)
+class ProbeFile:
+    """One probe's stored values: ``RUN/derived/<probe>.msgpack`` holds ``to_dict()``."""
+
+    probe: str
+    version: str | None
+    steps: dict  # {step: {name: value}}, steps ascending
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data) -> ProbeFile | None:
+        """None when `data` is not a map of this shape."""
+        if not isinstance(data, dict):
+            return None
+        got = cls(**{f.name: data.get(f.name) for f in fields(cls)})
+        return got if isinstance(got.steps, dict) and isinstance(got.probe, str) else None
+
+
 def _path(run_dir: Path, probe: str) -> Path:
     return Path(run_dir) / DIR / f"{probe}.msgpack"
 
 
-def _read(path: Path) -> dict:
+def _read(path: Path) -> ProbeFile:
     try:
         data = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
     except (ValueError, msgpack.UnpackException) as e:
         raise RunError(f"derived metrics file {path} is damaged ({e}); delete it and run the probe again") from None
-    if not (isinstance(data, dict) and isinstance(data.get("steps"), dict) and isinstance(data.get("probe"), str)):
+    stored = ProbeFile.from_dict(data)
+    if stored is None:
         raise RunError(f"derived metrics file {path} is not one verlj wrote; delete it and run the probe again")
-    return data
+    return stored
 
 
-def store(run_dir: Path, probe: str, version: str, rows: list[dict]) -> str | None:
-    """Merge `rows` ([{"step": s, name: value}]) into the probe's file; returns a note when values
-    of another version were dropped."""
+def store(run_dir: Path, probe: str, version: str, rows: list[Row]) -> str | None:
+    """Merge `rows` into the probe's file; returns a note when values of another version were dropped."""
     path = _path(run_dir, probe)
     steps: dict[int, dict[str, float]] = {}
     note = None
     if path.exists():
         old = _read(path)
-        if old.get("version") == version:
-            steps = {int(s): v for s, v in old["steps"].items()}
+        if old.version == version:
+            steps = {int(s): v for s, v in old.steps.items()}
         else:
-            note = f"probe {probe}: version {old.get('version')} → {version}; the older version's values were dropped"
+            note = f"probe {probe}: version {old.version} → {version}; the older version's values were dropped"
     for row in rows:
-        steps[int(row["step"])] = {k: float(v) for k, v in row.items() if k != "step"}
-    blob = msgpack.packb({"probe": probe, "version": version, "steps": dict(sorted(steps.items()))}, use_bin_type=True)
+        steps[int(row.step)] = {k: float(v) for k, v in row.values.items()}
+    blob = msgpack.packb(ProbeFile(probe, version, dict(sorted(steps.items()))).to_dict(), use_bin_type=True)
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -76,9 +108,9 @@ def probes(run_dir: Path) -> list[dict]:
     """[{probe, version, steps: [first, last], count}] for every stored probe."""
     out = []
     for path in sorted((Path(run_dir) / DIR).glob("*.msgpack")):
-        data = _read(path)
-        steps = sorted(int(s) for s in data["steps"])
-        out.append({"probe": data["probe"], "version": data.get("version"), "count": len(steps),
+        stored = _read(path)
+        steps = sorted(int(s) for s in stored.steps)
+        out.append({"probe": stored.probe, "version": stored.version, "count": len(steps),
                     "steps": [steps[0], steps[-1]] if steps else []})
     return out
 
@@ -87,10 +119,10 @@ def values(run_dir: Path) -> dict[int, dict[str, float]]:
     """step -> {probe/<probe>/<name>: value} over every stored probe."""
     out: dict[int, dict[str, float]] = {}
     for path in sorted((Path(run_dir) / DIR).glob("*.msgpack")):
-        data = _read(path)
-        for s, metrics in data["steps"].items():
+        stored = _read(path)
+        for s, metrics in stored.steps.items():
             row = out.setdefault(int(s), {})
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
-                    row[metric_name(data["probe"], k)] = float(v)
+                    row[metric_name(stored.probe, k)] = float(v)
     return out

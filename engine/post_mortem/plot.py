@@ -9,6 +9,11 @@ from ..errors import RunError
 from ..loop.ledger import open_run
 
 
+def _points(rows: list[dict], name: str) -> list[tuple[int, float]]:
+    """(step, value) of the metric `name` in inspection.metric_rows' rows, where the step has it."""
+    return [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+
+
 def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) -> None:
     try:
         import matplotlib
@@ -25,7 +30,7 @@ def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) ->
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 * n), sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], cols):
         # a metric only some steps have (the held-out eval every N steps) is drawn through its points
-        have = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+        have = _points(rows, name)
         sparse = len(have) < len(rows)
         ax.plot([s for s, _ in have], [math.nan if y is None else y for _, y in have], lw=1.2, marker="o" if sparse else None, ms=3)
         ax.set_ylabel(name, fontsize=8)
@@ -84,7 +89,7 @@ def plot_compare(run_a: Path, others: list[Path], names: list[str] | None, steps
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.0 * len(panels)), sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], panels):
         for i, (label, (_, rows)) in enumerate(zip(labels, loaded)):
-            have = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+            have = _points(rows, name)
             if have:
                 ax.plot([s for s, _ in have], [y for _, y in have], ls="-" if i == 0 else "--", lw=1.2, color=colors[i], label=label)
         ax.set_ylabel(name, fontsize=8)

@@ -60,10 +60,10 @@ def probe_version(fn) -> str:
     return "src-" + blake3.blake3(src.encode()).hexdigest()[:12]
 
 
-def _measure(run_dir: Path, start: int, stop: int, spec: str) -> list[dict]:
-    """[{"step": s, **fn's metrics}] for s in start..stop, in this process."""
+def _measure(run_dir: Path, start: int, stop: int, spec: str) -> list[derived.Row]:
+    """fn's metrics for each step start..stop, in this process."""
     fn = load_probe(spec)
-    rows: list[dict] = []
+    rows: list[derived.Row] = []
 
     def before(step, inputs, samples, trainer) -> None:
         try:
@@ -73,14 +73,14 @@ def _measure(run_dir: Path, start: int, stop: int, spec: str) -> list[dict]:
         if not isinstance(out, dict) or not all(isinstance(k, str) and isinstance(v, numbers.Real) and not isinstance(v, bool)
                                                and math.isfinite(float(v)) for k, v in out.items()):
             raise PluginError(f"probe {describe(fn)} returned {out!r} at step {step}; it must return {{name: finite number}}")
-        rows.append({"step": step, **{k: float(v) for k, v in out.items()}})
+        rows.append(derived.Row(step, {k: float(v) for k, v in out.items()}))
 
     with Ledger.open_reader(run_dir) as ledger:
         _execute(run_dir, ledger, start, stop, before=before, checked=True)
     return rows
 
 
-def _worker(run_dir: str, start: int, stop: int, spec: str) -> list[dict]:
+def _worker(run_dir: str, start: int, stop: int, spec: str) -> list[derived.Row]:
     """One part of the range, in a process of its own (forked before any process group: its own one-rank group)."""
     import logging
     import warnings
@@ -109,7 +109,7 @@ def split(start: int, stop: int, snapshots: list[int], workers: int) -> list[tup
     return [(a, b - 1) for a, b in zip(bounds, bounds[1:])]
 
 
-def probe_steps(run_dir: Path, start: int, stop: int, spec: str, workers: int = 1) -> tuple[list[dict], list[tuple[int, int]], str | None]:
+def probe_steps(run_dir: Path, start: int, stop: int, spec: str, workers: int = 1) -> tuple[list[derived.Row], list[tuple[int, int]], str | None]:
     """Measure start..stop with the probe and store the values (post_mortem.derived). Returns (rows,
     the parts the range was split into, a note when an older version's stored values were dropped)."""
     from .rerun import StepsError, steps_reader

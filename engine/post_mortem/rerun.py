@@ -18,18 +18,26 @@ Nothing is written into the run.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..config import config_from_stored
 from ..dist import configure_determinism, setup
 from ..errors import ReplayError, RunError, SnapshotError
 from ..loop.ledger import Ledger, has_run, lost_journal, versions
 from ..report import Reporter
+from ..schema.events import Stages, StepEvents
+from ..state.topology import Topology
 from .materialize import replay_config
 
 if TYPE_CHECKING:
+    from ..schema.sample import Sample
     from .inspection import Difference
+
+REPRODUCED, DIFFERS, NOT_CHECKED = "reproduced", "differs", "not checked"  # a step's verdict
+PERSISTENT, TRANSIENT = "persistent", "transient"  # a difference's kind
+SCORES, STATE = "scores", "state"  # the stages rerun names itself: the rescored rewards, the state after the update
 
 
 class StepsError(RunError):
@@ -38,17 +46,112 @@ class StepsError(RunError):
     exit_code = 2
 
 
-@dataclass
+def _from_dict(cls, data: dict, **nested):
+    """A dataclass of this module from its JSON form (`nested`: how to read the fields that are dataclasses too)."""
+    out = {}
+    for f in fields(cls):
+        if f.name in data:
+            value = data[f.name]
+            out[f.name] = nested[f.name](value) if f.name in nested and value is not None else value
+    return cls(**out)
+
+
+@dataclass(frozen=True)
+class _Summary:
+    """A stage's summary numbers as the stages event holds them (state.stages)."""
+
+    n: int = 0
+    mean: float = 0.0
+    absmax: float = 0.0
+
+    @classmethod
+    def of(cls, summary: dict) -> _Summary | None:
+        return _from_dict(cls, summary) if summary else None
+
+
+@dataclass(frozen=True)
+class Rescored:
+    """The first sample of a step that the reward function scores otherwise now."""
+
+    id: int
+    index: int  # its dataset row
+    journaled: float
+    rerun: float
+
+
+@dataclass(frozen=True)
 class Verdict:
+    """One step's outcome. Its JSON form (`to_dict`) is what `verlj rerun --json` prints per step."""
+
     step: int
-    verdict: str  # reproduced | differs | not checked
+    verdict: str  # REPRODUCED | DIFFERS | NOT_CHECKED
     stage: str | None = None  # the first stage that differs
-    journaled: dict = field(default_factory=dict)  # that stage's summary in the journal
+    journaled: dict = field(default_factory=dict)  # that stage's summary {n, mean, absmax} in the journal
     rerun: dict = field(default_factory=dict)  # and in this re-execution
-    kind: str | None = None  # persistent | transient (the first step that differs)
-    sample: dict | None = None  # differs at scores: the first sample scored otherwise {id, index, journaled, rerun}
+    kind: str | None = None  # PERSISTENT | TRANSIENT (the first step that differs)
+    sample: Rescored | None = None  # differs at scores: the first sample scored otherwise
     second: dict = field(default_factory=dict)  # the second re-execution's summary of that stage
     note: str | None = None  # why a step was not checked, when not for the usual reason
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Verdict:
+        return _from_dict(cls, data, sample=lambda x: _from_dict(Rescored, x))
+
+
+@dataclass(frozen=True)
+class RerunReport:
+    """`verlj rerun`'s report; `to_dict()` is its JSON (`--json`), `render()` its text."""
+
+    run: str
+    steps: list[int]  # [A, B]
+    from_snapshot: int  # the step of the snapshot the re-execution started from (0: the initial state)
+    restarted_from: list[int]  # and after each difference
+    verdicts: tuple[Verdict, ...]
+    versions_changed: dict[str, list]  # {name: [recorded, now]}
+    source_recorded: bool  # the run recorded verlj's source digest among its versions
+    reward_model: str | None = None  # "rescored" | "kept" (its journaled scores); None without a reward model
+
+    @property
+    def reproduced(self) -> bool:
+        return all(v.verdict == REPRODUCED for v in self.verdicts)
+
+    def to_dict(self) -> dict:
+        return {"run": self.run, "steps": list(self.steps), "from_snapshot": self.from_snapshot, "restarted_from": list(self.restarted_from),
+                "verdicts": [v.to_dict() for v in self.verdicts], "versions_changed": self.versions_changed,
+                "source_recorded": self.source_recorded, "reward_model": self.reward_model, "reproduced": self.reproduced}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RerunReport:
+        return _from_dict(cls, data, verdicts=lambda vs: tuple(Verdict.from_dict(v) for v in vs))
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One re-executed step, beside what the journal holds of it."""
+
+    journaled: Stages | None  # None: journaled before stage digests
+    rerun: Stages
+    journaled_fingerprint: str | None
+    rerun_fingerprint: str
+    kept: dict | None  # with `keep`: {stage: [(name, host array)]} (StepOutcome.kept)
+
+    def first_difference(self) -> str | None:
+        """The first stage that differs (STATE: only the fingerprint does), or None."""
+        from ..state.stages import first_difference
+
+        stage = first_difference(self.journaled.as_dict(), self.rerun.as_dict()) if self.journaled is not None else None
+        if stage is None and self.journaled_fingerprint != self.rerun_fingerprint:
+            stage = STATE
+        return stage
+
+    def same_as(self, other: Observed) -> bool:
+        """Two re-executions of a step agree: every stage and the fingerprint."""
+        from ..state.stages import first_difference
+
+        return first_difference(self.rerun.as_dict(), other.rerun.as_dict()) is None and self.rerun_fingerprint == other.rerun_fingerprint
 
 
 @contextmanager
@@ -77,15 +180,14 @@ def parse_steps(spec: str) -> tuple[int, int]:
 
 
 def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, checked: bool = False,
-             keep: bool = False, rescore: str | None = None, rescored: dict | None = None) -> tuple[int, dict]:
+             keep: bool = False, rescore: str | None = None, rescored: dict | None = None) -> tuple[int, dict[int, Observed]]:
     """Restore the newest valid snapshot before `start`, re-execute the journaled steps up to `stop`;
-    returns (snapshot step, {step: (journaled stages, rerun stages, journaled fingerprint, rerun fingerprint)}).
+    returns (snapshot step, {step: Observed}).
     `checked`: replay's own checks stay on (a probe runs on verified states) and nothing is observed;
     `before(step, inputs, samples, trainer)`: called before each step from `start` on; `keep`: each
-    step's tuple also holds the stages' values (StepOutcome.kept). `rescore` ("rule", or "model": the
-    reward model too): the samples of each step from `start` on are scored again with the reward the
-    config names now (Trainer.rescore); `rescored[step]` then holds the first sample whose score
-    changed: {id, index, journaled, rerun}."""
+    step's Observed also holds the stages' values. `rescore` ("rule", or "model": the reward model
+    too): the samples of each step from `start` on are scored again with the reward the config names
+    now (Trainer.rescore); `rescored[step]` then holds the first sample whose score changed (Rescored)."""
     from ..loop.checkpointer import make_run
     from ..loop.recovery import replay, restore
     from ..rl.trainer import Trainer
@@ -93,12 +195,13 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
     cfg = replay_config(ledger, start)
     rt = setup(cfg)
     if not checked:  # digests compared bit for bit: only on the process group that made them
-        for step in sorted({start, stop, *(e["from_step"] for e in ledger.history().topology_changes if start <= e["from_step"] <= stop)}):
-            topo = ledger.topology_at(step)
-            if (topo["world_size"], topo["tensor_parallel_size"]) != (rt.world_size, rt.tp_size):
-                raise RunError(f"step {step} ran on {topo['world_size']} rank(s) with TP {topo['tensor_parallel_size']}, this is "
+        changes = [e["from_step"] for e in ledger.history().topology_changes]  # the steps from which the topology changed
+        for step in sorted({start, stop, *(s for s in changes if start <= s <= stop)}):
+            topo = Topology.of_snapshot(ledger.topology_at(step))
+            if (topo.world_size, topo.tensor_parallel_size) != (rt.world_size, rt.tp_size):
+                raise RunError(f"step {step} ran on {topo.world_size} rank(s) with TP {topo.tensor_parallel_size}, this is "
                                f"{rt.world_size} with TP {rt.tp_size}: its digests are compared on as many ranks "
-                               f"(torchrun --nproc_per_node {topo['world_size']} -m verlj.cli ...)")
+                               f"(torchrun --nproc_per_node {topo.world_size} -m verlj.cli ...)")
     configure_determinism(cfg)
     reporter = Reporter(cfg.logging, run_dir, enabled=False, total_steps=stop, sinks=False)
     trainer = Trainer(cfg, rt)
@@ -106,22 +209,23 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
         run = make_run(run_dir, rt, trainer, reporter, ledger if rt.is_main else None)
         run.trainer.keep_stages = keep
         step0 = restore(run, start - 1)
-        seen: dict = {}
+        seen: dict[int, Observed] = {}
 
         def observe(step, record, outcome) -> bool:
-            seen[step] = ((record.first("stages") or {}), outcome.stages, record.fingerprint, outcome.fingerprint, outcome.kept)
+            ev = StepEvents.of(record)
+            seen[step] = Observed(ev.stages, Stages.from_event(outcome.stages), ev.fingerprint, outcome.fingerprint, outcome.kept)
             return True
 
         def pre(step, inputs, samples) -> None:
             if step < start:
                 return
             if rescore is not None:
-                journaled = [s["score"] for s in samples]
+                journaled = _scores(samples)
                 run.trainer.rescore(samples, model=rescore == "model")
-                moved = [(s, j) for s, j in zip(samples, journaled) if s["score"] != j]
+                moved = [(j, r) for j, r in zip(journaled, _scores(samples)) if r.rerun != j.rerun]
                 if moved and rescored is not None:
-                    s, j = moved[0]
-                    rescored[step] = {"id": int(s["id"]), "index": int(s["index"]), "journaled": j, "rerun": s["score"]}
+                    j, r = moved[0]
+                    rescored[step] = replace(j, rerun=r.rerun)
             if before is not None:
                 before(step, inputs, samples, run.trainer)
 
@@ -133,7 +237,13 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
         trainer.close()
 
 
-def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> dict:
+def _scores(samples: list[Sample]) -> list[Rescored]:
+    """Each sample's id, dataset row and score (as `journaled` and `rerun` alike), as replay hands
+    the samples to `before`."""
+    return [Rescored(int(s.id), int(s.index), s.score, s.score) for s in samples]
+
+
+def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> RerunReport:
     """The verdict of every step start..stop (see the module's doc), as a report. After a step that
     differs, the check goes on from the next snapshot at or after it (which holds the run's state
     as it was, difference included): the steps in between are ``not checked``.
@@ -146,7 +256,7 @@ def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> 
     rescored: dict = {}
     with steps_reader(run_dir, start, stop) as ledger:
         config = ledger.config_at(stop)
-        reward_model = bool((config.get("model", {}).get("reward_model") or {}).get("model_name_or_path"))
+        reward_model = bool(config_from_stored(config).model.reward_model.model_name_or_path)
         pruned = [s for s in range(ledger.base_step() + 1, stop + 1) if ledger.journal.read_step(s).pruned]
         recorded = ledger.versions_in_force()
         snapshots = sorted(ledger.snapshots())
@@ -159,32 +269,31 @@ def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> 
             except (ReplayError, SnapshotError) as e:
                 if not origins:
                     raise
-                verdicts += [Verdict(s, "not checked", note=f"the restart from the snapshot before it failed: {e}") for s in range(pos, stop + 1)]
+                verdicts += [Verdict(s, NOT_CHECKED, note=f"the restart from the snapshot before it failed: {e}") for s in range(pos, stop + 1)]
                 break
             late = [s for s in pruned if s > step0]
             if late:
                 raise RunError(f"step {late[0]}'s samples were pruned from the journal (journal.retain_samples) and the newest "
                                f"snapshot before step {pos} is step {step0}: steps {step0 + 1}–{stop} cannot be re-executed")
             if origins and step0 != pos - 1:  # the restart snapshot did not load: nothing after it can be checked
-                verdicts += [Verdict(s, "not checked") for s in range(pos, stop + 1)]
+                verdicts += [Verdict(s, NOT_CHECKED) for s in range(pos, stop + 1)]
                 break
             origins.append(step0)
-            broken = _judge(seen, step0, pos, stop, verdicts)
+            judged, broken = _judge(seen, step0, pos, stop)
+            verdicts += judged
             if broken is None:
                 break
-            if broken.stage == "scores":
-                broken.sample = rescored.get(broken.step)
-            _classify(run_dir, ledger, broken, seen[broken.step], rescore)
+            if broken.stage == SCORES:
+                broken = replace(broken, sample=rescored.get(broken.step))
+            verdicts.append(_classify(run_dir, ledger, broken, seen[broken.step], rescore))
             resume_at = next((n for n in snapshots if broken.step <= n < stop), None)
             resume_at = stop if resume_at is None else resume_at
-            verdicts += [Verdict(s, "not checked") for s in range(broken.step + 1, resume_at + 1)]
+            verdicts += [Verdict(s, NOT_CHECKED) for s in range(broken.step + 1, resume_at + 1)]
             pos = resume_at + 1
     now = versions(config)
     moved = {k: [recorded.get(k), now[k]] for k in now if recorded.get(k) not in (None, now[k])}
-    return {"run": str(run_dir), "steps": [start, stop], "from_snapshot": origins[0], "restarted_from": origins[1:],
-            "verdicts": [v.__dict__ for v in verdicts], "versions_changed": moved, "source_recorded": "verlj-source" in recorded,
-            "reward_model": ("rescored" if rescore_model else "kept") if reward_model else None,
-            "reproduced": all(v.verdict == "reproduced" for v in verdicts)}
+    return RerunReport(str(run_dir), [start, stop], origins[0], origins[1:], tuple(verdicts), moved, "verlj-source" in recorded,
+                       ("rescored" if rescore_model else "kept") if reward_model else None)
 
 
 def stage_values(run_dir: Path, step: int, stage: str) -> list[tuple[str, object]]:
@@ -194,9 +303,8 @@ def stage_values(run_dir: Path, step: int, stage: str) -> list[tuple[str, object
     run_dir = Path(run_dir)
     with steps_reader(run_dir, step, step, f"step {step}") as ledger:
         step0, seen = _execute(run_dir, ledger, step, step, keep=True, rescore="rule")
-    verdicts: list[Verdict] = []
-    _judge({s: v for s, v in seen.items() if s < step}, step0, step, step - 1, verdicts)
-    return (seen[step][4] or {}).get(stage, [])
+    _judge({s: v for s, v in seen.items() if s < step}, step0, step, step - 1)
+    return (seen[step].kept or {}).get(stage, [])
 
 
 def diff_stages(run_a: Path, run_b: Path, full: bool = False) -> Difference:
@@ -213,75 +321,71 @@ def diff_stages(run_a: Path, run_b: Path, full: bool = False) -> Difference:
     return d
 
 
-def _judge(seen: dict, step0: int, pos: int, stop: int, verdicts: list) -> Verdict | None:
-    """Verdicts for the steps pos..stop of one re-execution (from step0), up to the first that differs (returned)."""
-    from ..state.stages import first_difference
-
+def _judge(seen: dict[int, Observed], step0: int, pos: int, stop: int) -> tuple[list[Verdict], Verdict | None]:
+    """The verdicts of the steps pos..stop of one re-execution (from step0) that reproduced, and the
+    first that differs (None: none did)."""
+    verdicts: list[Verdict] = []
     for step in range(step0 + 1, stop + 1):
-        want, got, want_fp, got_fp, _ = seen[step]
-        stage = first_difference(want, got) if want else None
-        if stage is None and want_fp != got_fp:
-            stage = "state"
+        seen_here = seen[step]
+        stage = seen_here.first_difference()
         if step < pos:  # re-executed on the way to the range, not judged
             if stage is not None:
                 raise RunError(f"step {step}, re-executed on the way to step {pos}, does not reproduce (it differs at {stage}): "
                                f"start --steps at {step} to see it")
             continue
         if stage is None:
-            verdicts.append(Verdict(step, "reproduced"))
+            verdicts.append(Verdict(step, REPRODUCED))
             continue
-        v = Verdict(step, "differs", stage, want.get("summary", {}).get(stage, {}), got.get("summary", {}).get(stage, {}))
-        verdicts.append(v)
-        return v
-    return None
+        journaled = seen_here.journaled.summary.get(stage, {}) if seen_here.journaled is not None else {}
+        return verdicts, Verdict(step, DIFFERS, stage, journaled, seen_here.rerun.summary.get(stage, {}))
+    return verdicts, None
 
 
-def _classify(run_dir: Path, ledger: Ledger, broken: Verdict, first: tuple, rescore: str | None = None) -> None:
+def _classify(run_dir: Path, ledger: Ledger, broken: Verdict, first: Observed, rescore: str | None = None) -> Verdict:
     """Execute the differing step a second time: persistent when both re-executions agree, else transient."""
-    from ..state.stages import first_difference
-
     _, second = _execute(run_dir, ledger, broken.step, broken.step, rescore=rescore)
-    again = second[broken.step][1]
-    same = first_difference(first[1], again) is None and first[3] == second[broken.step][3]
-    broken.kind = "persistent" if same else "transient"
-    broken.second = again.get("summary", {}).get(broken.stage, {})
+    again = second[broken.step]
+    return replace(broken, kind=PERSISTENT if first.same_as(again) else TRANSIENT, second=again.rerun.summary.get(broken.stage, {}))
 
 
-def render(report: dict) -> str:
+def render(report: RerunReport | dict) -> str:
+    """The report as text (`report`: a RerunReport, or its JSON form as `verlj rerun --json` printed it)."""
+    if isinstance(report, dict):
+        report = RerunReport.from_dict(report)
     lines = []
-    for v in report["verdicts"]:
-        if v["verdict"] == "reproduced":
-            lines.append(f"step {v['step']}: reproduced")
-        elif v["verdict"] == "not checked":
-            lines.append(f"step {v['step']}: not checked ({v.get('note') or 'the state it starts from already differs'})")
+    for v in report.verdicts:
+        if v.verdict == REPRODUCED:
+            lines.append(f"step {v.step}: reproduced")
+        elif v.verdict == NOT_CHECKED:
+            lines.append(f"step {v.step}: not checked ({v.note or 'the state it starts from already differs'})")
         else:
-            j, r = v["journaled"], v["rerun"]
-            nums = (f" (journal: mean {j['mean']:.9g}, |max| {j['absmax']:.9g}; rerun: mean {r['mean']:.9g}, |max| {r['absmax']:.9g})"
+            j, r = _Summary.of(v.journaled), _Summary.of(v.rerun)
+            nums = (f" (journal: mean {j.mean:.9g}, |max| {j.absmax:.9g}; rerun: mean {r.mean:.9g}, |max| {r.absmax:.9g})"
                     if j and r else "")
-            kind = v["kind"]
+            kind = v.kind
             why = ""
-            if kind == "persistent":
-                moved = report["versions_changed"]
+            if kind == PERSISTENT:
+                moved = report.versions_changed
                 if moved:
                     why = " — " + ", ".join(f"{k}{':' if ' module ' in k else ''} {a} → {b}" for k, (a, b) in moved.items())
-                elif report["source_recorded"]:
+                elif report.source_recorded:
                     why = (" — the same code and versions give another result than the run did: the run's own execution "
                            "of this step went wrong (suspect the machine that ran it), or the platform changed")
                 else:
                     why = " — no recorded version changed: the code or the platform did"
-            elif kind == "transient":
+            elif kind == TRANSIENT:
                 why = " — a second re-execution here gave another result: suspect the hardware"
-            lines.append(f"step {v['step']}: differs at {v['stage']}{nums}{', ' + kind if kind else ''}{why}")
-            x = v.get("sample")
+            lines.append(f"step {v.step}: differs at {v.stage}{nums}{', ' + kind if kind else ''}{why}")
+            x = v.sample
             if x:
-                lines.append(f"  first sample scored otherwise: sample {x['id']} (dataset row {x['index']}): "
-                             f"journal {x['journaled']!r}, rerun {x['rerun']!r}")
-    src = f"snapshot step_{report['from_snapshot']:05d}" if report["from_snapshot"] else "the initial state"
-    if report["restarted_from"]:
-        src += ", and after each difference from " + ", ".join(f"step_{s:05d}" for s in report["restarted_from"])
-    if report.get("reward_model") == "kept":
+                lines.append(f"  first sample scored otherwise: sample {x.id} (dataset row {x.index}): "
+                             f"journal {x.journaled!r}, rerun {x.rerun!r}")
+    src = f"snapshot step_{report.from_snapshot:05d}" if report.from_snapshot else "the initial state"
+    if report.restarted_from:
+        src += ", and after each difference from " + ", ".join(f"step_{s:05d}" for s in report.restarted_from)
+    if report.reward_model == "kept":
         lines.append("the reward model did not score the samples again (its journaled scores were kept): "
                      "pass --rescore-model to re-score them (a forward pass per sample)")
-    ok = sum(v["verdict"] == "reproduced" for v in report["verdicts"])
-    lines.append(f"{ok} of {len(report['verdicts'])} step(s) reproduced (re-executed from {src})")
+    ok = sum(v.verdict == REPRODUCED for v in report.verdicts)
+    lines.append(f"{ok} of {len(report.verdicts)} step(s) reproduced (re-executed from {src})")
     return "\n".join(lines)

@@ -13,77 +13,117 @@ from __future__ import annotations
 import bisect
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from ..config import config_from_stored
 from ..errors import RunError
 from ..loop import archive
 from ..loop.ledger import open_run
 from ..rl.samples import PARQUET_OPTIONS, arrow_schema, num_rows, require_pyarrow, rows, step_columns, text_decoder, to_arrow
+from ..schema.events import DropReason, StepEvents
 from .steps import parse_steps, ranges
 
 
-def sample_fates(ledger, start: int | None, stop: int | None) -> dict[int, tuple[str, int]]:
-    """sample id -> (consumed | dropped, step), from the records' small events (payloads not read).
+class Fate(NamedTuple):
+    """What became of a sample: ``status`` (consumed | dropped | stale) and the step it happened at.
+    A tuple: rl.samples.to_arrow reads it as (status, step)."""
+
+    status: str
+    step: int
+
+
+def sample_fates(ledger, start: int | None, stop: int | None) -> dict[int, Fate]:
+    """sample id -> its Fate, from the records' small events (payloads not read).
     Scans from `start` to the end of the run: a sample's fate comes at or after the step that made it."""
-    fates: dict[int, tuple[str, int]] = {}
+    fates: dict[int, Fate] = {}
     for record in ledger.journal.iter_steps(start, None, payload=False):
-        for kind, status in (("buffer.drop", "dropped"), ("buffer.consume", "consumed")):
-            for e in record.all(kind):
-                fate = "stale" if e.get("reason") == "stale" else status  # async: too old for any later step
-                for sid in np.asarray(e["ids"]).tolist():
-                    fates[int(sid)] = (fate, record.step)
+        ev = StepEvents.of(record)
+        for status, ids in _fated(ev):
+            for sid in ids.tolist():
+                fates[int(sid)] = Fate(status, record.step)
     return fates
 
 
-def group_accounting(ledger) -> dict | None:
-    """Async completion order: every group asked of the generator and what became of it, from the
-    records' small events (payloads not read); None for a run that never asked (sync, step order).
+def _fated(ev: StepEvents) -> list[tuple[str, np.ndarray]]:
+    """A step's (fate, ids): its drops in journal order (stale: async, too old for any later step), then what it trained on."""
+    out = [("stale" if d.reason is DropReason.STALE else "dropped", d.ids) for d in ev.drops]
+    return out + ([("consumed", ev.consumed.ids)] if ev.consumed is not None else [])
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """Async completion order: every group asked of the generator and what became of it (group_accounting).
 
     ``asked`` groups (``rows``: their dataset rows, in the order asked), ``arrived``, ``regenerated``
     (asked again: in flight when a process stopped), ``in_flight`` (asked, not arrived),
-    ``trained``/``dropped``/``waiting`` in samples (dropped by reason), and the faults, each a list
-    that must be empty: ``arrived_twice``, ``arrived_unasked``, ``fate_twice`` (a sample consumed or
-    dropped twice), ``fate_unarrived`` (one that never arrived). Needs the run from its first step."""
+    ``trained``/``dropped``/``waiting`` in samples (dropped: {reason: count}), and the faults, each a
+    list that must be empty: ``arrived_twice``, ``arrived_unasked``, ``fate_twice`` (a sample consumed
+    or dropped twice), ``fate_unarrived`` (one that never arrived)."""
+
+    rows: list[int]
+    regenerated: int
+    trained: int
+    dropped: dict[str, int]
+    arrived_twice: list[int]
+    arrived_unasked: list[int]
+    fate_twice: list[int]
+    fate_unarrived: list[int]
+    asked: int
+    arrived: int
+    in_flight: int
+    waiting: int
+
+
+def group_accounting(ledger) -> Accounting | None:
+    """Async completion order: every group asked of the generator and what became of it (Accounting),
+    from the records' small events (payloads not read); None for a run that never asked (sync, step
+    order). Needs the run from its first step."""
     starts: list[int] = []  # the groups asked, by id (ids are given in increasing order)
+    rows: list[int] = []
     arrived: set[int] = set()
     samples: set[int] = set()
     fated: set[int] = set()
-    out = {"rows": [], "regenerated": 0, "trained": 0, "dropped": {}, "arrived_twice": [], "arrived_unasked": [],
-           "fate_twice": [], "fate_unarrived": []}
+    regenerated = trained = 0
+    dropped: dict[str, int] = {}
+    twice: list[int] = []
+    unasked: list[int] = []
+    fate_twice: list[int] = []
+    unarrived: list[int] = []
     for record in ledger.journal.iter_steps(None, None, payload=False):
-        req = record.first("buffer.request")
-        if req is not None:
-            starts += np.asarray(req["groups"]).tolist()
-            out["rows"] += np.asarray(req["rows"]).tolist()
-            out["regenerated"] += len(np.asarray(req.get("regenerated", [])))
-        add = record.first("buffer.add")
-        for sid in np.asarray(add["ids"]).tolist() if add is not None else []:
+        ev = StepEvents.of(record)
+        if ev.requests is not None:
+            starts += ev.requests.groups.tolist()
+            rows += ev.requests.rows.tolist()
+            regenerated += len(ev.requests.regenerated)
+        for sid in ev.added.ids.tolist() if ev.added is not None else []:
             samples.add(sid)
             k = bisect.bisect_right(starts, sid) - 1
             if k < 0:
-                out["arrived_unasked"].append(sid)
+                unasked.append(sid)
             elif sid == starts[k]:  # a group's first sample
                 if sid in arrived:
-                    out["arrived_twice"].append(sid)
+                    twice.append(sid)
                 arrived.add(sid)
-        for kind in ("buffer.drop", "buffer.consume"):
-            for e in record.all(kind):
-                for sid in np.asarray(e["ids"]).tolist():
-                    if sid in fated:
-                        out["fate_twice"].append(sid)
-                    if sid not in samples:
-                        out["fate_unarrived"].append(sid)
-                    fated.add(sid)
-                    if kind == "buffer.consume":
-                        out["trained"] += 1
-                    else:
-                        out["dropped"][e["reason"]] = out["dropped"].get(e["reason"], 0) + 1
+        fates = [(d.reason.value, d.ids) for d in ev.drops] + ([(None, ev.consumed.ids)] if ev.consumed is not None else [])
+        for reason, ids in fates:  # reason None: trained on
+            for sid in ids.tolist():
+                if sid in fated:
+                    fate_twice.append(sid)
+                if sid not in samples:
+                    unarrived.append(sid)
+                fated.add(sid)
+                if reason is None:
+                    trained += 1
+                else:
+                    dropped[reason] = dropped.get(reason, 0) + 1
     if not starts:
         return None
-    out.update(asked=len(starts), arrived=len(arrived), in_flight=len(set(starts) - arrived), waiting=len(samples - fated))
-    return out
+    return Accounting(rows, regenerated, trained, dropped, twice, unasked, fate_twice, unarrived, asked=len(starts),
+                      arrived=len(arrived), in_flight=len(set(starts) - arrived), waiting=len(samples - fated))
 
 
 def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[str]) -> Iterator[tuple[int, dict]]:
@@ -100,14 +140,14 @@ def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[
                 missing.append(step)
                 continue
         else:
-            add = record.first("buffer.add")
-            if add is None:
+            added = StepEvents.of(record).added
+            if added is None:
                 continue
             cfg = ledger.config_at(step)
-            key = json.dumps(cfg.get("model", {}).get("actor", {}).get("model_name_or_path"))
+            key = json.dumps(config_from_stored(cfg).model.actor.model_name_or_path)
             if key not in decoders:
                 decoders[key] = text_decoder(cfg)
-            cols = step_columns(step, add["samples"], decoders[key])
+            cols = step_columns(step, added.samples, decoders[key])
         yield step, cols
     if missing:
         notes.append(f"steps {ranges(missing)} were pruned without an archive (journal.archive was off): their samples are not in the table")

@@ -20,8 +20,11 @@ from ..errors import ConfigError, RunError
 from ..loop import archive
 from ..loop.ledger import Ledger, journal_dir, journal_exists, lost_journal
 from ..loop.recovery import damaged_journal_advice
-from ..loop.snapshot_store import ADOPT, UNINDEX, SnapshotStore
+from ..loop.snapshot_store import ADOPT, UNINDEX, Leftover, SnapshotStore
+from ..schema.events import StepEvents
 from ..state.manifest import META, check_snapshot, snapshot_name
+
+PENDING = "buffer/pending"  # the metric of the samples the buffer holds after a step (rl.trainer journals it)
 
 
 @dataclass
@@ -46,7 +49,7 @@ class RunReport:
     replay: list[int] | None = None
     advice: str | None = None  # what to do when the journal is damaged (the same words --resume says)
     leftovers: list[str] = field(default_factory=list)  # journal segments and archive files a killed run left; resume removes them
-    next_resume: list[dict] = field(default_factory=list)  # what the next resume does with each snapshot leftover (Leftover.to_dict)
+    next_resume: list[Leftover] = field(default_factory=list)  # what the next resume does with each snapshot leftover
     missing: list[dict] = field(default_factory=list)  # indexed snapshots a resume found gone from disk and unindexed
     host_leftovers: list[str] = field(default_factory=list)  # on this node, outside the run (vLLM weights copies)
     quarantined: list[dict] = field(default_factory=list)  # damaged snapshots moved aside on resume
@@ -64,34 +67,8 @@ class RunReport:
         return self.journal_ok and all(s.valid for s in self.snapshots) and self.deep_ok and self.archive_ok and self.advice is None
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "ok": self.ok}
-
-
-def _count_tensors(obj) -> int:
-    import torch
-
-    count, stack = 0, [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            count += 1
-        elif isinstance(x, dict):
-            stack += list(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack += list(x)
-    return count
-
-
-def _weights_only_parse(path: Path) -> tuple[int, int]:
-    """Open a DeepSpeed file weights-only (memory-mapped): (model tensors, optimizer tensors)."""
-
-    from ..state.safe_load import load_weights_only
-
-    obj = load_weights_only(path, map_location="cpu", mmap=True)
-    if "optim_states" in path.name:
-        return 0, _count_tensors(obj)
-    optim = obj.get("optimizer") if isinstance(obj, dict) else None  # ZeRO-0 keeps it beside the weights
-    return _count_tensors(obj.get("module") if isinstance(obj, dict) else obj), _count_tensors(optim)
+        """The report as `verify --json` prints it."""
+        return {**asdict(self), "next_resume": [item.to_dict() for item in self.next_resume], "ok": self.ok}
 
 
 def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: bool,
@@ -106,10 +83,13 @@ def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: boo
     meta = res.meta
     model_tensors = optim_tensors = 0
     refused_here = False
+    from ..state.safe_load import tensor_counts
+
     try:
-        for engine in meta["engines"]:
+        engines = meta["engines"]
+        for engine in engines:
             for f in sorted((path / engine).glob("*.pt")):
-                n_model, n_optim = _weights_only_parse(f)
+                n_model, n_optim = tensor_counts(f)
                 model_tensors += n_model
                 optim_tensors += n_optim
     except Exception as e:  # noqa: BLE001 - a file that does not parse is the finding
@@ -121,7 +101,7 @@ def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: boo
         rep.lines.append(f"⚠ {f.relative_to(path)}: every checksum verifies, but this Python ({platform.python_version()}) "
                          f"refuses a form in it ({load_error(e)}); written by Python {meta.get('python', '(not recorded)')}")
     else:
-        rep.lines.append(f"✓ Model state dict loaded successfully ({model_tensors} tensors, {', '.join(meta['engines'])})")
+        rep.lines.append(f"✓ Model state dict loaded successfully ({model_tensors} tensors, {', '.join(engines)})")
         rep.lines.append(f"✓ Optimizer state loaded ({optim_tensors} tensors)")
     try:
         streams = set()
@@ -139,8 +119,8 @@ def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: boo
         if want is None:
             rep.lines.append(f"✗ step {res.step} is not in the journal")
             rep.valid = False
-        elif want != meta["fingerprint"]:
-            rep.lines.append(f"✗ fingerprint {meta['fingerprint'][:16]}… differs from the journal's {want[:16]}… for step {res.step}")
+        elif want != (fingerprint := meta["fingerprint"]):
+            rep.lines.append(f"✗ fingerprint {fingerprint[:16]}… differs from the journal's {want[:16]}… for step {res.step}")
             rep.valid = False
         else:
             rep.lines.append(f"✓ Step {res.step} and fingerprint {want[:16]}… agree with the journal")
@@ -296,16 +276,16 @@ def _verify_accounting(report: RunReport, ledger: Ledger) -> None:
     if acc is None:
         return
     last = ledger.journal.read_summary(ledger.last_step())
-    pending = int(last.metrics.get("buffer/pending", -1)) if last is not None else -1
-    faults = [f"{len(acc[k])} {what} (first: {acc[k][0]})" for k, what in (
-        ("arrived_twice", "groups arrived twice"), ("arrived_unasked", "samples arrived unasked"),
-        ("fate_twice", "samples trained or dropped twice"), ("fate_unarrived", "samples trained or dropped without arriving"))
-        if acc[k]]
-    if acc["waiting"] != pending:
-        faults.append(f"{acc['waiting']} samples wait by the journal's account but the buffer held {pending} after step {ledger.last_step()}")
-    dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(acc["dropped"].items())) or "0"
-    counts = (f"{acc['asked']} groups asked, {acc['arrived']} arrived ({acc['regenerated']} asked again after a stop), "
-              f"{acc['in_flight']} in flight; samples: {acc['trained']} trained, {dropped} dropped, {acc['waiting']} waiting")
+    pending = int(StepEvents.of(last).values.get(PENDING, -1)) if last is not None else -1
+    faults = [f"{len(ids)} {what} (first: {ids[0]})" for ids, what in (
+        (acc.arrived_twice, "groups arrived twice"), (acc.arrived_unasked, "samples arrived unasked"),
+        (acc.fate_twice, "samples trained or dropped twice"), (acc.fate_unarrived, "samples trained or dropped without arriving"))
+        if ids]
+    if acc.waiting != pending:
+        faults.append(f"{acc.waiting} samples wait by the journal's account but the buffer held {pending} after step {ledger.last_step()}")
+    dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(acc.dropped.items())) or "0"
+    counts = (f"{acc.asked} groups asked, {acc.arrived} arrived ({acc.regenerated} asked again after a stop), "
+              f"{acc.in_flight} in flight; samples: {acc.trained} trained, {dropped} dropped, {acc.waiting} waiting")
     if faults:
         report.journal_ok = False
         report.journal_lines.append(f"✗ rollout accounting (async completion order): {counts}; " + "; ".join(faults))
@@ -317,8 +297,8 @@ def _verify_accounting(report: RunReport, ledger: Ledger) -> None:
 def _verify_one(report: RunReport, path: Path, index: dict, fps) -> None:
     if not path.is_dir():
         raise JournalError(f"snapshot {path} does not exist")
-    entry = next((info for info in (index or {}).values() if info["path"] == path.name), None)
-    rep, n = verify_snapshot(path, fps, indexed=entry is not None, recorded_manifest=entry and entry.get("manifest"))
+    entry = next((e for e in map(_indexed, (index or {}).values()) if e[0] == path.name), None)
+    rep, n = verify_snapshot(path, fps, indexed=entry is not None, recorded_manifest=entry and entry[1])
     report.snapshots.append(rep)
     report.bytes_hashed += n
 
@@ -350,15 +330,15 @@ def _verify_all(report: RunReport, run_dir: Path, index: dict | None, fps, ledge
             rep.adopted = True
             report.snapshots.append(rep)
             report.bytes_hashed += n
-        report.next_resume.append(item.to_dict())
+        report.next_resume.append(item)
     gone = {item.name for item in plan if item.action == UNINDEX}
     for step in sorted(index or {}):
-        info = index[step]
-        if info["path"] in gone:
+        name, manifest = _indexed(index[step])
+        if name in gone:
             continue
-        rep, n = verify_snapshot(run_dir / info["path"], fps, indexed=True, recorded_manifest=info.get("manifest"))
-        if not rep.valid and ledger is not None and _rotated_away(ledger, step, run_dir / info["path"]):
-            report.rotated.append(info["path"])  # rotated away between the plan and this check
+        rep, n = verify_snapshot(run_dir / name, fps, indexed=True, recorded_manifest=manifest)
+        if not rep.valid and ledger is not None and _rotated_away(ledger, step, run_dir / name):
+            report.rotated.append(name)  # rotated away between the plan and this check
             continue
         report.snapshots.append(rep)
         report.bytes_hashed += n
@@ -377,6 +357,11 @@ def _verify_all(report: RunReport, run_dir: Path, index: dict | None, fps, ledge
         elif report.last_good_step > 0:
             report.resume_from = "the initial state"
             report.replay = [1, report.last_good_step]
+
+
+def _indexed(info: dict) -> tuple[str, str | None]:
+    """A snapshot index entry (Ledger.snapshots): the snapshot's directory name, and its manifest's digest as recorded."""
+    return info["path"], info.get("manifest")
 
 
 def _rotated_away(ledger: Ledger, step: int, path: Path) -> bool:
@@ -433,7 +418,7 @@ def render(report: RunReport) -> str:
     for name in report.leftovers:
         lines.append(f"· {name}: left by an interrupted run; never used, and the next --resume removes it")
     for item in report.next_resume:
-        lines.append(f"{'⚠' if item['action'] == UNINDEX else '·'} {item['plan']}")
+        lines.append(f"{'⚠' if item.warning else '·'} {item.plan}")
     for name in report.host_leftovers:
         lines.append(f"· {name}: a weights copy a killed vLLM start left on this node; the next `verlj train` removes it")
     lines += report.deep_lines

@@ -28,6 +28,7 @@ import pickle
 import platform
 import types
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 
@@ -95,6 +96,28 @@ def load_error(e: BaseException) -> str:
 def load_weights_only(path, map_location=None, mmap: bool = False):
     with torch.serialization.safe_globals(safe_globals()):
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+
+def _count_tensors(obj) -> int:
+    count, stack = 0, [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            count += 1
+        elif isinstance(x, dict):
+            stack += list(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack += list(x)
+    return count
+
+
+def tensor_counts(path: Path) -> tuple[int, int]:
+    """Open a DeepSpeed file weights-only (memory-mapped): (model tensors, optimizer tensors)."""
+    obj = load_weights_only(path, map_location="cpu", mmap=True)
+    if "optim_states" in path.name:
+        return 0, _count_tensors(obj)
+    optim = obj.get("optimizer") if isinstance(obj, dict) else None  # ZeRO-0 keeps it beside the weights
+    return _count_tensors(obj.get("module") if isinstance(obj, dict) else obj), _count_tensors(optim)
 
 
 @contextlib.contextmanager

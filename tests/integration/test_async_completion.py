@@ -11,7 +11,7 @@ import numpy as np
 
 from verlj.engine.config import config_from_dict
 from verlj.engine.loop.ledger import open_run
-from verlj.engine.post_mortem.rollouts import group_accounting
+from verlj.engine.post_mortem.rollouts import Accounting, group_accounting
 from verlj.engine.rl.data import Sampler, load_data
 from verlj.journal import open_journal_reader
 from verlj_testing import fingerprints, train, verlj
@@ -24,7 +24,7 @@ FREE = ["rollout.mode=async", "rollout.async_order=completion", "rollout.max_sta
         "trainer.total_steps=6", "trainer.save_interval=3"]
 
 
-def check_accounting(run: Path) -> dict:
+def check_accounting(run: Path) -> Accounting:
     """The journal's own account of every group, against the dataset's order (what tools/faults.py checks too)."""
     out = verlj("verify", run)
     assert out.returncode == 0 and "✓ Rollout accounting (async completion order)" in out.stdout, out.stdout + out.stderr
@@ -32,11 +32,11 @@ def check_accounting(run: Path) -> dict:
         acc = group_accounting(ledger)
         cfg = config_from_dict(ledger.identity()["config"])
     for fault in ("arrived_twice", "arrived_unasked", "fate_twice", "fate_unarrived"):
-        assert acc[fault] == [], fault
+        assert getattr(acc, fault) == [], fault
     # no prompt asked twice or skipped: the rows asked are the sampler's draws, in order
     size = len(load_data(cfg.data, cfg.trainer.seed).train)
-    assert acc["rows"] == Sampler(size, cfg.trainer.seed).draw(len(acc["rows"])).tolist()
-    assert acc["trained"] == cfg.trainer.total_steps * cfg.data.prompts_per_step * cfg.rollout.n
+    assert acc.rows == Sampler(size, cfg.trainer.seed).draw(len(acc.rows)).tolist()
+    assert acc.trained == cfg.trainer.total_steps * cfg.data.prompts_per_step * cfg.rollout.n
     return acc
 
 
@@ -61,7 +61,7 @@ def test_kills_at_every_failpoint_and_of_the_generator_lose_no_sample_and_replay
     out = train(run, *FREE, resume=True, VERLJ_FAILPOINT=SLOW)
     assert out.returncode == 0, out.stderr[-3000:]
     acc = check_accounting(run)
-    assert acc["regenerated"] > 0  # the kills did leave groups in flight
+    assert acc.regenerated > 0  # the kills did leave groups in flight
     with open_journal_reader(run / "journal") as j:
         records = {r.step: r for r in j.iter_steps()}
     again = 0
@@ -96,4 +96,4 @@ def test_two_ranks_zero2_ppo_completion_order_resume(tmp_path):
     assert out.returncode != 0
     out = train(run, *over, ranks=2, resume=True, VERLJ_FAILPOINT=slower)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert check_accounting(run)["regenerated"] > 0
+    assert check_accounting(run).regenerated > 0

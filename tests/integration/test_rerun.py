@@ -47,7 +47,7 @@ def test_rerun_reproduces_and_exits_0(journaled):
 def test_a_changed_computation_is_named_by_its_stage_and_persistent(journaled, monkeypatch):
     real = algorithms.whiten
     monkeypatch.setattr(algorithms, "whiten", lambda adv, *a, **k: real(adv, *a, **k) * (1 + 1e-6))
-    report = rerun(journaled, 3, 4)
+    report = rerun(journaled, 3, 4).to_dict()
     first, second = report["verdicts"]
     assert (first["verdict"], first["stage"], first["kind"]) == ("differs", "advantages", "persistent")
     assert first["journaled"]["absmax"] != first["rerun"]["absmax"] and first["second"] == first["rerun"]
@@ -63,7 +63,7 @@ def test_a_difference_that_does_not_repeat_is_transient(journaled, monkeypatch):
         return out * (1 + 1e-6) if len(calls) == 1 else out
 
     monkeypatch.setattr(algorithms, "whiten", once)
-    report = rerun(journaled, 3, 3)
+    report = rerun(journaled, 3, 3).to_dict()
     (v,) = report["verdicts"]
     assert (v["verdict"], v["stage"], v["kind"]) == ("differs", "advantages", "transient")
 
