@@ -112,12 +112,12 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
             if step < start:
                 return
             if rescore is not None:
-                journaled = [s["score"] for s in samples]
+                journaled = [s.score for s in samples]
                 run.trainer.rescore(samples, model=rescore == "model")
-                moved = [(s, j) for s, j in zip(samples, journaled) if s["score"] != j]
+                moved = [(s, j) for s, j in zip(samples, journaled) if s.score != j]
                 if moved and rescored is not None:
                     s, j = moved[0]
-                    rescored[step] = {"id": int(s["id"]), "index": int(s["index"]), "journaled": j, "rerun": s["score"]}
+                    rescored[step] = {"id": int(s.id), "index": int(s.index), "journaled": j, "rerun": s.score}
             if before is not None:
                 before(step, inputs, samples, run.trainer)
 
