@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..schema.sample import EnvEnd
-from .envs import EnvFault, EnvFactory, safe_reset, safe_step
+from .envs import EnvFactory, EnvFault, safe_reset, safe_step
 
 
 @dataclass
