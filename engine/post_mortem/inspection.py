@@ -26,6 +26,7 @@ from ..errors import RunError
 from ..loop import archive
 from ..loop.ledger import Ledger, open_run, writer_dir
 from ..rl import samples as table
+from ..schema.events import StepEvents
 from ..state.manifest import check_snapshot
 from . import derived
 from .steps import parse_steps, ranges
@@ -213,6 +214,9 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> dic
         elif record.first("buffer.add") is not None:
             cols = table.step_columns(step, record.first("buffer.add")["samples"], table.text_decoder(config))
     samples = _sample_view(cols) if cols is not None else []
+    added = StepEvents.of(record).added
+    if added is not None and added.samples is not None:  # episodes (rollout.env): each turn's action, observation, reward
+        _add_turns(samples, table.Columns(added.samples).samples(), table.text_decoder(config))
     n = len(np.asarray((record.first("buffer.add") or {}).get("ids", [])))
     if max_samples is not None:
         samples = samples[:max_samples]
@@ -278,6 +282,15 @@ def _sample_view(cols: dict) -> list[dict]:
              "rm_score": r["rm_score"], "policy_version": r["policy_version"]} for r in table.rows(cols)]
 
 
+def _add_turns(view: list[dict], samples, decoder) -> None:
+    text = (lambda ids: decoder.decode(ids.tolist(), skip_special_tokens=False)) if decoder else (lambda ids: ids.tolist())
+    for v, s in zip(view, samples):
+        if s.is_episode:
+            v["turns"] = [{"action": text(t.action_ids), "observation": text(t.observation_ids), "reward": None if t.reward != t.reward else t.reward}
+                          for t in s.turns()]
+            v["env_end"], v["env_reason"] = int(s.env_end), s.env_reason
+
+
 def render_step(d: dict) -> str:
     lines = [f"step {d['step']}  fingerprint {d['fingerprint']}"]
     data = d["data"]
@@ -313,6 +326,10 @@ def render_step(d: dict) -> str:
     for s in d["samples"]:
         mark = " consumed" if s["id"] in set(b["consumed"]) else (" dropped" if s["id"] in set(b["dropped"]) else "")
         lines.append(f"  {s['id']:>6} {s['group']:>6} v{s['policy_version']:<3} | {s['prompt']!s} → {s['response']!s} | {s['score']:.4g}{mark}")
+        for t, turn in enumerate(s.get("turns", [])):
+            lines.append(f"         turn {t + 1}: {turn['action']!s} ⇒ {turn['observation']!s}" + (f"  reward {turn['reward']:.4g}" if turn["reward"] is not None else ""))
+        if s.get("env_reason"):
+            lines.append(f"         ended by a fault: {s['env_reason']}")
     lines.append("metrics")
     for k in sorted(d["metrics"]):
         lines.append(f"  {k:32s} {d['metrics'][k]:.6g}")

@@ -71,6 +71,8 @@ def test_guess_episodes_are_journaled_turn_by_turn(guess_ref):
     # the env's seeds differ from sample to sample (each from its place in the step)
     assert len({int(x.env_seed) for x in samples}) == len(samples)
     assert all(m["rollout/env/faults"] == 0.0 for m in metrics(guess_ref).values())
+    shown = verlj("inspect", guess_ref, "--step", "1", "--max-samples", "1", check=True).stdout  # turn by turn
+    assert "turn 1: " in shown and " ⇒ " in shown
 
 
 def test_guess_killed_mid_run_then_resumed_is_exact(tmp_path, guess_ref):
