@@ -348,8 +348,10 @@ class RolloutConfig:
             return
         if not (self.env.startswith("builtin:") or ":" in self.env.strip(":")):
             raise ConfigError(f"rollout.env must be null, builtin:NAME or module:Class, got {self.env!r}")
-        # rl.envs is built and tested; the rollout does not run episodes yet (issue 36). Remove this with the wiring.
-        raise ConfigError("rollout.env: training does not run environments yet (multi-turn rollout is coming); remove rollout.env")
+        if self.mode == "async" and (self.async_order == "completion" or self.fleet == "ray"):
+            where = "rollout.async_order=completion" if self.async_order == "completion" else "rollout.fleet=ray"
+            raise ConfigError(f"rollout.env: {where} does not run episodes yet; use rollout.mode=sync or rollout.async_order=step "
+                              "(with rollout.fleet=none), or remove rollout.env")
 
     @property
     def staleness(self) -> int:
@@ -439,7 +441,7 @@ class Config:
             getattr(self, f.name).validate()
         data, ro = self.data, self.rollout
         generated = data.train_dataset == "builtin:add" or data.train_dataset.startswith(REASONING_GYM + ":")
-        if ro.reward_fn == "auto" and not generated:
+        if ro.reward_fn == "auto" and not generated and ro.env is None:  # with an env, its rewards alone score
             raise ConfigError("rollout.reward_fn: a dataset file has no scorer of its own; name one (builtin:add, or module:function)")
         if ro.reward_fn == REASONING_GYM and not data.train_dataset.startswith(REASONING_GYM + ":"):
             raise ConfigError("rollout.reward_fn=reasoning_gym scores with a reasoning-gym task's own scorer: it needs "

@@ -34,7 +34,7 @@ from ..loop import archive
 from ..loop.ledger import Ledger, open_run, writer_dir
 from ..rl import samples as table
 from ..schema.events import ConfigChange, Control, Eval, Metrics, Requests, Rollout, StepEvents
-from ..schema.sample import Columns
+from ..schema.sample import Columns, Sample
 from ..state.manifest import check_snapshot
 from . import derived
 from .steps import parse_steps, ranges
@@ -412,12 +412,48 @@ class SampleLine:
     rule_reward: float
     rm_score: float
     policy_version: int
+    episode: EpisodeLine | None = None  # rollout.env: the episode turn by turn
 
     @classmethod
     def of(cls, row: dict) -> SampleLine:
         """A row of the rollout table (rl.samples.rows)."""
         text = {name: row[name] or row[f"{name}_ids"] for name in table.TEXT}
-        return cls(**{f.name: row[table.TABLE_NAMES.get(f.name, f.name)] for f in fields(cls) if f.name not in text}, **text)
+        return cls(**{f.name: row[table.TABLE_NAMES.get(f.name, f.name)] for f in fields(cls) if f.name not in text and f.name != "episode"},
+                   **text)
+
+    def with_episode(self, sample: Sample, decoder) -> SampleLine:
+        return replace(self, episode=EpisodeLine.of(sample, decoder)) if sample.is_episode else self
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "episode"}
+        return {**out, **self.episode.to_json()} if self.episode is not None else out
+
+
+@dataclass(frozen=True)
+class TurnLine:
+    action: str | list[int]
+    observation: str | list[int]
+    reward: float | None  # None: the env gave none this turn
+
+
+@dataclass(frozen=True)
+class EpisodeLine:
+    """An episode's turns (action ⇒ observation, reward) and how it ended (a fault's reason)."""
+
+    turns: tuple[TurnLine, ...]
+    env_end: int
+    env_reason: str
+
+    @classmethod
+    def of(cls, s: Sample, decoder) -> EpisodeLine:
+        def text(ids):
+            return decoder.decode(ids.tolist(), skip_special_tokens=False) if decoder else ids.tolist()
+
+        turns = tuple(TurnLine(text(t.action_ids), text(t.observation_ids), None if t.reward != t.reward else t.reward) for t in s.turns())
+        return cls(turns, int(s.env_end), s.env_reason)
+
+    def to_json(self) -> dict:
+        return {"turns": [_json(t) for t in self.turns], "env_end": self.env_end, "env_reason": self.env_reason}
 
 
 @dataclass(frozen=True)
@@ -488,7 +524,7 @@ class StepDetail:
             "requests": {"groups": req.groups.tolist(), "rows": req.rows.tolist(), "regenerated": req.regenerated.tolist()} if req else None,
             "rng_digests": self.rng_digests,
             "buffer": _json(self.buffer),
-            "samples": [_json(s) for s in self.samples],
+            "samples": [s.to_json() for s in self.samples],
             "samples_note": self.samples_note,
             "metrics": self.metrics,
             "probes": {"metrics": self.probe_metrics, "stored": self.probes},
@@ -516,6 +552,8 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
         elif ev.added is not None:
             cols = table.step_columns(step, ev.added.samples, decoder)
     samples = [SampleLine.of(r) for r in table.rows(cols)] if cols is not None else []
+    if ev.added is not None and ev.added.samples is not None:  # episodes (rollout.env): each turn's action, observation, reward
+        samples = [line.with_episode(s, decoder) for line, s in zip(samples, Columns(ev.added.samples).samples())]
     if max_samples is not None:
         samples = samples[:max_samples]
     return StepDetail.of(ev, samples, note, decoder, run_dir)
@@ -559,6 +597,11 @@ def render_step(d: StepDetail) -> str:
     for s in d.samples:
         mark = " consumed" if s.id in consumed else (" dropped" if s.id in dropped else "")
         lines.append(f"  {s.id:>6} {s.group:>6} v{s.policy_version:<3} | {s.prompt!s} → {s.response!s} | {s.score:.4g}{mark}")
+        if s.episode is not None:
+            for t, turn in enumerate(s.episode.turns):
+                lines.append(f"         turn {t + 1}: {turn.action!s} ⇒ {turn.observation!s}" + (f"  reward {turn.reward:.4g}" if turn.reward is not None else ""))
+            if s.episode.env_reason:
+                lines.append(f"         ended by a fault: {s.episode.env_reason}")
     lines.append("metrics")
     for k in sorted(m):
         lines.append(f"  {k:32s} {m[k]:.6g}")

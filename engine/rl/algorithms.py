@@ -50,7 +50,9 @@ def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | N
     rewards = torch.zeros_like(mask, dtype=scores.dtype)
     if kl is not None and kl_coef:
         rewards = rewards - kl_coef * kl * mask
-    last = mask.sum(dim=1).long() - 1
+    # the last policy token (an episode's mask has holes at observation tokens: rl.episodes)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).max(dim=1).values if mask.shape[1] else mask.sum(dim=1).long() - 1
     rows = torch.arange(mask.shape[0])
     has = last >= 0
     rewards[rows[has], last[has]] += scores[has]
@@ -58,7 +60,11 @@ def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | N
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
-    """Generalised advantage estimation over response tokens. Returns (advantages, returns), both [B, R]."""
+    """Generalised advantage estimation over response tokens. Returns (advantages, returns), both [B, R].
+    A mask with holes (an episode's observation tokens) skips them: the next value and the running
+    advantage carry over them from the next policy token, as if the observation were not there."""
+    if mask.shape[1] > 1 and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        return _gae_skipping(rewards, values, mask, gamma, lam)
     B, R = rewards.shape
     adv = torch.zeros_like(rewards)
     last_gae = torch.zeros(B, dtype=rewards.dtype)
@@ -67,6 +73,22 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         last_gae = delta + gamma * lam * last_gae * (mask[:, t + 1] if t + 1 < R else 0.0)
         adv[:, t] = last_gae * mask[:, t]
+    returns = (adv + values) * mask
+    return adv, returns
+
+
+def _gae_skipping(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    B, R = rewards.shape
+    adv = torch.zeros_like(rewards)
+    last_gae = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
+    for t in reversed(range(R)):
+        policy = mask[:, t] > 0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        step = delta + gamma * lam * last_gae
+        adv[:, t] = step * mask[:, t]
+        last_gae = torch.where(policy, step, last_gae)
+        next_value = torch.where(policy, values[:, t], next_value)
     returns = (adv + values) * mask
     return adv, returns
 

@@ -5,7 +5,7 @@ the rollout table (:mod:`engine.schema.table`), and the run's text decoder for t
 from __future__ import annotations
 
 from ..config import read_stored
-from ..schema.sample import FIELDS, PAD, SCALARS, SEQUENCES, UNKNOWN_VERSION, Columns, Sample, pack, unpack
+from ..schema.sample import FIELDS, PAD, SCALARS, SEQUENCES, UNKNOWN_VERSION, Columns, EnvEnd, Sample, pack, unpack
 from ..schema.table import (
     COLUMNS,
     FATE,
@@ -21,7 +21,7 @@ from ..schema.table import (
 )
 
 __all__ = ["COLUMNS", "FATE", "FIELDS", "PAD", "PARQUET_OPTIONS", "SCALARS", "SEQUENCES", "TABLE_NAMES", "UNKNOWN_VERSION", "Columns",
-           "Sample", "arrow_schema", "num_rows", "pack", "require_pyarrow", "rows", "step_columns", "table_columns", "to_arrow", "unpack"]
+           "EnvEnd", "Sample", "arrow_schema", "num_rows", "pack", "require_pyarrow", "rows", "step_columns", "table_columns", "to_arrow", "unpack"]
 
 
 def text_decoder(config: dict | None):

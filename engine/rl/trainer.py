@@ -37,11 +37,13 @@ from . import algorithms
 from . import samples as sample_codec
 from .buffer import RolloutBuffer
 from .data import Example, Sampler, check_identity, load_data
+from .envs import load_env, row_of
+from .episodes import Round
 from .models import BUILTIN_TINY, ValueModel, load_causal_lm, load_reward_model, load_tokenizer, model_digest, render_chat
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
 from .rollout import RolloutEngine, make_engine
 from .sampler import sample_seeded, sampling_params
-from .samples import Columns, Sample
+from .samples import Columns, EnvEnd, Sample
 from .tasks import TaskScorer
 from .workers import ActorWorker, CriticWorker, collate, shard_batch
 
@@ -122,6 +124,8 @@ class Production:
     mine: np.ndarray | None = None
     prompts: list = field(default_factory=list)
     plan: np.ndarray | None = None
+    places: list = field(default_factory=list)  # this rank's samples' places q in the round (their seeds')
+    episodes: Round | None = None  # rollout.env: the round's episodes being played
 
 
 @dataclass
@@ -223,6 +227,7 @@ class Trainer:
         actor_model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, derive_seed(seed, 0, "init/actor"))
         self.actor = ActorWorker(actor_model, cfg, rt)
         self.rollout: RolloutEngine | None = None  # built by the first live collect (replay never generates)
+        self._env_factory = None  # rollout.env's, made by the first live collect (replay never plays an episode)
         self._inflight: Production | None = None  # async: the batch generating while the update runs
         self._flow: Flow | None = None  # completion order: this step's arrivals and asks
         self._resumed_asks = False  # completion order: the groups asked and not arrived were asked again of this process's generator
@@ -256,6 +261,8 @@ class Trainer:
             self.reward_fn = self._reward_fn(cfg)
             if self.eval_scorer is not None:
                 self.eval_scorer.answer_format = cfg.rollout.answer_format
+        if (cfg.rollout.env, cfg.rollout.max_turns) != (self.cfg.rollout.env, self.cfg.rollout.max_turns):
+            self._env_factory = None
         if self.rollout is not None and cfg.rollout.engine != self.rollout.name:
             self.rollout.close()
             self.rollout = None
@@ -377,6 +384,8 @@ class Trainer:
         drawn = [i for p in made for i in p.drawn]
         self._timings.update({"sampling/rounds": float(sum(p.rounds for p in made)),
                               "sampling/dropped_groups": float(sum(len(p.dropped) for p in made) // cfg.rollout.n)})
+        if cfg.rollout.env is not None:
+            self._timings.update(_episode_metrics(added))
         async_mode = cfg.rollout.mode == "async"
         mode = ev.RolloutMode.ASYNC if async_mode else ev.RolloutMode.SYNC
         return StepInputs(
@@ -416,11 +425,42 @@ class Trainer:
         prod.mine = indices[first : first + prompts_per_step // dp_size]
         prod.prompts = [self.prompt_ids[i] for i in prod.mine for _ in range(group_size)]
         # each sample's seed is its place in its step (round, k), whichever rank generates it
-        sample_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, q)
-                        for q in range(first * group_size, first * group_size + len(prod.prompts))]
+        prod.places = list(range(first * group_size, first * group_size + len(prod.prompts)))
+        sample_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, q) for q in prod.places]
         t = time.perf_counter()
-        prod.handle = self.rollout.submit(prod.prompts, sample_seeds, cfg)
+        prompts = prod.prompts
+        if cfg.rollout.env is not None:  # episodes: each env reset from its sample's place (rl.episodes)
+            rows = [row_of(self.dataset[int(i)]) for i in prod.mine for _ in range(group_size)]
+            env_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/env", prod.rounds, q) for q in prod.places]
+            prod.episodes = Round(self._envs(), rows, env_seeds, prod.prompts, self.tokenizer, cfg.rollout.max_turns, cfg.rollout.env_timeout_s)
+            prompts = prod.episodes.first_prompts()
+        prod.handle = self.rollout.submit(prompts, sample_seeds, cfg)
         prod.gen_s += time.perf_counter() - t
+
+    def _envs(self):
+        """rollout.env's factory (made at the first live collect that plays episodes)."""
+        if self._env_factory is None:
+            self._env_factory = load_env(self.cfg, self.data.task_dataset)
+        return self._env_factory
+
+    def _play(self, prod: Production, responses, logps) -> None:
+        """Play the round's episodes to their ends from turn 0's actions: turn t of every episode still
+        going is generated together (its context so far as the prompt, its own seed). Collective: the
+        ranks generate each turn together while any rank has an episode going."""
+        cfg, rt, eps = self.cfg, self.rt, prod.episodes
+        places = list(range(len(eps.episodes)))
+        while True:
+            eps.take(places, responses, logps)
+            if rt.all_true(eps.done()):
+                return
+            places = [] if eps.done() else eps.live()
+            contexts = [eps.episodes[i].context() for i in places]
+            seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, prod.places[i], eps.turn) for i in places]
+            if not places:  # this rank's episodes are over, another rank's are not: step with it, keep nothing
+                contexts, seeds = [eps.episodes[0].context()], [0]
+            responses, logps = self.rollout.result(self.rollout.submit(contexts, seeds, cfg))
+            if not places:
+                responses, logps = [], []
 
     def _finish(self, prod: Production, timings: dict) -> Production:
         """Wait for the round in flight, score it, and draw more rounds while dynamic sampling needs
@@ -430,8 +470,13 @@ class Trainer:
         while True:
             t0 = time.perf_counter()
             responses, logps = self.rollout.result(prod.handle)
+            if prod.episodes is not None:
+                self._play(prod, responses, logps)
             t1 = time.perf_counter()
-            local = self._score(prod.mine, group_size, prod.prompts, responses, logps)
+            if prod.episodes is not None:
+                local = self._score_episodes(prod.mine, group_size, prod.episodes)
+            else:
+                local = self._score(prod.mine, group_size, prod.prompts, responses, logps)
             for s in local:
                 s.policy_version = prod.version
             prod.gen_s += t1 - t0
@@ -467,13 +512,14 @@ class Trainer:
             failpoint("async.admit")
         return prod
 
-    def _rewards(self, rows: list[int], prompts, responses, model: bool = True) -> tuple[list[float], list[float] | None]:
+    def _rewards(self, rows: list[int], prompts, responses, model: bool = True, scored=None) -> tuple[list[float], list[float] | None]:
         """(rule rewards, reward model scores: None when `model` is false or there is no reward model)
-        of each response to the prompt of dataset row `rows[k]`."""
+        of each response to the prompt of dataset row `rows[k]`. `scored`: the texts the rule reward
+        scores instead of the responses' (an episode's: its last action)."""
         tok = self.tokenizer
         texts_p = [tok.decode(p, skip_special_tokens=True) for p in prompts]
         texts_r = [tok.decode(r, skip_special_tokens=True) for r in responses]
-        rule = rule_rewards(self.reward_fn, texts_p, texts_r, [self.dataset[i] for i in rows])
+        rule = rule_rewards(self.reward_fn, texts_p, texts_r if scored is None else scored, [self.dataset[i] for i in rows])
         rm = None
         if model and self.rm is not None:
             rm = reward_model_scores(self.rm[0], self.rm[1], [p + r for p, r in zip(texts_p, texts_r)], self.rt.device)
@@ -485,14 +531,41 @@ class Trainer:
         collect scored them: score = rule_reward + weight * rm_score. Reads, generates nothing."""
         if not samples:
             return
+        tok, named = self.tokenizer, self.reward_fn_named()
+        scored = [tok.decode(s.turns()[-1].action_ids, skip_special_tokens=True) if s.is_episode else tok.decode(s.response_ids, skip_special_tokens=True)
+                  for s in samples]
         rule, rm = self._rewards([int(s.index) for s in samples], [s.prompt_ids for s in samples],
-                                 [s.response_ids for s in samples], model)
+                                 [s.response_ids for s in samples], model, scored)
         w = self.cfg.model.reward_model.weight
         for k, s in enumerate(samples):
-            s.rule_reward = rule[k]
+            s.rule_reward = (s.env_score() + (rule[k] if named else 0.0)) if s.is_episode else rule[k]
             if rm is not None:
                 s.rm_score = rm[k]
             s.score = s.rule_reward + w * s.rm_score
+
+    def reward_fn_named(self) -> bool:
+        """Whether the config names rollout.reward_fn (anything but `auto`): an episode's score then adds
+        its rule reward to the env's rewards; with `auto` the env's rewards alone score an episode."""
+        return self.cfg.rollout.reward_fn != "auto"
+
+    def _score_episodes(self, mine, group_size, eps: Round) -> list[Sample]:
+        """An episode's score: the env's rewards summed over its turns (turns without one count 0), plus
+        the rule reward of its last action when rollout.reward_fn is named (reward_fn_named), plus the
+        reward model's weighted score of the whole episode."""
+        rows = [int(i) for i in mine for _ in range(group_size)]
+        fields = [eps.fields(k) for k in range(len(rows))]
+        named = self.reward_fn_named()
+        rule, rm = [0.0] * len(rows), None
+        if named or self.rm is not None:
+            rule, rm = self._rewards(rows, [f["prompt_ids"] for f in fields], [f["response_ids"] for f in fields],
+                                     scored=[ep.last_action for ep in eps.episodes])
+        rm = rm or [0.0] * len(rows)
+        w = self.cfg.model.reward_model.weight
+        out = []
+        for k, f in enumerate(fields):
+            reward = eps.env_score(k) + (rule[k] if named else 0.0)
+            out.append(Sample(index=rows[k], id=0, group=0, score=reward + w * rm[k], rule_reward=reward, rm_score=rm[k], **f))
+        return out
 
     def _score(self, mine, group_size, prompts, responses, logps) -> list[Sample]:
         rows = [int(i) for i in mine for _ in range(group_size)]
@@ -930,6 +1003,13 @@ def _zero_variance(samples: list[Sample], group_size: int) -> list[int]:
         if max(scores) == min(scores):
             out += [s.id for s in samples[g : g + group_size]]
     return out
+
+
+def _episode_metrics(samples: list[Sample]) -> dict[str, float]:
+    """rollout.env: the episodes generated this step: how many an env fault ended, their turns."""
+    turns = [len(s.turn_lens) // 2 for s in samples if s.is_episode]
+    return {"rollout/env/faults": float(sum(s.env_end == EnvEnd.FAULT for s in samples)),
+            "rollout/env/turns/mean": float(np.mean(turns)) if turns else 0.0}
 
 
 def _add_time(timings: dict[str, float], name: str, seconds: float) -> None:

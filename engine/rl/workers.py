@@ -153,7 +153,10 @@ def collate(samples: list[Sample], pad_id: int, device) -> Batch:
         att[i, : p + r] = 1
         resp[i, :r] = torch.as_tensor(s.response_ids)
         index[i] = torch.clamp(torch.arange(R) + p - 1, max=L - 2)
-        rmask[i, :r] = 1.0
+        if s.is_episode:  # observation tokens are out of the loss, the KL, the entropy and the advantages' means
+            rmask[i, :r] = torch.from_numpy(s.policy_mask())
+        else:
+            rmask[i, :r] = 1.0
     return Batch(ids.to(device), att.to(device), index.to(device), rmask.to(device), resp.to(device))
 
 
@@ -200,7 +203,7 @@ def shard_batch(samples: list[Sample], mini_size: int, dp_size: int, dp_rank: in
     minis: list[MiniBatch] = []
     for a, b in micro_chunks(S, mini_size or S):
         share = (b - a) // D
-        tokens = float(sum(len(samples[i].response_ids) for i in range(a, b)))
+        tokens = float(sum(samples[i].policy_tokens() for i in range(a, b)))
         minis.append(MiniBatch(len(rows), len(rows) + share, tokens))
         rows += range(a + r * share, a + (r + 1) * share)
     return rows, minis

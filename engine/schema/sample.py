@@ -14,6 +14,20 @@
     gen_logprobs   float32[] per response token, as the rollout engine sampled it
     ref_logprobs   float32[] the reference model's, per response token (empty without a KL term)
 
+An episode (rollout.env; rl.envs) has more: its response is every turn after the prompt, each turn's
+action (the policy's tokens) then the observation the environment answered (tokenized, no special
+tokens), and
+
+    loss_mask      int8[]    per response token: 1 the policy's, 0 an observation's (gen_logprobs 0 there)
+    turn_lens      int32[]   per turn: its action's length, its observation's length (2 a turn, flat)
+    turn_rewards   float64[] per turn: the env's reward for that action (NaN: it gave none)
+    env_seed       int64     the seed of the episode's env.reset(row, seed)
+    env_end        int8      how it ended (EnvEnd): 1 done, 2 max_turns reached, 3 an env fault
+    env_reason     str       a fault's reason ("raised ValueError: ...", "no answer in 5.0 s"); "" else
+
+A batch holds these columns only when one of its samples is an episode, so a single-turn run's
+journal is byte for byte what it was before episodes existed.
+
 Samples travel columnar — padded arrays plus lengths (:func:`pack`, :func:`unpack`) — in journal
 events, snapshots and between ranks: live training and replay both go through them, so the update
 sees bit-identical inputs either way. The columns are a map ``{field: array, field_len: lengths}``
@@ -24,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from enum import IntEnum
 
 import numpy as np
 
@@ -32,9 +47,33 @@ SCALARS = {"id": np.int64, "index": np.int64, "group": np.int64, "score": np.flo
 UNKNOWN_VERSION = -1  # policy_version of a sample journaled before the field existed (its step - 1: all were sync)
 SEQUENCES = {"prompt_ids": np.int32, "response_ids": np.int32, "gen_logprobs": np.float32, "ref_logprobs": np.float32}
 FIELDS = {**SCALARS, **SEQUENCES}
+EPISODE_SCALARS = {"env_seed": np.int64, "env_end": np.int8}
+EPISODE_SEQUENCES = {"loss_mask": np.int8, "turn_lens": np.int32, "turn_rewards": np.float64}
+EPISODE_TEXT = "env_reason"  # a list of str column
+EPISODE_FIELDS = {**EPISODE_SCALARS, **EPISODE_SEQUENCES}
 PAD = -1  # fills token-id rows past their length in the columnar form (log-probs: 0)
 
 _EMPTY_F32 = np.zeros(0, np.float32)
+
+
+class EnvEnd(IntEnum):
+    """How an episode ended (a sample's env_end): NONE is a single-turn sample, no env."""
+
+    NONE = 0
+    DONE = 1  # the env said done
+    MAX_TURNS = 2  # rollout.max_turns actions taken
+    FAULT = 3  # an env call raised, returned the wrong type or hung (env_reason says which)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of an episode, as journaled: the action's tokens and generation log-probs, the
+    observation's tokens, the env's reward (NaN: none)."""
+
+    action_ids: np.ndarray
+    action_logprobs: np.ndarray
+    observation_ids: np.ndarray
+    reward: float
 
 
 @dataclass(slots=True, eq=False)
@@ -53,6 +92,41 @@ class Sample:
     rm_score: float = 0.0
     policy_version: int = UNKNOWN_VERSION
     ref_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
+    loss_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))  # empty: every response token is the policy's
+    turn_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    turn_rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    env_seed: int = 0
+    env_end: int = EnvEnd.NONE
+    env_reason: str = ""
+
+    @property
+    def is_episode(self) -> bool:
+        return self.env_end != EnvEnd.NONE
+
+    def policy_mask(self) -> np.ndarray:
+        """Per response token, 1 where the policy generated it, 0 on observation tokens (float32)."""
+        if not self.is_episode:
+            return np.ones(len(self.response_ids), np.float32)
+        return np.asarray(self.loss_mask, np.float32)
+
+    def policy_tokens(self) -> int:
+        return int(np.count_nonzero(self.loss_mask)) if self.is_episode else len(self.response_ids)
+
+    def env_score(self) -> float:
+        """The env's rewards summed over the episode (turns without one count 0)."""
+        return float(np.nansum(np.asarray(self.turn_rewards, np.float64))) if len(self.turn_rewards) else 0.0
+
+    def turns(self) -> list[Turn]:
+        """The episode turn by turn (a single-turn sample: its response as one turn, reward NaN)."""
+        if not self.is_episode:
+            return [Turn(self.response_ids, self.gen_logprobs, self.response_ids[:0], float("nan"))]
+        out, at = [], 0
+        lens = np.asarray(self.turn_lens, np.int64).reshape(-1, 2)
+        for t, (a, o) in enumerate(lens.tolist()):
+            out.append(Turn(self.response_ids[at : at + a], self.gen_logprobs[at : at + a], self.response_ids[at + a : at + a + o],
+                            float(self.turn_rewards[t])))
+            at += a + o
+        return out
 
     def same_as(self, other: Sample) -> bool:
         """Every field equal, bit for bit (NaN equals NaN, -0.0 differs from 0.0), at its journaled dtype."""
@@ -60,19 +134,22 @@ class Sample:
             a, b = np.asarray(getattr(self, name), dt), np.asarray(getattr(other, name), dt)
             if a.shape != b.shape or a.tobytes() != b.tobytes():
                 return False
+        if (self.is_episode or other.is_episode) and self.env_reason != other.env_reason:
+            return False
+        for name, dt in EPISODE_FIELDS.items():
+            a, b = np.asarray(getattr(self, name), dt), np.asarray(getattr(other, name), dt)
+            if a.shape != b.shape or a.tobytes() != b.tobytes():
+                return False
         return True
 
 
-assert {f.name for f in fields(Sample)} == set(FIELDS), "Sample and FIELDS must name the same fields"
+assert {f.name for f in fields(Sample)} == set(FIELDS) | set(EPISODE_FIELDS) | {EPISODE_TEXT}, \
+    "Sample and FIELDS, EPISODE_FIELDS must name the same fields"
 
 
-def pack(samples: Iterable[Sample]) -> dict:
-    """Samples as columns: each scalar field an array, each sequence field a padded 2-D array and
-    `<field>_len` its lengths."""
-    samples = list(samples)
+def _pack_sequences(out: dict, samples: list[Sample], sequences: dict) -> None:
     n = len(samples)
-    out: dict = {k: np.array([getattr(s, k) for s in samples], dtype=dt) for k, dt in SCALARS.items()}
-    for k, dt in SEQUENCES.items():
+    for k, dt in sequences.items():
         seqs = [getattr(s, k) for s in samples]
         lens = np.array([len(x) for x in seqs], dtype=np.int32)
         width = int(lens.max()) if n else 0
@@ -81,6 +158,18 @@ def pack(samples: Iterable[Sample]) -> dict:
             arr[i, : lens[i]] = x
         out[k] = arr
         out[k + "_len"] = lens
+
+
+def pack(samples: Iterable[Sample]) -> dict:
+    """Samples as columns: each scalar field an array, each sequence field a padded 2-D array and
+    `<field>_len` its lengths."""
+    samples = list(samples)
+    out: dict = {k: np.array([getattr(s, k) for s in samples], dtype=dt) for k, dt in SCALARS.items()}
+    _pack_sequences(out, samples, SEQUENCES)
+    if any(s.is_episode for s in samples):  # only then: a single-turn batch's bytes are what they always were
+        out.update({k: np.array([int(getattr(s, k)) for s in samples], dtype=dt) for k, dt in EPISODE_SCALARS.items()})
+        _pack_sequences(out, samples, EPISODE_SEQUENCES)
+        out[EPISODE_TEXT] = [str(s.env_reason) for s in samples]
     return out
 
 
@@ -89,9 +178,13 @@ def unpack(cols: dict) -> list[Sample]:
     if "policy_version" not in cols:  # written before the field existed
         cols = {**cols, "policy_version": np.full(n, UNKNOWN_VERSION, np.int64)}
     scal = {k: cols[k].tolist() for k in SCALARS}
+    episodes = "env_end" in cols
     out = []
     for i in range(n):
         seq = {k: cols[k][i, : cols[k + "_len"][i]].astype(np.int64 if dt is np.int32 else dt) for k, dt in SEQUENCES.items()}
+        if episodes:
+            seq.update({k: cols[k][i, : cols[k + "_len"][i]].astype(np.int64 if dt is np.int32 else dt) for k, dt in EPISODE_SEQUENCES.items()})
+            seq.update({k: int(cols[k][i]) for k in EPISODE_SCALARS}, env_reason=str(cols[EPISODE_TEXT][i]))
         out.append(Sample(**{k: (int(v[i]) if SCALARS[k] is np.int64 else float(v[i])) for k, v in scal.items()}, **seq))
     return out
 
@@ -116,13 +209,14 @@ class Columns:
 
     def scalar(self, name: str, default: np.ndarray | None = None) -> np.ndarray:
         """A scalar column (`default`, or zeros, when the journal lacks it)."""
+        dt = SCALARS.get(name) or EPISODE_SCALARS[name]
         if name in self.cols:
-            return np.asarray(self.cols[name], SCALARS[name])
-        return default if default is not None else np.zeros(self.n, SCALARS[name])
+            return np.asarray(self.cols[name], dt)
+        return default if default is not None else np.zeros(self.n, dt)
 
     def padded(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """A sequence column as (padded 2-D array, lengths); empty when the journal lacks it."""
-        arr = np.asarray(self.cols.get(name, np.zeros((self.n, 0))), SEQUENCES[name])
+        arr = np.asarray(self.cols.get(name, np.zeros((self.n, 0))), SEQUENCES.get(name) or EPISODE_SEQUENCES[name])
         lens = np.asarray(self.cols.get(name + "_len", np.zeros(self.n)), np.int64)
         return arr, lens
 

@@ -103,3 +103,18 @@ def test_value_loss_clipping_by_hand():
 
 def test_entropy_of_uniform():
     assert math.isclose(algorithms.entropy_from_logits(torch.zeros(1, 4)).item(), math.log(4), rel_tol=1e-6)
+
+
+def test_an_episodes_observation_tokens_are_skipped_by_gae_and_token_rewards():
+    """An episode's mask has holes (observation tokens): the score lands on the last policy token, and GAE
+    over [a a o o a] equals GAE over the same row with the observation tokens cut out."""
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0]])
+    rewards = algorithms.token_rewards(torch.tensor([2.0]), mask, None, 0.0)
+    assert rewards.tolist() == [[0.0, 0.0, 0.0, 0.0, 2.0, 0.0]]
+    values = torch.tensor([[0.5, -1.0, 7.0, 7.0, 0.25, 0.0]]) * mask
+    adv, ret = algorithms.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    keep = [0, 1, 4]
+    cut_r, cut_v, cut_m = rewards[:, keep], values[:, keep], torch.ones(1, 3)
+    want_adv, want_ret = algorithms.gae(cut_r, cut_v, cut_m, gamma=0.9, lam=0.8)
+    assert torch.equal(adv[:, keep], want_adv) and torch.equal(ret[:, keep], want_ret)
+    assert adv[0, 2:4].tolist() == [0.0, 0.0] and ret[0, 2:4].tolist() == [0.0, 0.0]

@@ -52,8 +52,6 @@ def test_file_then_overrides(tmp_path):
         ("rollout.max_turns=3", "rollout.max_turns > 1 needs rollout.env (without an environment a sample is one response)"),
         ("rollout.env_timeout_s=0", "rollout.env_timeout_s must be positive, got 0.0"),
         ("rollout.env=calculator", "rollout.env must be null, builtin:NAME or module:Class, got 'calculator'"),
-        # until the rollout runs episodes (issue 36), a run that names an env is refused rather than trained single-turn
-        ("rollout.env=builtin:calculator", "rollout.env: training does not run environments yet"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -67,6 +65,10 @@ def test_bad_values_name_the_key(override, message):
     "overrides, message",
     [
         (["rollout.fleet=k8s"], "rollout.fleet must be one of none, ray"),
+        (["rollout.env=builtin:guess", "rollout.mode=async", "rollout.async_order=completion"],
+         "rollout.env: rollout.async_order=completion does not run episodes yet; use rollout.mode=sync or rollout.async_order=step"),
+        (["rollout.env=builtin:guess", "rollout.mode=async", "rollout.fleet=ray"],
+         "rollout.env: rollout.fleet=ray does not run episodes yet"),
         (["rollout.fleet=ray"], "rollout.fleet=ray applies to rollout.mode=async only"),
         (["rollout.fleet=ray", "rollout.mode=async", "rollout.engine=vllm"], "rollout.fleet=ray generates with verlj's sampler only"),
         (["rollout.fleet=ray", "rollout.mode=async", "rollout.fleet_size=0"], "rollout.fleet_size must be positive, got 0"),

@@ -83,6 +83,28 @@ def test_samples_pack_and_unpack_bit_for_bit():
     assert not samples[2].same_as(back[2])
 
 
+def test_episodes_pack_their_turns_and_single_turn_batches_are_unchanged():
+    from verlj.engine.schema.sample import EPISODE_FIELDS, EnvEnd
+
+    plain = Sample(index=0, prompt_ids=np.array([1, 2]), response_ids=np.array([5, 6, 7]), gen_logprobs=np.zeros(3, np.float32), id=0)
+    assert set(pack([plain])) == set(FIELDS) | {k + "_len" for k in FIELDS if pack([plain])[k].ndim == 2}  # no episode column
+    ep = Sample(index=1, prompt_ids=np.array([1, 2]), response_ids=np.array([5, 6, 30, 31, 32, 7]),
+                gen_logprobs=np.array([-1, -2, 0, 0, 0, -3], np.float32), id=1, loss_mask=np.array([1, 1, 0, 0, 0, 1], np.int8),
+                turn_lens=np.array([2, 3, 1, 0]), turn_rewards=np.array([float("nan"), 1.5]), env_seed=2**62 + 3,
+                env_end=EnvEnd.FAULT, env_reason="step raised ValueError: x")
+    cols = pack([plain, ep])
+    assert set(EPISODE_FIELDS) <= set(cols) and cols["env_reason"] == ["", "step raised ValueError: x"]
+    back = unpack(cols)
+    assert back[1].same_as(ep) and back[0].same_as(plain) and not back[0].is_episode
+    assert back[1].env_reason == "step raised ValueError: x" and back[1].env_end == EnvEnd.FAULT and back[1].env_seed == 2**62 + 3
+    turns = back[1].turns()
+    assert [(t.action_ids.tolist(), t.observation_ids.tolist()) for t in turns] == [([5, 6], [30, 31, 32]), ([7], [])]
+    assert np.isnan(turns[0].reward) and turns[1].reward == 1.5 and back[1].env_score() == 1.5
+    assert back[1].policy_tokens() == 3 and back[1].policy_mask().tolist() == [1, 1, 0, 0, 0, 1]
+    back[1].env_reason = "other"
+    assert not back[1].same_as(ep)
+
+
 # ----------------------------------------------------------------------------- the codec boundary
 
 # Modules that read a format that is not verlj's record: DeepSpeed's checkpoints (reshard, safe_load),

@@ -1,0 +1,129 @@
+"""Multi-turn episodes in the rollout: a round's episodes, played turn by turn against their envs.
+
+The trainer drives the turns through the rollout engine's own API (``submit`` / ``result``): turn t of
+every episode of a round still going is generated together, the prompts being each episode's context so
+far (its prompt ids, then every action and observation), so every engine (hf, vllm, the async
+generator) plays episodes unchanged. Between turns (:meth:`Round.take`): each action is decoded,
+given to its env (``safe_step``, rollout.env_timeout_s), and the observation tokenized (no special
+tokens) and appended. An episode ends when its env says done, at rollout.max_turns actions, or at a
+fault (an env call that raised, returned the wrong type or hung: rl.envs.EnvFault), whose reason is
+journaled with the sample (env_reason); the run goes on.
+
+Seeds, all from the sample's place in its step (round r, place q; ``Trainer._submit_round``):
+turn 0's generation uses the sample's seed of a single-turn run, ``derive_seed(seed, step,
+"rollout/sample", r, q)``; turn t > 0's ``derive_seed(seed, step, "rollout/sample", r, q, t)``; the
+env's ``reset(row, seed)`` gets ``derive_seed(seed, step, "rollout/env", r, q)``. Replay never plays
+an episode: it reads the journaled turns (schema.sample) like any sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..schema.sample import EnvEnd
+from .envs import EnvFactory, EnvFault, safe_reset, safe_step
+
+
+@dataclass
+class Episode:
+    """One episode being played: its env (None once ended), its context and its turns so far."""
+
+    env: object
+    prompt_ids: np.ndarray  # the dataset prompt's ids, then reset's observation's (the sample's prompt_ids)
+    env_seed: int
+    response: list = field(default_factory=list)  # token ids after the prompt: actions and observations
+    logprobs: list = field(default_factory=list)  # per response token (0.0 on observation tokens)
+    mask: list = field(default_factory=list)  # per response token: 1 the policy's, 0 an observation's
+    turn_lens: list = field(default_factory=list)  # flat (action length, observation length) per turn
+    turn_rewards: list = field(default_factory=list)
+    end: int = EnvEnd.NONE
+    reason: str = ""
+    last_action: str = ""  # the last action's text (what rollout.reward_fn scores, when it is named)
+
+    @property
+    def live(self) -> bool:
+        return self.end == EnvEnd.NONE
+
+    def context(self) -> np.ndarray:
+        return np.concatenate([self.prompt_ids, np.asarray(self.response, np.int64)])
+
+    def stop(self, end: EnvEnd, reason: str = "") -> None:
+        self.end, self.reason, self.env = int(end), reason, None
+
+
+class Round:
+    """A round's episodes (this rank's samples of it, in order): reset, then one `take` per turn."""
+
+    def __init__(self, factory: EnvFactory, rows: list[dict], env_seeds: list[int], prompts: list[np.ndarray], tokenizer,
+                 max_turns: int, timeout_s: float):
+        self.tok, self.max_turns, self.timeout_s = tokenizer, max_turns, timeout_s
+        self.turn = 0
+        self.episodes: list[Episode] = []
+        for row, seed, prompt in zip(rows, env_seeds, prompts):
+            env = factory()
+            first = safe_reset(env, row, seed, timeout_s)
+            ep = Episode(env, np.asarray(prompt, np.int64), int(seed))
+            if isinstance(first, EnvFault):
+                ep.stop(EnvEnd.FAULT, f"reset {first.reason}")  # still answers its prompt once: an episode of one turn, unscored by the env
+            elif first:
+                ep.prompt_ids = np.concatenate([ep.prompt_ids, self._encode(first)])
+            self.episodes.append(ep)
+
+    def _encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok(text, add_special_tokens=False).input_ids, np.int64)
+
+    def first_prompts(self) -> list[np.ndarray]:
+        return [ep.prompt_ids for ep in self.episodes]
+
+    def live(self) -> list[int]:
+        """The episodes still going (their places in the round), once the turns so far are taken."""
+        return [i for i, ep in enumerate(self.episodes) if ep.live]
+
+    def take(self, places: list[int], responses: list[np.ndarray], logps: list[np.ndarray]) -> None:
+        """Turn `self.turn`'s actions of the episodes at `places`: each stepped through its env, its
+        observation appended; the turn counter moves on."""
+        self.turn += 1
+        for i, resp, lp in zip(places, responses, logps):
+            ep = self.episodes[i]
+            resp, lp = np.asarray(resp, np.int64), np.asarray(lp, np.float32)
+            ep.response += resp.tolist()
+            ep.logprobs += lp.tolist()
+            ep.mask += [1] * len(resp)
+            ep.last_action = self.tok.decode(resp, skip_special_tokens=True)
+            if not ep.live:  # its reset faulted: the one answer is kept, no env to ask
+                ep.turn_lens += [len(resp), 0]
+                ep.turn_rewards.append(float("nan"))
+                continue
+            got = safe_step(ep.env, ep.last_action, self.timeout_s)
+            if isinstance(got, EnvFault):
+                ep.turn_lens += [len(resp), 0]
+                ep.turn_rewards.append(float("nan"))
+                ep.stop(EnvEnd.FAULT, f"step {got.reason}")
+                continue
+            obs = self._encode(got.observation) if got.observation else np.zeros(0, np.int64)
+            ep.response += obs.tolist()
+            ep.logprobs += [0.0] * len(obs)
+            ep.mask += [0] * len(obs)
+            ep.turn_lens += [len(resp), len(obs)]
+            ep.turn_rewards.append(float("nan") if got.reward is None else float(got.reward))
+            if got.done:
+                ep.stop(EnvEnd.DONE)
+            elif self.turn >= self.max_turns:
+                ep.stop(EnvEnd.MAX_TURNS)
+
+    def done(self) -> bool:
+        return self.turn >= self.max_turns or not self.live()
+
+    def fields(self, i: int) -> dict:
+        """The episode at place `i` as Sample fields (every turn taken)."""
+        ep = self.episodes[i]
+        return {"prompt_ids": ep.prompt_ids, "response_ids": np.asarray(ep.response, np.int64),
+                "gen_logprobs": np.asarray(ep.logprobs, np.float32), "loss_mask": np.asarray(ep.mask, np.int8),
+                "turn_lens": np.asarray(ep.turn_lens, np.int64), "turn_rewards": np.asarray(ep.turn_rewards, np.float64),
+                "env_seed": ep.env_seed, "env_end": ep.end if not ep.live else int(EnvEnd.MAX_TURNS), "env_reason": ep.reason}
+
+    def env_score(self, i: int) -> float:
+        r = np.asarray(self.episodes[i].turn_rewards, np.float64)
+        return float(np.nansum(r)) if len(r) else 0.0

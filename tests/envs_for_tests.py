@@ -1,0 +1,55 @@
+"""Environments for the episode tests (rollout.env=envs_for_tests:NAME, with tests/ on PYTHONPATH).
+
+VERLJ_TEST_ENV_FORBID=1: any reset or step ends the process at once (exit 97), so a replay, a rerun or a
+resume that plays no live step proves it never called the environment."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from verlj.engine.rl.envs import StepResult
+
+FORBID = "VERLJ_TEST_ENV_FORBID"
+
+
+def _forbidden(what: str) -> None:
+    if os.environ.get(FORBID) == "1":
+        sys.stderr.write(f"envs_for_tests: {what} called with {FORBID}=1\n")
+        sys.stderr.flush()
+        os._exit(97)
+
+
+class Digits:
+    """Deterministic, rewards that vary: each action is told its length back; the reward of an action
+    is the share of its characters that are digits (every turn), and an action holding a 7 ends the
+    episode. Up to 3 actions."""
+
+    def reset(self, row: dict, seed: int) -> str:
+        _forbidden("reset")
+        self.turns, self.seed = 0, seed
+        return f"#{seed % 10}:"
+
+    def step(self, action: str) -> StepResult:
+        _forbidden("step")
+        self.turns += 1
+        share = sum(c.isdigit() for c in action) / max(1, len(action))
+        return StepResult(f"[{len(action)}]", share, "7" in action or self.turns >= 3)
+
+
+class Faulty(Digits):
+    """Digits, except that by its seed an episode's second step raises (seed % 4 == 1), returns a tuple
+    (== 2) or hangs for 3 s (== 3; run it with a short rollout.env_timeout_s)."""
+
+    def step(self, action: str):
+        _forbidden("step")
+        kind = self.seed % 4
+        if self.turns == 1 and kind == 1:
+            raise ValueError("the sandbox fell over")
+        if self.turns == 1 and kind == 2:
+            return ("obs", 1.0, True)
+        if self.turns == 1 and kind == 3:
+            time.sleep(3)
+        out = super().step(action)
+        return StepResult(out.observation, out.reward, False) if self.turns < 3 else out

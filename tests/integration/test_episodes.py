@@ -1,0 +1,135 @@
+"""Multi-turn episodes (rollout.env, rollout.max_turns) in real training runs: the turns in the journal,
+observation tokens out of the loss, a SIGKILL then --resume equal to the uninterrupted run (sync GRPO,
+async step-order PPO), replay and rerun that never call the environment, faulty environments ending
+their episodes with journaled reasons, and an environment that cannot be imported refused up front."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from verlj.engine.rl.vocab import VOCABS, TextDecoder
+from verlj.engine.schema.events import StepEvents
+from verlj.engine.schema.sample import EnvEnd, unpack
+from verlj.journal import open_journal_reader
+from verlj_testing import assert_same_journal, fingerprints, train, verlj
+
+TESTS = str(Path(__file__).resolve().parents[1])  # envs_for_tests
+ASCII = "model.tiny.vocab=ascii"
+GUESS = ["rollout.env=builtin:guess", "rollout.max_turns=3", ASCII, "trainer.total_steps=4", "trainer.save_interval=2"]
+# the untrained tiny model never writes a <calc> tag (builtin:calculator's episodes would all be one turn): a
+# multi-turn env with rewards every turn and episodes of 1 to 3 turns instead, so PPO's mask has holes
+PPO_ASYNC = ["rollout.env=envs_for_tests:Digits", "rollout.max_turns=3", ASCII, "algorithm.name=ppo", "rollout.mode=async",
+             "trainer.total_steps=4", "trainer.save_interval=2"]
+
+
+def episodes(run: Path) -> dict[int, list]:
+    """Each step's added samples (Sample objects), from the journal."""
+    out = {}
+    with open_journal_reader(run / "journal") as j:
+        for rec in j.iter_steps():
+            added = StepEvents.of(rec).added
+            out[rec.step] = unpack(added.samples) if added is not None and added.samples is not None else []
+    return out
+
+
+def metrics(run: Path) -> dict[int, dict]:
+    with open_journal_reader(run / "journal") as j:
+        return {rec.step: StepEvents.of(rec).metrics.values for rec in j.iter_steps()}
+
+
+@pytest.fixture(scope="module")
+def guess_ref(tmp_path_factory):
+    run = tmp_path_factory.mktemp("guess") / "ref"
+    out = train(run, *GUESS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def test_guess_episodes_are_journaled_turn_by_turn(guess_ref):
+    dec = TextDecoder("builtin:tiny", VOCABS["ascii"])
+    samples = [s for step in episodes(guess_ref).values() for s in step]
+    assert samples and all(s.is_episode for s in samples)
+    multi = [s for s in samples if len(s.turn_lens) // 2 > 1]
+    assert multi, "no episode took more than one turn"
+    s = multi[0]
+    turns = s.turns()
+    assert len(turns) == len(s.turn_lens) // 2 == len(s.turn_rewards) <= 3
+    # the rules (reset's observation) follow the prompt; every turn's observation is a word the game says
+    assert dec.decode(s.prompt_ids.tolist()).endswith("Answer with the number only.")
+    words = [dec.decode(t.observation_ids.tolist()) for t in turns]
+    assert all(w in ("higher", "lower", "not a number", "") for w in words) and words[0] != ""
+    # loss_mask: 1 on each action's tokens, 0 on each observation's; log-probs 0 where the mask is 0
+    want = np.concatenate([np.r_[np.ones(len(t.action_ids)), np.zeros(len(t.observation_ids))] for t in turns])
+    assert np.array_equal(s.loss_mask, want.astype(np.int8)) and (s.loss_mask == 0).any()
+    assert np.all(s.gen_logprobs[s.loss_mask == 0] == 0) and len(s.response_ids) == len(s.loss_mask) == len(s.gen_logprobs)
+    assert s.env_end in (EnvEnd.DONE, EnvEnd.MAX_TURNS) and s.env_reason == ""
+    assert np.isnan(s.turn_rewards[:-1]).all() and s.score == s.rule_reward == np.nansum(s.turn_rewards)
+    # the env's seeds differ from sample to sample (each from its place in the step)
+    assert len({int(x.env_seed) for x in samples}) == len(samples)
+    assert all(m["rollout/env/faults"] == 0.0 for m in metrics(guess_ref).values())
+    shown = verlj("inspect", guess_ref, "--step", "1", "--max-samples", "1", check=True).stdout  # turn by turn
+    assert "turn 1: " in shown and " ⇒ " in shown
+
+
+def test_guess_killed_mid_run_then_resumed_is_exact(tmp_path, guess_ref):
+    run = tmp_path / "run"
+    out = train(run, *GUESS, VERLJ_FAILPOINT="journal.after_commit:3")  # step 3 journaled, the last snapshot at 2
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *GUESS, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Replayed step 3 from the journal." in out.stdout
+    assert fingerprints(run) == fingerprints(guess_ref)
+    assert_same_journal(run, guess_ref)
+
+
+def test_ppo_async_episodes_killed_then_resumed_is_exact(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    out = train(ref, *PPO_ASYNC, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    samples = [s for step in episodes(ref).values() for s in step]
+    assert {len(s.turn_lens) // 2 for s in samples} >= {3} and len({s.score for s in samples}) > 1
+    out = train(run, *PPO_ASYNC, PYTHONPATH=TESTS, VERLJ_FAILPOINT="step.before_commit:3")
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *PPO_ASYNC, resume=True, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(run) == fingerprints(ref)
+    assert_same_journal(run, ref)
+
+
+def test_faulty_envs_end_their_episodes_and_replay_never_calls_an_env(tmp_path):
+    """An env that raises, returns a tuple, or hangs past rollout.env_timeout_s ends that episode with its
+    reason journaled and counted; the run completes. Then replay and rerun (which re-executes step 3 from
+    the snapshot of step 2, rescoring its samples) run with every env call forbidden (exit 97) and
+    reproduce the journaled fingerprint and stages."""
+    run = tmp_path / "run"
+    over = ["rollout.env=envs_for_tests:Faulty", "rollout.max_turns=3", "rollout.env_timeout_s=0.5", ASCII,
+            "rollout.reward_fn=builtin:add", "trainer.total_steps=3", "trainer.save_interval=2"]
+    out = train(run, *over, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    by_step, m = episodes(run), metrics(run)
+    reasons = {s.env_reason for step in by_step.values() for s in step if s.env_end == EnvEnd.FAULT}
+    assert reasons == {"step raised ValueError: the sandbox fell over", "step returned a tuple, not StepResult", "step no answer in 0.5 s"}
+    for step, samples in by_step.items():
+        faults = [s for s in samples if s.env_end == EnvEnd.FAULT]
+        assert m[step]["rollout/env/faults"] == float(len(faults)) > 0
+        assert all(len(s.turn_lens) == 4 and s.turn_lens[-1] == 0 and np.isnan(s.turn_rewards[-1]) for s in faults)
+    assert len({s.score for step in by_step.values() for s in step}) > 1  # the env's rewards vary: the update is not trivial
+    want = fingerprints(run)
+    rep = verlj("replay", run, "--to-step", "3", PYTHONPATH=TESTS, VERLJ_TEST_ENV_FORBID="1")
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    assert want[3] in rep.stdout
+    again = verlj("rerun", run, "--steps", "3:3", "--json", PYTHONPATH=TESTS, VERLJ_TEST_ENV_FORBID="1")  # from step_00002
+    assert again.returncode == 0, again.stderr[-3000:]
+    report = json.loads(again.stdout)
+    assert report["from_snapshot"] == 2 and [v["verdict"] for v in report["verdicts"]] == ["reproduced"]
+
+
+def test_an_env_that_cannot_be_imported_is_one_line_before_training(tmp_path):
+    out = train(tmp_path / "run", "rollout.env=no_such_env_module_xyz:Env", "rollout.max_turns=2")
+    assert out.returncode == 2
+    assert out.stderr.strip() == "error: rollout.env: cannot import 'no_such_env_module_xyz:Env' (No module named 'no_such_env_module_xyz')"
+    assert not (tmp_path / "run" / "journal").exists()
