@@ -20,6 +20,7 @@ LONGEST_FIRST = [
     "test_hardening.py",  # 97
     "test_shipping.py",  # 87
     "test_async_completion.py",  # 83
+    "test_ray_launcher.py",  # ~80 (new: a Ray cluster, a torchrun run and two Ray runs of 2 ranks)
     "test_distributed.py",  # 82
     "test_interpreters.py",  # ~80 (new)
     "test_faults_quick.py",  # 66 when measured; 45 since it runs three kinds

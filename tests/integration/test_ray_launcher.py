@@ -44,7 +44,10 @@ def test_two_ranks_as_ray_actors_train_as_torchrun_does(tmp_path, cluster, refer
 def test_a_rank_actor_killed_by_sigkill_restarts_the_ranks_and_the_run_ends_identical(tmp_path, cluster, reference):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *RAY, "trainer.max_restarts=2"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(**cluster), cwd=REPO)
+    # step 3 waits a minute before its commit in the first attempt (its processes' 3rd commit; the restarted ones
+    # commit steps 3 and 4 only): the kill lands mid-run however late Ray forwards rank 0's line
+    slow = {"VERLJ_FAILPOINT": "step.before_commit:3:sleep=60"}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(**cluster, **slow), cwd=REPO)
     ranks = None
     seen = []
     for line in p.stdout:
