@@ -1,7 +1,7 @@
 """`verlj train --launcher ray --nproc 2`: the trainer's ranks as Ray actors in a placement group, on a real
 local Ray cluster (the `cluster` fixture, conftest.py), trained to the same journal as torchrun's two ranks;
 through a real SIGKILL of one rank actor's process with trainer.max_restarts=2 the run ends by itself,
-bit-identical. Without ray, --launcher ray is one line, exit 2."""
+bit-identical. Without ray, --launcher ray is one line, exit 2 (and --nproc without it)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train
+from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
 
 pytestmark = pytest.mark.slow
 
@@ -81,4 +81,7 @@ def test_without_ray_the_ray_launcher_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "--launcher ray needs ray: pip install 'verlj[ray]'" in lines[0], out.stderr
+    assert not run.exists()
+    out = verlj("train", "--output-dir", run, "--nproc", "2")  # ranks are torchrun's or the Ray launcher's to start
+    assert out.returncode == 2 and out.stderr.strip() == "error: --nproc is the number of ranks --launcher ray starts (under torchrun: --nproc_per_node)"
     assert not run.exists()
