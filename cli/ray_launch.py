@@ -48,7 +48,6 @@ LOG_FLUSH_S = 1.0  # Ray forwards what the ranks print asynchronously: their las
 LOST = 1  # the exit status of an attempt ended by a rank's actor dying
 PASS_ENV = ("VERLJ_", "OMP_", "MKL_", "PYTHONHASHSEED", "PYTHONPATH", "TOKENIZERS_", "TRANSFORMERS_", "HF_", "DS_", "NCCL_",
             "GLOO_", "CUBLAS_", "WANDB_", "TORCH_")
-RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def say(line: str) -> None:
@@ -195,7 +194,6 @@ class Attempt:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.stopped = True
-
         task = self.ray.remote(_signal)
         for w in self.where:
             task.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(w["node"], soft=False)).remote(w["pid"], signum)
@@ -203,7 +201,7 @@ class Attempt:
     def run(self, kwargs: dict, restarted: int, restarts: int) -> tuple[int, str]:
         """(the attempt's exit status, how it ended in words): rank 0's status, else the first failure's."""
         ray = self.ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -224,6 +222,8 @@ class Attempt:
                 return LOST, f"a rank's actor died as it started ({_cause(e)})"
             except GetTimeoutError:
                 raise fail(f"the {self.n} rank actors did not all start within {START_TIMEOUT_S:.0f} s") from None
+            except RayError as e:  # their runtime environment, say: one sentence, not Ray's traceback
+                raise fail(f"the rank actors could not start: {_cause(e)}") from None
             say(f"training on {self.n} ranks (" + ", ".join(f"rank {r} in process {w['pid']} on {w['ip']}" for r, w in enumerate(self.where))
                 + (f"; restart {restarted} of {restarts})" if restarted else
                    f"; restarted with --resume if one dies, at most {restarts} times)" if restarts else ")"))
@@ -257,8 +257,8 @@ class Attempt:
             self._end(actors, pg, remove_placement_group)
 
     def _place(self, pg) -> None:
-        start, said = time.monotonic(), False
-        while not self.ray.wait([pg.ready()], timeout=WAIT_S * 4)[0]:
+        start, said, ready = time.monotonic(), False, pg.ready()
+        while not self.ray.wait([ready], timeout=WAIT_S * 4)[0]:
             waited = time.monotonic() - start
             if waited > PLACE_TIMEOUT_S:
                 raise fail(f"the Ray cluster did not place {self.n} bundles of {self.bundle} ({self.strategy.lower()}) within "
