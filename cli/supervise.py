@@ -5,7 +5,8 @@ finishing (killed, crashed), it is started again with --resume, at most N times,
 committed step: the resume is verlj's own (the newest valid snapshot, then the journal replayed).
 A run that finishes, a bad command (exit 2) and a stop the user asked for (Ctrl-C, SIGTERM, which
 are passed on to the trainer once each) are never restarted. Under torchrun the restarts are
-torchrun's (`--max-restarts N`); each restarted rank resumes by itself (train_cmd).
+torchrun's (`--max-restarts N`); each restarted rank resumes by itself (train_cmd). Under
+`--launcher ray` they are cli/ray_launch's, by the same policy (restart_or_end).
 
 While restarts remain, a standby process waits beside the trainer: the same command with --resume,
 its libraries (torch, DeepSpeed, transformers) already imported, blocked on its stdin. A restart
@@ -54,6 +55,22 @@ def how_it_ended(code: int) -> str:
 
 def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
+
+
+def restart_or_end(ended: str, code: int, stopping: bool, restarted: int, restarts: int, say: Callable[[str], None],
+                   again: str = "it") -> bool:
+    """The restart policy, the one for every launcher (this supervisor's and cli/ray_launch's): after the
+    trainer ended with `code` (`ended`: that, in words), True when it is started again with --resume (said
+    in one line); False when the command ends with exit_status(code) (said when no restart was left). A run
+    that finished, a refused command and a stop the user asked for are never restarted."""
+    if code in FINAL or stopping:
+        return False
+    if restarted >= restarts:
+        say(f"{ended}; no restart left (trainer.max_restarts={restarts}): "
+            "every committed step is in the journal, and `verlj train --resume` continues it")
+        return False
+    say(f"{ended}; restarting {again} with --resume ({restarted + 1} of {restarts})")
+    return True
 
 
 def supervise(cmd: list[str], restarts: int, say: Callable[[str], None] | None = None, standby: bool = True) -> int:
@@ -117,12 +134,7 @@ def supervise(cmd: list[str], restarts: int, say: Callable[[str], None] | None =
                 break
             except KeyboardInterrupt:  # a signal arrived between handlers: wait on
                 continue
-        if code in FINAL or stopping:
-            return end(code)
-        if restarted >= restarts:
-            say(f"the training process {how_it_ended(code)}; no restart left (trainer.max_restarts={restarts}): "
-                "every committed step is in the journal, and `verlj train --resume` continues it")
+        if not restart_or_end(f"the training process {how_it_ended(code)}", code, stopping, restarted, restarts, say):
             return end(code)
         restarted += 1
-        say(f"the training process {how_it_ended(code)}; restarting it with --resume ({restarted} of {restarts})")
         child = take_spare() or subprocess.Popen(resume_cmd, env=env, preexec_fn=_own_group_dying_with_parent)

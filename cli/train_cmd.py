@@ -5,19 +5,26 @@
     verlj train --output-dir runs/demo --resume trainer.total_steps=80
     verlj train --output-dir runs/demo trainer.max_restarts=3      # restarted with --resume when it dies
     torchrun --nproc_per_node 2 -m verlj.cli train --output-dir runs/dp2 distributed.zero_stage=3
+    verlj train --launcher ray --nproc 2 --output-dir runs/dp2 trainer.max_restarts=3   # ranks as Ray actors (cli/ray_launch.py)
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from .common import EXIT_SNAPSHOTS_FAILED, INTERRUPTED_TRAINING, guarded, log_to_stderr_only_on_rank0, quiet_libraries
+from .common import EXIT_SNAPSHOTS_FAILED, EXIT_USAGE, INTERRUPTED_TRAINING, fail, guarded, log_to_stderr_only_on_rank0, quiet_libraries
 from .supervise import STANDBY, SUPERVISED, supervise, under_launcher
+
+
+class Launcher(str, Enum):
+    process = "process"  # this process trains: one rank, or one of torchrun's
+    ray = "ray"  # --nproc ranks as Ray actors in a placement group (cli/ray_launch.py)
 
 
 def train(
@@ -28,6 +35,11 @@ def train(
     allow_config_change: Annotated[
         bool, typer.Option("--allow-config-change", help="On resume, accept (and record) changes to state-shaping keys.")
     ] = False,
+    launcher: Annotated[
+        Launcher, typer.Option("--launcher", help="process: this process trains (one rank, or one of torchrun's); ray: --nproc "
+                               "ranks as Ray actors in a placement group (pip install 'verlj[ray]').")
+    ] = Launcher.process,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", min=1, help="With --launcher ray: the number of ranks (default 1).")] = None,
 ) -> None:
     """Train with GRPO or PPO; every step is journaled, snapshots are taken every save_interval steps."""
     quiet_libraries()
@@ -38,6 +50,14 @@ def train(
     if any(o == "trainer.resume_from=auto" or o.startswith("trainer.resume_from=") for o in overrides):
         resume = True
     restarts = guarded(lambda: restarts_asked(config, overrides))
+    if launcher is Launcher.ray or nproc is not None:
+        if launcher is not Launcher.ray:
+            raise fail("--nproc is the number of ranks --launcher ray starts (under torchrun: --nproc_per_node)", EXIT_USAGE)
+        if under_launcher():
+            raise fail("--launcher ray starts the ranks itself: run it without torchrun", EXIT_USAGE)
+        from .ray_launch import launch
+
+        raise typer.Exit(launch(output_dir, config, overrides, resume, allow_config_change, nproc or 1, restarts))
     if restarts and os.environ.get(SUPERVISED) != "1":
         if not under_launcher():
             argv = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(output_dir), *(["--config", str(config)] if config else []),

@@ -369,12 +369,19 @@ class DistributedConfig:
     zero_stage: int = topology(0)  # DeepSpeed ZeRO stage 0-3
     tensor_parallel_size: int = topology(1)  # DeepSpeed AutoTP degree (tensor_parallel.autotp_size)
     backend: str = "auto"  # auto (gloo on CPU, nccl on GPU) | gloo | nccl
-    ray_address: Optional[str] = bookkeeping(None)  # rollout.fleet=ray: the Ray cluster to join (RAY_ADDRESS wins; null and unset: verlj starts a local one)
+    # rollout.fleet=ray and `verlj train --launcher ray`: the Ray cluster to join (RAY_ADDRESS wins; null
+    # and unset: verlj starts a local one)
+    ray_address: Optional[str] = bookkeeping(None)
+    # `verlj train --launcher ray`: how the placement group lays out its bundles, one per rank: pack (as
+    # few nodes as will hold them) | spread (over as many nodes as there are); one command's choice,
+    # never stored with the run
+    placement: str = bookkeeping("pack")
 
     def validate(self) -> None:
         _range("distributed.zero_stage", self.zero_stage, 0, 3)
         _positive("distributed.tensor_parallel_size", self.tensor_parallel_size)
         _choice("distributed.backend", self.backend, ("auto", "gloo", "nccl"))
+        _choice("distributed.placement", self.placement, ("pack", "spread"))
 
 
 @dataclass
@@ -577,7 +584,7 @@ RETIRED_KEYS = ("model.reward_model.save_checkpoint",)
 # Keys that choose how one command runs, not what the run is: never stored as the run's config (a
 # resume records its trainer.resume_from in the run's lineage), and set back to the default (the
 # value here) when read from a run that stored them before this rule.
-ONE_OFF_KEYS = {"trainer.resume_from": None, "trainer.max_restarts": 0}
+ONE_OFF_KEYS = {"trainer.resume_from": None, "trainer.max_restarts": 0, "distributed.placement": "pack"}
 
 
 def _without_one_off(data: dict) -> dict:
@@ -781,16 +788,32 @@ def make_config(config_file: str | Path | None = None, overrides: list[str] | tu
     return config_from_dict(data)
 
 
-def restarts_asked(config_file: str | Path | None, overrides: list[str] | tuple[str, ...]) -> int:
-    """trainer.max_restarts as one command asks it: the config file and the overrides (a one-off key,
-    never read from a run's stored config), without building the rest of the config."""
+def _asked(config_file: str | Path | None, overrides: list[str] | tuple[str, ...], section: str, key: str, default):
+    """One key as one command asks it: the config file and the overrides, without building the rest."""
     data: dict = load_config_file(config_file) if config_file is not None else {}
     for o in overrides:
         data = _merge(data, parse_override(o))
-    value = (data.get("trainer") or {}).get("max_restarts", 0) if isinstance(data.get("trainer"), dict) else 0
+    return (data.get(section) or {}).get(key, default) if isinstance(data.get(section), dict) else default
+
+
+def restarts_asked(config_file: str | Path | None, overrides: list[str] | tuple[str, ...]) -> int:
+    """trainer.max_restarts as one command asks it: the config file and the overrides (a one-off key,
+    never read from a run's stored config), without building the rest of the config."""
+    value = _asked(config_file, overrides, "trainer", "max_restarts", 0)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"trainer.max_restarts must be an integer >= 0, got {value!r}")
     return value
+
+
+def launch_asked(config_file: str | Path | None, overrides: list[str] | tuple[str, ...]) -> tuple[str, str | None]:
+    """(distributed.placement, distributed.ray_address) as one command asks them, for `--launcher ray`,
+    which places the ranks before any of them reads the run's stored config."""
+    placement = _asked(config_file, overrides, "distributed", "placement", "pack")
+    _choice("distributed.placement", placement, ("pack", "spread"))
+    address = _asked(config_file, overrides, "distributed", "ray_address", None)
+    if address is not None and not isinstance(address, str):
+        raise ConfigError(f"distributed.ray_address must be a string or null, got {address!r}")
+    return placement, address
 
 
 def config_from_dict(data: dict) -> Config:

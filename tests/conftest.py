@@ -11,6 +11,7 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 # is left alone with a long one at the end. Seconds each, measured serially on 2 cores.
 LONGEST_FIRST = [
     "test_fleet.py",  # ~280 with other jobs on the cores (new; a Ray cluster and nine runs)
+    "test_ray_launcher.py",  # ~180 with other jobs on the cores (new: a Ray cluster, torchrun's 2 ranks, 2 Ray runs of 2 ranks)
     "test_recovery.py",  # 166
     "test_reshard.py",  # 166
     "test_node_loss.py",  # 142

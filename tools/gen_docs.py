@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import enum
 import inspect
 import io
 import json
@@ -184,7 +185,8 @@ def _param_row(p) -> str:
         if p.required:
             kind += ", required"
         elif not p.is_flag and p.default is not None and p.default != () and p.show_default is not False:
-            kind += f", default `{_cell(str(p.default))}`"
+            default = p.default.value if isinstance(p.default, enum.Enum) else p.default  # a choice: as it is typed
+            kind += f", default `{_cell(str(default))}`"
     return f"| {name} | {kind} | {_cell(' '.join((p.help or '').split()))} |"
 
 

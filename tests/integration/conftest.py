@@ -1,5 +1,6 @@
 """Fixtures shared by the integration tests."""
 
+import os
 import shutil
 
 import pytest
@@ -22,3 +23,18 @@ def copy(base, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(base, run, symlinks=True)
     return run
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster for the module (started and stopped by this process); its address for the
+    `verlj train` subprocesses, which join it through RAY_ADDRESS (test_fleet.py, test_ray_launcher.py)."""
+    if os.environ.get("CI"):
+        import ray  # in CI a missing ray is a failure, not a skip
+    else:
+        ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", object_store_memory=256 * 1024 * 1024)
+    try:
+        yield {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    finally:
+        ray.shutdown()

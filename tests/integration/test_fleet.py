@@ -1,5 +1,5 @@
-"""rollout.fleet=ray: generator actors on a real local Ray cluster (CPU), one cluster for the module,
-which every `verlj train` subprocess joins through RAY_ADDRESS. Step order is bit-identical whatever the
+"""rollout.fleet=ray: generator actors on a real local Ray cluster (CPU), one cluster for the module
+(the `cluster` fixture, conftest.py), which every `verlj train` subprocess joins through RAY_ADDRESS. Step order is bit-identical whatever the
 fleet's size and whichever actor generates what, through a real SIGKILL of an actor's process (its
 groups are asked again of the fleet) and a resize on resume; completion order trains on two actors
 through a kill with every group accounted for. Without ray, rollout.fleet=ray is one line, exit 2.
@@ -7,7 +7,6 @@ The README's test command installs the `ray` extra, so CI runs these; elsewhere,
 cluster's tests are skipped."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -22,20 +21,6 @@ pytestmark = pytest.mark.slow
 FLEET = ["rollout.mode=async", "rollout.fleet=ray", "rollout.fleet_size=2"]
 NOT_FLEET = ("rollout/fleet/",)  # the fleet's own counters (deaths, live actors, M) differ by design between the runs compared
 KILL = "fleet.dispatch:5:kill-actor"  # SIGKILL of the actor given the 5th call, as it gets it (batch 3, while step 2 trains)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """One local Ray cluster for the module (started and stopped by this process); its address for the runs."""
-    if os.environ.get("CI"):
-        import ray  # in CI a missing ray is a failure, not a skip
-    else:
-        ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", object_store_memory=256 * 1024 * 1024)
-    try:
-        yield {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

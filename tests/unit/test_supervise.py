@@ -14,7 +14,7 @@ import time
 import pytest
 
 from verlj.cli.supervise import STANDBY, SUPERVISED, supervise
-from verlj.engine.config import make_config, restarts_asked
+from verlj.engine.config import launch_asked, make_config, restarts_asked
 from verlj.engine.errors import ConfigError
 
 
@@ -114,3 +114,17 @@ def test_max_restarts_is_one_command_s_choice(tmp_path):
     with pytest.raises(ConfigError, match="trainer.max_restarts must be an integer >= 0"):
         restarts_asked(None, ["trainer.max_restarts=-1"])
     assert make_config(None, ["trainer.max_restarts=3"]).to_stored()["trainer"]["max_restarts"] == 0  # never stored with the run
+
+
+def test_the_ray_launcher_s_placement_is_one_command_s_choice(tmp_path):
+    """`--launcher ray` places the ranks before any reads the run's config: placement and cluster as this command asks."""
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("distributed:\n  placement: spread\n  ray_address: head:6379\n")
+    assert launch_asked(None, []) == ("pack", None)
+    assert launch_asked(cfg_file, []) == ("spread", "head:6379")
+    assert launch_asked(cfg_file, ["distributed.placement=pack"]) == ("pack", "head:6379")
+    with pytest.raises(ConfigError, match="distributed.placement must be one of pack, spread; got 'wide'"):
+        launch_asked(None, ["distributed.placement=wide"])
+    with pytest.raises(ConfigError, match="distributed.placement must be one of pack, spread"):
+        make_config(None, ["distributed.placement=wide"])
+    assert make_config(None, ["distributed.placement=spread"]).to_stored()["distributed"]["placement"] == "pack"  # never stored
