@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -338,7 +338,18 @@ class Eval:
         return cls(_ids(e["rows"]), np.asarray(e["scores"], np.float64), np.asarray(e["response_ids"]), _ids(e["response_len"]))
 
 
-EVENT_TYPES: dict[str, type] = {c.TYPE: c for c in (Data, Rollout, Rng, Added, Consumed, Dropped, Plan, Requests, Metrics, State,
+class Event(Protocol):
+    """What every event type has: its journal type name, its plain form, and the way back."""
+
+    TYPE: ClassVar[str]
+
+    def to_event(self) -> dict: ...
+
+    @classmethod
+    def from_event(cls, e: dict) -> Event: ...
+
+
+EVENT_TYPES: dict[str, type[Event]] = {c.TYPE: c for c in (Data, Rollout, Rng, Added, Consumed, Dropped, Plan, Requests, Metrics, State,
                                                     Stages, Control, ConfigChange, Eval)}
 
 
@@ -374,13 +385,15 @@ class StepEvents:
                  "eval": "eval"}
         plural = {"buffer.drop": "drops", "control": "controls", "config": "configs"}
         for e in record.events:
-            kind = e["type"]
+            kind = e["type"]  # the envelope's own key (verlj.journal.events)
             typed = EVENT_TYPES[kind].from_event(e)
             if kind in plural:
                 many[plural[kind]].append(typed)
             elif names[kind] not in single:
                 single[names[kind]] = typed
-        return cls(record.step, record.time, record.pruned, **single, **{k: tuple(v) for k, v in many.items()})
+        for k, v in many.items():
+            single[k] = tuple(v)
+        return cls(record.step, record.time, record.pruned, **single)
 
     def dropped(self, reason: DropReason) -> np.ndarray:
         """The ids dropped for `reason` (one event per reason at most; empty when none)."""

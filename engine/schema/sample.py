@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 
@@ -185,7 +186,8 @@ def unpack(cols: dict) -> list[Sample]:
         if episodes:
             seq.update({k: cols[k][i, : cols[k + "_len"][i]].astype(np.int64 if dt is np.int32 else dt) for k, dt in EPISODE_SEQUENCES.items()})
             seq.update({k: int(cols[k][i]) for k in EPISODE_SCALARS}, env_reason=str(cols[EPISODE_TEXT][i]))
-        out.append(Sample(**{k: (int(v[i]) if SCALARS[k] is np.int64 else float(v[i])) for k, v in scal.items()}, **seq))
+        fields_: dict[str, Any] = {k: (int(v[i]) if SCALARS[k] is np.int64 else float(v[i])) for k, v in scal.items()}
+        out.append(Sample(**fields_, **seq))
     return out
 
 

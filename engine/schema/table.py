@@ -90,6 +90,7 @@ def to_arrow(cols: dict, fate: dict | None = None):
             values, offsets = cols[name]
             arrays.append(pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, typ.value_type)))
         elif name in FATE:
+            assert fate is not None  # the fate columns are in the schema only when a fate is given
             status = [fate.get(int(i), ("pending", None)) for i in cols["sample_id"]]
             arrays.append(pa.array([s[0] if name == "status" else s[1] for s in status], typ))
         else:
