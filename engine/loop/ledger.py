@@ -41,7 +41,7 @@ import blake3
 from verlj.journal import Claim, Journal, JournalError, open_journal_reader, segments
 from verlj.journal.claim import being_written, live_holder
 
-from ..config import config_from_dict, stored_config
+from ..config import read_stored, stored_config
 from ..errors import RunError
 from ..schema.events import ControlKind
 
@@ -389,7 +389,7 @@ def user_modules(config: dict) -> dict[str, str]:
     from ..plugins import module_file
 
     named = {}
-    cfg = config_from_dict(config)
+    cfg = read_stored(config)
     reward = str(cfg.rollout.reward_fn or "")
     if ":" in reward and not reward.startswith("builtin:"):
         named["reward module " + reward.partition(":")[0]] = reward.partition(":")[0]
@@ -671,7 +671,7 @@ class Ledger:
         """What a resume or replay needs of the run's history, in one record (see History)."""
         first = self.first_config()
         start = {"world_size": self.get(_WORLD_SIZE, 1), "tensor_parallel_size": self.get(_TP_SIZE, 1),
-                 "zero_stage": config_from_dict(first).distributed.zero_stage}
+                 "zero_stage": read_stored(first).distributed.zero_stage}
         return History(base_step=self.base_step(), last_step=self.last_step(), pruned_through=self.pruned_through(),
                        first_config=first, config_changes=self.config_history(), topology_start=start,
                        topology_changes=self.topology_changes())
