@@ -777,13 +777,6 @@ def config_from_dict(data: dict) -> Config:
     return _build(Config, data).validate()
 
 
-def read_stored(data: dict) -> Config:
-    """A run's stored config as types, for reading what it says (the ledger, the post-mortem readers):
-    built but not validated, so that nothing about this environment (an optional package missing)
-    keeps a run's history from being read. Never for running a step: config_from_dict validates."""
-    return _build(Config, stored_config(data))
-
-
 def to_yaml(cfg: Config, stored: bool = False) -> str:
     """The config as YAML (stored=True: as the run keeps it, without one-off choices)."""
     return yaml.safe_dump(cfg.to_stored() if stored else cfg.to_dict(), sort_keys=False)

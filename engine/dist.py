@@ -145,15 +145,10 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-# environment variables (an open-ended map): torch.distributed's launch contract, DeepSpeed's, cuBLAS's
-RANK, WORLD_SIZE, LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
-DS_ACCELERATOR, CUBLAS_WORKSPACE_CONFIG = "DS_ACCELERATOR", "CUBLAS_WORKSPACE_CONFIG"
-
-
 def prepare_accelerator() -> None:
     """Before DeepSpeed is imported: no GPU visible means its CPU accelerator, chosen quietly."""
     if not torch.cuda.is_available():
-        os.environ.setdefault(DS_ACCELERATOR, "cpu")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _free_port() -> int:
@@ -177,9 +172,9 @@ def setup(cfg: Config) -> Runtime:
     """Initialise torch.distributed (gloo on CPU, NCCL on GPU) and pick the device."""
     import deepspeed
 
-    if WORLD_SIZE not in os.environ:  # a plain process: a one-rank group
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), RANK: "0", WORLD_SIZE: "1", LOCAL_RANK: "0"})
-    rank, world, local = int(os.environ[RANK]), int(os.environ[WORLD_SIZE]), int(os.environ.get(LOCAL_RANK, "0"))
+    if "WORLD_SIZE" not in os.environ:  # a plain process: a one-rank group
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
     want = cfg.trainer.device
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device is cuda but no CUDA device is visible; use trainer.device=cpu")
@@ -204,6 +199,6 @@ def configure_determinism(cfg: Config) -> None:
     """Fixed threads and deterministic kernels: the same inputs give the same bits."""
     torch.set_num_threads(cfg.trainer.num_threads)
     if cfg.trainer.deterministic:
-        os.environ.setdefault(CUBLAS_WORKSPACE_CONFIG, ":4096:8")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False

@@ -41,7 +41,7 @@ import blake3
 from verlj.journal import Claim, Journal, JournalError, open_journal_reader, segments
 from verlj.journal.claim import being_written, live_holder
 
-from ..config import read_stored, stored_config
+from ..config import config_from_dict, stored_config
 from ..errors import RunError
 from ..schema.events import ControlKind
 
@@ -352,12 +352,13 @@ def discard_journal(run_dir: Path) -> None:
     local journal of another run directory that still uses it: segments.local_owner)."""
     jd = journal_dir(run_dir)
     pointer = segments.read_pointer(jd)
-    ours = pointer is not None and pointer.get("host") == socket.gethostname() and segments.local_owner(Path(pointer["path"]), jd) is None
+    local = Path(pointer["path"]) if pointer is not None else None
+    ours = local is not None and pointer.get("host") == socket.gethostname() and segments.local_owner(local, jd) is None
     if jd.is_dir():
         shutil.rmtree(jd)
     if ours:
         for name in ("data.mdb", "lock.mdb", "writer.lock"):
-            (Path(pointer["path"]) / name).unlink(missing_ok=True)
+            (local / name).unlink(missing_ok=True)
 
 
 def now_iso() -> str:
@@ -389,7 +390,7 @@ def user_modules(config: dict) -> dict[str, str]:
     from ..plugins import module_file
 
     named = {}
-    cfg = read_stored(config)
+    cfg = config_from_dict(config)  # a config that runs here (a resume's, a rerun's): it validates here
     reward = str(cfg.rollout.reward_fn or "")
     if ":" in reward and not reward.startswith("builtin:"):
         named["reward module " + reward.partition(":")[0]] = reward.partition(":")[0]
@@ -671,7 +672,7 @@ class Ledger:
         """What a resume or replay needs of the run's history, in one record (see History)."""
         first = self.first_config()
         start = {"world_size": self.get(_WORLD_SIZE, 1), "tensor_parallel_size": self.get(_TP_SIZE, 1),
-                 "zero_stage": read_stored(first).distributed.zero_stage}
+                 "zero_stage": first.get("distributed", {}).get("zero_stage", 0)}  # read as stored: inspect reads it anywhere
         return History(base_step=self.base_step(), last_step=self.last_step(), pruned_through=self.pruned_through(),
                        first_config=first, config_changes=self.config_history(), topology_start=start,
                        topology_changes=self.topology_changes())
