@@ -30,7 +30,12 @@ from typing import Any
 
 from .config import LoggingConfig
 
-SINKS = ("metrics.jsonl", "TensorBoard", "W&B")
+JSONL_SINK, TENSORBOARD_SINK, WANDB_SINK = "metrics.jsonl", "TensorBoard", "W&B"
+SINKS = (JSONL_SINK, TENSORBOARD_SINK, WANDB_SINK)
+
+# the metrics the progress line shows (names in the open-ended metrics map, declared here once)
+REWARD_MEAN, PG_LOSS, STEP_TIME = "critic/score/mean", "actor/pg_loss", "timing_s/step"
+JSONL_STEP = "step"  # metrics.jsonl: each line is {JSONL_STEP: step, **the step's metrics}
 
 
 def _fmt(v: float) -> str:
@@ -61,15 +66,15 @@ class Reporter:
             return
         if cfg.jsonl:
             path = self.run_dir / "metrics.jsonl"
-            self._held["metrics.jsonl"] = _jsonl_last_step(path)  # and a line torn by a kill is cut off
+            self._held[JSONL_SINK] = _jsonl_last_step(path)  # and a line torn by a kill is cut off
             self._jsonl = open(path, "a", buffering=1)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._held["TensorBoard"] = _tensorboard_last_step(self.run_dir / "tensorboard")
+            self._held[TENSORBOARD_SINK] = _tensorboard_last_step(self.run_dir / "tensorboard")
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
         if cfg.wandb:
-            self._held["W&B"] = wandb_last_step(self.run_dir)
+            self._held[WANDB_SINK] = wandb_last_step(self.run_dir)
             self._wandb = _start_wandb(cfg, self.run_dir)
 
     def info(self, msg: str) -> None:
@@ -115,9 +120,9 @@ class Reporter:
 
     def _send(self, step: int, metrics: dict[str, float], sinks: Iterable[str]) -> None:
         for sink in sinks:
-            if sink == "metrics.jsonl":
-                self._jsonl.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
-            elif sink == "TensorBoard":
+            if sink == JSONL_SINK:
+                self._jsonl.write(json.dumps({JSONL_STEP: step, **metrics}, allow_nan=True) + "\n")
+            elif sink == TENSORBOARD_SINK:
                 for k, v in metrics.items():
                     self._tb.add_scalar(k, v, step)
             else:
@@ -130,9 +135,9 @@ class Reporter:
         # (a node lost with its unshipped steps): its values were the same, it is not sent again
         self._send(step, metrics, [sink for sink, held in self._held.items() if step > held])
         summary = (
-            f"reward={_fmt(metrics.get('critic/score/mean', float('nan')))} "
-            f"loss={_fmt(metrics.get('actor/pg_loss', float('nan')))} "
-            f"time={metrics.get('timing_s/step', float('nan')):.2f}s"
+            f"reward={_fmt(metrics.get(REWARD_MEAN, float('nan')))} "
+            f"loss={_fmt(metrics.get(PG_LOSS, float('nan')))} "
+            f"time={metrics.get(STEP_TIME, float('nan')):.2f}s"
         )
         if self._bar is not None:
             self._bar.update(self._task, completed=step, stats=summary)
@@ -188,7 +193,7 @@ def _jsonl_last_step(path: Path) -> int:
             tail = tail[:keep]
     for line in reversed(tail.splitlines()):
         try:
-            return int(json.loads(line)["step"])
+            return int(json.loads(line)[JSONL_STEP])
         except (ValueError, KeyError, TypeError):
             continue
     return 0

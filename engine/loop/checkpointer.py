@@ -36,7 +36,7 @@ from verlj.journal.space import files_under, write_failure_cause
 
 from ..errors import RunError, SnapshotError
 from ..state import reshard
-from ..state.manifest import ANCHOR, META, SNAPSHOT_VERSION, fsync_tree, snapshot_name, write_bytes_durable
+from ..state.manifest import ANCHOR, META, SnapshotMeta, fsync_tree, snapshot_name, write_bytes_durable
 from ..state.safe_load import install_safe_checkpointing, save_portable
 from ..state.seeding import RNGState
 from ..state.stateful import Stateful
@@ -84,6 +84,21 @@ class Part:
     optional: bool = False  # snapshots written before the part existed lack it: it keeps its initial state
 
 
+@dataclass(frozen=True)
+class Resharded:
+    """A snapshot loaded from another topology (Checkpointer.load): from which, to which, and how long
+    its conversion to the universal form took (0 and `cached`: a valid converted form was on disk)."""
+
+    before: Topology
+    after: Topology
+    convert_s: float
+    cached: bool
+
+    def to_dict(self) -> dict:
+        """As the `topology` control event and the ledger's topology history hold it."""
+        return {"from": self.before.as_dict(), "to": self.after.as_dict(), "convert_s": self.convert_s, "cached": self.cached}
+
+
 def make_run(run_dir: Path, rt: Runtime, trainer: Trainer, reporter: Reporter, ledger: Ledger | None = None) -> Run:
     """The run being driven (loop.context.Run), made whole at once: its checkpointer first, from the
     parts it serves; the topology and the snapshot schedule from the config the trainer is under (the
@@ -112,7 +127,7 @@ class Checkpointer:
         self.tried: list[int] = []  # the steps a snapshot was written at, this process
         self.failed: dict[int, str] = {}  # step -> why its snapshot failed (the run goes on: the journal holds every step)
         self.last_saved: int | None = None
-        self.resharded: dict | None = None  # set by load() when the snapshot came from another topology
+        self.resharded: Resharded | None = None  # set by load() when the snapshot came from another topology
         self.loaded_fingerprint: str | None = None  # the state's fingerprint right after a restore (recovery)
         self.blocked_s = 0.0  # how long the last snapshot blocked the loop
         for engine in trainer.engines().values():
@@ -220,18 +235,17 @@ class Checkpointer:
         engines = [p.name for p in self.parts() if p.kind == ENGINE_PART]
         if rt.is_main:
             small[ANCHOR] = packb(anchor)
-            small[META] = json.dumps({
-                "version": SNAPSHOT_VERSION,
-                "step": step,
-                "fingerprint": fp,
-                "config_hash": self.trainer.cfg.hash(),
-                "engines": engines,
-                "world_size": rt.world_size,
-                "tensor_parallel_size": rt.tp_size,
-                "zero_stage": self.topology.zero_stage,
-                "time": time.time(),
-                "python": platform.python_version(),  # the pickled form of an enum depends on it (state.safe_load)
-            }, indent=2).encode()
+            small[META] = json.dumps(SnapshotMeta(
+                step=step,
+                fingerprint=fp,
+                config_hash=self.trainer.cfg.hash(),
+                engines=engines,
+                world_size=rt.world_size,
+                tensor_parallel_size=rt.tp_size,
+                zero_stage=self.topology.zero_stage,
+                time=time.time(),
+                python=platform.python_version(),  # the pickled form of an enum depends on it (state.safe_load)
+            ).to_dict(), indent=2).encode()
         self.blocked_s = time.perf_counter() - t0
         self.last_saved = step
         if async_save:
@@ -312,14 +326,14 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self, path: Path) -> dict:
+    def load(self, path: Path) -> SnapshotMeta:
         """Load a verified snapshot into every part of the registry, in one loop (collective).
         Returns its meta."""
-        meta = json.loads((path / META).read_text())
+        meta = SnapshotMeta.read(path)
         engines = [p.name for p in self.parts() if p.kind == ENGINE_PART]
-        if sorted(meta["engines"]) != sorted(engines):
-            raise SnapshotError(f"{path} holds engines {meta['engines']}, this run has {engines}")
-        src, dst = Topology.of_snapshot(meta), self.topology
+        if sorted(meta.engines) != sorted(engines):
+            raise SnapshotError(f"{path} holds engines {meta.engines}, this run has {engines}")
+        src, dst = meta.topology, self.topology
         self.resharded = None
         universal = None
         if src != dst:  # another topology's files: through their universal form, converted once
@@ -351,7 +365,7 @@ class Checkpointer:
         if load_path is None:
             raise SnapshotError(f"DeepSpeed found no checkpoint for {tag!r} in {path}")
 
-    def _converted(self, path: Path, meta: dict, src, dst) -> tuple[Path, dict]:
+    def _converted(self, path: Path, meta: SnapshotMeta, src, dst) -> tuple[Path, Resharded]:
         """The universal form of a snapshot written under another topology (state.reshard), converted by
         rank 0 unless a valid converted form is cached. Collective. Returns (its root, what was done)."""
         why = refusal(src, dst, self.trainer.cfg.algorithm.loss_normalization)
@@ -367,7 +381,7 @@ class Checkpointer:
             return [str(root), seconds]
 
         root, seconds = self.rt.from_rank0(convert, f"converting {path.name} to the universal layout")
-        return Path(root), {"from": src.as_dict(), "to": dst.as_dict(), "convert_s": seconds, "cached": seconds == 0.0}
+        return Path(root), Resharded(src, dst, seconds, seconds == 0.0)
 
 
 def _write_small(tmp: Path, small: dict[str, bytes]) -> None:

@@ -20,6 +20,8 @@ commands read the ledger without loading a deep-learning stack.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import json
 import os
@@ -29,18 +31,19 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import blake3
 
 from verlj.journal import Claim, Journal, JournalError, open_journal_reader, segments
 from verlj.journal.claim import being_written, live_holder
 
-from ..config import stored_config
+from ..config import config_from_dict, stored_config
 from ..errors import RunError
+from ..schema.events import ControlKind
 
 # meta keys, named here only
 _CONFIG, _HISTORY, _LINEAGE, _QUARANTINE = "config", "config_history", "lineage", "quarantined"
@@ -49,6 +52,176 @@ _PARENT = "parent"
 _ARCHIVE = "archive"
 _TOPOLOGY = "topology_history"
 _COUNTERFACTUAL = "counterfactual"
+_VERSIONS, _GIT_COMMIT = "versions", "git_commit"
+_WORLD_SIZE, _TP_SIZE = "world_size", "tensor_parallel_size"
+
+
+# ----------------------------------------------------------------------------- the records the meta holds
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, MetaRecord):
+        return value.to_dict()
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+@dataclass(frozen=True)
+class MetaRecord:
+    """A record the ledger keeps in the journal's meta (or a file beside it). Its fields are declared
+    in the order the stored map holds its keys, so `to_dict()` gives the very map earlier releases
+    wrote, and `from_dict()` reads theirs (a key an older writer did not write: the field's default;
+    a key no field names: ignored). The one place these maps are read and written by key."""
+
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset()  # fields left out of the map while None
+    SPELLED: ClassVar[dict[str, str]] = {}  # field -> its key in the map, where that key is no Python name
+
+    def to_dict(self) -> dict:
+        return {self.SPELLED.get(f.name, f.name): _plain(getattr(self, f.name)) for f in fields(self)
+                if not (f.name in self.OPTIONAL and getattr(self, f.name) is None)}
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        names = {f.name: f.name for f in fields(cls)} | {key: name for name, key in cls.SPELLED.items()}
+        return cls(**{names[k]: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class SnapshotEntry(MetaRecord):
+    """One snapshot in the index: its directory (in the run directory), the fingerprint of its state,
+    the BLAKE3 of its manifest.json, when it was published (entries from before a field: None)."""
+
+    OPTIONAL = frozenset({"fingerprint", "manifest", "time"})
+    path: str
+    fingerprint: str | None = None
+    manifest: str | None = None
+    time: float | None = None
+
+
+@dataclass(frozen=True)
+class ParentRun(MetaRecord):
+    """A fork's (or a what-if's) parent: the run, the step it was forked after, the parent's fingerprint
+    there, and the state's under the fork's config (forks made before this was recorded: None)."""
+
+    run: str
+    step: int
+    fingerprint: str | None = None
+    base_fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
+class Counterfactual(MetaRecord):
+    """A what-if (loop.whatif): the run whose samples it trains on, the steps, the overrides and the keys they changed."""
+
+    run: str
+    from_step: int
+    to_step: int
+    overrides: list
+    changed: list
+
+
+@dataclass(frozen=True)
+class LineageEntry(MetaRecord):
+    """A start, fork, what-if or resume of the run. A resume says from which snapshot, the config keys it
+    changed, its world size and library versions (and those that moved since), and the
+    trainer.resume_from it was asked for. `parent`: a fork's, filled in by Ledger.lineage (never stored)."""
+
+    OPTIONAL = frozenset({"snapshot_step", "config_changes", "world_size", "time", "versions", "resume_from",
+                          "versions_changed", "parent"})
+    kind: ControlKind
+    at_step: int
+    snapshot_step: int | None = None
+    config_changes: list | None = None
+    world_size: int | None = None
+    time: str | None = None
+    versions: dict | None = None
+    resume_from: str | None = None
+    versions_changed: list | None = None
+    parent: dict | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", ControlKind(self.kind))
+
+    @property
+    def forked(self) -> bool:
+        return self.kind in (ControlKind.FORK, ControlKind.WHATIF)
+
+
+@dataclass(frozen=True)
+class ConfigEntry(MetaRecord):
+    """A config change made on resume: the config in force from `from_step` on."""
+
+    from_step: int
+    config: dict
+
+
+@dataclass(frozen=True)
+class Rebased(MetaRecord):
+    step: int
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class TopologyChange(MetaRecord):
+    """A resume that changed the world size, ZeRO stage or TP size (or left the journal's reference
+    line: a resharded snapshot): `topology` runs the steps from `from_step` on; `rebased` is the state
+    after `rebased.step` as that resume replayed it under the new topology, the reference for the steps
+    from `from_step` on. The rest says how the resume got there (recovery: the `topology` control
+    event's details are these, with `to` for `topology`)."""
+
+    SPELLED = {"before": "from"}
+    from_step: int
+    topology: dict
+    before: dict | None = None
+    snapshot_step: int | None = None
+    resharded: dict | None = None
+    replayed: list | None = None
+    tolerance: dict | None = None
+    checked_steps: int | None = None
+    max_deviation: dict | None = None
+    rebased: Rebased | None = None
+
+    def __post_init__(self):
+        if isinstance(self.rebased, dict):
+            object.__setattr__(self, "rebased", Rebased.from_dict(self.rebased))
+
+    def details(self) -> dict:
+        """The entry less `from_step` and `topology`: how the resume got there."""
+        return {k: v for k, v in self.to_dict().items() if k not in ("from_step", "topology")}
+
+    def control_details(self) -> dict:
+        """The details of the `topology` control event: from, to, then how."""
+        how = self.details()
+        return {"from": self.before, "to": self.topology, **{k: v for k, v in how.items() if k != "from"}}
+
+
+@dataclass(frozen=True)
+class ArchiveEntry(MetaRecord):
+    """One file of the rollout archive (loop.archive): its name in RUN/rollouts, the steps whose samples
+    it holds, its rows, bytes and BLAKE3 digest."""
+
+    file: str
+    first: int
+    last: int
+    rows: int
+    bytes: int
+    digest: str
+
+    def covers(self, step: int) -> bool:
+        return self.first <= step <= self.last
+
+
+@dataclass(frozen=True)
+class TrainMetadata(MetaRecord):
+    """RUN/train_metadata.json: a human-readable view of the ledger, as the tutorial shows it."""
+
+    global_step: int | None = None
+    epoch: int | None = None
+    samples_seen: int | None = None
+    last_save_time: str | None = None
+    last_snapshot: str | None = None
+    git_commit: str | None = None
+    config_hash: str | None = None
+    resume_from: str | None = None
 
 
 WRITER_DIR = "writer"
@@ -149,8 +322,7 @@ def shipped_config(run_dir: Path) -> dict | None:
         return None  # the readers that follow say what is wrong
     if _CONFIG not in meta:
         return None
-    changes = [{**e, "config": stored_config(e["config"])} for e in meta.get(_HISTORY) or []]
-    return _config_in_force(stored_config(meta[_CONFIG]), changes, last or 0)
+    return _config_in_force(stored_config(meta[_CONFIG]), _config_changes(meta.get(_HISTORY)), last or 0)
 
 
 def stage_local_journal(run_dir: Path, local_dir: str) -> bool:
@@ -162,11 +334,15 @@ def stage_local_journal(run_dir: Path, local_dir: str) -> bool:
     return segments.stage_for_writer(journal_dir(run_dir), Path(local_dir).expanduser())
 
 
-def _config_in_force(first: dict, changes: list[dict], step: int) -> dict:
+def _config_changes(stored: list[dict] | None) -> list[ConfigEntry]:
+    return [ConfigEntry(e.from_step, stored_config(e.config)) for e in map(ConfigEntry.from_dict, stored or [])]
+
+
+def _config_in_force(first: dict, changes: list[ConfigEntry], step: int) -> dict:
     cfg = first
     for entry in changes:
-        if entry["from_step"] <= step:
-            cfg = entry["config"]
+        if entry.from_step <= step:
+            cfg = entry.config
     return cfg
 
 
@@ -176,12 +352,13 @@ def discard_journal(run_dir: Path) -> None:
     local journal of another run directory that still uses it: segments.local_owner)."""
     jd = journal_dir(run_dir)
     pointer = segments.read_pointer(jd)
-    ours = pointer is not None and pointer.get("host") == socket.gethostname() and segments.local_owner(Path(pointer["path"]), jd) is None
+    local = Path(pointer["path"]) if pointer is not None else None
+    ours = local is not None and pointer.get("host") == socket.gethostname() and segments.local_owner(local, jd) is None
     if jd.is_dir():
         shutil.rmtree(jd)
     if ours:
         for name in ("data.mdb", "lock.mdb", "writer.lock"):
-            (Path(pointer["path"]) / name).unlink(missing_ok=True)
+            (local / name).unlink(missing_ok=True)
 
 
 def now_iso() -> str:
@@ -213,10 +390,11 @@ def user_modules(config: dict) -> dict[str, str]:
     from ..plugins import module_file
 
     named = {}
-    reward = str((config.get("rollout") or {}).get("reward_fn") or "")
+    cfg = config_from_dict(config)  # a config that runs here (a resume's, a rerun's): it validates here
+    reward = str(cfg.rollout.reward_fn or "")
     if ":" in reward and not reward.startswith("builtin:"):
         named["reward module " + reward.partition(":")[0]] = reward.partition(":")[0]
-    policy = (config.get("trainer") or {}).get("checkpoint_policy")
+    policy = cfg.trainer.checkpoint_policy
     if policy and "." in policy:
         named["checkpoint policy module " + policy.rsplit(".", 1)[0]] = policy.rsplit(".", 1)[0]
     out = {}
@@ -306,8 +484,8 @@ def lost_journal(run_dir: Path) -> str | None:
     meta = run_dir / "train_metadata.json"
     if meta.is_file():
         try:
-            step = json.loads(meta.read_text()).get("global_step")
-        except (OSError, ValueError, AttributeError):
+            step = TrainMetadata.from_dict(json.loads(meta.read_text())).global_step
+        except (OSError, ValueError, AttributeError, TypeError):
             step = None
         signs.append("train_metadata.json" + (f" at step {step}" if isinstance(step, int) else ""))
     metrics = run_dir / "metrics.jsonl"
@@ -342,9 +520,13 @@ class History:
     last_step: int
     pruned_through: int  # the last step whose samples retention removed (0: none)
     first_config: dict
-    config_changes: list[dict]  # [{from_step, config}]: the changes made on resume, in order
+    config_changes: list[ConfigEntry]  # the changes made on resume, in order
     topology_start: dict  # {world_size, tensor_parallel_size, zero_stage} of the run's start
-    topology_changes: list[dict]  # [{from_step, topology, rebased: {step, fingerprint}, ...}] (Ledger.topology_history)
+    topology_changes: list[TopologyChange]  # in order (Ledger.topology_changes)
+
+    def __post_init__(self):  # from to_dict's maps, as they cross ranks
+        self.config_changes = [e if isinstance(e, ConfigEntry) else ConfigEntry.from_dict(e) for e in self.config_changes]
+        self.topology_changes = [e if isinstance(e, TopologyChange) else TopologyChange.from_dict(e) for e in self.topology_changes]
 
     def config_at(self, step: int) -> dict:
         return _config_in_force(self.first_config, self.config_changes, step)
@@ -352,12 +534,15 @@ class History:
     def topology_at(self, step: int) -> dict:
         topo = self.topology_start
         for entry in self.topology_changes:
-            if entry["from_step"] <= step:
-                topo = entry["topology"]
+            if entry.from_step <= step:
+                topo = entry.topology
         return topo
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain data (History(**it) is this history again)."""
+        return {"base_step": self.base_step, "last_step": self.last_step, "pruned_through": self.pruned_through,
+                "first_config": self.first_config, "config_changes": [e.to_dict() for e in self.config_changes],
+                "topology_start": self.topology_start, "topology_changes": [e.to_dict() for e in self.topology_changes]}
 
 
 class Ledger:
@@ -397,8 +582,8 @@ class Ledger:
         continues the parent's hash chain (`chain_base`: its chain hash after that step). A what-if
         (loop.whatif) is such a fork whose identity says it is `counterfactual`: {run, from_step,
         to_step, overrides, changed}; its steps are trained on that run's samples."""
-        kind = "whatif" if counterfactual else "fork" if parent else "start"
-        values = {**identity, _LINEAGE: [{"kind": kind, "at_step": base_step, "time": now_iso()}]}
+        kind = ControlKind.WHATIF if counterfactual else ControlKind.FORK if parent else ControlKind.START
+        values = {**identity, _LINEAGE: [LineageEntry(kind, base_step, time=now_iso()).to_dict()]}
         if counterfactual:
             values[_COUNTERFACTUAL] = counterfactual
         if parent is None:
@@ -415,19 +600,32 @@ class Ledger:
         return self.journal.get_meta(key, default)
 
     def parent(self) -> dict | None:
+        """The parent as stored (ParentRun's map): what the post-mortem readers show."""
         return self.journal.get_meta(_PARENT)
+
+    def parent_run(self) -> ParentRun | None:
+        """A fork's (or a what-if's) parent; None for a run that was not forked."""
+        parent = self.parent()
+        return None if parent is None else ParentRun.from_dict(parent)
 
     def base_fingerprint(self) -> str | None:
         """A fork's state at its base step (which its journal does not hold): the parent's after that
         step under the fork's config (a what-if's too; forks made before this was recorded: the
         parent's fingerprint). None for a run that was not forked."""
-        parent = self.parent()
-        return None if parent is None else parent.get("base_fingerprint", parent.get("fingerprint"))
+        parent = self.parent_run()
+        if parent is None:
+            return None
+        return parent.base_fingerprint if parent.base_fingerprint is not None else parent.fingerprint
 
     def counterfactual(self) -> dict | None:
-        """A what-if's {run, from_step, to_step, overrides, changed}: the run whose samples it trains
-        on; None for a run trained on its own samples."""
+        """A what-if's Counterfactual, as stored (the map crosses ranks as it is); None for a run
+        trained on its own samples."""
         return self.journal.get_meta(_COUNTERFACTUAL)
+
+    def whatif_of(self) -> Counterfactual | None:
+        """A what-if's Counterfactual: the run whose samples it trains on; None for a run trained on its own samples."""
+        cf = self.counterfactual()
+        return None if cf is None else Counterfactual.from_dict(cf)
 
     def base_step(self) -> int:
         return self.journal.base_step()
@@ -443,24 +641,26 @@ class Ledger:
             raise RunError(f"{self.journal.path.parent} has a journal but no stored config; it was not written by verlj train")
         return stored_config(cfg)
 
-    def config_history(self) -> list[dict]:
-        """[{from_step, config}] in order: the changes made on resume."""
-        return [{**e, "config": stored_config(e["config"])} for e in self.journal.get_meta(_HISTORY) or []]
+    def config_history(self) -> list[ConfigEntry]:
+        """The changes made on resume, in order."""
+        return _config_changes(self.journal.get_meta(_HISTORY))
 
     def config_at(self, step: int) -> dict:
         """The config in force for `step` (the run's first config, then each recorded change)."""
         return self.history().config_at(step)
 
     def record_config_change(self, from_step: int, config: dict) -> None:
-        self.journal.set_meta(_HISTORY, [*(self.journal.get_meta(_HISTORY) or []), {"from_step": from_step, "config": config}])
+        self.journal.set_meta(_HISTORY, [*(self.journal.get_meta(_HISTORY) or []), ConfigEntry(from_step, config).to_dict()])
 
     # ------------------------------------------------------------------ topology history
 
     def topology_history(self) -> list[dict]:
-        """[{from_step, topology, rebased: {step, fingerprint}, ...}] in order: the resumes that changed
-        the world size, ZeRO stage or TP size. `rebased` is the state after `step` as that resume
-        replayed it under the new topology: the reference for the steps run from `from_step` on."""
+        """The TopologyChange entries as stored (what the post-mortem readers show)."""
         return list(self.journal.get_meta(_TOPOLOGY) or [])
+
+    def topology_changes(self) -> list[TopologyChange]:
+        """The resumes that changed the world size, ZeRO stage or TP size, in order."""
+        return [TopologyChange.from_dict(e) for e in self.topology_history()]
 
     def topology_at(self, step: int) -> dict:
         """{world_size, tensor_parallel_size, zero_stage} that ran `step`."""
@@ -471,27 +671,30 @@ class Ledger:
     def history(self) -> History:
         """What a resume or replay needs of the run's history, in one record (see History)."""
         first = self.first_config()
-        start = {"world_size": self.get("world_size", 1), "tensor_parallel_size": self.get("tensor_parallel_size", 1),
-                 "zero_stage": first.get("distributed", {}).get("zero_stage", 0)}
+        start = {"world_size": self.get(_WORLD_SIZE, 1), "tensor_parallel_size": self.get(_TP_SIZE, 1),
+                 "zero_stage": first.get("distributed", {}).get("zero_stage", 0)}  # read as stored: inspect reads it anywhere
         return History(base_step=self.base_step(), last_step=self.last_step(), pruned_through=self.pruned_through(),
                        first_config=first, config_changes=self.config_history(), topology_start=start,
-                       topology_changes=self.topology_history())
+                       topology_changes=self.topology_changes())
 
     def record_topology_change(self, from_step: int, topology: dict, details: dict) -> None:
+        """A TopologyChange: `details` is TopologyChange.details() (how the resume got there)."""
         self.journal.set_meta(_TOPOLOGY, [*self.topology_history(), {"from_step": from_step, "topology": topology, **details}])
 
     # ------------------------------------------------------------------ lineage
 
     def lineage(self) -> list[dict]:
-        """start / fork / resume entries, oldest first (runs from before this entry existed start with a resume)."""
-        entries = list(self.journal.get_meta(_LINEAGE) or [])
+        """The lineage_entries as maps (what the post-mortem readers show)."""
+        return [e.to_dict() for e in self.lineage_entries()]
+
+    def lineage_entries(self) -> list[LineageEntry]:
+        """start / fork / what-if / resume entries, oldest first (runs from before this entry existed
+        start with a resume); a fork's names its parent."""
+        entries = [LineageEntry.from_dict(e) for e in self.journal.get_meta(_LINEAGE) or []]
         parent = self.parent()
-        if parent is not None and not any(e["kind"] in ("fork", "whatif") for e in entries):
-            entries.insert(0, {"kind": "fork", "at_step": parent["step"]})
-        for e in entries:
-            if e["kind"] in ("fork", "whatif"):
-                e.setdefault("parent", parent)
-        return entries
+        if parent is not None and not any(e.forked for e in entries):
+            entries.insert(0, LineageEntry(ControlKind.FORK, ParentRun.from_dict(parent).step))
+        return [dataclasses.replace(e, parent=parent) if e.forked and e.parent is None else e for e in entries]
 
     def record_resume(self, at_step: int, snapshot_step: int, config_changes: list[str], world_size: int,
                       resume_from: str | None = None, config: dict | None = None) -> list[str]:
@@ -501,34 +704,34 @@ class Ledger:
         'name old → new'."""
         now = versions(config)
         before = self.versions_in_force()
-        entry = {"kind": "resume", "at_step": at_step, "snapshot_step": snapshot_step, "config_changes": config_changes,
-                 "world_size": world_size, "time": now_iso(), "versions": now}
-        if resume_from not in (None, "auto"):
-            entry["resume_from"] = resume_from
         moved = [f"{k} {before[k]} → {v}" for k, v in now.items() if k in before and before[k] != v]
-        if moved:
-            entry["versions_changed"] = moved
-        self.journal.set_meta(_LINEAGE, [*(self.journal.get_meta(_LINEAGE) or []), entry])
+        entry = LineageEntry(ControlKind.RESUME, at_step, snapshot_step, config_changes, world_size, now_iso(), now,
+                             resume_from if resume_from not in (None, "auto") else None, moved or None)
+        self.journal.set_meta(_LINEAGE, [*(self.journal.get_meta(_LINEAGE) or []), entry.to_dict()])
         return moved
 
     def versions_in_force(self) -> dict[str, str]:
         """The library versions of the run's latest start or resume (its identity's, before any resume recorded them)."""
-        for entry in reversed(self.journal.get_meta(_LINEAGE) or []):
-            if entry.get("versions"):
-                return entry["versions"]
-        return self.get("versions") or {}
+        for entry in reversed(self.lineage_entries()):
+            if entry.versions:
+                return entry.versions
+        return self.get(_VERSIONS) or {}
 
     def resume_steps(self) -> list[int]:
-        return [e["at_step"] for e in self.lineage() if e["kind"] == "resume"]
+        return [e.at_step for e in self.lineage_entries() if e.kind is ControlKind.RESUME]
 
     # ------------------------------------------------------------------ snapshot index
 
     def snapshots(self) -> dict[int, dict]:
-        """step -> {path, fingerprint, manifest, time}, oldest first."""
+        """The snapshot_index as stored (what the post-mortem readers show)."""
         return self.journal.snapshots()
 
-    def index_snapshot(self, step: int, info: dict) -> None:
-        self.journal.add_snapshot(step, info)
+    def snapshot_index(self) -> dict[int, SnapshotEntry]:
+        """step -> its SnapshotEntry, oldest first."""
+        return {step: SnapshotEntry.from_dict(info) for step, info in self.journal.snapshots().items()}
+
+    def index_snapshot(self, step: int, entry: SnapshotEntry) -> None:
+        self.journal.add_snapshot(step, entry.to_dict())
 
     def unindex_snapshot(self, step: int) -> None:
         self.journal.remove_snapshot(step)
@@ -555,13 +758,17 @@ class Ledger:
         return self.journal.pruned_through()
 
     def archive_index(self) -> list[dict]:
-        """[{file, first, last, rows, bytes, digest}]: the archived samples of pruned steps, oldest first."""
+        """The archive_entries as stored (what the post-mortem readers show)."""
         return list(self.journal.get_meta(_ARCHIVE) or [])
 
-    def prune(self, through: int, archived: dict | None = None) -> tuple[int, int]:
+    def archive_entries(self) -> list[ArchiveEntry]:
+        """The archived samples of pruned steps, oldest first."""
+        return [ArchiveEntry.from_dict(e) for e in self.archive_index()]
+
+    def prune(self, through: int, archived: ArchiveEntry | None = None) -> tuple[int, int]:
         """Remove the samples of steps through `through`, indexing their archive file in the same
         transaction. Returns (steps pruned, bytes freed)."""
-        meta = {_ARCHIVE: [*self.archive_index(), archived]} if archived else None
+        meta = {_ARCHIVE: [*self.archive_index(), archived.to_dict()]} if archived else None
         return self.journal.prune(through, meta)
 
     # ------------------------------------------------------------------ metrics
@@ -589,18 +796,17 @@ class Ledger:
         """RUN/train_metadata.json, as the tutorial shows it: a view of the ledger for people."""
         path = Path(run_dir) / "train_metadata.json"
         try:
-            old = json.loads(path.read_text()) if path.is_file() else {}
-        except ValueError:
-            old = {}
-        index = self.snapshots()
-        newest = max(index) if index else None
-        write_json_atomic(path, {
-            "global_step": step,
-            "epoch": epoch,
-            "samples_seen": samples_seen,
-            "last_save_time": now_iso() if saved else old.get("last_save_time"),
-            "last_snapshot": index[newest]["path"] if newest is not None else None,
-            "git_commit": self.journal.get_meta("git_commit"),
-            "config_hash": config_hash,
-            "resume_from": resume_from if resume_from is not None else old.get("resume_from"),
-        })
+            old = TrainMetadata.from_dict(json.loads(path.read_text())) if path.is_file() else TrainMetadata()
+        except (ValueError, AttributeError, TypeError):
+            old = TrainMetadata()
+        index = self.snapshot_index()
+        write_json_atomic(path, TrainMetadata(
+            global_step=step,
+            epoch=epoch,
+            samples_seen=samples_seen,
+            last_save_time=now_iso() if saved else old.last_save_time,
+            last_snapshot=index[max(index)].path if index else None,
+            git_commit=self.journal.get_meta(_GIT_COMMIT),
+            config_hash=config_hash,
+            resume_from=resume_from if resume_from is not None else old.resume_from,
+        ).to_dict())

@@ -14,11 +14,14 @@ journaled metrics, so a resumed run decides exactly as the uninterrupted one wou
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..config import TrainerConfig
 from ..errors import PluginError
 from ..plugins import check_signature, import_object
+from ..report import REWARD_MEAN
 from ..state.stateful import check_version
 
 HISTORY = 100
@@ -48,7 +51,7 @@ class SaveOnRewardDrop(CheckpointPolicy):
         self.drop = drop
 
     def should_save(self, trainer_state, metrics_history):
-        r = [m["critic/score/mean"] for m in metrics_history[-2:] if "critic/score/mean" in m]
+        r = [m[REWARD_MEAN] for m in metrics_history[-2:] if REWARD_MEAN in m]
         return len(r) == 2 and r[1] < r[0] * (1 - self.drop)
 
 
@@ -67,6 +70,18 @@ def load_policy(dotted: str, kwargs: dict):
         raise PluginError(f"{key}: {dotted!r} has no should_save(trainer_state, metrics_history)")
     check_signature(policy.should_save, 2, f"{key}: {dotted}.should_save", PluginError)
     return policy
+
+
+@dataclass(frozen=True)
+class ScheduleState:
+    """CheckpointSchedule's state map: the metrics history the policy sees, and the policy's own state."""
+
+    version: int
+    history: list[dict]
+    policy: dict
+
+    def to_dict(self) -> dict:
+        return {"version": self.version, "history": self.history, "policy": self.policy}
 
 
 class CheckpointSchedule:
@@ -98,10 +113,10 @@ class CheckpointSchedule:
 
     def state_dict(self) -> dict:
         policy = self.policy.state_dict() if self.policy is not None and hasattr(self.policy, "state_dict") else {}
-        return {"version": self.VERSION, "history": self.history, "policy": policy}
+        return ScheduleState(self.VERSION, self.history, policy).to_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        state = check_version("checkpoint schedule", state, self.VERSION)
-        self.history = list(state["history"])
-        if self.policy is not None and hasattr(self.policy, "load_state_dict") and state["policy"]:
-            self.policy.load_state_dict(state["policy"])
+        saved = ScheduleState(**check_version("checkpoint schedule", state, self.VERSION))
+        self.history = list(saved.history)
+        if self.policy is not None and hasattr(self.policy, "load_state_dict") and saved.policy:
+            self.policy.load_state_dict(saved.policy)

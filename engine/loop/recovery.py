@@ -16,19 +16,20 @@ torch: `verify` and the post-mortem commands use the plan without a deep-learnin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from verlj.journal import StepRecord, make_event, verify_journal
+from verlj.journal import StepRecord, verify_journal
 from verlj.journal.failpoints import failpoint
 
 from ..config import config_from_dict
 from ..errors import ReplayError, SnapshotError
+from ..schema.events import ConfigChange, Control, ControlKind, Stages, StepEvents
 from ..state.manifest import snapshot_name
 from ..state.topology import Topology
 from . import archive
 from .context import Run
-from .ledger import History, Ledger
+from .ledger import History, Ledger, Rebased, TopologyChange
 from .snapshot_store import SnapshotStore, check_against_journal
 
 # ----------------------------------------------------------------------------- the plan
@@ -61,8 +62,8 @@ def resolve_explicit(run_dir: Path, ledger: Ledger, spec: str) -> tuple[int, Pat
             f"trainer.resume_from: {spec} is not a snapshot of the run in {run_dir}; to start from another run's state, "
             "use `verlj replay OTHER_RUN --to-step N --fork NEW_RUN`"
         )
-    for step, info in ledger.snapshots().items():
-        if info["path"] == path.name:
+    for step, entry in ledger.snapshot_index().items():
+        if entry.path == path.name:
             return step, path
     raise SnapshotError(f"trainer.resume_from: {spec} is not in this run's snapshot index (rotated away or quarantined)")
 
@@ -73,11 +74,11 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
     agree with the journal, and from which the journal still holds the samples to replay up to
     `target` (default: limit). A damaged one is skipped with a warning and, when `store` is given (a
     resume, which holds the writer lock), quarantined. (0, None): the initial state."""
-    index = ledger.snapshots()
+    index = ledger.snapshot_index()
     if explicit is not None:
         candidates = [explicit]
     else:
-        candidates = [(s, run_dir / index[s]["path"]) for s in sorted(index, reverse=True) if s <= limit]
+        candidates = [(s, run_dir / index[s].path) for s in sorted(index, reverse=True) if s <= limit]
     base = ledger.base_step()
     target = limit if target is None else target
     need = min(target, ledger.pruned_through())  # replay starts after a snapshot at or after this step
@@ -87,7 +88,7 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
         if not path.exists() and explicit is None:  # deleted by hand: a resume has unindexed it already (plan_leftovers)
             reporter.warn(f"Skipping {path.name}: it is in the index but not on disk (deleted by hand?)")
             continue
-        _res, problem = check_against_journal(ledger, step, path, index.get(step, {}).get("manifest"))
+        _res, problem = check_against_journal(ledger, step, path, index[step].manifest if step in index else None)
         if problem is not None:
             if store is not None and path.exists():
                 dest = store.quarantine(step, path, problem)
@@ -140,8 +141,8 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
     meta = ckpt.load(Path(path))
     if ckpt.resharded is not None:
         r = ckpt.resharded
-        how = "its converted form was cached" if r["cached"] else f"converted in {r['convert_s']:.2f} s"
-        reporter.info(f"Resharded {Path(path).name} from {Topology(**r['from'])} to {Topology(**r['to'])} ({how}); "
+        how = "its converted form was cached" if r.cached else f"converted in {r.convert_s:.2f} s"
+        reporter.info(f"Resharded {Path(path).name} from {r.before} to {r.after} ({how}); "
                       "the loaded weights match the converted ones.")
     reporter.info("Loaded model, optimizer, scheduler and RNG states.")
     reporter.info(
@@ -149,15 +150,27 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
         f"buffer has {len(run.trainer.buffer)} pending samples."
     )
     fp, _ = run.trainer.fingerprint()
-    if ckpt.resharded is None and fp != meta["fingerprint"]:
-        raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {meta['fingerprint'][:16]}…")
+    if ckpt.resharded is None and fp != meta.fingerprint:
+        raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {meta.fingerprint[:16]}…")
     ckpt.loaded_fingerprint = fp
     return step
 
 
 # Replayed under another topology, a step's bits cannot match the journal's (the reductions run in
 # another order); its journaled metrics must then agree within this tolerance: |a - b| <= atol + rtol * |b|.
-TOLERANCE = {"rtol": 1e-3, "atol": 1e-5}
+RTOL, ATOL = 1e-3, 1e-5
+TOLERANCE = {"rtol": RTOL, "atol": ATOL}  # as the topology control event records it
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """A replayed metric's deviation from the journaled one."""
+
+    step: int
+    metric: str
+    replayed: float
+    journaled: float
+    deviation: float
 
 
 @dataclass
@@ -165,7 +178,12 @@ class ReplayOutcome:
     fingerprint: str | None = None  # of the state after the last replayed step
     exact: bool = True  # every fingerprint matched the journal's (or a rebased one): on the reference line
     tolerant_steps: int = 0  # steps checked within TOLERANCE
-    worst: dict | None = None  # {step, metric, replayed, journaled, deviation}: the largest deviation seen
+    largest: Deviation | None = None  # the largest deviation seen
+
+    @property
+    def worst(self) -> dict | None:
+        """The largest deviation as plain data {step, metric, replayed, journaled, deviation} (JSON, the journal)."""
+        return None if self.largest is None else asdict(self.largest)
 
 
 def replay(run: Run, history: History, start: int, stop: int, check_metrics: bool = True, observe=None,
@@ -201,12 +219,12 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
 
         record = StepRecord.from_dict(rt.from_rank0(next_record, f"reading step {step} from the journal"))
         for entry in history.config_changes:
-            if entry["from_step"] == step:
-                trainer.set_config(config_from_dict(entry["config"]))
-        for entry in history.topology_changes:
-            if entry["from_step"] == step:
-                topo = entry["topology"]
-                if not out.exact and topo == here and prev_fp == entry["rebased"]["fingerprint"]:
+            if entry.from_step == step:
+                trainer.set_config(config_from_dict(entry.config))
+        for change in history.topology_changes:
+            if change.from_step == step:
+                topo = change.topology
+                if not out.exact and topo == here and change.rebased is not None and prev_fp == change.rebased.fingerprint:
                     out.exact = True  # the state that resume trained on from here: back on the line
         out.exact = out.exact and topo == here
         if record.pruned:
@@ -240,11 +258,11 @@ def _check_exact(run: Run, step: int, record: StepRecord, outcome, mine: dict | 
     """On the journal's reference line: the replayed step's stages and fingerprint must be the
     journaled ones bit for bit, and so must its metrics `mine` (None: not checked)."""
     from ..rl.trainer import is_timing
-    from ..state.stages import first_difference as first_stage_difference
+    from ..state.stages import first_digest_difference
 
-    journaled_stages = record.first("stages")
+    journaled_stages = StepEvents.of(record).stages
     if journaled_stages is not None:
-        stage = first_stage_difference(journaled_stages, outcome.stages)
+        stage = first_digest_difference(journaled_stages.digests, Stages.from_event(outcome.stages).digests)
         if stage is not None:
             raise ReplayError(f"replay diverged at step {step}: its {stage} differ from the journal's "
                               f"(`verlj rerun {run.run_dir} --steps {step}:{step}` says more)")
@@ -263,7 +281,7 @@ def _check_exact(run: Run, step: int, record: StepRecord, outcome, mine: dict | 
 def _check_within_tolerance(step: int, journaled: dict, mine: dict, out: ReplayOutcome) -> None:
     from ..rl.trainer import is_timing
 
-    rtol, atol = TOLERANCE["rtol"], TOLERANCE["atol"]
+    rtol, atol = RTOL, ATOL
     for k, want in journaled.items():
         if is_timing(k) or k not in mine:
             continue
@@ -274,8 +292,8 @@ def _check_within_tolerance(step: int, journaled: dict, mine: dict, out: ReplayO
             dev = math.inf
         else:
             dev = abs(got - want)
-        if out.worst is None or dev > out.worst["deviation"]:
-            out.worst = {"step": step, "metric": k, "replayed": got, "journaled": want, "deviation": dev}
+        if out.largest is None or dev > out.largest.deviation:
+            out.largest = Deviation(step, k, got, want, dev)
         if dev > atol + rtol * abs(want):
             raise ReplayError(
                 f"replay under another topology diverged at step {step}: metric {k} is {got!r}, journaled {want!r} "
@@ -302,27 +320,27 @@ def materialize_steps(run: Run, to_step: int, explicit: tuple[int, Path] | None 
         return step0, ReplayOutcome(exact=run.ckpt.resharded is None)
     out = replay(run, history, step0 + 1, to_step)
     if out.tolerant_steps:
-        w = out.worst
-        run.reporter.info(f"Replayed {out.tolerant_steps} step(s) under another topology, checked within rtol {TOLERANCE['rtol']}, "
-                          f"atol {TOLERANCE['atol']}: largest deviation {w['deviation']:.3g} ({w['metric']} at step {w['step']}).")
+        w = out.largest
+        run.reporter.info(f"Replayed {out.tolerant_steps} step(s) under another topology, checked within rtol {RTOL}, "
+                          f"atol {ATOL}: largest deviation {w.deviation:.3g} ({w.metric} at step {w.step}).")
     return step0, out
 
 
 # ----------------------------------------------------------------------------- --resume
 
 
-def _topology_boundary(run: Run, history: History, step0: int, last: int, out: ReplayOutcome) -> dict | None:
-    """After a resume's restore and replay: the details of a topology boundary at step last + 1, or
-    None when the state is still on the journal's reference line on the same topology. The rebased
-    fingerprint is the state now, which the steps from last + 1 on build on."""
+def _topology_boundary(run: Run, history: History, step0: int, last: int, out: ReplayOutcome) -> TopologyChange | None:
+    """After a resume's restore and replay: the topology boundary at step last + 1, or None when the
+    state is still on the journal's reference line on the same topology. The rebased fingerprint is
+    the state now, which the steps from last + 1 on build on."""
     here = run.topology.as_dict()
     before = history.topology_at(last)
     if out.exact and here == before:
         return None
     fp, _ = run.trainer.fingerprint()
-    return {"from": before, "to": here, "snapshot_step": step0, "resharded": run.ckpt.resharded,
-            "replayed": [step0 + 1, last] if step0 < last else None, "tolerance": TOLERANCE,
-            "checked_steps": out.tolerant_steps, "max_deviation": out.worst, "rebased": {"step": last, "fingerprint": fp}}
+    resharded = run.ckpt.resharded.to_dict() if run.ckpt.resharded is not None else None
+    return TopologyChange(last + 1, here, before, step0, resharded, [step0 + 1, last] if step0 < last else None, TOLERANCE,
+                          out.tolerant_steps, out.worst, Rebased(last, fp))
 
 
 def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[dict]]:
@@ -352,7 +370,7 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
     run.trainer.set_config(cfg)
     from_snapshot = snapshot_name(step0) if step0 else None
     topology = _topology_boundary(run, history, step0, last, out)
-    control = [make_event("control", kind="resume", details={
+    control = [Control(ControlKind.RESUME, {
         "from_snapshot": from_snapshot,
         "snapshot_step": step0,
         "resume_from": spec,
@@ -360,15 +378,15 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
         "config_changes": changed,
         "allow_config_change": allow_change,
         "world_size": rt.world_size,
-    })]
+    }).to_event()]
     if topology is not None:
-        control.append(make_event("control", kind="topology", details=topology))
-        reporter.info(f"Step {last + 1}: topology {Topology(**topology['from'])} -> {Topology(**topology['to'])}; "
+        control.append(Control(ControlKind.TOPOLOGY, topology.control_details()).to_event())
+        reporter.info(f"Step {last + 1}: topology {Topology(**topology.before)} -> {Topology(**topology.topology)}; "
                       "the fingerprints journaled from here on are the new reference.")
     if rt.is_main:
         ledger = run.ledger
         if topology is not None:
-            ledger.record_topology_change(last + 1, topology["to"], {k: v for k, v in topology.items() if k != "to"})
+            ledger.record_topology_change(topology.from_step, topology.topology, topology.details())
         moved = ledger.record_resume(last, step0, changed, rt.world_size, resume_from=spec, config=cfg.to_stored())
         if moved:
             reporter.warn(f"library versions changed since this run last started: {', '.join(moved)} (recorded in its lineage)")
@@ -376,7 +394,7 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
             ledger.record_config_change(last + 1, cfg.to_stored())
         run.ckpt.write_metadata(last, resume_from=from_snapshot or "the initial state")
     if changed:
-        control.append(make_event("config", config=cfg.to_stored(), hash=cfg.hash(), changed=changed))
+        control.append(ConfigChange(cfg.to_stored(), cfg.hash(), changed).to_event())
     if last < cfg.trainer.total_steps:
         reporter.info(f"Step {last + 1}: Continuing training...")
     return last, control

@@ -48,7 +48,7 @@ def apply(run_dir: Path, cfg, ledger, reporter) -> tuple[int, int] | None:
     ledger.make_durable()
     entry = archive.write(run_dir, ledger, max(done, ledger.base_step()) + 1, bound) if jc.archive else None
     pruned, freed = ledger.prune(bound, entry)
-    where = f", archived to {archive.ARCHIVE_DIR}/{entry['file']}" if entry else ""
+    where = f", archived to {archive.ARCHIVE_DIR}/{entry.file}" if entry else ""
     size = f"{freed / 2**20:.1f} MiB" if freed >= 2**20 else f"{freed / 1024:.0f} KiB"
     reporter.info(f"Journal retention: samples of steps through {bound} pruned ({pruned} steps, {size}){where}")
     return pruned, freed

@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from verlj.journal import Claim, Journal, make_event, open_journal_reader
+from verlj.journal import Claim, Journal, open_journal_reader
 from verlj.journal.failpoints import failpoint
 
 from ..config import ONE_OFF_KEYS, Config, check_change, config_from_dict, diff_configs, make_config, stored_config, to_yaml
 from ..errors import ConfigError, RunError
 from ..report import Reporter
+from ..schema.events import Control, ControlKind
 from . import whatif
 from .context import Run
 from .ledger import (
@@ -268,7 +269,7 @@ def begin(run: Run, existing: bool, changed: list[str], allow_change: bool) -> t
         if rt.is_main:
             run.main_ledger().start(run_identity(run))
         reporter.info("Step 0: Starting training...")
-        return 0, [make_event("control", kind="start", details={"config_hash": run.cfg.hash(), "world_size": rt.world_size})], None
+        return 0, [Control(ControlKind.START, {"config_hash": run.cfg.hash(), "world_size": rt.world_size}).to_event()], None
     rt.from_rank0(lambda: run.trainer.check_identity(run.main_ledger().identity()), "checking the run's identity")
     counterfactual = rt.from_rank0(lambda: run.main_ledger().counterfactual(), "reading the run's identity")
     # a what-if goes on training on its parent's samples
@@ -394,7 +395,7 @@ def fork(replayed, parent: Path, new_run: Path, overrides: list[str]) -> int:
         run, base_fp = start_child(replayed, parent, new_run, cfg)
         run.ckpt.save(replayed.step, base_fp)  # the fork's base: recovery of the new run starts here
         run.ckpt.wait()
-        control = [make_event("control", kind="fork", details={"parent": str(parent), "parent_step": replayed.step, "config_changes": changed})]
+        control = [Control(ControlKind.FORK, {"parent": str(parent), "parent_step": replayed.step, "config_changes": changed}).to_event()]
         run.reporter.info(f"Forked {parent} at step {replayed.step} into {new_run}.")
         return train_loop(run, replayed.step, control)
     finally:
@@ -417,8 +418,8 @@ def start_whatif(replayed, parent: Path, new_run: Path, overrides: list[str], to
         source = whatif.WhatifSource(run, parent)
         run.ckpt.save(replayed.step, base_fp)  # the what-if's base: its recovery starts here
         run.ckpt.wait()
-        control = [make_event("control", kind="whatif", details={"parent": str(parent), "parent_step": replayed.step,
-                                                                  "to_step": to_step, "config_changes": changed})]
+        control = [Control(ControlKind.WHATIF, {"parent": str(parent), "parent_step": replayed.step, "to_step": to_step,
+                                                "config_changes": changed}).to_event()]
         run.reporter.info(f"What-if of {parent} from step {replayed.step} in {new_run}: steps {replayed.step + 1}–{to_step} "
                           f"re-trained on its samples{' with ' + ', '.join(changed) + ' changed' if changed else ''}.")
         return train_loop(run, replayed.step, control, source=source)

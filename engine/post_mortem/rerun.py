@@ -195,9 +195,9 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
     cfg = replay_config(ledger, start)
     rt = setup(cfg)
     if not checked:  # digests compared bit for bit: only on the process group that made them
-        changes = [e["from_step"] for e in ledger.history().topology_changes]  # the steps from which the topology changed
+        changes = [e.from_step for e in ledger.history().topology_changes]  # the steps from which the topology changed
         for step in sorted({start, stop, *(s for s in changes if start <= s <= stop)}):
-            topo = Topology.of_snapshot(ledger.topology_at(step))
+            topo = Topology(**ledger.topology_at(step))
             if (topo.world_size, topo.tensor_parallel_size) != (rt.world_size, rt.tp_size):
                 raise RunError(f"step {step} ran on {topo.world_size} rank(s) with TP {topo.tensor_parallel_size}, this is "
                                f"{rt.world_size} with TP {rt.tp_size}: its digests are compared on as many ranks "

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import blake3
 
 from verlj.journal import unpackb
 from verlj.journal.durable import fsync_dir, fsync_file
+
+from .topology import Topology
 
 MANIFEST = "manifest.json"
 META = "meta.json"
@@ -52,36 +54,152 @@ def write_bytes_durable(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+# ----------------------------------------------------------------------------- manifest.json and meta.json
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file a manifest lists: its size and BLAKE3 digest."""
+
+    size: int
+    blake3: str
+
+    def well_formed(self) -> bool:
+        """An integer size and a 64-hex digest."""
+        size, digest = self.size, self.blake3
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return False
+        return isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json: every file of a snapshot (its path relative to the snapshot, sorted) with its entry."""
+
+    version: int
+    files: dict[str, FileEntry]
+    hash: str = "blake3"
+
+    @classmethod
+    def of(cls, root: Path) -> Manifest:
+        """The manifest of the files under `root` now (manifest.json itself excepted)."""
+        files = {}
+        for dirpath, _dirs, names in os.walk(root):
+            for name in sorted(names):
+                p = Path(dirpath) / name
+                rel = p.relative_to(root).as_posix()
+                if rel == MANIFEST:
+                    continue
+                files[rel] = FileEntry(p.stat().st_size, file_digest(p))
+        return cls(SNAPSHOT_VERSION, dict(sorted(files.items())))
+
+    def to_dict(self) -> dict:
+        """manifest.json's map, its keys in the order it has always had them."""
+        return {"version": self.version, "hash": self.hash, "files": {rel: asdict(e) for rel, e in self.files.items()}}
+
+    @classmethod
+    def parse(cls, data) -> Manifest | None:
+        """A parsed manifest.json, or None unless it is well formed: this version, and for every entry a
+        safe relative path, an integer size and a 64-hex digest (and nothing else)."""
+        if not isinstance(data, dict):
+            return None
+        try:
+            m = cls(**{k: v for k, v in data.items() if k in _MANIFEST_KEYS})
+        except TypeError:
+            return None
+        if m.version != SNAPSHOT_VERSION or not isinstance(m.files, dict):
+            return None
+        files = {}
+        for rel, info in m.files.items():
+            parts = Path(rel).parts
+            if not rel or Path(rel).is_absolute() or ".." in parts or rel == MANIFEST:
+                return None
+            if not isinstance(info, dict) or set(info) != _FILE_KEYS:
+                return None
+            files[rel] = FileEntry(**info)
+            if not files[rel].well_formed():
+                return None
+        return cls(m.version, files, m.hash)
+
+
+_MANIFEST_KEYS = {f.name for f in fields(Manifest)}
+_FILE_KEYS = {f.name for f in fields(FileEntry)}
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    """meta.json: the snapshot's step, fingerprint, config hash, DeepSpeed engines, topology, when it
+    was written and the Python that wrote it (snapshots from before a field: its default)."""
+
+    step: int
+    fingerprint: str | None = None
+    engines: list = field(default_factory=list)
+    world_size: int = 1
+    tensor_parallel_size: int = 1
+    zero_stage: int = 0
+    config_hash: str | None = None
+    time: float | None = None
+    python: str | None = None
+    version: int = SNAPSHOT_VERSION
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(int(self.world_size), int(self.tensor_parallel_size), int(self.zero_stage))
+
+    def to_dict(self) -> dict:
+        """meta.json's map, its keys in the order it has always had them."""
+        return {"version": self.version, "step": self.step, "fingerprint": self.fingerprint, "config_hash": self.config_hash,
+                "engines": self.engines, "world_size": self.world_size, "tensor_parallel_size": self.tensor_parallel_size,
+                "zero_stage": self.zero_stage, "time": self.time, "python": self.python}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SnapshotMeta:
+        return cls(**{k: v for k, v in data.items() if k in _META_KEYS})
+
+    @classmethod
+    def read(cls, path: Path) -> SnapshotMeta:
+        """The meta.json of the snapshot at `path`."""
+        return cls.from_dict(json.loads((Path(path) / META).read_text()))
+
+
+_META_KEYS = {f.name for f in fields(SnapshotMeta)}
+
+# dataflow_anchor.msgpack: {part name: its state_dict()} (loop.checkpointer's registry); the parts it summarises
+SAMPLER_PART, BUFFER_PART = "sampler", "buffer"
+
+
+def anchor_summary(anchor: dict) -> str:
+    """What a parsed anchor says of the data flow (KeyError, TypeError: it is not an anchor)."""
+    sampler, buffer = anchor[SAMPLER_PART], anchor[BUFFER_PART]
+    return (f"Dataflow anchor parsed (dataloader index={sampler['cursor']}, epoch={sampler['epoch']}, "
+            f"buffer has {len(buffer['samples']['id'])} pending samples)")
+
+
 def build_manifest(root: Path) -> dict:
-    files = {}
-    for dirpath, _dirs, names in os.walk(root):
-        for name in sorted(names):
-            p = Path(dirpath) / name
-            rel = p.relative_to(root).as_posix()
-            if rel == MANIFEST:
-                continue
-            files[rel] = {"size": p.stat().st_size, "blake3": file_digest(p)}
-    return {"version": SNAPSHOT_VERSION, "hash": "blake3", "files": dict(sorted(files.items()))}
+    """manifest.json's map for the files under `root` (Manifest.of)."""
+    return Manifest.of(root).to_dict()
 
 
 def check_files(root: Path, files: dict, hash_files: bool = True, res: SnapshotCheck | None = None) -> list[str]:
-    """Problems with a manifest's files under root: missing, wrong size or digest, or not listed.
-    A snapshot's converted form (RESHARDED, and its temporary) has its own manifest and is skipped."""
+    """Problems with a manifest's files under root (`files`: the manifest's, as parsed or as stored):
+    missing, wrong size or digest, or not listed. A snapshot's converted form (RESHARDED, and its
+    temporary) has its own manifest and is skipped."""
     problems = []
     for rel, info in files.items():
+        entry = info if isinstance(info, FileEntry) else FileEntry(**info)
         p = root / rel
         if not p.is_file():
             problems.append(f"{rel} is missing")
             continue
         size = p.stat().st_size
-        if size != info["size"]:
-            problems.append(f"{rel} has {size} bytes, the manifest says {info['size']}")
+        if size != entry.size:
+            problems.append(f"{rel} has {size} bytes, the manifest says {entry.size}")
             continue
         if not hash_files:
             continue
         if res is not None:
             res.bytes_hashed += size
-        if file_digest(p) != info["blake3"]:
+        if file_digest(p) != entry.blake3:
             problems.append(f"{rel} fails its checksum")
     skip = (RESHARDED, f".tmp-{RESHARDED}")
     on_disk = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} - {MANIFEST}
@@ -99,33 +217,13 @@ class SnapshotCheck:
     step: int | None = None
     ok: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    meta: dict | None = None
+    meta: dict | None = None  # meta.json as it parsed (the post-mortem readers show it)
+    snapshot: SnapshotMeta | None = None  # the same, read (None: it does not parse)
     bytes_hashed: int = 0
 
     @property
     def valid(self) -> bool:
         return not self.problems
-
-
-def _well_formed(manifest) -> bool:
-    """Version, and for every entry a safe relative path, an integer size and a 64-hex digest."""
-    if not isinstance(manifest, dict) or manifest.get("version") != SNAPSHOT_VERSION:
-        return False
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        return False
-    for rel, info in files.items():
-        parts = Path(rel).parts
-        if not rel or Path(rel).is_absolute() or ".." in parts or rel == MANIFEST:
-            return False
-        if not isinstance(info, dict) or set(info) != {"size", "blake3"}:
-            return False
-        size, digest = info["size"], info["blake3"]
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            return False
-        if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-            return False
-    return True
 
 
 def check_snapshot(path: Path, hash_files: bool = True, expected_manifest: str | None = None) -> SnapshotCheck:
@@ -145,29 +243,27 @@ def check_snapshot(path: Path, hash_files: bool = True, expected_manifest: str |
         res.problems.append(f"{mpath.name} does not match the digest the journal recorded for it")
         return res
     try:
-        manifest = json.loads(raw.decode())
+        manifest = Manifest.parse(json.loads(raw.decode()))
     except ValueError:  # includes UnicodeDecodeError
         manifest = None
-    if not _well_formed(manifest):
+    if manifest is None:
         res.problems.append(f"{mpath.name} is not a valid manifest")
         return res
-    files = manifest["files"]
+    files = manifest.files
     res.problems += check_files(res.path, files, hash_files, res)
     if res.problems:
         return res
     res.ok.append(f"All files present and checksum matched ({len(files)} files)" if hash_files else f"All files present ({len(files)} files)")
     try:
         res.meta = json.loads((res.path / META).read_text())
-        res.step = int(res.meta["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        res.snapshot = SnapshotMeta.from_dict(res.meta)
+        res.step = int(res.snapshot.step)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        res.snapshot = None
         res.problems.append(f"{META} does not parse")
         return res
     try:
-        anchor = unpackb((res.path / ANCHOR).read_bytes())
-        res.ok.append(
-            f"Dataflow anchor parsed (dataloader index={anchor['sampler']['cursor']}, epoch={anchor['sampler']['epoch']}, "
-            f"buffer has {len(anchor['buffer']['samples']['id'])} pending samples)"
-        )
+        res.ok.append(anchor_summary(unpackb((res.path / ANCHOR).read_bytes())))
     except Exception:  # noqa: BLE001 - any parse failure is the same finding
         res.problems.append(f"{ANCHOR} does not parse")
     return res

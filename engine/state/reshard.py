@@ -37,9 +37,8 @@ import blake3
 import torch
 
 from ..errors import SnapshotError
-from .manifest import MANIFEST, META, RESHARDED, build_manifest, check_files, fsync_tree, write_bytes_durable
+from .manifest import MANIFEST, META, RESHARDED, SnapshotMeta, build_manifest, check_files, fsync_tree, write_bytes_durable
 from .safe_load import load_weights_only, save_portable, weights_only_everywhere
-from .topology import Topology
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
@@ -63,7 +62,7 @@ def cached(snapshot: Path) -> Path | None:
     return root if not problems else None
 
 
-def ensure_converted(snapshot: Path, meta: dict, full_shapes: dict[str, dict]) -> tuple[Path, float]:
+def ensure_converted(snapshot: Path, meta: SnapshotMeta, full_shapes: dict[str, dict]) -> tuple[Path, float]:
     """Rank 0: the snapshot's universal form, converted now or found cached. Returns (dir, seconds spent).
     `full_shapes`: {engine: {trainable parameter: whole shape}} in module order (Trainer.param_layout)."""
     import time
@@ -76,9 +75,9 @@ def ensure_converted(snapshot: Path, meta: dict, full_shapes: dict[str, dict]) -
     tmp = snapshot / f".tmp-{RESHARDED}"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(snapshot / RESHARDED, ignore_errors=True)  # a damaged cache: convert again
-    src = Topology.of_snapshot(meta)
+    src = meta.topology
     digests = {}
-    for tag in meta["engines"]:
+    for tag in meta.engines:
         out = tmp / tag
         if src.zero_stage == 0:
             _from_zero0(snapshot / tag, out, list(full_shapes[tag]), full_shapes[tag])
@@ -88,7 +87,7 @@ def ensure_converted(snapshot: Path, meta: dict, full_shapes: dict[str, dict]) -
         digests[tag] = weights_digest_of_dir(out, list(full_shapes[tag]))
     import deepspeed
 
-    write_bytes_durable(tmp / META, json.dumps({"step": meta["step"], "source": src.as_dict(), "weights": digests,
+    write_bytes_durable(tmp / META, json.dumps({"step": meta.step, "source": src.as_dict(), "weights": digests,
                                                 "deepspeed": deepspeed.__version__}, indent=2).encode())
     write_bytes_durable(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=2).encode())
     fsync_tree(tmp)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import blake3
 import numpy as np
 import torch
@@ -34,14 +36,29 @@ def rng_digest() -> dict[str, str]:
     """Digests of the global generators: a step that drew from one by accident shows up in the journal."""
     import random
 
-    parts = {
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return {
         "torch": blake3.blake3(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16],
         "numpy": blake3.blake3(np.random.get_state(legacy=True)[1].tobytes()).hexdigest()[:16],  # type: ignore[index]  # legacy: a tuple
         "python": blake3.blake3(repr(random.getstate()).encode()).hexdigest()[:16],
+        **({"cuda": blake3.blake3(torch.cuda.get_rng_state().numpy().tobytes()).hexdigest()[:16]} if cuda else {}),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        parts["cuda"] = blake3.blake3(torch.cuda.get_rng_state().numpy().tobytes()).hexdigest()[:16]
-    return parts
+
+
+@dataclass(frozen=True)
+class GeneratorStates:
+    """RNGState's state map (rng_rankNNNNN.msgpack): each global generator's state as plain data (cuda:
+    one per device, only where CUDA was in use)."""
+
+    version: int
+    torch: np.ndarray
+    numpy: list
+    python: list
+    cuda: list | None = None
+
+    def to_dict(self) -> dict:
+        return {"version": self.version, "torch": self.torch, "numpy": self.numpy, "python": self.python,
+                **({"cuda": self.cuda} if self.cuda is not None else {})}
 
 
 class RNGState:
@@ -53,27 +70,21 @@ class RNGState:
     def state_dict(self) -> dict:
         import random
 
-        state = {
-            "version": self.VERSION,
-            "torch": torch.get_rng_state().numpy(),
-            "numpy": list(np.random.get_state()),
-            "python": _py_rng_to_plain(random.getstate()),
-        }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = [s.numpy() for s in torch.cuda.get_rng_state_all()]
-        return state
+        cuda = [s.numpy() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return GeneratorStates(self.VERSION, torch.get_rng_state().numpy(), list(np.random.get_state()),
+                               _py_rng_to_plain(random.getstate()), cuda).to_dict()
 
     def load_state_dict(self, state: dict) -> None:
         import random
 
-        state = check_version("random generators", state, self.VERSION)
-        torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
-        kind, keys, pos, has_gauss, cached = state["numpy"]
+        states = GeneratorStates(**check_version("random generators", state, self.VERSION))
+        torch.set_rng_state(torch.from_numpy(np.asarray(states.torch, dtype=np.uint8)))
+        kind, keys, pos, has_gauss, cached = states.numpy
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
-        version, internal, gauss = state["python"]
+        version, internal, gauss = states.python
         random.setstate((version, tuple(internal), gauss))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([torch.from_numpy(np.asarray(s, dtype=np.uint8)) for s in state["cuda"]])
+        if states.cuda is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([torch.from_numpy(np.asarray(s, dtype=np.uint8)) for s in states.cuda])
 
 
 def _py_rng_to_plain(state):

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .fingerprint import tensor_sums
+from .stages import RankStages
 
 
 class StageRecorder:
@@ -81,5 +82,5 @@ class StageRecorder:
                     h.update(p[1])
             digests[stage] = h.hexdigest()
         stats = {stage: [next(host[x.device]).view(np.float64).tolist() for x in xs] for stage, xs in self._stats.items()}
-        return {"digests": digests, "stats": stats}
+        return RankStages(digests, stats).to_dict()
 

@@ -18,31 +18,53 @@ loads no torch: the post-mortem readers compare journaled stages with it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import blake3
 import numpy as np
 
+from ..schema.events import Stages
+
+STATE = "state"  # the last stage: the fingerprint's parts
 ORDER = ("data", "samples", "scores", "old_logprobs", "ref_logprobs", "values", "returns", "advantages", "loss", "grads", "grad_norm",
-         "state")
+         STATE)
+
+
+@dataclass(frozen=True)
+class RankStages:
+    """One rank's share of a step's stages (stage_recorder.local): each stage's digest, and its
+    [count, sum, absmax] rows. Crosses ranks as `to_dict()` (msgpack)."""
+
+    digests: dict[str, str]
+    stats: dict[str, list]
+
+    def to_dict(self) -> dict:
+        return {"digests": self.digests, "stats": self.stats}
 
 
 def combine(per_rank: list[dict], state_parts: dict[str, str]) -> dict:
-    """The step's stages event fields from every rank's `local()` (in rank order) and the fingerprint's parts."""
-    stages = [s for s in ORDER if any(s in r["digests"] for r in per_rank)]
+    """The step's stages event fields from every rank's `local()` (RankStages maps, in rank order) and the fingerprint's parts."""
+    shares = [RankStages(**r) for r in per_rank]
+    stages = [s for s in ORDER if any(s in r.digests for r in shares)]
     digests, summary = {}, {}
     for s in stages:
-        digests[s] = blake3.blake3("|".join(r["digests"].get(s, "") for r in per_rank).encode()).hexdigest()[:32]
-        rows = [x for r in per_rank for x in r["stats"].get(s, [])]
+        digests[s] = blake3.blake3("|".join(r.digests.get(s, "") for r in shares).encode()).hexdigest()[:32]
+        rows = [x for r in shares for x in r.stats.get(s, [])]
         if rows:
             n = sum(x[0] for x in rows)
             summary[s] = {"n": n, "mean": (sum(x[1] for x in rows) / n) if n else 0.0, "absmax": max(x[2] for x in rows)}
-    digests["state"] = blake3.blake3("|".join(f"{k}={state_parts[k]}" for k in sorted(state_parts)).encode()).hexdigest()[:32]
+    digests[STATE] = blake3.blake3("|".join(f"{k}={state_parts[k]}" for k in sorted(state_parts)).encode()).hexdigest()[:32]
     return {"digests": digests, "summary": summary}
 
 
 def first_difference(want: dict, got: dict) -> str | None:
-    """The first stage (in the order a step computes them) whose digest differs between two stages
-    events; None when they agree on every stage both have."""
-    a, b = want.get("digests", {}), got.get("digests", {})
+    """first_digest_difference of two stages events' fields (as journaled: {digests, summary})."""
+    return first_digest_difference(Stages.from_event(want).digests, Stages.from_event(got).digests)
+
+
+def first_digest_difference(a: dict[str, str], b: dict[str, str]) -> str | None:
+    """The first stage (in the order a step computes them) whose digest differs between two steps'
+    stage digests; None when they agree on every stage both have."""
     for stage in ORDER:
         if stage in a and stage in b and a[stage] != b[stage]:
             return stage
@@ -72,6 +94,4 @@ def first_element_difference(a: list[tuple[str, np.ndarray]], b: list[tuple[str,
             first = {"part": name, "index": k, "a": x[k].item(), "b": y[k].item()}
     if first is None and len(a) != len(b):
         first = {"part": f"{len(a)} vs {len(b)} parts", "index": None, "a": None, "b": None}
-    if first is not None:
-        first["largest_abs_diff"] = largest
-    return first
+    return None if first is None else {**first, "largest_abs_diff": largest}

@@ -19,6 +19,8 @@ from typing import Protocol
 
 from ..errors import SnapshotError
 
+VERSION_KEY = "version"  # every part's state map holds its version under this key (the rest is the part's own)
+
 
 class Stateful(Protocol):
     VERSION: int
@@ -34,7 +36,7 @@ def check_version(name: str, state: dict, version: int, oldest: int | None = Non
     """`state` when this code wrote it, or an older version from `oldest` on that the part still reads
     (a state without a version, from before parts carried one, is version 1); otherwise one sentence
     naming the part."""
-    got = state.get("version", 1) if isinstance(state, dict) else None
+    got = state.get(VERSION_KEY, 1) if isinstance(state, dict) else None
     if not isinstance(got, int) or not (oldest or version) <= got <= version:
         raise SnapshotError(f"the snapshot's {name} state has version {got!r}; this verlj reads version {version} "
                             "(the snapshot was written by another verlj)")

@@ -14,10 +14,6 @@ class Topology:
     zero_stage: int
 
     @classmethod
-    def of_snapshot(cls, meta: dict) -> Topology:
-        return cls(int(meta["world_size"]), int(meta["tensor_parallel_size"]), int(meta.get("zero_stage", 0)))
-
-    @classmethod
     def of_runtime(cls, rt, cfg) -> Topology:
         return cls(rt.world_size, rt.tp_size, cfg.distributed.zero_stage)
 

@@ -12,13 +12,14 @@ import pytest
 
 from verlj.engine.config import make_config
 from verlj.engine.errors import ReplayError, SnapshotError
-from verlj.engine.loop.ledger import Ledger
+from verlj.engine.loop.ledger import ArchiveEntry, Ledger, Rebased, TopologyChange
 from verlj.engine.loop.policy import CheckpointSchedule
 from verlj.engine.loop.recovery import choose_snapshot, resolve_explicit
 from verlj.engine.loop.retention import apply as apply_retention
 from verlj.engine.loop.retention import prune_bound
 from verlj.engine.loop.snapshot_store import ADOPT, KEEP, QUARANTINE, REMOVE, UNINDEX, SnapshotStore
-from verlj.engine.state.manifest import ANCHOR, META
+from verlj.engine.state.manifest import ANCHOR, META, Manifest, SnapshotMeta
+from verlj.engine.state.topology import Topology
 from verlj.journal import Journal, make_event, packb
 
 
@@ -88,6 +89,64 @@ def test_a_resume_records_its_own_choice_and_the_versions_that_moved(run):
     assert ledger.record_resume(6, 6, [], 1) == []  # compared with the last start: nothing moved since
     assert "resume_from" not in ledger.lineage()[-1]
     assert ledger.config_at(6)["trainer"]["resume_from"] is None
+
+
+def test_the_ledgers_records_store_the_maps_of_the_previous_release(run):
+    """The typed records write the journal meta the previous release wrote, key for key and in order
+    (its journals read back through them; tests/fixtures/v0 holds such journals)."""
+    run_dir, ledger = run
+    ledger.record_resume(6, 4, ["trainer.total_steps"], 1, resume_from="4")
+    cfg = make_config(None, ["trainer.total_steps=8"]).to_stored()
+    ledger.record_config_change(7, cfg)
+    one, two = {"world_size": 1, "tensor_parallel_size": 1, "zero_stage": 0}, {"world_size": 2, "tensor_parallel_size": 1, "zero_stage": 0}
+    change = TopologyChange(7, one, two, 4, None, [5, 6], {"rtol": 1e-3, "atol": 1e-5}, 2, None, Rebased(6, fp(6)))
+    ledger.record_topology_change(change.from_step, change.topology, change.details())
+    snapshot(run_dir, ledger, 4)
+    ledger.prune(2, ArchiveEntry("steps_0000000001-0000000002.parquet", 1, 2, 8, 100, "d" * 64))
+    meta = ledger.identity()
+    assert [list(e) for e in meta["lineage"]] == [
+        ["kind", "at_step", "time"],
+        ["kind", "at_step", "snapshot_step", "config_changes", "world_size", "time", "versions", "resume_from", "versions_changed"]]
+    assert meta["config_history"] == [{"from_step": 7, "config": cfg}] and list(meta["config_history"][0]) == ["from_step", "config"]
+    assert meta["topology_history"] == [{"from_step": 7, "topology": one, "from": two, "snapshot_step": 4, "resharded": None,
+                                         "replayed": [5, 6], "tolerance": {"rtol": 1e-3, "atol": 1e-5}, "checked_steps": 2,
+                                         "max_deviation": None, "rebased": {"step": 6, "fingerprint": fp(6)}}]
+    assert list(meta["topology_history"][0]) == ["from_step", "topology", "from", "snapshot_step", "resharded", "replayed", "tolerance",
+                                                 "checked_steps", "max_deviation", "rebased"]
+    assert list(change.control_details()) == ["from", "to", "snapshot_step", "resharded", "replayed", "tolerance", "checked_steps",
+                                              "max_deviation", "rebased"]
+    assert list(ledger.snapshots()[4]) == ["path", "fingerprint", "manifest", "time"]
+    assert meta["archive"] == [{"file": "steps_0000000001-0000000002.parquet", "first": 1, "last": 2, "rows": 8, "bytes": 100,
+                                "digest": "d" * 64}]
+    assert list(meta["archive"][0]) == ["file", "first", "last", "rows", "bytes", "digest"]
+    assert ledger.history().topology_changes == [change] and ledger.topology_at(7) == one and ledger.topology_at(6)["world_size"] == 2
+
+
+def test_manifest_and_snapshot_meta_keep_their_files_as_they_were(tmp_path):
+    """manifest.json and meta.json through their types: the maps of the previous release, key for key
+    and in order; a manifest that is not well formed reads as none; a meta.json from before a field
+    reads with its default."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "w.bin").write_bytes(b"x" * 10)
+    (tmp_path / "meta.json").write_text("{}")
+    m = Manifest.of(tmp_path)
+    stored = json.loads(json.dumps(m.to_dict()))
+    assert list(stored) == ["version", "hash", "files"] and list(stored["files"]) == ["a/w.bin", "meta.json"]
+    assert list(stored["files"]["a/w.bin"]) == ["size", "blake3"] and stored["files"]["a/w.bin"]["size"] == 10
+    assert Manifest.parse(stored) == m
+    for bad in ({**stored, "version": 2}, {"version": 1, "hash": "blake3"}, [stored],
+                {**stored, "files": {"../x": stored["files"]["a/w.bin"]}},
+                {**stored, "files": {"a/w.bin": {**stored["files"]["a/w.bin"], "extra": 1}}},
+                {**stored, "files": {"a/w.bin": {"size": -1, "blake3": "0" * 64}}}):
+        assert Manifest.parse(bad) is None
+    meta = SnapshotMeta(step=3, fingerprint=fp(3), config_hash="h", engines=["actor"], world_size=2, tensor_parallel_size=1,
+                        zero_stage=1, time=1.0, python="3.12.0")
+    assert list(meta.to_dict()) == ["version", "step", "fingerprint", "config_hash", "engines", "world_size", "tensor_parallel_size",
+                                    "zero_stage", "time", "python"]
+    assert SnapshotMeta.from_dict(meta.to_dict()) == meta and meta.topology == Topology(2, 1, 1)
+    old = SnapshotMeta.from_dict({"version": 1, "step": 3, "fingerprint": fp(3), "engines": ["actor"], "world_size": 2,
+                                  "tensor_parallel_size": 1})
+    assert old.topology == Topology(2, 1, 0) and old.python is None
 
 
 def test_metrics_and_fingerprints_come_from_the_summaries(run):
