@@ -47,6 +47,47 @@ def verlj(*args, check: bool = False, timeout: float = 300, ranks: int = 1, **en
     return out
 
 
+IN_OWN_PROCESS = ("train", "replay", "rerun", "whatif")  # they move file descriptor 1 (cli.common.data_stdout)
+
+
+def cli(*args, check: bool = False) -> subprocess.CompletedProcess:
+    """`verlj ARGS` run in this process (typer's test runner): the same command code, stdout, stderr and
+    exit code as verlj(), without the seconds a fresh interpreter takes to import torch and DeepSpeed.
+    For what a command says and exits with; verlj() where the point is a process of its own (a crash,
+    a signal, torchrun ranks). Commands that move file descriptor 1 (train, replay, rerun, whatif,
+    diff --stages) are refused here. An exception that a real run would end in with a traceback is
+    raised, not turned into an exit code."""
+    from typer.testing import CliRunner
+
+    from verlj.cli.main import app
+
+    args = [str(a) for a in args]
+    assert args and args[0] not in IN_OWN_PROCESS and "--stages" not in args, f"run `verlj {args[0]}` with verlj()"
+    r = CliRunner().invoke(app, args, catch_exceptions=False)
+    out = subprocess.CompletedProcess(["verlj", *args], r.exit_code, r.stdout, r.stderr)
+    if check and out.returncode != 0:
+        raise AssertionError(f"verlj {' '.join(args)} exited {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}")
+    return out
+
+
+def replay_here(run_dir: Path, to_step: int, export: Path | None = None) -> tuple[dict, str]:
+    """`verlj replay RUN --to-step N [--export DIR]` by the calls it makes, in this process (one rank):
+    what its --json prints (a dict), and its line on a topology crossed ('' when bit for bit)."""
+    import gc
+    import json
+
+    from verlj.engine.post_mortem import materialize
+
+    materialize.check_outputs(export, None, None)
+    replayed = materialize.materialize(Path(run_dir), to_step)
+    if export is not None:
+        materialize.export_hf(replayed, export)
+    said = json.loads(materialize.replay_report(replayed)), materialize.exactness_line(replayed) or ""
+    del replayed
+    gc.collect()  # the replayed engines, before the next test builds its own
+    return said
+
+
 def _port() -> int:
     import socket
 

@@ -16,7 +16,7 @@ from test_recovery import kill_at_random
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import VerljError, open_journal_reader
-from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
+from verlj_testing import REPO, TINY, assert_same_journal, cli, env, fingerprints, train, verlj
 
 # dynamic sampling over 2 rounds at most, so carried-over groups meet the staleness bound
 ASYNC = ["rollout.mode=async", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=2", "trainer.total_steps=6",
@@ -80,11 +80,11 @@ def test_the_journal_records_versions_plans_and_the_off_policy_metrics(reference
     assert records[1].metrics["rollout/logprob_diff/max"] < 1e-5
     # the weights move: after step 1 the trainer's log-probs of stale samples are not the generator's
     assert any(r.metrics["rollout/is_weight/max"] != 1.0 for s, r in records.items() if s > 1)
-    out = verlj("inspect", reference, "--step", "3", check=True).stdout
+    out = cli("inspect", reference, "--step", "3", check=True).stdout
     assert "async, max_staleness 1" in out and "planned    step 4 will train on" in out and "staleness mean 1 max 1" in out
     assert " v2   |" in out  # the samples generated at step 3 come from version 2
     path = reference.parent / "rollouts.jsonl"
-    verlj("export", reference, "--rollouts", "-o", path, check=True)
+    cli("export", reference, "--rollouts", "-o", path, check=True)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert {(r["step"], r["policy_version"]) for r in rows} == {(1, 0), *((s, s - 1) for s in range(2, 7))}
 

@@ -14,7 +14,7 @@ from verlj.engine.loop.ledger import open_run
 from verlj.engine.post_mortem.rollouts import Accounting, group_accounting
 from verlj.engine.rl.data import Sampler, load_data
 from verlj.journal import open_journal_reader
-from verlj_testing import fingerprints, train, verlj
+from verlj_testing import cli, fingerprints, replay_here, train
 
 # the generator 0.3 s slower per batch than it is (slower than the trainer), two rounds asked ahead (k = 2) and one generated at
 # a time: groups are still queued at every commit
@@ -26,7 +26,7 @@ FREE = ["rollout.mode=async", "rollout.async_order=completion", "rollout.max_sta
 
 def check_accounting(run: Path) -> Accounting:
     """The journal's own account of every group, against the dataset's order (what tools/faults.py checks too)."""
-    out = verlj("verify", run)
+    out = cli("verify", run)
     assert out.returncode == 0 and "✓ Rollout accounting (async completion order)" in out.stdout, out.stdout + out.stderr
     with open_run(run) as ledger:
         acc = group_accounting(ledger)
@@ -79,9 +79,8 @@ def test_kills_at_every_failpoint_and_of_the_generator_lose_no_sample_and_replay
         assert r.metrics["rollout/staleness/max"] <= 2
     assert again >= 1
     # replay reproduces the journal, which holds what timing decided
-    out = verlj("replay", run, "--to-step", "5", check=True)
-    assert fingerprints(run)[5] in out.stdout
-    out = verlj("inspect", run, "--step", str(min(s for s, r in records.items() if len(r.first("buffer.request")["regenerated"]))), check=True)
+    assert replay_here(run, 5)[0]["fingerprint"] == fingerprints(run)[5]  # what `verlj replay RUN --to-step 5` prints
+    out = cli("inspect", run, "--step", str(min(s for s, r in records.items() if len(r.first("buffer.request")["regenerated"]))), check=True)
     assert "async, completion order, max_staleness 2" in out.stdout and "asked again" in out.stdout
 
 

@@ -10,7 +10,7 @@ import pytest
 from test_recovery import kill_at_random
 
 from verlj.journal import Journal, verify_journal
-from verlj_testing import assert_same_journal, comparable_steps, fingerprints, train, verlj
+from verlj_testing import assert_same_journal, comparable_steps, fingerprints, replay_here, train, verlj
 
 DP_GRPO = ["trainer.total_steps=5", "trainer.save_interval=2", "algorithm.dynamic_sampling=true", "rollout.n=2",
            "distributed.zero_stage=3"]
@@ -96,9 +96,7 @@ def test_tp_kill_mid_snapshot_then_resume(tmp_path, refs):
 def test_replay_on_one_rank_of_a_two_rank_zero3_run(refs):
     """The ZeRO-3 run with dynamic sampling, replayed in one process: resharded from step_00002, step 3
     checked within the tolerance; on its own 2 ranks, bit for bit."""
-    out = verlj("replay", refs["grpo"], "--to-step", 3, "--json")
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = replay_here(refs["grpo"], 3)[0]  # what `verlj replay RUN --to-step 3 --json` prints, in this process
     assert got["from_snapshot"] == 2 and not got["exact"] and got["tolerant_steps"] == 1
     assert got["max_deviation"]["deviation"] <= 1e-5 + 1e-3 * abs(got["max_deviation"]["journaled"])
     out = verlj("replay", refs["grpo"], "--to-step", 3, "--json", ranks=2)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from verlj_testing import REPO, verlj
+from verlj_testing import REPO, cli, verlj
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 SHORT = ["trainer.total_steps=3", "trainer.save_interval=2", "logging.progress=lines"]
@@ -49,11 +49,11 @@ def test_example_runs(path, tmp_path):
         assert "topology" in out.stdout and "->" in out.stdout, out.stdout[-2000:]
         assert (run / "step_00005" / "manifest.json").is_file()
     if path.stem == "retention_archive":
-        verlj("export", run, "--rollouts", "-o", tmp_path / "r.parquet", check=True)
+        cli("export", run, "--rollouts", "-o", tmp_path / "r.parquet", check=True)
         import pandas as pd
 
         table = pd.read_parquet(tmp_path / "r.parquet")
         assert sorted(table.step.unique()) == [1, 2, 3] and table.score.notna().all()
     for cmd in header_commands(path):
         if cmd.startswith("verlj verify"):
-            verlj("verify", run, check=True)
+            cli("verify", run, check=True)

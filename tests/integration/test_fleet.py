@@ -14,7 +14,7 @@ import pytest
 from test_async_completion import check_accounting
 
 from verlj.journal import open_journal_reader
-from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
+from verlj_testing import REPO, TINY, assert_same_journal, cli, env, fingerprints, replay_here, train
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_step_order_is_bit_identical_whatever_m_through_a_killed_actor_and_a_res
     last = fleet_metrics(killed)[max(fleet_metrics(killed))]
     assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] >= 1, last
     assert_same_journal(ref, killed, ignore=NOT_FLEET)
-    out = verlj("verify", killed)
+    out = cli("verify", killed)
     assert out.returncode == 0, out.stdout + out.stderr
 
     resized = tmp_path / "resized"  # the trainer killed in step 3's commit (batch 4 generated), resumed with one actor
@@ -84,8 +84,7 @@ def test_completion_order_on_two_actors_through_a_killed_actor_accounts_for_ever
     last = fleet_metrics(run)[4]
     assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] >= 1, last
     check_accounting(run)  # verify passes; every group asked once, arrived once, trained or dropped
-    out = verlj("replay", run, "--to-step", "4", check=True)
-    assert fingerprints(run)[4] in out.stdout
+    assert replay_here(run, 4)[0]["fingerprint"] == fingerprints(run)[4]  # what `verlj replay RUN --to-step 4` prints
 
 
 def test_without_ray_a_fleet_is_one_line_and_exit_2(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal
-from verlj_testing import REPO, SMALL, TINY, assert_same_journal, env, fingerprints, train, verlj
+from verlj_testing import REPO, SMALL, TINY, assert_same_journal, cli, env, fingerprints, train, verlj
 
 
 def one_line_error(out, code, text):
@@ -182,13 +182,13 @@ def flip(path: Path) -> None:
 
 def test_damaged_snapshot_is_quarantined_and_good_ones_kept(copy, base6):
     flip(next((copy / "step_00004" / "actor").iterdir()))
-    assert verlj("verify", copy).returncode == 1  # before the resume: the damage is reported
+    assert cli("verify", copy).returncode == 1  # before the resume: the damage is reported
     out = train(copy, *SMALL, "trainer.total_steps=6", resume=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "moved to" in out.stderr and (copy / "quarantine" / "step_00004").is_dir()
     with Journal.open_reader(copy / "journal") as j:
         assert sorted(j.snapshots()) == [2, 6]  # rotation kept the good step 2, not the damaged 4
-    out = verlj("verify", copy)
+    out = cli("verify", copy)
     assert out.returncode == 0, out.stdout
     assert "step_00004 was set aside by a resume and moved to quarantine/step_00004" in out.stdout
     md = json.loads((copy / "train_metadata.json").read_text())
@@ -199,7 +199,7 @@ def test_damaged_snapshot_is_quarantined_and_good_ones_kept(copy, base6):
 def test_leftovers_are_reported_then_sorted_out(copy):
     (copy / ".tmp-step_00005" / "actor").mkdir(parents=True)
     shutil.copytree(copy / "step_00004", copy / "step_00003")  # published, never indexed, and not step 3's state
-    out = verlj("verify", copy)
+    out = cli("verify", copy)
     assert out.returncode == 0, out.stdout
     assert ".tmp-step_00005: left by an interrupted run" in out.stdout
     # verify says what the resume below does with it (the same plan): quarantined, never removed
@@ -211,7 +211,7 @@ def test_leftovers_are_reported_then_sorted_out(copy):
     # a published snapshot is never deleted by a resume: one that fails its checks is quarantined
     assert "Quarantined step_00003 to quarantine/step_00003: published but not indexed, and its meta says step 4" in out.stdout
     assert not (copy / ".tmp-step_00005").exists() and (copy / "quarantine" / "step_00003" / "manifest.json").is_file()
-    out = verlj("verify", copy)
+    out = cli("verify", copy)
     assert "left by" not in out.stdout and "step_00003 was set aside by a resume" in out.stdout
 
 
@@ -250,7 +250,7 @@ def test_verify_and_resume_agree_on_a_damaged_journal(copy, base, tmp_path):
 
     tamper(copy / "journal", damage)
     advice = f"`verlj replay {copy} --to-step 2 --fork NEW_RUN`"
-    out = verlj("verify", copy)
+    out = cli("verify", copy)
     assert out.returncode == 1 and "Resume is not possible" in out.stdout and advice in out.stdout, out.stdout
     out = train(copy, *SMALL, "trainer.total_steps=5", resume=True)
     assert advice in one_line_error(out, 1, "the journal is damaged")
@@ -300,7 +300,7 @@ def test_a_run_whose_journal_is_lost_is_refused_and_nothing_is_moved(copy):
     for args in (("verify", copy), ("inspect", copy), ("replay", copy, "--to-step", 3), ("journal", "verify", copy)):
         one_line_error(verlj(*args), 1, said)
     assert tree(copy) == before and not (copy / "journal").exists() and not (copy / "quarantine").exists()
-    assert verlj("verify", copy / "step_00004").returncode == 0  # what the sentence offers works
+    assert cli("verify", copy / "step_00004").returncode == 0  # what the sentence offers works
 
 
 def test_a_lost_train_metadata_json_is_harmless(base, copy, base6):
@@ -445,12 +445,12 @@ def test_metadata_lineage_diff_and_explicit_snapshots(copy, base, tmp_path):
     one_line_error(out, 1, "is not a snapshot of the run in")
     lr = tmp_path / "lr"
     run_train(lr, None, [*SMALL, "model.actor.optim.lr=0.002"])
-    out = verlj("diff", base, lr)
+    out = cli("diff", base, lr)
     assert out.returncode == 1 and "config model.actor.optim.lr: 0.001 vs 0.002" in out.stdout, out.stdout
 
 
 def test_inspect_shows_special_tokens_in_responses(base):
-    d = json.loads(verlj("inspect", base, "--step", 1, "--json").stdout)
+    d = json.loads(cli("inspect", base, "--step", 1, "--json").stdout)
     with Journal.open_reader(base / "journal") as j:
         add = next(e for e in j.read_step(1).events if e["type"] == "buffer.add")["samples"]
     eos_count = int(sum((add["response_ids"][i, : add["response_ids_len"][i]] == 2).sum() for i in range(len(add["id"]))))
@@ -469,9 +469,9 @@ def test_help_shows_flags_and_defaults():
 def test_checkpoint_verify_is_verify_as_the_verl_tutorial_spells_it(base):
     """`verlj checkpoint verify PATH` (the tutorial users come from) is `verlj verify PATH`."""
     for path in (base / "step_00004", base):
-        a, b = verlj("checkpoint", "verify", path), verlj("verify", path)
+        a, b = cli("checkpoint", "verify", path), cli("verify", path)
         assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and "Checkpoint is valid for resume." in a.stdout
-    missing = verlj("checkpoint", "verify", base / "step_00099")
+    missing = verlj("checkpoint", "verify", base / "step_00099")  # its own process: nothing else on stderr
     assert missing.returncode == 2 and missing.stderr.strip() == f"error: {base / 'step_00099'} does not exist"
 
 

@@ -30,7 +30,7 @@ import pytest
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.state.manifest import check_snapshot
 from verlj.journal import Journal, open_journal_reader, segments
-from verlj_testing import REPO, TINY, _port, assert_same_journal, comparable_steps, env, fingerprints, train, verlj
+from verlj_testing import REPO, TINY, _port, assert_same_journal, cli, comparable_steps, env, fingerprints, train
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def test_node_lost_at_each_crash_point_resumes_exactly(tmp_path, references, ret
         assert name in out.stdout or (run / name).is_dir() or (run / "quarantine" / name).is_dir(), name
     assert_same_journal(reference, run)
     assert fingerprints(reference) == fingerprints(run)
-    v = verlj("verify", run)
+    v = cli("verify", run)
     assert v.returncode == 0, v.stdout[-3000:]
 
 
@@ -189,7 +189,7 @@ def test_two_nodes_lose_the_node_of_rank_0_and_go_on(tmp_path):
     assert "topology 2 ranks, ZeRO-2, TP 1 -> 1 rank, ZeRO-2, TP 1" in out.stdout
     steps = comparable_steps(run)
     assert [s["step"] for s in steps] == list(range(1, 9))
-    assert verlj("verify", run).returncode == 0
+    assert cli("verify", run).returncode == 0
 
 
 def kill_node(p: subprocess.Popen) -> None:

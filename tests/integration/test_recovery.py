@@ -18,7 +18,7 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal, verify_journal
-from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
+from verlj_testing import REPO, TINY, assert_same_journal, cli, env, fingerprints, train, verlj
 
 TARGET = 7
 COMMON = [f"trainer.total_steps={TARGET}", "trainer.save_interval=2", "trainer.save_total_limit=2"]
@@ -110,7 +110,7 @@ def test_verify_says_what_the_next_resume_does_with_each_leftover_and_it_does_th
     shutil.copytree(run / "step_00004", run / "step_00005")
     (run / ".tmp-step_00009").mkdir()
     shutil.rmtree(run / "step_00002")
-    v = verlj("verify", run)
+    v = cli("verify", run)
     assert v.returncode == 0, v.stdout  # nothing resume uses is damaged
     plan = [
         "· .tmp-step_00009: left by an interrupted run; never used, and the next --resume removes it",
@@ -124,7 +124,7 @@ def test_verify_says_what_the_next_resume_does_with_each_leftover_and_it_does_th
     ]
     for line in plan:
         assert line in v.stdout.splitlines(), v.stdout
-    planned = {x["name"]: x["action"] for x in json.loads(verlj("verify", run, "--json").stdout)["next_resume"]}
+    planned = {x["name"]: x["action"] for x in json.loads(cli("verify", run, "--json").stdout)["next_resume"]}
     assert planned == {".tmp-step_00009": "remove", "step_00005": "quarantine", "step_00006": "adopt", "step_00002": "unindex"}
     out = resume_until_done(run, GRPO_DYN)
     done = [
@@ -140,7 +140,7 @@ def test_verify_says_what_the_next_resume_does_with_each_leftover_and_it_does_th
     warned = "[WARNING] step_00002 is in the index but not on disk (deleted by hand?): removed from the index"
     assert warned in out.stderr.splitlines() and "Skipping" not in out.stderr, out.stderr
     assert_same_journal(run, references["grpo"])
-    after = verlj("verify", run)
+    after = cli("verify", run)
     assert after.returncode == 0 and "next --resume" not in after.stdout, after.stdout
     assert "· step_00002 was in the index but not on disk (deleted by hand?); a resume removed it from the index" in after.stdout
 

@@ -13,7 +13,7 @@ from verlj.engine.post_mortem import materialize
 from verlj.engine.post_mortem.rerun import render, rerun
 from verlj.engine.rl import algorithms
 from verlj.journal import open_journal_reader
-from verlj_testing import TINY, train, verlj
+from verlj_testing import TINY, cli, train, verlj
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +36,10 @@ def test_every_step_journals_its_stages(journaled):
 
 
 def test_rerun_reproduces_and_exits_0(journaled):
-    out = verlj("rerun", journaled, "--steps", "3:4", "--json")
-    assert out.returncode == 0, out.stderr[-2000:]
-    report = json.loads(out.stdout)
+    # the call `verlj rerun RUN --steps 3:4 --json` makes, in this process: it prints the report as JSON,
+    # and exits 0 when it says every step reproduced
+    report = json.loads(json.dumps(rerun(journaled, 3, 4)))
+    assert report["reproduced"]
     assert report["from_snapshot"] == 2 and [v["verdict"] for v in report["verdicts"]] == ["reproduced", "reproduced"]
     bad = verlj("rerun", journaled, "--steps", "4:9")
     assert bad.returncode == 2 and bad.stderr.strip() == f"error: --steps 4:9 is out of range: {journaled} has steps 1–5"
@@ -123,11 +124,11 @@ def test_a_probe_measures_past_steps_on_their_journaled_state(journaled, tmp_pat
     assert two.returncode == 0, two.stderr[-2000:]
     assert "in 2 processes (3–4, 5–5)" in two.stderr  # split after the snapshot of step 4
     assert [json.loads(line) for line in two.stdout.splitlines()][:2] == rows
-    shown = json.loads(verlj("metrics", journaled, "--names", "probe/my_probe.batch_stats/score", "--jsonl").stdout.splitlines()[2])
+    shown = json.loads(cli("metrics", journaled, "--names", "probe/my_probe.batch_stats/score", "--jsonl").stdout.splitlines()[2])
     assert shown["step"] == 3 and shown["probe/my_probe.batch_stats/score"] == rows[0]["score"]
-    assert "3 step(s) match" in verlj("find", journaled, "--where", "probe/my_probe.batch_stats/samples > 0").stdout
-    assert "probe/my_probe.batch_stats/score" in verlj("inspect", journaled, "--step", "4").stdout
-    assert "probe      my_probe.batch_stats version 1: steps 3–5 (3)" in verlj("inspect", journaled).stdout
+    assert "3 step(s) match" in cli("find", journaled, "--where", "probe/my_probe.batch_stats/samples > 0").stdout
+    assert "probe/my_probe.batch_stats/score" in cli("inspect", journaled, "--step", "4").stdout
+    assert "probe      my_probe.batch_stats version 1: steps 3–5 (3)" in cli("inspect", journaled).stdout
     with open_journal_reader(journaled / "journal") as j:
         assert j.chain_hash(5) == chain
     before = (journaled / "derived" / "my_probe.batch_stats.msgpack").read_bytes()

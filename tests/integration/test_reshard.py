@@ -10,16 +10,15 @@ topology to step 8, and compares it with the uninterrupted run on the original t
   exact again.
 """
 
-import json
-
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from verlj.engine.loop.recovery import TOLERANCE
 from verlj.engine.loop.run import train as run_train
-from verlj.journal import open_journal_reader
-from verlj_testing import TINY, fingerprints, train, verlj
+from verlj.engine.post_mortem import rerun as rr
+from verlj.journal import VerljError, open_journal_reader
+from verlj_testing import TINY, cli, fingerprints, replay_here, train, verlj
 
 BASE = ["trainer.total_steps=8", "trainer.save_interval=2", "trainer.save_total_limit=0"]
 KILL = {"VERLJ_FAILPOINT": "journal.before_commit:4"}
@@ -52,10 +51,16 @@ def assert_same_process(run, ref):
 
 
 def exported(run, tmp_path, name, ranks=1, step=8):
+    """`verlj replay RUN --to-step STEP --export DIR`: its weights and what it says of the topology.
+    On one rank by the calls the command makes, in this process; on more, the command under torchrun."""
     out = tmp_path / name
-    r = verlj("replay", run, "--to-step", step, "--export", out, ranks=ranks)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return load_file(str(out / "model.safetensors")), r.stdout
+    if ranks == 1:
+        said = replay_here(run, step, export=out)[1]
+    else:
+        r = verlj("replay", run, "--to-step", step, "--export", out, ranks=ranks)
+        assert r.returncode == 0, r.stderr[-3000:]
+        said = r.stdout
+    return load_file(str(out / "model.safetensors")), said
 
 
 def assert_close_weights(a, b):
@@ -111,31 +116,27 @@ def test_two_ranks_zero2_killed_resumed_on_one_rank(tmp_path, refs):
     assert b["replayed"] == [3, 3] and b["checked_steps"] == 1 and b["rebased"]["step"] == 3
     # the converted form is cached beside the snapshot, with its own manifest, and verify accepts the run
     assert (run / "step_00002" / "universal" / "manifest.json").is_file()
-    v = verlj("verify", run, "--deep")
+    v = cli("verify", run, "--deep")
     assert v.returncode == 0, v.stdout + v.stderr
     assert "other topology" in v.stdout  # the deep replay from step_00002 crossed the boundary
-    said = verlj("inspect", run).stdout
+    said = cli("inspect", run).stdout
     assert "topology   from step 4: 2 ranks, ZeRO-2, TP 1 -> 1 rank, ZeRO-2, TP 1; 1 replayed step(s)" in said
     assert "ranks      1 (started on 2)" in said and "\nrollout    hf " in said  # what runs it now, and with what
-    said = verlj("diff", run, refs["z2x2"]).stdout
+    said = cli("diff", run, refs["z2x2"]).stdout
     assert said.startswith("first difference at step 4") and f"note: {run} changed topology from step 4" in said
     mine, _ = exported(run, tmp_path, "mine")
     theirs, said = exported(refs["z2x2"], tmp_path, "theirs")  # a 2-rank snapshot, loaded in one process
     assert_close_weights(mine, theirs)
     # on the new topology, replay from its own snapshots is exact again; from step_00002 it rejoins
     # the reference line at the boundary (the rebased fingerprint), so step 5 matches bit for bit
-    out = verlj("replay", run, "--to-step", 5, "--json")
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = replay_here(run, 5)[0]
     want = fingerprints(run)
     assert got["fingerprint"] == want[5] and got["exact"] and got["from_snapshot"] == 4
     # a replay that must start from the old topology's snapshot (the newer ones are damaged) crosses the
     # boundary again and is exact from there: the conversion is cached, the replay deterministic
     for name in ("step_00004", "step_00006", "step_00008"):
         (run / name / "meta.json").write_text("{}")
-    out = verlj("replay", run, "--to-step", 6, "--json")
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = replay_here(run, 6)[0]
     assert got["from_snapshot"] == 2 and got["fingerprint"] == want[6] and got["exact"]
 
 
@@ -177,8 +178,11 @@ def test_replay_of_a_two_rank_run_in_one_process_and_the_reverse(tmp_path, refs)
     assert "other topology" not in said2
     assert_close_weights(one, two)
     # digests compared bit for bit need the run's own topology: rerun in one process says so in one line
-    out = verlj("rerun", refs["z2x2"], "--steps", "3:3")
-    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+    # (the call `verlj rerun RUN --steps 3:3` makes, in this process: the command prints "error: " + the
+    # sentence as its only line and exits with its exit_code)
+    with pytest.raises(VerljError) as refused:
+        rr.rerun(refs["z2x2"], 3, 3, False)
+    assert refused.value.exit_code == 1 and [f"error: {refused.value}"] == [
         "error: step 3 ran on 2 rank(s) with TP 1, this is 1 with TP 1: its digests are compared on as many ranks "
         "(torchrun --nproc_per_node 2 -m verlj.cli ...)"]
     # and a 1-rank run replayed on 2 ranks

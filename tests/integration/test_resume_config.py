@@ -13,7 +13,7 @@ import pytest
 
 from verlj.engine.loop.ledger import Ledger
 from verlj.journal import Journal
-from verlj_testing import SMALL, TINY, train, verlj
+from verlj_testing import SMALL, TINY, cli, train, verlj
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_resume_from_applies_to_the_resume_that_names_it(copy):
         assert ledger.config_at(6)["trainer"]["resume_from"] is None
         resumes = [e for e in ledger.lineage() if e["kind"] == "resume"]
     assert [e.get("resume_from") for e in resumes] == ["2", None]
-    assert "(asked: trainer.resume_from=2)" in verlj("inspect", copy).stdout
+    assert "(asked: trainer.resume_from=2)" in cli("inspect", copy).stdout
 
 
 def test_library_versions_that_changed_since_the_last_start_are_said_and_recorded(copy):
@@ -54,7 +54,7 @@ def test_library_versions_that_changed_since_the_last_start_are_said_and_recorde
 
     moved = f"transformers 0.0.1 → {transformers.__version__}"
     assert f"library versions changed since this run last started: {moved} (recorded in its lineage)" in out.stderr
-    assert f"versions   changed at that resume: {moved}" in verlj("inspect", copy).stdout
+    assert f"versions   changed at that resume: {moved}" in cli("inspect", copy).stdout
     again = train(copy, *SMALL, "trainer.total_steps=6", resume=True)  # compared with the last start: nothing moved
     assert again.returncode == 0 and "library versions changed" not in again.stderr
 
@@ -80,4 +80,4 @@ def test_a_fork_that_changes_the_learning_rate_resumes_from_its_base_snapshot(ba
     out = verlj("train", "-o", new, "--resume", "trainer.resume_from=2")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"Resuming from checkpoint: {new / 'step_00002'}" in out.stdout and "Replayed step 3 from the journal." in out.stdout
-    assert verlj("verify", new).returncode == 0
+    assert cli("verify", new).returncode == 0

@@ -16,7 +16,7 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal, segments
-from verlj_testing import REPO, TINY, _same, assert_same_journal, comparable_steps, env, fingerprints, train, verlj
+from verlj_testing import REPO, TINY, _same, assert_same_journal, cli, comparable_steps, env, fingerprints, replay_here, train, verlj
 
 TARGET = 10
 COMMON = [f"trainer.total_steps={TARGET}", "trainer.save_interval=3", "trainer.save_total_limit=2"]
@@ -87,7 +87,7 @@ def test_node_lost_at_a_random_moment(tmp_path, reference):
     print(f"committed {committed}, shipped {shipped}: {committed - shipped} step(s) lost with the node and run again")
     assert_same_journal(reference, run)
     assert fingerprints(reference) == fingerprints(run)
-    assert verlj("verify", run).returncode == 0
+    assert cli("verify", run).returncode == 0
 
 
 def test_stalled_shipping_holds_training_to_the_lag_bound(tmp_path, reference):
@@ -159,7 +159,7 @@ def test_damaged_last_segment_costs_only_its_steps(tmp_path, reference, node_los
         files[-1].write_bytes(bytes(raw))
     lost = f"step {last.first}" if last.first == last.last else f"steps {last.first}–{last.last}"
     was = f"step {last.first} was" if last.first == last.last else f"steps {last.first}–{last.last} were"
-    v = verlj("verify", run)  # the same answer as the resume below: not damage that stops it
+    v = cli("verify", run)  # the same answer as the resume below: not damage that stops it
     assert v.returncode == 0 and "⚠ journal segments:" in v.stdout and f"sets it aside and runs {lost} again" in v.stdout, v.stdout
     assert "Resume is not possible" not in v.stdout and "Resume is possible from" in v.stdout
     out = train(run, *COMMON, f"journal.local_dir={tmp_path / 'L2'}", resume=True)
@@ -167,7 +167,7 @@ def test_damaged_last_segment_costs_only_its_steps(tmp_path, reference, node_los
     assert f"{was} lost with it and will be run again" in out.stdout
     assert_same_journal(reference, run)
     assert fingerprints(reference) == fingerprints(run)
-    v = verlj("verify", run)
+    v = cli("verify", run)
     assert v.returncode == 0 and "journal/segments/.damaged-" in v.stdout, v.stdout
 
 
@@ -182,32 +182,29 @@ def test_segment_missing_in_the_middle_is_refused(tmp_path, node_lost):
     assert len(err) == 1 and "0000000004.seg is missing" in err[0] and "Traceback" not in out.stderr, out.stderr
     assert sorted(p.name for p in seg_dir.iterdir()) == before  # nothing shipped, nothing removed
     assert not (tmp_path / "L2" / "data.mdb").exists()
-    v = verlj("verify", run)
+    v = cli("verify", run)
     assert v.returncode == 1 and "0000000004.seg is missing" in v.stdout
     assert "--fork NEW_RUN" in v.stdout  # the way forward: replay the intact prefix into a new run
 
 
 def test_post_mortem_from_the_run_directory_alone(tmp_path, reference, node_lost):
     run = lost_node_copy(node_lost, tmp_path)  # another machine: only the run directory
-    v = verlj("verify", run)
+    v = cli("verify", run)
     assert v.returncode == 0 and "Journal segments:" in v.stdout and f"steps through {TARGET}" in v.stdout, v.stdout
-    assert verlj("journal", "verify", run / "journal").returncode == 0
-    assert verlj("diff", reference, run).returncode == 0
-    i = verlj("inspect", run, "--step", "5", check=True)
+    assert cli("journal", "verify", run / "journal").returncode == 0
+    assert cli("diff", reference, run).returncode == 0
+    i = cli("inspect", run, "--step", "5", check=True)
     assert "step 5" in i.stdout
-    m = verlj("metrics", run, "--names", "actor/pg_loss", "--csv", check=True)
+    m = cli("metrics", run, "--names", "actor/pg_loss", "--csv", check=True)
     assert len(m.stdout.strip().splitlines()) == TARGET + 1
     # measured after each commit, the shipping lag is in the logs only: read from metrics.jsonl
-    m = verlj("metrics", run, "--names", "journal/ship_lag_steps,actor/pg_loss", "--csv", check=True)
+    m = cli("metrics", run, "--names", "journal/ship_lag_steps,actor/pg_loss", "--csv", check=True)
     rows = [line.split(",") for line in m.stdout.strip().splitlines()]
     assert rows[0] == ["step", "journal/ship_lag_steps", "actor/pg_loss"] and all(r[1].strip() for r in rows[1:]), m.stdout
-    bad = verlj("metrics", run, "--names", "actor/pg_los")
+    bad = cli("metrics", run, "--names", "actor/pg_los")
     assert bad.returncode == 1 and "…" not in bad.stderr and "timing_s/step" in bad.stderr  # every name, none cut
-    assert verlj("find", run, "--where", "actor/pg_loss is nan").returncode == 0
-    r = verlj("replay", run, "--to-step", "7", "--json", check=True)
-    import json
-
-    assert json.loads(r.stdout)["fingerprint"] == fingerprints(reference)[7]
+    assert cli("find", run, "--where", "actor/pg_loss is nan").returncode == 0
+    assert replay_here(run, 7)[0]["fingerprint"] == fingerprints(reference)[7]
 
 
 def test_a_shipped_run_killed_before_its_first_step_does_not_block_a_retry(tmp_path):
@@ -275,13 +272,13 @@ def test_a_copy_never_writes_into_the_original_s_local_journal(tmp_path, referen
     out = train(run, *COMMON, f"journal.local_dir={local}", resume=True)  # the original goes on as itself
     assert out.returncode == 0 and "Rebuilt" not in out.stdout, out.stderr[-3000:]
     assert_same_journal(reference, run)
-    assert fingerprints(reference) == fingerprints(run) and verlj("verify", run).returncode == 0
+    assert fingerprints(reference) == fingerprints(run) and cli("verify", run).returncode == 0
     # the copy's readers do not take the original's local journal (now through step 10) for its own
-    assert "6 committed, last step 6" in verlj("inspect", copy, check=True).stdout
-    assert verlj("verify", copy).returncode == 0
+    assert "6 committed, last step 6" in cli("inspect", copy, check=True).stdout
+    assert cli("verify", copy).returncode == 0
     forked = tmp_path / "forked"  # the other way on: a new run from the copy's state, its journal shipped too
     verlj("replay", copy, "--to-step", 6, "--fork", forked, f"journal.local_dir={tmp_path / 'L3'}", check=True)
-    assert verlj("verify", forked).returncode == 0
+    assert cli("verify", forked).returncode == 0
     out = train(copy, *COMMON, f"journal.local_dir={tmp_path / 'L2'}", resume=True)  # a journal of its own
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Rebuilt the journal" in out.stdout and "Copied the journal" not in out.stdout, out.stdout
@@ -322,7 +319,7 @@ def test_a_fork_with_local_dir_verifies_and_resumes_exactly(tmp_path, reference)
     fork, local = tmp_path / "fork", tmp_path / "L"
     verlj("replay", reference, "--to-step", 4, "--fork", fork, f"journal.local_dir={local}",
           f"journal.ship_max_lag_steps={LAG}", "trainer.total_steps=7", check=True)
-    v = verlj("verify", fork)
+    v = cli("verify", fork)
     assert v.returncode == 0 and "steps through 7" in v.stdout, v.stdout
     lose_node(local)
     out = train(fork, *COMMON, f"journal.local_dir={tmp_path / 'L2'}", resume=True)
@@ -330,23 +327,23 @@ def test_a_fork_with_local_dir_verifies_and_resumes_exactly(tmp_path, reference)
     assert "Rebuilt the journal" in out.stdout, out.stdout
     assert fingerprints(fork) == {s: fp for s, fp in fingerprints(reference).items() if s > 4}
     _same_steps(reference, fork)
-    assert verlj("verify", fork).returncode == 0
+    assert cli("verify", fork).returncode == 0
 
 
 def test_a_fork_at_the_parent_s_last_step_with_local_dir_ends_and_resumes_exactly(tmp_path, reference):
     """A fork at its parent's last step trains nothing: it ends at once (it waited 10 minutes for its
     shipper), verifies, and resumed from its segments alone goes on as the uninterrupted run did."""
     parent, fork, local = tmp_path / "parent", tmp_path / "fork", tmp_path / "L"
-    assert train(parent, *COMMON, "trainer.total_steps=6").returncode == 0
+    assert run_train(parent, None, [*TINY, *COMMON, "trainer.total_steps=6"]).snapshots_failed is None  # in this process, as `verlj train` exits 0
     t0 = time.monotonic()
     out = verlj("replay", parent, "--to-step", 6, "--fork", fork, f"journal.local_dir={local}", timeout=240)
     assert out.returncode == 0 and time.monotonic() - t0 < 120, out.stderr[-3000:]
     assert "already at trainer.total_steps=6; nothing to train" in out.stderr + out.stdout
-    v = verlj("verify", fork)
+    v = cli("verify", fork)
     assert v.returncode == 0, v.stdout
     lose_node(local)
     out = train(fork, *COMMON, f"journal.local_dir={tmp_path / 'L2'}", resume=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert fingerprints(fork) == {s: fp for s, fp in fingerprints(reference).items() if s > 6}
     _same_steps(reference, fork)
-    assert verlj("verify", fork).returncode == 0
+    assert cli("verify", fork).returncode == 0

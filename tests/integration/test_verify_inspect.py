@@ -15,7 +15,7 @@ from verlj.engine.loop.ledger import Ledger
 from verlj.engine.loop.recovery import choose_snapshot
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal, make_event
-from verlj_testing import REPO, TINY, env, train, verlj
+from verlj_testing import REPO, TINY, cli, env, train
 
 PPO = ["algorithm.name=ppo", "distributed.zero_stage=1", "trainer.total_steps=5", "trainer.save_interval=2",
        "trainer.save_total_limit=0"]
@@ -59,14 +59,14 @@ def resume_choice(run_dir):
 
 def test_intact_run(run):
     before = digest_tree(run)
-    out = verlj("verify", run)
+    out = cli("verify", run)
     assert out.returncode == 0, out.stdout + out.stderr
     for line in ("✓ Journal intact: steps 1–5", "✓ Model state dict loaded successfully", "✓ Optimizer state loaded",
                  "✓ RNG state verified (torch, numpy, python)", "✓ Dataflow anchor parsed (dataloader index=",
                  "✓ All files present and checksum matched", "→ Checkpoint is valid for resume.", "Resume is possible from step_00005."):
         assert line in out.stdout, line
     assert digest_tree(run) == before  # verify never writes to the run
-    rep = json.loads(verlj("verify", run, "--json").stdout)
+    rep = json.loads(cli("verify", run, "--json").stdout)
     assert rep["ok"] and [s["name"] for s in rep["snapshots"]] == ["step_00002", "step_00004", "step_00005"]
 
 
@@ -107,12 +107,12 @@ EXPECT = {
 @pytest.mark.parametrize("kind", list(DAMAGE))
 def test_damaged_newest_snapshot_is_named_and_skipped(copy, kind):
     DAMAGE[kind](copy / "step_00005")
-    out = verlj("verify", copy)
+    out = cli("verify", copy)
     assert out.returncode == 1, out.stdout
     assert f"✗ {EXPECT[kind]}" in out.stdout, out.stdout
     assert "Resume is possible from step_00004, then replay steps 5–5 from the journal." in out.stdout
     assert resume_choice(copy) == 4  # what --resume picks
-    single = verlj("verify", copy / "step_00005")
+    single = cli("verify", copy / "step_00005")
     assert single.returncode == 1 and EXPECT[kind] in single.stdout
 
 
@@ -131,7 +131,7 @@ def test_damaged_journal_record(copy):
         raw_put(txn, db, 3, bytes(v))
 
     tamper(copy / "journal", f)
-    out = verlj("verify", copy)
+    out = cli("verify", copy)
     assert out.returncode == 1
     assert "✗ journal step 3: bad_checksum" in out.stdout
     # resume refuses a damaged journal, so verify does not offer one: it names the way forward from
@@ -162,7 +162,7 @@ def test_on_a_damaged_journal_verify_says_resume_keeps_every_snapshot_and_it_doe
     shutil.copytree(copy / "step_00004", copy / "step_00003")  # published, never indexed
     (copy / ".tmp-step_00006" / "actor").mkdir(parents=True)  # a killed run's temporary
     damage(copy)
-    out = verlj("verify", copy)
+    out = cli("verify", copy)
     assert out.returncode == 1 and "Resume is not possible" in out.stdout, out.stdout
     assert "left by an interrupted run" not in out.stdout and "removes it" not in out.stdout, out.stdout
     unindexed = ["step_00003", ".tmp-step_00006"] + (["step_00002", "step_00004", "step_00005"] if damage is _truncate else [])
@@ -176,60 +176,60 @@ def test_on_a_damaged_journal_verify_says_resume_keeps_every_snapshot_and_it_doe
 
 
 def test_verify_usage_errors(tmp_path):
-    out = verlj("verify", tmp_path / "nope")
+    out = cli("verify", tmp_path / "nope")
     assert out.returncode == 2 and "does not exist" in out.stderr
     (tmp_path / "plain").mkdir()
-    out = verlj("verify", tmp_path / "plain")
+    out = cli("verify", tmp_path / "plain")
     assert out.returncode == 2 and "is not a verlj run" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_verify_deep(run):
-    out = verlj("verify", run, "--deep")
+    out = cli("verify", run, "--deep")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "✓ Replayed to step 4 from step_00002: every fingerprint matches" in out.stdout
     assert "✓ Replayed to step 5 from step_00004: every fingerprint matches" in out.stdout
 
 
 def test_inspect_summary_and_step(run):
-    out = verlj("inspect", run)
+    out = cli("inspect", run)
     assert out.returncode == 0
     assert "5 committed, last step 5" in out.stdout and "step_00004" in out.stdout and "algorithm ppo" in out.stdout
-    out = verlj("inspect", run, "--step", 3)
+    out = cli("inspect", run, "--step", 3)
     assert out.returncode == 0
     assert "fingerprint" in out.stdout and "+" in out.stdout and "→" in out.stdout and "actor/pg_loss" in out.stdout
-    d = json.loads(verlj("inspect", run, "--step", 3, "--json").stdout)
+    d = json.loads(cli("inspect", run, "--step", 3, "--json").stdout)
     assert d["step"] == 3 and len(d["samples"]) == 16 and d["samples"][0]["prompt"].endswith("=")
     assert set(d["buffer"]["consumed"]) <= {s["id"] for s in d["samples"]}
     for bad in (0, 6):
-        out = verlj("inspect", run, "--step", bad)
+        out = cli("inspect", run, "--step", bad)
         assert out.returncode == 1 and "out of range" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_commands_refuse_a_non_run(tmp_path):
     for args in (["inspect", tmp_path], ["metrics", tmp_path], ["find", tmp_path, "--where", "a > 1"],
                  ["diff", tmp_path, tmp_path], ["inspect", tmp_path / "missing"]):
-        out = verlj(*args)
+        out = cli(*args)
         assert out.returncode == 1 and out.stderr.count("error:") == 1 and "Traceback" not in out.stderr, args
 
 
 def test_metrics_outputs(run, tmp_path):
-    out = verlj("metrics", run, "--names", "actor/pg_loss,critic/vf_loss", "--steps", "2:4", "--csv")
+    out = cli("metrics", run, "--names", "actor/pg_loss,critic/vf_loss", "--steps", "2:4", "--csv")
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "step,actor/pg_loss,critic/vf_loss" and [l.split(",")[0] for l in lines[1:]] == ["2", "3", "4"]
-    rows = [json.loads(l) for l in verlj("metrics", run, "--jsonl").stdout.splitlines()]
+    rows = [json.loads(l) for l in cli("metrics", run, "--jsonl").stdout.splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and "critic/score/mean" in rows[0]
-    out = verlj("metrics", run, "--names", "actor/nope")
+    out = cli("metrics", run, "--names", "actor/nope")
     assert out.returncode == 1 and "unknown metric 'actor/nope'" in out.stderr
-    out = verlj("metrics", run, "--steps", "9:2")
+    out = cli("metrics", run, "--steps", "9:2")
     assert out.returncode == 1 and "START is after STOP" in out.stderr
-    assert "actor/pg_loss" in verlj("metrics", run, "--names", "actor/pg_loss").stdout
+    assert "actor/pg_loss" in cli("metrics", run, "--names", "actor/pg_loss").stdout
 
 
 def test_plot_is_a_png_with_one_panel_per_metric(run, tmp_path):
     import matplotlib.image as mpimg
 
     png = tmp_path / "m.png"
-    out = verlj("metrics", run, "--names", "actor/pg_loss,critic/score/mean,critic/vf_loss", "--plot", png)
+    out = cli("metrics", run, "--names", "actor/pg_loss,critic/score/mean,critic/vf_loss", "--plot", png)
     assert out.returncode == 0, out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = mpimg.imread(png)
@@ -239,12 +239,12 @@ def test_plot_is_a_png_with_one_panel_per_metric(run, tmp_path):
 
 
 def test_find(run, tmp_path):
-    out = verlj("find", run, "--where", "critic/score/mean >= 0")
+    out = cli("find", run, "--where", "critic/score/mean >= 0")
     assert out.returncode == 0 and "5 step(s) match" in out.stdout and "first: 1" in out.stdout
-    hits = json.loads(verlj("find", run, "--where", "batch/samples == 16 and actor/ppo_kl < 100", "--json").stdout)
+    hits = json.loads(cli("find", run, "--where", "batch/samples == 16 and actor/ppo_kl < 100", "--json").stdout)
     assert [h["step"] for h in hits] == [1, 2, 3, 4, 5]
     for bad, msg in (("grad_norm >", "cannot parse --where"), ("x > y", "is not a number"), ("nope > 1", "unknown metric 'nope'")):
-        out = verlj("find", run, "--where", bad)
+        out = cli("find", run, "--where", bad)
         assert out.returncode == 1 and msg in out.stderr and "Traceback" not in out.stderr, bad
     # NaN and inf are findable
     nan_run = tmp_path / "nan"
@@ -252,24 +252,24 @@ def test_find(run, tmp_path):
         j.set_meta("config", Config().to_dict())
         for s, v in enumerate([0.5, float("nan"), float("inf"), 1.0], start=1):
             j.append_step(s, [make_event("metrics", values={"actor/grad_norm": v})])
-    assert "first: 2" in verlj("find", nan_run, "--where", "actor/grad_norm is nan").stdout
-    assert "first: 3" in verlj("find", nan_run, "--where", "actor/grad_norm is inf").stdout
-    assert "2 step(s)" in verlj("find", nan_run, "--where", "actor/grad_norm is not finite").stdout
+    assert "first: 2" in cli("find", nan_run, "--where", "actor/grad_norm is nan").stdout
+    assert "first: 3" in cli("find", nan_run, "--where", "actor/grad_norm is inf").stdout
+    assert "2 step(s)" in cli("find", nan_run, "--where", "actor/grad_norm is not finite").stdout
 
 
 def test_diff(run, tmp_path):
-    out = verlj("diff", run, run)
+    out = cli("diff", run, run)
     assert out.returncode == 0 and "identical" in out.stdout
     # a run that agrees for 3 steps, then changes its clip ratio
     other = tmp_path / "other"
     run_train(other, None, [*TINY, *PPO, "trainer.total_steps=3"])
     r = train(other, *PPO, "model.actor.optim.lr=0.005", "--allow-config-change", resume=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    out = verlj("diff", run, other)
+    out = cli("diff", run, other)
     assert out.returncode == 1
     assert "first difference at step 4: metrics, stage digests, fingerprint" in out.stdout and "actor/lr" in out.stdout
     assert "first differing stage: state" in out.stdout  # the data, samples, advantages, loss and gradients agree
-    d = json.loads(verlj("diff", run, other, "--json").stdout)
+    d = json.loads(cli("diff", run, other, "--json").stdout)
     assert d["step"] == 4 and "state" in d["differs"]
 
 
@@ -285,18 +285,18 @@ def test_diff_names_an_environment_difference_apart_from_a_training_one(run, tmp
 
     here = transformers.__version__
     assert here != "5.24.0"
-    out = verlj("diff", run, other)
+    out = cli("diff", run, other)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"identical: {run} and {other} agree on all 5 steps (timings aside)" in out.stdout
     assert f"environment only (every fingerprint and metric agrees): transformers {here} vs 5.24.0" in out.stdout
     assert "first difference" not in out.stdout
-    assert verlj("diff", run, other, "--strict-env").returncode == 1
-    d = json.loads(verlj("diff", run, other, "--json").stdout)
+    assert cli("diff", run, other, "--strict-env").returncode == 1
+    d = json.loads(cli("diff", run, other, "--json").stdout)
     assert d["identical"] and d["environment"] == {"transformers": [here, "5.24.0"]}
     # a training difference still exits 1, with the environment named beside it
     r = train(other, *PPO, "trainer.total_steps=6", resume=True, PYTHONPATH=site)
     assert r.returncode == 0, r.stderr[-2000:]
-    out = verlj("diff", run, other)
+    out = cli("diff", run, other)
     assert out.returncode == 1 and "the runs agree up to step 5" in out.stdout
     assert f"  environment: transformers {here} vs 5.24.0" in out.stdout
 
@@ -312,7 +312,7 @@ def test_commands_work_while_training_writes(tmp_path):
                 break
         for args in (["inspect", live], ["inspect", live, "--step", 2], ["metrics", live, "--csv"],
                      ["find", live, "--where", "critic/score/mean >= 0"], ["verify", live]):
-            out = verlj(*args)
+            out = cli(*args)
             assert out.returncode == 0, (args, out.stdout[-1000:], out.stderr[-2000:])
         assert p.poll() is None  # still training, undisturbed
     finally:

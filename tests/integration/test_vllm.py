@@ -12,7 +12,7 @@ import torch
 from test_recovery import journal_ok, kill_at_random, resume_until_done
 
 from verlj.journal import open_journal_reader
-from verlj_testing import TINY, assert_same_journal, fingerprints, train, verlj
+from verlj_testing import TINY, assert_same_journal, cli, fingerprints, train, verlj
 
 if os.environ.get("CI"):
     import vllm  # noqa: F401 - in CI a missing vLLM is a failure, not a skip
@@ -176,7 +176,7 @@ def test_the_journal_names_the_engine(reference):
     metrics = _events(reference, "metrics")
     for step in range(2, TARGET + 1):  # every step after the first pushed its predecessor's update
         assert metrics[step]["values"]["rollout/logprob_diff/max"] < 1e-4
-    out = verlj("inspect", reference, "--step", 3, check=True)
+    out = cli("inspect", reference, "--step", 3, check=True)
     assert f"rollout    vllm {vllm.__version__}" in out.stdout
 
 
