@@ -86,6 +86,16 @@ class MetaRecord:
 
 
 @dataclass(frozen=True)
+class Loaded(MetaRecord):
+    """What the trainer loaded that the config alone does not pin, as the run's identity records it
+    (Trainer.identity): the prompts' identity (rl.data.DataIdentity's map) and the frozen reward
+    model's digest (runs from before a field: None)."""
+
+    dataset: dict | None = None
+    reward_model_digest: str | None = None
+
+
+@dataclass(frozen=True)
 class SnapshotEntry(MetaRecord):
     """One snapshot in the index: its directory (in the run directory), the fingerprint of its state,
     the BLAKE3 of its manifest.json, when it was published (entries from before a field: None)."""
@@ -594,6 +604,10 @@ class Ledger:
     def identity(self) -> dict[str, Any]:
         """Everything recorded about the run (config, versions, topology, ...)."""
         return self.journal.meta()
+
+    def loaded(self) -> Loaded:
+        """What the trainer loaded when the run started (a resume checks it is the same)."""
+        return Loaded.from_dict(self.identity())
 
     def get(self, key: str, default: Any = None) -> Any:
         """One identity fact (e.g. 'world_size', 'reward_model_digest')."""

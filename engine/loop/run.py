@@ -270,7 +270,7 @@ def begin(run: Run, existing: bool, changed: list[str], allow_change: bool) -> t
             run.main_ledger().start(run_identity(run))
         reporter.info("Step 0: Starting training...")
         return 0, [Control(ControlKind.START, {"config_hash": run.cfg.hash(), "world_size": rt.world_size}).to_event()], None
-    rt.from_rank0(lambda: run.trainer.check_identity(run.main_ledger().identity()), "checking the run's identity")
+    rt.from_rank0(lambda: run.trainer.check_identity(run.main_ledger().loaded()), "checking the run's identity")
     counterfactual = rt.from_rank0(lambda: run.main_ledger().counterfactual(), "reading the run's identity")
     # a what-if goes on training on its parent's samples
     source = whatif.resume_source(run, counterfactual, changed) if counterfactual is not None else None
@@ -340,7 +340,7 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
             evaluated = [eval_event]
         outcome.metrics.update(inputs.timings)
         outcome.metrics.update(engine_metrics(trainer.rollout))  # the fleet's deaths, groups asked again, live actors
-        outcome.metrics["timing_s/step"] = time.perf_counter() - t_step
+        outcome.metrics.update({"timing_s/step": time.perf_counter() - t_step})
         due = ckpt.due(step, outcome.metrics)
         failpoint("step.before_commit")  # the update is done, the journal does not know it yet
         t_commit = time.perf_counter()
@@ -351,8 +351,8 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
         logged = {**outcome.metrics, "timing_s/commit": time.perf_counter() - t_commit}
         shipper = ledger.journal.shipper if ledger is not None else None
         if shipper is not None:
-            logged["journal/ship_lag_steps"] = shipper.lag()
-            logged["timing_s/ship_cpu"], ship_cpu = shipper.cpu_seconds - ship_cpu, shipper.cpu_seconds
+            logged.update({"journal/ship_lag_steps": shipper.lag(), "timing_s/ship_cpu": shipper.cpu_seconds - ship_cpu})
+            ship_cpu = shipper.cpu_seconds
         reporter.step(step, logged)
         stopping = not rt.all_true(not stop.requested)  # every rank stops after the same step
         ckpt.after_step(step, outcome.fingerprint, due or stopping or step == cfg.trainer.total_steps)

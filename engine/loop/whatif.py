@@ -27,16 +27,16 @@ from ..config import Config, check_whatif, check_whatif_keys, make_config
 from ..errors import RunError
 from ..schema.sample import Sample
 from .context import Run
-from .ledger import Ledger, check_local_dir, journal_dir
+from .ledger import Counterfactual, Ledger, check_local_dir, journal_dir
 
 
 def refuse_counterfactual(ledger: Ledger, run_dir: Path, what: str, instead: str) -> None:
     """A what-if is never forked, nor made the base of another what-if: one sentence (`what` it
     cannot be; `instead`: what to do to its parent run)."""
-    cf = ledger.counterfactual()
+    cf = ledger.whatif_of()
     if cf is not None:
-        raise RunError(f"{run_dir} is a what-if of {cf['run']} (its samples were not drawn by its own policy): it cannot be {what}; "
-                       f"{instead} {cf['run']} instead")
+        raise RunError(f"{run_dir} is a what-if of {cf.run} (its samples were not drawn by its own policy): it cannot be {what}; "
+                       f"{instead} {cf.run} instead")
 
 
 def whatif_config(old: dict, overrides: list[str], to_step: int, new_run: Path) -> tuple[Config, list[str]]:
@@ -120,8 +120,8 @@ class WhatifSource:
     def _origin(self, step: int) -> str | None:
         """RUN's fingerprint after its base step (a fork's), from its parent record."""
         assert self.ledger is not None  # rank 0's
-        parent = self.ledger.parent()
-        return parent["fingerprint"] if parent is not None and parent["step"] == step else None
+        parent = self.ledger.parent_run()
+        return parent.fingerprint if parent is not None and parent.step == step else None
 
     def close(self) -> None:
         if self.ledger is not None:
@@ -130,6 +130,7 @@ class WhatifSource:
 
 def resume_source(run: Run, counterfactual: dict, changed: list[str]) -> WhatifSource:
     """`verlj train -o NEW --resume` of a what-if: it goes on training on its parent's samples. The
-    config keys its resume changes (`changed`) must be ones a what-if may change."""
+    config keys its resume changes (`changed`) must be ones a what-if may change. `counterfactual`:
+    the ledger's record of it, as it reached this rank (Counterfactual.to_dict)."""
     check_whatif_keys(changed)
-    return WhatifSource(run, Path(counterfactual["run"]))
+    return WhatifSource(run, Path(Counterfactual.from_dict(counterfactual).run))

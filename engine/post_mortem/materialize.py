@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import config_from_dict
 from ..dist import configure_determinism, setup
@@ -22,6 +23,9 @@ from ..errors import RunError
 from ..loop.context import Run
 from ..loop.ledger import Ledger, has_run, lost_journal, run_state
 from ..report import Reporter
+
+if TYPE_CHECKING:
+    from ..loop.recovery import Deviation
 
 
 @dataclass
@@ -32,7 +36,7 @@ class Materialized:
     run: Run  # the replayed state's run object (its trainer, checkpointer and runtime)
     exact: bool = True  # the state is on the journal's reference line (its fingerprint is comparable)
     tolerant_steps: int = 0  # steps replayed off that line, checked within recovery.TOLERANCE
-    worst: dict | None = None  # the largest deviation from the journaled metrics among those
+    largest: Deviation | None = None  # the largest deviation from the journaled metrics among those
 
 
 def check_outputs(export: Path | None, snapshot: Path | None, fork: Path | None) -> None:
@@ -90,7 +94,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
         ledger.close()
         if run is not None:
             run.ledger = None  # closed: the replayed state outlives it (export, --snapshot, --fork)
-    return Materialized(to_step, fp, step0, run, out.exact, out.tolerant_steps, out.worst)
+    return Materialized(to_step, fp, step0, run, out.exact, out.tolerant_steps, out.largest)
 
 
 def export_hf(replayed: Materialized, out_dir: Path) -> None:
@@ -101,7 +105,7 @@ def export_hf(replayed: Materialized, out_dir: Path) -> None:
     if replayed.run.rt.tp_size > 1:  # AutoTP shards joined (state.reshard), saved under the model's own names
         from ..state.reshard import full_parameters
 
-        whole = dict(full_parameters(replayed.run.trainer.actor.engine, replayed.run.rt, replayed.run.trainer.param_layout()["actor"]))
+        whole = dict(full_parameters(replayed.run.trainer.actor.engine, replayed.run.rt, replayed.run.trainer.actor.full_shapes))
         if replayed.run.rt.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             module.save_pretrained(str(out_dir), state_dict=whole, safe_serialization=True)
@@ -134,20 +138,20 @@ def write_snapshot(replayed: Materialized, out_dir: Path) -> None:
 
 def replay_report(replayed: Materialized) -> str:
     return json.dumps({"step": replayed.step, "fingerprint": replayed.fingerprint, "from_snapshot": replayed.from_snapshot,
-                       "exact": replayed.exact, "tolerant_steps": replayed.tolerant_steps, "max_deviation": replayed.worst})
+                       "exact": replayed.exact, "tolerant_steps": replayed.tolerant_steps, "max_deviation": asdict(replayed.largest) if replayed.largest else None})
 
 
 def exactness_line(replayed: Materialized) -> str | None:
     """What a replay that crossed a topology change can promise, in one line (None: bit for bit)."""
     if replayed.exact and not replayed.tolerant_steps:
         return None
-    from ..loop.recovery import TOLERANCE
+    from ..loop.recovery import ATOL, RTOL
 
     if not replayed.tolerant_steps:
         return ("resharded from a snapshot of another topology (the weights equal the snapshot's); the fingerprint "
                 "hashes this topology's layout, so it differs from the journal's")
-    w = replayed.worst
-    worst = f" (largest deviation {w['deviation']:.3g}, {w['metric']} at step {w['step']})" if w else ""
+    w = replayed.largest
+    worst = f" (largest deviation {w.deviation:.3g}, {w.metric} at step {w.step})" if w else ""
     then = ("; exact again from the topology boundary on" if replayed.exact else "")
     return (f"{replayed.tolerant_steps} step(s) replayed on another topology than the journal's: bits differ, every journaled "
-            f"metric agreed within rtol {TOLERANCE['rtol']}, atol {TOLERANCE['atol']}{worst}{then}")
+            f"metric agreed within rtol {RTOL}, atol {ATOL}{worst}{then}")

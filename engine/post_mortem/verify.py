@@ -18,7 +18,7 @@ from verlj.journal import JournalError, NotAJournalError, segments, unpackb, ver
 
 from ..errors import ConfigError, RunError
 from ..loop import archive
-from ..loop.ledger import Ledger, journal_dir, journal_exists, lost_journal
+from ..loop.ledger import Ledger, SnapshotEntry, journal_dir, journal_exists, lost_journal
 from ..loop.recovery import damaged_journal_advice
 from ..loop.snapshot_store import ADOPT, UNINDEX, Leftover, SnapshotStore
 from ..schema.events import StepEvents
@@ -80,13 +80,14 @@ def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: boo
         rep.lines += [f"✗ {p}" for p in res.problems]
         rep.lines.append("→ Checkpoint is damaged; resume will skip it.")
         return rep, res.bytes_hashed
-    meta = res.meta
+    meta = res.snapshot
+    assert meta is not None  # a snapshot whose meta.json does not parse is not valid
     model_tensors = optim_tensors = 0
     refused_here = False
     from ..state.safe_load import tensor_counts
 
     try:
-        engines = meta["engines"]
+        engines = meta.engines
         for engine in engines:
             for f in sorted((path / engine).glob("*.pt")):
                 n_model, n_optim = tensor_counts(f)
@@ -99,7 +100,7 @@ def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: boo
 
         refused_here = True
         rep.lines.append(f"⚠ {f.relative_to(path)}: every checksum verifies, but this Python ({platform.python_version()}) "
-                         f"refuses a form in it ({load_error(e)}); written by Python {meta.get('python', '(not recorded)')}")
+                         f"refuses a form in it ({load_error(e)}); written by Python {meta.python or '(not recorded)'}")
     else:
         rep.lines.append(f"✓ Model state dict loaded successfully ({model_tensors} tensors, {', '.join(engines)})")
         rep.lines.append(f"✓ Optimizer state loaded ({optim_tensors} tensors)")
@@ -119,7 +120,7 @@ def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: boo
         if want is None:
             rep.lines.append(f"✗ step {res.step} is not in the journal")
             rep.valid = False
-        elif want != (fingerprint := meta["fingerprint"]):
+        elif want != (fingerprint := meta.fingerprint or ""):
             rep.lines.append(f"✗ fingerprint {fingerprint[:16]}… differs from the journal's {want[:16]}… for step {res.step}")
             rep.valid = False
         else:
@@ -139,7 +140,7 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
     run_dir = path.parent if single else path
     report = RunReport(str(path))
     fps: dict[int, str] | None = None
-    index: dict[int, dict] | None = None  # None: the index cannot be read
+    index: dict[int, SnapshotEntry] | None = None  # None: the index cannot be read
     ledger = None
     if journal_exists(run_dir):
         try:
@@ -148,7 +149,7 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
             report.last_step = ledger.last_step()
             report.last_good_step = jr.last_good_step
             try:
-                index = ledger.snapshots()
+                index = ledger.snapshot_index()
                 report.quarantined = ledger.quarantined()
                 report.missing = ledger.missing()
             except JournalError:
@@ -247,7 +248,7 @@ def _verify_retention(report: RunReport, run_dir: Path, ledger: Ledger, jr) -> N
         report.journal_lines.append(f"✓ Retention: the samples of {jr.pruned} steps through step {jr.pruned_through} were pruned "
                                     "(journal.retain_samples); their records, summaries and place in the hash chain remain and were verified")
     try:
-        entries = ledger.archive_index()
+        entries = ledger.archive_entries()
     except JournalError as e:
         report.archive_ok = False
         report.journal_lines.append(f"✗ rollout archive index: {e}")
@@ -260,9 +261,9 @@ def _verify_retention(report: RunReport, run_dir: Path, ledger: Ledger, jr) -> N
         report.archive_ok = False
         report.journal_lines.append(f"✗ {p}")
     if not problems:
-        rows, size = sum(e["rows"] for e in entries), sum(e["bytes"] for e in entries)
-        report.journal_lines.append(f"✓ Rollout archive: {len(entries)} files in {archive.ARCHIVE_DIR}/ (steps {entries[0]['first']}–"
-                                    f"{entries[-1]['last']}, {rows} samples, {size / 2**20:.1f} MiB), digests verified")
+        rows, size = sum(e.rows for e in entries), sum(e.bytes for e in entries)
+        report.journal_lines.append(f"✓ Rollout archive: {len(entries)} files in {archive.ARCHIVE_DIR}/ (steps {entries[0].first}–"
+                                    f"{entries[-1].last}, {rows} samples, {size / 2**20:.1f} MiB), digests verified")
 
 
 def _verify_accounting(report: RunReport, ledger: Ledger) -> None:
@@ -359,9 +360,9 @@ def _verify_all(report: RunReport, run_dir: Path, index: dict | None, fps, ledge
             report.replay = [1, report.last_good_step]
 
 
-def _indexed(info: dict) -> tuple[str, str | None]:
-    """A snapshot index entry (Ledger.snapshots): the snapshot's directory name, and its manifest's digest as recorded."""
-    return info["path"], info.get("manifest")
+def _indexed(info: SnapshotEntry) -> tuple[str, str | None]:
+    """A snapshot index entry: the snapshot's directory name, and its manifest's digest as recorded."""
+    return info.path, info.manifest
 
 
 def _rotated_away(ledger: Ledger, step: int, path: Path) -> bool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
+from typing import Any
+
 import numpy as np
 
 from ..state.stateful import check_version
@@ -72,13 +75,31 @@ class RolloutBuffer:
 
     def state_dict(self) -> dict:
         steps = sorted(self.plans)
-        return {"version": self.VERSION, "next_id": self.next_id, "samples": pack(list(self.samples.values())),
-                "plan_steps": steps, "plans": [self.plans[s] for s in steps],
-                "request_groups": np.asarray(list(self.requests), np.int64), "request_rows": np.asarray(list(self.requests.values()), np.int64)}
+        return vars_of(BufferState(self.VERSION, self.next_id, pack(list(self.samples.values())), steps, [self.plans[s] for s in steps],
+                                  np.asarray(list(self.requests), np.int64), np.asarray(list(self.requests.values()), np.int64)))
 
     def load_state_dict(self, state: dict) -> None:
-        state = check_version("rollout buffer", state, self.VERSION, oldest=1)
-        self.samples = {s.id: s for s in unpack(state["samples"])}
-        self.next_id = int(state["next_id"])
-        self.plans = {int(s): np.asarray(ids, dtype=np.int64) for s, ids in zip(state.get("plan_steps", []), state.get("plans", []))}
-        self.requests = {int(g): int(r) for g, r in zip(state.get("request_groups", []), state.get("request_rows", []))}
+        saved = BufferState(**check_version("rollout buffer", state, self.VERSION, oldest=1))
+        self.samples = {s.id: s for s in unpack(saved.samples)}
+        self.next_id = int(saved.next_id)
+        self.plans = {int(s): np.asarray(ids, dtype=np.int64) for s, ids in zip(saved.plan_steps, saved.plans)}
+        self.requests = {int(g): int(r) for g, r in zip(saved.request_groups, saved.request_rows)}
+
+
+def vars_of(state) -> dict:
+    """A dataclass's fields as a map, in their order, the values themselves (not copied, as asdict would)."""
+    return {f.name: getattr(state, f.name) for f in fields(state)}
+
+
+@dataclass(frozen=True)
+class BufferState:
+    """The buffer's part of a snapshot (its anchor), field for field; versions before 2 lack the plans,
+    before 3 the requests."""
+
+    version: int
+    next_id: int
+    samples: dict  # the waiting samples, columnar (schema.sample.pack)
+    plan_steps: list = field(default_factory=list)
+    plans: list = field(default_factory=list)
+    request_groups: Any = ()
+    request_rows: Any = ()

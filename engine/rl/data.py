@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import blake3
@@ -60,13 +60,13 @@ class Dataset:
 def load_data(cfg: DataConfig, seed: int, render: Callable[[list[dict]], str] | None = None) -> Dataset:
     """The training and held-out prompts `cfg` names, and their identity. `render`: a chat prompt's
     messages to its text (the tokenizer's chat template); a file with chat prompts needs it."""
-    identity: dict = {"source": cfg.train_dataset}
     task_dataset = None
+    generated = None
     if cfg.train_dataset == BUILTIN_ADD:
         train = _additions(cfg.num_examples, cfg.max_operand, derive_seed(seed, 0, "dataset"))
         held = _additions(cfg.eval_size, cfg.max_operand, derive_seed(seed, 0, "dataset/eval"))
     elif tasks.is_task(cfg.train_dataset):
-        task_dataset, identity["reasoning_gym"] = tasks.generate(cfg, seed)
+        task_dataset, generated = tasks.generate(cfg, seed)
         rows = [task_dataset[i] for i in range(len(task_dataset))]
         examples = [Example(str(r["question"]), str(r["answer"]), str(r["metadata"].get("source_dataset", "")), r) for r in rows]
         train, held = examples[: cfg.reasoning_gym.size], examples[cfg.reasoning_gym.size :]
@@ -84,21 +84,48 @@ def load_data(cfg: DataConfig, seed: int, render: Callable[[list[dict]], str] | 
     digest = blake3.blake3()
     for part in (train, held):
         digest.update(msgpack.packb([[ex.prompt, ex.answer] for ex in part]))
-    identity.update(train_rows=len(train), held_out_rows=len(held), digest=digest.hexdigest()[:32])
-    return Dataset(train, held, identity, task_dataset)
+    identity = DataIdentity(cfg.train_dataset, generated, len(train), len(held), digest.hexdigest()[:32])
+    return Dataset(train, held, identity.to_dict(), task_dataset)
+
+
+@dataclass(frozen=True)
+class DataIdentity:
+    """The prompts' identity, as the run's identity records it (`dataset`): where they came from, a
+    reasoning-gym task's generation (tasks.generate: tasks, configs, weights, seed, and the package's
+    version under `reasoning_gym`), the rows, and a digest of every prompt and answer."""
+
+    source: str | None = None
+    reasoning_gym: dict | None = None
+    train_rows: int | None = None
+    held_out_rows: int | None = None
+    digest: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DataIdentity:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+    def to_dict(self) -> dict:
+        """The recorded map (its keys in the order they have always had; no reasoning_gym for a file)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if not (f.name == "reasoning_gym" and self.reasoning_gym is None)}
+
+    @property
+    def generator_version(self) -> str | None:
+        return (self.reasoning_gym or {}).get("reasoning_gym")
 
 
 def check_identity(recorded: dict | None, now: dict) -> None:
     """On resume: the prompts must be the ones the run started with (runs from before verlj recorded
     this have nothing to compare)."""
-    if not recorded or recorded.get("digest") == now.get("digest"):
+    if not recorded:
         return
-    was, is_ = recorded.get("reasoning_gym"), now.get("reasoning_gym")
+    was, is_ = DataIdentity.from_dict(recorded), DataIdentity.from_dict(now)
+    if was.digest == is_.digest:
+        return
     why = ""
-    if was and is_ and was.get("reasoning_gym") != is_.get("reasoning_gym"):
-        why = f" (reasoning-gym was {was.get('reasoning_gym')}, is {is_.get('reasoning_gym')})"
+    if was.reasoning_gym and is_.reasoning_gym and was.generator_version != is_.generator_version:
+        why = f" (reasoning-gym was {was.generator_version}, is {is_.generator_version})"
     raise DataError(
-        f"data.train_dataset: the prompts of {now.get('source')} differ from the ones this run started with{why}; "
+        f"data.train_dataset: the prompts of {is_.source} differ from the ones this run started with{why}; "
         "restore them, or start a new run"
     )
 
@@ -234,11 +261,21 @@ class Sampler:
         self._perm = self._permutation(self.epoch)
 
     def load_state_dict(self, state: dict) -> None:
-        state = check_version("sampler", state, self.VERSION)
-        if state["size"] != self.size or state["seed"] != self.seed:
+        saved = SamplerState(**check_version("sampler", state, self.VERSION))
+        if saved.size != self.size or saved.seed != self.seed:
             raise DataError(
                 f"the dataset has {self.size} rows (seed {self.seed}) but the saved sampler was over "
-                f"{state['size']} rows (seed {state['seed']}); resume with the same dataset"
+                f"{saved.size} rows (seed {saved.seed}); resume with the same dataset"
             )
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._perm = self._permutation(self.epoch)
+        self.move_to(saved.epoch, saved.cursor)
+
+
+@dataclass(frozen=True)
+class SamplerState:
+    """The sampler's part of a snapshot (its anchor), field for field."""
+
+    version: int
+    size: int
+    seed: int
+    epoch: int
+    cursor: int

@@ -125,24 +125,25 @@ def safe_step(env, action: str, timeout_s: float) -> StepResult | EnvFault:
 def _call(fn: Callable[[], object], timeout_s: float):
     """fn() in a worker thread, waiting `timeout_s` for it. A call that does not return in time is
     abandoned: its thread (a daemon) runs on, or hangs, on its own, and the env must not be used again."""
-    box: dict = {}
+    value: list = []  # what fn returned, once it has
+    error: list[BaseException] = []
 
     def run():
         try:
-            box["value"] = fn()
+            value.append(fn())
         except BaseException as e:  # noqa: BLE001 - the env's own code: reported, never raised here
-            box["error"] = e
+            error.append(e)
 
     thread = threading.Thread(target=run, name="verlj-env", daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
         return EnvFault(f"no answer in {float(timeout_s)} s")
-    if "error" in box:
-        e = box["error"]
+    if error:
+        e = error[0]
         text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         return EnvFault(f"raised {type(e).__name__}: {text}" if text else f"raised {type(e).__name__}")
-    return box["value"]
+    return value[0]
 
 
 def _a(value) -> str:

@@ -245,10 +245,11 @@ class Trainer:
         reasoning-gym task's generated ones and its version) and the frozen reward model's files."""
         return {"reward_model_digest": self.rm_digest, "dataset": self.data.identity}
 
-    def check_identity(self, recorded: dict) -> None:
-        """On resume: the prompts and the frozen reward model must be the ones the run started with."""
-        check_identity(recorded.get("dataset"), self.data.identity)
-        want = recorded.get("reward_model_digest")
+    def check_identity(self, recorded) -> None:
+        """On resume: the prompts and the frozen reward model must be the ones the run started with.
+        `recorded`: what the run's identity says was loaded (loop.ledger.Loaded: dataset, reward_model_digest)."""
+        check_identity(recorded.dataset, self.data.identity)
+        want = recorded.reward_model_digest
         if want is not None and want != self.rm_digest:
             raise ModelError(
                 f"model.reward_model.model_name_or_path: the files in {self.cfg.model.reward_model.model_name_or_path} differ "
@@ -557,7 +558,8 @@ class Trainer:
         named = self.reward_fn_named()
         rule, rm = [0.0] * len(rows), None
         if named or self.rm is not None:
-            rule, rm = self._rewards(rows, [f["prompt_ids"] for f in fields], [f["response_ids"] for f in fields],
+            rule, rm = self._rewards(rows, [ep.prompt_ids for ep in eps.episodes[: len(rows)]],
+                                     [np.asarray(ep.response, np.int64) for ep in eps.episodes[: len(rows)]],
                                      scored=[ep.last_action for ep in eps.episodes])
         rm = rm or [0.0] * len(rows)
         w = self.cfg.model.reward_model.weight
@@ -991,8 +993,17 @@ class TrainState:
         return {"version": self.VERSION, "step": self.step, "samples_seen": self.samples_seen}
 
     def load_state_dict(self, state: dict) -> None:
-        state = check_version("train", state, self.VERSION)
-        self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
+        saved = TrainStateRecord(**check_version("train", state, self.VERSION))
+        self.step, self.samples_seen = int(saved.step), int(saved.samples_seen)
+
+
+@dataclass(frozen=True)
+class TrainStateRecord:
+    """TrainState's part of a snapshot (its anchor), field for field."""
+
+    version: int
+    step: int
+    samples_seen: int
 
 
 def _zero_variance(samples: list[Sample], group_size: int) -> list[int]:

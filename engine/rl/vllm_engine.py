@@ -154,12 +154,12 @@ def _reload(worker, weights: list[tuple[str, torch.Tensor]]) -> tuple[list[str],
     """Runs inside vLLM's worker: reload every weight in place; returns (the model's parameters the
     push did not reach, how many the model's loader took)."""
     model = worker.model_runner.get_model()
-    taken: dict[str, set] = {}
+    taken: set[str] = set()  # the names the model's loader took
     load = model.load_weights
 
     def spy(it):
-        taken["names"] = set(load(it) or ())
-        return taken["names"]
+        taken.update(load(it) or ())
+        return set(taken)
 
     model.load_weights = spy
     try:
@@ -167,7 +167,7 @@ def _reload(worker, weights: list[tuple[str, torch.Tensor]]) -> tuple[list[str],
     finally:
         del model.load_weights
     want = {n for n, _ in model.named_parameters()}
-    return sorted(want - taken.get("names", set())), len(taken.get("names", ()))
+    return sorted(want - taken), len(taken)
 
 
 def samples_of(outputs) -> tuple[list[np.ndarray], list[np.ndarray]]:
