@@ -38,7 +38,7 @@ def test_every_step_journals_its_stages(journaled):
 def test_rerun_reproduces_and_exits_0(journaled):
     # the call `verlj rerun RUN --steps 3:4 --json` makes, in this process: it prints the report as JSON,
     # and exits 0 when it says every step reproduced
-    report = json.loads(json.dumps(rerun(journaled, 3, 4)))
+    report = json.loads(json.dumps(rerun(journaled, 3, 4).to_dict()))
     assert report["reproduced"]
     assert report["from_snapshot"] == 2 and [v["verdict"] for v in report["verdicts"]] == ["reproduced", "reproduced"]
     bad = verlj("rerun", journaled, "--steps", "4:9")

@@ -107,7 +107,7 @@ def test_a_whatif_says_so_and_is_never_forked(parent):
     # a real run: verify, replay and rerun take it (exit 0); the latter two by the calls the commands make, in this process
     assert cli("verify", new).returncode == 0
     replay_here(new, 3)
-    assert rerun(new, 3, 3)["reproduced"]  # `verlj rerun` exits 0 on this
+    assert rerun(new, 3, 3).to_dict()["reproduced"]  # `verlj rerun` exits 0 on this
     for args in (("replay", new, "--to-step", "3", "--fork", parent / "fork"), ("whatif", new, "--from-step", "2", "-o", parent / "fork")):
         refused = verlj(*args)
         assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
