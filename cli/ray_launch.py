@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -76,12 +77,11 @@ class RankActor:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def train(self, env: dict, kwargs: dict) -> int:
-        """`verlj train` as this rank: its exit status."""
+    def train(self, env: dict, kwargs: dict, train: Callable[..., None]) -> int:
+        """`verlj train` as this rank: its exit status. `train`: the command's function (cli.train_cmd.train,
+        handed down by the command that launched, so this module does not import it back)."""
         os.environ.update(env)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # Ray blocks it in its workers: a passed-on Ctrl-C stops the rank as it stops a process
-        from .train_cmd import train
-
         try:
             train(**kwargs)
             code = 0
@@ -119,9 +119,9 @@ def _gone(pid: int, timeout: float) -> bool:
 
 
 def launch(output_dir: Path, config: Path | None, overrides: list[str], resume: bool, allow_config_change: bool,
-           nproc: int, restarts: int) -> int:
-    """Train on `nproc` ranks placed by Ray, restarting them with --resume at most `restarts` times.
-    Returns the exit status to end with."""
+           nproc: int, restarts: int, train: Callable[..., None]) -> int:
+    """Train on `nproc` ranks placed by Ray, restarting them with --resume at most `restarts` times;
+    each rank calls `train` (the `verlj train` command's function). Returns the exit status to end with."""
     from verlj.engine.config import launch_asked
 
     placement, address = guarded(lambda: launch_asked(config, overrides))
@@ -150,17 +150,17 @@ def launch(output_dir: Path, config: Path | None, overrides: list[str], resume: 
         raise fail(f"--launcher ray could not start or join {where}: {type(e).__name__}: "
                    f"{str(e).splitlines()[0] if str(e) else ''}") from None
     try:
-        return _run(ray, output_dir, config, overrides, resume, allow_config_change, nproc, restarts, placement)
+        return _run(ray, output_dir, config, overrides, resume, allow_config_change, nproc, restarts, placement, train)
     finally:
         time.sleep(LOG_FLUSH_S)
         ray.shutdown()  # a local cluster stops; a cluster joined is left
 
 
-def _run(ray, output_dir, config, overrides, resume, allow_config_change, nproc, restarts, placement) -> int:
+def _run(ray, output_dir, config, overrides, resume, allow_config_change, nproc, restarts, placement, train) -> int:
     bundle = {"CPU": 1.0, **({"GPU": 1.0} if ray.cluster_resources().get("GPU", 0) >= 1 else {})}
     env = {k: v for k, v in os.environ.items() if k.startswith(PASS_ENV)}
     env[SUPERVISED] = "1"  # a rank trains, never supervises (trainer.max_restarts is this process's)
-    attempt = Attempt(ray, nproc, bundle, placement.upper(), env)
+    attempt = Attempt(ray, nproc, bundle, placement.upper(), env, train)
     stopping = False
 
     def pass_on(signum, _frame) -> None:
@@ -184,8 +184,8 @@ def _run(ray, output_dir, config, overrides, resume, allow_config_change, nproc,
 class Attempt:
     """The ranks of one attempt: a placement group, an actor per bundle, `verlj train` in each."""
 
-    def __init__(self, ray, n: int, bundle: dict, strategy: str, env: dict):
-        self.ray, self.n, self.bundle, self.strategy, self.env = ray, n, bundle, strategy, env
+    def __init__(self, ray, n: int, bundle: dict, strategy: str, env: dict, train: Callable[..., None]):
+        self.ray, self.n, self.bundle, self.strategy, self.env, self.train = ray, n, bundle, strategy, env, train
         self.where: list[dict] = []
         self.stopped = False
 
@@ -234,7 +234,7 @@ class Attempt:
                 local = 0 if self.where[r]["gpus"] else sum(w["node"] == self.where[r]["node"] for w in self.where[:r])
                 rank_env = {"RANK": str(r), "WORLD_SIZE": str(self.n), "LOCAL_RANK": str(local),
                             "MASTER_ADDR": self.where[0]["ip"], "MASTER_PORT": str(port)}
-                refs[a.train.remote(rank_env, kwargs)] = r
+                refs[a.train.remote(rank_env, kwargs, self.train)] = r
             codes: dict[int, int] = {}
             grace: float | None = None
             while refs and (grace is None or time.monotonic() < grace):

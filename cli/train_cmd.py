@@ -57,7 +57,7 @@ def train(
             raise fail("--launcher ray starts the ranks itself: run it without torchrun", EXIT_USAGE)
         from .ray_launch import launch
 
-        raise typer.Exit(launch(output_dir, config, overrides, resume, allow_config_change, nproc or 1, restarts))
+        raise typer.Exit(launch(output_dir, config, overrides, resume, allow_config_change, nproc or 1, restarts, train))
     if restarts and os.environ.get(SUPERVISED) != "1":
         if not under_launcher():
             argv = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(output_dir), *(["--config", str(config)] if config else []),

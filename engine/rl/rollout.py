@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ..config import Config
-from .sampler import SamplerEngine, sample_seeded, sampling_params
+from .sampler import AskedGroup, SamplerEngine, sample_seeded, sampling_params, step_order_only
 
 if TYPE_CHECKING:
     from ..dist import Runtime
@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 # ticket for them (engines that generate beside the trainer). Only the engine that made one reads it.
 Handle = Any
 
-# (group id, prompt token ids, one seed per sample): one group `ask` queues in completion order
-AskedGroup = tuple[int, np.ndarray, list[int]]
 
 
 class RolloutEngine(Protocol):
@@ -86,12 +84,6 @@ class RolloutEngine(Protocol):
     def close(self, at_once: bool = False) -> None:
         """Release what the engine holds (memory, threads), keeping the trainer's process group.
         `at_once`: the user asked to stop now (a second Ctrl-C): wait for no work in flight."""
-
-
-def step_order_only(engine: str) -> AssertionError:
-    """What an engine that generates only in step order raises when asked for completion order."""
-    return AssertionError(f"rollout.engine={engine} in rollout.mode=sync generates in step order only: "
-                          "rollout.async_order=completion needs rollout.mode=async (config.validate refuses the rest)")
 
 
 class HFEngine(SamplerEngine):

@@ -16,6 +16,16 @@ from ..config import Config
 from ..state.seeding import generator
 from .models import forward_with_cache
 
+# (group id, prompt token ids, one seed per sample): one group a rollout engine's `ask` queues in
+# completion order (rl.rollout.RolloutEngine)
+AskedGroup = tuple[int, np.ndarray, list[int]]
+
+
+def step_order_only(engine: str) -> AssertionError:
+    """What an engine that generates only in step order raises when asked for completion order."""
+    return AssertionError(f"rollout.engine={engine} in rollout.mode=sync generates in step order only: "
+                          "rollout.async_order=completion needs rollout.mode=async (config.validate refuses the rest)")
+
 
 class SamplerEngine:
     """What the engines that run verlj's sampler share: their name in the journal and version."""

@@ -39,8 +39,7 @@ from verlj.journal.claim import process_start
 
 from ..config import Config, ConfigError
 from .models import BUILTIN_TINY
-from .rollout import AskedGroup, step_order_only
-from .sampler import sampling_params
+from .sampler import AskedGroup, sampling_params, step_order_only
 
 # vLLM's CPU attention backend (0.32) takes these head sizes only (CPUAttentionBackend; checked by
 # tests/integration/test_vllm.py against the installed vLLM).
