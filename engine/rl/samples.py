@@ -11,6 +11,7 @@ from ..schema.table import (
     FATE,
     PARQUET_OPTIONS,
     TABLE_NAMES,
+    TEXT,
     arrow_schema,
     num_rows,
     require_pyarrow,
@@ -20,7 +21,7 @@ from ..schema.table import (
     to_arrow,
 )
 
-__all__ = ["COLUMNS", "FATE", "FIELDS", "PAD", "PARQUET_OPTIONS", "SCALARS", "SEQUENCES", "TABLE_NAMES", "UNKNOWN_VERSION", "Columns",
+__all__ = ["COLUMNS", "FATE", "FIELDS", "PAD", "PARQUET_OPTIONS", "SCALARS", "SEQUENCES", "TABLE_NAMES", "TEXT", "UNKNOWN_VERSION", "Columns",
            "EnvEnd", "Sample", "arrow_schema", "num_rows", "pack", "require_pyarrow", "rows", "step_columns", "table_columns", "to_arrow", "unpack"]
 
 

@@ -129,6 +129,13 @@ class Sample:
             at += a + o
         return out
 
+    def __getitem__(self, name: str):
+        """A field by name: `sample["score"]`, for user code written when samples were dicts (a probe's
+        batch, a reward function's extra info). verlj's own code reads attributes."""
+        if name not in FIELDS and name not in EPISODE_FIELDS and name != "env_reason":
+            raise KeyError(name)
+        return getattr(self, name)
+
     def same_as(self, other: Sample) -> bool:
         """Every field equal, bit for bit (NaN equals NaN, -0.0 differs from 0.0), at its journaled dtype."""
         for name, dt in FIELDS.items():

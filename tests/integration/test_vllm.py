@@ -60,9 +60,11 @@ def _hf_greedy(module, prompt, n):
 
 
 def _actor_logprobs(tr, prompts, responses):
+    from verlj.engine.rl.samples import Sample
     from verlj.engine.rl.workers import collate
 
-    samples = [{"prompt_ids": p, "response_ids": r} for p, r in zip(prompts, responses)]
+    samples = [Sample(index=0, prompt_ids=np.asarray(p), response_ids=np.asarray(r), gen_logprobs=np.zeros(len(r), np.float32))
+               for p, r in zip(prompts, responses)]
     batch = collate(samples, tr.tokenizer.pad_token_id, tr.rt.device)
     lp = tr.actor.logprobs(batch).cpu().numpy()
     return [lp[i, : len(r)] for i, r in enumerate(responses)]
