@@ -348,10 +348,9 @@ class RolloutConfig:
             return
         if not (self.env.startswith("builtin:") or ":" in self.env.strip(":")):
             raise ConfigError(f"rollout.env must be null, builtin:NAME or module:Class, got {self.env!r}")
-        if self.mode == "async" and (self.async_order == "completion" or self.fleet == "ray"):
-            where = "rollout.async_order=completion" if self.async_order == "completion" else "rollout.fleet=ray"
-            raise ConfigError(f"rollout.env: {where} does not run episodes yet; use rollout.mode=sync or rollout.async_order=step "
-                              "(with rollout.fleet=none), or remove rollout.env")
+        if self.mode == "async" and self.fleet == "ray":
+            raise ConfigError("rollout.env: rollout.fleet=ray does not run episodes yet; use rollout.fleet=none (the generator "
+                              "beside each rank: sync, or async in either order), or remove rollout.env")
 
     @property
     def staleness(self) -> int:

@@ -80,6 +80,7 @@ DB_STEPS = b"steps"
 DB_META = b"meta"
 DB_SNAPSHOTS = b"snapshots"
 DB_SUMMARY = b"summary"
+DB_PENDING = b"pending"
 
 DEFAULT_MAP_SIZE = 256 << 20
 READ_CHUNK = 64  # records per read transaction when streaming
@@ -343,6 +344,7 @@ class Journal:
         self._meta = env.open_db(DB_META, create=writable)
         self._snaps = env.open_db(DB_SNAPSHOTS, create=writable)
         self._summary = env.open_db(DB_SUMMARY, create=writable)
+        self._pending = self._open_optional(DB_PENDING)
         self._commit_hooks: list = []  # fn(step | None) after each committed write (segments.Shipper)
         self._close_hooks: list = []
         self.shipper = None  # a segments.Shipper when the journal is shipped to a run directory
@@ -350,6 +352,14 @@ class Journal:
         self.shipped_problem: str | None = None  # set by segments.open_reader: damage found in the segments
         self.compression_level = DEFAULT_COMPRESSION_LEVEL  # zstd level of step payloads written from now on
         self._shape_table: codec.Shapes | None = None  # loaded from meta SHAPES on first use
+
+    def _open_optional(self, name: bytes):
+        """A sub-database newer than some journals: created by a writer, None for a reader of a journal
+        that never had it."""
+        try:
+            return self._env.open_db(name, create=self.writable)
+        except lmdb.NotFoundError:
+            return None
 
     # ------------------------------------------------------------------ opening
 
@@ -674,6 +684,33 @@ class Journal:
         self._write(lambda txn: txn.delete(step_key(step), db=self._snaps))
         self._committed(None)
 
+    def put_pending(self, values: dict[bytes, Any], drop=()) -> None:
+        """Write pending entries (replacing any under the same keys) and delete those under `drop`, in
+        one transaction: durable when this returns. Outside the step chain (see the module's doc)."""
+        frames = {k: frame_plain(codec.packb(v)) for k, v in values.items()}
+
+        def txn_fn(txn):
+            for k in drop:
+                txn.delete(k, db=self._pending)
+            for k, f in frames.items():
+                txn.put(k, f, db=self._pending)
+
+        self._write(txn_fn)
+
+    def pending(self) -> dict[bytes, Any]:
+        """Every pending entry, by key (empty for a journal without the sub-database). An entry that fails
+        its checksum is left out: what it held is made again, as if it had never been written."""
+        if self._pending is None:
+            return {}
+        out = {}
+        with self._read() as txn:
+            for k, v in txn.cursor(self._pending):
+                try:
+                    out[bytes(k)] = unframe_plain(v, "a pending entry")
+                except (JournalError, CodecError):
+                    continue
+        return out
+
     def make_durable(self) -> None:
         """Return once every write so far is in the copy a recovery would read: at once for a journal in
         the run directory (each commit is fsynced), after the shipper has shipped it and sealed it with
@@ -836,4 +873,5 @@ class Journal:
         return self._env
 
     def dbs(self) -> dict[str, Any]:
-        return {"steps": self._steps, "meta": self._meta, "snapshots": self._snaps, "summary": self._summary}
+        dbs = {"steps": self._steps, "meta": self._meta, "snapshots": self._snaps, "summary": self._summary}
+        return dbs if self._pending is None else {**dbs, "pending": self._pending}

@@ -53,3 +53,27 @@ class Faulty(Digits):
             time.sleep(3)
         out = super().step(action)
         return StepResult(out.observation, out.reward, False) if self.turns < 3 else out
+
+
+LOG = "VERLJ_TEST_ENV_LOG"
+
+
+class Logged(Digits):
+    """Digits that appends every call it gets to the file $VERLJ_TEST_ENV_LOG (one JSON line: the
+    process, the call, the env's seed, the action): what the crash tests count."""
+
+    def _log(self, call: str, action: str = "") -> None:
+        import json
+
+        with open(os.environ[LOG], "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "call": call, "seed": self.seed, "action": action}) + "\n")
+
+    def reset(self, row: dict, seed: int) -> str:
+        out = super().reset(row, seed)
+        self._log("reset")
+        return out
+
+    def step(self, action: str) -> StepResult:
+        out = super().step(action)
+        self._log("step", action)
+        return out

@@ -44,6 +44,7 @@ from verlj.journal.claim import being_written, live_holder
 from ..config import config_from_dict, stored_config
 from ..errors import RunError
 from ..schema.events import ControlKind
+from ..schema.sample import GroupInFlight
 
 # meta keys, named here only
 _CONFIG, _HISTORY, _LINEAGE, _QUARANTINE = "config", "config_history", "lineage", "quarantined"
@@ -555,6 +556,13 @@ class History:
                 "topology_start": self.topology_start, "topology_changes": [e.to_dict() for e in self.topology_changes]}
 
 
+_GROUP_PREFIX = b"episodes/"
+
+
+def _group_key(group: int) -> bytes:
+    return _GROUP_PREFIX + group.to_bytes(8, "big")
+
+
 class Ledger:
     """A run's history, over an open journal (reader or writer)."""
 
@@ -766,6 +774,27 @@ class Ledger:
         self.journal.set_meta(_MISSING, [*self.missing(), {**entry, "time": now_iso()}])
 
     # ------------------------------------------------------------------ retention
+
+    # ------------------------------------------------------------------ episodes in flight (pending)
+
+    def keep_in_flight(self, groups: list[GroupInFlight], settled) -> None:
+        """Make these groups' episodes durable as they stand (one transaction, replacing each group's
+        entry), and forget the groups in `settled` (their samples are in a committed step)."""
+        self.fence()
+        self.journal.put_pending({_group_key(g.group): g.to_dict() for g in groups}, [_group_key(int(g)) for g in settled])
+
+    def in_flight(self) -> dict[int, GroupInFlight]:
+        """The groups of episodes made durable and not yet forgotten, by group id (a resume keeps those
+        still asked)."""
+        out = {}
+        for key, value in self.journal.pending().items():
+            if key.startswith(_GROUP_PREFIX):
+                try:
+                    g = GroupInFlight.from_dict(value)
+                except (KeyError, TypeError, ValueError):
+                    continue  # not ours to read: as if never written, its group is asked again from its start
+                out[g.group] = g
+        return out
 
     def pruned_through(self) -> int:
         """The last step whose samples retention removed from the journal (0: none)."""

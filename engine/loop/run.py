@@ -32,6 +32,7 @@ from ..config import ONE_OFF_KEYS, Config, check_change, config_from_dict, diff_
 from ..errors import ConfigError, RunError
 from ..report import Reporter
 from ..schema.events import Control, ControlKind
+from ..schema.sample import GroupInFlight
 from . import whatif
 from .context import Run
 from .ledger import (
@@ -315,6 +316,7 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
     cfg, rt, trainer, ckpt, ledger, reporter = run.cfg, run.rt, run.trainer, run.ckpt, run.ledger, run.reporter
     stop = stop or StopFlag()
     source = source or trainer
+    trainer.in_flight_log = InFlightEpisodes(run)
     if rt.is_main:
         (run.run_dir / "config.yaml").write_text(to_yaml(cfg, stored=True))
     reporter.start(last + 1)
@@ -364,6 +366,21 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
     if rt.is_main:
         ckpt.write_metadata(step)
     return step
+
+
+class InFlightEpisodes:
+    """rl.episodes.InFlightLog over the run's ledger: completion order's groups of episodes made durable
+    between commits (rank 0 writes and reads; every rank waits for it)."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def keep(self, groups: list[GroupInFlight], settled: list[int]) -> None:
+        self.run.rt.from_rank0(lambda: self.run.main_ledger().keep_in_flight(groups, settled), "making episodes' turns durable")
+
+    def read(self) -> dict[int, GroupInFlight]:
+        got = self.run.rt.from_rank0(lambda: [g.to_dict() for g in self.run.main_ledger().in_flight().values()], "reading the episodes in flight")
+        return {g.group: g for g in map(GroupInFlight.from_dict, got)}
 
 
 def fork_config(old: dict, overrides: list[str], new_run: Path) -> tuple[Config, list[str]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -76,6 +76,8 @@ class Accounting:
     arrived: int
     in_flight: int
     waiting: int
+    in_flight_groups: list[int] = field(default_factory=list)  # their ids
+    all_asked: set[int] = field(default_factory=set)
 
 
 def group_accounting(ledger) -> Accounting | None:
@@ -123,7 +125,8 @@ def group_accounting(ledger) -> Accounting | None:
     if not starts:
         return None
     return Accounting(rows, regenerated, trained, dropped, twice, unasked, fate_twice, unarrived, asked=len(starts),
-                      arrived=len(arrived), in_flight=len(set(starts) - arrived), waiting=len(samples - fated))
+                      arrived=len(arrived), in_flight=len(set(starts) - arrived), waiting=len(samples - fated),
+                      in_flight_groups=sorted(set(starts) - arrived), all_asked=set(starts))
 
 
 def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[str]) -> Iterator[tuple[int, dict]]:

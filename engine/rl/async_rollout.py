@@ -47,7 +47,7 @@ from verlj.journal.failpoints import failpoint
 from ..config import Config
 from ..errors import RunError
 from ..state.reshard import full_parameters
-from .sampler import SamplerEngine, sampling_params
+from .sampler import AskedGroup, SamplerEngine, sampling_params
 
 POLL_S = 0.5  # how often a wait checks that the other side is alive
 START_TIMEOUT_S = 600.0
@@ -144,13 +144,14 @@ class GeneratorProcess(SamplerEngine):
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
         return self.result(self.submit(prompts, seeds, cfg))
 
-    def ask(self, groups: list[tuple[int, np.ndarray, list[int]]], cfg: Config, batch_groups: int) -> None:
-        """Completion order: queue groups (group id, prompt, one seed per sample); they come back from
-        `arrived`, in the order the process completes them. It generates up to `batch_groups` queued
-        groups together, as one batch from one version."""
+    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int) -> None:
+        """Completion order: queue groups (group id, prompt, one seed per sample; the prompt may be a list
+        of one prompt per seed: an episode's turn); they come back from `arrived`, in the order the
+        process completes them. It generates up to `batch_groups` queued groups together, as one batch
+        from one version."""
         if groups:
-            self._send(("ask", [(int(g), np.asarray(p), list(seeds)) for g, p, seeds in groups], sampling_params(cfg),
-                                batch_groups))
+            self._send(("ask", [(int(g), [np.asarray(x) for x in p] if isinstance(p, list) else np.asarray(p), list(seeds))
+                                for g, p, seeds in groups], sampling_params(cfg), batch_groups))
 
     def arrived(self, wait: float) -> list[tuple]:
         """Completion order: the groups completed since the last call, as (group, responses, log-probs,
@@ -268,7 +269,7 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
                         return
                     continue
                 batch = [queue.popleft() for _ in range(min(len(queue), batch_groups))]  # from the version held now
-                prompts = [p for _, p, seeds, _ in batch for _ in seeds]
+                prompts = [x for _, p, seeds, _ in batch for x in (p if isinstance(p, list) else [p] * len(seeds))]
                 seeds = [x for _, _, seeds, _ in batch for x in seeds]
                 responses, logps = generate(prompts, seeds, batch[-1][3])
                 failpoint("generator.before_reply")

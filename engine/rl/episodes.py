@@ -14,15 +14,26 @@ turn 0's generation uses the sample's seed of a single-turn run, ``derive_seed(s
 "rollout/sample", r, q)``; turn t > 0's ``derive_seed(seed, step, "rollout/sample", r, q, t)``; the
 env's ``reset(row, seed)`` gets ``derive_seed(seed, step, "rollout/env", r, q)``. Replay never plays
 an episode: it reads the journaled turns (schema.sample) like any sample.
+
+Completion order (rollout.async_order=completion) plays each group of episodes on its own: a group's
+turn is asked of the generator (its live episodes' contexts, each with its own seed:
+``derive_seed(seed, 0, "rollout/group", g, j)`` for turn 0, as a single-turn group's sample j, then
+``derive_seed(seed, 0, "rollout/group", g, j, t)``; the env's ``derive_seed(seed, 0, "rollout/env", g, j)``),
+and when it arrives the trainer steps the envs and makes the group durable as it stands
+(:meth:`Round.state`, the journal's pending store) before it asks the next turn. After a crash, a
+group still asked resumes from its last durable turn (:meth:`Round.restored`): a fresh env per
+episode still going, reset on its row and seed, its journaled actions re-applied in order (the only
+env calls made twice, on a fresh env), and its next turn generated from its own seed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from ..schema.sample import EnvEnd
+from ..schema.sample import EnvEnd, GroupInFlight
 from .envs import EnvFactory, EnvFault, safe_reset, safe_step
 
 
@@ -124,6 +135,73 @@ class Round:
                 "turn_lens": np.asarray(ep.turn_lens, np.int64), "turn_rewards": np.asarray(ep.turn_rewards, np.float64),
                 "env_seed": ep.env_seed, "env_end": ep.end if not ep.live else int(EnvEnd.MAX_TURNS), "env_reason": ep.reason}
 
+    def state(self, group: int, versions: list[int]) -> GroupInFlight:
+        """Its episodes as they stand, every turn taken so far (what completion order makes durable);
+        `versions`: each turn's policy version."""
+        eps = self.episodes
+        return GroupInFlight(group, list(versions), [ep.prompt_ids for ep in eps], [np.asarray(ep.response, np.int64) for ep in eps],
+                             [np.asarray(ep.logprobs, np.float32) for ep in eps], [np.asarray(ep.mask, np.int8) for ep in eps],
+                             [np.asarray(ep.turn_lens, np.int64) for ep in eps], [np.asarray(ep.turn_rewards, np.float64) for ep in eps],
+                             [ep.env_seed for ep in eps], [int(ep.end) for ep in eps], [ep.reason for ep in eps])
+
+    @classmethod
+    def restored(cls, factory: EnvFactory, rows: list[dict], state: GroupInFlight, tokenizer, max_turns: int,
+                 timeout_s: float) -> tuple[Round, int]:
+        """The round as `state` left it, and the env steps re-applied to bring it back: each episode still
+        going gets a fresh env, reset on its row and seed, with its durable actions stepped in order.
+        What the env answers now is not used (it need not be deterministic): the durable observations
+        are the episode's. An env that faults on the way ends its episode (reason ``restore: ...``)."""
+        self = cls.__new__(cls)
+        self.tok, self.max_turns, self.timeout_s, self.turn = tokenizer, max_turns, timeout_s, state.turn
+        self.episodes, replayed = [], 0
+        for k, row in enumerate(rows):
+            ep = Episode(None, state.prompt_ids[k], state.env_seed[k], state.response_ids[k].tolist(), state.gen_logprobs[k].tolist(),
+                         state.loss_mask[k].tolist(), state.turn_lens[k].tolist(), state.turn_rewards[k].tolist(), state.env_end[k],
+                         state.env_reason[k])
+            actions, at = [], 0
+            for a, o in np.asarray(ep.turn_lens, np.int64).reshape(-1, 2).tolist():
+                actions.append(self.tok.decode(state.response_ids[k][at : at + a], skip_special_tokens=True))
+                at += a + o
+            ep.last_action = actions[-1] if actions else ""
+            if ep.live:
+                env = factory()
+                first = safe_reset(env, row, ep.env_seed, timeout_s)
+                if isinstance(first, EnvFault):
+                    ep.stop(EnvEnd.FAULT, f"restore: reset {first.reason}")
+                ep.env = env if ep.live else None
+                for action in actions if ep.live else []:
+                    replayed += 1
+                    got = safe_step(env, action, timeout_s)
+                    if isinstance(got, EnvFault):
+                        ep.stop(EnvEnd.FAULT, f"restore: step {got.reason}")
+                        break
+            self.episodes.append(ep)
+        return self, replayed
+
     def env_score(self, i: int) -> float:
         r = np.asarray(self.episodes[i].turn_rewards, np.float64)
         return float(np.nansum(r)) if len(r) else 0.0
+
+
+@dataclass
+class Play:
+    """Completion order: one group's episodes being played, held by the rank that asked for them."""
+
+    round: Round
+    row: int  # the dataset row of the group's prompt
+    versions: list = field(default_factory=list)  # the policy version of each turn taken
+    places: list = field(default_factory=list)  # the episodes whose turn is asked now
+
+    def state(self, group: int) -> GroupInFlight:
+        return self.round.state(group, self.versions)
+
+
+class InFlightLog(Protocol):
+    """Where completion order makes its groups of episodes durable between commits (loop.run gives the
+    trainer one over the run's journal). Both calls are collective: rank 0 reads and writes."""
+
+    def keep(self, groups: list[GroupInFlight], settled: list[int]) -> None:
+        """Make `groups` durable as they stand; forget the groups in `settled` (in a committed step)."""
+
+    def read(self) -> dict[int, GroupInFlight]:
+        """The groups made durable and not forgotten, by group id."""

@@ -48,7 +48,7 @@ from verlj.journal.failpoints import failpoint
 from ..config import Config
 from ..errors import ConfigError, RunError
 from ..state.reshard import full_parameters
-from .sampler import SamplerEngine, sampling_params
+from .sampler import AskedGroup, SamplerEngine, sampling_params
 
 START_TIMEOUT_S = 600.0
 WAIT_S = 0.2  # how often a wait checks the fleet's health
@@ -271,7 +271,7 @@ class RayFleet(SamplerEngine):
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
         return self.result(self.submit(prompts, seeds, cfg))
 
-    def ask(self, groups: list[tuple[int, np.ndarray, list[int]]], cfg: Config, batch_groups: int) -> None:
+    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int) -> None:
         """Completion order: queue groups (group id, prompt, one seed per sample); each actor generates up
         to batch_groups / M of them per call, from the version the fleet holds when the call starts."""
         if not groups:

@@ -17,8 +17,9 @@ from ..state.seeding import generator
 from .models import forward_with_cache
 
 # (group id, prompt token ids, one seed per sample): one group a rollout engine's `ask` queues in
-# completion order (rl.rollout.RolloutEngine)
-AskedGroup = tuple[int, np.ndarray, list[int]]
+# completion order (rl.rollout.RolloutEngine); the prompt may be a list of one per seed (an episode's
+# turn: each episode's context so far)
+AskedGroup = tuple[int, np.ndarray | list[np.ndarray], list[int]]
 
 
 def step_order_only(engine: str) -> AssertionError:

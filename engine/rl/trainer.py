@@ -27,6 +27,7 @@ from ..config import Config, ConfigError
 from ..dist import Runtime
 from ..errors import ModelError, ReplayError, RunError
 from ..schema import events as ev
+from ..schema.sample import GroupInFlight
 from ..state.fingerprint import fingerprint as state_fingerprint
 from ..state.fingerprint import state_leaves
 from ..state.seeding import derive_seed, rng_digest, seed_globals
@@ -38,7 +39,7 @@ from . import samples as sample_codec
 from .buffer import RolloutBuffer
 from .data import Example, Sampler, check_identity, load_data
 from .envs import load_env, row_of
-from .episodes import Round
+from .episodes import InFlightLog, Play, Round
 from .models import BUILTIN_TINY, ValueModel, load_causal_lm, load_reward_model, load_tokenizer, model_digest, render_chat
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
 from .rollout import RolloutEngine, make_engine
@@ -134,6 +135,7 @@ class Flow:
 
     asked: list = field(default_factory=list)  # (group, row) asked this step, in order
     regenerated: list = field(default_factory=list)  # groups asked again: in flight when the last process stopped
+    restored_turns: int = 0  # rollout.env: env steps re-applied to bring groups of episodes back from their last durable turn
     added: list = field(default_factory=list)  # samples arrived, in arrival order
     dropped: list = field(default_factory=list)  # ids of zero-variance groups (dynamic sampling)
     stale: list = field(default_factory=list)  # ids of waiting groups more than k versions behind
@@ -231,6 +233,14 @@ class Trainer:
         self._inflight: Production | None = None  # async: the batch generating while the update runs
         self._flow: Flow | None = None  # completion order: this step's arrivals and asks
         self._resumed_asks = False  # completion order: the groups asked and not arrived were asked again of this process's generator
+        # completion order with rollout.env (rl.episodes): the groups of episodes this rank asked for, being played;
+        # where they are made durable (set by loop.run for live training); those durable from before this process
+        # (read at its first collect); restored ones already over; groups in a committed step, to forget
+        self._plays: dict[int, Play] = {}
+        self.in_flight_log: InFlightLog | None = None
+        self._durable: dict[int, GroupInFlight] = {}
+        self._over: list[int] = []
+        self._settle: list[int] = []
         self.critic = None
         if cfg.algorithm.name == "ppo":
             path = cfg.model.critic.model_name_or_path or cfg.model.actor.model_name_or_path
@@ -619,9 +629,13 @@ class Trainer:
         asks again for every group the journal shows asked and not arrived (in flight when the last
         process stopped), from its original seeds. Collective."""
         cfg, P = self.cfg, self.cfg.data.prompts_per_step
+        if self._flow is not None and cfg.rollout.env is not None:  # its groups are in the step committed since
+            self._settle += sorted({int(s.group) for s in self._flow.added})
         self._flow = flow = Flow()
         if not self._resumed_asks:
             flow.regenerated = list(self.buffer.requests)
+            if cfg.rollout.env is not None:
+                self._durable = self._durable_groups()
             self._ask(list(self.buffer.requests.items()))
             self._resumed_asks = True
         oldest = max(0, step - 1 - cfg.rollout.staleness)
@@ -657,10 +671,99 @@ class Trainer:
         self._ask(list(zip(groups, rows.tolist())))
 
     def _ask(self, groups: list[tuple[int, int]]) -> None:
-        """Ask this rank's generator for its share of `groups` (group, row): the q-th goes to rank q mod dp."""
+        """Ask this rank's generator for its share of `groups` (group, row): the q-th goes to rank q mod dp.
+        With rollout.env, each group's episodes begin (or come back from their last durable turn) here,
+        and what is asked is their turn."""
         cfg, n, dp = self.cfg, self.cfg.rollout.n, self.rt.dp_size
+        mine = [(g, r) for q, (g, r) in enumerate(groups) if q % dp == self.rt.dp_rank]
+        if cfg.rollout.env is not None:
+            asks = [self._begin_play(g, r) for g, r in mine]
+            self.rollout.ask([a for a in asks if a is not None], cfg, max(1, cfg.data.prompts_per_step // dp))
+            return
         self.rollout.ask([(g, self.prompt_ids[r], [derive_seed(cfg.trainer.seed, 0, "rollout/group", g, j) for j in range(n)])
-                          for q, (g, r) in enumerate(groups) if q % dp == self.rt.dp_rank], cfg, max(1, cfg.data.prompts_per_step // dp))
+                          for g, r in mine], cfg, max(1, cfg.data.prompts_per_step // dp))
+
+    # ------------------------------------------------------------------ completion order: episodes (rl.episodes)
+
+    def _durable_groups(self) -> dict[int, GroupInFlight]:
+        """The groups of episodes made durable by an earlier process that are still asked, each as it stood
+        after its last turn generated from a committed version (a turn from the weights of a step that
+        never committed is made again); the rest are forgotten at the next write. Collective."""
+        if self.in_flight_log is None:
+            return {}
+        version, out = self.train_state.step, {}
+        for g, state in self.in_flight_log.read().items():
+            kept = state.before(sum(v <= version for v in state.versions)) if g in self.buffer.requests else None
+            if kept is None:
+                self._settle.append(g)
+            else:
+                out[g] = kept
+        return out
+
+    def _begin_play(self, g: int, row: int):
+        """A group's episodes begin (each env reset from its place: rl.episodes), or come back from their
+        last durable turn; returns what to ask of the generator (None: the group is over already)."""
+        cfg, n = self.cfg, self.cfg.rollout.n
+        rows = [row_of(self.dataset[int(row)])] * n
+        durable = self._durable.pop(g, None)
+        if durable is None:
+            env_seeds = [derive_seed(cfg.trainer.seed, 0, "rollout/env", g, j) for j in range(n)]
+            play = Play(Round(self._envs(), rows, env_seeds, [self.prompt_ids[row]] * n, self.tokenizer, cfg.rollout.max_turns,
+                              cfg.rollout.env_timeout_s), int(row))
+        else:
+            rnd, replayed = Round.restored(self._envs(), rows, durable, self.tokenizer, cfg.rollout.max_turns, cfg.rollout.env_timeout_s)
+            play = Play(rnd, int(row), list(durable.versions))
+            self._flow.restored_turns += replayed
+        self._plays[g] = play
+        return self._next_turn(g, play)
+
+    def _next_turn(self, g: int, play: Play):
+        """The group's next turn to ask (its live episodes' contexts, each with its own seed), or None when
+        it is over (noted in `_over`, taken in by the next `_receive`)."""
+        rnd, seed = play.round, self.cfg.trainer.seed
+        if rnd.turn > 0 and rnd.done():
+            self._over.append(g)
+            return None
+        play.places = list(range(len(rnd.episodes))) if rnd.turn == 0 else rnd.live()
+        seeds = [derive_seed(seed, 0, "rollout/group", g, j, *([rnd.turn] if rnd.turn else [])) for j in play.places]
+        return g, [rnd.episodes[j].context() for j in play.places], seeds
+
+    def _receive_turns(self, arrived: list[tuple]) -> list[Sample]:
+        """This rank's arrived turns: each group's envs stepped, every group that took a turn made
+        durable as it stands (the journal's pending store, through `in_flight_log`) before its next turn
+        is asked; the groups over scored. Returns every rank's groups over, as samples (rank order).
+        Collective."""
+        cfg, n = self.cfg, self.cfg.rollout.n
+        t = time.perf_counter()
+        took = []
+        for g, responses, logps, version in arrived:
+            play = self._plays[int(g)]
+            play.round.take(play.places, list(responses), list(logps))
+            play.versions.append(int(version))
+            took.append(int(g))
+        _add_time(self._timings, "timing_s/env", time.perf_counter() - t)
+        if took:
+            failpoint("episodes.before_durable")  # the envs have stepped; the turns are not durable
+        states = [self._plays[g].state(g).to_dict() for g in took]
+        over, self._over = [g for g in took if self._plays[g].round.done()] + self._over, []
+        t = time.perf_counter()
+        local = []
+        for g in over:
+            play = self._plays.pop(g)
+            got = self._score_episodes([play.row], n, play.round)
+            for j, smp in enumerate(got):
+                smp.id, smp.group, smp.policy_version = g + j, g, play.versions[0]
+            local += got
+        _add_time(self._timings, "timing_s/reward", time.perf_counter() - t)
+        gathered = self.rt.all_gather_obj((states, sample_codec.pack(local)))
+        kept = [GroupInFlight.from_dict(d) for st, _ in gathered for d in st]
+        if kept and self.in_flight_log is not None:
+            self.in_flight_log.keep(kept, self._settle)
+            self._settle = []
+            failpoint("episodes.after_durable")
+        asks = [self._next_turn(g, self._plays[g]) for g in took if g in self._plays]
+        self.rollout.ask([a for a in asks if a is not None], cfg, max(1, cfg.data.prompts_per_step // self.rt.dp_size))
+        return [s for _, cols in gathered for s in sample_codec.unpack(cols)]
 
     def _receive(self, wait: float) -> None:
         """Take in the groups every rank's generator sent back (rank order, then arrival order): score
@@ -668,19 +771,26 @@ class Trainer:
         rewards do not vary. Collective."""
         cfg, n = self.cfg, self.cfg.rollout.n
         t = time.perf_counter()
-        arrived = [a for got in self.rt.all_gather_obj(self.rollout.arrived(wait)) for a in got]
-        _add_time(self._timings, "timing_s/gen", time.perf_counter() - t)  # the wait the update did not cover
-        if not arrived:
-            return
-        t = time.perf_counter()
-        new = []
-        for g, responses, logps, version in arrived:
-            g, row = int(g), self.buffer.requests[int(g)]
-            got = self._score([row], n, [self.prompt_ids[row]] * n, list(responses), list(logps))
-            for j, smp in enumerate(got):
-                smp.id, smp.group, smp.policy_version = g + j, g, int(version)
-            new += got
-        _add_time(self._timings, "timing_s/reward", time.perf_counter() - t)
+        if cfg.rollout.env is not None:
+            mine = self.rollout.arrived(wait)
+            _add_time(self._timings, "timing_s/gen", time.perf_counter() - t)
+            new = self._receive_turns(mine)
+            if not new:
+                return
+        else:
+            arrived = [a for got in self.rt.all_gather_obj(self.rollout.arrived(wait)) for a in got]
+            _add_time(self._timings, "timing_s/gen", time.perf_counter() - t)  # the wait the update did not cover
+            if not arrived:
+                return
+            t = time.perf_counter()
+            new = []
+            for g, responses, logps, version in arrived:
+                g, row = int(g), self.buffer.requests[int(g)]
+                got = self._score([row], n, [self.prompt_ids[row]] * n, list(responses), list(logps))
+                for j, smp in enumerate(got):
+                    smp.id, smp.group, smp.policy_version = g + j, g, int(version)
+                new += got
+            _add_time(self._timings, "timing_s/reward", time.perf_counter() - t)
         t = time.perf_counter()
         self._reference_logprobs(new)
         _add_time(self._timings, "timing_s/ref", time.perf_counter() - t)
@@ -694,6 +804,8 @@ class Trainer:
         flow, cfg = self._flow, self.cfg
         self._timings.update({"sampling/rounds": float(flow.rounds), "sampling/dropped_groups": float(len(flow.dropped) // cfg.rollout.n),
                               "rollout/regenerated_groups": float(len(flow.regenerated))})
+        if cfg.rollout.env is not None:
+            self._timings.update(_episode_metrics(flow.added), **{"rollout/env/restored_turns": float(flow.restored_turns)})
         ids = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
         return StepInputs(
             seeds=self._seeds,

@@ -231,3 +231,74 @@ class Columns:
 
     def samples(self) -> list[Sample]:
         return unpack(self.cols)
+
+
+@dataclass(frozen=True)
+class GroupInFlight:
+    """Completion order with rollout.env: one group's episodes between two commits, made durable after
+    each of its turns (the journal's pending store, written by loop.ledger; rl.episodes plays them), so
+    a resume brings them back from their last durable turn. One entry per episode of the group in
+    each list, the fields an episode's Sample has (env_end NONE while it goes on); `versions`: the
+    policy version each of the group's turns was generated from (the first is the group's, for
+    staleness)."""
+
+    group: int
+    versions: list
+    prompt_ids: list
+    response_ids: list
+    gen_logprobs: list
+    loss_mask: list
+    turn_lens: list
+    turn_rewards: list
+    env_seed: list
+    env_end: list
+    env_reason: list
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GroupInFlight:
+        seq = lambda name, dt: [np.asarray(x, dt) for x in d[name]]  # noqa: E731
+        return cls(int(d["group"]), [int(v) for v in d["versions"]], seq("prompt_ids", np.int64), seq("response_ids", np.int64),
+                   seq("gen_logprobs", np.float32), seq("loss_mask", np.int8), seq("turn_lens", np.int64), seq("turn_rewards", np.float64),
+                   [int(x) for x in d["env_seed"]], [int(x) for x in d["env_end"]], [str(x) for x in d["env_reason"]])
+
+    @property
+    def turn(self) -> int:
+        """The group's turns taken."""
+        return len(self.versions)
+
+    @property
+    def live(self) -> int:
+        """Its episodes still going."""
+        return sum(e == EnvEnd.NONE for e in self.env_end)
+
+    @property
+    def turns_durable(self) -> int:
+        """The turns its episodes have taken in all (what verify counts)."""
+        return sum(len(t) // 2 for t in self.turn_lens)
+
+    def before(self, turns: int) -> GroupInFlight | None:
+        """The group as it stood after its first `turns` turns (None: before its first): an episode that
+        ended later is going again."""
+        if turns >= self.turn:
+            return self
+        if turns <= 0:
+            return None
+        cut: dict[str, list] = {k: [] for k in ("response_ids", "gen_logprobs", "loss_mask", "turn_lens", "turn_rewards", "env_end", "env_reason")}
+        for k, lens in enumerate(self.turn_lens):
+            pairs = np.asarray(lens, np.int64).reshape(-1, 2)
+            if len(pairs) <= turns:
+                for name in cut:
+                    cut[name].append(getattr(self, name)[k])
+                continue
+            n = int(pairs[:turns].sum())
+            cut["response_ids"].append(self.response_ids[k][:n])
+            cut["gen_logprobs"].append(self.gen_logprobs[k][:n])
+            cut["loss_mask"].append(self.loss_mask[k][:n])
+            cut["turn_lens"].append(np.asarray(lens, np.int64)[: 2 * turns])
+            cut["turn_rewards"].append(self.turn_rewards[k][:turns])
+            cut["env_end"].append(int(EnvEnd.NONE))
+            cut["env_reason"].append("")
+        return GroupInFlight(self.group, self.versions[:turns], self.prompt_ids, env_seed=self.env_seed, **cut)

@@ -1,7 +1,10 @@
 """Multi-turn episodes (rollout.env, rollout.max_turns) in real training runs: the turns in the journal,
 observation tokens out of the loss, a SIGKILL then --resume equal to the uninterrupted run (sync GRPO,
-async step-order PPO), replay and rerun that never call the environment, faulty environments ending
-their episodes with journaled reasons, and an environment that cannot be imported refused up front."""
+async step-order PPO), a SIGKILL in async completion order (GRPO and PPO) between a turn's completion
+and its durability or just after, resumed from each episode's last durable turn with no completed turn
+lost or stepped twice on a live env, replay and rerun that never call the environment, faulty
+environments ending their episodes with journaled reasons, and an environment that cannot be imported
+refused up front."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_async_completion import check_accounting
 
+from verlj.engine.loop.ledger import Ledger
 from verlj.engine.rl.vocab import VOCABS, TextDecoder
 from verlj.engine.schema.events import StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
@@ -133,3 +138,64 @@ def test_an_env_that_cannot_be_imported_is_one_line_before_training(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip() == "error: rollout.env: cannot import 'no_such_env_module_xyz:Env' (No module named 'no_such_env_module_xyz')"
     assert not (tmp_path / "run" / "journal").exists()
+
+
+COMPLETION = ["rollout.env=envs_for_tests:Logged", "rollout.max_turns=3", ASCII, "rollout.mode=async", "rollout.async_order=completion",
+              "trainer.total_steps=3", "trainer.save_interval=2"]
+
+
+def env_calls(log: Path) -> dict[int, list[tuple[int, str, str]]]:
+    """The env calls envs_for_tests.Logged wrote, by env seed: (process, call, action), in order."""
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    pids = list(dict.fromkeys(x["pid"] for x in lines))
+    out: dict[int, list] = {}
+    for x in lines:
+        out.setdefault(x["seed"], []).append((pids.index(x["pid"]), x["call"], x["action"]))
+    return out
+
+
+@pytest.mark.parametrize("point, algo", [("episodes.after_durable:3", "grpo"), ("episodes.before_durable:3", "ppo")])
+def test_completion_order_killed_mid_episode_resumes_from_the_last_durable_turn(tmp_path, point, algo):
+    """SIGKILL just after step 1's commit (groups asked ahead are mid-episode), --resume, SIGKILL again with
+    turns durable and (before_durable) one more stepped but not durable; then --resume to the end. The
+    committed steps never change, every group is accounted for, and each episode in flight continues
+    from its durable turns: its journaled sample begins with them, and the last process's env saw a
+    reset with the episode's seed, the durable actions re-applied in order, then only new turns."""
+    run, log = tmp_path / "run", tmp_path / "env.jsonl"
+    over = [*COMPLETION, f"algorithm.name={algo}"]
+    out = train(run, *over, PYTHONPATH=TESTS, VERLJ_TEST_ENV_LOG=log, VERLJ_FAILPOINT="journal.after_commit:1")
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *over, resume=True, PYTHONPATH=TESTS, VERLJ_TEST_ENV_LOG=log, VERLJ_FAILPOINT=point)
+    assert out.returncode == -9, out.stderr[-3000:]
+    with Ledger.open_reader(run) as ledger:
+        committed = {s: ledger.journal.read_raw(s) for s in range(1, ledger.last_step() + 1)}
+        durable = ledger.in_flight()
+    assert committed and durable
+    out = train(run, *over, resume=True, PYTHONPATH=TESTS, VERLJ_TEST_ENV_LOG=log)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with Ledger.open_reader(run) as ledger:
+        assert {s: ledger.journal.read_raw(s) for s in committed} == committed  # a committed step never changes
+    check_accounting(run)  # verify passes; every group asked once, arrived once, trained or dropped once at most
+    samples = {int(s.env_seed): s for step in episodes(run).values() for s in step}
+    calls, dec = env_calls(log), TextDecoder("builtin:tiny", VOCABS["ascii"])
+    restored = 0
+    for full in durable.values():
+        cut = full.before(sum(v <= max(committed) for v in full.versions))  # a turn from weights never committed is made again
+        for k, seed in enumerate(full.env_seed):
+            s, last = samples.get(seed), [c for c in calls[seed] if c[0] == 2]
+            if s is None or cut is None:  # still in flight at the end; or made again from its start
+                continue
+            turns, n = len(cut.turn_lens[k]) // 2, len(cut.response_ids[k])
+            assert np.array_equal(s.response_ids[:n], cut.response_ids[k]) and np.array_equal(s.gen_logprobs[:n], cut.gen_logprobs[k])
+            assert np.array_equal(s.loss_mask[:n], cut.loss_mask[k]) and np.array_equal(s.turn_lens[: 2 * turns], cut.turn_lens[k])
+            if cut.env_end[k] != EnvEnd.NONE:  # over before the kill: no env is made for it again
+                assert last == [] and s.env_end == cut.env_end[k] and len(s.turn_lens) // 2 == turns
+                continue
+            actions = [dec.decode(t.action_ids.tolist()) for t in s.turns()]
+            # a fresh env reset, the durable actions re-applied in order, then the turns after them, each stepped once
+            assert [c[1] for c in last] == ["reset"] + ["step"] * (turns + len(actions) - turns)
+            assert [c[2] for c in last[1:]] == actions[:turns] + actions[turns:]
+            restored += turns
+    assert restored > 0
+    first = min(s for s in fingerprints(run) if s > max(committed))
+    assert metrics(run)[first]["rollout/env/restored_turns"] >= restored

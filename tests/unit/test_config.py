@@ -65,8 +65,6 @@ def test_bad_values_name_the_key(override, message):
     "overrides, message",
     [
         (["rollout.fleet=k8s"], "rollout.fleet must be one of none, ray"),
-        (["rollout.env=builtin:guess", "rollout.mode=async", "rollout.async_order=completion"],
-         "rollout.env: rollout.async_order=completion does not run episodes yet; use rollout.mode=sync or rollout.async_order=step"),
         (["rollout.env=builtin:guess", "rollout.mode=async", "rollout.fleet=ray"],
          "rollout.env: rollout.fleet=ray does not run episodes yet"),
         (["rollout.fleet=ray"], "rollout.fleet=ray applies to rollout.mode=async only"),

@@ -358,3 +358,68 @@ def test_the_env_keys_resume_policy():
     # the journaled episodes and never calls an env); the timeout only says when a call has failed: bookkeeping
     assert (policy_of("rollout.env"), policy_of("rollout.max_turns"), policy_of("rollout.env_timeout_s")) == ("live", "live", "bookkeeping")
     assert policy_of("rollout.reward_fn") == policy_of("rollout.max_response_length") == "live"
+
+
+def _group(turns_per_episode: list[int], versions: list[int]):
+    """A durable group whose episode k took turns_per_episode[k] turns (action 2 tokens, observation 1)."""
+    import numpy as np
+
+    from verlj.engine.schema.sample import EnvEnd, GroupInFlight
+
+    eps = []
+    for k, t in enumerate(turns_per_episode):
+        resp = np.arange(3 * t, dtype=np.int64) + 10 * k
+        eps.append(dict(response_ids=resp, gen_logprobs=np.where(np.arange(3 * t) % 3 < 2, -0.5, 0.0).astype(np.float32),
+                        loss_mask=(np.arange(3 * t) % 3 < 2).astype(np.int8), turn_lens=np.tile([2, 1], t).astype(np.int64),
+                        turn_rewards=np.full(t, np.nan), env_end=int(EnvEnd.DONE if t < len(versions) else EnvEnd.NONE)))
+    cols = {name: [e[name] for e in eps] for name in eps[0]}
+    return GroupInFlight(8, versions, prompt_ids=[np.array([1, 2])] * len(eps), env_seed=list(range(len(eps))),
+                         env_reason=[""] * len(eps), **cols)
+
+
+def test_a_durable_group_cut_before_a_turn_goes_on_from_there():
+    from verlj.engine.schema.sample import EnvEnd, GroupInFlight
+
+    g = _group([1, 3, 2], versions=[0, 0, 1])  # episode 0 ended at turn 1, episode 2 at turn 2, episode 1 goes on
+    assert g.turn == 3 and g.turns_durable == 6 and g.live == 1
+    assert GroupInFlight.from_dict(g.to_dict()).to_dict().keys() == g.to_dict().keys()
+    assert g.before(3) is g and g.before(0) is None
+    cut = g.before(2)
+    assert cut.versions == [0, 0] and cut.turn == 2
+    assert [len(t) // 2 for t in cut.turn_lens] == [1, 2, 2] and cut.env_end == [EnvEnd.DONE, EnvEnd.NONE, EnvEnd.DONE]
+    assert [len(r) for r in cut.response_ids] == [3, 6, 6] and (cut.response_ids[1] == g.response_ids[1][:6]).all()
+    cut1 = g.before(1)
+    assert cut1.env_end == [EnvEnd.DONE, EnvEnd.NONE, EnvEnd.NONE] and [len(r) for r in cut1.turn_rewards] == [1, 1, 1]
+
+
+def test_a_round_restored_from_its_durable_state_reapplies_its_actions_to_fresh_envs():
+    """Every live episode's env reset with its seed and its actions stepped in order; its observations are
+    the durable ones, whatever the env says now; an episode over gets no env; a fault on the way ends it."""
+    from verlj.engine.rl.episodes import Round
+    from verlj.engine.schema.sample import EnvEnd
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return ",".join(str(int(i)) for i in ids)
+
+    calls = []
+
+    class Env:
+        def reset(self, row, seed):
+            calls.append(("reset", seed))
+            return "new obs"
+
+        def step(self, action):
+            calls.append(("step", action))
+            if action.startswith("2"):  # episode 2's first action: the env falls over this time
+                raise OSError("gone")
+            return StepResult("another observation", 1.0, False)
+
+    g = _group([1, 3, 2], versions=[0, 0, 1])
+    g.env_end[2] = int(EnvEnd.NONE)  # episode 2 goes on too
+    rnd, replayed = Round.restored(Env, [{}] * 3, g, Tok(), max_turns=4, timeout_s=5.0)
+    assert calls == [("reset", 1), ("step", "10,11"), ("step", "13,14"), ("step", "16,17"), ("reset", 2), ("step", "20,21")]
+    assert replayed == 4 and rnd.turn == 3
+    assert [ep.live for ep in rnd.episodes] == [False, True, False]
+    assert rnd.episodes[2].reason == "restore: step raised OSError: gone"
+    assert rnd.episodes[1].response == g.response_ids[1].tolist() and rnd.live() == [1]

@@ -235,3 +235,24 @@ def test_damaged_meta_is_reported(tmp_path):
 def test_packb_is_deterministic():
     ev = step_events(3)
     assert packb(ev) == packb(step_events(3))
+
+
+def test_pending_entries_are_durable_apart_from_the_chain_and_a_damaged_one_is_left_out(tmp_path):
+    path = tmp_path / "j"
+    write_steps(path, 2)
+    with Journal.open_reader(path) as r:  # a journal written before the sub-database existed, read only
+        assert r.pending() == {}
+    with Journal.open_writer(path) as j:
+        j.put_pending({b"a": {"x": np.arange(3)}, b"b": [1, 2]})
+        j.put_pending({b"c": "three"}, drop=[b"a", b"nothing"])  # one transaction: writes and deletions
+        chain = j.chain_hash(2)
+    with Journal.open_reader(path) as r:
+        assert r.pending() == {b"b": [1, 2], b"c": "three"} and r.chain_hash(2) == chain and r.last_step() == 2
+        assert verify_journal(r).ok
+    with Journal.open_writer(path) as j:
+        with j.env().begin(write=True) as txn:
+            raw = bytearray(txn.get(b"b", db=j.dbs()["pending"]))
+            raw[-1] ^= 1
+            txn.put(b"b", bytes(raw), db=j.dbs()["pending"])
+    with Journal.open_reader(path) as r:
+        assert r.pending() == {b"c": "three"}  # what it held is made again, as if never written
