@@ -1,7 +1,8 @@
 """rollout.fleet=ray: generator actors on a real local Ray cluster (CPU), one cluster for the module
 (the `cluster` fixture, conftest.py), which every `verlj train` subprocess joins through RAY_ADDRESS. Step order is bit-identical whatever the
 fleet's size and whichever actor generates what, through a real SIGKILL of an actor's process (its
-groups are asked again of the fleet) and a resize on resume; completion order trains on two actors
+groups are asked again of the fleet), a resize on resume, and a SIGKILL of the trainer that its
+supervisor (trainer.max_restarts) restarts by itself; completion order trains on two actors
 through a kill with every group accounted for. Without ray, rollout.fleet=ray is one line, exit 2.
 The README's test command installs the `ray` extra, so CI runs these; elsewhere, without ray, the
 cluster's tests are skipped."""
@@ -74,6 +75,12 @@ def test_step_order_is_bit_identical_whatever_m_through_a_killed_actor_and_a_res
     assert sizes == {1: 2.0, 2: 2.0, 3: 1.0, 4: 1.0}, sizes
     assert_same_journal(ref, resized, ignore=NOT_FLEET)
     assert fingerprints(resized) == fingerprints(ref)
+
+    restarted = tmp_path / "restarted"  # the trainer SIGKILLed after step 3's commit; its supervisor restarts it with --resume
+    out = ok(train(restarted, *over, "trainer.max_restarts=2", VERLJ_FAILPOINT="journal.after_commit:3", **cluster))
+    assert "the training process was killed by SIGKILL; restarting it with --resume (1 of 2)" in out.stdout + out.stderr
+    assert_same_journal(ref, restarted, ignore=NOT_FLEET)
+    assert fingerprints(restarted) == fingerprints(ref)
 
 
 def test_completion_order_on_two_actors_through_a_killed_actor_accounts_for_every_group(tmp_path, cluster):
