@@ -402,7 +402,7 @@ def completion_problems(run: Path, kept: dict[int, str], counts: Counter, resume
             cols = r.first("buffer.add")["samples"]
             mine = [q for q, g in enumerate(cols["group"].tolist()) if g in set(again.tolist()) and g not in resumed]
             wrong_version += sum(1 for q in mine if int(cols["policy_version"][q]) != r.step - 1)
-        if r.metrics["rollout/logprob_diff/max"] >= 1e-5:
+        if r.metrics.get("rollout/logprob_diff/max", 0.0) >= 1e-5:  # absent: no update (every group dropped)
             problems.append(f"step {r.step}: samples of version {r.step - 1} are not that version's (log-prob gap {r.metrics['rollout/logprob_diff/max']:.2g})")
     counts.update(lost=lost, duplicated=duplicated, skipped=skipped, regenerated=acc.regenerated, wrong_version=wrong_version,
                   completion=1)
