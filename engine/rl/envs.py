@@ -288,8 +288,7 @@ class Equals(_Episode):
     row's question (its prompt less a trailing ``=``; `calculate`): the observation is the value (``7``;
     ``error`` for a question that is no arithmetic), reward `press` (0.1: a shaping reward, by which the
     untrained model finds the key), not done. An action without ``=`` is the
-    final answer: reward 1.0 when it is the row's ``answer`` (same_answer), 0.1 to 0.5 for another whole
-    number (0.1 + 0.4 / (1 + distance), as rollout.reward_fn builtin:add), else 0.0; done. The
+    final answer: reward 1.0 when it is the row's ``answer`` (same_answer), else 0.0; done. The
     `max_turns`-th action ends the episode whatever it is (a key press there scores 0.0)."""
 
     def __init__(self, max_turns: int = 2, press: float = 0.1):
@@ -305,11 +304,7 @@ class Equals(_Episode):
     def step(self, action: str) -> StepResult:
         last = self._turn()
         if "=" not in action:
-            given = final_answer(action)
-            if same_answer(given, self.answer):
-                return self._end(1.0)
-            near = _INTEGER.fullmatch(given) and _INTEGER.fullmatch(self.answer.strip())
-            return self._end(0.1 + 0.4 / (1 + abs(int(given) - int(self.answer))) if near else 0.0)
+            return self._end(1.0 if same_answer(final_answer(action), self.answer) else 0.0)
         if last:
             return self._end(0.0)
         try:

@@ -369,9 +369,9 @@ def test_equals_presses_the_key_on_the_question_then_scores_the_answer():
     # '=' anywhere in an action asks the calculator for the question's value (the prompt less its '='): 0.1 for the press
     assert episode(env, ADD_ROW, 1, ["=", "7"]) == ["", StepResult("7", 0.1, False), StepResult("", 1.0, True)]
     assert episode(env, row_of(Example("12*3=", "36")), 1, ["5=", "36"])[1:] == [StepResult("36", 0.1, False), StepResult("", 1.0, True)]
-    # a final answer at once: exact 1.0; another number 0.1 + 0.4 / (1 + distance); no number 0.0
+    # a final answer at once: 1.0 when right, else 0.0
     assert episode(env, ADD_ROW, 1, ["+7"])[1] == StepResult("", 1.0, True)
-    assert episode(env, ADD_ROW, 1, ["9"])[1] == StepResult("", 0.1 + 0.4 / 3, True)
+    assert episode(env, ADD_ROW, 1, ["8"])[1] == StepResult("", 0.0, True)
     assert episode(env, ADD_ROW, 1, ["7 7"])[1] == StepResult("", 0.0, True)
     # a key press as the last action scores 0.0; a question that is no arithmetic reads "error"
     assert episode(env, ADD_ROW, 1, ["=", "="])[2] == StepResult("", 0.0, True)
