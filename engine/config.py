@@ -294,7 +294,7 @@ class RolloutConfig:
     fleet_resources: dict = field(default_factory=lambda: {"num_cpus": 1}, metadata={"policy": BOOKKEEPING})
     fleet_timeout_s: float = bookkeeping(300.0)  # fleet=ray: the run stops when no actor has been alive for this long
     # multi-turn episodes (rl.envs; docs/guides/environments.md): null (none: one response a sample) |
-    # builtin:calculator | builtin:guess | builtin:reasoning_gym | module:Class (yours, made with no arguments)
+    # builtin:calculator | builtin:equals | builtin:guess | builtin:reasoning_gym | module:Class (yours, made with no arguments)
     env: Optional[str] = live(None)
     max_turns: int = live(1)  # rollout.env: the policy's actions per episode at most (the built-ins end their episodes within it)
     env_timeout_s: float = bookkeeping(30.0)  # rollout.env: an env call (reset, step) that has not answered in this many seconds is a fault

@@ -1,6 +1,7 @@
 """Environments: multi-turn episodes with tools and games, one text action and one text observation a turn.
 
     rollout.env: builtin:calculator       # a tool: <calc>12+7</calc> -> <result>19</result>; no tag: the final answer
+    rollout.env: builtin:equals           # a calculator's = key on the row's question, for the digits vocabulary
     rollout.env: builtin:guess            # a game: guess the number, told "higher" / "lower"
     rollout.env: builtin:reasoning_gym    # a reasoning-gym row, answered in up to rollout.max_turns attempts
     rollout.env: my_envs:Maze             # yours: a class (or a function) that makes an Environment, called with no arguments
@@ -278,6 +279,41 @@ class Calculator(_Episode):
         return StepResult(f"<result>{value}</result>", None, False)
 
 
+# ----------------------------------------------------------------------------- builtin:equals
+
+
+class Equals(_Episode):
+    """builtin:equals. A calculator with one key, for the built-in model's digits vocabulary (it has no
+    letters for a ``<calc>`` tag): an action holding ``=`` presses it, and the calculator evaluates the
+    row's question (its prompt less a trailing ``=``; `calculate`): the observation is the value (``7``;
+    ``error`` for a question that is no arithmetic), reward `press` (0.1: a shaping reward, by which the
+    untrained model finds the key), not done. An action without ``=`` is the
+    final answer: reward 1.0 when it is the row's ``answer`` (same_answer), else 0.0; done. The
+    `max_turns`-th action ends the episode whatever it is (a key press there scores 0.0)."""
+
+    def __init__(self, max_turns: int = 2, press: float = 0.1):
+        self.max_turns, self.press = max_turns, press
+
+    def reset(self, row: dict, seed: int) -> str:
+        self.answer = str(row["answer"])
+        question = str(row["prompt"]).strip()
+        self.question = question[:-1] if question.endswith("=") else question
+        self._start()
+        return ""
+
+    def step(self, action: str) -> StepResult:
+        last = self._turn()
+        if "=" not in action:
+            return self._end(1.0 if same_answer(final_answer(action), self.answer) else 0.0)
+        if last:
+            return self._end(0.0)
+        try:
+            value = calculate(self.question)
+        except CalcError:
+            value = "error"
+        return StepResult(value, self.press, False)
+
+
 # ----------------------------------------------------------------------------- builtin:guess
 
 
@@ -342,7 +378,7 @@ class ReasoningGymAttempts(_Episode):
 
 # ----------------------------------------------------------------------------- loading
 
-BUILTIN = ("builtin:calculator", "builtin:guess", "builtin:reasoning_gym")
+BUILTIN = ("builtin:calculator", "builtin:equals", "builtin:guess", "builtin:reasoning_gym")
 
 
 @dataclass(frozen=True)
@@ -373,6 +409,8 @@ def load_env(cfg: Config, task_dataset=None) -> EnvFactory | None:
         return None
     if spec == "builtin:calculator":
         factory = EnvFactory(spec, lambda: Calculator(turns))
+    elif spec == "builtin:equals":
+        factory = EnvFactory(spec, lambda: Equals(turns))
     elif spec == "builtin:guess":
         factory = EnvFactory(spec, lambda: Guess(turns))
     elif spec == "builtin:reasoning_gym":

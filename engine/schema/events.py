@@ -318,24 +318,41 @@ class ConfigChange:
 @dataclass(frozen=True)
 class Eval:
     """The held-out evaluation run after this step: rows, their scores, the responses (flat token ids
-    and their lengths)."""
+    and their lengths). With rollout.env each response is an episode (its actions and observations, as a
+    sample's response_ids) and three more fields say how it went: `turns` (per row), `turn_lens` (flat:
+    per turn, action length then observation length) and `env_end` (per row: rl.samples.EnvEnd); a
+    single-turn eval leaves them out (None), so its event is what it always was."""
 
     TYPE: ClassVar[str] = "eval"
     rows: np.ndarray
     scores: np.ndarray
     response_ids: np.ndarray
     response_len: np.ndarray
+    turns: np.ndarray | None = None
+    turn_lens: np.ndarray | None = None
+    env_end: np.ndarray | None = None
 
     def responses(self) -> list[np.ndarray]:
         ends = np.cumsum(self.response_len)
         return [self.response_ids[e - n : e] for n, e in zip(self.response_len, ends)]
 
+    def episode_turns(self) -> list[np.ndarray]:
+        """Each row's turn_lens (action, observation length per turn); [] without rollout.env."""
+        if self.turns is None or self.turn_lens is None:
+            return []
+        ends = np.cumsum(2 * self.turns)
+        return [self.turn_lens[e - 2 * n : e] for n, e in zip(self.turns, ends)]
+
     def to_event(self) -> dict:
-        return make_event(self.TYPE, rows=self.rows, scores=self.scores, response_ids=self.response_ids, response_len=self.response_len)
+        episode = {} if self.turns is None else {"turns": self.turns, "turn_lens": self.turn_lens, "env_end": self.env_end}
+        return make_event(self.TYPE, rows=self.rows, scores=self.scores, response_ids=self.response_ids, response_len=self.response_len,
+                          **episode)
 
     @classmethod
     def from_event(cls, e: dict) -> Eval:
-        return cls(_ids(e["rows"]), np.asarray(e["scores"], np.float64), np.asarray(e["response_ids"]), _ids(e["response_len"]))
+        episode = {} if e.get("turns") is None else {"turns": _ids(e["turns"]), "turn_lens": _ids(e.get("turn_lens")),
+                                                     "env_end": _ids(e.get("env_end"))}
+        return cls(_ids(e["rows"]), np.asarray(e["scores"], np.float64), np.asarray(e["response_ids"]), _ids(e["response_len"]), **episode)
 
 
 class Event(Protocol):

@@ -24,7 +24,9 @@ from verlj_testing import assert_same_journal, fingerprints, train, verlj
 
 TESTS = str(Path(__file__).resolve().parents[1])  # envs_for_tests
 ASCII = "model.tiny.vocab=ascii"
-GUESS = ["rollout.env=builtin:guess", "rollout.max_turns=3", ASCII, "trainer.total_steps=4", "trainer.save_interval=2"]
+# the held-out eval (every 2 steps, 8 rows) plays episodes too, and the kill/resume test below covers it
+GUESS = ["rollout.env=builtin:guess", "rollout.max_turns=3", ASCII, "trainer.total_steps=4", "trainer.save_interval=2",
+         "trainer.eval_interval=2", "data.eval_size=8"]
 # the untrained tiny model never writes a <calc> tag (builtin:calculator's episodes would all be one turn): a
 # multi-turn env with rewards every turn and episodes of 1 to 3 turns instead, so PPO's mask has holes
 PPO_ASYNC = ["rollout.env=envs_for_tests:Digits", "rollout.max_turns=3", ASCII, "algorithm.name=ppo", "rollout.mode=async",
@@ -44,6 +46,12 @@ def episodes(run: Path) -> dict[int, list]:
 def metrics(run: Path) -> dict[int, dict]:
     with open_journal_reader(run / "journal") as j:
         return {rec.step: StepEvents.of(rec).metrics.values for rec in j.iter_steps()}
+
+
+def evals(run: Path) -> dict[int, object]:
+    """Each step's held-out eval event (schema.events.Eval), from the journal."""
+    with open_journal_reader(run / "journal") as j:
+        return {rec.step: e for rec in j.iter_steps() if (e := StepEvents.of(rec).eval) is not None}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +88,30 @@ def test_guess_episodes_are_journaled_turn_by_turn(guess_ref):
     assert "turn 1: " in shown and " ⇒ " in shown
 
 
+def test_the_held_out_eval_plays_episodes(guess_ref):
+    """rollout.env: each held-out prompt is played as an episode against the env (the rules as the first
+    observation, "higher" / "lower" after a wrong guess), scored by the env, its turns journaled."""
+    dec = TextDecoder("builtin:tiny", VOCABS["ascii"])
+    by_step, m = evals(guess_ref), metrics(guess_ref)
+    assert sorted(by_step) == [2, 4]
+    for step, e in by_step.items():
+        assert sorted(e.rows.tolist()) == list(range(8)) and e.turns is not None
+        turns = e.episode_turns()
+        assert [len(t) // 2 for t in turns] == e.turns.tolist() and all(1 <= n <= 3 for n in e.turns)
+        assert [int(t.sum()) for t in turns] == e.response_len.tolist()  # actions and observations, as a sample's response
+        assert set(e.env_end.tolist()) <= {EnvEnd.DONE, EnvEnd.MAX_TURNS}
+        # the env's reward is the score: 1.0 for a right guess, 0.0 for the last wrong one (the game ends either way)
+        assert set(e.scores.tolist()) <= {0.0, 1.0} and all(e.turns[e.scores == 0.0] == 3)
+        assert m[step]["eval/env/turns/mean"] == float(e.turns.mean()) and m[step]["eval/env/faults"] == 0.0
+        assert m[step]["eval/score/mean"] == float(e.scores.mean())
+        for resp, lens in zip(e.responses(), turns):  # each observation is what the game says
+            ends = np.cumsum(lens)
+            words = [dec.decode(resp[a:b].tolist()) for a, b in zip(ends[0::2], ends[1::2])]
+            assert all(w in ("higher", "lower", "not a number", "") for w in words)
+    assert max(int(e.turns.max()) for e in by_step.values()) > 1, "no held-out episode took more than one turn"
+    assert 1 not in metrics(guess_ref) or "eval/score/mean" not in metrics(guess_ref)[1]
+
+
 def test_guess_killed_mid_run_then_resumed_is_exact(tmp_path, guess_ref):
     run = tmp_path / "run"
     out = train(run, *GUESS, VERLJ_FAILPOINT="journal.after_commit:3")  # step 3 journaled, the last snapshot at 2
@@ -112,7 +144,7 @@ def test_faulty_envs_end_their_episodes_and_replay_never_calls_an_env(tmp_path):
     reproduce the journaled fingerprint and stages."""
     run = tmp_path / "run"
     over = ["rollout.env=envs_for_tests:Faulty", "rollout.max_turns=3", "rollout.env_timeout_s=0.5", ASCII,
-            "rollout.reward_fn=builtin:add", "trainer.total_steps=3", "trainer.save_interval=2"]
+            "rollout.reward_fn=builtin:add", "trainer.total_steps=3", "trainer.save_interval=2", "trainer.eval_interval=3", "data.eval_size=8"]
     out = train(run, *over, PYTHONPATH=TESTS)
     assert out.returncode == 0, out.stderr[-3000:]
     by_step, m = episodes(run), metrics(run)
@@ -123,6 +155,11 @@ def test_faulty_envs_end_their_episodes_and_replay_never_calls_an_env(tmp_path):
         assert m[step]["rollout/env/faults"] == float(len(faults)) > 0
         assert all(len(s.turn_lens) == 4 and s.turn_lens[-1] == 0 and np.isnan(s.turn_rewards[-1]) for s in faults)
     assert len({s.score for step in by_step.values() for s in step}) > 1  # the env's rewards vary: the update is not trivial
+    # the held-out eval of step 3 played its episodes against the same env: its faults counted, and its
+    # scores are the env's rewards plus the named reward_fn's (builtin:add) of each last action
+    e = evals(run)[3]
+    assert m[3]["eval/env/faults"] == float(np.sum(e.env_end == EnvEnd.FAULT)) > 0
+    assert len(set(e.scores.tolist())) > 1 and m[3]["eval/env/turns/mean"] == float(e.turns.mean())
     want = fingerprints(run)
     rep = verlj("replay", run, "--to-step", "3", PYTHONPATH=TESTS, VERLJ_TEST_ENV_FORBID="1")
     assert rep.returncode == 0, rep.stderr[-3000:]

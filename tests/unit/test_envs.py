@@ -15,6 +15,7 @@ from verlj.engine.rl.envs import (
     Calculator,
     EnvFault,
     Environment,
+    Equals,
     Guess,
     ReasoningGymAttempts,
     StepResult,
@@ -338,7 +339,7 @@ def test_a_users_env_loads_by_module_and_class(user_envs):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("builtin:chess", "rollout.env: unknown built-in 'builtin:chess'; known: builtin:calculator, builtin:guess, builtin:reasoning_gym"),
+    ("builtin:chess", "rollout.env: unknown built-in 'builtin:chess'; known: builtin:calculator, builtin:equals, builtin:guess, builtin:reasoning_gym"),
     ("no_such_module_xyz:Env", "rollout.env: cannot import 'no_such_module_xyz:Env' (No module named 'no_such_module_xyz')"),
     ("user_envs_mod:Missing", "rollout.env: cannot import 'user_envs_mod:Missing' (module 'user_envs_mod' has no 'Missing')"),
     ("user_envs_broken:Env", "rollout.env: importing module 'user_envs_broken' failed: RuntimeError: half-written module"),
@@ -423,3 +424,24 @@ def test_a_round_restored_from_its_durable_state_reapplies_its_actions_to_fresh_
     assert [ep.live for ep in rnd.episodes] == [False, True, False]
     assert rnd.episodes[2].reason == "restore: step raised OSError: gone"
     assert rnd.episodes[1].response == g.response_ids[1].tolist() and rnd.live() == [1]
+
+
+# ----------------------------------------------------------------------------- builtin:equals
+
+
+def test_equals_presses_the_key_on_the_question_then_scores_the_answer():
+    env = Equals(2)
+    # '=' anywhere in an action asks the calculator for the question's value (the prompt less its '='): 0.1 for the press
+    assert episode(env, ADD_ROW, 1, ["=", "7"]) == ["", StepResult("7", 0.1, False), StepResult("", 1.0, True)]
+    assert episode(env, row_of(Example("12*3=", "36")), 1, ["5=", "36"])[1:] == [StepResult("36", 0.1, False), StepResult("", 1.0, True)]
+    # a final answer at once: 1.0 when right, else 0.0
+    assert episode(env, ADD_ROW, 1, ["+7"])[1] == StepResult("", 1.0, True)
+    assert episode(env, ADD_ROW, 1, ["8"])[1] == StepResult("", 0.0, True)
+    assert episode(env, ADD_ROW, 1, ["7 7"])[1] == StepResult("", 0.0, True)
+    # a key press as the last action scores 0.0; a question that is no arithmetic reads "error"
+    assert episode(env, ADD_ROW, 1, ["=", "="])[2] == StepResult("", 0.0, True)
+    assert episode(Equals(3), row_of(Example("what?", "1")), 1, ["="])[1] == StepResult("error", 0.1, False)
+    with pytest.raises(RuntimeError):
+        env.step("7")  # the episode is over
+    factory = load_env(cfg_with("builtin:equals", max_turns=2))
+    assert isinstance(factory(), Equals) and factory().max_turns == 2

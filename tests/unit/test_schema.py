@@ -66,6 +66,14 @@ def test_plan_and_eval_views():
     assert list(got) == [5, 6, 7] and all(np.array_equal(got[k], plans[k]) for k in plans)
     e = ev.Eval(np.array([1, 2]), np.array([0.5, 1.0]), np.array([7, 8, 9], np.int32), np.array([1, 2]))
     assert [r.tolist() for r in e.responses()] == [[7], [8, 9]]
+    # a single-turn eval's event holds exactly the four fields it always held
+    assert list(e.to_event()) == ["type", "v", "rows", "scores", "response_ids", "response_len"] and e.episode_turns() == []
+    # rollout.env: each row's turns (action, observation lengths) travel with it, and come back
+    ep = ev.Eval(np.array([1, 2]), np.array([0.0, 1.0]), np.array([7, 8, 9, 5, 6], np.int32), np.array([1, 4]),
+                 turns=np.array([1, 2]), turn_lens=np.array([1, 0, 2, 1, 1, 0]), env_end=np.array([3, 1]))
+    back = ev.Eval.from_event(ep.to_event())
+    assert [t.tolist() for t in back.episode_turns()] == [[1, 0], [2, 1, 1, 0]] and back.env_end.tolist() == [3, 1]
+    assert ev.Eval.from_event(e.to_event()).turns is None
 
 
 def test_samples_pack_and_unpack_bit_for_bit():
