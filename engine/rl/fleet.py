@@ -2,9 +2,12 @@
 generator process beside the trainer (async_rollout.GeneratorProcess), with the same methods.
 
 Each actor (:class:`GeneratorActor`) holds its own copy of the policy and generates with verlj's
-sampler, one group at a time: a group's samples share one prompt, so they are generated together with
-no padding, and their bits depend only on the group's seeds and the weights, never on the actor, on
-the other groups it was asked for, or on the fleet's size. (Generated together, groups of different
+sampler or, with rollout.engine=vllm (:class:`VllmRayFleet`), a vLLM engine of its own (started from
+the first version it receives, reloaded in place at each new one), one group at a time: a group's
+samples share one prompt, so they are generated together with no padding, and their bits depend only
+on the group's seeds and the weights, never on the actor, on the other groups it was asked for, or on
+the fleet's size. (vLLM pads nothing, and on CPU it gave a group the same bits in one call with five
+other groups of other lengths as alone; the fleet does not rely on that.) (Generated together, groups of different
 prompt lengths are left-padded to one width, and on CPU the log-probs then differ in their last bits
 with the batch's composition: with the builtin tiny model and prompts of 5 to 15 tokens, 9 to 16 of 32 samples
 differ; with prompts of one length, none did.) So step order
