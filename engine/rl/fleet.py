@@ -6,11 +6,11 @@ sampler or, with rollout.engine=vllm (:class:`VllmRayFleet`), a vLLM engine of i
 the first version it receives, reloaded in place at each new one), one group at a time: a group's
 samples share one prompt, so they are generated together with no padding, and their bits depend only
 on the group's seeds and the weights, never on the actor, on the other groups it was asked for, or on
-the fleet's size. (vLLM pads nothing, and on CPU it gave a group the same bits in one call with five
-other groups of other lengths as alone; the fleet does not rely on that.) (Generated together, groups of different
-prompt lengths are left-padded to one width, and on CPU the log-probs then differ in their last bits
-with the batch's composition: with the builtin tiny model and prompts of 5 to 15 tokens, 9 to 16 of 32 samples
-differ; with prompts of one length, none did.) So step order
+the fleet's size. (Generated together by verlj's sampler, groups of different prompt lengths are
+left-padded to one width, and on CPU the log-probs then differ in their last bits with the batch's
+composition: with the builtin tiny model and prompts of 5 to 15 tokens, 9 to 16 of 32 samples differ;
+with prompts of one length, none did. vLLM pads nothing, and on CPU it gave a group the same bits in
+one call with five other groups of other lengths as alone; the fleet does not rely on that.) So step order
 (``rollout.async_order=step``) is bit-identical whatever M is and whichever actor generates what.
 
 The trainer's side (:class:`RayFleet`) keeps the queue: a request is split into work items (one group
@@ -134,8 +134,8 @@ class GeneratorActor:
 
 
 def group_prompts(prompt, n: int) -> list[np.ndarray]:
-    """The prompts of a group's `n` samples, from what a work item carries: one prompt they share (writable
-    copies: what Ray hands over is read-only). The one place an item's prompt is read."""
+    """The prompts of a group's `n` samples, from what a work item carries: one prompt they share (a writable
+    copy: what Ray hands over is read-only). The one place an actor reads an item's prompt."""
     return [np.array(prompt)] * n
 
 
