@@ -325,8 +325,6 @@ class RolloutConfig:
         if self.fleet == "ray":
             if self.mode != "async":
                 raise ConfigError("rollout.fleet=ray applies to rollout.mode=async only; set rollout.mode=async or rollout.fleet=none")
-            if self.engine != "hf":
-                raise ConfigError("rollout.fleet=ray generates with verlj's sampler only; set rollout.engine=hf or rollout.fleet=none")
             _positive("rollout.fleet_size", self.fleet_size)
             _positive("rollout.fleet_timeout_s", self.fleet_timeout_s)
             if not isinstance(self.fleet_resources, dict) or not all(
@@ -351,6 +349,11 @@ class RolloutConfig:
         if self.mode == "async" and self.fleet == "ray":
             raise ConfigError("rollout.env: rollout.fleet=ray does not run episodes yet; use rollout.fleet=none (the generator "
                               "beside each rank: sync, or async in either order), or remove rollout.env")
+
+    @property
+    def fleet_gpus(self) -> float:
+        """fleet=ray: the GPUs each actor asks for (rollout.fleet_resources' num_gpus; 0 when it names none)."""
+        return float(self.fleet_resources.get("num_gpus", 0))
 
     @property
     def staleness(self) -> int:

@@ -2,12 +2,15 @@
 generator process beside the trainer (async_rollout.GeneratorProcess), with the same methods.
 
 Each actor (:class:`GeneratorActor`) holds its own copy of the policy and generates with verlj's
-sampler, one group at a time: a group's samples share one prompt, so they are generated together with
-no padding, and their bits depend only on the group's seeds and the weights, never on the actor, on
-the other groups it was asked for, or on the fleet's size. (Generated together, groups of different
-prompt lengths are left-padded to one width, and on CPU the log-probs then differ in their last bits
-with the batch's composition: with the builtin tiny model and prompts of 5 to 15 tokens, 9 to 16 of 32 samples
-differ; with prompts of one length, none did.) So step order
+sampler or, with rollout.engine=vllm (:class:`VllmRayFleet`), a vLLM engine of its own (started from
+the first version it receives, reloaded in place at each new one), one group at a time: a group's
+samples share one prompt, so they are generated together with no padding, and their bits depend only
+on the group's seeds and the weights, never on the actor, on the other groups it was asked for, or on
+the fleet's size. (Generated together by verlj's sampler, groups of different prompt lengths are
+left-padded to one width, and on CPU the log-probs then differ in their last bits with the batch's
+composition: with the builtin tiny model and prompts of 5 to 15 tokens, 9 to 16 of 32 samples differ;
+with prompts of one length, none did. vLLM pads nothing, and on CPU it gave a group the same bits in
+one call with five other groups of other lengths as alone; the fleet does not rely on that.) So step order
 (``rollout.async_order=step``) is bit-identical whatever M is and whichever actor generates what.
 
 The trainer's side (:class:`RayFleet`) keeps the queue: a request is split into work items (one group
@@ -57,9 +60,11 @@ RESUME = "every committed step is in the journal: `verlj train --resume` continu
 
 class GeneratorActor:
     """One actor of the fleet (a Ray actor: ``ray.remote`` is applied where the fleet starts). Generates
-    each group of a call on its own, from the version the call names."""
+    each group of a call on its own, from the version the call names: with verlj's sampler on its copy
+    of the policy, or (rollout.engine=vllm) with a vLLM engine of its own, started from the first
+    version it receives and reloaded (vLLM's weight reload) at every new one."""
 
-    def __init__(self, cfg_dict: dict, eos_id: int, pad_id: int, threads: int, deterministic: bool):
+    def __init__(self, cfg_dict: dict, eos_id: int, pad_id: int, threads: int, deterministic: bool, engine_version: str):
         import ray
 
         from ..config import config_from_dict
@@ -67,10 +72,18 @@ class GeneratorActor:
 
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
-        cfg = config_from_dict(cfg_dict)
-        self.model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, 0).eval()  # its structure: the weights come by version
+        self.cfg = cfg = config_from_dict(cfg_dict)
+        self.vllm = cfg.rollout.engine == "vllm"
+        here = _engine_version(cfg.rollout.engine)  # vLLM absent here: its one sentence, as the actor's failure to start
+        if here != engine_version:
+            raise RuntimeError(f"this node's {_ENGINE_PACKAGE[cfg.rollout.engine]} is {here}, the trainer's {engine_version}: "
+                               "the journal would name another version than the one that generated")
+        model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, 0).eval()  # its structure: the weights come by version
+        self.names = [n for n, _ in model.named_parameters()]
+        self.model_config = model.config
         self.device = torch.device("cuda") if ray.get_gpu_ids() and torch.cuda.is_available() else torch.device("cpu")
-        self.model.to(self.device)
+        self.model: Any = None if self.vllm else model.to(self.device)  # vLLM: the engine holds the policy
+        self.llm: Any = None  # rollout.engine=vllm: the engine, started at the first version received
         self.eos_id, self.pad_id = eos_id, pad_id
         self.version: int | None = None
 
@@ -82,22 +95,63 @@ class GeneratorActor:
         whose weights are the object `weights[0]` (in a list: fetched only when this actor holds another)."""
         import ray
 
-        from .sampler import sample_seeded
-
         if self.version != version:
-            state = ray.get(weights[0])
-            params = dict(self.model.named_parameters())
-            if set(params) != set(state):
-                raise RuntimeError(f"the policy's parameters differ from the trainer's: {sorted(set(params) ^ set(state))[:3]}")
-            for name, t in state.items():
-                params[name].data = t.to(self.device)
+            self._load(ray.get(weights[0]))
             self.version = version
         out = []
         for key, prompt, seeds, params in work:
-            prompt = np.array(prompt)  # a writable copy (what Ray hands over is read-only)
-            responses, logps = sample_seeded(self.model, [prompt] * len(seeds), list(seeds), params, self.eos_id, self.pad_id, self.device)
+            prompts = group_prompts(prompt, len(seeds))
+            if self.vllm:
+                from .vllm_engine import generate_llm
+
+                responses, logps = generate_llm(self.llm, prompts, list(seeds), params, self.eos_id)
+            else:
+                from .sampler import sample_seeded
+
+                responses, logps = sample_seeded(self.model, prompts, list(seeds), params, self.eos_id, self.pad_id, self.device)
             out.append((key, responses, logps))
         return out, version
+
+    def _load(self, state: dict) -> None:
+        """A new version's weights (every parameter, whole, on the CPU): into the model, or into vLLM
+        (its engine started from them at the first one, reloaded in place at the others)."""
+        if set(self.names) != set(state):
+            raise RuntimeError(f"the policy's parameters differ from the trainer's: {sorted(set(self.names) ^ set(state))[:3]}")
+        if not self.vllm:
+            params = dict(self.model.named_parameters())
+            for name, t in state.items():
+                params[name].data = t.to(self.device)
+            return
+        from . import vllm_engine
+
+        weights = list(state.items())
+        if self.llm is None:
+            vllm_engine.remove_stale_weights_copies()  # what a start killed on this node left in /dev/shm (a killed actor's)
+            self.llm = vllm_engine.start_llm(self.cfg, self.model_config, weights, 1, self.device.type, seqs=self.cfg.rollout.n)
+            self.names = [n for n, _ in weights]  # push_llm's order: the engine's
+        else:
+            vllm_engine.push_llm(self.llm, self.names, weights)
+
+
+def group_prompts(prompt, n: int) -> list[np.ndarray]:
+    """The prompts of a group's `n` samples, from what a work item carries: one prompt they share (a writable
+    copy: what Ray hands over is read-only). The one place an actor reads an item's prompt."""
+    return [np.array(prompt)] * n
+
+
+_ENGINE_PACKAGE = {"hf": "transformers", "vllm": "vLLM"}
+
+
+def _engine_version(engine: str) -> str:
+    """The version of the package that generates (what the journal's `rollout` event records): read as
+    the trainer's engine reads it."""
+    if engine == "vllm":
+        from .vllm_engine import import_vllm
+
+        return str(import_vllm().__version__)
+    from importlib.metadata import version
+
+    return version("transformers")
 
 
 @dataclass
@@ -130,6 +184,7 @@ class RayFleet(SamplerEngine):
 
     def __init__(self, rt, actor, tokenizer) -> None:
         super().__init__(rt, actor, tokenizer)
+        self.version = _engine_version(self.name)
         self.slots: list[_Slot] = []
         self.policy_version: int | None = None
         self.stale = True
@@ -172,7 +227,8 @@ class RayFleet(SamplerEngine):
         atexit.register(self.close)
         tok = self.tokenizer
         self._remote = ray.remote(GeneratorActor).options(max_restarts=-1, max_task_retries=0, **_resources(ro.fleet_resources))
-        self._args = (cfg.to_dict(), tok.eos_token_id, tok.pad_token_id, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+        self._args = (cfg.to_dict(), tok.eos_token_id, tok.pad_token_id, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+                      self.version)
         self.slots = [self._new_slot() for _ in range(ro.fleet_size)]
         self._none_since = time.monotonic()
         self._thread = threading.Thread(target=self._pump, name="verlj-fleet", daemon=True)
@@ -365,8 +421,11 @@ class RayFleet(SamplerEngine):
             s.ping = None
             try:
                 s.pid, s.alive = ray.get(ref), True
-            except ActorDiedError:  # gone for good (Ray gave up restarting it): a new actor in its place
-                self.slots[self.slots.index(s)] = slot = self._new_slot()
+            except ActorDiedError as e:
+                if e.actor_init_failed:  # its constructor raised: every actor would (a package missing on a node, another version)
+                    self._error = f"the rollout fleet's generator actor failed to start: {_last_line(e.error_msg)}"
+                    return
+                self.slots[self.slots.index(s)] = slot = self._new_slot()  # gone for good (Ray gave up restarting it): a new one
                 slot.inc = s.inc
             except RayActorError:  # restarting: ask again in a moment
                 s.ping_after = time.monotonic() + WAIT_S
@@ -396,10 +455,30 @@ class RayFleet(SamplerEngine):
                 self._results[owner][key] = (responses, logps)
 
 
+class VllmRayFleet(RayFleet):
+    """rollout.fleet=ray with rollout.engine=vllm: each actor runs a vLLM engine of its own (see
+    GeneratorActor), on the resources rollout.fleet_resources asks for (e.g. {num_gpus: 1})."""
+
+    name = "vllm"
+
+    @classmethod
+    def preflight(cls, cfg: Config, device) -> None:
+        """The fleet's, then vLLM's for the actors' device (a GPU when rollout.fleet_resources asks for one)."""
+        from .vllm_engine import preflight
+
+        super().preflight(cfg, device)
+        preflight(cfg, torch.device("cuda" if cfg.rollout.fleet_gpus > 0 else "cpu"))
+
+
 def _cause(e) -> str:
     cause = getattr(e, "cause", None) or e
     text = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {text[-1] if text else ''}"
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else ""
 
 
 def _resources(asked: dict) -> dict:

