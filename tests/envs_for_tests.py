@@ -77,3 +77,9 @@ class Logged(Digits):
         out = super().step(action)
         self._log("step", action)
         return out
+
+
+def digit_share(prompt: str, response: str, answer: str) -> float:
+    """A reward that varies for an untrained model (rollout.reward_fn=envs_for_tests:digit_share): the share
+    of the response's characters that are digits."""
+    return sum(c.isdigit() for c in response) / max(1, len(response))

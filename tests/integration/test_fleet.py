@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from verlj_testing import REPO, TINY, assert_same_journal, cli, env, fingerprint
 
 pytestmark = pytest.mark.slow
 
+TESTS = str(Path(__file__).resolve().parents[1])  # envs_for_tests (the ragged runs' reward)
 FLEET = ["rollout.mode=async", "rollout.fleet=ray", "rollout.fleet_size=2"]
 NOT_FLEET = ("rollout/fleet/",)  # the fleet's own counters (deaths, live actors, M) differ by design between the runs compared
 KILL = "fleet.dispatch:5:kill-actor"  # SIGKILL of the actor given the 5th call, as it gets it (batch 3, while step 2 trains)
@@ -44,7 +46,8 @@ def ragged(tmp_path_factory) -> list[str]:
     data = tmp_path_factory.mktemp("data") / "ragged.jsonl"
     rows = [(int("7" * (1 + i % 8)), int("3" * (1 + (i * 5) % 8))) for i in range(64)]
     data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a, b in rows))
-    return [f"data.train_dataset={data}", "rollout.reward_fn=builtin:add"]
+    # a reward that varies for the untrained model, so that every step's update changes the weights the actors get
+    return [f"data.train_dataset={data}", "rollout.reward_fn=envs_for_tests:digit_share"]
 
 
 def fleet_metrics(run) -> dict[int, dict]:
@@ -60,18 +63,20 @@ def ok(out):
 def test_step_order_is_bit_identical_whatever_m_through_a_killed_actor_and_a_resize(tmp_path, cluster, ragged):
     over = [*FLEET, *ragged]
     ref = tmp_path / "m2"
-    ok(train(ref, *over, **cluster))
+    ok(train(ref, *over, **cluster, PYTHONPATH=TESTS))
     assert {m["rollout/fleet/size"] for m in fleet_metrics(ref).values()} == {2.0}
     assert sum(m["rollout/fleet/deaths"] for m in fleet_metrics(ref).values()) == 0
+    with open_journal_reader(ref / "journal") as j:  # the weights change every step: a push that did nothing would show
+        assert all(e["values"]["actor/grad_norm"] > 0 for _, e in j.iter_events("metrics"))
 
     one = tmp_path / "m1"  # its only actor killed as it gets batch 3: the run waits for Ray to restart it
-    ok(train(one, *over, "rollout.fleet_size=1", VERLJ_FAILPOINT="fleet.dispatch:3:kill-actor", **cluster))
+    ok(train(one, *over, "rollout.fleet_size=1", VERLJ_FAILPOINT="fleet.dispatch:3:kill-actor", **cluster, PYTHONPATH=TESTS))
     last = fleet_metrics(one)[4]
     assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] == 4, last
     assert_same_journal(ref, one, ignore=NOT_FLEET)
 
     killed = tmp_path / "killed"
-    ok(train(killed, *over, VERLJ_FAILPOINT=KILL, **cluster))
+    ok(train(killed, *over, VERLJ_FAILPOINT=KILL, **cluster, PYTHONPATH=TESTS))
     last = fleet_metrics(killed)[max(fleet_metrics(killed))]
     assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] >= 1, last
     assert_same_journal(ref, killed, ignore=NOT_FLEET)
@@ -79,17 +84,17 @@ def test_step_order_is_bit_identical_whatever_m_through_a_killed_actor_and_a_res
     assert out.returncode == 0, out.stdout + out.stderr
 
     resized = tmp_path / "resized"  # the trainer killed in step 3's commit (batch 4 generated), resumed with one actor
-    out = train(resized, *over, VERLJ_FAILPOINT="step.before_commit:3", **cluster)
+    out = train(resized, *over, VERLJ_FAILPOINT="step.before_commit:3", **cluster, PYTHONPATH=TESTS)
     assert out.returncode == -9, out.stderr[-3000:]
     assert max(fingerprints(resized)) == 2
-    ok(train(resized, *over, "rollout.fleet_size=1", resume=True, **cluster))  # M is bookkeeping: no --allow-config-change
+    ok(train(resized, *over, "rollout.fleet_size=1", resume=True, **cluster, PYTHONPATH=TESTS))  # M is bookkeeping: no --allow-config-change
     sizes = {s: m["rollout/fleet/size"] for s, m in fleet_metrics(resized).items()}
     assert sizes == {1: 2.0, 2: 2.0, 3: 1.0, 4: 1.0}, sizes
     assert_same_journal(ref, resized, ignore=NOT_FLEET)
     assert fingerprints(resized) == fingerprints(ref)
 
     restarted = tmp_path / "restarted"  # the trainer SIGKILLed after step 3's commit; its supervisor restarts it with --resume
-    out = ok(train(restarted, *over, "trainer.max_restarts=2", VERLJ_FAILPOINT="journal.after_commit:3", **cluster))
+    out = ok(train(restarted, *over, "trainer.max_restarts=2", VERLJ_FAILPOINT="journal.after_commit:3", **cluster, PYTHONPATH=TESTS))
     assert "the training process was killed by SIGKILL; restarting it with --resume (1 of 2)" in out.stdout + out.stderr
     assert_same_journal(ref, restarted, ignore=NOT_FLEET)
     assert fingerprints(restarted) == fingerprints(ref)
