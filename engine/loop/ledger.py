@@ -541,6 +541,10 @@ class History:
     def config_at(self, step: int) -> dict:
         return _config_in_force(self.first_config, self.config_changes, step)
 
+    def configs_in(self, first: int, last: int) -> list[dict]:
+        """The configs in force for steps first..last: the one at `first`, then each change up to `last`."""
+        return [self.config_at(first), *(e.config for e in self.config_changes if first < e.from_step <= last)]
+
     def topology_at(self, step: int) -> dict:
         topo = self.topology_start
         for entry in self.topology_changes:
@@ -662,6 +666,10 @@ class Ledger:
     def config_at(self, step: int) -> dict:
         """The config in force for `step` (the run's first config, then each recorded change)."""
         return self.history().config_at(step)
+
+    def configs_in(self, first: int, last: int) -> list[dict]:
+        """The configs in force for steps first..last (History.configs_in)."""
+        return self.history().configs_in(first, last)
 
     def record_config_change(self, from_step: int, config: dict) -> None:
         self.journal.set_meta(_HISTORY, [*(self.journal.get_meta(_HISTORY) or []), ConfigEntry(from_step, config).to_dict()])

@@ -452,6 +452,11 @@ class EpisodeLine:
         turns = tuple(TurnLine(text(t.action_ids), text(t.observation_ids), None if t.reward != t.reward else t.reward) for t in s.turns())
         return cls(turns, int(s.env_end), s.env_reason)
 
+    @classmethod
+    def of_row(cls, row: dict) -> EpisodeLine:
+        """From a row of the rollout table (a pruned step's, from the archive): its turns as the archive wrote them."""
+        return _view(cls, {**row, table.TURNS: tuple(_view(TurnLine, t) for t in row[table.TURNS])})
+
     def to_json(self) -> dict:
         return {"turns": [_json(t) for t in self.turns], "env_end": self.env_end, "env_reason": self.env_reason}
 
@@ -551,9 +556,12 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
                     if cols is not None else "samples pruned from the journal (journal.retain_samples) and not archived")
         elif ev.added is not None:
             cols = table.step_columns(step, ev.added.samples, decoder)
-    samples = [SampleLine.of(r) for r in table.rows(cols)] if cols is not None else []
+    episodes = cols is not None and table.TURNS in cols
+    samples = [SampleLine.of(r) for r in table.rows(cols, episodes)] if cols is not None else []
     if ev.added is not None and ev.added.samples is not None:  # episodes (rollout.env): each turn's action, observation, reward
         samples = [line.with_episode(s, decoder) for line, s in zip(samples, Columns(ev.added.samples).samples())]
+    elif episodes:  # pruned: as the archive holds them
+        samples = [replace(line, episode=EpisodeLine.of_row(r)) for line, r in zip(samples, table.rows(cols, episodes))]
     if max_samples is not None:
         samples = samples[:max_samples]
     return StepDetail.of(ev, samples, note, decoder, run_dir)
@@ -995,16 +1003,21 @@ def _step_samples(record, reader) -> dict | None:
 
 def _same_samples(a: dict, b: dict) -> bool:
     """Every sample field alike, bit for bit (the decoded text aside: it follows from the ids)."""
-    for name in table.COLUMNS:
-        if name in table.TEXT:
+    for name in table.COLUMNS + table.EPISODE_COLUMNS:
+        if name in table.TEXT or name == table.TURNS:
             continue
         va, vb = a.get(name), b.get(name)
         if isinstance(va, tuple) or isinstance(vb, tuple):
-            if not (isinstance(va, tuple) and isinstance(vb, tuple) and all(np.array_equal(p, q) for p, q in zip(va, vb))):
+            if not (isinstance(va, tuple) and isinstance(vb, tuple) and all(_equal(p, q) for p, q in zip(va, vb))):
                 return False
-        elif not np.array_equal(np.asarray(va), np.asarray(vb)):
+        elif not _equal(va, vb):
             return False
     return True
+
+
+def _equal(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return np.array_equal(a, b, equal_nan=a.dtype.kind == "f" and b.dtype.kind == "f")  # an env's turn without a reward: NaN
 
 
 def _config_differences(ja: Ledger, jb: Ledger) -> dict[str, list]:
