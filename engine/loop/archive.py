@@ -128,14 +128,8 @@ class Reader:
         return pq.read_table(archive_dir(self.run_dir) / entry.file)
 
 
-def _entry(entry: ArchiveEntry | dict) -> ArchiveEntry:
-    # the ledger's archive_index() maps, as post-mortem readers not yet on archive_entries() pass them
-    return entry if isinstance(entry, ArchiveEntry) else ArchiveEntry.from_dict(entry)
-
-
-def check_entry(run_dir: Path, entry: ArchiveEntry | dict) -> str | None:
+def check_entry(run_dir: Path, entry: ArchiveEntry) -> str | None:
     """A problem with one indexed archive file, or None."""
-    entry = _entry(entry)
     path = archive_dir(run_dir) / entry.file
     if not path.is_file():
         return f"archive file {ARCHIVE_DIR}/{entry.file} (steps {entry.first}–{entry.last}) is missing"
@@ -144,13 +138,13 @@ def check_entry(run_dir: Path, entry: ArchiveEntry | dict) -> str | None:
     return None
 
 
-def leftovers(run_dir: Path, entries: list[ArchiveEntry] | list[dict]) -> list[str]:
+def leftovers(run_dir: Path, entries: list[ArchiveEntry]) -> list[str]:
     """Files in RUN/rollouts a killed archive write left (temporary files, or a complete file that a
     kill kept from being indexed): never read."""
     d = archive_dir(run_dir)
     if not d.is_dir():
         return []
-    indexed = {_entry(e).file for e in entries}
+    indexed = {e.file for e in entries}
     return sorted(f"{ARCHIVE_DIR}/{p.name}" for p in d.iterdir() if _TMP.match(p.name) or (_FILE.match(p.name) and p.name not in indexed))
 
 

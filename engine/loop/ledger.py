@@ -133,7 +133,7 @@ class Counterfactual(MetaRecord):
 class LineageEntry(MetaRecord):
     """A start, fork, what-if or resume of the run. A resume says from which snapshot, the config keys it
     changed, its world size and library versions (and those that moved since), and the
-    trainer.resume_from it was asked for. `parent`: a fork's, filled in by Ledger.lineage (never stored)."""
+    trainer.resume_from it was asked for. `parent`: a fork's, filled in by Ledger.lineage_entries (never stored)."""
 
     OPTIONAL = frozenset({"snapshot_step", "config_changes", "world_size", "time", "versions", "resume_from",
                           "versions_changed", "parent"})
@@ -705,10 +705,6 @@ class Ledger:
 
     # ------------------------------------------------------------------ lineage
 
-    def lineage(self) -> list[dict]:
-        """The lineage_entries as maps (what the post-mortem readers show)."""
-        return [e.to_dict() for e in self.lineage_entries()]
-
     def lineage_entries(self) -> list[LineageEntry]:
         """start / fork / what-if / resume entries, oldest first (runs from before this entry existed
         start with a resume); a fork's names its parent."""
@@ -744,10 +740,6 @@ class Ledger:
 
     # ------------------------------------------------------------------ snapshot index
 
-    def snapshots(self) -> dict[int, dict]:
-        """The snapshot_index as stored (what the post-mortem readers show)."""
-        return self.journal.snapshots()
-
     def snapshot_index(self) -> dict[int, SnapshotEntry]:
         """step -> its SnapshotEntry, oldest first."""
         return {step: SnapshotEntry.from_dict(info) for step, info in self.journal.snapshots().items()}
@@ -779,18 +771,14 @@ class Ledger:
         """The last step whose samples retention removed from the journal (0: none)."""
         return self.journal.pruned_through()
 
-    def archive_index(self) -> list[dict]:
-        """The archive_entries as stored (what the post-mortem readers show)."""
-        return list(self.journal.get_meta(_ARCHIVE) or [])
-
     def archive_entries(self) -> list[ArchiveEntry]:
         """The archived samples of pruned steps, oldest first."""
-        return [ArchiveEntry.from_dict(e) for e in self.archive_index()]
+        return [ArchiveEntry.from_dict(e) for e in self.journal.get_meta(_ARCHIVE) or []]
 
     def prune(self, through: int, archived: ArchiveEntry | None = None) -> tuple[int, int]:
         """Remove the samples of steps through `through`, indexing their archive file in the same
         transaction. Returns (steps pruned, bytes freed)."""
-        meta = {_ARCHIVE: [*self.archive_index(), archived.to_dict()]} if archived else None
+        meta = {_ARCHIVE: [*(self.journal.get_meta(_ARCHIVE) or []), archived.to_dict()]} if archived else None
         return self.journal.prune(through, meta)
 
     # ------------------------------------------------------------------ metrics

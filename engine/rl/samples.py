@@ -4,7 +4,7 @@ the rollout table (:mod:`engine.schema.table`), and the run's text decoder for t
 
 from __future__ import annotations
 
-from ..config import config_from_stored, read_stored
+from ..config import config_from_stored
 from ..schema.sample import FIELDS, PAD, SCALARS, SEQUENCES, UNKNOWN_VERSION, Columns, EnvEnd, Sample, pack, unpack
 from ..schema.table import (
     COLUMNS,
@@ -40,7 +40,7 @@ def text_decoder(config: dict | None):
     """The run's decoder (built-in vocabulary or tokenizer.json), or None when it cannot be found."""
     from .vocab import TextDecoder, builtin_chars
 
-    cfg = read_stored(config)
+    cfg = config_from_stored(config, unknown="none")
     if cfg is None:
         return None
     path = cfg.model.actor.model_name_or_path
