@@ -822,9 +822,21 @@ def config_from_dict(data: dict) -> Config:
     return _build(Config, data).validate()
 
 
-def config_from_stored(data: dict) -> Config:
+@typing.overload
+def config_from_stored(data: dict, unknown: typing.Literal["raise"] = "raise") -> Config: ...
+@typing.overload
+def config_from_stored(data: dict | None, unknown: typing.Literal["none"]) -> Config | None: ...
+def config_from_stored(data: dict | None, unknown: str = "raise") -> Config | None:
     """A config a run stored (`stored_config` applied) as types, for reading only: not validated again
-    (it was when the run started; what validation imports, pyarrow or wandb, may be missing where it is read)."""
+    (it was when the run started; what validation imports, pyarrow or wandb, may be missing where it is read).
+    A key this verlj does not know (a newer release's run): ConfigError, or with unknown="none", None
+    (as for no config at all: post-mortem readers that can do without it)."""
+    if unknown == "none":
+        try:
+            return config_from_stored(data) if data else None
+        except ConfigError:
+            return None
+    assert data is not None
     return _build(Config, stored_config(data))
 
 
@@ -845,13 +857,3 @@ def diff_configs(old: dict, new: dict, prefix: str = "") -> list[str]:
             keys.append(dotted)
     return keys
 
-
-def read_stored(data: dict | None) -> Config | None:
-    """The typed config of a config a run stored (post-mortem readers), or None when this verlj cannot
-    read it (a key it does not know)."""
-    if not data:
-        return None
-    try:
-        return config_from_stored(data)
-    except ConfigError:
-        return None

@@ -16,7 +16,12 @@ What it prints (all measured in this one run):
     them (everything inline), and the payload's compression ratio, at zstd levels 1 and 3;
   - growth: append latency near step 1,000 against near step 100,000 (goal <= 1.2). The journal is
     filled to there with append_steps (1,000 steps per transaction) using medium records, then single
-    fsynced appends are timed at both depths.
+    fsynced appends are timed at both depths;
+  - multi-turn episodes (rollout.env): bytes per step and per turn of steps whose samples are episodes
+    (4 turns of 64 action + 32 observation tokens by default, with loss_mask, turn_lens, turn_rewards and
+    the env fields, packed by engine.schema.sample.pack as the trainer packs them), stored (the journal's
+    frame: compact core, zstd payload) and raw (the same events as plain msgpack), side by side with
+    single-turn steps of the same samples and response tokens. `--only turns` runs this part alone.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from verlj.engine.schema.sample import EnvEnd, Sample, pack
 from verlj.journal import Journal, make_event, packb
 from verlj.journal.codec import Shapes
 from verlj.journal.events import SUMMARY_TYPES
@@ -210,6 +216,64 @@ def bench_growth(root: Path, far: int, samples: int, tokens: int, probes: int) -
           f"journal's own share {jg / fg:.2f}x; journal {size / 2**30:.2f} GiB")
 
 
+EPISODES, MASKED, SINGLE = "episodes", "masked", "single-turn"
+
+
+def episode_columns(rng: np.random.Generator, samples: int, turns: int, action: int, observation: int, kind: str,
+                    prompt: int = 64, vocab: int = 32000) -> dict:
+    """A step's samples through schema.sample.pack, as the trainer journals them. EPISODES: each sample
+    `turns` turns of `action` policy tokens then `observation` env tokens, generation log-probs 0 on the
+    env's (the env's reward on the last turn only, NaN before; the episode ended at max_turns). SINGLE:
+    the same tokens as one response, every token the policy's. MASKED: the episodes' tokens and log-probs
+    without the episode columns (what those columns alone cost). Token ids Zipf over `vocab`; log-probs
+    as samples_columns'; the reference's on every response token."""
+    width = turns * (action + observation)
+    out = []
+    for i in range(samples):
+        ids = np.minimum(rng.zipf(1.2, width), vocab) - 1
+        mask = np.tile(np.r_[np.ones(action, np.int8), np.zeros(observation, np.int8)], turns)
+        confident = rng.random(width) < 0.6
+        gen = np.where(confident, -rng.uniform(0, 0.05, width), -rng.exponential(2.0, width)).astype(np.float32)
+        ref = (gen + rng.normal(0, 0.05, width)).astype(np.float32)
+        seed = int(rng.integers(0, 2**63 - 1))  # drawn for every kind: each kind sees the same draws
+        s = Sample(index=i // 8, prompt_ids=np.minimum(rng.zipf(1.2, prompt), vocab) - 1, response_ids=ids, id=i, group=i - i % 8,
+                   score=float(rng.random()), rule_reward=float(rng.random()), policy_version=0, ref_logprobs=ref,
+                   gen_logprobs=gen if kind == SINGLE else gen * mask)
+        if kind == EPISODES:
+            s.loss_mask, s.turn_lens = mask, np.tile([action, observation], turns)
+            s.turn_rewards = np.r_[np.full(turns - 1, np.nan), s.score]
+            s.env_seed, s.env_end = seed, EnvEnd.MAX_TURNS
+        out.append(s)
+    return pack(out)
+
+
+def bench_turns(steps: int, samples: int, turns: int, action: int, observation: int, level: int = 1) -> None:
+    """Bytes per step and per turn, stored and raw, of steps of episodes against single-turn steps of the same tokens."""
+    sizes: dict[str, tuple[float, float]] = {}
+    for kind in (EPISODES, MASKED, SINGLE):
+        rng, shapes = np.random.default_rng(2), Shapes()  # the same draws for each kind
+        stored_b = raw_b = 0
+        for s in range(1, steps + 1):
+            cols = episode_columns(rng, samples, turns, action, observation, kind)
+            events = step_events(s, rng, samples, 0)
+            events[2] = make_event("buffer.add", ids=cols["id"], samples=cols)
+            stored_b += len(stored(s, events, level, shapes))
+            raw_b += len(packb(events))
+        sizes[kind] = (stored_b / steps, raw_b / steps)
+    (es, er), (ms, mr), (ss, sr) = sizes[EPISODES], sizes[MASKED], sizes[SINGLE]
+    per, tokens = samples * turns, samples * turns * (action + observation)
+    print(f"multi-turn: {steps} steps of {samples} episodes x {turns} turns of {action} action + {observation} observation tokens "
+          f"(zstd level {level}), against {samples} single-turn samples x {turns * (action + observation)} tokens a step")
+    print(f"  episodes:    stored {es / 1024:.1f} KiB/step, {es / per:.0f} bytes/turn, {es / tokens:.2f} bytes/token; "
+          f"raw {er / 1024:.1f} KiB/step, {er / per:.0f} bytes/turn")
+    print(f"  single-turn: stored {ss / 1024:.1f} KiB/step, {ss / samples:.0f} bytes/sample, {ss / tokens:.2f} bytes/token; "
+          f"raw {sr / 1024:.1f} KiB/step, {sr / samples:.0f} bytes/sample")
+    print(f"  episodes/single-turn: stored {es / ss:.3f}x, raw {er / sr:.3f}x (an episode's observation tokens carry no "
+          "generation log-prob: 0, which compresses)")
+    print(f"  the episode columns alone (loss_mask, turn_lens, turn_rewards, env_seed, env_end, env_reason): "
+          f"{(es - ms) / per:.1f} bytes/turn stored, {(er - mr) / per:.1f} raw ({(es - ms) / es:.1%} of the stored step)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=400)
@@ -223,7 +287,15 @@ def main() -> None:
     ap.add_argument("--large-samples", type=int, default=1024)
     ap.add_argument("--large-tokens", type=int, default=2048)
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--turn-steps", type=int, default=20, help="steps of episodes (and of single-turn samples) measured")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--action-tokens", type=int, default=64)
+    ap.add_argument("--observation-tokens", type=int, default=32)
+    ap.add_argument("--only", choices=["all", "turns"], default="all", help="turns: the multi-turn bytes alone (no disk, ~1 min)")
     args = ap.parse_args()
+    bench_turns(args.turn_steps, args.samples, args.turns, args.action_tokens, args.observation_tokens)
+    if args.only == "turns":
+        return
     root = Path(tempfile.mkdtemp(prefix="verlj-bench-", dir=args.dir))
     try:
         bench_vs_floor(root, args.steps, args.samples, args.tokens)

@@ -1,7 +1,8 @@
 """The rollout archive: samples of pruned steps, kept as Parquet where people analyse them.
 
     RUN/rollouts/steps_0000000001-0000000050.parquet   one file per pruning: every sample of those steps
-                                                        (rl.samples' rollout table, without the fate columns)
+                                                        (rl.samples' rollout table, without the fate columns;
+                                                        for a run of episodes, with the episode columns)
     RUN/rollouts/.tmp-steps_...                         being written; a kill leaves it (never read; the
                                                         next archive write removes it, verify lists it)
 
@@ -64,7 +65,8 @@ def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
     tmp = out_dir / f".tmp-{name}"
     rows = 0
     decoder = samples.text_decoder(ledger.config_at(last))
-    schema = samples.arrow_schema(False)
+    episodes = samples.ran_episodes(ledger.configs_in(first, last))
+    schema = samples.arrow_schema(False, episodes)
     pending: list = []  # steps' tables, written as one row group per ROW_GROUP_BYTES (a row group per step costs ~15%)
 
     def flush(w) -> None:
@@ -72,14 +74,14 @@ def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
             w.write_table(pa.concat_tables(pending))
             pending.clear()
 
-    with pq.ParquetWriter(tmp, schema, **samples.PARQUET_OPTIONS) as w:
+    with pq.ParquetWriter(tmp, schema, **samples.parquet_options(schema)) as w:
         for record in ledger.journal.iter_steps(first, last):
             if record.pruned:
                 continue  # pruned by an earlier retention policy that did not archive
             added = StepEvents.of(record).added
             if added is not None and added.samples is not None:
                 cols = samples.step_columns(record.step, added.samples, decoder)
-                pending.append(samples.to_arrow(cols))
+                pending.append(samples.to_arrow(cols, episodes=episodes))
                 rows += samples.num_rows(cols)
                 if sum(t.nbytes for t in pending) >= ROW_GROUP_BYTES:
                     flush(w)
@@ -126,14 +128,8 @@ class Reader:
         return pq.read_table(archive_dir(self.run_dir) / entry.file)
 
 
-def _entry(entry: ArchiveEntry | dict) -> ArchiveEntry:
-    # the ledger's archive_index() maps, as post-mortem readers not yet on archive_entries() pass them
-    return entry if isinstance(entry, ArchiveEntry) else ArchiveEntry.from_dict(entry)
-
-
-def check_entry(run_dir: Path, entry: ArchiveEntry | dict) -> str | None:
+def check_entry(run_dir: Path, entry: ArchiveEntry) -> str | None:
     """A problem with one indexed archive file, or None."""
-    entry = _entry(entry)
     path = archive_dir(run_dir) / entry.file
     if not path.is_file():
         return f"archive file {ARCHIVE_DIR}/{entry.file} (steps {entry.first}–{entry.last}) is missing"
@@ -142,13 +138,13 @@ def check_entry(run_dir: Path, entry: ArchiveEntry | dict) -> str | None:
     return None
 
 
-def leftovers(run_dir: Path, entries: list[ArchiveEntry] | list[dict]) -> list[str]:
+def leftovers(run_dir: Path, entries: list[ArchiveEntry]) -> list[str]:
     """Files in RUN/rollouts a killed archive write left (temporary files, or a complete file that a
     kill kept from being indexed): never read."""
     d = archive_dir(run_dir)
     if not d.is_dir():
         return []
-    indexed = {_entry(e).file for e in entries}
+    indexed = {e.file for e in entries}
     return sorted(f"{ARCHIVE_DIR}/{p.name}" for p in d.iterdir() if _TMP.match(p.name) or (_FILE.match(p.name) and p.name not in indexed))
 
 

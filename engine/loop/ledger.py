@@ -134,7 +134,7 @@ class Counterfactual(MetaRecord):
 class LineageEntry(MetaRecord):
     """A start, fork, what-if or resume of the run. A resume says from which snapshot, the config keys it
     changed, its world size and library versions (and those that moved since), and the
-    trainer.resume_from it was asked for. `parent`: a fork's, filled in by Ledger.lineage (never stored)."""
+    trainer.resume_from it was asked for. `parent`: a fork's, filled in by Ledger.lineage_entries (never stored)."""
 
     OPTIONAL = frozenset({"snapshot_step", "config_changes", "world_size", "time", "versions", "resume_from",
                           "versions_changed", "parent"})
@@ -542,6 +542,10 @@ class History:
     def config_at(self, step: int) -> dict:
         return _config_in_force(self.first_config, self.config_changes, step)
 
+    def configs_in(self, first: int, last: int) -> list[dict]:
+        """The configs in force for steps first..last: the one at `first`, then each change up to `last`."""
+        return [self.config_at(first), *(e.config for e in self.config_changes if first < e.from_step <= last)]
+
     def topology_at(self, step: int) -> dict:
         topo = self.topology_start
         for entry in self.topology_changes:
@@ -671,6 +675,10 @@ class Ledger:
         """The config in force for `step` (the run's first config, then each recorded change)."""
         return self.history().config_at(step)
 
+    def configs_in(self, first: int, last: int) -> list[dict]:
+        """The configs in force for steps first..last (History.configs_in)."""
+        return self.history().configs_in(first, last)
+
     def record_config_change(self, from_step: int, config: dict) -> None:
         self.journal.set_meta(_HISTORY, [*(self.journal.get_meta(_HISTORY) or []), ConfigEntry(from_step, config).to_dict()])
 
@@ -704,10 +712,6 @@ class Ledger:
         self.journal.set_meta(_TOPOLOGY, [*self.topology_history(), {"from_step": from_step, "topology": topology, **details}])
 
     # ------------------------------------------------------------------ lineage
-
-    def lineage(self) -> list[dict]:
-        """The lineage_entries as maps (what the post-mortem readers show)."""
-        return [e.to_dict() for e in self.lineage_entries()]
 
     def lineage_entries(self) -> list[LineageEntry]:
         """start / fork / what-if / resume entries, oldest first (runs from before this entry existed
@@ -743,10 +747,6 @@ class Ledger:
         return [e.at_step for e in self.lineage_entries() if e.kind is ControlKind.RESUME]
 
     # ------------------------------------------------------------------ snapshot index
-
-    def snapshots(self) -> dict[int, dict]:
-        """The snapshot_index as stored (what the post-mortem readers show)."""
-        return self.journal.snapshots()
 
     def snapshot_index(self) -> dict[int, SnapshotEntry]:
         """step -> its SnapshotEntry, oldest first."""
@@ -800,18 +800,14 @@ class Ledger:
         """The last step whose samples retention removed from the journal (0: none)."""
         return self.journal.pruned_through()
 
-    def archive_index(self) -> list[dict]:
-        """The archive_entries as stored (what the post-mortem readers show)."""
-        return list(self.journal.get_meta(_ARCHIVE) or [])
-
     def archive_entries(self) -> list[ArchiveEntry]:
         """The archived samples of pruned steps, oldest first."""
-        return [ArchiveEntry.from_dict(e) for e in self.archive_index()]
+        return [ArchiveEntry.from_dict(e) for e in self.journal.get_meta(_ARCHIVE) or []]
 
     def prune(self, through: int, archived: ArchiveEntry | None = None) -> tuple[int, int]:
         """Remove the samples of steps through `through`, indexing their archive file in the same
         transaction. Returns (steps pruned, bytes freed)."""
-        meta = {_ARCHIVE: [*self.archive_index(), archived.to_dict()]} if archived else None
+        meta = {_ARCHIVE: [*(self.journal.get_meta(_ARCHIVE) or []), archived.to_dict()]} if archived else None
         return self.journal.prune(through, meta)
 
     # ------------------------------------------------------------------ metrics

@@ -11,9 +11,10 @@ run quickly; a single step is one key lookup.
 
 Each command's answer is a frozen dataclass here (:class:`RunSummary`, :class:`StepDetail`,
 :class:`Match`, :class:`Difference`): ``to_json()`` is its ``--json`` form, ``render_*`` its text.
-Journal records are read through ``schema.events.StepEvents``; the ledger's own entries (lineage,
-topology changes, quarantined snapshots, ...) and the probe files are shown in ``--json`` as they are
-kept, and read for the text through the views below.
+Journal records are read through ``schema.events.StepEvents``; the ledger's own entries through its
+typed records (loop.ledger: LineageEntry, TopologyChange, Counterfactual, ...), shown in ``--json``
+as they are kept (their ``to_dict()``); the entries it keeps as maps (identity, quarantined and
+missing snapshots) and the probe files through the views below.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ import numpy as np
 from ..config import config_from_stored, diff_configs
 from ..errors import RunError
 from ..loop import archive
-from ..loop.ledger import Ledger, open_run, writer_dir
+from ..loop.ledger import Counterfactual, Ledger, LineageEntry, ParentRun, TopologyChange, open_run, writer_dir
 from ..rl import samples as table
-from ..schema.events import ConfigChange, Control, Eval, Metrics, Requests, Rollout, StepEvents
+from ..schema.events import ConfigChange, Control, ControlKind, Eval, Metrics, Requests, Rollout, StepEvents
 from ..schema.sample import Columns, Sample
 from ..state.manifest import check_snapshot
 from . import derived
@@ -53,8 +54,8 @@ def check_range(ledger: Ledger, step: int) -> None:
 
 
 def _view(cls, d: dict):
-    """`cls` (a frozen dataclass) over a plain map another module keeps (the ledger's entries, a
-    probe file's, a rollout-table row): the keys its fields name; a key `d` lacks is the field's default."""
+    """`cls` (a frozen dataclass) over a plain map another module keeps (the ledger's identity and
+    snapshot entries, a probe file's, a rollout-table row): the keys its fields name; a key `d` lacks is the field's default."""
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -89,52 +90,9 @@ class Identity:
 
 
 @dataclass(frozen=True)
-class Counterfactual:
-    run: str | None = None
-    from_step: int = 0
-    to_step: int | None = None
-    overrides: list | None = None
-
-
-@dataclass(frozen=True)
-class Parent:
-    run: str | None = None
-    step: int | None = None
-
-
-@dataclass(frozen=True)
-class LineageEntry:
-    """One entry of Ledger.lineage: a start, a fork or what-if (`parent`), or a resume."""
-
-    kind: str
-    at_step: int | None = None
-    snapshot_step: int | None = None
-    time: str | None = None
-    parent: dict | None = None
-    config_changes: list | None = None
-    resume_from: str | None = None
-    versions_changed: list | None = None
-
-
-@dataclass(frozen=True)
 class Deviation:
     deviation: float = 0
     metric: str | None = None
-
-
-@dataclass(frozen=True)
-class TopologyChange:
-    """One entry of Ledger.topology_history: the topology before (`prior`: the entry's `from`) and after."""
-
-    from_step: int
-    prior: dict
-    topology: dict
-    checked_steps: int | None = None
-    max_deviation: dict | None = None
-
-    @classmethod
-    def of(cls, entry: dict) -> TopologyChange:
-        return _view(cls, {**entry, "prior": entry["from"]})
 
 
 @dataclass(frozen=True)
@@ -144,11 +102,6 @@ class Snapshot:
     name: str
     reason: str | None = None
     path: str | None = None
-
-
-@dataclass(frozen=True)
-class Indexed:
-    path: str  # the snapshot index's entry (Ledger.snapshots): where the snapshot is
 
 
 @dataclass(frozen=True)
@@ -193,8 +146,8 @@ class TrendPoint:
 
 @dataclass(frozen=True)
 class RunSummary:
-    """`verlj inspect RUN`. The ledger's entries (lineage, topology, quarantined, missing) and the
-    stored probes are kept as the ledger and the probe files hold them: --json shows them so."""
+    """`verlj inspect RUN`. The ledger's entries (topology, quarantined, missing; lineage as its typed
+    records) and the stored probes are kept as the ledger and the probe files hold them: --json shows them so."""
 
     run: str
     identity: Identity
@@ -204,7 +157,7 @@ class RunSummary:
     first_step: int | None
     last_step: int
     snapshots: tuple[SnapshotLine, ...]
-    lineage: list[dict]
+    lineage: list[LineageEntry]
     topology: list[dict]
     writer: Writer | None
     quarantined: list[dict]
@@ -227,7 +180,7 @@ class RunSummary:
             "first_step": self.first_step,
             "last_step": self.last_step,
             "snapshots": [_json(x) for x in self.snapshots],
-            "lineage": self.lineage,
+            "lineage": [e.to_dict() for e in self.lineage],
             "topology": self.topology,
             "writer": _json(self.writer) if self.writer is not None else None,
             "quarantined": self.quarantined,
@@ -244,12 +197,12 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
     run_dir = Path(run_dir)
     with open_run(run_dir) as ledger:
         identity = _view(Identity, ledger.identity())
-        lineage = ledger.lineage()
+        lineage = ledger.lineage_entries()
         topology = ledger.topology_history()
         quarantined = ledger.quarantined()
         missing = ledger.missing()
         last, base = ledger.last_step(), ledger.base_step()
-        index = ledger.snapshots()
+        indexed = {e.path for e in ledger.snapshot_index().values()}
         ranks_now = Topology(**ledger.topology_at(last)).world_size
         last_summary = ledger.journal.read_summary(last) if last > base else None
         rollout = StepEvents.of(last_summary).rollout if last_summary else None
@@ -263,7 +216,6 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
                 values = StepEvents.of(summ).values if summ else {}
                 trend.append(TrendPoint(s, values.get(REWARD), values.get(PG_LOSS)))
     snaps = []
-    indexed = {_view(Indexed, i).path for i in index.values()}
     names = {p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("step_")} | indexed
     for name in sorted(names):
         res = check_snapshot(run_dir / name, hash_files=False)
@@ -291,8 +243,8 @@ def topology_line(entry: dict) -> str:
     """One topology boundary of the ledger's history (an entry of Ledger.topology_history), in words."""
     from ..state.topology import Topology
 
-    change = TopologyChange.of(entry)
-    said = f"from step {change.from_step}: {Topology(**change.prior)} -> {Topology(**change.topology)}"
+    change = TopologyChange.from_dict(entry)
+    said = f"from step {change.from_step}: {Topology(**(change.before or {}))} -> {Topology(**change.topology)}"
     if change.checked_steps:
         w = _view(Deviation, change.max_deviation or {})
         said += (f"; {change.checked_steps} replayed step(s) agreed with the journal within the tolerance "
@@ -331,7 +283,7 @@ def render_summary(s: RunSummary) -> str:
         f"steps      {s.steps_committed} committed, last step {s.last_step}",
     ]
     if ident.counterfactual:
-        cf = _view(Counterfactual, ident.counterfactual)
+        cf = Counterfactual.from_dict(ident.counterfactual)
         changed = ", ".join(cf.overrides) if cf.overrides else "nothing (RUN's own config)"
         lines.insert(1, f"what-if    COUNTERFACTUAL: steps {cf.from_step + 1}–{cf.to_step} re-trained on the samples of "
                         f"{cf.run} (not drawn by this run's policy), changed: {changed}")
@@ -348,14 +300,15 @@ def render_summary(s: RunSummary) -> str:
         lines.append(f"quarantine {q.name} ({q.reason}) moved to {q.path}")
     for m in (_view(Snapshot, x) for x in s.missing):
         lines.append(f"missing    {m.name} was {m.reason}: a resume removed it from the index")
-    for entry in (_view(LineageEntry, x) for x in s.lineage):
-        if entry.kind == "start":
+    for entry in s.lineage:
+        if entry.kind is ControlKind.START:
             continue
-        parent = _view(Parent, entry.parent or {})
-        if entry.kind == "fork":
-            lines.append(f"lineage    forked from {parent.run} at step {parent.step}")
-        elif entry.kind == "whatif":
-            lines.append(f"lineage    a what-if of {parent.run} from its step {parent.step}")
+        parent = ParentRun.from_dict(entry.parent) if entry.parent else None
+        run, step = (parent.run, parent.step) if parent else (None, None)
+        if entry.kind is ControlKind.FORK:
+            lines.append(f"lineage    forked from {run} at step {step}")
+        elif entry.kind is ControlKind.WHATIF:
+            lines.append(f"lineage    a what-if of {run} from its step {step}")
         else:
             changes = f", config changes: {', '.join(entry.config_changes)}" if entry.config_changes else ""
             asked = f" (asked: trainer.resume_from={entry.resume_from})" if entry.resume_from else ""
@@ -451,6 +404,11 @@ class EpisodeLine:
 
         turns = tuple(TurnLine(text(t.action_ids), text(t.observation_ids), None if t.reward != t.reward else t.reward) for t in s.turns())
         return cls(turns, int(s.env_end), s.env_reason)
+
+    @classmethod
+    def of_row(cls, row: dict) -> EpisodeLine:
+        """From a row of the rollout table (a pruned step's, from the archive): its turns as the archive wrote them."""
+        return _view(cls, {**row, table.TURNS: tuple(_view(TurnLine, t) for t in row[table.TURNS])})
 
     def to_json(self) -> dict:
         return {"turns": [_json(t) for t in self.turns], "env_end": self.env_end, "env_reason": self.env_reason}
@@ -551,9 +509,12 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
                     if cols is not None else "samples pruned from the journal (journal.retain_samples) and not archived")
         elif ev.added is not None:
             cols = table.step_columns(step, ev.added.samples, decoder)
-    samples = [SampleLine.of(r) for r in table.rows(cols)] if cols is not None else []
+    episodes = cols is not None and table.TURNS in cols
+    samples = [SampleLine.of(r) for r in table.rows(cols, episodes)] if cols is not None else []
     if ev.added is not None and ev.added.samples is not None:  # episodes (rollout.env): each turn's action, observation, reward
         samples = [line.with_episode(s, decoder) for line, s in zip(samples, Columns(ev.added.samples).samples())]
+    elif episodes:  # pruned: as the archive holds them
+        samples = [replace(line, episode=EpisodeLine.of_row(r)) for line, r in zip(samples, table.rows(cols, episodes))]
     if max_samples is not None:
         samples = samples[:max_samples]
     return StepDetail.of(ev, samples, note, decoder, run_dir)
@@ -995,16 +956,21 @@ def _step_samples(record, reader) -> dict | None:
 
 def _same_samples(a: dict, b: dict) -> bool:
     """Every sample field alike, bit for bit (the decoded text aside: it follows from the ids)."""
-    for name in table.COLUMNS:
-        if name in table.TEXT:
+    for name in table.COLUMNS + table.EPISODE_COLUMNS:
+        if name in table.TEXT or name == table.TURNS:
             continue
         va, vb = a.get(name), b.get(name)
         if isinstance(va, tuple) or isinstance(vb, tuple):
-            if not (isinstance(va, tuple) and isinstance(vb, tuple) and all(np.array_equal(p, q) for p, q in zip(va, vb))):
+            if not (isinstance(va, tuple) and isinstance(vb, tuple) and all(_equal(p, q) for p, q in zip(va, vb))):
                 return False
-        elif not np.array_equal(np.asarray(va), np.asarray(vb)):
+        elif not _equal(va, vb):
             return False
     return True
+
+
+def _equal(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return np.array_equal(a, b, equal_nan=a.dtype.kind == "f" and b.dtype.kind == "f")  # an env's turn without a reward: NaN
 
 
 def _config_differences(ja: Ledger, jb: Ledger) -> dict[str, list]:
@@ -1042,7 +1008,7 @@ def render_diff(d: Difference, a: Path, b: Path) -> str:
     lines = [f"first difference at step {d.step}: " + ", ".join(_NAMES.get(k, k) for k in d.differs), *config]
     for history, run in zip(d.topology or ((), ()), (a, b)):
         for entry in history:
-            if TopologyChange.of(entry).from_step <= d.step:
+            if TopologyChange.from_dict(entry).from_step <= d.step:
                 lines.append(f"  note: {run} changed topology {topology_line(entry)}")
     st = d.detail.stages
     if st:

@@ -24,7 +24,7 @@ def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) ->
     import matplotlib.pyplot as plt
 
     with open_run(run_dir) as ledger:
-        snaps = sorted(ledger.snapshots())
+        snaps = sorted(ledger.snapshot_index())
         resumes = ledger.resume_steps()
     n = max(1, len(cols))
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 * n), sharex=True, squeeze=False)

@@ -2,9 +2,12 @@
 
     verlj export RUN --rollouts --output rollouts.parquet             # every sample of the run
     verlj export RUN --rollouts --steps 100:200 --format jsonl --output r.jsonl
+    verlj export RUN --rollouts --turns --output turns.parquet       # episodes: one row per turn
 
-The table's columns are rl.samples' (its one schema of a sample), plus each sample's fate, derived
-here from the journal: ``status`` (consumed | dropped | pending) and ``status_step`` (when).
+The table's columns are rl.samples' (its one schema of a sample; a run of episodes, rollout.env, has
+the episode's columns too: ``turns``, ``env_end``, ``env_reason``, ``env_seed``, ...), plus each sample's
+fate, derived here from the journal: ``status`` (consumed | dropped | pending) and ``status_step`` (when).
+``--turns`` writes one row per turn instead (schema.table.TURN_COLUMNS, then the fate).
 pyarrow is needed for Parquet only (``pip install 'verlj[archive]'``); JSONL needs nothing more.
 """
 
@@ -23,7 +26,18 @@ from ..config import config_from_stored
 from ..errors import RunError
 from ..loop import archive
 from ..loop.ledger import open_run
-from ..rl.samples import PARQUET_OPTIONS, arrow_schema, num_rows, require_pyarrow, rows, step_columns, text_decoder, to_arrow
+from ..rl.samples import (
+    arrow_schema,
+    parquet_options,
+    ran_episodes,
+    require_pyarrow,
+    rows,
+    step_columns,
+    text_decoder,
+    to_arrow,
+    turn_rows,
+    turn_schema,
+)
 from ..schema.events import DropReason, StepEvents
 from .steps import parse_steps, ranges
 
@@ -156,9 +170,10 @@ def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[
         notes.append(f"steps {ranges(missing)} were pruned without an archive (journal.archive was off): their samples are not in the table")
 
 
-def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None) -> tuple[int, list[str]]:
-    """Write the rollout table of `run_dir` (steps A:B) to `output`. Returns (rows written, notes).
-    Written to a temporary name and renamed: a failed export leaves no partial file."""
+def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, turns: bool = False) -> tuple[int, list[str]]:
+    """Write the rollout table of `run_dir` (steps A:B) to `output`, one row per sample (per turn with
+    `turns`). Returns (rows written, notes). Written to a temporary name and renamed: a failed export
+    leaves no partial file."""
     import os
 
     if fmt not in ("parquet", "jsonl"):
@@ -175,23 +190,31 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None) ->
         if a > b:
             raise RunError(f"--steps selects no step: this run has steps {first}–{last}")
         fates = sample_fates(ledger, a, None)
+        episodes = ran_episodes(ledger.configs_in(a, b))
+
+        def table_rows(cols: dict) -> Iterator[dict]:
+            for row in turn_rows(cols) if turns else rows(cols, episodes):
+                status, when = fates.get(row["sample_id"], ("pending", None))
+                yield {**row, "status": status, "status_step": when}
+
         try:
             if fmt == "parquet":
+                import pyarrow as pa
                 import pyarrow.parquet as pq
 
-                with pq.ParquetWriter(tmp, arrow_schema(True), **PARQUET_OPTIONS) as w:
+                schema = turn_schema(True) if turns else arrow_schema(True, episodes)
+                with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as w:
                     for _step, cols in iter_step_columns(run_dir, ledger, a, b, notes):
-                        w.write_table(to_arrow(cols, fates))
-                        written += num_rows(cols)
+                        table = pa.Table.from_pylist(list(table_rows(cols)), schema) if turns else to_arrow(cols, fates, episodes)
+                        w.write_table(table)
+                        written += table.num_rows
             else:
                 with open(tmp, "w") as f:
                     for _step, cols in iter_step_columns(run_dir, ledger, a, b, notes):
-                        for row in rows(cols):
-                            status, when = fates.get(row["sample_id"], ("pending", None))
-                            f.write(json.dumps({**row, "status": status, "status_step": when}, allow_nan=True) + "\n")
+                        for row in table_rows(cols):
+                            f.write(json.dumps(row, allow_nan=True) + "\n")
                             written += 1
             os.replace(tmp, output)
         finally:
             tmp.unlink(missing_ok=True)
     return written, notes
-

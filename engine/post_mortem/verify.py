@@ -375,7 +375,7 @@ def _indexed(info: SnapshotEntry) -> tuple[str, str | None]:
 
 def _rotated_away(ledger: Ledger, step: int, path: Path) -> bool:
     try:
-        return step not in ledger.snapshots() and not path.exists()
+        return step not in ledger.snapshot_index() and not path.exists()
     except JournalError:
         return False
 

@@ -223,6 +223,10 @@ class Columns:
             return np.asarray(self.cols[name], dt)
         return default if default is not None else np.zeros(self.n, dt)
 
+    def text(self, name: str) -> list[str]:
+        """A text column (env_reason) as str; empty strings when the journal lacks it."""
+        return [str(x) for x in self.cols[name]] if name in self.cols else [""] * self.n
+
     def padded(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """A sequence column as (padded 2-D array, lengths); empty when the journal lacks it."""
         arr = np.asarray(self.cols.get(name, np.zeros((self.n, 0))), SEQUENCES.get(name) or EPISODE_SEQUENCES[name])

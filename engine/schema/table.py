@@ -5,6 +5,12 @@ rows: ``step``, the sample's fields (:mod:`.sample`; the id under the table's na
 log-probs as lists), ``prompt`` and ``response`` decoded to text, and on export the sample's fate
 (``status``, ``status_step``). :func:`step_columns` builds a step's rows for all three, so they never
 disagree. pyarrow is needed for Parquet only (``pip install 'verlj[archive]'``).
+
+A table of episodes (rollout.env) has the episode's fields too (:data:`EPISODE_COLUMNS`): ``turns``, the
+episode turn by turn as text (``[{action, observation, reward}]``, reward null where the env gave none),
+``env_end``, ``env_reason``, ``env_seed``, and ``loss_mask``, ``turn_lens``, ``turn_rewards`` as lists. A
+single-turn run's table has none of them: its files are byte for byte what they were before episodes.
+:func:`turn_rows` gives the table one row per turn instead (``export --rollouts --turns``).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..errors import RunError
-from .sample import SCALARS, SEQUENCES, Columns
+from .sample import EPISODE_SCALARS, EPISODE_SEQUENCES, EPISODE_TEXT, SCALARS, SEQUENCES, Columns
 
 # ----------------------------------------------------------------------------- the rollout table
 
@@ -23,7 +29,11 @@ TABLE_NAMES = {"id": SAMPLE_ID}  # a field's column name where it differs (a tab
 TEXT = ("prompt", "response")
 COLUMNS = ["step", "sample_id", "group", "index", "prompt", "response", *SEQUENCES, "rule_reward", "rm_score", "score", "policy_version"]
 FATE = ["status", "status_step"]
-_TABLE_SCALARS = {"step": np.int64, **{TABLE_NAMES.get(k, k): dt for k, dt in SCALARS.items()}}
+TURNS = "turns"  # an episode's turns as text: [{action, observation, reward}]
+EPISODE_COLUMNS = [TURNS, "env_end", EPISODE_TEXT, "env_seed", *EPISODE_SEQUENCES]
+_TABLE_SCALARS = {"step": np.int64, **{TABLE_NAMES.get(k, k): dt for k, dt in {**SCALARS, **EPISODE_SCALARS}.items()}}
+_TABLE_SEQUENCES = {**SEQUENCES, **EPISODE_SEQUENCES}
+_TABLE_TEXT = (*TEXT, EPISODE_TEXT)
 
 
 def require_pyarrow(what: str):
@@ -38,40 +48,58 @@ def require_pyarrow(what: str):
 # How the table is written to Parquet (the archive, `export --rollouts x.parquet`): log-probs and
 # scores byte-stream-split (their bytes compress well apart, badly interleaved), dictionaries for the
 # rest; zstd at level 9. Measured on the default task: 0.67x the bytes of plain zstd row groups.
-_FLOATS = [k for k, dt in {**SCALARS, **SEQUENCES}.items() if dt in (np.float32, np.float64)]
-PARQUET_OPTIONS = {"compression": "zstd", "compression_level": 9, "use_byte_stream_split": _FLOATS,
-                   "use_dictionary": [c for c in COLUMNS + FATE if c not in _FLOATS]}
+_FLOATS = [k for k, dt in {**SCALARS, **_TABLE_SEQUENCES}.items() if dt in (np.float32, np.float64)]
 
 
-def arrow_schema(with_fate: bool):
+def parquet_options(schema) -> dict:
+    """The writer's options for a table of `schema` (arrow_schema's): its float columns byte-stream-split,
+    the others (their turns' text aside) dictionary-encoded."""
+    names = set(schema.names)
+    return {"compression": "zstd", "compression_level": 9, "use_byte_stream_split": [c for c in _FLOATS if c in names],
+            "use_dictionary": [c for c in COLUMNS + EPISODE_COLUMNS + FATE if c in names and c not in _FLOATS and c != TURNS]}
+
+
+def arrow_schema(with_fate: bool, episodes: bool = False):
+    """The table's Parquet schema: with the fate columns (export) or without (the archive); with the
+    episode columns for a run of episodes."""
     pa = require_pyarrow("Parquet")
-    arrow = {np.int64: pa.int64(), np.float64: pa.float64(), np.int32: pa.int32(), np.float32: pa.float32()}
-    types = {**{k: arrow[dt] for k, dt in _TABLE_SCALARS.items()}, **{k: pa.list_(arrow[dt]) for k, dt in SEQUENCES.items()},
-             "prompt": pa.string(), "response": pa.string(), "status": pa.string(), "status_step": pa.int64()}
-    return pa.schema([(k, types[k]) for k in COLUMNS + (FATE if with_fate else [])])
+    arrow = {np.int64: pa.int64(), np.float64: pa.float64(), np.int32: pa.int32(), np.float32: pa.float32(), np.int8: pa.int8()}
+    turn = pa.struct([("action", pa.string()), ("observation", pa.string()), ("reward", pa.float64())])
+    types = {**{k: arrow[dt] for k, dt in _TABLE_SCALARS.items()}, **{k: pa.list_(arrow[dt]) for k, dt in _TABLE_SEQUENCES.items()},
+             **{k: pa.string() for k in _TABLE_TEXT}, TURNS: pa.list_(turn), "status": pa.string(), "status_step": pa.int64()}
+    return pa.schema([(k, types[k]) for k in COLUMNS + (EPISODE_COLUMNS if episodes else []) + (FATE if with_fate else [])])
 
 
 def step_columns(step: int, samples: dict, decoder) -> dict:
     """One step's samples (the columnar form of a journal's `buffer.add` event) as table columns:
-    scalars as arrays, sequences as (flat values, offsets), text as lists of str."""
+    scalars as arrays, sequences as (flat values, offsets), text as lists of str (an episode's turns:
+    lists of {action, observation, reward})."""
     batch = Columns(samples)
     n = batch.n
+    episodes = batch.has("env_end")
     cols: dict = {"step": np.full(n, step, np.int64)}
-    for k in SCALARS:
+    for k in {**SCALARS, **(EPISODE_SCALARS if episodes else {})}:
         cols[TABLE_NAMES.get(k, k)] = batch.scalar(k)
     if not batch.has("policy_version"):  # journaled before the field existed: a sync step's
         cols[VERSION] = np.full(n, step - 1, np.int64)
-    for k, dt in SEQUENCES.items():
+    for k, dt in {**SEQUENCES, **(EPISODE_SEQUENCES if episodes else {})}.items():
         arr, lens = batch.padded(k)
         mask = np.arange(arr.shape[1] if arr.ndim == 2 else 0)[None, :] < lens[:, None]
         offsets = np.zeros(n + 1, np.int32)
         np.cumsum(lens, out=offsets[1:])
         cols[k] = (arr[mask] if arr.ndim == 2 else np.zeros(0, dt), offsets)
+
+    def text(ids, skip: bool) -> str:
+        return decoder.decode(ids.tolist(), skip_special_tokens=skip) if decoder else ""
+
     for k, ids, skip in (("prompt", "prompt_ids", True), ("response", "response_ids", False)):
         values, offsets = cols[ids]
         # the prompt's <bos> is the template's; a response shows every token the model wrote (<unk>, <eos>)
-        cols[k] = [decoder.decode(values[offsets[i] : offsets[i + 1]].tolist(), skip_special_tokens=skip) if decoder else ""
-                   for i in range(n)]
+        cols[k] = [text(values[offsets[i] : offsets[i + 1]], skip) for i in range(n)]
+    if episodes:
+        cols[EPISODE_TEXT] = batch.text(EPISODE_TEXT)
+        cols[TURNS] = [[{"action": text(t.action_ids, False), "observation": text(t.observation_ids, False),
+                         "reward": None if np.isnan(t.reward) else t.reward} for t in s.turns()] for s in batch.samples()]
     return cols
 
 
@@ -79,14 +107,17 @@ def num_rows(cols: dict) -> int:
     return len(cols[SAMPLE_ID])
 
 
-def to_arrow(cols: dict, fate: dict | None = None):
-    """A pyarrow Table of one step's columns (with the fate columns when `fate` is given)."""
+def to_arrow(cols: dict, fate: dict | None = None, episodes: bool = False):
+    """A pyarrow Table of one step's columns (with the fate columns when `fate` is given; with the episode
+    columns when `episodes`, null for a step without episodes)."""
     pa = require_pyarrow("Parquet")
     arrays = []
-    schema = arrow_schema(fate is not None)
+    schema = arrow_schema(fate is not None, episodes)
     for name in schema.names:
         typ = schema.field(name).type
-        if name in SEQUENCES:
+        if name in EPISODE_COLUMNS and name not in cols:
+            arrays.append(pa.nulls(num_rows(cols), typ))
+        elif name in _TABLE_SEQUENCES:
             values, offsets = cols[name]
             arrays.append(pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, typ.value_type)))
         elif name in FATE:
@@ -98,33 +129,77 @@ def to_arrow(cols: dict, fate: dict | None = None):
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def rows(cols: dict) -> Iterator[dict]:
-    """One step's columns as row dicts (JSON-ready values)."""
+def rows(cols: dict, episodes: bool = False) -> Iterator[dict]:
+    """One step's columns as row dicts (JSON-ready values); with the episode columns when `episodes`
+    (None for a step without episodes)."""
+    names = COLUMNS + (EPISODE_COLUMNS if episodes else [])
     for i in range(num_rows(cols)):
-        row = {}
-        for name in COLUMNS:
-            if name in SEQUENCES:
+        row: dict = {}
+        for name in names:
+            if name not in cols:
+                row[name] = None
+            elif name in _TABLE_SEQUENCES:
                 values, offsets = cols[name]
                 row[name] = values[offsets[i] : offsets[i + 1]].tolist()
-            elif name in TEXT:
+            elif name in _TABLE_TEXT or name == TURNS:
                 row[name] = cols[name][i]
             else:
                 row[name] = cols[name][i].item()
         yield row
 
 
+TURN_COLUMNS = ["step", "sample_id", "group", "index", "policy_version", "turn", "action", "observation", "reward", "action_ids",
+                "action_logprobs", "observation_ids", "score", "env_end", EPISODE_TEXT]
+
+
+def turn_rows(cols: dict) -> Iterator[dict]:
+    """One step's columns as one row a turn (TURN_COLUMNS; JSON-ready values), `turn` counting from 1. A
+    single-turn sample is one turn: its response, no observation, reward None, env_end 0 (EnvEnd.NONE)."""
+    resp, logp = cols["response_ids"], cols["gen_logprobs"]
+    for i in range(num_rows(cols)):
+        ids = resp[0][resp[1][i] : resp[1][i + 1]].tolist()
+        lps = logp[0][logp[1][i] : logp[1][i + 1]].tolist()
+        if TURNS in cols:
+            lens_v, lens_o = cols["turn_lens"]
+            lens = lens_v[lens_o[i] : lens_o[i + 1]].tolist()
+            turns, end, reason = cols[TURNS][i], cols["env_end"][i].item(), cols[EPISODE_TEXT][i]
+        else:
+            lens = [len(ids), 0]
+            turns, end, reason = [{"action": cols["response"][i], "observation": "", "reward": None}], 0, ""
+        head = {"step": cols["step"][i].item(), "sample_id": cols[SAMPLE_ID][i].item(), "group": cols["group"][i].item(),
+                "index": cols["index"][i].item(), VERSION: cols[VERSION][i].item()}
+        at = 0
+        for t, turn in enumerate(turns):
+            a, o = lens[2 * t], lens[2 * t + 1]
+            yield {**head, "turn": t + 1, **turn, "action_ids": ids[at : at + a], "action_logprobs": lps[at : at + a],
+                   "observation_ids": ids[at + a : at + a + o], "score": cols["score"][i].item(), "env_end": end, EPISODE_TEXT: reason}
+            at += a + o
+
+
+def turn_schema(with_fate: bool):
+    """turn_rows' Parquet schema (with the fate columns when `with_fate`)."""
+    pa = require_pyarrow("Parquet")
+    types = {"step": pa.int64(), SAMPLE_ID: pa.int64(), "group": pa.int64(), "index": pa.int64(), VERSION: pa.int64(), "turn": pa.int32(),
+             "action": pa.string(), "observation": pa.string(), "reward": pa.float64(), "action_ids": pa.list_(pa.int32()),
+             "action_logprobs": pa.list_(pa.float32()), "observation_ids": pa.list_(pa.int32()), "score": pa.float64(),
+             "env_end": pa.int8(), EPISODE_TEXT: pa.string(), "status": pa.string(), "status_step": pa.int64()}
+    return pa.schema([(k, types[k]) for k in TURN_COLUMNS + (FATE if with_fate else [])])
+
+
 def table_columns(table) -> dict:
-    """Table rows (a pyarrow Table of the archive's schema) back into step_columns' form."""
+    """Table rows (a pyarrow Table of the archive's schema) back into step_columns' form (with the
+    episode columns when the table holds them for these rows)."""
     cols: dict = {}
-    for name in COLUMNS:
+    held = [name for name in EPISODE_COLUMNS if name in table.column_names and table.num_rows and table.column(name).null_count == 0]
+    for name in COLUMNS + (held if len(held) == len(EPISODE_COLUMNS) else []):
         if name == "policy_version" and name not in table.column_names:  # archived before the field existed
             cols[name] = cols["step"] - 1
             continue
         col = table.column(name).combine_chunks()
-        if name in SEQUENCES:
-            cols[name] = (col.values.to_numpy(zero_copy_only=False).astype(SEQUENCES[name]),
+        if name in _TABLE_SEQUENCES:
+            cols[name] = (col.values.to_numpy(zero_copy_only=False).astype(_TABLE_SEQUENCES[name]),
                           col.offsets.to_numpy().astype(np.int32) - int(col.offsets[0].as_py()))
-        elif name in TEXT:
+        elif name in _TABLE_TEXT or name == TURNS:
             cols[name] = col.to_pylist()
         else:
             cols[name] = col.to_numpy(zero_copy_only=False).astype(_TABLE_SCALARS[name])

@@ -20,7 +20,7 @@ from verlj.engine.rl.vocab import VOCABS, TextDecoder
 from verlj.engine.schema.events import StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import assert_same_journal, fingerprints, train, verlj
+from verlj_testing import assert_same_journal, cli, fingerprints, train, verlj
 
 TESTS = str(Path(__file__).resolve().parents[1])  # envs_for_tests
 ASCII = "model.tiny.vocab=ascii"
@@ -110,6 +110,70 @@ def test_the_held_out_eval_plays_episodes(guess_ref):
             assert all(w in ("higher", "lower", "not a number", "") for w in words)
     assert max(int(e.turns.max()) for e in by_step.values()) > 1, "no held-out episode took more than one turn"
     assert 1 not in metrics(guess_ref) or "eval/score/mean" not in metrics(guess_ref)[1]
+
+
+def _nan_as_none(x):
+    """A row's values with NaN as None (Parquet and JSONL each keep a float list's NaN; NaN != NaN)."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, list):
+        return [_nan_as_none(v) for v in x]
+    return {k: _nan_as_none(v) for k, v in x.items()} if isinstance(x, dict) else x
+
+
+def test_export_rollouts_has_each_episode_turn_by_turn_and_one_row_a_turn(guess_ref, tmp_path):
+    """export --rollouts of a run of episodes: the episode's columns (turns as text, as inspect --step shows
+    them; env_end, env_reason, env_seed; loss_mask, turn_lens, turn_rewards) in JSONL and Parquet alike, and
+    --turns one row per turn whose action and observation ids put back together are the response."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    by_id = {s.id: s for step in episodes(guess_ref).values() for s in step}
+    cli("export", guess_ref, "--rollouts", "-o", tmp_path / "r.jsonl", check=True)
+    cli("export", guess_ref, "--rollouts", "-o", tmp_path / "r.parquet", check=True)
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert _nan_as_none(pq.read_table(tmp_path / "r.parquet").to_pylist()) == _nan_as_none(rows)
+    assert sorted(r["sample_id"] for r in rows) == sorted(by_id)
+    shown = json.loads(cli("inspect", guess_ref, "--step", "2", "--json", check=True).stdout)["samples"]
+    assert shown and all(next(r for r in rows if r["sample_id"] == s["id"])["turns"] == s["turns"] for s in shown)
+    for r in rows:
+        s = by_id[r["sample_id"]]
+        assert len(r["turns"]) == len(s.turns()) == len(s.turn_lens) // 2 and r["turns"][0]["action"]
+        assert [t["reward"] for t in r["turns"]] == [None if np.isnan(x) else x for x in s.turn_rewards]
+        assert (r["env_end"], r["env_reason"], r["env_seed"]) == (s.env_end, s.env_reason, s.env_seed)
+        assert (r["loss_mask"], r["turn_lens"]) == (s.loss_mask.tolist(), s.turn_lens.tolist())
+        assert "".join(t["action"] + t["observation"] for t in r["turns"]) == r["response"]
+    out = cli("export", guess_ref, "--rollouts", "--turns", "-o", tmp_path / "t.jsonl", check=True)
+    cli("export", guess_ref, "--rollouts", "--turns", "-o", tmp_path / "t.parquet", check=True)
+    turns = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert pq.read_table(tmp_path / "t.parquet").to_pylist() == turns
+    assert len(turns) == sum(len(s.turns()) for s in by_id.values()) > len(by_id) and f"wrote {len(turns)} turns" in out.stdout
+    for sid, s in by_id.items():
+        mine = [t for t in turns if t["sample_id"] == sid]
+        assert [t["turn"] for t in mine] == list(range(1, len(s.turns()) + 1))
+        assert sum((t["action_ids"] + t["observation_ids"] for t in mine), []) == s.response_ids.tolist()
+        assert np.array_equal(np.float32(sum((t["action_logprobs"] for t in mine), [])), s.gen_logprobs[s.loss_mask == 1])
+        row = next(r for r in rows if r["sample_id"] == sid)
+        assert [{k: t[k] for k in ("action", "observation", "reward")} for t in mine] == row["turns"]
+        assert all((t["status"], t["status_step"], t["score"]) == (row["status"], row["status_step"], row["score"]) for t in mine)
+
+
+def test_archived_episodes_read_back_as_the_journal_holds_them(guess_ref, tmp_path):
+    """The rollout archive (retention) of a run of episodes keeps the episode's columns: each step's table
+    written to Parquet as loop.archive writes it and read back as an archived step is gives the same rows."""
+    pa, pq, pc = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet"), pytest.importorskip("pyarrow.compute")
+    from verlj.engine.rl import samples as table
+
+    dec = TextDecoder("builtin:tiny", VOCABS["ascii"])
+    with open_journal_reader(guess_ref / "journal") as j:
+        cols = [table.step_columns(rec.step, StepEvents.of(rec).added.samples, dec) for rec in j.iter_steps()]
+    schema = table.arrow_schema(False, episodes=True)
+    with pq.ParquetWriter(tmp_path / "a.parquet", schema, **table.parquet_options(schema)) as w:
+        w.write_table(pa.concat_tables([table.to_arrow(c, episodes=True) for c in cols]))
+    back = pq.read_table(tmp_path / "a.parquet")
+    for c in cols:
+        step = int(c["step"][0])
+        again = table.table_columns(back.filter(pc.equal(back.column("step"), step)))
+        assert _nan_as_none(list(table.rows(again, True))) == _nan_as_none(list(table.rows(c, True)))
+        assert table.TURNS in again and again["turn_rewards"][0].tobytes() == c["turn_rewards"][0].tobytes()
 
 
 def test_guess_killed_mid_run_then_resumed_is_exact(tmp_path, guess_ref):

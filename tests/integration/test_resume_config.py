@@ -40,8 +40,8 @@ def test_resume_from_applies_to_the_resume_that_names_it(copy):
     assert f"Resuming from checkpoint: {copy / 'step_00005'}" in out.stdout and "Replayed" not in out.stdout
     with Ledger.open_reader(copy) as ledger:
         assert ledger.config_at(6)["trainer"]["resume_from"] is None
-        resumes = [e for e in ledger.lineage() if e["kind"] == "resume"]
-    assert [e.get("resume_from") for e in resumes] == ["2", None]
+        resumes = [e for e in ledger.lineage_entries() if e.kind == "resume"]
+    assert [e.resume_from for e in resumes] == ["2", None]
     assert "(asked: trainer.resume_from=2)" in cli("inspect", copy).stdout
 
 

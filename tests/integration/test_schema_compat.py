@@ -4,12 +4,13 @@ commands read them."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
 import pytest
 
-from verlj_testing import fingerprints, verlj
+from verlj_testing import cli, fingerprints, verlj
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "v0"
 
@@ -40,3 +41,20 @@ def test_previous_release_journal_replays_exactly(run, tmp_path):
         shown = verlj("inspect", tmp_path / run, "--step", 2, check=True).stdout
         assert "eval" in shown and "samples" in shown
         verlj("journal", "verify", tmp_path / run, check=True)
+
+
+# `export --rollouts` of each fixture as JSONL, sha256, as verlj wrote it before samples could be episodes
+# (commit 1e74618): a single-turn run's table must stay byte for byte what it was
+EXPORTED = {"sync": "858572226fe79bd434d855acb502c71dc92ef9574fe2ed36c25a119dac1662cd",
+            "stepo": "b5ac4306f4db41731a9ec0f4e20546d3ec2596eeb01e9172b6f6dd25bab62a70",
+            "compl": "c5638e1fb49a7aa48e47ae586e4c3329b5815f76433c7be94e1e0019b19aad5e"}
+
+
+@pytest.mark.parametrize("run", sorted(EXPORTED))
+def test_single_turn_export_is_byte_for_byte_what_it_was(run, tmp_path):
+    shutil.copytree(FIXTURES / run, tmp_path / run)
+    cli("export", tmp_path / run, "--rollouts", "-o", tmp_path / "r.jsonl", check=True)
+    assert hashlib.sha256((tmp_path / "r.jsonl").read_bytes()).hexdigest() == EXPORTED[run]
+    pq = pytest.importorskip("pyarrow.parquet")
+    cli("export", tmp_path / run, "--rollouts", "-o", tmp_path / "r.parquet", check=True)
+    assert "turns" not in pq.read_schema(tmp_path / "r.parquet").names

@@ -84,10 +84,10 @@ def test_a_resume_records_its_own_choice_and_the_versions_that_moved(run):
     _run_dir, ledger = run
     moved = ledger.record_resume(6, 4, ["trainer.total_steps"], 1, resume_from="4")
     assert moved and all(m.startswith("torch 1 → ") for m in moved[:1])
-    entry = ledger.lineage()[-1]
-    assert entry["resume_from"] == "4" and entry["versions_changed"] == moved
+    entry = ledger.lineage_entries()[-1]
+    assert entry.resume_from == "4" and entry.versions_changed == moved
     assert ledger.record_resume(6, 6, [], 1) == []  # compared with the last start: nothing moved since
-    assert "resume_from" not in ledger.lineage()[-1]
+    assert ledger.lineage_entries()[-1].resume_from is None and "resume_from" not in ledger.lineage_entries()[-1].to_dict()
     assert ledger.config_at(6)["trainer"]["resume_from"] is None
 
 
@@ -115,7 +115,7 @@ def test_the_ledgers_records_store_the_maps_of_the_previous_release(run):
                                                  "checked_steps", "max_deviation", "rebased"]
     assert list(change.control_details()) == ["from", "to", "snapshot_step", "resharded", "replayed", "tolerance", "checked_steps",
                                               "max_deviation", "rebased"]
-    assert list(ledger.snapshots()[4]) == ["path", "fingerprint", "manifest", "time"]
+    assert list(ledger.journal.snapshots()[4]) == ["path", "fingerprint", "manifest", "time"]
     assert meta["archive"] == [{"file": "steps_0000000001-0000000002.parquet", "first": 1, "last": 2, "rows": 8, "bytes": 100,
                                 "digest": "d" * 64}]
     assert list(meta["archive"][0]) == ["file", "first", "last", "rows", "bytes", "digest"]
@@ -164,7 +164,7 @@ def test_rotation_keeps_the_newest_and_latest_follows(run):
     for s in (2, 4, 6):
         snapshot(run_dir, ledger, s)
     SnapshotStore(run_dir, ledger).rotate(2)
-    assert sorted(ledger.snapshots()) == [4, 6]
+    assert sorted(ledger.snapshot_index()) == [4, 6]
     assert not (run_dir / "step_00002").exists() and os.readlink(run_dir / "latest") == "step_00006"
     assert not [p for p in run_dir.iterdir() if p.name.startswith(".trash-")]
 
@@ -175,7 +175,7 @@ def test_quarantine_moves_out_of_the_index_and_the_way(run):
         snapshot(run_dir, ledger, s)
     dest = SnapshotStore(run_dir, ledger).quarantine(6, run_dir / "step_00006", "a test's reason")
     assert dest == run_dir / "quarantine" / "step_00006" and (dest / META).is_file()
-    assert sorted(ledger.snapshots()) == [4] and os.readlink(run_dir / "latest") == "step_00004"
+    assert sorted(ledger.snapshot_index()) == [4] and os.readlink(run_dir / "latest") == "step_00004"
     assert ledger.quarantined()[-1]["reason"] == "a test's reason"
 
 
@@ -189,7 +189,7 @@ def test_a_resume_adopts_what_checks_out_and_sets_aside_the_rest_never_deleting(
     lines = [item.done for item in SnapshotStore(run_dir, ledger).recover_leftovers()]
     assert "Removed what an interrupted run left behind: .tmp-step_00009" in lines
     assert any(line.startswith("Adopted step_00004") for line in lines)
-    assert sorted(ledger.snapshots()) == [2, 4] and os.readlink(run_dir / "latest") == "step_00004"
+    assert sorted(ledger.snapshot_index()) == [2, 4] and os.readlink(run_dir / "latest") == "step_00004"
     assert {q["name"]: q["reason"] for q in ledger.quarantined()} == {
         "step_00005": "published but not indexed, and its fingerprint does not match the journal's for step 5",
         "step_00008": "published but not indexed, and step 8 is not in the journal (it ends at step 6)",
@@ -208,13 +208,13 @@ def test_rotation_counts_only_snapshots_on_disk_and_whole(run):
     store = SnapshotStore(run_dir, ledger)
     assert list(store.sound()) == [1]
     store.rotate(2)
-    assert sorted(ledger.snapshots()) == [1, 2, 3] and (run_dir / "step_00001").is_dir() and (run_dir / "step_00003").is_dir()
+    assert sorted(ledger.snapshot_index()) == [1, 2, 3] and (run_dir / "step_00001").is_dir() and (run_dir / "step_00003").is_dir()
     snapshot(run_dir, ledger, 5)
     store.rotate(2)  # the checkpointer rotates after each publish
-    assert sorted(ledger.snapshots()) == [1, 2, 3, 5] and (run_dir / "step_00001").is_dir()
+    assert sorted(ledger.snapshot_index()) == [1, 2, 3, 5] and (run_dir / "step_00001").is_dir()
     snapshot(run_dir, ledger, 6)
     store.rotate(2)  # two good newer ones: now the oldest good one goes
-    assert sorted(ledger.snapshots()) == [2, 3, 5, 6] and not (run_dir / "step_00001").exists()
+    assert sorted(ledger.snapshot_index()) == [2, 3, 5, 6] and not (run_dir / "step_00001").exists()
     assert (run_dir / "step_00003").is_dir()  # the one that fails its check is left for a resume to quarantine
 
 
@@ -250,7 +250,7 @@ def test_verify_and_resume_share_one_plan_for_leftovers(run):
     done = store.recover_leftovers()
     assert [(x.name, x.action) for x in done] == [(x.name, x.action) for x in plan]
     assert [x.done for x in done if x.warning] == ["step_00003 is in the index but not on disk (deleted by hand?): removed from the index"]
-    assert sorted(ledger.snapshots()) == [2, 4] and os.readlink(run_dir / "latest") == "step_00004"
+    assert sorted(ledger.snapshot_index()) == [2, 4] and os.readlink(run_dir / "latest") == "step_00004"
     assert [(m["name"], m["step"]) for m in ledger.missing()] == [("step_00003", 3)]
     assert (run_dir / "quarantine" / "step_00005").is_dir() and not (run_dir / ".trash-step_00001-77").exists()
     assert store.plan_leftovers() == []
