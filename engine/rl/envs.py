@@ -178,7 +178,10 @@ class _Episode:
     max_turns: int
     over: bool | None = None  # None until reset
 
-    def _start(self) -> None:
+    def _start(self, row: dict | None = None) -> None:
+        """A new episode, no action taken yet; with `row`, the answer is the row's."""
+        if row is not None:
+            self.answer = str(row["answer"])
         self.turns, self.over = 0, False
 
     def _turn(self) -> bool:
@@ -261,8 +264,7 @@ class Calculator(_Episode):
         self.max_turns = max_turns
 
     def reset(self, row: dict, seed: int) -> str:
-        self.answer = str(row["answer"])
-        self._start()
+        self._start(row)
         return ""
 
     def step(self, action: str) -> StepResult:
@@ -295,10 +297,9 @@ class Equals(_Episode):
         self.max_turns, self.press = max_turns, press
 
     def reset(self, row: dict, seed: int) -> str:
-        self.answer = str(row["answer"])
+        self._start(row)
         question = str(row["prompt"]).strip()
         self.question = question[:-1] if question.endswith("=") else question
-        self._start()
         return ""
 
     def step(self, action: str) -> StepResult:
