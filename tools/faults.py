@@ -63,6 +63,19 @@ samples, metrics other than timings, and fingerprint). Kinds:
                resumed exactly, the copy's original untouched and still exact; no valid snapshot
                quarantined or deleted but by rotation) | refused clearly (journal lost: one line,
                nothing moved) | SILENT | SNAPSHOT LOST | NOT EXACT
+  fleet        rollout.fleet=ray (two generator actors on a local Ray cluster the campaign starts once and
+               stops at the end) with trainer.max_restarts=3, so the run finishes by itself; async_order
+               alternates step / completion. SIGKILL of one actor's process (at a random moment, found
+               among this cluster's ray::GeneratorActor processes, or at the failpoint
+               fleet.dispatch:N:kill-actor), of the trainer (the supervisor's child, not the supervisor)
+               at a random moment, or both (an actor, then the trainer). Step order: exact (every step's
+               events and fingerprint equal to the uninterrupted fleet run's, the rollout/fleet/*
+               counters and timings aside) | NOT EXACT. Completion order: accounted (as async's
+               completion order: `verify --deep`, every group asked once, arrived once, trained or
+               dropped, the dataset's order, the version resumed with) | NOT ACCOUNTED. DID NOT FINISH
+               when the supervised run does not complete. Needs ray; about 1.5–3 minutes a trial on 2
+               shared cores (every run starts a trainer and two actors), so --quick leaves it out unless
+               --kinds names it.
 
 Exit status 1 if any trial is NOT EXACT, SILENT, CRASH or otherwise failed.
 """
@@ -70,10 +83,12 @@ Exit status 1 if any trial is NOT EXACT, SILENT, CRASH or otherwise failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -101,8 +116,9 @@ NODE_LOSS_POINTS = {"snapshot.before_rename": 3, "snapshot.before_index": 3, "sn
 RETENTION_POINTS = {"journal.prune": 3, "archive.mid_write": 6}
 COMPACTION_POINTS = {"compact.before_publish": 4, "compact.after_publish": 4, "compact.delete": 4}  # with segment_fanout 2
 SLOW_SHIPPING = "ship.before_publish:1:sleep-each=0.3"
+KINDS = ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "async", "bitflip", "bad-input", "operator", "fleet", "episodes")
 GOOD = {"exact", "found", "recovered exactly", "refused clearly", "unaffected", "stopped clearly, resumed exactly", "kept going without snapshots",
-        "refused", "undisturbed", "clear error"}
+        "refused", "undisturbed", "clear error", "accounted"}
 
 
 @dataclass
@@ -541,6 +557,195 @@ def sample_accounting(run: Path, ref: Path) -> tuple[int, int, int]:
     return lost, sum((ta - tb).values()), sum((tb - ta).values())
 
 
+# ----------------------------------------------------------------------------- rollout fleet on Ray
+
+FLEET = [*ASYNC, "rollout.fleet=ray", "rollout.fleet_size=2", "trainer.max_restarts=3"]
+NOT_FLEET = ("timing_s/", "rollout/fleet/")  # the fleet's own counters (deaths, live actors) differ by design from the reference's
+FLEET_DISPATCHES = 12  # fleet.dispatch:N:kill-actor, N drawn from 1..this (about the calls a run hands out)
+
+
+class RayCluster:
+    """One local Ray cluster for the campaign (as tests/integration/conftest.py's `cluster`): started by this
+    process, joined by every `verlj train` through RAY_ADDRESS, stopped on exit (Ctrl-C included)."""
+
+    def __enter__(self) -> RayCluster:
+        import ray
+
+        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+                 object_store_memory=256 * 1024 * 1024)
+        self.address = ray.get_runtime_context().gcs_address
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        ray.shutdown()
+
+    @staticmethod
+    def actors() -> list[int]:
+        """The pids of this cluster's generator actors: processes titled ray::GeneratorActor whose parent (the
+        raylet) is a child of this process (other clusters on the machine are left alone)."""
+        procs: dict[int, tuple[int, str]] = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                    procs[int(d)] = (ppid, Path(f"/proc/{d}/cmdline").read_text())
+                except (OSError, IndexError, ValueError):
+                    pass
+        mine = {pid for pid, (ppid, _) in procs.items() if ppid == os.getpid()}
+        return sorted(pid for pid, (ppid, cmd) in procs.items() if ppid in mine and cmd.startswith("ray::GeneratorActor"))
+
+
+def fleet_deaths(run: Path) -> int:
+    """The actor deaths the fleet counted in the journal's metrics (rollout/fleet/deaths counts since its trainer
+    process started: a step with a start or resume event begins a new count)."""
+    if not (run / "journal" / "data.mdb").exists():
+        return 0
+    Journal, _ = _journal()
+    total = last = 0
+    with Journal.open_reader(run / "journal") as j:
+        for rec in j.iter_steps(payload=False):
+            if any(e["type"] == "control" and e.get("kind") in ("start", "resume") for e in rec.events):
+                last = 0
+            d = int(rec.first("metrics")["values"].get("rollout/fleet/deaths", 0))
+            total, last = total + max(0, d - last), d
+    return total
+
+
+def same_journal(run: Path, ref: Path, ignore: tuple[str, ...]) -> tuple[bool, str]:
+    """Every step's events (the fingerprint among them) alike, bit for bit, but control and config events and
+    the metrics `ignore` names (tests/verlj_testing.assert_same_journal, for a tool)."""
+    import numpy as np
+
+    def same(a, b) -> bool:
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, list):
+            return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, float) and a != a:
+            return isinstance(b, float) and b != b
+        return type(a) is type(b) and a == b
+
+    def steps(path: Path) -> list[tuple[int, list[dict]]]:
+        out = []
+        Journal, _ = _journal()
+        with Journal.open_reader(path / "journal") as j:
+            for rec in j.iter_steps():
+                events = []
+                for e in rec.events:
+                    if e["type"] in ("control", "config"):
+                        continue  # start / resume differ by design between a resumed and a straight run
+                    if e["type"] == "metrics":
+                        e = {**e, "values": {k: v for k, v in e["values"].items() if not k.startswith(ignore)}}
+                    events.append(e)
+                out.append((rec.step, events))
+        return out
+
+    a, b = steps(run), steps(ref)
+    if [s for s, _ in a] != [s for s, _ in b]:
+        return False, f"steps {[s for s, _ in a]}, the reference's {[s for s, _ in b]}"
+    for (step, ea), (_, eb) in zip(a, b):
+        if [e["type"] for e in ea] != [e["type"] for e in eb]:
+            return False, f"step {step}: events {[e['type'] for e in ea]}, the reference's {[e['type'] for e in eb]}"
+        for x, y in zip(ea, eb):
+            if not same(x, y):
+                return False, f"first difference at step {step}: {x['type']}"
+    return True, ""
+
+
+def fleet_trial(root: Path, ref: Path, cluster: RayCluster, rng: random.Random, n: int, counts: Counter) -> Trial:
+    """A supervised run (trainer.max_restarts) on two generator actors: SIGKILL of one actor's process (at a
+    random moment, or at a failpoint of the fleet's dispatch), of the trainer process (the supervisor's child)
+    at a random moment, or both (an actor, then the trainer); the run must finish by itself. Step order: the
+    journal equal to the uninterrupted run's; completion order: every group accounted for (completion_problems)."""
+    completion = n % 2 == 0
+    order = "completion" if completion else "step"
+    over = [*FLEET, f"rollout.async_order={order}"]
+    run = root / f"fleet{n}"
+    mode = rng.choice(["actor", "actor", "trainer", "both", "both"])
+    by_failpoint = mode == "actor" and rng.random() < 0.25
+    extra = {"RAY_ADDRESS": cluster.address}
+    what = f"{order} order: "
+    if by_failpoint:
+        k = rng.randint(1, FLEET_DISPATCHES)
+        extra["VERLJ_FAILPOINT"] = f"fleet.dispatch:{k}:kill-actor"
+        what += f"SIGKILL of an actor at the fleet's dispatch {k}"
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, *over]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(**extra), cwd=REPO,
+                         start_new_session=True)
+    assert p.stdout is not None
+    lines: list[str] = []
+    trainer, steps = None, 0
+    # the kills: (step lines seen, delay after it) for the actor, then for the trainer
+    plan: list[tuple[str, int, float]] = []
+    if mode in ("actor", "both") and not by_failpoint:
+        a = rng.randint(0, TARGET - 2 if mode == "both" else TARGET - 1)
+        plan.append(("actor", a, rng.uniform(0, 3.0) if a == 0 else rng.uniform(0, 0.3)))
+    if mode in ("trainer", "both"):
+        t = rng.randint(plan[0][1] if plan else 0, TARGET - 1)
+        plan.append(("trainer", t, rng.uniform(0, 15.0) if t == 0 else rng.uniform(0, 0.3)))
+    done: list[str] = []
+    started = False
+    deadline = time.time() + 600
+    for line in p.stdout:
+        lines.append(line)
+        if m := re.search(r"verlj: training in process (\d+)", line):
+            trainer = int(m.group(1))
+        started = started or "Starting training" in line
+        if ": reward=" in line:
+            steps += 1
+        while plan and started and steps >= plan[0][1] and time.time() < deadline:
+            who, at, delay = plan.pop(0)
+            time.sleep(delay)
+            if who == "actor":
+                pids = cluster.actors()
+                while not pids and time.time() < deadline:  # before the fleet's actors are up
+                    time.sleep(0.1)
+                    pids = cluster.actors()
+                    if p.poll() is not None:
+                        break
+                if pids:
+                    os.kill(rng.choice(pids), signal.SIGKILL)
+                done.append(f"an actor after {at} step(s) +{delay:.2f} s")
+            else:
+                if trainer is not None:
+                    try:
+                        os.kill(trainer, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                done.append(f"the trainer after {at} step(s) +{delay:.2f} s")
+        if not plan and not by_failpoint:
+            break
+    try:
+        rest, _ = p.communicate(timeout=max(60, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        rest, _ = p.communicate()
+    lines.append(rest or "")
+    text = "".join(lines)
+    if done:
+        what += "SIGKILL of " + ", then ".join(done)
+    restarts = text.count("restarting it with --resume")
+    deaths = fleet_deaths(run)
+    counts.update(restarts=restarts, deaths=deaths, trials=1)
+    what += f" ({deaths} actor death(s) counted, {restarts} trainer restart(s))"
+    if p.returncode != 0 or f"Done: last committed step {TARGET}" not in text:
+        tail = [x for x in text.strip().splitlines() if x.strip()][-3:]
+        return Trial("fleet", n, what, "DID NOT FINISH", f"exit {p.returncode}: " + " | ".join(tail)[-300:])
+    if completion:
+        problems = completion_problems(run, {}, counts)
+        outcome, note = ("NOT ACCOUNTED", "; ".join(problems)) if problems else ("accounted", "")
+    else:
+        same, note = same_journal(run, ref, NOT_FLEET)
+        outcome = "exact" if same else "NOT EXACT"
+    if outcome in GOOD:
+        shutil.rmtree(run, ignore_errors=True)
+    return Trial("fleet", n, what, outcome, note)
+
+
 # ----------------------------------------------------------------------------- node loss
 
 
@@ -947,23 +1152,28 @@ def main() -> int:
     ap.add_argument("--bitflips", type=int, default=24)
     ap.add_argument("--operators", type=int, default=30)
     ap.add_argument("--episodes", type=int, default=30)
+    ap.add_argument("--fleet", type=int, default=30, help="trials of the fleet kind (rollout.fleet=ray; needs ray)")
     ap.add_argument("--async-engine", default="hf", choices=["hf", "vllm"], help="what the async trials' generator runs")
     ap.add_argument("--async-order", default="both", choices=["step", "completion", "both"],
                     help="the async trials' rollout.async_order (both: alternate)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="a few trials of each kind (the test suite runs this)")
-    ap.add_argument("--kinds", default="kill,corruption,disk-full,node-loss,concurrency,two-writers,async,bitflip,bad-input,operator,episodes")
+    ap.add_argument("--kinds", default=None, help=f"comma-separated, of {','.join(KINDS)} (default: all; --quick: all but fleet)")
     args = ap.parse_args()
     if args.quick:
         args.kills, args.corruptions, args.disk_full, args.node_losses, args.two_writers, args.asyncs = 1, 3, 1, 1, 1, 1
-        args.bitflips, args.operators, args.episodes = 1, 3, 1
-    kinds = set(args.kinds.split(","))
+        args.bitflips, args.operators, args.fleet, args.episodes = 1, 3, 1, 1
+    kinds = set(args.kinds.split(",")) if args.kinds else set(KINDS) - ({"fleet"} if args.quick else set())
+    if kinds - set(KINDS):
+        print(f"error: unknown kind(s) {', '.join(sorted(kinds - set(KINDS)))} in --kinds; the kinds are {', '.join(KINDS)}", file=sys.stderr)
+        return 2
     if args.async_engine == "vllm":
         ASYNC.append("rollout.engine=vllm")
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="verlj-faults-"))
     trials: list[Trial] = []
     t0 = time.time()
+    cluster = contextlib.ExitStack()
     try:
         ref = root / "ref"  # the uninterrupted run, for the kinds that compare against it
         if kinds & {"kill", "disk-full", "node-loss", "concurrency", "two-writers", "operator"}:
@@ -982,6 +1192,7 @@ def main() -> int:
         async_counts: Counter = Counter()
         flip_refs: dict[int, Path] = {}
         flip_counts: Counter = Counter()
+        fleet_counts: Counter = Counter()
 
         def record(t: Trial) -> None:
             trials.append(t)
@@ -1023,11 +1234,19 @@ def main() -> int:
         if "episodes" in kinds:
             for n in range(1, args.episodes + 1):
                 record(episodes_trial(root, episode_refs, rng, n, episode_counts))
+        if "fleet" in kinds:
+            ray = cluster.enter_context(RayCluster())
+            fleet_ref = root / "ref_fleet"  # step order, uninterrupted, on the same cluster
+            out = train(fleet_ref, *FLEET, "rollout.async_order=step", resume=False, RAY_ADDRESS=ray.address)
+            assert out.returncode == 0, "fleet reference run failed: " + out.stderr[-2000:]
+            for n in range(1, args.fleet + 1):
+                record(fleet_trial(root, fleet_ref, ray, rng, n, fleet_counts))
     finally:
+        cluster.close()  # the campaign's Ray cluster stopped, on Ctrl-C too
         shutil.rmtree(root, ignore_errors=True)
     print()
     print(f"{'kind':12s} {'trials':>6s}  outcomes")
-    for kind in ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "async", "bitflip", "bad-input", "operator", "episodes"):
+    for kind in KINDS:
         ts = [t for t in trials if t.kind == kind]
         if ts:
             counts = Counter(t.outcome for t in ts)
@@ -1046,6 +1265,11 @@ def main() -> int:
         print(f"episodes: completion order ({episode_counts['episodes']} trials): {episode_counts['durable_turns']} durable turns of episodes "
               f"in flight at a kill went on after it; {episode_counts['regenerated']} groups asked again, "
               f"{episode_counts['lost']} completed samples lost, {episode_counts['duplicated']} trained or arrived twice")
+    if any(t.kind == "fleet" for t in trials):
+        print(f"fleet: {fleet_counts['deaths']} actor deaths counted by the fleet, {fleet_counts['restarts']} trainer restarts by the "
+              f"supervisor; completion order: {fleet_counts['lost']} completed samples lost, {fleet_counts['duplicated']} trained or "
+              f"arrived twice, {fleet_counts['skipped']} prompts out of the dataset's order, {fleet_counts['regenerated']} groups "
+              f"generated again after a trainer kill, {fleet_counts['wrong_version']} of their samples not from the version resumed with")
     bad = [t for t in trials if not t.ok and t.outcome != "skipped"]
     silent = sum(1 for t in trials if t.outcome == "SILENT")
     print(f"\n{len(trials)} trials, {len(bad)} failed, {silent} silent, in {time.time() - t0:.0f} s")

@@ -15,7 +15,8 @@ def test_quick_fault_campaign():
     # corruption in test_verify_inspect.py and test_recovery.py (damaged snapshots fall back) and
     # test_hardening.py (a damaged journal), node-loss in test_shipping.py (a node lost at a random moment)
     # and test_node_loss.py (at each crash point; two-writers: a second trainer on a live shipped run),
-    # async in test_async.py, bitflip in test_rerun.py (a gradient and a parameter bit flipped)
+    # async in test_async.py, bitflip in test_rerun.py (a gradient and a parameter bit flipped), fleet in test_fleet.py (an actor
+    # killed; --quick leaves fleet out: each of its trials starts a trainer and two Ray actors)
     kinds = "disk-full,concurrency,bad-input"
     out = subprocess.run([sys.executable, "tools/faults.py", "--quick", "--seed", "5", "--kinds", kinds], capture_output=True, text=True,
                          cwd=REPO, env=env(), timeout=1200)
