@@ -73,9 +73,9 @@ samples, metrics other than timings, and fingerprint). Kinds:
                counters and timings aside) | NOT EXACT. Completion order: accounted (as async's
                completion order: `verify --deep`, every group asked once, arrived once, trained or
                dropped, the dataset's order, the version resumed with) | NOT ACCOUNTED. DID NOT FINISH
-               when the supervised run does not complete. Needs ray; about 1.5–3 minutes a trial on 2
-               shared cores (every run starts a trainer and two actors), so --quick leaves it out unless
-               --kinds names it.
+               when the supervised run does not complete. Needs ray; a trial took 1 to 5 minutes (2.7 on
+               average) on 2 cores shared with other jobs (every run starts a trainer and two actors, a
+               kill of the trainer another), so --quick leaves it out unless --kinds names it.
 
 Exit status 1 if any trial is NOT EXACT, SILENT, CRASH or otherwise failed.
 """
