@@ -135,11 +135,11 @@ class Round:
                 "turn_lens": np.asarray(ep.turn_lens, np.int64), "turn_rewards": np.asarray(ep.turn_rewards, np.float64),
                 "env_seed": ep.env_seed, "env_end": ep.end if not ep.live else int(EnvEnd.MAX_TURNS), "env_reason": ep.reason}
 
-    def state(self, group: int, versions: list[int]) -> GroupInFlight:
+    def state(self, group: int, row: int, versions: list[int]) -> GroupInFlight:
         """Its episodes as they stand, every turn taken so far (what completion order makes durable);
-        `versions`: each turn's policy version."""
+        `row`: the dataset row of its prompt; `versions`: each turn's policy version."""
         eps = self.episodes
-        return GroupInFlight(group, list(versions), [ep.prompt_ids for ep in eps], [np.asarray(ep.response, np.int64) for ep in eps],
+        return GroupInFlight(group, row, list(versions), [ep.prompt_ids for ep in eps], [np.asarray(ep.response, np.int64) for ep in eps],
                              [np.asarray(ep.logprobs, np.float32) for ep in eps], [np.asarray(ep.mask, np.int8) for ep in eps],
                              [np.asarray(ep.turn_lens, np.int64) for ep in eps], [np.asarray(ep.turn_rewards, np.float64) for ep in eps],
                              [ep.env_seed for ep in eps], [int(ep.end) for ep in eps], [ep.reason for ep in eps])
@@ -193,7 +193,7 @@ class Play:
     places: list = field(default_factory=list)  # the episodes whose turn is asked now
 
     def state(self, group: int) -> GroupInFlight:
-        return self.round.state(group, self.versions)
+        return self.round.state(group, self.row, self.versions)
 
 
 class InFlightLog(Protocol):

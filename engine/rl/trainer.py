@@ -686,14 +686,16 @@ class Trainer:
     # ------------------------------------------------------------------ completion order: episodes (rl.episodes)
 
     def _durable_groups(self) -> dict[int, GroupInFlight]:
-        """The groups of episodes made durable by an earlier process that are still asked, each as it stood
-        after its last turn generated from a committed version (a turn from the weights of a step that
-        never committed is made again); the rest are forgotten at the next write. Collective."""
+        """The groups of episodes made durable by an earlier process, each as it stood after its last turn
+        generated from a committed version (a turn from the weights of a step that never committed is
+        made again): those still asked, and those asked in a step that never committed, which this
+        process asks again under the same ids when it draws the same rows (`_begin_play` checks the row).
+        The rest are forgotten at the next write. Collective."""
         if self.in_flight_log is None:
             return {}
         version, out = self.train_state.step, {}
         for g, state in self.in_flight_log.read().items():
-            kept = state.before(sum(v <= version for v in state.versions)) if g in self.buffer.requests else None
+            kept = state.before(sum(v <= version for v in state.versions)) if g in self.buffer.requests or g >= self.buffer.next_id else None
             if kept is None:
                 self._settle.append(g)
             else:
@@ -706,6 +708,9 @@ class Trainer:
         cfg, n = self.cfg, self.cfg.rollout.n
         rows = [row_of(self.dataset[int(row)])] * n
         durable = self._durable.pop(g, None)
+        if durable is not None and durable.row != int(row):  # another prompt under that id: not this group's turns
+            self._settle.append(g)
+            durable = None
         if durable is None:
             env_seeds = [derive_seed(cfg.trainer.seed, 0, "rollout/env", g, j) for j in range(n)]
             play = Play(Round(self._envs(), rows, env_seeds, [self.prompt_ids[row]] * n, self.tokenizer, cfg.rollout.max_turns,

@@ -242,11 +242,12 @@ class GroupInFlight:
     """Completion order with rollout.env: one group's episodes between two commits, made durable after
     each of its turns (the journal's pending store, written by loop.ledger; rl.episodes plays them), so
     a resume brings them back from their last durable turn. One entry per episode of the group in
-    each list, the fields an episode's Sample has (env_end NONE while it goes on); `versions`: the
-    policy version each of the group's turns was generated from (the first is the group's, for
-    staleness)."""
+    each list, the fields an episode's Sample has (env_end NONE while it goes on); `row`: the dataset
+    row of its prompt; `versions`: the policy version each of the group's turns was generated from
+    (the first is the group's, for staleness)."""
 
     group: int
+    row: int
     versions: list
     prompt_ids: list
     response_ids: list
@@ -264,7 +265,7 @@ class GroupInFlight:
     @classmethod
     def from_dict(cls, d: dict) -> GroupInFlight:
         seq = lambda name, dt: [np.asarray(x, dt) for x in d[name]]  # noqa: E731
-        return cls(int(d["group"]), [int(v) for v in d["versions"]], seq("prompt_ids", np.int64), seq("response_ids", np.int64),
+        return cls(int(d["group"]), int(d["row"]), [int(v) for v in d["versions"]], seq("prompt_ids", np.int64), seq("response_ids", np.int64),
                    seq("gen_logprobs", np.float32), seq("loss_mask", np.int8), seq("turn_lens", np.int64), seq("turn_rewards", np.float64),
                    [int(x) for x in d["env_seed"]], [int(x) for x in d["env_end"]], [str(x) for x in d["env_reason"]])
 
@@ -305,4 +306,4 @@ class GroupInFlight:
             cut["turn_rewards"].append(self.turn_rewards[k][:turns])
             cut["env_end"].append(int(EnvEnd.NONE))
             cut["env_reason"].append("")
-        return GroupInFlight(self.group, self.versions[:turns], self.prompt_ids, env_seed=self.env_seed, **cut)
+        return GroupInFlight(self.group, self.row, self.versions[:turns], self.prompt_ids, env_seed=self.env_seed, **cut)

@@ -374,7 +374,7 @@ def _group(turns_per_episode: list[int], versions: list[int]):
                         loss_mask=(np.arange(3 * t) % 3 < 2).astype(np.int8), turn_lens=np.tile([2, 1], t).astype(np.int64),
                         turn_rewards=np.full(t, np.nan), env_end=int(EnvEnd.DONE if t < len(versions) else EnvEnd.NONE)))
     cols = {name: [e[name] for e in eps] for name in eps[0]}
-    return GroupInFlight(8, versions, prompt_ids=[np.array([1, 2])] * len(eps), env_seed=list(range(len(eps))),
+    return GroupInFlight(8, 3, versions, prompt_ids=[np.array([1, 2])] * len(eps), env_seed=list(range(len(eps))),
                          env_reason=[""] * len(eps), **cols)
 
 
