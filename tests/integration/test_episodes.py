@@ -255,7 +255,7 @@ def env_calls(log: Path) -> dict[int, list[tuple[int, str, str]]]:
     return out
 
 
-@pytest.mark.parametrize("point, algo", [("episodes.after_durable:3", "grpo"), ("episodes.before_durable:3", "ppo")])
+@pytest.mark.parametrize("point, algo", [("episodes.after_durable:1", "grpo"), ("episodes.before_durable:1", "ppo")])
 def test_completion_order_killed_mid_episode_resumes_from_the_last_durable_turn(tmp_path, point, algo):
     """SIGKILL just after step 1's commit (groups asked ahead are mid-episode), --resume, SIGKILL again with
     turns durable and (before_durable) one more stepped but not durable; then --resume to the end. The
