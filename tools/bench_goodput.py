@@ -1,28 +1,40 @@
 """Goodput under failures: the same job, the same seeded failure schedule, each arm restarted by itself.
 
-    python tools/bench_goodput.py                                  # verlj and TRL, mean time between failures 60 s
+    python tools/bench_goodput.py                                  # all arms, mean time between failures 60 s
     python tools/bench_goodput.py --mtbf 20 --steps 60 --arms verlj
     python tools/bench_goodput.py --trl-python /path/to/venv/bin/python   # TRL from another environment
 
-Each arm trains the built-in addition task on the same tiny Llama (4 layers, 256 wide, 32-token
-responses, 4 prompts x 4 samples a step) for 3 untimed warm-up steps, then for --steps steps, twice: once without failures (its
-reference: wall time W0, final state), once under the failure schedule (wall time W): SIGKILLs of
-the training process at times drawn once from --seed (exponential gaps, mean --mtbf seconds, the
-same times for every arm), each followed by an automatic restart. It prints, per arm:
+Each arm trains the built-in addition task (its reward builtin:add, partial credit for a near number, so
+the weights move from the first steps) on the same tiny Llama (4 layers, 256 wide, responses up to 32
+tokens, 4 prompts x 4 samples a step) for 3 untimed warm-up steps, then for --steps steps, twice: once
+without failures (its reference: wall time W0, final state), once under the failure schedule (wall
+time W): SIGKILLs at times drawn once from --seed (exponential gaps, mean --mtbf seconds, the same
+times for every arm), each followed by an automatic restart. It prints, per arm:
 
   goodput       W0 / W: the share of the wall time that went to training the steps once
-  failures      SIGKILLs that landed
+  failures      SIGKILLs that landed (fleet: of the trainer / of a generator actor)
   steps lost    steps trained to the end again after a restart (generation, scoring and update redone)
   replayed      steps re-applied from verlj's journal after a restart (the update only: no generation)
+  rescored      samples generated and scored more than once: the reward function counts its calls
+                (a file beside the run), the run under failures minus its reference (a sample cut off
+                mid-generation by a kill is not counted)
   identical     whether the run under failures ends in the reference's state, bit for bit
 
 Arms:
-  verlj   `verlj train … trainer.max_restarts=1000`: the process you start supervises the trainer and
-          restarts it with --resume (the journal holds every committed step; the newest snapshot is
-          loaded and the journal replayed, no generation); identical = every step's fingerprint equal.
-  trl     TRL's GRPOTrainer (save_steps --trl-save-steps, as TRL users checkpoint), restarted by this
-          driver with resume_from_checkpoint from its newest checkpoint; identical = the final
-          weights equal. Skipped with one line when TRL cannot be imported by --trl-python.
+  verlj   `verlj train … trainer.max_restarts=1000` (synchronous rollout: generation in the trainer's
+          process, the default): the process you start supervises the trainer and restarts it with
+          --resume (the journal holds every committed step; the newest snapshot is loaded and the
+          journal replayed, no generation); each failure kills the trainer. identical = every step's
+          fingerprint equal.
+  fleet   the same with rollout.fleet=ray (2 generator actors, async step order) on a local Ray
+          cluster this bench starts once; each failure kills the trainer or one generator actor (a
+          coin drawn from --seed, the same for every run): an actor's death is absorbed by the fleet
+          (its groups asked again of the other), the trainer's restarts it (new actors). identical =
+          every step's fingerprint equal to the fleet's uninterrupted run.
+  trl     TRL's GRPOTrainer (the same model, prompts and reward; save_steps --trl-save-steps, as TRL
+          users checkpoint), restarted by this driver with resume_from_checkpoint from its newest
+          checkpoint; identical = the final weights equal. Skipped with one line when TRL (and verlj,
+          for the reward) cannot be imported by --trl-python.
 Load: the arms run one after another, each using the whole machine (2 cores here); nothing else
 should run meanwhile. Times are wall-clock and meaningful only side by side, as ratios.
 """
@@ -42,14 +54,38 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS, N, RESPONSE, LR = 4, 4, 32, 1e-3
 MODEL = ["model.tiny.hidden_size=256", "model.tiny.num_layers=4", "model.tiny.intermediate_size=512", "data.max_prompt_length=16",
-         f"rollout.max_response_length={RESPONSE}", "rollout.ignore_eos=true", f"data.prompts_per_step={PROMPTS}", f"rollout.n={N}",
-         f"model.actor.micro_batch_size={PROMPTS * N}", f"model.actor.optim.lr={LR}", "logging.progress=lines"]
-ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
+         f"rollout.max_response_length={RESPONSE}", f"data.prompts_per_step={PROMPTS}", f"rollout.n={N}",
+         f"model.actor.micro_batch_size={PROMPTS * N}", f"model.actor.optim.lr={LR}", "logging.progress=lines",
+         "rollout.reward_fn=bench_goodput:counted_add"]
+FLEET = ["rollout.mode=async", "rollout.async_order=step", "rollout.fleet=ray", "rollout.fleet_size=2"]
+TOOLS = str(Path(__file__).resolve().parent)
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": TOOLS}
+COUNT = "VERLJ_GOODPUT_COUNT"  # the file counted_add appends one byte to per sample scored
+
+
+def counted_add(prompt: str, response: str, answer: str) -> float:
+    """builtin:add, counting its calls in the file $VERLJ_GOODPUT_COUNT names (O_APPEND: one byte a call)."""
+    from verlj.engine.rl.rewards import add_reward
+
+    if path := os.environ.get(COUNT):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, b".")
+        finally:
+            os.close(fd)
+    return add_reward(prompt, response, answer)
+
+
+def scored(run: Path) -> int:
+    """Samples the reward function scored for `run` (counted_add's file beside it)."""
+    f = run.parent / f"{run.name}.scored"
+    return f.stat().st_size if f.exists() else 0
 
 
 def schedule(seed: int, mtbf: float, horizon: float) -> list[float]:
@@ -62,10 +98,11 @@ def schedule(seed: int, mtbf: float, horizon: float) -> list[float]:
 
 
 class Killer:
-    """SIGKILLs `target()` (a pid, or None while there is none) at each scheduled time from start()."""
+    """SIGKILLs `target()` ((what, pid), or None while there is none) at each scheduled time from start();
+    `landed` counts the kills by what."""
 
     def __init__(self, times: list[float], target):
-        self.times, self.target, self.landed = times, target, 0
+        self.times, self.target, self.landed = times, target, Counter()
         self.stop = threading.Event()
 
     def start(self) -> None:
@@ -75,11 +112,11 @@ class Killer:
             for t in self.times:
                 if self.stop.wait(max(0.0, t0 + t - time.monotonic())):
                     return
-                pid = self.target()
-                if pid is not None:
+                hit = self.target()
+                if hit is not None:
                     try:
-                        os.kill(pid, signal.SIGKILL)
-                        self.landed += 1
+                        os.kill(hit[1], signal.SIGKILL)
+                        self.landed[hit[0]] += 1
                     except ProcessLookupError:
                         pass
 
@@ -96,19 +133,33 @@ def children(pid: int) -> list[int]:
 # ----------------------------------------------------------------------------- verlj
 
 
-def verlj_run(run: Path, steps: int, save_interval: int, killer_times: list[float] | None) -> dict:
-    cmd = [sys.executable, "-m", "verlj.cli", "train", "-o", str(run), *MODEL, f"trainer.total_steps={steps}",
+def verlj_run(run: Path, steps: int, save_interval: int, killer_times: list[float] | None, fleet=None, coins: list[bool] = ()) -> dict:
+    """One `verlj train` of `steps` steps; under `killer_times`, supervised (trainer.max_restarts) and killed:
+    the trainer, or (fleet, where coins[i] says so) one of the fleet's generator actors."""
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "-o", str(run), *MODEL, *(FLEET if fleet else []), f"trainer.total_steps={steps}",
            f"trainer.save_interval={save_interval}", "trainer.save_total_limit=2"]
     if killer_times is not None:
         cmd.append("trainer.max_restarts=1000")
+    env = {**os.environ, **ENV, COUNT: str(run.parent / f"{run.name}.scored")}
+    if fleet:
+        env["RAY_ADDRESS"] = fleet.address
     t0 = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENV}, cwd=REPO)
-    killer, active = None, [None]
-    if killer_times is not None:  # the trainer is the supervisor's child (beside its standby, which waits)
-        killer = Killer(killer_times, lambda: active[0] if active[0] in children(p.pid) else None)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    killer, active, calls = None, [None], [0]
+
+    def target() -> tuple[str, int] | None:  # the trainer is the supervisor's child (beside its standby, which waits)
+        coin, calls[0] = (coins[calls[0]] if calls[0] < len(coins) else False), calls[0] + 1
+        if coin:
+            pids = fleet.actors()
+            return ("actor", pids[calls[0] % len(pids)]) if pids else None
+        return ("trainer", active[0]) if active[0] in children(p.pid) else None
+
+    if killer_times is not None:
+        killer = Killer(killer_times, target)
         killer.start()
-    trained, replayed = [], 0
+    trained, replayed, tail = [], 0, []
     for line in p.stdout:
+        tail = (tail + [line])[-20:]
         if m := re.search(r"verlj: training in process (\d+)", line):
             active[0] = int(m.group(1))
         elif m := re.search(r"\[INFO\] Step (\d+): reward=", line):
@@ -120,8 +171,9 @@ def verlj_run(run: Path, steps: int, save_interval: int, killer_times: list[floa
     if killer:
         killer.stop.set()
     if p.returncode != 0:
-        raise SystemExit(f"verlj arm: `{' '.join(cmd[2:6])} …` exited {p.returncode}")
-    return {"wall": wall, "failures": killer.landed if killer else 0, "lost": len(trained) - len(set(trained)), "replayed": replayed}
+        raise SystemExit(f"verlj arm: `{' '.join(cmd[2:6])} …` exited {p.returncode}:\n{''.join(tail)}")
+    return {"wall": wall, "failures": killer.landed if killer else Counter(), "lost": len(trained) - len(set(trained)),
+            "replayed": replayed, "scored": scored(run)}
 
 
 def verlj_fingerprints(run: Path) -> dict[int, str]:
@@ -131,11 +183,34 @@ def verlj_fingerprints(run: Path) -> dict[int, str]:
         return {s: j.read_summary(s).first("state")["fingerprint"] for s in range(1, j.last_step() + 1)}
 
 
-def verlj_arm(root: Path, args, times: list[float]) -> dict:
-    verlj_run(root / "verlj-warmup", 3, args.save_interval, None)  # untimed: first-time costs (caches, page cache) out of W0
-    ref = verlj_run(root / "verlj-ref", args.steps, args.save_interval, None)
-    got = verlj_run(root / "verlj-failures", args.steps, args.save_interval, times)
-    return {**got, "w0": ref["wall"], "identical": verlj_fingerprints(root / "verlj-ref") == verlj_fingerprints(root / "verlj-failures")}
+def verlj_arm(root: Path, args, times: list[float], fleet=None) -> dict:
+    name = "fleet" if fleet else "verlj"
+    coin = random.Random(f"{args.seed}/coins")
+    coins = [coin.random() < 0.5 for _ in times] if fleet else []
+    verlj_run(root / f"{name}-warmup", 3, args.save_interval, None, fleet)  # untimed: first-time costs (caches, page cache) out of W0
+    ref = verlj_run(root / f"{name}-ref", args.steps, args.save_interval, None, fleet)
+    got = verlj_run(root / f"{name}-failures", args.steps, args.save_interval, times, fleet, coins)
+    prints = verlj_fingerprints(root / f"{name}-ref")
+    if prints[1] == prints[args.steps]:
+        raise SystemExit(f"{name} arm: the weights did not move in {args.steps} steps (every reward alike?): nothing to compare")
+    row = {**got, "w0": ref["wall"], "identical": prints == verlj_fingerprints(root / f"{name}-failures"),
+           "rescored": got["scored"] - ref["scored"]}
+    if fleet:
+        from faults import fleet_deaths
+
+        row["deaths"] = fleet_deaths(root / f"{name}-failures")
+    return row
+
+
+def fleet_arm(root: Path, args, times: list[float]) -> dict | str:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "skipped: Ray is not installed (pip install -e '.[ray]')"
+    from faults import RayCluster
+
+    with RayCluster() as cluster:
+        return verlj_arm(root, args, times, cluster)
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -151,10 +226,10 @@ TRL_SCRIPT = textwrap.dedent('''
     prompts, n, response = {PROMPTS}, {N}, {RESPONSE}
     torch.set_num_threads(1)
     rows = json.load(open(model_dir + "/rows.json"))
-    score = lambda r, a: 1.0 if r.strip() == a else 0.0  # exact answers (verlj's builtin:add also gives partial credit)
+    from bench_goodput import counted_add  # verlj's builtin:add, counting its calls (PYTHONPATH: tools/)
 
     def reward(prompts, completions, answer, **kw):
-        return [score(c, a) for c, a in zip(completions, answer)]
+        return [counted_add(p, c, a) for p, c, a in zip(prompts, completions, answer)]
 
     class Say(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
@@ -194,7 +269,7 @@ def trl_run(py: str, model: Path, out: Path, args, killer_times: list[float] | N
     script = out.parent / "trl_grpo.py"
     script.write_text(TRL_SCRIPT)
     current: list[subprocess.Popen] = []
-    killer = Killer(killer_times, lambda: current[-1].pid if current and current[-1].poll() is None else None) if killer_times else None
+    killer = Killer(killer_times, lambda: ("trainer", current[-1].pid) if current and current[-1].poll() is None else None) if killer_times else None
     t0 = time.monotonic()
     if killer:
         killer.start()
@@ -202,7 +277,8 @@ def trl_run(py: str, model: Path, out: Path, args, killer_times: list[float] | N
     while True:
         resume = any(out.glob("checkpoint-*"))
         p = subprocess.Popen([py, str(script), str(model), str(out), str(args.steps), str(args.trl_save_steps), "1" if resume else "0",
-                              str(LR)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENV})
+                              str(LR)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, **ENV, COUNT: str(out.parent / f"{out.name}.scored")})
         current.append(p)
         tail = []
         for line in p.stdout:
@@ -215,7 +291,8 @@ def trl_run(py: str, model: Path, out: Path, args, killer_times: list[float] | N
             raise SystemExit(f"trl arm: the TRL script exited {p.returncode}:\n{''.join(tail)}")
     if killer:
         killer.stop.set()
-    return {"wall": time.monotonic() - t0, "failures": killer.landed if killer else 0, "lost": len(trained) - len(set(trained))}
+    return {"wall": time.monotonic() - t0, "failures": killer.landed if killer else Counter(), "lost": len(trained) - len(set(trained)),
+            "scored": scored(out)}
 
 
 def trl_weights_equal(a: Path, b: Path) -> bool:
@@ -226,9 +303,9 @@ def trl_weights_equal(a: Path, b: Path) -> bool:
 
 
 def trl_arm(root: Path, args, times: list[float]) -> dict | str:
-    probe = subprocess.run([args.trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True)
+    probe = subprocess.run([args.trl_python, "-c", "import trl, verlj.engine; print(trl.__version__)"], capture_output=True, text=True)
     if probe.returncode != 0:
-        return f"skipped: TRL cannot be imported by {args.trl_python} (pip install trl, or --trl-python)"
+        return f"skipped: TRL (or verlj, for the reward) cannot be imported by {args.trl_python} (pip install trl, or --trl-python)"
     model = trl_model_dir(root)
     for name in ("trl-warmup", "trl-ref", "trl-failures"):
         (root / name).mkdir()
@@ -236,47 +313,65 @@ def trl_arm(root: Path, args, times: list[float]) -> dict | str:
     ref = trl_run(args.trl_python, model, root / "trl-ref" / "out", args, None)
     got = trl_run(args.trl_python, model, root / "trl-failures" / "out", args, times)
     return {**got, "w0": ref["wall"], "identical": trl_weights_equal(root / "trl-ref" / "out", root / "trl-failures" / "out"),
-            "version": probe.stdout.strip()}
+            "rescored": got["scored"] - ref["scored"], "version": probe.stdout.strip()}
 
 
 # ----------------------------------------------------------------------------- main
 
 
+def row_line(arm: str, r: dict | str) -> str:
+    if isinstance(r, str):
+        return f"{arm:<6} {r}"
+    kills = sum(r["failures"].values())
+    what = f"{kills} ({r['failures']['trainer']}/{r['failures']['actor']})" if arm == "fleet" else str(kills)
+    return (f"{arm:<6} {r['w0']:>6.0f} {r['wall']:>6.0f} {r['w0'] / r['wall']:>8.2f} {what:>15} {r['lost']:>11} "
+            f"{r.get('replayed', '-'):>9} {r['rescored']:>9}  {'yes' if r['identical'] else 'no'}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", default="200", help="steps of every arm (200), or per arm: verlj=3000,fleet=2000,trl=600")
     ap.add_argument("--mtbf", type=float, default=60.0, help="mean time between failures, seconds")
     ap.add_argument("--seed", type=int, default=0, help="the failure schedule's seed")
     ap.add_argument("--save-interval", type=int, default=10, help="verlj: trainer.save_interval")
     ap.add_argument("--trl-save-steps", type=int, default=10, help="TRL: save_steps")
-    ap.add_argument("--arms", default="verlj,trl")
+    ap.add_argument("--arms", default="verlj,fleet,trl")
     ap.add_argument("--trl-python", default=sys.executable)
     args = ap.parse_args()
+    arms = {"verlj": verlj_arm, "fleet": fleet_arm, "trl": trl_arm}
+    if bad := [a for a in args.arms.split(",") if a not in arms]:
+        ap.error(f"--arms: {', '.join(bad)} is not one of {', '.join(arms)}")
+    try:
+        steps = {a: int(args.steps) for a in arms} if "=" not in args.steps else {a: int(n) for a, n in (x.split("=") for x in args.steps.split(","))}
+    except ValueError:
+        ap.error(f"--steps: a number of steps, or arm=steps,... (got {args.steps!r})")
     times = schedule(args.seed, args.mtbf, horizon=100 * args.mtbf)
     root = Path(tempfile.mkdtemp(prefix="verlj-goodput-"))
     rows = {}
     try:
         for arm in args.arms.split(","):
             t0 = time.monotonic()
-            rows[arm] = {"verlj": verlj_arm, "trl": trl_arm}[arm](root, args, times)
-            print(f"  {arm}: done in {time.monotonic() - t0:.0f} s", flush=True)
+            if arm not in steps:
+                ap.error(f"--steps names no steps for the {arm} arm")
+            rows[arm] = arms[arm](root, argparse.Namespace(**{**vars(args), "steps": steps[arm]}), times)
+            print(f"  {arm}: done in {time.monotonic() - t0:.0f} s: {row_line(arm, rows[arm])}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"\n{args.steps} steps, failures every {args.mtbf:g} s on average (seed {args.seed}), {os.cpu_count()} cores; "
+    print(f"\nsteps {', '.join(f'{a} {steps[a]}' for a in rows)}; failures every {args.mtbf:g} s on average (seed {args.seed}), {os.cpu_count()} cores; "
           f"verlj snapshots every {args.save_interval} steps, TRL checkpoints every {args.trl_save_steps}")
-    print(f"{'arm':<8} {'W0 s':>7} {'W s':>7} {'goodput':>8} {'failures':>9} {'steps lost':>11} {'replayed':>9}  identical")
+    print(f"{'arm':<6} {'W0 s':>6} {'W s':>6} {'goodput':>8} {'failures':>15} {'steps lost':>11} {'replayed':>9} {'rescored':>9}  identical")
     for arm, r in rows.items():
-        if isinstance(r, str):
-            print(f"{arm:<8} {r}")
-            continue
-        print(f"{arm:<8} {r['w0']:>7.0f} {r['wall']:>7.0f} {r['w0'] / r['wall']:>8.2f} {r['failures']:>9} {r['lost']:>11} "
-              f"{r.get('replayed', '-'):>9}  "
-              f"{'yes' if r['identical'] else 'no'}")
-    done = [r for r in rows.values() if not isinstance(r, str)]
-    if any(r["failures"] < 10 for r in done):
+        print(row_line(arm, r))
+    done = {a: r for a, r in rows.items() if not isinstance(r, str)}
+    if "fleet" in done:
+        print(f"fleet: failures trainer/actor; {done['fleet']['deaths']} actor deaths counted by the fleet (rollout/fleet/deaths)")
+    if "trl" in done:
+        print(f"trl: TRL {done['trl']['version']}")
+    if any(sum(r["failures"].values()) < 10 for r in done.values()):
         print("warning: fewer than 10 failures landed in an arm: its goodput says little (raise --steps or lower --mtbf)")
-    if "verlj" in rows and "trl" in rows and len(done) == 2:
-        print(f"goodput verlj / TRL: {(rows['verlj']['w0'] / rows['verlj']['wall']) / (rows['trl']['w0'] / rows['trl']['wall']):.2f}")
+    for a in ("verlj", "fleet"):
+        if a in done and "trl" in done:
+            print(f"goodput {a} / TRL: {(done[a]['w0'] / done[a]['wall']) / (done['trl']['w0'] / done['trl']['wall']):.2f}")
     return 0
 
 
