@@ -136,8 +136,10 @@ def launch(output_dir: Path, config: Path | None, overrides: list[str], resume: 
     config = config.absolute() if config is not None else None
     if not resume:  # bad input is refused here in one line, before anything is placed (a resume's ranks check theirs)
         from verlj.engine.loop.run import check_start
+        from verlj.engine.rl.fleet import check_ranks
 
-        guarded(lambda: check_start(output_dir, config, overrides, False, allow_config_change))
+        cfg = guarded(lambda: check_start(output_dir, config, overrides, False, allow_config_change))[1]
+        guarded(lambda: check_ranks(cfg, nproc))
     address = os.environ.get("RAY_ADDRESS") or address
     try:
         if address:

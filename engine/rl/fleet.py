@@ -169,14 +169,20 @@ class _Slot:
     call_inc: int = 0  # `inc` when its call in flight was handed out
 
 
+def check_ranks(cfg: Config, ranks: int) -> None:
+    """One sentence when a job of `ranks` trainer ranks asks for a fleet (one rank in this version): checked by
+    each rank's preflight, and by `--launcher ray` before it places any."""
+    if cfg.rollout.fleet == "ray" and ranks > 1:
+        raise ConfigError(f"rollout.fleet=ray runs with one trainer rank in this version, and this job has {ranks}: train on one "
+                          "(--launcher ray --nproc 1, or no torchrun) or set rollout.fleet=none")
+
+
 class RayFleet(SamplerEngine):
     """rollout.fleet=ray: the RolloutEngine whose generators are Ray actors (see the module's doc)."""
 
     @classmethod
     def preflight(cls, cfg: Config, device) -> None:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError("rollout.fleet=ray runs with one trainer process in this version; start verlj train without torchrun "
-                              "or set rollout.fleet=none")
+        check_ranks(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         try:
             import ray  # noqa: F401
         except ImportError:

@@ -89,3 +89,14 @@ def test_without_ray_the_ray_launcher_is_one_line_and_exit_2(tmp_path):
     out = verlj("train", "--output-dir", run, "--nproc", "2")  # ranks are torchrun's or the Ray launcher's to start
     assert out.returncode == 2 and out.stderr.strip() == "error: --nproc is the number of ranks --launcher ray starts (under torchrun: --nproc_per_node)"
     assert not run.exists()
+
+
+def test_a_fleet_on_two_ray_ranks_is_refused_before_any_is_placed(tmp_path):
+    """rollout.fleet=ray runs with one trainer rank: `--launcher ray --nproc 2` says so in one line, exit 2,
+    before it starts or joins a cluster (no RAY_ADDRESS here: a local one would be started) or writes the run."""
+    run = tmp_path / "run"
+    out = verlj("train", "--output-dir", run, *RAY, *TINY, "rollout.mode=async", "rollout.fleet=ray")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip() == ("error: rollout.fleet=ray runs with one trainer rank in this version, and this job has 2: train on one "
+                                  "(--launcher ray --nproc 1, or no torchrun) or set rollout.fleet=none"), out.stderr
+    assert not run.exists()
