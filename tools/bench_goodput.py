@@ -13,6 +13,9 @@ times for every arm), each followed by an automatic restart. It prints, per arm:
 
   goodput       W0 / W: the share of the wall time that went to training the steps once
   failures      SIGKILLs that landed (fleet: of the trainer / of a generator actor)
+  to next s     seconds from a kill to the first step beyond every step reported before it (the
+                restart, the replay or the steps trained again, the step cut short), the mean over
+                the kills; next to it, step s: W0 / steps, the failure-free wall time a step
   steps lost    steps trained to the end again after a restart (generation, scoring and update redone)
   replayed      steps re-applied from verlj's journal after a restart (the update only: no generation)
   rescored      samples generated and scored more than once: the reward function counts its calls
@@ -102,7 +105,7 @@ class Killer:
     `landed` counts the kills by what."""
 
     def __init__(self, times: list[float], target):
-        self.times, self.target, self.landed = times, target, Counter()
+        self.times, self.target, self.landed, self.when = times, target, Counter(), []
         self.stop = threading.Event()
 
     def start(self) -> None:
@@ -117,10 +120,24 @@ class Killer:
                     try:
                         os.kill(hit[1], signal.SIGKILL)
                         self.landed[hit[0]] += 1
+                        self.when.append(time.monotonic())
                     except ProcessLookupError:
                         pass
 
         threading.Thread(target=loop, daemon=True).start()
+
+
+def to_next_step(kills: list[float], seen: list[tuple[float, int]]) -> list[float]:
+    """For each kill (a time), the seconds until a step beyond every step reported before it was reported:
+    the restart, any replay or steps trained again, and the step the kill cut short. Kills after the last
+    new step (the run was ending) are left out."""
+    out = []
+    for t in kills:
+        before = max((s for at, s in seen if at <= t), default=0)
+        after = [at for at, s in seen if at > t and s > before]
+        if after:
+            out.append(after[0] - t)
+    return out
 
 
 def children(pid: int) -> list[int]:
@@ -157,13 +174,14 @@ def verlj_run(run: Path, steps: int, save_interval: int, killer_times: list[floa
     if killer_times is not None:
         killer = Killer(killer_times, target)
         killer.start()
-    trained, replayed, tail = [], 0, []
+    trained, seen, replayed, tail = [], [], 0, []
     for line in p.stdout:
         tail = (tail + [line])[-20:]
         if m := re.search(r"verlj: training in process (\d+)", line):
             active[0] = int(m.group(1))
         elif m := re.search(r"\[INFO\] Step (\d+): reward=", line):
             trained.append(int(m.group(1)))
+            seen.append((time.monotonic(), int(m.group(1))))
         elif m := re.search(r"Replayed steps? (\d+)(?:–(\d+))? from the journal", line):
             replayed += int(m.group(2) or m.group(1)) - int(m.group(1)) + 1
     p.wait()
@@ -173,7 +191,7 @@ def verlj_run(run: Path, steps: int, save_interval: int, killer_times: list[floa
     if p.returncode != 0:
         raise SystemExit(f"verlj arm: `{' '.join(cmd[2:6])} …` exited {p.returncode}:\n{''.join(tail)}")
     return {"wall": wall, "failures": killer.landed if killer else Counter(), "lost": len(trained) - len(set(trained)),
-            "replayed": replayed, "scored": scored(run)}
+            "replayed": replayed, "scored": scored(run), "recovery": to_next_step(killer.when, seen) if killer else []}
 
 
 def verlj_fingerprints(run: Path) -> dict[int, str]:
@@ -193,7 +211,7 @@ def verlj_arm(root: Path, args, times: list[float], fleet=None) -> dict:
     prints = verlj_fingerprints(root / f"{name}-ref")
     if prints[1] == prints[args.steps]:
         raise SystemExit(f"{name} arm: the weights did not move in {args.steps} steps (every reward alike?): nothing to compare")
-    row = {**got, "w0": ref["wall"], "identical": prints == verlj_fingerprints(root / f"{name}-failures"),
+    row = {**got, "w0": ref["wall"], "step": ref["wall"] / args.steps, "identical": prints == verlj_fingerprints(root / f"{name}-failures"),
            "rescored": got["scored"] - ref["scored"]}
     if fleet:
         from faults import fleet_deaths
@@ -274,6 +292,7 @@ def trl_run(py: str, model: Path, out: Path, args, killer_times: list[float] | N
     if killer:
         killer.start()
     trained: list[int] = []
+    seen: list[tuple[float, int]] = []
     while True:
         resume = any(out.glob("checkpoint-*"))
         p = subprocess.Popen([py, str(script), str(model), str(out), str(args.steps), str(args.trl_save_steps), "1" if resume else "0",
@@ -285,6 +304,7 @@ def trl_run(py: str, model: Path, out: Path, args, killer_times: list[float] | N
             tail = (tail + [line])[-20:]
             if m := re.match(r"TRL STEP (\d+)", line):
                 trained.append(int(m.group(1)))
+                seen.append((time.monotonic(), int(m.group(1))))
         if p.wait() == 0:
             break
         if p.returncode != -signal.SIGKILL:
@@ -292,13 +312,14 @@ def trl_run(py: str, model: Path, out: Path, args, killer_times: list[float] | N
     if killer:
         killer.stop.set()
     return {"wall": time.monotonic() - t0, "failures": killer.landed if killer else Counter(), "lost": len(trained) - len(set(trained)),
-            "scored": scored(out)}
+            "scored": scored(out), "recovery": to_next_step(killer.when, seen) if killer else []}
 
 
 def trl_weights_equal(a: Path, b: Path) -> bool:
+    """Whether two model directories (a run's `final`, or the initial model) hold the same weights, bit for bit."""
     from safetensors.torch import load_file
 
-    wa, wb = load_file(str(a / "final" / "model.safetensors")), load_file(str(b / "final" / "model.safetensors"))
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     return wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
 
 
@@ -311,8 +332,10 @@ def trl_arm(root: Path, args, times: list[float]) -> dict | str:
         (root / name).mkdir()
     trl_run(args.trl_python, model, root / "trl-warmup" / "out", argparse.Namespace(**{**vars(args), "steps": 3}), None)  # untimed
     ref = trl_run(args.trl_python, model, root / "trl-ref" / "out", args, None)
+    if trl_weights_equal(model, root / "trl-ref" / "out" / "final"):
+        raise SystemExit(f"trl arm: the weights did not move in {args.steps} steps (every reward alike?): nothing to compare")
     got = trl_run(args.trl_python, model, root / "trl-failures" / "out", args, times)
-    return {**got, "w0": ref["wall"], "identical": trl_weights_equal(root / "trl-ref" / "out", root / "trl-failures" / "out"),
+    return {**got, "w0": ref["wall"], "step": ref["wall"] / args.steps, "identical": trl_weights_equal(root / "trl-ref" / "out" / "final", root / "trl-failures" / "out" / "final"),
             "rescored": got["scored"] - ref["scored"], "version": probe.stdout.strip()}
 
 
@@ -324,7 +347,8 @@ def row_line(arm: str, r: dict | str) -> str:
         return f"{arm:<6} {r}"
     kills = sum(r["failures"].values())
     what = f"{kills} ({r['failures']['trainer']}/{r['failures']['actor']})" if arm == "fleet" else str(kills)
-    return (f"{arm:<6} {r['w0']:>6.0f} {r['wall']:>6.0f} {r['w0'] / r['wall']:>8.2f} {what:>15} {r['lost']:>11} "
+    rec = f"{sum(r['recovery']) / len(r['recovery']):.1f}" if r["recovery"] else "-"
+    return (f"{arm:<6} {r['w0']:>6.0f} {r['wall']:>6.0f} {r['w0'] / r['wall']:>8.2f} {what:>15} {rec:>10} {r['step']:>7.2f} {r['lost']:>11} "
             f"{r.get('replayed', '-'):>9} {r['rescored']:>9}  {'yes' if r['identical'] else 'no'}")
 
 
@@ -359,7 +383,8 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\nsteps {', '.join(f'{a} {steps[a]}' for a in rows)}; failures every {args.mtbf:g} s on average (seed {args.seed}), {os.cpu_count()} cores; "
           f"verlj snapshots every {args.save_interval} steps, TRL checkpoints every {args.trl_save_steps}")
-    print(f"{'arm':<6} {'W0 s':>6} {'W s':>6} {'goodput':>8} {'failures':>15} {'steps lost':>11} {'replayed':>9} {'rescored':>9}  identical")
+    print(f"{'arm':<6} {'W0 s':>6} {'W s':>6} {'goodput':>8} {'failures':>15} {'to next s':>10} {'step s':>7} {'steps lost':>11} "
+          f"{'replayed':>9} {'rescored':>9}  identical")
     for arm, r in rows.items():
         print(row_line(arm, r))
     done = {a: r for a, r in rows.items() if not isinstance(r, str)}
