@@ -280,14 +280,14 @@ class RolloutConfig:
     engine: str = live("hf")  # hf (verlj's KV-cached sampler) | vllm (a colocated vLLM engine: pip install -e '.[vllm]')
     gpu_memory_utilization: float = bookkeeping(0.5)  # vllm on GPU: the share of GPU memory vLLM takes (on CPU, KV memory is sized to the batch)
     # sync: each step generates its own batch, then trains on it | async: a generator process beside
-    # the trainer generates the batch of step s+k while step s trains (README: asynchronous rollout)
+    # the trainer generates the batch of step s+k while step s trains (docs/guides/async.md)
     mode: str = "sync"
     max_staleness: Optional[int] = None  # async: k, the policy versions a trained sample may lag (>= 1; null = 1)
     # async: step (deterministic: step s trains on version max(0, s-1-k); null = step) | completion
     # (free-running: each step takes the completed groups within k versions, in completion order)
     async_order: Optional[str] = None
     # async: none (the generator process beside each rank) | ray (rollout.fleet_size generator actors on a
-    # Ray cluster: pip install 'verlj[ray]'; README: a rollout fleet on Ray)
+    # Ray cluster: pip install 'verlj[ray]'; docs/guides/async.md: a rollout fleet on Ray)
     fleet: str = live("none")
     fleet_size: int = bookkeeping(1)  # fleet=ray: M, the generator actors (may change on resume)
     # fleet=ray: the Ray resources each actor asks for: num_cpus, num_gpus, memory (bytes), or a custom resource's name
