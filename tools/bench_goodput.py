@@ -36,8 +36,10 @@ Arms:
           every step's fingerprint equal to the fleet's uninterrupted run.
   trl     TRL's GRPOTrainer (the same model, prompts and reward; save_steps --trl-save-steps, as TRL
           users checkpoint), restarted by this driver with resume_from_checkpoint from its newest
-          checkpoint; identical = the final weights equal. Skipped with one line when TRL (and verlj,
-          for the reward) cannot be imported by --trl-python.
+          complete checkpoint (one a kill tore mid-save is deleted, as a TRL user would); identical =
+          the final weights equal. A restart takes TRL about 30 s on 2 cores: with --mtbf near that,
+          most kills land in a restart and the run hardly moves. Skipped with one line when TRL (and
+          verlj, for the reward) cannot be imported by --trl-python.
 Load: the arms run one after another, each using the whole machine (2 cores here); nothing else
 should run meanwhile. Times are wall-clock and meaningful only side by side, as ratios.
 """
@@ -240,7 +242,7 @@ TRL_SCRIPT = textwrap.dedent('''
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    model_dir, out, steps, save_steps, resume, lr = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1", float(sys.argv[6])
+    model_dir, out, steps, save_steps, resume, lr = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] or None, float(sys.argv[6])
     prompts, n, response = {PROMPTS}, {N}, {RESPONSE}
     torch.set_num_threads(1)
     rows = json.load(open(model_dir + "/rows.json"))
@@ -261,7 +263,7 @@ TRL_SCRIPT = textwrap.dedent('''
     tok = AutoTokenizer.from_pretrained(model_dir)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=tok, callbacks=[Say()])
-    trainer.train(resume_from_checkpoint=True if resume else None)
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(out + "/final")
 ''').format(PROMPTS=PROMPTS, N=N, RESPONSE=RESPONSE)
 
@@ -283,6 +285,23 @@ def trl_model_dir(root: Path) -> Path:
     return out
 
 
+def trl_checkpoint(out: Path) -> str:
+    """The newest complete checkpoint under `out` ("" when none), removing any newer one a kill tore mid-save.
+
+    Hugging Face's Trainer writes trainer_state.json last (after the weights, optimizer, scheduler and RNG),
+    so a checkpoint is complete when that file parses. `resume_from_checkpoint=True` takes the newest
+    directory whatever it holds and stops on a torn one; a TRL user deletes it and resumes from the one
+    before, which is what this does."""
+    steps = sorted((int(d.name.split("-")[1]), d) for d in out.glob("checkpoint-*") if d.name.split("-")[1].isdigit())
+    for _, d in reversed(steps):
+        try:
+            json.loads((d / "trainer_state.json").read_text())
+            return str(d)
+        except (OSError, ValueError):
+            shutil.rmtree(d)
+    return ""
+
+
 def trl_run(py: str, model: Path, out: Path, args, killer_times: list[float] | None) -> dict:
     script = out.parent / "trl_grpo.py"
     script.write_text(TRL_SCRIPT)
@@ -294,8 +313,7 @@ def trl_run(py: str, model: Path, out: Path, args, killer_times: list[float] | N
     trained: list[int] = []
     seen: list[tuple[float, int]] = []
     while True:
-        resume = any(out.glob("checkpoint-*"))
-        p = subprocess.Popen([py, str(script), str(model), str(out), str(args.steps), str(args.trl_save_steps), "1" if resume else "0",
+        p = subprocess.Popen([py, str(script), str(model), str(out), str(args.steps), str(args.trl_save_steps), trl_checkpoint(out),
                               str(LR)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, **ENV, COUNT: str(out.parent / f"{out.name}.scored")})
         current.append(p)
