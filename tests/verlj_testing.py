@@ -153,6 +153,11 @@ def fingerprints(run_dir: Path) -> dict[int, str]:
     return out
 
 
+def committed(run_dir: Path) -> int:
+    """The run's last committed step, read while its trainer runs (0 before the journal exists)."""
+    return max(fingerprints(run_dir), default=0) if (Path(run_dir) / "journal" / "data.mdb").exists() else 0
+
+
 def pickle_module_reducing(reduce):
     """A pickle module for torch.save(pickle_module=...) whose Pickler reduces an object as `reduce(obj)`
     says (None: as usual): the forms other interpreters write, made on this one."""

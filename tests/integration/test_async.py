@@ -16,7 +16,7 @@ from test_recovery import kill_at_random
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import VerljError, open_journal_reader
-from verlj_testing import REPO, TINY, assert_same_journal, cli, env, fingerprints, train, verlj
+from verlj_testing import REPO, TINY, assert_same_journal, cli, committed, env, fingerprints, train, verlj
 
 # dynamic sampling over 2 rounds at most, so carried-over groups meet the staleness bound
 ASYNC = ["rollout.mode=async", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=2", "trainer.total_steps=6",
@@ -39,10 +39,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def committed(run: Path) -> int:
-    return max(fingerprints(run), default=0) if (run / "journal" / "data.mdb").exists() else 0
 
 
 def gone(pids: list[int], within: float = 10.0) -> bool:

@@ -10,12 +10,13 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, train, verlj
+from verlj_testing import REPO, TINY, assert_same_journal, committed, env, fingerprints, train, verlj
 
 pytestmark = pytest.mark.slow
 
@@ -45,24 +46,23 @@ def test_a_rank_actor_killed_by_sigkill_restarts_the_ranks_and_the_run_ends_iden
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *RAY, "trainer.max_restarts=2"]
     # step 3 waits a minute before its commit in the first attempt (its processes' 3rd commit; the restarted ones
-    # commit steps 3 and 4 only): the kill lands mid-run however late Ray forwards rank 0's line
+    # commit steps 3 and 4 only): once step 2 is in the journal, both ranks are alive for a minute. The journal,
+    # not rank 0's forwarded line, says when: under a loaded CI the launcher showed "Step 2" only after the ranks ended
     slow = {"VERLJ_FAILPOINT": "step.before_commit:3:sleep=60"}
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(**cluster, **slow), cwd=REPO)
-    ranks = None
-    seen = []
-    for line in p.stdout:
-        seen.append(line)
-        if m := re.search(r"verlj: training on 2 ranks \(rank 0 in process (\d+) on \S+, rank 1 in process (\d+)", line):
-            ranks = int(m.group(1)), int(m.group(2))
-        if "[INFO] Step 2: reward=" in line:  # rank 0's line, forwarded by Ray: kill -9 rank 1's actor
-            try:
-                os.kill(ranks[1], signal.SIGKILL)
-            except ProcessLookupError:  # seen once under a loaded CI: show what the launcher said
-                p.kill()
-                pytest.fail("rank 1's process was gone before the kill; the launcher said:\n" + "".join(seen)[-4000:])
-            break
-    rest, _ = p.communicate(timeout=600)
-    out = "".join(seen) + rest
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: [seen.append(line) for line in p.stdout], daemon=True)
+    reader.start()
+    started = r"verlj: training on 2 ranks \(rank 0 in process (\d+) on \S+, rank 1 in process (\d+)"
+    deadline = time.monotonic() + 300
+    while committed(run) < 2 or not re.search(started, "".join(seen)):
+        assert p.poll() is None and time.monotonic() < deadline, "".join(seen)[-3000:]
+        time.sleep(0.1)
+    ranks = tuple(int(pid) for pid in re.search(started, "".join(seen)).groups())
+    os.kill(ranks[1], signal.SIGKILL)  # rank 1 waits on rank 0's sleep: kill -9 its actor
+    p.wait(timeout=600)
+    reader.join(timeout=30)
+    out = "".join(seen)
     assert p.returncode == 0, out[-3000:]
     assert re.search(rf"verlj: rank 1's actor \(process {ranks[1]} on \S+\) died; restarting the ranks with --resume \(1 of 2\)", out), out[-3000:]
     again = re.search(r"verlj: training on 2 ranks \(rank 0 in process (\d+) on \S+, rank 1 in process (\d+) on \S+; restart 1 of 2\)", out)
