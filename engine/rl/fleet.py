@@ -37,6 +37,7 @@ import atexit
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -54,6 +55,7 @@ from ..state.reshard import full_parameters
 from .sampler import AskedGroup, SamplerEngine, sampling_params
 
 START_TIMEOUT_S = 600.0
+START_WAIT_SAID_S = 30.0  # after this, one line says what the fleet waits for
 WAIT_S = 0.2  # how often a wait checks the fleet's health
 RESUME = "every committed step is in the journal: `verlj train --resume` continues the run exactly"
 
@@ -231,6 +233,12 @@ class RayFleet(SamplerEngine):
             where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
             raise RunError(f"rollout.fleet=ray could not start or join {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         atexit.register(self.close)
+        if self._ray_started and not address:  # a local cluster verlj started cannot grow: what it lacks now, it never gets
+            missing = unplaceable(ro.fleet_resources, ray.cluster_resources())
+            if missing:
+                raise ConfigError(f"rollout.fleet_resources asks each actor for {missing}, and the local Ray cluster verlj started on "
+                                  "this machine has less: ask less, or set RAY_ADDRESS (or distributed.ray_address) to a cluster "
+                                  "that has it")
         tok = self.tokenizer
         self._remote = ray.remote(GeneratorActor).options(max_restarts=-1, max_task_retries=0, **_resources(ro.fleet_resources))
         self._args = (cfg.to_dict(), tok.eos_token_id, tok.pad_token_id, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
@@ -239,10 +247,15 @@ class RayFleet(SamplerEngine):
         self._none_since = time.monotonic()
         self._thread = threading.Thread(target=self._pump, name="verlj-fleet", daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
+        start = time.monotonic()
+        deadline, said = start + START_TIMEOUT_S, False
         with self._lock:  # every actor up before the first step, as the generator process is
             while not all(s.alive for s in self.slots):
                 self._check()
+                if not said and time.monotonic() - start > START_WAIT_SAID_S:  # a joined cluster may be adding nodes
+                    said = True
+                    print(f"[WARNING] waiting for the Ray cluster to place the rollout fleet's {len(self.slots)} actors of "
+                          f"{ro.fleet_resources} each; it has {ray.cluster_resources()}", file=sys.stderr, flush=True)
                 if time.monotonic() > deadline:
                     raise RunError(f"the rollout fleet's {len(self.slots)} actors did not all start within {START_TIMEOUT_S:.0f} s")
                 self._lock.wait(WAIT_S)
@@ -498,6 +511,14 @@ def _resources(asked: dict) -> dict:
     if custom:
         out["resources"] = custom
     return out
+
+
+def unplaceable(asked: dict, have: dict) -> str:
+    """What rollout.fleet_resources asks of one actor beyond a cluster's totals (Ray's names: CPU, GPU, memory and
+    custom resources), as `name: asked (the cluster has N)`; '' when one actor fits."""
+    names = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
+    short = [(k, float(v), float(have.get(names.get(k, k), 0))) for k, v in asked.items()]
+    return ", ".join(f"{k}: {v:g} (the cluster has {h:g})" for k, v, h in short if v > h)
 
 
 def _object_store_bytes(weights_bytes: int) -> int:

@@ -1,0 +1,20 @@
+"""rollout.fleet_resources against a Ray cluster's totals: what one actor asks that no cluster of these totals has.
+A local cluster verlj starts cannot grow, so the fleet refuses such a config at once instead of waiting for actors
+Ray never places (engine/rl/fleet.py, RayFleet._start)."""
+
+from verlj.engine.rl.fleet import unplaceable
+
+CPU_MACHINE = {"CPU": 2.0, "memory": 8e9, "object_store_memory": 2.7e8, "node:127.0.0.1": 1.0}
+
+
+def test_a_gpu_actor_on_a_cluster_without_gpus_is_named_with_what_the_cluster_has():
+    assert unplaceable({"num_gpus": 1}, CPU_MACHINE) == "num_gpus: 1 (the cluster has 0)"
+    assert unplaceable({"num_cpus": 1, "num_gpus": 0.5, "tpu_v5": 4}, CPU_MACHINE) == \
+        "num_gpus: 0.5 (the cluster has 0), tpu_v5: 4 (the cluster has 0)"
+
+
+def test_what_fits_is_not_named():
+    assert unplaceable({"num_cpus": 2}, CPU_MACHINE) == ""
+    assert unplaceable({"num_cpus": 1, "memory": 8e9, "num_gpus": 0}, CPU_MACHINE) == ""
+    assert unplaceable({"num_gpus": 1, "num_cpus": 4}, {"CPU": 64.0, "GPU": 8.0}) == ""
+    assert unplaceable({"num_cpus": 3}, CPU_MACHINE) == "num_cpus: 3 (the cluster has 2)"
