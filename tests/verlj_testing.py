@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
+
 from verlj.journal import open_journal_reader
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,13 +37,20 @@ def env(**extra) -> dict:
 
 
 def verlj(*args, check: bool = False, timeout: float = 300, ranks: int = 1, **env_extra) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess (under torchrun when ranks > 1)."""
+    """Run the real CLI in a process of its own (under torchrun when ranks > 1). One rank: a process forked by
+    the fork server (tests/forkserver.py: torch and transformers already imported), unless VERLJ_TESTS_FRESH=1
+    or the environment asked for is one only a fresh interpreter gives (ForkServer.serves)."""
+    e = env(**env_extra)
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(_port()),
                "-m", "verlj.cli", *map(str, args)]
     else:
         cmd = [sys.executable, "-m", "verlj.cli", *map(str, args)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(**env_extra), cwd=REPO)
+    server = _fork_server() if ranks == 1 else None
+    if server is not None and server.serves(e):
+        out = server.run(cmd, [str(a) for a in args], e, timeout)
+    else:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=REPO)
     if check and out.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}")
     return out
@@ -86,6 +95,94 @@ def replay_here(run_dir: Path, to_step: int, export: Path | None = None) -> tupl
     del replayed
     gc.collect()  # the replayed engines, before the next test builds its own
     return said
+
+
+class ForkServer:
+    """This test process's fork server (tests/forkserver.py), started on first use, stopped at exit."""
+
+    def __init__(self) -> None:
+        import atexit
+        import json
+        import tempfile
+
+        self.dir = Path(tempfile.mkdtemp(prefix="verlj-forkserver-"))
+        self.socket = str(self.dir / "socket")
+        self.env = env()
+        self.env.pop("PYTHONPATH", None)
+        self.log = open(self.dir / "server.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py")), self.socket],
+                                     stdout=subprocess.PIPE, stderr=self.log, env=self.env, cwd=REPO)
+        said = self.proc.stdout.readline().decode().split(" ", 1)
+        if said[0] != "ready":
+            raise RuntimeError(f"the fork server did not start: {(self.dir / 'server.log').read_text()[-3000:]}")
+        self.preloaded = set(json.loads(said[1]))
+        atexit.register(self.stop)
+
+    def serves(self, e: dict) -> bool:
+        """Whether a process it forks is what a fresh interpreter with environment `e` would be."""
+        return not forkserver.preloaded_env_differs(e, self.env) and not forkserver.shadows_preloaded(e, self.preloaded)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, cmd: list[str], args: list[str], e: dict, timeout: float) -> subprocess.CompletedProcess:
+        import json
+        import signal
+        import socket
+        import tempfile
+        import time
+
+        fd, out_path = tempfile.mkstemp(dir=self.dir)
+        os.close(fd)
+        fd, err_path = tempfile.mkstemp(dir=self.dir)
+        os.close(fd)
+        deadline = time.monotonic() + timeout
+        pid = None
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(self.socket)
+                conn.sendall(json.dumps({"args": args, "env": e, "cwd": str(REPO), "stdout": out_path, "stderr": err_path}).encode() + b"\n")
+                got, answers = b"", []
+                while len(answers) < 2:
+                    conn.settimeout(max(0.01, deadline - time.monotonic()))
+                    try:
+                        chunk = conn.recv(4096)
+                    except TimeoutError:
+                        if pid is not None:
+                            os.kill(pid, signal.SIGKILL)
+                        raise subprocess.TimeoutExpired(cmd, timeout, Path(out_path).read_text(), Path(err_path).read_text()) from None
+                    if not chunk:
+                        raise RuntimeError(f"the fork server ended the request without an exit status: {(self.dir / 'server.log').read_text()[-3000:]}")
+                    got += chunk
+                    *lines, got = got.split(b"\n")
+                    answers += [json.loads(line) for line in lines]
+                    if answers and pid is None:
+                        pid = answers[0]["pid"]
+            with open(out_path) as f, open(err_path) as g:  # text mode, as subprocess.run(text=True) reads its pipes
+                return subprocess.CompletedProcess(cmd, answers[1]["code"], f.read(), g.read())
+        finally:
+            for p in (out_path, err_path):
+                os.unlink(p)
+
+    def stop(self) -> None:
+        import shutil
+
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_SERVER: list[ForkServer] = []
+
+
+def _fork_server() -> ForkServer | None:
+    if os.environ.get("VERLJ_TESTS_FRESH") == "1":
+        return None
+    if not _SERVER or not _SERVER[0].alive():
+        _SERVER[:] = [ForkServer()]
+    return _SERVER[0]
 
 
 def _port() -> int:
