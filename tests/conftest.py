@@ -7,33 +7,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
 # The suite runs on two workers (pytest-xdist, one test module per worker at a time: addopts in
-# pyproject.toml, whose --no-loadscope-reorder keeps this order: xdist would otherwise hand out the modules
-# with the most tests first). Modules are handed out in collection order, so the longest start first and no
-# worker is left alone with a long one at the end. Seconds of their slowest tests, measured on 2 cores with
-# the fork server (tests/forkserver.py), the other worker busy.
+# pyproject.toml). xdist hands out the modules with the most tests first, so the unit modules mix with the
+# long multi-process ones; this order only breaks its ties. Handing out the longest first instead
+# (--no-loadscope-reorder) made a clean-clone CI slower (33 min, against 27 for the CI before it; the fork
+# server's fallback after vLLM's import muddies the comparison): two multi-process modules at once on two
+# cores slowed each other (test_fleet's longest test 160 s against 132). Seconds each, measured serially.
 LONGEST_FIRST = [
-    "test_async.py",  # 263
-    "test_reshard.py",  # 242
-    "test_fleet.py",  # 184 (a Ray cluster and nine runs)
-    "test_vllm.py",  # 191
-    "test_distributed.py",  # 187
-    "test_episodes.py",  # 164
-    "test_recovery.py",  # ~150
-    "test_hardening.py",  # ~150
-    "test_shipping.py",  # 129
-    "test_node_loss.py",  # 111
-    "test_async_completion.py",  # 99
-    "test_interpreters.py",  # 83
-    "test_ray_launcher.py",  # 80 (a Ray cluster, torchrun's 2 ranks, 2 Ray runs of 2 ranks)
-    "test_faults_quick.py",  # 71
-    "test_rerun.py",
-    "test_retention.py",
-    "test_examples.py",
-    "test_whatif.py",
-    "test_verify_inspect.py",
-    "test_projections.py",
-    "test_train_cli.py",
-    "test_forkserver.py",
+    "test_fleet.py",  # ~280 with other jobs on the cores (new; a Ray cluster and nine runs)
+    "test_ray_launcher.py",  # ~180 with other jobs on the cores (new: a Ray cluster, torchrun's 2 ranks, 2 Ray runs of 2 ranks)
+    "test_recovery.py",  # 166
+    "test_reshard.py",  # 166
+    "test_node_loss.py",  # 142
+    "test_async.py",  # 139
+    "test_whatif.py",  # ~130 (new: estimated from its runs under load)
+    "test_vllm.py",  # 125
+    "test_hardening.py",  # 97
+    "test_shipping.py",  # 87
+    "test_async_completion.py",  # 83
+    "test_distributed.py",  # 82
+    "test_interpreters.py",  # ~80 (new)
+    "test_faults_quick.py",  # 66 when measured; 45 since it runs three kinds
+    "test_retention.py",  # 62
+    "test_examples.py",  # 60
+    "test_verify_inspect.py",  # 56
 ]
 
 

@@ -46,7 +46,7 @@ def verlj(*args, check: bool = False, timeout: float = 300, ranks: int = 1, **en
                "-m", "verlj.cli", *map(str, args)]
     else:
         cmd = [sys.executable, "-m", "verlj.cli", *map(str, args)]
-    server = _fork_server() if ranks == 1 else None
+    server = _fork_server(e) if ranks == 1 else None
     if server is not None and server.serves(e):
         out = server.run(cmd, [str(a) for a in args], e, timeout)
     else:
@@ -177,9 +177,16 @@ class ForkServer:
 _SERVER: list[ForkServer] = []
 
 
-def _fork_server() -> ForkServer | None:
+def _fork_server(e: dict) -> ForkServer | None:
+    """This process's fork server for a run with environment `e`: started again with this process's environment
+    when that has changed in a variable the server read at import since it started (importing vLLM or starting
+    Ray in this process sets some), so that it serves the runs after as a fresh interpreter would."""
     if os.environ.get("VERLJ_TESTS_FRESH") == "1":
         return None
+    base = env()
+    if _SERVER and _SERVER[0].alive() and forkserver.preloaded_env_differs(base, _SERVER[0].env) \
+            and not forkserver.preloaded_env_differs(e, base):
+        _SERVER[0].stop()
     if not _SERVER or not _SERVER[0].alive():
         _SERVER[:] = [ForkServer()]
     return _SERVER[0]

@@ -41,3 +41,22 @@ def test_a_forked_run_a_refusal_and_a_kill_are_what_a_fresh_interpreter_gives(mo
     forked, fresh = both(monkeypatch, tmp_path / "kill", VERLJ_FAILPOINT="journal.after_commit:2")  # the process SIGKILLs itself
     assert forked.returncode == fresh.returncode == -9
     assert max(fingerprints(tmp_path / "kill" / "forked")) == max(fingerprints(tmp_path / "kill" / "fresh")) == 2
+
+
+def test_the_server_starts_again_when_this_process_s_environment_changes_under_it(monkeypatch, tmp_path):
+    """Importing vLLM (test_vllm does, in the test process) sets TORCHINDUCTOR_CACHE_DIR and others, which a
+    fresh interpreter would see at torch's import: the next run gets a server started with them. A run that sets
+    such a variable for itself alone gets a fresh interpreter, and the server stays."""
+    monkeypatch.delenv("VERLJ_TESTS_FRESH", raising=False)
+    assert train(tmp_path / "a", "trainer.total_steps=1").returncode == 0
+    first = verlj_testing._SERVER[0]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # as vLLM's import sets it
+    assert train(tmp_path / "b", "trainer.total_steps=1").returncode == 0
+    second = verlj_testing._SERVER[0]
+    assert second is not first and not first.alive() and second.alive() and second.env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    own = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "own")}  # this run's own: a fresh interpreter
+    assert not second.serves(verlj_testing.env(**own))
+    assert train(tmp_path / "c", "trainer.total_steps=1", **own).returncode == 0
+    assert verlj_testing._SERVER[0] is second and second.alive()
+    assert_same_journal(tmp_path / "a", tmp_path / "b")
+    assert_same_journal(tmp_path / "a", tmp_path / "c")
