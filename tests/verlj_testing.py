@@ -37,18 +37,21 @@ def env(**extra) -> dict:
 
 
 def verlj(*args, check: bool = False, timeout: float = 300, ranks: int = 1, **env_extra) -> subprocess.CompletedProcess:
-    """Run the real CLI in a process of its own (under torchrun when ranks > 1). One rank: a process forked by
-    the fork server (tests/forkserver.py: torch and transformers already imported), unless VERLJ_TESTS_FRESH=1
-    or the environment asked for is one only a fresh interpreter gives (ForkServer.serves)."""
+    """Run the real CLI in a process of its own (under torchrun when ranks > 1). The process (torchrun's agent,
+    and its ranks through tests/forkclient.py) is forked by the fork server (tests/forkserver.py: torch and
+    transformers already imported), unless VERLJ_TESTS_FRESH=1 or the environment asked for is one only a fresh
+    interpreter gives (ForkServer.serves)."""
     e = env(**env_extra)
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(_port()),
                "-m", "verlj.cli", *map(str, args)]
     else:
         cmd = [sys.executable, "-m", "verlj.cli", *map(str, args)]
-    server = _fork_server(e) if ranks == 1 else None
+    server = _fork_server(e)
     if server is not None and server.serves(e):
-        out = server.run(cmd, [str(a) for a in args], e, timeout)
+        if ranks > 1:  # the agent starts each rank as `$PYTHON_EXEC -u -m verlj.cli ...`: forkclient asks the server for it
+            e.update(PYTHON_EXEC=server.rank_python, VERLJ_FORKSERVER_SOCKET=server.socket)
+        out = server.run(cmd, e, timeout)
     else:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=REPO)
     if check and out.returncode != 0:
@@ -103,6 +106,7 @@ class ForkServer:
     def __init__(self) -> None:
         import atexit
         import json
+        import shlex
         import tempfile
 
         self.dir = Path(tempfile.mkdtemp(prefix="verlj-forkserver-"))
@@ -115,17 +119,24 @@ class ForkServer:
         said = self.proc.stdout.readline().decode().split(" ", 1)
         if said[0] != "ready":
             raise RuntimeError(f"the fork server did not start: {(self.dir / 'server.log').read_text()[-3000:]}")
-        self.preloaded = set(json.loads(said[1]))
+        ready = json.loads(said[1])
+        self.preloaded, self.set_by_imports = set(ready["preloaded"]), ready["set_by_imports"]
+        self.rank_python = str(self.dir / "python")  # torchrun's PYTHON_EXEC: a rank's interpreter from this server
+        Path(self.rank_python).write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} "
+                                          f"{shlex.quote(str(Path(__file__).with_name('forkclient.py')))} \"$@\"\n")
+        os.chmod(self.rank_python, 0o755)
         atexit.register(self.stop)
 
     def serves(self, e: dict) -> bool:
         """Whether a process it forks is what a fresh interpreter with environment `e` would be."""
-        return not forkserver.preloaded_env_differs(e, self.env) and not forkserver.shadows_preloaded(e, self.preloaded)
+        return not forkserver.preloaded_env_differs(e, self.env, self.set_by_imports) and not forkserver.shadows_preloaded(e, self.preloaded)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, cmd: list[str], args: list[str], e: dict, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, cmd: list[str], e: dict, timeout: float) -> subprocess.CompletedProcess:
+        """`cmd` (`python -m MODULE ARGS`) as a process forked by the server, with environment `e`; what
+        subprocess.run(cmd, capture_output=True, text=True, ...) returns. On a timeout the process is killed."""
         import json
         import signal
         import socket
@@ -141,7 +152,9 @@ class ForkServer:
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
                 conn.connect(self.socket)
-                conn.sendall(json.dumps({"args": args, "env": e, "cwd": str(REPO), "stdout": out_path, "stderr": err_path}).encode() + b"\n")
+                assert cmd[1] == "-m", cmd
+                conn.sendall(json.dumps({"module": cmd[2], "args": cmd[3:], "env": e, "cwd": str(REPO), "stdout": out_path,
+                                         "stderr": err_path}).encode() + b"\n")
                 got, answers = b"", []
                 while len(answers) < 2:
                     conn.settimeout(max(0.01, deadline - time.monotonic()))
@@ -156,6 +169,8 @@ class ForkServer:
                     got += chunk
                     *lines, got = got.split(b"\n")
                     answers += [json.loads(line) for line in lines]
+                    if answers and "declined" in answers[0]:
+                        raise RuntimeError(f"the fork server declined a request ForkServer.serves accepted: {answers[0]['declined']}")
                     if answers and pid is None:
                         pid = answers[0]["pid"]
             with open(out_path) as f, open(err_path) as g:  # text mode, as subprocess.run(text=True) reads its pipes
@@ -184,8 +199,8 @@ def _fork_server(e: dict) -> ForkServer | None:
     if os.environ.get("VERLJ_TESTS_FRESH") == "1":
         return None
     base = env()
-    if _SERVER and _SERVER[0].alive() and forkserver.preloaded_env_differs(base, _SERVER[0].env) \
-            and not forkserver.preloaded_env_differs(e, base):
+    if _SERVER and _SERVER[0].alive() and forkserver.preloaded_env_differs(base, _SERVER[0].env, _SERVER[0].set_by_imports) \
+            and not forkserver.preloaded_env_differs(e, base, _SERVER[0].set_by_imports):
         _SERVER[0].stop()
     if not _SERVER or not _SERVER[0].alive():
         _SERVER[:] = [ForkServer()]

@@ -1,21 +1,25 @@
 """The suite's fork server (tests/forkserver.py) stands in for a fresh interpreter: what `python -m verlj.cli`
 prints, writes and exits with is the same from a process it forks as from a fresh one, for a run, a refusal
-and a SIGKILL."""
+and a SIGKILL, on one rank and on torchrun's two (whose ranks tests/forkclient.py asks the server for)."""
 
+import os
 import re
+import signal
+import subprocess
+import time
 
 import pytest
 
 import verlj_testing
-from verlj_testing import assert_same_journal, fingerprints, train
+from verlj_testing import REPO, assert_same_journal, fingerprints, train
 
 
-def both(monkeypatch, tmp_path, *args, **env_extra):
+def both(monkeypatch, tmp_path, *args, ranks=1, **env_extra):
     """The same `verlj train` in a forked process and in a fresh interpreter, each in its own run directory."""
     out = {}
     for how in ("forked", "fresh"):
         monkeypatch.setenv("VERLJ_TESTS_FRESH", "1" if how == "fresh" else "0")
-        out[how] = train(tmp_path / how, *args, **env_extra)
+        out[how] = train(tmp_path / how, *args, ranks=ranks, **env_extra)
     assert verlj_testing._SERVER and verlj_testing._SERVER[0].alive()  # started by the forked call, which it served
     return out["forked"], out["fresh"]
 
@@ -60,3 +64,62 @@ def test_the_server_starts_again_when_this_process_s_environment_changes_under_i
     assert verlj_testing._SERVER[0] is second and second.alive()
     assert_same_journal(tmp_path / "a", tmp_path / "b")
     assert_same_journal(tmp_path / "a", tmp_path / "c")
+
+
+def served() -> list[str]:
+    """What the server has forked so far ("MODULE PID [(its descriptors)]") and declined, from its log."""
+    return (verlj_testing._SERVER[0].dir / "server.log").read_text().splitlines()
+
+
+@pytest.mark.slow
+def test_torchrun_s_ranks_forked_train_and_die_as_fresh_ones_do(monkeypatch, tmp_path):
+    """Two ranks; rank 0 SIGKILLs itself after step 2's commit: the agent ends rank 1 (SIGTERM, which forkclient
+    passes on) and exits 1, as with fresh ranks; the same journal and fingerprints up to the kill."""
+    monkeypatch.delenv("VERLJ_TESTS_FRESH", raising=False)
+    verlj_testing._fork_server(verlj_testing.env())  # started, or started again for this process's environment, now
+    before = len(served())
+    forked, fresh = both(monkeypatch, tmp_path, "trainer.total_steps=3", ranks=2, VERLJ_FAILPOINT="journal.after_commit:2")
+    new = served()[before:]
+    assert [line.split()[1] for line in new if line.startswith("forked")].count("verlj.cli") == 2, new  # the ranks, by descriptor
+    assert sum(line.startswith("forked torch.distributed.run") for line in new) == 1 and not [x for x in new if x.startswith("declined")]
+    assert forked.returncode == fresh.returncode == 1
+    steps = [[line for line in out.stdout.splitlines() if "[INFO] Step" in line] for out in (forked, fresh)]
+    assert [re.sub(r"time=[\d.]+s", "", x) for x in steps[0]] == [re.sub(r"time=[\d.]+s", "", x) for x in steps[1]] and len(steps[0]) == 2
+    assert_same_journal(tmp_path / "forked", tmp_path / "fresh")
+    assert fingerprints(tmp_path / "forked") == fingerprints(tmp_path / "fresh") and max(fingerprints(tmp_path / "fresh")) == 2
+
+
+def client(tmp_path, monkeypatch):
+    """tests/forkclient.py as torchrun starts a rank (PYTHON_EXEC -u -m MODULE ...), for a module that prints its
+    pid and sleeps; returns the client's process and the pid of the process the server forked for it."""
+    monkeypatch.delenv("VERLJ_TESTS_FRESH", raising=False)
+    server = verlj_testing._fork_server(verlj_testing.env())
+    e = verlj_testing.env(PYTHON_EXEC=server.rank_python, VERLJ_FORKSERVER_SOCKET=server.socket)
+    p = subprocess.Popen([server.rank_python, "-u", "-m", "timeit", "-n", "1", "-r", "1",
+                          "import os, time; print(os.getpid(), os.environ.get('PYTHON_EXEC')); time.sleep(120)"],
+                         stdout=subprocess.PIPE, text=True, env=e, cwd=REPO)
+    pid, exec_seen = p.stdout.readline().split()
+    assert int(pid) != p.pid and exec_seen == "None"  # forked by the server; without the variables meant for the client
+    return p, int(pid)
+
+
+def gone(pid: int) -> bool:
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_signal_to_a_rank_s_client_reaches_the_rank_and_its_end_is_the_client_s(tmp_path, monkeypatch):
+    p, pid = client(tmp_path, monkeypatch)
+    p.send_signal(signal.SIGTERM)  # as torchrun's agent ends its ranks
+    assert p.wait(timeout=30) == -signal.SIGTERM and gone(pid)
+
+
+def test_a_rank_whose_client_is_killed_is_killed(tmp_path, monkeypatch):
+    p, pid = client(tmp_path, monkeypatch)
+    p.kill()  # SIGKILL cannot be passed on: the server's waiter sees the client go and kills the rank
+    assert p.wait(timeout=30) == -signal.SIGKILL and gone(pid)
