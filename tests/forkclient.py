@@ -54,7 +54,7 @@ def main() -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
-        req = {"module": rest[1], "args": rest[2:], "env": env, "cwd": os.getcwd(), "fds": True, "unbuffered": unbuffered}
+        req = {"module": rest[1], "args": rest[2:], "env": env, "cwd": os.getcwd(), "unbuffered": unbuffered}
         socket.send_fds(conn, [json.dumps(req).encode() + b"\n"], [0, 1, 2])
     except OSError:
         conn.close()

@@ -17,8 +17,8 @@ before asking, and the server declines a rank's request that needs one (forkclie
 fresh interpreter). With VERLJ_TESTS_FRESH=1 no server is used.
 
 Protocol, on a Unix socket whose path is argv[1]: one connection a request; the client sends one JSON line
-{"module", "args", "env", "cwd", and "stdout" and "stderr" (paths) or "fds": true with its descriptors 0, 1
-and 2 attached (SCM_RIGHTS), and "unbuffered" (python -u)}; the server answers {"pid": PID} when the process
+{"module", "args", "env", "cwd", "unbuffered" (python -u), "setsid" (a session of its own)} with the process's
+descriptors 0, 1 and 2 attached (SCM_RIGHTS); the server answers {"pid": PID} when the process
 starts and {"code": CODE} when it ends (negative: the signal that ended it, as subprocess reports it), or
 {"declined": [VARIABLES]}. A waiter process between the two (forked per request) lets requests overlap,
 reports the exit status, and SIGKILLs the process if the client goes away first (its own SIGKILL, a test's
@@ -96,9 +96,8 @@ def _become(req: dict, fds: list[int], base_path: list[str], set_by_imports: dic
     import io
     import runpy
 
-    if not fds:
-        fds = [os.open(os.devnull, os.O_RDONLY), os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
-               os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)]
+    if req.get("setsid"):
+        os.setsid()
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in fds]  # out of the way of 0-2, whatever numbers they came in
     for fd in fds:
         os.close(fd)
@@ -166,7 +165,7 @@ def main() -> None:
             _become(req, fds, base_path, set_by_imports)  # raises SystemExit out of main(): this process ends as the interpreter would
         for fd in fds:
             os.close(fd)
-        print(f"forked {req['module']} {child}{' (its descriptors)' if fds else ''}", file=sys.stderr, flush=True)  # the log tests read
+        print(f"forked {req['module']} {child}", file=sys.stderr, flush=True)  # the log tests read
         try:
             conn.sendall(json.dumps({"pid": child}).encode() + b"\n")
             _wait_or_kill(child, conn)

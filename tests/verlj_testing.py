@@ -47,11 +47,9 @@ def verlj(*args, check: bool = False, timeout: float = 300, ranks: int = 1, **en
                "-m", "verlj.cli", *map(str, args)]
     else:
         cmd = [sys.executable, "-m", "verlj.cli", *map(str, args)]
-    server = _fork_server(e)
-    if server is not None and server.serves(e):
-        if ranks > 1:  # the agent starts each rank as `$PYTHON_EXEC -u -m verlj.cli ...`: forkclient asks the server for it
-            e.update(PYTHON_EXEC=server.rank_python, VERLJ_FORKSERVER_SOCKET=server.socket)
-        out = server.run(cmd, e, timeout)
+    server, served_env = _served(e, cmd)
+    if server is not None:
+        out = server.run(cmd, served_env, timeout)
     else:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=REPO)
     if check and out.returncode != 0:
@@ -134,50 +132,21 @@ class ForkServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, cmd: list[str], e: dict, timeout: float) -> subprocess.CompletedProcess:
-        """`cmd` (`python -m MODULE ARGS`) as a process forked by the server, with environment `e`; what
-        subprocess.run(cmd, capture_output=True, text=True, ...) returns. On a timeout the process is killed."""
-        import json
-        import signal
-        import socket
-        import tempfile
-        import time
+    def said(self) -> list[str]:
+        """What it has forked ("forked MODULE PID") and declined ("declined MODULE: [VARIABLES]") so far: its log."""
+        return (self.dir / "server.log").read_text().splitlines()
 
-        fd, out_path = tempfile.mkstemp(dir=self.dir)
-        os.close(fd)
-        fd, err_path = tempfile.mkstemp(dir=self.dir)
-        os.close(fd)
-        deadline = time.monotonic() + timeout
-        pid = None
+    def run(self, cmd: list[str], e: dict, timeout: float) -> subprocess.CompletedProcess:
+        """What subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=REPO) returns, the
+        process forked by the server. On a timeout the process is killed."""
+        p = Forked(self, cmd, e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                conn.connect(self.socket)
-                assert cmd[1] == "-m", cmd
-                conn.sendall(json.dumps({"module": cmd[2], "args": cmd[3:], "env": e, "cwd": str(REPO), "stdout": out_path,
-                                         "stderr": err_path}).encode() + b"\n")
-                got, answers = b"", []
-                while len(answers) < 2:
-                    conn.settimeout(max(0.01, deadline - time.monotonic()))
-                    try:
-                        chunk = conn.recv(4096)
-                    except TimeoutError:
-                        if pid is not None:
-                            os.kill(pid, signal.SIGKILL)
-                        raise subprocess.TimeoutExpired(cmd, timeout, Path(out_path).read_text(), Path(err_path).read_text()) from None
-                    if not chunk:
-                        raise RuntimeError(f"the fork server ended the request without an exit status: {(self.dir / 'server.log').read_text()[-3000:]}")
-                    got += chunk
-                    *lines, got = got.split(b"\n")
-                    answers += [json.loads(line) for line in lines]
-                    if answers and "declined" in answers[0]:
-                        raise RuntimeError(f"the fork server declined a request ForkServer.serves accepted: {answers[0]['declined']}")
-                    if answers and pid is None:
-                        pid = answers[0]["pid"]
-            with open(out_path) as f, open(err_path) as g:  # text mode, as subprocess.run(text=True) reads its pipes
-                return subprocess.CompletedProcess(cmd, answers[1]["code"], f.read(), g.read())
-        finally:
-            for p in (out_path, err_path):
-                os.unlink(p)
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
+        return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
     def stop(self) -> None:
         import shutil
@@ -187,6 +156,137 @@ class ForkServer:
             self.proc.wait()
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Forked:
+    """What subprocess.Popen(cmd, env=e, cwd=REPO, text=True, ...) gives for `cmd` = `python -m MODULE ARGS`, the
+    process forked by the fork server: `pid` is the process's own (signals go to it; with start_new_session it
+    leads a session of its own, for os.killpg), `stdout`/`stderr` are pipes when asked for (PIPE, DEVNULL, STDOUT
+    or None: this process's), and poll/wait/communicate/send_signal/terminate/kill behave as Popen's, the exit
+    status coming from the server's waiter."""
+
+    def __init__(self, server: ForkServer, cmd: list[str], e: dict, stdout=None, stderr=None, start_new_session: bool = False) -> None:
+        import json
+        import socket
+
+        assert cmd[1] == "-m", cmd
+        self.args, self.returncode, self._got = cmd, None, b""
+        ends, mine = [], []  # (the child's descriptors 0-2), (read ends kept here)
+
+        def target(spec, fd: int) -> int:
+            if spec == subprocess.PIPE:
+                r, w = os.pipe()
+                mine.append(r)
+                return w
+            if spec == subprocess.DEVNULL:
+                return os.open(os.devnull, os.O_WRONLY)
+            if spec == subprocess.STDOUT:
+                return os.dup(ends[1])
+            return os.dup(fd)
+
+        ends.append(os.open(os.devnull, os.O_RDONLY))
+        ends.append(target(stdout, 1))
+        self.stdout = open(mine[-1]) if stdout == subprocess.PIPE else None
+        ends.append(target(stderr, 2))
+        self.stderr = open(mine[-1]) if stderr == subprocess.PIPE else None
+        self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.conn.connect(server.socket)
+            req = {"module": cmd[2], "args": cmd[3:], "env": e, "cwd": str(REPO), "setsid": start_new_session}
+            socket.send_fds(self.conn, [json.dumps(req).encode() + b"\n"], ends)
+        finally:
+            for fd in ends:
+                os.close(fd)
+        said = self._answer(None)
+        if "declined" in said:
+            raise RuntimeError(f"the fork server declined a request ForkServer.serves accepted: {said['declined']}")
+        self.pid = said["pid"]
+
+    def _answer(self, timeout: float | None) -> dict | None:
+        """The server's next answer line, or None if none came within `timeout` seconds."""
+        import json
+
+        while b"\n" not in self._got:
+            self.conn.settimeout(timeout)
+            try:
+                chunk = self.conn.recv(4096)
+            except TimeoutError:
+                return None
+            if not chunk:
+                raise RuntimeError("the fork server ended a request without an exit status")
+            self._got += chunk
+        line, self._got = self._got.split(b"\n", 1)
+        return json.loads(line)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            said = self._answer(timeout)
+            if said is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = said["code"]
+            self.conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0.0001)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        import threading
+
+        got: dict = {}
+        readers = [threading.Thread(target=lambda name=name, f=f: got.__setitem__(name, f.read()), daemon=True)
+                   for name, f in (("out", self.stdout), ("err", self.stderr)) if f is not None]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(timeout)
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        self.stdout = self.stderr = None
+        self.wait(timeout)
+        return got.get("out"), got.get("err")
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+
+def _served(e: dict, cmd: list[str]) -> tuple[ForkServer | None, dict]:
+    """The fork server that serves `cmd` with environment `e` (None: a fresh interpreter), and the environment to
+    ask it with: under torchrun, the agent starts each rank as `$PYTHON_EXEC -u -m verlj.cli ...`, and
+    forkclient asks the server for it."""
+    server = _fork_server(e)
+    if server is None or not server.serves(e):
+        return None, e
+    if cmd[2] == "torch.distributed.run":
+        e = {**e, "PYTHON_EXEC": server.rank_python, "VERLJ_FORKSERVER_SOCKET": server.socket}
+    return server, e
+
+
+def popen(cmd: list[str], env: dict, stdout=None, stderr=None, start_new_session: bool = False):
+    """subprocess.Popen(cmd, env=env, cwd=REPO, text=True, ...) for `cmd` = `python -m verlj.cli ...` (or torchrun's
+    `python -m torch.distributed.run ...`): the process forked by the fork server where it serves that
+    environment (a Forked, whose pid is the process's own), else a fresh interpreter."""
+    server, e = _served(env, cmd)
+    if server is None:
+        return subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, env=env, cwd=REPO, start_new_session=start_new_session)
+    return Forked(server, cmd, e, stdout=stdout, stderr=stderr, start_new_session=start_new_session)
 
 
 _SERVER: list[ForkServer] = []

@@ -100,6 +100,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PYTHON = [sys.executable]  # what runs `-m verlj.cli ...` (--python)
 TARGET = 8
 SMALL = [
     f"trainer.total_steps={TARGET}", "trainer.save_interval=2", "trainer.save_total_limit=2",
@@ -142,7 +143,7 @@ def env(**extra) -> dict:
 
 
 def verlj(*args, timeout=600, **extra) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "verlj.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([PYTHON[0], "-m", "verlj.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env(**extra), cwd=REPO)
 
 
@@ -188,7 +189,7 @@ def resume_until_done(run: Path, *over, tries=8, **extra) -> subprocess.Complete
 
 def kill_at_random(run: Path, rng: random.Random, *over: str, group: bool = True, **extra) -> None:
     """SIGKILL `verlj train` at a random moment: its whole process group, or (group=False) the trainer alone."""
-    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, *over, "--resume"]
+    cmd = [PYTHON[0], "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, *over, "--resume"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env(**extra), cwd=REPO,
                          start_new_session=True)
     want = rng.randint(0, TARGET - 1)
@@ -673,7 +674,7 @@ def fleet_trial(root: Path, ref: Path, cluster: RayCluster, rng: random.Random, 
         k = rng.randint(1, FLEET_DISPATCHES)
         extra["VERLJ_FAILPOINT"] = f"fleet.dispatch:{k}:kill-actor"
         what += f"SIGKILL of an actor at the fleet's dispatch {k}"
-    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, *over]
+    cmd = [PYTHON[0], "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, *over]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(**extra), cwd=REPO,
                          start_new_session=True)
     assert p.stdout is not None
@@ -997,7 +998,7 @@ def operator_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
 
 def concurrency_trial(root: Path, ref: Path, n: int) -> list[Trial]:
     run = root / f"live{n}"
-    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL]
+    cmd = [PYTHON[0], "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL]
     # stall step 5 so the probes certainly run while training is live
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=env(VERLJ_FAILPOINT="step.before_commit:5:sleep=10"), cwd=REPO)
@@ -1042,7 +1043,7 @@ def two_writers_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Tria
     run = root / f"two{n}"
     first, second = rng.sample(["A", "B"], 2)
     stall = rng.randint(1, TARGET - 1)  # hold the first inside a random step so the second surely meets it live
-    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, f"journal.local_dir={root / f'two{n}-{first}'}"]
+    cmd = [PYTHON[0], "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, f"journal.local_dir={root / f'two{n}-{first}'}"]
     live = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env=env(VERLJ_FAILPOINT=f"step.before_commit:{stall}:sleep=15"))
     settled(run, root / f"two{n}-{first}", stall - 1)  # held in its step, everything before it shipped
@@ -1159,7 +1160,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="a few trials of each kind (the test suite runs this)")
     ap.add_argument("--kinds", default=None, help=f"comma-separated, of {','.join(KINDS)} (default: all; --quick: all but fleet)")
+    ap.add_argument("--python", default=sys.executable,
+                    help="the interpreter each trial's `-m verlj.cli ...` runs under (default: this one; the test suite "
+                         "passes its fork server's, tests/forkclient.py)")
     args = ap.parse_args()
+    PYTHON[0] = args.python
     if args.quick:
         args.kills, args.corruptions, args.disk_full, args.node_losses, args.two_writers, args.asyncs = 1, 3, 1, 1, 1, 1
         args.bitflips, args.operators, args.fleet, args.episodes = 1, 3, 1, 1

@@ -16,7 +16,7 @@ from test_recovery import kill_at_random
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import VerljError, open_journal_reader
-from verlj_testing import REPO, TINY, assert_same_journal, cli, committed, env, fingerprints, train, verlj
+from verlj_testing import TINY, assert_same_journal, cli, committed, env, fingerprints, popen, train, verlj
 
 # dynamic sampling over 2 rounds at most, so carried-over groups meet the staleness bound
 ASYNC = ["rollout.mode=async", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=2", "trainer.total_steps=6",
@@ -126,8 +126,7 @@ def test_sigint_finishes_the_step_stops_the_generator_and_exits_0(tmp_path, refe
     per batch (the trainer waits for it), and the run still ends bit-identical to the reference."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *ASYNC]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
-                         env=env(VERLJ_FAILPOINT="generator.before_reply:1:sleep-each=0.3"))
+    p = popen(cmd, env=env(VERLJ_FAILPOINT="generator.before_reply:1:sleep-each=0.3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     for line in p.stdout:
         if "[INFO] Step 2: reward=" in line:
             break

@@ -7,6 +7,7 @@ is in the README's reliability section.
 import subprocess
 import sys
 
+import verlj_testing
 from verlj_testing import REPO, env
 
 
@@ -18,8 +19,16 @@ def test_quick_fault_campaign():
     # async in test_async.py, bitflip in test_rerun.py (a gradient and a parameter bit flipped), fleet in test_fleet.py (an actor
     # killed; --quick leaves fleet out: each of its trials starts a trainer and two Ray actors)
     kinds = "disk-full,concurrency,bad-input"
-    out = subprocess.run([sys.executable, "tools/faults.py", "--quick", "--seed", "5", "--kinds", kinds], capture_output=True, text=True,
-                         cwd=REPO, env=env(), timeout=1200)
+    cmd = [sys.executable, "tools/faults.py", "--quick", "--seed", "5", "--kinds", kinds]
+    e = env()
+    server = verlj_testing._fork_server(e)
+    if server is not None and server.serves(e):  # each trial's `python -m verlj.cli ...` forked by the suite's fork server
+        cmd += ["--python", server.rank_python]
+        e["VERLJ_FORKSERVER_SOCKET"] = server.socket
+    before = len(server.said()) if "--python" in cmd else 0
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=e, timeout=1200)
+    if "--python" in cmd:
+        assert sum(line.startswith("forked verlj.cli") for line in server.said()[before:]) >= 10  # the trials' runs: forked
     print(out.stdout[-6000:])
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     summary = out.stdout.strip().splitlines()[-1]

@@ -67,8 +67,7 @@ def test_the_server_starts_again_when_this_process_s_environment_changes_under_i
 
 
 def served() -> list[str]:
-    """What the server has forked so far ("MODULE PID [(its descriptors)]") and declined, from its log."""
-    return (verlj_testing._SERVER[0].dir / "server.log").read_text().splitlines()
+    return verlj_testing._SERVER[0].said()
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal
-from verlj_testing import REPO, SMALL, TINY, assert_same_journal, cli, env, fingerprints, train, verlj
+from verlj_testing import REPO, SMALL, TINY, assert_same_journal, cli, env, fingerprints, popen, train, verlj
 
 
 def one_line_error(out, code, text):
@@ -323,8 +323,7 @@ def test_a_copy_made_while_its_run_is_written_names_the_writer_of_the_original(b
     original's claim is never touched by the copy."""
     run, copy = tmp_path / "run", tmp_path / "copy"
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
-                            env=env(VERLJ_FAILPOINT="step.before_commit:3:sleep=120"))
+    proc = popen(cmd, env=env(VERLJ_FAILPOINT="step.before_commit:3:sleep=120"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and 2 not in _snapshots(run):

@@ -30,7 +30,7 @@ import pytest
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.state.manifest import check_snapshot
 from verlj.journal import Journal, open_journal_reader, segments
-from verlj_testing import REPO, TINY, _port, assert_same_journal, cli, comparable_steps, env, fingerprints, train
+from verlj_testing import REPO, TINY, _port, assert_same_journal, cli, comparable_steps, env, fingerprints, popen, train
 
 pytestmark = pytest.mark.slow
 
@@ -120,8 +120,7 @@ def test_a_second_trainer_on_a_live_shipped_run_is_refused(tmp_path, references,
     stall = rng.randint(2, 4)  # hold the first trainer inside a step so the second surely meets it live
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *MATRIX, *RETAIN,
            f"journal.local_dir={tmp_path / first}"]
-    live = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env=env(VERLJ_FAILPOINT=f"step.before_commit:{stall}:sleep=12"))
+    live = popen(cmd, env=env(VERLJ_FAILPOINT=f"step.before_commit:{stall}:sleep=12"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 60
     while committed(tmp_path / first) < stall - 1 and time.time() < deadline:
         time.sleep(0.05)

@@ -18,7 +18,7 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal, verify_journal
-from verlj_testing import REPO, TINY, assert_same_journal, cli, env, fingerprints, train, verlj
+from verlj_testing import TINY, assert_same_journal, cli, env, fingerprints, popen, train, verlj
 
 TARGET = 7
 COMMON = [f"trainer.total_steps={TARGET}", "trainer.save_interval=2", "trainer.save_total_limit=2"]
@@ -158,8 +158,7 @@ def test_kill_during_the_replay_of_a_resume(tmp_path, references, killed_after_5
 def test_sigint_during_the_replay_of_a_resume_trains_nothing_new(tmp_path, references, killed_after_5):
     run = copy_of(killed_after_5, tmp_path)
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *PPO_Z3, "--resume"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env(VERLJ_FAILPOINT="replay.step:1:sleep=3"), cwd=REPO)
+    p = popen(cmd, env=env(VERLJ_FAILPOINT="replay.step:1:sleep=3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for line in p.stdout:
         if "Resuming from checkpoint" in line:  # step 5 is replayed next, stalled 3 s: the signal lands inside it
             time.sleep(1.0)
@@ -181,8 +180,7 @@ def kill_at_random(run, over, rng, ranks=1, group=True):
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), *cmd[1:]]
         cmd[cmd.index("verlj.cli") - 1 : cmd.index("verlj.cli")] = ["-m"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env(), cwd=REPO,
-                         start_new_session=True)
+    p = popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     want = rng.randint(1, 3)
     seen = 0
     for line in p.stdout:
@@ -335,7 +333,7 @@ def test_config_change_on_resume(tmp_path, references):
 def signal_after(run, sig, marker, *extra, **env_extra) -> tuple[int, str, str]:
     """Start `verlj train`, send `sig` once a stdout line contains `marker`; (exit code, rest of stdout, stderr)."""
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *GRPO_DYN, *extra]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(**env_extra), cwd=REPO)
+    p = popen(cmd, env=env(**env_extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for line in p.stdout:
         if marker in line:
             p.send_signal(sig)
@@ -364,8 +362,7 @@ def test_sigterm_and_double_sigint(tmp_path, references):
     assert code == 0 and "Received SIGTERM" in rest
     # a second SIGINT stops at once: stall step 2 (before its commit) to deliver both inside it
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *GRPO_DYN, "--resume"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env(VERLJ_FAILPOINT="step.before_commit:1:sleep=30"), cwd=REPO)
+    p = popen(cmd, env=env(VERLJ_FAILPOINT="step.before_commit:1:sleep=30"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for line in p.stdout:
         if "Continuing training" in line:
             time.sleep(1.0)

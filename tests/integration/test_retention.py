@@ -13,7 +13,7 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import open_journal_reader
-from verlj_testing import REPO, TINY, _same, assert_same_journal, cli, comparable_steps, env, fingerprints, train, verlj
+from verlj_testing import TINY, _same, assert_same_journal, cli, comparable_steps, env, fingerprints, popen, train, verlj
 
 pytestmark = pytest.mark.slow
 
@@ -269,8 +269,7 @@ def test_a_snapshot_deleted_while_the_run_trains_is_not_counted_and_the_older_on
     live = ["trainer.save_interval=2", "trainer.save_total_limit=2", "journal.retain_samples=since_oldest_snapshot"]
     assert run_train(ref, None, [*TINY, "trainer.total_steps=10", *live]).snapshots_failed is None  # in this process, as `verlj train` exits 0
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, "trainer.total_steps=8", *live]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                         env=env(VERLJ_FAILPOINT="step.before_commit:7:sleep=3"))  # time to delete it before step 8's snapshot
+    p = popen(cmd, env=env(VERLJ_FAILPOINT="step.before_commit:7:sleep=3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # time to delete it before step 8's snapshot
     for line in p.stdout:
         if line.startswith("[INFO] Step 6: Saving checkpoint"):
             shutil.rmtree(run / "step_00006")

@@ -16,7 +16,7 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal, segments
-from verlj_testing import REPO, TINY, _same, assert_same_journal, cli, comparable_steps, env, fingerprints, replay_here, train, verlj
+from verlj_testing import TINY, _same, assert_same_journal, cli, comparable_steps, env, fingerprints, popen, replay_here, train, verlj
 
 TARGET = 10
 COMMON = [f"trainer.total_steps={TARGET}", "trainer.save_interval=3", "trainer.save_total_limit=2"]
@@ -62,7 +62,7 @@ def test_node_lost_at_a_random_moment(tmp_path, reference):
     run, local = tmp_path / "run", tmp_path / "L"
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *COMMON,
            f"journal.local_dir={local}", f"journal.ship_max_lag_steps={LAG}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO)
+    proc = popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     rng = random.Random()
     target = rng.randint(2, TARGET - 2)
     deadline = time.time() + 120
@@ -95,8 +95,7 @@ def test_stalled_shipping_holds_training_to_the_lag_bound(tmp_path, reference):
     run, local = tmp_path / "run", tmp_path / "L"
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *COMMON,
            f"journal.local_dir={local}", f"journal.ship_max_lag_steps={LAG}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env(VERLJ_FAILPOINT="ship.before_publish:4:sleep=120"), cwd=REPO)
+    proc = popen(cmd, env=env(VERLJ_FAILPOINT="ship.before_publish:4:sleep=120"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while _committed(local) < 1 and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)

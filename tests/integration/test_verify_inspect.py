@@ -15,7 +15,7 @@ from verlj.engine.loop.ledger import Ledger
 from verlj.engine.loop.recovery import choose_snapshot
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal, make_event
-from verlj_testing import REPO, TINY, cli, env, train
+from verlj_testing import TINY, cli, env, popen, train
 
 PPO = ["algorithm.name=ppo", "distributed.zero_stage=1", "trainer.total_steps=5", "trainer.save_interval=2",
        "trainer.save_total_limit=0"]
@@ -305,7 +305,7 @@ def test_commands_work_while_training_writes(tmp_path):
     live = tmp_path / "live"
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(live), *TINY, "trainer.total_steps=400",
            "trainer.save_interval=50"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env(), cwd=REPO)
+    p = popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         for line in p.stdout:
             if "[INFO] Step 3:" in line:

@@ -18,7 +18,7 @@ from verlj.engine.loop.run import train as run_train
 from verlj.engine.post_mortem.rerun import rerun
 from verlj.engine.post_mortem.whatif import whatif
 from verlj.journal import JournalError, VerljError, open_journal_reader
-from verlj_testing import REPO, TINY, assert_same_journal, cli, env, fingerprints, replay_here, verlj
+from verlj_testing import TINY, assert_same_journal, cli, env, fingerprints, popen, replay_here, verlj
 
 REWARD = "from verlj.engine.rl.rewards import add_reward\n\ndef negated(prompt, response, answer):\n    return -add_reward(prompt, response, answer)\n"
 
@@ -153,7 +153,7 @@ def test_a_whatif_killed_at_a_random_moment_and_resumed_is_bit_identical(tmp_pat
 def kill_during(run, new, at: int) -> None:
     """`verlj whatif RUN --from-step 1 -o NEW` (lr 0.002), killed with SIGKILL once its step `at` is committed."""
     cmd = [sys.executable, "-m", "verlj.cli", "whatif", str(run), "--from-step", "1", "-o", str(new), "model.actor.optim.lr=0.002"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         try:
