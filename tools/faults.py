@@ -1164,6 +1164,9 @@ def main() -> int:
                     help="the interpreter each trial's `-m verlj.cli ...` runs under (default: this one; the test suite "
                          "passes its fork server's, tests/forkclient.py)")
     args = ap.parse_args()
+    if not (os.path.isfile(args.python) and os.access(args.python, os.X_OK)):
+        print(f"error: --python {args.python} is not an executable file", file=sys.stderr)
+        return 2
     PYTHON[0] = args.python
     if args.quick:
         args.kills, args.corruptions, args.disk_full, args.node_losses, args.two_writers, args.asyncs = 1, 3, 1, 1, 1, 1

@@ -1,4 +1,4 @@
-"""tools/faults.py's own logic that the campaign relies on: a wrong --kinds is one line, and the fleet
+"""tools/faults.py's own logic that the campaign relies on: a wrong --kinds or --python is one line, and the fleet
 kind's count of actor deaths across trainer restarts (rollout/fleet/deaths restarts from 0 in each
 trainer process) from a real journal."""
 
@@ -26,6 +26,13 @@ def test_an_unknown_kind_is_one_line_and_exit_2():
     out = subprocess.run([sys.executable, "tools/faults.py", "--kinds", "fleet,nope"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "unknown kind(s) nope in --kinds" in out.stderr
+
+
+def test_a_python_that_is_not_an_executable_is_one_line_and_exit_2(tmp_path):
+    out = subprocess.run([sys.executable, "tools/faults.py", "--python", str(tmp_path / "python")], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 2 and out.stdout == "" and not list(tmp_path.iterdir())
+    assert out.stderr.strip() == f"error: --python {tmp_path / 'python'} is not an executable file"
 
 
 def test_fleet_deaths_sums_each_trainer_process_count(tmp_path):
