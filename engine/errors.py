@@ -35,6 +35,11 @@ class ReplayError(VerljError, RuntimeError):
     """Replay could not reproduce the journaled state."""
 
 
+class HardwareDivergence(ReplayError):
+    """A replay that differs from the journal where the step was trained on other hardware (another CPU
+    kernel level, device or BLAS: state.hardware): not damage, as bitwise equality is not promised there."""
+
+
 class PluginError(VerljError, ValueError):
     """User code named in the config (a checkpoint policy) cannot be loaded or misbehaved: names it."""
 
