@@ -370,7 +370,6 @@ def render(report: RerunReport | dict) -> str:
             kind = v.kind
             why = ""
             if kind == PERSISTENT:
-                moved = report.versions_changed
                 if moved:
                     why = " — " + ", ".join(f"{k}{':' if ' module ' in k else ''} {a} → {b}" for k, (a, b) in moved.items())
                 elif report.source_recorded:
