@@ -176,7 +176,7 @@ def test_archived_steps_without_pyarrow_and_exports_named_by_their_suffix(runs, 
     out = verlj("inspect", pruned, "--step", "2", PYTHONPATH=blocker)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.strip() == ("error: step 2's samples are in the rollout archive (rollouts/steps_0000000001-0000000003.parquet); "
-                                  "reading it needs pyarrow: pip install 'verlj[archive]'")
+                                  "reading it needs pyarrow: pip install 'verlj[archive]' (in a checkout: pip install -e '.[archive]')")
     some = verlj("export", pruned, "--rollouts", "--steps", "7:9", "--output", tmp_path / "late.jsonl", PYTHONPATH=blocker)
     assert some.returncode == 0 and len((tmp_path / "late.jsonl").read_text().splitlines()) > 0, some.stderr[-2000:]
     every = verlj("export", pruned, "--rollouts", "--output", tmp_path / "all.jsonl", PYTHONPATH=blocker)
