@@ -9,7 +9,7 @@ tokens) and appended. An episode ends when its env says done, at rollout.max_tur
 fault (an env call that raised, returned the wrong type or hung: rl.envs.EnvFault), whose reason is
 journaled with the sample (env_reason); the run goes on.
 
-Seeds, all from the sample's place in its step (round r, place q; ``Trainer._submit_round``):
+Seeds, all from the sample's place in its step (round r, place q; ``sources.sync.StepOrder.submit_round``):
 turn 0's generation uses the sample's seed of a single-turn run, ``derive_seed(seed, step,
 "rollout/sample", r, q)``; turn t > 0's ``derive_seed(seed, step, "rollout/sample", r, q, t)``; the
 env's ``reset(row, seed)`` gets ``derive_seed(seed, step, "rollout/env", r, q)``. Replay never plays

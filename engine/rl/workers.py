@@ -411,7 +411,7 @@ class ActorWorker(_Stepper):
             sl, micro_batch = mb.rows, batch.slice(mb.rows.start, mb.rows.stop)
             mask = micro_batch.resp_mask
             logp, ent = response_logprobs(self.engine, micro_batch, self.temperature, with_entropy=True)
-            if old_logprobs is None:  # fused (see Trainer._update): one epoch over one mini-batch, each row seen once
+            if old_logprobs is None:  # fused (see rl.update._update): one epoch over one mini-batch, each row seen once
                 before[sl] = logp.detach()
             old = logp.detach() if old_logprobs is None else old_logprobs[sl]
             weights = None if gen_logprobs is None else algorithms.truncated_is_weights(old, gen_logprobs[sl], mask, is_threshold)[0]
