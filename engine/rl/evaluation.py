@@ -101,7 +101,7 @@ def evaluate(tr: Evaluated, step: int) -> tuple[dict[str, float], dict]:
                     response_len=np.asarray([len(x) for x in out_resp], np.int64), **episode).to_event()
     return metrics, event
 
-def _eval_episodes(tr: Evaluated, step: int, rows, seeds: list[int], params: dict) -> tuple[list[np.ndarray], list[float], list]:
+def _eval_episodes(tr: Evaluated, step: int, rows: np.ndarray, seeds: list[int], params: dict) -> tuple[list[np.ndarray], list[float], list]:
     """rollout.env's held-out eval: held-out row `rows[k]` played as an episode (a Round, as training
     plays one), turn 0 generated from `seeds[k]` (the single-turn eval's seed), turn t > 0 from
     ``derive_seed(seed, step, "eval", row, t)``, the env reset with ``derive_seed(seed, step,

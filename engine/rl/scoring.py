@@ -6,6 +6,9 @@ and what-ifs score journaled samples again through it too (:meth:`Scorer.rescore
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import numpy as np
 
 from ..config import Config
@@ -27,7 +30,7 @@ def needs_reference(cfg: Config) -> bool:
 class Scorer:
     """The reward of a response or an episode, by the config in force (`set_config` follows it)."""
 
-    def __init__(self, cfg: Config, rt: Runtime, tokenizer, data: Dataset):
+    def __init__(self, cfg: Config, rt: Runtime, tokenizer: Any, data: Dataset) -> None:
         self.cfg, self.rt, self.tokenizer, self.data = cfg, rt, tokenizer, data
         self.dataset: list[Example] = data.train
         self.reward_fn = self._reward_fn(cfg)
@@ -49,10 +52,11 @@ class Scorer:
                 self.eval_scorer.answer_format = cfg.rollout.answer_format
         self.cfg = cfg
 
-    def _reward_fn(self, cfg: Config):
+    def _reward_fn(self, cfg: Config) -> Callable[..., Any]:
         return load_reward_fn(cfg.rollout.reward_fn, cfg.data.train_dataset, self.data.task_dataset, cfg.rollout.answer_format)
 
-    def rewards(self, rows: list[int], prompts, responses, model: bool = True, scored=None) -> tuple[list[float], list[float] | None]:
+    def rewards(self, rows: list[int], prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray], model: bool = True,
+                scored: list[str] | None = None) -> tuple[list[float], list[float] | None]:
         """(rule rewards, reward model scores: None when `model` is false or there is no reward model)
         of each response to the prompt of dataset row `rows[k]`. `scored`: the texts the rule reward
         scores instead of the responses' (an episode's: its last action)."""
@@ -88,7 +92,7 @@ class Scorer:
         its rule reward to the env's rewards; with `auto` the env's rewards alone score an episode."""
         return self.cfg.rollout.reward_fn != "auto"
 
-    def score_episodes(self, mine, group_size: int, eps: Round) -> list[Sample]:
+    def score_episodes(self, mine: Sequence[int] | np.ndarray, group_size: int, eps: Round) -> list[Sample]:
         """An episode's score: the env's rewards summed over its turns (turns without one count 0), plus
         the rule reward of its last action when rollout.reward_fn is named (reward_fn_named), plus the
         reward model's weighted score of the whole episode."""
@@ -109,7 +113,8 @@ class Scorer:
             out.append(Sample(index=rows[k], id=0, group=0, score=reward + w * rm[k], rule_reward=reward, rm_score=rm[k], **f))
         return out
 
-    def score(self, mine, group_size: int, prompts, responses, logps) -> list[Sample]:
+    def score(self, mine: Sequence[int] | np.ndarray, group_size: int, prompts: list[np.ndarray], responses: list[np.ndarray],
+              logps: list[np.ndarray]) -> list[Sample]:
         """Single-turn samples of the dataset rows `mine` (`group_size` each), scored."""
         rows = [int(i) for i in mine for _ in range(group_size)]
         rule, rm = self.rewards(rows, prompts, responses)

@@ -16,6 +16,7 @@ cannot drift from training because it is the same code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,6 +41,9 @@ from .scoring import Scorer, needs_reference
 from .sources import StepInputs, StepSource, make_source, source_kind
 from .update import StepOutcome
 from .workers import ActorWorker, CriticWorker
+
+if TYPE_CHECKING:
+    from ..loop.ledger import Loaded
 
 __all__ = ["StepInputs", "StepOutcome", "TrainState", "Trainer", "is_timing"]
 
@@ -98,7 +102,7 @@ class Trainer:
         reasoning-gym task's generated ones and its version) and the frozen reward model's files."""
         return {"reward_model_digest": self.scorer.rm_digest, "dataset": self.data.identity}
 
-    def check_identity(self, recorded) -> None:
+    def check_identity(self, recorded: Loaded) -> None:
         """On resume: the prompts and the frozen reward model must be the ones the run started with.
         `recorded`: what the run's identity says was loaded (loop.ledger.Loaded: dataset, reward_model_digest)."""
         check_identity(recorded.dataset, self.data.identity)

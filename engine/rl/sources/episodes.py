@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from verlj.journal.failpoints import failpoint
 
 from ...schema.sample import GroupInFlight
@@ -21,6 +23,7 @@ from ...state.seeding import derive_seed
 from .. import samples as sample_codec
 from ..envs import row_of
 from ..episodes import Play, Round
+from ..sampler import AskedGroup
 from ..samples import Sample
 from .base import add_time
 
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     from .sync import Production, StepOrder
 
 
-def play_round(src: StepOrder, prod: Production, responses, logps) -> None:
+def play_round(src: StepOrder, prod: Production, responses: list[np.ndarray], logps: list[np.ndarray]) -> None:
     """Play the round's episodes to their ends from turn 0's actions: turn t of every episode still
     going is generated together (its context so far as the prompt, its own seed). Collective: the
     ranks generate each turn together while any rank has an episode going."""
@@ -80,7 +83,7 @@ class Turns:
                 out[g] = kept
         return out
 
-    def begin_play(self, g: int, row: int):
+    def begin_play(self, g: int, row: int) -> AskedGroup | None:
         """A group's episodes begin (each env reset from its place: rl.episodes), or come back from their
         last durable turn; returns what to ask of the generator (None: the group is over already)."""
         cfg, host, n = self.src.cfg, self.src.host, self.src.cfg.rollout.n
@@ -100,7 +103,7 @@ class Turns:
         self.plays[g] = play
         return self.next_turn(g, play)
 
-    def next_turn(self, g: int, play: Play):
+    def next_turn(self, g: int, play: Play) -> AskedGroup | None:
         """The group's next turn to ask (its live episodes' contexts, each with its own seed), or None when
         it is over (noted in `over`, taken in by the next `receive`)."""
         rnd, seed = play.round, self.src.cfg.trainer.seed
