@@ -20,10 +20,11 @@ version that was.
   batch completes (``arrived``).
 
 A push (``sync``) first pauses the process at a batch's boundary: every generation begun from the
-old version has then been sent back, so whatever is still queued starts from the new one.
-The completion source's ``finish_collect`` pushes before the step's commit, so a group in flight at a crash began (if at
-all) from the last committed version, the one a resume holds, which generates it again from its
-seeds (in a batch that timing composes: the same version and seeds, not necessarily the same bits).
+old version has then been sent back, so whatever is still queued starts from the new one. The
+completion source's ``finish_collect`` pushes before the step's commit, so a group in flight at a
+crash began (if at all) from the last committed version, the one a resume holds, which generates it
+again from its seeds (in a batch that timing composes: the same version and seeds, not necessarily
+the same bits).
 
 The process ignores SIGINT and SIGTERM (the trainer finishes its step and stops it), and dies with
 the trainer (PR_SET_PDEATHSIG, and a parent check between requests). If it dies first, the trainer's
