@@ -37,7 +37,7 @@ from .episodes import InFlightLog
 from .models import BUILTIN_TINY, ValueModel, load_causal_lm, load_tokenizer, render_chat
 from .rollout import RolloutEngine
 from .samples import Sample
-from .scoring import Scorer, needs_reference
+from .scoring import Scorer
 from .sources import StepInputs, StepSource, make_source, source_kind
 from .update import StepOutcome
 from .workers import ActorWorker, CriticWorker
@@ -232,9 +232,6 @@ class Trainer:
     def rescore(self, samples: list[Sample], model: bool = False) -> None:
         """`verlj rerun`, what-ifs: journaled samples scored again with the config's reward (Scorer.rescore)."""
         self.scorer.rescore(samples, model)
-
-    def needs_reference(self) -> bool:
-        return needs_reference(self.cfg)
 
     # ================================================================== apply: deterministic (rl.update)
 
