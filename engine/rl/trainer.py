@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["StepInputs", "StepOutcome", "TrainState", "Trainer", "is_timing"]
 
+
 def is_timing(name: str) -> bool:
     return name.startswith("timing_s/")
 
@@ -57,7 +58,7 @@ class Trainer:
 
     keep_stages = False  # a re-execution for `verlj diff --stages` keeps every stage's values (StepOutcome.kept)
 
-    def __init__(self, cfg: Config, rt: Runtime):
+    def __init__(self, cfg: Config, rt: Runtime) -> None:
         self.cfg, self.rt = cfg, rt
         if cfg.data.prompts_per_step % rt.dp_size:
             raise ConfigError(
