@@ -72,7 +72,9 @@ class TrainerConfig:
     async_save: bool = bookkeeping(False)  # write snapshots in the background
     eval_interval: int = bookkeeping(0)  # score the policy on the held-out prompts every N steps (0 = never; data.eval_size)
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "fp32"  # fp32 | bf16
+    # fp32 | bf16 (DeepSpeed's bf16 configuration: bf16 weights and compute, fp32 master weights and Adam state in
+    # the optimizer, which snapshots and fingerprints cover; killed and resumed bit-identical, on CPU too)
+    precision: str = "fp32"
     num_threads: int = 1  # torch intra-op threads per rank (fixed for reproducibility)
     deterministic: bool = True  # torch.use_deterministic_algorithms(True)
     # the per-step state fingerprint: sum64 (position-weighted int64 sums computed where the tensors
