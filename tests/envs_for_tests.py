@@ -39,7 +39,7 @@ class Digits:
 
 
 class Faulty(Digits):
-    """Digits, except that by its seed an episode's second step raises (seed % 4 == 1), returns a tuple
+    """Digits, except that by its seed an episode's second step raises (seed % 4 == 1), returns a list
     (== 2) or hangs for 3 s (== 3; run it with a short rollout.env_timeout_s)."""
 
     def step(self, action: str):
@@ -48,11 +48,31 @@ class Faulty(Digits):
         if self.turns == 1 and kind == 1:
             raise ValueError("the sandbox fell over")
         if self.turns == 1 and kind == 2:
-            return ("obs", 1.0, True)
+            return ["obs", 1.0, True]
         if self.turns == 1 and kind == 3:
             time.sleep(3)
         out = super().step(action)
         return StepResult(out.observation, out.reward, False) if self.turns < 3 else out
+
+
+class TupleDigits(Digits):
+    """Digits written as most RL libraries write an env: step returns (observation, reward, done)."""
+
+    def step(self, action: str):
+        out = super().step(action)
+        return out.observation, out.reward, out.done
+
+
+class GymDigits(Digits):
+    """Digits written as gymnasium writes one: reset returns (observation, info), step (observation,
+    reward, terminated, truncated, info), truncated at the third action."""
+
+    def reset(self, row: dict, seed: int):
+        return super().reset(row, seed), {"seed": seed}
+
+    def step(self, action: str):
+        out = super().step(action)
+        return out.observation, out.reward, "7" in action, self.turns >= 3, {}
 
 
 LOG = "VERLJ_TEST_ENV_LOG"

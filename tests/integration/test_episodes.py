@@ -213,7 +213,8 @@ def test_faulty_envs_end_their_episodes_and_replay_never_calls_an_env(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     by_step, m = episodes(run), metrics(run)
     reasons = {s.env_reason for step in by_step.values() for s in step if s.env_end == EnvEnd.FAULT}
-    assert reasons == {"step raised ValueError: the sandbox fell over", "step returned a tuple, not StepResult", "step no answer in 0.5 s"}
+    assert reasons == {"step raised ValueError: the sandbox fell over", "step returned a list, not StepResult, (observation, reward, done) "
+                       "or (observation, reward, terminated, truncated, info)", "step no answer in 0.5 s"}
     for step, samples in by_step.items():
         faults = [s for s in samples if s.env_end == EnvEnd.FAULT]
         assert m[step]["rollout/env/faults"] == float(len(faults)) > 0
@@ -232,6 +233,23 @@ def test_faulty_envs_end_their_episodes_and_replay_never_calls_an_env(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     report = json.loads(again.stdout)
     assert report["from_snapshot"] == 2 and [v["verdict"] for v in report["verdicts"]] == ["reproduced"]
+
+
+@pytest.mark.parametrize("env", ["TupleDigits", "GymDigits"])
+def test_an_env_written_with_tuples_trains_on_its_rewards(tmp_path, env):
+    """An env whose step returns (observation, reward, done), or gymnasium's 5-tuple (and whose reset
+    returns gymnasium's (observation, info)), plays its episodes as a StepResult env does: no fault, the
+    env's rewards are the scores, and the same journal as Digits, the env it wraps."""
+    over = ["rollout.max_turns=3", ASCII, "trainer.total_steps=2"]
+    out = train(tmp_path / env, f"rollout.env=envs_for_tests:{env}", *over, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    samples = [s for step in episodes(tmp_path / env).values() for s in step]
+    assert samples and all(s.env_end in (EnvEnd.DONE, EnvEnd.MAX_TURNS) and s.env_reason == "" for s in samples)
+    assert any(s.score > 0 for s in samples) and all(s.score == np.nansum(s.turn_rewards) for s in samples)
+    assert all(m["rollout/env/faults"] == 0.0 and m["actor/grad_norm"] > 0 for m in metrics(tmp_path / env).values())
+    ref = train(tmp_path / "ref", "rollout.env=envs_for_tests:Digits", *over, PYTHONPATH=TESTS)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert fingerprints(tmp_path / env) == fingerprints(tmp_path / "ref")
 
 
 def test_an_env_that_cannot_be_imported_is_one_line_before_training(tmp_path):

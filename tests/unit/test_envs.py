@@ -5,12 +5,14 @@ loading rollout.env with one ConfigError for every way it can fail."""
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from verlj.engine.config import Config, ConfigError, DataConfig, ReasoningGymConfig, policy_of
 from verlj.engine.rl import envs, tasks
 from verlj.engine.rl.data import Example
 from verlj.engine.rl.envs import (
+    STEP_FORMS,
     CalcError,
     Calculator,
     EnvFault,
@@ -248,8 +250,17 @@ class Faulty:
 
 
 @pytest.mark.parametrize("returns, reason", [
-    ([1, 2], "returned a list, not StepResult"),
-    (None, "returned a NoneType, not StepResult"),
+    ([1, 2], f"returned a list, not {STEP_FORMS}"),
+    (None, f"returned a NoneType, not {STEP_FORMS}"),
+    (("obs", 1.0), f"returned a tuple of 2, not {STEP_FORMS}"),
+    (("obs", 1.0, False, {}), f"returned a tuple of 4, not {STEP_FORMS}"),
+    ((3, None, False), "returned a 3-tuple whose observation is an int, not str"),
+    (("", "1", True), "returned a 3-tuple whose reward is '1', not a finite number or None"),
+    (("", 1.0, 1), "returned a 3-tuple whose done is an int, not bool"),
+    (("", float("inf"), False, False, {}), "returned a 5-tuple whose reward is inf, not a finite number or None"),
+    (("", 1.0, 0, False, {}), "returned a 5-tuple whose terminated is an int, not bool"),
+    (("", 1.0, False, None, {}), "returned a 5-tuple whose truncated is a NoneType, not bool"),
+    (("", 1.0, False, False, None), "returned a 5-tuple whose info is a NoneType, not dict"),
     (StepResult(3, None, False), "returned a StepResult whose observation is an int, not str"),
     (StepResult("", "1", True), "returned a StepResult whose reward is '1', not a finite number or None"),
     (StepResult("", float("nan"), True), "returned a StepResult whose reward is nan, not a finite number or None"),
@@ -270,6 +281,19 @@ def test_safe_step_names_an_exception_and_passes_a_good_result_through():
     assert as_float == StepResult("", 1.0, True) and type(as_float.reward) is float
 
 
+@pytest.mark.parametrize("returns, result", [
+    (("obs", 1, False), StepResult("obs", 1.0, False)),
+    (("obs", None, True), StepResult("obs", None, True)),
+    (("", np.float32(0.5), np.bool_(True)), StepResult("", 0.5, True)),
+    (("obs", 0.25, False, False, {"k": 1}), StepResult("obs", 0.25, False)),
+    (("obs", 0.25, True, False, {}), StepResult("obs", 0.25, True)),
+    (("obs", None, False, np.bool_(True), {}), StepResult("obs", None, True)),
+])
+def test_safe_step_takes_the_tuple_forms(returns, result):
+    got = safe_step(Faulty(step_returns=returns), "a", 5.0)
+    assert got == result and type(got.done) is bool and (got.reward is None or type(got.reward) is float)
+
+
 def test_a_hung_env_is_a_fault_after_the_timeout_and_its_thread_is_abandoned():
     release = threading.Event()
     try:
@@ -284,7 +308,12 @@ def test_a_hung_env_is_a_fault_after_the_timeout_and_its_thread_is_abandoned():
 
 
 def test_safe_reset_names_faults_and_returns_the_observation():
-    assert safe_reset(Faulty(step_returns=5), ADD_ROW, 0, 5.0) == EnvFault("returned an int, not str")
+    assert safe_reset(Faulty(step_returns=5), ADD_ROW, 0, 5.0) == EnvFault("returned an int, not str or (observation, info)")
+    assert safe_reset(Faulty(step_returns=("obs", {"seed": 1})), ADD_ROW, 0, 5.0) == "obs"  # gymnasium's
+    assert safe_reset(Faulty(step_returns=("obs", None)), ADD_ROW, 0, 5.0) == EnvFault(
+        "returned a tuple of a str and a NoneType, not (observation str, info dict)")
+    assert safe_reset(Faulty(step_returns=("obs", {}, 1)), ADD_ROW, 0, 5.0) == EnvFault(
+        "returned a tuple, not str or (observation, info)")
     assert safe_reset(Faulty(raises=RuntimeError("no")), ADD_ROW, 0, 5.0) == EnvFault("raised RuntimeError: no")
     assert safe_reset(Guess(2), ADD_ROW, 0, 5.0).startswith("Guess a whole number")
     assert safe_reset(Calculator(2), ADD_ROW, 0, 5.0) == ""
