@@ -298,6 +298,9 @@ class RolloutConfig:
     env: Optional[str] = live(None)
     max_turns: int = live(1)  # rollout.env: the policy's actions per episode at most (the built-ins end their episodes within it)
     env_timeout_s: float = bookkeeping(30.0)  # rollout.env: an env call (reset, step) that has not answered in this many seconds is a fault
+    # a step where more than this share of the samples it generated ended by a fault (an env's, a reward
+    # function's: rl.faults) is not committed and the run stops in one line | 1: never stop (faults are left out of the update either way)
+    max_fault_rate: float = bookkeeping(0.5)
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
@@ -340,6 +343,7 @@ class RolloutConfig:
     def _validate_env(self) -> None:
         _positive("rollout.max_turns", self.max_turns)
         _positive("rollout.env_timeout_s", self.env_timeout_s)
+        _range("rollout.max_fault_rate", self.max_fault_rate, 0.0, 1.0)
         if self.env is None:
             if self.max_turns > 1:
                 raise ConfigError("rollout.max_turns > 1 needs rollout.env (without an environment a sample is one response)")

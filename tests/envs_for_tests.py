@@ -39,12 +39,12 @@ class Digits:
 
 
 class Faulty(Digits):
-    """Digits, except that by its seed an episode's second step raises (seed % 4 == 1), returns a list
+    """Digits, except that by its seed an episode's second step raises (seed % 8 == 1), returns a list
     (== 2) or hangs for 3 s (== 3; run it with a short rollout.env_timeout_s)."""
 
     def step(self, action: str):
         _forbidden("step")
-        kind = self.seed % 4
+        kind = self.seed % 8
         if self.turns == 1 and kind == 1:
             raise ValueError("the sandbox fell over")
         if self.turns == 1 and kind == 2:
@@ -75,6 +75,19 @@ class GymDigits(Digits):
         return out.observation, out.reward, "7" in action, self.turns >= 3, {}
 
 
+DOWN = "VERLJ_TEST_SANDBOX_DOWN"
+
+
+class Sandbox(Digits):
+    """Digits whose every step raises RuntimeError("the sandbox is down") while the file named by
+    $VERLJ_TEST_SANDBOX_DOWN exists: a fault that the test then fixes (removes the file)."""
+
+    def step(self, action: str) -> StepResult:
+        if os.path.exists(os.environ.get(DOWN, "/nonexistent/verlj")):
+            raise RuntimeError("the sandbox is down")
+        return super().step(action)
+
+
 LOG = "VERLJ_TEST_ENV_LOG"
 
 
@@ -103,3 +116,11 @@ def digit_share(prompt: str, response: str, answer: str) -> float:
     """A reward that varies for an untrained model (rollout.reward_fn=envs_for_tests:digit_share): the share
     of the response's characters that are digits."""
     return sum(c.isdigit() for c in response) / max(1, len(response))
+
+
+def flaky_reward(prompt: str, response: str, answer: str) -> float:
+    """A reward function that fails on some responses (rollout.reward_fn=envs_for_tests:flaky_reward): it raises
+    on a response holding a 3, returns NaN on one holding a 5 (without a 3), else digit_share."""
+    if "3" in response:
+        raise RuntimeError("the grader is down")
+    return float("nan") if "5" in response else digit_share(prompt, response, answer)

@@ -34,14 +34,14 @@ from ..state.seeding import derive_seed, rng_digest, seed_globals
 from ..state.stage_recorder import StageRecorder
 from ..state.stages import combine
 from ..state.stateful import check_version
-from . import algorithms
+from . import algorithms, faults
 from . import samples as sample_codec
 from .buffer import RolloutBuffer
 from .data import Example, Sampler, check_identity, load_data
 from .envs import load_env, row_of
 from .episodes import InFlightLog, Play, Round
 from .models import BUILTIN_TINY, ValueModel, load_causal_lm, load_reward_model, load_tokenizer, model_digest, render_chat
-from .rewards import load_reward_fn, reward_model_scores, rule_rewards
+from .rewards import load_reward_fn, reward_model_scores, scored_or_faults
 from .rollout import RolloutEngine, make_engine
 from .sampler import sample_seeded, sampling_params
 from .samples import Columns, EnvEnd, Sample
@@ -67,6 +67,7 @@ class StepInputs:
     plans: dict[int, np.ndarray] = field(default_factory=dict)  # async: step -> the ids it will train on
     stale: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # async: ids dropped as too stale for any later step
     requests: ev.Requests | None = None  # completion order: the groups and rows asked, and those asked again
+    faulted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # ids out of the update for a fault (rl.faults)
     admitted: bool = False  # live: collect has put the batches into the buffer already (not journaled)
 
     def events(self) -> list[dict]:
@@ -78,6 +79,8 @@ class StepInputs:
             ev.Dropped(self.dropped, ev.DropReason.ZERO_VARIANCE).to_event(),
             ev.Consumed(self.consumed).to_event(),
         ]
+        if len(self.faulted):  # only then: a record without faults keeps its bytes
+            out.append(ev.Dropped(self.faulted, ev.DropReason.FAULT).to_event())
         if self.rollout.is_async:
             out.append(ev.Dropped(self.stale, ev.DropReason.STALE).to_event())
             if self.rollout.completion_order:
@@ -103,6 +106,7 @@ class StepInputs:
             rollout=step.rollout or ev.Rollout("hf", None),
             plans=step.plan.plans() if step.plan is not None else {},
             requests=step.requests,
+            faulted=step.dropped(ev.DropReason.FAULT),
         )
 
 
@@ -119,6 +123,7 @@ class Production:
     drawn: list = field(default_factory=list)
     added: list = field(default_factory=list)
     dropped: list = field(default_factory=list)
+    faulted: list = field(default_factory=list)  # ids out of the update for a fault (rl.faults)
     rounds: int = 0
     handle: object = None  # the round in flight (RolloutEngine.submit)
     gen_s: float = 0.0  # time the trainer spent generating or waiting for generation
@@ -139,6 +144,7 @@ class Flow:
     added: list = field(default_factory=list)  # samples arrived, in arrival order
     dropped: list = field(default_factory=list)  # ids of zero-variance groups (dynamic sampling)
     stale: list = field(default_factory=list)  # ids of waiting groups more than k versions behind
+    faulted: list = field(default_factory=list)  # ids out of the update for a fault (rl.faults)
     rounds: int = 0  # rounds of prompts_per_step prompts asked
 
 
@@ -395,6 +401,7 @@ class Trainer:
         drawn = [i for p in made for i in p.drawn]
         self._timings.update({"sampling/rounds": float(sum(p.rounds for p in made)),
                               "sampling/dropped_groups": float(sum(len(p.dropped) for p in made) // cfg.rollout.n)})
+        self._timings.update(faults.metrics(added))
         if cfg.rollout.env is not None:
             self._timings.update(_episode_metrics(added))
         async_mode = cfg.rollout.mode == "async"
@@ -410,6 +417,7 @@ class Trainer:
             rollout=ev.Rollout(self.rollout.name, self.rollout.version, mode, cfg.rollout.staleness if async_mode else None),
             plans={p.step: p.plan for p in made} if async_mode else {},
             stale=np.asarray([i for p in made for i in p.stale], dtype=np.int64),
+            faulted=np.asarray([i for p in made for i in p.faulted], dtype=np.int64),
             admitted=True,
         )
 
@@ -504,37 +512,42 @@ class Trainer:
             prod.next_id += len(new)
             prod.added += new
             prod.rounds += 1
+            out = faults.excluded(new, faults.min_group(cfg.algorithm.name, group_size))
+            prod.faulted += out
             if not cfg.algorithm.dynamic_sampling:
                 break
-            flat = _zero_variance(new, group_size)
+            flat = _zero_variance(new, set(out))
             prod.dropped += flat
-            prod.pending_groups += (len(new) - len(flat)) // group_size
+            gone = set(out) | set(flat)
+            prod.pending_groups += len({s.group for s in new if s.id not in gone})
             if prod.pending_groups >= prompts_per_step or prod.rounds >= cfg.algorithm.max_sampling_rounds:
                 break
             self._submit_round(prod)
         _add_time(timings, "timing_s/gen", prod.gen_s)  # async: only the wait the update did not cover
-        prod.plan = self._choose_consumed(prod.added, set(prod.dropped) | set(prod.stale))
+        prod.plan = self._choose_consumed(prod.added, set(prod.dropped) | set(prod.stale) | set(prod.faulted))
         return prod
 
     def _admit(self, prod: Production, planned: bool) -> Production:
         """A finished batch enters the buffer (async: with its plan); only then may a step count on it."""
-        self.buffer.admit(prod.added, [*prod.dropped, *prod.stale], {prod.step: prod.plan} if planned else {})
+        self.buffer.admit(prod.added, [*prod.dropped, *prod.stale, *prod.faulted], {prod.step: prod.plan} if planned else {})
         if planned:
             failpoint("async.admit")
         return prod
 
-    def _rewards(self, rows: list[int], prompts, responses, model: bool = True, scored=None) -> tuple[list[float], list[float] | None]:
-        """(rule rewards, reward model scores: None when `model` is false or there is no reward model)
-        of each response to the prompt of dataset row `rows[k]`. `scored`: the texts the rule reward
-        scores instead of the responses' (an episode's: its last action)."""
+    def _rewards(self, rows: list[int], prompts, responses, model: bool = True,
+                 scored=None) -> tuple[list[float], list[float] | None, list[str]]:
+        """(rule rewards, reward model scores: None when `model` is false or there is no reward model,
+        each rule reward's fault: "" none, else the sample's: rl.faults) of each response to the prompt
+        of dataset row `rows[k]`. `scored`: the texts the rule reward scores instead of the responses'
+        (an episode's: its last action)."""
         tok = self.tokenizer
         texts_p = [tok.decode(p, skip_special_tokens=True) for p in prompts]
         texts_r = [tok.decode(r, skip_special_tokens=True) for r in responses]
-        rule = rule_rewards(self.reward_fn, texts_p, texts_r if scored is None else scored, [self.dataset[i] for i in rows])
+        rule, faulted = scored_or_faults(self.reward_fn, texts_p, texts_r if scored is None else scored, [self.dataset[i] for i in rows])
         rm = None
         if model and self.rm is not None:
             rm = reward_model_scores(self.rm[0], self.rm[1], [p + r for p, r in zip(texts_p, texts_r)], self.rt.device)
-        return rule, rm
+        return rule, rm, faulted
 
     def rescore(self, samples: list[Sample], model: bool = False) -> None:
         """`verlj rerun`, what-ifs: score journaled samples again, in place, with the reward function the
@@ -545,11 +558,12 @@ class Trainer:
         tok, named = self.tokenizer, self.reward_fn_named()
         scored = [tok.decode(s.turns()[-1].action_ids, skip_special_tokens=True) if s.is_episode else tok.decode(s.response_ids, skip_special_tokens=True)
                   for s in samples]
-        rule, rm = self._rewards([int(s.index) for s in samples], [s.prompt_ids for s in samples],
-                                 [s.response_ids for s in samples], model, scored)
+        rule, rm, faulted = self._rewards([int(s.index) for s in samples], [s.prompt_ids for s in samples],
+                                          [s.response_ids for s in samples], model, scored)
         w = self.cfg.model.reward_model.weight
         for k, s in enumerate(samples):
             s.rule_reward = (s.env_score() + (rule[k] if named else 0.0)) if s.is_episode else rule[k]
+            s.fault = faulted[k] if named or not s.is_episode else ""
             if rm is not None:
                 s.rm_score = rm[k]
             s.score = s.rule_reward + w * s.rm_score
@@ -566,9 +580,9 @@ class Trainer:
         rows = [int(i) for i in mine for _ in range(group_size)]
         fields = [eps.fields(k) for k in range(len(rows))]
         named = self.reward_fn_named()
-        rule, rm = [0.0] * len(rows), None
+        rule, rm, faulted = [0.0] * len(rows), None, [""] * len(rows)
         if named or self.rm is not None:
-            rule, rm = self._rewards(rows, [ep.prompt_ids for ep in eps.episodes[: len(rows)]],
+            rule, rm, faulted = self._rewards(rows, [ep.prompt_ids for ep in eps.episodes[: len(rows)]],
                                      [np.asarray(ep.response, np.int64) for ep in eps.episodes[: len(rows)]],
                                      scored=[ep.last_action for ep in eps.episodes])
         rm = rm or [0.0] * len(rows)
@@ -576,16 +590,17 @@ class Trainer:
         out = []
         for k, f in enumerate(fields):
             reward = eps.env_score(k) + (rule[k] if named else 0.0)
-            out.append(Sample(index=rows[k], id=0, group=0, score=reward + w * rm[k], rule_reward=reward, rm_score=rm[k], **f))
+            out.append(Sample(index=rows[k], id=0, group=0, score=reward + w * rm[k], rule_reward=reward, rm_score=rm[k],
+                              fault=faulted[k] if named else "", **f))
         return out
 
     def _score(self, mine, group_size, prompts, responses, logps) -> list[Sample]:
         rows = [int(i) for i in mine for _ in range(group_size)]
-        rule, rm = self._rewards(rows, prompts, responses)
+        rule, rm, faulted = self._rewards(rows, prompts, responses)
         rm = rm or [0.0] * len(rule)
         w = self.cfg.model.reward_model.weight
         return [Sample(index=rows[k], prompt_ids=prompts[k], response_ids=responses[k], gen_logprobs=logps[k], id=0, group=0,
-                       score=rule[k] + w * rm[k], rule_reward=rule[k], rm_score=rm[k]) for k in range(len(prompts))]
+                       score=rule[k] + w * rm[k], rule_reward=rule[k], rm_score=rm[k], fault=faulted[k]) for k in range(len(prompts))]
 
     def needs_reference(self) -> bool:
         cfg = self.cfg
@@ -799,16 +814,18 @@ class Trainer:
         t = time.perf_counter()
         self._reference_logprobs(new)
         _add_time(self._timings, "timing_s/ref", time.perf_counter() - t)
-        dropped = _zero_variance(new, n) if cfg.algorithm.dynamic_sampling else []
-        self.buffer.admit(new, dropped, {})
+        out = faults.excluded(new, faults.min_group(cfg.algorithm.name, n))
+        dropped = _zero_variance(new, set(out)) if cfg.algorithm.dynamic_sampling else []
+        self.buffer.admit(new, dropped + out, {})
         self._flow.added += new
         self._flow.dropped += dropped
+        self._flow.faulted += out
         failpoint("async.admit")
 
     def _flow_inputs(self) -> StepInputs:
         flow, cfg = self._flow, self.cfg
         self._timings.update({"sampling/rounds": float(flow.rounds), "sampling/dropped_groups": float(len(flow.dropped) // cfg.rollout.n),
-                              "rollout/regenerated_groups": float(len(flow.regenerated))})
+                              "rollout/regenerated_groups": float(len(flow.regenerated)), **faults.metrics(flow.added)})
         if cfg.rollout.env is not None:
             self._timings.update(_episode_metrics(flow.added), **{"rollout/env/restored_turns": float(flow.restored_turns)})
         ids = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
@@ -821,6 +838,7 @@ class Trainer:
             timings=self._timings,
             rollout=ev.Rollout(self.rollout.name, self.rollout.version, ev.RolloutMode.ASYNC, cfg.rollout.staleness, ev.AsyncOrder.COMPLETION),
             stale=ids(flow.stale),
+            faulted=ids(flow.faulted),
             requests=ev.Requests(ids([g for g, _ in flow.asked]), ids([r for _, r in flow.asked]), ids(flow.regenerated)),
             admitted=True,
         )
@@ -833,7 +851,7 @@ class Trainer:
         if not inputs.admitted:  # replay: the journaled batches enter the buffer as they did live
             if inputs.requests is not None:
                 self.buffer.request(inputs.requests.groups, inputs.requests.rows, self.cfg.rollout.n)
-            self.buffer.admit(sample_codec.unpack(inputs.added), np.concatenate([inputs.dropped, inputs.stale]), inputs.plans)
+            self.buffer.admit(sample_codec.unpack(inputs.added), np.concatenate([inputs.dropped, inputs.stale, inputs.faulted]), inputs.plans)
         planned = self.buffer.plans.pop(step, None)
         if planned is not None:
             if not np.array_equal(planned, inputs.consumed):
@@ -1043,7 +1061,8 @@ class Trainer:
         scorer (reasoning-gym; rollout.answer_format) or else the rule reward. With rollout.env, each
         held-out prompt is an episode instead (:meth:`_eval_episodes`), scored as training scores one.
         Returns (metrics: eval/score/mean, per task eval/score/TASK/mean for reasoning-gym, and
-        eval/response_length/mean; with rollout.env also eval/env/turns/mean and eval/env/faults; the
+        eval/response_length/mean, eval/faults (rows an env or the reward function failed: scored 0.0);
+        with rollout.env also eval/env/turns/mean and eval/env/faults; the
         `eval` event with every row's response and score, and with rollout.env each row's turns).
         Live steps only: replay reads them back. Draws from no stream training uses. Collective."""
         cfg, rt, held, tok = self.cfg, self.rt, self.data.held_out, self.tokenizer
@@ -1052,27 +1071,29 @@ class Trainer:
         params = {**sampling_params(cfg), "temperature": cfg.rollout.eval_temperature}
         seeds = [derive_seed(cfg.trainer.seed, step, "eval", int(i)) for i in rows]
         if cfg.rollout.env is not None:
-            responses, scores, turns = self._eval_episodes(step, rows, seeds, params)
-            responses, scores, turns = responses[: len(mine)], scores[: len(mine)], turns[: len(mine)]
+            responses, scores, turns, faulted = self._eval_episodes(step, rows, seeds, params)
+            responses, scores, turns, faulted = responses[: len(mine)], scores[: len(mine)], turns[: len(mine)], faulted[: len(mine)]
         else:
             responses, _ = sample_seeded(self.actor.module, [self.held_out_ids[i] for i in rows], seeds, params, tok.eos_token_id,
                                          tok.pad_token_id, rt.device, all_done=rt.all_true)
             responses = responses[: len(mine)]
             prompts = [held[i].prompt for i in mine]
-            scores = rule_rewards(self.eval_scorer or self.reward_fn, prompts, [tok.decode(r, skip_special_tokens=True) for r in responses],
-                                  [held[i] for i in mine])
+            scores, faulted = scored_or_faults(self.eval_scorer or self.reward_fn, prompts,
+                                               [tok.decode(r, skip_special_tokens=True) for r in responses], [held[i] for i in mine])
             turns = None
-        gathered = rt.all_gather_obj((mine.tolist(), scores, [r.tolist() for r in responses], turns))
-        out_rows, out_scores, out_resp = [], [], []
+        gathered = rt.all_gather_obj((mine.tolist(), scores, [r.tolist() for r in responses], turns, faulted))
+        out_rows, out_scores, out_resp, out_faults = [], [], [], []
         out_turns: list[tuple[list[int], int]] = []
-        for r, (g_rows, g_scores, g_resp, g_turns) in enumerate(gathered):
+        for r, (g_rows, g_scores, g_resp, g_turns, g_faults) in enumerate(gathered):
             if r % rt.tp_size == 0:  # TP peers evaluated the same rows
                 out_rows += g_rows
                 out_scores += g_scores
                 out_resp += g_resp
                 out_turns += g_turns or []
+                out_faults += g_faults
         score = np.asarray(out_scores, np.float64)
-        metrics = {"eval/score/mean": float(score.mean()),
+        # a row its env or its reward function failed scores 0.0 here, counted (rl.faults): the eval trains nothing
+        metrics = {"eval/score/mean": float(score.mean()), "eval/faults": float(sum(map(bool, out_faults))),
                    "eval/response_length/mean": float(np.mean([len(x) for x in out_resp]))}
         tasks = [held[i].task for i in out_rows]
         if len(set(tasks)) > 1 or tasks[0]:
@@ -1089,13 +1110,13 @@ class Trainer:
                         response_len=np.asarray([len(x) for x in out_resp], np.int64), **episode).to_event()
         return metrics, event
 
-    def _eval_episodes(self, step: int, rows, seeds: list[int], params: dict) -> tuple[list[np.ndarray], list[float], list]:
+    def _eval_episodes(self, step: int, rows, seeds: list[int], params: dict) -> tuple[list[np.ndarray], list[float], list, list[str]]:
         """rollout.env's held-out eval: held-out row `rows[k]` played as an episode (a Round, as training
         plays one), turn 0 generated from `seeds[k]` (the single-turn eval's seed), turn t > 0 from
         ``derive_seed(seed, step, "eval", row, t)``, the env reset with ``derive_seed(seed, step,
         "eval/env", row)``. Scored as training scores an episode: the env's rewards summed, plus the rule
         reward of the last action when rollout.reward_fn is named (reward_fn_named). Returns each
-        episode's (response ids: actions and observations, score, (turn_lens, env_end)). Collective: the
+        episode's (response ids: actions and observations, score, (turn_lens, env_end), its fault: "" none). Collective: the
         ranks generate each turn together while any rank has an episode going."""
         cfg, rt, held, tok = self.cfg, self.rt, self.data.held_out, self.tokenizer
         examples = [held[int(i)] for i in rows]
@@ -1116,12 +1137,14 @@ class Trainer:
             if not places:  # this rank's episodes are over, another rank's are not: step with it, keep nothing
                 contexts, seeds = [eps.episodes[0].context()], [0]
         scores = [eps.env_score(k) for k in range(len(rows))]
+        faulted = [ep.reason if ep.end == EnvEnd.FAULT else "" for ep in eps.episodes]
         if self.reward_fn_named():
-            rule = rule_rewards(self.reward_fn, [ex.prompt for ex in examples], [ep.last_action for ep in eps.episodes], examples)
+            rule, bad = scored_or_faults(self.reward_fn, [ex.prompt for ex in examples], [ep.last_action for ep in eps.episodes], examples)
             scores = [s + r for s, r in zip(scores, rule)]
+            faulted = [f or b for f, b in zip(faulted, bad)]
         ends = [int(EnvEnd.MAX_TURNS) if ep.live else ep.end for ep in eps.episodes]  # as Round.fields says it
         return ([np.asarray(ep.response, np.int64) for ep in eps.episodes], scores,
-                [(list(ep.turn_lens), end) for ep, end in zip(eps.episodes, ends)])
+                [(list(ep.turn_lens), end) for ep, end in zip(eps.episodes, ends)], faulted)
 
     def buffer_metrics(self) -> dict[str, float]:
         """The buffer once the step is done (async: with the batch generated during the update):
@@ -1173,14 +1196,13 @@ class TrainStateRecord:
     samples_seen: int
 
 
-def _zero_variance(samples: list[Sample], group_size: int) -> list[int]:
-    """Dynamic sampling: the ids of the groups (consecutive runs of group_size samples) whose rewards do not vary."""
-    out = []
-    for g in range(0, len(samples), group_size):
-        scores = [s.score for s in samples[g : g + group_size]]
-        if max(scores) == min(scores):
-            out += [s.id for s in samples[g : g + group_size]]
-    return out
+def _zero_variance(samples: list[Sample], excluded: set[int]) -> list[int]:
+    """Dynamic sampling: the ids of the groups whose rewards do not vary, over their samples not `excluded` (faults)."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        if s.id not in excluded:
+            groups.setdefault(s.group, []).append(s)
+    return [s.id for g in groups.values() if max(x.score for x in g) == min(x.score for x in g) for s in g]
 
 
 def _episode_metrics(samples: list[Sample]) -> dict[str, float]:
