@@ -26,10 +26,12 @@ which turn an exception, a wrong return type or a hang into an :class:`EnvFault`
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import numbers
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
@@ -104,7 +106,18 @@ def restore(env_factory: Callable[[], Environment], row: dict, seed: int, action
 def safe_reset(env, row: dict, seed: int, timeout_s: float) -> str | EnvFault:
     """env.reset(row, seed), or an EnvFault when it raised, hung or returned anything else than an
     observation (a str) or gymnasium's ``(observation, info)`` (info a dict, not used)."""
-    out = _call(lambda: env.reset(row, seed), timeout_s)
+    return as_observation(_call(lambda: env.reset(row, seed), timeout_s))
+
+
+def safe_resets(calls: list[tuple[object, dict, int]], timeout_s: float) -> list[str | EnvFault]:
+    """safe_reset on each (env, row, seed) of `calls`, all at once (as safe_steps)."""
+    started = [_start(functools.partial(_reset, env, row, seed)) for env, row, seed in calls]
+    deadline = time.monotonic() + timeout_s
+    return [as_observation(_wait(call, deadline, timeout_s)) for call in started]
+
+
+def as_observation(out) -> str | EnvFault:
+    """What env.reset returned, as its observation, or the EnvFault saying what is wrong with it."""
     if isinstance(out, EnvFault) or isinstance(out, str):
         return out
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], str) and isinstance(out[1], dict):
@@ -156,9 +169,30 @@ def as_step_result(out) -> StepResult | EnvFault:
     return StepResult(obs, None if r is None else float(r), bool(done))
 
 
+def safe_steps(calls: list[tuple[object, str]], timeout_s: float) -> list[StepResult | EnvFault]:
+    """safe_step on each (env, action) of `calls`, all at once: each in its own thread, all waited for
+    until `timeout_s` after the first started, so a turn whose envs hang costs one timeout, not one each."""
+    started = [_start(functools.partial(_step, env, action)) for env, action in calls]
+    deadline = time.monotonic() + timeout_s
+    out = [_wait(call, deadline, timeout_s) for call in started]
+    return [got if isinstance(got, EnvFault) else as_step_result(got) for got in out]
+
+
+def _reset(env, row: dict, seed: int):
+    return env.reset(row, seed)
+
+
+def _step(env, action: str):
+    return env.step(action)
+
+
 def _call(fn: Callable[[], object], timeout_s: float):
     """fn() in a worker thread, waiting `timeout_s` for it. A call that does not return in time is
     abandoned: its thread (a daemon) runs on, or hangs, on its own, and the env must not be used again."""
+    return _wait(_start(fn), time.monotonic() + timeout_s, timeout_s)
+
+
+def _start(fn: Callable[[], object]) -> tuple[threading.Thread, list, list]:
     value: list = []  # what fn returned, once it has
     error: list[BaseException] = []
 
@@ -170,7 +204,12 @@ def _call(fn: Callable[[], object], timeout_s: float):
 
     thread = threading.Thread(target=run, name="verlj-env", daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    return thread, value, error
+
+
+def _wait(call: tuple[threading.Thread, list, list], deadline: float, timeout_s: float):
+    thread, value, error = call
+    thread.join(max(0.0, deadline - time.monotonic()))
     if thread.is_alive():
         return EnvFault(f"no answer in {float(timeout_s)} s")
     if error:

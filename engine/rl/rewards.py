@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 
 from ..config import REASONING_GYM
-from ..errors import RewardError
+from ..errors import RewardError, loading
 from ..plugins import check_signature, describe, import_object
 from .tasks import TaskScorer
 
@@ -88,15 +88,15 @@ def load_reward_fn(spec: str, train_dataset: str = "builtin:add", task_dataset=N
     if spec.startswith("builtin:"):
         raise RewardError(f"{key}: unknown built-in {spec!r}; known: {', '.join(BUILTIN)}")
     module_name, _, attr = spec.partition(":")
-    fn = import_object(spec, module_name, attr, key, RewardError)
+    fn = import_object(spec, module_name, attr, key, loading(RewardError))
     if not callable(fn):
         raise RewardError(f"{key}: {spec!r} is not a function")
     names = ComputeScore.names_of(fn)
     if names is not None:
-        check_signature(fn, 0, f"{key}: {spec} (called as compute_score({', '.join(f'{n}=' for n in VERL_PARAMS)}))", RewardError,
+        check_signature(fn, 0, f"{key}: {spec} (called as compute_score({', '.join(f'{n}=' for n in VERL_PARAMS)}))", loading(RewardError),
                         **dict.fromkeys(names))
         return ComputeScore(fn, names)
-    check_signature(fn, 3, f"{key}: {spec} (called as fn(prompt, response, answer))", RewardError)
+    check_signature(fn, 3, f"{key}: {spec} (called as fn(prompt, response, answer))", loading(RewardError))
     return fn
 
 

@@ -39,7 +39,7 @@ from . import samples as sample_codec
 from .buffer import RolloutBuffer
 from .data import Example, Sampler, check_identity, load_data
 from .envs import load_env, row_of
-from .episodes import InFlightLog, Play, Round
+from .episodes import InFlightLog, Limits, Play, Round
 from .models import BUILTIN_TINY, ValueModel, load_causal_lm, load_reward_model, load_tokenizer, model_digest, render_chat
 from .rewards import load_reward_fn, reward_model_scores, scored_or_faults
 from .rollout import RolloutEngine, make_engine
@@ -451,7 +451,7 @@ class Trainer:
         if cfg.rollout.env is not None:  # episodes: each env reset from its sample's place (rl.episodes)
             rows = [row_of(self.dataset[int(i)]) for i in prod.mine for _ in range(group_size)]
             env_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/env", prod.rounds, q) for q in prod.places]
-            prod.episodes = Round(self._envs(), rows, env_seeds, prod.prompts, self.tokenizer, cfg.rollout.max_turns, cfg.rollout.env_timeout_s)
+            prod.episodes = Round(self._envs(), rows, env_seeds, prod.prompts, self.tokenizer, Limits.of(cfg.rollout))
             prompts = prod.episodes.first_prompts()
         prod.handle = self.rollout.submit(prompts, sample_seeds, cfg)
         prod.gen_s += time.perf_counter() - t
@@ -728,10 +728,9 @@ class Trainer:
             durable = None
         if durable is None:
             env_seeds = [derive_seed(cfg.trainer.seed, 0, "rollout/env", g, j) for j in range(n)]
-            play = Play(Round(self._envs(), rows, env_seeds, [self.prompt_ids[row]] * n, self.tokenizer, cfg.rollout.max_turns,
-                              cfg.rollout.env_timeout_s), int(row))
+            play = Play(Round(self._envs(), rows, env_seeds, [self.prompt_ids[row]] * n, self.tokenizer, Limits.of(cfg.rollout)), int(row))
         else:
-            rnd, replayed = Round.restored(self._envs(), rows, durable, self.tokenizer, cfg.rollout.max_turns, cfg.rollout.env_timeout_s)
+            rnd, replayed = Round.restored(self._envs(), rows, durable, self.tokenizer, Limits.of(cfg.rollout))
             play = Play(rnd, int(row), list(durable.versions))
             self._flow.restored_turns += replayed
         self._plays[g] = play
@@ -1122,7 +1121,7 @@ class Trainer:
         examples = [held[int(i)] for i in rows]
         env_seeds = [derive_seed(cfg.trainer.seed, step, "eval/env", int(i)) for i in rows]
         eps = Round(self._envs(), [row_of(ex) for ex in examples], env_seeds, [self.held_out_ids[int(i)] for i in rows], tok,
-                    cfg.rollout.max_turns, cfg.rollout.env_timeout_s)
+                    Limits.of(cfg.rollout))
         places, contexts = list(range(len(rows))), eps.first_prompts()
         while True:
             responses, logps = sample_seeded(self.actor.module, contexts, seeds, params, tok.eos_token_id, tok.pad_token_id, rt.device,

@@ -22,7 +22,8 @@ tokens), and
     turn_lens      int32[]   per turn: its action's length, its observation's length (2 a turn, flat)
     turn_rewards   float64[] per turn: the env's reward for that action (NaN: it gave none)
     env_seed       int64     the seed of the episode's env.reset(row, seed)
-    env_end        int8      how it ended (EnvEnd): 1 done, 2 max_turns reached, 3 an env fault
+    env_end        int8      how it ended (EnvEnd): 1 done, 2 max_turns reached, 3 an env fault,
+                             4 by length (rollout.max_episode_length), 5 an action that was only EOS
     env_reason     str       a fault's reason ("raised ValueError: ...", "no answer in 5.0 s"); "" else
 
 A batch holds these columns only when one of its samples is an episode, so a single-turn run's
@@ -69,6 +70,8 @@ class EnvEnd(IntEnum):
     DONE = 1  # the env said done
     MAX_TURNS = 2  # rollout.max_turns actions taken
     FAULT = 3  # an env call raised, returned the wrong type or hung (env_reason says which)
+    LENGTH = 4  # its context left no room for another action (rollout.max_episode_length)
+    STOPPED = 5  # the policy's action was only its end-of-sequence token
 
 
 @dataclass(frozen=True)

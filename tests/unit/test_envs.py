@@ -425,7 +425,7 @@ def test_a_durable_group_cut_before_a_turn_goes_on_from_there():
 def test_a_round_restored_from_its_durable_state_reapplies_its_actions_to_fresh_envs():
     """Every live episode's env reset with its seed and its actions stepped in order; its observations are
     the durable ones, whatever the env says now; an episode over gets no env; a fault on the way ends it."""
-    from verlj.engine.rl.episodes import Round
+    from verlj.engine.rl.episodes import Limits, Round
     from verlj.engine.schema.sample import EnvEnd
 
     class Tok:
@@ -447,7 +447,7 @@ def test_a_round_restored_from_its_durable_state_reapplies_its_actions_to_fresh_
 
     g = _group([1, 3, 2], versions=[0, 0, 1])
     g.env_end[2] = int(EnvEnd.NONE)  # episode 2 goes on too
-    rnd, replayed = Round.restored(Env, [{}] * 3, g, Tok(), max_turns=4, timeout_s=5.0)
+    rnd, replayed = Round.restored(Env, [{}] * 3, g, Tok(), Limits(max_turns=4, timeout_s=5.0))
     assert calls == [("reset", 1), ("step", "10,11"), ("step", "13,14"), ("step", "16,17"), ("reset", 2), ("step", "20,21")]
     assert replayed == 4 and rnd.turn == 3
     assert [ep.live for ep in rnd.episodes] == [False, True, False]
@@ -474,3 +474,86 @@ def test_equals_presses_the_key_on_the_question_then_scores_the_answer():
         env.step("7")  # the episode is over
     factory = load_env(cfg_with("builtin:equals", max_turns=2))
     assert isinstance(factory(), Equals) and factory().max_turns == 2
+
+
+# ----------------------------------------------------------------------------- bounded episodes (rl.episodes.Round)
+
+
+class CharTok:
+    """One token a character (its code point); 0 is the end-of-sequence token."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        class Out:
+            input_ids = [ord(c) for c in text]
+        return Out()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(int(i)) for i in ids if not (skip_special_tokens and int(i) == 0))
+
+
+class Talker:
+    """Answers every action with `obs` (a reward of 1.0), after `wait` seconds; reset's observation `first`."""
+
+    def __init__(self, obs="ok", first="", wait=0.0):
+        self.obs, self.first, self.wait = obs, first, wait
+
+    def reset(self, row, seed):
+        return self.first
+
+    def step(self, action):
+        time.sleep(self.wait)
+        return self.obs, 1.0, False
+
+
+def a_round(env, n=2, **limits):
+    from verlj.engine.rl.episodes import Limits, Round
+
+    return Round(lambda: env, [{}] * n, list(range(n)), [np.array([1, 2])] * n, CharTok(), Limits(**{"max_turns": 4, "timeout_s": 5.0, **limits}))
+
+
+def test_an_observation_is_capped_in_tokens_and_marked():
+    from verlj.engine.rl.episodes import TRUNCATED
+
+    rnd = a_round(Talker(obs="x" * 1_000_000, first="y" * 100), max_observation=20)
+    assert len(rnd.episodes[0].prompt_ids) == 2 + 20 and CharTok().decode(rnd.episodes[0].prompt_ids[2:]).endswith(TRUNCATED)
+    rnd.take([0, 1], [np.array([65, 66])] * 2, [np.zeros(2, np.float32)] * 2)
+    ep = rnd.episodes[0]
+    assert ep.turn_lens == [2, 20] and CharTok().decode(ep.response[2:]) == "x" * (20 - len(TRUNCATED)) + TRUNCATED
+    assert ep.live and ep.mask == [1, 1] + [0] * 20
+    short = a_round(Talker(obs="short"), max_observation=20)
+    short.take([0], [np.array([65])], [np.zeros(1, np.float32)])
+    assert CharTok().decode(short.episodes[0].response[1:]) == "short"
+
+
+def test_an_episode_ends_by_length_before_its_context_passes_the_limit():
+    from verlj.engine.schema.sample import EnvEnd
+
+    rnd = a_round(Talker(obs="o" * 10), max_length=20, max_action=4)  # prompt 2 + action 2 + observation 10 = 14: room for 4 more
+    rnd.take([0, 1], [np.array([65, 66])] * 2, [np.zeros(2, np.float32)] * 2)
+    assert [ep.live for ep in rnd.episodes] == [True, True]
+    rnd.take([0, 1], [np.array([65, 66])] * 2, [np.zeros(2, np.float32)] * 2)  # 16 + an observation cut to the 4 left
+    ep = rnd.episodes[0]
+    assert ep.end == EnvEnd.LENGTH and ep.reason == "" and len(ep.prompt_ids) + len(ep.response) == 20 and ep.turn_lens[-1] == 4
+
+
+def test_an_action_that_is_only_eos_ends_the_episode_without_a_step():
+    from verlj.engine.schema.sample import EnvEnd
+
+    rnd = a_round(Talker())
+    rnd.take([0, 1], [np.array([0]), np.array([65, 0])], [np.zeros(1, np.float32), np.zeros(2, np.float32)])
+    assert rnd.episodes[0].end == EnvEnd.STOPPED and rnd.episodes[0].turn_lens == [1, 0] and np.isnan(rnd.episodes[0].turn_rewards[0])
+    assert rnd.episodes[1].live and rnd.episodes[1].turn_rewards == [1.0]
+
+
+def test_the_envs_of_a_turn_are_stepped_at_once():
+    """Eight envs that each take 0.3 s (or hang past the timeout) cost one wait, not eight."""
+    t = time.monotonic()
+    rnd = a_round(Talker(wait=0.3), n=8)
+    rnd.take(list(range(8)), [np.array([65])] * 8, [np.zeros(1, np.float32)] * 8)
+    assert time.monotonic() - t < 1.2 and all(ep.live and ep.turn_rewards == [1.0] for ep in rnd.episodes)
+    t = time.monotonic()
+    hung = a_round(Talker(wait=3.0), n=8, timeout_s=0.3)
+    hung.take(list(range(8)), [np.array([65])] * 8, [np.zeros(1, np.float32)] * 8)
+    assert time.monotonic() - t < 1.2 and all(ep.reason == "step no answer in 0.3 s" for ep in hung.episodes)
