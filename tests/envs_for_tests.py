@@ -75,6 +75,22 @@ class GymDigits(Digits):
         return out.observation, out.reward, "7" in action, self.turns >= 3, {}
 
 
+class Flood(Digits):
+    """Digits whose every observation is a megabyte of text (rollout.max_observation_length caps it)."""
+
+    def step(self, action: str) -> StepResult:
+        out = super().step(action)
+        return StepResult("x" * 1_000_000, out.reward, out.done)
+
+
+class Hang(Digits):
+    """Digits whose every step hangs for 60 s (past any short rollout.env_timeout_s)."""
+
+    def step(self, action: str) -> StepResult:
+        time.sleep(60)
+        return super().step(action)
+
+
 DOWN = "VERLJ_TEST_SANDBOX_DOWN"
 
 

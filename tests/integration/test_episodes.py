@@ -295,6 +295,27 @@ def test_an_env_that_always_raises_stops_the_run_and_resume_after_the_fix_is_exa
     assert fingerprints(run) == fingerprints(ref)
 
 
+def test_a_flood_of_observation_costs_its_cap_and_hanging_envs_one_timeout_a_turn(tmp_path):
+    """A megabyte an observation is cut to rollout.max_observation_length tokens, marked; sixteen envs that
+    each hang are waited for together: the step costs about one rollout.env_timeout_s, not sixteen."""
+    from verlj.engine.rl.episodes import TRUNCATED
+
+    dec = TextDecoder("builtin:tiny", VOCABS["ascii"])
+    out = train(tmp_path / "flood", "rollout.env=envs_for_tests:Flood", "rollout.max_turns=2", ASCII, "rollout.max_observation_length=16",
+                "trainer.total_steps=1", PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    turns = [t for s in episodes(tmp_path / "flood")[1] for t in s.turns()]
+    seen = [t.observation_ids for t in turns if len(t.observation_ids)]
+    assert seen and all(len(o) == 16 and dec.decode(o.tolist()) == "x" * (16 - len(TRUNCATED)) + TRUNCATED for o in seen)
+    out = train(tmp_path / "hang", "rollout.env=envs_for_tests:Hang", "rollout.max_turns=2", ASCII, "rollout.env_timeout_s=1",
+                "rollout.max_fault_rate=1", "trainer.total_steps=1", PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    samples, m = episodes(tmp_path / "hang")[1], metrics(tmp_path / "hang")[1]
+    hung = [s for s in samples if s.env_reason == "step no answer in 1.0 s"]
+    assert len(hung) > 8 and m["rollout/faults"] == float(len(hung)) and m["actor/skipped_update"] == 1.0
+    assert m["timing_s/step"] < 8.0, m["timing_s/step"]  # one after another: 16 s and more
+
+
 def test_an_env_that_cannot_be_imported_is_one_line_before_training(tmp_path):
     out = train(tmp_path / "run", "rollout.env=no_such_env_module_xyz:Env", "rollout.max_turns=2")
     assert out.returncode == 2
