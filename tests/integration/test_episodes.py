@@ -382,3 +382,22 @@ def test_completion_order_killed_mid_episode_resumes_from_the_last_durable_turn(
     assert restored > 0
     first = min(s for s in fingerprints(run) if s > max(committed))
     assert metrics(run)[first]["rollout/env/restored_turns"] >= restored
+
+
+@pytest.mark.parametrize("order", ["step", "completion"])
+def test_async_faulted_episodes_are_never_trained_on(tmp_path, order):
+    """Async rollout (either order) leaves faulted episodes out as sync does: dropped with reason fault (and a
+    group's lone survivor with them), never consumed, counted in the step that generated them."""
+    run = tmp_path / "run"
+    out = train(run, "rollout.env=envs_for_tests:Faulty", "rollout.max_turns=3", "rollout.env_timeout_s=0.5", ASCII,
+                "rollout.max_fault_rate=1", "rollout.mode=async", f"rollout.async_order={order}", "trainer.total_steps=3",
+                PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records, faulted, consumed = steps_of(run), set(), set()
+    for step, samples in episodes(run).items():
+        bad = {s.id for s in samples if s.env_end == EnvEnd.FAULT}
+        assert bad <= set(records[step].dropped(DropReason.FAULT).tolist())
+        assert metrics(run)[step]["rollout/faults"] == float(len(bad))
+        faulted |= bad
+        consumed |= set(records[step].consumed.ids.tolist())
+    assert faulted and consumed and not faulted & consumed

@@ -9,7 +9,7 @@ from pathlib import Path
 from verlj.engine.schema.events import DropReason, StepEvents
 from verlj.engine.schema.sample import unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import fingerprints, train, verlj
+from verlj_testing import cli, fingerprints, train, verlj
 
 TESTS = str(Path(__file__).resolve().parents[1])
 
@@ -20,13 +20,14 @@ def test_a_reward_function_that_fails_on_some_samples_leaves_them_out(tmp_path):
                 "trainer.save_interval=10",
                 PYTHONPATH=TESTS)
     assert out.returncode == 0, out.stderr[-3000:]
-    reasons = set()
+    reasons, faulted = set(), {}
     with open_journal_reader(run / "journal") as j:
         for rec in j.iter_steps():
             e = StepEvents.of(rec)
             samples = unpack(e.added.samples)
             bad = [s for s in samples if s.fault]
             reasons |= {s.fault for s in bad}
+            faulted[rec.step] = bad
             assert all(s.rule_reward == 0.0 and not s.is_episode for s in bad)
             assert {s.id for s in bad} <= set(e.dropped(DropReason.FAULT).tolist())
             assert not set(e.dropped(DropReason.FAULT).tolist()) & set(e.consumed.ids.tolist())
@@ -36,5 +37,9 @@ def test_a_reward_function_that_fails_on_some_samples_leaves_them_out(tmp_path):
             assert line.endswith(f"faults {len(bad)}/{len(samples)}" + (f": {min(bad, key=lambda s: s.id).fault}" if bad else ""))
     assert reasons == {"reward function envs_for_tests.flaky_reward raised RuntimeError: the grader is down",
                        "reward function envs_for_tests.flaky_reward returned nan, not a finite number"}
+    step = next(s for s, bad in faulted.items() if bad)  # inspect shows each sample's fault, and that it was dropped
+    shown = cli("inspect", run, "--step", str(step), "--max-samples", "1000", check=True).stdout
+    assert f"a fault, never trained on: {faulted[step][0].fault}" in shown
+    assert all(f"| {s.score:.4g} dropped" in shown for s in faulted[step])
     rep = verlj("replay", run, "--to-step", "2", PYTHONPATH=TESTS)  # from the initial state: the drops read back
     assert rep.returncode == 0 and fingerprints(run)[2] in rep.stdout, rep.stderr[-3000:]
