@@ -4,10 +4,13 @@ The trainer drives the turns through the rollout engine's own API (``submit`` / 
 every episode of a round still going is generated together, the prompts being each episode's context so
 far (its prompt ids, then every action and observation), so every engine (hf, vllm, the async
 generator) plays episodes unchanged. Between turns (:meth:`Round.take`): each action is decoded,
-given to its env (``safe_step``, rollout.env_timeout_s), and the observation tokenized (no special
-tokens) and appended. An episode ends when its env says done, at rollout.max_turns actions, or at a
-fault (an env call that raised, returned the wrong type or hung: rl.envs.EnvFault), whose reason is
-journaled with the sample (env_reason); the run goes on.
+given to its env (``safe_steps``: every episode's at once, one rollout.env_timeout_s for them all),
+and the observation tokenized (no special tokens; at most rollout.max_observation_length tokens,
+marked TRUNCATED when cut) and appended. An episode ends when its env says done, at rollout.max_turns
+actions, at a fault (an env call that raised, returned none of the forms or hung: rl.envs.EnvFault),
+whose reason is journaled with the sample (env_reason; rl.faults leaves it out of the update), by
+length (no room left under rollout.max_episode_length for another action), or when the policy's
+action is only its end-of-sequence token (:class:`Limits`).
 
 Seeds, all from the sample's place in its step (round r, place q; ``Trainer._submit_round``):
 turn 0's generation uses the sample's seed of a single-turn run, ``derive_seed(seed, step,
