@@ -16,7 +16,7 @@ from ..dist import Runtime
 from .data import Dataset, Example
 from .episodes import Round
 from .models import load_reward_model, model_digest
-from .rewards import load_reward_fn, reward_model_scores, rule_rewards
+from .rewards import load_reward_fn, reward_model_scores, scored_or_faults
 from .samples import Sample
 from .tasks import TaskScorer
 from .workers import ActorWorker, collate
@@ -56,18 +56,19 @@ class Scorer:
         return load_reward_fn(cfg.rollout.reward_fn, cfg.data.train_dataset, self.data.task_dataset, cfg.rollout.answer_format)
 
     def rewards(self, rows: list[int], prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray], model: bool = True,
-                scored: list[str] | None = None) -> tuple[list[float], list[float] | None]:
-        """(rule rewards, reward model scores: None when `model` is false or there is no reward model)
-        of each response to the prompt of dataset row `rows[k]`. `scored`: the texts the rule reward
-        scores instead of the responses' (an episode's: its last action)."""
+                scored: list[str] | None = None) -> tuple[list[float], list[float] | None, list[str]]:
+        """(rule rewards, reward model scores: None when `model` is false or there is no reward model,
+        each rule reward's fault: "" none, else the sample's: rl.faults) of each response to the prompt
+        of dataset row `rows[k]`. `scored`: the texts the rule reward scores instead of the responses'
+        (an episode's: its last action)."""
         tok = self.tokenizer
         texts_p = [tok.decode(p, skip_special_tokens=True) for p in prompts]
         texts_r = [tok.decode(r, skip_special_tokens=True) for r in responses]
-        rule = rule_rewards(self.reward_fn, texts_p, texts_r if scored is None else scored, [self.dataset[i] for i in rows])
+        rule, faulted = scored_or_faults(self.reward_fn, texts_p, texts_r if scored is None else scored, [self.dataset[i] for i in rows])
         rm = None
         if model and self.rm is not None:
             rm = reward_model_scores(self.rm[0], self.rm[1], [p + r for p, r in zip(texts_p, texts_r)], self.rt.device)
-        return rule, rm
+        return rule, rm, faulted
 
     def rescore(self, samples: list[Sample], model: bool = False) -> None:
         """`verlj rerun`, what-ifs: score journaled samples again, in place, with the reward function the
@@ -78,11 +79,12 @@ class Scorer:
         tok, named = self.tokenizer, self.reward_fn_named()
         scored = [tok.decode(s.turns()[-1].action_ids, skip_special_tokens=True) if s.is_episode else tok.decode(s.response_ids, skip_special_tokens=True)
                   for s in samples]
-        rule, rm = self.rewards([int(s.index) for s in samples], [s.prompt_ids for s in samples],
-                                [s.response_ids for s in samples], model, scored)
+        rule, rm, faulted = self.rewards([int(s.index) for s in samples], [s.prompt_ids for s in samples],
+                                         [s.response_ids for s in samples], model, scored)
         w = self.cfg.model.reward_model.weight
         for k, s in enumerate(samples):
             s.rule_reward = (s.env_score() + (rule[k] if named else 0.0)) if s.is_episode else rule[k]
+            s.fault = faulted[k] if named or not s.is_episode else ""
             if rm is not None:
                 s.rm_score = rm[k]
             s.score = s.rule_reward + w * s.rm_score
@@ -101,8 +103,9 @@ class Scorer:
         named = self.reward_fn_named()
         rule: list[float] = [0.0] * len(rows)
         rm: list[float] | None = None
+        faulted = [""] * len(rows)
         if named or self.rm is not None:
-            rule, rm = self.rewards(rows, [ep.prompt_ids for ep in eps.episodes[: len(rows)]],
+            rule, rm, faulted = self.rewards(rows, [ep.prompt_ids for ep in eps.episodes[: len(rows)]],
                                     [np.asarray(ep.response, np.int64) for ep in eps.episodes[: len(rows)]],
                                     scored=[ep.last_action for ep in eps.episodes])
         rm = rm or [0.0] * len(rows)
@@ -110,18 +113,19 @@ class Scorer:
         out = []
         for k, f in enumerate(fields):
             reward = eps.env_score(k) + (rule[k] if named else 0.0)
-            out.append(Sample(index=rows[k], id=0, group=0, score=reward + w * rm[k], rule_reward=reward, rm_score=rm[k], **f))
+            out.append(Sample(index=rows[k], id=0, group=0, score=reward + w * rm[k], rule_reward=reward, rm_score=rm[k],
+                              fault=faulted[k] if named else "", **f))
         return out
 
     def score(self, mine: Sequence[int] | np.ndarray, group_size: int, prompts: list[np.ndarray], responses: list[np.ndarray],
               logps: list[np.ndarray]) -> list[Sample]:
         """Single-turn samples of the dataset rows `mine` (`group_size` each), scored."""
         rows = [int(i) for i in mine for _ in range(group_size)]
-        rule, rm = self.rewards(rows, prompts, responses)
+        rule, rm, faulted = self.rewards(rows, prompts, responses)
         rm = rm or [0.0] * len(rule)
         w = self.cfg.model.reward_model.weight
         return [Sample(index=rows[k], prompt_ids=prompts[k], response_ids=responses[k], gen_logprobs=logps[k], id=0, group=0,
-                       score=rule[k] + w * rm[k], rule_reward=rule[k], rm_score=rm[k]) for k in range(len(prompts))]
+                       score=rule[k] + w * rm[k], rule_reward=rule[k], rm_score=rm[k], fault=faulted[k]) for k in range(len(prompts))]
 
     def reference_logprobs(self, samples: list[Sample], actor: ActorWorker) -> None:
         """The frozen reference's log-probs of each response, computed once at collect time and

@@ -53,6 +53,7 @@ class StepInputs:
     plans: dict[int, np.ndarray] = field(default_factory=dict)  # async: step -> the ids it will train on
     stale: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # async: ids dropped as too stale for any later step
     requests: ev.Requests | None = None  # completion order: the groups and rows asked, and those asked again
+    faulted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # ids out of the update for a fault (rl.faults)
     admitted: bool = False  # live: collect has put the batches into the buffer already (not journaled)
 
     def events(self) -> list[dict]:
@@ -64,6 +65,8 @@ class StepInputs:
             ev.Dropped(self.dropped, ev.DropReason.ZERO_VARIANCE).to_event(),
             ev.Consumed(self.consumed).to_event(),
         ]
+        if len(self.faulted):  # only then: a record without faults keeps its bytes
+            out.append(ev.Dropped(self.faulted, ev.DropReason.FAULT).to_event())
         if self.rollout.is_async:
             out.append(ev.Dropped(self.stale, ev.DropReason.STALE).to_event())
             if self.rollout.completion_order:
@@ -89,6 +92,7 @@ class StepInputs:
             rollout=step.rollout or ev.Rollout("hf", None),
             plans=step.plan.plans() if step.plan is not None else {},
             requests=step.requests,
+            faulted=step.dropped(ev.DropReason.FAULT),
         )
 
 
@@ -204,7 +208,8 @@ class Source:
         return inputs
 
     def replayed(self, inputs: StepInputs) -> None:
-        self.host.buffer.admit(sample_codec.unpack(inputs.added), np.concatenate([inputs.dropped, inputs.stale]), inputs.plans)
+        self.host.buffer.admit(sample_codec.unpack(inputs.added), np.concatenate([inputs.dropped, inputs.stale, inputs.faulted]),
+                               inputs.plans)
 
     def in_flight(self) -> dict[str, float]:
         return {"buffer/pending": float(len(self.host.buffer))}
@@ -237,14 +242,13 @@ class Source:
         return np.asarray([i for g in groups for i in g], dtype=np.int64)
 
 
-def zero_variance(samples: list[Sample], group_size: int) -> list[int]:
-    """Dynamic sampling: the ids of the groups (consecutive runs of group_size samples) whose rewards do not vary."""
-    out = []
-    for g in range(0, len(samples), group_size):
-        scores = [s.score for s in samples[g : g + group_size]]
-        if max(scores) == min(scores):
-            out += [s.id for s in samples[g : g + group_size]]
-    return out
+def zero_variance(samples: list[Sample], excluded: set[int]) -> list[int]:
+    """Dynamic sampling: the ids of the groups whose rewards do not vary, over their samples not `excluded` (faults)."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        if s.id not in excluded:
+            groups.setdefault(s.group, []).append(s)
+    return [s.id for g in groups.values() if max(x.score for x in g) == min(x.score for x in g) for s in g]
 
 
 def episode_metrics(samples: list[Sample]) -> dict[str, float]:

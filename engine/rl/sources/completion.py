@@ -20,6 +20,7 @@ from verlj.journal.failpoints import failpoint
 
 from ...schema import events as ev
 from ...state.seeding import derive_seed
+from .. import faults
 from .. import samples as sample_codec
 from ..samples import Sample
 from .base import Host, Source, StepInputs, add_time, episode_metrics, zero_variance
@@ -38,6 +39,7 @@ class Flow:
     added: list = field(default_factory=list)  # samples arrived, in arrival order
     dropped: list = field(default_factory=list)  # ids of zero-variance groups (dynamic sampling)
     stale: list = field(default_factory=list)  # ids of waiting groups more than k versions behind
+    faulted: list = field(default_factory=list)  # ids out of the update for a fault (rl.faults)
     rounds: int = 0  # rounds of prompts_per_step prompts asked
 
 
@@ -158,10 +160,12 @@ class CompletionSource(Source):
         t = time.perf_counter()
         host.scorer.reference_logprobs(new, host.actor)
         add_time(self.timings, "timing_s/ref", time.perf_counter() - t)
-        dropped = zero_variance(new, n) if cfg.algorithm.dynamic_sampling else []
-        host.buffer.admit(new, dropped, {})
+        out = faults.excluded(new, faults.min_group(cfg.algorithm.name, n))
+        dropped = zero_variance(new, set(out)) if cfg.algorithm.dynamic_sampling else []
+        host.buffer.admit(new, dropped + out, {})
         self.now.added += new
         self.now.dropped += dropped
+        self.now.faulted += out
         failpoint("async.admit")
 
     def scored(self, arrived: list[tuple]) -> list[Sample]:
@@ -181,7 +185,7 @@ class CompletionSource(Source):
     def inputs(self) -> StepInputs:
         flow, cfg, sampler = self.now, self.cfg, self.host.sampler
         self.timings.update({"sampling/rounds": float(flow.rounds), "sampling/dropped_groups": float(len(flow.dropped) // cfg.rollout.n),
-                             "rollout/regenerated_groups": float(len(flow.regenerated))})
+                             "rollout/regenerated_groups": float(len(flow.regenerated)), **faults.metrics(flow.added)})
         if cfg.rollout.env is not None:
             self.timings.update(episode_metrics(flow.added), **{"rollout/env/restored_turns": float(flow.restored_turns)})
         ids = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
@@ -194,6 +198,7 @@ class CompletionSource(Source):
             timings=self.timings,
             rollout=ev.Rollout(self.live.name, self.live.version, ev.RolloutMode.ASYNC, cfg.rollout.staleness, ev.AsyncOrder.COMPLETION),
             stale=ids(flow.stale),
+            faulted=ids(flow.faulted),
             requests=ev.Requests(ids([g for g, _ in flow.asked]), ids([r for _, r in flow.asked]), ids(flow.regenerated)),
             admitted=True,
         )

@@ -22,7 +22,7 @@ from ...schema.sample import GroupInFlight
 from ...state.seeding import derive_seed
 from .. import samples as sample_codec
 from ..envs import row_of
-from ..episodes import Play, Round
+from ..episodes import Limits, Play, Round
 from ..sampler import AskedGroup
 from ..samples import Sample
 from .base import add_time
@@ -94,10 +94,9 @@ class Turns:
             durable = None
         if durable is None:
             env_seeds = [derive_seed(cfg.trainer.seed, 0, "rollout/env", g, j) for j in range(n)]
-            play = Play(Round(host.envs(), rows, env_seeds, [host.prompt_ids[row]] * n, host.tokenizer, cfg.rollout.max_turns,
-                              cfg.rollout.env_timeout_s), int(row))
+            play = Play(Round(host.envs(), rows, env_seeds, [host.prompt_ids[row]] * n, host.tokenizer, Limits.of(cfg.rollout)), int(row))
         else:
-            rnd, replayed = Round.restored(host.envs(), rows, durable, host.tokenizer, cfg.rollout.max_turns, cfg.rollout.env_timeout_s)
+            rnd, replayed = Round.restored(host.envs(), rows, durable, host.tokenizer, Limits.of(cfg.rollout))
             play = Play(rnd, int(row), list(durable.versions))
             self.src.now.restored_turns += replayed
         self.plays[g] = play

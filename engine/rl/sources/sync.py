@@ -18,9 +18,10 @@ from verlj.journal.failpoints import failpoint
 from ...errors import RunError
 from ...schema import events as ev
 from ...state.seeding import derive_seed
+from .. import faults
 from .. import samples as sample_codec
 from ..envs import row_of
-from ..episodes import Round
+from ..episodes import Limits, Round
 from ..samples import Sample
 from .base import Source, StepInputs, add_time, episode_metrics, zero_variance
 from .episodes import play_round
@@ -39,6 +40,7 @@ class Production:
     drawn: list = field(default_factory=list)
     added: list = field(default_factory=list)
     dropped: list = field(default_factory=list)
+    faulted: list = field(default_factory=list)  # ids out of the update for a fault (rl.faults)
     rounds: int = 0
     handle: object = None  # the round in flight (RolloutEngine.submit)
     gen_s: float = 0.0  # time the trainer spent generating or waiting for generation
@@ -62,6 +64,7 @@ class StepOrder(Source):
         drawn = [i for p in made for i in p.drawn]
         self.timings.update({"sampling/rounds": float(sum(p.rounds for p in made)),
                              "sampling/dropped_groups": float(sum(len(p.dropped) for p in made) // cfg.rollout.n)})
+        self.timings.update(faults.metrics(added))
         if cfg.rollout.env is not None:
             self.timings.update(episode_metrics(added))
         async_mode = cfg.rollout.mode == "async"
@@ -78,6 +81,7 @@ class StepOrder(Source):
             rollout=ev.Rollout(self.live.name, self.live.version, mode, cfg.rollout.staleness if async_mode else None),
             plans={p.step: p.plan for p in made} if async_mode else {},
             stale=np.asarray([i for p in made for i in p.stale], dtype=np.int64),
+            faulted=np.asarray([i for p in made for i in p.faulted], dtype=np.int64),
             admitted=True,
         )
 
@@ -112,7 +116,7 @@ class StepOrder(Source):
         if cfg.rollout.env is not None:  # episodes: each env reset from its sample's place (rl.episodes)
             rows = [row_of(host.dataset[int(i)]) for i in prod.mine for _ in range(group_size)]
             env_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/env", prod.rounds, q) for q in prod.places]
-            prod.episodes = Round(host.envs(), rows, env_seeds, prod.prompts, host.tokenizer, cfg.rollout.max_turns, cfg.rollout.env_timeout_s)
+            prod.episodes = Round(host.envs(), rows, env_seeds, prod.prompts, host.tokenizer, Limits.of(cfg.rollout))
             prompts = prod.episodes.first_prompts()
         prod.handle = self.live.submit(prompts, sample_seeds, cfg)
         prod.gen_s += time.perf_counter() - t
@@ -143,16 +147,19 @@ class StepOrder(Source):
             new = self.gathered(local, prod, group_size)
             prod.added += new
             prod.rounds += 1
+            out = faults.excluded(new, faults.min_group(cfg.algorithm.name, group_size))
+            prod.faulted += out
             if not cfg.algorithm.dynamic_sampling:
                 break
-            flat = zero_variance(new, group_size)
+            flat = zero_variance(new, set(out))
             prod.dropped += flat
-            prod.pending_groups += (len(new) - len(flat)) // group_size
+            gone = set(out) | set(flat)
+            prod.pending_groups += len({s.group for s in new if s.id not in gone})
             if prod.pending_groups >= prompts_per_step or prod.rounds >= cfg.algorithm.max_sampling_rounds:
                 break
             self.submit_round(prod)
         add_time(timings, "timing_s/gen", prod.gen_s)  # async: only the wait the update did not cover
-        prod.plan = self.choose_consumed(prod.added, set(prod.dropped) | set(prod.stale))
+        prod.plan = self.choose_consumed(prod.added, set(prod.dropped) | set(prod.stale) | set(prod.faulted))
         return prod
 
     def gathered(self, local: list[Sample], prod: Production, group_size: int) -> list[Sample]:
@@ -168,7 +175,7 @@ class StepOrder(Source):
 
     def admit(self, prod: Production, planned: bool) -> Production:
         """A finished batch enters the buffer (async: with its plan); only then may a step count on it."""
-        self.host.buffer.admit(prod.added, [*prod.dropped, *prod.stale], {prod.step: prod.plan} if planned else {})
+        self.host.buffer.admit(prod.added, [*prod.dropped, *prod.stale, *prod.faulted], {prod.step: prod.plan} if planned else {})
         if planned:
             failpoint("async.admit")
         return prod
