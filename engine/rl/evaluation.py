@@ -11,13 +11,13 @@ import numpy as np
 from ..config import Config
 from ..dist import Runtime
 from ..schema import events as ev
+from ..schema.sample import EnvEnd
 from ..state.seeding import derive_seed
 from .data import Dataset
 from .envs import EnvFactory, row_of
 from .episodes import Round
 from .rewards import rule_rewards
 from .sampler import sample_seeded, sampling_params
-from .samples import EnvEnd
 from .scoring import Scorer
 from .workers import ActorWorker
 

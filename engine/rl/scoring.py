@@ -13,11 +13,11 @@ import numpy as np
 
 from ..config import Config
 from ..dist import Runtime
+from ..schema.sample import Sample
 from .data import Dataset, Example
 from .episodes import Round
 from .models import load_reward_model, model_digest
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
-from .samples import Sample
 from .tasks import TaskScorer
 from .workers import ActorWorker, collate
 

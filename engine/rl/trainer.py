@@ -26,6 +26,7 @@ from verlj.journal.failpoints import failpoint
 from ..config import Config, ConfigError
 from ..dist import Runtime
 from ..errors import ModelError, ReplayError
+from ..schema.sample import Sample
 from ..state.fingerprint import fingerprint as state_fingerprint
 from ..state.seeding import derive_seed
 from ..state.stateful import check_version
@@ -36,7 +37,6 @@ from .envs import EnvFactory, load_env
 from .episodes import InFlightLog
 from .models import BUILTIN_TINY, ValueModel, load_causal_lm, load_tokenizer, render_chat
 from .rollout import RolloutEngine
-from .samples import Sample
 from .scoring import Scorer
 from .sources import StepInputs, StepSource, make_source, source_kind
 from .update import StepOutcome

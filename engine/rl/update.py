@@ -20,12 +20,12 @@ from verlj.journal.failpoints import failpoint
 from ..config import Config
 from ..dist import Runtime
 from ..schema import events as ev
+from ..schema.sample import Columns, Sample
 from ..state.fingerprint import state_leaves
 from ..state.seeding import seed_globals
 from ..state.stage_recorder import StageRecorder
 from ..state.stages import combine
 from . import algorithms
-from .samples import Columns, Sample
 from .scoring import Scorer, needs_reference
 from .sources import StepInputs
 from .workers import ActorWorker, Batch, CriticWorker, collate, shard_batch

@@ -8,12 +8,12 @@ import pytest
 
 from verlj.engine.config import make_config
 from verlj.engine.rl.buffer import RolloutBuffer
-from verlj.engine.rl.samples import Sample, pack
 from verlj.engine.rl.sources import StepInputs, make_source, source_kind
 from verlj.engine.rl.sources.completion import CompletionSource
 from verlj.engine.rl.sources.planned import PlannedSource
 from verlj.engine.rl.sources.sync import SyncSource
 from verlj.engine.schema import events as ev
+from verlj.engine.schema.sample import Sample, pack
 
 ASYNC = ["rollout.mode=async"]
 COMPLETION = [*ASYNC, "rollout.async_order=completion"]

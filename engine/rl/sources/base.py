@@ -20,10 +20,10 @@ from verlj.journal import StepRecord
 from ...config import Config
 from ...errors import ReplayError
 from ...schema import events as ev
+from ...schema import sample as sample_codec
+from ...schema.sample import Columns, EnvEnd, Sample
 from ...state.seeding import derive_seed, rng_digest, seed_globals
-from .. import samples as sample_codec
 from ..rollout import RolloutEngine, make_engine
-from ..samples import Columns, EnvEnd, Sample
 
 if TYPE_CHECKING:
     from ...dist import Runtime

@@ -19,9 +19,9 @@ import numpy as np
 from verlj.journal.failpoints import failpoint
 
 from ...schema import events as ev
+from ...schema import sample as sample_codec
+from ...schema.sample import Sample
 from ...state.seeding import derive_seed
-from .. import samples as sample_codec
-from ..samples import Sample
 from .base import Host, Source, StepInputs, add_time, episode_metrics, zero_variance
 from .episodes import Turns
 

@@ -18,13 +18,12 @@ import numpy as np
 
 from verlj.journal.failpoints import failpoint
 
-from ...schema.sample import GroupInFlight
+from ...schema import sample as sample_codec
+from ...schema.sample import GroupInFlight, Sample
 from ...state.seeding import derive_seed
-from .. import samples as sample_codec
 from ..envs import row_of
 from ..episodes import Play, Round
 from ..sampler import AskedGroup
-from ..samples import Sample
 from .base import add_time
 
 if TYPE_CHECKING:

@@ -17,11 +17,11 @@ from verlj.journal.failpoints import failpoint
 
 from ...errors import RunError
 from ...schema import events as ev
+from ...schema import sample as sample_codec
+from ...schema.sample import Sample
 from ...state.seeding import derive_seed
-from .. import samples as sample_codec
 from ..envs import row_of
 from ..episodes import Round
-from ..samples import Sample
 from .base import Source, StepInputs, add_time, episode_metrics, zero_variance
 from .episodes import play_round
 
