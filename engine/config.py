@@ -300,6 +300,14 @@ class RolloutConfig:
     env: Optional[str] = live(None)
     max_turns: int = live(1)  # rollout.env: the policy's actions per episode at most (the built-ins end their episodes within it)
     env_timeout_s: float = bookkeeping(30.0)  # rollout.env: an env call (reset, step) that has not answered in this many seconds is a fault
+    # rollout.env: an observation (reset's too) is cut to this many tokens, ending with " [truncated]" | 0: no cap
+    max_observation_length: int = live(256)
+    # rollout.env: an episode ends (by length, not a fault) once its context (prompt, actions, observations)
+    # leaves no room for another action of rollout.max_response_length tokens below this | 0: no cap
+    max_episode_length: int = live(0)
+    # a step where more than this share of the samples it generated ended by a fault (an env's, a reward
+    # function's: rl.faults) is not committed and the run stops in one line | 1: never stop (faults are left out of the update either way)
+    max_fault_rate: float = bookkeeping(0.5)
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
@@ -342,6 +350,9 @@ class RolloutConfig:
     def _validate_env(self) -> None:
         _positive("rollout.max_turns", self.max_turns)
         _positive("rollout.env_timeout_s", self.env_timeout_s)
+        _range("rollout.max_fault_rate", self.max_fault_rate, 0.0, 1.0)
+        _at_least("rollout.max_observation_length", self.max_observation_length, 0)
+        _at_least("rollout.max_episode_length", self.max_episode_length, 0)
         if self.env is None:
             if self.max_turns > 1:
                 raise ConfigError("rollout.max_turns > 1 needs rollout.env (without an environment a sample is one response)")
@@ -602,7 +613,8 @@ def _without_one_off(data: dict) -> dict:
     return data
 # Keys added with a new default whose absence from a stored config means the old behaviour: a run
 # made before the key existed keeps training (and replaying) exactly as it did.
-LEGACY_VALUES = {"algorithm.loss_normalization": "micro_batch", "model.tiny.vocab": "digits", "trainer.state_digest": "blake3"}
+LEGACY_VALUES = {"algorithm.loss_normalization": "micro_batch", "model.tiny.vocab": "digits", "trainer.state_digest": "blake3",
+                 "rollout.max_observation_length": 0}
 
 
 def stored_config(data: dict) -> dict:

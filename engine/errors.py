@@ -44,6 +44,20 @@ class PluginError(VerljError, ValueError):
     """User code named in the config (a checkpoint policy) cannot be loaded or misbehaved: names it."""
 
 
+def loading(error: type[VerljError]) -> type[VerljError]:
+    """`error` as a ConfigError too (exit 2: the CLI reference's rule): code the config names that cannot
+    be imported or has the wrong signature is bad input, as a wrong key is, whatever names it (what
+    plugins.import_object and check_signature are given to raise)."""
+    if issubclass(error, ConfigError):
+        return error
+    if error not in _LOADING:
+        _LOADING[error] = type(error.__name__, (error, ConfigError), {"__module__": error.__module__})
+    return _LOADING[error]
+
+
+_LOADING: dict[type[VerljError], type[VerljError]] = {}
+
+
 def install_hint(extra: str) -> str:
     """How to install an optional extra, for a message: from an index, and from a checkout (where
     ``pip install 'verlj[X]'`` would fetch the published package instead of the tree at hand)."""

@@ -39,20 +39,69 @@ class Digits:
 
 
 class Faulty(Digits):
-    """Digits, except that by its seed an episode's second step raises (seed % 4 == 1), returns a tuple
+    """Digits, except that by its seed an episode's second step raises (seed % 8 == 1), returns a list
     (== 2) or hangs for 3 s (== 3; run it with a short rollout.env_timeout_s)."""
 
     def step(self, action: str):
         _forbidden("step")
-        kind = self.seed % 4
+        kind = self.seed % 8
         if self.turns == 1 and kind == 1:
             raise ValueError("the sandbox fell over")
         if self.turns == 1 and kind == 2:
-            return ("obs", 1.0, True)
+            return ["obs", 1.0, True]
         if self.turns == 1 and kind == 3:
             time.sleep(3)
         out = super().step(action)
         return StepResult(out.observation, out.reward, False) if self.turns < 3 else out
+
+
+class TupleDigits(Digits):
+    """Digits written as most RL libraries write an env: step returns (observation, reward, done)."""
+
+    def step(self, action: str):
+        out = super().step(action)
+        return out.observation, out.reward, out.done
+
+
+class GymDigits(Digits):
+    """Digits written as gymnasium writes one: reset returns (observation, info), step (observation,
+    reward, terminated, truncated, info), truncated at the third action."""
+
+    def reset(self, row: dict, seed: int):
+        return super().reset(row, seed), {"seed": seed}
+
+    def step(self, action: str):
+        out = super().step(action)
+        return out.observation, out.reward, "7" in action, self.turns >= 3, {}
+
+
+class Flood(Digits):
+    """Digits whose every observation is a megabyte of text (rollout.max_observation_length caps it)."""
+
+    def step(self, action: str) -> StepResult:
+        out = super().step(action)
+        return StepResult("x" * 1_000_000, out.reward, out.done)
+
+
+class Hang(Digits):
+    """Digits whose every step hangs for 60 s (past any short rollout.env_timeout_s)."""
+
+    def step(self, action: str) -> StepResult:
+        time.sleep(60)
+        return super().step(action)
+
+
+DOWN = "VERLJ_TEST_SANDBOX_DOWN"
+
+
+class Sandbox(Digits):
+    """Digits whose every step raises RuntimeError("the sandbox is down") while the file named by
+    $VERLJ_TEST_SANDBOX_DOWN exists: a fault that the test then fixes (removes the file)."""
+
+    def step(self, action: str) -> StepResult:
+        if os.path.exists(os.environ.get(DOWN, "/nonexistent/verlj")):
+            raise RuntimeError("the sandbox is down")
+        return super().step(action)
 
 
 LOG = "VERLJ_TEST_ENV_LOG"
@@ -83,3 +132,11 @@ def digit_share(prompt: str, response: str, answer: str) -> float:
     """A reward that varies for an untrained model (rollout.reward_fn=envs_for_tests:digit_share): the share
     of the response's characters that are digits."""
     return sum(c.isdigit() for c in response) / max(1, len(response))
+
+
+def flaky_reward(prompt: str, response: str, answer: str) -> float:
+    """A reward function that fails on some responses (rollout.reward_fn=envs_for_tests:flaky_reward): it raises
+    on a response holding a 3, returns NaN on one holding a 5 (without a 3), else digit_share."""
+    if "3" in response:
+        raise RuntimeError("the grader is down")
+    return float("nan") if "5" in response else digit_share(prompt, response, answer)

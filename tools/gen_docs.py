@@ -214,6 +214,14 @@ def cli_reference(app) -> str:
         f"{_text(' '.join((root.help or '').split()))} `verlj --help` lists the commands and `verlj COMMAND --help`",
         "prints one of these sections. Every command that fails prints one line (`error: …`) and exits non-zero.",
         "",
+        "**Exit codes**, one rule for every command: **0** it did what was asked; **2** what it was given cannot be used, "
+        "before anything runs: the command line, a config key or value, or code the config names (`rollout.env`, "
+        "`rollout.reward_fn`, `trainer.checkpoint_policy`, `--probe`) that cannot be imported, made or called as it must be; "
+        "**1** it ran and failed, or found what it was asked to look for: user code that raised or answered wrongly while it "
+        "ran, a training step past `rollout.max_fault_rate` (nothing of it committed), a run directory, journal or snapshot "
+        "that cannot be used, two runs that differ (`diff`), a step that did not reproduce (`rerun`). A process killed by a "
+        "signal exits as the signal says (a SIGKILL: -9 to Python's subprocess, 137 to a shell).",
+        "",
     ]
     for path, cmd in _commands(root, []):
         lines += ["", f"## `verlj {' '.join(path)}`", ""]

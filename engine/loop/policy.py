@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import TrainerConfig
-from ..errors import PluginError
+from ..errors import PluginError, loading
 from ..plugins import check_signature, import_object
 from ..report import REWARD_MEAN
 from ..state.stateful import check_version
@@ -59,7 +59,7 @@ def load_policy(dotted: str, kwargs: dict):
     key = "trainer.checkpoint_policy"
     dotted = _MOVED.get(dotted, dotted)
     mod, _, name = dotted.rpartition(".")
-    cls = import_object(dotted, mod, name, key, PluginError)
+    cls = import_object(dotted, mod, name, key, loading(PluginError))
     if not callable(cls):
         raise PluginError(f"{key}: {dotted!r} is not a class")
     try:
@@ -68,7 +68,7 @@ def load_policy(dotted: str, kwargs: dict):
         raise PluginError(f"{key}: {dotted}(**trainer.checkpoint_policy_kwargs) failed: {type(e).__name__}: {e}") from None
     if not callable(getattr(policy, "should_save", None)):
         raise PluginError(f"{key}: {dotted!r} has no should_save(trainer_state, metrics_history)")
-    check_signature(policy.should_save, 2, f"{key}: {dotted}.should_save", PluginError)
+    check_signature(policy.should_save, 2, f"{key}: {dotted}.should_save", loading(PluginError))
     return policy
 
 

@@ -312,7 +312,9 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
     `control`: events for the first step's record (start, resume, fork, a config change). `source`:
     what collects each step's inputs (collect, finish_collect, eval_due): the trainer, or a what-if's
     reader of another run's journal (loop.whatif.WhatifSource)."""
+    from ..rl import faults
     from ..rl.rollout import engine_metrics
+    from ..schema.sample import Columns
 
     cfg, rt, trainer, ckpt, ledger, reporter = run.cfg, run.rt, run.trainer, run.ckpt, run.ledger, run.reporter
     stop = stop or StopFlag()
@@ -334,6 +336,9 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
         samples = trainer.take(step, inputs)
         outcome = trainer.apply(step, inputs, samples)
         inputs = source.finish_collect(step, inputs)  # ... which is in the buffer, and in this record, before the commit
+        generated = Columns(inputs.added).samples()
+        if source is trainer:  # past rollout.max_fault_rate: one line, nothing of the step committed (a what-if's samples passed it)
+            faults.check(step, generated, cfg.rollout.max_fault_rate, run.run_dir)
         outcome.metrics.update(trainer.buffer_metrics())
         evaluated = []
         if source.eval_due(step):
@@ -356,7 +361,7 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
         if shipper is not None:
             logged.update({"journal/ship_lag_steps": shipper.lag(), "timing_s/ship_cpu": shipper.cpu_seconds - ship_cpu})
             ship_cpu = shipper.cpu_seconds
-        reporter.step(step, logged)
+        reporter.step(step, logged, faults.note(generated))
         stopping = not rt.all_true(not stop.requested)  # every rank stops after the same step
         ckpt.after_step(step, outcome.fingerprint, due or stopping or step == cfg.trainer.total_steps)
         if stopping:

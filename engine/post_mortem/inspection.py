@@ -366,19 +366,20 @@ class SampleLine:
     rm_score: float
     policy_version: int
     episode: EpisodeLine | None = None  # rollout.env: the episode turn by turn
+    fault: str = ""  # its reward function's fault (rl.faults; an env's is the episode's env_reason)
 
     @classmethod
     def of(cls, row: dict) -> SampleLine:
         """A row of the rollout table (rl.samples.rows)."""
         text = {name: row[name] or row[f"{name}_ids"] for name in table.TEXT}
-        return cls(**{f.name: row[table.TABLE_NAMES.get(f.name, f.name)] for f in fields(cls) if f.name not in text and f.name != "episode"},
+        return cls(**{f.name: row[table.TABLE_NAMES.get(f.name, f.name)] for f in fields(cls) if f.name not in text and f.name not in ("episode", "fault")},
                    **text)
 
     def with_episode(self, sample: Sample, decoder) -> SampleLine:
-        return replace(self, episode=EpisodeLine.of(sample, decoder)) if sample.is_episode else self
+        return replace(self, episode=EpisodeLine.of(sample, decoder) if sample.is_episode else None, fault=sample.fault)
 
     def to_json(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "episode"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "episode" and (f.name != "fault" or self.fault)}
         return {**out, **self.episode.to_json()} if self.episode is not None else out
 
 
@@ -563,6 +564,8 @@ def render_step(d: StepDetail) -> str:
                 lines.append(f"         turn {t + 1}: {turn.action!s} ⇒ {turn.observation!s}" + (f"  reward {turn.reward:.4g}" if turn.reward is not None else ""))
             if s.episode.env_reason:
                 lines.append(f"         ended by a fault: {s.episode.env_reason}")
+        if s.fault:
+            lines.append(f"         a fault, never trained on: {s.fault}")
     lines.append("metrics")
     for k in sorted(m):
         lines.append(f"  {k:32s} {m[k]:.6g}")

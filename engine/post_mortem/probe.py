@@ -27,7 +27,7 @@ from pathlib import Path
 
 import blake3
 
-from ..errors import PluginError, RunError
+from ..errors import PluginError, RunError, loading
 from ..loop.ledger import Ledger
 from ..plugins import check_signature, describe, import_object
 from . import derived
@@ -36,10 +36,10 @@ from .rerun import _execute
 
 def load_probe(spec: str):
     module_name, _, attr = spec.partition(":")
-    fn = import_object(spec, module_name, attr, "--probe", PluginError)
+    fn = import_object(spec, module_name, attr, "--probe", loading(PluginError))
     if not callable(fn):
         raise PluginError(f"--probe: {spec!r} is not a function")
-    check_signature(fn, 3, f"--probe: {spec} (called as fn(step, batch, model))", PluginError)
+    check_signature(fn, 3, f"--probe: {spec} (called as fn(step, batch, model))", loading(PluginError))
     return fn
 
 

@@ -8,8 +8,9 @@ copying the actor's current parameters into them while the generator is idle. Re
 travel over two pipes (no named semaphores, so a SIGKILL of the whole process group leaves nothing in
 /dev/shm). Nothing else is shared, and nothing is written to disk.
 
-What the trainer asks for is decided by ``Trainer.collect``, so the generator needs no policy of its
-own: it generates what it is told, from the version it holds, and says which version that was.
+What the trainer asks for is decided by its rollout source (``rl.sources``), so the generator needs
+no policy of its own: it generates what it is told, from the version it holds, and says which
+version that was.
 
 - Step order (``rollout.async_order=step``): one batch at a time (``submit``/``result``), the batch of
   step s+k generated from version s-1 while step s trains.
@@ -19,10 +20,11 @@ own: it generates what it is told, from the version it holds, and says which ver
   batch completes (``arrived``).
 
 A push (``sync``) first pauses the process at a batch's boundary: every generation begun from the
-old version has then been sent back, so whatever is still queued starts from the new one.
-Trainer.finish_collect pushes before the step's commit, so a group in flight at a crash began (if at
-all) from the last committed version, the one a resume holds, which generates it again from its
-seeds (in a batch that timing composes: the same version and seeds, not necessarily the same bits).
+old version has then been sent back, so whatever is still queued starts from the new one. The
+completion source's ``finish_collect`` pushes before the step's commit, so a group in flight at a
+crash began (if at all) from the last committed version, the one a resume holds, which generates it
+again from its seeds (in a batch that timing composes: the same version and seeds, not necessarily
+the same bits).
 
 The process ignores SIGINT and SIGTERM (the trainer finishes its step and stops it), and dies with
 the trainer (PR_SET_PDEATHSIG, and a parent check between requests). If it dies first, the trainer's

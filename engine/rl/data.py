@@ -186,9 +186,19 @@ def _read_file(cfg: DataConfig, name: str, key: str, render=None) -> list[Exampl
                 prompt = render([dict(m) for m in messages])
             except DataError as e:
                 raise DataError(f"{key}: row {i} of {path}: {e}") from None
-        out.append(Example(str(prompt), str(_get(row, cfg.answer_key)), messages=messages,
+        elif prompt is None or isinstance(prompt, dict):  # no guess at what text it means (its repr, 'None')
+            raise DataError(f"{key}: row {i} of {path}: its prompt ({cfg.prompt_key!r}) is {_kind(prompt)}; it must be a string "
+                            "or a list of chat messages")
+        answer = _get(row, cfg.answer_key)
+        if answer is None or isinstance(answer, (dict, list)):  # null is not the string 'None'
+            raise DataError(f"{key}: row {i} of {path}: its answer ({cfg.answer_key!r}) is {_kind(answer)}; it must be a string or a number")
+        out.append(Example(str(prompt), str(answer), messages=messages,
                            data_source=row.get("data_source"), extra_info=row.get("extra_info")))
     return out
+
+
+def _kind(value) -> str:
+    return "null" if value is None else f"a {type(value).__name__}"
 
 
 _MISSING = object()

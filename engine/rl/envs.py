@@ -8,9 +8,10 @@
     rollout.max_turns: 4                  # actions per episode at most (the built-ins end their episodes within it)
     rollout.env_timeout_s: 30             # an env call that has not answered by then is a fault (safe_step)
 
-An episode: ``obs = env.reset(row, seed)`` (text appended after the prompt; may be ""), then
-``env.step(action)`` for each of the policy's actions until a StepResult says done (or the rollout has
-taken rollout.max_turns actions). An env is deterministic given its seed and the actions it got: the
+An episode: ``obs = env.reset(row, seed)`` (text appended after the prompt; may be ""; or gymnasium's
+``(obs, info)``), then ``env.step(action)`` for each of the policy's actions until its answer says done
+(or the rollout has taken rollout.max_turns actions). A step answers a StepResult, a 3-tuple
+``(observation, reward, done)`` or gymnasium's ``(observation, reward, terminated, truncated, info)``. An env is deterministic given its seed and the actions it got: the
 rollout journals the row, the seed and the actions (the journal holds what the world answered, and
 replay never calls an env), and :func:`restore` rebuilds an env in the middle of an episode by replaying
 those actions on a fresh ``reset(row, seed)``; no state_dict is needed.
@@ -25,16 +26,19 @@ which turn an exception, a wrong return type or a hang into an :class:`EnvFault`
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import numbers
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol, runtime_checkable
 
 import blake3
+import numpy as np
 
 from ..config import REASONING_GYM, Config
 from ..errors import ConfigError
@@ -61,10 +65,12 @@ class Environment(Protocol):
     """A multi-turn environment. Deterministic given `seed` and the actions `step` received since."""
 
     def reset(self, row: dict, seed: int) -> str:
-        """Start an episode on the dataset row `row` (row_of); the first observation, appended after the prompt."""
+        """Start an episode on the dataset row `row` (row_of); the first observation, appended after the
+        prompt (gymnasium's ``(observation, info)`` is taken too: safe_reset)."""
 
     def step(self, action: str) -> StepResult:
-        """The policy's next action (the text it generated this turn): what the world answers."""
+        """The policy's next action (the text it generated this turn): what the world answers (a
+        3-tuple ``(observation, reward, done)`` or gymnasium's 5-tuple is taken too: safe_step)."""
 
 
 @dataclass(frozen=True)
@@ -98,34 +104,95 @@ def restore(env_factory: Callable[[], Environment], row: dict, seed: int, action
 
 
 def safe_reset(env, row: dict, seed: int, timeout_s: float) -> str | EnvFault:
-    """env.reset(row, seed), or an EnvFault when it raised, returned something else than a str, or hung."""
-    out = _call(lambda: env.reset(row, seed), timeout_s)
+    """env.reset(row, seed), or an EnvFault when it raised, hung or returned anything else than an
+    observation (a str) or gymnasium's ``(observation, info)`` (info a dict, not used)."""
+    return as_observation(_call(lambda: env.reset(row, seed), timeout_s))
+
+
+def safe_resets(calls: list[tuple[object, dict, int]], timeout_s: float) -> list[str | EnvFault]:
+    """safe_reset on each (env, row, seed) of `calls`, all at once (as safe_steps)."""
+    started = [_start(functools.partial(_reset, env, row, seed)) for env, row, seed in calls]
+    deadline = time.monotonic() + timeout_s
+    return [as_observation(_wait(call, deadline, timeout_s)) for call in started]
+
+
+def as_observation(out) -> str | EnvFault:
+    """What env.reset returned, as its observation, or the EnvFault saying what is wrong with it."""
     if isinstance(out, EnvFault) or isinstance(out, str):
         return out
-    return EnvFault(f"returned {_a(out)}, not str")
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], str) and isinstance(out[1], dict):
+        return out[0]
+    if isinstance(out, tuple) and len(out) == 2:
+        return EnvFault(f"returned a tuple of {_a(out[0])} and {_a(out[1])}, not (observation str, info dict)")
+    return EnvFault(f"returned {_a(out)}, not str or (observation, info)")
+
+
+STEP_FORMS = "StepResult, (observation, reward, done) or (observation, reward, terminated, truncated, info)"
 
 
 def safe_step(env, action: str, timeout_s: float) -> StepResult | EnvFault:
-    """env.step(action), or an EnvFault when it raised, returned something else than a well-formed
-    StepResult (observation str, reward a finite number or None, done bool), or hung."""
+    """env.step(action) as a StepResult, or an EnvFault when it raised, hung or returned anything else.
+    Three forms are taken (:func:`as_step_result`): a StepResult, a 3-tuple ``(observation, reward,
+    done)``, gymnasium's 5-tuple ``(observation, reward, terminated, truncated, info)`` (done: either
+    flag); in each the observation a str, the reward a finite number or None, done a bool."""
     out = _call(lambda: env.step(action), timeout_s)
-    if isinstance(out, EnvFault):
+    return out if isinstance(out, EnvFault) else as_step_result(out)
+
+
+def as_step_result(out) -> StepResult | EnvFault:
+    """What env.step returned, as a StepResult (reward a float or None), or the EnvFault saying what
+    is wrong with it: the one place the forms of a step's answer are told apart (safe_step)."""
+    if isinstance(out, StepResult):
+        what, (obs, r, done) = "a StepResult", (out.observation, out.reward, out.done)
+    elif isinstance(out, tuple) and len(out) == 3:
+        what, (obs, r, done) = "a 3-tuple", out
+    elif isinstance(out, tuple) and len(out) == 5:
+        what, (obs, r, terminated, truncated, info) = "a 5-tuple", out
+        for name, flag in (("terminated", terminated), ("truncated", truncated)):
+            if not isinstance(flag, (bool, np.bool_)):
+                return EnvFault(f"returned a 5-tuple whose {name} is {_a(flag)}, not bool")
+        if not isinstance(info, dict):
+            return EnvFault(f"returned a 5-tuple whose info is {_a(info)}, not dict")
+        done = bool(terminated) or bool(truncated)
+    elif isinstance(out, tuple):
+        return EnvFault(f"returned a tuple of {len(out)}, not {STEP_FORMS}")
+    else:
+        return EnvFault(f"returned {_a(out)}, not {STEP_FORMS}")
+    if not isinstance(obs, str):
+        return EnvFault(f"returned {what} whose observation is {_a(obs)}, not str")
+    if r is not None and (isinstance(r, (bool, np.bool_)) or not isinstance(r, numbers.Real) or not math.isfinite(float(r))):
+        return EnvFault(f"returned {what} whose reward is {r!r}, not a finite number or None"[:200])
+    if not isinstance(done, (bool, np.bool_)):
+        return EnvFault(f"returned {what} whose done is {_a(done)}, not bool")
+    if isinstance(out, StepResult) and (r is None or type(r) is float):
         return out
-    if not isinstance(out, StepResult):
-        return EnvFault(f"returned {_a(out)}, not StepResult")
-    if not isinstance(out.observation, str):
-        return EnvFault(f"returned a StepResult whose observation is {_a(out.observation)}, not str")
-    r = out.reward
-    if r is not None and (isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r))):
-        return EnvFault(f"returned a StepResult whose reward is {r!r}, not a finite number or None"[:200])
-    if not isinstance(out.done, bool):
-        return EnvFault(f"returned a StepResult whose done is {_a(out.done)}, not bool")
-    return out if r is None or type(r) is float else StepResult(out.observation, float(r), out.done)
+    return StepResult(obs, None if r is None else float(r), bool(done))
+
+
+def safe_steps(calls: list[tuple[object, str]], timeout_s: float) -> list[StepResult | EnvFault]:
+    """safe_step on each (env, action) of `calls`, all at once: each in its own thread, all waited for
+    until `timeout_s` after the first started, so a turn whose envs hang costs one timeout, not one each."""
+    started = [_start(functools.partial(_step, env, action)) for env, action in calls]
+    deadline = time.monotonic() + timeout_s
+    out = [_wait(call, deadline, timeout_s) for call in started]
+    return [got if isinstance(got, EnvFault) else as_step_result(got) for got in out]
+
+
+def _reset(env, row: dict, seed: int):
+    return env.reset(row, seed)
+
+
+def _step(env, action: str):
+    return env.step(action)
 
 
 def _call(fn: Callable[[], object], timeout_s: float):
     """fn() in a worker thread, waiting `timeout_s` for it. A call that does not return in time is
     abandoned: its thread (a daemon) runs on, or hangs, on its own, and the env must not be used again."""
+    return _wait(_start(fn), time.monotonic() + timeout_s, timeout_s)
+
+
+def _start(fn: Callable[[], object]) -> tuple[threading.Thread, list, list]:
     value: list = []  # what fn returned, once it has
     error: list[BaseException] = []
 
@@ -137,7 +204,12 @@ def _call(fn: Callable[[], object], timeout_s: float):
 
     thread = threading.Thread(target=run, name="verlj-env", daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    return thread, value, error
+
+
+def _wait(call: tuple[threading.Thread, list, list], deadline: float, timeout_s: float):
+    thread, value, error = call
+    thread.join(max(0.0, deadline - time.monotonic()))
     if thread.is_alive():
         return EnvFault(f"no answer in {float(timeout_s)} s")
     if error:
@@ -396,7 +468,7 @@ class EnvFactory:
             raise ConfigError(f"{KEY}: making {self.spec} failed: {type(e).__name__}: {str(e).strip()[:200]}") from None
         if not isinstance(env, Environment):
             raise ConfigError(f"{KEY}: {self.spec} made {_a(env)}, which is not an Environment "
-                              "(it needs reset(row, seed) -> str and step(action) -> StepResult)")
+                              "(it needs reset(row, seed) -> str and step(action) -> StepResult or a tuple: docs/guides/environments.md)")
         return env
 
 

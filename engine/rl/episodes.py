@@ -4,12 +4,15 @@ The trainer drives the turns through the rollout engine's own API (``submit`` / 
 every episode of a round still going is generated together, the prompts being each episode's context so
 far (its prompt ids, then every action and observation), so every engine (hf, vllm, the async
 generator) plays episodes unchanged. Between turns (:meth:`Round.take`): each action is decoded,
-given to its env (``safe_step``, rollout.env_timeout_s), and the observation tokenized (no special
-tokens) and appended. An episode ends when its env says done, at rollout.max_turns actions, or at a
-fault (an env call that raised, returned the wrong type or hung: rl.envs.EnvFault), whose reason is
-journaled with the sample (env_reason); the run goes on.
+given to its env (``safe_steps``: every episode's at once, one rollout.env_timeout_s for them all),
+and the observation tokenized (no special tokens; at most rollout.max_observation_length tokens,
+marked TRUNCATED when cut) and appended. An episode ends when its env says done, at rollout.max_turns
+actions, at a fault (an env call that raised, returned none of the forms or hung: rl.envs.EnvFault),
+whose reason is journaled with the sample (env_reason; rl.faults leaves it out of the update), by
+length (no room left under rollout.max_episode_length for another action), or when the policy's
+action is only its end-of-sequence token (:class:`Limits`).
 
-Seeds, all from the sample's place in its step (round r, place q; ``Trainer._submit_round``):
+Seeds, all from the sample's place in its step (round r, place q; ``sources.sync.StepOrder.submit_round``):
 turn 0's generation uses the sample's seed of a single-turn run, ``derive_seed(seed, step,
 "rollout/sample", r, q)``; turn t > 0's ``derive_seed(seed, step, "rollout/sample", r, q, t)``; the
 env's ``reset(row, seed)`` gets ``derive_seed(seed, step, "rollout/env", r, q)``. Replay never plays
@@ -34,7 +37,7 @@ from typing import Protocol
 import numpy as np
 
 from ..schema.sample import EnvEnd, GroupInFlight
-from .envs import EnvFactory, EnvFault, safe_reset, safe_step
+from .envs import EnvFactory, EnvFault, safe_reset, safe_resets, safe_step, safe_steps
 
 
 @dataclass
@@ -64,26 +67,64 @@ class Episode:
         self.end, self.reason, self.env = int(end), reason, None
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What bounds an episode (rollout.*): its actions, each env call's wait, an observation's tokens
+    (0: no cap), its context's tokens (0: no cap) and the room the next action needs
+    (rollout.max_response_length)."""
+
+    max_turns: int
+    timeout_s: float
+    max_observation: int = 0
+    max_length: int = 0
+    max_action: int = 0
+
+    @classmethod
+    def of(cls, rollout) -> Limits:
+        """The limits a RolloutConfig sets."""
+        return cls(rollout.max_turns, rollout.env_timeout_s, rollout.max_observation_length or 0, rollout.max_episode_length or 0,
+                   rollout.max_response_length)
+
+
+TRUNCATED = " [truncated]"  # ends an observation cut to rollout.max_observation_length tokens
+_CHARS_PER_TOKEN = 32  # an observation's text is cut to this many characters a token before it is tokenized (memory)
+
+
 class Round:
     """A round's episodes (this rank's samples of it, in order): reset, then one `take` per turn."""
 
     def __init__(self, factory: EnvFactory, rows: list[dict], env_seeds: list[int], prompts: list[np.ndarray], tokenizer,
-                 max_turns: int, timeout_s: float):
-        self.tok, self.max_turns, self.timeout_s = tokenizer, max_turns, timeout_s
+                 limits: Limits):
+        self.tok, self.limits, self.max_turns, self.timeout_s = tokenizer, limits, limits.max_turns, limits.timeout_s
         self.turn = 0
         self.episodes: list[Episode] = []
-        for row, seed, prompt in zip(rows, env_seeds, prompts):
-            env = factory()
-            first = safe_reset(env, row, seed, timeout_s)
+        envs = [factory() for _ in rows]
+        firsts = safe_resets(list(zip(envs, rows, env_seeds)), limits.timeout_s)  # concurrently: a hang costs one timeout
+        for env, first, seed, prompt in zip(envs, firsts, env_seeds, prompts):
             ep = Episode(env, np.asarray(prompt, np.int64), int(seed))
             if isinstance(first, EnvFault):
                 ep.stop(EnvEnd.FAULT, f"reset {first.reason}")  # still answers its prompt once: an episode of one turn, unscored by the env
             elif first:
-                ep.prompt_ids = np.concatenate([ep.prompt_ids, self._encode(first)])
+                ep.prompt_ids = np.concatenate([ep.prompt_ids, self._observation(first)])
             self.episodes.append(ep)
 
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tok(text, add_special_tokens=False).input_ids, np.int64)
+
+    def _observation(self, text: str) -> np.ndarray:
+        """An observation's tokens, at most limits.max_observation: a longer one is cut, its end marked TRUNCATED."""
+        cap = self.limits.max_observation
+        if not cap:
+            return self._encode(text)
+        ids = self._encode(text[: cap * _CHARS_PER_TOKEN])
+        if len(ids) <= cap and len(text) <= cap * _CHARS_PER_TOKEN:
+            return ids
+        mark = self._encode(TRUNCATED)
+        return np.concatenate([ids[: cap - len(mark)], mark]) if cap > len(mark) else ids[:cap]
+
+    def _only_eos(self, resp: np.ndarray) -> bool:
+        eos = getattr(self.tok, "eos_token_id", None)
+        return eos is not None and len(resp) > 0 and bool(np.all(resp == eos))
 
     def first_prompts(self) -> list[np.ndarray]:
         return [ep.prompt_ids for ep in self.episodes]
@@ -93,9 +134,12 @@ class Round:
         return [i for i, ep in enumerate(self.episodes) if ep.live]
 
     def take(self, places: list[int], responses: list[np.ndarray], logps: list[np.ndarray]) -> None:
-        """Turn `self.turn`'s actions of the episodes at `places`: each stepped through its env, its
-        observation appended; the turn counter moves on."""
+        """Turn `self.turn`'s actions of the episodes at `places`: each stepped through its env (all at
+        once: safe_steps), its observation appended; the turn counter moves on. An action that is only
+        the end-of-sequence token ends its episode (STOPPED) without a step; one whose context leaves no
+        room for another action ends it by length (LENGTH: rollout.max_episode_length)."""
         self.turn += 1
+        stepped = []
         for i, resp, lp in zip(places, responses, logps):
             ep = self.episodes[i]
             resp, lp = np.asarray(resp, np.int64), np.asarray(lp, np.float32)
@@ -103,26 +147,40 @@ class Round:
             ep.logprobs += lp.tolist()
             ep.mask += [1] * len(resp)
             ep.last_action = self.tok.decode(resp, skip_special_tokens=True)
-            if not ep.live:  # its reset faulted: the one answer is kept, no env to ask
+            if not ep.live or self._only_eos(resp):  # its reset faulted (the one answer is kept, no env to ask), or it stopped
                 ep.turn_lens += [len(resp), 0]
                 ep.turn_rewards.append(float("nan"))
+                if ep.live:
+                    ep.stop(EnvEnd.STOPPED)
                 continue
-            got = safe_step(ep.env, ep.last_action, self.timeout_s)
-            if isinstance(got, EnvFault):
-                ep.turn_lens += [len(resp), 0]
-                ep.turn_rewards.append(float("nan"))
-                ep.stop(EnvEnd.FAULT, f"step {got.reason}")
-                continue
-            obs = self._encode(got.observation) if got.observation else np.zeros(0, np.int64)
-            ep.response += obs.tolist()
-            ep.logprobs += [0.0] * len(obs)
-            ep.mask += [0] * len(obs)
-            ep.turn_lens += [len(resp), len(obs)]
-            ep.turn_rewards.append(float("nan") if got.reward is None else float(got.reward))
-            if got.done:
-                ep.stop(EnvEnd.DONE)
-            elif self.turn >= self.max_turns:
-                ep.stop(EnvEnd.MAX_TURNS)
+            stepped.append(i)
+        answers = safe_steps([(self.episodes[i].env, self.episodes[i].last_action) for i in stepped], self.timeout_s)
+        for i, got in zip(stepped, answers):
+            self._answer(self.episodes[i], got)
+
+    def _answer(self, ep: Episode, got) -> None:
+        """What the env answered the episode's last action (already appended): its observation, reward and end."""
+        n = len(ep.response) - sum(ep.turn_lens)  # the action's tokens
+        if isinstance(got, EnvFault):
+            ep.turn_lens += [n, 0]
+            ep.turn_rewards.append(float("nan"))
+            ep.stop(EnvEnd.FAULT, f"step {got.reason}")
+            return
+        obs = self._observation(got.observation) if got.observation else np.zeros(0, np.int64)
+        lim = self.limits
+        room = lim.max_length - len(ep.prompt_ids) - len(ep.response) if lim.max_length else len(obs)
+        obs = obs[: max(0, room)]
+        ep.response += obs.tolist()
+        ep.logprobs += [0.0] * len(obs)
+        ep.mask += [0] * len(obs)
+        ep.turn_lens += [n, len(obs)]
+        ep.turn_rewards.append(float("nan") if got.reward is None else float(got.reward))
+        if got.done:
+            ep.stop(EnvEnd.DONE)
+        elif self.turn >= self.max_turns:
+            ep.stop(EnvEnd.MAX_TURNS)
+        elif lim.max_length and len(ep.prompt_ids) + len(ep.response) + max(1, lim.max_action) > lim.max_length:
+            ep.stop(EnvEnd.LENGTH)
 
     def done(self) -> bool:
         return self.turn >= self.max_turns or not self.live()
@@ -145,14 +203,14 @@ class Round:
                              [ep.env_seed for ep in eps], [int(ep.end) for ep in eps], [ep.reason for ep in eps])
 
     @classmethod
-    def restored(cls, factory: EnvFactory, rows: list[dict], state: GroupInFlight, tokenizer, max_turns: int,
-                 timeout_s: float) -> tuple[Round, int]:
+    def restored(cls, factory: EnvFactory, rows: list[dict], state: GroupInFlight, tokenizer, limits: Limits) -> tuple[Round, int]:
         """The round as `state` left it, and the env steps re-applied to bring it back: each episode still
         going gets a fresh env, reset on its row and seed, with its durable actions stepped in order.
         What the env answers now is not used (it need not be deterministic): the durable observations
         are the episode's. An env that faults on the way ends its episode (reason ``restore: ...``)."""
         self = cls.__new__(cls)
-        self.tok, self.max_turns, self.timeout_s, self.turn = tokenizer, max_turns, timeout_s, state.turn
+        self.tok, self.limits, self.max_turns, self.timeout_s, self.turn = tokenizer, limits, limits.max_turns, limits.timeout_s, state.turn
+        timeout_s = limits.timeout_s
         self.episodes, replayed = [], 0
         for k, row in enumerate(rows):
             ep = Episode(None, state.prompt_ids[k], state.env_seed[k], state.response_ids[k].tolist(), state.gen_logprobs[k].tolist(),

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 
 from ..config import REASONING_GYM
-from ..errors import RewardError
+from ..errors import RewardError, loading
 from ..plugins import check_signature, describe, import_object
 from .tasks import TaskScorer
 
@@ -88,15 +88,15 @@ def load_reward_fn(spec: str, train_dataset: str = "builtin:add", task_dataset=N
     if spec.startswith("builtin:"):
         raise RewardError(f"{key}: unknown built-in {spec!r}; known: {', '.join(BUILTIN)}")
     module_name, _, attr = spec.partition(":")
-    fn = import_object(spec, module_name, attr, key, RewardError)
+    fn = import_object(spec, module_name, attr, key, loading(RewardError))
     if not callable(fn):
         raise RewardError(f"{key}: {spec!r} is not a function")
     names = ComputeScore.names_of(fn)
     if names is not None:
-        check_signature(fn, 0, f"{key}: {spec} (called as compute_score({', '.join(f'{n}=' for n in VERL_PARAMS)}))", RewardError,
+        check_signature(fn, 0, f"{key}: {spec} (called as compute_score({', '.join(f'{n}=' for n in VERL_PARAMS)}))", loading(RewardError),
                         **dict.fromkeys(names))
         return ComputeScore(fn, names)
-    check_signature(fn, 3, f"{key}: {spec} (called as fn(prompt, response, answer))", RewardError)
+    check_signature(fn, 3, f"{key}: {spec} (called as fn(prompt, response, answer))", loading(RewardError))
     return fn
 
 
@@ -106,18 +106,46 @@ def rule_rewards(fn, prompts: list[str], responses: list[str], examples: list) -
     out: list[float] = []
     for p, r, ex in zip(prompts, responses, examples):
         try:
-            if isinstance(fn, TaskScorer):
-                v = fn.score(r, ex.entry)
-            elif isinstance(fn, ComputeScore):
-                v = fn.score(r, ex)
-            else:
-                v = fn(p, r, ex.answer)
+            v = _call(fn, p, r, ex)
         except Exception as e:  # noqa: BLE001 - the user's function: one line naming it
             raise RewardError(f"reward function {describe(fn)} raised {type(e).__name__}: {e} (prompt {p!r})") from None
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+        if not _finite(v):
             raise RewardError(f"reward function {describe(fn)} returned {v!r} for prompt {p!r}; it must return a finite number")
         out.append(float(v))
     return out
+
+
+def _call(fn, prompt: str, response: str, ex):
+    if isinstance(fn, TaskScorer):
+        return fn.score(response, ex.entry)
+    if isinstance(fn, ComputeScore):
+        return fn.score(response, ex)
+    return fn(prompt, response, ex.answer)
+
+
+def _finite(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(float(v))
+
+
+def scored_or_faults(fn, prompts: list[str], responses: list[str], examples: list) -> tuple[list[float], list[str]]:
+    """fn on every sample, as rule_rewards, a fault a sample's own: (rewards, faults), a sample whose call
+    raised or returned no finite number scoring 0.0 with its fault's reason ("reward function m.f raised
+    ValueError: ...", "... returned nan, not a finite number"), every other one "" (what training journals:
+    such a sample is out of the update, rl.faults)."""
+    out: list[float] = []
+    faults: list[str] = []
+    for p, r, ex in zip(prompts, responses, examples):
+        try:
+            v = _call(fn, p, r, ex)
+        except Exception as e:  # noqa: BLE001 - the user's function: its fault, the sample's
+            text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            out.append(0.0)
+            said = f"reward function {describe(fn)} raised {type(e).__name__}"
+            faults.append(f"{said}: {text}" if text else said)
+            continue
+        out.append(float(v) if _finite(v) else 0.0)
+        faults.append("" if _finite(v) else f"reward function {describe(fn)} returned {v!r}, not a finite number"[:300])
+    return out, faults
 
 
 def reward_model_scores(model, tokenizer, texts: list[str], device, batch_size: int = 16) -> list[float]:

@@ -1,6 +1,6 @@
 """Rollout engines: what turns prompts and one seed per sample into responses and their log-probs.
 
-Each sample's seed comes from its place in the step (``Trainer.collect``), not from the rank that
+Each sample's seed comes from its place in the step (the rollout source: ``rl.sources``), not from the rank that
 generates it, so the same weights give the same samples at any world size.
 
 - ``hf`` (:class:`HFEngine`): verlj's own sampler (``rl.sampler``) on the actor's own module.
@@ -38,9 +38,9 @@ Handle = Any
 
 class RolloutEngine(Protocol):
     """What generates a step's samples (``rollout.engine``; :func:`make_engine` chooses, in one place):
-    exactly what the trainer and the loop call on one. mypy holds every engine to it (``_conforms``).
+    exactly what the rollout sources (``rl.sources``) and the loop call on one. mypy holds every engine to it (``_conforms``).
 
-    Exactness lives in ``Trainer.apply``, never here: whatever an engine returns is journaled and
+    Exactness lives in ``apply`` (``rl.update``), never here: whatever an engine returns is journaled and
     replay reads it back, so an engine may be fast and nondeterministic. Only live steps use one.
     """
 

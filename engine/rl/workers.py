@@ -219,13 +219,17 @@ class Micro:
 
 def accumulation(engine, micro: int, dp: int, mini_batches: list[MiniBatch], epochs: int):
     """Yield a :class:`Micro` per micro-batch. A mini-batch is one optimizer step: DeepSpeed's
-    accumulation count is set to its number of micro-batches, which may change between steps."""
+    accumulation count is set to its number of micro-batches, which may change between steps, and
+    its boundary is set for each micro-batch (DeepSpeed's own count runs on from step to step: after
+    a step of 3 micro-batches, one of 2 would step the optimizer after its first and carry the
+    second's gradient into the next step, which a resume from a snapshot never has)."""
     for _ in range(epochs):
         for m in mini_batches:
             chunks = micro_chunks(m.stop - m.start, micro)
             engine.set_train_batch_size(micro * len(chunks) * dp)
             scale = 1.0 if m.tokens is None else float(len(chunks) * dp)
             for ca, cb in chunks:
+                engine.set_gradient_accumulation_boundary(cb == chunks[-1][1])
                 yield Micro(slice(m.start + ca, m.start + cb), cb == chunks[-1][1], m.tokens, scale)
 
 
@@ -411,7 +415,7 @@ class ActorWorker(_Stepper):
             sl, micro_batch = mb.rows, batch.slice(mb.rows.start, mb.rows.stop)
             mask = micro_batch.resp_mask
             logp, ent = response_logprobs(self.engine, micro_batch, self.temperature, with_entropy=True)
-            if old_logprobs is None:  # fused (see Trainer._update): one epoch over one mini-batch, each row seen once
+            if old_logprobs is None:  # fused (see rl.update._update): one epoch over one mini-batch, each row seen once
                 before[sl] = logp.detach()
             old = logp.detach() if old_logprobs is None else old_logprobs[sl]
             weights = None if gen_logprobs is None else algorithms.truncated_is_weights(old, gen_logprobs[sl], mask, is_threshold)[0]

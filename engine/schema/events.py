@@ -44,6 +44,7 @@ class AsyncOrder(str, enum.Enum):
 class DropReason(str, enum.Enum):
     ZERO_VARIANCE = "zero_variance"  # dynamic sampling: a group whose scores do not vary
     STALE = "stale"  # async: too many versions behind for any later step
+    FAULT = "fault"  # an env or reward function failed it, or its GRPO group kept fewer than two without (rl.faults)
 
 
 class Stream:

@@ -22,11 +22,16 @@ tokens), and
     turn_lens      int32[]   per turn: its action's length, its observation's length (2 a turn, flat)
     turn_rewards   float64[] per turn: the env's reward for that action (NaN: it gave none)
     env_seed       int64     the seed of the episode's env.reset(row, seed)
-    env_end        int8      how it ended (EnvEnd): 1 done, 2 max_turns reached, 3 an env fault
+    env_end        int8      how it ended (EnvEnd): 1 done, 2 max_turns reached, 3 an env fault,
+                             4 by length (rollout.max_episode_length), 5 an action that was only EOS
     env_reason     str       a fault's reason ("raised ValueError: ...", "no answer in 5.0 s"); "" else
 
 A batch holds these columns only when one of its samples is an episode, so a single-turn run's
-journal is byte for byte what it was before episodes existed.
+journal is byte for byte what it was before episodes existed. One more, for any sample, only when
+one of the batch's samples has it (journals from before lack it: read as ""):
+
+    fault          str       why the sample is out of the update besides an env fault: its reward
+                             function raised or returned a non-finite number ("reward function m.f raised ...")
 
 Samples travel columnar — padded arrays plus lengths (:func:`pack`, :func:`unpack`) — in journal
 events, snapshots and between ranks: live training and replay both go through them, so the update
@@ -52,6 +57,7 @@ EPISODE_SCALARS = {"env_seed": np.int64, "env_end": np.int8}
 EPISODE_SEQUENCES = {"loss_mask": np.int8, "turn_lens": np.int32, "turn_rewards": np.float64}
 EPISODE_TEXT = "env_reason"  # a list of str column
 EPISODE_FIELDS = {**EPISODE_SCALARS, **EPISODE_SEQUENCES}
+FAULT_TEXT = "fault"  # a list of str column, only in a batch where a sample has one
 PAD = -1  # fills token-id rows past their length in the columnar form (log-probs: 0)
 
 _EMPTY_F32 = np.zeros(0, np.float32)
@@ -64,6 +70,8 @@ class EnvEnd(IntEnum):
     DONE = 1  # the env said done
     MAX_TURNS = 2  # rollout.max_turns actions taken
     FAULT = 3  # an env call raised, returned the wrong type or hung (env_reason says which)
+    LENGTH = 4  # its context left no room for another action (rollout.max_episode_length)
+    STOPPED = 5  # the policy's action was only its end-of-sequence token
 
 
 @dataclass(frozen=True)
@@ -99,10 +107,17 @@ class Sample:
     env_seed: int = 0
     env_end: int = EnvEnd.NONE
     env_reason: str = ""
+    fault: str = ""  # a fault of its scoring (reward function): the sample is out of the update
 
     @property
     def is_episode(self) -> bool:
         return self.env_end != EnvEnd.NONE
+
+    @property
+    def fault_reason(self) -> str:
+        """Why a fault ended it ("" none): its env's fault (env_reason), else its scoring's (fault).
+        A sample with one is never trained on (rl.faults)."""
+        return self.env_reason if self.env_end == EnvEnd.FAULT else self.fault
 
     def policy_mask(self) -> np.ndarray:
         """Per response token, 1 where the policy generated it, 0 on observation tokens (float32)."""
@@ -132,7 +147,7 @@ class Sample:
     def __getitem__(self, name: str):
         """A field by name: `sample["score"]`, for user code written when samples were dicts (a probe's
         batch, a reward function's extra info). verlj's own code reads attributes."""
-        if name not in FIELDS and name not in EPISODE_FIELDS and name != "env_reason":
+        if name not in FIELDS and name not in EPISODE_FIELDS and name not in (EPISODE_TEXT, FAULT_TEXT):
             raise KeyError(name)
         return getattr(self, name)
 
@@ -142,7 +157,7 @@ class Sample:
             a, b = np.asarray(getattr(self, name), dt), np.asarray(getattr(other, name), dt)
             if a.shape != b.shape or a.tobytes() != b.tobytes():
                 return False
-        if (self.is_episode or other.is_episode) and self.env_reason != other.env_reason:
+        if ((self.is_episode or other.is_episode) and self.env_reason != other.env_reason) or self.fault != other.fault:
             return False
         for name, dt in EPISODE_FIELDS.items():
             a, b = np.asarray(getattr(self, name), dt), np.asarray(getattr(other, name), dt)
@@ -151,7 +166,7 @@ class Sample:
         return True
 
 
-assert {f.name for f in fields(Sample)} == set(FIELDS) | set(EPISODE_FIELDS) | {EPISODE_TEXT}, \
+assert {f.name for f in fields(Sample)} == set(FIELDS) | set(EPISODE_FIELDS) | {EPISODE_TEXT, FAULT_TEXT}, \
     "Sample and FIELDS, EPISODE_FIELDS must name the same fields"
 
 
@@ -178,6 +193,8 @@ def pack(samples: Iterable[Sample]) -> dict:
         out.update({k: np.array([int(getattr(s, k)) for s in samples], dtype=dt) for k, dt in EPISODE_SCALARS.items()})
         _pack_sequences(out, samples, EPISODE_SEQUENCES)
         out[EPISODE_TEXT] = [str(s.env_reason) for s in samples]
+    if any(s.fault for s in samples):  # only then: a batch without one keeps its bytes
+        out[FAULT_TEXT] = [str(s.fault) for s in samples]
     return out
 
 
@@ -193,6 +210,8 @@ def unpack(cols: dict) -> list[Sample]:
         if episodes:
             seq.update({k: cols[k][i, : cols[k + "_len"][i]].astype(np.int64 if dt is np.int32 else dt) for k, dt in EPISODE_SEQUENCES.items()})
             seq.update({k: int(cols[k][i]) for k in EPISODE_SCALARS}, env_reason=str(cols[EPISODE_TEXT][i]))
+        if FAULT_TEXT in cols:
+            seq.update(fault=str(cols[FAULT_TEXT][i]))
         fields_: dict[str, Any] = {k: (int(v[i]) if SCALARS[k] is np.int64 else float(v[i])) for k, v in scal.items()}
         out.append(Sample(**fields_, **seq))
     return out

@@ -17,7 +17,7 @@ from test_async_completion import check_accounting
 
 from verlj.engine.loop.ledger import Ledger
 from verlj.engine.rl.vocab import VOCABS, TextDecoder
-from verlj.engine.schema.events import StepEvents
+from verlj.engine.schema.events import DropReason, StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
 from verlj_testing import assert_same_journal, cli, fingerprints, train, verlj
@@ -41,6 +41,16 @@ def episodes(run: Path) -> dict[int, list]:
             added = StepEvents.of(rec).added
             out[rec.step] = unpack(added.samples) if added is not None and added.samples is not None else []
     return out
+
+
+def steps_of(run: Path) -> dict[int, StepEvents]:
+    with open_journal_reader(run / "journal") as j:
+        return {rec.step: StepEvents.of(rec) for rec in j.iter_steps()}
+
+
+def out_line(out, step: int) -> str:
+    """The step's log line in a run's output."""
+    return next(line for line in out.stdout.splitlines() if line.startswith(f"[INFO] Step {step}: "))
 
 
 def metrics(run: Path) -> dict[int, dict]:
@@ -207,17 +217,26 @@ def test_faulty_envs_end_their_episodes_and_replay_never_calls_an_env(tmp_path):
     the snapshot of step 2, rescoring its samples) run with every env call forbidden (exit 97) and
     reproduce the journaled fingerprint and stages."""
     run = tmp_path / "run"
-    over = ["rollout.env=envs_for_tests:Faulty", "rollout.max_turns=3", "rollout.env_timeout_s=0.5", ASCII,
+    over = ["rollout.env=envs_for_tests:Faulty", "rollout.max_turns=3", "rollout.env_timeout_s=0.5", ASCII, "rollout.max_fault_rate=1",
             "rollout.reward_fn=builtin:add", "trainer.total_steps=3", "trainer.save_interval=2", "trainer.eval_interval=3", "data.eval_size=8"]
-    out = train(run, *over, PYTHONPATH=TESTS)
+    out = train_out = train(run, *over, PYTHONPATH=TESTS)
     assert out.returncode == 0, out.stderr[-3000:]
     by_step, m = episodes(run), metrics(run)
     reasons = {s.env_reason for step in by_step.values() for s in step if s.env_end == EnvEnd.FAULT}
-    assert reasons == {"step raised ValueError: the sandbox fell over", "step returned a tuple, not StepResult", "step no answer in 0.5 s"}
+    assert reasons == {"step raised ValueError: the sandbox fell over", "step returned a list, not StepResult, (observation, reward, done) "
+                       "or (observation, reward, terminated, truncated, info)", "step no answer in 0.5 s"}
+    records = steps_of(run)
     for step, samples in by_step.items():
         faults = [s for s in samples if s.env_end == EnvEnd.FAULT]
-        assert m[step]["rollout/env/faults"] == float(len(faults)) > 0
+        assert m[step]["rollout/env/faults"] == m[step]["rollout/faults"] == float(len(faults)) > 0
+        assert m[step]["rollout/fault_rate"] == len(faults) / len(samples) and m[step]["rollout/faults/reward"] == 0.0
         assert all(len(s.turn_lens) == 4 and s.turn_lens[-1] == 0 and np.isnan(s.turn_rewards[-1]) for s in faults)
+        # never trained on: out of the update, a drop of reason `fault` with the rest of any group left with one
+        groups = {int(s.group): [x for x in samples if x.group == s.group and x.env_end != EnvEnd.FAULT] for s in samples}
+        out = {s.id for s in faults} | {x.id for g in groups.values() if len(g) < 2 for x in g}
+        assert set(records[step].dropped(DropReason.FAULT).tolist()) == out
+        assert not out & set(records[step].consumed.ids.tolist()) and len(records[step].consumed.ids) > 0
+        assert f"[INFO] Step {step}: " in out_line(train_out, step) and f"faults {len(faults)}/{len(samples)}: " in out_line(train_out, step)
     assert len({s.score for step in by_step.values() for s in step}) > 1  # the env's rewards vary: the update is not trivial
     # the held-out eval of step 3 played its episodes against the same env: its faults counted, and its
     # scores are the env's rewards plus the named reward_fn's (builtin:add) of each last action
@@ -232,6 +251,69 @@ def test_faulty_envs_end_their_episodes_and_replay_never_calls_an_env(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     report = json.loads(again.stdout)
     assert report["from_snapshot"] == 2 and [v["verdict"] for v in report["verdicts"]] == ["reproduced"]
+
+
+@pytest.mark.parametrize("env", ["TupleDigits", "GymDigits"])
+def test_an_env_written_with_tuples_trains_on_its_rewards(tmp_path, env):
+    """An env whose step returns (observation, reward, done), or gymnasium's 5-tuple (and whose reset
+    returns gymnasium's (observation, info)), plays its episodes as a StepResult env does: no fault, the
+    env's rewards are the scores, and the same journal as Digits, the env it wraps."""
+    over = ["rollout.max_turns=3", ASCII, "trainer.total_steps=2"]
+    out = train(tmp_path / env, f"rollout.env=envs_for_tests:{env}", *over, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    samples = [s for step in episodes(tmp_path / env).values() for s in step]
+    assert samples and all(s.env_end in (EnvEnd.DONE, EnvEnd.MAX_TURNS, EnvEnd.STOPPED) and s.env_reason == "" for s in samples)
+    assert any(s.score > 0 for s in samples) and all(s.score == np.nansum(s.turn_rewards) for s in samples)
+    assert all(m["rollout/env/faults"] == 0.0 and m["actor/grad_norm"] > 0 for m in metrics(tmp_path / env).values())
+    ref = train(tmp_path / "ref", "rollout.env=envs_for_tests:Digits", *over, PYTHONPATH=TESTS)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert fingerprints(tmp_path / env) == fingerprints(tmp_path / "ref")
+
+
+def test_an_env_that_always_raises_stops_the_run_and_resume_after_the_fix_is_exact(tmp_path):
+    """Every step of the sandbox raising: the step is not committed, the run stops (exit 1) in one line naming
+    the fault and how to go on; --resume once it is fixed trains on as the run that never saw the fault."""
+    ref, run, down = tmp_path / "ref", tmp_path / "run", tmp_path / "down"
+    over = ["rollout.env=envs_for_tests:Sandbox", "rollout.max_turns=2", ASCII, "trainer.save_interval=2"]
+    env = {"PYTHONPATH": TESTS, "VERLJ_TEST_SANDBOX_DOWN": str(down)}
+    out = train(ref, *over, "trainer.total_steps=4", **env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert all(x["rollout/faults"] == 0.0 for x in metrics(ref).values()) and "faults 0/" in out_line(out, 4)
+    out = train(run, *over, "trainer.total_steps=2", **env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    down.touch()
+    out = train(run, *over, "trainer.total_steps=4", resume=True, **env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: step 3: ") and "episodes ended by a fault, more than rollout.max_fault_rate=0.5" \
+        " allows: step raised RuntimeError: the sandbox is down. Nothing of step 3 was committed" in errors[0], out.stderr[-3000:]
+    assert f"verlj inspect {run} --step 3" in errors[0]
+    assert max(fingerprints(run)) == 2
+    down.unlink()
+    out = train(run, *over, "trainer.total_steps=4", resume=True, **env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(run) == fingerprints(ref)
+
+
+def test_a_flood_of_observation_costs_its_cap_and_hanging_envs_one_timeout_a_turn(tmp_path):
+    """A megabyte an observation is cut to rollout.max_observation_length tokens, marked; sixteen envs that
+    each hang are waited for together: the step costs about one rollout.env_timeout_s, not sixteen."""
+    from verlj.engine.rl.episodes import TRUNCATED
+
+    dec = TextDecoder("builtin:tiny", VOCABS["ascii"])
+    out = train(tmp_path / "flood", "rollout.env=envs_for_tests:Flood", "rollout.max_turns=2", ASCII, "rollout.max_observation_length=16",
+                "trainer.total_steps=1", PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    turns = [t for s in episodes(tmp_path / "flood")[1] for t in s.turns()]
+    seen = [t.observation_ids for t in turns if len(t.observation_ids)]
+    assert seen and all(len(o) == 16 and dec.decode(o.tolist()) == "x" * (16 - len(TRUNCATED)) + TRUNCATED for o in seen)
+    out = train(tmp_path / "hang", "rollout.env=envs_for_tests:Hang", "rollout.max_turns=2", ASCII, "rollout.env_timeout_s=1",
+                "rollout.max_fault_rate=1", "trainer.total_steps=1", PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    samples, m = episodes(tmp_path / "hang")[1], metrics(tmp_path / "hang")[1]
+    hung = [s for s in samples if s.env_reason == "step no answer in 1.0 s"]
+    assert len(hung) > 8 and m["rollout/faults"] == float(len(hung)) and m["actor/skipped_update"] == 1.0
+    assert m["timing_s/step"] < 8.0, m["timing_s/step"]  # one after another: 16 s and more
 
 
 def test_an_env_that_cannot_be_imported_is_one_line_before_training(tmp_path):
@@ -300,3 +382,22 @@ def test_completion_order_killed_mid_episode_resumes_from_the_last_durable_turn(
     assert restored > 0
     first = min(s for s in fingerprints(run) if s > max(committed))
     assert metrics(run)[first]["rollout/env/restored_turns"] >= restored
+
+
+@pytest.mark.parametrize("order", ["step", "completion"])
+def test_async_faulted_episodes_are_never_trained_on(tmp_path, order):
+    """Async rollout (either order) leaves faulted episodes out as sync does: dropped with reason fault (and a
+    group's lone survivor with them), never consumed, counted in the step that generated them."""
+    run = tmp_path / "run"
+    out = train(run, "rollout.env=envs_for_tests:Faulty", "rollout.max_turns=3", "rollout.env_timeout_s=0.5", ASCII,
+                "rollout.max_fault_rate=1", "rollout.mode=async", f"rollout.async_order={order}", "trainer.total_steps=3",
+                PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records, faulted, consumed = steps_of(run), set(), set()
+    for step, samples in episodes(run).items():
+        bad = {s.id for s in samples if s.env_end == EnvEnd.FAULT}
+        assert bad <= set(records[step].dropped(DropReason.FAULT).tolist())
+        assert metrics(run)[step]["rollout/faults"] == float(len(bad))
+        faulted |= bad
+        consumed |= set(records[step].consumed.ids.tolist())
+    assert faulted and consumed and not faulted & consumed

@@ -163,7 +163,7 @@ def test_checkpoint_policy_and_tensorboard(tmp_path):
 
 def test_bad_checkpoint_policy(tmp_path):
     out = train(tmp_path / "r", "trainer.checkpoint_policy=no.such.Policy")
-    assert_one_line_error(out, 1, "trainer.checkpoint_policy: cannot import 'no.such.Policy'")
+    assert_one_line_error(out, 2, "trainer.checkpoint_policy: cannot import 'no.such.Policy'")  # code the config names: exit 2, as a wrong key
 
 
 def test_wandb_offline_logs_every_step_and_a_resume_continues_the_same_run(tmp_path):

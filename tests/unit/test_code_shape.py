@@ -32,3 +32,27 @@ def test_the_count_finds_a_long_function(tmp_path):
     body = "\n".join(f"        x{i} = {i}" for i in range(80))
     (tmp_path / "pkg" / "m.py").write_text(f"def short():\n    pass\n\n\nclass C:\n    @staticmethod\n    def long():\n{body}\n")
     assert long_functions(tmp_path / "pkg", MAX_LINES) == ["pkg/m.py:7 long (82 lines)"]
+
+
+RL = ENGINE / "rl"
+TRAINER_LINES = 450  # the trainer chooses a rollout source and applies steps; the rest lives beside it
+ROOM_LINES = 700  # a module of the rollout seam
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_the_trainer_only_orchestrates_and_each_rollout_source_fits_a_room():
+    """rl/trainer.py stays under TRAINER_LINES and reaches the sources only through the package's
+    make_source (a new source plugs in without touching it); every module of rl/sources/ fits a room.
+    The function-size rule above covers the seam too (it walks engine/)."""
+    trainer = RL / "trainer.py"
+    assert lines(trainer) <= TRAINER_LINES, f"rl/trainer.py has {lines(trainer)} lines (at most {TRAINER_LINES})"
+    sources = sorted((RL / "sources").glob("*.py"))
+    assert {p.stem for p in sources} >= {"__init__", "base", "sync", "planned", "completion", "episodes"}
+    big = [f"{p.name} ({lines(p)} lines)" for p in sources if lines(p) > ROOM_LINES]
+    assert not big, f"rollout sources over {ROOM_LINES} lines: " + "; ".join(big)
+    reached = {node.module for node in ast.walk(ast.parse(trainer.read_text())) if isinstance(node, ast.ImportFrom)
+               and node.level and node.module and node.module.split(".")[0] == "sources"}
+    assert reached == {"sources"}, f"rl/trainer.py imports a source's own module: {sorted(reached - {'sources'})}"

@@ -306,6 +306,11 @@ def test_chat_prompts_render_with_the_template_and_dotted_keys_reach_nested_fiel
     ({"prompt": "1+1=", "reward_model": {"style": "rule"}}, {"answer_key": "reward_model.ground_truth"},
      r"row 0 of .* has no field 'reward_model.ground_truth' \(data.answer_key: a dotted path"),
     ({"q": {"text": "1+1="}, "answer": "2"}, {"prompt_key": "q.body"}, r"row 0 of .* has no field 'q.body' \(data.prompt_key"),
+    ({"prompt": {"role": "user", "content": "1+1="}, "answer": "2"}, {},
+     r"row 0 of .*: its prompt \('prompt'\) is a dict; it must be a string or a list of chat messages"),
+    ({"prompt": "1+1=", "answer": None}, {}, r"row 0 of .*: its answer \('answer'\) is null; it must be a string or a number"),
+    ({"prompt": "1+1=", "reward_model": {"ground_truth": None}}, {"answer_key": "reward_model.ground_truth"},
+     r"row 0 of .*: its answer \('reward_model.ground_truth'\) is null"),
 ])
 def test_bad_chat_rows_and_missing_dotted_keys_are_one_line(tmp_path, row, keys, message):
     f = tmp_path / "d.jsonl"

@@ -5,12 +5,14 @@ loading rollout.env with one ConfigError for every way it can fail."""
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from verlj.engine.config import Config, ConfigError, DataConfig, ReasoningGymConfig, policy_of
 from verlj.engine.rl import envs, tasks
 from verlj.engine.rl.data import Example
 from verlj.engine.rl.envs import (
+    STEP_FORMS,
     CalcError,
     Calculator,
     EnvFault,
@@ -248,8 +250,17 @@ class Faulty:
 
 
 @pytest.mark.parametrize("returns, reason", [
-    ([1, 2], "returned a list, not StepResult"),
-    (None, "returned a NoneType, not StepResult"),
+    ([1, 2], f"returned a list, not {STEP_FORMS}"),
+    (None, f"returned a NoneType, not {STEP_FORMS}"),
+    (("obs", 1.0), f"returned a tuple of 2, not {STEP_FORMS}"),
+    (("obs", 1.0, False, {}), f"returned a tuple of 4, not {STEP_FORMS}"),
+    ((3, None, False), "returned a 3-tuple whose observation is an int, not str"),
+    (("", "1", True), "returned a 3-tuple whose reward is '1', not a finite number or None"),
+    (("", 1.0, 1), "returned a 3-tuple whose done is an int, not bool"),
+    (("", float("inf"), False, False, {}), "returned a 5-tuple whose reward is inf, not a finite number or None"),
+    (("", 1.0, 0, False, {}), "returned a 5-tuple whose terminated is an int, not bool"),
+    (("", 1.0, False, None, {}), "returned a 5-tuple whose truncated is a NoneType, not bool"),
+    (("", 1.0, False, False, None), "returned a 5-tuple whose info is a NoneType, not dict"),
     (StepResult(3, None, False), "returned a StepResult whose observation is an int, not str"),
     (StepResult("", "1", True), "returned a StepResult whose reward is '1', not a finite number or None"),
     (StepResult("", float("nan"), True), "returned a StepResult whose reward is nan, not a finite number or None"),
@@ -270,6 +281,19 @@ def test_safe_step_names_an_exception_and_passes_a_good_result_through():
     assert as_float == StepResult("", 1.0, True) and type(as_float.reward) is float
 
 
+@pytest.mark.parametrize("returns, result", [
+    (("obs", 1, False), StepResult("obs", 1.0, False)),
+    (("obs", None, True), StepResult("obs", None, True)),
+    (("", np.float32(0.5), np.bool_(True)), StepResult("", 0.5, True)),
+    (("obs", 0.25, False, False, {"k": 1}), StepResult("obs", 0.25, False)),
+    (("obs", 0.25, True, False, {}), StepResult("obs", 0.25, True)),
+    (("obs", None, False, np.bool_(True), {}), StepResult("obs", None, True)),
+])
+def test_safe_step_takes_the_tuple_forms(returns, result):
+    got = safe_step(Faulty(step_returns=returns), "a", 5.0)
+    assert got == result and type(got.done) is bool and (got.reward is None or type(got.reward) is float)
+
+
 def test_a_hung_env_is_a_fault_after_the_timeout_and_its_thread_is_abandoned():
     release = threading.Event()
     try:
@@ -284,7 +308,12 @@ def test_a_hung_env_is_a_fault_after_the_timeout_and_its_thread_is_abandoned():
 
 
 def test_safe_reset_names_faults_and_returns_the_observation():
-    assert safe_reset(Faulty(step_returns=5), ADD_ROW, 0, 5.0) == EnvFault("returned an int, not str")
+    assert safe_reset(Faulty(step_returns=5), ADD_ROW, 0, 5.0) == EnvFault("returned an int, not str or (observation, info)")
+    assert safe_reset(Faulty(step_returns=("obs", {"seed": 1})), ADD_ROW, 0, 5.0) == "obs"  # gymnasium's
+    assert safe_reset(Faulty(step_returns=("obs", None)), ADD_ROW, 0, 5.0) == EnvFault(
+        "returned a tuple of a str and a NoneType, not (observation str, info dict)")
+    assert safe_reset(Faulty(step_returns=("obs", {}, 1)), ADD_ROW, 0, 5.0) == EnvFault(
+        "returned a tuple, not str or (observation, info)")
     assert safe_reset(Faulty(raises=RuntimeError("no")), ADD_ROW, 0, 5.0) == EnvFault("raised RuntimeError: no")
     assert safe_reset(Guess(2), ADD_ROW, 0, 5.0).startswith("Guess a whole number")
     assert safe_reset(Calculator(2), ADD_ROW, 0, 5.0) == ""
@@ -396,7 +425,7 @@ def test_a_durable_group_cut_before_a_turn_goes_on_from_there():
 def test_a_round_restored_from_its_durable_state_reapplies_its_actions_to_fresh_envs():
     """Every live episode's env reset with its seed and its actions stepped in order; its observations are
     the durable ones, whatever the env says now; an episode over gets no env; a fault on the way ends it."""
-    from verlj.engine.rl.episodes import Round
+    from verlj.engine.rl.episodes import Limits, Round
     from verlj.engine.schema.sample import EnvEnd
 
     class Tok:
@@ -418,7 +447,7 @@ def test_a_round_restored_from_its_durable_state_reapplies_its_actions_to_fresh_
 
     g = _group([1, 3, 2], versions=[0, 0, 1])
     g.env_end[2] = int(EnvEnd.NONE)  # episode 2 goes on too
-    rnd, replayed = Round.restored(Env, [{}] * 3, g, Tok(), max_turns=4, timeout_s=5.0)
+    rnd, replayed = Round.restored(Env, [{}] * 3, g, Tok(), Limits(max_turns=4, timeout_s=5.0))
     assert calls == [("reset", 1), ("step", "10,11"), ("step", "13,14"), ("step", "16,17"), ("reset", 2), ("step", "20,21")]
     assert replayed == 4 and rnd.turn == 3
     assert [ep.live for ep in rnd.episodes] == [False, True, False]
@@ -445,3 +474,86 @@ def test_equals_presses_the_key_on_the_question_then_scores_the_answer():
         env.step("7")  # the episode is over
     factory = load_env(cfg_with("builtin:equals", max_turns=2))
     assert isinstance(factory(), Equals) and factory().max_turns == 2
+
+
+# ----------------------------------------------------------------------------- bounded episodes (rl.episodes.Round)
+
+
+class CharTok:
+    """One token a character (its code point); 0 is the end-of-sequence token."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        class Out:
+            input_ids = [ord(c) for c in text]
+        return Out()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(int(i)) for i in ids if not (skip_special_tokens and int(i) == 0))
+
+
+class Talker:
+    """Answers every action with `obs` (a reward of 1.0), after `wait` seconds; reset's observation `first`."""
+
+    def __init__(self, obs="ok", first="", wait=0.0):
+        self.obs, self.first, self.wait = obs, first, wait
+
+    def reset(self, row, seed):
+        return self.first
+
+    def step(self, action):
+        time.sleep(self.wait)
+        return self.obs, 1.0, False
+
+
+def a_round(env, n=2, **limits):
+    from verlj.engine.rl.episodes import Limits, Round
+
+    return Round(lambda: env, [{}] * n, list(range(n)), [np.array([1, 2])] * n, CharTok(), Limits(**{"max_turns": 4, "timeout_s": 5.0, **limits}))
+
+
+def test_an_observation_is_capped_in_tokens_and_marked():
+    from verlj.engine.rl.episodes import TRUNCATED
+
+    rnd = a_round(Talker(obs="x" * 1_000_000, first="y" * 100), max_observation=20)
+    assert len(rnd.episodes[0].prompt_ids) == 2 + 20 and CharTok().decode(rnd.episodes[0].prompt_ids[2:]).endswith(TRUNCATED)
+    rnd.take([0, 1], [np.array([65, 66])] * 2, [np.zeros(2, np.float32)] * 2)
+    ep = rnd.episodes[0]
+    assert ep.turn_lens == [2, 20] and CharTok().decode(ep.response[2:]) == "x" * (20 - len(TRUNCATED)) + TRUNCATED
+    assert ep.live and ep.mask == [1, 1] + [0] * 20
+    short = a_round(Talker(obs="short"), max_observation=20)
+    short.take([0], [np.array([65])], [np.zeros(1, np.float32)])
+    assert CharTok().decode(short.episodes[0].response[1:]) == "short"
+
+
+def test_an_episode_ends_by_length_before_its_context_passes_the_limit():
+    from verlj.engine.schema.sample import EnvEnd
+
+    rnd = a_round(Talker(obs="o" * 10), max_length=20, max_action=4)  # prompt 2 + action 2 + observation 10 = 14: room for 4 more
+    rnd.take([0, 1], [np.array([65, 66])] * 2, [np.zeros(2, np.float32)] * 2)
+    assert [ep.live for ep in rnd.episodes] == [True, True]
+    rnd.take([0, 1], [np.array([65, 66])] * 2, [np.zeros(2, np.float32)] * 2)  # 16 + an observation cut to the 4 left
+    ep = rnd.episodes[0]
+    assert ep.end == EnvEnd.LENGTH and ep.reason == "" and len(ep.prompt_ids) + len(ep.response) == 20 and ep.turn_lens[-1] == 4
+
+
+def test_an_action_that_is_only_eos_ends_the_episode_without_a_step():
+    from verlj.engine.schema.sample import EnvEnd
+
+    rnd = a_round(Talker())
+    rnd.take([0, 1], [np.array([0]), np.array([65, 0])], [np.zeros(1, np.float32), np.zeros(2, np.float32)])
+    assert rnd.episodes[0].end == EnvEnd.STOPPED and rnd.episodes[0].turn_lens == [1, 0] and np.isnan(rnd.episodes[0].turn_rewards[0])
+    assert rnd.episodes[1].live and rnd.episodes[1].turn_rewards == [1.0]
+
+
+def test_the_envs_of_a_turn_are_stepped_at_once():
+    """Eight envs that each take 0.3 s (or hang past the timeout) cost one wait, not eight."""
+    t = time.monotonic()
+    rnd = a_round(Talker(wait=0.3), n=8)
+    rnd.take(list(range(8)), [np.array([65])] * 8, [np.zeros(1, np.float32)] * 8)
+    assert time.monotonic() - t < 1.2 and all(ep.live and ep.turn_rewards == [1.0] for ep in rnd.episodes)
+    t = time.monotonic()
+    hung = a_round(Talker(wait=3.0), n=8, timeout_s=0.3)
+    hung.take(list(range(8)), [np.array([65])] * 8, [np.zeros(1, np.float32)] * 8)
+    assert time.monotonic() - t < 1.2 and all(ep.reason == "step no answer in 0.3 s" for ep in hung.episodes)

@@ -1,0 +1,204 @@
+"""rollout.mode=async, rollout.async_order=completion: the generator works through the groups asked of it
+on its own; the step takes the first prompts_per_step groups that have arrived, in arrival order,
+dropping those more than k versions behind it. Timing decides what a step trains on, so the journal
+records what was asked, what arrived and what was asked again (the ``requests`` event).
+
+What recovery needs back: the buffer's requests (groups asked and not arrived, in the buffer's state
+and in each step's record). A process's first collect asks again for every one of them, from its
+original seeds; with rollout.env a group of episodes comes back from its last durable turn
+(``sources.episodes.Turns``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from verlj.journal.failpoints import failpoint
+
+from ...schema import events as ev
+from ...schema import sample as sample_codec
+from ...schema.sample import Sample
+from ...state.seeding import derive_seed
+from .. import faults
+from .base import Host, Source, StepInputs, add_time, episode_metrics, zero_variance
+from .episodes import Turns
+
+ARRIVAL_POLL_S = 0.5  # how long one wait for the generator's groups lasts before the ranks compare
+
+
+@dataclass
+class Flow:
+    """What one step's collect saw of the free-running generator."""
+
+    asked: list = field(default_factory=list)  # (group, row) asked this step, in order
+    regenerated: list = field(default_factory=list)  # groups asked again: in flight when the last process stopped
+    restored_turns: int = 0  # rollout.env: env steps re-applied to bring groups of episodes back from their last durable turn
+    added: list = field(default_factory=list)  # samples arrived, in arrival order
+    dropped: list = field(default_factory=list)  # ids of zero-variance groups (dynamic sampling)
+    stale: list = field(default_factory=list)  # ids of waiting groups more than k versions behind
+    faulted: list = field(default_factory=list)  # ids out of the update for a fault (rl.faults)
+    rounds: int = 0  # rounds of prompts_per_step prompts asked
+
+
+class CompletionSource(Source):
+    """Async completion order: arrivals enter the buffer (and this step's record) as they come."""
+
+    def __init__(self, host: Host):
+        super().__init__(host)
+        self.flow: Flow | None = None  # this step's arrivals and asks
+        self.resumed_asks = False  # the groups asked and not arrived were asked again of this process's generator
+        self.turns = Turns(self)  # rollout.env: the groups of episodes being played
+        self.consumed = np.zeros(0, np.int64)
+
+    def engine_closed(self) -> None:
+        self.resumed_asks = False  # a new generator: what the old one was asked must be asked again
+
+    def collect(self, step: int) -> StepInputs:
+        """The step takes the first prompts_per_step groups waiting; it asks for more when what waits
+        and what is asked cannot fill it, then asks for the next k rounds, which generate while it
+        trains. Collective."""
+        self.begin(step)
+        cfg, P, buffer = self.cfg, self.cfg.data.prompts_per_step, self.host.buffer
+        if self.flow is not None and cfg.rollout.env is not None:  # its groups are in the step committed since
+            self.turns.settle += sorted({int(s.group) for s in self.flow.added})
+        self.flow = flow = Flow()
+        if not self.resumed_asks:
+            flow.regenerated = list(buffer.requests)
+            if cfg.rollout.env is not None:
+                self.turns.durable = self.turns.durable_groups()
+            self.ask(list(buffer.requests.items()))
+            self.resumed_asks = True
+        oldest = max(0, step - 1 - cfg.rollout.staleness)
+        wait = 0.0
+        while True:
+            self.receive(wait)
+            stale = [i for ids in buffer.groups().values() if buffer.samples[ids[0]].policy_version < oldest for i in ids]
+            buffer.drop(stale)
+            flow.stale += stale
+            waiting = len(buffer.groups())
+            if waiting >= P:
+                break
+            if waiting + len(buffer.requests) < P and flow.rounds < cfg.algorithm.max_sampling_rounds:
+                self.ask_round(step)
+            elif not buffer.requests:
+                break  # dynamic sampling drew its rounds: the step trains on what it has
+            wait = ARRIVAL_POLL_S if self.host.rt.world_size == 1 else ARRIVAL_POLL_S / 10  # ranks gather as often
+        self.consumed = consumed = self.choose_consumed([], set())
+        ahead = len(buffer.groups()) - len({int(buffer.samples[int(i)].group) for i in consumed})
+        while ahead + len(buffer.requests) + P <= cfg.rollout.staleness * P:  # k rounds ahead
+            self.ask_round(step)
+        return self.inputs()
+
+    def finish_collect(self, step: int, inputs: StepInputs) -> StepInputs:
+        """After the update: push the new weights (the generator pauses at a batch's boundary first) and
+        take in what arrived. Collective."""
+        t = time.perf_counter()
+        self.live.sync(self.cfg, step)  # before the commit: a group in flight at a crash began from a committed version
+        add_time(self.timings, "timing_s/weight_sync", time.perf_counter() - t)
+        self.receive(0.0)
+        return self.inputs()
+
+    def replayed(self, inputs: StepInputs) -> None:
+        if inputs.requests is not None:
+            self.host.buffer.request(inputs.requests.groups, inputs.requests.rows, self.cfg.rollout.n)
+        super().replayed(inputs)
+
+    def in_flight(self) -> dict[str, float]:
+        return {**super().in_flight(), "buffer/requested_groups": float(len(self.host.buffer.requests))}
+
+    @property
+    def now(self) -> Flow:
+        assert self.flow is not None, "a live step's collect made its flow"
+        return self.flow
+
+    def ask_round(self, step: int) -> None:
+        """Draw prompts_per_step prompts and ask the generator for their groups: each group's samples
+        get their ids now, and their seeds from the group's id."""
+        cfg, n, buffer = self.cfg, self.cfg.rollout.n, self.host.buffer
+        rows = self.host.sampler.draw(cfg.data.prompts_per_step)
+        groups = [buffer.next_id + q * n for q in range(len(rows))]
+        buffer.request(groups, rows, n)
+        self.now.asked += list(zip(groups, rows.tolist()))
+        self.now.rounds += 1
+        self.ask(list(zip(groups, rows.tolist())))
+
+    def ask(self, groups: list[tuple[int, int]]) -> None:
+        """Ask this rank's generator for its share of `groups` (group, row): the q-th goes to rank q mod dp.
+        With rollout.env, each group's episodes begin (or come back from their last durable turn) here,
+        and what is asked is their turn."""
+        cfg, n, rt = self.cfg, self.cfg.rollout.n, self.host.rt
+        mine = [(g, r) for q, (g, r) in enumerate(groups) if q % rt.dp_size == rt.dp_rank]
+        if cfg.rollout.env is not None:
+            asks = [self.turns.begin_play(g, r) for g, r in mine]
+            self.live.ask([a for a in asks if a is not None], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size))
+            return
+        prompt_ids = self.host.prompt_ids
+        self.live.ask([(g, prompt_ids[r], [derive_seed(cfg.trainer.seed, 0, "rollout/group", g, j) for j in range(n)])
+                       for g, r in mine], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size))
+
+    def receive(self, wait: float) -> None:
+        """Take in the groups every rank's generator sent back (rank order, then arrival order): score
+        them, add their reference log-probs, and admit them; dynamic sampling drops the groups whose
+        rewards do not vary. Collective."""
+        cfg, n, host = self.cfg, self.cfg.rollout.n, self.host
+        t = time.perf_counter()
+        if cfg.rollout.env is not None:
+            mine = self.live.arrived(wait)
+            add_time(self.timings, "timing_s/gen", time.perf_counter() - t)
+            new = self.turns.receive(mine)
+            if not new:
+                return
+        else:
+            arrived = [a for got in host.rt.all_gather_obj(self.live.arrived(wait)) for a in got]
+            add_time(self.timings, "timing_s/gen", time.perf_counter() - t)  # the wait the update did not cover
+            if not arrived:
+                return
+            new = self.scored(arrived)
+        t = time.perf_counter()
+        host.scorer.reference_logprobs(new, host.actor)
+        add_time(self.timings, "timing_s/ref", time.perf_counter() - t)
+        out = faults.excluded(new, faults.min_group(cfg.algorithm.name, n))
+        dropped = zero_variance(new, set(out)) if cfg.algorithm.dynamic_sampling else []
+        host.buffer.admit(new, dropped + out, {})
+        self.now.added += new
+        self.now.dropped += dropped
+        self.now.faulted += out
+        failpoint("async.admit")
+
+    def scored(self, arrived: list[tuple]) -> list[Sample]:
+        """Single-turn groups arrived (group, responses, log-probs, version), scored, as samples."""
+        n, host = self.cfg.rollout.n, self.host
+        t = time.perf_counter()
+        new = []
+        for g, responses, logps, version in arrived:
+            g, row = int(g), host.buffer.requests[int(g)]
+            got = host.scorer.score([row], n, [host.prompt_ids[row]] * n, list(responses), list(logps))
+            for j, smp in enumerate(got):
+                smp.id, smp.group, smp.policy_version = g + j, g, int(version)
+            new += got
+        add_time(self.timings, "timing_s/reward", time.perf_counter() - t)
+        return new
+
+    def inputs(self) -> StepInputs:
+        flow, cfg, sampler = self.now, self.cfg, self.host.sampler
+        self.timings.update({"sampling/rounds": float(flow.rounds), "sampling/dropped_groups": float(len(flow.dropped) // cfg.rollout.n),
+                             "rollout/regenerated_groups": float(len(flow.regenerated)), **faults.metrics(flow.added)})
+        if cfg.rollout.env is not None:
+            self.timings.update(episode_metrics(flow.added), **{"rollout/env/restored_turns": float(flow.restored_turns)})
+        ids = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+        return StepInputs(
+            seeds=self.seeds,
+            data=ev.Data(sampler.epoch, sampler.cursor, ids([r for _, r in flow.asked]), flow.rounds),
+            added=sample_codec.pack(flow.added),
+            dropped=ids(flow.dropped),
+            consumed=self.consumed,
+            timings=self.timings,
+            rollout=ev.Rollout(self.live.name, self.live.version, ev.RolloutMode.ASYNC, cfg.rollout.staleness, ev.AsyncOrder.COMPLETION),
+            stale=ids(flow.stale),
+            faulted=ids(flow.faulted),
+            requests=ev.Requests(ids([g for g, _ in flow.asked]), ids([r for _, r in flow.asked]), ids(flow.regenerated)),
+            admitted=True,
+        )

@@ -1,0 +1,45 @@
+"""Faults in plain single-turn runs (rl.faults): a reward function that raises or returns NaN on some samples
+has those samples counted, journaled with their reasons and never trained on; the step's log line says so.
+(Episodes' faults, the stop past rollout.max_fault_rate and the resume after it: test_episodes.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from verlj.engine.schema.events import DropReason, StepEvents
+from verlj.engine.schema.sample import unpack
+from verlj.journal import open_journal_reader
+from verlj_testing import cli, fingerprints, train, verlj
+
+TESTS = str(Path(__file__).resolve().parents[1])
+
+
+def test_a_reward_function_that_fails_on_some_samples_leaves_them_out(tmp_path):
+    run = tmp_path / "run"
+    out = train(run, "rollout.reward_fn=envs_for_tests:flaky_reward", "rollout.max_fault_rate=1", "trainer.total_steps=3",
+                "trainer.save_interval=10",
+                PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    reasons, faulted = set(), {}
+    with open_journal_reader(run / "journal") as j:
+        for rec in j.iter_steps():
+            e = StepEvents.of(rec)
+            samples = unpack(e.added.samples)
+            bad = [s for s in samples if s.fault]
+            reasons |= {s.fault for s in bad}
+            faulted[rec.step] = bad
+            assert all(s.rule_reward == 0.0 and not s.is_episode for s in bad)
+            assert {s.id for s in bad} <= set(e.dropped(DropReason.FAULT).tolist())
+            assert not set(e.dropped(DropReason.FAULT).tolist()) & set(e.consumed.ids.tolist())
+            m = e.metrics.values
+            assert m["rollout/faults"] == m["rollout/faults/reward"] == float(len(bad)) and m["rollout/faults/env"] == 0.0
+            line = next(x for x in out.stdout.splitlines() if x.startswith(f"[INFO] Step {rec.step}: "))
+            assert line.endswith(f"faults {len(bad)}/{len(samples)}" + (f": {min(bad, key=lambda s: s.id).fault}" if bad else ""))
+    assert reasons == {"reward function envs_for_tests.flaky_reward raised RuntimeError: the grader is down",
+                       "reward function envs_for_tests.flaky_reward returned nan, not a finite number"}
+    step = next(s for s, bad in faulted.items() if bad)  # inspect shows each sample's fault, and that it was dropped
+    shown = cli("inspect", run, "--step", str(step), "--max-samples", "1000", check=True).stdout
+    assert f"a fault, never trained on: {faulted[step][0].fault}" in shown
+    assert all(f"| {s.score:.4g} dropped" in shown for s in faulted[step])
+    rep = verlj("replay", run, "--to-step", "2", PYTHONPATH=TESTS)  # from the initial state: the drops read back
+    assert rep.returncode == 0 and fingerprints(run)[2] in rep.stdout, rep.stderr[-3000:]

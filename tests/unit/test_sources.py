@@ -1,0 +1,69 @@
+"""The rollout seam (engine/rl/sources): the config chooses the source, and what recovery asks of a
+source (a journaled step's buffer changes, what waits after it) needs no model, no engine, no run."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from verlj.engine.config import make_config
+from verlj.engine.rl.buffer import RolloutBuffer
+from verlj.engine.rl.sources import StepInputs, make_source, source_kind
+from verlj.engine.rl.sources.completion import CompletionSource
+from verlj.engine.rl.sources.planned import PlannedSource
+from verlj.engine.rl.sources.sync import SyncSource
+from verlj.engine.schema import events as ev
+from verlj.engine.schema.sample import Sample, pack
+
+ASYNC = ["rollout.mode=async"]
+COMPLETION = [*ASYNC, "rollout.async_order=completion"]
+
+
+def host(*overrides: str) -> SimpleNamespace:
+    """What a source reads of the trainer, less what only a live collect reads (models, the sampler)."""
+    return SimpleNamespace(cfg=make_config(None, ["rollout.n=2", *overrides]), buffer=RolloutBuffer())
+
+
+@pytest.mark.parametrize("overrides, kind, cls", [([], "sync", SyncSource), (ASYNC, "planned", PlannedSource),
+                                                  ([*ASYNC, "rollout.async_order=step"], "planned", PlannedSource),
+                                                  (COMPLETION, "completion", CompletionSource)])
+def test_the_config_chooses_the_source(overrides, kind, cls):
+    h = host(*overrides)
+    assert source_kind(h.cfg) == kind
+    source = make_source(h)
+    assert type(source) is cls and source.engine is None  # no engine until a live collect: replay never builds one
+
+
+def group(first: int, scores: list[float], version: int = 0) -> list[Sample]:
+    return [Sample(index=3, prompt_ids=np.array([1, 2]), response_ids=np.array([5, 6 + j]), gen_logprobs=np.zeros(2, np.float32),
+                   id=first + j, group=first, score=s, policy_version=version) for j, s in enumerate(scores)]
+
+
+def inputs(added: list[Sample], dropped=(), stale=(), plans=None, requests=None) -> StepInputs:
+    ids = lambda xs: np.asarray(xs, np.int64)  # noqa: E731
+    return StepInputs(seeds={}, data=ev.Data(0, 0, ids([]), 1), added=pack(added), dropped=ids(dropped), consumed=ids([]),
+                      rollout=ev.Rollout("hf", None), stale=ids(stale), plans=plans or {}, requests=requests)
+
+
+def test_a_step_order_replay_puts_back_the_samples_the_drops_and_the_plans():
+    h = host(*ASYNC)
+    source = make_source(h)
+    source.replayed(inputs(group(0, [1.0, 0.0]) + group(2, [1.0, 1.0]), dropped=[2, 3], plans={3: np.array([0, 1])}))
+    assert sorted(h.buffer.samples) == [0, 1] and h.buffer.next_id == 4
+    assert list(h.buffer.plans) == [3] and h.buffer.plans[3].tolist() == [0, 1]
+    assert source.in_flight() == {"buffer/pending": 2.0}
+
+
+def test_a_completion_order_replay_puts_back_the_groups_asked_and_not_arrived():
+    """The requests a step journaled are what a resumed process asks again: replay must leave them in
+    the buffer (less the groups that arrived), and the step's metrics count them."""
+    h = host(*COMPLETION)
+    source = make_source(h)
+    asked = ev.Requests(np.array([0, 2, 4]), np.array([3, 5, 7]), np.zeros(0, np.int64))
+    source.replayed(inputs(group(0, [1.0, 0.0]), requests=asked))
+    assert h.buffer.requests == {2: 5, 4: 7} and sorted(h.buffer.samples) == [0, 1] and h.buffer.next_id == 6
+    assert source.in_flight() == {"buffer/pending": 2.0, "buffer/requested_groups": 2.0}
+    # a step-order source reads no requests: the seam, not the record, decides what is brought back
+    planned = host(*ASYNC)
+    make_source(planned).replayed(inputs(group(0, [1.0, 0.0]), requests=asked))
+    assert planned.buffer.requests == {}
