@@ -589,7 +589,7 @@ class Trainer:
 
     def needs_reference(self) -> bool:
         cfg = self.cfg
-        return (cfg.algorithm.name == "grpo" and cfg.model.actor.use_kl_loss) or cfg.algorithm.kl_coef > 0
+        return (cfg.algorithm.name != "ppo" and cfg.model.actor.use_kl_loss) or cfg.algorithm.kl_coef > 0
 
     def _reference_logprobs(self, samples: list[Sample]) -> None:
         """The frozen reference's log-probs of each response, computed once at collect time and
@@ -878,7 +878,7 @@ class Trainer:
         mask = batch.resp_mask
         # GRPO with one pass over one mini-batch: the policy before the update is the one the
         # update's own forward sees, so the "old" log-probs come from that forward (detached)
-        fuse_old = cfg.algorithm.name == "grpo" and cfg.model.actor.ppo_epochs == 1 and len(minis) == 1
+        fuse_old = cfg.algorithm.name in ("grpo", "rloo") and cfg.model.actor.ppo_epochs == 1 and len(minis) == 1
         with book.timed("timing_s/old_log_prob"):
             old_lp = None if fuse_old else self.actor.logprobs(batch)
         ref_lp = self._ref_logprobs(mine, mask.shape[1]) if self.needs_reference() else None
@@ -916,12 +916,16 @@ class Trainer:
     def _advantages(self, samples: list[Sample], rows: list[int], batch, scores: torch.Tensor, old_lp, ref_lp, all_sum,
                     book: StepBook) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """This rank's advantages ([B, R]), by the algorithm's rule (rl.algorithms); PPO's also the
-        critic's values before the update and the returns (GRPO: None, None)."""
+        critic's values before the update and the returns (the others: None, None)."""
         cfg, mask = self.cfg, batch.resp_mask
         values = returns = None
-        if cfg.algorithm.name == "grpo":
+        if cfg.algorithm.name in ("grpo", "rloo"):
             groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-            advantages = algorithms.grpo_token_advantages(scores, groups, rows, mask, cfg.algorithm.norm_adv_by_std)
+            advantages = (algorithms.grpo_token_advantages(scores, groups, rows, mask, cfg.algorithm.norm_adv_by_std)
+                          if cfg.algorithm.name == "grpo" else algorithms.rloo_token_advantages(scores, groups, rows, mask))
+        elif cfg.algorithm.name == "reinforce_plus_plus":
+            advantages = algorithms.reinforce_pp_advantages(scores[rows].to(self.rt.device), mask, old_lp, ref_lp,
+                                                            cfg.algorithm.kl_coef, cfg.algorithm.gamma, all_sum)
         else:
             with book.timed("timing_s/values"):
                 values = self.critic.values(batch)
