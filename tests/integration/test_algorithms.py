@@ -78,3 +78,17 @@ def test_a_whatif_may_change_the_estimator_and_the_loss_but_not_to_ppo(grpo, tmp
         whatif(grpo, 2, None, tmp_path / "p", ["algorithm.name=ppo"])
     assert str(refused.value).startswith("algorithm.name cannot change from grpo to ppo in a what-if") and "\n" not in str(refused.value)
     assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_the_sequence_level_objective_is_the_same_on_two_ranks(mode, tmp_path):
+    """The same samples (seeded per work item), each sample's loss divided by the mini-batch's samples on every
+    rank: step 1's loss, entropy and gradient norm on two ranks are one rank's, up to the order of the sums."""
+    over = [*COMMON, "trainer.total_steps=1", "algorithm.name=rloo", f"algorithm.loss_agg_mode={mode}", "model.actor.mini_batch_size=8",
+            "model.actor.micro_batch_size=3"]  # 3 micro-batches on one rank, 2 a rank on two: the shares differ
+    run_train(tmp_path / "one", None, [*TINY, *over])
+    out = train(tmp_path / "two", *over, ranks=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    one, two = metrics(tmp_path / "one")[1], metrics(tmp_path / "two")[1]
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert math.isclose(one[key], two[key], rel_tol=1e-5, abs_tol=1e-9), (key, one[key], two[key])
