@@ -41,7 +41,7 @@ def train(
     ] = Launcher.process,
     nproc: Annotated[Optional[int], typer.Option("--nproc", min=1, help="With --launcher ray: the number of ranks (default 1).")] = None,
 ) -> None:
-    """Train with GRPO or PPO; every step is journaled, snapshots are taken every save_interval steps."""
+    """Train with GRPO, RLOO, REINFORCE++ or PPO; every step is journaled, snapshots are taken every save_interval steps."""
     quiet_libraries()
     log_to_stderr_only_on_rank0()
     from verlj.engine.config import restarts_asked

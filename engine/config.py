@@ -104,10 +104,12 @@ class TrainerConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # grpo | ppo
-    gamma: float = live(1.0)  # PPO: discount for GAE
+    # the advantage estimator (verl's algorithm.adv_estimator): grpo | rloo | reinforce_plus_plus | ppo
+    # (GAE with a critic); see docs/concepts/algorithms.md
+    name: str = "grpo"
+    gamma: float = live(1.0)  # PPO: discount for GAE; REINFORCE++: for the returns
     lam: float = live(0.95)  # PPO: GAE lambda
-    kl_coef: float = live(0.0)  # PPO: KL-to-reference penalty folded into token rewards
+    kl_coef: float = live(0.0)  # PPO, REINFORCE++: KL-to-reference penalty folded into token rewards
     norm_adv_by_std: bool = live(True)  # GRPO: divide group-centred rewards by the group std
     dynamic_sampling: bool = live(False)  # DAPO: drop groups whose rewards do not vary, draw more prompts
     max_sampling_rounds: int = live(4)  # dynamic sampling: generation rounds per step at most
@@ -118,9 +120,14 @@ class AlgorithmConfig:
     # same objective at any world size | micro_batch: each micro-batch's own token-mean (runs made
     # before verlj had this key; their objective changes with the split, so they resume on the same topology)
     loss_normalization: str = "global_tokens"
+    # how the actor's per-token losses become one (verl's loss_agg_mode): token-mean | seq-mean-token-sum |
+    # seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO: token sums over samples x rollout.max_response_length)
+    loss_agg_mode: str = live("token-mean")
 
     def validate(self) -> None:
-        _choice("algorithm.name", self.name, ("grpo", "ppo"))
+        _choice("algorithm.name", self.name, ("grpo", "rloo", "reinforce_plus_plus", "ppo"))
+        _choice("algorithm.loss_agg_mode", self.loss_agg_mode,
+                ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
         _choice("algorithm.loss_normalization", self.loss_normalization, ("global_tokens", "micro_batch"))
         _range("algorithm.gamma", self.gamma, 0.0, 1.0)
         _range("algorithm.lam", self.lam, 0.0, 1.0)
@@ -174,9 +181,13 @@ class ActorConfig:
     mini_batch_size: int = live(0)  # samples per optimizer step per step (0 = all of the step's samples)
     micro_batch_size: int = 8  # samples per forward/backward per rank
     clip_ratio: float = live(0.2)  # PPO/GRPO ratio clip
+    clip_ratio_low: Optional[float] = live(None)  # the ratio's lower clip, 1 - this (null = clip_ratio)
+    clip_ratio_high: Optional[float] = live(None)  # its upper clip, 1 + this (DAPO's clip-higher; null = clip_ratio)
+    # the policy loss (verl's policy_loss.loss_mode): vanilla (PPO's clipped token ratios) | gspo (GSPO's sequence ratio)
+    loss_mode: str = live("vanilla")
     entropy_coeff: float = live(0.0)  # entropy bonus weight
-    use_kl_loss: bool = live(True)  # GRPO: KL-to-reference term in the loss (k3 estimator)
-    kl_loss_coef: float = live(0.01)  # GRPO: weight of that term
+    use_kl_loss: bool = live(True)  # GRPO, RLOO, REINFORCE++: KL-to-reference term in the loss (k3 estimator)
+    kl_loss_coef: float = live(0.01)  # GRPO, RLOO, REINFORCE++: weight of that term
 
     def validate(self) -> None:
         self.optim.validate("model.actor.optim")
@@ -184,6 +195,11 @@ class ActorConfig:
         _at_least("model.actor.mini_batch_size", self.mini_batch_size, 0)
         _positive("model.actor.micro_batch_size", self.micro_batch_size)
         _range("model.actor.clip_ratio", self.clip_ratio, 0.0, 1.0)
+        if self.clip_ratio_low is not None:
+            _range("model.actor.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0)
+        if self.clip_ratio_high is not None:
+            _at_least("model.actor.clip_ratio_high", self.clip_ratio_high, 0.0)
+        _choice("model.actor.loss_mode", self.loss_mode, ("vanilla", "gspo"))
         _at_least("model.actor.kl_loss_coef", self.kl_loss_coef, 0.0)
 
 
@@ -471,8 +487,8 @@ class Config:
         if self.trainer.eval_interval and data.eval_dataset is None and not (generated and data.eval_size):
             raise ConfigError("trainer.eval_interval needs held-out prompts: set data.eval_size (a generated dataset holds "
                               "them out) or data.eval_dataset (a .jsonl / .parquet file)")
-        if self.algorithm.name == "grpo" and self.rollout.n < 2:
-            raise ConfigError("rollout.n must be at least 2 for grpo (advantages are relative within a group)")
+        if self.algorithm.name in ("grpo", "rloo") and self.rollout.n < 2:
+            raise ConfigError(f"rollout.n must be at least 2 for {self.algorithm.name} (advantages are relative within a group)")
         if ro.free_running and self.distributed.tensor_parallel_size > 1:
             raise ConfigError("rollout.async_order=completion does not combine with tensor parallelism yet "
                               "(distributed.tensor_parallel_size > 1); use rollout.async_order=step")
@@ -560,6 +576,8 @@ def check_change(old: dict, new: Config, allow_live: bool, how: str) -> list[str
 WHATIF_KEYS = (
     "model.actor.optim.lr", "model.critic.optim.lr",  # the optimizers
     "model.actor.clip_ratio", "model.critic.cliprange_value", "model.actor.entropy_coeff",  # the objective
+    "model.actor.clip_ratio_low", "model.actor.clip_ratio_high", "model.actor.loss_mode", "algorithm.loss_agg_mode",
+    "algorithm.name",  # the estimator, among those without a critic (check_whatif)
     "model.actor.use_kl_loss", "model.actor.kl_loss_coef", "algorithm.kl_coef",  # the KL term (GRPO: in the loss; PPO: in the rewards)
     "algorithm.loss_normalization", "model.actor.ppo_epochs", "model.actor.mini_batch_size",  # loss aggregation, passes
     "algorithm.norm_adv_by_std", "algorithm.gamma", "algorithm.lam",  # the advantage estimator
@@ -572,8 +590,14 @@ WHATIF_KEYS = (
 def check_whatif(old: dict, new: Config) -> list[str]:
     """The dotted keys a what-if changes from `old` (RUN's config), if it may change them (WHATIF_KEYS
     and bookkeeping keys); else one sentence naming the first key it may not."""
-    changed = [k for k in diff_configs(config_from_dict(old).to_dict(), new.to_dict()) if k not in ONE_OFF_KEYS]
+    was = config_from_dict(old)
+    changed = [k for k in diff_configs(was.to_dict(), new.to_dict()) if k not in ONE_OFF_KEYS]
     check_whatif_keys(changed)
+    if "algorithm.name" in changed and "ppo" in (was.algorithm.name, new.algorithm.name):
+        raise ConfigError(
+            f"algorithm.name cannot change from {was.algorithm.name} to {new.algorithm.name} in a what-if: ppo trains a critic "
+            "the others have not; a what-if may change it among grpo, rloo and reinforce_plus_plus"
+        )
     return changed
 
 

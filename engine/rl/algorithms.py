@@ -1,10 +1,12 @@
-"""GRPO and PPO math: advantages, losses, KL. Pure tensor functions, tested against hand-computed values.
+"""GRPO, RLOO, REINFORCE++ and PPO math: advantages, losses, KL. Pure tensor functions, tested
+against hand-computed values.
 
 Shapes: ``[B, R]`` per response token with a 0/1 ``mask`` of the same shape; ``[B]`` per sample.
-Aggregation is token-mean over the mask (verl's ``loss_agg_mode=token-mean``). The losses take an
-optional ``denom``: the token count to divide by when a micro-batch is one share of a larger
+Aggregation is verl's ``loss_agg_mode`` (:func:`agg_loss`; token-mean by default). The losses take
+an optional ``denom``: the token count to divide by when a micro-batch is one share of a larger
 mini-batch (``algorithm.loss_normalization=global_tokens``, see ``workers.shard_batch``); without
-it, the micro-batch's own token count.
+it, the micro-batch's own token count. The sequence-level modes take ``seqs`` likewise: the
+mini-batch's number of samples over all ranks (without it, the micro-batch's own rows).
 
 Departures from the papers, on purpose:
 - GRPO (DeepSeekMath): the KL term is the k3 estimator ``exp(ref - lp) - (ref - lp) - 1`` (as
@@ -12,6 +14,15 @@ Departures from the papers, on purpose:
   (``algorithm.norm_adv_by_std``, Dr. GRPO style).
 - PPO (Ouyang et al.): the KL-to-reference penalty is folded into the token rewards with a fixed
   coefficient (no adaptive controller); the score lands on the last response token.
+- RLOO (Ahmadian et al. 2024, verl's ``compute_rloo_outcome_advantage``): a lone sample in its
+  group keeps its score as its advantage, as in verl.
+- REINFORCE++ (Hu 2025, verl's ``compute_reinforce_plus_plus_outcome_advantage``): the returns are
+  whitened with the biased variance (verlj's :func:`whiten`, as PPO's), verl's with the unbiased one;
+  an episode's observation tokens are skipped by the discounted return, as by :func:`gae`.
+- GSPO (Zheng et al. 2025, GSPO-token as verl's ``loss_mode=gspo``): the sequence ratio is aggregated
+  by ``loss_agg_mode`` like any loss (verl's GSPO recipe sets ``seq-mean-token-mean``).
+- Dr. GRPO's ``seq-mean-token-sum-norm`` divides by the samples times ``rollout.max_response_length``
+  (TRL's ``loss_type=dr_grpo``), a constant, where verl divides by the batch's padded width.
 """
 
 from __future__ import annotations
@@ -19,10 +30,32 @@ from __future__ import annotations
 import torch
 
 EPS = 1e-6
+ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "ppo")  # algorithm.name: how advantages are estimated
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_MODES = ("vanilla", "gspo")  # model.actor.loss_mode: token ratios (PPO's clip) | GSPO's sequence ratio
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, denom=None) -> torch.Tensor:
     return (x * mask).sum() / (mask.sum().clamp(min=1) if denom is None else denom)
+
+
+def agg_loss(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", denom=None, seqs=None, norm_len=None) -> torch.Tensor:
+    """A [B, R] per-token loss to a scalar, as verl's ``agg_loss``: token-mean (over every token:
+    `denom`), seq-mean-token-sum (each sample's token sum, averaged over the samples: `seqs`),
+    seq-mean-token-mean (each sample's token mean, averaged over the samples) or
+    seq-mean-token-sum-norm (Dr. GRPO: the token sum over `seqs` times the constant `norm_len`).
+    `denom` and `seqs` are the whole mini-batch's counts on every rank; None: this micro-batch's."""
+    if mode == "token-mean":
+        return masked_mean(x, mask, denom)
+    n = x.shape[0] if seqs is None else seqs
+    per_seq = (x * mask).sum(dim=-1)
+    if mode == "seq-mean-token-sum":
+        return per_seq.sum() / max(n, 1)
+    if mode == "seq-mean-token-mean":
+        return (per_seq / mask.sum(dim=-1).clamp(min=1)).sum() / max(n, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return per_seq.sum() / (max(n, 1) * norm_len)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}")
 
 
 def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, norm_by_std: bool = True) -> torch.Tensor:
@@ -37,6 +70,52 @@ def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, norm_by_std: boo
             centred = centred / (std + EPS)
         adv[idx] = centred
     return adv
+
+
+def rloo_advantages(scores: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample RLOO advantage: score minus the mean of the other samples of its group,
+    ``n/(n-1) * (score - group mean)`` (verl's form); a group of one keeps its score. `valid` ([N]
+    bool): samples left out of every group's statistics, with advantage 0."""
+    adv = torch.zeros_like(scores)
+    ok = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid.to(torch.bool)
+    for g in torch.unique(groups):
+        idx = (groups == g) & ok
+        s = scores[idx]
+        n = s.numel()
+        if n == 1:
+            adv[idx] = s
+        elif n > 1:
+            adv[idx] = s * (n / (n - 1)) - s.mean() * (n / (n - 1))
+    return adv
+
+
+def rloo_token_advantages(scores: torch.Tensor, groups: torch.Tensor, rows, mask: torch.Tensor) -> torch.Tensor:
+    """RLOO's advantages, [B, R], for this rank's `rows` of the step's samples (as
+    grpo_token_advantages)."""
+    return rloo_advantages(scores, groups)[rows].to(mask.device)[:, None] * mask
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE's returns, [B, R]: each policy token's reward plus gamma times the next policy
+    token's return (an episode's observation tokens are skipped, as in gae); 0 off the mask."""
+    B, R = rewards.shape
+    out = torch.zeros_like(rewards)
+    running = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
+    for t in reversed(range(R)):
+        policy = mask[:, t] > 0
+        running = torch.where(policy, rewards[:, t] + gamma * running, running)
+        out[:, t] = running * mask[:, t]
+    return out
+
+
+def reinforce_pp_advantages(scores: torch.Tensor, mask: torch.Tensor, logprobs: torch.Tensor | None,
+                            ref_logprobs: torch.Tensor | None, kl_coef: float, gamma: float, all_sum=None) -> torch.Tensor:
+    """REINFORCE++'s advantages, [B, R]: the token rewards (as PPO's: the [B] score on the last
+    response token, minus kl_coef times the k3 KL to the reference per token when `ref_logprobs`),
+    their discounted returns, whitened over every rank's tokens (`all_sum`). No critic, no groups."""
+    kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None and logprobs is not None else None
+    returns = discounted_returns(token_rewards(scores, mask, kl, kl_coef), mask, gamma)
+    return whiten(returns, mask, all_sum)
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -129,17 +208,28 @@ def global_masked_mean(x: torch.Tensor, mask: torch.Tensor, all_sum=None) -> tor
     return total / count.clamp(min=1)
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio: float, denom=None, token_weights=None):
-    """Clipped surrogate. Returns (loss, clipfrac, approx_kl) with token-mean aggregation.
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_ratio: float, denom=None, token_weights=None, *,
+                clip_ratio_high: float | None = None, loss_mode: str = "vanilla", agg: str = "token-mean", seqs=None,
+                norm_len=None):
+    """Clipped surrogate. Returns (loss, clipfrac, approx_kl): the loss aggregated by `agg`
+    (:func:`agg_loss`), the two metrics token means. The ratio is clipped to
+    [1 - clip_ratio, 1 + clip_ratio_high] (DAPO's clip-higher; clip_ratio_high None: clip_ratio).
+    ``loss_mode``: vanilla (each token's ratio) | gspo (GSPO-token: each token's ratio is its
+    sequence's, exp of the mean log-ratio over its tokens, with each token's own gradient).
     ``token_weights``: each token's loss times its (detached) importance weight (async rollout)."""
     log_ratio = (logprobs - old_logprobs).clamp(-20, 20)
-    ratio = torch.exp(log_ratio)
+    if loss_mode == "gspo":
+        seq = (log_ratio * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+        ratio = torch.exp((logprobs - logprobs.detach() + seq.detach()[:, None]).clamp(max=10.0))
+    else:
+        ratio = torch.exp(log_ratio)
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio, 1 + high)
     per_token = torch.maximum(unclipped, clipped)
     if token_weights is not None:
         per_token = per_token * token_weights
-    loss = masked_mean(per_token, mask, denom)
+    loss = agg_loss(per_token, mask, agg, denom, seqs, norm_len)
     clipfrac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask, denom)
     approx_kl = masked_mean(-log_ratio, mask, denom)
     return loss, clipfrac, approx_kl

@@ -24,7 +24,7 @@ from .workers import ActorWorker, collate
 
 def needs_reference(cfg: Config) -> bool:
     """Whether the update reads the frozen reference's log-probs (GRPO's KL loss, PPO's KL reward)."""
-    return (cfg.algorithm.name == "grpo" and cfg.model.actor.use_kl_loss) or cfg.algorithm.kl_coef > 0
+    return (cfg.algorithm.name != "ppo" and cfg.model.actor.use_kl_loss) or cfg.algorithm.kl_coef > 0
 
 
 class Scorer:

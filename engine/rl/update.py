@@ -131,7 +131,7 @@ def _update(tr: Trained, step: int, inputs: StepInputs, samples: list[Sample], s
     mask = batch.resp_mask
     # GRPO with one pass over one mini-batch: the policy before the update is the one the
     # update's own forward sees, so the "old" log-probs come from that forward (detached)
-    fuse_old = cfg.algorithm.name == "grpo" and cfg.model.actor.ppo_epochs == 1 and len(minis) == 1
+    fuse_old = cfg.algorithm.name in ("grpo", "rloo") and cfg.model.actor.ppo_epochs == 1 and len(minis) == 1
     with book.timed("timing_s/old_log_prob"):
         old_lp = None if fuse_old else tr.actor.logprobs(batch)
     ref_lp = _ref_logprobs(tr, mine, mask.shape[1]) if needs_reference(tr.cfg) else None
@@ -171,12 +171,16 @@ def _ref_logprobs(tr: Trained, mine: list[Sample], width: int) -> torch.Tensor:
 def _advantages(tr: Trained, samples: list[Sample], rows: list[int], batch: Batch, scores: torch.Tensor,
                 old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None, all_sum: AllSum, book: StepBook) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """This rank's advantages ([B, R]), by the algorithm's rule (rl.algorithms); PPO's also the
-    critic's values before the update and the returns (GRPO: None, None)."""
+    critic's values before the update and the returns (the others: None, None)."""
     cfg, mask = tr.cfg, batch.resp_mask
     values = returns = None
-    if cfg.algorithm.name == "grpo":
+    if cfg.algorithm.name in ("grpo", "rloo"):
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-        advantages = algorithms.grpo_token_advantages(scores, groups, rows, mask, cfg.algorithm.norm_adv_by_std)
+        advantages = (algorithms.grpo_token_advantages(scores, groups, rows, mask, cfg.algorithm.norm_adv_by_std)
+                      if cfg.algorithm.name == "grpo" else algorithms.rloo_token_advantages(scores, groups, rows, mask))
+    elif cfg.algorithm.name == "reinforce_plus_plus":
+        advantages = algorithms.reinforce_pp_advantages(scores[rows].to(tr.rt.device), mask, old_lp, ref_lp,
+                                                        cfg.algorithm.kl_coef, cfg.algorithm.gamma, all_sum)
     else:
         assert tr.critic is not None, "PPO trains a critic"
         with book.timed("timing_s/values"):

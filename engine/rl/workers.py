@@ -181,6 +181,7 @@ class MiniBatch:
     start: int
     stop: int
     tokens: float | None  # response tokens of the whole mini-batch on all ranks (global_tokens), else None
+    seqs: int | None = None  # its samples on all ranks (global_tokens), else None
 
 
 def shard_batch(samples: list[Sample], mini_size: int, dp_size: int, dp_rank: int,
@@ -204,7 +205,7 @@ def shard_batch(samples: list[Sample], mini_size: int, dp_size: int, dp_rank: in
     for a, b in micro_chunks(S, mini_size or S):
         share = (b - a) // D
         tokens = float(sum(samples[i].policy_tokens() for i in range(a, b)))
-        minis.append(MiniBatch(len(rows), len(rows) + share, tokens))
+        minis.append(MiniBatch(len(rows), len(rows) + share, tokens, share * D))
         rows += range(a + r * share, a + (r + 1) * share)
     return rows, minis
 
@@ -215,6 +216,7 @@ class Micro:
     boundary: bool  # the last micro-batch of its mini-batch: the optimizer steps after it
     denom: float | None  # divide summed token terms by this (None: the micro-batch's own token count)
     scale: float  # undo DeepSpeed's 1/accumulation and 1/dp averaging of the gradients (1 when denom is None)
+    seqs: int | None = None  # divide summed sample terms by this (loss_agg_mode seq-*; None: the micro-batch's rows)
 
 
 def accumulation(engine, micro: int, dp: int, mini_batches: list[MiniBatch], epochs: int):
@@ -230,7 +232,7 @@ def accumulation(engine, micro: int, dp: int, mini_batches: list[MiniBatch], epo
             scale = 1.0 if m.tokens is None else float(len(chunks) * dp)
             for ca, cb in chunks:
                 engine.set_gradient_accumulation_boundary(cb == chunks[-1][1])
-                yield Micro(slice(m.start + ca, m.start + cb), cb == chunks[-1][1], m.tokens, scale)
+                yield Micro(slice(m.start + ca, m.start + cb), cb == chunks[-1][1], m.tokens, scale, m.seqs)
 
 
 class UpdateStats:
@@ -419,11 +421,13 @@ class ActorWorker(_Stepper):
                 before[sl] = logp.detach()
             old = logp.detach() if old_logprobs is None else old_logprobs[sl]
             weights = None if gen_logprobs is None else algorithms.truncated_is_weights(old, gen_logprobs[sl], mask, is_threshold)[0]
-            pg_loss, clipfrac, ppo_kl = algorithms.policy_loss(logp, old, advantages[sl], mask, self.actor_cfg.clip_ratio, mb.denom, weights)
-            entropy = algorithms.masked_mean(ent, mask, mb.denom)
+            agg = self._aggregation(mb)
+            pg_loss, clipfrac, ppo_kl = algorithms.policy_loss(logp, old, advantages[sl], mask, self._clip_low(), mb.denom, weights,
+                                                               clip_ratio_high=self._clip_high(), loss_mode=self.actor_cfg.loss_mode, **agg)
+            entropy = algorithms.agg_loss(ent, mask, agg["agg"], mb.denom, agg["seqs"], agg["norm_len"])
             loss = pg_loss - self.actor_cfg.entropy_coeff * entropy
-            if self.cfg.algorithm.name == "grpo" and self.actor_cfg.use_kl_loss:
-                kl = algorithms.masked_mean(algorithms.kl_k3(logp, ref_logprobs[sl]), mask, mb.denom)
+            if self.cfg.algorithm.name != "ppo" and self.actor_cfg.use_kl_loss:
+                kl = algorithms.agg_loss(algorithms.kl_k3(logp, ref_logprobs[sl]), mask, agg["agg"], mb.denom, agg["seqs"], agg["norm_len"])
                 loss = loss + self.actor_cfg.kl_loss_coef * kl
                 stats.token_term(mb, "actor/kl_loss", kl.item())
             stats.token_term(mb, "actor/pg_loss", pg_loss.item())
@@ -432,6 +436,19 @@ class ActorWorker(_Stepper):
             stats.token_term(mb, "actor/entropy", entropy.item())
             self._backward_and_step(mb, loss, stats, "actor")
         return self._result(stats, "actor"), before
+
+    def _aggregation(self, mb: Micro) -> dict:
+        """algorithms.policy_loss's aggregation arguments for micro-batch `mb` (algorithm.loss_agg_mode)."""
+        return {"agg": self.cfg.algorithm.loss_agg_mode, "seqs": mb.seqs if mb.denom is not None else None,
+                "norm_len": float(self.cfg.rollout.max_response_length)}
+
+    def _clip_low(self) -> float:
+        low = self.actor_cfg.clip_ratio_low
+        return self.actor_cfg.clip_ratio if low is None else low
+
+    def _clip_high(self) -> float:
+        high = self.actor_cfg.clip_ratio_high
+        return self.actor_cfg.clip_ratio if high is None else high
 
 
 # ----------------------------------------------------------------------------- critic

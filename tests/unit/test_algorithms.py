@@ -118,3 +118,83 @@ def test_an_episodes_observation_tokens_are_skipped_by_gae_and_token_rewards():
     want_adv, want_ret = algorithms.gae(cut_r, cut_v, cut_m, gamma=0.9, lam=0.8)
     assert torch.equal(adv[:, keep], want_adv) and torch.equal(ret[:, keep], want_ret)
     assert adv[0, 2:4].tolist() == [0.0, 0.0] and ret[0, 2:4].tolist() == [0.0, 0.0]
+
+
+def test_rloo_advantages_by_hand():
+    scores = torch.tensor([1.0, 0.0, 2.0, 5.0, 3.0, 4.0])
+    groups = torch.tensor([0, 0, 0, 1, 2, 2])
+    adv = algorithms.rloo_advantages(scores, groups)
+    # group 0: each score minus the mean of the other two; group 1 (one sample) keeps its score
+    assert torch.allclose(adv, torch.tensor([1 - 1.0, 0 - 1.5, 2 - 0.5, 5.0, 3 - 4.0, 4 - 3.0]))
+    # a sample left out counts in no group's statistics and gets 0
+    left = algorithms.rloo_advantages(scores, groups, valid=torch.tensor([True, True, False, True, True, True]))
+    assert torch.allclose(left, torch.tensor([1.0, -1.0, 0.0, 5.0, -1.0, 1.0]))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    assert torch.allclose(algorithms.rloo_token_advantages(scores, groups, [4, 0], mask), torch.tensor([[-1.0, -1.0], [0.0, 0.0]]))
+
+
+def test_discounted_returns_by_hand_and_over_an_episodes_holes():
+    rewards = torch.tensor([[0.0, 0.0, 2.0], [1.0, 3.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    assert torch.allclose(algorithms.discounted_returns(rewards, mask, 0.5), torch.tensor([[0.5, 1.0, 2.0], [2.5, 3.0, 0.0]]))
+    # an observation token (mask 0 inside the response) is skipped: its neighbours discount as if adjacent
+    holed = algorithms.discounted_returns(torch.tensor([[1.0, 0.0, 2.0]]), torch.tensor([[1.0, 0.0, 1.0]]), 0.5)
+    assert torch.allclose(holed, torch.tensor([[2.0, 0.0, 2.0]]))
+
+
+def test_reinforce_pp_advantages_by_hand():
+    scores = torch.tensor([1.0, 0.0])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = algorithms.reinforce_pp_advantages(scores, mask, None, None, 0.0, 1.0)
+    # returns (gamma 1): [[1, 1], [0, -]]; token mean 2/3, biased variance 2/9: whitened over the 3 tokens
+    m, sd = 2 / 3, math.sqrt(2 / 9 + 1e-8)
+    want = torch.tensor([[(1 - m) / sd, (1 - m) / sd], [(0 - m) / sd, 0.0]])
+    assert torch.allclose(adv, want, atol=1e-6)
+    # the KL to the reference enters the rewards (as PPO's) when kl_coef > 0
+    lp, ref = torch.zeros(2, 2), torch.tensor([[0.5, 0.0], [0.0, 0.0]])
+    with_kl = algorithms.reinforce_pp_advantages(scores, mask, lp, ref, 0.1, 1.0)
+    rewards = algorithms.token_rewards(scores, mask, algorithms.kl_k3(lp, ref), 0.1)
+    assert torch.equal(with_kl, algorithms.whiten(algorithms.discounted_returns(rewards, mask, 1.0), mask))
+    assert not torch.allclose(with_kl, adv)
+
+
+def test_loss_aggregation_modes_by_hand():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    agg = algorithms.agg_loss
+    assert math.isclose(agg(x, mask).item(), 10 / 4)
+    assert torch.equal(agg(x, mask, "token-mean", 8.0), algorithms.masked_mean(x, mask, 8.0))
+    assert math.isclose(agg(x, mask, "seq-mean-token-sum").item(), (6 + 4) / 2)
+    assert math.isclose(agg(x, mask, "seq-mean-token-mean").item(), (2 + 4) / 2)
+    assert math.isclose(agg(x, mask, "seq-mean-token-sum-norm", norm_len=5.0).item(), 10 / (2 * 5))
+    # a micro-batch that is one share of a larger mini-batch divides by the mini-batch's sample count
+    assert math.isclose(agg(x, mask, "seq-mean-token-mean", seqs=4).item(), (2 + 4) / 4)
+    halves = agg(x[:1], mask[:1], "seq-mean-token-sum", seqs=2) + agg(x[1:], mask[1:], "seq-mean-token-sum", seqs=2)
+    assert torch.allclose(halves, agg(x, mask, "seq-mean-token-sum"))
+
+
+def test_clip_higher_by_hand():
+    lp = torch.log(torch.tensor([[1.5, 0.5]]))
+    adv = torch.tensor([[1.0, -1.0]])
+    # ratio 1.5 with A>0 clips at 1 + high; 0.5 with A<0 clips at 1 - low
+    loss, clipfrac, _ = algorithms.policy_loss(lp, torch.zeros(1, 2), adv, torch.ones(1, 2), 0.1, clip_ratio_high=0.28)
+    assert math.isclose(loss.item(), (-1.28 + 0.9) / 2, rel_tol=1e-6) and math.isclose(clipfrac.item(), 1.0)
+    same = algorithms.policy_loss(lp, torch.zeros(1, 2), adv, torch.ones(1, 2), 0.2, clip_ratio_high=0.2)
+    assert torch.equal(same[0], algorithms.policy_loss(lp, torch.zeros(1, 2), adv, torch.ones(1, 2), 0.2)[0])
+
+
+def test_gspo_sequence_ratio_by_hand():
+    # sample 0: log-ratios 0.2 and 0.0 -> sequence ratio exp(0.1) on both tokens; sample 1: one token, log-ratio -1
+    lp = torch.tensor([[0.2, 0.0], [-1.0, 7.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([[1.0, 1.0], [-1.0, 0.0]])
+    loss, clipfrac, _ = algorithms.policy_loss(lp, torch.zeros(2, 2), adv, mask, 0.2, loss_mode="gspo")
+    r0 = math.exp(0.1)
+    # token-mean of -A*s: sample 0 unclipped (-r0 each), sample 1 clipped at 0.8: max(e^-1, 0.8) = 0.8
+    assert math.isclose(loss.item(), (-r0 - r0 + 0.8) / 3, rel_tol=1e-6)
+    assert math.isclose(clipfrac.item(), 1 / 3, rel_tol=1e-6)
+    loss.backward()
+    # GSPO-token: each token's gradient is its sequence ratio times its own log-prob's (-A * s / 3 here)
+    assert torch.allclose(lp.grad, torch.tensor([[-r0 / 3, -r0 / 3], [0.0, 0.0]]), atol=1e-6)
+    tok, _, _ = algorithms.policy_loss(lp.detach(), torch.zeros(2, 2), adv, mask, 0.2)
+    assert not math.isclose(tok.item(), loss.item())

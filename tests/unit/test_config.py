@@ -32,7 +32,12 @@ def test_file_then_overrides(tmp_path):
     "override, message",
     [
         ("trainer.totl_steps=5", "unknown config key 'trainer.totl_steps'; did you mean 'trainer.total_steps'?"),
-        ("algorithm.name=sac", "algorithm.name must be one of grpo, ppo; got 'sac'"),
+        ("algorithm.name=sac", "algorithm.name must be one of grpo, rloo, reinforce_plus_plus, ppo; got 'sac'"),
+        ("algorithm.loss_agg_mode=sum", "algorithm.loss_agg_mode must be one of token-mean, seq-mean-token-sum, "
+                                        "seq-mean-token-mean, seq-mean-token-sum-norm; got 'sum'"),
+        ("model.actor.loss_mode=gpo", "model.actor.loss_mode must be one of vanilla, gspo; got 'gpo'"),
+        ("model.actor.clip_ratio_low=1.5", "model.actor.clip_ratio_low must be between 0.0 and 1.0, got 1.5"),
+        ("model.actor.clip_ratio_high=-0.1", "model.actor.clip_ratio_high must be at least 0.0, got -0.1"),
         ("trainer.total_steps=abc", "trainer.total_steps must be an integer, got 'abc'"),
         ("trainer.total_steps=0", "trainer.total_steps must be positive, got 0"),
         ("distributed.zero_stage=4", "distributed.zero_stage must be between 0 and 3, got 4"),
@@ -58,6 +63,16 @@ def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
         make_config(None, [override])
     assert message in str(e.value)
+
+
+def test_rloo_needs_groups_and_the_new_keys_default_to_todays_behaviour():
+    with pytest.raises(ConfigError) as e:
+        make_config(None, ["algorithm.name=rloo", "rollout.n=1"])
+    assert str(e.value) == "rollout.n must be at least 2 for rloo (advantages are relative within a group)"
+    make_config(None, ["algorithm.name=reinforce_plus_plus", "rollout.n=1"])  # no groups needed
+    cfg = make_config(None, [])
+    assert (cfg.algorithm.loss_agg_mode, cfg.model.actor.loss_mode) == ("token-mean", "vanilla")
+    assert cfg.model.actor.clip_ratio_low is None and cfg.model.actor.clip_ratio_high is None
     assert "\n" not in str(e.value)
 
 
@@ -141,3 +156,16 @@ def test_keys_added_since_a_run_began_keep_its_behaviour_and_mapping_keys_take_t
     assert check_change(old.to_stored(), make_config(None, ["trainer.checkpoint_policy_kwargs={every: 3}"], base=old.to_stored()),
                         allow_live=False, how="resume") == ["trainer.checkpoint_policy_kwargs.every"]
     assert kwargs.trainer.checkpoint_policy_kwargs == {"every": 3}
+
+
+def test_a_whatif_may_change_the_estimator_among_those_without_a_critic():
+    from verlj.engine.config import check_whatif
+
+    old = make_config(None, []).to_dict()
+    changed = check_whatif(old, make_config(None, ["algorithm.name=rloo", "model.actor.loss_mode=gspo", "model.actor.clip_ratio_high=0.3",
+                                                   "algorithm.loss_agg_mode=seq-mean-token-mean"]))
+    assert sorted(changed) == ["algorithm.loss_agg_mode", "algorithm.name", "model.actor.clip_ratio_high", "model.actor.loss_mode"]
+    for a, b in (("grpo", "ppo"), ("ppo", "reinforce_plus_plus")):
+        with pytest.raises(ConfigError) as e:
+            check_whatif(make_config(None, [f"algorithm.name={a}"]).to_dict(), make_config(None, [f"algorithm.name={b}"]))
+        assert str(e.value).startswith(f"algorithm.name cannot change from {a} to {b} in a what-if: ppo trains a critic")

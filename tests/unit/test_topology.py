@@ -31,6 +31,7 @@ def test_global_mini_batches_are_the_same_at_any_world_size(mini):
             union = sorted(i for rows, m in per_rank for i in rows[m[k].start : m[k].stop])
             assert union == one_rows[whole.start : whole.stop]  # the same samples form mini-batch k
             assert all(m[k].tokens == whole.tokens for _, m in per_rank)  # divided by the same token count
+            assert all(m[k].seqs == whole.seqs == whole.stop - whole.start for _, m in per_rank)  # and sample count
             assert whole.tokens == sum(len(s[i].response_ids) for i in one_rows[whole.start : whole.stop])
 
 
@@ -58,6 +59,19 @@ def test_global_token_loss_has_the_same_gradient_however_it_is_split():
     for rows in ((0, 2), (2, 4), (4, 6), (6, 8)):
         (algorithms.masked_mean(x[rows[0] : rows[1]], mask[rows[0] : rows[1]]) / 4).backward()
     assert not torch.allclose(x.grad, whole)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_sequence_level_losses_have_the_same_gradient_however_they_are_split(mode):
+    torch.manual_seed(0)
+    x = torch.randn(8, 5, dtype=torch.float64, requires_grad=True)
+    mask = (torch.rand(8, 5) > 0.3).double()
+    algorithms.agg_loss(x, mask, mode, norm_len=5.0).backward()
+    whole = x.grad.clone()
+    x.grad = None
+    for rows in ((0, 2), (2, 4), (4, 6), (6, 8)):  # 2 ranks x 2 micro-batches, each dividing by the 8 samples
+        algorithms.agg_loss(x[rows[0] : rows[1]], mask[rows[0] : rows[1]], mode, 1.0, 8, 5.0).backward()
+    assert torch.allclose(x.grad, whole, rtol=0, atol=1e-15)
 
 
 def test_global_masked_mean_adds_every_ranks_tokens():
