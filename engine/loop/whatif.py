@@ -67,8 +67,8 @@ class WhatifSource:
         """Step `step`'s inputs from RUN's journal, its samples scored again, and whether the update
         corrects for the policy that generated them no longer being the one it starts from (the state
         now differs from RUN's after step - 1): the async objective's truncated importance weights."""
-        from ..rl import samples as sample_codec
         from ..rl.trainer import StepInputs
+        from ..schema import sample as sample_codec
 
         trainer = self.run.trainer
 

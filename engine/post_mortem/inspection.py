@@ -33,7 +33,8 @@ from ..config import config_from_stored, diff_configs
 from ..errors import RunError
 from ..loop import archive
 from ..loop.ledger import Counterfactual, Ledger, LineageEntry, ParentRun, TopologyChange, open_run, writer_dir
-from ..rl import samples as table
+from ..rl.vocab import text_decoder
+from ..schema import table
 from ..schema.events import ConfigChange, Control, ControlKind, Eval, Metrics, Requests, Rollout, StepEvents
 from ..schema.sample import Columns, Sample
 from ..state.manifest import check_snapshot
@@ -369,7 +370,7 @@ class SampleLine:
 
     @classmethod
     def of(cls, row: dict) -> SampleLine:
-        """A row of the rollout table (rl.samples.rows)."""
+        """A row of the rollout table (schema.table.rows)."""
         text = {name: row[name] or row[f"{name}_ids"] for name in table.TEXT}
         return cls(**{f.name: row[table.TABLE_NAMES.get(f.name, f.name)] for f in fields(cls) if f.name not in text and f.name != "episode"},
                    **text)
@@ -501,7 +502,7 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
         check_range(ledger, step)
         record = ledger.journal.read_step(step)
         ev = StepEvents.of(record)
-        decoder = table.text_decoder(ledger.config_at(step))
+        decoder = text_decoder(ledger.config_at(step))
         cols = None
         if record.pruned:
             cols = archive.Reader(run_dir, ledger).step_columns(step)

@@ -4,7 +4,7 @@
     verlj export RUN --rollouts --steps 100:200 --format jsonl --output r.jsonl
     verlj export RUN --rollouts --turns --output turns.parquet       # episodes: one row per turn
 
-The table's columns are rl.samples' (its one schema of a sample; a run of episodes, rollout.env, has
+The table's columns are schema.table's (its one schema of a sample; a run of episodes, rollout.env, has
 the episode's columns too: ``turns``, ``env_end``, ``env_reason``, ``env_seed``, ...), plus each sample's
 fate, derived here from the journal: ``status`` (consumed | dropped | pending) and ``status_step`` (when).
 ``--turns`` writes one row per turn instead (schema.table.TURN_COLUMNS, then the fate).
@@ -25,26 +25,26 @@ import numpy as np
 from ..config import config_from_stored
 from ..errors import RunError
 from ..loop import archive
+from ..loop.archive import ran_episodes
 from ..loop.ledger import open_run
-from ..rl.samples import (
+from ..rl.vocab import text_decoder
+from ..schema.events import DropReason, StepEvents
+from ..schema.table import (
     arrow_schema,
     parquet_options,
-    ran_episodes,
     require_pyarrow,
     rows,
     step_columns,
-    text_decoder,
     to_arrow,
     turn_rows,
     turn_schema,
 )
-from ..schema.events import DropReason, StepEvents
 from .steps import parse_steps, ranges
 
 
 class Fate(NamedTuple):
     """What became of a sample: ``status`` (consumed | dropped | stale) and the step it happened at.
-    A tuple: rl.samples.to_arrow reads it as (status, step)."""
+    A tuple: schema.table.to_arrow reads it as (status, step)."""
 
     status: str
     step: int

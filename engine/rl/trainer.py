@@ -27,7 +27,8 @@ from ..config import Config, ConfigError
 from ..dist import Runtime
 from ..errors import ModelError, ReplayError, RunError
 from ..schema import events as ev
-from ..schema.sample import GroupInFlight
+from ..schema import sample as sample_codec
+from ..schema.sample import Columns, EnvEnd, GroupInFlight, Sample
 from ..state.fingerprint import fingerprint as state_fingerprint
 from ..state.fingerprint import state_leaves
 from ..state.seeding import derive_seed, rng_digest, seed_globals
@@ -35,7 +36,6 @@ from ..state.stage_recorder import StageRecorder
 from ..state.stages import combine
 from ..state.stateful import check_version
 from . import algorithms
-from . import samples as sample_codec
 from .buffer import RolloutBuffer
 from .data import Example, Sampler, check_identity, load_data
 from .envs import load_env, row_of
@@ -44,7 +44,6 @@ from .models import BUILTIN_TINY, ValueModel, load_causal_lm, load_reward_model,
 from .rewards import load_reward_fn, reward_model_scores, rule_rewards
 from .rollout import RolloutEngine, make_engine
 from .sampler import sample_seeded, sampling_params
-from .samples import Columns, EnvEnd, Sample
 from .tasks import TaskScorer
 from .workers import ActorWorker, CriticWorker, collate, shard_batch
 

@@ -19,10 +19,10 @@ from verlj.journal.failpoints import failpoint
 
 from ..config import Config, OptimConfig
 from ..dist import Runtime
+from ..schema.sample import Sample
 from ..state.bitflip import flip_one_bit
 from ..state.fingerprint import group_sums
 from . import algorithms
-from .samples import Sample
 
 
 def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int, n_params: int) -> dict:
