@@ -33,6 +33,7 @@ from ..config import config_from_stored, diff_configs
 from ..errors import RunError
 from ..loop import archive
 from ..loop.ledger import Counterfactual, Ledger, LineageEntry, ParentRun, TopologyChange, open_run, writer_dir
+from ..loop.reader import StepReader
 from ..rl.vocab import text_decoder
 from ..schema import table
 from ..schema.events import ConfigChange, Control, ControlKind, Eval, Metrics, Requests, Rollout, StepEvents
@@ -234,9 +235,11 @@ def _writer(run_dir: Path) -> Writer | None:
     from verlj.journal.claim import current
 
     found = current(writer_dir(run_dir))
-    if found is None or found[1] is None:
+    if found is None:
         return None
     epoch, data = found
+    if data is None:
+        return None
     return Writer(epoch, **{f.name: data.get(f.name) for f in fields(Writer)[1:]})
 
 
@@ -290,7 +293,7 @@ def render_summary(s: RunSummary) -> str:
                         f"{cf.run} (not drawn by this run's policy), changed: {changed}")
     if s.snapshots:
         lines.append("snapshots  " + "  ".join(
-            f"{x.name}{'' if x.valid else ' ✗ ' + x.problem}{'' if x.indexed else ' (unindexed)'}" for x in s.snapshots))
+            f"{x.name}{'' if x.valid else f' ✗ {x.problem}'}{'' if x.indexed else ' (unindexed)'}" for x in s.snapshots))
     else:
         lines.append("snapshots  none")
     if s.writer:
@@ -317,8 +320,8 @@ def render_summary(s: RunSummary) -> str:
                          f"at {entry.time}{changes}")
             if entry.versions_changed:
                 lines.append(f"versions   changed at that resume: {', '.join(entry.versions_changed)}")
-    for entry in s.topology:
-        lines.append(f"topology   {topology_line(entry)}")
+    for change in s.topology:
+        lines.append(f"topology   {topology_line(change)}")
     for pr in (_view(Probe, x) for x in s.probes):
         span = f"steps {pr.steps[0]}–{pr.steps[1]} ({pr.count})" if pr.steps else "no steps"
         lines.append(f"probe      {pr.probe} version {pr.version}: {span}, as probe/{pr.probe}/… (verlj replay --probe)")
@@ -500,7 +503,7 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
     note = None
     with open_run(run_dir) as ledger:
         check_range(ledger, step)
-        record = ledger.journal.read_step(step)
+        record = StepReader(ledger.journal).read(step)
         ev = StepEvents.of(record)
         decoder = text_decoder(ledger.config_at(step))
         cols = None
@@ -509,12 +512,14 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
             note = (f"samples pruned from the journal (journal.retain_samples); shown from {archive.ARCHIVE_DIR}/"
                     if cols is not None else "samples pruned from the journal (journal.retain_samples) and not archived")
         elif ev.added is not None:
+            assert ev.added.samples is not None  # not pruned
             cols = table.step_columns(step, ev.added.samples, decoder)
     episodes = cols is not None and table.TURNS in cols
     samples = [SampleLine.of(r) for r in table.rows(cols, episodes)] if cols is not None else []
     if ev.added is not None and ev.added.samples is not None:  # episodes (rollout.env): each turn's action, observation, reward
         samples = [line.with_episode(s, decoder) for line, s in zip(samples, Columns(ev.added.samples).samples())]
     elif episodes:  # pruned: as the archive holds them
+        assert cols is not None  # episodes: the archive's columns
         samples = [replace(line, episode=EpisodeLine.of_row(r)) for line, r in zip(samples, table.rows(cols, episodes))]
     if max_samples is not None:
         samples = samples[:max_samples]
@@ -568,11 +573,11 @@ def render_step(d: StepDetail) -> str:
     for k in sorted(m):
         lines.append(f"  {k:32s} {m[k]:.6g}")
     if d.probe_metrics:
-        versions = {p.probe: p.version for p in (_view(Probe, x) for x in d.probes)}
+        probe_versions = {p.probe: p.version for p in (_view(Probe, x) for x in d.probes)}
         lines.append("probes     (computed afterwards by verlj replay --probe; not in the journal)")
         for k in sorted(d.probe_metrics):
             name = k.split("/")[1]
-            lines.append(f"  {k:32s} {d.probe_metrics[k]:.6g}  (version {versions.get(name)})")
+            lines.append(f"  {k:32s} {d.probe_metrics[k]:.6g}  (version {probe_versions.get(name)})")
     return "\n".join(lines)
 
 
@@ -646,6 +651,7 @@ class Condition:
             return math.isinf(v)
         if self.op == "not finite":
             return not math.isfinite(v)
+        assert self.value is not None  # NAME OP NUMBER
         return _OPS[self.op](v, self.value)
 
 
@@ -798,6 +804,7 @@ class Difference:
 
     def reexecuted(self, element: dict | None) -> Difference:
         """With the first differing element of the first differing stage, from both runs' step re-executed."""
+        assert self.detail.stages is not None  # a stage differs
         st = replace(self.detail.stages, element=_view(ElementDifference, element) if element is not None else None,
                      compared=True, reexecuted=True)
         return replace(self, detail=replace(self.detail, stages=st))
@@ -874,7 +881,7 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> Difference
             same = _comparable(sx) == _comparable(sy)
             if same and not full:
                 continue
-            ra, rb = ja.journal.read_step(step), jb.journal.read_step(step)
+            ra, rb = StepReader(ja.journal).read(step), StepReader(jb.journal).read(step)
             pruned = ra.pruned or rb.pruned  # samples gone on one side: compare what both still hold
             fa, fb = StepEvents.of(ra), StepEvents.of(rb)
             ea, eb = _comparable(fa, pruned), _comparable(fb, pruned)
@@ -924,7 +931,7 @@ def _first_sample_difference(ea: StepEvents, eb: StepEvents, stage: str) -> Samp
     """The first consumed sample (in the order the update took them) whose `stage` field differs."""
 
     def consumed(ev: StepEvents):
-        by_id = {s.id: s for s in Columns(ev.added.samples).samples()} if ev.added is not None else {}
+        by_id = {s.id: s for s in Columns(ev.added.samples).samples()} if ev.added is not None and ev.added.samples is not None else {}
         return [by_id.get(int(i)) for i in (ev.consumed.ids if ev.consumed is not None else ())]
 
     field_of = {"data": "index", "samples": "response_ids", "scores": "score", "ref_logprobs": "ref_logprobs"}[stage]
@@ -948,7 +955,10 @@ def _step_samples(record, reader) -> dict | None:
     retention pruned them (None when it does not hold them, or pyarrow is missing)."""
     if not record.pruned:
         add = StepEvents.of(record).added
-        return table.step_columns(record.step, add.samples, None) if add is not None else {}
+        if add is None:
+            return {}
+        assert add.samples is not None  # not pruned
+        return table.step_columns(record.step, add.samples, None)
     try:
         return reader.step_columns(record.step)
     except RunError:
@@ -1005,6 +1015,7 @@ def render_diff(d: Difference, a: Path, b: Path) -> str:
     if d.identical:
         return "\n".join([f"identical: {a} and {b} agree on all {d.steps_a} steps (timings aside){unseen}", *config])
     if d.differs == ["length"]:
+        assert d.step is not None  # the first step one run lacks
         return "\n".join([f"the runs agree up to step {d.step - 1}; {a} has {d.steps_a} steps, {b} has {d.steps_b}", *config])
     lines = [f"first difference at step {d.step}: " + ", ".join(_NAMES.get(k, k) for k in d.differs), *config]
     for history, run in zip(d.topology or ((), ()), (a, b)):
@@ -1017,13 +1028,13 @@ def render_diff(d: Difference, a: Path, b: Path) -> str:
             return f"mean {x.mean:.6g}, |max| {x.absmax:.6g}" if x else "digest only"
         lines.append(f"  first differing stage: {st.stage} ({summary(st.summary_a)} vs {summary(st.summary_b)})")
         e = st.element
-        if e and st.reexecuted:
+        if isinstance(e, ElementDifference) and st.reexecuted:
             at = f"[{e.index}]" if e.index is not None else ""
             lines.append(f"    {e.part}{at}: {e.a!r} vs {e.b!r} (largest difference {e.largest_abs_diff!r}; "
                          f"both runs' step {d.step} re-executed)")
         elif st.reexecuted:
             lines.append(f"    re-executed, both runs' step {d.step} give the same {st.stage}: the difference is in the journal only")
-        elif e:
+        elif isinstance(e, SampleDifference):
             lines.append(f"    consumed sample #{e.consumed} (ids {e.sample_a} / {e.sample_b}) {e.field}[{e.index}]: "
                          f"{e.a!r} vs {e.b!r} (largest difference {e.largest_abs_diff!r})")
     for k, (va, vb) in list((d.detail.metrics or {}).items())[:12]:
