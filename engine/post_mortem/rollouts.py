@@ -160,6 +160,7 @@ def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[
             added = StepEvents.of(record).added
             if added is None:
                 continue
+            assert added.samples is not None  # read with its payload, not pruned
             cfg = ledger.config_at(step)
             key = json.dumps(config_from_stored(cfg).model.actor.model_name_or_path)
             if key not in decoders:

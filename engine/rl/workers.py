@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -265,7 +266,9 @@ class UpdateStats:
 class _Stepper:
     """engine.step() for a worker, clipping TP gradients itself where DeepSpeed cannot (verlj_clips)."""
 
-    engine: object
+    engine: Any  # deepspeed.DeepSpeedEngine (DeepSpeed is read as Any)
+    cfg: Config
+    rt: Runtime
     full_shapes: dict
     optim: OptimConfig  # the worker's own optimizer section (actor or critic)
     stage_losses: list
