@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..schema.sample import Sample
-    from .inspection import Difference
+    from .diff import Difference
 
 REPRODUCED, DIFFERS, NOT_CHECKED = "reproduced", "differs", "not checked"  # a step's verdict
 PERSISTENT, TRANSIENT = "persistent", "transient"  # a difference's kind
@@ -311,11 +311,11 @@ def stage_values(run_dir: Path, step: int, stage: str) -> list[tuple[str, np.nda
 
 
 def diff_stages(run_a: Path, run_b: Path, full: bool = False) -> Difference:
-    """`verlj diff --stages`: inspection.first_difference, and where the first differing stage is one
+    """`verlj diff --stages`: diff.first_difference, and where the first differing stage is one
     the journal holds only digests of (log-probs, advantages, loss, gradients, state), both runs'
     step re-executed from their snapshots to name the first differing element."""
     from ..state.stages import first_element_difference
-    from .inspection import JOURNALED_STAGES, first_difference
+    from .diff import JOURNALED_STAGES, first_difference
 
     d = first_difference(run_a, run_b, full)
     st = d.detail.stages
