@@ -30,7 +30,8 @@ from ..rl.vocab import text_decoder
 from ..schema import table as samples
 from ..schema.events import StepEvents
 from ..state.manifest import fsync_dir, fsync_file
-from .ledger import ArchiveEntry
+from .reader import StepReader
+from .records import ArchiveEntry
 
 ARCHIVE_DIR = "rollouts"
 ROW_GROUP_BYTES = 64 << 20  # in memory, before encoding: bounds the writer's memory, whatever the interval
@@ -83,7 +84,7 @@ def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
             pending.clear()
 
     with pq.ParquetWriter(tmp, schema, **samples.parquet_options(schema)) as w:
-        for record in ledger.journal.iter_steps(first, last):
+        for record in StepReader(ledger.journal).records(first, last):
             if record.pruned:
                 continue  # pruned by an earlier retention policy that did not archive
             added = StepEvents.of(record).added

@@ -8,7 +8,8 @@ Every command that reads a run's steps back reads them here: replay, and through
 `replay --to-step`, `rerun`, `diff --stages` and the probes, applies what :meth:`StepReader.walk` yields
 (recovery.apply_steps: the same ``take`` and ``apply`` live training runs); a what-if reads its parent's
 steps with :meth:`StepReader.read` where ``collect`` stands; ``inspect --step`` and ``diff`` read
-them without applying. Only rank 0 opens the journal; with a runtime, each record reaches the other
+them without applying, `export --rollouts` and the rollout archive scan them with
+:meth:`StepReader.records`. Only rank 0 opens the journal; with a runtime, each record reaches the other
 ranks through ``Runtime.from_rank0`` (a failure is raised on every rank, so none is left waiting).
 Importing this module loads no torch.
 """
@@ -55,6 +56,13 @@ class StepReader:
             return record
 
         return self._share(one, what or f"reading step {step} from the journal")
+
+    def records(self, start: int | None = None, stop: int | None = None, payload: bool = True) -> Iterator[StepRecord]:
+        """The records the journal holds for start <= step <= stop (None: from its first, to its last),
+        pruned ones included, read here without checks (this process alone: the post-mortem readers,
+        the archive). payload=False: without the samples, which are then not even decompressed."""
+        assert self.rt is None, "records are read by the process that reads them; a replay walks"
+        return self._journal().iter_steps(start, stop, payload)
 
     def walk(self, start: int, stop: int) -> Iterator[StepRecord]:
         """The records of steps start..stop (inclusive), streamed (memory does not grow with the

@@ -27,6 +27,7 @@ from ..errors import RunError
 from ..loop import archive
 from ..loop.archive import ran_episodes
 from ..loop.ledger import open_run
+from ..loop.reader import StepReader
 from ..rl.vocab import text_decoder
 from ..schema.events import DropReason, StepEvents
 from ..schema.table import (
@@ -54,7 +55,7 @@ def sample_fates(ledger, start: int | None, stop: int | None) -> dict[int, Fate]
     """sample id -> its Fate, from the records' small events (payloads not read).
     Scans from `start` to the end of the run: a sample's fate comes at or after the step that made it."""
     fates: dict[int, Fate] = {}
-    for record in ledger.journal.iter_steps(start, None, payload=False):
+    for record in StepReader(ledger.journal).records(start, None, payload=False):
         ev = StepEvents.of(record)
         for status, ids in _fated(ev):
             for sid in ids.tolist():
@@ -109,7 +110,7 @@ def group_accounting(ledger) -> Accounting | None:
     unasked: list[int] = []
     fate_twice: list[int] = []
     unarrived: list[int] = []
-    for record in ledger.journal.iter_steps(None, None, payload=False):
+    for record in StepReader(ledger.journal).records(None, None, payload=False):
         ev = StepEvents.of(record)
         if ev.requests is not None:
             starts += ev.requests.groups.tolist()
@@ -149,7 +150,7 @@ def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[
     decoders: dict = {}
     missing: list[int] = []
     arch = archive.Reader(run_dir, ledger)
-    for record in ledger.journal.iter_steps(start, stop):
+    for record in StepReader(ledger.journal).records(start, stop):
         step = record.step
         if record.pruned:
             cols = arch.step_columns(step)
