@@ -53,8 +53,7 @@ from .diff import (  # noqa: F401 - `verlj diff`'s answer, re-exported from wher
     render_diff,
 )
 from .steps import parse_steps
-from .views import TIMING as TIMING
-from .views import _json, _view, topology_line
+from .views import TIMING, Deviation, _json, _view, topology_line  # noqa: F401 - TIMING and Deviation: importable from here as before
 
 REWARD = "critic/score/mean"  # the summary's trend
 PG_LOSS = "actor/pg_loss"
