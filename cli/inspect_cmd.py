@@ -145,10 +145,10 @@ def diff(
     """The first step where two runs' journals differ, and what differs there. Exit 1 if they differ; a
     difference in library versions alone is named and exits 0 (--strict-env: 1)."""
     quiet_libraries()
-    from verlj.engine.post_mortem import inspection
+    from verlj.engine.post_mortem import diff as differ
 
     echo: Callable[[str], None] = typer.echo
-    compare = inspection.first_difference
+    compare = differ.first_difference
     if stages:  # the re-execution loads DeepSpeed, which prints: stdout stays this command's
         from verlj.engine.dist import prepare_accelerator
 
@@ -156,7 +156,7 @@ def diff(
         echo = data_stdout()
         from verlj.engine.post_mortem.rerun import diff_stages as compare
     d = guarded(lambda: compare(run_a, run_b, full))
-    echo(json.dumps(_jsonable(d.to_json()), indent=2) if as_json else inspection.render_diff(d, run_a, run_b))
+    echo(json.dumps(_jsonable(d.to_json()), indent=2) if as_json else differ.render_diff(d, run_a, run_b))
     raise typer.Exit(0 if d.identical and not (strict_env and d.environment) else 1)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import json
 import math
 import types
@@ -57,6 +58,113 @@ def topology(default):
     return field(default=default, metadata={"policy": TOPOLOGY})
 
 
+# ----------------------------------------------------------------------------- the choices
+
+
+class Choice(str, enum.Enum):
+    """The values a config key may take. A member is its YAML value: it compares, hashes, prints and is
+    stored as that string (`Config.to_dict` gives the plain strings); a value outside them is read as
+    the string it is, and refused by the section's validate in the words it always had (_choice)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Device(Choice):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Precision(Choice):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class StateDigest(Choice):
+    SUM64 = "sum64"
+    BLAKE3 = "blake3"
+
+
+class AlgorithmName(Choice):
+    GRPO = "grpo"
+    RLOO = "rloo"
+    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
+    PPO = "ppo"
+
+
+class LossAggMode(Choice):
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+
+
+class LossMode(Choice):
+    VANILLA = "vanilla"
+    GSPO = "gspo"
+
+
+class LossNormalization(Choice):
+    GLOBAL_TOKENS = "global_tokens"
+    MICRO_BATCH = "micro_batch"
+
+
+class Vocab(Choice):
+    AUTO = "auto"
+    DIGITS = "digits"
+    ASCII = "ascii"
+
+
+class EngineName(Choice):
+    HF = "hf"
+    VLLM = "vllm"
+
+
+class AnswerFormat(Choice):
+    TEXT = "text"
+    ANSWER_TAG = "answer_tag"
+
+
+class Mode(Choice):
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+class Order(Choice):
+    STEP = "step"
+    COMPLETION = "completion"
+
+
+class Fleet(Choice):
+    NONE = "none"
+    RAY = "ray"
+
+
+class Backend(Choice):
+    AUTO = "auto"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class Placement(Choice):
+    PACK = "pack"
+    SPREAD = "spread"
+
+
+class Progress(Choice):
+    AUTO = "auto"
+    BAR = "bar"
+    LINES = "lines"
+    OFF = "off"
+
+
 # ----------------------------------------------------------------------------- sections
 
 
@@ -71,16 +179,16 @@ class TrainerConfig:
     checkpoint_policy_kwargs: dict = field(default_factory=dict, metadata={"policy": BOOKKEEPING})  # its constructor's arguments
     async_save: bool = bookkeeping(False)  # write snapshots in the background
     eval_interval: int = bookkeeping(0)  # score the policy on the held-out prompts every N steps (0 = never; data.eval_size)
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = Device.AUTO  # auto | cpu | cuda
     # fp32 | bf16 (DeepSpeed's bf16 configuration: bf16 weights and compute, fp32 master weights and Adam state in
     # the optimizer, which snapshots and fingerprints cover; killed and resumed bit-identical, on CPU too)
-    precision: str = "fp32"
+    precision: Precision = Precision.FP32
     num_threads: int = 1  # torch intra-op threads per rank (fixed for reproducibility)
     deterministic: bool = True  # torch.use_deterministic_algorithms(True)
     # the per-step state fingerprint: sum64 (position-weighted int64 sums computed where the tensors
     # live: a few bytes a tensor leave the device) | blake3 (every tensor copied to the host and
     # hashed: runs made before sum64 keep it)
-    state_digest: str = "sum64"
+    state_digest: StateDigest = StateDigest.SUM64
     # a plain `verlj train` supervises the process that trains and restarts it with --resume when it
     # dies (killed, crashed) at most N times; one command's choice, never stored with the run (under
     # torchrun: `torchrun --max-restarts N`, each restart resumes by itself)
@@ -97,16 +205,16 @@ class TrainerConfig:
                 and int(self.resume_from) < 0:
             raise ConfigError(f"trainer.resume_from must be null, auto, a snapshot path or a step number >= 0, got {self.resume_from}")
         _positive("trainer.num_threads", self.num_threads)
-        _choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
-        _choice("trainer.precision", self.precision, ("fp32", "bf16"))
-        _choice("trainer.state_digest", self.state_digest, ("sum64", "blake3"))
+        _choice("trainer.device", self.device, Device)
+        _choice("trainer.precision", self.precision, Precision)
+        _choice("trainer.state_digest", self.state_digest, StateDigest)
 
 
 @dataclass
 class AlgorithmConfig:
     # the advantage estimator (verl's algorithm.adv_estimator): grpo | rloo | reinforce_plus_plus | ppo
     # (GAE with a critic); see docs/concepts/algorithms.md
-    name: str = "grpo"
+    name: AlgorithmName = AlgorithmName.GRPO
     gamma: float = live(1.0)  # PPO: discount for GAE; REINFORCE++: for the returns
     lam: float = live(0.95)  # PPO: GAE lambda
     kl_coef: float = live(0.0)  # PPO, REINFORCE++: KL-to-reference penalty folded into token rewards
@@ -119,16 +227,15 @@ class AlgorithmConfig:
     # global_tokens: each mini-batch's loss is the token-mean over all its samples on all ranks, the
     # same objective at any world size | micro_batch: each micro-batch's own token-mean (runs made
     # before verlj had this key; their objective changes with the split, so they resume on the same topology)
-    loss_normalization: str = "global_tokens"
+    loss_normalization: LossNormalization = LossNormalization.GLOBAL_TOKENS
     # how the actor's per-token losses become one (verl's loss_agg_mode): token-mean | seq-mean-token-sum |
     # seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO: token sums over samples x rollout.max_response_length)
-    loss_agg_mode: str = live("token-mean")
+    loss_agg_mode: LossAggMode = live(LossAggMode.TOKEN_MEAN)
 
     def validate(self) -> None:
-        _choice("algorithm.name", self.name, ("grpo", "rloo", "reinforce_plus_plus", "ppo"))
-        _choice("algorithm.loss_agg_mode", self.loss_agg_mode,
-                ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
-        _choice("algorithm.loss_normalization", self.loss_normalization, ("global_tokens", "micro_batch"))
+        _choice("algorithm.name", self.name, AlgorithmName)
+        _choice("algorithm.loss_agg_mode", self.loss_agg_mode, LossAggMode)
+        _choice("algorithm.loss_normalization", self.loss_normalization, LossNormalization)
         _range("algorithm.gamma", self.gamma, 0.0, 1.0)
         _range("algorithm.lam", self.lam, 0.0, 1.0)
         _at_least("algorithm.kl_coef", self.kl_coef, 0.0)
@@ -163,12 +270,12 @@ class TinyModelConfig:
     intermediate_size: int = 128  # built-in tiny Llama: MLP width
     # its character vocabulary: digits (0-9 + - * = and space: the built-in task) | ascii (printable
     # ASCII and newline) | auto (digits for builtin:add, ascii for any other dataset)
-    vocab: str = "auto"
+    vocab: Vocab = Vocab.AUTO
 
     def validate(self) -> None:
         for k in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
             _positive(f"model.tiny.{k}", getattr(self, k))
-        _choice("model.tiny.vocab", self.vocab, ("auto", "digits", "ascii"))
+        _choice("model.tiny.vocab", self.vocab, Vocab)
         if self.hidden_size % self.num_heads:
             raise ConfigError("model.tiny.hidden_size must be a multiple of model.tiny.num_heads")
 
@@ -184,7 +291,7 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = live(None)  # the ratio's lower clip, 1 - this (null = clip_ratio)
     clip_ratio_high: Optional[float] = live(None)  # its upper clip, 1 + this (DAPO's clip-higher; null = clip_ratio)
     # the policy loss (verl's policy_loss.loss_mode): vanilla (PPO's clipped token ratios) | gspo (GSPO's sequence ratio)
-    loss_mode: str = live("vanilla")
+    loss_mode: LossMode = live(LossMode.VANILLA)
     entropy_coeff: float = live(0.0)  # entropy bonus weight
     use_kl_loss: bool = live(True)  # GRPO, RLOO, REINFORCE++: KL-to-reference term in the loss (k3 estimator)
     kl_loss_coef: float = live(0.01)  # GRPO, RLOO, REINFORCE++: weight of that term
@@ -199,7 +306,7 @@ class ActorConfig:
             _range("model.actor.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0)
         if self.clip_ratio_high is not None:
             _at_least("model.actor.clip_ratio_high", self.clip_ratio_high, 0.0)
-        _choice("model.actor.loss_mode", self.loss_mode, ("vanilla", "gspo"))
+        _choice("model.actor.loss_mode", self.loss_mode, LossMode)
         _at_least("model.actor.kl_loss_coef", self.kl_loss_coef, 0.0)
 
 
@@ -293,20 +400,20 @@ class RolloutConfig:
     # auto (the dataset's own scorer: builtin:add for builtin:add, reasoning_gym for reasoning_gym:...) |
     # builtin:add | reasoning_gym (the task's own score_answer) | module:function(prompt, response, answer) -> float
     reward_fn: str = live("auto")
-    answer_format: str = live("text")  # what a scorer gets of the response: text (all of it, stripped) | answer_tag (inside the last <answer></answer>)
+    answer_format: AnswerFormat = live(AnswerFormat.TEXT)  # what a scorer gets of the response: text (all of it, stripped) | answer_tag (inside the last <answer></answer>)
     eval_temperature: float = bookkeeping(0.0)  # sampling temperature of the eval pass (0 = greedy)
-    engine: str = live("hf")  # hf (verlj's KV-cached sampler) | vllm (a colocated vLLM engine: pip install -e '.[vllm]')
+    engine: EngineName = live(EngineName.HF)  # hf (verlj's KV-cached sampler) | vllm (a colocated vLLM engine: pip install -e '.[vllm]')
     gpu_memory_utilization: float = bookkeeping(0.5)  # vllm on GPU: the share of GPU memory vLLM takes (on CPU, KV memory is sized to the batch)
     # sync: each step generates its own batch, then trains on it | async: a generator process beside
     # the trainer generates the batch of step s+k while step s trains (docs/guides/async.md)
-    mode: str = "sync"
+    mode: Mode = Mode.SYNC
     max_staleness: Optional[int] = None  # async: k, the policy versions a trained sample may lag (>= 1; null = 1)
     # async: step (deterministic: step s trains on version max(0, s-1-k); null = step) | completion
     # (free-running: each step takes the completed groups within k versions, in completion order)
-    async_order: Optional[str] = None
+    async_order: Optional[Order] = None
     # async: none (the generator process beside each rank) | ray (rollout.fleet_size generator actors on a
     # Ray cluster: pip install 'verlj[ray]'; docs/guides/async.md: a rollout fleet on Ray)
-    fleet: str = live("none")
+    fleet: Fleet = live(Fleet.NONE)
     fleet_size: int = bookkeeping(1)  # fleet=ray: M, the generator actors (may change on resume)
     # fleet=ray: the Ray resources each actor asks for: num_cpus, num_gpus, memory (bytes), or a custom resource's name
     fleet_resources: dict = field(default_factory=lambda: {"num_cpus": 1}, metadata={"policy": BOOKKEEPING})
@@ -327,16 +434,16 @@ class RolloutConfig:
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
-        _choice("rollout.engine", self.engine, ("hf", "vllm"))
+        _choice("rollout.engine", self.engine, EngineName)
         _range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.01, 1.0)
         _positive("rollout.temperature", self.temperature)
         _range("rollout.top_p", self.top_p, 1e-6, 1.0)
         _positive("rollout.max_response_length", self.max_response_length)
         _at_least("rollout.eval_temperature", self.eval_temperature, 0.0)
-        _choice("rollout.answer_format", self.answer_format, ("text", "answer_tag"))
+        _choice("rollout.answer_format", self.answer_format, AnswerFormat)
         if not (self.reward_fn in ("auto", REASONING_GYM) or self.reward_fn.startswith("builtin:") or ":" in self.reward_fn):
             raise ConfigError(f"rollout.reward_fn must be auto, reasoning_gym, builtin:NAME or module:function, got {self.reward_fn!r}")
-        _choice("rollout.mode", self.mode, ("sync", "async"))
+        _choice("rollout.mode", self.mode, Mode)
         if self.mode == "sync":
             for key in ("max_staleness", "async_order"):
                 if getattr(self, key) is not None:
@@ -345,9 +452,9 @@ class RolloutConfig:
             if self.max_staleness is not None and (isinstance(self.max_staleness, bool) or self.max_staleness < 1):
                 raise ConfigError(f"rollout.max_staleness must be an integer of at least 1, got {self.max_staleness!r}")
             if self.async_order is not None:
-                _choice("rollout.async_order", self.async_order, ("step", "completion"))
+                _choice("rollout.async_order", self.async_order, Order)
         self._validate_env()
-        _choice("rollout.fleet", self.fleet, ("none", "ray"))
+        _choice("rollout.fleet", self.fleet, Fleet)
         if self.fleet == "ray":
             if self.mode != "async":
                 raise ConfigError("rollout.fleet=ray applies to rollout.mode=async only; set rollout.mode=async or rollout.fleet=none")
@@ -399,26 +506,26 @@ class RolloutConfig:
 class DistributedConfig:
     zero_stage: int = topology(0)  # DeepSpeed ZeRO stage 0-3
     tensor_parallel_size: int = topology(1)  # DeepSpeed AutoTP degree (tensor_parallel.autotp_size)
-    backend: str = "auto"  # auto (gloo on CPU, nccl on GPU) | gloo | nccl
+    backend: Backend = Backend.AUTO  # auto (gloo on CPU, nccl on GPU) | gloo | nccl
     # rollout.fleet=ray and `verlj train --launcher ray`: the Ray cluster to join (RAY_ADDRESS wins; null
     # and unset: verlj starts a local one)
     ray_address: Optional[str] = bookkeeping(None)
     # `verlj train --launcher ray`: how the placement group lays out its bundles, one per rank: pack (as
     # few nodes as will hold them) | spread (over as many nodes as there are); one command's choice,
     # never stored with the run
-    placement: str = bookkeeping("pack")
+    placement: Placement = bookkeeping(Placement.PACK)
 
     def validate(self) -> None:
         _range("distributed.zero_stage", self.zero_stage, 0, 3)
         _positive("distributed.tensor_parallel_size", self.tensor_parallel_size)
-        _choice("distributed.backend", self.backend, ("auto", "gloo", "nccl"))
-        _choice("distributed.placement", self.placement, ("pack", "spread"))
+        _choice("distributed.backend", self.backend, Backend)
+        _choice("distributed.placement", self.placement, Placement)
 
 
 @dataclass
 class LoggingConfig:
     log_interval: int = bookkeeping(1)  # print a line every N steps
-    progress: str = bookkeeping("auto")  # auto (a bar on a terminal, lines otherwise) | bar | lines | off
+    progress: Progress = bookkeeping(Progress.AUTO)  # auto (a bar on a terminal, lines otherwise) | bar | lines | off
     jsonl: bool = bookkeeping(True)  # write RUN/metrics.jsonl
     tensorboard: bool = bookkeeping(False)  # write TensorBoard event files under RUN/tensorboard
     wandb: bool = bookkeeping(False)  # log metrics to Weights & Biases (pip install 'verlj[wandb]'; WANDB_MODE=offline works without network)
@@ -431,7 +538,7 @@ class LoggingConfig:
                 import wandb  # noqa: F401
             except ImportError:
                 raise ConfigError(f"logging.wandb=true needs wandb: {install_hint('wandb')}") from None
-        _choice("logging.progress", self.progress, ("auto", "bar", "lines", "off"))
+        _choice("logging.progress", self.progress, Progress)
 
 
 @dataclass
@@ -495,7 +602,8 @@ class Config:
         return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain data: each choice as its YAML value."""
+        return dataclasses.asdict(self, dict_factory=_plain)
 
     def to_stored(self) -> dict:
         """The config as a run stores it: without the choices that belong to one command (ONE_OFF_KEYS)."""
@@ -678,7 +786,13 @@ def _range(key, v, lo, hi):
         raise ConfigError(f"{key} must be between {lo} and {hi}, got {v}")
 
 
-def _choice(key, v, allowed):
+def _plain(items: list[tuple[str, Any]]) -> dict:
+    return {k: v.value if isinstance(v, Choice) else v for k, v in items}
+
+
+def _choice(key, v, allowed: tuple[str, ...] | type[Choice]):
+    if isinstance(allowed, type):
+        allowed = tuple(m.value for m in allowed)
     if v not in allowed:
         raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {v!r}")
 
@@ -729,6 +843,9 @@ def _coerce(key: str, tp, value):
             if not math.isfinite(number):
                 raise ConfigError(f"{key} must be a finite number, got {value!r}")
             return number
+    elif isinstance(tp, type) and issubclass(tp, Choice):  # read as a string; one of its values becomes that member
+        text = _coerce(key, str, value)
+        return tp(text) if text in tp._value2member_map_ else text  # another: validate refuses it, naming the values
     elif tp is str:
         if isinstance(value, bool):  # YAML 1.1 reads off / on as booleans
             return "on" if value else "off"

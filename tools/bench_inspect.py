@@ -24,7 +24,7 @@ import numpy as np
 
 
 def events(step: int, rng) -> list:
-    from verlj.engine.rl.samples import Sample, pack
+    from verlj.engine.schema.sample import Sample, pack
     from verlj.journal import make_event
 
     samples = [Sample(

@@ -45,7 +45,7 @@ from verlj.journal.store import StepFrame, encode_step, frame_plain, frame_step,
 
 
 def samples_columns(rng: np.random.Generator, samples: int, tokens: int, prompt: int = 64, vocab: int = 32000) -> dict:
-    """A step's samples as the engine journals them (engine.rl.samples.pack's columns)."""
+    """A step's samples as the engine journals them (engine.schema.sample.pack's columns)."""
     def ids(n, width):
         lens = rng.integers(width // 4, width + 1, n).astype(np.int32)
         arr = np.full((n, width), -1, np.int32)

@@ -163,7 +163,7 @@ def _journal():
 
 
 def identical(run: Path, ref: Path) -> tuple[bool, str]:
-    from verlj.engine.post_mortem.inspection import first_difference
+    from verlj.engine.post_mortem.diff import first_difference
 
     try:
         d = first_difference(run, ref, full=True)

@@ -86,6 +86,8 @@ def config_keys(cls, prefix: str = "") -> list[tuple[str, type, dataclasses.Fiel
 
 
 def _type_name(tp) -> str:
+    if isinstance(tp, type) and issubclass(tp, enum.Enum) and issubclass(tp, str):  # a choice (config.Choice): its YAML is a string
+        return "str"
     if isinstance(tp, type) and not isinstance(tp, types.GenericAlias):
         return tp.__name__
     args = typing.get_args(tp)

@@ -1,7 +1,7 @@
 """The rollout archive: samples of pruned steps, kept as Parquet where people analyse them.
 
     RUN/rollouts/steps_0000000001-0000000050.parquet   one file per pruning: every sample of those steps
-                                                        (rl.samples' rollout table, without the fate columns;
+                                                        (schema.table's rollout table, without the fate columns;
                                                         for a run of episodes, with the episode columns)
     RUN/rollouts/.tmp-steps_...                         being written; a kill leaves it (never read; the
                                                         next archive write removes it, verify lists it)
@@ -24,16 +24,25 @@ import blake3
 
 from verlj.journal.failpoints import failpoint
 
+from ..config import config_from_stored
 from ..errors import RunError
-from ..rl import samples
+from ..rl.vocab import text_decoder
+from ..schema import table as samples
 from ..schema.events import StepEvents
 from ..state.manifest import fsync_dir, fsync_file
-from .ledger import ArchiveEntry
+from .reader import StepReader
+from .records import ArchiveEntry
 
 ARCHIVE_DIR = "rollouts"
 ROW_GROUP_BYTES = 64 << 20  # in memory, before encoding: bounds the writer's memory, whatever the interval
 _FILE = re.compile(r"^steps_(\d{10})-(\d{10})\.parquet$")
 _TMP = re.compile(r"^\.tmp-steps_.*")
+
+
+def ran_episodes(configs: list[dict]) -> bool:
+    """Whether steps run under these stored configs (Ledger.configs_in) played episodes (rollout.env):
+    their rollout table has the episode columns."""
+    return any(config_from_stored(c).rollout.env for c in configs)
 
 
 def archive_dir(run_dir: Path) -> Path:
@@ -64,8 +73,8 @@ def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
     name = file_name(first, last)
     tmp = out_dir / f".tmp-{name}"
     rows = 0
-    decoder = samples.text_decoder(ledger.config_at(last))
-    episodes = samples.ran_episodes(ledger.configs_in(first, last))
+    decoder = text_decoder(ledger.config_at(last))
+    episodes = ran_episodes(ledger.configs_in(first, last))
     schema = samples.arrow_schema(False, episodes)
     pending: list = []  # steps' tables, written as one row group per ROW_GROUP_BYTES (a row group per step costs ~15%)
 
@@ -75,7 +84,7 @@ def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
             pending.clear()
 
     with pq.ParquetWriter(tmp, schema, **samples.parquet_options(schema)) as w:
-        for record in ledger.journal.iter_steps(first, last):
+        for record in StepReader(ledger.journal).records(first, last):
             if record.pruned:
                 continue  # pruned by an earlier retention policy that did not archive
             added = StepEvents.of(record).added

@@ -16,8 +16,10 @@ torch: `verify` and the post-mortem commands use the plan without a deep-learnin
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from verlj.journal import StepRecord, verify_journal
 from verlj.journal.failpoints import failpoint
@@ -30,7 +32,9 @@ from ..state.manifest import snapshot_name
 from ..state.topology import Topology
 from . import archive
 from .context import Run
-from .ledger import History, Ledger, Rebased, TopologyChange
+from .ledger import Ledger
+from .reader import StepReader
+from .records import History, Rebased, TopologyChange
 from .snapshot_store import SnapshotStore, check_against_journal
 
 # ----------------------------------------------------------------------------- the plan
@@ -131,7 +135,7 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
     rt, ckpt, reporter = run.rt, run.ckpt, run.reporter
 
     def choose() -> list:
-        step, path = choose_snapshot(run.run_dir, run.ledger, limit, reporter, explicit, ckpt.store if quarantine else None, target)
+        step, path = choose_snapshot(run.run_dir, run.main_ledger(), limit, reporter, explicit, ckpt.store if quarantine else None, target)
         return [step, str(path) if path is not None else None]
 
     step, path = rt.from_rank0(choose, "choosing the snapshot to start from")
@@ -152,7 +156,7 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
     )
     fp, _ = run.trainer.fingerprint()
     if ckpt.resharded is None and fp != meta.fingerprint:
-        raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {meta.fingerprint[:16]}…")
+        raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {str(meta.fingerprint)[:16]}…")
     ckpt.loaded_fingerprint = fp
     return step
 
@@ -187,6 +191,48 @@ class ReplayOutcome:
         return None if self.largest is None else asdict(self.largest)
 
 
+@dataclass
+class Applied:
+    """A journaled step as apply_steps applied it: its record, the inputs read from it, the outcome of
+    applying them, and the topology the journal says ran it."""
+
+    step: int
+    record: StepRecord
+    inputs: Any  # rl.trainer.StepInputs
+    outcome: Any  # rl.trainer.StepOutcome
+    topology: dict
+    boundaries: list[TopologyChange]  # the topology boundaries earlier resumes recorded at this step, in order
+
+
+def apply_steps(run: Run, history: History, start: int, stop: int, before=None) -> Iterator[Applied]:
+    """The journaled steps start..stop (inclusive), each read back (reader.StepReader) and applied to
+    the run's trainer under the config in force for it, as live training applied it: the same
+    ``take`` and ``apply``. Collective. Yields each step once applied; the caller checks it.
+    `before(step, inputs, samples)`: called with each step's inputs just before it is applied."""
+    from ..rl.trainer import StepInputs
+
+    rt, trainer = run.rt, run.trainer
+    reader = StepReader(run.main_ledger().journal if rt.is_main else None, rt)
+    topo = history.topology_at(start)
+    trainer.set_config(config_from_dict(history.config_at(start)))
+    for record in reader.walk(start, stop):
+        step = record.step
+        for entry in history.config_changes:
+            if entry.from_step == step:
+                trainer.set_config(config_from_dict(entry.config))
+        boundaries = [change for change in history.topology_changes if change.from_step == step]
+        for change in boundaries:
+            topo = change.topology
+        inputs = StepInputs.from_record(record)
+        samples = trainer.take(step, inputs)
+        trainer.advance_sampler(inputs)
+        if before is not None:
+            before(step, inputs, samples)
+        outcome = trainer.apply(step, inputs, samples)
+        outcome.metrics.update(trainer.buffer_metrics())
+        yield Applied(step, record, inputs, outcome, topo, boundaries)
+
+
 def replay(run: Run, history: History, start: int, stop: int, check_metrics: bool = True, observe=None,
            before=None) -> ReplayOutcome:
     """Apply journaled steps start..stop (inclusive) and check each one. Collective.
@@ -201,43 +247,18 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
     `observe(step, record, outcome)` (verlj rerun): called for every step instead of the checks,
     which then raise nothing; it returns False to stop. `before(step, inputs, samples)` (probes):
     called with each step's inputs just before it is applied, the state being the step before's."""
-    from ..rl.trainer import StepInputs, is_timing
+    from ..rl.trainer import is_timing
 
-    rt, trainer, ckpt = run.rt, run.trainer, run.ckpt
+    ckpt = run.ckpt
     out = ReplayOutcome(exact=ckpt is None or ckpt.resharded is None)
-    records = run.ledger.journal.iter_steps(start, stop) if rt.is_main else None
     here = run.topology.as_dict()
-    topo = history.topology_at(start)
     prev_fp = ckpt.loaded_fingerprint if ckpt is not None else None
-    trainer.set_config(config_from_dict(history.config_at(start)))
-    for step in range(start, stop + 1):
-
-        def next_record() -> dict:
-            record = next(records)
-            if record.step != step:
-                raise ReplayError(f"journal step {step} is missing (found {record.step}); run `verlj verify`")
-            return record.to_dict()
-
-        record = StepRecord.from_dict(rt.from_rank0(next_record, f"reading step {step} from the journal"))
-        for entry in history.config_changes:
-            if entry.from_step == step:
-                trainer.set_config(config_from_dict(entry.config))
-        for change in history.topology_changes:
-            if change.from_step == step:
-                topo = change.topology
-                if not out.exact and topo == here and change.rebased is not None and prev_fp == change.rebased.fingerprint:
-                    out.exact = True  # the state that resume trained on from here: back on the line
-        out.exact = out.exact and topo == here
-        if record.pruned:
-            raise ReplayError(f"step {step}'s samples were pruned from the journal (journal.retain_samples); it cannot be replayed")
-        inputs = StepInputs.from_record(record)
-        samples = trainer.take(step, inputs)
-        trainer.advance_sampler(inputs)
-        if before is not None:
-            before(step, inputs, samples)
-        outcome = trainer.apply(step, inputs, samples)
-        outcome.metrics.update(trainer.buffer_metrics())
-        journaled = record.metrics
+    for done in apply_steps(run, history, start, stop, before):
+        step, record, outcome = done.step, done.record, done.outcome
+        for change in done.boundaries:
+            if not out.exact and change.topology == here and change.rebased is not None and prev_fp == change.rebased.fingerprint:
+                out.exact = True  # the state that resume trained on from here: back on the line
+        out.exact = out.exact and done.topology == here
         mine = {k: v for k, v in outcome.metrics.items() if not is_timing(k)}
         if observe is not None:
             out.fingerprint = prev_fp = outcome.fingerprint
@@ -247,9 +268,9 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
         if out.exact:
             _check_exact(run, step, record, outcome, mine if check_metrics else None)
         else:
-            _check_within_tolerance(step, journaled, mine, out)
+            _check_within_tolerance(step, record.metrics, mine, out)
         if ckpt is not None:
-            ckpt.replayed(step, journaled)
+            ckpt.replayed(step, record.metrics)
         out.fingerprint = prev_fp = outcome.fingerprint
         failpoint("replay.step")
     return out
@@ -269,7 +290,7 @@ def _check_exact(run: Run, step: int, record: StepRecord, outcome, mine: dict | 
                                        f"(`verlj rerun {run.run_dir} --steps {step}:{step}` says more)")
     want = record.fingerprint
     if outcome.fingerprint != want:
-        raise _diverged(run, step, f"fingerprint {outcome.fingerprint[:16]}… but the journal has {want[:16]}…")
+        raise _diverged(run, step, f"fingerprint {outcome.fingerprint[:16]}… but the journal has {str(want)[:16]}…")
     if mine is not None:
         journaled = record.metrics
         bad = [k for k in journaled if not is_timing(k) and k in mine and not _same_float(journaled[k], mine[k])]
@@ -329,6 +350,7 @@ def materialize_steps(run: Run, to_step: int, explicit: tuple[int, Path] | None 
     out = replay(run, history, step0 + 1, to_step)
     if out.tolerant_steps:
         w = out.largest
+        assert w is not None  # kept with every step checked within the tolerance
         run.reporter.info(f"Replayed {out.tolerant_steps} step(s) under another topology, checked within rtol {RTOL}, "
                           f"atol {ATOL}: largest deviation {w.deviation:.3g} ({w.metric} at step {w.step}).")
     return step0, out
@@ -355,7 +377,7 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
     """`--resume`: restore the newest valid snapshot, replay the journal to its last step.
     Returns (last committed step, control events for the next record)."""
     rt, cfg, reporter = run.rt, run.cfg, run.reporter
-    rt.from_rank0(lambda: check_journal(run.run_dir, run.ledger), "checking the journal")
+    rt.from_rank0(lambda: check_journal(run.run_dir, run.main_ledger()), "checking the journal")
     if rt.is_main:  # only once the journal is known good: a refused resume touches nothing in the run directory
         for item in run.ckpt.store.recover_leftovers():
             (reporter.warn if item.warning else reporter.info)(item.done)
@@ -369,7 +391,7 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
         if str(spec).isdigit():
             limit = min(int(spec), last)
         else:
-            step, path = rt.from_rank0(lambda: [str(x) for x in resolve_explicit(run.run_dir, run.ledger, spec)],
+            step, path = rt.from_rank0(lambda: [str(x) for x in resolve_explicit(run.run_dir, run.main_ledger(), spec)],
                                        "finding trainer.resume_from's snapshot")
             explicit = (int(step), Path(path))
     step0, out = materialize_steps(run, last, explicit, max_snapshot=limit, quarantine=True, history=history)
@@ -388,11 +410,12 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
         "world_size": rt.world_size,
     }).to_event()]
     if topology is not None:
+        assert topology.before is not None  # _topology_boundary's
         control.append(Control(ControlKind.TOPOLOGY, topology.control_details()).to_event())
         reporter.info(f"Step {last + 1}: topology {Topology(**topology.before)} -> {Topology(**topology.topology)}; "
                       "the fingerprints journaled from here on are the new reference.")
     if rt.is_main:
-        ledger = run.ledger
+        ledger = run.main_ledger()
         if topology is not None:
             ledger.record_topology_change(topology.from_step, topology.topology, topology.details())
         moved = ledger.record_resume(last, step0, changed, rt.world_size, resume_from=spec, config=cfg.to_stored(), hardware=hardware())

@@ -98,6 +98,12 @@ class SnapshotStore:
         self.run_dir = Path(run_dir)
         self.ledger = ledger
 
+    @property
+    def main_ledger(self) -> Ledger:
+        """The run's ledger: rank 0's, the one rank whose store publishes, rotates, adopts and quarantines."""
+        assert self.ledger is not None, "the ledger is rank 0's"
+        return self.ledger
+
     def tmp_dir(self, step: int) -> Path:
         return self.run_dir / f".tmp-{snapshot_name(step)}"
 
@@ -108,14 +114,14 @@ class SnapshotStore:
         write_bytes_durable(tmp / MANIFEST, manifest_bytes)
         fsync_dir(tmp)
         final = self.run_dir / snapshot_name(step)
-        self.ledger.fence()
+        self.main_ledger.fence()
         if final.exists():  # cannot happen after a resume's recover_leftovers; never deleted all the same
             self.quarantine(step, final, "found in the way of a new snapshot of the same step")
         failpoint("snapshot.before_rename")
         os.replace(tmp, final)
         fsync_dir(self.run_dir)
         failpoint("snapshot.before_index")
-        self.ledger.index_snapshot(step, _index_entry(final.name, fingerprint, manifest_bytes, time.time()))
+        self.main_ledger.index_snapshot(step, _index_entry(final.name, fingerprint, manifest_bytes, time.time()))
         self._point_latest()
         return final
 
@@ -133,14 +139,14 @@ class SnapshotStore:
         unindexes the missing, and its choice of snapshot quarantines the damaged)."""
         if limit <= 0:
             return
-        index = self.ledger.snapshot_index()
+        index = self.main_ledger.snapshot_index()
         old = list(self.sound(index))[:-limit]
         for step in old:
-            self.ledger.unindex_snapshot(step)  # unindex first: a half-deleted snapshot is never offered
+            self.main_ledger.unindex_snapshot(step)  # unindex first: a half-deleted snapshot is never offered
             failpoint("snapshot.rotate")
         if not old:
             return
-        self.ledger.make_durable()  # the copy a recovery reads no longer names them: now they may go
+        self.main_ledger.make_durable()  # the copy a recovery reads no longer names them: now they may go
         failpoint("snapshot.before_delete")
         for step in old:
             path = self.run_dir / index[step].path
@@ -158,17 +164,17 @@ class SnapshotStore:
         anchor parse; step and fingerprint are the journal's. No weight file is hashed: that would read
         every kept snapshot in full at every save. A flipped bit inside a file is left to the full
         check a resume makes of the snapshot it picks (it falls back to an older one, which this keeps)."""
-        index = self.ledger.snapshot_index() if index is None else index
+        index = self.main_ledger.snapshot_index() if index is None else index
         for step, entry in sorted(index.items()):
-            if check_against_journal(self.ledger, step, self.run_dir / entry.path, entry.manifest, hash_files=False)[1] is None:
+            if check_against_journal(self.main_ledger, step, self.run_dir / entry.path, entry.manifest, hash_files=False)[1] is None:
                 yield step
 
     def quarantine(self, step: int | None, path: Path, reason: str) -> Path:
         """Move a damaged snapshot out of the index and out of the way; say where it went. `step` None:
         it was not in the index."""
-        self.ledger.fence()
-        if step is not None and step in self.ledger.snapshot_index():
-            self.ledger.unindex_snapshot(step)
+        self.main_ledger.fence()
+        if step is not None and step in self.main_ledger.snapshot_index():
+            self.main_ledger.unindex_snapshot(step)
         dest_dir = self.run_dir / QUARANTINE
         dest_dir.mkdir(exist_ok=True)
         dest = dest_dir / path.name
@@ -177,14 +183,14 @@ class SnapshotStore:
         if path.exists():
             os.replace(path, dest)
             fsync_dir(self.run_dir)
-        self.ledger.record_quarantine({"name": path.name, "step": step, "reason": reason, "path": str(dest.relative_to(self.run_dir))})
+        self.main_ledger.record_quarantine({"name": path.name, "step": step, "reason": reason, "path": str(dest.relative_to(self.run_dir))})
         latest = self.run_dir / "latest"
         if latest.is_symlink() and os.readlink(latest) == path.name:
             self._point_latest()
         return dest
 
     def _delete(self, path: Path) -> None:
-        self.ledger.fence()
+        self.main_ledger.fence()
         trash = self.run_dir / f".trash-{path.name}-{os.getpid()}"
         os.replace(path, trash)
         shutil.rmtree(trash)
@@ -203,7 +209,7 @@ class SnapshotStore:
         indexing; with journal.local_dir, a node lost before the index was shipped). Reading only."""
         if not self.run_dir.is_dir():
             return []
-        indexed = {entry.path for entry in (self.ledger.snapshot_index() if index is None else _entries(index)).values()}
+        indexed = {entry.path for entry in (self.main_ledger.snapshot_index() if index is None else _entries(index)).values()}
         return [p.name for p in sorted(self.run_dir.iterdir()) if _SNAPSHOT.match(p.name) and p.is_dir() and p.name not in indexed]
 
     def plan_leftovers(self, index: dict[int, SnapshotEntry] | None = None, refused: str | None = None) -> list[Leftover]:
@@ -223,8 +229,10 @@ class SnapshotStore:
         plan += [Leftover(name, REMOVE, None, "left by an interrupted run; never used") for name in self.temporaries()]
         for name in self.unindexed(index):
             step = _step_of(name)
-            res, problem = check_against_journal(self.ledger, step, self.run_dir / name)
+            assert step is not None  # an unindexed snapshot's name is step_N
+            res, problem = check_against_journal(self.main_ledger, step, self.run_dir / name)
             if problem is None:
+                assert res.snapshot is not None  # it checked out
                 when = res.snapshot.time if res.snapshot.time is not None else time.time()
                 entry = _index_entry(name, res.snapshot.fingerprint, (self.run_dir / name / MANIFEST).read_bytes(), when)
                 plan.append(Leftover(name, ADOPT, step, "its manifest, step and fingerprint agree with the journal", entry))
@@ -243,7 +251,7 @@ class SnapshotStore:
         (Ledger.missing). Returns what was done (Leftover.done says it)."""
         plan = self.plan_leftovers()
         if plan:
-            self.ledger.fence()
+            self.main_ledger.fence()
         for item in plan:
             path = self.run_dir / item.name
             if item.action == REMOVE:
@@ -252,13 +260,15 @@ class SnapshotStore:
                 else:
                     shutil.rmtree(path)
             elif item.action == ADOPT:
-                self.ledger.index_snapshot(item.step, item.entry)
+                assert item.step is not None and item.entry is not None  # an adopted snapshot's
+                self.main_ledger.index_snapshot(item.step, item.entry)
             elif item.action == QUARANTINE:
                 item.moved_to = str(self.quarantine(None, path, f"published but not indexed, and {item.reason}").relative_to(self.run_dir))
             elif item.action == UNINDEX:
                 # recorded before it leaves the index: a kill in between records it twice, never loses it
-                self.ledger.record_missing({"name": item.name, "step": item.step, "reason": item.reason})
-                self.ledger.unindex_snapshot(item.step)
+                assert item.step is not None  # an index entry's
+                self.main_ledger.record_missing({"name": item.name, "step": item.step, "reason": item.reason})
+                self.main_ledger.unindex_snapshot(item.step)
         if any(item.action == REMOVE for item in plan):
             fsync_dir(self.run_dir)
         if any(item.action in (ADOPT, UNINDEX) for item in plan):
@@ -267,7 +277,7 @@ class SnapshotStore:
 
     def _point_latest(self) -> None:
         """`latest` -> the newest indexed snapshot (removed when none is left)."""
-        index = self.ledger.snapshot_index()
+        index = self.main_ledger.snapshot_index()
         latest = self.run_dir / "latest"
         if not index:
             if latest.is_symlink():
@@ -297,6 +307,7 @@ def check_against_journal(ledger: Ledger, step: int, path: Path, expected_manife
         want = ledger.base_fingerprint()
     if want is None:
         return res, f"step {step} is not in the journal (it ends at step {ledger.last_step()})"
+    assert res.snapshot is not None  # a valid snapshot's meta parsed
     if res.snapshot.fingerprint != want:
         return res, f"its fingerprint does not match the journal's for step {step}"
     return res, None
@@ -312,5 +323,5 @@ def _step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _index_entry(name: str, fingerprint: str, manifest_bytes: bytes, when: float) -> SnapshotEntry:
+def _index_entry(name: str, fingerprint: str | None, manifest_bytes: bytes, when: float) -> SnapshotEntry:
     return SnapshotEntry(name, fingerprint, blake3.blake3(manifest_bytes).hexdigest(), when)

@@ -28,6 +28,7 @@ from ..errors import RunError
 from ..schema.sample import Sample
 from .context import Run
 from .ledger import Counterfactual, Ledger, check_local_dir, journal_dir
+from .reader import StepReader
 
 
 def refuse_counterfactual(ledger: Ledger, run_dir: Path, what: str, instead: str) -> None:
@@ -53,7 +54,8 @@ def whatif_config(old: dict, overrides: list[str], to_step: int, new_run: Path) 
 
 class WhatifSource:
     """Stands where Trainer.collect stands in the train loop: each step's inputs read from RUN's
-    journal (rank 0 reads; the others receive them), its samples scored with the what-if's reward."""
+    journal (reader.StepReader: rank 0 reads, the others receive them), its samples scored with the
+    what-if's reward."""
 
     def __init__(self, run: Run, parent: Path):
         self.run, self.parent = run, Path(parent)
@@ -62,27 +64,28 @@ class WhatifSource:
             if not (journal_dir(parent)).exists():
                 raise RunError(f"{run.run_dir} is a what-if of {parent}, whose journal is gone: it cannot go on")
             self.ledger = Ledger(open_journal_reader(journal_dir(parent)))
+        self.reader = StepReader(self.ledger.journal if self.ledger is not None else None, run.rt)
 
     def collect(self, step: int):
         """Step `step`'s inputs from RUN's journal, its samples scored again, and whether the update
         corrects for the policy that generated them no longer being the one it starts from (the state
         now differs from RUN's after step - 1): the async objective's truncated importance weights."""
-        from ..rl import samples as sample_codec
         from ..rl.trainer import StepInputs
+        from ..schema import sample as sample_codec
 
         trainer = self.run.trainer
 
-        def read() -> list:
-            assert self.ledger is not None  # rank 0's
-            record = self.ledger.journal.read_step(step)
-            if record is None:
-                raise RunError(f"{self.parent} has no step {step}: the what-if cannot train it")
+        def check(record: StepRecord) -> None:
             if record.pruned:
                 raise RunError(f"step {step}'s samples were pruned from {self.parent}'s journal (journal.retain_samples)")
-            return [record.to_dict(), self.ledger.fingerprint_at(step - 1) or self._origin(step - 1)]
 
-        got, theirs = self.run.rt.from_rank0(read, f"reading step {step} of {self.parent}")
-        inputs = StepInputs.from_record(StepRecord.from_dict(got))
+        def theirs_before() -> str | None:
+            assert self.ledger is not None  # rank 0's
+            return self.ledger.fingerprint_at(step - 1) or self._origin(step - 1)
+
+        record = self.reader.read(step, f"reading step {step} of {self.parent}", check)
+        theirs = self.run.rt.from_rank0(theirs_before, f"reading the fingerprint of step {step - 1} of {self.parent}")
+        inputs = StepInputs.from_record(record)
         mine, _ = trainer.fingerprint()
         inputs.rollout = dataclasses.replace(inputs.rollout, whatif=True, whatif_correction=mine != theirs)
         added = sample_codec.unpack(inputs.added)

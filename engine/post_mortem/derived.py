@@ -16,6 +16,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -56,7 +57,8 @@ class ProbeFile:
         """None when `data` is not a map of this shape."""
         if not isinstance(data, dict):
             return None
-        got = cls(**{f.name: data.get(f.name) for f in fields(cls)})
+        values: dict[str, Any] = {f.name: data.get(f.name) for f in fields(cls)}
+        got = cls(**values)
         return got if isinstance(got.steps, dict) and isinstance(got.probe, str) else None
 
 

@@ -4,13 +4,14 @@
     verlj inspect RUN --step 1247          # everything journaled at step 1247, samples as text
     verlj metrics RUN --names actor/pg_loss --steps 100:200 [--csv | --jsonl | --plot out.png]
     verlj find RUN --where 'actor/grad_norm > 10'
-    verlj diff RUN_A RUN_B                 # the first step where two runs differ, and what differs
+    verlj diff RUN_A RUN_B                 # the first step where two runs differ (post_mortem.diff)
 
 Metrics, find and diff read the journal's summary sub-database (no samples), so they stream a long
 run quickly; a single step is one key lookup.
 
 Each command's answer is a frozen dataclass here (:class:`RunSummary`, :class:`StepDetail`,
-:class:`Match`, :class:`Difference`): ``to_json()`` is its ``--json`` form, ``render_*`` its text.
+:class:`Match`; diff's :class:`Difference` is in post_mortem.diff, and importable from here as before):
+``to_json()`` is its ``--json`` form, ``render_*`` its text.
 Journal records are read through ``schema.events.StepEvents``; the ledger's own entries through its
 typed records (loop.ledger: LineageEntry, TopologyChange, Counterfactual, ...), shown in ``--json``
 as they are kept (their ``to_dict()``); the entries it keeps as maps (identity, quarantined and
@@ -29,40 +30,41 @@ from typing import Any
 
 import numpy as np
 
-from ..config import config_from_stored, diff_configs
+from ..config import config_from_stored
 from ..errors import RunError
 from ..loop import archive
-from ..loop.ledger import Counterfactual, Ledger, LineageEntry, ParentRun, TopologyChange, open_run, writer_dir
-from ..rl import samples as table
-from ..schema.events import ConfigChange, Control, ControlKind, Eval, Metrics, Requests, Rollout, StepEvents
+from ..loop.ledger import Counterfactual, Ledger, LineageEntry, ParentRun, open_run, writer_dir
+from ..loop.reader import StepReader
+from ..rl.vocab import text_decoder
+from ..schema import table
+from ..schema.events import ConfigChange, Control, ControlKind, Eval, Requests, Rollout, StepEvents
 from ..schema.sample import Columns, Sample
 from ..state.manifest import check_snapshot
 from . import derived
-from .steps import parse_steps, ranges
+from .diff import (  # noqa: F401 - `verlj diff`'s answer, re-exported from where it lived (its code: post_mortem.diff)
+    JOURNALED_STAGES,
+    Detail,
+    Difference,
+    ElementDifference,
+    SampleDifference,
+    StageDifference,
+    StageSummary,
+    first_difference,
+    render_diff,
+)
+from .steps import parse_steps
+from .views import TIMING, Deviation, _json, _view, topology_line  # noqa: F401 - TIMING and Deviation: importable from here as before
 
 REWARD = "critic/score/mean"  # the summary's trend
 PG_LOSS = "actor/pg_loss"
 STALENESS_MEAN = "rollout/staleness/mean"  # async: how far behind the samples a step trains on are
 STALENESS_MAX = "rollout/staleness/max"
-TIMING = "timing_s/"  # the prefix of the wall-time metrics: diff leaves them aside
 
 
 def check_range(ledger: Ledger, step: int) -> None:
     first, last = ledger.base_step() + 1, ledger.last_step()
     if not first <= step <= last:
         raise RunError(f"step {step} is out of range: this run has steps {first}–{last}")
-
-
-def _view(cls, d: dict):
-    """`cls` (a frozen dataclass) over a plain map another module keeps (the ledger's identity and
-    snapshot entries, a probe file's, a rollout-table row): the keys its fields name; a key `d` lacks is the field's default."""
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in d.items() if k in names})
-
-
-def _json(view) -> dict:
-    """A view's fields as a map, in their order (the values as they are)."""
-    return {f.name: getattr(view, f.name) for f in fields(view)}
 
 
 def _rollout_json(r: Rollout) -> dict:
@@ -87,12 +89,6 @@ class Identity:
     world_size: int | None = None  # at the start
     created: str | None = None
     counterfactual: dict | None = None  # a what-if's (Ledger.start), as stored
-
-
-@dataclass(frozen=True)
-class Deviation:
-    deviation: float = 0
-    metric: str | None = None
 
 
 @dataclass(frozen=True)
@@ -233,23 +229,12 @@ def _writer(run_dir: Path) -> Writer | None:
     from verlj.journal.claim import current
 
     found = current(writer_dir(run_dir))
-    if found is None or found[1] is None:
+    if found is None:
         return None
     epoch, data = found
+    if data is None:
+        return None
     return Writer(epoch, **{f.name: data.get(f.name) for f in fields(Writer)[1:]})
-
-
-def topology_line(entry: dict) -> str:
-    """One topology boundary of the ledger's history (an entry of Ledger.topology_history), in words."""
-    from ..state.topology import Topology
-
-    change = TopologyChange.from_dict(entry)
-    said = f"from step {change.from_step}: {Topology(**(change.before or {}))} -> {Topology(**change.topology)}"
-    if change.checked_steps:
-        w = _view(Deviation, change.max_deviation or {})
-        said += (f"; {change.checked_steps} replayed step(s) agreed with the journal within the tolerance "
-                 f"(largest deviation {w.deviation:.3g}, {w.metric})")
-    return said + "; bits differ from here by design, the new fingerprints are the reference"
 
 
 def sparkline(values: list[float | None]) -> str:
@@ -289,7 +274,7 @@ def render_summary(s: RunSummary) -> str:
                         f"{cf.run} (not drawn by this run's policy), changed: {changed}")
     if s.snapshots:
         lines.append("snapshots  " + "  ".join(
-            f"{x.name}{'' if x.valid else ' ✗ ' + x.problem}{'' if x.indexed else ' (unindexed)'}" for x in s.snapshots))
+            f"{x.name}{'' if x.valid else f' ✗ {x.problem}'}{'' if x.indexed else ' (unindexed)'}" for x in s.snapshots))
     else:
         lines.append("snapshots  none")
     if s.writer:
@@ -316,8 +301,8 @@ def render_summary(s: RunSummary) -> str:
                          f"at {entry.time}{changes}")
             if entry.versions_changed:
                 lines.append(f"versions   changed at that resume: {', '.join(entry.versions_changed)}")
-    for entry in s.topology:
-        lines.append(f"topology   {topology_line(entry)}")
+    for change in s.topology:
+        lines.append(f"topology   {topology_line(change)}")
     for pr in (_view(Probe, x) for x in s.probes):
         span = f"steps {pr.steps[0]}–{pr.steps[1]} ({pr.count})" if pr.steps else "no steps"
         lines.append(f"probe      {pr.probe} version {pr.version}: {span}, as probe/{pr.probe}/… (verlj replay --probe)")
@@ -370,7 +355,7 @@ class SampleLine:
 
     @classmethod
     def of(cls, row: dict) -> SampleLine:
-        """A row of the rollout table (rl.samples.rows)."""
+        """A row of the rollout table (schema.table.rows)."""
         text = {name: row[name] or row[f"{name}_ids"] for name in table.TEXT}
         return cls(**{f.name: row[table.TABLE_NAMES.get(f.name, f.name)] for f in fields(cls) if f.name not in text and f.name not in ("episode", "fault")},
                    **text)
@@ -500,21 +485,23 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
     note = None
     with open_run(run_dir) as ledger:
         check_range(ledger, step)
-        record = ledger.journal.read_step(step)
+        record = StepReader(ledger.journal).read(step)
         ev = StepEvents.of(record)
-        decoder = table.text_decoder(ledger.config_at(step))
+        decoder = text_decoder(ledger.config_at(step))
         cols = None
         if record.pruned:
             cols = archive.Reader(run_dir, ledger).step_columns(step)
             note = (f"samples pruned from the journal (journal.retain_samples); shown from {archive.ARCHIVE_DIR}/"
                     if cols is not None else "samples pruned from the journal (journal.retain_samples) and not archived")
         elif ev.added is not None:
+            assert ev.added.samples is not None  # not pruned
             cols = table.step_columns(step, ev.added.samples, decoder)
     episodes = cols is not None and table.TURNS in cols
     samples = [SampleLine.of(r) for r in table.rows(cols, episodes)] if cols is not None else []
     if ev.added is not None and ev.added.samples is not None:  # episodes (rollout.env): each turn's action, observation, reward
         samples = [line.with_episode(s, decoder) for line, s in zip(samples, Columns(ev.added.samples).samples())]
     elif episodes:  # pruned: as the archive holds them
+        assert cols is not None  # episodes: the archive's columns
         samples = [replace(line, episode=EpisodeLine.of_row(r)) for line, r in zip(samples, table.rows(cols, episodes))]
     if max_samples is not None:
         samples = samples[:max_samples]
@@ -570,11 +557,11 @@ def render_step(d: StepDetail) -> str:
     for k in sorted(m):
         lines.append(f"  {k:32s} {m[k]:.6g}")
     if d.probe_metrics:
-        versions = {p.probe: p.version for p in (_view(Probe, x) for x in d.probes)}
+        probe_versions = {p.probe: p.version for p in (_view(Probe, x) for x in d.probes)}
         lines.append("probes     (computed afterwards by verlj replay --probe; not in the journal)")
         for k in sorted(d.probe_metrics):
             name = k.split("/")[1]
-            lines.append(f"  {k:32s} {d.probe_metrics[k]:.6g}  (version {versions.get(name)})")
+            lines.append(f"  {k:32s} {d.probe_metrics[k]:.6g}  (version {probe_versions.get(name)})")
     return "\n".join(lines)
 
 
@@ -648,6 +635,7 @@ class Condition:
             return math.isinf(v)
         if self.op == "not finite":
             return not math.isfinite(v)
+        assert self.value is not None  # NAME OP NUMBER
         return _OPS[self.op](v, self.value)
 
 
@@ -698,336 +686,3 @@ def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[Matc
     if missing:
         raise RunError(f"unknown metric {missing[0]!r} in --where")
     return out
-
-
-# ----------------------------------------------------------------------------- diff
-
-
-@dataclass(frozen=True)
-class SampleDifference:
-    """The first consumed sample (in the order the update took them) whose field differs, read from the journal."""
-
-    consumed: int  # its position in the update's order
-    sample_a: int
-    sample_b: int
-    field: str
-    index: int
-    a: Any
-    b: Any
-    largest_abs_diff: float | None
-
-    def to_json(self) -> dict:
-        return _json(self)
-
-
-@dataclass(frozen=True)
-class ElementDifference:
-    """The first part and element of a stage whose bits differ, both runs' step re-executed
-    (state.stages.first_element_difference)."""
-
-    part: str
-    index: int | None = None
-    a: Any = None
-    b: Any = None
-    largest_abs_diff: float | None = None
-
-    def to_json(self) -> dict:
-        return _json(self)
-
-
-@dataclass(frozen=True)
-class StageSummary:
-    """A stage's output in a step, summarized (the `stages` event's summary of it: state.stages)."""
-
-    n: int = 0
-    mean: float = 0.0
-    absmax: float = 0.0
-
-
-@dataclass(frozen=True)
-class StageDifference:
-    """The first stage (state.stages) whose digest differs, both sides' summaries ({n, mean, absmax}),
-    and where known (`compared`) its first differing element."""
-
-    stage: str
-    a: dict | None
-    b: dict | None
-    element: SampleDifference | ElementDifference | None = None
-    compared: bool = False  # the element was looked for (from the journal, or `reexecuted`)
-    reexecuted: bool = False
-
-    @property
-    def summary_a(self) -> StageSummary | None:
-        return _view(StageSummary, self.a) if self.a else None
-
-    @property
-    def summary_b(self) -> StageSummary | None:
-        return _view(StageSummary, self.b) if self.b else None
-
-    def to_json(self) -> dict:
-        element = {"element": self.element.to_json() if self.element is not None else None} if self.compared else {}
-        return {"stage": self.stage, "a": self.a, "b": self.b, **element, **({"reexecuted": True} if self.reexecuted else {})}
-
-
-@dataclass(frozen=True)
-class Detail:
-    """What differs at the first differing step: metrics (name -> [a, b]) and the first stage."""
-
-    metrics: dict[str, list] | None = None  # None: no step differs (identical, or only in length)
-    stages: StageDifference | None = None
-
-    def to_json(self) -> dict:
-        if self.metrics is None:
-            return {}
-        return {"metrics": self.metrics, **({"stages": self.stages.to_json()} if self.stages is not None else {})}
-
-
-@dataclass(frozen=True)
-class Difference:
-    """`verlj diff RUN_A RUN_B`: the first step where two journals differ (None: identical), the
-    event types that differ there (or ["length"]), config keys and environment ({name: [a, b]})."""
-
-    identical: bool
-    step: int | None
-    differs: list[str]
-    detail: Detail
-    config: dict[str, list]
-    environment: dict[str, list]
-    steps_a: int
-    steps_b: int
-    topology: tuple[list[dict], list[dict]] | None = None  # each run's Ledger.topology_history (a step differs)
-    samples_not_compared: list[int] | None = None  # --full: pruned steps neither holds the samples of (no step differs)
-
-    def reexecuted(self, element: dict | None) -> Difference:
-        """With the first differing element of the first differing stage, from both runs' step re-executed."""
-        st = replace(self.detail.stages, element=_view(ElementDifference, element) if element is not None else None,
-                     compared=True, reexecuted=True)
-        return replace(self, detail=replace(self.detail, stages=st))
-
-    def to_json(self) -> dict:
-        topology = {"topology": dict(zip(("a", "b"), self.topology))} if self.topology is not None else {}
-        skipped = {"samples_not_compared": self.samples_not_compared} if self.samples_not_compared is not None else {}
-        return {"identical": self.identical, "step": self.step, "differs": self.differs, "detail": self.detail.to_json(),
-                "config": self.config, "environment": self.environment, "steps_a": self.steps_a, "steps_b": self.steps_b,
-                **topology, **skipped}
-
-
-def _canon(x):
-    if isinstance(x, np.ndarray):
-        return ("nd", x.dtype.str, x.shape, x.tobytes())
-    if isinstance(x, dict):
-        return {k: _canon(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_canon(v) for v in x]
-    if isinstance(x, float) and x != x:
-        return "nan"
-    return x
-
-
-def _comparable(ev: StepEvents, without_samples: bool = False) -> dict[str, object]:
-    """A step's events as diff compares them: control events, timings and the rollout engine's package
-    version aside (a version is the environment, named apart: _environment_differences); the samples
-    aside too when retention pruned them on one side (`without_samples`). Of a step's drop events,
-    the last."""
-    metrics = Metrics({k: v for k, v in ev.metrics.values.items() if not k.startswith(TIMING)}) if ev.metrics else None
-    rollout = replace(ev.rollout, version=None) if ev.rollout else None
-    added = replace(ev.added, samples=None) if ev.added and without_samples else ev.added
-    events = (ev.data, rollout, ev.rng, added, ev.consumed, *ev.drops[-1:], ev.plan, ev.requests, metrics, ev.state, ev.stages, ev.eval)
-    return {e.TYPE: _canon(e.to_event()) for e in events if e is not None}
-
-
-def _environment_differences(ja: Ledger, jb: Ledger, rollout: tuple[int, Rollout, Rollout] | None) -> dict[str, list]:
-    """Package -> [version in a, version in b]: the library versions (and verlj source digest) each run
-    last started on, and the rollout engine's package where a step generated under different ones
-    (`rollout`: that step and both runs' rollout there).
-    An environment difference alone changes no number: diff names it apart from a training difference."""
-    va, vb = ja.versions_in_force(), jb.versions_in_force()
-    out = {k: [va.get(k), vb.get(k)] for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)}
-    if rollout is not None:
-        step, ra, rb = rollout
-        (ea, a), (eb, b) = (ra.engine, ra.version), (rb.engine, rb.version)
-        package = {"hf": "transformers"}.get(ea, ea) if ea == eb else f"{ea}/{eb}"
-        if out.get(package) != [a, b]:
-            out[f"{package} (rollout, step {step})"] = [a, b]
-    return out
-
-
-def first_difference(run_a: Path, run_b: Path, full: bool = False) -> Difference:
-    """The first step where two journals differ (timings, wall time and control events aside).
-
-    Compares the summaries (data, seeds, metrics, fingerprint): samples that differ show there
-    too, since the update trains on them. ``full`` also compares every step's samples (slower):
-    from the rollout archive where retention pruned them from a journal; the steps whose samples
-    neither holds are counted in ``samples_not_compared``. Where the first differing stage is one
-    the journal holds only digests of, post_mortem.rerun.diff_stages re-executes the step."""
-    not_compared: list[int] = []
-    with open_run(run_a) as ja, open_run(run_b) as jb:
-        la, lb = ja.last_step(), jb.last_step()
-        base = max(ja.base_step(), jb.base_step())
-        common = min(la, lb)
-        config_changes = _config_differences(ja, jb)
-        topology = (ja.topology_history(), jb.topology_history())
-        readers = (archive.Reader(Path(run_a), ja), archive.Reader(Path(run_b), jb))
-        rollout = None  # the first step whose rollout engine's package version differs
-        for x, y in zip(ja.journal.iter_summaries(base + 1, common), jb.journal.iter_summaries(base + 1, common)):
-            step, sx, sy = x.step, StepEvents.of(x), StepEvents.of(y)
-            if rollout is None and sx.rollout is not None and sy.rollout is not None and sx.rollout.version != sy.rollout.version:
-                rollout = (step, sx.rollout, sy.rollout)
-            same = _comparable(sx) == _comparable(sy)
-            if same and not full:
-                continue
-            ra, rb = ja.journal.read_step(step), jb.journal.read_step(step)
-            pruned = ra.pruned or rb.pruned  # samples gone on one side: compare what both still hold
-            fa, fb = StepEvents.of(ra), StepEvents.of(rb)
-            ea, eb = _comparable(fa, pruned), _comparable(fb, pruned)
-            kinds = sorted(k for k in set(ea) | set(eb) if ea.get(k) != eb.get(k))
-            if not kinds and pruned and full:  # then the samples, from the archive
-                ca, cb = _step_samples(ra, readers[0]), _step_samples(rb, readers[1])
-                if ca is None or cb is None:
-                    not_compared.append(step)
-                elif not _same_samples(ca, cb):
-                    kinds = ["buffer.add"]
-            if not kinds:
-                continue
-            metrics_a, metrics_b = sx.values, sy.values
-            metrics = {k: [metrics_a.get(k), metrics_b.get(k)] for k in sorted(set(metrics_a) | set(metrics_b))
-                       if not k.startswith(TIMING) and _canon(metrics_a.get(k)) != _canon(metrics_b.get(k))}
-            return Difference(False, step, kinds, Detail(metrics, _stage_difference(fa, fb)), config_changes,
-                              _environment_differences(ja, jb, rollout), la, lb, topology=topology)
-        environment = _environment_differences(ja, jb, rollout)
-    if la != lb:
-        return Difference(False, common + 1, ["length"], Detail(), config_changes, environment, la, lb, samples_not_compared=not_compared)
-    return Difference(True, None, [], Detail(), config_changes, environment, la, lb, samples_not_compared=not_compared)
-
-
-# the stages whose values the journal holds (compared there); the others are digests only
-JOURNALED_STAGES = ("data", "samples", "scores", "ref_logprobs")
-
-
-def _stage_difference(ea: StepEvents, eb: StepEvents) -> StageDifference | None:
-    """The first stage (state.stages) whose digest differs between two records of a step, with both
-    sides' summaries; for the stages the journal holds as values (samples, scores, reference
-    log-probs), the first consumed sample and token that differ, with both values."""
-    from ..state.stages import first_difference as first_stage
-
-    sa, sb = ea.stages, eb.stages
-    if sa is None or sb is None:
-        return None
-    stage = first_stage(sa.as_dict(), sb.as_dict())
-    if stage is None:
-        return None
-    out = StageDifference(stage, sa.summary.get(stage), sb.summary.get(stage))
-    if stage in JOURNALED_STAGES and not (ea.pruned or eb.pruned):
-        out = replace(out, element=_first_sample_difference(ea, eb, stage), compared=True)
-    return out
-
-
-def _first_sample_difference(ea: StepEvents, eb: StepEvents, stage: str) -> SampleDifference | None:
-    """The first consumed sample (in the order the update took them) whose `stage` field differs."""
-
-    def consumed(ev: StepEvents):
-        by_id = {s.id: s for s in Columns(ev.added.samples).samples()} if ev.added is not None else {}
-        return [by_id.get(int(i)) for i in (ev.consumed.ids if ev.consumed is not None else ())]
-
-    field_of = {"data": "index", "samples": "response_ids", "scores": "score", "ref_logprobs": "ref_logprobs"}[stage]
-    for n, (a, b) in enumerate(zip(consumed(ea), consumed(eb))):
-        if a is None or b is None:
-            continue
-        f = "prompt_ids" if stage == "samples" and not np.array_equal(a.prompt_ids, b.prompt_ids) else field_of
-        va, vb = np.atleast_1d(np.asarray(getattr(a, f))), np.atleast_1d(np.asarray(getattr(b, f)))
-        if va.shape == vb.shape and np.array_equal(va, vb):
-            continue
-        k = next((i for i in range(min(len(va), len(vb))) if va[i] != vb[i]), min(len(va), len(vb)))
-        both = min(len(va), len(vb))
-        largest = float(np.max(np.abs(va[:both].astype(np.float64) - vb[:both].astype(np.float64)))) if both else None
-        return SampleDifference(n, int(a.id), int(b.id), f, int(k), va[k].item() if k < len(va) else None,
-                                vb[k].item() if k < len(vb) else None, largest)
-    return None
-
-
-def _step_samples(record, reader) -> dict | None:
-    """A step's samples as table columns: from the journal, or from the run's rollout archive when
-    retention pruned them (None when it does not hold them, or pyarrow is missing)."""
-    if not record.pruned:
-        add = StepEvents.of(record).added
-        return table.step_columns(record.step, add.samples, None) if add is not None else {}
-    try:
-        return reader.step_columns(record.step)
-    except RunError:
-        return None
-
-
-def _same_samples(a: dict, b: dict) -> bool:
-    """Every sample field alike, bit for bit (the decoded text aside: it follows from the ids)."""
-    for name in table.COLUMNS + table.EPISODE_COLUMNS:
-        if name in table.TEXT or name == table.TURNS:
-            continue
-        va, vb = a.get(name), b.get(name)
-        if isinstance(va, tuple) or isinstance(vb, tuple):
-            if not (isinstance(va, tuple) and isinstance(vb, tuple) and all(_equal(p, q) for p, q in zip(va, vb))):
-                return False
-        elif not _equal(va, vb):
-            return False
-    return True
-
-
-def _equal(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return np.array_equal(a, b, equal_nan=a.dtype.kind == "f" and b.dtype.kind == "f")  # an env's turn without a reward: NaN
-
-
-def _config_differences(ja: Ledger, jb: Ledger) -> dict[str, list]:
-    """Dotted key -> [value in a, value in b] for the configs the two runs started with."""
-    a, b = ja.first_config(), jb.first_config()
-    return {k: [_dotted(a, k), _dotted(b, k)] for k in diff_configs(a, b)}
-
-
-def _dotted(d: dict, key: str):
-    for part in key.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return None
-        d = d[part]
-    return d
-
-
-_NAMES = {"data": "data (indices drawn)", "rng": "seeds", "rollout": "rollout engine", "buffer.add": "samples", "buffer.drop": "dropped samples",
-          "buffer.consume": "consumed samples", "buffer.plan": "planned batches", "metrics": "metrics", "state": "fingerprint", "eval": "held-out eval",
-          "stages": "stage digests"}
-
-
-def render_diff(d: Difference, a: Path, b: Path) -> str:
-    config = [f"  config {k}: {va!r} vs {vb!r}" for k, (va, vb) in d.config.items()]
-    env = d.environment or {}
-    if env:
-        config.append(("  environment only (every fingerprint and metric agrees): " if d.identical else "  environment: ")
-                      + ", ".join(f"{k} {va} vs {vb}" for k, (va, vb) in env.items()))
-    skipped = d.samples_not_compared or []
-    unseen = (f"; the samples of {len(skipped)} pruned step{'' if len(skipped) == 1 else 's'} ({ranges(skipped)}) were not "
-              "compared: neither the journal nor the rollout archive holds them" if skipped else "")
-    if d.identical:
-        return "\n".join([f"identical: {a} and {b} agree on all {d.steps_a} steps (timings aside){unseen}", *config])
-    if d.differs == ["length"]:
-        return "\n".join([f"the runs agree up to step {d.step - 1}; {a} has {d.steps_a} steps, {b} has {d.steps_b}", *config])
-    lines = [f"first difference at step {d.step}: " + ", ".join(_NAMES.get(k, k) for k in d.differs), *config]
-    for history, run in zip(d.topology or ((), ()), (a, b)):
-        for entry in history:
-            if TopologyChange.from_dict(entry).from_step <= d.step:
-                lines.append(f"  note: {run} changed topology {topology_line(entry)}")
-    st = d.detail.stages
-    if st:
-        def summary(x):
-            return f"mean {x.mean:.6g}, |max| {x.absmax:.6g}" if x else "digest only"
-        lines.append(f"  first differing stage: {st.stage} ({summary(st.summary_a)} vs {summary(st.summary_b)})")
-        e = st.element
-        if e and st.reexecuted:
-            at = f"[{e.index}]" if e.index is not None else ""
-            lines.append(f"    {e.part}{at}: {e.a!r} vs {e.b!r} (largest difference {e.largest_abs_diff!r}; "
-                         f"both runs' step {d.step} re-executed)")
-        elif st.reexecuted:
-            lines.append(f"    re-executed, both runs' step {d.step} give the same {st.stage}: the difference is in the journal only")
-        elif e:
-            lines.append(f"    consumed sample #{e.consumed} (ids {e.sample_a} / {e.sample_b}) {e.field}[{e.index}]: "
-                         f"{e.a!r} vs {e.b!r} (largest difference {e.largest_abs_diff!r})")
-    for k, (va, vb) in list((d.detail.metrics or {}).items())[:12]:
-        lines.append(f"  {k:32s} {va!r:>14} vs {vb!r}")
-    return "\n".join(lines)

@@ -26,6 +26,7 @@ from ..config import config_from_stored
 from ..dist import configure_determinism, setup
 from ..errors import ReplayError, RunError, SnapshotError
 from ..loop.ledger import Ledger, has_run, lost_journal, versions
+from ..loop.reader import StepReader
 from ..report import Reporter
 from ..schema.events import Stages, StepEvents
 from ..state.hardware import cross_hardware, hardware
@@ -33,8 +34,10 @@ from ..state.topology import Topology
 from .materialize import replay_config
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ..schema.sample import Sample
-    from .inspection import Difference
+    from .diff import Difference
 
 REPRODUCED, DIFFERS, NOT_CHECKED = "reproduced", "differs", "not checked"  # a step's verdict
 PERSISTENT, TRANSIENT = "persistent", "transient"  # a difference's kind
@@ -258,7 +261,7 @@ def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> 
     with steps_reader(run_dir, start, stop) as ledger:
         config = ledger.config_at(stop)
         reward_model = bool(config_from_stored(config).model.reward_model.model_name_or_path)
-        pruned = [s for s in range(ledger.base_step() + 1, stop + 1) if ledger.journal.read_step(s).pruned]
+        pruned = [s for s in range(ledger.base_step() + 1, stop + 1) if StepReader(ledger.journal).read(s).pruned]
         recorded = ledger.versions_in_force()
         snapshots = sorted(ledger.snapshot_index())
         verdicts: list[Verdict] = []
@@ -297,7 +300,7 @@ def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> 
                        ("rescored" if rescore_model else "kept") if reward_model else None)
 
 
-def stage_values(run_dir: Path, step: int, stage: str) -> list[tuple[str, object]]:
+def stage_values(run_dir: Path, step: int, stage: str) -> list[tuple[str, np.ndarray]]:
     """Re-execute `step` from the newest snapshot before it (its samples scored again with the rule
     reward the config names now, as rerun does) and return `stage`'s values there, as [(name, host
     array)] (this process's share). The steps replayed on the way must reproduce."""
@@ -309,15 +312,16 @@ def stage_values(run_dir: Path, step: int, stage: str) -> list[tuple[str, object
 
 
 def diff_stages(run_a: Path, run_b: Path, full: bool = False) -> Difference:
-    """`verlj diff --stages`: inspection.first_difference, and where the first differing stage is one
+    """`verlj diff --stages`: diff.first_difference, and where the first differing stage is one
     the journal holds only digests of (log-probs, advantages, loss, gradients, state), both runs'
     step re-executed from their snapshots to name the first differing element."""
     from ..state.stages import first_element_difference
-    from .inspection import JOURNALED_STAGES, first_difference
+    from .diff import JOURNALED_STAGES, first_difference
 
     d = first_difference(run_a, run_b, full)
     st = d.detail.stages
     if st is not None and st.stage not in JOURNALED_STAGES:
+        assert d.step is not None  # a stage differs at a step
         d = d.reexecuted(first_element_difference(stage_values(run_a, d.step, st.stage), stage_values(run_b, d.step, st.stage)))
     return d
 
@@ -346,6 +350,7 @@ def _classify(run_dir: Path, ledger: Ledger, broken: Verdict, first: Observed, r
     """Execute the differing step a second time: persistent when both re-executions agree, else transient."""
     _, second = _execute(run_dir, ledger, broken.step, broken.step, rescore=rescore)
     again = second[broken.step]
+    assert broken.stage is not None  # a step that differs names its stage
     return replace(broken, kind=PERSISTENT if first.same_as(again) else TRANSIENT, second=again.rerun.summary.get(broken.stage, {}))
 
 

@@ -4,7 +4,7 @@
     verlj export RUN --rollouts --steps 100:200 --format jsonl --output r.jsonl
     verlj export RUN --rollouts --turns --output turns.parquet       # episodes: one row per turn
 
-The table's columns are rl.samples' (its one schema of a sample; a run of episodes, rollout.env, has
+The table's columns are schema.table's (its one schema of a sample; a run of episodes, rollout.env, has
 the episode's columns too: ``turns``, ``env_end``, ``env_reason``, ``env_seed``, ...), plus each sample's
 fate, derived here from the journal: ``status`` (consumed | dropped | pending) and ``status_step`` (when).
 ``--turns`` writes one row per turn instead (schema.table.TURN_COLUMNS, then the fate).
@@ -25,26 +25,27 @@ import numpy as np
 from ..config import config_from_stored
 from ..errors import RunError
 from ..loop import archive
+from ..loop.archive import ran_episodes
 from ..loop.ledger import open_run
-from ..rl.samples import (
+from ..loop.reader import StepReader
+from ..rl.vocab import text_decoder
+from ..schema.events import DropReason, StepEvents
+from ..schema.table import (
     arrow_schema,
     parquet_options,
-    ran_episodes,
     require_pyarrow,
     rows,
     step_columns,
-    text_decoder,
     to_arrow,
     turn_rows,
     turn_schema,
 )
-from ..schema.events import DropReason, StepEvents
 from .steps import parse_steps, ranges
 
 
 class Fate(NamedTuple):
     """What became of a sample: ``status`` (consumed | dropped | stale) and the step it happened at.
-    A tuple: rl.samples.to_arrow reads it as (status, step)."""
+    A tuple: schema.table.to_arrow reads it as (status, step)."""
 
     status: str
     step: int
@@ -54,7 +55,7 @@ def sample_fates(ledger, start: int | None, stop: int | None) -> dict[int, Fate]
     """sample id -> its Fate, from the records' small events (payloads not read).
     Scans from `start` to the end of the run: a sample's fate comes at or after the step that made it."""
     fates: dict[int, Fate] = {}
-    for record in ledger.journal.iter_steps(start, None, payload=False):
+    for record in StepReader(ledger.journal).records(start, None, payload=False):
         ev = StepEvents.of(record)
         for status, ids in _fated(ev):
             for sid in ids.tolist():
@@ -109,7 +110,7 @@ def group_accounting(ledger) -> Accounting | None:
     unasked: list[int] = []
     fate_twice: list[int] = []
     unarrived: list[int] = []
-    for record in ledger.journal.iter_steps(None, None, payload=False):
+    for record in StepReader(ledger.journal).records(None, None, payload=False):
         ev = StepEvents.of(record)
         if ev.requests is not None:
             starts += ev.requests.groups.tolist()
@@ -149,7 +150,7 @@ def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[
     decoders: dict = {}
     missing: list[int] = []
     arch = archive.Reader(run_dir, ledger)
-    for record in ledger.journal.iter_steps(start, stop):
+    for record in StepReader(ledger.journal).records(start, stop):
         step = record.step
         if record.pruned:
             cols = arch.step_columns(step)
@@ -160,6 +161,7 @@ def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[
             added = StepEvents.of(record).added
             if added is None:
                 continue
+            assert added.samples is not None  # read with its payload, not pruned
             cfg = ledger.config_at(step)
             key = json.dumps(config_from_stored(cfg).model.actor.model_name_or_path)
             if key not in decoders:

@@ -22,7 +22,8 @@ def parse_steps(spec: str | None) -> tuple[int | None, int | None]:
 
 def ranges(steps: list[int]) -> str:
     """[1, 2, 3, 7] -> '1–3, 7' (steps ascending)."""
-    out, a = [], steps[0]
+    out: list[str] = []
+    a: int | None = steps[0]
     for prev, cur in zip(steps, [*steps[1:], None]):
         if cur != prev + 1:
             out.append(f"{a}" if a == prev else f"{a}–{prev}")

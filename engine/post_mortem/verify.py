@@ -116,7 +116,7 @@ def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: boo
     rep.lines += [f"✓ {line}" for line in res.ok if line.startswith("Dataflow")]
     rep.lines += [f"✓ {line}" for line in res.ok if line.startswith("All files")]
     if journal_fps is not None:
-        want = journal_fps.get(res.step)
+        want = journal_fps.get(res.step) if res.step is not None else None
         if want is None:
             rep.lines.append(f"✗ step {res.step} is not in the journal")
             rep.valid = False
@@ -156,8 +156,9 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
                 index = None
             try:
                 fps = ledger.fingerprints()
-                if ledger.base_fingerprint() is not None:  # a fork's base snapshot: the state it started from
-                    fps.setdefault(ledger.base_step(), ledger.base_fingerprint())
+                base = ledger.base_fingerprint()
+                if base is not None:  # a fork's base snapshot: the state it started from
+                    fps.setdefault(ledger.base_step(), base)
             except JournalError:
                 fps = {}
         except NotAJournalError:
@@ -302,7 +303,7 @@ def _verify_accounting(report: RunReport, ledger: Ledger) -> None:
                                     "each sample was trained or dropped once at most")
 
 
-def _verify_one(report: RunReport, path: Path, index: dict, fps) -> None:
+def _verify_one(report: RunReport, path: Path, index: dict | None, fps) -> None:
     if not path.is_dir():
         raise JournalError(f"snapshot {path} does not exist")
     entry = next((e for e in map(_indexed, (index or {}).values()) if e[0] == path.name), None)
@@ -340,8 +341,8 @@ def _verify_all(report: RunReport, run_dir: Path, index: dict | None, fps, ledge
             report.bytes_hashed += n
         report.next_resume.append(item)
     gone = {item.name for item in plan if item.action == UNINDEX}
-    for step in sorted(index or {}):
-        name, manifest = _indexed(index[step])
+    for step, entry in sorted((index or {}).items()):
+        name, manifest = _indexed(entry)
         if name in gone:
             continue
         rep, n = verify_snapshot(run_dir / name, fps, indexed=True, recorded_manifest=manifest)
@@ -355,9 +356,9 @@ def _verify_all(report: RunReport, run_dir: Path, index: dict | None, fps, ledge
               and (report.last_good_step is None or s.step <= report.last_good_step)]
     if report.journal_ok and report.last_good_step is not None:
         if usable:
-            best = max(usable, key=lambda s: s.step)
+            best = max(usable, key=lambda s: s.step or 0)  # each usable one has its step
             report.resume_from = best.name
-            if best.step < report.last_good_step:
+            if best.step is not None and best.step < report.last_good_step:
                 report.replay = [best.step + 1, report.last_good_step]
         elif report.pruned_through > 0:
             report.advice = (f"no valid snapshot is kept, and retention pruned the samples of steps through {report.pruned_through}, "
@@ -372,7 +373,7 @@ def _indexed(info: SnapshotEntry) -> tuple[str, str | None]:
     return info.path, info.manifest
 
 
-def _rotated_away(ledger: Ledger, step: int, path: Path) -> bool:
+def _rotated_away(ledger: Ledger, step: int | None, path: Path) -> bool:
     try:
         return step not in ledger.snapshot_index() and not path.exists()
     except JournalError:

@@ -1,4 +1,4 @@
-"""The rollout buffer: samples (rl.samples) waiting for an update, in arrival order."""
+"""The rollout buffer: samples (schema.sample) waiting for an update, in arrival order."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from ..schema.sample import Sample, pack, unpack
 from ..state.stateful import check_version
-from .samples import Sample, pack, unpack
 
 
 class RolloutBuffer:

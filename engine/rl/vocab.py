@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import config_from_stored
+
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 VOCABS = {
     "digits": list("0123456789+-*= "),
@@ -47,3 +49,16 @@ class TextDecoder:
         return "".join(
             self._chars[i] for i in ids if 0 <= i < len(self._chars) and not (skip_special_tokens and i < len(SPECIALS))
         )
+
+
+def text_decoder(config: dict | None) -> TextDecoder | None:
+    """The run's decoder (built-in vocabulary or tokenizer.json), or None when it cannot be found."""
+    cfg = config_from_stored(config, unknown="none")
+    if cfg is None:
+        return None
+    path = cfg.model.actor.model_name_or_path
+    chars = builtin_chars(cfg.model.tiny.vocab, cfg.data.train_dataset or "")
+    try:
+        return TextDecoder(path, chars) if path else None
+    except Exception:  # noqa: BLE001 - no tokenizer.json (model dir moved): show token ids instead
+        return None

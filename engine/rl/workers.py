@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,10 +20,10 @@ from verlj.journal.failpoints import failpoint
 
 from ..config import Config, OptimConfig
 from ..dist import Runtime
+from ..schema.sample import Sample
 from ..state.bitflip import flip_one_bit
 from ..state.fingerprint import group_sums
 from . import algorithms
-from .samples import Sample
 
 
 def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int, n_params: int) -> dict:
@@ -271,7 +272,9 @@ class UpdateStats:
 class _Stepper:
     """engine.step() for a worker, clipping TP gradients itself where DeepSpeed cannot (verlj_clips)."""
 
-    engine: object
+    engine: Any  # deepspeed.DeepSpeedEngine (DeepSpeed is read as Any)
+    cfg: Config
+    rt: Runtime
     full_shapes: dict
     optim: OptimConfig  # the worker's own optimizer section (actor or critic)
     stage_losses: list

@@ -321,7 +321,7 @@ class Eval:
     """The held-out evaluation run after this step: rows, their scores, the responses (flat token ids
     and their lengths). With rollout.env each response is an episode (its actions and observations, as a
     sample's response_ids) and three more fields say how it went: `turns` (per row), `turn_lens` (flat:
-    per turn, action length then observation length) and `env_end` (per row: rl.samples.EnvEnd); a
+    per turn, action length then observation length) and `env_end` (per row: schema.sample.EnvEnd); a
     single-turn eval leaves them out (None), so its event is what it always was."""
 
     TYPE: ClassVar[str] = "eval"

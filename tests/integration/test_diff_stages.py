@@ -5,7 +5,7 @@ re-executed (loss, parameters after), each compared with an uninterrupted base r
 import pytest
 
 from verlj.engine.loop.run import train as run_train
-from verlj.engine.post_mortem.inspection import first_difference, render_diff
+from verlj.engine.post_mortem.diff import first_difference, render_diff
 from verlj.engine.post_mortem.rerun import diff_stages
 from verlj_testing import TINY, verlj
 

@@ -170,7 +170,7 @@ def test_archived_episodes_read_back_as_the_journal_holds_them(guess_ref, tmp_pa
     """The rollout archive (retention) of a run of episodes keeps the episode's columns: each step's table
     written to Parquet as loop.archive writes it and read back as an archived step is gives the same rows."""
     pa, pq, pc = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet"), pytest.importorskip("pyarrow.compute")
-    from verlj.engine.rl import samples as table
+    from verlj.engine.schema import table
 
     dec = TextDecoder("builtin:tiny", VOCABS["ascii"])
     with open_journal_reader(guess_ref / "journal") as j:

@@ -152,7 +152,7 @@ def test_diff_full_compares_pruned_steps_samples_from_the_archive(runs):
     token is a difference."""
     from verlj.engine.loop import archive
     from verlj.engine.loop.ledger import open_run
-    from verlj.engine.post_mortem.inspection import _same_samples, _step_samples
+    from verlj.engine.post_mortem.diff import _same_samples, _step_samples
 
     root, ref, pruned = runs
     with open_run(ref) as la, open_run(pruned) as lb:

@@ -84,8 +84,8 @@ def test_verl_format_chat_parquet_trains_with_a_compute_score_reward(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from verlj.engine.rl.samples import unpack
     from verlj.engine.rl.vocab import SPECIALS, VOCABS, TextDecoder, builtin_vocab
+    from verlj.engine.schema.sample import unpack
 
     rows = [{"data_source": "openai/gsm8k", "ability": "math",
              "prompt": [{"role": "user", "content": f"{i}+{i}? Answer after \"####\"."}],

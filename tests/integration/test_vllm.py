@@ -60,8 +60,8 @@ def _hf_greedy(module, prompt, n):
 
 
 def _actor_logprobs(tr, prompts, responses):
-    from verlj.engine.rl.samples import Sample
     from verlj.engine.rl.workers import collate
+    from verlj.engine.schema.sample import Sample
 
     samples = [Sample(index=0, prompt_ids=np.asarray(p), response_ids=np.asarray(r), gen_logprobs=np.zeros(len(r), np.float32))
                for p, r in zip(prompts, responses)]

@@ -12,7 +12,7 @@ from verlj.engine.rl.buffer import RolloutBuffer
 from verlj.engine.rl.data import DataError, Example, Sampler, check_identity, load_data
 from verlj.engine.rl.rewards import RewardError, add_reward, load_reward_fn, rule_rewards
 from verlj.engine.rl.sampler import sample_token
-from verlj.engine.rl.samples import FIELDS, Sample, pack, unpack
+from verlj.engine.schema.sample import FIELDS, Sample, pack, unpack
 from verlj.journal import packb, unpackb
 
 

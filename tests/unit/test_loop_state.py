@@ -12,8 +12,9 @@ import pytest
 
 from verlj.engine.config import make_config
 from verlj.engine.errors import ReplayError, SnapshotError
-from verlj.engine.loop.ledger import ArchiveEntry, Ledger, Rebased, TopologyChange
+from verlj.engine.loop.ledger import ArchiveEntry, Ledger
 from verlj.engine.loop.policy import CheckpointSchedule
+from verlj.engine.loop.records import Rebased, TopologyChange
 from verlj.engine.loop.recovery import choose_snapshot, resolve_explicit
 from verlj.engine.loop.retention import apply as apply_retention
 from verlj.engine.loop.retention import prune_bound

@@ -9,8 +9,8 @@ import torch
 from verlj.engine.config import Config, check_change, config_from_dict, stored_config
 from verlj.engine.errors import ConfigError, SnapshotError
 from verlj.engine.rl import algorithms
-from verlj.engine.rl.samples import Sample
 from verlj.engine.rl.workers import shard_batch
+from verlj.engine.schema.sample import Sample
 from verlj.engine.state.reshard import _split_dim
 from verlj.engine.state.topology import Topology, refusal
 
