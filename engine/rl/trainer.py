@@ -34,7 +34,7 @@ from ..state.seeding import derive_seed, rng_digest, seed_globals
 from ..state.stage_recorder import StageRecorder
 from ..state.stages import combine
 from ..state.stateful import check_version
-from . import algorithms
+from . import algorithms, lora
 from . import samples as sample_codec
 from .buffer import RolloutBuffer
 from .data import Example, Sampler, check_identity, load_data
@@ -227,6 +227,7 @@ class Trainer:
             for p in self.rm[0].parameters():
                 p.requires_grad_(False)
         actor_model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, derive_seed(seed, 0, "init/actor"))
+        actor_model, self.actor_base = lora.adapt(actor_model, cfg, derive_seed(seed, 0, "init/lora"))
         self.actor = ActorWorker(actor_model, cfg, rt)
         self.rollout: RolloutEngine | None = None  # built by the first live collect (replay never generates)
         self._env_factory = None  # rollout.env's, made by the first live collect (replay never plays an episode)
@@ -252,13 +253,15 @@ class Trainer:
 
     def identity(self) -> dict:
         """What the trainer loaded that the config alone does not pin: the prompts (a file's rows, a
-        reasoning-gym task's generated ones and its version) and the frozen reward model's files."""
-        return {"reward_model_digest": self.rm_digest, "dataset": self.data.identity}
+        reasoning-gym task's generated ones and its version), the frozen reward model's files, and with
+        LoRA the frozen base (rl.lora.base_identity)."""
+        return {"reward_model_digest": self.rm_digest, "dataset": self.data.identity, **self.actor_base}
 
     def check_identity(self, recorded) -> None:
         """On resume: the prompts and the frozen reward model must be the ones the run started with.
         `recorded`: what the run's identity says was loaded (loop.ledger.Loaded: dataset, reward_model_digest)."""
         check_identity(recorded.dataset, self.data.identity)
+        lora.check_base(recorded.actor_base_digest, self.actor_base, self.cfg.model.actor.model_name_or_path)
         want = recorded.reward_model_digest
         if want is not None and want != self.rm_digest:
             raise ModelError(
@@ -601,7 +604,7 @@ class Trainer:
                 s.ref_logprobs = np.zeros(0, dtype=np.float32)
             return
         batch = collate(samples, self.tokenizer.pad_token_id, self.rt.device)
-        ref = self.actor.logprobs(batch, model=self.actor.ref).float().cpu().numpy()
+        ref = self.actor.reference_logprobs(batch).float().cpu().numpy()
         for i, s in enumerate(samples):
             s.ref_logprobs = ref[i, : len(s.response_ids)].astype(np.float32)
 
