@@ -93,3 +93,26 @@ def test_changed_base_is_refused_on_resume(tmp_path):
     one_line_error(train(run, *over, "trainer.total_steps=2", resume=True), 1,
                    "differs from the one this run's LoRA adapters were trained on")
     assert tree(run) == before
+
+
+def test_vllm_generates_from_the_merged_weights():
+    """rollout.engine=vllm: each push is the merged weights, and vLLM's log-probs of its own samples are the
+    adapted actor's (without the push they are another policy's: test_vllm's stale check)."""
+    pytest.importorskip("vllm")
+    from test_vllm import VLLM, _gap, _steps
+
+    from verlj.engine.config import make_config
+    from verlj.engine.dist import configure_determinism, setup
+    from verlj.engine.rl.trainer import Trainer
+
+    cfg = make_config(None, [*TINY, *VLLM, *LORA])
+    rt = setup(cfg)
+    configure_determinism(cfg)
+    tr = Trainer(cfg, rt)
+    try:
+        _steps(tr, 1, 3)
+        assert tr.rollout.name == "vllm" and tr.rollout.pushes == 2
+        gap, _, _ = _gap(tr, [tr.prompt_ids[i] for i in range(8)], list(range(100, 108)))
+        assert tr.rollout.pushes == 3 and gap < 1e-4, gap
+    finally:
+        tr.close()
