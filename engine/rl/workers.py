@@ -350,7 +350,7 @@ class _Stepper:
             if any(a is not b for a, b in zip(opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat)):
                 flip_one_bit(list(opt.fp16_partitioned_groups_flat), action)
         else:
-            flip_one_bit([p.data for p in self.engine.module.parameters()], action)
+            flip_one_bit([p.data for p in self.engine.module.parameters() if p.requires_grad], action)  # the trained state (LoRA: not the base)
 
     def _result(self, stats: UpdateStats, prefix: str) -> dict[str, float]:
         out = stats.result()

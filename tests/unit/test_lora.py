@@ -96,3 +96,11 @@ def test_changed_base_is_refused():
     lora.check_base("abc", {"actor_base_digest": "abc"}, "x")
     with pytest.raises(ModelError, match="differs from the one this run's LoRA adapters were trained on"):
         lora.check_base("abc", {"actor_base_digest": "abd"}, "x")
+
+
+def test_without_peft_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "peft", None)  # `import peft` raises ImportError
+    cfg = _cfg()
+    with pytest.raises(ModelError, match=r"needs the peft package: pip install 'verlj\[lora\]'"):
+        lora.adapt(_tiny(cfg), cfg, 3)
+    assert lora.adapt(model := _tiny(make_config(None, [])), make_config(None, []), 3) == (model, {})  # off: peft not needed
