@@ -20,6 +20,7 @@ def replay(
     workers: Annotated[int, typer.Option("--workers", help="With --probe: split --steps at snapshots over this many processes.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print {step, fingerprint, from_snapshot} as JSON (the only thing on stdout).")] = False,
     export: Annotated[Optional[Path], typer.Option("--export", help="Write the actor as a Hugging Face model directory (new or empty).")] = None,
+    export_adapter: Annotated[Optional[Path], typer.Option("--export-adapter", help="LoRA: write the adapters as a PEFT adapter directory (new or empty).")] = None,
     snapshot: Annotated[Optional[Path], typer.Option("--snapshot", help="Write the state as a verlj snapshot directory (new or empty).")] = None,
     fork: Annotated[Optional[Path], typer.Option("--fork", help="Start a new run from this state in NEW_RUN (new or empty).")] = None,
     overrides: Annotated[Optional[list[str]], typer.Argument(help="With --fork: config overrides for the new run.")] = None,
@@ -35,8 +36,8 @@ def replay(
     from verlj.engine.post_mortem import materialize
 
     if probe is not None or steps is not None or workers != 1:
-        if probe is None or steps is None or to_step is not None or export or snapshot or fork:
-            raise fail("--probe and --steps go together (with --workers), without --to-step, --export, --snapshot or --fork", 2)
+        if probe is None or steps is None or to_step is not None or export or export_adapter or snapshot or fork:
+            raise fail("--probe and --steps go together (with --workers), without --to-step, --export, --export-adapter, --snapshot or --fork", 2)
         import json
 
         from verlj.engine.post_mortem import probe as probes
@@ -58,7 +59,7 @@ def replay(
         raise fail("config overrides are only meaningful with --fork", 2)
     if to_step < 0:
         raise fail("--to-step must be a step number (>= 1)", 2)
-    guarded(lambda: materialize.check_outputs(export, snapshot, fork))
+    guarded(lambda: materialize.check_outputs(export, snapshot, fork, export_adapter))
     if fork is not None:  # a config the fork would refuse is refused before the replay, not after it
         from verlj.engine.loop.run import check_fork
 
@@ -66,6 +67,8 @@ def replay(
     replayed = guarded(lambda: materialize.materialize(run, to_step, quiet=not verbose))
     if export is not None:
         guarded(lambda: materialize.export_hf(replayed, export))
+    if export_adapter is not None:
+        guarded(lambda: materialize.export_adapter(replayed, export_adapter))
     if snapshot is not None:
         guarded(lambda: materialize.write_snapshot(replayed, snapshot))
     if replayed.run.rt.is_main:
@@ -79,6 +82,8 @@ def replay(
                 out(line)
             if export is not None:
                 out(f"exported the actor to {export}")
+            if export_adapter is not None:
+                out(f"exported the LoRA adapters to {export_adapter}")
             if snapshot is not None:
                 out(f"wrote a snapshot to {snapshot}")
     if fork is not None:

@@ -31,7 +31,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import blake3
 import yaml
@@ -295,9 +295,19 @@ class ActorConfig:
     entropy_coeff: float = live(0.0)  # entropy bonus weight
     use_kl_loss: bool = live(True)  # GRPO, RLOO, REINFORCE++: KL-to-reference term in the loss (k3 estimator)
     kl_loss_coef: float = live(0.01)  # GRPO, RLOO, REINFORCE++: weight of that term
+    lora_rank: int = 0  # LoRA adapters of this rank on the frozen base (verl's lora_rank; 0 = off: every weight trained); see docs/guides/lora.md
+    lora_alpha: float = 16.0  # LoRA scaling numerator: the adapters' update is scaled by lora_alpha / lora_rank
+    target_modules: Union[str, list[str]] = "all-linear"  # LoRA: the modules adapted: all-linear (every linear layer but the output head), or a list of module names (e.g. [q_proj, v_proj])
 
     def validate(self) -> None:
         self.optim.validate("model.actor.optim")
+        _at_least("model.actor.lora_rank", self.lora_rank, 0)
+        if self.lora_rank and not self.lora_alpha > 0:
+            raise ConfigError(f"model.actor.lora_alpha must be positive, got {self.lora_alpha}")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            raise ConfigError(f"model.actor.target_modules must be all-linear or a list of module names, got {self.target_modules!r}")
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ConfigError("model.actor.target_modules is an empty list; name the modules to adapt, or all-linear")
         _positive("model.actor.ppo_epochs", self.ppo_epochs)
         _at_least("model.actor.mini_batch_size", self.mini_batch_size, 0)
         _positive("model.actor.micro_batch_size", self.micro_batch_size)
@@ -599,6 +609,9 @@ class Config:
         if ro.free_running and self.distributed.tensor_parallel_size > 1:
             raise ConfigError("rollout.async_order=completion does not combine with tensor parallelism yet "
                               "(distributed.tensor_parallel_size > 1); use rollout.async_order=step")
+        if self.model.actor.lora_rank and self.distributed.tensor_parallel_size > 1:
+            raise ConfigError("model.actor.lora_rank does not combine with tensor parallelism yet "
+                              "(distributed.tensor_parallel_size > 1); use ZeRO (distributed.zero_stage) instead")
         return self
 
     def to_dict(self) -> dict:
@@ -810,6 +823,9 @@ def _coerce(key: str, tp, value):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        lists = [a for a in args if typing.get_origin(a) is list]
+        if isinstance(value, list) and lists:  # e.g. str | list[str]: a list is read as the list
+            return _coerce(key, lists[0], value)
         return _coerce(key, args[0], value)
     if tp is dict:
         if not isinstance(value, dict):

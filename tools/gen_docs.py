@@ -94,6 +94,8 @@ def _type_name(tp) -> str:
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
         rest = [a for a in args if a is not type(None)]
         return (_type_name(rest[0]) if len(rest) == 1 else " or ".join(map(_type_name, rest))) + " or null"
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(map(_type_name, args))
     return str(tp).replace("typing.", "")
 
 

@@ -223,7 +223,8 @@ class Checkpointer:
                 ce = install_safe_checkpointing(part.obj)
                 ce.deferred = [] if async_save else None
                 try:
-                    part.obj.save_checkpoint(str(tmp), tag=part.name, client_state={}, save_latest=False)
+                    part.obj.save_checkpoint(str(tmp), tag=part.name, client_state={}, save_latest=False,
+                                             exclude_frozen_parameters=_has_frozen(part.obj))
                 finally:
                     if ce.deferred is not None:
                         deferred += ce.deferred
@@ -359,8 +360,8 @@ class Checkpointer:
             reshard.check_loaded(engine, tag, universal, self.rt, self.trainer.param_layout()[tag])
             return
         install_safe_checkpointing(engine)
-        load_path, _ = engine.load_checkpoint(
-            str(path), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True
+        load_path, _ = engine.load_checkpoint(  # a frozen base (LoRA) is not in the snapshot: it stays as loaded
+            str(path), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=not _has_frozen(engine)
         )
         if load_path is None:
             raise SnapshotError(f"DeepSpeed found no checkpoint for {tag!r} in {path}")
@@ -382,6 +383,11 @@ class Checkpointer:
 
         root, seconds = self.rt.from_rank0(convert, f"converting {path.name} to the universal layout")
         return Path(root), Resharded(src, dst, seconds, seconds == 0.0)
+
+
+def _has_frozen(engine) -> bool:
+    """The engine trains part of its module (LoRA adapters on a frozen base): a snapshot holds the trained part only."""
+    return any(not p.requires_grad for p in engine.module.parameters())
 
 
 def _write_small(tmp: Path, small: dict[str, bytes]) -> None:

@@ -46,6 +46,8 @@ class Loaded(MetaRecord):
 
     dataset: dict | None = None
     reward_model_digest: str | None = None
+    actor_base_path: str | None = None  # with LoRA: the frozen base (rl.lora.base_identity)
+    actor_base_digest: str | None = None
 
 
 @dataclass(frozen=True)

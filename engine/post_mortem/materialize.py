@@ -2,7 +2,8 @@
 
     verlj replay runs/demo --to-step 120                       # prints the fingerprint
     verlj replay runs/demo --to-step 120 --json                # {"step": 120, "fingerprint": ...}
-    verlj replay runs/demo --to-step 120 --export out/hf       # a Hugging Face model directory
+    verlj replay runs/demo --to-step 120 --export out/hf       # a Hugging Face model directory (LoRA: merged)
+    verlj replay runs/demo --to-step 120 --export-adapter out/a  # LoRA: a PEFT adapter directory
     verlj replay runs/demo --to-step 120 --snapshot out/s120   # a verlj snapshot of that state
     verlj replay runs/demo --to-step 120 --fork runs/branch model.actor.optim.lr=5e-4
 
@@ -39,9 +40,9 @@ class Materialized:
     largest: Deviation | None = None  # the largest deviation from the journaled metrics among those
 
 
-def check_outputs(export: Path | None, snapshot: Path | None, fork: Path | None) -> None:
+def check_outputs(export: Path | None, snapshot: Path | None, fork: Path | None, adapter: Path | None = None) -> None:
     """Refuse an output directory that would mix verlj's files with someone else's, before any work."""
-    for flag, path in (("--export", export), ("--snapshot", snapshot)):
+    for flag, path in (("--export", export), ("--snapshot", snapshot), ("--export-adapter", adapter)):
         if path is not None and path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise RunError(f"{flag} {path} exists and is not empty; choose a new or empty directory")
     if fork is not None:
@@ -102,10 +103,11 @@ def export_hf(replayed: Materialized, out_dir: Path) -> None:
     import deepspeed
 
     module = replayed.run.trainer.actor.engine.module
-    if replayed.run.rt.tp_size > 1:  # AutoTP shards joined (state.reshard), saved under the model's own names
-        from ..state.reshard import full_parameters
-
-        whole = dict(full_parameters(replayed.run.trainer.actor.engine, replayed.run.rt, replayed.run.trainer.actor.full_shapes))
+    if replayed.run.rt.tp_size > 1 or replayed.run.trainer.actor.lora:
+        # AutoTP shards joined (state.reshard), LoRA merged into the base (rl.lora): under the model's own names
+        whole = dict(replayed.run.trainer.actor.policy_weights())
+        if replayed.run.trainer.actor.lora:
+            module = module.get_base_model()
         if replayed.run.rt.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             module.save_pretrained(str(out_dir), state_dict=whole, safe_serialization=True)
@@ -120,6 +122,22 @@ def export_hf(replayed: Materialized, out_dir: Path) -> None:
             out_dir.mkdir(parents=True, exist_ok=True)
             module.save_pretrained(str(out_dir), safe_serialization=True)
             replayed.run.trainer.tokenizer.save_pretrained(str(out_dir))
+    replayed.run.rt.barrier()
+
+
+def export_adapter(replayed: Materialized, out_dir: Path) -> None:
+    """Write the actor's LoRA adapters as a PEFT adapter directory (peft.PeftModel.from_pretrained
+    on the base loads it) with the tokenizer."""
+    actor = replayed.run.trainer.actor
+    if not actor.lora:
+        raise RunError("--export-adapter: this run trains every weight (model.actor.lora_rank is 0); use --export")
+    from ..rl.lora import adapter_state
+
+    state = adapter_state(actor.engine.module)
+    if replayed.run.rt.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        actor.engine.module.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
+        replayed.run.trainer.tokenizer.save_pretrained(str(out_dir))
     replayed.run.rt.barrier()
 
 

@@ -48,7 +48,6 @@ from verlj.journal.failpoints import failpoint
 
 from ..config import Config
 from ..errors import RunError
-from ..state.reshard import full_parameters
 from .sampler import AskedGroup, SamplerEngine, sampling_params
 
 POLL_S = 0.5  # how often a wait checks that the other side is alive
@@ -76,7 +75,7 @@ class GeneratorProcess(SamplerEngine):
         Called only while the process is idle. Collective (ZeRO-3 gathers the parameters)."""
         if self.proc is not None and not self.stale and self.policy_version == version:
             return
-        params = full_parameters(self.actor.engine, self.rt, self.actor.full_shapes)
+        params = self.actor.policy_weights()
         if self.proc is None:
             self._start(cfg, params, version)
         else:

@@ -51,7 +51,6 @@ from verlj.journal.failpoints import failpoint
 
 from ..config import Config
 from ..errors import ConfigError, RunError, install_hint
-from ..state.reshard import full_parameters
 from .sampler import AskedGroup, SamplerEngine, sampling_params
 
 START_TIMEOUT_S = 600.0
@@ -273,7 +272,7 @@ class RayFleet(SamplerEngine):
             return
         import ray
 
-        params = full_parameters(self.actor.engine, self.rt, self.actor.full_shapes)
+        params = self.actor.policy_weights()
         weights = {name: t.detach().to("cpu", copy=True) for name, t in params}
         if not self.slots:
             self._start(cfg, sum(t.numel() * t.element_size() for t in weights.values()))

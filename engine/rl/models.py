@@ -191,6 +191,8 @@ class ValueModel(nn.Module):
 
 
 def _cache_kw(model: nn.Module) -> str:
+    if hasattr(model, "get_base_model"):  # peft's wrapper (LoRA) passes the keyword on to the model it wraps
+        model = model.get_base_model()
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 

@@ -137,6 +137,6 @@ class Scorer:
                 s.ref_logprobs = np.zeros(0, dtype=np.float32)
             return
         batch = collate(samples, self.tokenizer.pad_token_id, self.rt.device)
-        ref = actor.logprobs(batch, model=actor.ref).float().cpu().numpy()
+        ref = actor.reference_logprobs(batch).float().cpu().numpy()
         for i, s in enumerate(samples):
             s.ref_logprobs = ref[i, : len(s.response_ids)].astype(np.float32)

@@ -30,7 +30,7 @@ from ..schema.sample import Sample
 from ..state.fingerprint import fingerprint as state_fingerprint
 from ..state.seeding import derive_seed
 from ..state.stateful import check_version
-from . import evaluation, update
+from . import evaluation, lora, update
 from .buffer import RolloutBuffer
 from .data import Example, Sampler, check_identity, load_data
 from .envs import EnvFactory, load_env
@@ -84,6 +84,7 @@ class Trainer:
         self.train_state = TrainState(self.sampler)
         self.scorer = Scorer(cfg, rt, self.tokenizer, self.data)  # rewards, the reward model, the reference's log-probs
         actor_model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, derive_seed(seed, 0, "init/actor"))
+        actor_model, self.actor_base = lora.adapt(actor_model, cfg, derive_seed(seed, 0, "init/lora"))
         self.actor = ActorWorker(actor_model, cfg, rt)
         self._env_factory: EnvFactory | None = None  # rollout.env's, made at its first use (replay never plays an episode)
         # where completion order makes its groups of episodes durable (set by loop.run for live training)
@@ -100,13 +101,15 @@ class Trainer:
 
     def identity(self) -> dict:
         """What the trainer loaded that the config alone does not pin: the prompts (a file's rows, a
-        reasoning-gym task's generated ones and its version) and the frozen reward model's files."""
-        return {"reward_model_digest": self.scorer.rm_digest, "dataset": self.data.identity}
+        reasoning-gym task's generated ones and its version), the frozen reward model's files, and with
+        LoRA the frozen base (rl.lora.base_identity)."""
+        return {"reward_model_digest": self.scorer.rm_digest, "dataset": self.data.identity, **self.actor_base}
 
     def check_identity(self, recorded: Loaded) -> None:
         """On resume: the prompts and the frozen reward model must be the ones the run started with.
         `recorded`: what the run's identity says was loaded (loop.ledger.Loaded: dataset, reward_model_digest)."""
         check_identity(recorded.dataset, self.data.identity)
+        lora.check_base(recorded.actor_base_digest, self.actor_base, self.cfg.model.actor.model_name_or_path)
         want = recorded.reward_model_digest
         if want is not None and want != self.scorer.rm_digest:
             raise ModelError(

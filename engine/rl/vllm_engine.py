@@ -329,10 +329,8 @@ class VllmEngine:
     # ------------------------------------------------------------------ weights
 
     def _weights(self) -> list[tuple[str, torch.Tensor]]:
-        """Every actor parameter whole, on every rank. Collective."""
-        from ..state.reshard import full_parameters
-
-        return full_parameters(self.actor.engine, self.rt, self.actor.full_shapes)
+        """Every actor parameter whole (LoRA merged into the base), on every rank. Collective."""
+        return self.actor.policy_weights()
 
     def _start(self, cfg: Config) -> None:
         weights = self._weights()

@@ -23,7 +23,7 @@ from ..dist import Runtime
 from ..schema.sample import Sample
 from ..state.bitflip import flip_one_bit
 from ..state.fingerprint import group_sums
-from . import algorithms
+from . import algorithms, lora
 
 
 def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int, n_params: int) -> dict:
@@ -359,7 +359,7 @@ class _Stepper:
             if any(a is not b for a, b in zip(opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat)):
                 flip_one_bit(list(opt.fp16_partitioned_groups_flat), action)
         else:
-            flip_one_bit([p.data for p in self.engine.module.parameters()], action)
+            flip_one_bit([p.data for p in self.engine.module.parameters() if p.requires_grad], action)  # the trained state (LoRA: not the base)
 
     def _result(self, stats: UpdateStats, prefix: str) -> dict[str, float]:
         out = stats.result()
@@ -381,9 +381,12 @@ class ActorWorker(_Stepper):
         self.cfg, self.rt = cfg, rt
         self.actor_cfg = cfg.model.actor
         self.optim = self.actor_cfg.optim
-        self.ref = copy.deepcopy(model).to(rt.device).eval()
-        for p in self.ref.parameters():
-            p.requires_grad_(False)
+        self.lora = lora.enabled(cfg)  # the module carries LoRA adapters: the reference is its base, adapters off
+        self.ref = None
+        if not self.lora:
+            self.ref = copy.deepcopy(model).to(rt.device).eval()
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
         model.train()
         self.full_shapes = trainable_shapes(model)
         self.engine = make_engine(model, self.actor_cfg.optim, cfg, rt, self.actor_cfg.micro_batch_size)
@@ -407,6 +410,24 @@ class ActorWorker(_Stepper):
         out = [response_logprobs(model, batch.slice(a, b), self.temperature)[0] for a, b in micro_chunks(len(batch), self.actor_cfg.micro_batch_size)]
         model.train(was)
         return torch.cat(out)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        """The frozen reference's log-probs: the copy made at the start, or with LoRA the base itself
+        (the same module with its adapters switched off)."""
+        if not self.lora:
+            return self.logprobs(batch, model=self.ref)
+        with self.engine.module.disable_adapter():
+            return self.logprobs(batch)
+
+    def policy_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The policy's weights whole, under the model's own names, on every rank (what a generation
+        engine that holds its own copy loads): with LoRA, merged into the base. Collective."""
+        if self.lora:
+            return lora.merged_weights(self.engine.module)
+        from ..state.reshard import full_parameters
+
+        return full_parameters(self.engine, self.rt, self.full_shapes)
 
     def update(self, batch: Batch, advantages, old_logprobs, ref_logprobs,
                mini_batches: list[MiniBatch], gen_logprobs=None, is_threshold: float = 0.0) -> tuple[dict[str, float], torch.Tensor]:

@@ -152,9 +152,12 @@ def _leaves(obj, path: str, out: list) -> None:
 
 def state_leaves(engine) -> list:
     """This rank's share of an engine's state, as (path, leaf): parameters (ZeRO-3 partitions),
-    optimizer, LR scheduler, step count."""
+    optimizer, LR scheduler, step count. Frozen parameters (a LoRA run's base) are left out: they
+    never change, and the run's identity names them by their digest."""
     out: list = []
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
         _leaves(p.ds_tensor if hasattr(p, "ds_tensor") else p, "param/" + name, out)
     _leaves(engine.optimizer.state_dict(), "optim", out)
     if engine.lr_scheduler is not None:

@@ -1,0 +1,118 @@
+"""LoRA runs (model.actor.lora_rank > 0): SIGKILLed after a commit and resumed bit-identical to an
+uninterrupted run at ZeRO 0 and 2, a snapshot holding the adapters and their optimizer state only,
+a changed base refused on resume, and both exports (merged, adapter) loading with the trained logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_hardening import flip, one_line_error, tree
+
+from verlj.engine.loop.run import train as run_train
+from verlj.engine.state.safe_load import load_weights_only
+from verlj_testing import TINY, assert_same_journal, fingerprints, train, verlj
+
+pytestmark = pytest.mark.slow
+
+LORA = ["model.actor.lora_rank=4", "model.actor.lora_alpha=8", "trainer.total_steps=5", "trainer.save_interval=2"]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_lora_killed_and_resumed_is_bit_identical(tmp_path, stage):
+    over = [*LORA, f"distributed.zero_stage={stage}"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    run_train(ref, None, [*TINY, *over])
+    out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:3")
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *over, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Replayed step 3 from the journal" in out.stdout + out.stderr
+    assert fingerprints(run) == fingerprints(ref) and len(fingerprints(ref)) == 5
+    assert_same_journal(run, ref)
+    actor = run / "step_00004" / "actor"
+    states = load_weights_only(actor / "mp_rank_00_model_states.pt")
+    if stage == 0:  # the adapters alone, and Adam's moments of them alone
+        assert states["module"] and all(".lora_A." in n or ".lora_B." in n for n in states["module"])
+        moments = states["optimizer"]["state"]
+        assert len(moments) == len(states["module"])
+    else:  # the fp32 partition of what the optimizer trains: the adapters' elements
+        optim = load_weights_only(next(actor.glob("*optim_states.pt")))["optimizer_state_dict"]
+        flat = optim["single_partition_of_fp32_groups"]
+        n = sum(t.numel() for t in flat)
+        assert 0 < n == sum(s.numel() for group in states["param_shapes"] for s in group.values())
+        assert all(".lora_" in name for group in states["param_shapes"] for name in group)
+
+
+def test_lora_exports_load_with_the_trained_logits(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from verlj.engine.config import config_from_dict
+    from verlj.engine.loop.ledger import Ledger
+    from verlj.engine.post_mortem.materialize import materialize
+    from verlj.engine.rl.models import BUILTIN_TINY, load_causal_lm
+    from verlj.engine.state.seeding import derive_seed
+
+    run = tmp_path / "run"
+    run_train(run, None, [*TINY, *LORA, "trainer.total_steps=2"])
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    out = verlj("replay", run, "--to-step", "2", "--export", merged, "--export-adapter", adapter)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "exported the LoRA adapters" in out.stdout
+    replayed = materialize(run, 2)
+    try:
+        trained = replayed.run.trainer.actor.module.eval()
+        ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 4]])
+        with torch.no_grad():
+            want = trained(input_ids=ids).logits
+            full = AutoModelForCausalLM.from_pretrained(merged).eval()
+            torch.testing.assert_close(full(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+            ledger = Ledger.open_reader(run)
+            cfg = config_from_dict(ledger.config_at(2))
+            ledger.close()
+            base = load_causal_lm(BUILTIN_TINY, cfg, derive_seed(cfg.trainer.seed, 0, "init/actor"))
+            adapted = PeftModel.from_pretrained(base, adapter).eval()
+            assert torch.equal(adapted(input_ids=ids).logits, want)
+            with trained.disable_adapter():
+                assert not torch.allclose(trained(input_ids=ids).logits, want)  # the adapters did train
+    finally:
+        replayed.run.trainer.close()
+    one_line_error(verlj("replay", run, "--to-step", "2", "--export-adapter", merged), 1, "exists and is not empty")
+
+
+def test_changed_base_is_refused_on_resume(tmp_path):
+    from test_train_cli import save_tiny_hf
+
+    save_tiny_hf(tmp_path / "base", "lm")
+    run = tmp_path / "run"
+    over = [f"model.actor.model_name_or_path={tmp_path / 'base'}", "model.actor.lora_rank=2", "data.max_prompt_length=16"]
+    out = train(run, *over, "trainer.total_steps=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    flip(next((tmp_path / "base").glob("*.safetensors")))
+    before = tree(run)
+    one_line_error(train(run, *over, "trainer.total_steps=2", resume=True), 1,
+                   "differs from the one this run's LoRA adapters were trained on")
+    assert tree(run) == before
+
+
+def test_vllm_generates_from_the_merged_weights():
+    """rollout.engine=vllm: each push is the merged weights, and vLLM's log-probs of its own samples are the
+    adapted actor's (without the push they are another policy's: test_vllm's stale check)."""
+    pytest.importorskip("vllm")
+    from test_vllm import VLLM, _gap, _steps
+
+    from verlj.engine.config import make_config
+    from verlj.engine.dist import configure_determinism, setup
+    from verlj.engine.rl.trainer import Trainer
+
+    cfg = make_config(None, [*TINY, *VLLM, *LORA])
+    rt = setup(cfg)
+    configure_determinism(cfg)
+    tr = Trainer(cfg, rt)
+    try:
+        _steps(tr, 1, 3)
+        assert tr.rollout.name == "vllm" and tr.rollout.pushes == 2
+        gap, _, _ = _gap(tr, [tr.prompt_ids[i] for i in range(8)], list(range(100, 108)))
+        assert tr.rollout.pushes == 3 and gap < 1e-4, gap
+    finally:
+        tr.close()
