@@ -6,7 +6,7 @@ the LMDB environment on local disk and a background :class:`Shipper` copies each
 run directory as an immutable segment (Litestream's model)::
 
     RUN/journal/
-      segments/0000000001-0000000064.seg   shipments 1-64 compacted into one file (see below)
+      segments/0000000001-0000000064.seg   shipments 1-64 compacted into one file (verlj.journal.shipper)
       segments/0000000065.seg     sealed, immutable, one per shipment, numbered without gaps
       segments/.tmp-0000000066    a shipment being written (never read; removed on the next start)
       local.json                  where the live LMDB environment is (host, path): readers on that
@@ -16,129 +16,52 @@ run directory as an immutable segment (Litestream's model)::
                                   writes into or reads it while its original uses it (local_owner);
                                   a moved one takes it over
 
-A segment is ``MAGIC | fixed | H | head | step frames``: ``fixed`` is the file length, the head's
-length, first step + 1 (0: none) and last step, 8 bytes each, big-endian (the step range readable
-even when the rest is torn); ``head`` is msgpack::
-
-    seq, prev         its number and the previous segment's H(body) (hex; "" for the first)
-    first, last       the steps it carries (first is None when it carries none)
-    chain             the journal's chain hash after ``last`` (hex)
-    sizes             the length of each step frame that follows: the records byte for byte as
-                      LMDB stores them (each carries its own checksum and chain link)
-    meta, snapshots   the whole meta and snapshot-index sub-databases as frames, present only
-                      when they changed since the previous segment
-
-``H`` covers fixed, head and each frame's header (its record's checksum and chain hash), so a
-segment is checked three ways: its own digest, the link to the previous segment, and each record's
-checksum and the journal's hash chain through them. :func:`rebuild` turns the segments back into an LMDB
-environment; a damaged or torn last segment costs only the steps in it, damage before the last
-is refused.
-
-Compaction (:meth:`Shipper.compact_once`, in the shipper's thread: one job after each segment it
-ships, the rest while it has nothing to ship) keeps the file count bounded (the rule: :func:`plan_compaction`): runs of segments are merged into
-one file named by the shipments it holds, whose head adds ``first_seq``, ``level``, ``link`` (the
-digest the next segment's ``prev`` names) and ``pruned``; with retention, the records of steps
-pruned in the shipped meta are written without their samples (each keeps its checksum and place in
-the chain; only through the bound of a meta in a file that is not the last, since a rebuild drops a
-damaged last file), and a compacted file is written again when retention passes it. The new file is sealed,
-fsynced and published before what it replaces is removed; a scan reads the widest file that checks
-and ignores what it holds (``SegmentScan.superseded``, removed by the next writer).
+The segment files (their format, names, publishing and the walk that checks them) are
+:mod:`verlj.journal.segment_file`'s, the background copier :mod:`verlj.journal.shipper`'s, the rule
+that merges them :mod:`verlj.journal.compaction`'s; this module rebuilds LMDB environments from
+them for readers and writers and decides whose local environment is whose.
 """
+
 
 from __future__ import annotations
 
 import atexit
-import errno
-import json
 import os
 import shutil
 import socket
-import struct
 import tempfile
-import threading
-import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from . import codec
-from .claim import FencedError, process_start
+from .claim import process_start
+from .compaction import L0_FANOUT, plan_compaction  # noqa: F401
 from .durable import fsync_dir
 from .errors import JournalError
-from .failpoints import failpoint
-from .store import BASE_STEP, CHAIN_BASE, GENESIS, HASH_LEN, STEP_HEADER, Journal, StepFrame, digest, unframe_plain
+from .frames import unframe_plain
+from .segment_file import (  # noqa: F401  (segments.X: the shipped journal's names in one place)
+    JOURNAL_ID,
+    Segment,
+    SegmentScan,
+    is_shipped,
+    pruned_of,
+    read_pointer,
+    read_segment,
+    scan,
+    segment_dir,
+    segment_files,
+    write_pointer,
+)
+from .shipper import Shipper
+from .store import Journal
 
-MAGIC_SEGMENT = b"VJSEG\x01"
-_FIXED = struct.Struct(">QQQQ")  # file length, head length, first step + 1 (0: none), last step
-SEG_HEADER = len(MAGIC_SEGMENT) + _FIXED.size + HASH_LEN
-SEGMENTS = "segments"
-POINTER = "local.json"
-JOURNAL_ID = "journal_id"  # meta: a random id given to a shipped journal when it is created
 OWNER = "shipped_to"  # meta: the journal directory (RUN/journal, its realpath) the writer ships to: whose local journal it is
-MAX_SEGMENT_BYTES = 64 << 20  # a shipment larger than this is split over several segments
-L0_FANOUT = 64  # compaction: one-shipment segments merged into a level-1 file
-FANOUT = 16  # compaction: level-k files merged into a level-k+1 file
 
 # filesystems on which LMDB's locks and shared memory map are not coherent across hosts
 NETWORK_FILESYSTEMS = {
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "cephfs", "glusterfs",
     "fuse.glusterfs", "beegfs", "fuse.sshfs", "9p", "afs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs",
 }
-
-
-# ----------------------------------------------------------------------------- layout
-
-
-def segment_dir(shipped: Path) -> Path:
-    return Path(shipped) / SEGMENTS
-
-
-def is_shipped(shipped: Path) -> bool:
-    """Whether `shipped` (RUN/journal) holds a shipped journal: a segment, or a pointer to a local
-    journal that exists (a pointer alone is a start killed before its journal was created)."""
-    shipped = Path(shipped)
-    if _segment_files(shipped):
-        return True
-    ptr = read_pointer(shipped)
-    return ptr is not None and (Path(ptr["path"]) / "data.mdb").is_file()
-
-
-def _segment_files(shipped: Path) -> list[tuple[int, int, Path]]:
-    """(first seq, last seq, path) of every segment file: ``N.seg`` (one shipment) and ``A-B.seg``
-    (shipments A..B compacted into one), by first seq, the widest first."""
-    d = segment_dir(shipped)
-    if not d.is_dir():
-        return []
-    out = []
-    for p in d.iterdir():
-        if p.suffix != ".seg" or p.name.startswith("."):
-            continue
-        a, _, b = p.stem.partition("-")
-        if a.isdigit() and (b.isdigit() or not b) and (not b or int(b) >= int(a)):
-            out.append((int(a), int(b or a), p))
-    return sorted(out, key=lambda t: (t[0], -t[1]))
-
-
-def _segment_path(shipped: Path, seq: int, first_seq: int | None = None) -> Path:
-    if first_seq is None or first_seq == seq:
-        return segment_dir(shipped) / f"{seq:010d}.seg"
-    return segment_dir(shipped) / f"{first_seq:010d}-{seq:010d}.seg"
-
-
-def write_pointer(shipped: Path, local: Path) -> None:
-    shipped.mkdir(parents=True, exist_ok=True)
-    tmp = shipped / (POINTER + ".tmp")
-    tmp.write_text(json.dumps({"path": str(Path(local).resolve()), "host": socket.gethostname()}))
-    os.replace(tmp, shipped / POINTER)
-    fsync_dir(shipped)
-
-
-def read_pointer(shipped: Path) -> dict | None:
-    try:
-        data = json.loads((Path(shipped) / POINTER).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and "path" in data else None
 
 
 def network_filesystem(path: Path, mounts: str | None = None) -> str | None:
@@ -161,286 +84,6 @@ def network_filesystem(path: Path, mounts: str | None = None) -> str | None:
 
 
 # ----------------------------------------------------------------------------- one segment
-
-
-@dataclass
-class Segment:
-    seq: int
-    prev: str
-    first: int | None
-    last: int
-    chain: str
-    steps: list[bytes]
-    meta: dict[bytes, bytes] | None
-    snapshots: dict[bytes, bytes] | None
-    digest: str = ""
-    size: int = 0
-    # a compacted segment (Shipper.compact_once): the shipments first_seq..seq in one file, at `level` (0: one
-    # shipment); `link`: the digest the next segment's prev names (the last shipment's); `pruned`:
-    # retention's bound when written (its steps through there carry no samples)
-    first_seq: int | None = None
-    link: str = ""
-    level: int = 0
-    pruned: int = 0
-    path: Path | None = None  # where it was read from (not stored)
-
-    @property
-    def span(self) -> tuple[int, int]:
-        return (self.seq if self.first_seq is None else self.first_seq), self.seq
-
-    @property
-    def empty(self) -> bool:
-        """It carries nothing: no steps, no meta, no snapshot index (a seal: Shipper.flush(sealed=True))."""
-        return self.first is None and self.meta is None and self.snapshots is None
-
-    @property
-    def link_digest(self) -> str:
-        """What the next segment's prev must be."""
-        return self.link or self.digest
-
-    def seal(self) -> list[bytes]:
-        """The file's parts, in order (written with writelines: the step frames are not copied again)."""
-        head = {
-            "seq": self.seq, "prev": self.prev, "first": self.first, "last": self.last, "chain": self.chain,
-            "sizes": [len(f) for f in self.steps], "meta": self.meta, "snapshots": self.snapshots,
-        }
-        if self.level:
-            head.update(first_seq=self.first_seq, link=self.link, level=self.level, pruned=self.pruned)
-        head = codec.packb(head)
-        self.size = SEG_HEADER + len(head) + sum(len(f) for f in self.steps)
-        fixed = _FIXED.pack(self.size, len(head), 0 if self.first is None else self.first + 1, self.last)
-        h = _seal_digest(fixed, head, self.steps)
-        self.digest = h.hex()
-        return [MAGIC_SEGMENT + fixed + h + head, *self.steps]
-
-    @classmethod
-    def parse(cls, raw: bytes, name: str) -> Segment:
-        m = len(MAGIC_SEGMENT)
-        if len(raw) < SEG_HEADER or raw[:m] != MAGIC_SEGMENT:
-            raise JournalError(f"journal segment {name} has no valid header")
-        fixed = raw[m : m + _FIXED.size]
-        total, head_len, first1, last = _FIXED.unpack(fixed)
-        if len(raw) != total:
-            raise JournalError(f"journal segment {name} is truncated ({len(raw)} of {total} bytes)")
-        h = raw[m + _FIXED.size : SEG_HEADER]
-        try:
-            d = codec.unpackb(raw[SEG_HEADER : SEG_HEADER + head_len])
-            sizes = [int(n) for n in d["sizes"]]
-            steps, at = [], SEG_HEADER + head_len
-            for n in sizes:
-                steps.append(raw[at : at + n])
-                at += n
-            seg = cls(int(d["seq"]), d["prev"], d["first"], int(d["last"]), d["chain"], steps,
-                      d["meta"], d["snapshots"], h.hex(), len(raw), d.get("first_seq"), d.get("link", ""),
-                      int(d.get("level", 0)), int(d.get("pruned", 0)))
-        except (KeyError, TypeError, ValueError, JournalError) as e:
-            raise JournalError(f"journal segment {name} is undecodable: {e}") from None
-        if at != total or _seal_digest(fixed, raw[SEG_HEADER : SEG_HEADER + head_len], steps) != h:
-            raise JournalError(f"journal segment {name} fails its checksum")
-        if (seg.first, seg.last) != (first1 - 1 if first1 else None, last) or len(steps) != (
-                0 if seg.first is None else seg.last - seg.first + 1):
-            raise JournalError(f"journal segment {name}'s header does not match its body")
-        return seg
-
-
-def _seal_digest(fixed: bytes, head: bytes, frames: list[bytes]) -> bytes:
-    """A segment's digest: its headers and each step frame's own header (magic, checksum of the record,
-    chain hash). Each record's bytes are bound by its checksum, which scan() checks, so the segment is
-    sealed without hashing the records a second time."""
-    return digest(fixed, head, *(f[:STEP_HEADER] for f in frames))
-
-
-def read_segment(path: Path) -> Segment:
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise JournalError(f"cannot read journal segment {path.name}: {e.strerror}") from None
-    seg = Segment.parse(raw, path.name)
-    seg.path = path
-    return seg
-
-
-def _publish(shipped: Path, seg: Segment, claim=None, *, replace: bool = False, point: str = "ship.before_publish") -> Path:
-    """Write a sealed segment durably and atomically: tmp file, fsync, then link(2) to its name (which
-    never replaces an existing segment), fsync the directory. `claim`: the run's writer claim, checked
-    first, so a writer that was taken over publishes nothing. replace=True: the file takes the place
-    of the one of the same name (rename(2): either is whole; a compacted segment pruned again)."""
-    d = segment_dir(shipped)
-    d.mkdir(parents=True, exist_ok=True)
-    parts = seg.seal()
-    final = _segment_path(shipped, seg.seq, seg.first_seq)
-    tmp = d / f".tmp-{final.stem}"
-    with open(tmp, "wb") as f:
-        f.writelines(parts)
-        f.flush()
-        os.fsync(f.fileno())
-    failpoint(point)  # written, not yet visible under its name
-    if claim is not None:
-        claim.check()
-    taken = f"journal segment {final.name} already exists: another process ships this run's journal"
-    if replace:
-        os.replace(tmp, final)
-    else:
-        try:
-            os.link(tmp, final)
-        except FileExistsError:
-            tmp.unlink(missing_ok=True)
-            raise JournalError(taken) from None
-        except OSError as e:  # a filesystem without hard links
-            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                raise
-            if final.exists():
-                raise JournalError(taken) from None
-            os.replace(tmp, final)
-        else:
-            tmp.unlink()
-    fsync_dir(d)
-    seg.path = final
-    return final
-
-
-# ----------------------------------------------------------------------------- the chain of segments
-
-
-@dataclass
-class SegmentScan:
-    """What a walk over RUN/journal/segments found."""
-
-    segments: list[Segment] = field(default_factory=list)  # the good prefix, in order
-    problem: str | None = None  # the first problem, one sentence
-    problem_at_end: bool = False  # the problem is in the last segment file only (a torn tail)
-    problem_path: Path | None = None  # the file with the problem, when it is one file
-    lost_steps: tuple[int, int | None] | None = None  # steps in a dropped last segment (last None: unknown)
-    leftovers: list[str] = field(default_factory=list)
-    superseded: list[Path] = field(default_factory=list)  # shipments a compacted segment holds (a compaction killed before it removed them)
-
-    @property
-    def _last_with_steps(self) -> Segment | None:
-        return next((seg for seg in reversed(self.segments) if seg.first is not None), None)
-
-    @property
-    def last_step(self) -> int | None:
-        seg = self._last_with_steps
-        return None if seg is None else seg.last
-
-    @property
-    def last_seq(self) -> int:
-        return self.segments[-1].seq if self.segments else 0
-
-    @property
-    def journal_id(self) -> str | None:
-        for seg in reversed(self.segments):
-            if seg.meta is not None and JOURNAL_ID.encode() in seg.meta:
-                return unframe_plain(seg.meta[JOURNAL_ID.encode()], "meta 'journal_id'")
-        return None
-
-    @property
-    def last_chain(self) -> str | None:
-        seg = self._last_with_steps
-        return None if seg is None else seg.chain
-
-    @property
-    def bytes(self) -> int:
-        return sum(s.size for s in self.segments)
-
-
-def scan(shipped: Path) -> SegmentScan:
-    """Read and check every segment: digest, numbering, link to the previous one, step continuity and
-    the journal's hash chain through the step records. Stops at the first problem; when that is in
-    the last segment file, ``lost_steps`` says which steps it held. A live writer's compaction may
-    replace files under the walk: a problem found while the files changed is looked at again."""
-    for _ in range(5):
-        before = _segment_files(shipped)
-        out = _walk(shipped)
-        if out.problem is None or _segment_files(shipped) == before:
-            break
-    if out.problem_at_end and out.problem_path is not None:
-        out.lost_steps = _lost_range(out.problem_path, out.last_step)
-    return out
-
-
-def _walk(shipped: Path) -> SegmentScan:
-    """The segments in order. Shipments 1, 2, ... are each in one file, alone (N.seg) or compacted with
-    their neighbours (A-B.seg); where a compacted file and the files it replaced are both there (a
-    compaction killed before it removed them), the compacted one is read and the others are
-    superseded; if it fails its checks, they are read instead."""
-    out = SegmentScan()
-    files = _segment_files(shipped)
-    d = segment_dir(shipped)
-    if d.is_dir():
-        out.leftovers = sorted(p.name for p in d.iterdir() if p.name.startswith((".tmp-", ".damaged-")))
-    starts: dict[int, list[tuple[int, Path]]] = {}
-    for a, b, path in files:
-        starts.setdefault(a, []).append((b, path))
-    end = max((b for _a, b, _p in files), default=0)
-    prev_digest, chain, last, seq, stepped = "", None, None, 1, False
-    while seq <= end:
-        candidates = starts.get(seq)
-        if not candidates:
-            later = min(a for a, _b, _p in files if a > seq)
-            out.problem = f"journal segment {seq:010d}.seg is missing (the next one is {_segment_path(shipped, later).name})"
-            return out
-        first_why = None
-        for b, path in candidates:  # the widest first
-            at_end = b == end
-            try:
-                seg = read_segment(path)
-            except JournalError as e:
-                why = str(e)
-            else:
-                why = None
-                if seg.span != (seq, b):
-                    why = f"journal segment {path.name} says it holds shipments {seg.span[0]}–{seg.span[1]}"
-                elif seg.prev != prev_digest:
-                    why = f"journal segment {path.name} does not link to segment {seq - 1}"
-                else:
-                    new_chain, new_last, why = _check_steps(seg, path.name, chain, last, stepped)
-            if why is None:
-                break
-            first_why = first_why or (why, at_end, path)
-        else:
-            out.problem, out.problem_at_end, out.problem_path = first_why
-            return out
-        out.segments.append(seg)
-        chain, last, prev_digest, seq = new_chain, new_last, seg.link_digest, b + 1
-        stepped = stepped or seg.first is not None
-    kept = {seg.path for seg in out.segments}
-    out.superseded = [p for _a, b, p in files if p not in kept and b <= out.last_seq]  # held by what was read
-    return out
-
-
-def _check_steps(seg: Segment, name: str, chain: bytes | None, last: int | None, stepped: bool = False):
-    """Continue the hash chain through a segment's step records. Returns (chain, last, problem).
-    `stepped`: whether an earlier segment carried steps."""
-    if not stepped and seg.meta is not None:  # the newest meta before the first step sets where the chain starts
-        last, start = _chain_start(seg.meta)  # (a fork records its base after its writer shipped a first meta)
-        chain = bytes.fromhex(start) if start else GENESIS
-    if not seg.steps:
-        return chain, last, None
-    if chain is None:
-        return chain, last, f"journal segment {name} carries steps before any segment carries the run's metadata"
-    for i, raw in enumerate(seg.steps):
-        step = seg.first + i
-        try:
-            frame = StepFrame.parse(raw)
-        except JournalError:
-            return chain, last, f"journal segment {name}: step {step} has no valid frame"
-        if step != last + 1:
-            return chain, last, f"journal segment {name} starts at step {seg.first}, but the previous one ended at step {last}"
-        if not frame.checksum_ok() or frame.chain != digest(chain, frame.checksum):
-            return chain, last, f"journal segment {name}: step {step} fails its checksum or hash chain"
-        chain, last = frame.chain, step
-    if seg.last != last or seg.chain != chain.hex():
-        return chain, last, f"journal segment {name}'s header does not match its steps"
-    return chain, last, None
-
-
-def _chain_start(meta: dict[bytes, bytes]) -> tuple[int, str]:
-    """Where a journal's chain starts, from its meta frames: (the step before its first record, the
-    chain hash it continues, hex; "" for a new run's, which starts at GENESIS)."""
-    base, cbase = meta.get(BASE_STEP.encode()), meta.get(CHAIN_BASE.encode())
-    return (int(unframe_plain(base, f"meta {BASE_STEP!r}")) if base is not None else 0,
-            unframe_plain(cbase, f"meta {CHAIN_BASE!r}") if cbase is not None else "")
 
 
 def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail", found: SegmentScan | None = None) -> SegmentScan:
@@ -469,7 +112,7 @@ def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail", found: Segment
         meta = seg.meta if seg.meta is not None else meta
         snaps = seg.snapshots if seg.snapshots is not None else snaps
     # segments keep each step as it was committed; retention pruned the writer's copy since: so is this one
-    pruned_through = _pruned_of(meta) if meta else 0
+    pruned_through = pruned_of(meta) if meta else 0
     try:
         with Journal.open_writer(work) as j:
             for seg in found.segments:
@@ -483,24 +126,6 @@ def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail", found: Segment
         shutil.rmtree(work, ignore_errors=True)
         raise
     return found
-
-
-def _lost_range(path: Path, last_good: int | None) -> tuple[int, int | None] | None:
-    """The steps a dropped last segment held, from its fixed header: (first, last); last None when the
-    header itself is unreadable; None when it carried no steps (only metadata, shipped again next)."""
-    raw = path.read_bytes()[:SEG_HEADER]
-    m = len(MAGIC_SEGMENT)
-    if len(raw) < m + _FIXED.size or raw[:m] != MAGIC_SEGMENT:
-        return (last_good or 0) + 1, None
-    _total, _head, first1, last = _FIXED.unpack(raw[m : m + _FIXED.size])
-    if first1 == 0:
-        return None
-    if first1 - 1 != (last_good or 0) + 1 or last < first1 - 1:  # a damaged header: trust only what is known
-        return (last_good or 0) + 1, None
-    return first1 - 1, last
-
-
-# ----------------------------------------------------------------------------- readers
 
 
 @dataclass
@@ -543,7 +168,7 @@ def open_reader(shipped: Path) -> Journal:
 def _files_state(shipped: Path) -> tuple:
     """The segment files as they are now (name, size, mtime_ns): a rebuilt copy is current while this is unchanged."""
     out = []
-    for _a, _b, path in _segment_files(shipped):
+    for _a, _b, path in segment_files(shipped):
         try:
             st = path.stat()
         except FileNotFoundError:  # removed by a live writer's compaction under the listing
@@ -630,7 +255,7 @@ def stage_for_writer(shipped: Path, local: Path) -> bool:
     when it does not (a usable local journal, `local` already holds one, damage before the last
     segment), everything goes as without it. Removed at exit unless adopted."""
     shipped, local = Path(shipped), Path(local)
-    if (shipped / "data.mdb").is_file() or not _segment_files(shipped) or (local / "data.mdb").is_file():
+    if (shipped / "data.mdb").is_file() or not segment_files(shipped) or (local / "data.mdb").is_file():
         return False
     if _usable_local(shipped, _tail(shipped)) is not None or _current_rebuild(shipped) is not None:
         return False
@@ -670,7 +295,7 @@ def _tail(shipped: Path) -> SegmentScan:
     found: enough to decide whether a local journal is this one's live copy. Checks nothing."""
     out = SegmentScan()
     have_steps = have_id = False
-    for _a, _b, path in sorted(_segment_files(shipped), key=lambda t: t[1], reverse=True):
+    for _a, _b, path in sorted(segment_files(shipped), key=lambda t: t[1], reverse=True):
         try:
             seg = read_segment(path)
         except JournalError:
@@ -899,357 +524,3 @@ def lmdb_location_warning(path: Path) -> str | None:
         return None
     return (f"warning: the LMDB journal at {path} is on a network filesystem ({fs}), where LMDB's locks and memory map "
             "are not safe; point journal.local_dir to a node-local disk (the run directory then receives shipped segments)")
-
-
-# ----------------------------------------------------------------------------- the shipper
-
-
-class Shipper:
-    """Ships a writer's commits to RUN/journal/segments from a background thread.
-
-    ``wait(step)`` blocks the training loop until no more than ``max_lag`` committed steps are
-    unshipped (``max_lag=0``: every commit is shipped before the next step starts); a node lost at
-    any moment then costs at most ``max_lag`` steps plus the one being committed.
-    """
-
-    l0_fanout = L0_FANOUT  # compaction's fan-ins (journal.segment_fanout; 0: no compaction)
-    fanout = FANOUT
-
-    def __init__(self, journal: Journal, shipped: Path, max_lag: int, found: SegmentScan | None = None, claim=None,
-                 retention: bool = False):
-        """`found`: the caller's scan of `shipped` (the segments as they are now), when it has one;
-        `claim`: the run's writer claim, checked before each segment is published; `retention`:
-        whether the run prunes samples (then compacted segments merge further only once pruned)."""
-        self.journal = journal
-        self.shipped = Path(shipped)
-        self.max_lag = max_lag
-        self.claim = claim
-        self.retention = retention
-        found = found or scan(self.shipped)
-        if found.problem:
-            raise JournalError(f"cannot ship to {segment_dir(self.shipped)}: {found.problem}")
-        for name in found.leftovers:  # a shipment interrupted by a kill: never published, never read
-            if name.startswith(".tmp-"):
-                (segment_dir(self.shipped) / name).unlink(missing_ok=True)
-        if found.superseded:  # a compaction killed after it published: finish it
-            if claim is not None:
-                claim.check()
-            for path in found.superseded:
-                path.unlink(missing_ok=True)
-            fsync_dir(segment_dir(self.shipped))
-        self._seq = found.last_seq
-        self._prev = found.segments[-1].link_digest if found.segments else ""
-        self._shipped = found.last_step if found.last_step is not None else journal.base_step()
-        self._chain = found.segments[-1].chain if found.segments else (journal.chain_hash(self._shipped) or "")  # after _shipped
-        self._stepped = found.last_step is not None  # a shipped segment carries steps: from here on, where the chain starts is known
-        self._meta_digest = self._snap_digest = None
-        # retention's bound as compaction may use it: from the newest meta shipped in a segment that is
-        # not the last file. A damaged last file is dropped by a rebuild (a torn tail); one before it
-        # is refused. So the meta that says steps through _pruned were pruned (and archived) is never
-        # lost while a compacted file holds them without samples. _pruned_last: the last file's.
-        self._pruned = self._pruned_last = 0
-        self._index = [_Entry.of(seg) for seg in found.segments]  # the segment files, in order (no step bytes)
-        self.compaction_problem: str | None = None  # set when a compaction failed (it is not tried again)
-        self.compactions = 0
-        self._compact_lock = threading.Lock()
-        # flush(sealed=True) asks for what is shipped to be followed by a segment: requests are counted,
-        # and a pass seals only the requests made before it read its cut (one made after may be about
-        # a commit that cut does not hold)
-        self._seals_asked = self._seals_done = 0
-        self._last_empty = bool(found.segments) and found.segments[-1].empty
-        for seg in found.segments:
-            self._pruned = self._pruned_last
-            if seg.meta is not None:
-                self._meta_digest = _map_digest(seg.meta)
-                self._pruned_last = _pruned_of(seg.meta)
-            if seg.snapshots is not None:
-                self._snap_digest = _map_digest(seg.snapshots)
-        self.bytes_shipped = 0
-        self.seconds_shipping = 0.0  # wall time in ship_once (mostly fsync)
-        self.cpu_seconds = 0.0  # the shipper thread's CPU time: what it takes from training
-        self._cond = threading.Condition()
-        self._dirty = True
-        self._written = 1  # commits notified so far (the journal's state at start counts as one)
-        self._shipped_written = 0  # of those, how many are in the segments
-        self._stop = False
-        self._error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="verlj-journal-shipper", daemon=True)
-        self._thread.start()
-
-    def on_commit(self, step: int | None) -> None:
-        """The journal's commit hook: wake the thread; after a step, hold the loop to the lag bound."""
-        self.notify()
-        if step is not None:
-            self.wait(step)
-
-    @property
-    def shipped_step(self) -> int:
-        return self._shipped
-
-    def lag(self) -> int:
-        return max(0, self.journal.last_step() - self._shipped)
-
-    def notify(self) -> None:
-        with self._cond:
-            self._dirty = True
-            self._written += 1
-            self._cond.notify_all()
-
-    def flush(self, timeout: float = 600.0, sealed: bool = False) -> None:
-        """Block until everything committed so far (steps, metadata, the snapshot index) is shipped.
-        sealed: and followed by another segment (an empty one if nothing else comes), so that it is not
-        in the last file, which a rebuild drops if it is damaged: what is about to be deleted on the
-        strength of it stays unneeded whatever happens to that file. Raises JournalError if shipping
-        fails or stalls past `timeout`."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            if sealed:  # and wait for a pass that begins after this request
-                self._seals_asked += 1
-                self._written += 1
-            want = self._written
-            self._dirty = True
-            self._cond.notify_all()
-            while self._shipped_written < want:
-                if self._error is not None:
-                    raise JournalError(self._error)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise JournalError(f"journal shipping to {segment_dir(self.shipped)} did not catch up in {timeout:.0f} s")
-                self._cond.wait(min(left, 1.0))
-
-    def wait(self, step: int, timeout: float = 600.0) -> None:
-        """Block until every step up to `step - max_lag` is shipped. Raises JournalError if shipping fails."""
-        want = step - self.max_lag
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._shipped < want:
-                if self._error is not None:
-                    raise JournalError(self._error)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise JournalError(f"journal shipping to {segment_dir(self.shipped)} is {step - self._shipped} "
-                                       f"steps behind after {timeout:.0f} s")
-                self._cond.wait(min(left, 1.0))
-
-    def close(self, flush: bool = True) -> None:
-        """Ship what is left (flush=True), then stop the thread."""
-        if flush and self._error is None:
-            self.notify()
-            try:
-                self.wait(self.journal.last_step() + self.max_lag)
-                self._wait_idle()
-            except JournalError:
-                pass
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join()
-
-    def _wait_idle(self) -> None:
-        with self._cond:
-            while self._dirty and self._error is None:
-                self._cond.wait(0.05)
-
-    def _run(self) -> None:
-        backoff = 0.1
-        while True:
-            with self._cond:
-                while not self._dirty and not self._stop:
-                    self._cond.wait()
-                if self._stop:
-                    return
-                self._dirty = False
-                written = self._written
-            try:
-                self.ship_once(compact=True)
-                with self._cond:
-                    self._shipped_written = max(self._shipped_written, written)
-                    self._cond.notify_all()
-                backoff = 0.1
-                while not self._dirty and self.compact_once():  # the rest while nothing waits to be shipped
-                    pass
-            except FencedError as e:  # another writer owns the run now: never retry
-                with self._cond:
-                    self._error = str(e)
-                    self._cond.notify_all()
-                return
-            except Exception as e:  # noqa: BLE001 - reported to the training loop by wait()
-                with self._cond:
-                    self._dirty = True
-                    if backoff > 5:  # several tries failed: tell the loop, keep trying
-                        self._error = f"journal shipping to {segment_dir(self.shipped)} failed: {e}"
-                    self._cond.notify_all()
-                time.sleep(backoff)
-                backoff *= 2
-
-    def ship_once(self, compact: bool = False) -> bool:
-        """Ship everything committed and not yet shipped. Returns whether a segment was written.
-        compact: one compaction job after each segment (so compaction keeps up with a loop that
-        commits faster than this ships, which never leaves the shipper idle)."""
-        t0, c0 = time.perf_counter(), time.thread_time()
-        wrote = False
-        while True:
-            if wrote and compact:
-                self.compact_once()
-            # one consistent cut per segment: a segment whose steps outlive it never lacks the metadata
-            # committed before them (the run's identity written before step 1, say)
-            with self._cond:
-                seals_asked = self._seals_asked  # before the cut: these requests are about commits it holds
-            steps, meta, snaps = self.journal.read_cut(self._shipped, MAX_SEGMENT_BYTES)
-            if not self._stepped:  # no step shipped yet: the chain starts where this cut's meta says (a fork
-                with self._cond:  # records its parent's step and chain after its writer opened)
-                    self._shipped, self._chain = _chain_start(meta)
-            meta_digest, snap_digest = _map_digest(meta), _map_digest(snaps)
-            new_meta = meta_digest != self._meta_digest
-            new_snaps = snap_digest != self._snap_digest
-            if not steps and not new_meta and not new_snaps:
-                with self._cond:
-                    seal, self._seals_done = seals_asked > self._seals_done, max(self._seals_done, seals_asked)
-                if seal and not self._last_empty:  # nothing more to ship: seal what was with an empty segment
-                    self._publish_next(Segment(self._seq + 1, self._prev, None, self._shipped, self._chain, [], None, None))
-                    wrote = True
-                break
-            first = self._shipped + 1 if steps else None
-            last = self._shipped + len(steps)
-            chain = StepFrame.parse(steps[-1]).chain.hex() if steps else self._chain
-            seg = Segment(self._seq + 1, self._prev, first, last, chain, steps,
-                          meta if new_meta else None, snaps if new_snaps else None)
-            self._publish_next(seg)
-            with self._cond:
-                if new_meta:
-                    self._pruned_last = _pruned_of(meta)
-                self._meta_digest, self._snap_digest = meta_digest, snap_digest
-            wrote = True
-        self.seconds_shipping += time.perf_counter() - t0
-        self.cpu_seconds += time.thread_time() - c0
-        return wrote
-
-    def _publish_next(self, seg: Segment) -> None:
-        """Publish the next segment and take it into the shipper's state."""
-        _publish(self.shipped, seg, self.claim)
-        with self._cond:
-            self._index.append(_Entry.of(seg))
-            self._pruned = self._pruned_last  # the file that carried it is no longer the last
-            self._last_empty = seg.empty
-            self._seq, self._prev, self._shipped, self._chain = seg.seq, seg.digest, seg.last, seg.chain
-            self._stepped = self._stepped or seg.first is not None
-            self.bytes_shipped += seg.size
-            self._error = None
-            self._cond.notify_all()
-
-    def compact_once(self) -> bool:
-        """Do the next compaction the rule asks for (plan_compaction), if any: merge segment files into
-        one, or write a compacted one again without the samples retention has pruned since. The new
-        file is sealed, fsynced and published before the ones it replaces are removed, so a kill at
-        any moment leaves a complete set (scan reads the compacted file and ignores what it holds).
-        Returns whether it did one. A failure is kept in compaction_problem; compaction stops there."""
-        with self._compact_lock:  # the shipper thread, or a caller that wants it done now
-            return self._compact_locked()
-
-    def _compact_locked(self) -> bool:
-        if self.compaction_problem is not None or not self.l0_fanout:
-            return False
-        job = plan_compaction(self._index, self._pruned, self.retention, self.l0_fanout, self.fanout)
-        if job is None:
-            return False
-        i, j, level, rewrite = job
-        try:
-            merged = _merge([read_segment(e.path) for e in self._index[i:j]], level, self._pruned)
-            _publish(self.shipped, merged, self.claim, replace=rewrite,
-                     point="compact.rewrite" if rewrite else "compact.before_publish")
-            if not rewrite:
-                failpoint("compact.after_publish")
-                if self.claim is not None:
-                    self.claim.check()
-                for k, e in enumerate(self._index[i:j]):
-                    e.path.unlink()
-                    if k == 0:
-                        failpoint("compact.delete")
-                fsync_dir(segment_dir(self.shipped))
-        except FencedError:
-            raise
-        except (OSError, JournalError) as e:
-            self.compaction_problem = f"journal segment compaction stopped: {e}"
-            return False
-        self._index[i:j] = [_Entry.of(merged)]
-        self.compactions += 1
-        return True
-
-
-@dataclass
-class _Entry:
-    """What the shipper keeps of a segment file to plan compactions (not its bytes)."""
-
-    span: tuple[int, int]
-    level: int
-    first: int | None
-    last: int
-    pruned: int
-    path: Path
-
-    @classmethod
-    def of(cls, seg: Segment) -> _Entry:
-        return cls(seg.span, seg.level, seg.first, seg.last, seg.pruned, seg.path)
-
-
-def plan_compaction(index: list, pruned: int, retention: bool, l0_fanout: int = L0_FANOUT,
-                    fanout: int = FANOUT) -> tuple[int, int, int, bool] | None:
-    """The next compaction of the segment files `index` (oldest first; entries with span, level,
-    first, last, pruned): ``(i, j, level, rewrite)``, files i..j-1 replaced by one at `level`.
-
-    The rule, first match wins:
-      1. a compacted file holding samples of steps retention has since pruned (through `pruned`) is
-         written again without them (rewrite);
-      2. the oldest `l0_fanout` consecutive one-shipment files become one level-1 file (never the
-         newest file: the last file is always the last shipment itself, as a torn tail expects);
-      3. the oldest `fanout` consecutive settled level-k files (k >= 1) become one level-k+1 file;
-         settled: pruned whole, or any file when the run keeps its samples (retention off).
-    So a run leaves at most l0_fanout - 1 one-shipment files, fanout - 1 settled files per level
-    (the files of commit n at level k hold l0_fanout * fanout**(k-1) shipments), and the level-1
-    files of its retention window: for 100,000 shipments and the defaults, under 100 + window / 64.
-    """
-    for i, e in enumerate(index):
-        if e.level >= 1 and e.first is not None and max(e.pruned, e.first - 1) < min(e.last, pruned):
-            return i, i + 1, e.level, True
-
-    def settled(e) -> bool:
-        return not retention or e.first is None or e.last <= pruned
-
-    i, n = 0, len(index)
-    while i < n:
-        level, j = index[i].level, i
-        while j < n and index[j].level == level and (level == 0 and j < n - 1 or level and settled(index[j])):
-            j += 1
-        need = l0_fanout if level == 0 else fanout
-        if j - i >= need:
-            return i, i + need, level + 1, False
-        i = max(j, i + 1)
-    return None
-
-
-def _merge(segs: list[Segment], level: int, pruned: int) -> Segment:
-    """One segment holding what `segs` (consecutive, checked) hold, the samples of steps through
-    `pruned` removed (each record keeps its checksum and place in the chain: StepFrame.without_payload)."""
-    frames, prev_chain = [], None
-    for seg in segs:
-        for k, raw in enumerate(seg.steps):
-            frame = StepFrame.parse(raw)
-            step = seg.first + k
-            if not frame.checksum_ok() or (prev_chain is not None and frame.chain != digest(prev_chain, frame.checksum)):
-                raise JournalError(f"journal segment {seg.path.name}: step {step} fails its checksum or hash chain")
-            prev_chain = frame.chain
-            frames.append(frame.without_payload() if step <= pruned and frame.payload_len else raw)
-    meta = next((s.meta for s in reversed(segs) if s.meta is not None), None)
-    snaps = next((s.snapshots for s in reversed(segs) if s.snapshots is not None), None)
-    first = next((s.first for s in segs if s.first is not None), None)
-    return Segment(segs[-1].seq, segs[0].prev, first, segs[-1].last, segs[-1].chain, frames, meta, snaps,
-                   first_seq=segs[0].span[0], link=segs[-1].link_digest, level=level, pruned=pruned)
-
-
-def _pruned_of(meta: dict[bytes, bytes]) -> int:
-    raw = meta.get(b"pruned_through")
-    return 0 if raw is None else int(unframe_plain(raw, "meta 'pruned_through'"))
-
-
-def _map_digest(frames: dict[bytes, bytes]) -> bytes:
-    return digest(codec.packb(sorted(frames.items())))

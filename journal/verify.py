@@ -22,18 +22,8 @@ import lmdb
 from . import codec
 from .errors import CodecError, JournalError, SchemaError
 from .events import SUMMARY_TYPES
-from .store import (
-    BASE_STEP,
-    CHAIN_BASE,
-    GENESIS,
-    SHAPES,
-    Journal,
-    StepFrame,
-    decode_frame,
-    digest,
-    key_step,
-    unframe_plain,
-)
+from .frames import GENESIS, StepFrame, decode_frame, digest, key_step, unframe_plain
+from .store import BASE_STEP, CHAIN_BASE, SHAPES, Journal
 
 MAX_PROBLEMS = 100
 
@@ -103,10 +93,26 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
     """Walk the whole journal. decode=False checks frames, checksums, the chain, continuity and the
     LMDB structure but skips decoding records (what a resume does before trusting the journal)."""
     report = JournalReport(path=str(journal.path))
-    env = journal.env()
-    dbs = journal.dbs()
+    base_step, prev_chain, meta = _chain_start(journal, report)
+    expected = base_step + 1
+    declared = codec.Shapes()  # built from the records' own declarations only: each may use only what came before it
+    try:
+        for step, raw in journal.iter_raw():
+            _count_step(report, step, expected)
+            expected = step + 1
+            prev_chain = _check_step(journal, report, step, raw, prev_chain, declared, decode)
+    except lmdb.Error as e:
+        report.add(LMDB_STRUCTURE, None, f"LMDB error while walking steps: {e}")
 
-    # meta first: base_step and chain_base decide where the chain starts
+    if decode and report.problems == [] and meta.get(SHAPES, []) != [list(e) for e in declared.entries]:
+        report.add(BAD_META, None, "the journal's interned shapes (meta 'shapes') differ from the shapes its records declare")
+    _check_structure(journal, report)
+    return report
+
+
+def _chain_start(journal: Journal, report: JournalReport) -> tuple[int, bytes, dict]:
+    """(base step, chain hash before the first record, meta): meta first, base_step and chain_base
+    decide where the chain starts."""
     base_step, prev_chain, meta = 0, GENESIS, {}
     try:
         meta = journal.meta()
@@ -116,77 +122,78 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
             prev_chain = bytes.fromhex(meta[CHAIN_BASE])
     except (JournalError, ValueError) as e:
         report.add(BAD_META, None, str(e))
+    return base_step, prev_chain, meta
 
-    expected = base_step + 1
-    declared = codec.Shapes()  # built from the records' own declarations only: each may use only what came before it
+
+def _count_step(report: JournalReport, step: int, expected: int) -> None:
+    report.steps += 1
+    if report.first_step is None:
+        report.first_step = step
+    report.last_step = step
+    if step != expected:
+        if step > expected:
+            missing = f"{expected}" if step == expected + 1 else f"{expected}–{step - 1}"
+            report.add(MISSING_STEP, expected, f"step(s) {missing} absent before step {step}")
+        else:
+            report.add(MISSING_STEP, step, f"step {step} found where step {expected} was expected")
+
+
+def _check_step(journal: Journal, report: JournalReport, step: int, raw: bytes, prev_chain: bytes,
+                declared: codec.Shapes, decode: bool) -> bytes:
+    """Check one stored record: frame, checksum, chain link, payload; then its content. Returns the
+    chain hash the next record links to."""
     try:
-        for step, raw in journal.iter_raw():
-            report.steps += 1
-            if report.first_step is None:
-                report.first_step = step
-            report.last_step = step
-            if step != expected:
-                if step > expected:
-                    missing = f"{expected}" if step == expected + 1 else f"{expected}–{step - 1}"
-                    report.add(MISSING_STEP, expected, f"step(s) {missing} absent before step {step}")
-                else:
-                    report.add(MISSING_STEP, step, f"step {step} found where step {expected} was expected")
-            expected = step + 1
-            try:
-                frame = StepFrame.parse(raw)
-            except JournalError as e:
-                report.add(UNDECODABLE, step, f"record has no valid frame header ({e})")
-                prev_chain = b""
-                continue
-            if not frame.checksum_ok():
-                report.add(BAD_CHECKSUM, step, "stored bytes do not match the record's checksum")
-            if frame.chain != digest(prev_chain, frame.checksum):
-                report.add(BROKEN_CHAIN, step, "record does not link to the previous record's hash")
-            prev_chain = frame.chain
-            if frame.pruned:
-                report.pruned += 1
-                if step > report.pruned_through:
-                    report.add(PAYLOAD_MISSING, step, f"the record's samples are gone, but retention pruned only through step {report.pruned_through}")
-            if not decode:
-                try:
-                    journal.read_summary(step)  # its frame checksum, at least
-                except (JournalError, CodecError, SchemaError) as e:
-                    report.add(BAD_SUMMARY, step, str(e))
-                continue
-            try:
-                record = decode_frame(frame, shapes=declared)
-            except CodecError as e:
-                report.add(UNDECODABLE, step, str(e))
-                continue
-            except SchemaError as e:
-                report.add(UNKNOWN_SCHEMA, step, str(e))
-                continue
-            except (KeyError, TypeError, ValueError) as e:
-                report.add(UNDECODABLE, step, f"record has an invalid shape: {e}")
-                continue
-            if record.step != step:
-                report.add(STEP_MISMATCH, step, f"record stored at step {step} says it is step {record.step}")
-                continue
-            if frame.version != 1:
-                continue  # a v2 record's core is its summary
-            try:
-                summary = journal.read_summary(step)
-            except (JournalError, CodecError, SchemaError) as e:
-                report.add(BAD_SUMMARY, step, str(e))
-                continue
-            want = [e for e in record.events if e["type"] in SUMMARY_TYPES]
-            if summary is None or codec.packb(summary.events) != codec.packb(want):
-                report.add(BAD_SUMMARY, step, "the step's summary entry is missing or differs from its record")
-    except lmdb.Error as e:
-        report.add(LMDB_STRUCTURE, None, f"LMDB error while walking steps: {e}")
+        frame = StepFrame.parse(raw)
+    except JournalError as e:
+        report.add(UNDECODABLE, step, f"record has no valid frame header ({e})")
+        return b""
+    if not frame.checksum_ok():
+        report.add(BAD_CHECKSUM, step, "stored bytes do not match the record's checksum")
+    if frame.chain != digest(prev_chain, frame.checksum):
+        report.add(BROKEN_CHAIN, step, "record does not link to the previous record's hash")
+    if frame.pruned:
+        report.pruned += 1
+        if step > report.pruned_through:
+            report.add(PAYLOAD_MISSING, step, f"the record's samples are gone, but retention pruned only through step {report.pruned_through}")
+    if not decode:
+        try:
+            journal.read_summary(step)  # its frame checksum, at least
+        except (JournalError, CodecError, SchemaError) as e:
+            report.add(BAD_SUMMARY, step, str(e))
+    else:
+        _check_content(journal, report, step, frame, declared)
+    return frame.chain
 
-    if decode and report.problems == [] and meta.get(SHAPES, []) != [list(e) for e in declared.entries]:
-        report.add(BAD_META, None, "the journal's interned shapes (meta 'shapes') differ from the shapes its records declare")
 
-    # structural check of every sub-database: cursor walk vs B-tree entry count
+def _check_content(journal: Journal, report: JournalReport, step: int, frame: StepFrame, declared: codec.Shapes) -> None:
+    """Decode one record; a v1 record's summary entry must match it."""
     try:
-        with env.begin(buffers=True) as txn:
-            for name, db in dbs.items():
+        record = decode_frame(frame, shapes=declared)
+    except CodecError as e:
+        return report.add(UNDECODABLE, step, str(e))
+    except SchemaError as e:
+        return report.add(UNKNOWN_SCHEMA, step, str(e))
+    except (KeyError, TypeError, ValueError) as e:
+        return report.add(UNDECODABLE, step, f"record has an invalid shape: {e}")
+    if record.step != step:
+        return report.add(STEP_MISMATCH, step, f"record stored at step {step} says it is step {record.step}")
+    if frame.version != 1:
+        return None  # a v2 record's core is its summary
+    try:
+        summary = journal.read_summary(step)
+    except (JournalError, CodecError, SchemaError) as e:
+        return report.add(BAD_SUMMARY, step, str(e))
+    want = [e for e in record.events if e["type"] in SUMMARY_TYPES]
+    if summary is None or codec.packb(summary.events) != codec.packb(want):
+        report.add(BAD_SUMMARY, step, "the step's summary entry is missing or differs from its record")
+    return None
+
+
+def _check_structure(journal: Journal, report: JournalReport) -> None:
+    """Every sub-database's cursor walk against its B-tree entry count; meta and snapshot frames."""
+    try:
+        with journal.env().begin(buffers=True) as txn:
+            for name, db in journal.dbs().items():
                 counted = 0
                 for key, value in txn.cursor(db):
                     counted += 1
@@ -195,9 +202,7 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
                             unframe_plain(value, f"meta {bytes(key).decode(errors='replace')!r}")
                         except JournalError as e:
                             report.add(BAD_META, None, str(e))
-                    elif name == "summary":
-                        pass  # checked against each record above
-                    elif name == "snapshots":
+                    elif name == "snapshots":  # summary entries: checked against each record above
                         try:
                             unframe_plain(value, f"snapshot index entry {key_step(key)}")
                         except JournalError as e:
@@ -207,4 +212,3 @@ def verify_journal(journal: Journal, decode: bool = True) -> JournalReport:
                     report.add(LMDB_STRUCTURE, None, f"sub-database {name!r} lists {entries} entries but {counted} are reachable")
     except lmdb.Error as e:
         report.add(LMDB_STRUCTURE, None, f"LMDB error while checking structure: {e}")
-    return report

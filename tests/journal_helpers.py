@@ -8,7 +8,7 @@ import lmdb
 import numpy as np
 
 from verlj.journal import make_event
-from verlj.journal.store import step_key
+from verlj.journal.frames import step_key
 
 
 def step_events(step: int, samples: int = 4, tokens: int = 8) -> list[dict]:

@@ -41,7 +41,7 @@ from verlj.engine.schema.sample import EnvEnd, Sample, pack
 from verlj.journal import Journal, make_event, packb
 from verlj.journal.codec import Shapes
 from verlj.journal.events import SUMMARY_TYPES
-from verlj.journal.store import StepFrame, encode_step, frame_plain, frame_step, frame_step2, step_key
+from verlj.journal.frames import StepFrame, encode_step, frame_plain, frame_step, frame_step2, step_key
 
 
 def samples_columns(rng: np.random.Generator, samples: int, tokens: int, prompt: int = 64, vocab: int = 32000) -> dict:

@@ -38,7 +38,7 @@ from bench_journal import step_events  # noqa: E402
 
 from verlj.engine.loop.retention import prune_bound  # noqa: E402
 from verlj.journal import Journal, open_journal_reader, segments  # noqa: E402
-from verlj.journal.store import StepFrame  # noqa: E402
+from verlj.journal.frames import StepFrame  # noqa: E402
 
 
 def used_bytes(j: Journal) -> int:

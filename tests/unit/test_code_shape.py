@@ -1,9 +1,10 @@
-"""The engine's code stays readable: no function in engine/ longer than a screen and a half."""
+"""The code stays readable: no function in engine/, journal/ or cli/ longer than a screen and a half."""
 
 import ast
 from pathlib import Path
 
-ENGINE = Path(__file__).resolve().parents[2] / "engine"
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = ROOT / "engine"
 MAX_LINES = 80
 
 
@@ -25,6 +26,13 @@ def test_no_engine_function_is_over_80_lines():
     assert ENGINE.is_dir() and len(list(ENGINE.rglob("*.py"))) > 20  # it looked where the engine is
     offenders = long_functions(ENGINE, MAX_LINES)
     assert not offenders, f"functions in engine/ over {MAX_LINES} lines (split them by what they do): " + "; ".join(offenders)
+
+
+def test_no_journal_or_cli_function_is_over_80_lines():
+    for name, least in (("journal", 10), ("cli", 5)):
+        assert len(list((ROOT / name).rglob("*.py"))) > least  # it looked where the package is
+        offenders = long_functions(ROOT / name, MAX_LINES)
+        assert not offenders, f"functions in {name}/ over {MAX_LINES} lines (split them by what they do): " + "; ".join(offenders)
 
 
 def test_the_count_finds_a_long_function(tmp_path):
@@ -56,3 +64,11 @@ def test_the_trainer_only_orchestrates_and_each_rollout_source_fits_a_room():
     reached = {node.module for node in ast.walk(ast.parse(trainer.read_text())) if isinstance(node, ast.ImportFrom)
                and node.level and node.module and node.module.split(".")[0] == "sources"}
     assert reached == {"sources"}, f"rl/trainer.py imports a source's own module: {sorted(reached - {'sources'})}"
+
+
+def test_no_journal_or_cli_module_is_over_700_lines():
+    """One concept per module: journal/ and cli/ files stay under 700 lines (store, frames, segment_file,
+    shipper, compaction, segments: not one 1,255-line segments.py)."""
+    long = [f"{p.relative_to(ROOT)} ({n} lines)" for name in ("journal", "cli") for p in sorted((ROOT / name).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 700]
+    assert not long, "modules over 700 lines (split them along a seam): " + "; ".join(long)

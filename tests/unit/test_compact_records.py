@@ -13,7 +13,7 @@ import pytest
 
 from journal_helpers import raw_get, raw_put, step_events, tamper
 from verlj.journal import Journal, make_event, packb, verify_journal
-from verlj.journal.store import NO_PAYLOAD, StepFrame, _summary_frame, frame_step, step_key
+from verlj.journal.frames import NO_PAYLOAD, StepFrame, _summary_frame, frame_step, step_key
 
 
 def rollout_events(step: int, samples: int = 32, tokens: int = 64, vocab: int = 32000) -> list[dict]:
@@ -278,7 +278,7 @@ def test_tampered_shapes_in_meta_are_caught(tmp_path):
 def test_a_journal_of_v2_cores_continues_in_v3(tmp_path):
     """Steps written before cores were compacted read as they were; new steps chain on in v3."""
     from verlj.journal import codec
-    from verlj.journal.store import frame_step2, split_payload
+    from verlj.journal.frames import frame_step2, split_payload
 
     path = tmp_path / "j"
     with Journal.open_writer(path) as j:

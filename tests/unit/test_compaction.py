@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from verlj.journal import Journal, make_event, segments, verify_journal
-from verlj.journal.store import StepFrame
+from verlj.journal.frames import StepFrame
 
 HERE = Path(__file__).parent
 

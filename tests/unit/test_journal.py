@@ -16,7 +16,7 @@ from verlj.journal import (
     verify_journal,
 )
 from verlj.journal import events as events_mod
-from verlj.journal.store import STEP_HEADER, step_key
+from verlj.journal.frames import STEP_HEADER, step_key
 
 
 def write_steps(path, n, start=1, **kw):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verlj.journal import Journal, JournalError, make_event, open_journal_reader, segments, verify_journal
+from verlj.journal import Journal, JournalError, make_event, open_journal_reader, segments, shipper, verify_journal
 
 
 def _events(step: int) -> list[dict]:
@@ -66,14 +66,14 @@ def test_a_segment_carries_the_metadata_committed_before_its_steps(tmp_path, mon
 
     local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
     gate, entered = threading.Event(), threading.Event()
-    publish = segments._publish
+    publish = shipper.publish
 
     def slow(where, seg, claim=None):
         entered.set()
         gate.wait(10)
         publish(where, seg, claim)
 
-    monkeypatch.setattr(segments, "_publish", slow)
+    monkeypatch.setattr(shipper, "publish", slow)
     j, _notes = segments.open_writer(local, shipped, max_lag=4)
     with j:
         assert entered.wait(10)  # the first shipment (the journal id) is on its way, and stuck
