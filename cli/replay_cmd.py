@@ -38,20 +38,7 @@ def replay(
     if probe is not None or steps is not None or workers != 1:
         if probe is None or steps is None or to_step is not None or export or export_adapter or snapshot or fork:
             raise fail("--probe and --steps go together (with --workers), without --to-step, --export, --export-adapter, --snapshot or --fork", 2)
-        import json
-
-        from verlj.engine.post_mortem import probe as probes
-        from verlj.engine.post_mortem.rerun import parse_steps
-
-        start, stop = guarded(lambda: parse_steps(steps))
-        rows, parts, note = guarded(lambda: probes.probe_steps(run, start, stop, probe, workers))
-        for row in rows:
-            out(json.dumps(row.to_dict()))
-        if note:
-            typer.echo(note, err=True)
-        split = f" in {len(parts)} processes ({', '.join(f'{a}–{b}' for a, b in parts)})" if len(parts) > 1 else ""
-        typer.echo(f"stored {len(rows)} step(s) of probe {probes.probe_name(probe)}{split}: verlj metrics {run} "
-                   f"--names probe/{probes.probe_name(probe)}/…", err=True)
+        _probe(run, steps, probe, workers, out)
         return
     if to_step is None:
         raise fail("--to-step N is needed (or --steps A:B with --probe)", 2)
@@ -91,6 +78,24 @@ def replay(
 
         last = guarded(lambda: fork_run(replayed, run, fork, list(overrides or [])), INTERRUPTED_TRAINING)
         out(f"Done: forked run {fork}, last committed step {last}")
+
+
+def _probe(run: Path, steps: str, probe: str, workers: int, out) -> None:
+    """`--probe F --steps A:B`: F's measurements before each step, one JSON line a step, stored with the run."""
+    import json
+
+    from verlj.engine.post_mortem import probe as probes
+    from verlj.engine.post_mortem.rerun import parse_steps
+
+    start, stop = guarded(lambda: parse_steps(steps))
+    rows, parts, note = guarded(lambda: probes.probe_steps(run, start, stop, probe, workers))
+    for row in rows:
+        out(json.dumps(row.to_dict()))
+    if note:
+        typer.echo(note, err=True)
+    split = f" in {len(parts)} processes ({', '.join(f'{a}–{b}' for a, b in parts)})" if len(parts) > 1 else ""
+    typer.echo(f"stored {len(rows)} step(s) of probe {probes.probe_name(probe)}{split}: verlj metrics {run} "
+               f"--names probe/{probes.probe_name(probe)}/…", err=True)
 
 
 def register(app: typer.Typer) -> None:
