@@ -36,6 +36,8 @@ from pathlib import Path
 
 import typer
 
+from verlj.engine.errors import install_hint
+
 from .common import EXIT_USAGE, fail, guarded
 from .supervise import SUPERVISED, exit_status, restart_or_end
 
@@ -131,7 +133,7 @@ def launch(output_dir: Path, config: Path | None, overrides: list[str], resume: 
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")
         import ray
     except ImportError:
-        raise fail("--launcher ray needs ray: pip install 'verlj[ray]'", EXIT_USAGE) from None
+        raise fail(f"--launcher ray needs ray: {install_hint('ray')}", EXIT_USAGE) from None
     output_dir = output_dir.absolute()
     config = config.absolute() if config is not None else None
     if not resume:  # bad input is refused here in one line, before anything is placed (a resume's ranks check theirs)

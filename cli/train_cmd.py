@@ -37,7 +37,7 @@ def train(
     ] = False,
     launcher: Annotated[
         Launcher, typer.Option("--launcher", help="process: this process trains (one rank, or one of torchrun's); ray: --nproc "
-                               "ranks as Ray actors in a placement group (pip install 'verlj[ray]').")
+                               "ranks as Ray actors in a placement group (pip install 'verlj[ray]'; in a checkout: pip install -e '.[ray]').")
     ] = Launcher.process,
     nproc: Annotated[Optional[int], typer.Option("--nproc", min=1, help="With --launcher ray: the number of ranks (default 1).")] = None,
 ) -> None:

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import blake3
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, install_hint
 
 FIXED, LIVE, BOOKKEEPING, TOPOLOGY = "fixed", "live", "bookkeeping", "topology"
 REASONING_GYM = "reasoning_gym"  # data.train_dataset=reasoning_gym:TASK, rollout.reward_fn=reasoning_gym
@@ -72,7 +72,9 @@ class TrainerConfig:
     async_save: bool = bookkeeping(False)  # write snapshots in the background
     eval_interval: int = bookkeeping(0)  # score the policy on the held-out prompts every N steps (0 = never; data.eval_size)
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "fp32"  # fp32 | bf16
+    # fp32 | bf16 (DeepSpeed's bf16 configuration: bf16 weights and compute, fp32 master weights and Adam state in
+    # the optimizer, which snapshots and fingerprints cover; killed and resumed bit-identical, on CPU too)
+    precision: str = "fp32"
     num_threads: int = 1  # torch intra-op threads per rank (fixed for reproducibility)
     deterministic: bool = True  # torch.use_deterministic_algorithms(True)
     # the per-step state fingerprint: sum64 (position-weighted int64 sums computed where the tensors
@@ -335,7 +337,7 @@ class RolloutConfig:
             try:
                 import ray  # noqa: F401
             except ImportError:
-                raise ConfigError("rollout.fleet=ray needs ray: pip install 'verlj[ray]'") from None
+                raise ConfigError(f"rollout.fleet=ray needs ray: {install_hint('ray')}") from None
 
     def _validate_env(self) -> None:
         _positive("rollout.max_turns", self.max_turns)
@@ -401,7 +403,7 @@ class LoggingConfig:
             try:
                 import wandb  # noqa: F401
             except ImportError:
-                raise ConfigError("logging.wandb=true needs wandb: pip install 'verlj[wandb]'") from None
+                raise ConfigError(f"logging.wandb=true needs wandb: {install_hint('wandb')}") from None
         _choice("logging.progress", self.progress, ("auto", "bar", "lines", "off"))
 
 
@@ -429,7 +431,7 @@ class JournalConfig:
             try:
                 import pyarrow.parquet  # noqa: F401
             except ImportError:
-                raise ConfigError("journal.archive=true needs pyarrow: pip install 'verlj[archive]'") from None
+                raise ConfigError(f"journal.archive=true needs pyarrow: {install_hint('archive')}") from None
         if self.local_dir is not None and not str(self.local_dir).strip():
             raise ConfigError("journal.local_dir must be a directory path or null")
 

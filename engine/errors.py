@@ -35,5 +35,16 @@ class ReplayError(VerljError, RuntimeError):
     """Replay could not reproduce the journaled state."""
 
 
+class HardwareDivergence(ReplayError):
+    """A replay that differs from the journal where the step was trained on other hardware (another CPU
+    kernel level, device or BLAS: state.hardware): not damage, as bitwise equality is not promised there."""
+
+
 class PluginError(VerljError, ValueError):
     """User code named in the config (a checkpoint policy) cannot be loaded or misbehaved: names it."""
+
+
+def install_hint(extra: str) -> str:
+    """How to install an optional extra, for a message: from an index, and from a checkout (where
+    ``pip install 'verlj[X]'`` would fetch the published package instead of the tree at hand)."""
+    return f"pip install 'verlj[{extra}]' (in a checkout: pip install -e '.[{extra}]')"

@@ -33,7 +33,7 @@ import sys
 
 # Variables the preloaded libraries read when they are imported: a request that sets them otherwise than this
 # process had them needs an interpreter of its own (verlj_testing checks before asking).
-PRELOAD_PREFIXES = ("TORCH", "PYTORCH", "HF_", "HUGGINGFACE", "TRANSFORMERS", "CUDA", "OMP_", "MKL_", "KMP_", "GOMP",
+PRELOAD_PREFIXES = ("TORCH", "ATEN_", "PYTORCH", "HF_", "HUGGINGFACE", "TRANSFORMERS", "CUDA", "OMP_", "MKL_", "KMP_", "GOMP",
                     "TOKENIZERS", "LD_", "TRITON", "USE_", "XDG_", "NCCL", "PYTHON", "LANG", "LC_")
 
 # ... but these are read only when used: each process gets its own sys.path; breakpoint() reads PYTHONBREAKPOINT

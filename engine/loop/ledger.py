@@ -723,18 +723,26 @@ class Ledger:
         return [dataclasses.replace(e, parent=parent) if e.forked and e.parent is None else e for e in entries]
 
     def record_resume(self, at_step: int, snapshot_step: int, config_changes: list[str], world_size: int,
-                      resume_from: str | None = None, config: dict | None = None) -> list[str]:
+                      resume_from: str | None = None, config: dict | None = None, hardware: dict | None = None) -> list[str]:
         """Record a resume (and the trainer.resume_from it was asked for: one resume's choice, never the
         run's config) with the library versions it runs on (and the user modules `config`, the one it
-        resumes with, imports). Returns the versions that changed since the run last started, as
-        'name old → new'."""
-        now = versions(config)
+        resumes with, imports) and the `hardware` (state.hardware) it runs on. Returns the versions that
+        changed since the run last started, as 'name old → new'."""
+        now = {**versions(config), **(hardware or {})}
         before = self.versions_in_force()
         moved = [f"{k} {before[k]} → {v}" for k, v in now.items() if k in before and before[k] != v]
         entry = LineageEntry(ControlKind.RESUME, at_step, snapshot_step, config_changes, world_size, now_iso(), now,
                              resume_from if resume_from not in (None, "auto") else None, moved or None)
         self.journal.set_meta(_LINEAGE, [*(self.journal.get_meta(_LINEAGE) or []), entry.to_dict()])
         return moved
+
+    def versions_at(self, step: int) -> dict[str, str]:
+        """The versions (and hardware) in force when `step` was trained: those of the last start or resume before it."""
+        found = self.get(_VERSIONS) or {}
+        for entry in self.lineage_entries():
+            if entry.at_step < step and entry.versions:
+                found = entry.versions
+        return found
 
     def versions_in_force(self) -> dict[str, str]:
         """The library versions of the run's latest start or resume (its identity's, before any resume recorded them)."""

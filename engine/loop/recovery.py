@@ -23,8 +23,9 @@ from verlj.journal import StepRecord, verify_journal
 from verlj.journal.failpoints import failpoint
 
 from ..config import config_from_dict
-from ..errors import ReplayError, SnapshotError
+from ..errors import HardwareDivergence, ReplayError, SnapshotError
 from ..schema.events import ConfigChange, Control, ControlKind, Stages, StepEvents
+from ..state.hardware import cross_hardware, hardware
 from ..state.manifest import snapshot_name
 from ..state.topology import Topology
 from . import archive
@@ -264,18 +265,25 @@ def _check_exact(run: Run, step: int, record: StepRecord, outcome, mine: dict | 
     if journaled_stages is not None:
         stage = first_digest_difference(journaled_stages.digests, Stages.from_event(outcome.stages).digests)
         if stage is not None:
-            raise ReplayError(f"replay diverged at step {step}: its {stage} differ from the journal's "
-                              f"(`verlj rerun {run.run_dir} --steps {step}:{step}` says more)")
+            raise _diverged(run, step, f"its {stage} differ from the journal's "
+                                       f"(`verlj rerun {run.run_dir} --steps {step}:{step}` says more)")
     want = record.fingerprint
     if outcome.fingerprint != want:
-        raise ReplayError(
-            f"replay diverged at step {step}: fingerprint {outcome.fingerprint[:16]}… but the journal has {want[:16]}…"
-        )
+        raise _diverged(run, step, f"fingerprint {outcome.fingerprint[:16]}… but the journal has {want[:16]}…")
     if mine is not None:
         journaled = record.metrics
         bad = [k for k in journaled if not is_timing(k) and k in mine and not _same_float(journaled[k], mine[k])]
         if bad:
-            raise ReplayError(f"replay diverged at step {step}: metric {bad[0]} is {mine[bad[0]]!r}, journaled {journaled[bad[0]]!r}")
+            raise _diverged(run, step, f"metric {bad[0]} is {mine[bad[0]]!r}, journaled {journaled[bad[0]]!r}")
+
+
+def _diverged(run: Run, step: int, what: str) -> ReplayError:
+    """A replayed step that differs from the journal: when the step was trained on other hardware than
+    this process runs on (state.hardware), the error says that first; it is then a HardwareDivergence."""
+    cause = cross_hardware(run.ledger.versions_at(step), hardware()) if run.ledger is not None else None
+    if cause is not None:
+        return HardwareDivergence(f"step {step} was {cause} (replay diverged at step {step}: {what})")
+    return ReplayError(f"replay diverged at step {step}: {what}")
 
 
 def _check_within_tolerance(step: int, journaled: dict, mine: dict, out: ReplayOutcome) -> None:
@@ -387,7 +395,7 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
         ledger = run.ledger
         if topology is not None:
             ledger.record_topology_change(topology.from_step, topology.topology, topology.details())
-        moved = ledger.record_resume(last, step0, changed, rt.world_size, resume_from=spec, config=cfg.to_stored())
+        moved = ledger.record_resume(last, step0, changed, rt.world_size, resume_from=spec, config=cfg.to_stored(), hardware=hardware())
         if moved:
             reporter.warn(f"library versions changed since this run last started: {', '.join(moved)} (recorded in its lineage)")
         if changed:

@@ -33,6 +33,7 @@ from ..errors import ConfigError, RunError
 from ..report import Reporter
 from ..schema.events import Control, ControlKind
 from ..schema.sample import GroupInFlight
+from ..state.hardware import hardware
 from . import whatif
 from .context import Run
 from .ledger import (
@@ -507,7 +508,7 @@ def run_identity(run: Run) -> dict:
         "config": cfg.to_stored(),
         "config_hash": cfg.hash(),
         "seed": cfg.trainer.seed,
-        "versions": versions(cfg.to_stored()),
+        "versions": {**versions(cfg.to_stored()), **hardware()},
         "world_size": rt.world_size,
         "tensor_parallel_size": rt.tp_size,
         "num_threads": cfg.trainer.num_threads,

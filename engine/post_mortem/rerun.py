@@ -28,6 +28,7 @@ from ..errors import ReplayError, RunError, SnapshotError
 from ..loop.ledger import Ledger, has_run, lost_journal, versions
 from ..report import Reporter
 from ..schema.events import Stages, StepEvents
+from ..state.hardware import cross_hardware, hardware
 from ..state.topology import Topology
 from .materialize import replay_config
 
@@ -290,7 +291,7 @@ def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> 
             resume_at = stop if resume_at is None else resume_at
             verdicts += [Verdict(s, NOT_CHECKED) for s in range(broken.step + 1, resume_at + 1)]
             pos = resume_at + 1
-    now = versions(config)
+    now = {**versions(config), **hardware()}
     moved = {k: [recorded.get(k), now[k]] for k in now if recorded.get(k) not in (None, now[k])}
     return RerunReport(str(run_dir), [start, stop], origins[0], origins[1:], tuple(verdicts), moved, "verlj-source" in recorded,
                        ("rescored" if rescore_model else "kept") if reward_model else None)
@@ -353,6 +354,10 @@ def render(report: RerunReport | dict) -> str:
     if isinstance(report, dict):
         report = RerunReport.from_dict(report)
     lines = []
+    moved = report.versions_changed
+    cause = cross_hardware({k: a for k, (a, _) in moved.items()}, {k: b for k, (_, b) in moved.items()}, "rerun")
+    if cause is not None and not report.reproduced:
+        lines.append(f"the run was {cause}")
     for v in report.verdicts:
         if v.verdict == REPRODUCED:
             lines.append(f"step {v.step}: reproduced")

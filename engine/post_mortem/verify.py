@@ -16,7 +16,7 @@ from pathlib import Path
 
 from verlj.journal import JournalError, NotAJournalError, segments, unpackb, verify_journal
 
-from ..errors import ConfigError, RunError
+from ..errors import ConfigError, HardwareDivergence, RunError
 from ..loop import archive
 from ..loop.ledger import Ledger, SnapshotEntry, journal_dir, journal_exists, lost_journal
 from ..loop.recovery import damaged_journal_advice
@@ -402,6 +402,8 @@ def deep_check(report: RunReport, run_dir: Path, from_step: int | None) -> None:
             src = snapshot_name(replayed.from_snapshot) if replayed.from_snapshot else "the initial state"
             line = exactness_line(replayed)
             report.deep_lines.append(f"✓ Replayed to step {stop} from {src}: " + ("every fingerprint matches" if line is None else line))
+        except HardwareDivergence as e:  # trained on other kernels than this machine's: not damage
+            report.deep_lines.append(f"! replay to step {stop}: {e} (not damage: replay on the run's hardware to check it)")
         except Exception as e:  # noqa: BLE001 - the report says what failed
             report.deep_ok = False
             report.deep_lines.append(f"✗ replay to step {stop}: {e}")

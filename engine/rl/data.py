@@ -25,7 +25,7 @@ import msgpack
 import numpy as np
 
 from ..config import DataConfig
-from ..errors import DataError
+from ..errors import DataError, install_hint
 from ..state.seeding import derive_seed
 from ..state.stateful import check_version
 from . import tasks
@@ -156,7 +156,7 @@ def _read_file(cfg: DataConfig, name: str, key: str, render=None) -> list[Exampl
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise DataError(f"{key}: reading Parquet needs pyarrow (pip install 'verlj[archive]', or pyarrow)") from None
+            raise DataError(f"{key}: reading Parquet needs pyarrow: {install_hint('archive')}, or pip install pyarrow") from None
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged or foreign file

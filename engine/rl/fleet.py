@@ -50,7 +50,7 @@ import torch
 from verlj.journal.failpoints import failpoint
 
 from ..config import Config
-from ..errors import ConfigError, RunError
+from ..errors import ConfigError, RunError, install_hint
 from ..state.reshard import full_parameters
 from .sampler import AskedGroup, SamplerEngine, sampling_params
 
@@ -188,7 +188,7 @@ class RayFleet(SamplerEngine):
         try:
             import ray  # noqa: F401
         except ImportError:
-            raise ConfigError("rollout.fleet=ray needs ray: pip install 'verlj[ray]'") from None
+            raise ConfigError(f"rollout.fleet=ray needs ray: {install_hint('ray')}") from None
 
     def __init__(self, rt, actor, tokenizer) -> None:
         super().__init__(rt, actor, tokenizer)

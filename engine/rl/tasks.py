@@ -19,7 +19,7 @@ reasoning-gym is an optional extra: ``pip install 'verlj[tasks]'``.
 from __future__ import annotations
 
 from ..config import REASONING_GYM, DataConfig
-from ..errors import DataError
+from ..errors import DataError, install_hint
 
 PREFIX = REASONING_GYM + ":"
 
@@ -40,7 +40,7 @@ def _require():
     try:
         import reasoning_gym
     except ImportError:
-        raise DataError("data.train_dataset=reasoning_gym:... needs reasoning-gym: pip install 'verlj[tasks]'") from None
+        raise DataError(f"data.train_dataset=reasoning_gym:... needs reasoning-gym: {install_hint('tasks')}") from None
     return reasoning_gym
 
 

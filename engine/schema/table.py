@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..errors import RunError
+from ..errors import RunError, install_hint
 from .sample import EPISODE_SCALARS, EPISODE_SEQUENCES, EPISODE_TEXT, SCALARS, SEQUENCES, Columns
 
 # ----------------------------------------------------------------------------- the rollout table
@@ -41,7 +41,7 @@ def require_pyarrow(what: str):
         import pyarrow as pa
         import pyarrow.parquet  # noqa: F401
     except ImportError:
-        raise RunError(f"{what} needs pyarrow: pip install 'verlj[archive]'") from None
+        raise RunError(f"{what} needs pyarrow: {install_hint('archive')}") from None
     return pa
 
 

@@ -189,7 +189,7 @@ def test_wandb_without_the_package_is_one_line(tmp_path):
         out = verlj("train", "--output-dir", tmp_path / "r", *TINY, "logging.wandb=true", PYTHONPATH=str(_no_wandb(tmp_path)))
     else:
         out = verlj("train", "--output-dir", tmp_path / "r", *TINY, "logging.wandb=true")
-    assert out.returncode == 2 and "pip install 'verlj[wandb]'" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "pip install 'verlj[wandb]' (in a checkout: pip install -e '.[wandb]')" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "r").exists()
 
 

@@ -202,13 +202,3 @@ def test_the_command_refuses_in_one_line(tmp_path):
                        ([str(tmp_path / "nope")], f"error: {tmp_path / 'nope'} is not a verlj run (no journal/ inside)")]:
         out = cli("view", *([str(run)] if args[0].startswith("--") else []), *args)
         assert out.returncode == 1 and out.stderr.strip().splitlines() == [said + (" (anyone with it can read them)" if "--host" in args else "")], out.stderr
-
-
-def test_the_page_files_are_package_data_in_the_wheel():
-    """setuptools ships static/ ([tool.setuptools.package-data]): an install from a wheel serves the page."""
-    cfg = (REPO / "pyproject.toml").read_text()
-    assert '"verlj.engine.post_mortem.view", "verlj.cli"]' in cfg
-    assert '[tool.setuptools.package-data]\n"verlj.engine.post_mortem.view" = ["static/*"]' in cfg
-    static = REPO / "engine" / "post_mortem" / "view" / "static"
-    assert sorted(p.name for p in static.iterdir()) == ["app.js", "index.html", "style.css"]
-    assert "http" not in (static / "index.html").read_text().replace("http-equiv", "")  # nothing fetched from elsewhere

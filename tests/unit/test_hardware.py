@@ -1,0 +1,38 @@
+"""state.hardware: the facts recorded, and the one sentence that names a hardware change as the cause."""
+
+from verlj.engine.state.hardware import _blas, cross_hardware, hardware
+
+CPU = {"cpu kernels": "AVX512", "blas": "mkl", "accelerator": "none"}
+
+
+def test_this_process_has_its_facts():
+    import torch
+
+    facts = hardware()
+    assert facts["cpu kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert facts["blas"] != "" and facts["accelerator"] == ("none" if not torch.cuda.is_available() else torch.cuda.get_device_name(0))
+
+
+def test_blas_from_the_build_settings():
+    assert _blas("  - Build settings: BLAS_INFO=open, BUILD_TYPE=Release, LAPACK_INFO=open") == "open"
+    assert _blas("no build settings here") == "unknown"
+
+
+def test_the_kernel_level_is_named_first():
+    assert cross_hardware(CPU, {**CPU, "cpu kernels": "AVX2"}) == \
+        "produced on AVX512, replayed on AVX2: bitwise equality across kernel levels is not promised"
+    assert cross_hardware(CPU, {**CPU, "cpu kernels": "AVX2"}, "rerun").endswith("rerun on AVX2: bitwise equality across kernel levels is not promised")
+
+
+def test_a_device_change_outranks_the_kernels():
+    gpu = {**CPU, "accelerator": "NVIDIA H200", "cuda": "12.8", "cudnn": "91002"}
+    assert cross_hardware(gpu, {**CPU, "cpu kernels": "AVX2"}) == \
+        "produced on NVIDIA H200, replayed on the CPU (AVX2): bitwise equality across devices is not promised"
+    assert cross_hardware(gpu, {**gpu, "cudnn": "90100"}) == \
+        "produced with cudnn 91002, replayed with cudnn 90100: bitwise equality across cudnn builds is not promised"
+
+
+def test_same_hardware_or_none_recorded_explains_nothing():
+    assert cross_hardware(CPU, dict(CPU)) is None
+    assert cross_hardware({}, CPU) is None  # a run from before the hardware was recorded
+    assert cross_hardware({"torch": "2.13.0"}, CPU) is None
