@@ -104,6 +104,7 @@ def test_a_step_shows_its_samples_by_group_with_log_probs_seeds_and_fingerprint(
     d = inspection.step_detail(runs / "grpo", 2)
     assert find(browser, "#fingerprint")[0].text == d.fingerprint == fingerprints(runs / "grpo")[2]
     assert find(browser, "#seeds")[0].text == " · ".join(f"{k} {v}" for k, v in d.seeds.items())  # every digit: no float rounding
+    assert find(browser, "#previous") and find(browser, "#next")  # steps 1 and 3
     groups = find(browser, "#samples .group")
     assert len(groups) == 4 and all(len(g.find_elements("css selector", ".sample[data-sample]")) == 4 for g in groups)
     first = d.samples[0]
@@ -121,6 +122,7 @@ def test_an_episode_reads_turn_by_turn(browser, runs, tmp_path):
     d = inspection.step_detail(runs / "episodes", 2)
     s = max(d.samples, key=lambda x: len(x.episode.turns))
     assert len(s.episode.turns) > 1
+    assert find(browser, "#previous") and not find(browser, "#next")  # the run's last step
     shown = find(browser, f'.sample[data-sample="{s.id}"] .turn')
     assert len(shown) == len(s.episode.turns)
     for n, (turn, el) in enumerate(zip(s.episode.turns, shown)):

@@ -202,3 +202,28 @@ def test_the_command_refuses_in_one_line(tmp_path):
                        ([str(tmp_path / "nope")], f"error: {tmp_path / 'nope'} is not a verlj run (no journal/ inside)")]:
         out = cli("view", *([str(run)] if args[0].startswith("--") else []), *args)
         assert out.returncode == 1 and out.stderr.strip().splitlines() == [said + (" (anyone with it can read them)" if "--host" in args else "")], out.stderr
+
+
+def test_the_command_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path):
+    """In a process of its own: Ctrl-C (SIGINT) is how it stops."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    run = tmp_path / "sync"
+    shutil.copytree(FIXTURES / "sync", run)
+    p = subprocess.Popen([sys.executable, "-m", "verlj.cli", "view", str(run), "--port", "0"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("verlj view: http://127.0.0.1:") and "(read-only; Ctrl-C stops it)" in line, line + p.stderr.read()
+        url = line.split()[2]
+        with urllib.request.urlopen(url + "api/run/sync/summary", timeout=30) as r:
+            assert json.loads(r.read())["last_step"] == 3
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0 and out.strip() == "stopped" and err == "", err
+    finally:
+        p.kill()

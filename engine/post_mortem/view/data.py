@@ -120,7 +120,8 @@ def step(run: Run, n: int) -> dict:
     """`verlj inspect RUN --step N --json`, each sample with its response token by token: the token's
     text, its generation log-prob and whether the policy produced it (an episode's observations: not)."""
     check_step(run, n)
-    detail = inspection.step_detail(run.path, n).to_json()
+    first, last = steps_of(run)
+    detail = {**inspection.step_detail(run.path, n).to_json(), "first_step": first, "last_step": last}
     tokens = _tokens(run, n)
     for s in detail["samples"]:
         s["tokens"] = tokens.get(s["id"])

@@ -238,7 +238,7 @@ function groupsView(d) {
       el("div", { class: "head" }, el("strong", { text: `group ${g}` }), el("span", { text: `row ${ss[0].index}` }),
         el("span", { text: `mean score ${fmt(mean)}` }), el("span", { class: "muted", text: `${ss.length} samples` })),
       el("div", { class: "sample" }, el("div", { class: "meta", text: "prompt" }), el("div", { class: "prompt mono", text: typeof ss[0].prompt === "string" ? ss[0].prompt : JSON.stringify(ss[0].prompt) })),
-      ss.map((s) => el("div", { class: "sample", "data-sample": s.id },
+      ss.map((s) => el("div", { class: "sample", "data-sample": s.id, id: `sample-${s.id}` },
         el("div", { class: "meta" }, el("span", { text: `sample ${s.id}` }), el("span", { class: "badge", text: `score ${fmt(s.score)}` }),
           el("span", { text: `rule ${fmt(s.rule_reward)} · rm ${fmt(s.rm_score)} · policy v${s.policy_version}` }),
           consumed.has(s.id) ? el("span", { class: "badge ok", text: "consumed" }) : dropped.has(s.id) ? el("span", { class: "badge warn", text: "dropped" }) : null),
@@ -252,7 +252,8 @@ async function stepPage(run, n) {
   const ro = d.rollout;
   page(
     el("h1", {}, el("a", { href: runUrl(run), text: run }), ` · step `, el("span", { id: "step-number", text: String(n) }), " ",
-      el("a", { href: stepUrl(run, n - 1), class: "muted", text: "◀ previous" }), " ", el("a", { href: stepUrl(run, n + 1), class: "muted", text: "next ▶" })),
+      n > d.first_step ? el("a", { href: stepUrl(run, n - 1), class: "muted", id: "previous", text: "◀ previous" }) : null, " ",
+      n < d.last_step ? el("a", { href: stepUrl(run, n + 1), class: "muted", id: "next", text: "next ▶" }) : null),
     el("div", { class: "card" }, kv([
       ["fingerprint", el("span", { class: "mono", id: "fingerprint", text: d.fingerprint || "–" })],
       ["committed", new Date(d.time * 1000).toISOString()],
@@ -270,6 +271,8 @@ async function stepPage(run, n) {
     el("h2", { text: "metrics" }),
     el("div", { class: "card" }, el("table", { class: "grid mono", id: "step-metrics" }, Object.keys(d.metrics).sort().map((k) => el("tr", {}, el("td", { text: k }), el("td", { text: fmt(d.metrics[k]) }))))),
   );
+  const target = location.hash && document.getElementById(location.hash.slice(1));  // a search's link to one sample
+  if (target) target.scrollIntoView();
 }
 
 // ----------------------------------------------------------------------------- two runs
@@ -345,7 +348,8 @@ async function searchPage(run) {
     if (r.samples) {
       out.append(el("h2", { text: `${r.samples.length}${r.truncated ? "+" : ""} sample(s) match` }),
         el("table", { class: "grid", id: "sample-matches" }, el("tr", {}, ["step", "sample", "group", "prompt", "response", "score", "fault"].map((h) => el("th", { text: h }))),
-          r.samples.map((s) => el("tr", {}, el("td", {}, el("a", { href: stepUrl(run, s.step), text: `step ${s.step}` })), el("td", { text: s.id }), el("td", { text: s.group }),
+          r.samples.map((s) => el("tr", {}, el("td", {}, el("a", { href: stepUrl(run, s.step), text: `step ${s.step}` })),
+            el("td", {}, el("a", { href: `${stepUrl(run, s.step)}#sample-${s.id}`, text: String(s.id) })), el("td", { text: s.group }),
             el("td", { class: "mono", text: s.prompt }), el("td", { class: "mono", text: s.response }), el("td", { text: fmt(s.score) }), el("td", { text: s.env_reason || "" })))));
     }
   } catch (e) {
