@@ -57,11 +57,15 @@ def browser(runs):
 
 def open_page(driver, path: str, ready: str):
     """Go to `path`; wait for the CSS selector `ready` to be on the page; return that element."""
+    driver.get(driver.base + path)
+    return wait_for(driver, ready)
+
+
+def wait_for(driver, css: str):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    driver.get(driver.base + path)
-    return WebDriverWait(driver, WAIT).until(lambda d: d.find_elements(By.CSS_SELECTOR, ready))[0]
+    return WebDriverWait(driver, WAIT).until(lambda d: d.find_elements(By.CSS_SELECTOR, css))[0]
 
 
 def find(driver, css: str):
@@ -154,6 +158,12 @@ def test_search_finds_the_steps_find_finds(browser, runs):
     open_page(browser, "/run/grpo/search?where=critic%2Fscore%2Fmean+%3E%3D+0", "#step-matches")
     want = [m.step for m in inspection.find_steps(runs / "grpo", where)]
     assert [a.text for a in find(browser, "#step-matches a")] == [f"step {s}" for s in want] and want
+
+
+def test_a_point_of_a_chart_opens_its_step(browser):
+    open_page(browser, "/run/grpo/", '.chart[data-metric="critic/score/mean"] circle')
+    find(browser, '.chart[data-metric="critic/score/mean"] circle')[1].click()
+    assert wait_for(browser, "#step-number").text == "2" and browser.current_url.endswith("/run/grpo/step/2")
 
 
 def test_a_step_the_run_lacks_is_a_404_page(browser):

@@ -91,10 +91,19 @@ function chart(title, series, mark, onStep) {
       g.append(c);
     }
   }
+  if (onStep && p0(series)) g.addEventListener("click", (ev) => {  // a long run draws no dots: the nearest step to the click
+    if (ev.target.tagName === "circle") return;
+    const r = g.getBoundingClientRect(), x = x0 + ((ev.clientX - r.left) / r.width * W - L) / (W - L - R) * (x1 - x0);
+    const s = p0(series);
+    const near = s.points.reduce((a, q) => (Math.abs(q[0] - x) < Math.abs(a[0] - x) ? q : a));
+    onStep(s.name, near[0]);
+  });
   box.append(g);
   if (series.length > 1) box.append(el("div", { class: "legend" }, series.map((s) => el("span", { style: `color:${s.color}`, text: `■ ${s.name}` }))));
   return box;
 }
+
+const p0 = (series) => series.find((s) => s.points.length);
 
 // metrics: {run: {names, rows}}; chosen: names to draw
 function drawCharts(where, metrics, chosen, mark) {
@@ -291,13 +300,13 @@ function diffSummary(d) {
 
 async function comparePage(a, b) {
   document.title = `${a} vs ${b} · verlj view`;
-  const [d, ma, mb, sa] = await Promise.all([get(`/api/compare/${enc(a)}/${enc(b)}`), get(`/api/run/${enc(a)}/metrics?after=0`),
+  let [d, ma, mb, sa] = await Promise.all([get(`/api/compare/${enc(a)}/${enc(b)}`), get(`/api/run/${enc(a)}/metrics?after=0`),
     get(`/api/run/${enc(b)}/metrics?after=0`), get(`/api/run/${enc(a)}/summary`)]);
-  const names = [...new Set([...ma.names, ...mb.names])].sort();
+  let names = [...new Set([...ma.names, ...mb.names])].sort();
   const state = { metrics: { [a]: ma, [b]: mb }, chosen: defaultCharts(names, sa.default_charts) };
   const charts = el("div", { class: "charts", id: "charts" });
   const pick = el("div", {});
-  const redraw = () => { chooser(pick, names, state.chosen, redraw); drawCharts(charts, state.metrics, state.chosen, d.identical ? null : d.step); };
+  const redraw = () => { names = [...new Set([...state.metrics[a].names, ...state.metrics[b].names])].sort(); chooser(pick, names, state.chosen, redraw); drawCharts(charts, state.metrics, state.chosen, d.identical ? null : d.step); };
   const last = Math.min(d.steps_a, d.steps_b);
   const at = el("input", { type: "number", min: 1, max: Math.max(d.steps_a, d.steps_b), value: d.identical || d.step > last ? last : d.step, id: "side-step" });
   const side = el("div", { class: "side", id: "side" });
@@ -315,11 +324,18 @@ async function comparePage(a, b) {
     };
     side.replaceChildren(...(await Promise.all([col(a), col(b)])));
   };
+  const verdict = el("div", {}, diffSummary(d));
   main.replaceChildren(el("h1", {}, el("a", { href: runUrl(a), text: a }), " vs ", el("a", { href: runUrl(b), text: b })),
-    diffSummary(d), el("h2", { text: "metrics, overlaid" }), pick, charts,
+    verdict, el("h2", { text: "metrics, overlaid" }), pick, charts,
     el("h2", {}, "samples side by side at step ", at, " ", el("button", { onclick: showSide }, "show")), side);
   redraw();
   showSide();
+  const again = async () => {  // either run committed a step: where they part may have changed
+    try { d = await get(`/api/compare/${enc(a)}/${enc(b)}`); verdict.replaceChildren(diffSummary(d)); } catch (e) { fail(verdict, e); }
+    redraw();
+  };
+  live(a, state, again);
+  if (b !== a) live(b, state, again);
 }
 
 // ----------------------------------------------------------------------------- search
