@@ -38,7 +38,6 @@ def runs(tmp_path_factory):
 def browser(runs):
     for path in (CHROMIUM, CHROMEDRIVER):
         assert os.access(path, os.X_OK), f"{path} is missing: apt-get install -y chromium chromium-driver (the README's test command does)"
-    os.environ["SE_OFFLINE"] = "true"  # selenium-manager: never fetch a browser or a driver
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -48,7 +47,9 @@ def browser(runs):
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1300,1000"):
         options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SE_OFFLINE", "true")  # selenium-manager: never fetch a browser or a driver
+        driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     driver.base = f"http://127.0.0.1:{server.port}"
     yield driver
     driver.quit()

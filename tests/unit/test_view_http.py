@@ -173,10 +173,13 @@ def test_another_host_only_with_a_token_and_every_request_carries_it(tmp_path):
     shutil.copytree(FIXTURES / "sync", run)
     with pytest.raises(RunError, match=r"^--host 127.0.0.2 serves the runs beyond this machine: give a --token too"):
         Server([run], host="127.0.0.2", port=0)
-    server = Server([run], host="127.0.0.2", port=0, token="s3cret")
+    for bad in ("short", "has space in it", "semi;colon=1"):
+        with pytest.raises(RunError, match=r"^--token must be at least 8 characters"):
+            Server([run], host="127.0.0.2", port=0, token=bad)
+    server = Server([run], host="127.0.0.2", port=0, token="s3cret-token")
     server.start()
     try:
-        assert server.url == f"http://127.0.0.2:{server.port}/?token=s3cret"
+        assert server.url == f"http://127.0.0.2:{server.port}/?token=s3cret-token"
 
         def ask(path, headers=None):
             c = http.client.HTTPConnection("127.0.0.2", server.port, timeout=30)
@@ -187,10 +190,10 @@ def test_another_host_only_with_a_token_and_every_request_carries_it(tmp_path):
         for path in ("/", "/api/run/sync/summary", "/static/app.js", "/step/1?token=wrong", "/?token="):
             status, _, body = ask(path)
             assert status == 403 and "needs its token" in body, path
-        status, cookie, _ = ask("/?token=s3cret")
-        assert status == 200 and cookie.startswith("verlj_view_token=s3cret;") and "HttpOnly" in cookie
-        assert ask("/api/run/sync/summary", {"Cookie": "verlj_view_token=s3cret"})[0] == 200
-        assert ask("/api/run/sync/summary", {"Cookie": "verlj_view_token=s3cre"})[0] == 403
+        status, cookie, _ = ask("/?token=s3cret-token")
+        assert status == 200 and cookie.startswith("verlj_view_token=s3cret-token;") and "HttpOnly" in cookie
+        assert ask("/api/run/sync/summary", {"Cookie": "verlj_view_token=s3cret-token"})[0] == 200
+        assert ask("/api/run/sync/summary", {"Cookie": "verlj_view_token=s3cret-toke"})[0] == 403
     finally:
         server.stop()
 

@@ -236,6 +236,8 @@ class Server:
 
         if host not in LOOPBACK and not token:
             raise RunError(f"--host {host} serves the runs beyond this machine: give a --token too (anyone with it can read them)")
+        if token is not None and not re.fullmatch(r"[A-Za-z0-9._~-]{8,}", token):
+            raise RunError("--token must be at least 8 characters of A-Z a-z 0-9 . _ ~ - (it travels in a URL and a cookie)")
         for p in paths:
             if not (Path(p) / "journal").exists():
                 raise RunError(f"{p} is not a verlj run (no journal/ inside)")
