@@ -202,7 +202,8 @@ def test_the_command_refuses_in_one_line(tmp_path):
     run = tmp_path / "sync"
     shutil.copytree(FIXTURES / "sync", run)
     for args, said in [(["--host", "0.0.0.0"], "error: --host 0.0.0.0 serves the runs beyond this machine: give a --token too"),
-                       ([str(tmp_path / "nope")], f"error: {tmp_path / 'nope'} is not a verlj run (no journal/ inside)")]:
+                       ([str(tmp_path / "nope")], f"error: {tmp_path / 'nope'} does not exist"),
+                       ([str(tmp_path)], f"error: {tmp_path} is not a verlj run (no journal/ with run metadata)")]:
         out = cli("view", *([str(run)] if args[0].startswith("--") else []), *args)
         assert out.returncode == 1 and out.stderr.strip().splitlines() == [said + (" (anyone with it can read them)" if "--host" in args else "")], out.stderr
 

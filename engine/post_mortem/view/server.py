@@ -238,11 +238,8 @@ class Server:
             raise RunError(f"--host {host} serves the runs beyond this machine: give a --token too (anyone with it can read them)")
         if token is not None and not re.fullmatch(r"[A-Za-z0-9._~-]{8,}", token):
             raise RunError("--token must be at least 8 characters of A-Z a-z 0-9 . _ ~ - (it travels in a URL and a cookie)")
-        for p in paths:
-            if not (Path(p) / "journal").exists():
-                raise RunError(f"{p} is not a verlj run (no journal/ inside)")
         runs = Runs([Path(p) for p in paths])
-        for r in runs.runs.values():  # open each once: a run the ledger cannot read is said now, not in a page
+        for r in runs.runs.values():  # open each once: a path that is not a run, or one the ledger cannot read, is said now
             data.steps_of(r)
         self.viewer = Viewer(runs, token)
         self.httpd = (_Server6 if ":" in host else ThreadingHTTPServer)((host, port), handler(self.viewer, port, local=host in LOOPBACK))
