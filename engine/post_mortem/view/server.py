@@ -48,10 +48,6 @@ COOKIE = "verlj_view_token"
 POLL_SECONDS = 2.0  # how often a page asks for new steps
 
 
-class BadRequest(Exception):
-    """A request the viewer cannot answer as asked (a 400 with this message)."""
-
-
 def _static(name: str) -> bytes:
     return files(__package__).joinpath("static", name).read_bytes()
 
@@ -200,14 +196,15 @@ class Handler(BaseHTTPRequestHandler):
                 return self._send(HTTPStatus.OK, STATIC[parts[1]], _static(parts[1]), head, extra)
             if parts == ["favicon.ico"]:
                 return self._send(HTTPStatus.NO_CONTENT, "image/x-icon", b"", head, extra)
-            with self.viewer.runs.lock:
+            with self.viewer.runs.lock:  # the answer is made under the lock, sent after it
                 if is_api:
-                    body = json.dumps(self.viewer.api(parts[1:], query), allow_nan=False).encode()
-                    return self._send(HTTPStatus.OK, "application/json", body, head, extra)
-                return self._send(HTTPStatus.OK, "text/html; charset=utf-8", self.viewer.html(*self.viewer.page(parts)), head, extra)
+                    ctype, body = "application/json", json.dumps(self.viewer.api(parts[1:], query), allow_nan=False).encode()
+                else:
+                    ctype, body = "text/html; charset=utf-8", self.viewer.html(*self.viewer.page(parts))
+            self._send(HTTPStatus.OK, ctype, body, head, extra)
         except NotFound as e:
             self._fail(HTTPStatus.NOT_FOUND, str(e), is_api, head)
-        except (BadRequest, VerljError) as e:  # a search it cannot parse, a run it cannot read
+        except VerljError as e:  # a search it cannot parse, a run it cannot read
             self._fail(HTTPStatus.BAD_REQUEST, str(e), is_api, head)
         except Exception as e:  # noqa: BLE001 - the page says what failed; the server goes on
             self._fail(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}", is_api, head)
