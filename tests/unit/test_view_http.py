@@ -231,3 +231,9 @@ def test_the_command_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path):
         assert p.returncode == 0 and out.strip() == "stopped" and err == "", err
     finally:
         p.kill()
+
+
+def test_verify_is_verify_runs_report(served):
+    server, _ = served
+    v = api(server, "/api/run/sync/verify")
+    assert v["ok"] is True and v["last_step"] == 3 and "hash chain verified" in v["text"] and v["text"].endswith("intact.")

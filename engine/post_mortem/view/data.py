@@ -112,6 +112,9 @@ def metrics(run: Run, after: int) -> dict:
 
 def verification(run: Run) -> dict:
     """`verlj verify RUN` (shallow: manifests, the hash chain; no file hashing beyond what verify does)."""
+    from ...dist import prepare_accelerator
+
+    prepare_accelerator()  # before verify loads DeepSpeed: its CPU accelerator chosen quietly, as `verlj verify` does
     report = verify_run(run.path)
     return plain({"ok": report.ok, "last_step": report.last_step, "text": render(report)})
 
