@@ -18,7 +18,8 @@ from typing import Any
 
 from ...errors import RunError
 from ...loop.ledger import open_run
-from ...rl.samples import TURNS, rows, text_decoder
+from ...rl.samples import text_decoder
+from ...schema.table import TURNS, rows
 from .. import inspection
 from ..rollouts import iter_step_columns
 from ..verify import render, verify_run
