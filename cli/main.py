@@ -36,7 +36,7 @@ def root(
 
 
 def _register() -> None:
-    from . import config_cmd, export_cmd, inspect_cmd, journal_cmd, replay_cmd, rerun_cmd, train_cmd, verify_cmd, whatif_cmd
+    from . import config_cmd, export_cmd, inspect_cmd, journal_cmd, replay_cmd, rerun_cmd, train_cmd, verify_cmd, view_cmd, whatif_cmd
 
     train_cmd.register(app)
     replay_cmd.register(app)
@@ -47,6 +47,7 @@ def _register() -> None:
     config_cmd.register(app)
     journal_cmd.register(app)
     export_cmd.register(app)
+    view_cmd.register(app)
 
 
 _register()

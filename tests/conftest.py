@@ -28,6 +28,7 @@ LONGEST_FIRST = [
     "test_interpreters.py",  # ~80 (new)
     "test_faults_quick.py",  # 66 when measured; 45 since it runs three kinds
     "test_retention.py",  # 62
+    "test_view_browser.py",  # ~60 (new: three runs, a what-if, a resume, headless Chromium)
     "test_examples.py",  # 60
     "test_verify_inspect.py",  # 56
 ]

@@ -62,6 +62,8 @@ def test_wheel_installs_and_trains_from_another_directory(tmp_path):
     assert tops == {"verlj", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}, tops
     for package in ("journal", "engine", "cli", "engine/schema", "engine/rl", "engine/loop", "engine/state", "engine/post_mortem"):
         assert f"verlj/{package}/__init__.py" in names, package  # every package found, none listed by hand
+    for page in ("index.html", "app.js", "style.css"):  # `verlj view`'s page, package data
+        assert f"verlj/engine/post_mortem/view/static/{page}" in names, page
 
     venv = _venv_with(tmp_path, wheel)
     elsewhere = tmp_path / "elsewhere"
