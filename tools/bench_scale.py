@@ -12,9 +12,9 @@ train the goodput bench's job on it (tools/bench_goodput.py: its prompts, its re
 verlj's model.actor.use_kl_loss=false), in fp32 or in bf16 (verlj: trainer.precision=bf16, DeepSpeed's bf16
 with fp32 masters; TRL: Hugging Face's bf16=True, fp32 weights with bf16 autocast). Per rung and dtype:
 
-  step s        median step time over the steps after --warmup (verlj: timing_s/step + timing_s/commit from
-                metrics.jsonl; TRL: the time between consecutive on_step_end callbacks, steps with a save
-                left out)
+  step s        median step time over the steps after --warmup, each arm's wall time from one step's end to
+                the next's as this driver sees it (verlj's "[INFO] Step N" lines, TRL's on_step_end callback),
+                logging included, no snapshot or checkpoint among them
   RSS MiB       peak resident memory of the training process (os.wait4's rusage)
   exact %       verlj: the exactness work's share of a step, the state fingerprint (timing_s/fingerprint) +
                 the stage digests (timing_s/stages, partly inside the update) + the journal commit
@@ -57,8 +57,7 @@ from bench_goodput import ENV, LR, MODEL, REPO, TRL_SCRIPT, write_rows
 # more layers, 500m Qwen2-0.5B's with 34 layers (a character vocabulary has no 136M-parameter embedding)
 RUNGS = {"tiny": (128, 4, 4, 2, 512), "20m": (384, 12, 6, 2, 1152), "135m": (576, 38, 9, 3, 1536), "500m": (896, 34, 14, 2, 4864)}
 # the goodput bench's job without its built-in model, without the KL term (TRL: beta=0), without counting calls
-JOB = [o for o in MODEL if not o.startswith("model.tiny.") and not o.startswith("logging.")] + [
-    "model.actor.use_kl_loss=false", "logging.progress=off", "trainer.save_total_limit=0"]
+JOB = [o for o in MODEL if not o.startswith("model.tiny.")] + ["model.actor.use_kl_loss=false", "trainer.save_total_limit=0"]
 TIMED = ("timing_s/step", "timing_s/commit")
 EXACT = ("timing_s/fingerprint", "timing_s/stages", "timing_s/commit")
 
@@ -106,6 +105,15 @@ def launch(cmd: list[str], env: dict | None = None) -> tuple[float, int, list[tu
     return time.perf_counter() - t0, p.returncode, lines, usage.ru_maxrss * 1024
 
 
+def step_time(ends: dict[int, float], warmup: int, last: int) -> float:
+    """The median time from one step's end to the next's, for the steps warmup+1..last (none of them follows
+    a snapshot: the first is taken after step `last`)."""
+    gaps = [ends[s] - ends[s - 1] for s in range(max(warmup, 1) + 1, last + 1) if s in ends and s - 1 in ends]
+    if not gaps:
+        raise SystemExit(f"no step ends seen for steps {warmup + 1}..{last}: nothing to time")
+    return statistics.median(gaps)
+
+
 def failed(what: str, rc: int, lines: list[tuple[float, str]]) -> SystemExit:
     return SystemExit(f"{what} exited {rc}:\n{''.join(line for _, line in lines[-20:])}")
 
@@ -122,9 +130,10 @@ def verlj_arm(root: Path, model: Path, dtype: str, args) -> dict:
         raise failed("verlj train", rc, lines)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if args.warmup < r["step"] <= a]
-    step = statistics.median(sum(r[k] for k in TIMED) for r in timed)
+    inside = statistics.median(sum(r[k] for k in TIMED) for r in timed)
     exact = statistics.median(sum(r.get(k, 0.0) for k in EXACT) for r in timed)
     commit = statistics.median(r["timing_s/commit"] for r in timed)
+    step = step_time({int(m.group(1)): t for t, line in lines if (m := re.search(r"\[INFO\] Step (\d+): ", line))}, args.warmup, a)
     probe = subprocess.run([sys.executable, __file__, "--snapshot-probe", str(run), str(a)], capture_output=True, text=True, cwd=REPO,
                            env={**os.environ, **ENV})
     if probe.returncode != 0:
@@ -138,7 +147,7 @@ def verlj_arm(root: Path, model: Path, dtype: str, args) -> dict:
         raise failed("verlj rerun (a step not reproduced?)", rc, lines)
     journal = sum(p.stat().st_size for p in (run / "journal").glob("*.mdb"))
     shutil.rmtree(run, ignore_errors=True)
-    return {"step": step, "rss": rss, "exact": exact / step, "commit": commit / step, "snap_bytes": snap["bytes"],
+    return {"step": step, "rss": rss, "exact": exact / inside, "commit": commit / inside, "snap_bytes": snap["bytes"],
             "snap_s": snap["sync_s"], "async_s": snap["async_s"], "blocked_s": snap["blocked_s"], "replay_s": replay_s,
             "rerun_s": rerun_s, "journal_step": journal / (a + args.k + 1)}
 
@@ -210,12 +219,12 @@ def trl_arm(root: Path, model: Path, dtype: str, args) -> dict:
     _, rc, lines, rss = launch([args.trl_python, str(script), str(model), str(out), str(a), str(a), "", str(LR), dtype])
     if rc != 0:
         raise failed("the TRL script", rc, lines)
-    ends = {int(m.group(1)): float(m.group(2)) for _, line in lines if (m := re.match(r"TRL STEP (\d+) ([\d.]+)", line))}
-    saved = {int(m.group(1)): float(m.group(2)) for _, line in lines if (m := re.match(r"TRL SAVED (\d+) ([\d.]+)", line))}
-    if a not in saved or a not in ends:
+    said = {(m.group(1), int(m.group(2))): (t, float(m.group(3))) for t, line in lines
+            if (m := re.match(r"TRL (STEP|SAVED) (\d+) ([\d.]+)", line))}  # (when it arrived, when the script said it)
+    if ("SAVED", a) not in said or ("STEP", a) not in said:
         raise failed(f"the TRL script (no checkpoint at step {a})", rc, lines)
-    timed = [ends[s] - ends[s - 1] for s in range(args.warmup + 1, a + 1) if s - 1 in ends and s - 1 not in saved]
-    row = {"step": statistics.median(timed), "rss": rss, "snap_bytes": du(out / f"checkpoint-{a}"), "snap_s": saved[a] - ends[a]}
+    step = step_time({s: t for (what, s), (t, _) in said.items() if what == "STEP"}, args.warmup, a)
+    row = {"step": step, "rss": rss, "snap_bytes": du(out / f"checkpoint-{a}"), "snap_s": said["SAVED", a][1] - said["STEP", a][1]}
     shutil.rmtree(out, ignore_errors=True)
     return row
 
