@@ -20,10 +20,11 @@ with fp32 masters; TRL: Hugging Face's bf16=True, fp32 weights with bf16 autocas
                 the stage digests (timing_s/stages, partly inside the update) + the journal commit
                 (timing_s/commit), medians over the timed steps (goal <= 1% from 135m up)
   snap MiB, s   snapshot bytes and a synchronous snapshot's write time (verlj: the snapshot of the state
-                after step a, written again in a separate process: write + fsync + publish; TRL: its
+                after step a, written again --repeats times in a separate process, the median of write + fsync +
+                publish; TRL: its
                 checkpoint-a directory and the time from on_step_end to on_save of that step)
   blocked       verlj, trainer.async_save=true: the time save() held the loop (state copied to host memory)
-                over the whole async snapshot's write time (goal <= 10%)
+                over the whole async snapshot's write time, medians of --repeats (goal <= 10%)
   recover       `verlj replay RUN --to-step a+k` (load the snapshot at a, replay k journaled steps) over
                 `verlj rerun RUN --steps a+1:a+k` (load the same snapshot, run the k steps again:
                 generation, reward, update), both launch to exit (goal <= 0.5x)
@@ -134,7 +135,7 @@ def verlj_arm(root: Path, model: Path, dtype: str, args) -> dict:
     exact = statistics.median(sum(r.get(k, 0.0) for k in EXACT) for r in timed)
     commit = statistics.median(r["timing_s/commit"] for r in timed)
     step = step_time({int(m.group(1)): t for t, line in lines if (m := re.search(r"\[INFO\] Step (\d+): ", line))}, args.warmup, a)
-    probe = subprocess.run([sys.executable, __file__, "--snapshot-probe", str(run), str(a)], capture_output=True, text=True, cwd=REPO,
+    probe = subprocess.run([sys.executable, __file__, "--snapshot-probe", str(run), str(a), "--repeats", str(args.repeats)], capture_output=True, text=True, cwd=REPO,
                            env={**os.environ, **ENV})
     if probe.returncode != 0:
         raise SystemExit(f"the snapshot probe of {run} exited {probe.returncode}:\n{probe.stderr[-3000:]}")
@@ -163,10 +164,10 @@ class Silent:
         pass
 
 
-def snapshot_probe(run: Path, step: int) -> dict:
+def snapshot_probe(run: Path, step: int, repeats: int) -> dict:
     """In this process: the run's state restored from its snapshot at `step` (Adam's moments included), then
-    written again into a scratch run, synchronously (its bytes and write time) and with trainer.async_save
-    (the time save() holds the loop, and the time until the write is published)."""
+    written again into a scratch run `repeats` times each, synchronously (its bytes and write time) and with
+    trainer.async_save (the time save() holds the loop, and the time until the write is published): medians."""
     import copy
 
     from verlj.engine.config import config_from_dict
@@ -186,20 +187,24 @@ def snapshot_probe(run: Path, step: int) -> dict:
     scratch = run.parent / f"{run.name}-snaps"
     scratch.mkdir()
     ledger = Ledger(Journal.open_writer(scratch / "journal"))
+    times: dict[str, list[float]] = {"sync_s": [], "async_s": [], "blocked_s": []}
     out: dict = {}
-    for async_save in (False, True):
-        c = copy.deepcopy(cfg)
-        c.trainer.async_save, c.trainer.save_total_limit = async_save, 0
-        trainer.set_config(c)  # the checkpointer reads the trainer's config
-        ckpt = make_run(scratch, rt, trainer, Silent(), ledger).ckpt
-        t = time.perf_counter()
-        ckpt.save(step + int(async_save), "bench")
-        ckpt.wait()
-        out["async_s" if async_save else "sync_s"] = time.perf_counter() - t
-        if async_save:
-            out["blocked_s"] = ckpt.blocked_s
-        else:
-            out["bytes"] = du(scratch / f"step_{step:05d}")
+    for i in range(repeats):  # alternating, medians: one write of each says little on a busy machine
+        for async_save in (False, True):
+            c = copy.deepcopy(cfg)
+            c.trainer.async_save, c.trainer.save_total_limit = async_save, 0
+            trainer.set_config(c)  # the checkpointer reads the trainer's config
+            ckpt = make_run(scratch, rt, trainer, Silent(), ledger).ckpt
+            at = step + 2 * i + int(async_save)
+            t = time.perf_counter()
+            ckpt.save(at, "bench")
+            ckpt.wait()
+            times["async_s" if async_save else "sync_s"].append(time.perf_counter() - t)
+            if async_save:
+                times["blocked_s"].append(ckpt.blocked_s)
+            out.setdefault("bytes", du(scratch / f"step_{at:05d}"))
+            shutil.rmtree(scratch / f"step_{at:05d}")  # the 500m rung's are 6 GiB each
+    out.update({k: statistics.median(v) for k, v in times.items()})
     ledger.close()
     journal.close()
     trainer.close()
@@ -270,18 +275,19 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8, help="steps timed, after --warmup")
     ap.add_argument("--warmup", type=int, default=2, help="untimed first steps")
     ap.add_argument("--k", type=int, default=4, help="steps replayed (and run again) after the snapshot")
+    ap.add_argument("--repeats", type=int, default=3, help="verlj's snapshot, sync and async, written this many times each (medians)")
     ap.add_argument("--arms", default="verlj,trl", help="verlj, or verlj,trl")
     ap.add_argument("--trl-python", default=sys.executable, help="an interpreter that imports trl and verlj")
     ap.add_argument("--snapshot-probe", nargs=2, metavar=("RUN", "STEP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.snapshot_probe:
-        print(json.dumps(snapshot_probe(Path(args.snapshot_probe[0]), int(args.snapshot_probe[1]))))
+        print(json.dumps(snapshot_probe(Path(args.snapshot_probe[0]), int(args.snapshot_probe[1]), args.repeats)))
         return 0
     rungs, dtypes, arms = args.rungs.split(","), args.dtype.split(","), args.arms.split(",")
     if bad := [r for r in rungs if r not in RUNGS] + [d for d in dtypes if d not in ("fp32", "bf16")] + [a for a in arms if a not in ("verlj", "trl")]:
         ap.error(f"{', '.join(bad)}: not a rung ({', '.join(RUNGS)}), dtype (fp32, bf16) or arm (verlj, trl)")
-    if min(args.steps, args.k) < 1 or args.warmup < 0:
-        ap.error("--steps and --k: at least 1; --warmup: at least 0")
+    if min(args.steps, args.k, args.repeats) < 1 or args.warmup < 0:
+        ap.error("--steps, --k and --repeats: at least 1; --warmup: at least 0")
     version = trl_version(args.trl_python) if "trl" in arms else None
     if "trl" in arms and version is None:
         print(f"trl arm skipped: TRL (or verlj, for the reward) cannot be imported by {args.trl_python} (--trl-python)", flush=True)
