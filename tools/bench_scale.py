@@ -31,11 +31,12 @@ with fp32 masters; TRL: Hugging Face's bf16=True, fp32 weights with bf16 autocas
   journal KiB   the journal's bytes (journal/*.mdb) per step
 and the ratios verlj/TRL of step time and peak RSS (goals <= 1). verlj trains a = max(--k, --warmup + --steps)
 + 1 steps with one snapshot at a, then k more steps, and one more (the final snapshot, past a+k): the steps
-timed are those after --warmup. TRL trains as many with a checkpoint at a.
+timed are those after --warmup. TRL trains a steps, its checkpoint at a.
 
 Load: the arms and rungs run one after another, each using one core; nothing else should run meanwhile
-(the 135m and 500m rungs need an idle machine with about 16 GiB of memory for 500m). Times are wall-clock,
-meaningful side by side as ratios. `--rungs tiny --arms verlj` is a smoke of the tool, not a figure.
+(the 135m and 500m rungs need an idle machine; 500m about 24 GiB of memory: at 20m verlj's process held
+about 40 bytes a parameter, TRL's about 21). Times are wall-clock, meaningful side by side as ratios.
+`--rungs tiny --arms verlj` is a smoke of the tool, not a figure; the test suite does not run it.
 """
 
 from __future__ import annotations
