@@ -236,13 +236,14 @@ def fleet_arm(root: Path, args, times: list[float]) -> dict | str:
 # ----------------------------------------------------------------------------- TRL
 
 TRL_SCRIPT = textwrap.dedent('''
-    import json, sys
+    import json, sys, time
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     model_dir, out, steps, save_steps, resume, lr = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] or None, float(sys.argv[6])
+    bf16 = sys.argv[7:8] == ["bf16"]  # Hugging Face's bf16: fp32 weights and masters, bf16 autocast (tools/bench_scale.py)
     prompts, n, response = {PROMPTS}, {N}, {RESPONSE}
     torch.set_num_threads(1)
     rows = json.load(open(model_dir + "/rows.json"))
@@ -251,14 +252,17 @@ TRL_SCRIPT = textwrap.dedent('''
     def reward(prompts, completions, answer, **kw):
         return [counted_add(p, c, a) for p, c, a in zip(prompts, completions, answer)]
 
-    class Say(TrainerCallback):
+    class Say(TrainerCallback):  # each line with time.perf_counter() (tools/bench_scale.py: step and save times)
         def on_step_end(self, args, state, control, **kw):
-            print(f"TRL STEP {{state.global_step}}", flush=True)
+            print(f"TRL STEP {{state.global_step}} {{time.perf_counter()}}", flush=True)
+
+        def on_save(self, args, state, control, **kw):
+            print(f"TRL SAVED {{state.global_step}} {{time.perf_counter()}}", flush=True)
 
     args = GRPOConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=prompts * n, num_generations=n,
                       max_completion_length=response, learning_rate=lr, beta=0.0, save_strategy="steps",
                       save_steps=save_steps, logging_steps=1, report_to="none", use_cpu=True, seed=1,
-                      dataloader_num_workers=0, disable_tqdm=True)
+                      dataloader_num_workers=0, disable_tqdm=True, bf16=bf16)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_dir)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
@@ -271,7 +275,6 @@ TRL_SCRIPT = textwrap.dedent('''
 def trl_model_dir(root: Path) -> Path:
     """The verlj arm's initial tiny Llama and tokenizer as a Hugging Face directory, and its prompts."""
     from verlj.engine.config import make_config
-    from verlj.engine.rl.data import load_data
     from verlj.engine.rl.models import BUILTIN_TINY, load_causal_lm, load_tokenizer
 
     cfg = make_config(None, MODEL)
@@ -280,9 +283,16 @@ def trl_model_dir(root: Path) -> Path:
     tok = load_tokenizer(BUILTIN_TINY, cfg=cfg)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    write_rows(out, cfg)
+    return out
+
+
+def write_rows(out: Path, cfg) -> None:
+    """The run's training prompts and answers as `out`/rows.json, the TRL script's dataset."""
+    from verlj.engine.rl.data import load_data
+
     rows = [{"prompt": e.prompt, "answer": e.answer} for e in load_data(cfg.data, cfg.trainer.seed).train]
     (out / "rows.json").write_text(json.dumps(rows))
-    return out
 
 
 def trl_checkpoint(out: Path) -> str:
