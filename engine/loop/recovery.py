@@ -33,6 +33,7 @@ from ..state.topology import Topology
 from . import archive
 from .context import Run
 from .ledger import Ledger
+from .provenance import produced_on
 from .reader import StepReader
 from .records import History, Rebased, TopologyChange
 from .snapshot_store import SnapshotStore, check_against_journal
@@ -418,7 +419,7 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
         ledger = run.main_ledger()
         if topology is not None:
             ledger.record_topology_change(topology.from_step, topology.topology, topology.details())
-        moved = ledger.record_resume(last, step0, changed, rt.world_size, resume_from=spec, config=cfg.to_stored(), hardware=hardware())
+        moved = ledger.record_resume(last, step0, changed, rt.world_size, produced_on(cfg.to_stored()), resume_from=spec)
         if moved:
             reporter.warn(f"library versions changed since this run last started: {', '.join(moved)} (recorded in its lineage)")
         if changed:

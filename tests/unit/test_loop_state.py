@@ -14,6 +14,7 @@ from verlj.engine.config import make_config
 from verlj.engine.errors import ReplayError, SnapshotError
 from verlj.engine.loop.ledger import ArchiveEntry, Ledger
 from verlj.engine.loop.policy import CheckpointSchedule
+from verlj.engine.loop.provenance import versions
 from verlj.engine.loop.records import Rebased, TopologyChange
 from verlj.engine.loop.recovery import choose_snapshot, resolve_explicit
 from verlj.engine.loop.retention import apply as apply_retention
@@ -83,11 +84,11 @@ def test_history_is_what_was_in_force_at_each_step(run):
 
 def test_a_resume_records_its_own_choice_and_the_versions_that_moved(run):
     _run_dir, ledger = run
-    moved = ledger.record_resume(6, 4, ["trainer.total_steps"], 1, resume_from="4")
+    moved = ledger.record_resume(6, 4, ["trainer.total_steps"], 1, versions(), resume_from="4")
     assert moved and all(m.startswith("torch 1 → ") for m in moved[:1])
     entry = ledger.lineage_entries()[-1]
     assert entry.resume_from == "4" and entry.versions_changed == moved
-    assert ledger.record_resume(6, 6, [], 1) == []  # compared with the last start: nothing moved since
+    assert ledger.record_resume(6, 6, [], 1, versions()) == []  # compared with the last start: nothing moved since
     assert ledger.lineage_entries()[-1].resume_from is None and "resume_from" not in ledger.lineage_entries()[-1].to_dict()
     assert ledger.config_at(6)["trainer"]["resume_from"] is None
 
@@ -96,7 +97,7 @@ def test_the_ledgers_records_store_the_maps_of_the_previous_release(run):
     """The typed records write the journal meta the previous release wrote, key for key and in order
     (its journals read back through them; tests/fixtures/v0 holds such journals)."""
     run_dir, ledger = run
-    ledger.record_resume(6, 4, ["trainer.total_steps"], 1, resume_from="4")
+    ledger.record_resume(6, 4, ["trainer.total_steps"], 1, versions(), resume_from="4")
     cfg = make_config(None, ["trainer.total_steps=8"]).to_stored()
     ledger.record_config_change(7, cfg)
     one, two = {"world_size": 1, "tensor_parallel_size": 1, "zero_stage": 0}, {"world_size": 2, "tensor_parallel_size": 1, "zero_stage": 0}
