@@ -161,6 +161,21 @@ def test_metrics_and_fingerprints_come_from_the_summaries(run):
 # ----------------------------------------------------------------------------- the snapshot store
 
 
+def test_latest_as_a_directory_after_a_copy_that_follows_links_is_replaced_by_the_link(run):
+    """`cp -rL` of a run turns `latest` (and a `.latest.tmp` a kill left) into copies of a snapshot:
+    the next publish still points `latest` at the newest snapshot, and the snapshots stay whole."""
+    run_dir, ledger = run
+    snapshot(run_dir, ledger, 2)
+    for name in ("latest", ".latest.tmp"):
+        link = run_dir / name
+        if link.is_symlink():
+            link.unlink()
+        shutil.copytree(run_dir / "step_00002", link)
+    snapshot(run_dir, ledger, 4)
+    assert os.readlink(run_dir / "latest") == "step_00004" and not (run_dir / ".latest.tmp").exists()
+    assert sorted(ledger.snapshot_index()) == [2, 4] and (run_dir / "step_00002" / "weights.bin").read_bytes() == bytes([2]) * 64
+
+
 def test_rotation_keeps_the_newest_and_latest_follows(run):
     run_dir, ledger = run
     for s in (2, 4, 6):
