@@ -51,6 +51,7 @@ from .records import (
     TopologyChange,
     TrainMetadata,
     config_in_force,
+    versions_in_force_at,
 )
 
 # meta keys, named here only
@@ -438,7 +439,7 @@ class Ledger:
                  "zero_stage": first.get("distributed", {}).get("zero_stage", 0)}  # read as stored: inspect reads it anywhere
         return History(base_step=self.base_step(), last_step=self.last_step(), pruned_through=self.pruned_through(),
                        first_config=first, config_changes=self.config_history(), topology_start=start,
-                       topology_changes=self.topology_changes())
+                       topology_changes=self.topology_changes(), produced_on=self.produced_on())
 
     def record_topology_change(self, from_step: int, topology: dict, details: dict) -> None:
         """A TopologyChange: `details` is TopologyChange.details() (how the resume got there)."""
@@ -468,13 +469,13 @@ class Ledger:
         self.journal.set_meta(_LINEAGE, [*(self.journal.get_meta(_LINEAGE) or []), entry.to_dict()])
         return moved
 
+    def produced_on(self) -> list:
+        """[after_step, versions] of the run's start (-1) and of each start or resume since (History.produced_on)."""
+        return [[-1, self.get(_VERSIONS) or {}], *([e.at_step, e.versions] for e in self.lineage_entries() if e.versions)]
+
     def versions_at(self, step: int) -> dict[str, str]:
         """The versions (and hardware) in force when `step` was trained: those of the last start or resume before it."""
-        found = self.get(_VERSIONS) or {}
-        for entry in self.lineage_entries():
-            if entry.at_step < step and entry.versions:
-                found = entry.versions
-        return found
+        return versions_in_force_at(self.produced_on(), step)
 
     def versions_in_force(self) -> dict[str, str]:
         """The library versions of the run's latest start or resume (its identity's, before any resume recorded them)."""
