@@ -42,8 +42,8 @@ def test_every_rank_names_the_hardware_from_the_history_it_was_sent():
     """The divergence's cause is read from the run's History (sent to every rank), not from rank 0's
     ledger: a rank without a journal says the same first sentence."""
     from verlj.engine.errors import HardwareDivergence
-    from verlj.engine.loop.recovery import _diverged
     from verlj.engine.loop.records import History
+    from verlj.engine.loop.recovery import _diverged
 
     here = hardware()
     other = {**here, "cpu kernels": "AVX512" if here["cpu kernels"] != "AVX512" else "AVX2"}
