@@ -33,7 +33,6 @@ from ..errors import ConfigError, RunError
 from ..report import Reporter
 from ..schema.events import Control, ControlKind
 from ..schema.sample import GroupInFlight
-from ..state.hardware import hardware
 from . import whatif
 from .context import Run
 from .ledger import (
@@ -52,9 +51,9 @@ from .ledger import (
     run_state,
     shipped_config,
     stage_local_journal,
-    versions,
     writer_refusal,
 )
+from .provenance import produced_on
 
 if TYPE_CHECKING:  # torch and DeepSpeed load only once the config is known good: bad input fails fast
     from ..dist import Runtime
@@ -513,7 +512,7 @@ def run_identity(run: Run) -> dict:
         "config": cfg.to_stored(),
         "config_hash": cfg.hash(),
         "seed": cfg.trainer.seed,
-        "versions": {**versions(cfg.to_stored()), **hardware()},
+        "versions": produced_on(cfg.to_stored()),
         "world_size": rt.world_size,
         "tensor_parallel_size": rt.tp_size,
         "num_threads": cfg.trainer.num_threads,

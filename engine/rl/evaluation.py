@@ -4,47 +4,29 @@ Live steps only (it generates); replay reads the journaled ``eval`` event back.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from ..config import Config
-from ..dist import Runtime
 from ..schema import events as ev
 from ..schema.sample import EnvEnd
 from ..state.seeding import derive_seed
+from .core import Core
 from .data import Dataset
 from .envs import EnvFactory, row_of
 from .episodes import Limits, Round
 from .rewards import scored_or_faults
 from .sampler import sample_seeded, sampling_params
-from .scoring import Scorer
-from .workers import ActorWorker
 
 
-class Evaluated(Protocol):
+class Evaluated(Core, Protocol):
     """What the eval reads of the trainer (rl.trainer conforms)."""
-
-    @property
-    def cfg(self) -> Config: ...
-
-    @property
-    def rt(self) -> Runtime: ...
-
-    @property
-    def actor(self) -> ActorWorker: ...
-
-    @property
-    def tokenizer(self) -> Any: ...
 
     @property
     def data(self) -> Dataset: ...
 
     @property
     def held_out_ids(self) -> list[np.ndarray]: ...
-
-    @property
-    def scorer(self) -> Scorer: ...
 
     def envs(self) -> EnvFactory: ...
 

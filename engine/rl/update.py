@@ -17,8 +17,6 @@ import torch
 
 from verlj.journal.failpoints import failpoint
 
-from ..config import Config
-from ..dist import Runtime
 from ..schema import events as ev
 from ..schema.sample import Columns, Sample
 from ..state.fingerprint import state_leaves
@@ -26,35 +24,21 @@ from ..state.seeding import seed_globals
 from ..state.stage_recorder import StageRecorder
 from ..state.stages import combine
 from . import algorithms
-from .scoring import Scorer, needs_reference
+from .core import Core
+from .scoring import needs_reference
 from .sources import StepInputs
-from .workers import ActorWorker, Batch, CriticWorker, collate, shard_batch
+from .workers import Batch, CriticWorker, collate, shard_batch
 
 AllSum = Callable[[torch.Tensor], torch.Tensor] | None  # a sum over the data-parallel ranks (global token means), or none
 
 
-class Trained(Protocol):
+class Trained(Core, Protocol):
     """What `apply` reads of the trainer (rl.trainer conforms)."""
 
     keep_stages: bool
 
     @property
-    def cfg(self) -> Config: ...
-
-    @property
-    def rt(self) -> Runtime: ...
-
-    @property
-    def actor(self) -> ActorWorker: ...
-
-    @property
     def critic(self) -> CriticWorker | None: ...
-
-    @property
-    def tokenizer(self) -> Any: ...
-
-    @property
-    def scorer(self) -> Scorer: ...
 
     def engines(self) -> dict: ...
 
