@@ -157,6 +157,7 @@ def clean_error(out: subprocess.CompletedProcess) -> bool:
 
 
 def _journal():
+    import verlj.engine  # noqa: F401  (declares verlj's event types to the journal)
     from verlj.journal import Journal, verify_journal
 
     return Journal, verify_journal
@@ -249,6 +250,7 @@ BITFLIP = [f"trainer.total_steps={FLIP_STEPS}", "trainer.save_interval=3", "trai
 def bitflip_trial(root: Path, refs: dict[int, Path], rng: random.Random, n: int, counts: Counter) -> Trial:
     """One bit flipped in one step of a clean run; `verlj rerun` over all its steps must name that
     step and stage and reproduce every other step it re-executes."""
+    import verlj.engine  # noqa: F401  (declares verlj's event types to the journal)
     from verlj.journal import open_journal_reader
 
     zero, target = rng.choice([0, 1, 2, 3]), ("params", "grads")[n % 2]  # as many of each

@@ -13,7 +13,7 @@ import pytest
 
 from verlj.engine.schema import events as ev
 from verlj.engine.schema.sample import FIELDS, Sample, pack, unpack
-from verlj.journal import EVENT_VERSIONS, open_journal_reader, packb
+from verlj.journal import declared, open_journal_reader, packb
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "v0"  # journals written by the release before the typed schema
@@ -21,7 +21,7 @@ RUNS = ("sync", "stepo", "compl")  # sync (with eval), async step order (PPO), a
 
 
 def test_every_journal_event_type_has_its_class():
-    assert set(ev.EVENT_TYPES) == set(EVENT_VERSIONS)
+    assert set(ev.EVENT_TYPES) == set(declared())
 
 
 @pytest.mark.parametrize("run", RUNS)
