@@ -185,7 +185,9 @@ class StepRecord:
         return event["values"] if event is not None else {}
 
     @property
-    def fingerprint(self) -> str | None:
+    def state_fingerprint(self) -> str | None:
+        """The state fingerprint the step journaled (its `state` event's): a digest of the trained state,
+        which replay must reproduce. Not the record's own hash (its frame's checksum and chain, `frames`)."""
         event = self.first("state")
         return event["fingerprint"] if event is not None else None
 

@@ -512,7 +512,8 @@ class StepEvents:
         return self.metrics.values if self.metrics is not None else {}
 
     @property
-    def fingerprint(self) -> str | None:
+    def state_fingerprint(self) -> str | None:
+        """The state fingerprint journaled after the step's update (its `state` event), or None."""
         return self.state.fingerprint if self.state is not None else None
 
     def require_inputs(self) -> tuple[Data, Rng, Added, Consumed]:

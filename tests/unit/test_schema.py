@@ -34,7 +34,7 @@ def test_old_journal_round_trips_through_the_types(run, tmp_path):
     with open_journal_reader(tmp_path / run / "journal") as j:
         for record in j.iter_steps():
             step = ev.StepEvents.of(record)
-            assert step.step == record.step and step.fingerprint == record.fingerprint
+            assert step.step == record.step and step.state_fingerprint == record.state_fingerprint
             for e in record.events:
                 typed = ev.EVENT_TYPES[e["type"]].from_event(e)
                 assert packb(typed.to_event()) == packb(e), (record.step, e["type"])
