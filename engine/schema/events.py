@@ -460,6 +460,13 @@ class Eval(Event):
         return cls(_ids(e["rows"]), np.asarray(e["scores"], np.float64), np.asarray(e["response_ids"]), _ids(e["response_len"]), **episode)
 
 
+# The StepEvents field each declared type is read into: a type held once a step, or (STEP_MANY) repeated.
+STEP_FIELDS = {"data": "data", "rollout": "rollout", "rng": "rng", "buffer.add": "added", "buffer.consume": "consumed",
+               "buffer.plan": "plan", "buffer.request": "requests", "metrics": "metrics", "state": "state", "stages": "stages",
+               "eval": "eval"}
+STEP_MANY = {"buffer.drop": "drops", "control": "controls", "config": "configs"}
+
+
 @dataclass(frozen=True)
 class StepEvents:
     """A step record read as types. Absent events are None (or empty); a step has each type at most
@@ -486,18 +493,14 @@ class StepEvents:
     @classmethod
     def of(cls, record: StepRecord) -> StepEvents:
         single: dict[str, Any] = {}
-        many: dict[str, list] = {"drops": [], "controls": [], "configs": []}
-        names = {"data": "data", "rollout": "rollout", "rng": "rng", "buffer.add": "added", "buffer.consume": "consumed",
-                 "buffer.plan": "plan", "buffer.request": "requests", "metrics": "metrics", "state": "state", "stages": "stages",
-                 "eval": "eval"}
-        plural = {"buffer.drop": "drops", "control": "controls", "config": "configs"}
+        many: dict[str, list] = {name: [] for name in STEP_MANY.values()}
         for e in record.events:
             kind = e["type"]  # the envelope's own key (verlj.journal.events)
             typed = EVENT_TYPES[kind].from_event(e)
-            if kind in plural:
-                many[plural[kind]].append(typed)
-            elif names[kind] not in single:
-                single[names[kind]] = typed
+            if kind in STEP_MANY:
+                many[STEP_MANY[kind]].append(typed)
+            elif STEP_FIELDS[kind] not in single:
+                single[STEP_FIELDS[kind]] = typed
         for k, v in many.items():
             single[k] = tuple(v)
         return cls(record.step, record.time, record.pruned, **single)

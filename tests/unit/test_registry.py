@@ -8,7 +8,7 @@ was made with an older release's journal)."""
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar
 
@@ -35,6 +35,9 @@ def test_each_event_type_is_declared_once_by_its_class():
         assert (spec.summary, spec.payload) == (cls.SUMMARY, cls.PAYLOAD)
         assert {"TYPE", "VERSION", "UPCASTERS"} <= set(vars(cls)), cls  # its own, not inherited
         assert make_event(type_)["v"] == cls.VERSION
+    # every declared type is read into a field of StepEvents, once or repeated
+    assert set(ev.STEP_FIELDS) | set(ev.STEP_MANY) == set(declared()) and not set(ev.STEP_FIELDS) & set(ev.STEP_MANY)
+    assert set(ev.STEP_FIELDS.values()) | set(ev.STEP_MANY.values()) <= {f.name for f in fields(ev.StepEvents)}
     # what the store keeps apart and in the summary, as it always was (a journal's bytes depend on it)
     assert {t for t, s in declared().items() if s.summary} == {"data", "rng", "rollout", "metrics", "state", "control", "config"}
     assert {t: s.payload for t, s in declared().items() if s.payload} == {"buffer.add": ("samples",)}
