@@ -65,6 +65,7 @@ def test_a_new_event_type_declares_itself_and_round_trips(tmp_path, monkeypatch)
     """What a new event (the agent gateway's, say) needs: a frozen dataclass, its TYPE, VERSION and UPCASTERS,
     and @declared. Its v1 journal reads back as v2 through the upcaster declared beside its fields."""
     monkeypatch.setattr(registry, "_DECLARED", dict(registry._DECLARED))
+    monkeypatch.setattr(registry, "_SUMMARY", registry._SUMMARY)
     monkeypatch.setattr(ev, "EVENT_TYPES", dict(ev.EVENT_TYPES))
 
     @ev.declared
