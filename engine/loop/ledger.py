@@ -562,12 +562,12 @@ class Ledger:
 
     def fingerprints(self, start: int | None = None, stop: int | None = None) -> dict[int, str]:
         """step -> the fingerprint journaled after it (from the summaries: no samples decoded)."""
-        return {summary.step: summary.fingerprint for summary in self.journal.iter_summaries(start, stop)
-                if summary.fingerprint is not None}
+        return {summary.step: summary.state_fingerprint for summary in self.journal.iter_summaries(start, stop)
+                if summary.state_fingerprint is not None}
 
     def fingerprint_at(self, step: int) -> str | None:
         summary = self.journal.read_summary(step)
-        return None if summary is None else summary.fingerprint
+        return None if summary is None else summary.state_fingerprint
 
     # ------------------------------------------------------------------ the human-readable mirror
 

@@ -155,7 +155,7 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
         f"Dataflow anchor restored: dataloader at batch_idx={run.trainer.sampler.cursor}, "
         f"buffer has {len(run.trainer.buffer)} pending samples."
     )
-    fp, _ = run.trainer.fingerprint()
+    fp, _ = run.trainer.state_fingerprint()
     if ckpt.resharded is None and fp != meta.fingerprint:
         raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {str(meta.fingerprint)[:16]}…")
     ckpt.loaded_fingerprint = fp
@@ -289,7 +289,7 @@ def _check_exact(run: Run, history: History, step: int, record: StepRecord, outc
         if stage is not None:
             raise _diverged(history, step, f"its {stage} differ from the journal's "
                                        f"(`verlj rerun {run.run_dir} --steps {step}:{step}` says more)")
-    want = record.fingerprint
+    want = record.state_fingerprint
     if outcome.fingerprint != want:
         raise _diverged(history, step, f"fingerprint {outcome.fingerprint[:16]}… but the journal has {str(want)[:16]}…")
     if mine is not None:
@@ -368,7 +368,7 @@ def _topology_boundary(run: Run, history: History, step0: int, last: int, out: R
     before = history.topology_at(last)
     if out.exact and here == before:
         return None
-    fp, _ = run.trainer.fingerprint()
+    fp, _ = run.trainer.state_fingerprint()
     resharded = run.ckpt.resharded.to_dict() if run.ckpt.resharded is not None else None
     return TopologyChange(last + 1, here, before, step0, resharded, [step0 + 1, last] if step0 < last else None, TOLERANCE,
                           out.tolerant_steps, out.worst, Rebased(last, fp))

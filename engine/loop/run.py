@@ -460,7 +460,7 @@ def start_child(replayed, parent: Path, new_run: Path, cfg: Config, counterfactu
 
     rt, trainer, step = replayed.run.rt, replayed.run.trainer, replayed.step
     # the base snapshot holds the state under the new config (an optimizer's lr is part of its state)
-    base_fp, _ = trainer.fingerprint()
+    base_fp, _ = trainer.state_fingerprint()
     ledger: Ledger | None = None
     notes: list[str] = []
     if rt.is_main:

@@ -452,7 +452,7 @@ class StepDetail:
                               ev.consumed.ids.tolist() if ev.consumed else []),
             samples=tuple(samples), samples_note=note, metrics=ev.values,
             probe_metrics=derived.values(run_dir).get(ev.step, {}), probes=derived.probes(run_dir),
-            fingerprint=ev.fingerprint, control=(*ev.controls, *ev.configs),
+            fingerprint=ev.state_fingerprint, control=(*ev.controls, *ev.configs),
             eval=EvalLine.of(ev.eval, decoder) if ev.eval is not None else None,
         )
 

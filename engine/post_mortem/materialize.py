@@ -90,7 +90,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
         step0, out = materialize_steps(run, to_step, max_snapshot=max_snapshot)
         fp = out.fingerprint
         if fp is None:
-            fp, _ = run.trainer.fingerprint()
+            fp, _ = run.trainer.state_fingerprint()
     finally:
         ledger.close()
         if run is not None:

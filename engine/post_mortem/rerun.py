@@ -218,7 +218,7 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
 
         def observe(step, record, outcome) -> bool:
             ev = StepEvents.of(record)
-            seen[step] = Observed(ev.stages, Stages.from_event(outcome.stages), ev.fingerprint, outcome.fingerprint, outcome.kept)
+            seen[step] = Observed(ev.stages, Stages.from_event(outcome.stages), ev.state_fingerprint, outcome.fingerprint, outcome.kept)
             return True
 
         def pre(step, inputs, samples) -> None:

@@ -27,7 +27,7 @@ from ..config import Config, ConfigError
 from ..dist import Runtime
 from ..errors import ModelError, ReplayError
 from ..schema.sample import Sample
-from ..state.fingerprint import fingerprint as state_fingerprint
+from ..state.fingerprint import state_fingerprint
 from ..state.seeding import derive_seed
 from ..state.stateful import check_version
 from . import evaluation, lora, update
@@ -187,7 +187,7 @@ class Trainer:
     def engines(self) -> dict:
         return {"actor": self.actor.engine, **({"critic": self.critic.engine} if self.critic is not None else {})}
 
-    def fingerprint(self) -> tuple[str, dict[str, str]]:
+    def state_fingerprint(self) -> tuple[str, dict[str, str]]:
         """The fingerprint of the trained state now (every engine's, of trainer.state_digest's kind)
         and its parts by engine. Collective."""
         return state_fingerprint(self.engines(), self.rt, self.cfg.trainer.state_digest)

@@ -42,7 +42,7 @@ class Trained(Core, Protocol):
 
     def engines(self) -> dict: ...
 
-    def fingerprint(self) -> tuple[str, dict[str, str]]: ...
+    def state_fingerprint(self) -> tuple[str, dict[str, str]]: ...
 
     def weights_changed(self) -> None: ...
 
@@ -237,7 +237,7 @@ def _outcome(tr: Trained, book: StepBook) -> StepOutcome:
     """The step's outcome: its metrics and timings, the fingerprint of the state after it, and the
     stage digests of every rank combined (with the state's parts). Collective."""
     with book.timed("timing_s/fingerprint"):
-        fp, parts = tr.fingerprint()
+        fp, parts = tr.state_fingerprint()
     if tr.keep_stages:
         for role, engine in tr.engines().items():
             for path, leaf in state_leaves(engine):

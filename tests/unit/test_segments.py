@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import verlj.engine  # noqa: F401  (declares verlj's event types to the journal: these tests write them)
 from verlj.journal import Journal, JournalError, make_event, open_journal_reader, segments, shipper, verify_journal
 
 
