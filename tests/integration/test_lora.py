@@ -1,6 +1,7 @@
 """LoRA runs (model.actor.lora_rank > 0): SIGKILLed after a commit and resumed bit-identical to an
-uninterrupted run at ZeRO 0 to 3, a snapshot holding the adapters and their optimizer state only,
-a changed base refused on resume, and both exports (merged, adapter) loading with the trained logits."""
+uninterrupted run at ZeRO 0 to 3 and with vLLM generating, a snapshot holding the adapters and their
+optimizer state only, vLLM holding the merged weights bit for bit, a changed base refused on resume,
+and both exports (merged, adapter) loading with the trained logits."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from test_hardening import flip, one_line_error, tree
 
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.state.safe_load import load_weights_only
+from verlj.journal import open_journal_reader
 from verlj_testing import TINY, assert_same_journal, fingerprints, train, verlj
 
 pytestmark = pytest.mark.slow
@@ -17,9 +19,11 @@ pytestmark = pytest.mark.slow
 LORA = ["model.actor.lora_rank=4", "model.actor.lora_alpha=8", "trainer.total_steps=5", "trainer.save_interval=2"]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_lora_killed_and_resumed_is_bit_identical(tmp_path, stage):
-    over = [*LORA, f"distributed.zero_stage={stage}"]
+@pytest.mark.parametrize("stage, engine", [(0, "hf"), (1, "hf"), (2, "hf"), (3, "hf"), (3, "vllm")])
+def test_lora_killed_and_resumed_is_bit_identical(tmp_path, stage, engine):
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    over = [*LORA, f"distributed.zero_stage={stage}", *(["rollout.engine=vllm", "model.tiny.num_heads=2"] if engine == "vllm" else [])]
     ref, run = tmp_path / "ref", tmp_path / "run"
     run_train(ref, None, [*TINY, *over])
     out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:3")
@@ -29,6 +33,8 @@ def test_lora_killed_and_resumed_is_bit_identical(tmp_path, stage):
     assert "Replayed step 3 from the journal" in out.stdout + out.stderr
     assert fingerprints(run) == fingerprints(ref) and len(fingerprints(ref)) == 5
     assert_same_journal(run, ref)
+    with open_journal_reader(run / "journal") as j:
+        assert {e["engine"] for _, e in j.iter_events("rollout")} == {engine}
     actor = run / "step_00004" / "actor"
     (states_file,) = actor.glob("*model_states.pt")  # ZeRO-3 names it zero_pp_rank_0_mp_rank_00_model_states.pt
     states = load_weights_only(states_file)
@@ -96,14 +102,44 @@ def test_changed_base_is_refused_on_resume(tmp_path):
     assert tree(run) == before
 
 
+def _vllm_weights(worker) -> dict[str, torch.Tensor]:
+    """Runs inside vLLM's worker: the model's weights as vLLM computes with them. On CPU vLLM packs each
+    linear layer's weight into its GEMM kernel's layout and empties the parameter; the layer's own GEMM
+    applied to the identity gives it back (one nonzero product per fp32 sum: exact)."""
+    held = {}
+    for name, m in worker.model_runner.get_model().named_modules():
+        w = getattr(m, "weight", None)
+        if w is None:
+            continue
+        if w.numel() == 0 and hasattr(m, "cpu_linear"):
+            eye = torch.eye(m.input_size_per_partition, dtype=w.dtype)
+            w = m.cpu_linear(eye, m.weight, None).t()
+        held[f"{name}.weight"] = w.detach().cpu().clone()
+    return held
+
+
+def _as_vllm_holds(merged: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Hugging Face Llama weights under vLLM's Llama names: q, k, v stacked into qkv_proj, gate and up
+    into gate_up_proj (vLLM's own fused layers), every other weight as it is."""
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    parts: dict[str, list[torch.Tensor]] = {}
+    for name, t in merged:
+        owner, _, leaf = name.rpartition(".")
+        prefix, _, layer = owner.rpartition(".")
+        parts.setdefault(".".join(filter(None, (prefix, fused.get(layer, layer), leaf))), []).append(t)
+    return {n: torch.cat(ts) for n, ts in parts.items()}
+
+
 def test_vllm_generates_from_the_merged_weights():
-    """rollout.engine=vllm: each push is the merged weights, and vLLM's log-probs of its own samples are the
-    adapted actor's (without the push they are another policy's: test_vllm's stale check)."""
+    """rollout.engine=vllm: each push is the merged weights, bit for bit what vLLM then holds, and vLLM's
+    log-probs of its own samples are the adapted actor's (without the push they are another policy's:
+    test_vllm's stale check)."""
     pytest.importorskip("vllm")
     from test_vllm import VLLM, _gap, _steps
 
     from verlj.engine.config import make_config
     from verlj.engine.dist import configure_determinism, setup
+    from verlj.engine.rl import lora
     from verlj.engine.rl.trainer import Trainer
 
     cfg = make_config(None, [*TINY, *VLLM, *LORA])
@@ -113,7 +149,19 @@ def test_vllm_generates_from_the_merged_weights():
     try:
         _steps(tr, 1, 3)
         assert tr.rollout.name == "vllm" and tr.rollout.pushes == 2
+        tr.rollout.sync(tr.cfg)  # step 3's update pushed
+        assert tr.rollout.pushes == 3
+        merged = lora.merged_weights(tr.actor.module)
+        held = tr.rollout.llm.collective_rpc(_vllm_weights)[0]
+        want = _as_vllm_holds(merged)
+        assert sorted(held) == sorted(want)
+        held = {n: t[: len(want[n])] for n, t in held.items()}  # vLLM pads the vocabulary's rows
+        assert all(torch.equal(held[n], want[n]) for n in want)
+        with tr.actor.module.disable_adapter():  # the adapters moved the weights vLLM holds off the base's
+            base = _as_vllm_holds([(n.removeprefix(lora.PREFIX).replace(".base_layer", ""), p.detach())
+                                   for n, p in tr.actor.module.named_parameters() if ".lora_" not in n])
+        assert not all(torch.equal(held[n], base[n]) for n in want)
         gap, _, _ = _gap(tr, [tr.prompt_ids[i] for i in range(8)], list(range(100, 108)))
-        assert tr.rollout.pushes == 3 and gap < 1e-4, gap
+        assert tr.rollout.pushes == 3 and gap < 1e-4, gap  # generate found nothing to push
     finally:
         tr.close()
