@@ -1,7 +1,8 @@
 """LoRA runs (model.actor.lora_rank > 0): SIGKILLed after a commit and resumed bit-identical to an
 uninterrupted run at ZeRO 0 to 3 and with vLLM generating, a snapshot holding the adapters and their
 optimizer state only, vLLM holding the merged weights bit for bit, a changed base refused on resume,
-and both exports (merged, adapter) loading with the trained logits."""
+replay and what-if, both exports (merged, adapter) loading with the trained logits, and a what-if
+re-training the adapters."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from test_hardening import flip, one_line_error, tree
 
 from verlj.engine.loop.run import train as run_train
+from verlj.engine.post_mortem.whatif import whatif
 from verlj.engine.state.safe_load import load_weights_only
 from verlj.journal import open_journal_reader
 from verlj_testing import TINY, assert_same_journal, fingerprints, train, verlj
@@ -50,7 +52,7 @@ def test_lora_killed_and_resumed_is_bit_identical(tmp_path, stage, engine):
         assert all(".lora_" in name for group in states["param_shapes"] for name in group)
 
 
-def test_lora_exports_load_with_the_trained_logits(tmp_path):
+def test_lora_exports_load_with_the_trained_logits_and_whatif_retrains(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -85,21 +87,28 @@ def test_lora_exports_load_with_the_trained_logits(tmp_path):
     finally:
         replayed.run.trainer.close()
     one_line_error(verlj("replay", run, "--to-step", "2", "--export-adapter", merged), 1, "exists and is not empty")
+    # a what-if re-trains the adapters on the run's samples: its own config gives the run's fingerprint, a changed lr another
+    assert whatif(run, 1, 2, tmp_path / "same", []) == (2, 2)
+    assert whatif(run, 1, 2, tmp_path / "lr", ["model.actor.optim.lr=0.003", "algorithm.name=rloo"]) == (2, 2)
+    assert fingerprints(tmp_path / "same")[2] == fingerprints(run)[2] != fingerprints(tmp_path / "lr")[2]
 
 
-def test_changed_base_is_refused_on_resume(tmp_path):
+def test_changed_base_is_refused_on_resume_replay_and_whatif(tmp_path):
     from test_train_cli import save_tiny_hf
 
     save_tiny_hf(tmp_path / "base", "lm")
     run = tmp_path / "run"
     over = [f"model.actor.model_name_or_path={tmp_path / 'base'}", "model.actor.lora_rank=2", "data.max_prompt_length=16"]
-    out = train(run, *over, "trainer.total_steps=1")
+    out = train(run, *over, "trainer.total_steps=2")
     assert out.returncode == 0, out.stderr[-3000:]
     flip(next((tmp_path / "base").glob("*.safetensors")))
     before = tree(run)
-    one_line_error(train(run, *over, "trainer.total_steps=2", resume=True), 1,
-                   "differs from the one this run's LoRA adapters were trained on")
-    assert tree(run) == before
+    changed = "differs from the one this run's LoRA adapters were trained on"
+    one_line_error(train(run, *over, "trainer.total_steps=3", resume=True), 1, changed)
+    # replay, export and what-if start from a snapshot of the adapters alone: refused on another base too
+    one_line_error(verlj("replay", run, "--to-step", "2", "--export", tmp_path / "merged"), 1, changed)
+    one_line_error(verlj("whatif", run, "--from-step", "1", "-o", tmp_path / "w", "model.actor.optim.lr=0.003"), 1, changed)
+    assert tree(run) == before and not (tmp_path / "merged").exists() and not (tmp_path / "w").exists()
 
 
 def _vllm_weights(worker) -> dict[str, torch.Tensor]:

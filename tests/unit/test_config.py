@@ -169,3 +169,15 @@ def test_a_whatif_may_change_the_estimator_among_those_without_a_critic():
         with pytest.raises(ConfigError) as e:
             check_whatif(make_config(None, [f"algorithm.name={a}"]).to_dict(), make_config(None, [f"algorithm.name={b}"]))
         assert str(e.value).startswith(f"algorithm.name cannot change from {a} to {b} in a what-if: ppo trains a critic")
+
+
+def test_a_whatif_keeps_the_lora_adapters_shape():
+    """A what-if re-trains the run's adapters: their rank, scaling and placement make another trained state."""
+    from verlj.engine.config import check_whatif
+
+    old = make_config(None, ["model.actor.lora_rank=4"]).to_dict()
+    assert check_whatif(old, make_config(None, ["model.actor.optim.lr=0.003"], base=old)) == ["model.actor.optim.lr"]
+    for key in ("model.actor.lora_rank=8", "model.actor.lora_alpha=4", "model.actor.lora_rank=0", "model.actor.target_modules=[q_proj]"):
+        with pytest.raises(ConfigError) as e:
+            check_whatif(old, make_config(None, [key], base=old))
+        assert str(e.value).startswith(f"{key.split('=')[0]} cannot change in a what-if") and "\n" not in str(e.value)
