@@ -181,3 +181,17 @@ def test_a_whatif_keeps_the_lora_adapters_shape():
         with pytest.raises(ConfigError) as e:
             check_whatif(old, make_config(None, [key], base=old))
         assert str(e.value).startswith(f"{key.split('=')[0]} cannot change in a what-if") and "\n" not in str(e.value)
+
+
+def test_trls_loss_type_names_are_read_as_the_modes_they_compute():
+    from verlj.engine.config import check_whatif
+
+    want = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
+    for trl, mode in want.items():
+        cfg = make_config(None, [f"algorithm.loss_agg_mode={trl}"])
+        assert cfg.algorithm.loss_agg_mode == mode and cfg.to_dict()["algorithm"]["loss_agg_mode"] == mode  # stored as verl's name
+        assert cfg.hash() == make_config(None, [f"algorithm.loss_agg_mode={mode}"]).hash()
+    old = make_config(None, ["algorithm.loss_agg_mode=seq-mean-token-sum-norm"]).to_dict()
+    assert check_whatif(old, make_config(None, ["algorithm.loss_agg_mode=dr_grpo"], base=old)) == []
+    with pytest.raises(ConfigError, match="algorithm.loss_agg_mode must be one of token-mean, seq-mean-token-sum"):
+        make_config(None, ["algorithm.loss_agg_mode=dr-grpo"])
