@@ -1,8 +1,8 @@
 """LoRA runs (model.actor.lora_rank > 0): SIGKILLed after a commit and resumed bit-identical to an
-uninterrupted run at ZeRO 0 to 3 and with vLLM generating, a snapshot holding the adapters and their
-optimizer state only, vLLM holding the merged weights bit for bit, a changed base refused on resume,
-replay and what-if, both exports (merged, adapter) loading with the trained logits, and a what-if
-re-training the adapters."""
+uninterrupted run at ZeRO 0 to 3, with vLLM generating and in async mode, a snapshot holding the
+adapters and their optimizer state only, vLLM holding the merged weights bit for bit, a changed
+base refused on resume, replay and what-if, both exports (merged, adapter) loading with the trained
+logits, and a what-if re-training the adapters."""
 
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ pytestmark = pytest.mark.slow
 LORA = ["model.actor.lora_rank=4", "model.actor.lora_alpha=8", "trainer.total_steps=5", "trainer.save_interval=2"]
 
 
-@pytest.mark.parametrize("stage, engine", [(0, "hf"), (1, "hf"), (2, "hf"), (3, "hf"), (3, "vllm")])
-def test_lora_killed_and_resumed_is_bit_identical(tmp_path, stage, engine):
-    if engine == "vllm":
+ROLLOUTS = {"hf": [], "vllm": ["rollout.engine=vllm", "model.tiny.num_heads=2"], "async": ["rollout.mode=async"]}  # async: the generator process
+
+
+@pytest.mark.parametrize("stage, rollout", [(0, "hf"), (1, "hf"), (2, "hf"), (3, "hf"), (3, "vllm"), (1, "async")])
+def test_lora_killed_and_resumed_is_bit_identical(tmp_path, stage, rollout):
+    if rollout == "vllm":
         pytest.importorskip("vllm")
-    over = [*LORA, f"distributed.zero_stage={stage}", *(["rollout.engine=vllm", "model.tiny.num_heads=2"] if engine == "vllm" else [])]
+    over = [*LORA, f"distributed.zero_stage={stage}", *ROLLOUTS[rollout]]
     ref, run = tmp_path / "ref", tmp_path / "run"
     run_train(ref, None, [*TINY, *over])
     out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:3")
@@ -36,7 +39,8 @@ def test_lora_killed_and_resumed_is_bit_identical(tmp_path, stage, engine):
     assert fingerprints(run) == fingerprints(ref) and len(fingerprints(ref)) == 5
     assert_same_journal(run, ref)
     with open_journal_reader(run / "journal") as j:
-        assert {e["engine"] for _, e in j.iter_events("rollout")} == {engine}
+        engines = {(e["engine"], e.get("mode", "sync")) for _, e in j.iter_events("rollout")}  # a sync run's names no mode
+    assert engines == {("vllm" if rollout == "vllm" else "hf", "async" if rollout == "async" else "sync")}
     actor = run / "step_00004" / "actor"
     (states_file,) = actor.glob("*model_states.pt")  # ZeRO-3 names it zero_pp_rank_0_mp_rank_00_model_states.pt
     states = load_weights_only(states_file)
