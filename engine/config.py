@@ -106,6 +106,12 @@ class LossAggMode(Choice):
     SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
 
 
+# TRL's GRPOTrainer loss_type names, read as the loss_agg_mode each computes (docs/concepts/algorithms.md)
+TRL_LOSS_TYPES: dict[str, Choice] = {"grpo": LossAggMode.SEQ_MEAN_TOKEN_MEAN, "bnpo": LossAggMode.TOKEN_MEAN,
+                                     "dapo": LossAggMode.TOKEN_MEAN, "dr_grpo": LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM}
+ALIASES: dict[type, dict[str, Choice]] = {LossAggMode: TRL_LOSS_TYPES}  # a Choice's other names, each read as its member
+
+
 class LossMode(Choice):
     VANILLA = "vanilla"
     GSPO = "gspo"
@@ -229,7 +235,8 @@ class AlgorithmConfig:
     # before verlj had this key; their objective changes with the split, so they resume on the same topology)
     loss_normalization: LossNormalization = LossNormalization.GLOBAL_TOKENS
     # how the actor's per-token losses become one (verl's loss_agg_mode): token-mean | seq-mean-token-sum |
-    # seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO: token sums over samples x rollout.max_response_length)
+    # seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO: token sums over samples x rollout.max_response_length);
+    # TRL's loss_type names are read as these: grpo = seq-mean-token-mean, bnpo and dapo = token-mean, dr_grpo = seq-mean-token-sum-norm
     loss_agg_mode: LossAggMode = live(LossAggMode.TOKEN_MEAN)
 
     def validate(self) -> None:
@@ -861,6 +868,8 @@ def _coerce(key: str, tp, value):
             return number
     elif isinstance(tp, type) and issubclass(tp, Choice):  # read as a string; one of its values becomes that member
         text = _coerce(key, str, value)
+        if text in ALIASES.get(tp, {}):
+            return ALIASES[tp][text]
         return tp(text) if text in tp._value2member_map_ else text  # another: validate refuses it, naming the values
     elif tp is str:
         if isinstance(value, bool):  # YAML 1.1 reads off / on as booleans
