@@ -245,3 +245,28 @@ def test_an_async_agent_runs_in_its_own_event_loop(cleanup):
 
     out, *_ = play(agent, n=2, cleanup=cleanup, answers={"hi": "yo"})
     assert [(p.fault, p.reward) for p in out] == [("", None), ("", None)]
+
+
+COMMAND = """
+import json, os, openai
+client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
+row = json.loads(os.environ["VERLJ_ROW"])
+got = client.chat.completions.create(model=os.environ["VERLJ_MODEL"], messages=[{"role": "user", "content": row["prompt"]}])
+print("some log line")
+print(len(got.choices[0].message.content) if row["prompt"] != "row 1" else "None")
+"""
+
+
+def test_a_command_agent_gets_the_gateway_in_its_environment_and_prints_its_reward(cleanup, tmp_path):
+    import sys
+
+    from verlj.engine.rl.gateway.runner import load_agent
+
+    script = tmp_path / "agent.py"
+    script.write_text(COMMAND)
+    out, *_ = play(load_agent(f"cmd:{sys.executable} {script}"), n=2, answers={"row 0": "abc"}, cleanup=cleanup, timeout_s=60)
+    assert [(p.fault, p.reward) for p in out] == [("", 3.0), ("", None)]
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys; sys.exit('no luck')")
+    out, *_ = play(load_agent(f"cmd:{sys.executable} {bad}"), n=1, cleanup=cleanup, timeout_s=60)
+    assert out[0].fault == "the agent raised RuntimeError: command exited 1: no luck"
