@@ -160,6 +160,7 @@ class RunSummary:
     missing: list[dict]
     trend: tuple[TrendPoint, ...]
     probes: list[dict]
+    agents: dict | None = None  # rollout.agent: the gateway's calls over the committed steps (agent_counts)
 
     def to_json(self) -> dict:
         ident = self.identity
@@ -184,7 +185,28 @@ class RunSummary:
             "trend": [_json(t) for t in self.trend],
             "probes": self.probes,
             "counterfactual": ident.counterfactual,
+            "agents": self.agents,
         }
+
+
+AGENT_COUNTS = {"calls_generated": "agent/calls", "prefix_breaks": "agent/prefix_breaks",
+                "malformed_tool_calls": "agent/malformed_tool_calls"}
+
+
+def agent_counts(metrics) -> dict | None:
+    """rollout.agent's counts over a run's steps ((step, metrics) pairs): calls generated and answered from the
+    journal (0 in sync mode: a crashed step's agents run again live), divergences (0: sync mode never replays
+    calls), prefix breaks, malformed tool calls, and the episodes that ended by a fault. None without agents."""
+    out = dict.fromkeys([*AGENT_COUNTS, "calls_from_journal", "divergences", "faults"], 0)
+    seen = False
+    for _, values in metrics:
+        if "agent/calls" not in values:
+            continue
+        seen = True
+        for name, key in AGENT_COUNTS.items():
+            out[name] += int(values.get(key, 0))
+        out["faults"] += int(values.get("rollout/faults", 0))
+    return out if seen else None
 
 
 def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
@@ -211,6 +233,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
                 summ = ledger.journal.read_summary(s)
                 values = StepEvents.of(summ).values if summ else {}
                 trend.append(TrendPoint(s, values.get(REWARD), values.get(PG_LOSS)))
+        agents = agent_counts(ledger.metrics()) if last > base else None
     snaps = []
     names = {p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("step_")} | indexed
     for name in sorted(names):
@@ -220,7 +243,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
         run=str(run_dir), identity=identity, world_size=ranks_now, rollout=rollout, steps_committed=last - base,
         first_step=base + 1 if last > base else None, last_step=last, snapshots=tuple(snaps), lineage=lineage,
         topology=topology, writer=_writer(run_dir), quarantined=quarantined, missing=missing, trend=tuple(trend),
-        probes=derived.probes(run_dir),
+        probes=derived.probes(run_dir), agents=agents,
     )
 
 

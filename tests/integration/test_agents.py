@@ -13,7 +13,7 @@ import pytest
 from verlj.engine.schema.events import DropReason, StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import assert_same_journal, fingerprints, replay_here, train
+from verlj_testing import assert_same_journal, cli, fingerprints, replay_here, train
 
 TESTS = str(Path(__file__).resolve().parents[1])  # agents_for_tests
 AGENT = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:digits", "rollout.max_turns=2", "trainer.total_steps=4",
@@ -53,6 +53,10 @@ def test_an_openai_agent_trains_on_its_rewards_and_every_call_is_journaled(agent
             assert body["object"] == "chat.completion" and body["usage"]["prompt_tokens"] == len(led["calls"][0]["prompt_ids"])
     scores = [s.score for st in steps.values() for s in unpack(st.added.samples)]
     assert len(set(scores)) > 1  # the rewards vary: the update has something to learn from
+    counts = json.loads(cli("inspect", agent_ref, "--json", check=True).stdout)["agents"]
+    breaks = sum(int(st.metrics.values["agent/prefix_breaks"]) for st in steps.values())
+    assert counts == {"calls_generated": 128, "calls_from_journal": 0, "divergences": 0, "prefix_breaks": breaks,
+                      "malformed_tool_calls": 0, "faults": 0}
 
 
 def test_killed_mid_step_then_resumed_is_bit_identical_and_replay_runs_no_agent(tmp_path, agent_ref):

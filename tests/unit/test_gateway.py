@@ -270,3 +270,27 @@ def test_a_command_agent_gets_the_gateway_in_its_environment_and_prints_its_rewa
     bad.write_text("import sys; sys.exit('no luck')")
     out, *_ = play(load_agent(f"cmd:{sys.executable} {bad}"), n=1, cleanup=cleanup, timeout_s=60)
     assert out[0].fault == "the agent raised RuntimeError: command exited 1: no luck"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.agent=nope"], "rollout.agent must be null, module:function or cmd:COMMAND, got 'nope'"),
+    (["rollout.agent=m:f", "rollout.env=builtin:guess"], "rollout.agent and rollout.env are two ways to play episodes"),
+    (["rollout.agent=m:f", "rollout.mode=async"], "rollout.agent runs with rollout.mode=sync for now"),
+    (["rollout.agent=m:f", "rollout.agent_concurrency=0"], "rollout.agent_concurrency must be positive"),
+])
+def test_bad_agent_configs_are_one_line(overrides, message):
+    from verlj.engine.config import ConfigError, make_config
+
+    with pytest.raises(ConfigError) as e:
+        make_config(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_agent_that_cannot_be_imported_is_one_line():
+    from verlj.engine.config import ConfigError
+    from verlj.engine.rl.gateway.runner import load_agent
+
+    with pytest.raises(ConfigError, match=r"rollout.agent: cannot import 'no_such_agent_module:run'"):
+        load_agent("no_such_agent_module:run")
+    with pytest.raises(ConfigError, match="names no command"):
+        load_agent("cmd: ")
