@@ -405,14 +405,17 @@ class EpisodeLine:
     turns: tuple[TurnLine, ...]
     env_end: int
     env_reason: str
+    calls: tuple = ()  # rollout.agent: the episode's model calls (rl.gateway.ledger.call_lines)
 
     @classmethod
     def of(cls, s: Sample, decoder) -> EpisodeLine:
+        from ..rl.gateway.ledger import call_lines
+
         def text(ids):
             return decoder.decode(ids.tolist(), skip_special_tokens=False) if decoder else ids.tolist()
 
         turns = tuple(TurnLine(text(t.action_ids), text(t.observation_ids), None if t.reward != t.reward else t.reward) for t in s.turns())
-        return cls(turns, int(s.env_end), s.env_reason)
+        return cls(turns, int(s.env_end), s.env_reason, tuple(call_lines(s.agent_calls)))
 
     @classmethod
     def of_row(cls, row: dict) -> EpisodeLine:
@@ -420,7 +423,8 @@ class EpisodeLine:
         return _view(cls, {**row, table.TURNS: tuple(_view(TurnLine, t) for t in row[table.TURNS])})
 
     def to_json(self) -> dict:
-        return {"turns": [_json(t) for t in self.turns], "env_end": self.env_end, "env_reason": self.env_reason}
+        out = {"turns": [_json(t) for t in self.turns], "env_end": self.env_end, "env_reason": self.env_reason}
+        return {**out, "calls": list(self.calls)} if self.calls else out
 
 
 @dataclass(frozen=True)
@@ -569,7 +573,12 @@ def render_step(d: StepDetail) -> str:
     for s in d.samples:
         mark = " consumed" if s.id in consumed else (" dropped" if s.id in dropped else "")
         lines.append(f"  {s.id:>6} {s.group:>6} v{s.policy_version:<3} | {s.prompt!s} → {s.response!s} | {s.score:.4g}{mark}")
-        if s.episode is not None:
+        if s.episode is not None and s.episode.calls:  # an agent's episode: call by call
+            for n, c in enumerate(s.episode.calls):
+                tools = f"  tool calls: {', '.join(c['tool_calls'])}" if c["tool_calls"] else ""
+                lines.append(f"         call {n + 1}{'' if c['trained'] else ' (not trained: another segment)'}: {c['sent']!r} → "
+                             f"{c['text']!r} [{c['finish_reason']}]{tools}{'  ' + c['flag'] if c['flag'] else ''}")
+        elif s.episode is not None:
             for t, turn in enumerate(s.episode.turns):
                 lines.append(f"         turn {t + 1}: {turn.action!s} ⇒ {turn.observation!s}" + (f"  reward {turn.reward:.4g}" if turn.reward is not None else ""))
             if s.episode.env_reason:

@@ -53,6 +53,10 @@ def test_an_openai_agent_trains_on_its_rewards_and_every_call_is_journaled(agent
             assert body["object"] == "chat.completion" and body["usage"]["prompt_tokens"] == len(led["calls"][0]["prompt_ids"])
     scores = [s.score for st in steps.values() for s in unpack(st.added.samples)]
     assert len(set(scores)) > 1  # the rewards vary: the update has something to learn from
+    shown = cli("inspect", agent_ref, "--step", "2", check=True).stdout
+    assert shown.count("         call 1") == 16 and shown.count("'user: more' → ") == 16 and "(not trained: another segment)" in shown
+    detail = json.loads(cli("inspect", agent_ref, "--step", "2", "--json", check=True).stdout)
+    assert any(len(s.get("calls", [])) == 2 for s in detail["samples"])
     counts = json.loads(cli("inspect", agent_ref, "--json", check=True).stdout)["agents"]
     breaks = sum(int(st.metrics.values["agent/prefix_breaks"]) for st in steps.values())
     assert counts == {"calls_generated": 128, "calls_from_journal": 0, "divergences": 0, "prefix_breaks": breaks,

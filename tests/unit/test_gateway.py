@@ -294,3 +294,18 @@ def test_an_agent_that_cannot_be_imported_is_one_line():
         load_agent("no_such_agent_module:run")
     with pytest.raises(ConfigError, match="names no command"):
         load_agent("cmd: ")
+
+
+def test_an_sdk_retry_of_a_call_is_answered_with_that_call_never_generated_twice(cleanup):
+    seen = {}
+
+    def agent(ep):
+        h = {"Authorization": f"Bearer {ep.api_key}"}
+        body = {"model": ep.model, "messages": [{"role": "user", "content": "x"}]}
+        first = httpx.post(ep.base_url + "/chat/completions", json=body, headers=h)
+        again = httpx.post(ep.base_url + "/chat/completions", json=body, headers={**h, "x-stainless-retry-count": "1"})
+        seen["same"] = first.content == again.content and first.status_code == 200
+        return 1.0
+
+    out, r, _, batches = play(agent, n=1, cleanup=cleanup)
+    assert seen["same"] and len(out[0].calls) == 1 and len(batches) == 1 and r.counts["agent/calls"] == 1

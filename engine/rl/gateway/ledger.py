@@ -102,3 +102,32 @@ def loads(text: str) -> dict:
         return {}
     d = json.loads(text)
     return {**d, "calls": [Call.from_dict(c) for c in d["calls"]]}
+
+
+def call_lines(text: str) -> list[dict]:
+    """A journaled ledger call by call, for reading (``verlj inspect --step``): the last message sent
+    (``role: content``), the answer's text and tool calls (``name(arguments)``), its finish reason, its
+    flag, and whether the call is in the trained segment. [] for "" (no agent)."""
+    if not text:
+        return []
+    d = json.loads(text)
+    calls = [Call.from_dict(c) for c in d["calls"]]
+    segs = segments(calls)
+    trained = set(segs[d["segment"]]) if segs and d["segment"] >= 0 else set()
+    out = []
+    for k, c in enumerate(calls):
+        last = json.loads(c.request)["messages"][-1]
+        body = c.response.decode()
+        if body.startswith("data: "):  # a stream: its deltas put together
+            chunks = [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: {")]
+            choices = [ch["choices"][0] for ch in chunks if ch["choices"]]
+            content = "".join(ch["delta"].get("content") or "" for ch in choices)
+            tools = [t for ch in choices for t in ch["delta"].get("tool_calls") or []]
+            finish = next((ch["finish_reason"] for ch in choices if ch["finish_reason"]), "")
+        else:
+            choice = json.loads(body)["choices"][0]
+            content, tools, finish = choice["message"]["content"] or "", choice["message"].get("tool_calls") or [], choice["finish_reason"]
+        out.append({"sent": f"{last['role']}: {last['content'] or ''}", "text": content, "finish_reason": finish,
+                    "tool_calls": [f"{t['function']['name']}({t['function']['arguments']})" for t in tools], "flag": c.flag,
+                    "trained": k in trained})
+    return out
