@@ -309,3 +309,21 @@ def test_an_sdk_retry_of_a_call_is_answered_with_that_call_never_generated_twice
 
     out, r, _, batches = play(agent, n=1, cleanup=cleanup)
     assert seen["same"] and len(out[0].calls) == 1 and len(batches) == 1 and r.counts["agent/calls"] == 1
+
+
+def test_a_conversation_past_the_context_is_refused_as_openai_does(cleanup):
+    seen = {}
+
+    def agent(ep):
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        try:
+            client.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": "x" * 100}])
+        except openai.BadRequestError as e:
+            seen["code"] = e.code
+        return two_turns(ep)
+
+    r, gw, _ = runner(agent)
+    cleanup.append(gw)
+    r.max_prompt = 80
+    out = r.play([{"prompt": "row 0"}], [1], lambda p, k: k)
+    assert seen["code"] == "context_length_exceeded" and out[0].fault == "" and len(out[0].calls) == 2

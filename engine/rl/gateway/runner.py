@@ -159,6 +159,7 @@ class Runner:
         self.concurrency, self.timeout_s, self.max_turns = concurrency, timeout_s, max_turns
         self.cond = threading.Condition()
         self.call_seed: Callable[[int, int], int] = lambda place, k: 0
+        self.max_prompt = 0  # a prompt longer than this (0: no cap) is refused: context_length_exceeded
         self.counts = {"agent/calls": 0.0, "agent/malformed_tool_calls": 0.0}
 
     def render(self, req: ChatRequest) -> np.ndarray:
@@ -173,6 +174,10 @@ class Runner:
         ids = tok(text, add_special_tokens=False).input_ids
         if tok.bos_token_id is not None and not (tok.bos_token and text.startswith(tok.bos_token)):
             ids = [tok.bos_token_id] + ids
+        if self.max_prompt and len(ids) > self.max_prompt:
+            raise ApiError(400, f"This conversation is {len(ids)} tokens, more than the {self.max_prompt} the model's context leaves "
+                           "for a prompt (rollout.max_episode_length, or the model's positions, less rollout.max_response_length).",
+                           "messages", "context_length_exceeded")
         return np.asarray(ids, np.int64)
 
     def play(self, rows: list[dict], seeds: list[int], call_seed: Callable[[int, int], int]) -> list[Played]:

@@ -59,7 +59,17 @@ class AgentSource(SyncSource):
             self.runner = Runner(self.gateway, load_agent(ro.agent), host.tokenizer, self._render, self._generate, ro.agent_concurrency,
                                  ro.agent_timeout_s, ro.max_turns)
             self.built = want
+        self.runner.max_prompt = self._max_prompt()
         return self.runner
+
+    def _max_prompt(self) -> int:
+        """The longest prompt a call may have (0: no cap): rollout.max_episode_length, else a local model's
+        positions (the built-in model's rotary positions have no hard end), less rollout.max_response_length."""
+        ro = self.cfg.rollout
+        ctx = ro.max_episode_length
+        if not ctx and self.cfg.model.actor.model_name_or_path != BUILTIN_TINY:
+            ctx = getattr(self.host.actor.module.config, "max_position_embeddings", None) or 0  # a config may not say
+        return max(1, ctx - ro.max_response_length) if ctx else 0
 
     def _render(self, messages: list, tools: list | None) -> str:
         tok = self.host.tokenizer
