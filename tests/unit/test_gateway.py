@@ -327,3 +327,11 @@ def test_a_conversation_past_the_context_is_refused_as_openai_does(cleanup):
     r.max_prompt = 80
     out = r.play([{"prompt": "row 0"}], [1], lambda p, k: k)
     assert seen["code"] == "context_length_exceeded" and out[0].fault == "" and len(out[0].calls) == 2
+
+
+def test_fewer_slots_than_episodes_keep_the_batches_the_same_on_every_run(cleanup):
+    runs = [play(two_turns, n=5, cleanup=cleanup, concurrency=2) for _ in range(2)]
+    (a, _, _, batches_a), (b, _, _, batches_b) = runs
+    assert all(not p.fault and len(p.calls) == 2 for p in a + b)
+    assert batches_a == batches_b and max(len(x) for x in batches_a) <= 2
+    assert sorted(s for x in batches_a for _, s in x) == sorted(1000 * i + k for i in range(5) for k in range(2))
