@@ -495,14 +495,18 @@ def close_child(run: Run | None, trainer) -> None:
 
 
 def preflight_rollout(cfg: Config, rt: Runtime) -> None:
-    """Before a run that generates writes anything: its rollout engine can run here, and rollout.env
-    (if named) can be imported and made (rl.envs.check_env)."""
+    """Before a run that generates writes anything: its rollout engine can run here, rollout.env
+    (if named) can be imported and made (rl.envs.check_env), and rollout.agent imported."""
     from ..rl.envs import check_env
     from ..rl.rollout import engine_class
 
     engine_class(cfg.rollout.engine, cfg.rollout.mode, cfg.rollout.fleet).preflight(cfg, rt.device)
     if cfg.rollout.env is not None:
         check_env(cfg)
+    if cfg.rollout.agent is not None:  # rollout.agent: importable (a command is found when it runs)
+        from ..rl.gateway.runner import load_agent
+
+        load_agent(cfg.rollout.agent)
 
 
 def run_identity(run: Run) -> dict:
