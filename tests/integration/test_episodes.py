@@ -401,3 +401,43 @@ def test_async_faulted_episodes_are_never_trained_on(tmp_path, order):
         faulted |= bad
         consumed |= set(records[step].consumed.ids.tolist())
     assert faulted and consumed and not faulted & consumed
+
+
+# ----------------------------------------------------------------------------- vLLM and two ranks
+
+WHERE = {"vllm": ["rollout.engine=vllm", "model.tiny.num_heads=2"], "2 ranks": []}  # head size 32: vLLM's CPU attention runs
+ORDERS = {"sync": [], "step": ["rollout.mode=async", "rollout.async_order=step"],
+          "completion": ["rollout.mode=async", "rollout.async_order=completion"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("where", list(WHERE))
+def test_episodes_on_vllm_and_two_ranks_killed_then_resumed(tmp_path, where, order):
+    """Episodes on vLLM (one rank) and on two ranks (torchrun, gloo; verlj's sampler), in each order: a
+    SIGKILL, then --resume. Sync and step order end bit-identical to the uninterrupted run; completion
+    order, killed just after a turn was made durable, accounts for every group and brings episodes back
+    from their last durable turn."""
+    if where == "vllm":
+        pytest.importorskip("vllm")
+    ranks = 2 if where == "2 ranks" else 1
+    over = ["rollout.env=envs_for_tests:Digits", "rollout.max_turns=3", ASCII, "trainer.total_steps=3", *WHERE[where], *ORDERS[order]]
+    run = tmp_path / "run"
+    point = "episodes.after_durable:3" if order == "completion" else "journal.after_commit:2"
+    out = train(run, *over, ranks=ranks, PYTHONPATH=TESTS, VERLJ_FAILPOINT=point)
+    assert out.returncode != 0 and max(fingerprints(run), default=0) < 3, out.stderr[-3000:]
+    out = train(run, *over, ranks=ranks, resume=True, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    samples = [s for step in episodes(run).values() for s in step]
+    assert {len(s.turn_lens) // 2 for s in samples} >= {1, 2} and all(s.env_end != EnvEnd.FAULT for s in samples)
+    engines = {e.rollout.engine for e in steps_of(run).values()}
+    assert engines == {"vllm" if where == "vllm" else "hf"}
+    if order == "completion":
+        check_accounting(run)
+        assert sum(m.get("rollout/env/restored_turns", 0.0) for m in metrics(run).values()) > 0
+        return
+    ref = tmp_path / "ref"
+    out = train(ref, *over, ranks=ranks, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(run) == fingerprints(ref)
+    assert_same_journal(run, ref)
