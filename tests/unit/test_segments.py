@@ -5,8 +5,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
