@@ -55,6 +55,7 @@ from verlj.journal.failpoints import failpoint
 from ..config import Config
 from ..errors import ConfigError, RunError, install_hint
 from .episodes import GroupWork
+from .reaper import Reaper, session_dir
 from .sampler import AskedGroup, SamplerEngine, sampling_params
 
 START_TIMEOUT_S = 600.0
@@ -232,6 +233,7 @@ class RayFleet(SamplerEngine):
         self._thread: threading.Thread | None = None
         self._closing = False
         self._ray_started = False
+        self._reaper: Reaper | None = None  # of the local cluster this process started
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -250,6 +252,7 @@ class RayFleet(SamplerEngine):
                     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
                              logging_level="ERROR", log_to_driver=False, object_store_memory=_object_store_bytes(weights_bytes),
                              **shipped_env(ro.env))
+                    self._reaper = Reaper(session_dir())  # a SIGKILL of the trainer leaves no Ray process behind
                 self._ray_started = True
         except Exception as e:  # noqa: BLE001 - one sentence: the cluster is not there or not usable
             where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
@@ -333,6 +336,9 @@ class RayFleet(SamplerEngine):
         if self._ray_started:
             ray.shutdown()
             self._ray_started = False
+        if self._reaper is not None:
+            self._reaper.stop()
+            self._reaper = None
         atexit.unregister(self.close)
 
     def metrics(self) -> dict[str, float]:

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -217,12 +218,12 @@ def test_episodes_on_a_fleet_in_step_order_are_bit_identical_through_a_killed_ac
 
 def test_episodes_on_a_fleet_in_completion_order_survive_a_killed_trainer_and_actor(tmp_path, cluster):
     """Completion order: each turn a group's actor plays is made durable by the trainer before the next is
-    asked. The trainer SIGKILLed just after a turn was made durable, resumed with an actor SIGKILLed as it
-    gets a call: the episodes in flight go on from their last durable turn on the actors (their envs
-    restored there), every group is accounted for, none trained twice."""
+    asked. The trainer SIGKILLed just after step 1's commit (the groups asked ahead are mid-episode),
+    resumed with an actor SIGKILLed as it gets a call: the episodes in flight go on from their last
+    durable turn on the actors (their envs restored there), every group is accounted for, none trained twice."""
     over = [*FLEET, *EPISODES, "rollout.async_order=completion"]
     run = tmp_path / "run"
-    out = train(run, *over, VERLJ_FAILPOINT="episodes.after_durable:3", **cluster, PYTHONPATH=TESTS)
+    out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:1", **cluster, PYTHONPATH=TESTS)
     assert out.returncode == -9, out.stderr[-3000:]
     ok(train(run, *over, resume=True, VERLJ_FAILPOINT=KILL, **cluster, PYTHONPATH=TESTS))
     check_accounting(run)
@@ -232,3 +233,21 @@ def test_episodes_on_a_fleet_in_completion_order_survive_a_killed_trainer_and_ac
         values = [e["values"] for _, e in j.iter_events("metrics")]
     assert sum(v["rollout/env/restored_turns"] for v in values) > 0
     assert {len(s.turn_lens) // 2 for s in _episodes(run)} >= {1, 2}
+
+
+def test_a_trainer_that_started_its_own_ray_and_is_sigkilled_leaves_no_ray_process(tmp_path):
+    """No RAY_ADDRESS: the trainer starts a local cluster (and its reaper, rl.reaper). SIGKILLed after step
+    1's commit, it leaves no process of that cluster (Ray's agents stayed before)."""
+    pytest.importorskip("ray")
+    from verlj.engine.rl.reaper import holders
+
+    run = tmp_path / "run"
+    out = train(run, *FLEET, "rollout.fleet_size=1", VERLJ_FAILPOINT="journal.after_commit:1")
+    assert out.returncode == -9, out.stderr[-3000:]
+    pid = json.loads(next((run / "writer").glob("*.json")).read_text())["pid"]  # the trainer's (its writer claim)
+    sessions = list(Path("/tmp/ray").glob(f"session_*_{pid}"))  # Ray names the session by the process that started it
+    assert len(sessions) == 1, sessions
+    deadline = time.monotonic() + 15
+    while holders(str(sessions[0])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert holders(str(sessions[0])) == []
