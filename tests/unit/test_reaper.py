@@ -62,3 +62,36 @@ def test_a_clean_stop_ends_the_reaper_and_nothing_else(tmp_path):
         reaper.stop()
         assert reaper.proc is None and _gone(pid, 5.0)
         assert holders(str(tmp_path)) == []  # this process is never counted among them
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_a_group_kill_leaves_no_semaphore_when_the_tracker_runs_apart(apart):
+    """A process (in a group of its own) makes a multiprocessing lock for spawned children (its name in
+    /dev/shm, sem.mp-*, left to the resource tracker to unlink); the whole group SIGKILLed: with the
+    tracker started apart (rl.reaper.resource_tracker_apart, as the async generator does) the name is
+    gone, without it (Python's default) it stays (and this test unlinks it)."""
+    import _multiprocessing
+
+    code = textwrap.dedent(f"""
+        import multiprocessing, time
+        from verlj.engine.rl.reaper import resource_tracker_apart
+        if {apart}:
+            resource_tracker_apart()
+        lock = multiprocessing.get_context("spawn").Lock()
+        print(lock._semlock.name, flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    name = proc.stdout.readline().strip()
+    path = f"/dev/shm/sem.{name.lstrip('/')}"
+    assert name and os.path.exists(path)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(path) and time.monotonic() < deadline and apart:
+        time.sleep(0.1)
+    try:
+        assert os.path.exists(path) != apart
+    finally:
+        if os.path.exists(path):
+            _multiprocessing.sem_unlink(name)
