@@ -96,6 +96,23 @@ class Limits:
                    rollout.max_response_length)
 
 
+def longest_sequence(cfg, positions: int) -> int:
+    """The most tokens one generation holds, prompt and response (what a vLLM engine is sized to): a prompt
+    and its response; with rollout.env, an episode's context and its next action: at most
+    rollout.max_episode_length (the first action after the reset's observation aside), or else the prompt
+    and max_turns actions and observations of at most rollout.max_observation_length tokens each (no cap:
+    the model's `positions`)."""
+    ro, prompt = cfg.rollout, cfg.data.max_prompt_length
+    single = prompt + ro.max_response_length
+    if ro.env is None:
+        return single
+    if ro.max_episode_length:
+        return max(ro.max_episode_length, single + ro.max_observation_length)
+    if not ro.max_observation_length:
+        return max(positions, single)
+    return prompt + ro.max_turns * (ro.max_response_length + ro.max_observation_length)
+
+
 TRUNCATED = " [truncated]"  # ends an observation cut to rollout.max_observation_length tokens
 _CHARS_PER_TOKEN = 32  # an observation's text is cut to this many characters a token before it is tokenized (memory)
 
