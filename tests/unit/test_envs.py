@@ -586,3 +586,18 @@ def test_a_group_played_beside_generation_goes_on_from_its_state_on_another_acto
     for key in ("response_ids", "turn_lens", "turn_rewards", "env_end", "env_reason"):
         assert [np.asarray(x).tobytes() for x in on_a[key]] == [np.asarray(x).tobytes() for x in on_b[key]], key
     assert any(len(t) == 4 for t in on_a["turn_lens"])  # some episode took both turns
+
+
+def test_the_longest_sequence_bounds_every_context_an_episode_generates_from():
+    """rl.episodes.longest_sequence (what a vLLM engine is sized to): a prompt and its response; with
+    rollout.env the prompt and max_turns actions and capped observations, or rollout.max_episode_length."""
+    from verlj.engine.config import make_config
+    from verlj.engine.rl.episodes import longest_sequence
+
+    base = ["data.max_prompt_length=64", "rollout.max_response_length=8"]
+    assert longest_sequence(make_config(None, base), 80) == 72
+    env = [*base, "rollout.env=builtin:guess", "rollout.max_turns=3", "rollout.max_observation_length=16"]
+    assert longest_sequence(make_config(None, env), 80) == 64 + 3 * (8 + 16)
+    assert longest_sequence(make_config(None, [*env, "rollout.max_episode_length=100"]), 80) == 100
+    assert longest_sequence(make_config(None, [*env, "rollout.max_episode_length=50"]), 80) == 72 + 16  # the first action
+    assert longest_sequence(make_config(None, [*env, "rollout.max_observation_length=0"]), 4096) == 4096  # uncapped: the model's
