@@ -40,6 +40,7 @@ import math
 import os
 import signal
 import sys
+import sysconfig
 import threading
 import time
 from collections import deque
@@ -568,14 +569,15 @@ def _last_line(text: str) -> str:
 def shipped_env(spec: str | None) -> dict:
     """The fleet's Ray runtime environment (the job's: ray.init's) for rollout.env = `spec`: a module:Class
     env's top-level module ships to the actors (Ray's py_modules: a file or a package directory, from
-    where this process imported it), unless it is installed (site-packages) or verlj's own, which every
-    node has."""
+    where this process imported it), unless it is installed (the standard library, site-packages) or
+    verlj's own, which every node has."""
     if spec is None or spec.startswith("builtin:"):
         return {}
     top = spec.partition(":")[0].split(".")[0]
     module = sys.modules.get(top) or importlib.import_module(top)  # rl.envs.check_env imported it before the fleet starts
     path = str(getattr(module, "__file__", None) or "")
-    if top == "verlj" or not path or any(part in ("site-packages", "dist-packages") for part in Path(path).parts):
+    installed = {str(Path(p).resolve()) for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if top == "verlj" or not path or any(str(Path(path).resolve()).startswith(p + os.sep) for p in installed):
         return {}
     return {"runtime_env": {"py_modules": [module]}}
 
