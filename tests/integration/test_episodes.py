@@ -3,8 +3,8 @@ observation tokens out of the loss, a SIGKILL then --resume equal to the uninter
 async step-order PPO), a SIGKILL in async completion order (GRPO and PPO) between a turn's completion
 and its durability or just after, resumed from each episode's last durable turn with no completed turn
 lost or stepped twice on a live env, replay and rerun that never call the environment, faulty
-environments ending their episodes with journaled reasons, and an environment that cannot be imported
-refused up front."""
+environments ending their episodes with journaled reasons, an environment that cannot be imported
+refused up front, and episodes on vLLM and on two ranks in each order, killed and resumed."""
 
 from __future__ import annotations
 

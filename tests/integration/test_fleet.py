@@ -4,8 +4,10 @@ fleet's size and whichever actor generates what, through a real SIGKILL of an ac
 groups are asked again of the fleet), a resize on resume, and a SIGKILL of the trainer that its
 supervisor (trainer.max_restarts) restarts by itself; completion order trains on two actors
 through a kill with every group accounted for; actors running vLLM (its CPU build) are bit-identical
-whatever M through a kill too. Without ray, rollout.fleet=ray is one line, exit 2, and without vLLM so
-is a vLLM fleet. The README's test command installs the `ray` and `vllm` extras, so CI runs these;
+whatever M through a kill too; multi-turn episodes (rollout.env) played on the actors, step order
+bit-identical through a killed actor and a killed trainer, completion order accounted for through both;
+a trainer that started its own cluster leaves no Ray process when SIGKILLed. Without ray,
+rollout.fleet=ray is one line, exit 2, and without vLLM so is a vLLM fleet. The README's test command installs the `ray` and `vllm` extras, so CI runs these;
 elsewhere, without them, their tests are skipped."""
 
 import json
