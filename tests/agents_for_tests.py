@@ -2,7 +2,8 @@
 written against the real `openai` client as any agent program is.
 
 VERLJ_TEST_AGENT_FORBID=1: any agent run ends the process at once (exit 97), so a replay or a resume that
-plays no live step proves it never ran an agent."""
+plays no live step proves it never ran an agent. VERLJ_TEST_AGENT_MORE: what `digits` sends as its second
+user message ("more"): another one is an agent changed between a crash and its resume."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def digits(ep):
     msgs = [{"role": "user", "content": ep.row["prompt"][-12:]}]
     first = client.chat.completions.create(model=ep.model, messages=msgs)
     a = first.choices[0].message.content or ""
-    msgs += [{"role": "assistant", "content": a}, {"role": "user", "content": "more"}]
+    msgs += [{"role": "assistant", "content": a}, {"role": "user", "content": os.environ.get("VERLJ_TEST_AGENT_MORE", "more")}]
     second = client.chat.completions.create(model=ep.model, messages=msgs)
     b = second.choices[0].message.content or ""
     text = a + b

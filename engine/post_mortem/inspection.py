@@ -189,15 +189,15 @@ class RunSummary:
         }
 
 
-AGENT_COUNTS = {"calls_generated": "agent/calls", "prefix_breaks": "agent/prefix_breaks",
-                "malformed_tool_calls": "agent/malformed_tool_calls"}
+AGENT_COUNTS = {"calls_generated": "agent/calls", "calls_from_journal": "agent/calls_from_journal", "divergences": "agent/divergences",
+                "prefix_breaks": "agent/prefix_breaks", "malformed_tool_calls": "agent/malformed_tool_calls"}
 
 
 def agent_counts(metrics) -> dict | None:
     """rollout.agent's counts over a run's steps ((step, metrics) pairs): calls generated and answered from the
-    journal (0 in sync mode: a crashed step's agents run again live), divergences (0: sync mode never replays
-    calls), prefix breaks, malformed tool calls, and the episodes that ended by a fault. None without agents."""
-    out = dict.fromkeys([*AGENT_COUNTS, "calls_from_journal", "divergences", "faults"], 0)
+    journal (0 in sync mode: a crashed step's agents run again live; completion order: the calls a crashed process
+    made durable), divergences (a re-run's request that differs from the journaled call), prefix breaks, malformed tool calls, and the episodes that ended by a fault. None without agents."""
+    out = dict.fromkeys([*AGENT_COUNTS, "faults"], 0)
     seen = False
     for _, values in metrics:
         if "agent/calls" not in values:

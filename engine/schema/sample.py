@@ -286,6 +286,7 @@ class GroupInFlight:
     env_seed: list
     env_end: list
     env_reason: list
+    agent_calls: list = field(default_factory=list)  # rollout.agent: each episode's calls so far (gateway.ledger.dumps's JSON)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -295,7 +296,8 @@ class GroupInFlight:
         seq = lambda name, dt: [np.asarray(x, dt) for x in d[name]]  # noqa: E731
         return cls(int(d["group"]), int(d["row"]), [int(v) for v in d["versions"]], seq("prompt_ids", np.int64), seq("response_ids", np.int64),
                    seq("gen_logprobs", np.float32), seq("loss_mask", np.int8), seq("turn_lens", np.int64), seq("turn_rewards", np.float64),
-                   [int(x) for x in d["env_seed"]], [int(x) for x in d["env_end"]], [str(x) for x in d["env_reason"]])
+                   [int(x) for x in d["env_seed"]], [int(x) for x in d["env_end"]], [str(x) for x in d["env_reason"]],
+                   [str(x) for x in d.get("agent_calls", [])])
 
     @property
     def turn(self) -> int:

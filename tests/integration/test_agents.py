@@ -99,3 +99,56 @@ def test_an_async_streaming_agent_is_scored_by_the_reward_fn_and_a_raising_one_i
     assert {s.id for s in faulted} <= dropped
     assert all(not set(st.consumed.ids.tolist()) & dropped for st in steps.values())
     assert "faults " in out.stdout and "the sandbox is down" in out.stdout
+
+
+COMPLETION = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:digits", "rollout.max_turns=2", "trainer.total_steps=2",
+              "rollout.mode=async", "rollout.async_order=completion"]
+
+
+@pytest.fixture(scope="module")
+def completion_ref(tmp_path_factory):
+    run = tmp_path_factory.mktemp("agent_completion") / "ref"
+    out = train(run, *COMPLETION, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def agents_of(run: Path) -> dict:
+    return json.loads(cli("inspect", run, "--json", check=True).stdout)["agents"]
+
+
+def test_completion_order_killed_mid_episode_answers_the_journaled_calls_from_the_journal(tmp_path, completion_ref):
+    """Killed after step 2's third durable write (8 episodes past both calls, 8 past their first), resumed: every
+    journaled call answered from the journal, none generated twice, the same samples as the uninterrupted run."""
+    ref = agents_of(completion_ref)
+    assert ref["calls_from_journal"] == 0 and ref["divergences"] == 0
+    run = tmp_path / "run"
+    out = train(run, *COMPLETION, PYTHONPATH=TESTS, VERLJ_FAILPOINT="agents.after_durable:11")
+    assert out.returncode == -9, out.stderr[-3000:]
+    assert fingerprints(run) == {1: fingerprints(completion_ref)[1]}  # step 1 committed; step 2's round in flight
+    out = train(run, *COMPLETION, resume=True, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = agents_of(run)
+    assert got["calls_from_journal"] == 24 and got["divergences"] == 0, got
+    assert got["calls_generated"] + got["calls_from_journal"] == ref["calls_generated"]  # no completed call generated twice
+    assert_same_journal(run, completion_ref, ignore=("agent/calls",))
+    assert fingerprints(run) == fingerprints(completion_ref)
+
+
+def test_completion_order_an_agent_changed_before_the_resume_diverges_and_goes_on_live(tmp_path, completion_ref):
+    """The resumed agent sends another second message: each journaled second call is a divergence (one line each),
+    discarded, generated live; the first calls still come from the journal."""
+    run = tmp_path / "run"
+    out = train(run, *COMPLETION, PYTHONPATH=TESTS, VERLJ_FAILPOINT="agents.after_durable:11")
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *COMPLETION, resume=True, PYTHONPATH=TESTS, VERLJ_TEST_AGENT_MORE="more please")
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = agents_of(run)
+    assert got["divergences"] == 8 and got["calls_from_journal"] == 16, got
+    lines = [ln for ln in out.stderr.splitlines() if "diverged" in ln]
+    assert len(lines) == 8 and all("at call 1" in ln and "messages[2]" in ln and "of group" in ln for ln in lines), lines
+    resumed = unpack(steps_of(run)[2].added.samples)  # step 2's groups: all played by the resumed process
+    assert len(resumed) == len(unpack(steps_of(completion_ref)[2].added.samples))
+    for s in resumed:  # each episode's second call is the changed agent's: the journaled one it replaced is in no sample
+        last = [json.loads(c["request"])["messages"][-1]["content"] for c in json.loads(s.agent_calls)["calls"]]
+        assert len(last) == 2 and last[1] == "more please", last

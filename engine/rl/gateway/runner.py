@@ -27,6 +27,7 @@ import math
 import os
 import shlex
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -135,6 +136,10 @@ class Play:
                     done: Future = Future()
                     done.set_result(self.calls[-1].response)
                     return done
+        with r.cond:
+            answered = r.from_journal(self, req)
+        if answered is not None:
+            return answered
         ids = r.render(req)
         with r.cond:
             if self.state == DONE:
@@ -160,7 +165,14 @@ class Runner:
         self.cond = threading.Condition()
         self.call_seed: Callable[[int, int], int] = lambda place, k: 0
         self.max_prompt = 0  # a prompt longer than this (0: no cap) is refused: context_length_exceeded
-        self.counts = {"agent/calls": 0.0, "agent/malformed_tool_calls": 0.0}
+        self.counts = {"agent/calls": 0.0, "agent/malformed_tool_calls": 0.0, "agent/calls_from_journal": 0.0, "agent/divergences": 0.0}
+        # durable execution (completion order): each place's calls journaled by an earlier process, answered
+        # from there while its requests match; `durable(plays)` makes the plays' calls durable before they are
+        # answered; `name(place)` names an episode in a divergence's line
+        self.journaled: dict[int, list[Call]] = {}
+        self.durable: Callable[[list[Play]], None] | None = None
+        self.name: Callable[[int], str] = lambda place: f"episode {place}"
+        self.plays: list[Play] = []  # the round being played, by place
 
     def render(self, req: ChatRequest) -> np.ndarray:
         """A request's prompt ids: its messages through the chat template, <bos> first (as every prompt)."""
@@ -180,11 +192,15 @@ class Runner:
                            "messages", "context_length_exceeded")
         return np.asarray(ids, np.int64)
 
-    def play(self, rows: list[dict], seeds: list[int], call_seed: Callable[[int, int], int]) -> list[Played]:
+    def play(self, rows: list[dict], seeds: list[int], call_seed: Callable[[int, int], int],
+             journaled: dict[int, list[Call]] | None = None) -> list[Played]:
         """Every episode (one per row, its seed) run to its end, `concurrency` at once. `call_seed(place, k)`:
-        the seed of call k of the episode at `place`."""
+        the seed of call k of the episode at `place`; `journaled`: the calls an earlier process made durable,
+        by place (answered from there while the requests match: :meth:`from_journal`)."""
         self.call_seed = call_seed
+        self.journaled = dict(journaled or {})
         plays = [Play(self, i, row, seed) for i, (row, seed) in enumerate(zip(rows, seeds))]
+        self.plays = plays
         todo, running = list(range(len(plays)))[::-1], list[Play]()
         while True:
             with self.cond:
@@ -225,6 +241,30 @@ class Runner:
                 p.result = None if out is None else float(out)
                 self.end(p, "")
 
+    def from_journal(self, p: Play, req: ChatRequest) -> Future | None:
+        """Under the lock: the journaled answer of the episode's next call when its request is the one journaled
+        at that position (by its hash), byte for byte, with no generation; None to go on live. A request that
+        differs is a divergence: one line naming the episode, the call and the fields that differ; the
+        journaled calls from there on are discarded (never trained) and the episode goes on live."""
+        held = self.journaled.get(p.place)
+        k = len(p.calls) + len(p.pending)
+        if not held or p.state == DONE or p.pending or k >= len(held):
+            return None
+        if held[k].digest != req.digest():
+            fields = differing(json.loads(held[k].request), json.loads(req.canonical()))
+            print(f"[WARNING] rollout.agent: {self.name(p.place)} diverged at call {k}: its request differs from the journaled one "
+                  f"in {', '.join(fields) or 'its bytes'}; the {len(held) - k} journaled call(s) from there on are discarded "
+                  "and the episode goes on live", file=sys.stderr, flush=True)
+            self.journaled[p.place] = held[:k]
+            self.counts["agent/divergences"] += 1
+            return None
+        p.calls.append(held[k])
+        p.since = time.monotonic()
+        self.counts["agent/calls_from_journal"] += 1
+        done: Future = Future()
+        done.set_result(held[k].response)
+        return done
+
     def end(self, p: Play, fault: str) -> None:
         """The episode is over (under the lock): its key forgotten, calls still waiting refused, a command killed."""
         if p.state == DONE:
@@ -263,6 +303,7 @@ class Runner:
         with self.cond:
             asks = [(p, k, req, ids, fut) for p in batch for (k, req, ids, fut) in p.pending]
         ids_out, lps_out = self.generate([a[3] for a in asks], [self.call_seed(a[0].place, a[1]) for a in asks])
+        answers: list[tuple[Play, Future, bytes]] = []
         with self.cond:
             for (p, k, req, ids, fut), out, lps in zip(asks, ids_out, lps_out):
                 if p.state == DONE:
@@ -274,6 +315,10 @@ class Runner:
                                     np.asarray(lps, np.float32)[:keep], body, flag))
                 self.counts["agent/calls"] += 1
                 self.counts["agent/malformed_tool_calls"] += bool(flag)
+                answers.append((p, fut, body))
+            if self.durable is not None and answers:  # every completed call durable before its answer is returned
+                self.durable(list({id(p): p for p, _, _ in answers}.values()))
+            for p, fut, body in answers:
                 p.pending = [x for x in p.pending if x[3] is not fut]
                 if not p.pending:
                     p.state, p.since = RUNNING, time.monotonic()
@@ -295,6 +340,18 @@ class Runner:
             keep = next(n for n in range(1, keep + 1) if stop in tok.decode(out[:n], skip_special_tokens=True))
         shown = [tok.decode([int(t)], skip_special_tokens=True) for t in out[:keep]]
         return Completion(text, shown, lps[:keep].tolist(), finish, prompt_len, keep), keep
+
+
+def differing(was: dict, now: dict) -> list[str]:
+    """The fields of two canonical requests that differ (a message by its index: ``messages[2]``)."""
+    out = []
+    for name in sorted(set(was) | set(now)):
+        a, b = was.get(name), now.get(name)
+        if name == "messages" and isinstance(a, list) and isinstance(b, list):
+            out += [f"messages[{i}]" for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or a[i] != b[i]][:3]
+        elif a != b:
+            out.append(name)
+    return out
 
 
 async def _awaited(x):

@@ -6,6 +6,7 @@
 - ``completion`` (:class:`CompletionSource`): async in completion order, a free-running generator.
 - ``episodes``: rollout.env's episodes, played in either order by the sources above.
 - ``agents`` (:class:`AgentSource`): rollout.agent's programs, each sample an episode over the gateway (sync).
+- ``agents_async`` (:class:`AgentCompletionSource`): rollout.agent in completion order, every call durable.
 
 Where they generate is the rollout engine's business (``rl.rollout``: hf, vLLM, the generator
 process, the Ray fleet), so any source runs on any engine its order allows. A new source (an agent
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ...config import Config
 from .agents import AgentSource
+from .agents_async import AgentCompletionSource
 from .base import Host, StepInputs, StepSource
 from .completion import CompletionSource
 from .planned import PlannedSource
@@ -27,10 +29,12 @@ __all__ = ["Host", "StepInputs", "StepSource", "make_source", "source_kind"]
 
 
 def source_kind(cfg: Config) -> str:
-    """The name of the source the config asks for: sync, agent, planned or completion."""
+    """The name of the source the config asks for: sync, agent, planned, completion or agent_completion."""
     if cfg.rollout.mode == "sync":
         return "agent" if cfg.rollout.agent is not None else "sync"
-    return "completion" if cfg.rollout.free_running else "planned"
+    if cfg.rollout.free_running:
+        return "agent_completion" if cfg.rollout.agent is not None else "completion"
+    return "planned"
 
 
 def make_source(host: Host) -> StepSource:
@@ -42,10 +46,13 @@ def make_source(host: Host) -> StepSource:
         return PlannedSource(host)
     if kind == "agent":
         return AgentSource(host)
+    if kind == "agent_completion":
+        return AgentCompletionSource(host)
     return SyncSource(host)
 
 
 if TYPE_CHECKING:  # every source is a StepSource: mypy fails here when one stops conforming
 
-    def _conforms(sync: SyncSource, planned: PlannedSource, completion: CompletionSource, agent: AgentSource) -> list[StepSource]:
-        return [sync, planned, completion, agent]
+    def _conforms(sync: SyncSource, planned: PlannedSource, completion: CompletionSource, agent: AgentSource,
+                  agent_completion: AgentCompletionSource) -> list[StepSource]:
+        return [sync, planned, completion, agent, agent_completion]

@@ -23,7 +23,7 @@ from ...schema.sample import EnvEnd, Sample
 from ...state.seeding import derive_seed
 from ..envs import row_of
 from ..models import BUILTIN_TINY, render_chat
-from .base import add_time
+from .base import Source, add_time
 from .sync import SyncSource
 
 if TYPE_CHECKING:
@@ -32,15 +32,12 @@ if TYPE_CHECKING:
     from .sync import Production
 
 
-class AgentSource(SyncSource):
-    """rollout.mode=sync with rollout.agent: each step's samples are agent episodes, played to their ends."""
+class AgentPlaying(Source):
+    """What every rollout.agent source shares: the gateway, a runner for the agent, the samples of its episodes."""
 
     gateway: Gateway | None = None
     runner: Runner | None = None
     built: tuple = ()
-
-    def start_round(self, prod: Production) -> None:
-        prod.handle = None  # the agents run (and call the engine) in round_samples
 
     def _runner(self) -> Runner:
         """The gateway (started at the first live round) and a runner for the agent the config names now."""
@@ -81,35 +78,12 @@ class AgentSource(SyncSource):
     def _generate(self, prompts: list, seeds: list) -> tuple[list, list]:
         return self.live.result(self.live.submit(prompts, seeds, self.cfg))
 
-    def round_samples(self, prod: Production) -> list[Sample]:
-        cfg, host = self.cfg, self.host
-        runner, seed, n = self._runner(), cfg.trainer.seed, cfg.rollout.n
-        rows = [row_of(host.dataset[int(i)]) for i in prod.mine for _ in range(n)]
-        agent_seeds = [derive_seed(seed, prod.step, "rollout/agent", prod.rounds, q) for q in prod.places]
-        step, rnd, places = prod.step, prod.rounds, prod.places
-
-        def call_seed(place: int, k: int) -> int:
-            return derive_seed(seed, step, "rollout/sample", rnd, places[place], *([k] if k else []))
-
-        before = dict(runner.counts)
-        t0 = time.perf_counter()
-        played = runner.play(rows, agent_seeds, call_seed)
-        t1 = time.perf_counter()
-        local = self.scored(prod, played, agent_seeds)
-        prod.gen_s += t1 - t0
-        add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
-        for name, v in runner.counts.items():
-            add_time(self.timings, name, v - before[name])
-        add_time(self.timings, "agent/prefix_breaks", float(sum(json.loads(s.agent_calls)["segments"] - 1 for s in local if s.agent_calls)))
-        return local
-
-    def scored(self, prod: Production, played: list[Played], agent_seeds: list[int]) -> list[Sample]:
-        """Each episode as a sample: its longest consistent segment, its reward (the agent's, else rollout.reward_fn's
-        on its last answer), its fault, its calls."""
+    def agent_samples(self, rows: list[int], played: list[Played], agent_seeds: list[int]) -> list[Sample]:
+        """Each episode (of the dataset row `rows[k]`) as a sample: its longest consistent segment, its reward (the
+        agent's, else rollout.reward_fn's on its last answer), its fault, its calls."""
         from ..gateway import ledger
 
-        host, n = self.host, self.cfg.rollout.n
-        rows = [int(i) for i in prod.mine for _ in range(n)]
+        host = self.host
         out = []
         for k, p in enumerate(played):
             segs = ledger.segments(p.calls)
@@ -155,3 +129,32 @@ class AgentSource(SyncSource):
             self.gateway.stop()
             self.gateway = None
             self.runner = None
+
+
+class AgentSource(AgentPlaying, SyncSource):
+    """rollout.mode=sync with rollout.agent: each step's samples are agent episodes, played to their ends."""
+
+    def start_round(self, prod: Production) -> None:
+        prod.handle = None  # the agents run (and call the engine) in round_samples
+
+    def round_samples(self, prod: Production) -> list[Sample]:
+        cfg, host = self.cfg, self.host
+        runner, seed, n = self._runner(), cfg.trainer.seed, cfg.rollout.n
+        rows = [row_of(host.dataset[int(i)]) for i in prod.mine for _ in range(n)]
+        agent_seeds = [derive_seed(seed, prod.step, "rollout/agent", prod.rounds, q) for q in prod.places]
+        step, rnd, places = prod.step, prod.rounds, prod.places
+
+        def call_seed(place: int, k: int) -> int:
+            return derive_seed(seed, step, "rollout/sample", rnd, places[place], *([k] if k else []))
+
+        before = dict(runner.counts)
+        t0 = time.perf_counter()
+        played = runner.play(rows, agent_seeds, call_seed)
+        t1 = time.perf_counter()
+        local = self.agent_samples([int(i) for i in prod.mine for _ in range(n)], played, agent_seeds)
+        prod.gen_s += t1 - t0
+        add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
+        for name, v in runner.counts.items():
+            add_time(self.timings, name, v - before[name])
+        add_time(self.timings, "agent/prefix_breaks", float(sum(json.loads(s.agent_calls)["segments"] - 1 for s in local if s.agent_calls)))
+        return local

@@ -143,7 +143,7 @@ class CompletionSource(Source):
         """Take in the groups every rank's generator sent back (rank order, then arrival order): score
         them, add their reference log-probs, and admit them; dynamic sampling drops the groups whose
         rewards do not vary. Collective."""
-        cfg, n, host = self.cfg, self.cfg.rollout.n, self.host
+        cfg, host = self.cfg, self.host
         t = time.perf_counter()
         if cfg.rollout.env is not None:
             mine = self.live.arrived(wait)
@@ -157,6 +157,12 @@ class CompletionSource(Source):
             if not arrived:
                 return
             new = self.scored(arrived)
+        self.take_in(new)
+
+    def take_in(self, new: list[Sample]) -> None:
+        """Arrived samples given their reference log-probs and admitted; dynamic sampling drops the groups
+        whose rewards do not vary, a fault's group is out of the update."""
+        cfg, n, host = self.cfg, self.cfg.rollout.n, self.host
         t = time.perf_counter()
         host.scorer.reference_logprobs(new, host.actor)
         add_time(self.timings, "timing_s/ref", time.perf_counter() - t)
