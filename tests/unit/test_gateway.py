@@ -335,3 +335,40 @@ def test_fewer_slots_than_episodes_keep_the_batches_the_same_on_every_run(cleanu
     assert all(not p.fault and len(p.calls) == 2 for p in a + b)
     assert batches_a == batches_b and max(len(x) for x in batches_a) <= 2
     assert sorted(s for x in batches_a for _, s in x) == sorted(1000 * i + k for i in range(5) for k in range(2))
+
+
+def test_every_call_is_durable_before_its_answer_and_a_rerun_is_answered_from_the_journal(cleanup):
+    r, gw, batches = runner(two_turns, {"again": "ok"})
+    cleanup.append(gw)
+    durable = []
+
+    def keep(plays):  # under the runner's lock, before any of these answers is returned to its agent
+        assert all(p.pending and not fut.done() for p in plays for *_, fut in p.pending)
+        durable.append({p.place: len(p.calls) for p in plays})
+
+    r.durable = keep
+    rows, seeds, seed = [{"prompt": "row 0"}, {"prompt": "row 1"}], [100, 101], lambda place, k: 1000 * place + k
+    first = r.play(rows, seeds, seed)
+    assert durable == [{0: 1, 1: 1}, {0: 2, 1: 2}]
+    # a re-run (a crash after episode 0's two calls and episode 1's first): the journaled calls answered byte for
+    # byte, never generated; episode 1's second call generated live from its own seed
+    batches.clear()
+    again = r.play(rows, seeds, seed, {0: first[0].calls, 1: first[1].calls[:1]})
+    assert [[c.response for c in p.calls] for p in again] == [[c.response for c in p.calls] for p in first]
+    assert batches == [[(len(first[1].calls[1].prompt_ids), 1001)]]
+    assert r.counts["agent/calls_from_journal"] == 3 and r.counts["agent/divergences"] == 0
+
+
+def test_a_request_that_differs_from_the_journaled_one_is_a_divergence_and_goes_on_live(cleanup, capsys):
+    r, gw, batches = runner(two_turns, {"again": "ok"})
+    cleanup.append(gw)
+    first = r.play([{"prompt": "row 0"}], [100], lambda place, k: 1000 * place + k)
+    r.name = lambda place: f"episode {place} of group 7"
+    batches.clear()
+    again = r.play([{"prompt": "row 9"}], [100], lambda place, k: 1000 * place + k, {0: first[0].calls})  # the row changed
+    err = capsys.readouterr().err
+    assert err.count("diverged") == 1 and "episode 0 of group 7 diverged at call 0" in err and "messages[0]" in err
+    assert "the 2 journaled call(s) from there on are discarded" in err
+    assert r.counts["agent/divergences"] == 1 and r.counts["agent/calls_from_journal"] == 0
+    assert len(batches) == 2 and len(again[0].calls) == 2  # both calls live: the journaled ones are in no episode
+    assert json.loads(again[0].calls[0].request)["messages"][0]["content"] == "row 9"
