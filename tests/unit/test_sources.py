@@ -9,6 +9,8 @@ import pytest
 from verlj.engine.config import make_config
 from verlj.engine.rl.buffer import RolloutBuffer
 from verlj.engine.rl.sources import StepInputs, make_source, source_kind
+from verlj.engine.rl.sources.agents import AgentSource
+from verlj.engine.rl.sources.agents_async import AgentCompletionSource
 from verlj.engine.rl.sources.completion import CompletionSource
 from verlj.engine.rl.sources.planned import PlannedSource
 from verlj.engine.rl.sources.sync import SyncSource
@@ -26,7 +28,9 @@ def host(*overrides: str) -> SimpleNamespace:
 
 @pytest.mark.parametrize("overrides, kind, cls", [([], "sync", SyncSource), (ASYNC, "planned", PlannedSource),
                                                   ([*ASYNC, "rollout.async_order=step"], "planned", PlannedSource),
-                                                  (COMPLETION, "completion", CompletionSource)])
+                                                  (COMPLETION, "completion", CompletionSource),
+                                                  (["rollout.agent=m:f", "rollout.max_turns=2"], "agent", AgentSource),
+                                                  ([*COMPLETION, "rollout.agent=m:f"], "agent_completion", AgentCompletionSource)])
 def test_the_config_chooses_the_source(overrides, kind, cls):
     h = host(*overrides)
     assert source_kind(h.cfg) == kind

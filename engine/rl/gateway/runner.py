@@ -13,6 +13,12 @@ from its own seed (its episode's place and the call's position in it: never timi
 call is generated in, and so its tokens, are the same on every run of the same agent. A running
 agent that neither calls nor ends within rollout.agent_timeout_s of its last answer is a fault.
 
+Durable execution (completion order: ``sources.agents_async``): `Runner.durable` makes a batch's calls
+durable before any of them is answered; a re-run after a crash is given each episode's journaled calls
+(`play`'s `journaled`), answered from there byte for byte while each request's hash is the one journaled
+at that position (:meth:`Runner.from_journal`), a request that differs a divergence (one line, counted,
+the journaled calls from there on discarded).
+
 Faults (the episode is out of the update, its reason journaled: ``rl.faults``): the agent raised (a
 command exited non-zero), hung past rollout.agent_timeout_s, asked more than rollout.max_turns calls,
 never called the model, or returned something that is not a number or None.
