@@ -518,8 +518,6 @@ class RolloutConfig:
             raise ConfigError(f"rollout.agent must be null, module:function or cmd:COMMAND, got {self.agent!r}")
         if self.env is not None:
             raise ConfigError("rollout.agent and rollout.env are two ways to play episodes; set one of them")
-        if self.mode != "sync" and self.async_order != "completion":
-            raise ConfigError("rollout.agent runs with rollout.mode=sync or async_order=completion for now; set one of them")
         try:
             import fastapi  # noqa: F401
             import uvicorn  # noqa: F401

@@ -1,7 +1,9 @@
 """Agent programs as rollouts (rollout.agent) in real training runs: an agent written against the `openai`
 client trains on its rewards, every call journaled with the sample; SIGKILLed in sync mode then resumed
 it is bit-identical to the uninterrupted run; replay never runs an agent; an async streaming agent scored
-by rollout.reward_fn; an agent that raises is an episode fault, counted and never trained on."""
+by rollout.reward_fn; an agent that raises is an episode fault, counted and never trained on. In completion
+order, killed mid-episode and resumed, the journaled calls are answered from the journal (none generated
+twice) and a changed agent diverges; in async step order a kill resumes bit-identical."""
 
 from __future__ import annotations
 
@@ -152,3 +154,22 @@ def test_completion_order_an_agent_changed_before_the_resume_diverges_and_goes_o
     for s in resumed:  # each episode's second call is the changed agent's: the journaled one it replaced is in no sample
         last = [json.loads(c["request"])["messages"][-1]["content"] for c in json.loads(s.agent_calls)["calls"]]
         assert len(last) == 2 and last[1] == "more please", last
+
+
+def test_async_step_order_trains_and_a_kill_mid_step_resumes_bit_identical(tmp_path):
+    """Async step order: the batch of step s+1 played after step s's update, from version s-1; killed before a
+    commit, resumed: the same journal and fingerprints as the uninterrupted run."""
+    planned = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:digits", "rollout.max_turns=2", "trainer.total_steps=3",
+               "rollout.mode=async", "rollout.async_order=step"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    out = train(ref, *planned, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = steps_of(ref)
+    assert all(len(json.loads(s.agent_calls)["calls"]) == 2 for st in steps.values() for s in unpack(st.added.samples))
+    assert [int(st.metrics.values["agent/calls"]) for st in steps.values()] == [64, 32, 32]  # step 1 plays batches 1 and 2
+    out = train(run, *planned, PYTHONPATH=TESTS, VERLJ_FAILPOINT="step.before_commit:2")
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *planned, resume=True, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(run) == fingerprints(ref)
+    assert_same_journal(run, ref)

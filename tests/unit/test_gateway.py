@@ -275,7 +275,6 @@ def test_a_command_agent_gets_the_gateway_in_its_environment_and_prints_its_rewa
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.agent=nope"], "rollout.agent must be null, module:function or cmd:COMMAND, got 'nope'"),
     (["rollout.agent=m:f", "rollout.env=builtin:guess"], "rollout.agent and rollout.env are two ways to play episodes"),
-    (["rollout.agent=m:f", "rollout.mode=async"], "rollout.agent runs with rollout.mode=sync or async_order=completion for now"),
     (["rollout.agent=m:f", "rollout.agent_concurrency=0"], "rollout.agent_concurrency must be positive"),
 ])
 def test_bad_agent_configs_are_one_line(overrides, message):

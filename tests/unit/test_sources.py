@@ -9,7 +9,7 @@ import pytest
 from verlj.engine.config import make_config
 from verlj.engine.rl.buffer import RolloutBuffer
 from verlj.engine.rl.sources import StepInputs, make_source, source_kind
-from verlj.engine.rl.sources.agents import AgentSource
+from verlj.engine.rl.sources.agents import AgentPlannedSource, AgentSource
 from verlj.engine.rl.sources.agents_async import AgentCompletionSource
 from verlj.engine.rl.sources.completion import CompletionSource
 from verlj.engine.rl.sources.planned import PlannedSource
@@ -30,6 +30,7 @@ def host(*overrides: str) -> SimpleNamespace:
                                                   ([*ASYNC, "rollout.async_order=step"], "planned", PlannedSource),
                                                   (COMPLETION, "completion", CompletionSource),
                                                   (["rollout.agent=m:f", "rollout.max_turns=2"], "agent", AgentSource),
+                                                  ([*ASYNC, "rollout.agent=m:f"], "agent_planned", AgentPlannedSource),
                                                   ([*COMPLETION, "rollout.agent=m:f"], "agent_completion", AgentCompletionSource)])
 def test_the_config_chooses_the_source(overrides, kind, cls):
     h = host(*overrides)

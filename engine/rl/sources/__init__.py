@@ -5,7 +5,8 @@
 - ``planned`` (:class:`PlannedSource`): async in step order, k batches planned ahead.
 - ``completion`` (:class:`CompletionSource`): async in completion order, a free-running generator.
 - ``episodes``: rollout.env's episodes, played in either order by the sources above.
-- ``agents`` (:class:`AgentSource`): rollout.agent's programs, each sample an episode over the gateway (sync).
+- ``agents`` (:class:`AgentSource`, :class:`AgentPlannedSource`): rollout.agent's programs, each sample an
+  episode over the gateway (sync, async step order).
 - ``agents_async`` (:class:`AgentCompletionSource`): rollout.agent in completion order, every call durable.
 
 Where they generate is the rollout engine's business (``rl.rollout``: hf, vLLM, the generator
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...config import Config
-from .agents import AgentSource
+from .agents import AgentPlannedSource, AgentSource
 from .agents_async import AgentCompletionSource
 from .base import Host, StepInputs, StepSource
 from .completion import CompletionSource
@@ -29,12 +30,13 @@ __all__ = ["Host", "StepInputs", "StepSource", "make_source", "source_kind"]
 
 
 def source_kind(cfg: Config) -> str:
-    """The name of the source the config asks for: sync, agent, planned, completion or agent_completion."""
+    """The name of the source the config asks for: sync, planned or completion, with rollout.agent agent,
+    agent_planned or agent_completion."""
     if cfg.rollout.mode == "sync":
         return "agent" if cfg.rollout.agent is not None else "sync"
     if cfg.rollout.free_running:
         return "agent_completion" if cfg.rollout.agent is not None else "completion"
-    return "planned"
+    return "agent_planned" if cfg.rollout.agent is not None else "planned"
 
 
 def make_source(host: Host) -> StepSource:
@@ -46,6 +48,8 @@ def make_source(host: Host) -> StepSource:
         return PlannedSource(host)
     if kind == "agent":
         return AgentSource(host)
+    if kind == "agent_planned":
+        return AgentPlannedSource(host)
     if kind == "agent_completion":
         return AgentCompletionSource(host)
     return SyncSource(host)
@@ -54,5 +58,5 @@ def make_source(host: Host) -> StepSource:
 if TYPE_CHECKING:  # every source is a StepSource: mypy fails here when one stops conforming
 
     def _conforms(sync: SyncSource, planned: PlannedSource, completion: CompletionSource, agent: AgentSource,
-                  agent_completion: AgentCompletionSource) -> list[StepSource]:
-        return [sync, planned, completion, agent, agent_completion]
+                  agent_planned: AgentPlannedSource, agent_completion: AgentCompletionSource) -> list[StepSource]:
+        return [sync, planned, completion, agent, agent_planned, agent_completion]

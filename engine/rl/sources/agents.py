@@ -1,4 +1,5 @@
-"""rollout.agent: agent programs as rollouts, in sync mode. Each sample of a step is one agent episode
+"""rollout.agent: agent programs as rollouts, in step order (sync, and async step order: the batch played
+from the version the generator holds; completion order: ``sources.agents_async``). Each sample of a step is one agent episode
 (its dataset row, its seed from its place in the step), run against the gateway (``rl.gateway``):
 an OpenAI-compatible endpoint on loopback whose calls the rollout engine generates, each from its own
 seed. The episode's sample is built from the calls' token ids (``gateway.ledger``), scored by the
@@ -24,7 +25,8 @@ from ...state.seeding import derive_seed
 from ..envs import row_of
 from ..models import BUILTIN_TINY, render_chat
 from .base import Source, add_time
-from .sync import SyncSource
+from .planned import PlannedSource
+from .sync import StepOrder, SyncSource
 
 if TYPE_CHECKING:
     from ..gateway.runner import Played, Runner
@@ -131,8 +133,10 @@ class AgentPlaying(Source):
             self.runner = None
 
 
-class AgentSource(AgentPlaying, SyncSource):
-    """rollout.mode=sync with rollout.agent: each step's samples are agent episodes, played to their ends."""
+class AgentRounds(AgentPlaying, StepOrder):
+    """Step order with rollout.agent: each round's samples are agent episodes, played to their ends when the
+    round is finished (sync: in the step's collect; async step order: after the update, from the version the
+    generator held)."""
 
     def start_round(self, prod: Production) -> None:
         prod.handle = None  # the agents run (and call the engine) in round_samples
@@ -158,3 +162,11 @@ class AgentSource(AgentPlaying, SyncSource):
             add_time(self.timings, name, v - before[name])
         add_time(self.timings, "agent/prefix_breaks", float(sum(json.loads(s.agent_calls)["segments"] - 1 for s in local if s.agent_calls)))
         return local
+
+
+class AgentSource(AgentRounds, SyncSource):
+    """rollout.mode=sync with rollout.agent: each step's samples are agent episodes, played to their ends."""
+
+
+class AgentPlannedSource(AgentRounds, PlannedSource):
+    """rollout.mode=async, async_order=step with rollout.agent: the batch of step s+k played while (after) step s updates."""
