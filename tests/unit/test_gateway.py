@@ -371,3 +371,12 @@ def test_a_request_that_differs_from_the_journaled_one_is_a_divergence_and_goes_
     assert r.counts["agent/divergences"] == 1 and r.counts["agent/calls_from_journal"] == 0
     assert len(batches) == 2 and len(again[0].calls) == 2  # both calls live: the journaled ones are in no episode
     assert json.loads(again[0].calls[0].request)["messages"][0]["content"] == "row 9"
+
+
+def test_a_divergence_names_the_fields_that_differ():
+    from verlj.engine.rl.gateway.runner import differing
+
+    a, b, c = {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}
+    assert differing({"messages": [a, b], "tools": [1]}, {"messages": [a, c], "tools": [2]}) == ["messages[1]", "tools"]
+    assert differing({"messages": [a]}, {"messages": [a, b], "stop": ["\n"]}) == ["messages[1]", "stop"]
+    assert differing({"messages": [a], "max_tokens": 4}, {"messages": [a], "max_tokens": 4}) == []
