@@ -447,11 +447,12 @@ class ActorWorker(_Stepper):
             weights = None if gen_logprobs is None else algorithms.truncated_is_weights(old, gen_logprobs[sl], mask, is_threshold)[0]
             agg = self._aggregation(mb)
             pg_loss, clipfrac, ppo_kl = algorithms.policy_loss(logp, old, advantages[sl], mask, self._clip_low(), mb.denom, weights,
-                                                               clip_ratio_high=self._clip_high(), loss_mode=self.actor_cfg.loss_mode, **agg)
-            entropy = algorithms.agg_loss(ent, mask, agg["agg"], mb.denom, agg["seqs"], agg["norm_len"])
+                                                               clip_ratio_high=self._clip_high(), loss_mode=self.actor_cfg.loss_mode,
+                                                               agg=agg.mode, seqs=agg.seqs, norm_len=agg.norm_len)
+            entropy = agg(ent, mask, mb.denom)
             loss = pg_loss - self.actor_cfg.entropy_coeff * entropy
             if self.cfg.algorithm.name != "ppo" and self.actor_cfg.use_kl_loss:
-                kl = algorithms.agg_loss(algorithms.kl_k3(logp, ref_logprobs[sl]), mask, agg["agg"], mb.denom, agg["seqs"], agg["norm_len"])
+                kl = agg(algorithms.kl_k3(logp, ref_logprobs[sl]), mask, mb.denom)
                 loss = loss + self.actor_cfg.kl_loss_coef * kl
                 stats.token_term(mb, "actor/kl_loss", kl.item())
             stats.token_term(mb, "actor/pg_loss", pg_loss.item())
@@ -461,10 +462,10 @@ class ActorWorker(_Stepper):
             self._backward_and_step(mb, loss, stats, "actor")
         return self._result(stats, "actor"), before
 
-    def _aggregation(self, mb: Micro) -> dict:
-        """algorithms.policy_loss's aggregation arguments for micro-batch `mb` (algorithm.loss_agg_mode)."""
-        return {"agg": self.cfg.algorithm.loss_agg_mode, "seqs": mb.seqs if mb.denom is not None else None,
-                "norm_len": float(self.cfg.rollout.max_response_length)}
+    def _aggregation(self, mb: Micro) -> algorithms.Aggregation:
+        """algorithms.policy_loss's aggregation for micro-batch `mb` (algorithm.loss_agg_mode)."""
+        return algorithms.Aggregation(self.cfg.algorithm.loss_agg_mode, mb.seqs if mb.denom is not None else None,
+                                      float(self.cfg.rollout.max_response_length))
 
     def _clip_low(self) -> float:
         low = self.actor_cfg.clip_ratio_low

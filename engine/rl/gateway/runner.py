@@ -38,7 +38,7 @@ import numpy as np
 from ...config import ConfigError
 from ...plugins import import_object
 from .ledger import Call
-from .protocol import ApiError, ChatRequest, Completion, render_tool_calls, response_bytes, unauthorized
+from .protocol import ApiError, ChatRequest, Completion, response_bytes, template_messages, unauthorized
 from .server import Gateway
 
 KEY = "rollout.agent"
@@ -105,6 +105,17 @@ class CommandAgent:
 
 
 @dataclass
+class AgentCounts:
+    """The runner's running counts: calls answered, and those whose tool call did not parse."""
+
+    calls: int = 0
+    malformed_tool_calls: int = 0
+
+    def to_metrics(self) -> dict[str, float]:
+        return {"agent/calls": float(self.calls), "agent/malformed_tool_calls": float(self.malformed_tool_calls)}
+
+
+@dataclass
 class Played:
     """An episode's end: its calls, the reward the agent returned, and its fault ("" none)."""
 
@@ -160,14 +171,12 @@ class Runner:
         self.cond = threading.Condition()
         self.call_seed: Callable[[int, int], int] = lambda place, k: 0
         self.max_prompt = 0  # a prompt longer than this (0: no cap) is refused: context_length_exceeded
-        self.counts = {"agent/calls": 0.0, "agent/malformed_tool_calls": 0.0}
+        self.counts = AgentCounts()
 
     def render(self, req: ChatRequest) -> np.ndarray:
         """A request's prompt ids: its messages through the chat template, <bos> first (as every prompt)."""
-        messages = [{"role": m["role"], "content": (m["content"] or "") + render_tool_calls(m.get("tool_calls", []))}
-                    if m.get("tool_calls") else m for m in req.messages]
         try:
-            text = self._render(messages, req.tools)
+            text = self._render(template_messages(req.messages), req.tools)
         except Exception as e:  # noqa: BLE001 - the template (the tokenizer's jinja) refusing these messages
             raise ApiError(400, f"The chat template cannot render these messages: {str(e).splitlines()[0][:200]}", "messages") from None
         tok = self.tok
@@ -272,8 +281,8 @@ class Runner:
                 body, flag = response_bytes(req, comp, f"{seed & 0xFFFFFFFFFFFF:012x}{k:03d}")
                 p.calls.append(Call(req.canonical(), req.digest(), ids, np.asarray(out, np.int64)[:keep],
                                     np.asarray(lps, np.float32)[:keep], body, flag))
-                self.counts["agent/calls"] += 1
-                self.counts["agent/malformed_tool_calls"] += bool(flag)
+                self.counts.calls += 1
+                self.counts.malformed_tool_calls += bool(flag)
                 p.pending = [x for x in p.pending if x[3] is not fut]
                 if not p.pending:
                     p.state, p.since = RUNNING, time.monotonic()
