@@ -508,9 +508,6 @@ class RolloutConfig:
             return
         if not (self.env.startswith("builtin:") or ":" in self.env.strip(":")):
             raise ConfigError(f"rollout.env must be null, builtin:NAME or module:Class, got {self.env!r}")
-        if self.mode == "async" and self.fleet == "ray":
-            raise ConfigError("rollout.env: rollout.fleet=ray does not run episodes yet; use rollout.fleet=none (the generator "
-                              "beside each rank: sync, or async in either order), or remove rollout.env")
 
     def _validate_agent(self) -> None:
         _positive("rollout.agent_concurrency", self.agent_concurrency)

@@ -339,10 +339,10 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
         if source is trainer:  # past rollout.max_fault_rate: one line, nothing of the step committed (a what-if's samples passed it)
             faults.check(step, generated, cfg.rollout.max_fault_rate, run.run_dir)
         outcome.metrics.update(trainer.buffer_metrics())
-        evaluated = []
+        evaluated, eval_note = [], ""
         if source.eval_due(step):
             t_eval = time.perf_counter()
-            eval_metrics, eval_event = trainer.evaluate(step)
+            eval_metrics, eval_event, eval_note = trainer.evaluate(step)
             outcome.metrics.update(eval_metrics, **{"timing_s/eval": time.perf_counter() - t_eval})
             evaluated = [eval_event]
         outcome.metrics.update(inputs.timings)
@@ -360,7 +360,7 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
         if shipper is not None:
             logged.update({"journal/ship_lag_steps": shipper.lag(), "timing_s/ship_cpu": shipper.cpu_seconds - ship_cpu})
             ship_cpu = shipper.cpu_seconds
-        reporter.step(step, logged, faults.note(generated))
+        reporter.step(step, logged, " ".join(filter(None, [faults.note(generated), eval_note])))
         stopping = not rt.all_true(not stop.requested)  # every rank stops after the same step
         ckpt.after_step(step, outcome.fingerprint, due or stopping or step == cfg.trainer.total_steps)
         if stopping:

@@ -286,7 +286,7 @@ def render_summary(s: RunSummary) -> str:
         f"actor {cfg.model.actor.model_name_or_path if cfg else None}",
         "versions   " + "  ".join(f"{k} {v}" for k, v in (ident.versions or {}).items()),
         f"ranks      {s.world_size}{started_on}   created {ident.created}",
-        f"rollout    {ro.engine}" + ("" if not ro.version else f" (transformers {ro.version})" if ro.engine == "hf" else f" {ro.version}")
+        f"rollout    {ro.engine}" + ("" if not ro.version else f" (transformers {ro.version})" if ro.engine in ("hf", "fleet") else f" {ro.version}")
         + (f", async ({_order(ro)}max_staleness {ro.max_staleness})" if ro.is_async else ""),
         f"steps      {s.steps_committed} committed, last step {s.last_step}",
     ]

@@ -247,7 +247,7 @@ class Trainer:
     def eval_due(self, step: int) -> bool:
         return bool(self.cfg.trainer.eval_interval) and step % self.cfg.trainer.eval_interval == 0
 
-    def evaluate(self, step: int) -> tuple[dict[str, float], dict]:
+    def evaluate(self, step: int) -> tuple[dict[str, float], dict, str]:
         """The held-out eval after step `step`'s update (rl.evaluation). Live steps only. Collective."""
         return evaluation.evaluate(self, step)
 

@@ -80,8 +80,6 @@ def test_rloo_needs_groups_and_the_new_keys_default_to_todays_behaviour():
     "overrides, message",
     [
         (["rollout.fleet=k8s"], "rollout.fleet must be one of none, ray"),
-        (["rollout.env=builtin:guess", "rollout.mode=async", "rollout.fleet=ray"],
-         "rollout.env: rollout.fleet=ray does not run episodes yet"),
         (["rollout.fleet=ray"], "rollout.fleet=ray applies to rollout.mode=async only"),
         (["rollout.fleet=ray", "rollout.mode=async", "rollout.fleet_size=0"], "rollout.fleet_size must be positive, got 0"),
         (["rollout.fleet=ray", "rollout.mode=async", "rollout.fleet_resources={num_gpus: -1}"],

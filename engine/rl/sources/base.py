@@ -24,7 +24,7 @@ from ...schema import sample as sample_codec
 from ...schema.sample import Columns, EnvEnd, Sample
 from ...state.seeding import derive_seed, rng_digest, seed_globals
 from ..core import Core
-from ..rollout import RolloutEngine, make_engine
+from ..rollout import RolloutEngine, engine_class, make_engine
 
 if TYPE_CHECKING:
     from ..buffer import RolloutBuffer
@@ -198,7 +198,11 @@ class Source:
         return {"buffer/pending": float(len(self.host.buffer))}
 
     def set_config(self, cfg: Config) -> None:
-        if self.engine is not None and cfg.rollout.engine != self.engine.name:
+        if self.engine is None:
+            return
+        other = type(self.engine) is not engine_class(cfg.rollout.engine, cfg.rollout.mode, cfg.rollout.fleet)
+        # a fleet's actors made their envs (rollout.env) from the config they started with
+        if other or (self.cfg.rollout.fleet == "ray" and cfg.rollout.env != self.cfg.rollout.env):
             self.engine.close()
             self.engine = None
             self.engine_closed()

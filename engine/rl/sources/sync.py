@@ -24,7 +24,7 @@ from .. import faults
 from ..envs import row_of
 from ..episodes import Limits, Round
 from .base import Source, StepInputs, add_time, episode_metrics, zero_variance
-from .episodes import play_round
+from .episodes import on_fleet, play_round, played_round, round_works
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Production:
     plan: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     places: list = field(default_factory=list)  # this rank's samples' places q in the round (their seeds')
     episodes: Round | None = None  # rollout.env: the round's episodes being played
+    remote: bool = False  # rollout.env on a fleet: the round is played on its actors (handle: RayFleet.play's)
 
 
 class StepOrder(Source):
@@ -123,6 +124,10 @@ class StepOrder(Source):
         if cfg.rollout.env is not None:  # episodes: each env reset from its sample's place (rl.episodes)
             rows = [row_of(host.dataset[int(i)]) for i in prod.mine for _ in range(group_size)]
             env_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/env", prod.rounds, q) for q in prod.places]
+            fleet = on_fleet(self.live)
+            if fleet is not None:  # its envs run on the fleet's actors, beside generation
+                prod.remote, prod.handle = True, fleet.play(round_works(self, prod, rows, env_seeds), cfg)
+                return
             prod.episodes = Round(host.envs(), rows, env_seeds, prod.prompts, host.tokenizer, Limits.of(cfg.rollout))
             prompts = prod.episodes.first_prompts()
         prod.handle = self.live.submit(prompts, sample_seeds, cfg)
@@ -162,8 +167,14 @@ class StepOrder(Source):
         """The round in flight on this rank: waited for (its episodes played), scored."""
         scorer, group_size = self.host.scorer, self.cfg.rollout.n
         t0 = time.perf_counter()
-        responses, logps = self.live.result(prod.handle)
-        if prod.episodes is not None:
+        responses: list[np.ndarray] = []
+        logps: list[np.ndarray] = []
+        if prod.remote:
+            assert isinstance(prod.handle, int), "a fleet's play is named by its handle"
+            prod.episodes = played_round(self, prod.handle)
+        else:
+            responses, logps = self.live.result(prod.handle)
+        if prod.episodes is not None and not prod.remote:
             play_round(self, prod, responses, logps)
         t1 = time.perf_counter()
         if prod.episodes is not None:
