@@ -53,7 +53,7 @@ from .diff import (  # noqa: F401 - `verlj diff`'s answer, re-exported from wher
     render_diff,
 )
 from .steps import parse_steps
-from .views import TIMING, Deviation, _json, _view, topology_line  # noqa: F401 - TIMING and Deviation: importable from here as before
+from .views import TIMING, Deviation, Snapshot, _json, _view, topology_line  # noqa: F401 - TIMING and Deviation: importable from here as before
 
 REWARD = "critic/score/mean"  # the summary's trend
 PG_LOSS = "actor/pg_loss"
@@ -89,15 +89,6 @@ class Identity:
     world_size: int | None = None  # at the start
     created: str | None = None
     counterfactual: dict | None = None  # a what-if's (Ledger.start), as stored
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A snapshot the ledger moved aside (Ledger.quarantined: `path`) or found missing (Ledger.missing)."""
-
-    name: str
-    reason: str | None = None
-    path: str | None = None
 
 
 @dataclass(frozen=True)
