@@ -83,7 +83,10 @@ class Trainer:
         self.buffer = RolloutBuffer()
         self.train_state = TrainState(self.sampler)
         self.scorer = Scorer(cfg, rt, self.tokenizer, self.data)  # rewards, the reward model, the reference's log-probs
-        def initial_actor() -> torch.nn.Module:  # the actor's initial weights; also the frozen reference's (loaded only if read)
+        init_rng = torch.random.get_rng_state()
+
+        def initial_actor() -> torch.nn.Module:  # the actor's initial weights; also the frozen reference's (loaded when read)
+            torch.random.set_rng_state(init_rng)  # a reload draws what the first load drew (weights a checkpoint lacks)
             return load_causal_lm(cfg.model.actor.model_name_or_path, cfg, derive_seed(seed, 0, "init/actor"))
 
         actor_model, self.actor_base = lora.adapt(initial_actor(), cfg, derive_seed(seed, 0, "init/lora"))

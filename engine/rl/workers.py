@@ -384,17 +384,16 @@ class ActorWorker(_Stepper):
 
     def __init__(self, model: torch.nn.Module, cfg: Config, rt: Runtime, reference: Callable[[], torch.nn.Module]):
         """`reference` loads the frozen reference afresh (the actor's initial weights, as the run's
-        start loaded them): called only while the config reads the reference (:func:`needs_reference`),
-        so a run without a KL term holds no second copy of the model; a live config change that turns
-        the KL term on loads it then (the same weights: the reference never trains)."""
+        start loaded them), at the first step that reads its log-probs: never in a run without a KL
+        term (:func:`needs_reference`), which so holds no second copy of the model, and never in a
+        replay, which reads them from the journal; a live config change that turns the KL term on
+        loads it then (the same weights: the reference never trains)."""
         self.cfg, self.rt = cfg, rt
         self.actor_cfg = cfg.model.actor
         self.optim = self.actor_cfg.optim
         self.lora = lora.enabled(cfg)  # the module carries LoRA adapters: the reference is its base, adapters off
         self._load_reference = reference
-        self.ref: torch.nn.Module | None = None
-        if not self.lora and needs_reference(cfg):
-            self.ref = self._reference()
+        self.ref: torch.nn.Module | None = None  # loaded by reference_logprobs
         model.train()
         self.full_shapes = trainable_shapes(model)
         self.engine = make_engine(model, self.actor_cfg.optim, cfg, rt, self.actor_cfg.micro_batch_size)
@@ -430,9 +429,8 @@ class ActorWorker(_Stepper):
 
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch) -> torch.Tensor:
-        """The frozen reference's log-probs: the actor's initial weights loaded apart (at the start, or
-        at the first step that reads them), or with LoRA the base itself (the same module with its
-        adapters switched off)."""
+        """The frozen reference's log-probs: the actor's initial weights loaded apart (at the first call),
+        or with LoRA the base itself (the same module with its adapters switched off)."""
         if not self.lora:
             if self.ref is None:
                 self.ref = self._reference()

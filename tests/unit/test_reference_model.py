@@ -1,15 +1,20 @@
-"""The actor's frozen reference (rl.workers.ActorWorker) without DeepSpeed: loaded only while the config
-reads it (a KL term), dropped when a live change stops reading it, loaded again with the same weights
-when one starts, and no random stream consumed by the loading."""
+"""The actor's frozen reference (rl.workers.ActorWorker) without DeepSpeed: loaded only when its
+log-probs are asked for (a KL term in a live step; a replay reads them from the journal), once, dropped
+when a live change stops reading it, loaded again with the same weights when one starts, and no random
+stream consumed by the loading."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import torch
 
 from verlj.engine.config import make_config
 from verlj.engine.dist import Runtime
 from verlj.engine.rl import workers
 from verlj.engine.rl.models import BUILTIN_TINY, load_causal_lm
+from verlj.engine.rl.scoring import Scorer
 from verlj.engine.rl.workers import ActorWorker, collate, needs_reference
 from verlj.engine.schema.sample import Sample
 
@@ -35,10 +40,21 @@ def _worker(monkeypatch, cfg, loads: list):
     return ActorWorker(load_causal_lm(BUILTIN_TINY, cfg, 7), cfg, rt, reference=reference)
 
 
+def _sample() -> Sample:
+    return Sample(index=0, prompt_ids=np.array([1, 5, 6]), response_ids=np.array([7, 8, 3]), gen_logprobs=np.zeros(3, np.float32),
+                  id=0, group=0)
+
+
 def _batch():
-    s = Sample(index=0, prompt_ids=torch.tensor([1, 5, 6]).numpy(), response_ids=torch.tensor([7, 8, 3]).numpy(),
-               gen_logprobs=torch.zeros(3).numpy(), id=0, group=0)
-    return collate([s], 0, torch.device("cpu"))
+    return collate([_sample()], 0, torch.device("cpu"))
+
+
+def _scored(cfg, worker) -> Sample:
+    """A sample given its reference log-probs by the collect-time scorer (rl.scoring), under `cfg`."""
+    s = _sample()
+    tok = type("T", (), {"pad_token_id": 0})()
+    Scorer.reference_logprobs(SimpleNamespace(cfg=cfg, tokenizer=tok, rt=worker.rt), [s], worker)
+    return s
 
 
 def test_no_kl_term_holds_no_reference(monkeypatch):
@@ -47,14 +63,19 @@ def test_no_kl_term_holds_no_reference(monkeypatch):
         assert not needs_reference(cfg)
         loads: list = []
         worker = _worker(monkeypatch, cfg, loads)
+        assert len(_scored(cfg, worker).ref_logprobs) == 0
         assert worker.ref is None and loads == []  # no copy of the actor was made
+    with_kl = make_config(None, [])
+    assert len(_scored(with_kl, worker).ref_logprobs) == 3 and loads == [1]
 
 
-def test_kl_term_loads_the_reference_once_and_frozen(monkeypatch):
+def test_kl_term_loads_the_reference_at_its_first_use_once_and_frozen(monkeypatch):
     cfg = make_config(None, [])
     assert needs_reference(cfg)  # GRPO's default KL loss
     loads: list = []
     worker = _worker(monkeypatch, cfg, loads)
+    assert loads == [] and worker.ref is None  # a replay (log-probs journaled) never asks for it
+    worker.reference_logprobs(_batch())
     assert loads == [1] and worker.ref is not None and worker.ref is not worker.module
     assert not any(p.requires_grad for p in worker.ref.parameters())
     worker.reference_logprobs(_batch())
