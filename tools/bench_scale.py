@@ -37,8 +37,8 @@ and the ratios verlj/TRL of step time and peak RSS (goals <= 1). verlj trains a 
 timed are those after --warmup. TRL trains a steps, its checkpoint at a.
 
 Load: the arms and rungs run one after another, each using one core; nothing else should run meanwhile
-(the 135m and 500m rungs need an idle machine; 500m about 24 GiB of memory: at 20m verlj's process held
-about 40 bytes a parameter, TRL's about 21). Times are wall-clock, meaningful side by side as ratios.
+(the 135m and 500m rungs need an idle machine; 500m about 16 GiB of memory: at 135m verlj's process
+held about 30 bytes a parameter at its peak, TRL's about 25). Times are wall-clock, meaningful side by side as ratios.
 `--rungs tiny --arms verlj` is a smoke of the tool, not a figure; the test suite does not run it.
 """
 
