@@ -153,11 +153,16 @@ def launch(output_dir: Path, config: Path | None, overrides: list[str], resume: 
         where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
         raise fail(f"--launcher ray could not start or join {where}: {type(e).__name__}: "
                    f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    from verlj.engine.rl.reaper import Reaper, session_dir
+
+    reaper = None if address else Reaper(session_dir())  # a SIGKILL of this process leaves no Ray process behind
     try:
         return _run(ray, output_dir, config, overrides, resume, allow_config_change, nproc, restarts, placement, train)
     finally:
         time.sleep(LOG_FLUSH_S)
         ray.shutdown()  # a local cluster stops; a cluster joined is left
+        if reaper is not None:
+            reaper.stop()
 
 
 def _run(ray, output_dir, config, overrides, resume, allow_config_change, nproc, restarts, placement, train) -> int:

@@ -106,6 +106,12 @@ class LossAggMode(Choice):
     SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
 
 
+# TRL's GRPOTrainer loss_type names, read as the loss_agg_mode each computes (docs/concepts/algorithms.md)
+TRL_LOSS_TYPES: dict[str, Choice] = {"grpo": LossAggMode.SEQ_MEAN_TOKEN_MEAN, "bnpo": LossAggMode.TOKEN_MEAN,
+                                     "dapo": LossAggMode.TOKEN_MEAN, "dr_grpo": LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM}
+ALIASES: dict[type, dict[str, Choice]] = {LossAggMode: TRL_LOSS_TYPES}  # a Choice's other names, each read as its member
+
+
 class LossMode(Choice):
     VANILLA = "vanilla"
     GSPO = "gspo"
@@ -229,7 +235,8 @@ class AlgorithmConfig:
     # before verlj had this key; their objective changes with the split, so they resume on the same topology)
     loss_normalization: LossNormalization = LossNormalization.GLOBAL_TOKENS
     # how the actor's per-token losses become one (verl's loss_agg_mode): token-mean | seq-mean-token-sum |
-    # seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO: token sums over samples x rollout.max_response_length)
+    # seq-mean-token-mean | seq-mean-token-sum-norm (Dr. GRPO: token sums over samples x rollout.max_response_length);
+    # TRL's loss_type names are read as these: grpo = seq-mean-token-mean, bnpo and dapo = token-mean, dr_grpo = seq-mean-token-sum-norm
     loss_agg_mode: LossAggMode = live(LossAggMode.TOKEN_MEAN)
 
     def validate(self) -> None:
@@ -441,6 +448,14 @@ class RolloutConfig:
     # a step where more than this share of the samples it generated ended by a fault (an env's, a reward
     # function's: rl.faults) is not committed and the run stops in one line | 1: never stop (faults are left out of the update either way)
     max_fault_rate: float = bookkeeping(0.5)
+    # agent programs as rollouts (rl.gateway; docs/guides/agents.md): null (none) | module:function (called
+    # with an episode: base_url, api_key, model, row, seed, max_turns; returns its reward, or None for
+    # rollout.reward_fn) | cmd:COMMAND (a program told OPENAI_BASE_URL, OPENAI_API_KEY, VERLJ_MODEL, VERLJ_ROW,
+    # VERLJ_SEED; its reward the last line it prints). Its calls per episode: at most rollout.max_turns
+    agent: Optional[str] = live(None)
+    agent_concurrency: int = bookkeeping(8)  # rollout.agent: episodes whose agents run at once (their waiting calls generated together)
+    # rollout.agent: an agent that neither calls the model nor returns for this many seconds after its last answer is a fault
+    agent_timeout_s: float = bookkeeping(60.0)
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
@@ -486,15 +501,30 @@ class RolloutConfig:
         _range("rollout.max_fault_rate", self.max_fault_rate, 0.0, 1.0)
         _at_least("rollout.max_observation_length", self.max_observation_length, 0)
         _at_least("rollout.max_episode_length", self.max_episode_length, 0)
+        self._validate_agent()
         if self.env is None:
-            if self.max_turns > 1:
+            if self.max_turns > 1 and self.agent is None:
                 raise ConfigError("rollout.max_turns > 1 needs rollout.env (without an environment a sample is one response)")
             return
         if not (self.env.startswith("builtin:") or ":" in self.env.strip(":")):
             raise ConfigError(f"rollout.env must be null, builtin:NAME or module:Class, got {self.env!r}")
-        if self.mode == "async" and self.fleet == "ray":
-            raise ConfigError("rollout.env: rollout.fleet=ray does not run episodes yet; use rollout.fleet=none (the generator "
-                              "beside each rank: sync, or async in either order), or remove rollout.env")
+
+    def _validate_agent(self) -> None:
+        _positive("rollout.agent_concurrency", self.agent_concurrency)
+        _positive("rollout.agent_timeout_s", self.agent_timeout_s)
+        if self.agent is None:
+            return
+        if not (self.agent.startswith("cmd:") or ":" in self.agent.strip(":")):
+            raise ConfigError(f"rollout.agent must be null, module:function or cmd:COMMAND, got {self.agent!r}")
+        if self.env is not None:
+            raise ConfigError("rollout.agent and rollout.env are two ways to play episodes; set one of them")
+        if self.mode != "sync":
+            raise ConfigError("rollout.agent runs with rollout.mode=sync for now; set rollout.mode=sync")
+        try:
+            import fastapi  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"rollout.agent needs the gateway's server: {install_hint('agent')}") from None
 
     @property
     def fleet_gpus(self) -> float:
@@ -861,6 +891,8 @@ def _coerce(key: str, tp, value):
             return number
     elif isinstance(tp, type) and issubclass(tp, Choice):  # read as a string; one of its values becomes that member
         text = _coerce(key, str, value)
+        if text in ALIASES.get(tp, {}):
+            return ALIASES[tp][text]
         return tp(text) if text in tp._value2member_map_ else text  # another: validate refuses it, naming the values
     elif tp is str:
         if isinstance(value, bool):  # YAML 1.1 reads off / on as booleans

@@ -35,7 +35,6 @@ SINKS = (JSONL_SINK, TENSORBOARD_SINK, WANDB_SINK)
 
 # the metrics the progress line shows (names in the open-ended metrics map, declared here once)
 REWARD_MEAN, PG_LOSS, STEP_TIME = "critic/score/mean", "actor/pg_loss", "timing_s/step"
-EVAL_FAULTS = "eval/faults"  # the held-out rows an env or the reward function failed (rl.trainer.evaluate)
 JSONL_STEP = "step"  # metrics.jsonl: each line is {JSONL_STEP: step, **the step's metrics}
 
 
@@ -131,7 +130,7 @@ class Reporter:
 
     def step(self, step: int, metrics: dict[str, float], note: str = "") -> None:
         """Send a committed step's metrics to the sinks, and its line to the console; `note`: what the line
-        adds (the step's faults: rl.faults.note)."""
+        adds (the step's faults: rl.faults.note; the held-out eval's, with the first one's reason)."""
         if not self.enabled:
             return
         # a step a sink held before this process started came from a process that ran it already
@@ -141,7 +140,7 @@ class Reporter:
             f"reward={_fmt(metrics.get(REWARD_MEAN, float('nan')))} "
             f"loss={_fmt(metrics.get(PG_LOSS, float('nan')))} "
             f"time={metrics.get(STEP_TIME, float('nan')):.2f}s"
-        ) + (f" {note}" if note else "") + (f" eval faults {metrics[EVAL_FAULTS]:g}" if metrics.get(EVAL_FAULTS) else "")
+        ) + (f" {note}" if note else "")
         if self._bar is not None:
             self._bar.update(self._task, completed=step, stats=summary)
         elif self.mode == "lines" and step % self.cfg.log_interval == 0:

@@ -1,7 +1,10 @@
 """verlj.journal: the append-only, hash-chained LMDB event log of a run.
 
-Knows nothing of torch or RL. Typical use::
+Knows nothing of torch or RL: the event types a journal holds are declared to it (``declare``) by
+the code that owns them; verlj's step events by ``verlj.engine.schema.events``, which importing
+``verlj.engine`` loads. Typical use::
 
+    import verlj.engine  # declares verlj's event types
     from verlj.journal import Journal, make_event
     with Journal.open_writer("runs/demo/journal") as j:
         j.append_step(1, [make_event("metrics", values={"actor/pg_loss": 0.1})])
@@ -24,7 +27,7 @@ from .errors import (
     StepOrderError,
     VerljError,
 )
-from .events import EVENT_VERSIONS, StepRecord, make_event, upcast_event, upcast_record
+from .events import EventSpec, StepRecord, declare, declared, make_event, upcast_event, upcast_record
 from .segments import open_reader as open_journal_reader
 from .store import Journal
 from .verify import JournalReport, Problem, verify_journal
@@ -32,7 +35,7 @@ from .verify import JournalReport, Problem, verify_journal
 __all__ = [
     "Claim",
     "CodecError",
-    "EVENT_VERSIONS",
+    "EventSpec",
     "FencedError",
     "Journal",
     "JournalError",
@@ -43,6 +46,8 @@ __all__ = [
     "SchemaError",
     "StepOrderError",
     "StepRecord",
+    "declare",
+    "declared",
     "VerljError",
     "make_event",
     "open_journal_reader",

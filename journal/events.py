@@ -1,94 +1,139 @@
-"""Journal event types, their schema versions, and the one place old versions are upcast.
+"""Journal event types: the registry every journaled event is declared in, and the one place old
+versions are upcast.
 
 A step record is an envelope::
 
     {"v": ENVELOPE_VERSION, "step": int, "time": float, "events": [event, ...]}
 
-(envelope v2 adds ``"pruned": bool``: whether the step's payload fields, :data:`PAYLOAD_FIELDS`,
-were removed by retention; the store keeps those fields compressed apart from the rest. v3 changes
-only how the store encodes the rest, the core: over shapes interned once per journal, see
-``codec.pack_core``; the record read back is the same.)
+(envelope v2 adds ``"pruned": bool``: whether the step's payload fields (an event type's
+``EventSpec.payload``) were removed by retention; the store keeps those fields compressed apart from
+the rest. v3 changes only how the store encodes the rest, the core: over shapes interned once per
+journal, see ``codec.pack_core``; the record read back is the same.)
 
 and every event is a map with a ``type`` and a schema version ``v``::
 
     {"type": "metrics", "v": 1, "values": {"actor/pg_loss": 0.12, ...}}
 
-Writers always write the current version. Readers pass every record through
-:func:`upcast_record`, which lifts older versions to the current one (one
-function per type and version step) and refuses versions newer than this code.
-The journal itself knows nothing of RL: these are names and shapes only.
+The journal knows nothing of RL and declares no event type itself: each type is declared once, by
+the code that owns its meaning, with :func:`declare` and an :class:`EventSpec` (its name, its current
+version, the functions lifting each older version one step, and how the store keeps it). verlj's step
+events are declared by their classes in ``verlj.engine.schema.events`` (importing ``verlj.engine``
+declares them). Writers always write the current version (:func:`make_event`). Readers pass every
+record through :func:`upcast_record`, which lifts older versions to the current one and refuses types
+nobody declared and versions newer than this code.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .errors import SchemaError
 
 ENVELOPE_VERSION = 3
 
-# type -> current schema version. Field sketch in the comment; the engine owns meaning.
-EVENT_VERSIONS: dict[str, int] = {
-    "data": 1,  # epoch, cursor, indices (np.int64[]) drawn this step
-    "rng": 1,  # seeds {stream: int}, digests {stream: hex}
-    "rollout": 1,  # engine (hf|vllm) that generated the step's samples, version (its package's); async: mode, max_staleness[, async_order]
-    "buffer.add": 1,  # ids (np.int64[]), samples {field: array}
-    "buffer.consume": 1,  # ids consumed by this step's update
-    "buffer.drop": 1,  # ids dropped (e.g. zero-variance groups), reason
-    "buffer.plan": 1,  # async rollout: steps, counts, ids (np.int64[]): what each later step will train on
-    "buffer.request": 1,  # async completion order: groups, rows asked this step; regenerated: groups asked again (in flight at a stop)
-    "metrics": 1,  # values {name: float}
-    "state": 1,  # fingerprint (hex str), parts {name: hex}
-    "control": 1,  # kind (start|resume|fork), details {...}
-    "config": 1,  # config (nested map) now in force, hash, changed keys
-    "stages": 1,  # digests {stage: hex}, summary {stage: {n, mean, absmax}}: each stage's output in the step (engine.state.stages)
-    "eval": 1,  # rows (np.int64[]: held-out rows), scores (np.float64[]), response_ids (flat np.int32[]), response_len (np.int64[])
-}
+Upcaster = Callable[[dict], dict]  # lifts an event (or an envelope) from its version v to v + 1
 
-# Small event types also stored per step in the summary sub-database (same transaction), so that
-# metrics, find and diff never decode the samples.
-SUMMARY_TYPES = frozenset({"data", "rng", "rollout", "metrics", "state", "control", "config"})
 
-# Fields stored in the step's payload, apart from the rest of the record: compressed, and pruned by
-# retention (the event keeps its other fields; ids stay, so a sample's fate is known after pruning).
-PAYLOAD_FIELDS: dict[str, tuple[str, ...]] = {"buffer.add": ("samples",)}
+@dataclass(frozen=True)
+class EventSpec:
+    """What the journal knows of one event type. `upcasters[v]` lifts an event of version v to v + 1:
+    there is one for every version before `version`. `summary`: the type is small and also kept in the
+    step's summary (same transaction), so that metrics, find and diff never decode the samples.
+    `payload`: fields stored apart from the rest of the record, compressed, and pruned by retention
+    (the event keeps its other fields: ids stay, so a sample's fate is known after pruning)."""
 
-# (type, from_version) -> function lifting an event from from_version to from_version + 1.
-# Example, when "data" v2 adds "sampler": UPCASTERS[("data", 1)] = lambda e: {**e, "v": 2, "sampler": "perm"}
-UPCASTERS: dict[tuple[str, int], Callable[[dict], dict]] = {}
+    type: str
+    version: int
+    upcasters: Mapping[int, Upcaster] = field(default_factory=dict)
+    summary: bool = False
+    payload: tuple[str, ...] = ()
 
-# Envelope versions lift the same way: from_version -> function.
-ENVELOPE_UPCASTERS: dict[int, Callable[[dict], dict]] = {
+    def __post_init__(self) -> None:
+        if not isinstance(self.version, int) or self.version < 1:
+            raise SchemaError(f"journal event {self.type!r} declared with version {self.version!r}; versions count from 1")
+        if set(self.upcasters) != set(range(1, self.version)):
+            raise SchemaError(f"journal event {self.type!r} v{self.version} needs an upcaster from each older version "
+                              f"({list(range(1, self.version))}), has {sorted(self.upcasters)}")
+        object.__setattr__(self, "upcasters", types.MappingProxyType(dict(self.upcasters)))
+
+    def same_shape(self, other: EventSpec) -> bool:
+        """Declares the same version and storage (a module imported twice declares its types again)."""
+        return (self.version, sorted(self.upcasters), self.summary, self.payload) == \
+            (other.version, sorted(other.upcasters), other.summary, other.payload)
+
+
+_DECLARED: dict[str, EventSpec] = {}
+_SUMMARY: frozenset[str] = frozenset()  # the declared summary types (kept as declare() changes them: read per event)
+
+
+def declare(spec: EventSpec) -> EventSpec:
+    """Declare an event type to the journal: from here on it may be written and is read back (upcast).
+    Declaring a type again with another version or storage is refused: a type has one owner."""
+    known = _DECLARED.get(spec.type)
+    if known is not None and not known.same_shape(spec):
+        raise SchemaError(f"journal event {spec.type!r} is declared twice, differently (v{known.version} and v{spec.version})")
+    _DECLARED[spec.type] = spec
+    global _SUMMARY
+    _SUMMARY = frozenset(t for t, s in _DECLARED.items() if s.summary)
+    return spec
+
+
+def declared() -> Mapping[str, EventSpec]:
+    """Every declared event type's spec, by type (read-only)."""
+    return types.MappingProxyType(_DECLARED)
+
+
+def spec_of(type_: str) -> EventSpec:
+    """The declared spec of `type_`; SchemaError when nobody declared it."""
+    found = _DECLARED.get(type_)
+    if found is None:
+        hint = " (no event type is declared: importing verlj.engine declares verlj's)" if not _DECLARED else ""
+        raise SchemaError(f"unknown journal event type {type_!r}{hint}; known: {', '.join(sorted(_DECLARED))}")
+    return found
+
+
+def summary_types() -> frozenset[str]:
+    """The declared types also kept in each step's summary."""
+    return _SUMMARY
+
+
+def payload_fields(type_: str) -> tuple[str, ...]:
+    """The fields of `type_` the store keeps apart (compressed, prunable); () for an undeclared type."""
+    found = _DECLARED.get(type_)
+    return found.payload if found is not None else ()
+
+
+# Envelope versions lift the same way: from_version -> function. The envelope is the journal's own.
+ENVELOPE_UPCASTERS: dict[int, Upcaster] = {
     1: lambda r: {**r, "v": 2, "pruned": False},  # v1 records kept everything inline and were never pruned
     2: lambda r: {**r, "v": 3},  # v3 changed the core's encoding only
 }
 
 
 def make_event(type_: str, **fields) -> dict:
-    """Build an event of the current schema version for ``type_``."""
-    if type_ not in EVENT_VERSIONS:
-        raise SchemaError(f"unknown journal event type {type_!r}; known: {', '.join(sorted(EVENT_VERSIONS))}")
-    return {"type": type_, "v": EVENT_VERSIONS[type_], **fields}
+    """Build an event of the current schema version for ``type_`` (a declared type)."""
+    return {"type": type_, "v": spec_of(type_).version, **fields}
 
 
 def upcast_event(event: dict) -> dict:
     if not isinstance(event, dict) or "type" not in event or "v" not in event:
         raise SchemaError("journal event without a type and version")
     type_, v = event["type"], event["v"]
-    current = EVENT_VERSIONS.get(type_)
-    if current is None:
-        raise SchemaError(f"unknown journal event type {type_!r}")
+    spec = spec_of(type_)
     if not isinstance(v, int) or v < 1:
         raise SchemaError(f"journal event {type_!r} has invalid schema version {v!r}")
-    if v > current:
+    if v > spec.version:
         raise SchemaError(
-            f"journal event {type_!r} has schema version {v}, newer than this verlj understands ({current}); "
+            f"journal event {type_!r} has schema version {v}, newer than this verlj understands ({spec.version}); "
             "upgrade verlj to read this journal"
         )
-    while v < current:
-        event = UPCASTERS[(type_, v)](event)
-        v = event["v"]
+    while v < spec.version:
+        event = spec.upcasters[v](event)
+        if event.get("v") != v + 1:
+            raise SchemaError(f"the upcaster of journal event {type_!r} from v{v} gave v{event.get('v')!r}, not v{v + 1}")
+        v += 1
     return event
 
 
@@ -119,7 +164,7 @@ class StepRecord:
     step: int
     time: float
     events: list[dict]
-    pruned: bool = False  # retention removed its payload fields (PAYLOAD_FIELDS): the samples
+    pruned: bool = False  # retention removed its payload fields (EventSpec.payload): the samples
     _by_type: dict[str, list[dict]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -140,7 +185,9 @@ class StepRecord:
         return event["values"] if event is not None else {}
 
     @property
-    def fingerprint(self) -> str | None:
+    def state_fingerprint(self) -> str | None:
+        """The state fingerprint the step journaled (its `state` event's): a digest of the trained state,
+        which replay must reproduce. Not the record's own hash (its frame's checksum and chain, `frames`)."""
         event = self.first("state")
         return event["fingerprint"] if event is not None else None
 

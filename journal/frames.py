@@ -4,7 +4,7 @@ A step frame (v2, written since records got compact payloads) is::
 
     MAGIC2 | checksum | chain | H(payload) | len(core) | core | payload
 
-``core`` is the msgpack record without its payload fields (``events.PAYLOAD_FIELDS``: the
+``core`` is the msgpack record without its payload fields (each type's ``EventSpec.payload``: the
 generated samples), ``payload`` those fields, msgpack'd with narrow integers and zstd-compressed;
 ``checksum = H(H(payload) | len(core) | core)`` and ``chain = H(previous chain | checksum)``, H being
 BLAKE3-256 (a cryptographic hash, about 4x faster than SHA-256 here; see tools/bench_journal.py).
@@ -28,7 +28,7 @@ import zstandard
 
 from . import codec
 from .errors import CodecError, JournalError
-from .events import PAYLOAD_FIELDS, SUMMARY_TYPES, StepRecord, upcast_record
+from .events import StepRecord, payload_fields, summary_types, upcast_record
 
 MAGIC_STEP = b"VJ\x01"
 MAGIC_STEP2 = b"VJ\x02"
@@ -137,11 +137,11 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 
 
 def split_payload(events: list[dict], level: int) -> tuple[list[dict], bytes, dict | None]:
-    """(core events, payload, payload description) of a step: its payload fields (PAYLOAD_FIELDS)
+    """(core events, payload, payload description) of a step: its payload fields (EventSpec.payload)
     msgpack'd with narrow integers and zstd-compressed apart from the rest."""
     core_events, parts = [], []
     for i, event in enumerate(events):
-        fields = PAYLOAD_FIELDS.get(event["type"], ())
+        fields = payload_fields(event["type"])
         if any(f in event for f in fields):
             event = dict(event)
             parts.append([i, {f: event.pop(f) for f in fields if f in event}])
@@ -204,7 +204,7 @@ def decode_frame(frame: StepFrame, payload: bool = True, shapes: codec.Shapes | 
 
 def _summary_frame(step: int, wall_time: float, events: list[dict]) -> bytes:
     """A v1 step's summary entry: its small events, framed (v2 records need none: the core is it)."""
-    return frame_plain(codec.packb_compact({"step": step, "time": wall_time, "events": [e for e in events if e["type"] in SUMMARY_TYPES]}))
+    return frame_plain(codec.packb_compact({"step": step, "time": wall_time, "events": [e for e in events if e["type"] in summary_types()]}))
 
 
 def unframe_plain(raw: bytes | memoryview, what: str) -> Any:

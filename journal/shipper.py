@@ -15,6 +15,7 @@ and ignores what it holds (``SegmentScan.superseded``, removed by the next write
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from .segment_file import Segment, SegmentScan, chain_start, map_digest, pruned_
 from .store import Journal
 
 MAX_SEGMENT_BYTES = 64 << 20  # a shipment larger than this is split over several segments
+CLOSE_TIMEOUT_S = 600.0  # how long closing waits for the shipping left before it gives up (in one line)
 
 # ----------------------------------------------------------------------------- the shipper
 
@@ -160,23 +162,41 @@ class Shipper:
                                        f"steps behind after {timeout:.0f} s")
                 self._cond.wait(min(left, 1.0))
 
-    def close(self, flush: bool = True) -> None:
-        """Ship what is left (flush=True), then stop the thread."""
-        if flush and self._error is None:
+    def close(self, flush: bool = True, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Ship what is left (flush=True), then stop the thread. Shipping that fails or stalls past
+        `timeout` is given up, in one line on stderr naming the steps not shipped (still in the local
+        journal: the next writer opened on it ships them)."""
+        if self._stop:
+            return
+        reason = self._error
+        if flush and reason is None:
             self.notify()
+            deadline = time.monotonic() + timeout
             try:
-                self.wait(self.journal.last_step() + self.max_lag)
-                self._wait_idle()
-            except JournalError:
-                pass
+                self.wait(self.journal.last_step() + self.max_lag, timeout)
+                self._wait_idle(deadline)
+            except JournalError as e:
+                reason = str(e)
+        if flush and reason is not None:
+            sys.stderr.write(f"[WARNING] {self.unshipped(reason)}\n")
+            sys.stderr.flush()
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         self._thread.join()
 
-    def _wait_idle(self) -> None:
+    def unshipped(self, reason: str) -> str:
+        """The line that says shipping was given up: what is not in the segments, and why."""
+        a, b = self._shipped + 1, self.journal.last_step()
+        what = "the journal's last metadata" if b < a else (f"step {a}" if a == b else f"steps {a}–{b}")
+        return (f"journal shipping gave up on close: {what} not shipped to {segment_dir(self.shipped)} ({reason}); "
+                f"they are in the local journal {self.journal.path}, and the next run opened on it ships them")
+
+    def _wait_idle(self, deadline: float) -> None:
         with self._cond:
             while self._dirty and self._error is None:
+                if time.monotonic() > deadline:
+                    raise JournalError(f"journal shipping to {segment_dir(self.shipped)} did not finish")
                 self._cond.wait(0.05)
 
     def _run(self) -> None:

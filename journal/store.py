@@ -6,7 +6,7 @@ Layout of ``RUN/journal/``::
         steps       key: step as 8-byte big-endian; value: a framed step record
         meta        key: utf-8 name;                value: a framed msgpack value
         snapshots   key: step as 8-byte big-endian; value: a framed msgpack map
-        summary     key: step as 8-byte big-endian; value: the step's small events (SUMMARY_TYPES),
+        summary     key: step as 8-byte big-endian; value: the step's small events (declared `summary`),
                     framed, written in the same transaction: metrics queries skip the samples.
                     Only for v1 records: a v2 record's core is its summary (read without touching
                     the payload's pages), so v2 steps have no entry here
@@ -40,7 +40,7 @@ import lmdb
 from . import codec
 from .durable import fsync_dir, fsync_file
 from .errors import CodecError, JournalError, JournalLockedError, NotAJournalError, StepOrderError
-from .events import SUMMARY_TYPES, StepRecord, upcast_event
+from .events import StepRecord, summary_types, upcast_event
 from .failpoints import failpoint
 from .frames import (
     DEFAULT_COMPRESSION_LEVEL,
@@ -649,12 +649,12 @@ class Journal:
         return 2, frame.body
 
     def _summary_decode(self, step: int, source: tuple[int, bytes | None]) -> StepRecord | None:
-        """A step's summary: its record with only its small events (SUMMARY_TYPES), upcast."""
+        """A step's summary: its record with only its small events (declared `summary`), upcast."""
         version, raw = source
         if raw is None:
             return None
         d = unframe_plain(raw, f"summary of step {step}") if version == 1 else self._decode_with_shapes(lambda shapes: decode_core(raw, shapes))
-        return StepRecord(d["step"], d["time"], [upcast_event(e) for e in d["events"] if e["type"] in SUMMARY_TYPES])
+        return StepRecord(d["step"], d["time"], [upcast_event(e) for e in d["events"] if e["type"] in summary_types()])
 
     def get_meta(self, name: str, default: Any = None) -> Any:
         with self._read() as txn:

@@ -21,7 +21,7 @@ import lmdb
 
 from . import codec
 from .errors import CodecError, JournalError, SchemaError
-from .events import SUMMARY_TYPES
+from .events import summary_types
 from .frames import GENESIS, StepFrame, decode_frame, digest, key_step, unframe_plain
 from .store import BASE_STEP, CHAIN_BASE, SHAPES, Journal
 
@@ -183,7 +183,7 @@ def _check_content(journal: Journal, report: JournalReport, step: int, frame: St
         summary = journal.read_summary(step)
     except (JournalError, CodecError, SchemaError) as e:
         return report.add(BAD_SUMMARY, step, str(e))
-    want = [e for e in record.events if e["type"] in SUMMARY_TYPES]
+    want = [e for e in record.events if e["type"] in summary_types()]
     if summary is None or codec.packb(summary.events) != codec.packb(want):
         report.add(BAD_SUMMARY, step, "the step's summary entry is missing or differs from its record")
     return None

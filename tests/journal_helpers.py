@@ -7,6 +7,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+import verlj.engine  # noqa: F401  (declares verlj's event types to the journal: these are its events)
 from verlj.journal import make_event
 from verlj.journal.frames import step_key
 

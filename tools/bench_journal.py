@@ -40,7 +40,7 @@ import numpy as np
 from verlj.engine.schema.sample import EnvEnd, Sample, pack
 from verlj.journal import Journal, make_event, packb
 from verlj.journal.codec import Shapes
-from verlj.journal.events import SUMMARY_TYPES
+from verlj.journal.events import summary_types
 from verlj.journal.frames import StepFrame, encode_step, frame_plain, frame_step, frame_step2, step_key
 
 
@@ -89,7 +89,7 @@ def stored(step: int, events: list[dict], level: int, shapes: Shapes) -> bytes:
 def v1_bytes(step: int, events: list[dict]) -> int:
     """What the v1 format stored for the same step (everything inline, plain msgpack) and its summary."""
     body = packb({"v": 1, "step": step, "time": 0.0, "events": events})
-    summary = frame_plain(packb({"step": step, "time": 0.0, "events": [e for e in events if e["type"] in SUMMARY_TYPES]}))
+    summary = frame_plain(packb({"step": step, "time": 0.0, "events": [e for e in events if e["type"] in summary_types()]}))
     return len(frame_step(body, bytes(32))) + len(summary)
 
 

@@ -47,7 +47,7 @@ def measure(label: str, over: list[str], steps: int, writes: int, root: Path) ->
         inputs = trainer.collect(step)
         trainer.apply(step, inputs, trainer.take(step, inputs))
         step_s.append(time.perf_counter() - t)
-    fp, _ = trainer.fingerprint()
+    fp, _ = trainer.state_fingerprint()
     write_s, sizes = [], []
     for k in range(writes):
         out = root / f"{label}-snapshot{k}"

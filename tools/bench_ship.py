@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+import verlj.engine  # noqa: F401  (declares verlj's event types to the journal)
 from verlj.journal import Journal, make_event, segments
 
 

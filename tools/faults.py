@@ -157,6 +157,7 @@ def clean_error(out: subprocess.CompletedProcess) -> bool:
 
 
 def _journal():
+    import verlj.engine  # noqa: F401  (declares verlj's event types to the journal)
     from verlj.journal import Journal, verify_journal
 
     return Journal, verify_journal
@@ -249,6 +250,7 @@ BITFLIP = [f"trainer.total_steps={FLIP_STEPS}", "trainer.save_interval=3", "trai
 def bitflip_trial(root: Path, refs: dict[int, Path], rng: random.Random, n: int, counts: Counter) -> Trial:
     """One bit flipped in one step of a clean run; `verlj rerun` over all its steps must name that
     step and stage and reproduce every other step it re-executes."""
+    import verlj.engine  # noqa: F401  (declares verlj's event types to the journal)
     from verlj.journal import open_journal_reader
 
     zero, target = rng.choice([0, 1, 2, 3]), ("params", "grads")[n % 2]  # as many of each
@@ -259,7 +261,7 @@ def bitflip_trial(root: Path, refs: dict[int, Path], rng: random.Random, n: int,
         assert train(ref, *BITFLIP, f"distributed.zero_stage={zero}", resume=False).returncode == 0
     with open_journal_reader(ref / "journal") as j:
         per_step = int(j.read_step(1).first("stages")["summary"]["grad_norm"]["n"])  # optimizer steps a step
-        ref_fp = j.read_step(step).fingerprint
+        ref_fp = j.read_step(step).state_fingerprint
     if target == "grads":
         point, count, stage = "update.grads", (step - 1) * per_step + rng.randint(1, per_step), "grads"
     else:
@@ -270,7 +272,7 @@ def bitflip_trial(root: Path, refs: dict[int, Path], rng: random.Random, n: int,
     if out.returncode != 0:
         return Trial("bitflip", n, what, "CRASH", out.stderr[-300:])
     with open_journal_reader(run / "journal") as j:
-        effective = j.read_step(step).fingerprint != ref_fp
+        effective = j.read_step(step).state_fingerprint != ref_fp
     out = verlj("rerun", run, "--steps", f"1:{FLIP_STEPS}", "--json")
     shutil.rmtree(run, ignore_errors=True)
     try:
@@ -381,7 +383,7 @@ def _kept(run: Path, before: dict[int, str]) -> dict[int, str]:
         return {}
     Journal, _ = _journal()
     with Journal.open_reader(run / "journal") as j:
-        now = {r.step: r.fingerprint for r in j.iter_steps(payload=False)}
+        now = {r.step: r.state_fingerprint for r in j.iter_steps(payload=False)}
     changed = [s for s, fp in before.items() if now.get(s) != fp]
     if changed:
         raise AssertionError(f"committed steps {changed} changed")

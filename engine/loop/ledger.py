@@ -21,10 +21,8 @@ commands read the ledger without loading a deep-learning stack.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
-import platform
 import re
 import shutil
 import socket
@@ -34,12 +32,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, cast
 
-import blake3
-
 from verlj.journal import Claim, Journal, JournalError, open_journal_reader, segments
 from verlj.journal.claim import being_written, live_holder
 
-from ..config import config_from_dict, stored_config
+from ..config import stored_config
 from ..errors import RunError
 from ..schema.events import ControlKind
 from ..schema.sample import GroupInFlight
@@ -55,6 +51,7 @@ from .records import (
     TopologyChange,
     TrainMetadata,
     config_in_force,
+    versions_in_force_at,
 )
 
 # meta keys, named here only
@@ -200,58 +197,6 @@ def discard_journal(run_dir: Path) -> None:
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def versions(config: dict | None = None) -> dict[str, str]:
-    """The versions of what shapes a run's numbers, from the installed packages' metadata (the same
-    strings as their __version__; reading them loads no deep-learning stack), a digest of the verlj
-    source that computes them (an edit between two runs is a version change too), and with the run's
-    stored `config`, a digest of each user module it imports by name (user_modules)."""
-    from importlib.metadata import version
-
-    return {
-        "verlj": version("verlj"),
-        "verlj-source": source_digest(),
-        "torch": version("torch"),
-        "deepspeed": version("deepspeed"),
-        "transformers": version("transformers"),
-        "python": platform.python_version(),
-        **(user_modules(config) if config is not None else {}),
-    }
-
-
-def user_modules(config: dict) -> dict[str, str]:
-    """'reward module NAME' (rollout.reward_fn=NAME:function) and 'checkpoint policy module NAME'
-    (trainer.checkpoint_policy=NAME.Class) -> BLAKE3 of the module's source file, 16 hex digits
-    ('missing' when it cannot be found): an edit to the user's code is a version change too."""
-    from ..plugins import module_file
-
-    named = {}
-    cfg = config_from_dict(config)  # a config that runs here (a resume's, a rerun's): it validates here
-    reward = str(cfg.rollout.reward_fn or "")
-    if ":" in reward and not reward.startswith("builtin:"):
-        named["reward module " + reward.partition(":")[0]] = reward.partition(":")[0]
-    policy = cfg.trainer.checkpoint_policy
-    if policy and "." in policy:
-        named["checkpoint policy module " + policy.rsplit(".", 1)[0]] = policy.rsplit(".", 1)[0]
-    out = {}
-    for key, module in named.items():
-        path = module_file(module)
-        out[key] = blake3.blake3(path.read_bytes()).hexdigest()[:16] if path is not None else "missing"
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def source_digest() -> str:
-    """BLAKE3 of the engine's and the journal's Python source (what computes a step), 16 hex digits."""
-    import verlj.journal
-
-    h = blake3.blake3()
-    for base in (Path(__file__).resolve().parents[1], Path(verlj.journal.__file__).resolve().parent):
-        for f in sorted(base.rglob("*.py")):
-            h.update(f"{base.name}/{f.relative_to(base)}\0".encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def git_commit() -> str | None:
@@ -494,7 +439,7 @@ class Ledger:
                  "zero_stage": first.get("distributed", {}).get("zero_stage", 0)}  # read as stored: inspect reads it anywhere
         return History(base_step=self.base_step(), last_step=self.last_step(), pruned_through=self.pruned_through(),
                        first_config=first, config_changes=self.config_history(), topology_start=start,
-                       topology_changes=self.topology_changes())
+                       topology_changes=self.topology_changes(), produced_on=self.produced_on())
 
     def record_topology_change(self, from_step: int, topology: dict, details: dict) -> None:
         """A TopologyChange: `details` is TopologyChange.details() (how the resume got there)."""
@@ -512,12 +457,11 @@ class Ledger:
         return [dataclasses.replace(e, parent=parent) if e.forked and e.parent is None else e for e in entries]
 
     def record_resume(self, at_step: int, snapshot_step: int, config_changes: list[str], world_size: int,
-                      resume_from: str | None = None, config: dict | None = None, hardware: dict | None = None) -> list[str]:
+                      now: dict[str, str], resume_from: str | None = None) -> list[str]:
         """Record a resume (and the trainer.resume_from it was asked for: one resume's choice, never the
-        run's config) with the library versions it runs on (and the user modules `config`, the one it
-        resumes with, imports) and the `hardware` (state.hardware) it runs on. Returns the versions that
-        changed since the run last started, as 'name old → new'."""
-        now = {**versions(config), **(hardware or {})}
+        run's config) with what it runs on, `now` (loop.provenance.produced_on: the library versions, the
+        user modules its config imports, the hardware). Returns the versions that changed since the run
+        last started, as 'name old → new'."""
         before = self.versions_in_force()
         moved = [f"{k} {before[k]} → {v}" for k, v in now.items() if k in before and before[k] != v]
         entry = LineageEntry(ControlKind.RESUME, at_step, snapshot_step, config_changes, world_size, now_iso(), now,
@@ -525,13 +469,13 @@ class Ledger:
         self.journal.set_meta(_LINEAGE, [*(self.journal.get_meta(_LINEAGE) or []), entry.to_dict()])
         return moved
 
+    def produced_on(self) -> list:
+        """[after_step, versions] of the run's start (-1) and of each start or resume since (History.produced_on)."""
+        return [[-1, self.get(_VERSIONS) or {}], *([e.at_step, e.versions] for e in self.lineage_entries() if e.versions)]
+
     def versions_at(self, step: int) -> dict[str, str]:
         """The versions (and hardware) in force when `step` was trained: those of the last start or resume before it."""
-        found = self.get(_VERSIONS) or {}
-        for entry in self.lineage_entries():
-            if entry.at_step < step and entry.versions:
-                found = entry.versions
-        return found
+        return versions_in_force_at(self.produced_on(), step)
 
     def versions_in_force(self) -> dict[str, str]:
         """The library versions of the run's latest start or resume (its identity's, before any resume recorded them)."""
@@ -618,12 +562,12 @@ class Ledger:
 
     def fingerprints(self, start: int | None = None, stop: int | None = None) -> dict[int, str]:
         """step -> the fingerprint journaled after it (from the summaries: no samples decoded)."""
-        return {summary.step: summary.fingerprint for summary in self.journal.iter_summaries(start, stop)
-                if summary.fingerprint is not None}
+        return {summary.step: summary.state_fingerprint for summary in self.journal.iter_summaries(start, stop)
+                if summary.state_fingerprint is not None}
 
     def fingerprint_at(self, step: int) -> str | None:
         summary = self.journal.read_summary(step)
-        return None if summary is None else summary.fingerprint
+        return None if summary is None else summary.state_fingerprint
 
     # ------------------------------------------------------------------ the human-readable mirror
 

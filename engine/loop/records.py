@@ -6,7 +6,7 @@ was in force at any step, as a resume or a replay needs it. Plain data: no journ
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from ..schema.events import ControlKind
@@ -210,6 +210,8 @@ class History:
     config_changes: list[ConfigEntry]  # the changes made on resume, in order
     topology_start: dict  # {world_size, tensor_parallel_size, zero_stage} of the run's start
     topology_changes: list[TopologyChange]  # in order (Ledger.topology_changes)
+    # [after_step, versions]: what the start (-1) and each resume ran on (versions and hardware: loop.provenance)
+    produced_on: list = field(default_factory=list)
 
     def __post_init__(self):  # from to_dict's maps, as they cross ranks
         self.config_changes = [e if isinstance(e, ConfigEntry) else ConfigEntry.from_dict(e) for e in self.config_changes]
@@ -229,8 +231,22 @@ class History:
                 topo = entry.topology
         return topo
 
+    def versions_at(self, step: int) -> dict[str, str]:
+        """The versions (and hardware) in force when `step` was trained: those of the last start or resume before it."""
+        return versions_in_force_at(self.produced_on, step)
+
     def to_dict(self) -> dict:
         """Plain data (History(**it) is this history again)."""
         return {"base_step": self.base_step, "last_step": self.last_step, "pruned_through": self.pruned_through,
                 "first_config": self.first_config, "config_changes": [e.to_dict() for e in self.config_changes],
-                "topology_start": self.topology_start, "topology_changes": [e.to_dict() for e in self.topology_changes]}
+                "topology_start": self.topology_start, "topology_changes": [e.to_dict() for e in self.topology_changes],
+                "produced_on": self.produced_on}
+
+
+def versions_in_force_at(produced_on: list, step: int) -> dict[str, str]:
+    """Of [after_step, versions] pairs in order (a start's at -1, then each resume's), those in force when `step` was trained."""
+    found: dict[str, str] = {}
+    for after, versions in produced_on:
+        if after < step and versions:
+            found = versions
+    return found

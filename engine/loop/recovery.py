@@ -33,6 +33,7 @@ from ..state.topology import Topology
 from . import archive
 from .context import Run
 from .ledger import Ledger
+from .provenance import produced_on
 from .reader import StepReader
 from .records import History, Rebased, TopologyChange
 from .snapshot_store import SnapshotStore, check_against_journal
@@ -154,7 +155,7 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
         f"Dataflow anchor restored: dataloader at batch_idx={run.trainer.sampler.cursor}, "
         f"buffer has {len(run.trainer.buffer)} pending samples."
     )
-    fp, _ = run.trainer.fingerprint()
+    fp, _ = run.trainer.state_fingerprint()
     if ckpt.resharded is None and fp != meta.fingerprint:
         raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {str(meta.fingerprint)[:16]}…")
     ckpt.loaded_fingerprint = fp
@@ -266,7 +267,7 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
                 break
             continue
         if out.exact:
-            _check_exact(run, step, record, outcome, mine if check_metrics else None)
+            _check_exact(run, history, step, record, outcome, mine if check_metrics else None)
         else:
             _check_within_tolerance(step, record.metrics, mine, out)
         if ckpt is not None:
@@ -276,7 +277,7 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
     return out
 
 
-def _check_exact(run: Run, step: int, record: StepRecord, outcome, mine: dict | None) -> None:
+def _check_exact(run: Run, history: History, step: int, record: StepRecord, outcome, mine: dict | None) -> None:
     """On the journal's reference line: the replayed step's stages and fingerprint must be the
     journaled ones bit for bit, and so must its metrics `mine` (None: not checked)."""
     from ..rl.trainer import is_timing
@@ -286,22 +287,22 @@ def _check_exact(run: Run, step: int, record: StepRecord, outcome, mine: dict | 
     if journaled_stages is not None:
         stage = first_digest_difference(journaled_stages.digests, Stages.from_event(outcome.stages).digests)
         if stage is not None:
-            raise _diverged(run, step, f"its {stage} differ from the journal's "
+            raise _diverged(history, step, f"its {stage} differ from the journal's "
                                        f"(`verlj rerun {run.run_dir} --steps {step}:{step}` says more)")
-    want = record.fingerprint
+    want = record.state_fingerprint
     if outcome.fingerprint != want:
-        raise _diverged(run, step, f"fingerprint {outcome.fingerprint[:16]}… but the journal has {str(want)[:16]}…")
+        raise _diverged(history, step, f"fingerprint {outcome.fingerprint[:16]}… but the journal has {str(want)[:16]}…")
     if mine is not None:
         journaled = record.metrics
         bad = [k for k in journaled if not is_timing(k) and k in mine and not _same_float(journaled[k], mine[k])]
         if bad:
-            raise _diverged(run, step, f"metric {bad[0]} is {mine[bad[0]]!r}, journaled {journaled[bad[0]]!r}")
+            raise _diverged(history, step, f"metric {bad[0]} is {mine[bad[0]]!r}, journaled {journaled[bad[0]]!r}")
 
 
-def _diverged(run: Run, step: int, what: str) -> ReplayError:
+def _diverged(history: History, step: int, what: str) -> ReplayError:
     """A replayed step that differs from the journal: when the step was trained on other hardware than
-    this process runs on (state.hardware), the error says that first; it is then a HardwareDivergence."""
-    cause = cross_hardware(run.ledger.versions_at(step), hardware()) if run.ledger is not None else None
+    this process runs on (state.hardware), the error says that first, on every rank; it is then a HardwareDivergence."""
+    cause = cross_hardware(history.versions_at(step), hardware())
     if cause is not None:
         return HardwareDivergence(f"step {step} was {cause} (replay diverged at step {step}: {what})")
     return ReplayError(f"replay diverged at step {step}: {what}")
@@ -367,7 +368,7 @@ def _topology_boundary(run: Run, history: History, step0: int, last: int, out: R
     before = history.topology_at(last)
     if out.exact and here == before:
         return None
-    fp, _ = run.trainer.fingerprint()
+    fp, _ = run.trainer.state_fingerprint()
     resharded = run.ckpt.resharded.to_dict() if run.ckpt.resharded is not None else None
     return TopologyChange(last + 1, here, before, step0, resharded, [step0 + 1, last] if step0 < last else None, TOLERANCE,
                           out.tolerant_steps, out.worst, Rebased(last, fp))
@@ -418,7 +419,7 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
         ledger = run.main_ledger()
         if topology is not None:
             ledger.record_topology_change(topology.from_step, topology.topology, topology.details())
-        moved = ledger.record_resume(last, step0, changed, rt.world_size, resume_from=spec, config=cfg.to_stored(), hardware=hardware())
+        moved = ledger.record_resume(last, step0, changed, rt.world_size, produced_on(cfg.to_stored()), resume_from=spec)
         if moved:
             reporter.warn(f"library versions changed since this run last started: {', '.join(moved)} (recorded in its lineage)")
         if changed:

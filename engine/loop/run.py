@@ -33,7 +33,6 @@ from ..errors import ConfigError, RunError
 from ..report import Reporter
 from ..schema.events import Control, ControlKind
 from ..schema.sample import GroupInFlight
-from ..state.hardware import hardware
 from . import whatif
 from .context import Run
 from .ledger import (
@@ -52,9 +51,9 @@ from .ledger import (
     run_state,
     shipped_config,
     stage_local_journal,
-    versions,
     writer_refusal,
 )
+from .provenance import produced_on
 
 if TYPE_CHECKING:  # torch and DeepSpeed load only once the config is known good: bad input fails fast
     from ..dist import Runtime
@@ -340,10 +339,10 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
         if source is trainer:  # past rollout.max_fault_rate: one line, nothing of the step committed (a what-if's samples passed it)
             faults.check(step, generated, cfg.rollout.max_fault_rate, run.run_dir)
         outcome.metrics.update(trainer.buffer_metrics())
-        evaluated = []
+        evaluated, eval_note = [], ""
         if source.eval_due(step):
             t_eval = time.perf_counter()
-            eval_metrics, eval_event = trainer.evaluate(step)
+            eval_metrics, eval_event, eval_note = trainer.evaluate(step)
             outcome.metrics.update(eval_metrics, **{"timing_s/eval": time.perf_counter() - t_eval})
             evaluated = [eval_event]
         outcome.metrics.update(inputs.timings)
@@ -361,7 +360,7 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
         if shipper is not None:
             logged.update({"journal/ship_lag_steps": shipper.lag(), "timing_s/ship_cpu": shipper.cpu_seconds - ship_cpu})
             ship_cpu = shipper.cpu_seconds
-        reporter.step(step, logged, faults.note(generated))
+        reporter.step(step, logged, " ".join(filter(None, [faults.note(generated), eval_note])))
         stopping = not rt.all_true(not stop.requested)  # every rank stops after the same step
         ckpt.after_step(step, outcome.fingerprint, due or stopping or step == cfg.trainer.total_steps)
         if stopping:
@@ -461,7 +460,7 @@ def start_child(replayed, parent: Path, new_run: Path, cfg: Config, counterfactu
 
     rt, trainer, step = replayed.run.rt, replayed.run.trainer, replayed.step
     # the base snapshot holds the state under the new config (an optimizer's lr is part of its state)
-    base_fp, _ = trainer.fingerprint()
+    base_fp, _ = trainer.state_fingerprint()
     ledger: Ledger | None = None
     notes: list[str] = []
     if rt.is_main:
@@ -496,14 +495,18 @@ def close_child(run: Run | None, trainer) -> None:
 
 
 def preflight_rollout(cfg: Config, rt: Runtime) -> None:
-    """Before a run that generates writes anything: its rollout engine can run here, and rollout.env
-    (if named) can be imported and made (rl.envs.check_env)."""
+    """Before a run that generates writes anything: its rollout engine can run here, rollout.env
+    (if named) can be imported and made (rl.envs.check_env), and rollout.agent imported."""
     from ..rl.envs import check_env
     from ..rl.rollout import engine_class
 
     engine_class(cfg.rollout.engine, cfg.rollout.mode, cfg.rollout.fleet).preflight(cfg, rt.device)
     if cfg.rollout.env is not None:
         check_env(cfg)
+    if cfg.rollout.agent is not None:  # rollout.agent: importable (a command is found when it runs)
+        from ..rl.gateway.runner import load_agent
+
+        load_agent(cfg.rollout.agent)
 
 
 def run_identity(run: Run) -> dict:
@@ -513,7 +516,7 @@ def run_identity(run: Run) -> dict:
         "config": cfg.to_stored(),
         "config_hash": cfg.hash(),
         "seed": cfg.trainer.seed,
-        "versions": {**versions(cfg.to_stored()), **hardware()},
+        "versions": produced_on(cfg.to_stored()),
         "world_size": rt.world_size,
         "tensor_parallel_size": rt.tp_size,
         "num_threads": cfg.trainer.num_threads,

@@ -276,15 +276,22 @@ class SnapshotStore:
         return plan
 
     def _point_latest(self) -> None:
-        """`latest` -> the newest indexed snapshot (removed when none is left)."""
+        """`latest` -> the newest indexed snapshot (removed when none is left). A run directory copied
+        by a copy that follows links (`cp -rL`, some sync tools) holds `latest` (or a leftover
+        `.latest.tmp`) as a directory: a second copy of a snapshot that stays in its own step_N
+        directory, never read through `latest`; it is removed so that the link can take its place."""
         index = self.main_ledger.snapshot_index()
         latest = self.run_dir / "latest"
+        if not latest.is_symlink() and latest.is_dir():
+            shutil.rmtree(latest)
         if not index:
             if latest.is_symlink():
                 latest.unlink()
             return
         link_tmp = self.run_dir / ".latest.tmp"
-        if link_tmp.is_symlink() or link_tmp.exists():
+        if not link_tmp.is_symlink() and link_tmp.is_dir():
+            shutil.rmtree(link_tmp)
+        elif link_tmp.is_symlink() or link_tmp.exists():
             link_tmp.unlink()
         os.symlink(index[max(index)].path, link_tmp)
         os.replace(link_tmp, latest)

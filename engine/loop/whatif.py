@@ -86,7 +86,7 @@ class WhatifSource:
         record = self.reader.read(step, f"reading step {step} of {self.parent}", check)
         theirs = self.run.rt.from_rank0(theirs_before, f"reading the fingerprint of step {step - 1} of {self.parent}")
         inputs = StepInputs.from_record(record)
-        mine, _ = trainer.fingerprint()
+        mine, _ = trainer.state_fingerprint()
         inputs.rollout = dataclasses.replace(inputs.rollout, whatif=True, whatif_correction=mine != theirs)
         added = sample_codec.unpack(inputs.added)
         trainer.rescore(added)

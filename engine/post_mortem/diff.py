@@ -174,7 +174,7 @@ def _environment_differences(ja: Ledger, jb: Ledger, rollout: tuple[int, Rollout
     if rollout is not None:
         step, ra, rb = rollout
         (ea, a), (eb, b) = (ra.engine, ra.version), (rb.engine, rb.version)
-        package = {"hf": "transformers"}.get(ea, ea) if ea == eb else f"{ea}/{eb}"
+        package = {"hf": "transformers", "fleet": "transformers"}.get(ea, ea) if ea == eb else f"{ea}/{eb}"
         if out.get(package) != [a, b]:
             out[f"{package} (rollout, step {step})"] = [a, b]
     return out

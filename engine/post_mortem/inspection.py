@@ -160,6 +160,7 @@ class RunSummary:
     missing: list[dict]
     trend: tuple[TrendPoint, ...]
     probes: list[dict]
+    agents: dict | None = None  # rollout.agent: the gateway's calls over the committed steps (agent_counts)
 
     def to_json(self) -> dict:
         ident = self.identity
@@ -184,7 +185,28 @@ class RunSummary:
             "trend": [_json(t) for t in self.trend],
             "probes": self.probes,
             "counterfactual": ident.counterfactual,
+            "agents": self.agents,
         }
+
+
+AGENT_COUNTS = {"calls_generated": "agent/calls", "prefix_breaks": "agent/prefix_breaks",
+                "malformed_tool_calls": "agent/malformed_tool_calls"}
+
+
+def agent_counts(metrics) -> dict | None:
+    """rollout.agent's counts over a run's steps ((step, metrics) pairs): calls generated and answered from the
+    journal (0 in sync mode: a crashed step's agents run again live), divergences (0: sync mode never replays
+    calls), prefix breaks, malformed tool calls, and the episodes that ended by a fault. None without agents."""
+    out = dict.fromkeys([*AGENT_COUNTS, "calls_from_journal", "divergences", "faults"], 0)
+    seen = False
+    for _, values in metrics:
+        if "agent/calls" not in values:
+            continue
+        seen = True
+        for name, key in AGENT_COUNTS.items():
+            out[name] += int(values.get(key, 0))
+        out["faults"] += int(values.get("rollout/faults", 0))
+    return out if seen else None
 
 
 def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
@@ -211,6 +233,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
                 summ = ledger.journal.read_summary(s)
                 values = StepEvents.of(summ).values if summ else {}
                 trend.append(TrendPoint(s, values.get(REWARD), values.get(PG_LOSS)))
+        agents = agent_counts(ledger.metrics()) if last > base else None
     snaps = []
     names = {p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("step_")} | indexed
     for name in sorted(names):
@@ -220,7 +243,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
         run=str(run_dir), identity=identity, world_size=ranks_now, rollout=rollout, steps_committed=last - base,
         first_step=base + 1 if last > base else None, last_step=last, snapshots=tuple(snaps), lineage=lineage,
         topology=topology, writer=_writer(run_dir), quarantined=quarantined, missing=missing, trend=tuple(trend),
-        probes=derived.probes(run_dir),
+        probes=derived.probes(run_dir), agents=agents,
     )
 
 
@@ -263,7 +286,7 @@ def render_summary(s: RunSummary) -> str:
         f"actor {cfg.model.actor.model_name_or_path if cfg else None}",
         "versions   " + "  ".join(f"{k} {v}" for k, v in (ident.versions or {}).items()),
         f"ranks      {s.world_size}{started_on}   created {ident.created}",
-        f"rollout    {ro.engine}" + ("" if not ro.version else f" (transformers {ro.version})" if ro.engine == "hf" else f" {ro.version}")
+        f"rollout    {ro.engine}" + ("" if not ro.version else f" (transformers {ro.version})" if ro.engine in ("hf", "fleet") else f" {ro.version}")
         + (f", async ({_order(ro)}max_staleness {ro.max_staleness})" if ro.is_async else ""),
         f"steps      {s.steps_committed} committed, last step {s.last_step}",
     ]
@@ -382,14 +405,17 @@ class EpisodeLine:
     turns: tuple[TurnLine, ...]
     env_end: int
     env_reason: str
+    calls: tuple = ()  # rollout.agent: the episode's model calls (rl.gateway.ledger.call_lines)
 
     @classmethod
     def of(cls, s: Sample, decoder) -> EpisodeLine:
+        from ..rl.gateway.ledger import call_lines
+
         def text(ids):
             return decoder.decode(ids.tolist(), skip_special_tokens=False) if decoder else ids.tolist()
 
         turns = tuple(TurnLine(text(t.action_ids), text(t.observation_ids), None if t.reward != t.reward else t.reward) for t in s.turns())
-        return cls(turns, int(s.env_end), s.env_reason)
+        return cls(turns, int(s.env_end), s.env_reason, tuple(call_lines(s.agent_calls)))
 
     @classmethod
     def of_row(cls, row: dict) -> EpisodeLine:
@@ -397,7 +423,8 @@ class EpisodeLine:
         return _view(cls, {**row, table.TURNS: tuple(_view(TurnLine, t) for t in row[table.TURNS])})
 
     def to_json(self) -> dict:
-        return {"turns": [_json(t) for t in self.turns], "env_end": self.env_end, "env_reason": self.env_reason}
+        out = {"turns": [_json(t) for t in self.turns], "env_end": self.env_end, "env_reason": self.env_reason}
+        return {**out, "calls": list(self.calls)} if self.calls else out
 
 
 @dataclass(frozen=True)
@@ -452,7 +479,7 @@ class StepDetail:
                               ev.consumed.ids.tolist() if ev.consumed else []),
             samples=tuple(samples), samples_note=note, metrics=ev.values,
             probe_metrics=derived.values(run_dir).get(ev.step, {}), probes=derived.probes(run_dir),
-            fingerprint=ev.fingerprint, control=(*ev.controls, *ev.configs),
+            fingerprint=ev.state_fingerprint, control=(*ev.controls, *ev.configs),
             eval=EvalLine.of(ev.eval, decoder) if ev.eval is not None else None,
         )
 
@@ -546,7 +573,12 @@ def render_step(d: StepDetail) -> str:
     for s in d.samples:
         mark = " consumed" if s.id in consumed else (" dropped" if s.id in dropped else "")
         lines.append(f"  {s.id:>6} {s.group:>6} v{s.policy_version:<3} | {s.prompt!s} → {s.response!s} | {s.score:.4g}{mark}")
-        if s.episode is not None:
+        if s.episode is not None and s.episode.calls:  # an agent's episode: call by call
+            for n, c in enumerate(s.episode.calls):
+                tools = f"  tool calls: {', '.join(c['tool_calls'])}" if c["tool_calls"] else ""
+                lines.append(f"         call {n + 1}{'' if c['trained'] else ' (not trained: another segment)'}: {c['sent']!r} → "
+                             f"{c['text']!r} [{c['finish_reason']}]{tools}{'  ' + c['flag'] if c['flag'] else ''}")
+        elif s.episode is not None:
             for t, turn in enumerate(s.episode.turns):
                 lines.append(f"         turn {t + 1}: {turn.action!s} ⇒ {turn.observation!s}" + (f"  reward {turn.reward:.4g}" if turn.reward is not None else ""))
             if s.episode.env_reason:

@@ -24,6 +24,7 @@ from ..errors import RunError
 from ..loop.context import Run
 from ..loop.ledger import Ledger, has_run, lost_journal, run_state
 from ..report import Reporter
+from ..rl.lora import check_base
 
 if TYPE_CHECKING:
     from ..loop.recovery import Deviation
@@ -87,10 +88,12 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
     run = None
     try:
         run = make_run(run_dir, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
+        # a snapshot holds LoRA adapters only: on another base they would replay, export or re-train another model
+        check_base(ledger.loaded().actor_base_digest, run.trainer.actor_base, cfg.model.actor.model_name_or_path)
         step0, out = materialize_steps(run, to_step, max_snapshot=max_snapshot)
         fp = out.fingerprint
         if fp is None:
-            fp, _ = run.trainer.fingerprint()
+            fp, _ = run.trainer.state_fingerprint()
     finally:
         ledger.close()
         if run is not None:

@@ -11,7 +11,7 @@ differs, the run's own execution of the step went wrong, or the platform changed
 ``transient`` (this machine does not give the same result twice: suspect its hardware). Each
 step's samples are scored again with the reward function the config names as it is now (a reward
 model too with --rescore-model): an edited reward module differs at ``scores``, persistent, naming
-the module's digest change (loop.ledger.user_modules) and the first sample scored otherwise.
+the module's digest change (loop.provenance.user_modules) and the first sample scored otherwise.
 Nothing is written into the run.
 """
 
@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING
 from ..config import config_from_stored
 from ..dist import configure_determinism, setup
 from ..errors import ReplayError, RunError, SnapshotError
-from ..loop.ledger import Ledger, has_run, lost_journal, versions
+from ..loop.ledger import Ledger, has_run, lost_journal
+from ..loop.provenance import produced_on
 from ..loop.reader import StepReader
 from ..report import Reporter
 from ..schema.events import Stages, StepEvents
-from ..state.hardware import cross_hardware, hardware
+from ..state.hardware import cross_hardware
 from ..state.topology import Topology
 from .materialize import replay_config
 
@@ -217,7 +218,7 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
 
         def observe(step, record, outcome) -> bool:
             ev = StepEvents.of(record)
-            seen[step] = Observed(ev.stages, Stages.from_event(outcome.stages), ev.fingerprint, outcome.fingerprint, outcome.kept)
+            seen[step] = Observed(ev.stages, Stages.from_event(outcome.stages), ev.state_fingerprint, outcome.fingerprint, outcome.kept)
             return True
 
         def pre(step, inputs, samples) -> None:
@@ -294,7 +295,7 @@ def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> 
             resume_at = stop if resume_at is None else resume_at
             verdicts += [Verdict(s, NOT_CHECKED) for s in range(broken.step + 1, resume_at + 1)]
             pos = resume_at + 1
-    now = {**versions(config), **hardware()}
+    now = produced_on(config)
     moved = {k: [recorded.get(k), now[k]] for k in now if recorded.get(k) not in (None, now[k])}
     return RerunReport(str(run_dir), [start, stop], origins[0], origins[1:], tuple(verdicts), moved, "verlj-source" in recorded,
                        ("rescored" if rescore_model else "kept") if reward_model else None)

@@ -48,6 +48,7 @@ from verlj.journal.failpoints import failpoint
 
 from ..config import Config
 from ..errors import RunError
+from .reaper import resource_tracker_apart
 from .sampler import AskedGroup, SamplerEngine, sampling_params
 
 POLL_S = 0.5  # how often a wait checks that the other side is alive
@@ -89,6 +90,7 @@ class GeneratorProcess(SamplerEngine):
 
     def _start(self, cfg: Config, params, version: int) -> None:
         failpoint("async.start")
+        resource_tracker_apart()  # a group kill of the run leaves no sem.mp-* in /dev/shm (rl.reaper)
         ctx = torch.multiprocessing.get_context("spawn")
         self.shared = {name: t.detach().clone().share_memory_() for name, t in params}
         child_requests, self.requests = ctx.Pipe(duplex=False)  # (receiving end, sending end)

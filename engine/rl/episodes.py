@@ -31,12 +31,14 @@ env calls made twice, on a fresh env), and its next turn generated from its own 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from ..schema.sample import EnvEnd, GroupInFlight
+from ..state.seeding import derive_seed
 from .envs import EnvFactory, EnvFault, safe_reset, safe_resets, safe_step, safe_steps
 
 
@@ -66,6 +68,14 @@ class Episode:
     def stop(self, end: EnvEnd, reason: str = "") -> None:
         self.end, self.reason, self.env = int(end), reason, None
 
+    def actions(self, tokenizer) -> list[str]:
+        """Each turn's action, as text (what the env was given)."""
+        out, at, ids = [], 0, np.asarray(self.response, np.int64)
+        for a, o in np.asarray(self.turn_lens, np.int64).reshape(-1, 2).tolist():
+            out.append(tokenizer.decode(ids[at : at + a], skip_special_tokens=True))
+            at += a + o
+        return out
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -84,6 +94,23 @@ class Limits:
         """The limits a RolloutConfig sets."""
         return cls(rollout.max_turns, rollout.env_timeout_s, rollout.max_observation_length or 0, rollout.max_episode_length or 0,
                    rollout.max_response_length)
+
+
+def longest_sequence(cfg, positions: int) -> int:
+    """The most tokens one generation holds, prompt and response (what a vLLM engine is sized to): a prompt
+    and its response; with rollout.env, an episode's context and its next action: at most
+    rollout.max_episode_length (the first action after the reset's observation aside), or else the prompt
+    and max_turns actions and observations of at most rollout.max_observation_length tokens each (no cap:
+    the model's `positions`)."""
+    ro, prompt = cfg.rollout, cfg.data.max_prompt_length
+    single = prompt + ro.max_response_length
+    if ro.env is None:
+        return single
+    if ro.max_episode_length:
+        return max(ro.max_episode_length, single + ro.max_observation_length)
+    if not ro.max_observation_length:
+        return max(positions, single)
+    return prompt + ro.max_turns * (ro.max_response_length + ro.max_observation_length)
 
 
 TRUNCATED = " [truncated]"  # ends an observation cut to rollout.max_observation_length tokens
@@ -208,19 +235,9 @@ class Round:
         going gets a fresh env, reset on its row and seed, with its durable actions stepped in order.
         What the env answers now is not used (it need not be deterministic): the durable observations
         are the episode's. An env that faults on the way ends its episode (reason ``restore: ...``)."""
-        self = cls.__new__(cls)
-        self.tok, self.limits, self.max_turns, self.timeout_s, self.turn = tokenizer, limits, limits.max_turns, limits.timeout_s, state.turn
-        timeout_s = limits.timeout_s
-        self.episodes, replayed = [], 0
-        for k, row in enumerate(rows):
-            ep = Episode(None, state.prompt_ids[k], state.env_seed[k], state.response_ids[k].tolist(), state.gen_logprobs[k].tolist(),
-                         state.loss_mask[k].tolist(), state.turn_lens[k].tolist(), state.turn_rewards[k].tolist(), state.env_end[k],
-                         state.env_reason[k])
-            actions, at = [], 0
-            for a, o in np.asarray(ep.turn_lens, np.int64).reshape(-1, 2).tolist():
-                actions.append(self.tok.decode(state.response_ids[k][at : at + a], skip_special_tokens=True))
-                at += a + o
-            ep.last_action = actions[-1] if actions else ""
+        self, timeout_s, replayed = cls.of_states([state], tokenizer, limits), limits.timeout_s, 0
+        for ep, row in zip(self.episodes, rows):
+            actions = ep.actions(tokenizer)
             if ep.live:
                 env = factory()
                 first = safe_reset(env, row, ep.env_seed, timeout_s)
@@ -233,8 +250,23 @@ class Round:
                     if isinstance(got, EnvFault):
                         ep.stop(EnvEnd.FAULT, f"restore: step {got.reason}")
                         break
-            self.episodes.append(ep)
         return self, replayed
+
+    @classmethod
+    def of_states(cls, states: list[GroupInFlight], tokenizer, limits: Limits) -> Round:
+        """The round the groups' `states` hold (their episodes in order), without envs: what scoring and
+        the next ask read of groups whose envs live elsewhere (a fleet's actors: :func:`play_group`)."""
+        self = cls.__new__(cls)
+        self.tok, self.limits, self.max_turns, self.timeout_s = tokenizer, limits, limits.max_turns, limits.timeout_s
+        self.turn = max((st.turn for st in states), default=0)
+        self.episodes = []
+        for st, k in [(g, k) for g in states for k in range(len(g.prompt_ids))]:
+            ep = Episode(None, st.prompt_ids[k], st.env_seed[k], st.response_ids[k].tolist(), st.gen_logprobs[k].tolist(),
+                         st.loss_mask[k].tolist(), st.turn_lens[k].tolist(), st.turn_rewards[k].tolist(), st.env_end[k], st.env_reason[k])
+            actions = ep.actions(tokenizer)
+            ep.last_action = actions[-1] if actions else ""
+            self.episodes.append(ep)
+        return self
 
     def env_score(self, i: int) -> float:
         r = np.asarray(self.episodes[i].turn_rewards, np.float64)
@@ -249,9 +281,57 @@ class Play:
     row: int  # the dataset row of the group's prompt
     versions: list = field(default_factory=list)  # the policy version of each turn taken
     places: list = field(default_factory=list)  # the episodes whose turn is asked now
+    work: GroupWork | None = None  # on a fleet: what its actors are given each turn (the envs live there)
 
     def state(self, group: int) -> GroupInFlight:
         return self.round.state(group, self.row, self.versions)
+
+
+@dataclass
+class GroupWork:
+    """A group's episodes to play where their envs live beside generation (a fleet's actor:
+    :func:`play_group`), as the trainer asks for them: from their resets or from the state they last
+    stood in durable, for `turns` turns (step order: rollout.max_turns, to their ends; completion
+    order: one, made durable by the trainer before the next is asked)."""
+
+    group: int
+    row: int  # the dataset row of its prompt
+    rows: list  # that row as an env's reset gets it (rl.envs.row_of), once per episode
+    prompts: list  # each episode's prompt ids
+    env_seeds: list
+    seeds: list  # each episode's turn-0 generation seed as derive_seed's arguments; turn t > 0 appends t
+    limits: Limits
+    turns: int
+    state: dict | None = None  # GroupInFlight.to_dict() as it last stood durable; None: from its resets
+
+
+Generate = Callable[[list[np.ndarray], list[int]], tuple[list[np.ndarray], list[np.ndarray]]]
+
+
+def play_group(work: GroupWork, factory: EnvFactory, tokenizer, generate: Generate, version: int, held: dict[int, Round]) -> dict:
+    """Play `work` beside generation: its envs reset (no state), or brought back from its state (a fresh
+    env each, its actions re-applied: Round.restored) unless `held` has its round at that turn already
+    (this actor played its last turn); then `work.turns` turns, each live episode's action generated
+    by `generate` from its own seed, its env stepped. Returns the group's state after them
+    (GroupInFlight.to_dict(), each turn's version `version`); a round not over stays in `held`."""
+    state = GroupInFlight.from_dict(work.state) if work.state is not None else None
+    rnd = held.pop(work.group, None)
+    if state is None:
+        rnd = Round(factory, work.rows, work.env_seeds, work.prompts, tokenizer, work.limits)
+    elif rnd is None or rnd.turn != state.turn:
+        rnd, _ = Round.restored(factory, work.rows, state, tokenizer, work.limits)
+    versions = list(state.versions) if state is not None else []
+    for _ in range(work.turns):
+        if rnd.turn > 0 and rnd.done():
+            break
+        places = list(range(len(rnd.episodes))) if rnd.turn == 0 else rnd.live()
+        seeds = [derive_seed(*work.seeds[j], *([rnd.turn] if rnd.turn else [])) for j in places]
+        responses, logps = generate([rnd.episodes[j].context() for j in places], seeds)
+        rnd.take(places, list(responses), list(logps))
+        versions.append(int(version))
+    if not rnd.done():
+        held[work.group] = rnd
+    return rnd.state(work.group, work.row, versions).to_dict()
 
 
 class InFlightLog(Protocol):

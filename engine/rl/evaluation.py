@@ -4,38 +4,23 @@ Live steps only (it generates); replay reads the journaled ``eval`` event back.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from ..config import Config
-from ..dist import Runtime
 from ..schema import events as ev
 from ..schema.sample import EnvEnd
 from ..state.seeding import derive_seed
+from .core import Core
 from .data import Dataset
 from .envs import EnvFactory, row_of
 from .episodes import Limits, Round
 from .rewards import scored_or_faults
 from .sampler import sample_seeded, sampling_params
-from .scoring import Scorer
-from .workers import ActorWorker
 
 
-class Evaluated(Protocol):
+class Evaluated(Core, Protocol):
     """What the eval reads of the trainer (rl.trainer conforms)."""
-
-    @property
-    def cfg(self) -> Config: ...
-
-    @property
-    def rt(self) -> Runtime: ...
-
-    @property
-    def actor(self) -> ActorWorker: ...
-
-    @property
-    def tokenizer(self) -> Any: ...
 
     @property
     def data(self) -> Dataset: ...
@@ -43,20 +28,18 @@ class Evaluated(Protocol):
     @property
     def held_out_ids(self) -> list[np.ndarray]: ...
 
-    @property
-    def scorer(self) -> Scorer: ...
-
     def envs(self) -> EnvFactory: ...
 
 
-def evaluate(tr: Evaluated, step: int) -> tuple[dict[str, float], dict]:
+def evaluate(tr: Evaluated, step: int) -> tuple[dict[str, float], dict, str]:
     """The policy after step `step`'s update on the held-out prompts: one response each, at
     rollout.eval_temperature (0: greedy; else each from its own seed), scored by the task's own
     scorer (reasoning-gym; rollout.answer_format) or else the rule reward. With rollout.env, each
     held-out prompt is an episode instead (:meth:`_eval_episodes`), scored as training scores one.
     Returns (metrics: eval/score/mean, per task eval/score/TASK/mean for reasoning-gym, and
     eval/response_length/mean, eval/faults (rows an env or the reward function failed: scored 0.0);
-    with rollout.env also eval/env/turns/mean and eval/env/faults; the `eval` event with every row's response and score, and with rollout.env each row's turns).
+    with rollout.env also eval/env/turns/mean and eval/env/faults; the `eval` event with every row's response and score, and with rollout.env each row's turns;
+    what the step's log line adds: ``eval faults 2/8: REASON``, the first faulted row's reason, "" without one).
     Live steps only: replay reads them back. Draws from no stream training uses. Collective."""
     cfg, rt, held, tok = tr.cfg, tr.rt, tr.data.held_out, tr.tokenizer
     mine = np.array_split(np.arange(len(held)), rt.dp_size)[rt.dp_rank]
@@ -101,7 +84,8 @@ def evaluate(tr: Evaluated, step: int) -> tuple[dict[str, float], dict]:
                    "turns": np.asarray([len(lens) // 2 for lens, _ in out_turns], np.int64), "env_end": ends}
     event = ev.Eval(rows=np.asarray(out_rows, np.int64), scores=score, response_ids=np.asarray([t for x in out_resp for t in x], np.int32),
                     response_len=np.asarray([len(x) for x in out_resp], np.int64), **episode).to_event()
-    return metrics, event
+    first = next((f for f in out_faults if f), "")
+    return metrics, event, f"eval faults {sum(map(bool, out_faults))}/{len(out_faults)}: {first}" if first else ""
 
 def _eval_episodes(tr: Evaluated, step: int, rows: np.ndarray, seeds: list[int], params: dict) -> tuple[list[np.ndarray], list[float], list, list[str]]:
     """rollout.env's held-out eval: held-out row `rows[k]` played as an episode (a Round, as training

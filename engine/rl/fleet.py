@@ -34,14 +34,18 @@ One trainer process only (the fleet serves the whole run, not one rank's share).
 from __future__ import annotations
 
 import atexit
+import functools
+import importlib
 import math
 import os
 import signal
 import sys
+import sysconfig
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +55,8 @@ from verlj.journal.failpoints import failpoint
 
 from ..config import Config
 from ..errors import ConfigError, RunError, install_hint
+from .episodes import GroupWork
+from .reaper import Reaper, session_dir
 from .sampler import AskedGroup, SamplerEngine, sampling_params
 
 START_TIMEOUT_S = 600.0
@@ -87,31 +93,47 @@ class GeneratorActor:
         self.llm: Any = None  # rollout.engine=vllm: the engine, started at the first version received
         self.eos_id, self.pad_id = eos_id, pad_id
         self.version: int | None = None
+        self.held: dict[int, Any] = {}  # rollout.env: the rounds of episodes this actor played the last turn of (rl.episodes.play_group)
+        self.envs: Any = None
+        if cfg.rollout.env is not None:  # the envs run here, beside generation: the observations are tokenized here too
+            from .envs import load_env
+            from .models import load_tokenizer
+
+            self.tokenizer = load_tokenizer(cfg.model.actor.model_name_or_path, cfg=cfg)
+            self.envs = load_env(cfg)
 
     def pid(self) -> int:
         return os.getpid()
 
     def generate(self, work: list[tuple], version: int, weights: list) -> tuple[list[tuple], int]:
-        """[(key, responses, log-probs)] of each (key, prompt, seeds, params) in `work`, by policy `version`,
-        whose weights are the object `weights[0]` (in a list: fetched only when this actor holds another)."""
+        """[(key, result)] of each (key, job, params) in `work`, by policy `version`, whose weights are the
+        object `weights[0]` (in a list: fetched only when this actor holds another). A job is a group,
+        (prompt, seeds): its result (responses, log-probs); or a group of episodes (rl.episodes.GroupWork),
+        played here against its envs: its result the group's state after the turns played."""
         import ray
+
+        from .episodes import GroupWork, play_group
 
         if self.version != version:
             self._load(ray.get(weights[0]))
             self.version = version
-        out = []
-        for key, prompt, seeds, params in work:
-            prompts = group_prompts(prompt, len(seeds))
-            if self.vllm:
-                from .vllm_engine import generate_llm
-
-                responses, logps = generate_llm(self.llm, prompts, list(seeds), params, self.eos_id)
-            else:
-                from .sampler import sample_seeded
-
-                responses, logps = sample_seeded(self.model, prompts, list(seeds), params, self.eos_id, self.pad_id, self.device)
-            out.append((key, responses, logps))
+        out: list[tuple] = []
+        for key, job, params in work:
+            if isinstance(job, GroupWork):
+                out.append((key, play_group(job, self.envs, self.tokenizer, functools.partial(self._sample, params=params), version, self.held)))
+                continue
+            prompt, seeds = job
+            out.append((key, self._sample(group_prompts(prompt, len(seeds)), list(seeds), params)))
         return out, version
+
+    def _sample(self, prompts: list[np.ndarray], seeds: list[int], params: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        if self.vllm:
+            from .vllm_engine import generate_llm
+
+            return generate_llm(self.llm, prompts, seeds, params, self.eos_id)
+        from .sampler import sample_seeded
+
+        return sample_seeded(self.model, prompts, seeds, params, self.eos_id, self.pad_id, self.device)
 
     def _load(self, state: dict) -> None:
         """A new version's weights (every parameter, whole, on the CPU): into the model, or into vLLM
@@ -181,6 +203,8 @@ def check_ranks(cfg: Config, ranks: int) -> None:
 class RayFleet(SamplerEngine):
     """rollout.fleet=ray: the RolloutEngine whose generators are Ray actors (see the module's doc)."""
 
+    name = "fleet"  # what the journal's `rollout` event names (verlj's sampler, on the actors; VllmRayFleet: vllm)
+
     @classmethod
     def preflight(cls, cfg: Config, device) -> None:
         check_ranks(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -197,7 +221,7 @@ class RayFleet(SamplerEngine):
         self.stale = True
         self._weights: tuple[int, Any] | None = None  # (version, ObjectRef) the actors generate from
         self._lock = threading.Condition()
-        self._queue: deque = deque()  # work items not handed out: (owner, key, prompt, seeds, params)
+        self._queue: deque = deque()  # work items not handed out: (owner, key, job, params); a job: (prompt, seeds) or a GroupWork
         self._chunk = 1
         self._paused = False
         self._results: dict[int, list] = {}  # step order: handle -> each group's (responses, log-probs), None until done
@@ -210,6 +234,7 @@ class RayFleet(SamplerEngine):
         self._thread: threading.Thread | None = None
         self._closing = False
         self._ray_started = False
+        self._reaper: Reaper | None = None  # of the local cluster this process started
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -222,11 +247,13 @@ class RayFleet(SamplerEngine):
         try:
             if not ray.is_initialized():
                 if address:
-                    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+                    ray.init(address=address, logging_level="ERROR", log_to_driver=False, **shipped_env(ro.env))
                 else:
                     need = sum(float(ro.fleet_resources.get("num_cpus", 1)) for _ in range(ro.fleet_size))
                     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
-                             logging_level="ERROR", log_to_driver=False, object_store_memory=_object_store_bytes(weights_bytes))
+                             logging_level="ERROR", log_to_driver=False, object_store_memory=_object_store_bytes(weights_bytes),
+                             **shipped_env(ro.env))
+                    self._reaper = Reaper(session_dir())  # a SIGKILL of the trainer leaves no Ray process behind
                 self._ray_started = True
         except Exception as e:  # noqa: BLE001 - one sentence: the cluster is not there or not usable
             where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
@@ -310,6 +337,9 @@ class RayFleet(SamplerEngine):
         if self._ray_started:
             ray.shutdown()
             self._ray_started = False
+        if self._reaper is not None:
+            self._reaper.stop()
+            self._reaper = None
         atexit.unregister(self.close)
 
     def metrics(self) -> dict[str, float]:
@@ -330,9 +360,29 @@ class RayFleet(SamplerEngine):
         with self._lock:
             self._results[self._next] = [None] * groups
             self._chunk = max(1, math.ceil(groups / max(1, len(self.slots))))
-            self._queue.extend((self._next, q, np.asarray(prompts[q * n]), list(seeds[q * n : (q + 1) * n]), params) for q in range(groups))
+            self._queue.extend((self._next, q, (np.asarray(prompts[q * n]), list(seeds[q * n : (q + 1) * n])), params) for q in range(groups))
             self._dispatch()
         return self._next
+
+    def play(self, works: list[GroupWork], cfg: Config) -> int:
+        """Step order with rollout.env: each group's episodes played to their ends on an actor, beside
+        generation (rl.episodes.play_group); `played` returns their states."""
+        params = sampling_params(cfg)
+        self._next += 1
+        with self._lock:
+            self._results[self._next] = [None] * len(works)
+            self._chunk = max(1, math.ceil(len(works) / max(1, len(self.slots))))
+            self._queue.extend((self._next, q, work, params) for q, work in enumerate(works))
+            self._dispatch()
+        return self._next
+
+    def played(self, handle: int) -> list[dict]:
+        """The states (GroupInFlight.to_dict()) of a `play`'s groups, in order, waiting for them."""
+        with self._lock:
+            while any(r is None for r in self._results[handle]):
+                self._check()
+                self._lock.wait(WAIT_S)
+            return self._results.pop(handle)
 
     def result(self, handle: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         with self._lock:
@@ -353,7 +403,18 @@ class RayFleet(SamplerEngine):
         params = sampling_params(cfg)
         with self._lock:
             self._chunk = max(1, math.ceil(batch_groups / max(1, len(self.slots))))
-            self._queue.extend((None, int(g), np.asarray(p), list(s), params) for g, p, s in groups)
+            self._queue.extend((None, int(g), (np.asarray(p), list(s)), params) for g, p, s in groups)
+            self._dispatch()
+
+    def ask_play(self, works: list[GroupWork], cfg: Config, batch_groups: int) -> None:
+        """Completion order with rollout.env: queue each group's next turn (work.turns: one), played on
+        an actor beside generation; `arrived` returns (group, its state after the turn, version)."""
+        if not works:
+            return
+        params = sampling_params(cfg)
+        with self._lock:
+            self._chunk = max(1, math.ceil(batch_groups / max(1, len(self.slots))))
+            self._queue.extend((None, work.group, work, params) for work in works)
             self._dispatch()
 
     def arrived(self, wait: float) -> list[tuple]:
@@ -388,7 +449,7 @@ class RayFleet(SamplerEngine):
                 return
             if s.alive and s.call is None:
                 s.items = [self._queue.popleft() for _ in range(min(self._chunk, len(self._queue)))]
-                s.call = s.handle.generate.remote([(i, it[2], it[3], it[4]) for i, it in enumerate(s.items)], version, [ref])
+                s.call = s.handle.generate.remote([(i, it[2], it[3]) for i, it in enumerate(s.items)], version, [ref])
                 s.call_inc = s.inc
                 if failpoint("fleet.dispatch") == "kill-actor" and s.pid is not None:  # a test's SIGKILL of the actor's process
                     os.kill(s.pid, signal.SIGKILL)
@@ -464,9 +525,15 @@ class RayFleet(SamplerEngine):
         except RayTaskError as e:
             self._error = f"the rollout fleet's generator actor failed: {_cause(e)}"
             return
-        for i, responses, logps in done:
+        for i, got in done:
             owner, key = items[i][0], items[i][1]
-            responses, logps = [np.array(r) for r in responses], [np.array(lp) for lp in logps]  # writable copies
+            if isinstance(got, dict):  # a group of episodes' state (rl.episodes.play_group)
+                if owner is None:
+                    self._arrivals.append((key, got, version))
+                else:
+                    self._results[owner][key] = got
+                continue
+            responses, logps = [np.array(r) for r in got[0]], [np.array(lp) for lp in got[1]]  # writable copies
             if owner is None:
                 self._arrivals.append((key, responses, logps, version))
             else:
@@ -497,6 +564,22 @@ def _cause(e) -> str:
 def _last_line(text: str) -> str:
     lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
     return lines[-1].strip() if lines else ""
+
+
+def shipped_env(spec: str | None) -> dict:
+    """The fleet's Ray runtime environment (the job's: ray.init's) for rollout.env = `spec`: a module:Class
+    env's top-level module ships to the actors (Ray's py_modules: a file or a package directory, from
+    where this process imported it), unless it is installed (the standard library, site-packages) or
+    verlj's own, which every node has."""
+    if spec is None or spec.startswith("builtin:"):
+        return {}
+    top = spec.partition(":")[0].split(".")[0]
+    module = sys.modules.get(top) or importlib.import_module(top)  # rl.envs.check_env imported it before the fleet starts
+    path = str(getattr(module, "__file__", None) or "")
+    installed = {str(Path(p).resolve()) for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if top == "verlj" or not path or any(str(Path(path).resolve()).startswith(p + os.sep) for p in installed):
+        return {}
+    return {"runtime_env": {"py_modules": [module]}}
 
 
 def _resources(asked: dict) -> dict:

@@ -41,7 +41,7 @@ class SamplerEngine:
         from importlib.metadata import version
 
         self.rt, self.actor, self.tokenizer = rt, actor, tokenizer
-        self.version = version("transformers")  # read as loop.ledger.versions() reads it: one answer for both
+        self.version = version("transformers")  # read as loop.provenance.versions() reads it: one answer for both
 
     def metrics(self) -> dict[str, float]:
         """What the engine counts of itself for the step's metrics: nothing (the fleet counts its actors)."""

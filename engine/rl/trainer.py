@@ -27,7 +27,7 @@ from ..config import Config, ConfigError
 from ..dist import Runtime
 from ..errors import ModelError, ReplayError
 from ..schema.sample import Sample
-from ..state.fingerprint import fingerprint as state_fingerprint
+from ..state.fingerprint import state_fingerprint
 from ..state.seeding import derive_seed
 from ..state.stateful import check_version
 from . import evaluation, lora, update
@@ -192,7 +192,7 @@ class Trainer:
     def engines(self) -> dict:
         return {"actor": self.actor.engine, **({"critic": self.critic.engine} if self.critic is not None else {})}
 
-    def fingerprint(self) -> tuple[str, dict[str, str]]:
+    def state_fingerprint(self) -> tuple[str, dict[str, str]]:
         """The fingerprint of the trained state now (every engine's, of trainer.state_digest's kind)
         and its parts by engine. Collective."""
         return state_fingerprint(self.engines(), self.rt, self.cfg.trainer.state_digest)
@@ -252,7 +252,7 @@ class Trainer:
     def eval_due(self, step: int) -> bool:
         return bool(self.cfg.trainer.eval_interval) and step % self.cfg.trainer.eval_interval == 0
 
-    def evaluate(self, step: int) -> tuple[dict[str, float], dict]:
+    def evaluate(self, step: int) -> tuple[dict[str, float], dict, str]:
         """The held-out eval after step `step`'s update (rl.evaluation). Live steps only. Collective."""
         return evaluation.evaluate(self, step)
 

@@ -17,8 +17,6 @@ import torch
 
 from verlj.journal.failpoints import failpoint
 
-from ..config import Config
-from ..dist import Runtime
 from ..schema import events as ev
 from ..schema.sample import Columns, Sample
 from ..state.fingerprint import state_leaves
@@ -26,39 +24,25 @@ from ..state.seeding import seed_globals
 from ..state.stage_recorder import StageRecorder
 from ..state.stages import combine
 from . import algorithms
-from .scoring import Scorer, needs_reference
+from .core import Core
+from .scoring import needs_reference
 from .sources import StepInputs
-from .workers import ActorWorker, Batch, CriticWorker, collate, shard_batch
+from .workers import Batch, CriticWorker, collate, shard_batch
 
 AllSum = Callable[[torch.Tensor], torch.Tensor] | None  # a sum over the data-parallel ranks (global token means), or none
 
 
-class Trained(Protocol):
+class Trained(Core, Protocol):
     """What `apply` reads of the trainer (rl.trainer conforms)."""
 
     keep_stages: bool
 
     @property
-    def cfg(self) -> Config: ...
-
-    @property
-    def rt(self) -> Runtime: ...
-
-    @property
-    def actor(self) -> ActorWorker: ...
-
-    @property
     def critic(self) -> CriticWorker | None: ...
-
-    @property
-    def tokenizer(self) -> Any: ...
-
-    @property
-    def scorer(self) -> Scorer: ...
 
     def engines(self) -> dict: ...
 
-    def fingerprint(self) -> tuple[str, dict[str, str]]: ...
+    def state_fingerprint(self) -> tuple[str, dict[str, str]]: ...
 
     def weights_changed(self) -> None: ...
 
@@ -253,7 +237,7 @@ def _outcome(tr: Trained, book: StepBook) -> StepOutcome:
     """The step's outcome: its metrics and timings, the fingerprint of the state after it, and the
     stage digests of every rank combined (with the state's parts). Collective."""
     with book.timed("timing_s/fingerprint"):
-        fp, parts = tr.fingerprint()
+        fp, parts = tr.state_fingerprint()
     if tr.keep_stages:
         for role, engine in tr.engines().items():
             for path, leaf in state_leaves(engine):

@@ -24,6 +24,7 @@ global RNGs and replaces ``torch.set_num_threads``; both are put back (:func:`_p
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
 import random
@@ -38,6 +39,7 @@ import torch
 from verlj.journal.claim import process_start
 
 from ..config import Config, ConfigError
+from .episodes import longest_sequence
 from .models import BUILTIN_TINY
 from .sampler import AskedGroup, sampling_params, step_order_only
 
@@ -235,9 +237,12 @@ def start_llm(cfg: Config, model_config, weights: list[tuple[str, torch.Tensor]]
     dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
     tmp = _weights_copy_dir()
     try:
+        max_len = longest_sequence(cfg, int(model_config.max_position_embeddings))  # rollout.env: an episode's context too
+        if max_len > model_config.max_position_embeddings:  # the built-in model states the single-turn bound; its positions
+            model_config = copy.deepcopy(model_config)  # (RoPE) go on past it, in vLLM as in verlj's sampler
+            model_config.max_position_embeddings = max_len
         model_config.save_pretrained(tmp)
         save_file({n: t.detach().contiguous().cpu() for n, t in weights}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         seqs = seqs or max(1, cfg.data.prompts_per_step // dp_size * cfg.rollout.n)
         blocks = seqs * -(-max_len // CPU_BLOCK)
         memory: dict[str, int | float]

@@ -1,11 +1,16 @@
-"""The journal's step events as types: one frozen dataclass per event type, the codec boundary.
+"""The journal's step events as types: one frozen dataclass per event type, the codec boundary, and
+the one place each type is declared.
 
-Every event a step record holds (``verlj.journal.events`` names the types, their versions and how the
-store keeps them) is written and read through the class here: ``to_event()`` gives the plain map the
-journal stores, ``from_event()`` reads one back (already lifted to the current version by the
-journal's upcasters; a field an older writer did not write is given its documented default here, and
-only here). :class:`StepEvents` is a step record read as these types: the trainer, recovery and every
-post-mortem command read records through it, never by key.
+Each class here is a journaled event type declared once (:class:`Event`, :func:`declared`): its fields,
+its name in the journal (`TYPE`), its current version (`VERSION`), its upcasters from older versions
+(`UPCASTERS`) and how the store keeps it (`SUMMARY`, `PAYLOAD`), side by side. Importing this module
+(``verlj.engine`` does) declares them to the journal's registry (``verlj.journal.events``), which knows
+their names, versions and storage, nothing of their meaning. Every event a step record holds is
+written and read through the class here: ``to_event()`` gives the plain map the journal stores,
+``from_event()`` reads one back (already lifted to the current version by the upcasters; a field an
+older writer did not write is given its documented default here, and only here). :class:`StepEvents`
+is a step record read as these types: the trainer, recovery and every post-mortem command read
+records through it, never by key.
 
 ``to_event()`` writes the fields in the order the journal has always held them and leaves out the
 optional ones that are unset, so a journal written through these types is byte-identical to one
@@ -15,12 +20,14 @@ written before them (tests/unit/test_schema.py reads a journal of the previous r
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from verlj.journal import StepRecord, make_event
+from verlj.journal import EventSpec, StepRecord, declare, make_event
+from verlj.journal.events import Upcaster
 
 from ..errors import ReplayError
 
@@ -66,11 +73,62 @@ def _ids(value: Any) -> np.ndarray:
     return np.asarray(value if value is not None else _NO_IDS, np.int64)
 
 
+# ----------------------------------------------------------------------------- the registry
+
+Upcasters = Mapping[int, Upcaster]
+
+
+class Event:
+    """A journaled event type, declared once: its fields (the dataclass), its name in the journal
+    (`TYPE`), its current version (`VERSION`), the functions lifting each older version one step
+    (`UPCASTERS`, {from version: event -> event of the next version}), and how the store keeps it
+    (`SUMMARY`: small, also kept in the step's summary; `PAYLOAD`: fields kept apart, compressed,
+    pruned by retention). :func:`declared` hands all of it to the journal (``verlj.journal.declare``).
+
+    A new version of a type: raise `VERSION`, add `UPCASTERS[old]` giving an old event the new
+    fields (so `from_event` only ever sees the current shape), and add a journal of the old version
+    under tests/fixtures (tests/unit/test_registry.py fails until each upcaster is exercised by one)."""
+
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    UPCASTERS: ClassVar[Upcasters]
+    SUMMARY: ClassVar[bool] = False
+    PAYLOAD: ClassVar[tuple[str, ...]] = ()
+
+    def to_event(self) -> dict:
+        """The plain map the journal stores (current version)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_event(cls, e: dict) -> Event:
+        """The event read back (already upcast to the current version by the journal)."""
+        raise NotImplementedError
+
+
+EVENT_TYPES: dict[str, type[Event]] = {}  # type name -> its class: every declared type
+E = TypeVar("E", bound=type[Event])
+
+
+def declared(cls: E) -> E:
+    """Class decorator: declare the event type to the journal and register its class."""
+    missing = [name for name in ("TYPE", "VERSION", "UPCASTERS") if name not in vars(cls)]
+    if missing:
+        raise TypeError(f"event class {cls.__name__} must declare its own {', '.join(missing)}")
+    declare(EventSpec(cls.TYPE, cls.VERSION, cls.UPCASTERS, summary=cls.SUMMARY, payload=cls.PAYLOAD))
+    EVENT_TYPES[cls.TYPE] = cls
+    return cls
+
+
+
+@declared
 @dataclass(frozen=True)
-class Data:
+class Data(Event):
     """The dataset rows drawn this step (all rounds) and where the sampler stands after them."""
 
     TYPE: ClassVar[str] = "data"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
+    SUMMARY: ClassVar[bool] = True
     epoch: int
     cursor: int
     indices: np.ndarray
@@ -84,13 +142,17 @@ class Data:
         return cls(int(e["epoch"]), int(e["cursor"]), np.asarray(e["indices"]), int(e["rounds"]))
 
 
+@declared
 @dataclass(frozen=True)
-class Rollout:
+class Rollout(Event):
     """The engine that generated the step's samples (hf | vllm), its package's version, and the
     rollout mode: `mode`/`max_staleness`/`async_order` are journaled for async steps only (absent: sync;
     a step-order journal from before `async_order` existed reads as step order). A what-if's steps say so."""
 
     TYPE: ClassVar[str] = "rollout"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
+    SUMMARY: ClassVar[bool] = True
     engine: str
     version: str | None
     mode: RolloutMode = RolloutMode.SYNC
@@ -128,11 +190,15 @@ class Rollout:
                    bool(e.get("whatif", False)), bool(e.get("whatif_correction", False)))
 
 
+@declared
 @dataclass(frozen=True)
-class Rng:
+class Rng(Event):
     """The seeds drawn for the step ({stream: int}) and digests of the global generators' states."""
 
     TYPE: ClassVar[str] = "rng"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
+    SUMMARY: ClassVar[bool] = True
     seeds: dict[str, int]
     digests: dict[str, str]
 
@@ -144,12 +210,16 @@ class Rng:
         return cls(dict(e["seeds"]), dict(e.get("digests", {})))
 
 
+@declared
 @dataclass(frozen=True)
-class Added:
+class Added(Event):
     """The samples generated this step: their ids, and their columns (``schema.sample.pack``), which
     retention may have pruned (`samples` None: the ids stay, so every sample's fate is still known)."""
 
     TYPE: ClassVar[str] = "buffer.add"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
+    PAYLOAD: ClassVar[tuple[str, ...]] = ("samples",)
     ids: np.ndarray
     samples: dict | None
 
@@ -161,9 +231,12 @@ class Added:
         return cls(_ids(e.get("ids")), e.get("samples"))
 
 
+@declared
 @dataclass(frozen=True)
-class Consumed:
+class Consumed(Event):
     TYPE: ClassVar[str] = "buffer.consume"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
     ids: np.ndarray  # what the step's update trains on, in order
 
     def to_event(self) -> dict:
@@ -174,9 +247,12 @@ class Consumed:
         return cls(_ids(e.get("ids")))
 
 
+@declared
 @dataclass(frozen=True)
-class Dropped:
+class Dropped(Event):
     TYPE: ClassVar[str] = "buffer.drop"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
     ids: np.ndarray
     reason: DropReason
 
@@ -188,11 +264,14 @@ class Dropped:
         return cls(_ids(e.get("ids")), DropReason(e.get("reason", "zero_variance")))  # the first drops had no reason
 
 
+@declared
 @dataclass(frozen=True)
-class Plan:
+class Plan(Event):
     """Async step order: the ids each later step will train on (steps, counts, ids flattened)."""
 
     TYPE: ClassVar[str] = "buffer.plan"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
     steps: np.ndarray
     counts: np.ndarray
     ids: np.ndarray
@@ -215,12 +294,15 @@ class Plan:
         return cls(_ids(e["steps"]), _ids(e["counts"]), _ids(e["ids"]))
 
 
+@declared
 @dataclass(frozen=True)
-class Requests:
+class Requests(Event):
     """Async completion order: the groups and rows asked this step; `regenerated`: groups asked
     again because they were in flight when the last process stopped."""
 
     TYPE: ClassVar[str] = "buffer.request"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
     groups: np.ndarray = field(default_factory=lambda: _NO_IDS)
     rows: np.ndarray = field(default_factory=lambda: _NO_IDS)
     regenerated: np.ndarray = field(default_factory=lambda: _NO_IDS)
@@ -233,9 +315,13 @@ class Requests:
         return cls(_ids(e.get("groups")), _ids(e.get("rows")), _ids(e.get("regenerated")))
 
 
+@declared
 @dataclass(frozen=True)
-class Metrics:
+class Metrics(Event):
     TYPE: ClassVar[str] = "metrics"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
+    SUMMARY: ClassVar[bool] = True
     values: dict[str, float]
 
     def to_event(self) -> dict:
@@ -246,11 +332,15 @@ class Metrics:
         return cls(dict(e["values"]))
 
 
+@declared
 @dataclass(frozen=True)
-class State:
+class State(Event):
     """The fingerprint of the state after the step's update, and of its parts."""
 
     TYPE: ClassVar[str] = "state"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
+    SUMMARY: ClassVar[bool] = True
     fingerprint: str
     parts: dict[str, str]
 
@@ -262,12 +352,15 @@ class State:
         return cls(str(e["fingerprint"]), dict(e.get("parts", {})))
 
 
+@declared
 @dataclass(frozen=True)
-class Stages:
+class Stages(Event):
     """Each stage's output in the step, digested (engine.state.stages): {stage: hex} and
     {stage: {n, mean, absmax}}. Empty in journals from before stage digests."""
 
     TYPE: ClassVar[str] = "stages"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
     digests: dict[str, str] = field(default_factory=dict)
     summary: dict[str, dict] = field(default_factory=dict)
 
@@ -282,12 +375,16 @@ class Stages:
         return {"digests": self.digests, "summary": self.summary}
 
 
+@declared
 @dataclass(frozen=True)
-class Control:
+class Control(Event):
     """Something that happened to the run at this step: started, resumed, forked, what-if, topology
     changed. `details` is free-form, for people to read (inspect shows it as is)."""
 
     TYPE: ClassVar[str] = "control"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
+    SUMMARY: ClassVar[bool] = True
     kind: ControlKind
     details: dict
 
@@ -299,11 +396,15 @@ class Control:
         return cls(ControlKind(e["kind"]), dict(e.get("details") or {}))
 
 
+@declared
 @dataclass(frozen=True)
-class ConfigChange:
+class ConfigChange(Event):
     """The config in force from this step on (a resume that changed keys), its hash, the keys changed."""
 
     TYPE: ClassVar[str] = "config"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
+    SUMMARY: ClassVar[bool] = True
     config: dict
     hash: str
     changed: list
@@ -316,8 +417,9 @@ class ConfigChange:
         return cls(dict(e["config"]), str(e["hash"]), list(e.get("changed") or []))
 
 
+@declared
 @dataclass(frozen=True)
-class Eval:
+class Eval(Event):
     """The held-out evaluation run after this step: rows, their scores, the responses (flat token ids
     and their lengths). With rollout.env each response is an episode (its actions and observations, as a
     sample's response_ids) and three more fields say how it went: `turns` (per row), `turn_lens` (flat:
@@ -325,6 +427,8 @@ class Eval:
     single-turn eval leaves them out (None), so its event is what it always was."""
 
     TYPE: ClassVar[str] = "eval"
+    VERSION: ClassVar[int] = 1
+    UPCASTERS: ClassVar[Upcasters] = {}
     rows: np.ndarray
     scores: np.ndarray
     response_ids: np.ndarray
@@ -356,19 +460,11 @@ class Eval:
         return cls(_ids(e["rows"]), np.asarray(e["scores"], np.float64), np.asarray(e["response_ids"]), _ids(e["response_len"]), **episode)
 
 
-class Event(Protocol):
-    """What every event type has: its journal type name, its plain form, and the way back."""
-
-    TYPE: ClassVar[str]
-
-    def to_event(self) -> dict: ...
-
-    @classmethod
-    def from_event(cls, e: dict) -> Event: ...
-
-
-EVENT_TYPES: dict[str, type[Event]] = {c.TYPE: c for c in (Data, Rollout, Rng, Added, Consumed, Dropped, Plan, Requests, Metrics, State,
-                                                    Stages, Control, ConfigChange, Eval)}
+# The StepEvents field each declared type is read into: a type held once a step, or (STEP_MANY) repeated.
+STEP_FIELDS = {"data": "data", "rollout": "rollout", "rng": "rng", "buffer.add": "added", "buffer.consume": "consumed",
+               "buffer.plan": "plan", "buffer.request": "requests", "metrics": "metrics", "state": "state", "stages": "stages",
+               "eval": "eval"}
+STEP_MANY = {"buffer.drop": "drops", "control": "controls", "config": "configs"}
 
 
 @dataclass(frozen=True)
@@ -397,18 +493,14 @@ class StepEvents:
     @classmethod
     def of(cls, record: StepRecord) -> StepEvents:
         single: dict[str, Any] = {}
-        many: dict[str, list] = {"drops": [], "controls": [], "configs": []}
-        names = {"data": "data", "rollout": "rollout", "rng": "rng", "buffer.add": "added", "buffer.consume": "consumed",
-                 "buffer.plan": "plan", "buffer.request": "requests", "metrics": "metrics", "state": "state", "stages": "stages",
-                 "eval": "eval"}
-        plural = {"buffer.drop": "drops", "control": "controls", "config": "configs"}
+        many: dict[str, list] = {name: [] for name in STEP_MANY.values()}
         for e in record.events:
             kind = e["type"]  # the envelope's own key (verlj.journal.events)
             typed = EVENT_TYPES[kind].from_event(e)
-            if kind in plural:
-                many[plural[kind]].append(typed)
-            elif names[kind] not in single:
-                single[names[kind]] = typed
+            if kind in STEP_MANY:
+                many[STEP_MANY[kind]].append(typed)
+            elif STEP_FIELDS[kind] not in single:
+                single[STEP_FIELDS[kind]] = typed
         for k, v in many.items():
             single[k] = tuple(v)
         return cls(record.step, record.time, record.pruned, **single)
@@ -423,7 +515,8 @@ class StepEvents:
         return self.metrics.values if self.metrics is not None else {}
 
     @property
-    def fingerprint(self) -> str | None:
+    def state_fingerprint(self) -> str | None:
+        """The state fingerprint journaled after the step's update (its `state` event), or None."""
         return self.state.fingerprint if self.state is not None else None
 
     def require_inputs(self) -> tuple[Data, Rng, Added, Consumed]:

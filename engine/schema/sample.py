@@ -32,6 +32,8 @@ one of the batch's samples has it (journals from before lack it: read as ""):
 
     fault          str       why the sample is out of the update besides an env fault: its reward
                              function raised or returned a non-finite number ("reward function m.f raised ...")
+    agent_calls    str       an agent episode's token ledger (rollout.agent; rl.gateway.ledger): every model
+                             call as answered, one JSON text carrying its own version ("" for any other sample)
 
 Samples travel columnar — padded arrays plus lengths (:func:`pack`, :func:`unpack`) — in journal
 events, snapshots and between ranks: live training and replay both go through them, so the update
@@ -58,6 +60,7 @@ EPISODE_SEQUENCES = {"loss_mask": np.int8, "turn_lens": np.int32, "turn_rewards"
 EPISODE_TEXT = "env_reason"  # a list of str column
 EPISODE_FIELDS = {**EPISODE_SCALARS, **EPISODE_SEQUENCES}
 FAULT_TEXT = "fault"  # a list of str column, only in a batch where a sample has one
+AGENT_TEXT = "agent_calls"  # a list of str column, only in a batch where a sample has one (rollout.agent)
 PAD = -1  # fills token-id rows past their length in the columnar form (log-probs: 0)
 
 _EMPTY_F32 = np.zeros(0, np.float32)
@@ -108,6 +111,7 @@ class Sample:
     env_end: int = EnvEnd.NONE
     env_reason: str = ""
     fault: str = ""  # a fault of its scoring (reward function): the sample is out of the update
+    agent_calls: str = ""  # rollout.agent: the episode's calls as answered (rl.gateway.ledger's JSON)
 
     @property
     def is_episode(self) -> bool:
@@ -147,7 +151,7 @@ class Sample:
     def __getitem__(self, name: str):
         """A field by name: `sample["score"]`, for user code written when samples were dicts (a probe's
         batch, a reward function's extra info). verlj's own code reads attributes."""
-        if name not in FIELDS and name not in EPISODE_FIELDS and name not in (EPISODE_TEXT, FAULT_TEXT):
+        if name not in FIELDS and name not in EPISODE_FIELDS and name not in (EPISODE_TEXT, FAULT_TEXT, AGENT_TEXT):
             raise KeyError(name)
         return getattr(self, name)
 
@@ -157,7 +161,8 @@ class Sample:
             a, b = np.asarray(getattr(self, name), dt), np.asarray(getattr(other, name), dt)
             if a.shape != b.shape or a.tobytes() != b.tobytes():
                 return False
-        if ((self.is_episode or other.is_episode) and self.env_reason != other.env_reason) or self.fault != other.fault:
+        if ((self.is_episode or other.is_episode) and self.env_reason != other.env_reason) or self.fault != other.fault \
+                or self.agent_calls != other.agent_calls:
             return False
         for name, dt in EPISODE_FIELDS.items():
             a, b = np.asarray(getattr(self, name), dt), np.asarray(getattr(other, name), dt)
@@ -166,7 +171,7 @@ class Sample:
         return True
 
 
-assert {f.name for f in fields(Sample)} == set(FIELDS) | set(EPISODE_FIELDS) | {EPISODE_TEXT, FAULT_TEXT}, \
+assert {f.name for f in fields(Sample)} == set(FIELDS) | set(EPISODE_FIELDS) | {EPISODE_TEXT, FAULT_TEXT, AGENT_TEXT}, \
     "Sample and FIELDS, EPISODE_FIELDS must name the same fields"
 
 
@@ -195,6 +200,8 @@ def pack(samples: Iterable[Sample]) -> dict:
         out[EPISODE_TEXT] = [str(s.env_reason) for s in samples]
     if any(s.fault for s in samples):  # only then: a batch without one keeps its bytes
         out[FAULT_TEXT] = [str(s.fault) for s in samples]
+    if any(s.agent_calls for s in samples):  # only then: a batch without an agent episode keeps its bytes
+        out[AGENT_TEXT] = [str(s.agent_calls) for s in samples]
     return out
 
 
@@ -212,6 +219,8 @@ def unpack(cols: dict) -> list[Sample]:
             seq.update({k: int(cols[k][i]) for k in EPISODE_SCALARS}, env_reason=str(cols[EPISODE_TEXT][i]))
         if FAULT_TEXT in cols:
             seq.update(fault=str(cols[FAULT_TEXT][i]))
+        if AGENT_TEXT in cols:
+            seq.update(agent_calls=str(cols[AGENT_TEXT][i]))
         fields_: dict[str, Any] = {k: (int(v[i]) if SCALARS[k] is np.int64 else float(v[i])) for k, v in scal.items()}
         out.append(Sample(**fields_, **seq))
     return out

@@ -205,7 +205,7 @@ def engine_digest(engine, kind: str = "sum64") -> str:
     return leaves_digest(state_leaves(engine), kind)
 
 
-def fingerprint(engines: dict[str, object], rt: Runtime, kind: str = "sum64") -> tuple[str, dict[str, str]]:
+def state_fingerprint(engines: dict[str, object], rt: Runtime, kind: str = "sum64") -> tuple[str, dict[str, str]]:
     """A digest of the whole trained state across ranks: (fingerprint, {part: digest})."""
     local = {name: engine_digest(e, kind) for name, e in engines.items()}
     per_rank = rt.all_gather_obj(local)

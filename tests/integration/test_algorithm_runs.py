@@ -1,6 +1,7 @@
 """The estimators and losses beside GRPO and PPO (RLOO, REINFORCE++, GSPO, loss_agg_mode, clip-higher) in
 real runs: each differs from GRPO from its first step, a SIGKILL then --resume equals the uninterrupted run,
-they train in async mode and over episodes, and a what-if may switch to them (but not to or from PPO)."""
+they train in async mode (in either order) and over episodes, and a what-if may switch to each (but not to or
+from PPO)."""
 
 from __future__ import annotations
 
@@ -56,9 +57,13 @@ def test_each_differs_from_grpo_and_a_kill_then_resume_is_exact(name, grpo, tmp_
 
 @pytest.mark.parametrize("over", [
     ["rollout.mode=async", "algorithm.name=rloo", "model.actor.loss_mode=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean"],
+    ["rollout.mode=async", "rollout.async_order=completion", "algorithm.name=reinforce_plus_plus", "algorithm.kl_coef=0.05",
+     "algorithm.loss_agg_mode=seq-mean-token-sum", "model.actor.clip_ratio_low=0.1", "model.actor.clip_ratio_high=0.28"],
     ["rollout.env=builtin:guess", "rollout.max_turns=3", "model.tiny.vocab=ascii", "algorithm.name=reinforce_plus_plus",
      "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "model.actor.clip_ratio_high=0.28"],
-], ids=["async", "episodes"])
+    ["rollout.env=builtin:guess", "rollout.max_turns=3", "model.tiny.vocab=ascii", "algorithm.name=rloo", "model.actor.loss_mode=gspo",
+     "algorithm.loss_agg_mode=seq-mean-token-sum", "model.actor.clip_ratio_low=0.1", "model.actor.mini_batch_size=8"],
+], ids=["async", "async-completion", "episodes", "episodes-rloo-gspo"])
 def test_they_train_in_async_mode_and_over_episodes(over, tmp_path):
     out = train(tmp_path / "run", *COMMON, "trainer.total_steps=3", *over)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -66,9 +71,13 @@ def test_they_train_in_async_mode_and_over_episodes(over, tmp_path):
     assert sorted(got) == [1, 2, 3] and all(math.isfinite(m["actor/pg_loss"]) for m in got.values())
 
 
-def test_a_whatif_may_change_the_estimator_and_the_loss_but_not_to_ppo(grpo, tmp_path):
-    keys = ["algorithm.name=rloo", "model.actor.loss_mode=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean",
-            "model.actor.clip_ratio_high=0.28"]
+@pytest.mark.parametrize("keys", [
+    ["algorithm.name=rloo", "model.actor.loss_mode=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean", "model.actor.clip_ratio_high=0.28"],
+    ["algorithm.name=reinforce_plus_plus", "algorithm.kl_coef=0.05", "algorithm.loss_agg_mode=seq-mean-token-sum",
+     "model.actor.clip_ratio_low=0.1"],
+    ["algorithm.loss_agg_mode=dr_grpo", "algorithm.norm_adv_by_std=false"],  # TRL's name for seq-mean-token-sum-norm
+], ids=["rloo-gspo", "reinforce_plus_plus", "dr_grpo"])
+def test_a_whatif_may_change_the_estimator_and_the_loss_but_not_to_ppo(grpo, tmp_path, keys):
     assert whatif(grpo, 2, 4, tmp_path / "w", keys) == (3, 4)
     mine, theirs = fingerprints(tmp_path / "w"), fingerprints(grpo)
     assert sorted(mine) == [3, 4] and all(mine[s] != theirs[s] for s in (3, 4))

@@ -3,8 +3,8 @@ observation tokens out of the loss, a SIGKILL then --resume equal to the uninter
 async step-order PPO), a SIGKILL in async completion order (GRPO and PPO) between a turn's completion
 and its durability or just after, resumed from each episode's last durable turn with no completed turn
 lost or stepped twice on a live env, replay and rerun that never call the environment, faulty
-environments ending their episodes with journaled reasons, and an environment that cannot be imported
-refused up front."""
+environments ending their episodes with journaled reasons, an environment that cannot be imported
+refused up front, and episodes on vLLM and on two ranks in each order, killed and resumed."""
 
 from __future__ import annotations
 
@@ -243,6 +243,8 @@ def test_faulty_envs_end_their_episodes_and_replay_never_calls_an_env(tmp_path):
     e = evals(run)[3]
     assert m[3]["eval/env/faults"] == float(np.sum(e.env_end == EnvEnd.FAULT)) > 0
     assert len(set(e.scores.tolist())) > 1 and m[3]["eval/env/turns/mean"] == float(e.turns.mean())
+    head = f" eval faults {int(m[3]['eval/faults'])}/8: "  # the step's line names the eval's first fault too
+    assert head in out_line(train_out, 3) and out_line(train_out, 3).split(head, 1)[1] in reasons
     want = fingerprints(run)
     rep = verlj("replay", run, "--to-step", "3", PYTHONPATH=TESTS, VERLJ_TEST_ENV_FORBID="1")
     assert rep.returncode == 0, rep.stderr[-3000:]
@@ -401,3 +403,43 @@ def test_async_faulted_episodes_are_never_trained_on(tmp_path, order):
         faulted |= bad
         consumed |= set(records[step].consumed.ids.tolist())
     assert faulted and consumed and not faulted & consumed
+
+
+# ----------------------------------------------------------------------------- vLLM and two ranks
+
+WHERE = {"vllm": ["rollout.engine=vllm", "model.tiny.num_heads=2"], "2 ranks": []}  # head size 32: vLLM's CPU attention runs
+ORDERS = {"sync": [], "step": ["rollout.mode=async", "rollout.async_order=step"],
+          "completion": ["rollout.mode=async", "rollout.async_order=completion"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("where", list(WHERE))
+def test_episodes_on_vllm_and_two_ranks_killed_then_resumed(tmp_path, where, order):
+    """Episodes on vLLM (one rank) and on two ranks (torchrun, gloo; verlj's sampler), in each order: a
+    SIGKILL, then --resume. Sync and step order end bit-identical to the uninterrupted run; completion
+    order, killed just after step 1's commit (the groups asked ahead mid-episode, their turns durable),
+    accounts for every group and brings episodes back from their last durable turn."""
+    if where == "vllm":
+        pytest.importorskip("vllm")
+    ranks = 2 if where == "2 ranks" else 1
+    over = ["rollout.env=envs_for_tests:Digits", "rollout.max_turns=3", ASCII, "trainer.total_steps=3", *WHERE[where], *ORDERS[order]]
+    run = tmp_path / "run"
+    point = "journal.after_commit:1" if order == "completion" else "journal.after_commit:2"  # completion: groups asked ahead mid-episode
+    out = train(run, *over, ranks=ranks, PYTHONPATH=TESTS, VERLJ_FAILPOINT=point)
+    assert out.returncode != 0 and 1 <= max(fingerprints(run), default=0) < 3, out.stderr[-3000:]
+    out = train(run, *over, ranks=ranks, resume=True, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    samples = [s for step in episodes(run).values() for s in step]
+    assert {len(s.turn_lens) // 2 for s in samples} >= {1, 2} and all(s.env_end != EnvEnd.FAULT for s in samples)
+    engines = {e.rollout.engine for e in steps_of(run).values()}
+    assert engines == {"vllm" if where == "vllm" else "hf"}
+    if order == "completion":
+        check_accounting(run)
+        assert sum(m.get("rollout/env/restored_turns", 0.0) for m in metrics(run).values()) > 0
+        return
+    ref = tmp_path / "ref"
+    out = train(ref, *over, ranks=ranks, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(run) == fingerprints(ref)
+    assert_same_journal(run, ref)

@@ -4,14 +4,17 @@ fleet's size and whichever actor generates what, through a real SIGKILL of an ac
 groups are asked again of the fleet), a resize on resume, and a SIGKILL of the trainer that its
 supervisor (trainer.max_restarts) restarts by itself; completion order trains on two actors
 through a kill with every group accounted for; actors running vLLM (its CPU build) are bit-identical
-whatever M through a kill too. Without ray, rollout.fleet=ray is one line, exit 2, and without vLLM so
-is a vLLM fleet. The README's test command installs the `ray` and `vllm` extras, so CI runs these;
+whatever M through a kill too; multi-turn episodes (rollout.env) played on the actors, step order
+bit-identical through a killed actor and a killed trainer, completion order accounted for through both;
+a trainer that started its own cluster leaves no Ray process when SIGKILLed. Without ray,
+rollout.fleet=ray is one line, exit 2, and without vLLM so is a vLLM fleet. The README's test command installs the `ray` and `vllm` extras, so CI runs these;
 elsewhere, without them, their tests are skipped."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,3 +184,72 @@ def test_a_vllm_fleet_without_vllm_is_one_line_and_exit_2(tmp_path):
     with pytest.raises(ConfigError, match="head size 16"):
         cls.preflight(make_config(None, head16), torch.device("cpu"))
     cls.preflight(make_config(None, [*head16, "rollout.fleet_resources={num_gpus: 1}"]), torch.device("cpu"))
+
+
+EPISODES = ["rollout.env=envs_for_tests:Digits", "rollout.max_turns=3", "model.tiny.vocab=ascii", "trainer.total_steps=3"]
+
+
+def _episodes(run):
+    from verlj.engine.schema.events import StepEvents
+    from verlj.engine.schema.sample import unpack
+
+    with open_journal_reader(run / "journal") as j:
+        return [s for rec in j.iter_steps() for s in unpack(StepEvents.of(rec).added.samples)]
+
+
+def test_episodes_on_a_fleet_in_step_order_are_bit_identical_through_a_killed_actor_and_trainer(tmp_path, cluster):
+    """rollout.env on a fleet: each group's episodes are played on an actor, their envs beside generation
+    (the env's module shipped to the actors by Ray's runtime env: tests/ is on no actor's path). Two
+    actors uninterrupted, against a run whose actor is SIGKILLed as it gets batch 3 and whose trainer is
+    SIGKILLed in step 3's commit, then resumed: the same journal. The journal names the fleet."""
+    over = [*FLEET, *EPISODES]
+    ref = tmp_path / "ref"
+    ok(train(ref, *over, **cluster, PYTHONPATH=TESTS))
+    samples = _episodes(ref)
+    assert {len(s.turn_lens) // 2 for s in samples} >= {1, 2} and len({s.score for s in samples}) > 1
+    with open_journal_reader(ref / "journal") as j:
+        assert {e["engine"] for _, e in j.iter_events("rollout")} == {"fleet"}
+    run = tmp_path / "run"
+    out = train(run, *over, VERLJ_FAILPOINT=f"{KILL},step.before_commit:3", **cluster, PYTHONPATH=TESTS)
+    assert out.returncode == -9, out.stderr[-3000:]
+    assert max(fingerprints(run)) == 2 and sum(m["rollout/fleet/deaths"] for m in fleet_metrics(run).values()) == 1
+    ok(train(run, *over, resume=True, **cluster, PYTHONPATH=TESTS))
+    assert_same_journal(ref, run, ignore=NOT_FLEET)
+    assert fingerprints(run) == fingerprints(ref)
+
+
+def test_episodes_on_a_fleet_in_completion_order_survive_a_killed_trainer_and_actor(tmp_path, cluster):
+    """Completion order: each turn a group's actor plays is made durable by the trainer before the next is
+    asked. The trainer SIGKILLed just after step 1's commit (the groups asked ahead are mid-episode),
+    resumed with an actor SIGKILLed as it gets a call: the episodes in flight go on from their last
+    durable turn on the actors (their envs restored there), every group is accounted for, none trained twice."""
+    over = [*FLEET, *EPISODES, "rollout.async_order=completion"]
+    run = tmp_path / "run"
+    out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:1", **cluster, PYTHONPATH=TESTS)
+    assert out.returncode == -9, out.stderr[-3000:]
+    ok(train(run, *over, resume=True, VERLJ_FAILPOINT=KILL, **cluster, PYTHONPATH=TESTS))
+    check_accounting(run)
+    last = fleet_metrics(run)[3]
+    assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] >= 1, last
+    with open_journal_reader(run / "journal") as j:
+        values = [e["values"] for _, e in j.iter_events("metrics")]
+    assert sum(v["rollout/env/restored_turns"] for v in values) > 0
+    assert {len(s.turn_lens) // 2 for s in _episodes(run)} >= {1, 2}
+
+
+def test_a_trainer_that_started_its_own_ray_and_is_sigkilled_leaves_no_ray_process(tmp_path):
+    """No RAY_ADDRESS: the trainer starts a local cluster (and its reaper, rl.reaper). SIGKILLed after step
+    1's commit, it leaves no process of that cluster (Ray's agents stayed before)."""
+    pytest.importorskip("ray")
+    from verlj.engine.rl.reaper import holders
+
+    run = tmp_path / "run"
+    out = train(run, *FLEET, "rollout.fleet_size=1", VERLJ_FAILPOINT="journal.after_commit:1")
+    assert out.returncode == -9, out.stderr[-3000:]
+    pid = json.loads(next((run / "writer").glob("*.json")).read_text())["pid"]  # the trainer's (its writer claim)
+    sessions = list(Path("/tmp/ray").glob(f"session_*_{pid}"))  # Ray names the session by the process that started it
+    assert len(sessions) == 1, sessions
+    deadline = time.monotonic() + 15
+    while holders(str(sessions[0])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert holders(str(sessions[0])) == []

@@ -234,7 +234,7 @@ def test_a_resume_on_the_same_host_with_a_new_local_dir_keeps_the_unshipped_step
     not run again."""
     run, old, new = tmp_path / "run", tmp_path / "L", tmp_path / "L2"
     out = train(run, *COMMON, f"journal.local_dir={old}", "journal.ship_max_lag_steps=4",
-                VERLJ_FAILPOINT="ship.before_publish:1:sleep-each=0.4,step.before_commit:7")
+                VERLJ_FAILPOINT="ship.before_publish:1:sleep-each=5,step.before_commit:7")  # shipping slower than any step, even on a loaded machine
     assert out.returncode == -9, out.stderr[-3000:]
     held, shipped = _committed(old), segments.scan(run / "journal").last_step or 0
     assert held == 6 and shipped < held
@@ -289,7 +289,7 @@ def test_a_moved_run_resumes_as_itself(tmp_path, reference):
     """mv of a journal.local_dir run: the local journal is still its own, with the steps not yet shipped."""
     run, local, moved = tmp_path / "run", tmp_path / "L", tmp_path / "moved"
     out = train(run, *COMMON, f"journal.local_dir={local}", "journal.ship_max_lag_steps=4",
-                VERLJ_FAILPOINT="ship.before_publish:1:sleep-each=0.4,step.before_commit:7")
+                VERLJ_FAILPOINT="ship.before_publish:1:sleep-each=5,step.before_commit:7")  # shipping slower than any step, even on a loaded machine
     assert out.returncode == -9, out.stderr[-3000:]
     held, shipped = _committed(local), segments.scan(run / "journal").last_step or 0
     assert held == 6 and shipped < held

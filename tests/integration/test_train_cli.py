@@ -74,7 +74,7 @@ def test_dataset_without_the_fields(tmp_path):
 
 
 def test_unknown_algorithm_and_bad_override(tmp_path):
-    assert_one_line_error(train(tmp_path / "r", "algorithm.name=sac"), 2, "algorithm.name must be one of grpo, ppo")
+    assert_one_line_error(train(tmp_path / "r", "algorithm.name=sac"), 2, "algorithm.name must be one of grpo, rloo, reinforce_plus_plus, ppo")
     assert_one_line_error(train(tmp_path / "r", "trainer.total_step=3"), 2, "did you mean 'trainer.total_steps'")
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer: {total_steps: [}\n")

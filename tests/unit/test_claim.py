@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import verlj.engine  # noqa: F401  (declares verlj's event types to the journal)
 from verlj.journal import Journal, make_event
 from verlj.journal.claim import Claim, FencedError, WriterClaimedError, current, this_process
 

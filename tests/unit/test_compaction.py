@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import verlj.engine  # noqa: F401  (declares verlj's event types to the journal: these tests write them)
 from verlj.journal import Journal, make_event, segments, verify_journal
 from verlj.journal.frames import StepFrame
 

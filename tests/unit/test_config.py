@@ -80,8 +80,6 @@ def test_rloo_needs_groups_and_the_new_keys_default_to_todays_behaviour():
     "overrides, message",
     [
         (["rollout.fleet=k8s"], "rollout.fleet must be one of none, ray"),
-        (["rollout.env=builtin:guess", "rollout.mode=async", "rollout.fleet=ray"],
-         "rollout.env: rollout.fleet=ray does not run episodes yet"),
         (["rollout.fleet=ray"], "rollout.fleet=ray applies to rollout.mode=async only"),
         (["rollout.fleet=ray", "rollout.mode=async", "rollout.fleet_size=0"], "rollout.fleet_size must be positive, got 0"),
         (["rollout.fleet=ray", "rollout.mode=async", "rollout.fleet_resources={num_gpus: -1}"],
@@ -169,3 +167,29 @@ def test_a_whatif_may_change_the_estimator_among_those_without_a_critic():
         with pytest.raises(ConfigError) as e:
             check_whatif(make_config(None, [f"algorithm.name={a}"]).to_dict(), make_config(None, [f"algorithm.name={b}"]))
         assert str(e.value).startswith(f"algorithm.name cannot change from {a} to {b} in a what-if: ppo trains a critic")
+
+
+def test_a_whatif_keeps_the_lora_adapters_shape():
+    """A what-if re-trains the run's adapters: their rank, scaling and placement make another trained state."""
+    from verlj.engine.config import check_whatif
+
+    old = make_config(None, ["model.actor.lora_rank=4"]).to_dict()
+    assert check_whatif(old, make_config(None, ["model.actor.optim.lr=0.003"], base=old)) == ["model.actor.optim.lr"]
+    for key in ("model.actor.lora_rank=8", "model.actor.lora_alpha=4", "model.actor.lora_rank=0", "model.actor.target_modules=[q_proj]"):
+        with pytest.raises(ConfigError) as e:
+            check_whatif(old, make_config(None, [key], base=old))
+        assert str(e.value).startswith(f"{key.split('=')[0]} cannot change in a what-if") and "\n" not in str(e.value)
+
+
+def test_trls_loss_type_names_are_read_as_the_modes_they_compute():
+    from verlj.engine.config import check_whatif
+
+    want = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
+    for trl, mode in want.items():
+        cfg = make_config(None, [f"algorithm.loss_agg_mode={trl}"])
+        assert cfg.algorithm.loss_agg_mode == mode and cfg.to_dict()["algorithm"]["loss_agg_mode"] == mode  # stored as verl's name
+        assert cfg.hash() == make_config(None, [f"algorithm.loss_agg_mode={mode}"]).hash()
+    old = make_config(None, ["algorithm.loss_agg_mode=seq-mean-token-sum-norm"]).to_dict()
+    assert check_whatif(old, make_config(None, ["algorithm.loss_agg_mode=dr_grpo"], base=old)) == []
+    with pytest.raises(ConfigError, match="algorithm.loss_agg_mode must be one of token-mean, seq-mean-token-sum"):
+        make_config(None, ["algorithm.loss_agg_mode=dr-grpo"])

@@ -557,3 +557,47 @@ def test_the_envs_of_a_turn_are_stepped_at_once():
     hung = a_round(Talker(wait=3.0), n=8, timeout_s=0.3)
     hung.take(list(range(8)), [np.array([65])] * 8, [np.zeros(1, np.float32)] * 8)
     assert time.monotonic() - t < 1.2 and all(ep.reason == "step no answer in 0.3 s" for ep in hung.episodes)
+
+
+def test_a_group_played_beside_generation_goes_on_from_its_state_on_another_actor():
+    """rl.episodes.play_group (a fleet's actor): a group's turn 2 played by an actor that did not hold it
+    (its envs restored from the state turn 1 left, the actions re-applied) answers exactly what the actor
+    that played turn 1, holding its live envs, answers."""
+    from verlj.engine.rl.episodes import GroupWork, Limits, play_group
+    from verlj.engine.rl.models import load_tokenizer
+
+    cfg = cfg_with("builtin:guess")
+    tok = load_tokenizer(cfg.model.actor.model_name_or_path, cfg=cfg)
+    factory = envs.load_env(cfg)
+
+    def generate(prompts, seeds):  # an action from each seed alone: a guess between 0 and 99
+        return [np.asarray(tok(str(s % 100), add_special_tokens=False).input_ids) for s in seeds], \
+               [np.zeros(len(tok(str(s % 100), add_special_tokens=False).input_ids), np.float32) for s in seeds]
+
+    rows = [{"prompt": "p", "answer": ""}] * 3
+    work = GroupWork(7, 0, rows, [np.asarray([1, 2])] * 3, [11, 12, 13], [(5, 0, "g", 7, j) for j in range(3)], Limits(3, 5.0), 1)
+    held_a: dict = {}
+    first = play_group(work, factory, tok, generate, 1, held_a)
+    assert 7 in held_a and len(first["versions"]) == 1
+    work.state = first
+    on_a = play_group(work, factory, tok, generate, 2, held_a)
+    on_b = play_group(work, factory, tok, generate, 2, {})
+    assert on_a["versions"] == on_b["versions"] == [1, 2]
+    for key in ("response_ids", "turn_lens", "turn_rewards", "env_end", "env_reason"):
+        assert [np.asarray(x).tobytes() for x in on_a[key]] == [np.asarray(x).tobytes() for x in on_b[key]], key
+    assert any(len(t) == 4 for t in on_a["turn_lens"])  # some episode took both turns
+
+
+def test_the_longest_sequence_bounds_every_context_an_episode_generates_from():
+    """rl.episodes.longest_sequence (what a vLLM engine is sized to): a prompt and its response; with
+    rollout.env the prompt and max_turns actions and capped observations, or rollout.max_episode_length."""
+    from verlj.engine.config import make_config
+    from verlj.engine.rl.episodes import longest_sequence
+
+    base = ["data.max_prompt_length=64", "rollout.max_response_length=8"]
+    assert longest_sequence(make_config(None, base), 80) == 72
+    env = [*base, "rollout.env=builtin:guess", "rollout.max_turns=3", "rollout.max_observation_length=16"]
+    assert longest_sequence(make_config(None, env), 80) == 64 + 3 * (8 + 16)
+    assert longest_sequence(make_config(None, [*env, "rollout.max_episode_length=100"]), 80) == 100
+    assert longest_sequence(make_config(None, [*env, "rollout.max_episode_length=50"]), 80) == 72 + 16  # the first action
+    assert longest_sequence(make_config(None, [*env, "rollout.max_observation_length=0"]), 4096) == 4096  # uncapped: the model's

@@ -18,3 +18,16 @@ def test_what_fits_is_not_named():
     assert unplaceable({"num_cpus": 1, "memory": 8e9, "num_gpus": 0}, CPU_MACHINE) == ""
     assert unplaceable({"num_gpus": 1, "num_cpus": 4}, {"CPU": 64.0, "GPU": 8.0}) == ""
     assert unplaceable({"num_cpus": 3}, CPU_MACHINE) == "num_cpus: 3 (the cluster has 2)"
+
+
+def test_an_envs_own_module_ships_to_the_actors_and_an_installed_one_does_not(tmp_path, monkeypatch):
+    """rollout.env on a fleet: a module:Class env's top-level module (a file here) goes to the actors through
+    Ray's runtime env (py_modules); built-ins, verlj's own and installed modules (the standard library) do not."""
+    from verlj.engine.rl.fleet import shipped_env
+
+    (tmp_path / "my_fleet_envs.py").write_text("class Env:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = shipped_env("my_fleet_envs:Env")["runtime_env"]["py_modules"]
+    assert [m.__name__ for m in got] == ["my_fleet_envs"] and got[0].__file__ == str(tmp_path / "my_fleet_envs.py")
+    assert shipped_env(None) == shipped_env("builtin:guess") == shipped_env("verlj.engine.rl.envs:Guess") == {}
+    assert shipped_env("json.decoder:JSONDecoder") == {}

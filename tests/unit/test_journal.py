@@ -98,9 +98,10 @@ def test_newer_schema_is_refused_and_older_is_upcast(tmp_path, monkeypatch):
             j.read_step(2)
         report = verify_journal(j)
         assert [(p.kind, p.step) for p in report.problems] == [("unknown_schema", 2)]
-        # a v2 of "metrics" arrives: v1 records are lifted by the registered upcaster
-        monkeypatch.setitem(events_mod.EVENT_VERSIONS, "metrics", 2)
-        monkeypatch.setitem(events_mod.UPCASTERS, ("metrics", 1), lambda e: {**e, "v": 2, "source": None})
+        # a v2 of "metrics" arrives: v1 records are lifted by its declared upcaster
+        v1 = events_mod.declared()["metrics"]
+        monkeypatch.setitem(events_mod._DECLARED, "metrics", events_mod.EventSpec(
+            "metrics", 2, {1: lambda e: {**e, "v": 2, "source": None}}, summary=v1.summary, payload=v1.payload))
         assert j.read_step(1).events == [{"type": "metrics", "v": 2, "values": {"a": 1.0}, "source": None}]
 
 

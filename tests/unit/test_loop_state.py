@@ -14,6 +14,7 @@ from verlj.engine.config import make_config
 from verlj.engine.errors import ReplayError, SnapshotError
 from verlj.engine.loop.ledger import ArchiveEntry, Ledger
 from verlj.engine.loop.policy import CheckpointSchedule
+from verlj.engine.loop.provenance import versions
 from verlj.engine.loop.records import Rebased, TopologyChange
 from verlj.engine.loop.recovery import choose_snapshot, resolve_explicit
 from verlj.engine.loop.retention import apply as apply_retention
@@ -83,11 +84,11 @@ def test_history_is_what_was_in_force_at_each_step(run):
 
 def test_a_resume_records_its_own_choice_and_the_versions_that_moved(run):
     _run_dir, ledger = run
-    moved = ledger.record_resume(6, 4, ["trainer.total_steps"], 1, resume_from="4")
+    moved = ledger.record_resume(6, 4, ["trainer.total_steps"], 1, versions(), resume_from="4")
     assert moved and all(m.startswith("torch 1 → ") for m in moved[:1])
     entry = ledger.lineage_entries()[-1]
     assert entry.resume_from == "4" and entry.versions_changed == moved
-    assert ledger.record_resume(6, 6, [], 1) == []  # compared with the last start: nothing moved since
+    assert ledger.record_resume(6, 6, [], 1, versions()) == []  # compared with the last start: nothing moved since
     assert ledger.lineage_entries()[-1].resume_from is None and "resume_from" not in ledger.lineage_entries()[-1].to_dict()
     assert ledger.config_at(6)["trainer"]["resume_from"] is None
 
@@ -96,7 +97,7 @@ def test_the_ledgers_records_store_the_maps_of_the_previous_release(run):
     """The typed records write the journal meta the previous release wrote, key for key and in order
     (its journals read back through them; tests/fixtures/v0 holds such journals)."""
     run_dir, ledger = run
-    ledger.record_resume(6, 4, ["trainer.total_steps"], 1, resume_from="4")
+    ledger.record_resume(6, 4, ["trainer.total_steps"], 1, versions(), resume_from="4")
     cfg = make_config(None, ["trainer.total_steps=8"]).to_stored()
     ledger.record_config_change(7, cfg)
     one, two = {"world_size": 1, "tensor_parallel_size": 1, "zero_stage": 0}, {"world_size": 2, "tensor_parallel_size": 1, "zero_stage": 0}
@@ -158,6 +159,21 @@ def test_metrics_and_fingerprints_come_from_the_summaries(run):
 
 
 # ----------------------------------------------------------------------------- the snapshot store
+
+
+def test_latest_as_a_directory_after_a_copy_that_follows_links_is_replaced_by_the_link(run):
+    """`cp -rL` of a run turns `latest` (and a `.latest.tmp` a kill left) into copies of a snapshot:
+    the next publish still points `latest` at the newest snapshot, and the snapshots stay whole."""
+    run_dir, ledger = run
+    snapshot(run_dir, ledger, 2)
+    for name in ("latest", ".latest.tmp"):
+        link = run_dir / name
+        if link.is_symlink():
+            link.unlink()
+        shutil.copytree(run_dir / "step_00002", link)
+    snapshot(run_dir, ledger, 4)
+    assert os.readlink(run_dir / "latest") == "step_00004" and not (run_dir / ".latest.tmp").exists()
+    assert sorted(ledger.snapshot_index()) == [2, 4] and (run_dir / "step_00002" / "weights.bin").read_bytes() == bytes([2]) * 64
 
 
 def test_rotation_keeps_the_newest_and_latest_follows(run):

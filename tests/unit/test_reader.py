@@ -45,7 +45,7 @@ def test_a_walk_yields_each_step_in_order_as_every_rank_receives_it(journal):
     rt = OneRank()
     got = list(StepReader(journal, rt).walk(2, 4))
     assert [r.step for r in got] == [2, 3, 4]
-    assert [r.fingerprint for r in got] == [fp(2), fp(3), fp(4)]
+    assert [r.state_fingerprint for r in got] == [fp(2), fp(3), fp(4)]
     assert [r.metrics for r in got] == [{"loss": 0.2}, {"loss": 0.3}, {"loss": 0.4}]
     assert rt.asked == [f"reading step {s} from the journal" for s in (2, 3, 4)]  # one record at a time: streamed
     alone = list(StepReader(journal).walk(2, 4))  # read by this process alone: the same records
@@ -66,12 +66,12 @@ def test_a_walk_refuses_a_pruned_step_and_the_scan_shows_it(journal):
     assert [r.step for r in StepReader(journal).walk(3, 4)] == [3, 4]  # the kept steps still walk
     scanned = list(StepReader(journal).records(payload=False))
     assert [(r.step, r.pruned) for r in scanned] == [(1, True), (2, True), (3, False), (4, False)]
-    assert [r.fingerprint for r in scanned] == [fp(s) for s in range(1, 5)]
+    assert [r.state_fingerprint for r in scanned] == [fp(s) for s in range(1, 5)]
 
 
 def test_read_runs_the_check_where_the_step_is_read(journal):
     rt = OneRank()
-    assert StepReader(journal, rt).read(3, "reading step 3 of RUN").fingerprint == fp(3)
+    assert StepReader(journal, rt).read(3, "reading step 3 of RUN").state_fingerprint == fp(3)
     assert rt.asked == ["reading step 3 of RUN"]
 
     def refuse(record):

@@ -13,7 +13,7 @@ import pytest
 
 from verlj.engine.schema import events as ev
 from verlj.engine.schema.sample import FIELDS, Sample, pack, unpack
-from verlj.journal import EVENT_VERSIONS, open_journal_reader, packb
+from verlj.journal import declared, open_journal_reader, packb
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "v0"  # journals written by the release before the typed schema
@@ -21,7 +21,7 @@ RUNS = ("sync", "stepo", "compl")  # sync (with eval), async step order (PPO), a
 
 
 def test_every_journal_event_type_has_its_class():
-    assert set(ev.EVENT_TYPES) == set(EVENT_VERSIONS)
+    assert set(ev.EVENT_TYPES) == set(declared())
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -34,7 +34,7 @@ def test_old_journal_round_trips_through_the_types(run, tmp_path):
     with open_journal_reader(tmp_path / run / "journal") as j:
         for record in j.iter_steps():
             step = ev.StepEvents.of(record)
-            assert step.step == record.step and step.fingerprint == record.fingerprint
+            assert step.step == record.step and step.state_fingerprint == record.state_fingerprint
             for e in record.events:
                 typed = ev.EVENT_TYPES[e["type"]].from_event(e)
                 assert packb(typed.to_event()) == packb(e), (record.step, e["type"])

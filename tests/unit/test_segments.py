@@ -6,11 +6,13 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import verlj.engine  # noqa: F401  (declares verlj's event types to the journal: these tests write them)
 from verlj.journal import Journal, JournalError, make_event, open_journal_reader, segments, shipper, verify_journal
 
 
@@ -401,3 +403,24 @@ def test_a_fork_at_its_parent_s_last_step_closes_at_once(tmp_path):
     with open_journal_reader(shipped) as r:  # another host: rebuilt from the segments
         assert (r.base_step(), r.last_step(), r.num_steps()) == (5, 5, 0)
         assert r.get_meta("chain_base") == chain
+
+
+def test_a_shipper_that_gives_up_on_close_says_so_in_one_line_naming_the_steps(tmp_path, monkeypatch, capsys):
+    """Shipping that stalls at close is given up after the close's timeout, in one line on stderr naming the
+    steps not shipped and where they are; the next writer opened on the local journal ships them."""
+    local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
+    _write(local, shipped, range(1, 3), max_lag=0)
+    j, _notes = segments.open_writer(local, shipped, max_lag=4)
+    stalled = j.shipper
+    monkeypatch.setattr(stalled, "ship_once", lambda compact=False: time.sleep(0.2) or False)  # never gets anywhere
+    for s in range(3, 6):
+        j.append_step(s, _events(s))
+    stalled.close(timeout=1.0)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("[WARNING] journal shipping gave up on close: steps 3–5 not shipped to "), err
+    assert f"the local journal {local}" in err[0] and "behind after 1 s" in err[0]
+    j.close()  # its shipper closed already: nothing more is said
+    assert capsys.readouterr().err == ""
+    monkeypatch.undo()
+    _write(local, shipped, range(6, 7), max_lag=0)
+    assert segments.scan(shipped).last_step == 6

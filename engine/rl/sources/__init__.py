@@ -5,6 +5,7 @@
 - ``planned`` (:class:`PlannedSource`): async in step order, k batches planned ahead.
 - ``completion`` (:class:`CompletionSource`): async in completion order, a free-running generator.
 - ``episodes``: rollout.env's episodes, played in either order by the sources above.
+- ``agents`` (:class:`AgentSource`): rollout.agent's programs, each sample an episode over the gateway (sync).
 
 Where they generate is the rollout engine's business (``rl.rollout``: hf, vLLM, the generator
 process, the Ray fleet), so any source runs on any engine its order allows. A new source (an agent
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...config import Config
+from .agents import AgentSource
 from .base import Host, StepInputs, StepSource
 from .completion import CompletionSource
 from .planned import PlannedSource
@@ -25,9 +27,9 @@ __all__ = ["Host", "StepInputs", "StepSource", "make_source", "source_kind"]
 
 
 def source_kind(cfg: Config) -> str:
-    """The name of the source the config asks for: sync, planned or completion."""
+    """The name of the source the config asks for: sync, agent, planned or completion."""
     if cfg.rollout.mode == "sync":
-        return "sync"
+        return "agent" if cfg.rollout.agent is not None else "sync"
     return "completion" if cfg.rollout.free_running else "planned"
 
 
@@ -38,10 +40,12 @@ def make_source(host: Host) -> StepSource:
         return CompletionSource(host)
     if kind == "planned":
         return PlannedSource(host)
+    if kind == "agent":
+        return AgentSource(host)
     return SyncSource(host)
 
 
 if TYPE_CHECKING:  # every source is a StepSource: mypy fails here when one stops conforming
 
-    def _conforms(sync: SyncSource, planned: PlannedSource, completion: CompletionSource) -> list[StepSource]:
-        return [sync, planned, completion]
+    def _conforms(sync: SyncSource, planned: PlannedSource, completion: CompletionSource, agent: AgentSource) -> list[StepSource]:
+        return [sync, planned, completion, agent]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -23,16 +23,14 @@ from ...schema import events as ev
 from ...schema import sample as sample_codec
 from ...schema.sample import Columns, EnvEnd, Sample
 from ...state.seeding import derive_seed, rng_digest, seed_globals
-from ..rollout import RolloutEngine, make_engine
+from ..core import Core
+from ..rollout import RolloutEngine, engine_class, make_engine
 
 if TYPE_CHECKING:
-    from ...dist import Runtime
     from ..buffer import RolloutBuffer
     from ..data import Example, Sampler
     from ..envs import EnvFactory
     from ..episodes import InFlightLog
-    from ..scoring import Scorer
-    from ..workers import ActorWorker
 
 
 @dataclass
@@ -126,29 +124,14 @@ class StepSource(Protocol):
         """Release the engine. `at_once`: the user asked to stop now; nothing in flight is waited for."""
 
 
-class Host(Protocol):
+class Host(Core, Protocol):
     """What a source reads of the trainer that chose it (the trainer conforms: rl.trainer)."""
-
-    @property
-    def cfg(self) -> Config: ...
-
-    @property
-    def rt(self) -> Runtime: ...
-
-    @property
-    def actor(self) -> ActorWorker: ...
-
-    @property
-    def tokenizer(self) -> Any: ...
 
     @property
     def sampler(self) -> Sampler: ...
 
     @property
     def buffer(self) -> RolloutBuffer: ...
-
-    @property
-    def scorer(self) -> Scorer: ...
 
     @property
     def prompt_ids(self) -> list[np.ndarray]: ...
@@ -215,7 +198,11 @@ class Source:
         return {"buffer/pending": float(len(self.host.buffer))}
 
     def set_config(self, cfg: Config) -> None:
-        if self.engine is not None and cfg.rollout.engine != self.engine.name:
+        if self.engine is None:
+            return
+        other = type(self.engine) is not engine_class(cfg.rollout.engine, cfg.rollout.mode, cfg.rollout.fleet)
+        # a fleet's actors made their envs (rollout.env) from the config they started with
+        if other or (self.cfg.rollout.fleet == "ray" and cfg.rollout.env != self.cfg.rollout.env):
             self.engine.close()
             self.engine = None
             self.engine_closed()

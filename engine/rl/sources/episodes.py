@@ -19,10 +19,12 @@ import numpy as np
 from verlj.journal.failpoints import failpoint
 
 from ...schema import sample as sample_codec
-from ...schema.sample import GroupInFlight, Sample
+from ...schema.sample import EnvEnd, GroupInFlight, Sample
 from ...state.seeding import derive_seed
 from ..envs import row_of
-from ..episodes import Limits, Play, Round
+from ..episodes import GroupWork, Limits, Play, Round
+from ..fleet import RayFleet
+from ..rollout import RolloutEngine
 from ..sampler import AskedGroup
 from .base import add_time
 
@@ -50,6 +52,30 @@ def play_round(src: StepOrder, prod: Production, responses: list[np.ndarray], lo
         responses, logps = src.live.result(src.live.submit(contexts, seeds, cfg))
         if not places:
             responses, logps = [], []
+
+
+def on_fleet(engine: RolloutEngine) -> RayFleet | None:
+    """The engine when it is a Ray fleet (rollout.fleet=ray): rollout.env's envs then run on its actors,
+    beside generation (rl.episodes.play_group), and the trainer holds each group's state only."""
+    return engine if isinstance(engine, RayFleet) else None
+
+
+def round_works(src: StepOrder, prod: Production, rows: list[dict], env_seeds: list[int]) -> list[GroupWork]:
+    """Step order on a fleet: the round's groups of episodes to play to their ends on its actors, each
+    episode's seeds those of its place in the step (as play_round's)."""
+    cfg, n = src.cfg, src.cfg.rollout.n
+    limits = Limits.of(cfg.rollout)
+    return [GroupWork(k // n, int(prod.mine[k // n]), rows[k : k + n], prod.prompts[k : k + n], env_seeds[k : k + n],
+                      [(cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, q) for q in prod.places[k : k + n]], limits,
+                      cfg.rollout.max_turns) for k in range(0, len(rows), n)]
+
+
+def played_round(src: StepOrder, handle: int) -> Round:
+    """Step order on a fleet: the round's episodes, as its actors played them (their envs stay there)."""
+    fleet = on_fleet(src.live)
+    assert fleet is not None, "a round is played on a fleet only"
+    states = [GroupInFlight.from_dict(d) for d in fleet.played(handle)]
+    return Round.of_states(states, src.host.tokenizer, Limits.of(src.cfg.rollout))
 
 
 class Turns:
@@ -91,6 +117,10 @@ class Turns:
         if durable is not None and durable.row != int(row):  # another prompt under that id: not this group's turns
             self.settle.append(g)
             durable = None
+        fleet = on_fleet(self.src.live)
+        if fleet is not None:
+            self.begin_remote(g, int(row), rows, durable, fleet)
+            return None
         if durable is None:
             env_seeds = [derive_seed(cfg.trainer.seed, 0, "rollout/env", g, j) for j in range(n)]
             play = Play(Round(host.envs(), rows, env_seeds, [host.prompt_ids[row]] * n, host.tokenizer, Limits.of(cfg.rollout)), int(row))
@@ -100,6 +130,37 @@ class Turns:
             self.src.now.restored_turns += replayed
         self.plays[g] = play
         return self.next_turn(g, play)
+
+    def begin_remote(self, g: int, row: int, rows: list[dict], durable: GroupInFlight | None, fleet: RayFleet) -> None:
+        """On a fleet: the group's first turn (from its resets), or its next from its last durable turn,
+        asked of the actors, whose envs play it (rl.episodes.play_group); the trainer holds its state."""
+        cfg, host, n, limits = self.src.cfg, self.src.host, self.src.cfg.rollout.n, Limits.of(self.src.cfg.rollout)
+        prompts = [host.prompt_ids[row]] * n
+        work = GroupWork(g, row, rows, prompts, [derive_seed(cfg.trainer.seed, 0, "rollout/env", g, j) for j in range(n)],
+                         [(cfg.trainer.seed, 0, "rollout/group", g, j) for j in range(n)], limits, 1)
+        none = lambda dt: [np.zeros(0, dt)] * n  # noqa: E731 - before its first turn: no response yet
+        start = durable or GroupInFlight(g, row, [], prompts, none(np.int64), none(np.float32), none(np.int8), none(np.int64),
+                                         none(np.float64), list(work.env_seeds), [int(EnvEnd.NONE)] * n, [""] * n)
+        play = Play(Round.of_states([start], host.tokenizer, limits), row, list(start.versions))
+        play.work = work
+        if durable is not None:  # the actor re-applies the durable actions of each episode still going
+            self.src.now.restored_turns += sum(len(ep.turn_lens) // 2 for ep in play.round.episodes if ep.live)
+        self.plays[g] = play
+        self.ask_remote([g], fleet)
+
+    def ask_remote(self, groups: list[int], fleet: RayFleet) -> None:
+        """On a fleet: the next turn of each of `groups` not over, each from its state as it stands."""
+        works = []
+        for g in groups:
+            play = self.plays[g]
+            if play.round.turn > 0 and play.round.done():
+                self.over.append(g)
+                continue
+            assert play.work is not None, "a group played on a fleet has its work"
+            play.work.state = play.state(g).to_dict() if play.round.turn > 0 else None
+            works.append(play.work)
+        cfg = self.src.cfg
+        fleet.ask_play(works, cfg, max(1, cfg.data.prompts_per_step))
 
     def next_turn(self, g: int, play: Play) -> AskedGroup | None:
         """The group's next turn to ask (its live episodes' contexts, each with its own seed), or None when
@@ -121,11 +182,16 @@ class Turns:
         cfg, n, host = src.cfg, src.cfg.rollout.n, src.host
         t = time.perf_counter()
         took = []
-        for g, responses, logps, version in arrived:
-            play = self.plays[int(g)]
-            play.round.take(play.places, list(responses), list(logps))
-            play.versions.append(int(version))
-            took.append(int(g))
+        fleet = on_fleet(src.live)
+        for item in arrived:
+            play = self.plays[int(item[0])]
+            if fleet is not None:  # the group's state after the turn its actor played
+                state = GroupInFlight.from_dict(item[1])
+                play.round, play.versions = Round.of_states([state], host.tokenizer, Limits.of(cfg.rollout)), list(state.versions)
+            else:
+                play.round.take(play.places, list(item[1]), list(item[2]))
+                play.versions.append(int(item[3]))
+            took.append(int(item[0]))
         add_time(src.timings, "timing_s/env", time.perf_counter() - t)
         if took:
             failpoint("episodes.before_durable")  # the envs have stepped; the turns are not durable
@@ -146,6 +212,9 @@ class Turns:
             host.in_flight_log.keep(kept, self.settle)
             self.settle = []
             failpoint("episodes.after_durable")
+        if fleet is not None:
+            self.ask_remote([g for g in took if g in self.plays], fleet)
+            return [s for _, cols in gathered for s in sample_codec.unpack(cols)]
         asks = [self.next_turn(g, self.plays[g]) for g in took if g in self.plays]
         src.live.ask([a for a in asks if a is not None], cfg, max(1, cfg.data.prompts_per_step // host.rt.dp_size))
         return [s for _, cols in gathered for s in sample_codec.unpack(cols)]

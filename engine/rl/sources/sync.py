@@ -24,7 +24,7 @@ from .. import faults
 from ..envs import row_of
 from ..episodes import Limits, Round
 from .base import Source, StepInputs, add_time, episode_metrics, zero_variance
-from .episodes import play_round
+from .episodes import on_fleet, play_round, played_round, round_works
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Production:
     plan: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     places: list = field(default_factory=list)  # this rank's samples' places q in the round (their seeds')
     episodes: Round | None = None  # rollout.env: the round's episodes being played
+    remote: bool = False  # rollout.env on a fleet: the round is played on its actors (handle: RayFleet.play's)
 
 
 class StepOrder(Source):
@@ -110,16 +111,26 @@ class StepOrder(Source):
         prod.prompts = [host.prompt_ids[i] for i in prod.mine for _ in range(group_size)]
         # each sample's seed is its place in its step (round, k), whichever rank generates it
         prod.places = list(range(first * group_size, first * group_size + len(prod.prompts)))
-        sample_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, q) for q in prod.places]
         t = time.perf_counter()
+        self.start_round(prod)
+        prod.gen_s += time.perf_counter() - t
+
+    def start_round(self, prod: Production) -> None:
+        """Have the engine begin the round's samples (episodes: their first turns), each from its place's seed."""
+        cfg, host = self.cfg, self.host
+        group_size = cfg.rollout.n
+        sample_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, q) for q in prod.places]
         prompts = prod.prompts
         if cfg.rollout.env is not None:  # episodes: each env reset from its sample's place (rl.episodes)
             rows = [row_of(host.dataset[int(i)]) for i in prod.mine for _ in range(group_size)]
             env_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/env", prod.rounds, q) for q in prod.places]
+            fleet = on_fleet(self.live)
+            if fleet is not None:  # its envs run on the fleet's actors, beside generation
+                prod.remote, prod.handle = True, fleet.play(round_works(self, prod, rows, env_seeds), cfg)
+                return
             prod.episodes = Round(host.envs(), rows, env_seeds, prod.prompts, host.tokenizer, Limits.of(cfg.rollout))
             prompts = prod.episodes.first_prompts()
         prod.handle = self.live.submit(prompts, sample_seeds, cfg)
-        prod.gen_s += time.perf_counter() - t
 
     def finish(self, prod: Production) -> Production:
         """Wait for the round in flight, score it, and draw more rounds while dynamic sampling needs
@@ -127,19 +138,9 @@ class StepOrder(Source):
         cfg, timings, scorer = self.cfg, self.timings, self.host.scorer
         prompts_per_step, group_size = cfg.data.prompts_per_step, cfg.rollout.n
         while True:
-            t0 = time.perf_counter()
-            responses, logps = self.live.result(prod.handle)
-            if prod.episodes is not None:
-                play_round(self, prod, responses, logps)
-            t1 = time.perf_counter()
-            if prod.episodes is not None:
-                local = scorer.score_episodes(prod.mine, group_size, prod.episodes)
-            else:
-                local = scorer.score(prod.mine, group_size, prod.prompts, responses, logps)
+            local = self.round_samples(prod)
             for s in local:
                 s.policy_version = prod.version
-            prod.gen_s += t1 - t0
-            add_time(timings, "timing_s/reward", time.perf_counter() - t1)
             t2 = time.perf_counter()
             scorer.reference_logprobs(local, self.host.actor)
             add_time(timings, "timing_s/ref", time.perf_counter() - t2)
@@ -161,6 +162,28 @@ class StepOrder(Source):
         add_time(timings, "timing_s/gen", prod.gen_s)  # async: only the wait the update did not cover
         prod.plan = self.choose_consumed(prod.added, set(prod.dropped) | set(prod.stale) | set(prod.faulted))
         return prod
+
+    def round_samples(self, prod: Production) -> list[Sample]:
+        """The round in flight on this rank: waited for (its episodes played), scored."""
+        scorer, group_size = self.host.scorer, self.cfg.rollout.n
+        t0 = time.perf_counter()
+        responses: list[np.ndarray] = []
+        logps: list[np.ndarray] = []
+        if prod.remote:
+            assert isinstance(prod.handle, int), "a fleet's play is named by its handle"
+            prod.episodes = played_round(self, prod.handle)
+        else:
+            responses, logps = self.live.result(prod.handle)
+        if prod.episodes is not None and not prod.remote:
+            play_round(self, prod, responses, logps)
+        t1 = time.perf_counter()
+        if prod.episodes is not None:
+            local = scorer.score_episodes(prod.mine, group_size, prod.episodes)
+        else:
+            local = scorer.score(prod.mine, group_size, prod.prompts, responses, logps)
+        prod.gen_s += t1 - t0
+        add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
+        return local
 
     def gathered(self, local: list[Sample], prod: Production, group_size: int) -> list[Sample]:
         """Every rank's samples of the round (one copy per DP rank), given their ids and groups."""

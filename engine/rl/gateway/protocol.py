@@ -1,0 +1,309 @@
+"""The OpenAI chat-completions protocol, as the gateway speaks it: requests parsed and checked
+(:func:`parse_request`, every refusal an :class:`ApiError` shaped as OpenAI's errors), their canonical
+form (what the journal keeps and hashes), the tool-call parser (hermes ``<tool_call>`` JSON), and the
+response bytes, JSON or a server-sent event stream (:func:`response_bytes`).
+
+No server and no model here: ``gateway.server`` serves these, ``gateway.runner`` generates.
+
+What a request may say (anything else of the right type is accepted and ignored, as OpenAI's own
+server ignores what a model does not use):
+
+- ``model`` (the run's name, ``GET /v1/models``), ``messages`` (system, developer, user, assistant, tool;
+  ``content`` a string or a list of text parts; an assistant's ``tool_calls``; a tool's ``tool_call_id``),
+  ``tools`` (functions), ``tool_choice`` (``auto`` or ``none``), ``max_tokens`` / ``max_completion_tokens``
+  (capped at rollout.max_response_length), ``stop`` (a string or up to 4), ``logprobs`` / ``top_logprobs``,
+  ``stream`` (with ``stream_options.include_usage``).
+- ``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty`` and the like are read
+  and ignored: the trainer's sampling settings (rollout.temperature, rollout.top_p) and each call's own
+  seed decide every sample, so that what is trained on is what the policy would sample.
+- ``n`` other than 1 and ``response_format`` are refused (400).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_BODY = 4 << 20  # bytes: a request body over this is refused (413)
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_logprobs", "n", "seed")
+_NUM_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+
+
+class ApiError(Exception):
+    """A request refused: its HTTP status and OpenAI's error object (message, type, param, code)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> bytes:
+        return json.dumps({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}).encode()
+
+
+def unauthorized() -> ApiError:
+    return ApiError(401, "Incorrect API key provided: this key names no episode in flight (missing, wrong, or its episode is over).",
+                    code="invalid_api_key", kind="authentication_error")
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A checked request: what decides the generation and the response's shape."""
+
+    model: str
+    messages: list
+    tools: list | None = None
+    tool_choice: str = "auto"
+    max_tokens: int | None = None
+    stop: tuple = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    ignored: dict = field(default_factory=dict)  # temperature, top_p, ...: read and not used (see the module's doc)
+
+    def canonical(self) -> str:
+        """The request as the journal keeps it: every field that decides the answer, keys sorted, no spaces."""
+        d = {"model": self.model, "messages": self.messages, "tools": self.tools, "tool_choice": self.tool_choice,
+             "max_tokens": self.max_tokens, "stop": list(self.stop), "logprobs": self.logprobs, "top_logprobs": self.top_logprobs,
+             "stream": self.stream, "include_usage": self.include_usage}
+        return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.canonical().encode()).hexdigest()
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def _typed(body: dict, name: str, types: tuple, what: str) -> Any:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) and bool not in types or not isinstance(v, types):
+        raise _bad(f"Invalid type for '{name}': expected {what}, but got {type(v).__name__}.", name)
+    return v
+
+
+def _content(m: dict, i: int) -> str | None:
+    c = m.get("content")
+    if c is None or isinstance(c, str):
+        return c
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c):
+        return "".join(p["text"] for p in c)
+    raise _bad(f"Invalid 'messages[{i}].content': expected a string or a list of text parts.", f"messages[{i}].content")
+
+
+def _tool_calls(calls: Any, i: int) -> list:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(f"Invalid '{where}': expected an array.", where)
+    out = []
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments", ""), str)):
+            raise _bad(f"Invalid '{where}[{k}]': expected {{id, type: function, function: {{name, arguments (a string)}}}}.", f"{where}[{k}]")
+        out.append({"id": str(c.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": fn.get("arguments", "")}})
+    return out
+
+
+def _messages(raw: Any) -> list:
+    if not isinstance(raw, list) or not raw:
+        raise _bad("'messages' must be a non-empty array of messages.", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(f"Invalid 'messages[{i}].role': expected one of {', '.join(ROLES)}.", f"messages[{i}].role")
+        msg: dict = {"role": m["role"], "content": _content(m, i)}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        elif msg["content"] is None:
+            raise _bad(f"Invalid 'messages[{i}].content': a {m['role']} message needs content.", f"messages[{i}].content")
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise _bad(f"Missing 'messages[{i}].tool_call_id': a tool message answers a tool call by its id.", f"messages[{i}].tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    return out
+
+
+def _tools(raw: Any) -> list | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                                            and isinstance(t["function"].get("name"), str) for t in raw):
+        raise _bad("Invalid 'tools': expected an array of {type: function, function: {name, description, parameters}}.", "tools")
+    return [{"type": "function", "function": t["function"]} for t in raw]
+
+
+def _stop(raw: Any) -> tuple:
+    if raw is None:
+        return ()
+    stops = [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise _bad("Invalid 'stop': expected a string or an array of up to 4 non-empty strings.", "stop")
+    return tuple(stops)
+
+
+def parse_request(body: bytes, model: str) -> ChatRequest:
+    """A request body checked, or an ApiError (400 malformed or refused, 404 another model, 413 too large)."""
+    if len(body) > MAX_BODY:
+        raise ApiError(413, f"The request body is {len(body)} bytes, more than the gateway's limit of {MAX_BODY}.")
+    try:
+        d = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise _bad("We could not parse the JSON body of your request. The body must be a JSON object.") from None
+    if not isinstance(d, dict):
+        raise _bad("The body of your request must be a JSON object.")
+    name = _typed(d, "model", (str,), "a string")
+    if name is None:
+        raise _bad("Missing required parameter: 'model'.", "model")
+    if name != model:
+        raise ApiError(404, f"The model `{name}` does not exist; this gateway serves `{model}` (GET /v1/models).", "model", "model_not_found")
+    for k in _INT_FIELDS:
+        _typed(d, k, (int,), "an integer")
+    for k in _NUM_FIELDS:
+        _typed(d, k, (int, float), "a number")
+    if d.get("n") not in (None, 1):
+        raise _bad("'n' must be 1: each call of an episode is one sample of the policy (call again for another).", "n")
+    if d.get("response_format") is not None:
+        raise _bad("'response_format' is not supported: the policy is trained on what it samples, unconstrained.", "response_format")
+    choice = d.get("tool_choice", "auto")
+    if choice not in ("auto", "none"):
+        raise _bad("Invalid 'tool_choice': only 'auto' and 'none' are supported.", "tool_choice")
+    max_tokens = d.get("max_completion_tokens", d.get("max_tokens"))
+    if max_tokens is not None and max_tokens < 1:
+        raise _bad("Invalid 'max_tokens': expected at least 1.", "max_tokens")
+    top = d.get("top_logprobs") or 0
+    if not 0 <= top <= 20:
+        raise _bad("Invalid 'top_logprobs': expected an integer from 0 to 20.", "top_logprobs")
+    stream = _typed(d, "stream", (bool,), "a boolean") or False
+    logprobs = _typed(d, "logprobs", (bool,), "a boolean") or False
+    opts = _typed(d, "stream_options", (dict,), "an object") or {}
+    return ChatRequest(model=name, messages=_messages(d.get("messages")), tools=_tools(d.get("tools")), tool_choice=choice,
+                       max_tokens=max_tokens, stop=_stop(d.get("stop")), logprobs=logprobs, top_logprobs=int(top), stream=stream,
+                       include_usage=bool(opts.get("include_usage")) and stream,
+                       ignored={k: d[k] for k in _NUM_FIELDS + ("seed",) if k in d})
+
+
+# ----------------------------------------------------------------------------- tool calls
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A completion's text read by a tool-call parser: the content left, the calls, and a flag
+    ("malformed_tool_call": it looks like a tool call and does not parse; "" else)."""
+
+    content: str | None
+    tool_calls: list
+    flag: str = ""
+
+
+def hermes(text: str, call_id: str) -> Parsed:
+    """Hermes-style tool calls: each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` a call.
+    Text outside the tags is the content (None when only whitespace is left)."""
+    blocks = _TOOL_CALL.findall(text)
+    if not blocks:
+        return Parsed(text, [], "malformed_tool_call" if "<tool_call>" in text else "")
+    calls = []
+    for k, b in enumerate(blocks):
+        try:
+            d = json.loads(b)
+        except ValueError:
+            return Parsed(text, [], "malformed_tool_call")
+        if not (isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("arguments", {}), (dict, str))):
+            return Parsed(text, [], "malformed_tool_call")
+        args = d.get("arguments", {})
+        calls.append({"id": f"call_{call_id}_{k}", "type": "function",
+                      "function": {"name": d["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+    rest = _TOOL_CALL.sub("", text).strip()
+    return Parsed(rest or None, calls)
+
+
+PARSERS = {"hermes": hermes}
+
+
+def render_tool_calls(calls: list) -> str:
+    """An assistant message's tool calls as hermes text (for a template that has no tool syntax of its own)."""
+    out = []
+    for c in calls:
+        try:
+            args = json.loads(c["function"]["arguments"] or "{}")
+        except ValueError:
+            args = c["function"]["arguments"]
+        out.append("<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": args}, ensure_ascii=False) + "</tool_call>")
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What the model answered one call: the text (cut at a stop string), the tokens' texts and
+    log-probs (those shown), why it ended, the token counts."""
+
+    text: str
+    tokens: list  # str per completion token shown (up to a stop string)
+    logprobs: list  # float per token shown
+    finish_reason: str  # stop | length
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _logprobs(req: ChatRequest, c: Completion) -> dict | None:
+    if not req.logprobs:
+        return None
+    # top_logprobs: the sampled token only (verlj's samplers keep no alternatives; say so, never invent them)
+    return {"content": [{"token": t, "logprob": float(lp), "bytes": list(t.encode()),
+                         "top_logprobs": [{"token": t, "logprob": float(lp), "bytes": list(t.encode())}] if req.top_logprobs else []}
+                        for t, lp in zip(c.tokens, c.logprobs)], "refusal": None}
+
+
+def message(req: ChatRequest, c: Completion, call_id: str, parser: str = "hermes") -> tuple[dict, str, str]:
+    """(the assistant message, its finish_reason, the parser's flag) of a completion."""
+    parsed = PARSERS[parser](c.text, call_id) if req.tools and req.tool_choice != "none" else Parsed(c.text, [])
+    msg: dict = {"role": "assistant", "content": parsed.content, "refusal": None}
+    if parsed.tool_calls:
+        msg["tool_calls"] = parsed.tool_calls
+    finish = "tool_calls" if parsed.tool_calls and c.finish_reason == "stop" else c.finish_reason
+    return msg, finish, parsed.flag
+
+
+def _usage(c: Completion) -> dict:
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens, "total_tokens": c.prompt_tokens + c.completion_tokens}
+
+
+def response_bytes(req: ChatRequest, c: Completion, call_id: str, parser: str = "hermes") -> tuple[bytes, str]:
+    """The exact bytes answered (a JSON object, or an SSE stream ending ``data: [DONE]``) and the parser's flag.
+    Deterministic: the id comes from the call (its seed), ``created`` is 0, so a call made again answers the same bytes."""
+    msg, finish, flag = message(req, c, call_id, parser)
+    head = {"id": f"chatcmpl-{call_id}", "created": 0, "model": req.model, "system_fingerprint": "verlj"}
+    lp = _logprobs(req, c)
+    if not req.stream:
+        body = {**head, "object": "chat.completion",
+                "choices": [{"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}], "usage": _usage(c)}
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(), flag
+    chunk = {**head, "object": "chat.completion.chunk"}
+    deltas: list[dict] = [{"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+    if msg["content"]:
+        deltas.append({"delta": {"content": msg["content"]}, "logprobs": lp, "finish_reason": None})
+    for k, tc in enumerate(msg.get("tool_calls", [])):
+        deltas.append({"delta": {"tool_calls": [{"index": k, **tc}]}, "logprobs": None, "finish_reason": None})
+    deltas.append({"delta": {}, "logprobs": None, "finish_reason": finish})
+    events = [{**chunk, "choices": [{"index": 0, **d}]} for d in deltas]
+    if req.include_usage:
+        events.append({**chunk, "choices": [], "usage": _usage(c)})
+    text = "".join(f"data: {json.dumps(e, ensure_ascii=False, separators=(',', ':'))}\n\n" for e in events) + "data: [DONE]\n\n"
+    return text.encode(), flag
+
+
+def models_body(model: str) -> bytes:
+    return json.dumps({"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "verlj"}]}).encode()

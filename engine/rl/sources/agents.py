@@ -1,0 +1,157 @@
+"""rollout.agent: agent programs as rollouts, in sync mode. Each sample of a step is one agent episode
+(its dataset row, its seed from its place in the step), run against the gateway (``rl.gateway``):
+an OpenAI-compatible endpoint on loopback whose calls the rollout engine generates, each from its own
+seed. The episode's sample is built from the calls' token ids (``gateway.ledger``), scored by the
+reward the agent returned (or rollout.reward_fn on its last answer), and journaled with every call.
+
+Seeds, from the sample's place (round r, place q) in step s, as an env episode's: the agent's
+``derive_seed(seed, s, "rollout/agent", r, q)``; call 0's generation ``derive_seed(seed, s,
+"rollout/sample", r, q)`` (a single-turn sample's), call k > 0's ``derive_seed(seed, s, "rollout/sample",
+r, q, k)``. Replay never runs an agent: it reads the journaled samples.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...errors import RunError
+from ...schema.sample import EnvEnd, Sample
+from ...state.seeding import derive_seed
+from ..envs import row_of
+from ..models import BUILTIN_TINY, render_chat
+from .base import add_time
+from .sync import SyncSource
+
+if TYPE_CHECKING:
+    from ..gateway.runner import Played, Runner
+    from ..gateway.server import Gateway
+    from .sync import Production
+
+
+class AgentSource(SyncSource):
+    """rollout.mode=sync with rollout.agent: each step's samples are agent episodes, played to their ends."""
+
+    gateway: Gateway | None = None
+    runner: Runner | None = None
+    built: tuple = ()
+
+    def start_round(self, prod: Production) -> None:
+        prod.handle = None  # the agents run (and call the engine) in round_samples
+
+    def _runner(self) -> Runner:
+        """The gateway (started at the first live round) and a runner for the agent the config names now."""
+        from ..gateway.runner import Runner, load_agent
+        from ..gateway.server import Gateway
+
+        cfg, host = self.cfg, self.host
+        if host.rt.world_size > 1:
+            raise RunError("rollout.agent runs on one rank for now; run it without torchrun (or with --nproc_per_node 1)")
+        if self.gateway is None:
+            self.gateway = Gateway(cfg.model.actor.model_name_or_path).start()
+        ro = cfg.rollout
+        want = (ro.agent, ro.agent_concurrency, ro.agent_timeout_s, ro.max_turns)
+        if self.runner is None or want != self.built:
+            assert ro.agent is not None
+            self.runner = Runner(self.gateway, load_agent(ro.agent), host.tokenizer, self._render, self._generate, ro.agent_concurrency,
+                                 ro.agent_timeout_s, ro.max_turns)
+            self.built = want
+        self.runner.max_prompt = self._max_prompt()
+        return self.runner
+
+    def _max_prompt(self) -> int:
+        """The longest prompt a call may have (0: no cap): rollout.max_episode_length, else a local model's
+        positions (the built-in model's rotary positions have no hard end), less rollout.max_response_length."""
+        ro = self.cfg.rollout
+        ctx = ro.max_episode_length
+        if not ctx and self.cfg.model.actor.model_name_or_path != BUILTIN_TINY:
+            ctx = getattr(self.host.actor.module.config, "max_position_embeddings", None) or 0  # a config may not say
+        return max(1, ctx - ro.max_response_length) if ctx else 0
+
+    def _render(self, messages: list, tools: list | None) -> str:
+        tok = self.host.tokenizer
+        if self.cfg.model.actor.model_name_or_path == BUILTIN_TINY:  # its template has no tools: they lead as a system message
+            lead = [{"role": "system", "content": "Tools: " + json.dumps(tools, ensure_ascii=False)}] if tools else []
+            return render_chat(tok, lead + messages, True)
+        return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+    def _generate(self, prompts: list, seeds: list) -> tuple[list, list]:
+        return self.live.result(self.live.submit(prompts, seeds, self.cfg))
+
+    def round_samples(self, prod: Production) -> list[Sample]:
+        cfg, host = self.cfg, self.host
+        runner, seed, n = self._runner(), cfg.trainer.seed, cfg.rollout.n
+        rows = [row_of(host.dataset[int(i)]) for i in prod.mine for _ in range(n)]
+        agent_seeds = [derive_seed(seed, prod.step, "rollout/agent", prod.rounds, q) for q in prod.places]
+        step, rnd, places = prod.step, prod.rounds, prod.places
+
+        def call_seed(place: int, k: int) -> int:
+            return derive_seed(seed, step, "rollout/sample", rnd, places[place], *([k] if k else []))
+
+        before = dict(runner.counts)
+        t0 = time.perf_counter()
+        played = runner.play(rows, agent_seeds, call_seed)
+        t1 = time.perf_counter()
+        local = self.scored(prod, played, agent_seeds)
+        prod.gen_s += t1 - t0
+        add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
+        for name, v in runner.counts.items():
+            add_time(self.timings, name, v - before[name])
+        add_time(self.timings, "agent/prefix_breaks", float(sum(json.loads(s.agent_calls)["segments"] - 1 for s in local if s.agent_calls)))
+        return local
+
+    def scored(self, prod: Production, played: list[Played], agent_seeds: list[int]) -> list[Sample]:
+        """Each episode as a sample: its longest consistent segment, its reward (the agent's, else rollout.reward_fn's
+        on its last answer), its fault, its calls."""
+        from ..gateway import ledger
+
+        host, n = self.host, self.cfg.rollout.n
+        rows = [int(i) for i in prod.mine for _ in range(n)]
+        out = []
+        for k, p in enumerate(played):
+            segs = ledger.segments(p.calls)
+            seg = ledger.chosen(p.calls, segs) if segs else -1
+            f = ledger.sample_fields(p.calls, segs[seg]) if segs else {
+                "prompt_ids": host.prompt_ids[rows[k]], "response_ids": np.zeros(0, np.int64), "gen_logprobs": np.zeros(0, np.float32),
+                "loss_mask": np.zeros(0, np.int8), "turn_lens": np.zeros(0, np.int64)}
+            turns = len(f["turn_lens"]) // 2
+            rewards = np.full(turns, np.nan)
+            if turns and p.reward is not None:
+                rewards[-1] = p.reward
+            text = json.loads(ledger.dumps(p.calls, seg, p.reward))
+            text["segments"] = len(segs)
+            out.append(Sample(index=rows[k], id=0, group=0, turn_rewards=rewards, env_seed=agent_seeds[k],
+                              env_end=int(EnvEnd.FAULT if p.fault else EnvEnd.DONE), env_reason=p.fault,
+                              agent_calls=json.dumps(text, ensure_ascii=False, separators=(",", ":")), **f))
+        self._rewards(out, played)
+        return out
+
+    def _rewards(self, samples: list[Sample], played: list[Played]) -> None:
+        """score = rule_reward (the agent's reward, else rollout.reward_fn's of the last answer) + weight * the reward model's."""
+        scorer, tok = self.host.scorer, self.host.tokenizer
+        need = [k for k, p in enumerate(played) if p.reward is None and not p.fault]
+        idx = list(range(len(samples))) if scorer.rm is not None else need
+        last = [tok.decode(played[k].calls[-1].completion_ids, skip_special_tokens=True) if played[k].calls else "" for k in idx]
+        rule, rm, faulted = scorer.rewards([int(samples[k].index) for k in idx], [samples[k].prompt_ids for k in idx],
+                                           [samples[k].response_ids for k in idx], scored=last) if idx else ([], None, [])
+        got = dict(zip(idx, zip(rule, faulted)))
+        w = self.cfg.model.reward_model.weight
+        for k, s in enumerate(samples):
+            reward = played[k].reward
+            if reward is not None:
+                s.rule_reward = reward
+            elif k in need:
+                s.rule_reward, s.fault = got[k]
+            if rm is not None:
+                s.rm_score = rm[idx.index(k)]
+            s.score = s.rule_reward + w * s.rm_score
+
+    def close(self, at_once: bool = False) -> None:
+        super().close(at_once)
+        if self.gateway is not None:
+            self.gateway.stop()
+            self.gateway = None
+            self.runner = None

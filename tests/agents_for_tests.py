@@ -1,0 +1,53 @@
+"""Agents for the gateway's tests (rollout.agent=agents_for_tests:NAME, with tests/ on PYTHONPATH), each
+written against the real `openai` client as any agent program is.
+
+VERLJ_TEST_AGENT_FORBID=1: any agent run ends the process at once (exit 97), so a replay or a resume that
+plays no live step proves it never ran an agent."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import openai
+
+FORBID = "VERLJ_TEST_AGENT_FORBID"
+
+
+def _client(ep, cls=openai.OpenAI):
+    if os.environ.get(FORBID) == "1":
+        sys.stderr.write(f"agents_for_tests: an agent ran with {FORBID}=1\n")
+        sys.stderr.flush()
+        os._exit(97)
+    return cls(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+
+
+def digits(ep):
+    """Two calls (the second continues the first's conversation); the reward: the share of digits in both answers."""
+    client = _client(ep)
+    msgs = [{"role": "user", "content": ep.row["prompt"][-12:]}]
+    first = client.chat.completions.create(model=ep.model, messages=msgs)
+    a = first.choices[0].message.content or ""
+    msgs += [{"role": "assistant", "content": a}, {"role": "user", "content": "more"}]
+    second = client.chat.completions.create(model=ep.model, messages=msgs)
+    b = second.choices[0].message.content or ""
+    text = a + b
+    return sum(c.isdigit() for c in text) / max(1, len(text))
+
+
+async def streaming(ep):
+    """One streamed call with the async client; None: rollout.reward_fn scores the answer."""
+    client = _client(ep, openai.AsyncOpenAI)
+    stream = await client.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": ep.row["prompt"][-12:]}],
+                                                  stream=True)
+    async for _ in stream:
+        pass
+    return None
+
+
+def flaky(ep):
+    """Raises for one seed in four (an episode fault); else as digits."""
+    if ep.seed % 4 == 0:
+        _client(ep)
+        raise RuntimeError("the sandbox is down")
+    return digits(ep)

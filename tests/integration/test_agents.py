@@ -1,0 +1,101 @@
+"""Agent programs as rollouts (rollout.agent) in real training runs: an agent written against the `openai`
+client trains on its rewards, every call journaled with the sample; SIGKILLed in sync mode then resumed
+it is bit-identical to the uninterrupted run; replay never runs an agent; an async streaming agent scored
+by rollout.reward_fn; an agent that raises is an episode fault, counted and never trained on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verlj.engine.schema.events import DropReason, StepEvents
+from verlj.engine.schema.sample import EnvEnd, unpack
+from verlj.journal import open_journal_reader
+from verlj_testing import assert_same_journal, cli, fingerprints, replay_here, train
+
+TESTS = str(Path(__file__).resolve().parents[1])  # agents_for_tests
+AGENT = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:digits", "rollout.max_turns=2", "trainer.total_steps=4",
+         "trainer.save_interval=2"]
+
+
+def steps_of(run: Path) -> dict[int, StepEvents]:
+    with open_journal_reader(run / "journal") as j:
+        return {rec.step: StepEvents.of(rec) for rec in j.iter_steps()}
+
+
+@pytest.fixture(scope="module")
+def agent_ref(tmp_path_factory):
+    run = tmp_path_factory.mktemp("agent") / "ref"
+    out = train(run, *AGENT, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+def test_an_openai_agent_trains_on_its_rewards_and_every_call_is_journaled(agent_ref):
+    steps = steps_of(agent_ref)
+    assert sorted(steps) == [1, 2, 3, 4]
+    for st in steps.values():
+        samples = unpack(st.added.samples)
+        assert len(samples) == 16 and all(s.env_end == EnvEnd.DONE and s.agent_calls for s in samples)
+        assert st.metrics.values["agent/calls"] == 32.0
+        for s in samples:
+            led = json.loads(s.agent_calls)
+            assert led["v"] == 1 and len(led["calls"]) == 2 and s.rule_reward == led["reward"]
+            seg = [c for c in led["calls"]][led["segment"]]
+            # the sample's tokens are the calls' ids, never re-tokenized text: the trained segment's first prompt,
+            # then its completions at the policy's places in the mask
+            assert s.prompt_ids.tolist() == seg["prompt_ids"] or led["segments"] > 1
+            policy = s.response_ids[s.loss_mask == 1].tolist()
+            assert policy == [t for c in led["calls"][led["segment"]:] for t in c["completion_ids"]][: len(policy)]
+            body = json.loads(led["calls"][0]["response"])
+            assert body["object"] == "chat.completion" and body["usage"]["prompt_tokens"] == len(led["calls"][0]["prompt_ids"])
+    scores = [s.score for st in steps.values() for s in unpack(st.added.samples)]
+    assert len(set(scores)) > 1  # the rewards vary: the update has something to learn from
+    shown = cli("inspect", agent_ref, "--step", "2", check=True).stdout
+    assert shown.count("         call 1") == 16 and shown.count("'user: more' → ") == 16 and "(not trained: another segment)" in shown
+    detail = json.loads(cli("inspect", agent_ref, "--step", "2", "--json", check=True).stdout)
+    assert any(len(s.get("calls", [])) == 2 for s in detail["samples"])
+    counts = json.loads(cli("inspect", agent_ref, "--json", check=True).stdout)["agents"]
+    breaks = sum(int(st.metrics.values["agent/prefix_breaks"]) for st in steps.values())
+    assert counts == {"calls_generated": 128, "calls_from_journal": 0, "divergences": 0, "prefix_breaks": breaks,
+                      "malformed_tool_calls": 0, "faults": 0}
+
+
+def test_killed_mid_step_then_resumed_is_bit_identical_and_replay_runs_no_agent(tmp_path, agent_ref):
+    run = tmp_path / "run"
+    out = train(run, *AGENT, PYTHONPATH=TESTS, VERLJ_FAILPOINT="step.before_commit:3")  # step 3's agents ran; nothing of it committed
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *AGENT, resume=True, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(run) == fingerprints(agent_ref)
+    assert_same_journal(run, agent_ref)
+    import os
+
+    os.environ["VERLJ_TEST_AGENT_FORBID"] = "1"  # any agent run would end this process (exit 97)
+    try:
+        report, line = replay_here(run, 4)
+    finally:
+        del os.environ["VERLJ_TEST_AGENT_FORBID"]
+    assert line == "" and report
+
+
+def test_an_async_streaming_agent_is_scored_by_the_reward_fn_and_a_raising_one_is_a_fault(tmp_path):
+    run = tmp_path / "stream"
+    out = train(run, "model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:streaming", "trainer.total_steps=1", PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    samples = unpack(steps_of(run)[1].added.samples)
+    assert all(json.loads(s.agent_calls)["calls"][0]["response"].endswith("data: [DONE]\n\n") for s in samples)
+    assert all(json.loads(s.agent_calls)["reward"] is None for s in samples)  # rollout.reward_fn (auto: builtin:add) scored them
+    run = tmp_path / "flaky"
+    out = train(run, "model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:flaky", "rollout.max_turns=2", "trainer.total_steps=2",
+                "rollout.max_fault_rate=1", PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = steps_of(run)
+    faulted = [s for st in steps.values() for s in unpack(st.added.samples) if s.env_end == EnvEnd.FAULT]
+    assert faulted and all(s.env_reason == "the agent raised RuntimeError: the sandbox is down" for s in faulted)
+    dropped = {int(i) for st in steps.values() for i in st.dropped(DropReason.FAULT)}
+    assert {s.id for s in faulted} <= dropped
+    assert all(not set(st.consumed.ids.tolist()) & dropped for st in steps.values())
+    assert "faults " in out.stdout and "the sandbox is down" in out.stdout

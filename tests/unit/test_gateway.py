@@ -1,0 +1,337 @@
+"""The agent gateway without a trainer (rl.gateway): the OpenAI protocol spoken to the real `openai`
+client (sync and async, streaming and not, tool calls), OpenAI-shaped refusals of bad requests and
+wrong keys, the lockstep runner (each call from its own seed, the same tokens on every run), episode
+faults, and the token ledger's segments."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from verlj.engine.rl.gateway import ledger
+from verlj.engine.rl.gateway.protocol import ApiError, hermes, parse_request
+from verlj.engine.rl.gateway.runner import AgentEpisode, Runner
+from verlj.engine.rl.gateway.server import Gateway
+from verlj.engine.rl.models import builtin_tokenizer, render_chat
+from verlj.engine.rl.vocab import VOCABS
+
+TOK = builtin_tokenizer(VOCABS["ascii"])
+MODEL = "verlj-policy"
+
+
+def encode(text: str) -> list[int]:
+    return TOK(text, add_special_tokens=False).input_ids
+
+
+def scripted(answers: dict):
+    """A generate function: each call's text from `answers` by its prompt's last user line (default: the
+    seed's digits), with log-prob -0.5 a token; it records every batch it is given."""
+    batches = []
+
+    def generate(prompts, seeds):
+        batches.append([(len(p), s) for p, s in zip(prompts, seeds)])
+        outs = []
+        for p, s in zip(prompts, seeds):
+            text = TOK.decode(p, skip_special_tokens=True)
+            last = text.rsplit("<|user|>\n", 1)[-1].split("\n")[0] if "<|user|>" in text else ""
+            outs.append(np.asarray(encode(answers.get(last, str(s))) + [TOK.eos_token_id], np.int64))
+        return outs, [np.full(len(o), -0.5, np.float32) for o in outs]
+
+    return generate, batches
+
+
+def runner(agent, answers=None, **kw) -> tuple[Runner, Gateway, list]:
+    gw = Gateway(MODEL).start()
+    gen, batches = scripted(answers or {})
+    r = Runner(gw, agent, TOK, lambda msgs, tools: render_chat(TOK, msgs, True), gen, kw.get("concurrency", 4),
+               kw.get("timeout_s", 5.0), kw.get("max_turns", 3))
+    return r, gw, batches
+
+
+@pytest.fixture
+def cleanup():
+    made = []
+    yield made
+    for gw in made:
+        gw.stop()
+
+
+def play(agent, n=2, answers=None, cleanup=None, **kw):
+    r, gw, batches = runner(agent, answers, **kw)
+    if cleanup is not None:
+        cleanup.append(gw)
+    out = r.play([{"prompt": f"row {i}"} for i in range(n)], [100 + i for i in range(n)], lambda place, k: 1000 * place + k)
+    return out, r, gw, batches
+
+
+def two_turns(ep: AgentEpisode):
+    client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": ep.row["prompt"]}]
+    first = client.chat.completions.create(model=ep.model, messages=msgs, max_tokens=4)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "again"}]
+    second = client.chat.completions.create(model=ep.model, messages=msgs)
+    return float(len(second.choices[0].message.content or ""))
+
+
+def test_a_sync_openai_agent_is_answered_in_lockstep_from_each_calls_seed(cleanup):
+    out, r, _, batches = play(two_turns, n=3, answers={"again": "ok"}, cleanup=cleanup)
+    assert [p.fault for p in out] == ["", "", ""]
+    assert [p.reward for p in out] == [2.0, 2.0, 2.0]
+    # every episode's first call in one batch, then every second call: the seed is (place, position)
+    assert [sorted(s for _, s in b) for b in batches] == [[0, 1000, 2000], [1, 1001, 2001]]
+    c0 = out[1].calls[0]
+    body = json.loads(c0.response)
+    assert body["choices"][0]["message"]["content"] == "1000" and body["choices"][0]["finish_reason"] == "length"
+    assert len(c0.completion_ids) == 4 and c0.logprobs.tolist() == [-0.5] * 4  # cut at max_tokens: the eos not kept
+    assert json.loads(c0.request)["max_tokens"] == 4 and c0.digest == parse_request(c0.request.encode(), MODEL).digest()
+    assert r.counts["agent/calls"] == 6
+
+
+def test_the_second_call_continues_the_sequence_and_its_new_tokens_are_masked(cleanup):
+    out, *_ = play(two_turns, n=1, answers={"row 0": "abcdefg", "again": "ok"}, cleanup=cleanup)
+    calls = out[0].calls
+    segs = ledger.segments(calls)
+    assert segs == [[0, 1]]  # the first completion had no eos (cut at 4 tokens) and its text tokenizes back
+    f = ledger.sample_fields(calls, segs[0])
+    assert f["prompt_ids"].tolist() == calls[0].prompt_ids.tolist()
+    full = np.concatenate([f["prompt_ids"], f["response_ids"]])
+    assert full[: len(calls[1].prompt_ids)].tolist() == calls[1].prompt_ids.tolist()
+    assert full[len(calls[1].prompt_ids):].tolist() == calls[1].completion_ids.tolist()
+    assert f["turn_lens"].tolist() == [4, len(calls[1].prompt_ids) - len(calls[0].prompt_ids) - 4, len(calls[1].completion_ids), 0]
+    mask = f["loss_mask"].tolist()
+    assert mask == [1] * 4 + [0] * f["turn_lens"][1] + [1] * len(calls[1].completion_ids)
+    assert np.all(f["gen_logprobs"][np.asarray(mask) == 0] == 0)
+
+
+def test_a_rewritten_history_is_a_prefix_break_and_the_longest_segment_is_trained():
+    mk = lambda p, c: ledger.Call("{}", "d", np.asarray(p), np.asarray(c), np.zeros(len(c), np.float32), b"{}")  # noqa: E731
+    calls = [mk([1, 5], [6, 7]), mk([1, 5, 6, 7, 9], [8]), mk([1, 4], [6, 6, 6, 6])]
+    segs = ledger.segments(calls)
+    assert segs == [[0, 1], [2]]
+    assert ledger.chosen(calls, segs) == 1  # 4 generated tokens against 3
+    assert ledger.chosen(calls[:2], segs[:1]) == 0
+    text = ledger.dumps(calls, 1, 0.5)
+    back = ledger.loads(text)
+    assert back["segment"] == 1 and back["reward"] == 0.5 and back["calls"][2].completion_ids.tolist() == [6, 6, 6, 6]
+
+
+def test_async_streaming_tool_calls_reach_the_client_parsed(cleanup):
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    call_text = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+
+    async def agent(ep):
+        client = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        stream = await client.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": "tool"}], tools=[tool],
+                                                      stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert calls[0].function.name == "add" and json.loads(calls[0].function.arguments) == {"a": 1}
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        assert chunks[-1].usage.completion_tokens == len(encode(call_text)) + 1
+        msgs = [{"role": "user", "content": "tool"},
+                {"role": "assistant", "content": None, "tool_calls": [tc.model_dump() for tc in calls]},
+                {"role": "tool", "tool_call_id": calls[0].id, "content": "2"}]
+        done = await client.chat.completions.create(model=ep.model, messages=msgs, tools=[tool], logprobs=True, top_logprobs=1)
+        assert done.choices[0].logprobs.content[0].logprob == -0.5
+        return 1.0
+
+    out, r, *_ = play(agent, n=1, answers={"tool": call_text}, cleanup=cleanup)
+    assert out[0].fault == "" and out[0].reward == 1.0
+    assert out[0].calls[0].response.endswith(b"data: [DONE]\n\n") and out[0].calls[0].flag == ""
+
+
+def test_a_tool_call_that_does_not_parse_is_flagged_and_returned_as_text():
+    parsed = hermes('<tool_call>{"name": "add", "arguments": {oops}</tool_call>', "x")
+    assert parsed.flag == "malformed_tool_call" and parsed.tool_calls == [] and "oops" in parsed.content
+    ok = hermes('thinking <tool_call>{"name": "f", "arguments": {}}</tool_call>', "x")
+    assert ok.content == "thinking" and ok.tool_calls[0]["function"]["arguments"] == "{}"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[]", 400, None),
+    (json.dumps({"model": MODEL}).encode(), 400, "messages"),
+    (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "model"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}).encode(), 400,
+     "response_format"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "4"}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "messages[0].role"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}).encode(), 400, "messages[0].tool_call_id"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}).encode(), 400, "tool_choice"),
+])
+def test_bad_requests_get_openai_shaped_errors(body, status, param):
+    with pytest.raises(ApiError) as e:
+        parse_request(body, MODEL)
+    assert e.value.status == status and e.value.param == param
+    err = json.loads(e.value.body())["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+def test_keys_are_per_episode_and_bad_requests_never_reach_an_agent_as_a_traceback(cleanup):
+    seen = {}
+
+    def agent(ep):
+        h = {"Authorization": f"Bearer {ep.api_key}"}
+        url = ep.base_url + "/chat/completions"
+        seen["wrong"] = httpx.post(url, json={"model": ep.model, "messages": [{"role": "user", "content": "x"}]},
+                                   headers={"Authorization": "Bearer sk-verlj-guess"})
+        seen["missing"] = httpx.get(ep.base_url + "/models")
+        seen["models"] = httpx.get(ep.base_url + "/models", headers=h).json()
+        seen["big"] = httpx.post(url, content=b"x" * (5 << 20), headers={**h, "content-type": "application/json"})
+        seen["malformed"] = httpx.post(url, content=b'{"model": ', headers=h)
+        seen["key"] = ep.api_key
+        return two_turns(ep)
+
+    out, _, gw, _ = play(agent, n=1, cleanup=cleanup)
+    assert out[0].fault == ""
+    for k in ("wrong", "missing"):
+        assert seen[k].status_code == 401 and seen[k].json()["error"]["code"] == "invalid_api_key"
+    assert seen["models"]["data"][0]["id"] == MODEL
+    assert seen["big"].status_code == 413 and seen["malformed"].status_code == 400
+    assert "Traceback" not in seen["malformed"].text
+    # the episode is over: its key is forgotten
+    late = httpx.post(gw.base_url + "/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+                      headers={"Authorization": f"Bearer {seen['key']}"})
+    assert late.status_code == 401
+
+
+def test_bad_agents_are_episode_faults_and_the_others_go_on(cleanup):
+    def agent(ep):
+        i = int(ep.row["prompt"].split()[1])
+        if i == 0:
+            raise ValueError("the sandbox is down")
+        if i == 1:
+            return 1.0  # never called the model
+        if i == 2:
+            import time
+            time.sleep(3)  # past the timeout
+        if i == 3:
+            client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+            for _ in range(5):
+                client.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": "x"}])
+        if i == 4:
+            two_turns(ep)
+            return "high"
+        return two_turns(ep)
+
+    out, *_ = play(agent, n=6, cleanup=cleanup, timeout_s=1.0, concurrency=6)
+    faults = [p.fault for p in out]
+    assert faults[0] == "the agent raised ValueError: the sandbox is down"
+    assert faults[1] == "the agent never called the model"
+    assert faults[2].startswith("the agent neither called the model nor returned within rollout.agent_timeout_s=1")
+    assert faults[3] == "the agent asked more than rollout.max_turns=3 calls"
+    assert faults[4].startswith("the agent returned 'high'")
+    assert faults[5] == "" and out[5].reward is not None and len(out[5].calls) == 2
+
+
+def test_the_same_agent_gets_the_same_bytes_on_every_run(cleanup):
+    a, *_ = play(two_turns, n=3, cleanup=cleanup)
+    b, *_ = play(two_turns, n=3, cleanup=cleanup)
+    assert [[c.response for c in p.calls] for p in a] == [[c.response for c in p.calls] for p in b]
+
+
+def test_an_async_agent_runs_in_its_own_event_loop(cleanup):
+    async def agent(ep):
+        client = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        got = await client.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": "hi"}])
+        await asyncio.sleep(0)
+        return None if got.choices[0].message.content else 0.0
+
+    out, *_ = play(agent, n=2, cleanup=cleanup, answers={"hi": "yo"})
+    assert [(p.fault, p.reward) for p in out] == [("", None), ("", None)]
+
+
+COMMAND = """
+import json, os, openai
+client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
+row = json.loads(os.environ["VERLJ_ROW"])
+got = client.chat.completions.create(model=os.environ["VERLJ_MODEL"], messages=[{"role": "user", "content": row["prompt"]}])
+print("some log line")
+print(len(got.choices[0].message.content) if row["prompt"] != "row 1" else "None")
+"""
+
+
+def test_a_command_agent_gets_the_gateway_in_its_environment_and_prints_its_reward(cleanup, tmp_path):
+    import sys
+
+    from verlj.engine.rl.gateway.runner import load_agent
+
+    script = tmp_path / "agent.py"
+    script.write_text(COMMAND)
+    out, *_ = play(load_agent(f"cmd:{sys.executable} {script}"), n=2, answers={"row 0": "abc"}, cleanup=cleanup, timeout_s=60)
+    assert [(p.fault, p.reward) for p in out] == [("", 3.0), ("", None)]
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys; sys.exit('no luck')")
+    out, *_ = play(load_agent(f"cmd:{sys.executable} {bad}"), n=1, cleanup=cleanup, timeout_s=60)
+    assert out[0].fault == "the agent raised RuntimeError: command exited 1: no luck"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.agent=nope"], "rollout.agent must be null, module:function or cmd:COMMAND, got 'nope'"),
+    (["rollout.agent=m:f", "rollout.env=builtin:guess"], "rollout.agent and rollout.env are two ways to play episodes"),
+    (["rollout.agent=m:f", "rollout.mode=async"], "rollout.agent runs with rollout.mode=sync for now"),
+    (["rollout.agent=m:f", "rollout.agent_concurrency=0"], "rollout.agent_concurrency must be positive"),
+])
+def test_bad_agent_configs_are_one_line(overrides, message):
+    from verlj.engine.config import ConfigError, make_config
+
+    with pytest.raises(ConfigError) as e:
+        make_config(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_agent_that_cannot_be_imported_is_one_line():
+    from verlj.engine.config import ConfigError
+    from verlj.engine.rl.gateway.runner import load_agent
+
+    with pytest.raises(ConfigError, match=r"rollout.agent: cannot import 'no_such_agent_module:run'"):
+        load_agent("no_such_agent_module:run")
+    with pytest.raises(ConfigError, match="names no command"):
+        load_agent("cmd: ")
+
+
+def test_an_sdk_retry_of_a_call_is_answered_with_that_call_never_generated_twice(cleanup):
+    seen = {}
+
+    def agent(ep):
+        h = {"Authorization": f"Bearer {ep.api_key}"}
+        body = {"model": ep.model, "messages": [{"role": "user", "content": "x"}]}
+        first = httpx.post(ep.base_url + "/chat/completions", json=body, headers=h)
+        again = httpx.post(ep.base_url + "/chat/completions", json=body, headers={**h, "x-stainless-retry-count": "1"})
+        seen["same"] = first.content == again.content and first.status_code == 200
+        return 1.0
+
+    out, r, _, batches = play(agent, n=1, cleanup=cleanup)
+    assert seen["same"] and len(out[0].calls) == 1 and len(batches) == 1 and r.counts["agent/calls"] == 1
+
+
+def test_a_conversation_past_the_context_is_refused_as_openai_does(cleanup):
+    seen = {}
+
+    def agent(ep):
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        try:
+            client.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": "x" * 100}])
+        except openai.BadRequestError as e:
+            seen["code"] = e.code
+        return two_turns(ep)
+
+    r, gw, _ = runner(agent)
+    cleanup.append(gw)
+    r.max_prompt = 80
+    out = r.play([{"prompt": "row 0"}], [1], lambda p, k: k)
+    assert seen["code"] == "context_length_exceeded" and out[0].fault == "" and len(out[0].calls) == 2
+
+
+def test_fewer_slots_than_episodes_keep_the_batches_the_same_on_every_run(cleanup):
+    runs = [play(two_turns, n=5, cleanup=cleanup, concurrency=2) for _ in range(2)]
+    (a, _, _, batches_a), (b, _, _, batches_b) = runs
+    assert all(not p.fault and len(p.calls) == 2 for p in a + b)
+    assert batches_a == batches_b and max(len(x) for x in batches_a) <= 2
+    assert sorted(s for x in batches_a for _, s in x) == sorted(1000 * i + k for i in range(5) for k in range(2))
