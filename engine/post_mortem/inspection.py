@@ -24,7 +24,7 @@ import json
 import math
 import operator
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ from .diff import (  # noqa: F401 - `verlj diff`'s answer, re-exported from wher
     render_diff,
 )
 from .steps import parse_steps
-from .views import TIMING, Deviation, _json, _view, topology_line  # noqa: F401 - TIMING and Deviation: importable from here as before
+from .views import TIMING, Deviation, Snapshot, _json, _view, topology_line  # noqa: F401 - TIMING and Deviation: importable from here as before
 
 REWARD = "critic/score/mean"  # the summary's trend
 PG_LOSS = "actor/pg_loss"
@@ -89,15 +89,6 @@ class Identity:
     world_size: int | None = None  # at the start
     created: str | None = None
     counterfactual: dict | None = None  # a what-if's (Ledger.start), as stored
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A snapshot the ledger moved aside (Ledger.quarantined: `path`) or found missing (Ledger.missing)."""
-
-    name: str
-    reason: str | None = None
-    path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -191,6 +182,7 @@ class RunSummary:
 
 AGENT_COUNTS = {"calls_generated": "agent/calls", "calls_from_journal": "agent/calls_from_journal", "divergences": "agent/divergences",
                 "prefix_breaks": "agent/prefix_breaks", "malformed_tool_calls": "agent/malformed_tool_calls"}
+_AGENT_SUMS = {**AGENT_COUNTS, "faults": "rollout/faults"}  # summed over the steps
 
 
 def agent_counts(metrics) -> dict | None:
@@ -203,9 +195,8 @@ def agent_counts(metrics) -> dict | None:
         if "agent/calls" not in values:
             continue
         seen = True
-        for name, key in AGENT_COUNTS.items():
+        for name, key in _AGENT_SUMS.items():
             out[name] += int(values.get(key, 0))
-        out["faults"] += int(values.get("rollout/faults", 0))
     return out if seen else None
 
 
@@ -424,7 +415,7 @@ class EpisodeLine:
 
     def to_json(self) -> dict:
         out = {"turns": [_json(t) for t in self.turns], "env_end": self.env_end, "env_reason": self.env_reason}
-        return {**out, "calls": list(self.calls)} if self.calls else out
+        return {**out, "calls": [{**asdict(c), "tool_calls": list(c.tool_calls)} for c in self.calls]} if self.calls else out
 
 
 @dataclass(frozen=True)
@@ -575,9 +566,9 @@ def render_step(d: StepDetail) -> str:
         lines.append(f"  {s.id:>6} {s.group:>6} v{s.policy_version:<3} | {s.prompt!s} → {s.response!s} | {s.score:.4g}{mark}")
         if s.episode is not None and s.episode.calls:  # an agent's episode: call by call
             for n, c in enumerate(s.episode.calls):
-                tools = f"  tool calls: {', '.join(c['tool_calls'])}" if c["tool_calls"] else ""
-                lines.append(f"         call {n + 1}{'' if c['trained'] else ' (not trained: another segment)'}: {c['sent']!r} → "
-                             f"{c['text']!r} [{c['finish_reason']}]{tools}{'  ' + c['flag'] if c['flag'] else ''}")
+                tools = f"  tool calls: {', '.join(c.tool_calls)}" if c.tool_calls else ""
+                lines.append(f"         call {n + 1}{'' if c.trained else ' (not trained: another segment)'}: {c.sent!r} → "
+                             f"{c.text!r} [{c.finish_reason}]{tools}{'  ' + c.flag if c.flag else ''}")
         elif s.episode is not None:
             for t, turn in enumerate(s.episode.turns):
                 lines.append(f"         turn {t + 1}: {turn.action!s} ⇒ {turn.observation!s}" + (f"  reward {turn.reward:.4g}" if turn.reward is not None else ""))
@@ -642,8 +633,8 @@ def _logged_only(path: Path, names: set[str]) -> dict[int, dict[str, float]]:
             except ValueError:
                 continue
             hit = {k: row[k] for k in names if k in row}
-            if hit and isinstance(row.get("step"), int):
-                out.setdefault(row["step"], {}).update(hit)
+            if hit and isinstance(step := row.get("step"), int):
+                out.setdefault(step, {}).update(hit)
     return out
 
 

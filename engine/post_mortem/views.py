@@ -24,6 +24,15 @@ def _json(view) -> dict:
 
 
 @dataclass(frozen=True)
+class Snapshot:
+    """A snapshot the ledger moved aside (Ledger.quarantined: `path`) or found missing (Ledger.missing)."""
+
+    name: str
+    reason: str | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
 class Deviation:
     deviation: float = 0
     metric: str | None = None

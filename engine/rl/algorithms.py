@@ -27,6 +27,8 @@ Departures from the papers, on purpose:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 EPS = 1e-6
@@ -56,6 +58,18 @@ def agg_loss(x: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", deno
     if mode == "seq-mean-token-sum-norm":
         return per_seq.sum() / (max(n, 1) * norm_len)
     raise ValueError(f"unknown loss_agg_mode {mode!r}")
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """:func:`agg_loss`'s mode and sample counts for one micro-batch (algorithm.loss_agg_mode)."""
+
+    mode: str = "token-mean"
+    seqs: int | None = None  # the mini-batch's samples on every rank (None: this micro-batch's)
+    norm_len: float | None = None  # seq-mean-token-sum-norm's constant length
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor, denom=None) -> torch.Tensor:
+        return agg_loss(x, mask, self.mode, denom, self.seqs, self.norm_len)
 
 
 def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, norm_by_std: bool = True) -> torch.Tensor:

@@ -145,8 +145,7 @@ def load_reward_model(path: str):
         )
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"{key}: cannot load a sequence-classification model from {path}: {str(e).splitlines()[0]}") from None
-    if info.get("missing_keys"):
-        missing = sorted(info["missing_keys"])
+    if missing := sorted(info.get("missing_keys") or []):
         raise ModelError(
             f"{key}: {path} is not a sequence-classification model (its weights lack {missing[0]}"
             f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); a reward model needs a trained score head"

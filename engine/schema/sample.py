@@ -32,7 +32,7 @@ one of the batch's samples has it (journals from before lack it: read as ""):
 
     fault          str       why the sample is out of the update besides an env fault: its reward
                              function raised or returned a non-finite number ("reward function m.f raised ...")
-    agent_calls    str       an agent episode's token ledger (rollout.agent; rl.gateway.ledger): every model
+    agent_calls    str       an agent episode's token ledger (rollout.agent; schema.agent_calls): every model
                              call as answered, one JSON text carrying its own version ("" for any other sample)
 
 Samples travel columnar — padded arrays plus lengths (:func:`pack`, :func:`unpack`) — in journal
@@ -111,7 +111,7 @@ class Sample:
     env_end: int = EnvEnd.NONE
     env_reason: str = ""
     fault: str = ""  # a fault of its scoring (reward function): the sample is out of the update
-    agent_calls: str = ""  # rollout.agent: the episode's calls as answered (rl.gateway.ledger's JSON)
+    agent_calls: str = ""  # rollout.agent: the episode's calls as answered (schema.agent_calls's JSON)
 
     @property
     def is_episode(self) -> bool:
@@ -286,7 +286,7 @@ class GroupInFlight:
     env_seed: list
     env_end: list
     env_reason: list
-    agent_calls: list = field(default_factory=list)  # rollout.agent: each episode's calls so far (gateway.ledger.dumps's JSON)
+    agent_calls: list = field(default_factory=list)  # rollout.agent: each episode's calls so far (schema.agent_calls.AgentCalls.to_json)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

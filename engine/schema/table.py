@@ -16,6 +16,7 @@ single-turn run's table has none of them: its files are byte for byte what they 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -146,6 +147,32 @@ def rows(cols: dict, episodes: bool = False) -> Iterator[dict]:
             else:
                 row[name] = cols[name][i].item()
         yield row
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """A row of the rollout table as a reader uses it (:func:`sample_rows`); the episode's fields are
+    empty (``loss_mask`` []) or None (``env_reason``) for a step without episodes."""
+
+    sample_id: int
+    group: int
+    prompt: str | None
+    response: str | None
+    score: float
+    response_ids: list
+    gen_logprobs: list
+    loss_mask: list
+    env_reason: str | None
+
+    @classmethod
+    def of(cls, row: dict) -> SampleRow:
+        return cls(row[SAMPLE_ID], row["group"], row["prompt"], row["response"], row["score"], row["response_ids"],
+                   row["gen_logprobs"], row.get("loss_mask") or [], row.get(EPISODE_TEXT))
+
+
+def sample_rows(cols: dict, episodes: bool = False) -> Iterator[SampleRow]:
+    """:func:`rows` typed."""
+    return (SampleRow.of(row) for row in rows(cols, episodes))
 
 
 TURN_COLUMNS = ["step", "sample_id", "group", "index", "policy_version", "turn", "action", "observation", "reward", "action_ids",

@@ -19,6 +19,7 @@ from verlj.engine.rl.gateway.runner import AgentEpisode, Runner
 from verlj.engine.rl.gateway.server import Gateway
 from verlj.engine.rl.models import builtin_tokenizer, render_chat
 from verlj.engine.rl.vocab import VOCABS
+from verlj.engine.schema.agent_calls import AgentCalls
 
 TOK = builtin_tokenizer(VOCABS["ascii"])
 MODEL = "verlj-policy"
@@ -89,7 +90,7 @@ def test_a_sync_openai_agent_is_answered_in_lockstep_from_each_calls_seed(cleanu
     assert body["choices"][0]["message"]["content"] == "1000" and body["choices"][0]["finish_reason"] == "length"
     assert len(c0.completion_ids) == 4 and c0.logprobs.tolist() == [-0.5] * 4  # cut at max_tokens: the eos not kept
     assert json.loads(c0.request)["max_tokens"] == 4 and c0.digest == parse_request(c0.request.encode(), MODEL).digest()
-    assert r.counts["agent/calls"] == 6
+    assert r.counts.calls == 6
 
 
 def test_the_second_call_continues_the_sequence_and_its_new_tokens_are_masked(cleanup):
@@ -115,9 +116,9 @@ def test_a_rewritten_history_is_a_prefix_break_and_the_longest_segment_is_traine
     assert segs == [[0, 1], [2]]
     assert ledger.chosen(calls, segs) == 1  # 4 generated tokens against 3
     assert ledger.chosen(calls[:2], segs[:1]) == 0
-    text = ledger.dumps(calls, 1, 0.5)
-    back = ledger.loads(text)
-    assert back["segment"] == 1 and back["reward"] == 0.5 and back["calls"][2].completion_ids.tolist() == [6, 6, 6, 6]
+    text = AgentCalls(tuple(calls), 1, 0.5, len(segs)).to_json()
+    back = AgentCalls.from_json(text)
+    assert back.segment == 1 and back.reward == 0.5 and back.prefix_breaks == 1 and back.calls[2].completion_ids.tolist() == [6, 6, 6, 6]
 
 
 def test_async_streaming_tool_calls_reach_the_client_parsed(cleanup):
@@ -307,7 +308,7 @@ def test_an_sdk_retry_of_a_call_is_answered_with_that_call_never_generated_twice
         return 1.0
 
     out, r, _, batches = play(agent, n=1, cleanup=cleanup)
-    assert seen["same"] and len(out[0].calls) == 1 and len(batches) == 1 and r.counts["agent/calls"] == 1
+    assert seen["same"] and len(out[0].calls) == 1 and len(batches) == 1 and r.counts.calls == 1
 
 
 def test_a_conversation_past_the_context_is_refused_as_openai_does(cleanup):
@@ -355,7 +356,7 @@ def test_every_call_is_durable_before_its_answer_and_a_rerun_is_answered_from_th
     again = r.play(rows, seeds, seed, {0: first[0].calls, 1: first[1].calls[:1]})
     assert [[c.response for c in p.calls] for p in again] == [[c.response for c in p.calls] for p in first]
     assert batches == [[(len(first[1].calls[1].prompt_ids), 1001)]]
-    assert r.counts["agent/calls_from_journal"] == 3 and r.counts["agent/divergences"] == 0
+    assert r.counts.calls_from_journal == 3 and r.counts.divergences == 0
 
 
 def test_a_request_that_differs_from_the_journaled_one_is_a_divergence_and_goes_on_live(cleanup, capsys):
@@ -368,7 +369,7 @@ def test_a_request_that_differs_from_the_journaled_one_is_a_divergence_and_goes_
     err = capsys.readouterr().err
     assert err.count("diverged") == 1 and "episode 0 of group 7 diverged at call 0" in err and "messages[0]" in err
     assert "the 2 journaled call(s) from there on are discarded" in err
-    assert r.counts["agent/divergences"] == 1 and r.counts["agent/calls_from_journal"] == 0
+    assert r.counts.divergences == 1 and r.counts.calls_from_journal == 0
     assert len(batches) == 2 and len(again[0].calls) == 2  # both calls live: the journaled ones are in no episode
     assert json.loads(again[0].calls[0].request)["messages"][0]["content"] == "row 9"
 

@@ -19,7 +19,7 @@ from typing import Any
 from ...errors import RunError
 from ...loop.ledger import open_run
 from ...rl.vocab import text_decoder
-from ...schema.table import TURNS, rows
+from ...schema.table import TURNS, sample_rows
 from .. import inspection
 from ..rollouts import iter_step_columns
 from ..verify import render, verify_run
@@ -125,11 +125,10 @@ def step(run: Run, n: int) -> dict:
     text, its generation log-prob and whether the policy produced it (an episode's observations: not)."""
     check_step(run, n)
     first, last = steps_of(run)
-    detail = {**inspection.step_detail(run.path, n).to_json(), "first_step": first, "last_step": last}
+    detail = inspection.step_detail(run.path, n)
     tokens = _tokens(run, n)
-    for s in detail["samples"]:
-        s["tokens"] = tokens.get(s["id"])
-    return plain({"name": run.name, **detail})
+    samples = [{**s.to_json(), "tokens": tokens.get(s.id)} for s in detail.samples]
+    return plain({"name": run.name, **detail.to_json(), "samples": samples, "first_step": first, "last_step": last})
 
 
 def _tokens(run: Run, n: int) -> dict[int, list]:
@@ -138,9 +137,9 @@ def _tokens(run: Run, n: int) -> dict[int, list]:
     with open_run(run.path) as ledger:
         decoder = text_decoder(ledger.config_at(n))
         for _, cols in iter_step_columns(run.path, ledger, n, n, []):
-            for row in rows(cols, TURNS in cols):
-                ids, lps, mask = row["response_ids"], row["gen_logprobs"], row.get("loss_mask") or []
-                out[row["sample_id"]] = [
+            for row in sample_rows(cols, TURNS in cols):
+                ids, lps, mask = row.response_ids, row.gen_logprobs, row.loss_mask
+                out[row.sample_id] = [
                     [decoder.decode([t], skip_special_tokens=False) if decoder else str(t), lp, bool(mask[i]) if mask else True]
                     for i, (t, lp) in enumerate(zip(ids, lps))]
     return out
@@ -159,9 +158,7 @@ _SCORE = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*(-?[0-9.eE+-]+)\s*$")
 def search(run: Run, where: str, text: str, score: str, faults: bool) -> dict:
     """`verlj find RUN --where ...` over the metrics, and the samples whose prompt or response holds
     `text`, whose score matches `score` (e.g. '> 0.5') and, with `faults`, whose episode ended in a fault."""
-    out: dict[str, Any] = {"name": run.name, "where": where, "steps": None, "samples": None, "truncated": False}
-    if where.strip():
-        out["steps"] = [m.to_json() for m in inspection.find_steps(run.path, where)]
+    steps = [m.to_json() for m in inspection.find_steps(run.path, where)] if where.strip() else None
     cond = None
     if score.strip():
         m = _SCORE.match(score)
@@ -171,25 +168,24 @@ def search(run: Run, where: str, text: str, score: str, faults: bool) -> dict:
             cond = inspection.Condition("score", m.group(1), float(m.group(2)))
         except ValueError:
             raise RunError(f"cannot parse score {score!r}: {m.group(2)!r} is not a number") from None
-    if text or cond is not None or faults:
-        out["samples"], out["truncated"] = _samples(run, text, cond, faults)
-    return plain(out)
+    samples, truncated = _samples(run, text, cond, faults) if text or cond is not None or faults else (None, False)
+    return plain({"name": run.name, "where": where, "steps": steps, "samples": samples, "truncated": truncated})
 
 
 def _samples(run: Run, text: str, cond, faults: bool) -> tuple[list[dict], bool]:
     found: list[dict] = []
     with open_run(run.path) as ledger:
         for n, cols in iter_step_columns(run.path, ledger, ledger.base_step() + 1, ledger.last_step(), []):
-            for row in rows(cols, TURNS in cols):
-                said = f"{row['prompt'] or ''}\n{row['response'] or ''}"
+            for row in sample_rows(cols, TURNS in cols):
+                said = f"{row.prompt or ''}\n{row.response or ''}"
                 if text and text not in said:
                     continue
-                if cond is not None and not cond(row):
+                if cond is not None and not cond({"score": row.score}):
                     continue
-                if faults and not row.get("env_reason"):
+                if faults and not row.env_reason:
                     continue
                 if len(found) == SAMPLES_SHOWN:
                     return found, True
-                found.append({"step": n, "id": row["sample_id"], "group": row["group"], "prompt": row["prompt"],
-                              "response": row["response"], "score": row["score"], "env_reason": row.get("env_reason")})
+                found.append({"step": n, "id": row.sample_id, "group": row.group, "prompt": row.prompt,
+                              "response": row.response, "score": row.score, "env_reason": row.env_reason})
     return found, False

@@ -10,42 +10,20 @@ back without it) is a **prefix break**: a new segment begins. The episode is tra
 segment (the most tokens the policy generated; the later one on a tie); the other segments' calls
 stay in the journal (the sample's ``agent_calls``) and are counted (``agent/prefix_breaks``).
 
-The ledger is journaled with the sample as one JSON text (``schema.sample``'s ``agent_calls``,
-version :data:`VERSION`): per call the canonical request and its hash, the prompt ids, the completion
-ids and their log-probs, the exact response bytes (UTF-8), and a flag (``malformed_tool_call``).
+The ledger is journaled with the sample as one JSON text (``schema.sample``'s ``agent_calls``; its
+record and codec are ``schema.agent_calls``): per call the canonical request and its hash, the prompt
+ids, the completion ids and their log-probs, the exact response bytes (UTF-8), and a flag
+(``malformed_tool_call``).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
 
-VERSION = 1
-
-
-@dataclass(frozen=True)
-class Call:
-    """One model call of an episode, as answered."""
-
-    request: str  # canonical JSON (gateway.protocol.ChatRequest.canonical)
-    digest: str  # sha256 of `request`
-    prompt_ids: np.ndarray
-    completion_ids: np.ndarray  # what the agent was answered (cut at max_tokens or a stop string): eos included when sampled
-    logprobs: np.ndarray  # float32, one per completion id
-    response: bytes  # exactly what was sent back
-    flag: str = ""
-
-    def to_dict(self) -> dict:
-        return {"request": self.request, "digest": self.digest, "prompt_ids": [int(x) for x in self.prompt_ids],
-                "completion_ids": [int(x) for x in self.completion_ids], "logprobs": [float(x) for x in self.logprobs],
-                "response": self.response.decode(), "flag": self.flag}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Call:
-        return cls(d["request"], d["digest"], np.asarray(d["prompt_ids"], np.int64), np.asarray(d["completion_ids"], np.int64),
-                   np.asarray(d["logprobs"], np.float32), d["response"].encode(), d.get("flag", ""))
+from ...schema.agent_calls import AgentCalls, Call
+from .protocol import last_sent, read_answer
 
 
 def segments(calls: list[Call]) -> list[list[int]]:
@@ -90,44 +68,29 @@ def sample_fields(calls: list[Call], seg: list[int]) -> dict:
             "gen_logprobs": np.asarray(logprobs, np.float32), "loss_mask": np.asarray(mask, np.int8), "turn_lens": np.asarray(lens, np.int64)}
 
 
-def dumps(calls: list[Call], segment: int, reward: float | None) -> str:
-    """The ledger as the journal keeps it (one JSON text per sample)."""
-    return json.dumps({"v": VERSION, "segment": segment, "reward": reward, "calls": [c.to_dict() for c in calls]},
-                      ensure_ascii=False, separators=(",", ":"))
+@dataclass(frozen=True)
+class CallLine:
+    """A journaled call, for reading (``verlj inspect --step``): the last message sent (``role: content``),
+    the answer's text and tool calls (``name(arguments)``), its finish reason, its flag, and whether the
+    call is in the trained segment."""
+
+    sent: str
+    text: str
+    finish_reason: str
+    tool_calls: tuple[str, ...]
+    flag: str
+    trained: bool
 
 
-def loads(text: str) -> dict:
-    """A journaled ledger: {"v", "segment", "reward", "calls": [Call]} ({} for "": no agent)."""
-    if not text:
-        return {}
-    d = json.loads(text)
-    return {**d, "calls": [Call.from_dict(c) for c in d["calls"]]}
-
-
-def call_lines(text: str) -> list[dict]:
-    """A journaled ledger call by call, for reading (``verlj inspect --step``): the last message sent
-    (``role: content``), the answer's text and tool calls (``name(arguments)``), its finish reason, its
-    flag, and whether the call is in the trained segment. [] for "" (no agent)."""
+def call_lines(text: str) -> list[CallLine]:
+    """A sample's journaled calls (its ``agent_calls``) call by call; [] for "" (no agent)."""
     if not text:
         return []
-    d = json.loads(text)
-    calls = [Call.from_dict(c) for c in d["calls"]]
-    segs = segments(calls)
-    trained = set(segs[d["segment"]]) if segs and d["segment"] >= 0 else set()
+    rec = AgentCalls.from_json(text)
+    segs = segments(list(rec.calls))
+    trained = set(segs[rec.segment]) if segs and rec.segment >= 0 else set()
     out = []
-    for k, c in enumerate(calls):
-        last = json.loads(c.request)["messages"][-1]
-        body = c.response.decode()
-        if body.startswith("data: "):  # a stream: its deltas put together
-            chunks = [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: {")]
-            choices = [ch["choices"][0] for ch in chunks if ch["choices"]]
-            content = "".join(ch["delta"].get("content") or "" for ch in choices)
-            tools = [t for ch in choices for t in ch["delta"].get("tool_calls") or []]
-            finish = next((ch["finish_reason"] for ch in choices if ch["finish_reason"]), "")
-        else:
-            choice = json.loads(body)["choices"][0]
-            content, tools, finish = choice["message"]["content"] or "", choice["message"].get("tool_calls") or [], choice["finish_reason"]
-        out.append({"sent": f"{last['role']}: {last['content'] or ''}", "text": content, "finish_reason": finish,
-                    "tool_calls": [f"{t['function']['name']}({t['function']['arguments']})" for t in tools], "flag": c.flag,
-                    "trained": k in trained})
+    for k, c in enumerate(rec.calls):
+        answer = read_answer(c.response)
+        out.append(CallLine(last_sent(c.request), answer.content, answer.finish_reason, answer.tool_calls, c.flag, k in trained))
     return out

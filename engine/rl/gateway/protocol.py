@@ -242,6 +242,12 @@ def render_tool_calls(calls: list) -> str:
     return "".join(out)
 
 
+def template_messages(messages: list) -> list:
+    """A request's messages for a chat template: an assistant's tool calls written into its content as hermes text."""
+    return [{"role": m["role"], "content": (m["content"] or "") + render_tool_calls(m.get("tool_calls", []))}
+            if m.get("tool_calls") else m for m in messages]
+
+
 # ----------------------------------------------------------------------------- responses
 
 
@@ -307,3 +313,33 @@ def response_bytes(req: ChatRequest, c: Completion, call_id: str, parser: str = 
 
 def models_body(model: str) -> bytes:
     return json.dumps({"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "verlj"}]}).encode()
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A response as the agent read it: its text, its tool calls (``name(arguments)``), its finish reason."""
+
+    content: str
+    tool_calls: tuple[str, ...]
+    finish_reason: str
+
+
+def read_answer(body: bytes) -> Answer:
+    """The answer in response bytes (:func:`response_bytes`'s): a JSON object, or a stream's deltas put together."""
+    text = body.decode()
+    if text.startswith("data: "):
+        chunks = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+        choices = [ch["choices"][0] for ch in chunks if ch["choices"]]
+        content = "".join(ch["delta"].get("content") or "" for ch in choices)
+        tools = [t for ch in choices for t in ch["delta"].get("tool_calls") or []]
+        finish = next((ch["finish_reason"] for ch in choices if ch["finish_reason"]), "")
+    else:
+        choice = json.loads(text)["choices"][0]
+        content, tools, finish = choice["message"]["content"] or "", choice["message"].get("tool_calls") or [], choice["finish_reason"]
+    return Answer(content, tuple(f"{t['function']['name']}({t['function']['arguments']})" for t in tools), finish)
+
+
+def last_sent(request: str) -> str:
+    """A canonical request's last message, as ``role: content``."""
+    last = json.loads(request)["messages"][-1]
+    return f"{last['role']}: {last['content'] or ''}"

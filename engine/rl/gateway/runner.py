@@ -45,7 +45,7 @@ import numpy as np
 from ...config import ConfigError
 from ...plugins import import_object
 from .ledger import Call
-from .protocol import ApiError, ChatRequest, Completion, render_tool_calls, response_bytes, unauthorized
+from .protocol import ApiError, ChatRequest, Completion, response_bytes, template_messages, unauthorized
 from .server import Gateway
 
 KEY = "rollout.agent"
@@ -112,6 +112,21 @@ class CommandAgent:
 
 
 @dataclass
+class AgentCounts:
+    """The runner's running counts: calls generated, those whose tool call did not parse, those answered from the
+    journal (a re-run after a crash), and divergences from it."""
+
+    calls: int = 0
+    malformed_tool_calls: int = 0
+    calls_from_journal: int = 0
+    divergences: int = 0
+
+    def to_metrics(self) -> dict[str, float]:
+        return {"agent/calls": float(self.calls), "agent/malformed_tool_calls": float(self.malformed_tool_calls),
+                "agent/calls_from_journal": float(self.calls_from_journal), "agent/divergences": float(self.divergences)}
+
+
+@dataclass
 class Played:
     """An episode's end: its calls, the reward the agent returned, and its fault ("" none)."""
 
@@ -171,7 +186,7 @@ class Runner:
         self.cond = threading.Condition()
         self.call_seed: Callable[[int, int], int] = lambda place, k: 0
         self.max_prompt = 0  # a prompt longer than this (0: no cap) is refused: context_length_exceeded
-        self.counts = {"agent/calls": 0.0, "agent/malformed_tool_calls": 0.0, "agent/calls_from_journal": 0.0, "agent/divergences": 0.0}
+        self.counts = AgentCounts()
         # durable execution (completion order): each place's calls journaled by an earlier process, answered
         # from there while its requests match; `durable(plays)` makes the plays' calls durable before they are
         # answered; `name(place)` names an episode in a divergence's line
@@ -182,10 +197,8 @@ class Runner:
 
     def render(self, req: ChatRequest) -> np.ndarray:
         """A request's prompt ids: its messages through the chat template, <bos> first (as every prompt)."""
-        messages = [{"role": m["role"], "content": (m["content"] or "") + render_tool_calls(m.get("tool_calls", []))}
-                    if m.get("tool_calls") else m for m in req.messages]
         try:
-            text = self._render(messages, req.tools)
+            text = self._render(template_messages(req.messages), req.tools)
         except Exception as e:  # noqa: BLE001 - the template (the tokenizer's jinja) refusing these messages
             raise ApiError(400, f"The chat template cannot render these messages: {str(e).splitlines()[0][:200]}", "messages") from None
         tok = self.tok
@@ -262,11 +275,11 @@ class Runner:
                   f"in {', '.join(fields) or 'its bytes'}; the {len(held) - k} journaled call(s) from there on are discarded "
                   "and the episode goes on live", file=sys.stderr, flush=True)
             self.journaled[p.place] = held[:k]
-            self.counts["agent/divergences"] += 1
+            self.counts.divergences += 1
             return None
         p.calls.append(held[k])
         p.since = time.monotonic()
-        self.counts["agent/calls_from_journal"] += 1
+        self.counts.calls_from_journal += 1
         done: Future = Future()
         done.set_result(held[k].response)
         return done
@@ -319,8 +332,8 @@ class Runner:
                 body, flag = response_bytes(req, comp, f"{seed & 0xFFFFFFFFFFFF:012x}{k:03d}")
                 p.calls.append(Call(req.canonical(), req.digest(), ids, np.asarray(out, np.int64)[:keep],
                                     np.asarray(lps, np.float32)[:keep], body, flag))
-                self.counts["agent/calls"] += 1
-                self.counts["agent/malformed_tool_calls"] += bool(flag)
+                self.counts.calls += 1
+                self.counts.malformed_tool_calls += bool(flag)
                 answers.append((p, fut, body))
             if self.durable is not None and answers:  # every completed call durable before its answer is returned
                 self.durable(list({id(p): p for p, _, _ in answers}.values()))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...errors import RunError
+from ...schema.agent_calls import AgentCalls
 from ...schema.sample import EnvEnd, Sample
 from ...state.seeding import derive_seed
 from ..envs import row_of
@@ -93,15 +94,13 @@ class AgentPlaying(Source):
             f = ledger.sample_fields(p.calls, segs[seg]) if segs else {
                 "prompt_ids": host.prompt_ids[rows[k]], "response_ids": np.zeros(0, np.int64), "gen_logprobs": np.zeros(0, np.float32),
                 "loss_mask": np.zeros(0, np.int8), "turn_lens": np.zeros(0, np.int64)}
-            turns = len(f["turn_lens"]) // 2
+            turns = len(segs[seg]) if segs else 0  # sample_fields: a turn per call of the segment
             rewards = np.full(turns, np.nan)
             if turns and p.reward is not None:
                 rewards[-1] = p.reward
-            text = json.loads(ledger.dumps(p.calls, seg, p.reward))
-            text["segments"] = len(segs)
             out.append(Sample(index=rows[k], id=0, group=0, turn_rewards=rewards, env_seed=agent_seeds[k],
                               env_end=int(EnvEnd.FAULT if p.fault else EnvEnd.DONE), env_reason=p.fault,
-                              agent_calls=json.dumps(text, ensure_ascii=False, separators=(",", ":")), **f))
+                              agent_calls=AgentCalls(tuple(p.calls), seg, p.reward, len(segs)).to_json(), **f))
         self._rewards(out, played)
         return out
 
@@ -151,16 +150,16 @@ class AgentRounds(AgentPlaying, StepOrder):
         def call_seed(place: int, k: int) -> int:
             return derive_seed(seed, step, "rollout/sample", rnd, places[place], *([k] if k else []))
 
-        before = dict(runner.counts)
+        before = runner.counts.to_metrics()
         t0 = time.perf_counter()
         played = runner.play(rows, agent_seeds, call_seed)
         t1 = time.perf_counter()
         local = self.agent_samples([int(i) for i in prod.mine for _ in range(n)], played, agent_seeds)
         prod.gen_s += t1 - t0
         add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
-        for name, v in runner.counts.items():
+        for name, v in runner.counts.to_metrics().items():
             add_time(self.timings, name, v - before[name])
-        add_time(self.timings, "agent/prefix_breaks", float(sum(json.loads(s.agent_calls)["segments"] - 1 for s in local if s.agent_calls)))
+        add_time(self.timings, "agent/prefix_breaks", float(sum(AgentCalls.from_json(s.agent_calls).prefix_breaks for s in local if s.agent_calls)))
         return local
 
 

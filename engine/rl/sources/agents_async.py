@@ -21,13 +21,13 @@ a single-turn sample's) or ``derive_seed(seed, 0, "rollout/group", g, j, k)``.
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
 
 from verlj.journal.failpoints import failpoint
 
+from ...schema.agent_calls import AgentCalls
 from ...schema.sample import EnvEnd, GroupInFlight, Sample
 from ...state.seeding import derive_seed
 from ..envs import row_of
@@ -63,8 +63,6 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
 
     def ask(self, groups: list[tuple[int, int]]) -> None:
         """Play the groups (group, row) to their ends now, each call durable before it is answered."""
-        from ..gateway.ledger import loads
-
         if not groups:
             return
         host, n, seed = self.host, self.cfg.rollout.n, self.cfg.trainer.seed
@@ -77,7 +75,7 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
             if state is not None and state.row != int(row):  # another prompt under that id: not this group's calls
                 self.settle.append(g)
             elif state is not None:
-                journaled.update({q * n + j: loads(text)["calls"] for j, text in enumerate(state.agent_calls) if text})
+                journaled.update({q * n + j: list(AgentCalls.from_json(text).calls) for j, text in enumerate(state.agent_calls) if text})
         rows = [row_of(host.dataset[int(r)]) for _, r in groups for _ in range(n)]
         agent_seeds = [derive_seed(seed, 0, "rollout/agent", g, j) for g, _ in groups for j in range(n)]
         version = int(host.policy_version)
@@ -87,7 +85,7 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
 
         runner.durable = lambda plays: self.keep(groups, sorted({p.place // n for p in plays}), version)
         runner.name = lambda place: f"episode {place % n} of group {groups[place // n][0]} (row {groups[place // n][1]})"
-        before = dict(runner.counts)
+        before = runner.counts.to_metrics()
         t0 = time.perf_counter()
         try:
             played = runner.play(rows, agent_seeds, call_seed, journaled)
@@ -101,14 +99,12 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
         self.ready += got
         add_time(self.timings, "timing_s/gen", t1 - t0)
         add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
-        for name, v in runner.counts.items():
+        for name, v in runner.counts.to_metrics().items():
             add_time(self.timings, name, v - before[name])
-        add_time(self.timings, "agent/prefix_breaks", float(sum(json.loads(s.agent_calls)["segments"] - 1 for s in got if s.agent_calls)))
+        add_time(self.timings, "agent/prefix_breaks", float(sum(AgentCalls.from_json(s.agent_calls).prefix_breaks for s in got if s.agent_calls)))
 
     def keep(self, groups: list[tuple[int, int]], touched: list[int], version: int) -> None:
         """Make the calls of the groups at `touched` (places in `groups`) durable as they stand (under the runner's lock)."""
-        from ..gateway.ledger import dumps
-
         log, n, runner = self.host.in_flight_log, self.cfg.rollout.n, self.runner
         if log is None or runner is None:
             return
@@ -119,7 +115,7 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
             none = lambda dt: [np.zeros(0, dt)] * n  # noqa: E731 - an agent group's turns are its calls
             states.append(GroupInFlight(g, int(row), [version], none(np.int64), none(np.int64), none(np.float32), none(np.int8),
                                         none(np.int64), none(np.float64), [p.seed for p in plays], [int(EnvEnd.NONE)] * n, [""] * n,
-                                        [dumps(p.calls, -1, None) for p in plays]))
+                                        [AgentCalls(tuple(p.calls), -1, None, 0).to_json() for p in plays]))
         log.keep(states, self.settle)
         self.settle = []
         failpoint("agents.after_durable")
