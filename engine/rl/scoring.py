@@ -19,12 +19,9 @@ from .episodes import Round
 from .models import load_reward_model, model_digest
 from .rewards import load_reward_fn, reward_model_scores, scored_or_faults
 from .tasks import TaskScorer
-from .workers import ActorWorker, collate
+from .workers import ActorWorker, collate, needs_reference
 
-
-def needs_reference(cfg: Config) -> bool:
-    """Whether the update reads the frozen reference's log-probs (GRPO's KL loss, PPO's KL reward)."""
-    return (cfg.algorithm.name != "ppo" and cfg.model.actor.use_kl_loss) or cfg.algorithm.kl_coef > 0
+__all__ = ["Scorer", "needs_reference"]
 
 
 class Scorer:

@@ -83,9 +83,14 @@ class Trainer:
         self.buffer = RolloutBuffer()
         self.train_state = TrainState(self.sampler)
         self.scorer = Scorer(cfg, rt, self.tokenizer, self.data)  # rewards, the reward model, the reference's log-probs
-        actor_model = load_causal_lm(cfg.model.actor.model_name_or_path, cfg, derive_seed(seed, 0, "init/actor"))
-        actor_model, self.actor_base = lora.adapt(actor_model, cfg, derive_seed(seed, 0, "init/lora"))
-        self.actor = ActorWorker(actor_model, cfg, rt)
+        init_rng = torch.random.get_rng_state()
+
+        def initial_actor() -> torch.nn.Module:  # the actor's initial weights; also the frozen reference's (loaded when read)
+            torch.random.set_rng_state(init_rng)  # a reload draws what the first load drew (weights a checkpoint lacks)
+            return load_causal_lm(cfg.model.actor.model_name_or_path, cfg, derive_seed(seed, 0, "init/actor"))
+
+        actor_model, self.actor_base = lora.adapt(initial_actor(), cfg, derive_seed(seed, 0, "init/lora"))
+        self.actor = ActorWorker(actor_model, cfg, rt, reference=initial_actor)
         self._env_factory: EnvFactory | None = None  # rollout.env's, made at its first use (replay never plays an episode)
         # where completion order makes its groups of episodes durable (set by loop.run for live training)
         self.in_flight_log: InFlightLog | None = None

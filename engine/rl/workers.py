@@ -1,4 +1,4 @@
-"""DeepSpeed workers: the actor (with its frozen reference) and the PPO critic.
+"""DeepSpeed workers: the actor (with its frozen reference, held only while the config reads it) and the PPO critic.
 
 Each wraps one ``deepspeed.initialize`` engine (ZeRO stage 0-3, AutoTP when
 ``distributed.tensor_parallel_size > 1``). The update loops over mini-batches and micro-batches;
@@ -8,8 +8,8 @@ gradient-accumulation count is set per mini-batch with ``set_train_batch_size``.
 
 from __future__ import annotations
 
-import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -374,24 +374,38 @@ class _Stepper:
         return _step(self.engine, boundary)
 
 
+def needs_reference(cfg: Config) -> bool:
+    """Whether the update reads the frozen reference's log-probs (GRPO's KL loss, PPO's KL reward)."""
+    return (cfg.algorithm.name != "ppo" and cfg.model.actor.use_kl_loss) or cfg.algorithm.kl_coef > 0
+
+
 class ActorWorker(_Stepper):
     role = "actor"
 
-    def __init__(self, model: torch.nn.Module, cfg: Config, rt: Runtime):
+    def __init__(self, model: torch.nn.Module, cfg: Config, rt: Runtime, reference: Callable[[], torch.nn.Module]):
+        """`reference` loads the frozen reference afresh (the actor's initial weights, as the run's
+        start loaded them), at the first step that reads its log-probs: never in a run without a KL
+        term (:func:`needs_reference`), which so holds no second copy of the model, and never in a
+        replay, which reads them from the journal; a live config change that turns the KL term on
+        loads it then (the same weights: the reference never trains)."""
         self.cfg, self.rt = cfg, rt
         self.actor_cfg = cfg.model.actor
         self.optim = self.actor_cfg.optim
         self.lora = lora.enabled(cfg)  # the module carries LoRA adapters: the reference is its base, adapters off
-        self.ref = None
-        if not self.lora:
-            self.ref = copy.deepcopy(model).to(rt.device).eval()
-            for p in self.ref.parameters():
-                p.requires_grad_(False)
+        self._load_reference = reference
+        self.ref: torch.nn.Module | None = None  # loaded by reference_logprobs
         model.train()
         self.full_shapes = trainable_shapes(model)
         self.engine = make_engine(model, self.actor_cfg.optim, cfg, rt, self.actor_cfg.micro_batch_size)
         self.temperature = cfg.rollout.temperature
         self.stage_losses, self.stage_norms, self.stage_grads, self.stage_seconds = [], [], [], 0.0
+
+    def _reference(self) -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[]):  # loading consumes none of the run's random streams
+            ref = self._load_reference().to(self.rt.device).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
 
     @property
     def module(self):
@@ -401,6 +415,8 @@ class ActorWorker(_Stepper):
         self.cfg, self.actor_cfg, self.temperature = cfg, cfg.model.actor, cfg.rollout.temperature
         self.optim = self.actor_cfg.optim
         _set_lr(self.engine, self.actor_cfg.optim)
+        if not needs_reference(cfg):
+            self.ref = None  # its memory back; loaded again if a later change reads it
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, model=None) -> torch.Tensor:
@@ -413,9 +429,11 @@ class ActorWorker(_Stepper):
 
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch) -> torch.Tensor:
-        """The frozen reference's log-probs: the copy made at the start, or with LoRA the base itself
-        (the same module with its adapters switched off)."""
+        """The frozen reference's log-probs: the actor's initial weights loaded apart (at the first call),
+        or with LoRA the base itself (the same module with its adapters switched off)."""
         if not self.lora:
+            if self.ref is None:
+                self.ref = self._reference()
             return self.logprobs(batch, model=self.ref)
         with self.engine.module.disable_adapter():
             return self.logprobs(batch)

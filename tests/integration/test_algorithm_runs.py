@@ -22,6 +22,7 @@ VARIANTS = {
                             "model.actor.mini_batch_size=8", "distributed.zero_stage=1"],
     "gspo": ["model.actor.loss_mode=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean", "model.actor.clip_ratio_low=0.0003",
              "model.actor.clip_ratio_high=0.0004", "model.actor.ppo_epochs=2"],
+    "rloo_no_kl": ["algorithm.name=rloo", "model.actor.use_kl_loss=false"],  # no reference model loaded (rl.workers)
     "dr_grpo": ["algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.norm_adv_by_std=false"],
 }
 

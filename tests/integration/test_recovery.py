@@ -253,6 +253,16 @@ def test_replay_to_step_matches_the_live_run(keep_all, tmp_path):
                        "max_deviation": None}
 
 
+def test_a_replay_loads_no_reference_model(keep_all):
+    """The run trains with GRPO's KL loss; its reference's log-probs are journaled with the samples, so a
+    replay reads them and never loads the reference (the actor's initial weights: a second model)."""
+    from verlj.engine.post_mortem import materialize
+
+    replayed = materialize.materialize(keep_all, 5)
+    assert replayed.run.trainer.cfg.model.actor.use_kl_loss and replayed.from_snapshot == 4
+    assert replayed.fingerprint == fingerprints(keep_all)[5] and replayed.run.trainer.actor.ref is None
+
+
 def flip_byte(path, offset=None):
     data = bytearray(path.read_bytes())
     i = len(data) // 2 if offset is None else offset
