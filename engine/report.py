@@ -35,6 +35,7 @@ SINKS = (JSONL_SINK, TENSORBOARD_SINK, WANDB_SINK)
 
 # the metrics the progress line shows (names in the open-ended metrics map, declared here once)
 REWARD_MEAN, PG_LOSS, STEP_TIME = "critic/score/mean", "actor/pg_loss", "timing_s/step"
+SKIPPED_UPDATE = "actor/skipped_update"  # rl.update: the step had no sample to train on
 JSONL_STEP = "step"  # metrics.jsonl: each line is {JSONL_STEP: step, **the step's metrics}
 
 
@@ -136,11 +137,15 @@ class Reporter:
         # a step a sink held before this process started came from a process that ran it already
         # (a node lost with its unshipped steps): its values were the same, it is not sent again
         self._send(step, metrics, [sink for sink, held in self._held.items() if step > held])
-        summary = (
-            f"reward={_fmt(metrics.get(REWARD_MEAN, float('nan')))} "
-            f"loss={_fmt(metrics.get(PG_LOSS, float('nan')))} "
-            f"time={metrics.get(STEP_TIME, float('nan')):.2f}s"
-        ) + (f" {note}" if note else "")
+        if metrics.get(SKIPPED_UPDATE):  # no sample to train on (every group dropped or faulted): no reward, no loss
+            summary = f"no update (no sample to train on) time={metrics.get(STEP_TIME, float('nan')):.2f}s"
+        else:
+            summary = (
+                f"reward={_fmt(metrics.get(REWARD_MEAN, float('nan')))} "
+                f"loss={_fmt(metrics.get(PG_LOSS, float('nan')))} "
+                f"time={metrics.get(STEP_TIME, float('nan')):.2f}s"
+            )
+        summary += f" {note}" if note else ""
         if self._bar is not None:
             self._bar.update(self._task, completed=step, stats=summary)
         elif self.mode == "lines" and step % self.cfg.log_interval == 0:

@@ -223,7 +223,8 @@ def cli_reference(app) -> str:
         "`rollout.reward_fn`, `trainer.checkpoint_policy`, `--probe`) that cannot be imported, made or called as it must be; "
         "**1** it ran and failed, or found what it was asked to look for: user code that raised or answered wrongly while it "
         "ran, a training step past `rollout.max_fault_rate` (nothing of it committed), a run directory, journal or snapshot "
-        "that cannot be used, two runs that differ (`diff`), a step that did not reproduce (`rerun`). A process killed by a "
+        "that cannot be used, two runs that differ (`diff`), a step that did not reproduce (`rerun`). `verify` keeps 1 for "
+        "damage: a path that is no run at all (missing, or without a journal) is a wrong argument to it, 2. A process killed by a "
         "signal exits as the signal says (a SIGKILL: -9 to Python's subprocess, 137 to a shell).",
         "",
     ]

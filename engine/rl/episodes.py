@@ -31,6 +31,8 @@ env calls made twice, on a fresh env), and its next turn generated from its own 
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -117,6 +119,23 @@ TRUNCATED = " [truncated]"  # ends an observation cut to rollout.max_observation
 _CHARS_PER_TOKEN = 32  # an observation's text is cut to this many characters a token before it is tokenized (memory)
 
 
+_WARNED: list[str] = []  # an observation the vocabulary could not spell, said once a process
+
+
+def _warn_unknown(tok, text: str, ids: np.ndarray) -> None:
+    """One [WARNING] line (rank 0, once a process) when an observation's text holds characters the
+    tokenizer has no token for: the policy would read <unk> where the environment wrote words, and
+    train on nothing while the log looks healthy (the built-in model's digits vocabulary and a text env)."""
+    unk = getattr(tok, "unk_token_id", None)
+    if _WARNED or unk is None or not np.any(ids == unk):
+        return
+    _WARNED.append(text)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[WARNING] rollout.env's observation {text[:60]!r} holds characters the model's vocabulary has no token for: "
+              "the policy reads <unk> there (with the built-in model, model.tiny.vocab=ascii spells any printable text)",
+              file=sys.stderr, flush=True)
+
+
 class Round:
     """A round's episodes (this rank's samples of it, in order): reset, then one `take` per turn."""
 
@@ -140,6 +159,7 @@ class Round:
 
     def _observation(self, text: str) -> np.ndarray:
         """An observation's tokens, at most limits.max_observation: a longer one is cut, its end marked TRUNCATED."""
+        _warn_unknown(self.tok, text, self._encode(text[:256]))
         cap = self.limits.max_observation
         if not cap:
             return self._encode(text)

@@ -57,10 +57,11 @@ def metrics(samples: list[Sample]) -> dict[str, float]:
 
 def note(samples: list[Sample]) -> str:
     """The step's faults for its log line: ``faults 3/16: step raised RuntimeError: the sandbox is down``
-    (the first faulted sample's reason, in id order), ``faults 0/16`` without one; "" without samples."""
-    if not samples:
-        return ""
+    (the first faulted sample's reason, in id order); ``faults 0/16`` for episodes (environments and
+    agents) without one; "" for single-turn samples without one, or without samples."""
     faulted = sorted((s for s in samples if s.fault_reason), key=lambda s: s.id)
+    if not faulted and not any(s.is_episode for s in samples):
+        return ""
     head = f"faults {len(faulted)}/{len(samples)}"
     return f"{head}: {faulted[0].fault_reason}" if faulted else head
 

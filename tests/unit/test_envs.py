@@ -601,3 +601,21 @@ def test_the_longest_sequence_bounds_every_context_an_episode_generates_from():
     assert longest_sequence(make_config(None, [*env, "rollout.max_episode_length=100"]), 80) == 100
     assert longest_sequence(make_config(None, [*env, "rollout.max_episode_length=50"]), 80) == 72 + 16  # the first action
     assert longest_sequence(make_config(None, [*env, "rollout.max_observation_length=0"]), 4096) == 4096  # uncapped: the model's
+
+
+def test_an_observation_the_vocabulary_cannot_spell_is_said_once(capsys, monkeypatch):
+    """The built-in digits vocabulary and an env that writes words: one [WARNING] line naming the fix,
+    not a run that trains on <unk> with a healthy-looking log; digits alone say nothing."""
+    from verlj.engine.rl import episodes
+    from verlj.engine.rl.models import load_tokenizer
+
+    monkeypatch.setattr(episodes, "_WARNED", [])
+    cfg = cfg_with("builtin:guess")
+    tok = load_tokenizer(cfg.model.actor.model_name_or_path, cfg=cfg)  # the default dataset's digits vocabulary
+    enc = lambda text: np.asarray(tok(text, add_special_tokens=False).input_ids)  # noqa: E731
+    episodes._warn_unknown(tok, "12+3", enc("12+3"))
+    assert capsys.readouterr().err == ""
+    for _ in range(2):
+        episodes._warn_unknown(tok, "You are at 0.", enc("You are at 0."))
+    err = capsys.readouterr().err
+    assert err.count("[WARNING]") == 1 and "'You are at 0.'" in err and "model.tiny.vocab=ascii" in err

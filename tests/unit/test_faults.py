@@ -39,6 +39,8 @@ def test_metrics_and_note_count_every_kind_and_name_the_first():
                                      "rollout/fault_rate": 0.5}
     assert faults.note(batch) == "faults 2/4: step raised RuntimeError: down"  # the first by id
     assert faults.note(batch[2:]) == "faults 0/2" and faults.note([]) == ""
+    assert faults.note([smp(0, 0), smp(1, 0)]) == ""  # single-turn samples, none faulted: nothing to say
+    assert faults.note([smp(0, 0), smp(1, 0, reward="reward function f raised Y")]) == "faults 1/2: reward function f raised Y"
     assert faults.metrics([])["rollout/fault_rate"] == 0.0
 
 
