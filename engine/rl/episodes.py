@@ -98,14 +98,20 @@ class Limits:
                    rollout.max_response_length)
 
 
+AGENT_CONTEXT = 2048  # an agent call's context at least, where rollout.max_episode_length does not say (the built-in model's positions state only the single-turn bound)
+
+
 def longest_sequence(cfg, positions: int) -> int:
     """The most tokens one generation holds, prompt and response (what a vLLM engine is sized to): a prompt
     and its response; with rollout.env, an episode's context and its next action: at most
     rollout.max_episode_length (the first action after the reset's observation aside), or else the prompt
     and max_turns actions and observations of at most rollout.max_observation_length tokens each (no cap:
-    the model's `positions`)."""
+    the model's `positions`); with rollout.agent, a call's conversation: rollout.max_episode_length, else
+    the model's `positions` (at least AGENT_CONTEXT)."""
     ro, prompt = cfg.rollout, cfg.data.max_prompt_length
     single = prompt + ro.max_response_length
+    if ro.agent is not None:  # an agent's call: its conversation so far (template, tools) and the answer
+        return max(ro.max_episode_length or max(positions, AGENT_CONTEXT), single)
     if ro.env is None:
         return single
     if ro.max_episode_length:

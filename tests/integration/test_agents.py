@@ -173,3 +173,19 @@ def test_async_step_order_trains_and_a_kill_mid_step_resumes_bit_identical(tmp_p
     assert out.returncode == 0, out.stderr[-3000:]
     assert fingerprints(run) == fingerprints(ref)
     assert_same_journal(run, ref)
+
+
+def test_on_vllm_an_agent_trains_and_a_kill_mid_step_resumes_bit_identical(tmp_path):
+    """rollout.engine=vllm: the engine is sized to a call's whole conversation (the chat template and the
+    tools make a prompt longer than data.max_prompt_length; it was sized to that and refused the calls)."""
+    over = [*AGENT, "rollout.engine=vllm", "trainer.total_steps=3"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    out = train(ref, *over, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert all(st.rollout.engine == "vllm" and st.metrics.values["agent/calls"] == 32.0 for st in steps_of(ref).values())
+    out = train(run, *over, PYTHONPATH=TESTS, VERLJ_FAILPOINT="step.before_commit:2")
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *over, resume=True, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(run) == fingerprints(ref) and len(fingerprints(ref)) == 3
+    assert_same_journal(run, ref)

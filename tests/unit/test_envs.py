@@ -601,6 +601,10 @@ def test_the_longest_sequence_bounds_every_context_an_episode_generates_from():
     assert longest_sequence(make_config(None, [*env, "rollout.max_episode_length=100"]), 80) == 100
     assert longest_sequence(make_config(None, [*env, "rollout.max_episode_length=50"]), 80) == 72 + 16  # the first action
     assert longest_sequence(make_config(None, [*env, "rollout.max_observation_length=0"]), 4096) == 4096  # uncapped: the model's
+    agent = [*base, "rollout.agent=examples.tool_agent:solve", "rollout.max_turns=2"]  # a call's whole conversation
+    assert longest_sequence(make_config(None, agent), 4096) == 4096
+    assert longest_sequence(make_config(None, [*agent, "rollout.max_episode_length=300"]), 4096) == 300
+    assert longest_sequence(make_config(None, agent), 80) == 2048  # the built-in model states only the single-turn bound
 
 
 def test_an_observation_the_vocabulary_cannot_spell_is_said_once(capsys, monkeypatch):

@@ -24,6 +24,7 @@ from ...schema.agent_calls import AgentCalls
 from ...schema.sample import EnvEnd, Sample
 from ...state.seeding import derive_seed
 from ..envs import row_of
+from ..episodes import longest_sequence
 from ..models import BUILTIN_TINY, render_chat
 from .base import Source, add_time
 from .planned import PlannedSource
@@ -63,13 +64,11 @@ class AgentPlaying(Source):
         return self.runner
 
     def _max_prompt(self) -> int:
-        """The longest prompt a call may have (0: no cap): rollout.max_episode_length, else a local model's
-        positions (the built-in model's rotary positions have no hard end), less rollout.max_response_length."""
-        ro = self.cfg.rollout
-        ctx = ro.max_episode_length
-        if not ctx and self.cfg.model.actor.model_name_or_path != BUILTIN_TINY:
-            ctx = getattr(self.host.actor.module.config, "max_position_embeddings", None) or 0  # a config may not say
-        return max(1, ctx - ro.max_response_length) if ctx else 0
+        """The longest prompt a call may have: the context a generation holds (rl.episodes.longest_sequence,
+        what a vLLM engine is sized to: rollout.max_episode_length, else the model's positions, at least
+        AGENT_CONTEXT), less rollout.max_response_length."""
+        positions = getattr(self.host.actor.module.config, "max_position_embeddings", None) or 0  # a config may not say
+        return max(1, longest_sequence(self.cfg, int(positions)) - self.cfg.rollout.max_response_length)
 
     def _render(self, messages: list, tools: list | None) -> str:
         tok = self.host.tokenizer
