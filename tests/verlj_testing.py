@@ -322,6 +322,18 @@ def train(run_dir: Path, *overrides: str, ranks: int = 1, resume: bool = False, 
     return verlj(*args, ranks=ranks, **env_extra)
 
 
+def kill_and_resume(run: Path, ref: Path, *overrides: str, failpoint: str, **env_extra) -> subprocess.CompletedProcess:
+    """Train `run` SIGKILLed at `failpoint` (VERLJ_FAILPOINT), resume it to its end, and check it against
+    `ref`, the same run uninterrupted: the same fingerprints and the same journal. Returns the resume."""
+    out = train(run, *overrides, VERLJ_FAILPOINT=failpoint, **env_extra)
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *overrides, resume=True, **env_extra)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(run) == fingerprints(ref)
+    assert_same_journal(run, ref)
+    return out
+
+
 def comparable_steps(run_dir: Path, ignore: tuple[str, ...] = ()) -> list[dict]:
     """Each step's events with wall time, timing metrics (and the metrics whose names start with one of
     `ignore`) and nothing else removed."""

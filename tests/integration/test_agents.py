@@ -15,7 +15,7 @@ import pytest
 from verlj.engine.schema.events import DropReason, StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import assert_same_journal, cli, fingerprints, replay_here, train
+from verlj_testing import assert_same_journal, cli, fingerprints, kill_and_resume, replay_here, train
 
 TESTS = str(Path(__file__).resolve().parents[1])  # agents_for_tests
 AGENT = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:digits", "rollout.max_turns=2", "trainer.total_steps=4",
@@ -167,12 +167,7 @@ def test_async_step_order_trains_and_a_kill_mid_step_resumes_bit_identical(tmp_p
     steps = steps_of(ref)
     assert all(len(json.loads(s.agent_calls)["calls"]) == 2 for st in steps.values() for s in unpack(st.added.samples))
     assert [int(st.metrics.values["agent/calls"]) for st in steps.values()] == [64, 32, 32]  # step 1 plays batches 1 and 2
-    out = train(run, *planned, PYTHONPATH=TESTS, VERLJ_FAILPOINT="step.before_commit:2")
-    assert out.returncode == -9, out.stderr[-3000:]
-    out = train(run, *planned, resume=True, PYTHONPATH=TESTS)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert fingerprints(run) == fingerprints(ref)
-    assert_same_journal(run, ref)
+    kill_and_resume(run, ref, *planned, failpoint="step.before_commit:2", PYTHONPATH=TESTS)
 
 
 def test_on_vllm_an_agent_trains_and_a_kill_mid_step_resumes_bit_identical(tmp_path):
@@ -183,9 +178,5 @@ def test_on_vllm_an_agent_trains_and_a_kill_mid_step_resumes_bit_identical(tmp_p
     out = train(ref, *over, PYTHONPATH=TESTS)
     assert out.returncode == 0, out.stderr[-3000:]
     assert all(st.rollout.engine == "vllm" and st.metrics.values["agent/calls"] == 32.0 for st in steps_of(ref).values())
-    out = train(run, *over, PYTHONPATH=TESTS, VERLJ_FAILPOINT="step.before_commit:2")
-    assert out.returncode == -9, out.stderr[-3000:]
-    out = train(run, *over, resume=True, PYTHONPATH=TESTS)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert fingerprints(run) == fingerprints(ref) and len(fingerprints(ref)) == 3
-    assert_same_journal(run, ref)
+    kill_and_resume(run, ref, *over, failpoint="step.before_commit:2", PYTHONPATH=TESTS)
+    assert len(fingerprints(ref)) == 3

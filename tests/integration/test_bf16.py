@@ -9,7 +9,7 @@ import torch
 
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.state.safe_load import load_weights_only
-from verlj_testing import TINY, assert_same_journal, fingerprints, train
+from verlj_testing import TINY, fingerprints, kill_and_resume
 
 pytestmark = pytest.mark.slow
 
@@ -21,13 +21,8 @@ def test_bf16_killed_and_resumed_is_bit_identical(tmp_path, stage):
     over = [*BF16, f"distributed.zero_stage={stage}"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     run_train(ref, None, [*TINY, *over])
-    out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:3")
-    assert out.returncode == -9, out.stderr[-3000:]
-    out = train(run, *over, resume=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "Replayed step 3 from the journal" in out.stdout + out.stderr
-    assert fingerprints(run) == fingerprints(ref) and len(fingerprints(ref)) == 5
-    assert_same_journal(run, ref)
+    out = kill_and_resume(run, ref, *over, failpoint="journal.after_commit:3")
+    assert "Replayed step 3 from the journal" in out.stdout + out.stderr and len(fingerprints(ref)) == 5
     if stage == 0:  # the snapshot keeps the fp32 masters beside the bf16 weights
         states = load_weights_only(run / "step_00004" / "actor" / "mp_rank_00_model_states.pt")
         assert {t.dtype for t in states["module"].values()} == {torch.bfloat16}

@@ -20,7 +20,7 @@ from verlj.engine.rl.vocab import VOCABS, TextDecoder
 from verlj.engine.schema.events import DropReason, StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import assert_same_journal, cli, fingerprints, train, verlj
+from verlj_testing import assert_same_journal, cli, fingerprints, kill_and_resume, train, verlj
 
 TESTS = str(Path(__file__).resolve().parents[1])  # envs_for_tests
 ASCII = "model.tiny.vocab=ascii"
@@ -203,12 +203,7 @@ def test_ppo_async_episodes_killed_then_resumed_is_exact(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     samples = [s for step in episodes(ref).values() for s in step]
     assert {len(s.turn_lens) // 2 for s in samples} >= {3} and len({s.score for s in samples}) > 1
-    out = train(run, *PPO_ASYNC, PYTHONPATH=TESTS, VERLJ_FAILPOINT="step.before_commit:3")
-    assert out.returncode == -9, out.stderr[-3000:]
-    out = train(run, *PPO_ASYNC, resume=True, PYTHONPATH=TESTS)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert fingerprints(run) == fingerprints(ref)
-    assert_same_journal(run, ref)
+    kill_and_resume(run, ref, *PPO_ASYNC, failpoint="step.before_commit:3", PYTHONPATH=TESTS)
 
 
 def test_faulty_envs_end_their_episodes_and_replay_never_calls_an_env(tmp_path):

@@ -14,7 +14,7 @@ from verlj.engine.loop.run import train as run_train
 from verlj.engine.post_mortem.whatif import whatif
 from verlj.engine.state.safe_load import load_weights_only
 from verlj.journal import open_journal_reader
-from verlj_testing import TINY, assert_same_journal, fingerprints, train, verlj
+from verlj_testing import TINY, fingerprints, kill_and_resume, train, verlj
 
 pytestmark = pytest.mark.slow
 
@@ -31,13 +31,8 @@ def test_lora_killed_and_resumed_is_bit_identical(tmp_path, stage, rollout):
     over = [*LORA, f"distributed.zero_stage={stage}", *ROLLOUTS[rollout]]
     ref, run = tmp_path / "ref", tmp_path / "run"
     run_train(ref, None, [*TINY, *over])
-    out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:3")
-    assert out.returncode == -9, out.stderr[-3000:]
-    out = train(run, *over, resume=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "Replayed step 3 from the journal" in out.stdout + out.stderr
-    assert fingerprints(run) == fingerprints(ref) and len(fingerprints(ref)) == 5
-    assert_same_journal(run, ref)
+    out = kill_and_resume(run, ref, *over, failpoint="journal.after_commit:3")
+    assert "Replayed step 3 from the journal" in out.stdout + out.stderr and len(fingerprints(ref)) == 5
     with open_journal_reader(run / "journal") as j:
         engines = {(e["engine"], e.get("mode", "sync")) for _, e in j.iter_events("rollout")}  # a sync run's names no mode
     assert engines == {("vllm" if rollout == "vllm" else "hf", "async" if rollout == "async" else "sync")}
