@@ -19,7 +19,14 @@ def view(
     """A read-only web UI for runs, live while they train: curves, every step's samples and episodes, the
     first divergent step of two runs, search. Prints the URL; Ctrl-C stops it."""
     quiet_libraries()
+    import signal
+
     from verlj.engine.post_mortem.view import serve
+
+    # Ctrl-C is how it stops, even where the shell started it with SIGINT ignored (a background job of a
+    # script inherits SIG_IGN, and Python then raises no KeyboardInterrupt); SIGTERM stops it the same way
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     def stopped():
         try:
