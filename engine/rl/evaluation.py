@@ -100,7 +100,8 @@ def _eval_episodes(tr: Evaluated, step: int, rows: np.ndarray, seeds: list[int],
     env_seeds = [derive_seed(cfg.trainer.seed, step, "eval/env", int(i)) for i in rows]
     eps = Round(tr.envs(), [row_of(ex) for ex in examples], env_seeds, [tr.held_out_ids[int(i)] for i in rows], tok,
                 Limits.of(cfg.rollout))
-    places, contexts = list(range(len(rows))), eps.first_prompts()
+    places = eps.live()  # a reset that faulted: no action
+    contexts, seeds = [eps.first_prompts()[i] for i in places] or eps.first_prompts()[:1], [seeds[i] for i in places] or [0]
     while True:
         responses, logps = sample_seeded(tr.actor.module, contexts, seeds, params, tok.eos_token_id, tok.pad_token_id, rt.device,
                                          all_done=rt.all_true)

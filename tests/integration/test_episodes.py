@@ -438,3 +438,32 @@ def test_episodes_on_vllm_and_two_ranks_killed_then_resumed(tmp_path, where, ord
     assert out.returncode == 0, out.stderr[-3000:]
     assert fingerprints(run) == fingerprints(ref)
     assert_same_journal(run, ref)
+
+
+@pytest.mark.parametrize("mode", [[], ["rollout.mode=async", "rollout.async_order=completion"]], ids=["sync", "completion"])
+def test_no_action_is_generated_after_a_reset_fault(tmp_path, mode):
+    """An episode whose reset faulted has no turn: nothing generated for it, journaled with its reason and
+    left out of the update; the others play on (the held-out eval's too)."""
+    run = tmp_path / "run"
+    out = train(run, "rollout.env=envs_for_tests:ResetFaulty", "rollout.max_turns=2", ASCII, "rollout.max_fault_rate=1",
+                "trainer.total_steps=2", "trainer.eval_interval=2", "data.eval_size=8", *mode, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    samples = [s for step in episodes(run).values() for s in step]
+    bad = [s for s in samples if s.env_reason == "reset raised ConnectionError: no sandbox for this one"]
+    assert bad and all(len(s.turn_lens) == 0 and len(s.response_ids) == 0 and s.env_end == EnvEnd.FAULT for s in bad)
+    assert all(len(s.turn_lens) >= 2 for s in samples if s not in bad) and len(bad) < len(samples)
+    e = evals(run)[2]
+    assert set(e.turns[e.env_end == EnvEnd.FAULT].tolist()) <= {0} and (e.turns > 0).any()
+
+
+def test_two_ranks_train_on_groups_that_faults_left_uneven(tmp_path):
+    """2 ranks: groups left uneven by faults are chosen so both ranks get as many samples (the last group
+    whose leaving evens the count waits for the next step), never none while some group is valid."""
+    run = tmp_path / "run"
+    out = train(run, "rollout.env=envs_for_tests:ResetFaulty", "rollout.max_turns=2", ASCII, "rollout.max_fault_rate=1",
+                "trainer.total_steps=2", ranks=2, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for e in steps_of(run).values():
+        ids = set(e.consumed.ids.tolist())
+        assert ids and len(ids) % 2 == 0 and not ids & set(e.dropped(DropReason.FAULT).tolist())
+        assert e.metrics.values["rollout/faults"] > 0

@@ -39,7 +39,8 @@ def play_round(src: StepOrder, prod: Production, responses: list[np.ndarray], lo
     ranks generate each turn together while any rank has an episode going."""
     cfg, rt, eps = src.cfg, src.host.rt, prod.episodes
     assert eps is not None
-    places = list(range(len(eps.episodes)))
+    places = prod.first  # turn 0 was asked of these (start_round); a stand-in prompt when none
+    responses, logps = (responses, logps) if places else ([], [])
     while True:
         eps.take(places, responses, logps)
         if rt.all_true(eps.done()):
@@ -166,10 +167,10 @@ class Turns:
         """The group's next turn to ask (its live episodes' contexts, each with its own seed), or None when
         it is over (noted in `over`, taken in by the next `receive`)."""
         rnd, seed = play.round, self.src.cfg.trainer.seed
-        if rnd.turn > 0 and rnd.done():
+        if rnd.done():  # at turn 0 too: every reset faulted (no action is asked after one)
             self.over.append(g)
             return None
-        play.places = list(range(len(rnd.episodes))) if rnd.turn == 0 else rnd.live()
+        play.places = rnd.live()
         seeds = [derive_seed(seed, 0, "rollout/group", g, j, *([rnd.turn] if rnd.turn else [])) for j in play.places]
         return g, [rnd.episodes[j].context() for j in play.places], seeds
 

@@ -49,6 +49,7 @@ class Production:
     plan: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     places: list = field(default_factory=list)  # this rank's samples' places q in the round (their seeds')
     episodes: Round | None = None  # rollout.env: the round's episodes being played
+    first: list = field(default_factory=list)  # rollout.env: the episodes whose turn 0 was asked (those whose reset did not fault)
     remote: bool = False  # rollout.env on a fleet: the round is played on its actors (handle: RayFleet.play's)
 
 
@@ -129,7 +130,8 @@ class StepOrder(Source):
                 prod.remote, prod.handle = True, fleet.play(round_works(self, prod, rows, env_seeds), cfg)
                 return
             prod.episodes = Round(host.envs(), rows, env_seeds, prod.prompts, host.tokenizer, Limits.of(cfg.rollout))
-            prompts = prod.episodes.first_prompts()
+            prompts, prod.first = prod.episodes.first_prompts(), prod.episodes.live()  # a reset that faulted: no action
+            prompts, sample_seeds = [prompts[i] for i in prod.first] or prompts[:1], [sample_seeds[i] for i in prod.first] or [0]
         prod.handle = self.live.submit(prompts, sample_seeds, cfg)
 
     def finish(self, prod: Production) -> Production:
