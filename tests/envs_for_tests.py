@@ -75,6 +75,15 @@ class GymDigits(Digits):
         return out.observation, out.reward, "7" in action, self.turns >= 3, {}
 
 
+class ResetFaulty(Digits):
+    """Digits whose reset raises for one seed in four (seed % 4 == 1)."""
+
+    def reset(self, row: dict, seed: int) -> str:
+        if seed % 4 == 1:
+            raise ConnectionError("no sandbox for this one")
+        return super().reset(row, seed)
+
+
 class Flood(Digits):
     """Digits whose every observation is a megabyte of text (rollout.max_observation_length caps it)."""
 

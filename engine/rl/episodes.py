@@ -103,7 +103,7 @@ class Round:
         for env, first, seed, prompt in zip(envs, firsts, env_seeds, prompts):
             ep = Episode(env, np.asarray(prompt, np.int64), int(seed))
             if isinstance(first, EnvFault):
-                ep.stop(EnvEnd.FAULT, f"reset {first.reason}")  # still answers its prompt once: an episode of one turn, unscored by the env
+                ep.stop(EnvEnd.FAULT, f"reset {first.reason}")  # no action is asked of it: an episode of no turn
             elif first:
                 ep.prompt_ids = np.concatenate([ep.prompt_ids, self._observation(first)])
             self.episodes.append(ep)
@@ -147,7 +147,7 @@ class Round:
             ep.logprobs += lp.tolist()
             ep.mask += [1] * len(resp)
             ep.last_action = self.tok.decode(resp, skip_special_tokens=True)
-            if not ep.live or self._only_eos(resp):  # its reset faulted (the one answer is kept, no env to ask), or it stopped
+            if not ep.live or self._only_eos(resp):  # over already (no env to ask), or it stopped
                 ep.turn_lens += [len(resp), 0]
                 ep.turn_rewards.append(float("nan"))
                 if ep.live:

@@ -132,6 +132,7 @@ class Production:
     plan: np.ndarray | None = None
     places: list = field(default_factory=list)  # this rank's samples' places q in the round (their seeds')
     episodes: Round | None = None  # rollout.env: the round's episodes being played
+    first: list = field(default_factory=list)  # rollout.env: the episodes whose turn 0 was asked (those whose reset did not fault)
 
 
 @dataclass
@@ -452,7 +453,8 @@ class Trainer:
             rows = [row_of(self.dataset[int(i)]) for i in prod.mine for _ in range(group_size)]
             env_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/env", prod.rounds, q) for q in prod.places]
             prod.episodes = Round(self._envs(), rows, env_seeds, prod.prompts, self.tokenizer, Limits.of(cfg.rollout))
-            prompts = prod.episodes.first_prompts()
+            prompts, prod.first = prod.episodes.first_prompts(), prod.episodes.live()  # a reset that faulted: no action
+            prompts, sample_seeds = [prompts[i] for i in prod.first] or prompts[:1], [sample_seeds[i] for i in prod.first] or [0]
         prod.handle = self.rollout.submit(prompts, sample_seeds, cfg)
         prod.gen_s += time.perf_counter() - t
 
@@ -467,7 +469,8 @@ class Trainer:
         going is generated together (its context so far as the prompt, its own seed). Collective: the
         ranks generate each turn together while any rank has an episode going."""
         cfg, rt, eps = self.cfg, self.rt, prod.episodes
-        places = list(range(len(eps.episodes)))
+        places = prod.first  # turn 0 was asked of these (_submit_round); a stand-in prompt when none
+        responses, logps = (responses, logps) if places else ([], [])
         while True:
             eps.take(places, responses, logps)
             if rt.all_true(eps.done()):
@@ -740,10 +743,10 @@ class Trainer:
         """The group's next turn to ask (its live episodes' contexts, each with its own seed), or None when
         it is over (noted in `_over`, taken in by the next `_receive`)."""
         rnd, seed = play.round, self.cfg.trainer.seed
-        if rnd.turn > 0 and rnd.done():
+        if rnd.done():  # at turn 0 too: every reset faulted (no action is asked after one)
             self._over.append(g)
             return None
-        play.places = list(range(len(rnd.episodes))) if rnd.turn == 0 else rnd.live()
+        play.places = rnd.live()
         seeds = [derive_seed(seed, 0, "rollout/group", g, j, *([rnd.turn] if rnd.turn else [])) for j in play.places]
         return g, [rnd.episodes[j].context() for j in play.places], seeds
 
@@ -1122,7 +1125,8 @@ class Trainer:
         env_seeds = [derive_seed(cfg.trainer.seed, step, "eval/env", int(i)) for i in rows]
         eps = Round(self._envs(), [row_of(ex) for ex in examples], env_seeds, [self.held_out_ids[int(i)] for i in rows], tok,
                     Limits.of(cfg.rollout))
-        places, contexts = list(range(len(rows))), eps.first_prompts()
+        places = eps.live()  # a reset that faulted: no action
+        contexts, seeds = [eps.first_prompts()[i] for i in places] or eps.first_prompts()[:1], [seeds[i] for i in places] or [0]
         while True:
             responses, logps = sample_seeded(self.actor.module, contexts, seeds, params, tok.eos_token_id, tok.pad_token_id, rt.device,
                                              all_done=rt.all_true)

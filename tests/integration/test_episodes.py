@@ -401,3 +401,19 @@ def test_async_faulted_episodes_are_never_trained_on(tmp_path, order):
         faulted |= bad
         consumed |= set(records[step].consumed.ids.tolist())
     assert faulted and consumed and not faulted & consumed
+
+
+@pytest.mark.parametrize("mode", [[], ["rollout.mode=async", "rollout.async_order=completion"]], ids=["sync", "completion"])
+def test_no_action_is_generated_after_a_reset_fault(tmp_path, mode):
+    """An episode whose reset faulted has no turn: nothing generated for it, journaled with its reason and
+    left out of the update; the others play on (the held-out eval's too)."""
+    run = tmp_path / "run"
+    out = train(run, "rollout.env=envs_for_tests:ResetFaulty", "rollout.max_turns=2", ASCII, "rollout.max_fault_rate=1",
+                "trainer.total_steps=2", "trainer.eval_interval=2", "data.eval_size=8", *mode, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    samples = [s for step in episodes(run).values() for s in step]
+    bad = [s for s in samples if s.env_reason == "reset raised ConnectionError: no sandbox for this one"]
+    assert bad and all(len(s.turn_lens) == 0 and len(s.response_ids) == 0 and s.env_end == EnvEnd.FAULT for s in bad)
+    assert all(len(s.turn_lens) >= 2 for s in samples if s not in bad) and len(bad) < len(samples)
+    e = evals(run)[2]
+    assert set(e.turns[e.env_end == EnvEnd.FAULT].tolist()) <= {0} and (e.turns > 0).any()
