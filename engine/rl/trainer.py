@@ -631,9 +631,11 @@ class Trainer:
         for s in added:
             if s.id not in dropped:
                 order.setdefault(s.group, []).append(s.id)
-        groups = list(order.values())[: self.cfg.data.prompts_per_step]
-        while groups and sum(map(len, groups)) % self.rt.dp_size:
-            groups.pop()
+        groups, dp = list(order.values())[: self.cfg.data.prompts_per_step], self.rt.dp_size
+        while groups and sum(map(len, groups)) % dp:  # groups of unequal sizes (faults left out): the last one whose going evens it
+            total = sum(map(len, groups))
+            k = next((k for k in reversed(range(len(groups))) if (total - len(groups[k])) % dp == 0), len(groups) - 1)
+            del groups[k]
         return np.asarray([i for g in groups for i in g], dtype=np.int64)
 
     # ================================================================== async, completion order

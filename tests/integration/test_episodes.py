@@ -417,3 +417,16 @@ def test_no_action_is_generated_after_a_reset_fault(tmp_path, mode):
     assert all(len(s.turn_lens) >= 2 for s in samples if s not in bad) and len(bad) < len(samples)
     e = evals(run)[2]
     assert set(e.turns[e.env_end == EnvEnd.FAULT].tolist()) <= {0} and (e.turns > 0).any()
+
+
+def test_two_ranks_train_on_groups_that_faults_left_uneven(tmp_path):
+    """2 ranks: groups left uneven by faults are chosen so both ranks get as many samples (the last group
+    whose leaving evens the count waits for the next step), never none while some group is valid."""
+    run = tmp_path / "run"
+    out = train(run, "rollout.env=envs_for_tests:ResetFaulty", "rollout.max_turns=2", ASCII, "rollout.max_fault_rate=1",
+                "trainer.total_steps=2", ranks=2, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for e in steps_of(run).values():
+        ids = set(e.consumed.ids.tolist())
+        assert ids and len(ids) % 2 == 0 and not ids & set(e.dropped(DropReason.FAULT).tolist())
+        assert e.metrics.values["rollout/faults"] > 0
