@@ -57,6 +57,7 @@ import time
 from pathlib import Path
 
 from bench_goodput import ENV, LR, MODEL, REPO, TRL_SCRIPT, write_rows
+from bench_recovery import Silent  # a reporter that says nothing
 
 # Qwen2 shapes: hidden, layers, attention heads, key/value heads, MLP width. 135m is SmolLM-135M's width with
 # more layers, 500m Qwen2-0.5B's with 34 layers (a character vocabulary has no 136M-parameter embedding)
@@ -195,17 +196,6 @@ def recovery_probe(run: Path, a: int, k: int, how: str) -> dict:
     r.trainer.close()
     journal.close()
     return inside
-
-
-class Silent:
-    def info(self, msg):
-        pass
-
-    def warn(self, msg):
-        pass
-
-    def step(self, *a):
-        pass
 
 
 def snapshot_probe(run: Path, step: int, repeats: int) -> dict:
