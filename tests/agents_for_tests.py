@@ -52,3 +52,15 @@ def flaky(ep):
         _client(ep)
         raise RuntimeError("the sandbox is down")
     return digits(ep)
+
+
+def uneven(ep):
+    """One to three calls (1 + seed mod 3), each continuing the conversation: episodes of a step end at different
+    calls, so ranks run out of calls at different batches. The reward: the share of digits in the answers."""
+    client = _client(ep)
+    msgs, text = [{"role": "user", "content": ep.row["prompt"][-12:]}], ""
+    for k in range(1 + ep.seed % 3):
+        got = client.chat.completions.create(model=ep.model, messages=msgs).choices[0].message.content or ""
+        msgs += [{"role": "assistant", "content": got}, {"role": "user", "content": f"more {k}"}]
+        text += got
+    return sum(c.isdigit() for c in text) / max(1, len(text))

@@ -180,3 +180,39 @@ def test_on_vllm_an_agent_trains_and_a_kill_mid_step_resumes_bit_identical(tmp_p
     assert all(st.rollout.engine == "vllm" and st.metrics.values["agent/calls"] == 32.0 for st in steps_of(ref).values())
     kill_and_resume(run, ref, *over, failpoint="step.before_commit:2", PYTHONPATH=TESTS)
     assert len(fingerprints(ref)) == 3
+
+
+TWO_RANKS = {"sync": ([], "step.before_commit:2"),
+             "step": (["rollout.mode=async", "rollout.async_order=step"], "step.before_commit:2"),
+             "completion": (["rollout.mode=async", "rollout.async_order=completion"], "agents.after_durable:45")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", list(TWO_RANKS))
+def test_on_two_ranks_killed_then_resumed_is_bit_identical(tmp_path, order):
+    """torchrun, 2 ranks: each serves its own gateway and plays its share of the episodes (agents of one to three
+    calls, one at a time: a rank's batches are its calls, and the rank done first generates with the other); the
+    step's agent/calls count both ranks'. SIGKILLed (completion order: mid-episode, step 2's calls durable) then resumed:
+    the journal and fingerprints of the uninterrupted 2-rank run (completion order: the journaled calls answered
+    from the journal)."""
+    over = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:uneven", "rollout.max_turns=3", "rollout.agent_concurrency=1",
+            "trainer.total_steps=3", *TWO_RANKS[order][0]]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    out = train(ref, *over, ranks=2, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    uneven = False
+    for st in steps_of(ref).values():
+        calls = [len(json.loads(s.agent_calls)["calls"]) for s in unpack(st.added.samples)]  # rank 0's first
+        assert set(calls) == {1, 2, 3} and st.metrics.values["agent/calls"] == sum(calls)
+        uneven |= sum(calls[:8]) != sum(calls[8:16])
+    assert uneven  # some batch was generated with a rank that had no call waiting
+    out = train(run, *over, ranks=2, PYTHONPATH=TESTS, VERLJ_FAILPOINT=TWO_RANKS[order][1])
+    assert out.returncode != 0 and fingerprints(run) == {1: fingerprints(ref)[1]}, out.stderr[-3000:]
+    out = train(run, *over, ranks=2, resume=True, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert fingerprints(run) == fingerprints(ref)
+    if order == "completion":
+        got = agents_of(run)
+        assert got["calls_from_journal"] > 0 and got["divergences"] == 0, got
+        assert got["calls_generated"] + got["calls_from_journal"] == agents_of(ref)["calls_generated"]
+    assert_same_journal(run, ref, ignore=("agent/calls",))

@@ -11,7 +11,9 @@ Generation is in lockstep, which makes it exact: the trainer's thread waits unti
 episode has either sent its next call or ended, then generates every call waiting, together, each
 from its own seed (its episode's place and the call's position in it: never timing). So the batch a
 call is generated in, and so its tokens, are the same on every run of the same agent. A running
-agent that neither calls nor ends within rollout.agent_timeout_s of its last answer is a fault.
+agent that neither calls nor ends within rollout.agent_timeout_s of its last answer is a fault. On several
+ranks each runs its own gateway (its own port and keys) for its share of the episodes, and the ranks generate
+their batches together (`Runner.together`) until every rank's episodes are over.
 
 Durable execution (completion order: ``sources.agents_async``): `Runner.durable` makes a batch's calls
 durable before any of them is answered; a re-run after a crash is given each episode's journaled calls
@@ -194,6 +196,10 @@ class Runner:
         self.durable: Callable[[list[Play]], None] | None = None
         self.name: Callable[[int], str] = lambda place: f"episode {place}"
         self.plays: list[Play] = []  # the round being played, by place
+        # several ranks (each its own gateway, its share of the episodes): `together(over)` is True once every
+        # rank's episodes are over (rt.all_true); until then a rank generates at each of the others' batches
+        # (a stand-in prompt when it has none waiting), as generation is collective (ZeRO-3's gathers)
+        self.together: Callable[[bool], bool] | None = None
 
     def render(self, req: ChatRequest) -> np.ndarray:
         """A request's prompt ids: its messages through the chat template, <bos> first (as every prompt)."""
@@ -226,11 +232,15 @@ class Runner:
                 while todo and len(running) < self.concurrency:
                     running.append(self._start(plays[todo.pop()]))
                 batch = self._ready(running)
-            if batch is None:
-                if not running and not todo:
-                    break
+            over = batch is None and not running and not todo
+            if batch is None and not over:
                 continue
-            self._answer(batch)
+            if self.together is not None:  # the ranks generate each batch together until all are over
+                if self.together(over):
+                    break
+            elif over:
+                break
+            self._answer(batch or [])
         return [Played(p.calls, None if p.fault else p.result, p.fault) for p in plays]
 
     def _start(self, p: Play) -> Play:
@@ -321,7 +331,11 @@ class Runner:
         """Generate every waiting call of `batch` together (each from its own seed) and answer them."""
         with self.cond:
             asks = [(p, k, req, ids, fut) for p in batch for (k, req, ids, fut) in p.pending]
-        ids_out, lps_out = self.generate([a[3] for a in asks], [self.call_seed(a[0].place, a[1]) for a in asks])
+        if asks:
+            ids_out, lps_out = self.generate([a[3] for a in asks], [self.call_seed(a[0].place, a[1]) for a in asks])
+        else:  # this rank's episodes are over, another rank's are not: generate with it, keep nothing
+            self.generate([np.asarray([self.tok.eos_token_id or 0], np.int64)], [0])
+            ids_out, lps_out = [], []
         answers: list[tuple[Play, Future, bytes]] = []
         with self.cond:
             for (p, k, req, ids, fut), out, lps in zip(asks, ids_out, lps_out):
@@ -335,7 +349,8 @@ class Runner:
                 self.counts.calls += 1
                 self.counts.malformed_tool_calls += bool(flag)
                 answers.append((p, fut, body))
-            if self.durable is not None and answers:  # every completed call durable before its answer is returned
+            if self.durable is not None and (answers or self.together is not None):  # every completed call durable before its
+                # answer is returned (several ranks: at every batch, as the ranks write together)
                 self.durable(list({id(p): p for p, _, _ in answers}.values()))
             for p, fut, body in answers:
                 p.pending = [x for x in p.pending if x[3] is not fut]

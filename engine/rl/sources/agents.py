@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import RunError
 from ...schema.agent_calls import AgentCalls
 from ...schema.sample import EnvEnd, Sample
 from ...state.seeding import derive_seed
@@ -49,8 +48,6 @@ class AgentPlaying(Source):
         from ..gateway.server import Gateway
 
         cfg, host = self.cfg, self.host
-        if host.rt.world_size > 1:
-            raise RunError("rollout.agent runs on one rank for now; run it without torchrun (or with --nproc_per_node 1)")
         if self.gateway is None:
             self.gateway = Gateway(cfg.model.actor.model_name_or_path).start()
         ro = cfg.rollout
@@ -61,6 +58,7 @@ class AgentPlaying(Source):
                                  ro.agent_timeout_s, ro.max_turns)
             self.built = want
         self.runner.max_prompt = self._max_prompt()
+        self.runner.together = host.rt.all_true if host.rt.world_size > 1 else None  # each rank its share, generated together
         return self.runner
 
     def _max_prompt(self) -> int:
@@ -123,6 +121,17 @@ class AgentPlaying(Source):
                 s.rm_score = rm[idx.index(k)]
             s.score = s.rule_reward + w * s.rm_score
 
+    def count(self, before: dict[str, float], played: list[Sample]) -> None:
+        """The step's agent/* metrics: the runner's counts since `before` and the prefix breaks of the samples
+        played, summed over the ranks (each played its share). Collective."""
+        assert self.runner is not None
+        got = {name: v - before[name] for name, v in self.runner.counts.to_metrics().items()}
+        got["agent/prefix_breaks"] = float(sum(AgentCalls.from_json(s.agent_calls).prefix_breaks for s in played if s.agent_calls))
+        rt = self.host.rt
+        for share in rt.all_gather_obj(got) if rt.world_size > 1 else [got]:
+            for name, v in share.items():
+                add_time(self.timings, name, v)
+
     def close(self, at_once: bool = False) -> None:
         super().close(at_once)
         if self.gateway is not None:
@@ -156,9 +165,7 @@ class AgentRounds(AgentPlaying, StepOrder):
         local = self.agent_samples([int(i) for i in prod.mine for _ in range(n)], played, agent_seeds)
         prod.gen_s += t1 - t0
         add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
-        for name, v in runner.counts.to_metrics().items():
-            add_time(self.timings, name, v - before[name])
-        add_time(self.timings, "agent/prefix_breaks", float(sum(AgentCalls.from_json(s.agent_calls).prefix_breaks for s in local if s.agent_calls)))
+        self.count(before, local)
         return local
 
 

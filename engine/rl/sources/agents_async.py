@@ -27,6 +27,7 @@ import numpy as np
 
 from verlj.journal.failpoints import failpoint
 
+from ...schema import sample as sample_codec
 from ...schema.agent_calls import AgentCalls
 from ...schema.sample import EnvEnd, GroupInFlight, Sample
 from ...state.seeding import derive_seed
@@ -62,10 +63,12 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
         return out
 
     def ask(self, groups: list[tuple[int, int]]) -> None:
-        """Play the groups (group, row) to their ends now, each call durable before it is answered."""
+        """Play this rank's share of the groups (group, row) to their ends now (the q-th is rank q mod dp's, as
+        single-turn groups are), each call durable before it is answered. Collective: the ranks play together."""
         if not groups:
             return
-        host, n, seed = self.host, self.cfg.rollout.n, self.cfg.trainer.seed
+        host, n, seed, rt = self.host, self.cfg.rollout.n, self.cfg.trainer.seed, self.host.rt
+        groups = [(g, r) for q, (g, r) in enumerate(groups) if q % rt.dp_size == rt.dp_rank]
         if self.held is None:
             self.held = self.durable_groups()
         runner = self._runner()
@@ -99,13 +102,12 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
         self.ready += got
         add_time(self.timings, "timing_s/gen", t1 - t0)
         add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
-        for name, v in runner.counts.to_metrics().items():
-            add_time(self.timings, name, v - before[name])
-        add_time(self.timings, "agent/prefix_breaks", float(sum(AgentCalls.from_json(s.agent_calls).prefix_breaks for s in got if s.agent_calls)))
+        self.count(before, got)
 
     def keep(self, groups: list[tuple[int, int]], touched: list[int], version: int) -> None:
-        """Make the calls of the groups at `touched` (places in `groups`) durable as they stand (under the runner's lock)."""
-        log, n, runner = self.host.in_flight_log, self.cfg.rollout.n, self.runner
+        """Make the calls of the groups at `touched` (places in `groups`) durable as they stand (under the runner's lock).
+        Several ranks: collective, at every batch (rank 0 writes every rank's groups)."""
+        log, n, runner, rt = self.host.in_flight_log, self.cfg.rollout.n, self.runner, self.host.rt
         if log is None or runner is None:
             return
         states = []
@@ -116,13 +118,18 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
             states.append(GroupInFlight(g, int(row), [version], none(np.int64), none(np.int64), none(np.float32), none(np.int8),
                                         none(np.int64), none(np.float64), [p.seed for p in plays], [int(EnvEnd.NONE)] * n, [""] * n,
                                         [AgentCalls(tuple(p.calls), -1, None, 0).to_json() for p in plays]))
+        if rt.world_size > 1:
+            states = [GroupInFlight.from_dict(d) for got in rt.all_gather_obj([st.to_dict() for st in states]) for d in got]
         log.keep(states, self.settle)
         self.settle = []
         failpoint("agents.after_durable")
 
     def receive(self, wait: float) -> None:
-        """Take in the groups played since the last receive (no wait: they were played when asked)."""
+        """Take in the groups every rank played since the last receive (rank order; no wait: they were played when
+        asked). Collective."""
         new, self.ready = self.ready, []
+        if self.host.rt.world_size > 1:
+            new = [s for cols in self.host.rt.all_gather_obj(sample_codec.pack(new)) for s in sample_codec.unpack(cols)]
         if new:
             self.take_in(new)
 
