@@ -13,6 +13,9 @@ with prompts of one length, none did. vLLM pads nothing, and on CPU it gave a gr
 one call with five other groups of other lengths as alone; the fleet does not rely on that.) So step order
 (``rollout.async_order=step``) is bit-identical whatever M is and whichever actor generates what.
 
+With rollout.agent (the gateway and the agents stay on the trainer) each model call is a work item of its own, a
+group of one sample, sent to the actor that took its episode's first call while that actor lives (`RayFleet.calls`).
+
 The trainer's side (:class:`RayFleet`) keeps the queue: a request is split into work items (one group
 each) and every live actor gets a call of up to ``chunk`` items at a time; a thread hands out the next
 call as one completes, so the actors keep generating while the trainer trains. New weights reach the
@@ -221,7 +224,8 @@ class RayFleet(SamplerEngine):
         self.stale = True
         self._weights: tuple[int, Any] | None = None  # (version, ObjectRef) the actors generate from
         self._lock = threading.Condition()
-        self._queue: deque = deque()  # work items not handed out: (owner, key, job, params); a job: (prompt, seeds) or a GroupWork
+        self._queue: deque = deque()  # work items not handed out: (owner, key, job, params[, stick]); a job: (prompt, seeds) or a GroupWork
+        self._sticks: dict[str, int] = {}  # rollout.agent: an episode's key -> the slot its calls go to (forgotten at each version)
         self._chunk = 1
         self._paused = False
         self._results: dict[int, list] = {}  # step order: handle -> each group's (responses, log-probs), None until done
@@ -309,6 +313,7 @@ class RayFleet(SamplerEngine):
                 self._check()
                 self._lock.wait(WAIT_S)
             self._weights = (version, ray.put(weights))  # the old version's object goes once no call names it
+            self._sticks.clear()  # the episodes played from the old version are over
             self._paused = False
             self._dispatch()
         self.policy_version, self.stale = version, False
@@ -361,6 +366,21 @@ class RayFleet(SamplerEngine):
             self._results[self._next] = [None] * groups
             self._chunk = max(1, math.ceil(groups / max(1, len(self.slots))))
             self._queue.extend((self._next, q, (np.asarray(prompts[q * n]), list(seeds[q * n : (q + 1) * n])), params) for q in range(groups))
+            self._dispatch()
+        return self._next
+
+    def calls(self, prompts: list[np.ndarray], seeds: list[int], episodes: list[str], cfg: Config) -> int:
+        """rollout.agent: one work item per model call (a group of one sample: its bits depend only on its
+        prompt, its seed and the weights), each sent to the actor its episode's calls go to (`episodes`: each
+        call's episode key; the first live idle actor that takes one of an episode's calls keeps the
+        episode, until it dies or the fleet gets a new version). `result` returns them in order."""
+        params = sampling_params(cfg)
+        self._next += 1
+        with self._lock:
+            self._results[self._next] = [None] * len(prompts)
+            self._chunk = max(1, math.ceil(len(prompts) / max(1, len(self.slots))))
+            self._queue.extend((self._next, q, (np.asarray(p), [int(seed)]), params, key)
+                               for q, (p, seed, key) in enumerate(zip(prompts, seeds, episodes)))
             self._dispatch()
         return self._next
 
@@ -448,11 +468,31 @@ class RayFleet(SamplerEngine):
             if not self._queue:
                 return
             if s.alive and s.call is None:
-                s.items = [self._queue.popleft() for _ in range(min(self._chunk, len(self._queue)))]
+                s.items = self._take(self.slots.index(s))
+                if not s.items:
+                    continue
                 s.call = s.handle.generate.remote([(i, it[2], it[3]) for i, it in enumerate(s.items)], version, [ref])
                 s.call_inc = s.inc
                 if failpoint("fleet.dispatch") == "kill-actor" and s.pid is not None:  # a test's SIGKILL of the actor's process
                     os.kill(s.pid, signal.SIGKILL)
+
+    def _take(self, at: int) -> list:
+        """(Lock held.) The next call's items for the actor in slot `at`: up to `chunk` from the head of the queue,
+        passing over a call whose episode another live actor keeps (`calls`), kept in line for that one."""
+        taken: list[tuple] = []
+        passed: list[tuple] = []
+        while self._queue and len(taken) < self._chunk:
+            item = self._queue.popleft()
+            stick = item[4] if len(item) > 4 else None
+            if stick is not None:
+                keeper = self._sticks.get(stick)
+                if keeper is not None and keeper != at and keeper < len(self.slots) and self.slots[keeper].alive:
+                    passed.append(item)
+                    continue
+                self._sticks[stick] = at
+            taken.append(item)
+        self._queue.extendleft(reversed(passed))
+        return taken
 
     def _pump(self) -> None:
         try:

@@ -6,6 +6,7 @@ supervisor (trainer.max_restarts) restarts by itself; completion order trains on
 through a kill with every group accounted for; actors running vLLM (its CPU build) are bit-identical
 whatever M through a kill too; multi-turn episodes (rollout.env) played on the actors, step order
 bit-identical through a killed actor and a killed trainer, completion order accounted for through both;
+agent programs (rollout.agent) whose calls the actors generate, bit-identical through both in either order;
 a trainer that started its own cluster leaves no Ray process when SIGKILLed. Without ray,
 rollout.fleet=ray is one line, exit 2, and without vLLM so is a vLLM fleet. The README's test command installs the `ray` and `vllm` extras, so CI runs these;
 elsewhere, without them, their tests are skipped."""
@@ -253,3 +254,38 @@ def test_a_trainer_that_started_its_own_ray_and_is_sigkilled_leaves_no_ray_proce
     while holders(str(sessions[0])) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert holders(str(sessions[0])) == []
+
+
+AGENTS = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:uneven", "rollout.max_turns=3", "trainer.total_steps=3"]
+AGENT_KILLS = {"step": f"{KILL},step.before_commit:3", "completion": "agents.after_durable:13"}
+
+
+def _agent_calls(run):
+    return json.loads(cli("inspect", run, "--json", check=True).stdout)["agents"]
+
+
+@pytest.mark.parametrize("order", list(AGENT_KILLS))
+def test_agents_on_a_fleet_are_bit_identical_through_a_killed_actor_and_trainer(tmp_path, cluster, order):
+    """rollout.agent on a fleet: the gateway stays on the trainer, each model call is generated alone on the
+    actor its episode's calls go to. Two actors uninterrupted, against a run whose actor is SIGKILLed mid-episode
+    (its calls in flight generated again by the fleet, from their seeds) and whose trainer is SIGKILLed (step
+    order: in step 3's commit; completion order: mid-episode in step 2, its calls durable, resumed with an actor
+    killed too: the journaled calls answered from the journal), then resumed: the same journal and fingerprints."""
+    over = [*FLEET, *AGENTS, f"rollout.async_order={order}"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(train(ref, *over, **cluster, PYTHONPATH=TESTS))
+    samples = _episodes(ref)
+    assert {len(json.loads(s.agent_calls)["calls"]) for s in samples} == {1, 2, 3} and len({s.score for s in samples}) > 1
+    with open_journal_reader(ref / "journal") as j:
+        assert {e["engine"] for _, e in j.iter_events("rollout")} == {"fleet"}
+    out = train(run, *over, VERLJ_FAILPOINT=AGENT_KILLS[order], **cluster, PYTHONPATH=TESTS)
+    assert out.returncode == -9, out.stderr[-3000:]
+    assert fingerprints(run) == {s: f for s, f in fingerprints(ref).items() if s < (3 if order == "step" else 2)}
+    ok(train(run, *over, resume=True, VERLJ_FAILPOINT=KILL if order == "completion" else "", **cluster, PYTHONPATH=TESTS))
+    assert max(m["rollout/fleet/deaths"] for m in fleet_metrics(run).values()) == 1  # since its process started
+    if order == "completion":
+        got = _agent_calls(run)
+        assert got["calls_from_journal"] > 0 and got["divergences"] == 0, got
+        assert got["calls_generated"] + got["calls_from_journal"] == _agent_calls(ref)["calls_generated"]
+    assert_same_journal(ref, run, ignore=(*NOT_FLEET, "agent/calls"))
+    assert fingerprints(run) == fingerprints(ref)

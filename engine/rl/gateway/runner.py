@@ -200,6 +200,7 @@ class Runner:
         # rank's episodes are over (rt.all_true); until then a rank generates at each of the others' batches
         # (a stand-in prompt when it has none waiting), as generation is collective (ZeRO-3's gathers)
         self.together: Callable[[bool], bool] | None = None
+        self.asking: list[str] = []  # the episode keys of the calls being generated, in order
 
     def render(self, req: ChatRequest) -> np.ndarray:
         """A request's prompt ids: its messages through the chat template, <bos> first (as every prompt)."""
@@ -331,6 +332,7 @@ class Runner:
         """Generate every waiting call of `batch` together (each from its own seed) and answer them."""
         with self.cond:
             asks = [(p, k, req, ids, fut) for p in batch for (k, req, ids, fut) in p.pending]
+        self.asking = [a[0].key for a in asks]  # whose calls these are (a fleet sends an episode's calls to one actor)
         if asks:
             ids_out, lps_out = self.generate([a[3] for a in asks], [self.call_seed(a[0].place, a[1]) for a in asks])
         else:  # this rank's episodes are over, another rank's are not: generate with it, keep nothing

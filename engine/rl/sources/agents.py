@@ -26,6 +26,7 @@ from ..envs import row_of
 from ..episodes import longest_sequence
 from ..models import BUILTIN_TINY, render_chat
 from .base import Source, add_time
+from .episodes import on_fleet
 from .planned import PlannedSource
 from .sync import StepOrder, SyncSource
 
@@ -76,6 +77,10 @@ class AgentPlaying(Source):
         return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
     def _generate(self, prompts: list, seeds: list) -> tuple[list, list]:
+        fleet = on_fleet(self.live)
+        if fleet is not None:  # each call generated alone, on the actor its episode's calls go to
+            assert self.runner is not None
+            return fleet.result(fleet.calls(prompts, seeds, self.runner.asking, self.cfg))
         return self.live.result(self.live.submit(prompts, seeds, self.cfg))
 
     def agent_samples(self, rows: list[int], played: list[Played], agent_seeds: list[int]) -> list[Sample]:
