@@ -157,17 +157,20 @@ def test_completion_order_an_agent_changed_before_the_resume_diverges_and_goes_o
 
 
 def test_async_step_order_trains_and_a_kill_mid_step_resumes_bit_identical(tmp_path):
-    """Async step order: the batch of step s+1 played after step s's update, from version s-1; killed before a
-    commit, resumed: the same journal and fingerprints as the uninterrupted run."""
-    planned = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:digits", "rollout.max_turns=2", "trainer.total_steps=3",
+    """Async step order: the batch of step s+1 played while step s updates (the agents seen running during the
+    update), from version s-1; killed before a commit, resumed: the same journal and fingerprints as the
+    uninterrupted run."""
+    planned = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:overlapping", "rollout.max_turns=2", "trainer.total_steps=3",
                "rollout.mode=async", "rollout.async_order=step"]
     ref, run = tmp_path / "ref", tmp_path / "run"
-    out = train(ref, *planned, PYTHONPATH=TESTS)
+    seen = tmp_path / "overlap"
+    out = train(ref, *planned, PYTHONPATH=TESTS, VERLJ_TEST_AGENT_OVERLAP=str(seen))
     assert out.returncode == 0, out.stderr[-3000:]
+    assert seen.exists() and seen.read_text().strip()  # some agent ran while the trainer's main thread was in its update
     steps = steps_of(ref)
     assert all(len(json.loads(s.agent_calls)["calls"]) == 2 for st in steps.values() for s in unpack(st.added.samples))
     assert [int(st.metrics.values["agent/calls"]) for st in steps.values()] == [64, 32, 32]  # step 1 plays batches 1 and 2
-    kill_and_resume(run, ref, *planned, failpoint="step.before_commit:2", PYTHONPATH=TESTS)
+    kill_and_resume(run, ref, *planned, failpoint="step.before_commit:2", PYTHONPATH=TESTS, VERLJ_TEST_AGENT_OVERLAP=str(seen))
 
 
 def test_on_vllm_an_agent_trains_and_a_kill_mid_step_resumes_bit_identical(tmp_path):

@@ -14,7 +14,11 @@ r, q, k)``. Replay never runs an agent: it reads the journaled samples.
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -146,26 +150,38 @@ class AgentPlaying(Source):
 
 
 class AgentRounds(AgentPlaying, StepOrder):
-    """Step order with rollout.agent: each round's samples are agent episodes, played to their ends when the
-    round is finished (sync: in the step's collect; async step order: after the update, from the version the
-    generator held)."""
+    """Step order with rollout.agent: each round's samples are agent episodes, played to their ends (sync: in the
+    step's collect; async step order: while the update runs on one rank, after it on several; from the version
+    the generator holds)."""
 
     def start_round(self, prod: Production) -> None:
-        prod.handle = None  # the agents run (and call the engine) in round_samples
+        """Async step order on one rank: the round's agents begin now, in a thread of their own, and play while
+        the update runs (the generator keeps the version they play from until the next step's sync); else
+        they play in round_samples. Several ranks play there: their lockstep is collective, as the update is."""
+        prod.handle = None
+        if self.cfg.rollout.mode == "async" and self.host.rt.world_size == 1:
+            rnd = prod.handle = self._round(prod)
+            rnd.future = Future()
+            threading.Thread(target=_settle, args=(rnd.future, rnd.play), name="verlj-agents-round", daemon=True).start()
 
-    def round_samples(self, prod: Production) -> list[Sample]:
+    def _round(self, prod: Production) -> AgentRound:
         cfg, host = self.cfg, self.host
         runner, seed, n = self._runner(), cfg.trainer.seed, cfg.rollout.n
         rows = [row_of(host.dataset[int(i)]) for i in prod.mine for _ in range(n)]
         agent_seeds = [derive_seed(seed, prod.step, "rollout/agent", prod.rounds, q) for q in prod.places]
-        step, rnd, places = prod.step, prod.rounds, prod.places
+        step, rnd, places = prod.step, prod.rounds, list(prod.places)
 
         def call_seed(place: int, k: int) -> int:
             return derive_seed(seed, step, "rollout/sample", rnd, places[place], *([k] if k else []))
 
-        before = runner.counts.to_metrics()
+        return AgentRound(runner, rows, agent_seeds, call_seed, runner.counts.to_metrics())
+
+    def round_samples(self, prod: Production) -> list[Sample]:
+        n = self.cfg.rollout.n
         t0 = time.perf_counter()
-        played = runner.play(rows, agent_seeds, call_seed)
+        rnd = prod.handle if isinstance(prod.handle, AgentRound) else self._round(prod)
+        played = rnd.future.result() if rnd.future is not None else rnd.play()  # playing since start_round: the wait counts
+        before, agent_seeds = rnd.before, rnd.agent_seeds
         t1 = time.perf_counter()
         local = self.agent_samples([int(i) for i in prod.mine for _ in range(n)], played, agent_seeds)
         prod.gen_s += t1 - t0
@@ -174,9 +190,34 @@ class AgentRounds(AgentPlaying, StepOrder):
         return local
 
 
+@dataclass
+class AgentRound:
+    """A round of agent episodes to play: the runner, the rows, the agents' seeds, each call's seed (place, k),
+    and the runner's counts before it."""
+
+    runner: Runner
+    rows: list[dict]
+    agent_seeds: list[int]
+    call_seed: Callable[[int, int], int]
+    before: dict[str, float]
+    future: Future | None = None  # async step order: the round playing in a thread of its own (start_round)
+
+    def play(self) -> list[Played]:
+        return self.runner.play(self.rows, self.agent_seeds, self.call_seed)
+
+
+def _settle(fut: Future, fn: Callable[[], list]) -> None:
+    """fn() into `fut`: its result, or what it raised (raised again where the result is read)."""
+    try:
+        fut.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread, which raises it
+        fut.set_exception(e)
+
+
 class AgentSource(AgentRounds, SyncSource):
     """rollout.mode=sync with rollout.agent: each step's samples are agent episodes, played to their ends."""
 
 
 class AgentPlannedSource(AgentRounds, PlannedSource):
-    """rollout.mode=async, async_order=step with rollout.agent: the batch of step s+k played while (after) step s updates."""
+    """rollout.mode=async, async_order=step with rollout.agent: the batch of step s+k played while step s updates
+    (several ranks: after it)."""
