@@ -8,6 +8,7 @@ twice) and a changed agent diverges; in async step order a kill resumes bit-iden
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,10 @@ def test_an_openai_agent_trains_on_its_rewards_and_every_call_is_journaled(agent
     assert len(set(scores)) > 1  # the rewards vary: the update has something to learn from
     shown = cli("inspect", agent_ref, "--step", "2", check=True).stdout
     assert shown.count("         call 1") == 16 and shown.count("'user: more' → ") == 16 and "(not trained: another segment)" in shown
+    # each sample on one line of the table though its chat prompt spans several (line breaks written as \\n)
+    table = shown.split("(id group version | prompt → response | score)\n")[1].split("\nmetrics")[0].splitlines()
+    rows = [line for line in table if not line.startswith("         ")]
+    assert len(rows) == 16 and all(re.fullmatch(r" +\d+ +\d+ v\d+ +\| <\|user\|>\\n.* → .* \| \S+( consumed| dropped)?", r) for r in rows), rows[:3]
     detail = json.loads(cli("inspect", agent_ref, "--step", "2", "--json", check=True).stdout)
     assert any(len(s.get("calls", [])) == 2 for s in detail["samples"])
     counts = json.loads(cli("inspect", agent_ref, "--json", check=True).stdout)["agents"]
