@@ -9,7 +9,7 @@ import json
 from verlj.engine.schema.events import StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import kill_and_resume, train
+from verlj_testing import cli, kill_and_resume, train
 
 SDK = ["model.tiny.vocab=ascii", "rollout.agent=examples.agents_sdk:solve", "rollout.max_turns=3", "rollout.max_response_length=8",
        "trainer.total_steps=2", "trainer.save_interval=1"]
@@ -31,4 +31,9 @@ def test_an_agents_sdk_agent_trains_on_its_rewards_and_a_kill_resumes_bit_identi
         # scored from the SDK's final output: the row's answer in it, else a tenth of its share of digits
         assert led["reward"] in (1.0, 0.1 * sum(c.isdigit() for c in final) / max(1, len(final)))
     assert len({s.rule_reward for s in samples}) > 1  # the rewards vary: the update has something to learn from
+    cli("export", ref, "--rollouts", "--turns", "-o", tmp_path / "calls.jsonl", check=True)  # a row per model call
+    rows = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    want = [(s.id, k + 1, c["completion_ids"]) for s in samples for k, c in enumerate(json.loads(s.agent_calls)["calls"])]
+    assert [(r["sample_id"], r["call"], r["completion_ids"]) for r in rows] == want
+    assert all(json.loads(r["messages"])[0]["role"] == "system" and r["status"] == "consumed" for r in rows)
     kill_and_resume(tmp_path / "run", ref, *SDK, failpoint="step.before_commit:2")
