@@ -97,3 +97,28 @@ def test_stream_options_are_honoured_with_a_stream_and_ignored_without():
     with pytest.raises(ApiError) as e:
         parse_request(json.dumps({**BASE, "stream_options": "usage"}).encode(), MODEL)
     assert e.value.param == "stream_options"
+
+
+def test_the_sdks_streamed_run_gets_its_tool_call_and_answer_as_server_sent_events():
+    from agents import Agent, OpenAIChatCompletionsModel, RunConfig
+    from agents import Runner as SdkRunner
+    from openai import AsyncOpenAI
+
+    from examples.agents_sdk import add, reward
+
+    async def streamed(ep):
+        client = AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        agent = Agent(name="adder", instructions="Add.", tools=[add], model=OpenAIChatCompletionsModel(model=ep.model, openai_client=client))
+        run = SdkRunner.run_streamed(agent, ep.row["prompt"], max_turns=ep.max_turns, run_config=RunConfig(tracing_disabled=True))
+        kinds = {e.type async for e in run.stream_events()}
+        assert "raw_response_event" in kinds
+        return reward(str(run.final_output or ""), "5")
+
+    gw = Gateway(MODEL).start()
+    try:
+        out = Runner(gw, streamed, TOK, lambda msgs, tools: render_chat(TOK, msgs, True), tool_then_answer, 1, 10.0, 3).play(
+            [{"prompt": "2+3="}], [1], lambda place, k: k)
+    finally:
+        gw.stop()
+    assert out[0].fault == "" and out[0].reward == 1.0 and len(out[0].calls) == 2
+    assert all(json.loads(c.request)["stream"] and c.response.endswith(b"data: [DONE]\n\n") for c in out[0].calls)
