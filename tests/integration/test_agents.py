@@ -16,7 +16,7 @@ import pytest
 from verlj.engine.schema.events import DropReason, StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import assert_same_journal, cli, fingerprints, kill_and_resume, replay_here, train
+from verlj_testing import assert_same_journal, cli, fingerprints, kill_and_resume, raised_at, replay_here, train
 
 TESTS = str(Path(__file__).resolve().parents[1])  # agents_for_tests
 AGENT = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:digits", "rollout.max_turns=2", "trainer.total_steps=4",
@@ -101,7 +101,8 @@ def test_an_async_streaming_agent_is_scored_by_the_reward_fn_and_a_raising_one_i
     assert out.returncode == 0, out.stderr[-3000:]
     steps = steps_of(run)
     faulted = [s for st in steps.values() for s in unpack(st.added.samples) if s.env_end == EnvEnd.FAULT]
-    assert faulted and all(s.env_reason == "the agent raised RuntimeError: the sandbox is down" for s in faulted)
+    said = "the agent raised RuntimeError: the sandbox is down" + raised_at(Path(TESTS) / "agents_for_tests.py", 'raise RuntimeError("the sandbox is down")')
+    assert faulted and all(s.env_reason == said for s in faulted)
     dropped = {int(i) for st in steps.values() for i in st.dropped(DropReason.FAULT)}
     assert {s.id for s in faulted} <= dropped
     assert all(not set(st.consumed.ids.tolist()) & dropped for st in steps.values())
