@@ -35,10 +35,10 @@ def export(
         raise fail(f"--output {output} is a directory; name a file", EXIT_USAGE)
     if not output.parent.is_dir():
         raise fail(f"--output {output}: directory {output.parent} does not exist", EXIT_USAGE)
-    written, notes = guarded(lambda: export_rollouts(run, output, fmt, steps, turns))
+    written, unit, notes = guarded(lambda: export_rollouts(run, output, fmt, steps, turns))
     for note in notes:
         typer.echo(f"note: {note}", err=True)
-    typer.echo(f"wrote {written} {'turns' if turns else 'samples'} to {output}")
+    typer.echo(f"wrote {written} {unit} to {output}")
 
 
 def register(app: typer.Typer) -> None:

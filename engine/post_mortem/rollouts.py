@@ -223,9 +223,10 @@ def call_schema():
     return pa.schema([(k, types[k]) for k in CALL_COLUMNS + ["status", "status_step"]])
 
 
-def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, turns: bool = False) -> tuple[int, list[str]]:
+def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, turns: bool = False) -> tuple[int, str, list[str]]:
     """Write the rollout table of `run_dir` (steps A:B) to `output`, one row per sample (per turn with
-    `turns`). Returns (rows written, notes). Written to a temporary name and renamed: a failed export
+    `turns`, per model call for agent episodes). Returns (rows written, what a row is: samples, turns or
+    calls, notes). Written to a temporary name and renamed: a failed export
     leaves no partial file."""
     import os
 
@@ -271,4 +272,4 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
             os.replace(tmp, output)
         finally:
             tmp.unlink(missing_ok=True)
-    return written, notes
+    return written, "calls" if calls else "turns" if turns else "samples", notes

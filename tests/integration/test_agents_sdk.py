@@ -31,8 +31,9 @@ def test_an_agents_sdk_agent_trains_on_its_rewards_and_a_kill_resumes_bit_identi
         # scored from the SDK's final output: the row's answer in it, else a tenth of its share of digits
         assert led["reward"] in (1.0, 0.1 * sum(c.isdigit() for c in final) / max(1, len(final)))
     assert len({s.rule_reward for s in samples}) > 1  # the rewards vary: the update has something to learn from
-    cli("export", ref, "--rollouts", "--turns", "-o", tmp_path / "calls.jsonl", check=True)  # a row per model call
+    out = cli("export", ref, "--rollouts", "--turns", "-o", tmp_path / "calls.jsonl", check=True)  # a row per model call
     rows = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert f"wrote {len(rows)} calls to" in out.stdout
     want = [(s.id, k + 1, c["completion_ids"]) for s in samples for k, c in enumerate(json.loads(s.agent_calls)["calls"])]
     assert [(r["sample_id"], r["call"], r["completion_ids"]) for r in rows] == want
     assert all(json.loads(r["messages"])[0]["role"] == "system" and r["status"] == "consumed" for r in rows)
