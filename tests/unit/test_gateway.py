@@ -381,3 +381,10 @@ def test_a_divergence_names_the_fields_that_differ():
     assert differing({"messages": [a, b], "tools": [1]}, {"messages": [a, c], "tools": [2]}) == ["messages[1]", "tools"]
     assert differing({"messages": [a]}, {"messages": [a, b], "stop": ["\n"]}) == ["messages[1]", "stop"]
     assert differing({"messages": [a], "max_tokens": 4}, {"messages": [a], "max_tokens": 4}) == []
+
+
+def test_an_unknown_url_or_method_gets_an_openai_shaped_404(cleanup):
+    gw = Gateway(MODEL).start()
+    cleanup.append(gw)
+    for got in (httpx.post(gw.base_url + "/completions", json={}), httpx.get(gw.base_url + "/chat/completions")):
+        assert got.status_code == 404 and got.json()["error"]["code"] == "unknown_url" and "Traceback" not in got.text

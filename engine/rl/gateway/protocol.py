@@ -25,6 +25,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 MAX_BODY = 4 << 20  # bytes: a request body over this is refused (413)
@@ -66,15 +67,25 @@ class ChatRequest:
     include_usage: bool = False
     ignored: dict = field(default_factory=dict)  # temperature, top_p, ...: read and not used (see the module's doc)
 
-    def canonical(self) -> str:
+    @cached_property
+    def _canonical(self) -> str:
         """The request as the journal keeps it: every field that decides the answer, keys sorted, no spaces."""
         d = {"model": self.model, "messages": self.messages, "tools": self.tools, "tool_choice": self.tool_choice,
              "max_tokens": self.max_tokens, "stop": list(self.stop), "logprobs": self.logprobs, "top_logprobs": self.top_logprobs,
              "stream": self.stream, "include_usage": self.include_usage}
         return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
+    @cached_property
+    def _digest(self) -> str:
+        return hashlib.sha256(self._canonical.encode()).hexdigest()
+
+    def canonical(self) -> str:
+        """The request as the journal keeps it (made once a request)."""
+        return self._canonical
+
     def digest(self) -> str:
-        return hashlib.sha256(self.canonical().encode()).hexdigest()
+        """The sha256 of its canonical form (made once a request)."""
+        return self._digest
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:

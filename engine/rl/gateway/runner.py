@@ -157,10 +157,11 @@ class Play:
                     done: Future = Future()
                     done.set_result(self.calls[-1].response)
                     return done
-        with r.cond:
-            answered = r.from_journal(self, req)
-        if answered is not None:
-            return answered
+        if r.journaled.get(self.place):  # a re-run after a crash (read without the lock: only this episode's own calls change it)
+            with r.cond:
+                answered = r.from_journal(self, req)
+            if answered is not None:
+                return answered
         ids = r.render(req)
         with r.cond:
             if self.state == DONE:
@@ -172,7 +173,8 @@ class Play:
             fut: Future = Future()
             self.pending.append((k, req, ids, fut))
             self.state = WAITING
-            r.cond.notify_all()
+            if not any(q.state == RUNNING and q.key for q in r.plays):  # the batch is complete: wake the trainer's thread
+                r.cond.notify_all()
         return fut
 
 
@@ -322,19 +324,22 @@ class Runner:
         with self.cond:
             asks = [(p, k, req, ids, fut) for p in batch for (k, req, ids, fut) in p.pending]
         ids_out, lps_out = self.generate([a[3] for a in asks], [self.call_seed(a[0].place, a[1]) for a in asks])
+        made: list[tuple[Play, Future, Call]] = []
+        for (p, k, req, ids, fut), out, lps in zip(asks, ids_out, lps_out):  # each call's own data: outside the lock
+            seed = self.call_seed(p.place, k)
+            out, lps = np.asarray(out, np.int64), np.asarray(lps, np.float32)
+            comp, keep = self.completion(req, out, lps, len(ids))
+            body, flag = response_bytes(req, comp, f"{seed & 0xFFFFFFFFFFFF:012x}{k:03d}")
+            made.append((p, fut, Call(req.canonical(), req.digest(), ids, out[:keep], lps[:keep], body, flag)))
         answers: list[tuple[Play, Future, bytes]] = []
         with self.cond:
-            for (p, k, req, ids, fut), out, lps in zip(asks, ids_out, lps_out):
+            for p, fut, call in made:
                 if p.state == DONE:
                     continue
-                seed = self.call_seed(p.place, k)
-                comp, keep = self.completion(req, np.asarray(out, np.int64), np.asarray(lps, np.float32), len(ids))
-                body, flag = response_bytes(req, comp, f"{seed & 0xFFFFFFFFFFFF:012x}{k:03d}")
-                p.calls.append(Call(req.canonical(), req.digest(), ids, np.asarray(out, np.int64)[:keep],
-                                    np.asarray(lps, np.float32)[:keep], body, flag))
+                p.calls.append(call)
                 self.counts.calls += 1
-                self.counts.malformed_tool_calls += bool(flag)
-                answers.append((p, fut, body))
+                self.counts.malformed_tool_calls += bool(call.flag)
+                answers.append((p, fut, call.response))
             if self.durable is not None and answers:  # every completed call durable before its answer is returned
                 self.durable(list({id(p): p for p, _, _ in answers}.values()))
             for p, fut, body in answers:
@@ -357,7 +362,7 @@ class Runner:
             cut, stop = hits[0]
             text, finish = text[:cut], "stop"
             keep = next(n for n in range(1, keep + 1) if stop in tok.decode(out[:n], skip_special_tokens=True))
-        shown = [tok.decode([int(t)], skip_special_tokens=True) for t in out[:keep]]
+        shown = [tok.decode([int(t)], skip_special_tokens=True) for t in out[:keep]] if req.logprobs else []  # only logprobs shows them
         return Completion(text, shown, lps[:keep].tolist(), finish, prompt_len, keep), keep
 
 
