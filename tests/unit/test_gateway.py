@@ -342,14 +342,15 @@ def test_every_call_is_durable_before_its_answer_and_a_rerun_is_answered_from_th
     cleanup.append(gw)
     durable = []
 
-    def keep(plays):  # under the runner's lock, before any of these answers is returned to its agent
-        assert all(p.pending and not fut.done() for p in plays for *_, fut in p.pending)
-        durable.append({p.place: len(p.calls) for p in plays})
+    def keep(new):  # under the runner's lock, before any of these answers is returned to its agent
+        assert all(p.pending and not fut.done() for p, _ in new for *_, fut in p.pending)
+        assert all(k == len(p.calls) - 1 for p, k in new)
+        durable.append(sorted((p.place, k) for p, k in new))
 
     r.durable = keep
     rows, seeds, seed = [{"prompt": "row 0"}, {"prompt": "row 1"}], [100, 101], lambda place, k: 1000 * place + k
     first = r.play(rows, seeds, seed)
-    assert durable == [{0: 1, 1: 1}, {0: 2, 1: 2}]
+    assert durable == [[(0, 0), (1, 0)], [(0, 1), (1, 1)]]  # each call written once, in the batch that made it
     # a re-run (a crash after episode 0's two calls and episode 1's first): the journaled calls answered byte for
     # byte, never generated; episode 1's second call generated live from its own seed
     batches.clear()
@@ -370,6 +371,7 @@ def test_a_request_that_differs_from_the_journaled_one_is_a_divergence_and_goes_
     assert err.count("diverged") == 1 and "episode 0 of group 7 diverged at call 0" in err and "messages[0]" in err
     assert "the 2 journaled call(s) from there on are discarded" in err
     assert r.counts.divergences == 1 and r.counts.calls_from_journal == 0
+    assert r.discarded == [(0, 0), (0, 1)]  # its journaled calls, for the next durable write to forget
     assert len(batches) == 2 and len(again[0].calls) == 2  # both calls live: the journaled ones are in no episode
     assert json.loads(again[0].calls[0].request)["messages"][0]["content"] == "row 9"
 

@@ -13,8 +13,8 @@ from its own seed (its episode's place and the call's position in it: never timi
 call is generated in, and so its tokens, are the same on every run of the same agent. A running
 agent that neither calls nor ends within rollout.agent_timeout_s of its last answer is a fault.
 
-Durable execution (completion order: ``sources.agents_async``): `Runner.durable` makes a batch's calls
-durable before any of them is answered; a re-run after a crash is given each episode's journaled calls
+Durable execution (completion order: ``sources.agents_async``): `Runner.durable` makes a batch's new calls
+durable (each call once, under its own key: a write costs what it adds) before any of them is answered; a re-run after a crash is given each episode's journaled calls
 (`play`'s `journaled`), answered from there byte for byte while each request's hash is the one journaled
 at that position (:meth:`Runner.from_journal`), a request that differs a divergence (one line, counted,
 the journaled calls from there on discarded).
@@ -190,10 +190,12 @@ class Runner:
         self.max_prompt = 0  # a prompt longer than this (0: no cap) is refused: context_length_exceeded
         self.counts = AgentCounts()
         # durable execution (completion order): each place's calls journaled by an earlier process, answered
-        # from there while its requests match; `durable(plays)` makes the plays' calls durable before they are
-        # answered; `name(place)` names an episode in a divergence's line
+        # from there while its requests match; `durable(new)` makes the new calls ((episode, position) each)
+        # durable before they are answered, and forgets those in `discarded` ((place, position): a divergence's);
+        # `name(place)` names an episode in a divergence's line
         self.journaled: dict[int, list[Call]] = {}
-        self.durable: Callable[[list[Play]], None] | None = None
+        self.discarded: list[tuple[int, int]] = []
+        self.durable: Callable[[list[tuple[Play, int]]], None] | None = None
         self.name: Callable[[int], str] = lambda place: f"episode {place}"
         self.plays: list[Play] = []  # the round being played, by place
 
@@ -219,7 +221,7 @@ class Runner:
         the seed of call k of the episode at `place`; `journaled`: the calls an earlier process made durable,
         by place (answered from there while the requests match: :meth:`from_journal`)."""
         self.call_seed = call_seed
-        self.journaled = dict(journaled or {})
+        self.journaled, self.discarded = dict(journaled or {}), []
         plays = [Play(self, i, row, seed) for i, (row, seed) in enumerate(zip(rows, seeds))]
         self.plays = plays
         todo, running = list(range(len(plays)))[::-1], list[Play]()
@@ -277,6 +279,7 @@ class Runner:
                   f"in {', '.join(fields) or 'its bytes'}; the {len(held) - k} journaled call(s) from there on are discarded "
                   "and the episode goes on live", file=sys.stderr, flush=True)
             self.journaled[p.place] = held[:k]
+            self.discarded += [(p.place, j) for j in range(k, len(held))]
             self.counts.divergences += 1
             return None
         p.calls.append(held[k])
@@ -332,16 +335,18 @@ class Runner:
             body, flag = response_bytes(req, comp, f"{seed & 0xFFFFFFFFFFFF:012x}{k:03d}")
             made.append((p, fut, Call(req.canonical(), req.digest(), ids, out[:keep], lps[:keep], body, flag)))
         answers: list[tuple[Play, Future, bytes]] = []
+        new: list[tuple[Play, int]] = []  # (episode, the position of its new call)
         with self.cond:
             for p, fut, call in made:
                 if p.state == DONE:
                     continue
                 p.calls.append(call)
+                new.append((p, len(p.calls) - 1))
                 self.counts.calls += 1
                 self.counts.malformed_tool_calls += bool(call.flag)
                 answers.append((p, fut, call.response))
             if self.durable is not None and answers:  # every completed call durable before its answer is returned
-                self.durable(list({id(p): p for p, _, _ in answers}.values()))
+                self.durable(new)
             for p, fut, body in answers:
                 p.pending = [x for x in p.pending if x[3] is not fut]
                 if not p.pending:
