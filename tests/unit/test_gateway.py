@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import numpy as np
@@ -390,3 +391,91 @@ def test_an_unknown_url_or_method_gets_an_openai_shaped_404(cleanup):
     cleanup.append(gw)
     for got in (httpx.post(gw.base_url + "/completions", json={}), httpx.get(gw.base_url + "/chat/completions")):
         assert got.status_code == 404 and got.json()["error"]["code"] == "unknown_url" and "Traceback" not in got.text
+
+
+def streaming_runner(answers: dict, arrived):
+    """A runner whose generate streams: each step's tokens to `on_token`, and at the third it waits until a client
+    has read a content delta (`arrived`, an Event): a stream sent only after generation never gets there."""
+    r, gw, batches = runner(None, answers)
+    scripted_gen, waited = r.generate, []
+
+    def generate(prompts, seeds, on_token=None):
+        outs, lps = scripted_gen(prompts, seeds)
+        for t in range(max(len(o) for o in outs)) if on_token is not None else ():
+            on_token(np.asarray([o[t] if t < len(o) else TOK.pad_token_id for o in outs]))
+            if t == 2:
+                waited.append(arrived.wait(10))
+        return outs, lps
+
+    r.generate, r.stream_tokens = generate, True
+    return r, gw, waited
+
+
+def test_a_stream_goes_token_by_token_and_joins_to_the_answer_not_streamed(cleanup):
+    arrived, got = threading.Event(), {}
+
+    def agent(ep, stream):
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": ep.row["prompt"]}]
+        if not stream:
+            got["plain"] = client.chat.completions.create(model=ep.model, messages=msgs).choices[0].message.content
+            return 1.0
+        chunks = []
+        for c in client.chat.completions.create(model=ep.model, messages=msgs, stream=True):
+            chunks.append(c)
+            if c.choices and c.choices[0].delta.content:
+                arrived.set()
+        got["chunks"] = chunks
+        return 1.0
+
+    answers = {"row 0": "hello world"}
+    r, gw, waited = streaming_runner(answers, arrived)
+    cleanup.append(gw)
+    r.agent = lambda ep: agent(ep, True)
+    streamed = r.play([{"prompt": "row 0"}], [100], lambda place, k: 1000 * place + k)
+    r.agent = lambda ep: agent(ep, False)
+    plain = r.play([{"prompt": "row 0"}], [100], lambda place, k: 1000 * place + k)
+    assert waited == [True]  # a delta reached the client while its call was still generating
+    deltas = [c.choices[0].delta.content for c in got["chunks"] if c.choices and c.choices[0].delta.content]
+    assert len(deltas) == len("hello world") and "".join(deltas) == got["plain"] == "hello world"
+    assert got["chunks"][-1].choices[0].finish_reason == "stop"
+    a, b = streamed[0].calls[0], plain[0].calls[0]  # the same tokens and log-probs: what is trained on is unchanged
+    assert np.array_equal(a.completion_ids, b.completion_ids) and np.array_equal(a.logprobs, b.logprobs)
+    assert np.array_equal(a.prompt_ids, b.prompt_ids)
+
+
+def test_the_bytes_a_stream_sent_are_the_bytes_journaled(cleanup):
+    arrived, raw = threading.Event(), []
+
+    def agent(ep):
+        body = {"model": ep.model, "messages": [{"role": "user", "content": "row 0"}], "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", ep.base_url + "/chat/completions", json=body, headers={"Authorization": f"Bearer {ep.api_key}"}) as resp:
+            for part in resp.iter_bytes():
+                raw.append(part)
+                if b'"content":"h' in b"".join(raw):
+                    arrived.set()
+        return 1.0
+
+    r, gw, waited = streaming_runner({"row 0": "hi there"}, arrived)
+    cleanup.append(gw)
+    r.agent = agent
+    out = r.play([{"prompt": "row 0"}], [100], lambda place, k: k)
+    assert waited == [True] and b"".join(raw) == out[0].calls[0].response
+    assert out[0].calls[0].response.endswith(b"data: [DONE]\n\n") and b'"usage"' in out[0].calls[0].response
+
+
+def test_the_samplers_steps_are_its_tokens_and_watching_them_changes_nothing():
+    import torch
+
+    from verlj.engine.config import make_config
+    from verlj.engine.rl.models import BUILTIN_TINY, load_causal_lm
+    from verlj.engine.rl.sampler import sample_seeded, sampling_params
+
+    cfg = make_config(None, ["rollout.max_response_length=12", "rollout.temperature=1.0"])
+    model = load_causal_lm(BUILTIN_TINY, cfg, 0)
+    prompts, seeds, steps = [np.asarray([1, 5, 6, 7]), np.asarray([1, 9])], [3, 4], []
+    plain = sample_seeded(model, prompts, seeds, sampling_params(cfg), 2, 0, torch.device("cpu"))
+    watched = sample_seeded(model, prompts, seeds, sampling_params(cfg), 2, 0, torch.device("cpu"), on_token=steps.append)
+    for i in range(2):
+        assert np.array_equal(plain[0][i], watched[0][i]) and np.array_equal(plain[1][i], watched[1][i])
+        assert [int(s[i]) for s in steps[: len(plain[0][i])]] == plain[0][i].tolist()

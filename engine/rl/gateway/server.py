@@ -20,6 +20,7 @@ import logging
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -31,8 +32,9 @@ log = logging.getLogger("verlj.gateway")
 class Session(Protocol):
     """One episode as the server sees it: its calls are handed over here, answered by a future."""
 
-    def submit(self, req: ChatRequest, retry: int) -> Future:
-        """The call's answer (response bytes), or an ApiError set on the future (or raised at once)."""
+    def submit(self, req: ChatRequest, retry: int, sink: Callable[[bytes], None] | None = None) -> Future:
+        """The call's answer (response bytes), or an ApiError set on the future (or raised at once). A stream's
+        events may go to `sink` (from any thread) as they are made; the answer's bytes then begin with them."""
 
 
 class Gateway:
@@ -106,14 +108,50 @@ async def _respond(send, status: int, body: bytes, media: bytes = JSON) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _stream(send, body: bytes) -> None:
-    """An SSE stream's bytes, one event a chunk (what the journal keeps is their concatenation)."""
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-    for part in body.split(b"\n\n"):
+async def _stream(send, session: Session, req: ChatRequest, retry: int) -> None:
+    """A server-sent event stream: each event as the session makes it (a token's text delta, while its batch
+    generates), the rest once the answer is complete (durable: the finish reason, the usage, ``[DONE]``).
+    What was sent is where the answer's bytes begin: the journal keeps their concatenation."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def sink(event: bytes) -> None:  # from the trainer's thread
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    done = asyncio.wrap_future(session.submit(req, retry, sink))
+    sent, started = b"", False
+
+    async def out(body: bytes, more: bool = True) -> None:
+        nonlocal sent, started
+        if not started:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+            started = True
+        sent += body
+        await send({"type": "http.response.body", "body": body, "more_body": more})
+
+    while not done.done():
+        got = asyncio.ensure_future(events.get())
+        await asyncio.wait({got, done}, return_when=asyncio.FIRST_COMPLETED)
+        if got.done():
+            await out(got.result())
+        else:
+            got.cancel()
+    while not events.empty():  # put before the answer was set: every event is in the queue by now
+        await out(events.get_nowait())
+    try:
+        body = done.result()
+    except ApiError as e:
+        if not started:
+            raise
+        await out(b"data: " + e.body() + b"\n\n", more=False)  # as OpenAI's streams say an error midway
+        return
+    if not body.startswith(sent):
+        log.error("gateway: a stream's answer does not begin with the events sent while it was generated")
+    for part in body[len(sent):].split(b"\n\n"):
         if part:
-            await send({"type": "http.response.body", "body": part + b"\n\n", "more_body": True})
-    await send({"type": "http.response.body", "body": b""})
+            await out(part + b"\n\n")
+    await out(b"", more=False)
 
 
 async def _body(receive, size: str | None) -> bytes:
@@ -139,11 +177,11 @@ def app(gw: Gateway):
         session = gw.session(headers.get("authorization"))
         req = parse_request(await _body(receive, headers.get("content-length")), gw.model)
         retry = headers.get("x-stainless-retry-count", "0")
-        body = await asyncio.wrap_future(session.submit(req, int(retry) if retry.isdigit() else 0))
         if req.stream:
-            await _stream(send, body)
-        else:
-            await _respond(send, 200, body)
+            await _stream(send, session, req, int(retry) if retry.isdigit() else 0)
+            return
+        body = await asyncio.wrap_future(session.submit(req, int(retry) if retry.isdigit() else 0))
+        await _respond(send, 200, body)
 
     async def asgi(scope, receive, send) -> None:
         if scope["type"] != "http":
