@@ -16,7 +16,7 @@ def export(
     rollouts: Annotated[bool, typer.Option("--rollouts", help="Export the rollout table: one row per generated sample.")] = False,
     steps: Annotated[Optional[str], typer.Option("--steps", help="START:STOP, inclusive; either may be empty.")] = None,
     fmt: Annotated[Optional[str], typer.Option("--format", help="parquet or jsonl (default: from the output's suffix, .parquet or .jsonl).")] = None,
-    turns: Annotated[bool, typer.Option("--turns", help="One row per turn of each episode (rollout.env) instead of one per sample.")] = False,
+    turns: Annotated[bool, typer.Option("--turns", help="One row per turn of each episode (rollout.env), or per model call of each agent episode (rollout.agent), instead of one per sample.")] = False,
 ) -> None:
     """Write a run's samples (step, sample id, group, prompt and response as text and ids, rewards, score, whether
     consumed or dropped; an episode's turns, how it ended and its env seed) from the journal and the rollout archive

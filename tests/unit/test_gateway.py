@@ -21,6 +21,7 @@ from verlj.engine.rl.gateway.server import Gateway
 from verlj.engine.rl.models import builtin_tokenizer, render_chat
 from verlj.engine.rl.vocab import VOCABS
 from verlj.engine.schema.agent_calls import AgentCalls
+from verlj_testing import raised_at
 
 TOK = builtin_tokenizer(VOCABS["ascii"])
 MODEL = "verlj-policy"
@@ -224,7 +225,7 @@ def test_bad_agents_are_episode_faults_and_the_others_go_on(cleanup):
 
     out, *_ = play(agent, n=6, cleanup=cleanup, timeout_s=1.0, concurrency=6)
     faults = [p.fault for p in out]
-    assert faults[0] == "the agent raised ValueError: the sandbox is down"
+    assert faults[0] == "the agent raised ValueError: the sandbox is down" + raised_at(__file__, 'raise ValueError("the sandbox is down")')
     assert faults[1] == "the agent never called the model"
     assert faults[2].startswith("the agent neither called the model nor returned within rollout.agent_timeout_s=1")
     assert faults[3] == "the agent asked more than rollout.max_turns=3 calls"

@@ -17,6 +17,10 @@ server ignores what a model does not use):
 - ``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty`` and the like are read
   and ignored: the trainer's sampling settings (rollout.temperature, rollout.top_p) and each call's own
   seed decide every sample, so that what is trained on is what the policy would sample.
+- What agent libraries send beside (the OpenAI Agents SDK's ``parallel_tool_calls``; ``store``,
+  ``metadata``, ``user``, ``service_tier``, ``reasoning_effort``, ``prompt_cache_key``, ``verbosity``) is
+  checked for OpenAI's type (:data:`_OTHER_FIELDS`) and ignored: it decides nothing here (every tool call a
+  completion holds is returned, whatever ``parallel_tool_calls`` says; nothing is stored).
 - ``n`` other than 1 and ``response_format`` are refused (400).
 """
 
@@ -34,6 +38,10 @@ MAX_BODY = 4 << 20  # bytes: a request body over this is refused (413)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_logprobs", "n", "seed")
 _NUM_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+# fields OpenAI accepts that decide nothing here: their type checked as OpenAI does, their value ignored
+_OTHER_FIELDS = {"parallel_tool_calls": ((bool,), "a boolean"), "store": ((bool,), "a boolean"), "metadata": ((dict,), "an object"),
+                 "user": ((str,), "a string"), "service_tier": ((str,), "a string"), "reasoning_effort": ((str,), "a string"),
+                 "prompt_cache_key": ((str,), "a string"), "verbosity": ((str,), "a string")}
 
 
 class ApiError(Exception):
@@ -182,6 +190,8 @@ def parse_request(body: bytes, model: str) -> ChatRequest:
         _typed(d, k, (int,), "an integer")
     for k in _NUM_FIELDS:
         _typed(d, k, (int, float), "a number")
+    for k, (types, what) in _OTHER_FIELDS.items():
+        _typed(d, k, types, what)
     if d.get("n") not in (None, 1):
         raise _bad("'n' must be 1: each call of an episode is one sample of the policy (call again for another).", "n")
     if d.get("response_format") is not None:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...config import ConfigError
-from ...plugins import import_object
+from ...plugins import import_object, raised_at
 from .ledger import Call
 from .protocol import (
     ApiError,
@@ -274,7 +274,8 @@ class Runner:
                 out = asyncio.run(_awaited(out))
         except BaseException as e:  # noqa: BLE001 - the agent's own failure is its episode's fault, never the run's
             with self.cond:
-                self.end(p, f"the agent raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}".rstrip(": "))
+                said = f"the agent raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}".rstrip(": ")
+                self.end(p, said + raised_at(e))
             return
         with self.cond:
             if p.state == DONE:
