@@ -95,6 +95,11 @@ def test_an_async_streaming_agent_is_scored_by_the_reward_fn_and_a_raising_one_i
     samples = unpack(steps_of(run)[1].added.samples)
     assert all(json.loads(s.agent_calls)["calls"][0]["response"].endswith("data: [DONE]\n\n") for s in samples)
     assert all(json.loads(s.agent_calls)["reward"] is None for s in samples)  # rollout.reward_fn (auto: builtin:add) scored them
+    # token by token (hf, sync): a delta a token, here a character each (the ascii vocabulary), as the stream sent them
+    deltas = [[json.loads(e[6:])["choices"][0]["delta"].get("content") for e in json.loads(s.agent_calls)["calls"][0]["response"].split("\n\n")
+               if e.startswith("data: {") and json.loads(e[6:])["choices"]] for s in samples]
+    texts = [[d for d in ds if d] for ds in deltas]
+    assert any(len(t) > 1 for t in texts) and all(len(d) == 1 for t in texts for d in t)
     run = tmp_path / "flaky"
     out = train(run, "model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:flaky", "rollout.max_turns=2", "trainer.total_steps=2",
                 "rollout.max_fault_rate=1", PYTHONPATH=TESTS)

@@ -64,6 +64,7 @@ class AgentPlaying(Source):
             self.built = want
         self.runner.max_prompt = self._max_prompt()
         self.runner.together = host.rt.all_true if host.rt.world_size > 1 else None  # each rank its share, generated together
+        self.runner.stream_tokens = self._streams()
         return self.runner
 
     def _max_prompt(self) -> int:
@@ -80,12 +81,23 @@ class AgentPlaying(Source):
             return render_chat(tok, lead + messages, True)
         return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
-    def _generate(self, prompts: list, seeds: list) -> tuple[list, list]:
+    def _generate(self, prompts: list, seeds: list, on_token: Callable | None = None) -> tuple[list, list]:
+        """A batch of calls generated; `on_token` (the runner's, when it streams: `_streams`) given each step's tokens."""
         fleet = on_fleet(self.live)
         if fleet is not None:  # each call generated alone, on the actor its episode's calls go to
             assert self.runner is not None
             return fleet.result(fleet.calls(prompts, seeds, self.runner.asking, self.cfg))
+        if on_token is not None:
+            return self.live.generate(prompts, seeds, self.cfg, on_token)  # type: ignore[attr-defined]
         return self.live.result(self.live.submit(prompts, seeds, self.cfg))
+
+    def _streams(self) -> bool:
+        """Whether the engine generates here, step by step, so that a stream can go token by token: verlj's own
+        sampler on the trainer's thread (rollout.engine=hf, sync). vLLM, and async mode's generator process,
+        answer a stream whole once its call is generated."""
+        from ..rollout import HFEngine
+
+        return isinstance(self.live, HFEngine)
 
     def agent_samples(self, rows: list[int], played: list[Played], agent_seeds: list[int]) -> list[Sample]:
         """Each episode (of the dataset row `rows[k]`) as a sample: its longest consistent segment, its reward (the
