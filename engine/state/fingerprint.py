@@ -121,7 +121,8 @@ def _job(job: tuple[int, list[torch.Tensor], int, int]) -> torch.Tensor:
 def _in_parallel(fn, jobs: list, device: torch.device) -> list:
     """[fn(job) for job in jobs], on a host's tensors by a pool of threads (one a core this process may
     run on, at most MAX_THREADS), made for the call: a pool kept across calls would not survive a fork."""
-    threads = min(len(os.sched_getaffinity(0)), MAX_THREADS, len(jobs)) if device.type == "cpu" else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # macOS has no affinity
+    threads = min(cores, MAX_THREADS, len(jobs)) if device.type == "cpu" else 1
     if threads <= 1:
         return [fn(job) for job in jobs]
     with ThreadPoolExecutor(threads, thread_name_prefix="verlj-digest") as pool:
