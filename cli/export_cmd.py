@@ -16,7 +16,7 @@ def export(
     rollouts: Annotated[bool, typer.Option("--rollouts", help="Export the rollout table: one row per generated sample.")] = False,
     steps: Annotated[Optional[str], typer.Option("--steps", help="START:STOP, inclusive; either may be empty.")] = None,
     fmt: Annotated[Optional[str], typer.Option("--format", help="parquet or jsonl (default: from the output's suffix, .parquet or .jsonl).")] = None,
-    turns: Annotated[bool, typer.Option("--turns", help="One row per turn of each episode (rollout.env) instead of one per sample.")] = False,
+    turns: Annotated[bool, typer.Option("--turns", help="One row per turn of each episode (rollout.env), or per model call of each agent episode (rollout.agent), instead of one per sample.")] = False,
 ) -> None:
     """Write a run's samples (step, sample id, group, prompt and response as text and ids, rewards, score, whether
     consumed or dropped; an episode's turns, how it ended and its env seed) from the journal and the rollout archive
@@ -35,10 +35,10 @@ def export(
         raise fail(f"--output {output} is a directory; name a file", EXIT_USAGE)
     if not output.parent.is_dir():
         raise fail(f"--output {output}: directory {output.parent} does not exist", EXIT_USAGE)
-    written, notes = guarded(lambda: export_rollouts(run, output, fmt, steps, turns))
+    written, unit, notes = guarded(lambda: export_rollouts(run, output, fmt, steps, turns))
     for note in notes:
         typer.echo(f"note: {note}", err=True)
-    typer.echo(f"wrote {written} {'turns' if turns else 'samples'} to {output}")
+    typer.echo(f"wrote {written} {unit} to {output}")
 
 
 def register(app: typer.Typer) -> None:

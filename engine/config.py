@@ -519,7 +519,6 @@ class RolloutConfig:
         if self.env is not None:
             raise ConfigError("rollout.agent and rollout.env are two ways to play episodes; set one of them")
         try:
-            import fastapi  # noqa: F401
             import uvicorn  # noqa: F401
         except ImportError:
             raise ConfigError(f"rollout.agent needs the gateway's server: {install_hint('agent')}") from None

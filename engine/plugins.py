@@ -12,7 +12,10 @@ import importlib.util
 import inspect
 import os
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +71,26 @@ def check_signature(fn: Callable, n_args: int, what: str, error: type[Exception]
 
 def describe(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+@lru_cache(maxsize=1)
+def _roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(verlj's own folders, the libraries' folders: the standard library and site-packages), each ending in a separator."""
+    own = [Path(__file__).resolve().parent]  # engine/
+    for name in ("verlj.journal", "verlj.cli"):
+        spec = importlib.util.find_spec(name)
+        own += [Path(p).resolve() for p in (spec.submodule_search_locations or [])] if spec is not None else []
+    paths = sysconfig.get_paths()
+    libs = {Path(paths[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    return tuple(str(p) + os.sep for p in own), tuple(str(p) + os.sep for p in libs)
+
+
+def raised_at(e: BaseException) -> str:
+    """Where the user's code raised `e`, for a fault's reason: `` (at my_env.py:42)``, the innermost frame of
+    its traceback outside verlj's own package and outside the libraries (the standard library, site-packages);
+    else the innermost outside verlj's package (a library the user's function called); "" when all are verlj's."""
+    own, libs = _roots()
+    outside = [f for f in traceback.extract_tb(e.__traceback__) if not os.path.realpath(f.filename).startswith(own)]
+    user = [f for f in outside if not os.path.realpath(f.filename).startswith(libs)]
+    frames = user or outside
+    return f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""

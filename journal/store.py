@@ -504,14 +504,20 @@ class Journal:
         self._write(lambda txn: txn.delete(step_key(step), db=self._snaps))
         self._committed(None)
 
-    def put_pending(self, values: dict[bytes, Any], drop=()) -> None:
-        """Write pending entries (replacing any under the same keys) and delete those under `drop`, in
-        one transaction: durable when this returns. Outside the step chain (see the module's doc)."""
+    def put_pending(self, values: dict[bytes, Any], drop=(), drop_prefixes=()) -> None:
+        """Write pending entries (replacing any under the same keys) and delete those under `drop` and every
+        one whose key begins with one of `drop_prefixes` (deleted first), in one transaction: durable when
+        this returns. Outside the step chain (see the module's doc)."""
         frames = {k: frame_plain(codec.packb(v)) for k, v in values.items()}
 
         def txn_fn(txn):
             for k in drop:
                 txn.delete(k, db=self._pending)
+            for prefix in drop_prefixes:
+                cur = txn.cursor(db=self._pending)
+                found = cur.set_range(prefix)
+                while found and bytes(cur.key()).startswith(prefix):
+                    found = cur.delete()  # and on to the next entry
             for k, f in frames.items():
                 txn.put(k, f, db=self._pending)
 

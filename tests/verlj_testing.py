@@ -403,3 +403,12 @@ def pickle_module_reducing(reduce):
     mod = types.ModuleType("pickle_reducing")
     mod.__dict__.update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")}, Pickler=Pickler)
     return mod
+
+
+def raised_at(path, needle: str) -> str:
+    """What a fault's reason ends with when the user's code raised at the one line of `path` that is `needle`
+    (stripped): `` (at NAME:LINE)`` (engine.plugins.raised_at)."""
+    path = Path(path)
+    hits = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if line.strip() == needle]
+    assert len(hits) == 1, (path.name, needle, hits)
+    return f" (at {path.name}:{hits[0]})"

@@ -381,8 +381,9 @@ class InFlightEpisodes:
     def __init__(self, run: Run):
         self.run = run
 
-    def keep(self, groups: list[GroupInFlight], settled: list[int]) -> None:
-        self.run.rt.from_rank0(lambda: self.run.main_ledger().keep_in_flight(groups, settled), "making episodes' turns durable")
+    def keep(self, groups: list[GroupInFlight], settled: list[int], calls: list | None = None, dropped: list | None = None) -> None:
+        self.run.rt.from_rank0(lambda: self.run.main_ledger().keep_in_flight(groups, settled, calls or (), dropped or ()),
+                               "making episodes' turns durable")
 
     def read(self) -> dict[int, GroupInFlight]:
         got = self.run.rt.from_rank0(lambda: [g.to_dict() for g in self.run.main_ledger().in_flight().values()], "reading the episodes in flight")

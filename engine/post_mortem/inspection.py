@@ -526,6 +526,11 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
     return StepDetail.of(ev, samples, note, decoder, run_dir)
 
 
+def one_line(text: object) -> str:
+    """A text on one line of the step's table: its line breaks written as \\n (a chat prompt spans many lines)."""
+    return str(text).replace("\r", "\\r").replace("\n", "\\n")
+
+
 def render_step(d: StepDetail) -> str:
     lines = [f"step {d.step}  fingerprint {d.fingerprint}"]
     data = d.data
@@ -563,7 +568,7 @@ def render_step(d: StepDetail) -> str:
     consumed, dropped = set(b.consumed), set(b.dropped)
     for s in d.samples:
         mark = " consumed" if s.id in consumed else (" dropped" if s.id in dropped else "")
-        lines.append(f"  {s.id:>6} {s.group:>6} v{s.policy_version:<3} | {s.prompt!s} → {s.response!s} | {s.score:.4g}{mark}")
+        lines.append(f"  {s.id:>6} {s.group:>6} v{s.policy_version:<3} | {one_line(s.prompt)} → {one_line(s.response)} | {s.score:.4g}{mark}")
         if s.episode is not None and s.episode.calls:  # an agent's episode: call by call
             for n, c in enumerate(s.episode.calls):
                 tools = f"  tool calls: {', '.join(c.tool_calls)}" if c.tool_calls else ""
@@ -571,7 +576,7 @@ def render_step(d: StepDetail) -> str:
                              f"{c.text!r} [{c.finish_reason}]{tools}{'  ' + c.flag if c.flag else ''}")
         elif s.episode is not None:
             for t, turn in enumerate(s.episode.turns):
-                lines.append(f"         turn {t + 1}: {turn.action!s} ⇒ {turn.observation!s}" + (f"  reward {turn.reward:.4g}" if turn.reward is not None else ""))
+                lines.append(f"         turn {t + 1}: {one_line(turn.action)} ⇒ {one_line(turn.observation)}" + (f"  reward {turn.reward:.4g}" if turn.reward is not None else ""))
             if s.episode.env_reason:
                 lines.append(f"         ended by a fault: {s.episode.env_reason}")
         if s.fault:

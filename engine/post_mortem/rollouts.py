@@ -7,7 +7,8 @@
 The table's columns are schema.table's (its one schema of a sample; a run of episodes, rollout.env, has
 the episode's columns too: ``turns``, ``env_end``, ``env_reason``, ``env_seed``, ...), plus each sample's
 fate, derived here from the journal: ``status`` (consumed | dropped | pending) and ``status_step`` (when).
-``--turns`` writes one row per turn instead (schema.table.TURN_COLUMNS, then the fate).
+``--turns`` writes one row per turn instead (schema.table.TURN_COLUMNS, then the fate); for a run of agent
+programs (rollout.agent), one row per model call (:data:`CALL_COLUMNS`, then the fate: :func:`call_rows`).
 pyarrow is needed for Parquet only (``pip install 'verlj[archive]'``); JSONL needs nothing more.
 """
 
@@ -30,8 +31,12 @@ from ..loop.ledger import open_run
 from ..loop.reader import StepReader
 from ..rl.vocab import text_decoder
 from ..schema.events import DropReason, StepEvents
+from ..schema.sample import AGENT_TEXT
 from ..schema.table import (
+    SAMPLE_ID,
+    VERSION,
     arrow_schema,
+    num_rows,
     parquet_options,
     require_pyarrow,
     rows,
@@ -172,9 +177,56 @@ def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[
         notes.append(f"steps {ranges(missing)} were pruned without an archive (journal.archive was off): their samples are not in the table")
 
 
-def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, turns: bool = False) -> tuple[int, list[str]]:
+CALL_COLUMNS = ["step", "sample_id", "group", "index", "policy_version", "call", "messages", "content", "tool_calls", "finish_reason",
+                "flag", "trained", "prompt_ids", "completion_ids", "logprobs", "reward", "score", "env_end", "env_reason"]
+
+
+def call_rows(cols: dict) -> Iterator[dict]:
+    """One step's agent episodes as one row a model call (CALL_COLUMNS; JSON-ready values), `call` counting
+    from 1: the request's messages (JSON text), the answer's content and tool calls (``name(arguments)``), its
+    finish reason and flag, whether the call is in the trained segment, its token ids and log-probs, and the
+    episode's reward (the agent's own; None when rollout.reward_fn scored), score and end. An episode that
+    made no call (a fault) is one row, call 0, its reason in env_reason."""
+    from ..rl.gateway.ledger import segments
+    from ..rl.gateway.protocol import read_answer
+    from ..schema.agent_calls import AgentCalls
+
+    texts = cols.get(AGENT_TEXT) or [""] * num_rows(cols)
+    for i, text in enumerate(texts):
+        head = {"step": cols["step"][i].item(), SAMPLE_ID: cols[SAMPLE_ID][i].item(), "group": cols["group"][i].item(),
+                "index": cols["index"][i].item(), VERSION: cols[VERSION][i].item()}
+        tail = {"score": cols["score"][i].item(), "env_end": cols["env_end"][i].item() if "env_end" in cols else 0,
+                "env_reason": cols["env_reason"][i] if "env_reason" in cols else ""}
+        rec = AgentCalls.from_json(text) if text else AgentCalls((), -1, None, 0)
+        if not rec.calls:
+            yield {**head, "call": 0, "messages": None, "content": None, "tool_calls": [], "finish_reason": None, "flag": "",
+                   "trained": False, "prompt_ids": [], "completion_ids": [], "logprobs": [], "reward": rec.reward, **tail}
+            continue
+        segs = segments(list(rec.calls))
+        trained = set(segs[rec.segment]) if segs and rec.segment >= 0 else set()
+        for k, c in enumerate(rec.calls):
+            answer = read_answer(c.response)
+            messages = json.dumps(json.loads(c.request)["messages"], ensure_ascii=False)
+            yield {**head, "call": k + 1, "messages": messages, "content": answer.content, "tool_calls": list(answer.tool_calls),
+                   "finish_reason": answer.finish_reason, "flag": c.flag, "trained": k in trained, "prompt_ids": c.prompt_ids.tolist(),
+                   "completion_ids": c.completion_ids.tolist(), "logprobs": c.logprobs.tolist(), "reward": rec.reward, **tail}
+
+
+def call_schema():
+    """call_rows' Parquet schema, with the fate columns."""
+    pa = require_pyarrow("Parquet")
+    ids, text = pa.list_(pa.int32()), pa.string()
+    types = {"step": pa.int64(), SAMPLE_ID: pa.int64(), "group": pa.int64(), "index": pa.int64(), VERSION: pa.int64(), "call": pa.int32(),
+             "messages": text, "content": text, "tool_calls": pa.list_(text), "finish_reason": text, "flag": text, "trained": pa.bool_(),
+             "prompt_ids": ids, "completion_ids": ids, "logprobs": pa.list_(pa.float32()), "reward": pa.float64(), "score": pa.float64(),
+             "env_end": pa.int8(), "env_reason": text, "status": text, "status_step": pa.int64()}
+    return pa.schema([(k, types[k]) for k in CALL_COLUMNS + ["status", "status_step"]])
+
+
+def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, turns: bool = False) -> tuple[int, str, list[str]]:
     """Write the rollout table of `run_dir` (steps A:B) to `output`, one row per sample (per turn with
-    `turns`). Returns (rows written, notes). Written to a temporary name and renamed: a failed export
+    `turns`, per model call for agent episodes). Returns (rows written, what a row is: samples, turns or
+    calls, notes). Written to a temporary name and renamed: a failed export
     leaves no partial file."""
     import os
 
@@ -193,9 +245,10 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
             raise RunError(f"--steps selects no step: this run has steps {first}–{last}")
         fates = sample_fates(ledger, a, None)
         episodes = ran_episodes(ledger.configs_in(a, b))
+        calls = turns and any(config_from_stored(c).rollout.agent for c in ledger.configs_in(a, b))  # a row per model call
 
         def table_rows(cols: dict) -> Iterator[dict]:
-            for row in turn_rows(cols) if turns else rows(cols, episodes):
+            for row in (call_rows(cols) if calls else turn_rows(cols)) if turns else rows(cols, episodes):
                 status, when = fates.get(row["sample_id"], ("pending", None))
                 yield {**row, "status": status, "status_step": when}
 
@@ -204,7 +257,7 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
                 import pyarrow as pa
                 import pyarrow.parquet as pq
 
-                schema = turn_schema(True) if turns else arrow_schema(True, episodes)
+                schema = (call_schema() if calls else turn_schema(True)) if turns else arrow_schema(True, episodes)
                 with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as w:
                     for _step, cols in iter_step_columns(run_dir, ledger, a, b, notes):
                         table = pa.Table.from_pylist(list(table_rows(cols)), schema) if turns else to_arrow(cols, fates, episodes)
@@ -219,4 +272,4 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
             os.replace(tmp, output)
         finally:
             tmp.unlink(missing_ok=True)
-    return written, notes
+    return written, "calls" if calls else "turns" if turns else "samples", notes

@@ -42,7 +42,7 @@ import numpy as np
 
 from ..config import REASONING_GYM, Config
 from ..errors import ConfigError
-from ..plugins import import_object
+from ..plugins import import_object, raised_at
 from . import tasks
 
 KEY = "rollout.env"
@@ -215,7 +215,7 @@ def _wait(call: tuple[threading.Thread, list, list], deadline: float, timeout_s:
     if error:
         e = error[0]
         text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        return EnvFault(f"raised {type(e).__name__}: {text}" if text else f"raised {type(e).__name__}")
+        return EnvFault((f"raised {type(e).__name__}: {text}" if text else f"raised {type(e).__name__}") + raised_at(e))
     return value[0]
 
 

@@ -364,8 +364,10 @@ class InFlightLog(Protocol):
     """Where completion order makes its groups of episodes durable between commits (loop.run gives the
     trainer one over the run's journal). Both calls are collective: rank 0 reads and writes."""
 
-    def keep(self, groups: list[GroupInFlight], settled: list[int]) -> None:
-        """Make `groups` durable as they stand; forget the groups in `settled` (in a committed step)."""
+    def keep(self, groups: list[GroupInFlight], settled: list[int], calls: list | None = None, dropped: list | None = None) -> None:
+        """Make `groups` durable as they stand; forget the groups in `settled` (in a committed step). rollout.agent:
+        add `calls` (group, episode, position, the call's dict), each under its own key; forget `dropped`
+        (group, episode, position). `read` gives an agent group's calls back in its `agent_calls`."""
 
     def read(self) -> dict[int, GroupInFlight]:
         """The groups made durable and not forgotten, by group id."""

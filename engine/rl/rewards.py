@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from ..config import REASONING_GYM
 from ..errors import RewardError, loading
-from ..plugins import check_signature, describe, import_object
+from ..plugins import check_signature, describe, import_object, raised_at
 from .tasks import TaskScorer
 
 RewardFn = Callable[[str, str, str], float]
@@ -108,7 +108,7 @@ def rule_rewards(fn, prompts: list[str], responses: list[str], examples: list) -
         try:
             v = _call(fn, p, r, ex)
         except Exception as e:  # noqa: BLE001 - the user's function: one line naming it
-            raise RewardError(f"reward function {describe(fn)} raised {type(e).__name__}: {e} (prompt {p!r})") from None
+            raise RewardError(f"reward function {describe(fn)} raised {type(e).__name__}: {e} (prompt {p!r}){raised_at(e)}") from None
         if not _finite(v):
             raise RewardError(f"reward function {describe(fn)} returned {v!r} for prompt {p!r}; it must return a finite number")
         out.append(float(v))
@@ -141,7 +141,7 @@ def scored_or_faults(fn, prompts: list[str], responses: list[str], examples: lis
             text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             out.append(0.0)
             said = f"reward function {describe(fn)} raised {type(e).__name__}"
-            faults.append(f"{said}: {text}" if text else said)
+            faults.append((f"{said}: {text}" if text else said) + raised_at(e))
             continue
         out.append(float(v) if _finite(v) else 0.0)
         faults.append("" if _finite(v) else f"reward function {describe(fn)} returned {v!r}, not a finite number"[:300])

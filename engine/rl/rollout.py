@@ -15,6 +15,7 @@ Only live steps generate: replay reads the samples from the journal, so it never
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -90,9 +91,11 @@ class RolloutEngine(Protocol):
 class HFEngine(SamplerEngine):
     """rollout.engine=hf: sampling with the actor's own module (ZeRO-3 and TP ranks step together)."""
 
-    def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config,
+                 on_token: Callable[[np.ndarray], None] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """`on_token`: each step's tokens as they are sampled (the agent gateway's streams: ``rl.sampler.generate``)."""
         return sample_seeded(self.actor.module, prompts, seeds, sampling_params(cfg), self.tokenizer.eos_token_id,
-                             self.tokenizer.pad_token_id, self.rt.device, all_done=self.rt.all_true)
+                             self.tokenizer.pad_token_id, self.rt.device, all_done=self.rt.all_true, on_token=on_token)
 
     def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
         return self.generate(prompts, seeds, cfg)

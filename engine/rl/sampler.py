@@ -55,10 +55,11 @@ def sampling_params(cfg: Config) -> dict:
 
 
 def sample_seeded(model, prompts: list[np.ndarray], seeds: list[int], params: dict, eos_id: int, pad_id: int, device,
-                  all_done: Callable[[bool], bool] = lambda done: done) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                  all_done: Callable[[bool], bool] = lambda done: done,
+                  on_token: Callable[[np.ndarray], None] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """verlj's sampler on `model`: each sample's uniforms from its own seed (see the module's doc)."""
     uniforms = torch.stack([torch.rand(params["max_new_tokens"], generator=generator(s)) for s in seeds])
-    return generate(model, prompts, uniforms, eos_id=eos_id, pad_id=pad_id, device=device, all_done=all_done, **params)
+    return generate(model, prompts, uniforms, eos_id=eos_id, pad_id=pad_id, device=device, all_done=all_done, on_token=on_token, **params)
 
 
 def sample_token(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float):
@@ -100,13 +101,16 @@ def generate(
     device: torch.device,
     ignore_eos: bool = False,
     all_done: Callable[[bool], bool] = lambda done: done,
+    on_token: Callable[[np.ndarray], None] | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Sample a response for each prompt, token t of row i at ``uniforms[i, t]`` ([B, max_new_tokens]).
     Returns (response ids, generation log-probs) per prompt.
 
     Prompts are left-padded into one batch; positions come from the attention mask. A response
     ends at eos (included) or at max_new_tokens. ``all_done`` lets ranks that share sharded
-    weights (ZeRO-3, TP) keep stepping together until every rank has finished.
+    weights (ZeRO-3, TP) keep stepping together until every rank has finished. ``on_token`` is given
+    each step's tokens ([B], a row's pad once it has ended) as they are sampled (the agent gateway's
+    token-by-token streams); it reads, and changes nothing sampled.
     """
     was_training = model.training
     model.eval()
@@ -130,6 +134,8 @@ def generate(
         tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
         out_tokens.append(tok)
         out_logps.append(lp)
+        if on_token is not None:
+            on_token(tok.cpu().numpy())
         if not ignore_eos:
             finished = finished | (tok == eos_id)
         if all_done(bool(finished.all())):

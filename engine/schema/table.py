@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import RunError, install_hint
-from .sample import EPISODE_SCALARS, EPISODE_SEQUENCES, EPISODE_TEXT, SCALARS, SEQUENCES, Columns
+from .sample import AGENT_TEXT, EPISODE_SCALARS, EPISODE_SEQUENCES, EPISODE_TEXT, SCALARS, SEQUENCES, Columns
 
 # ----------------------------------------------------------------------------- the rollout table
 
@@ -101,6 +101,8 @@ def step_columns(step: int, samples: dict, decoder) -> dict:
         cols[EPISODE_TEXT] = batch.text(EPISODE_TEXT)
         cols[TURNS] = [[{"action": text(t.action_ids, False), "observation": text(t.observation_ids, False),
                          "reward": None if np.isnan(t.reward) else t.reward} for t in s.turns()] for s in batch.samples()]
+    if batch.has(AGENT_TEXT):  # rollout.agent: each episode's calls (export --turns: a row per call); in no table column
+        cols[AGENT_TEXT] = batch.text(AGENT_TEXT)
     return cols
 
 

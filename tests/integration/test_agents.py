@@ -8,6 +8,7 @@ twice) and a changed agent diverges; in async step order a kill resumes bit-iden
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from verlj.engine.schema.events import DropReason, StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import assert_same_journal, cli, fingerprints, kill_and_resume, replay_here, train
+from verlj_testing import assert_same_journal, cli, fingerprints, kill_and_resume, raised_at, replay_here, train
 
 TESTS = str(Path(__file__).resolve().parents[1])  # agents_for_tests
 AGENT = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:digits", "rollout.max_turns=2", "trainer.total_steps=4",
@@ -57,6 +58,10 @@ def test_an_openai_agent_trains_on_its_rewards_and_every_call_is_journaled(agent
     assert len(set(scores)) > 1  # the rewards vary: the update has something to learn from
     shown = cli("inspect", agent_ref, "--step", "2", check=True).stdout
     assert shown.count("         call 1") == 16 and shown.count("'user: more' → ") == 16 and "(not trained: another segment)" in shown
+    # each sample on one line of the table though its chat prompt spans several (line breaks written as \\n)
+    table = shown.split("(id group version | prompt → response | score)\n")[1].split("\nmetrics")[0].splitlines()
+    rows = [line for line in table if not line.startswith("         ")]
+    assert len(rows) == 16 and all(re.fullmatch(r" +\d+ +\d+ v\d+ +\| <\|user\|>\\n.* → .* \| \S+( consumed| dropped)?", r) for r in rows), rows[:3]
     detail = json.loads(cli("inspect", agent_ref, "--step", "2", "--json", check=True).stdout)
     assert any(len(s.get("calls", [])) == 2 for s in detail["samples"])
     counts = json.loads(cli("inspect", agent_ref, "--json", check=True).stdout)["agents"]
@@ -90,13 +95,19 @@ def test_an_async_streaming_agent_is_scored_by_the_reward_fn_and_a_raising_one_i
     samples = unpack(steps_of(run)[1].added.samples)
     assert all(json.loads(s.agent_calls)["calls"][0]["response"].endswith("data: [DONE]\n\n") for s in samples)
     assert all(json.loads(s.agent_calls)["reward"] is None for s in samples)  # rollout.reward_fn (auto: builtin:add) scored them
+    # token by token (hf, sync): a delta a token, here a character each (the ascii vocabulary), as the stream sent them
+    deltas = [[json.loads(e[6:])["choices"][0]["delta"].get("content") for e in json.loads(s.agent_calls)["calls"][0]["response"].split("\n\n")
+               if e.startswith("data: {") and json.loads(e[6:])["choices"]] for s in samples]
+    texts = [[d for d in ds if d] for ds in deltas]
+    assert any(len(t) > 1 for t in texts) and all(len(d) == 1 for t in texts for d in t)
     run = tmp_path / "flaky"
     out = train(run, "model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:flaky", "rollout.max_turns=2", "trainer.total_steps=2",
                 "rollout.max_fault_rate=1", PYTHONPATH=TESTS)
     assert out.returncode == 0, out.stderr[-3000:]
     steps = steps_of(run)
     faulted = [s for st in steps.values() for s in unpack(st.added.samples) if s.env_end == EnvEnd.FAULT]
-    assert faulted and all(s.env_reason == "the agent raised RuntimeError: the sandbox is down" for s in faulted)
+    said = "the agent raised RuntimeError: the sandbox is down" + raised_at(Path(TESTS) / "agents_for_tests.py", 'raise RuntimeError("the sandbox is down")')
+    assert faulted and all(s.env_reason == said for s in faulted)
     dropped = {int(i) for st in steps.values() for i in st.dropped(DropReason.FAULT)}
     assert {s.id for s in faulted} <= dropped
     assert all(not set(st.consumed.ids.tolist()) & dropped for st in steps.values())

@@ -20,7 +20,7 @@ from verlj.engine.rl.vocab import VOCABS, TextDecoder
 from verlj.engine.schema.events import DropReason, StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import assert_same_journal, cli, fingerprints, kill_and_resume, train, verlj
+from verlj_testing import assert_same_journal, cli, fingerprints, kill_and_resume, raised_at, train, verlj
 
 TESTS = str(Path(__file__).resolve().parents[1])  # envs_for_tests
 ASCII = "model.tiny.vocab=ascii"
@@ -218,7 +218,7 @@ def test_faulty_envs_end_their_episodes_and_replay_never_calls_an_env(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     by_step, m = episodes(run), metrics(run)
     reasons = {s.env_reason for step in by_step.values() for s in step if s.env_end == EnvEnd.FAULT}
-    assert reasons == {"step raised ValueError: the sandbox fell over", "step returned a list, not StepResult, (observation, reward, done) "
+    assert reasons == {"step raised ValueError: the sandbox fell over" + raised_at(Path(TESTS) / "envs_for_tests.py", 'raise ValueError("the sandbox fell over")'), "step returned a list, not StepResult, (observation, reward, done) "
                        "or (observation, reward, terminated, truncated, info)", "step no answer in 0.5 s"}
     records = steps_of(run)
     for step, samples in by_step.items():
@@ -283,7 +283,8 @@ def test_an_env_that_always_raises_stops_the_run_and_resume_after_the_fix_is_exa
     assert out.returncode == 1 and "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: step 3: ") and "episodes ended by a fault, more than rollout.max_fault_rate=0.5" \
-        " allows: step raised RuntimeError: the sandbox is down. Nothing of step 3 was committed" in errors[0], out.stderr[-3000:]
+        " allows: step raised RuntimeError: the sandbox is down" + raised_at(Path(TESTS) / "envs_for_tests.py", 'raise RuntimeError("the sandbox is down")') + \
+        ". Nothing of step 3 was committed" in errors[0], out.stderr[-3000:]
     assert f"verlj inspect {run} --step 3" in errors[0]
     assert max(fingerprints(run)) == 2
     down.unlink()
@@ -449,7 +450,8 @@ def test_no_action_is_generated_after_a_reset_fault(tmp_path, mode):
                 "trainer.total_steps=2", "trainer.eval_interval=2", "data.eval_size=8", *mode, PYTHONPATH=TESTS)
     assert out.returncode == 0, out.stderr[-3000:]
     samples = [s for step in episodes(run).values() for s in step]
-    bad = [s for s in samples if s.env_reason == "reset raised ConnectionError: no sandbox for this one"]
+    said = "reset raised ConnectionError: no sandbox for this one" + raised_at(Path(TESTS) / "envs_for_tests.py", 'raise ConnectionError("no sandbox for this one")')
+    bad = [s for s in samples if s.env_reason == said]
     assert bad and all(len(s.turn_lens) == 0 and len(s.response_ids) == 0 and s.env_end == EnvEnd.FAULT for s in bad)
     assert all(len(s.turn_lens) >= 2 for s in samples if s not in bad) and len(bad) < len(samples)
     e = evals(run)[2]

@@ -9,7 +9,7 @@ from pathlib import Path
 from verlj.engine.schema.events import DropReason, StepEvents
 from verlj.engine.schema.sample import unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import cli, fingerprints, train, verlj
+from verlj_testing import cli, fingerprints, raised_at, train, verlj
 
 TESTS = str(Path(__file__).resolve().parents[1])
 
@@ -38,7 +38,8 @@ def test_a_reward_function_that_fails_on_some_samples_leaves_them_out(tmp_path):
                 assert line.endswith(f"faults {len(bad)}/{len(samples)}: {min(bad, key=lambda s: s.id).fault}"), line
             else:
                 assert " faults " not in line, line
-    assert reasons == {"reward function envs_for_tests.flaky_reward raised RuntimeError: the grader is down",
+    at = raised_at(Path(TESTS) / "envs_for_tests.py", 'raise RuntimeError("the grader is down")')  # where in the user's function
+    assert reasons == {"reward function envs_for_tests.flaky_reward raised RuntimeError: the grader is down" + at,
                        "reward function envs_for_tests.flaky_reward returned nan, not a finite number"}
     step = next(s for s, bad in faulted.items() if bad)  # inspect shows each sample's fault, and that it was dropped
     shown = cli("inspect", run, "--step", str(step), "--max-samples", "1000", check=True).stdout

@@ -28,6 +28,7 @@ from verlj.engine.rl.envs import (
     safe_reset,
     safe_step,
 )
+from verlj_testing import raised_at
 
 ADD_ROW = row_of(Example("3+4=", "7"))
 
@@ -272,9 +273,10 @@ def test_safe_step_names_a_wrong_return(returns, reason):
 
 
 def test_safe_step_names_an_exception_and_passes_a_good_result_through():
-    assert safe_step(Faulty(raises=ValueError("bad action\nsecond line")), "a", 5.0) == EnvFault("raised ValueError: bad action")
-    assert str(safe_step(Faulty(raises=KeyError()), "a", 5.0)) == "raised KeyError"
-    assert safe_step(Faulty(raises=SystemExit(3)), "a", 5.0) == EnvFault("raised SystemExit: 3")
+    at = raised_at(__file__, "raise self.raises")  # where in the env's code: the innermost frame outside verlj
+    assert safe_step(Faulty(raises=ValueError("bad action\nsecond line")), "a", 5.0) == EnvFault("raised ValueError: bad action" + at)
+    assert str(safe_step(Faulty(raises=KeyError()), "a", 5.0)) == "raised KeyError" + at
+    assert safe_step(Faulty(raises=SystemExit(3)), "a", 5.0) == EnvFault("raised SystemExit: 3" + at)
     good = StepResult("obs", 0.5, False)
     assert safe_step(Faulty(step_returns=good), "a", 5.0) is good
     as_float = safe_step(Faulty(step_returns=StepResult("", 1, True)), "a", 5.0)
@@ -314,7 +316,7 @@ def test_safe_reset_names_faults_and_returns_the_observation():
         "returned a tuple of a str and a NoneType, not (observation str, info dict)")
     assert safe_reset(Faulty(step_returns=("obs", {}, 1)), ADD_ROW, 0, 5.0) == EnvFault(
         "returned a tuple, not str or (observation, info)")
-    assert safe_reset(Faulty(raises=RuntimeError("no")), ADD_ROW, 0, 5.0) == EnvFault("raised RuntimeError: no")
+    assert safe_reset(Faulty(raises=RuntimeError("no")), ADD_ROW, 0, 5.0) == EnvFault("raised RuntimeError: no" + raised_at(__file__, "raise self.raises"))
     assert safe_reset(Guess(2), ADD_ROW, 0, 5.0).startswith("Guess a whole number")
     assert safe_reset(Calculator(2), ADD_ROW, 0, 5.0) == ""
 
@@ -451,7 +453,7 @@ def test_a_round_restored_from_its_durable_state_reapplies_its_actions_to_fresh_
     assert calls == [("reset", 1), ("step", "10,11"), ("step", "13,14"), ("step", "16,17"), ("reset", 2), ("step", "20,21")]
     assert replayed == 4 and rnd.turn == 3
     assert [ep.live for ep in rnd.episodes] == [False, True, False]
-    assert rnd.episodes[2].reason == "restore: step raised OSError: gone"
+    assert rnd.episodes[2].reason == "restore: step raised OSError: gone" + raised_at(__file__, 'raise OSError("gone")')
     assert rnd.episodes[1].response == g.response_ids[1].tolist() and rnd.live() == [1]
 
 

@@ -13,6 +13,7 @@ from verlj.engine.rl.data import Example
 from verlj.engine.rl.rewards import scored_or_faults
 from verlj.engine.schema import events as ev
 from verlj.engine.schema.sample import EnvEnd, Sample, pack, unpack
+from verlj_testing import raised_at
 
 
 def smp(i: int, group: int, env: str | None = None, reward: str = "", episode: bool = False) -> Sample:
@@ -69,7 +70,8 @@ def test_reward_faults_are_per_sample():
     rewards, bad = scored_or_faults(f, ["p"] * 5, ["ok", "boom", "nan", "str", "ok"], exs)
     assert rewards == [0.5, 0.0, 0.0, 0.0, 0.5]
     name = f"{f.__module__}.{f.__qualname__}"
-    assert bad == ["", f"reward function {name} raised ValueError: no answer key", f"reward function {name} returned nan, not a finite number",
+    at = raised_at(__file__, 'raise ValueError("no answer key\\nmore")')  # where in the user's function
+    assert bad == ["", f"reward function {name} raised ValueError: no answer key{at}", f"reward function {name} returned nan, not a finite number",
                    f"reward function {name} returned '1', not a finite number", ""]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import numpy as np
@@ -20,6 +21,7 @@ from verlj.engine.rl.gateway.server import Gateway
 from verlj.engine.rl.models import builtin_tokenizer, render_chat
 from verlj.engine.rl.vocab import VOCABS
 from verlj.engine.schema.agent_calls import AgentCalls
+from verlj_testing import raised_at
 
 TOK = builtin_tokenizer(VOCABS["ascii"])
 MODEL = "verlj-policy"
@@ -223,7 +225,7 @@ def test_bad_agents_are_episode_faults_and_the_others_go_on(cleanup):
 
     out, *_ = play(agent, n=6, cleanup=cleanup, timeout_s=1.0, concurrency=6)
     faults = [p.fault for p in out]
-    assert faults[0] == "the agent raised ValueError: the sandbox is down"
+    assert faults[0] == "the agent raised ValueError: the sandbox is down" + raised_at(__file__, 'raise ValueError("the sandbox is down")')
     assert faults[1] == "the agent never called the model"
     assert faults[2].startswith("the agent neither called the model nor returned within rollout.agent_timeout_s=1")
     assert faults[3] == "the agent asked more than rollout.max_turns=3 calls"
@@ -342,14 +344,15 @@ def test_every_call_is_durable_before_its_answer_and_a_rerun_is_answered_from_th
     cleanup.append(gw)
     durable = []
 
-    def keep(plays):  # under the runner's lock, before any of these answers is returned to its agent
-        assert all(p.pending and not fut.done() for p in plays for *_, fut in p.pending)
-        durable.append({p.place: len(p.calls) for p in plays})
+    def keep(new):  # under the runner's lock, before any of these answers is returned to its agent
+        assert all(p.pending and not fut.done() for p, _ in new for *_, fut in p.pending)
+        assert all(k == len(p.calls) - 1 for p, k in new)
+        durable.append(sorted((p.place, k) for p, k in new))
 
     r.durable = keep
     rows, seeds, seed = [{"prompt": "row 0"}, {"prompt": "row 1"}], [100, 101], lambda place, k: 1000 * place + k
     first = r.play(rows, seeds, seed)
-    assert durable == [{0: 1, 1: 1}, {0: 2, 1: 2}]
+    assert durable == [[(0, 0), (1, 0)], [(0, 1), (1, 1)]]  # each call written once, in the batch that made it
     # a re-run (a crash after episode 0's two calls and episode 1's first): the journaled calls answered byte for
     # byte, never generated; episode 1's second call generated live from its own seed
     batches.clear()
@@ -370,6 +373,7 @@ def test_a_request_that_differs_from_the_journaled_one_is_a_divergence_and_goes_
     assert err.count("diverged") == 1 and "episode 0 of group 7 diverged at call 0" in err and "messages[0]" in err
     assert "the 2 journaled call(s) from there on are discarded" in err
     assert r.counts.divergences == 1 and r.counts.calls_from_journal == 0
+    assert r.discarded == [(0, 0), (0, 1)]  # its journaled calls, for the next durable write to forget
     assert len(batches) == 2 and len(again[0].calls) == 2  # both calls live: the journaled ones are in no episode
     assert json.loads(again[0].calls[0].request)["messages"][0]["content"] == "row 9"
 
@@ -381,3 +385,98 @@ def test_a_divergence_names_the_fields_that_differ():
     assert differing({"messages": [a, b], "tools": [1]}, {"messages": [a, c], "tools": [2]}) == ["messages[1]", "tools"]
     assert differing({"messages": [a]}, {"messages": [a, b], "stop": ["\n"]}) == ["messages[1]", "stop"]
     assert differing({"messages": [a], "max_tokens": 4}, {"messages": [a], "max_tokens": 4}) == []
+
+
+def test_an_unknown_url_or_method_gets_an_openai_shaped_404(cleanup):
+    gw = Gateway(MODEL).start()
+    cleanup.append(gw)
+    for got in (httpx.post(gw.base_url + "/completions", json={}), httpx.get(gw.base_url + "/chat/completions")):
+        assert got.status_code == 404 and got.json()["error"]["code"] == "unknown_url" and "Traceback" not in got.text
+
+
+def streaming_runner(answers: dict, arrived):
+    """A runner whose generate streams: each step's tokens to `on_token`, and at the third it waits until a client
+    has read a content delta (`arrived`, an Event): a stream sent only after generation never gets there."""
+    r, gw, batches = runner(None, answers)
+    scripted_gen, waited = r.generate, []
+
+    def generate(prompts, seeds, on_token=None):
+        outs, lps = scripted_gen(prompts, seeds)
+        for t in range(max(len(o) for o in outs)) if on_token is not None else ():
+            on_token(np.asarray([o[t] if t < len(o) else TOK.pad_token_id for o in outs]))
+            if t == 2:
+                waited.append(arrived.wait(10))
+        return outs, lps
+
+    r.generate, r.stream_tokens = generate, True
+    return r, gw, waited
+
+
+def test_a_stream_goes_token_by_token_and_joins_to_the_answer_not_streamed(cleanup):
+    arrived, got = threading.Event(), {}
+
+    def agent(ep, stream):
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": ep.row["prompt"]}]
+        if not stream:
+            got["plain"] = client.chat.completions.create(model=ep.model, messages=msgs).choices[0].message.content
+            return 1.0
+        chunks = []
+        for c in client.chat.completions.create(model=ep.model, messages=msgs, stream=True):
+            chunks.append(c)
+            if c.choices and c.choices[0].delta.content:
+                arrived.set()
+        got["chunks"] = chunks
+        return 1.0
+
+    answers = {"row 0": "hello world"}
+    r, gw, waited = streaming_runner(answers, arrived)
+    cleanup.append(gw)
+    r.agent = lambda ep: agent(ep, True)
+    streamed = r.play([{"prompt": "row 0"}], [100], lambda place, k: 1000 * place + k)
+    r.agent = lambda ep: agent(ep, False)
+    plain = r.play([{"prompt": "row 0"}], [100], lambda place, k: 1000 * place + k)
+    assert waited == [True]  # a delta reached the client while its call was still generating
+    deltas = [c.choices[0].delta.content for c in got["chunks"] if c.choices and c.choices[0].delta.content]
+    assert len(deltas) == len("hello world") and "".join(deltas) == got["plain"] == "hello world"
+    assert got["chunks"][-1].choices[0].finish_reason == "stop"
+    a, b = streamed[0].calls[0], plain[0].calls[0]  # the same tokens and log-probs: what is trained on is unchanged
+    assert np.array_equal(a.completion_ids, b.completion_ids) and np.array_equal(a.logprobs, b.logprobs)
+    assert np.array_equal(a.prompt_ids, b.prompt_ids)
+
+
+def test_the_bytes_a_stream_sent_are_the_bytes_journaled(cleanup):
+    arrived, raw = threading.Event(), []
+
+    def agent(ep):
+        body = {"model": ep.model, "messages": [{"role": "user", "content": "row 0"}], "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", ep.base_url + "/chat/completions", json=body, headers={"Authorization": f"Bearer {ep.api_key}"}) as resp:
+            for part in resp.iter_bytes():
+                raw.append(part)
+                if b'"content":"h' in b"".join(raw):
+                    arrived.set()
+        return 1.0
+
+    r, gw, waited = streaming_runner({"row 0": "hi there"}, arrived)
+    cleanup.append(gw)
+    r.agent = agent
+    out = r.play([{"prompt": "row 0"}], [100], lambda place, k: k)
+    assert waited == [True] and b"".join(raw) == out[0].calls[0].response
+    assert out[0].calls[0].response.endswith(b"data: [DONE]\n\n") and b'"usage"' in out[0].calls[0].response
+
+
+def test_the_samplers_steps_are_its_tokens_and_watching_them_changes_nothing():
+    import torch
+
+    from verlj.engine.config import make_config
+    from verlj.engine.rl.models import BUILTIN_TINY, load_causal_lm
+    from verlj.engine.rl.sampler import sample_seeded, sampling_params
+
+    cfg = make_config(None, ["rollout.max_response_length=12", "rollout.temperature=1.0"])
+    model = load_causal_lm(BUILTIN_TINY, cfg, 0)
+    prompts, seeds, steps = [np.asarray([1, 5, 6, 7]), np.asarray([1, 9])], [3, 4], []
+    plain = sample_seeded(model, prompts, seeds, sampling_params(cfg), 2, 0, torch.device("cpu"))
+    watched = sample_seeded(model, prompts, seeds, sampling_params(cfg), 2, 0, torch.device("cpu"), on_token=steps.append)
+    for i in range(2):
+        assert np.array_equal(plain[0][i], watched[0][i]) and np.array_equal(plain[1][i], watched[1][i])
+        assert [int(s[i]) for s in steps[: len(plain[0][i])]] == plain[0][i].tolist()

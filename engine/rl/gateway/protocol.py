@@ -12,10 +12,15 @@ server ignores what a model does not use):
   ``content`` a string or a list of text parts; an assistant's ``tool_calls``; a tool's ``tool_call_id``),
   ``tools`` (functions), ``tool_choice`` (``auto`` or ``none``), ``max_tokens`` / ``max_completion_tokens``
   (capped at rollout.max_response_length), ``stop`` (a string or up to 4), ``logprobs`` / ``top_logprobs``,
-  ``stream`` (with ``stream_options.include_usage``).
+  ``stream`` (with ``stream_options.include_usage``; token by token where the engine streams and the
+  request has no tools in play, stop strings or log-probs: :func:`streams_tokens`).
 - ``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty`` and the like are read
   and ignored: the trainer's sampling settings (rollout.temperature, rollout.top_p) and each call's own
   seed decide every sample, so that what is trained on is what the policy would sample.
+- What agent libraries send beside (the OpenAI Agents SDK's ``parallel_tool_calls``; ``store``,
+  ``metadata``, ``user``, ``service_tier``, ``reasoning_effort``, ``prompt_cache_key``, ``verbosity``) is
+  checked for OpenAI's type (:data:`_OTHER_FIELDS`) and ignored: it decides nothing here (every tool call a
+  completion holds is returned, whatever ``parallel_tool_calls`` says; nothing is stored).
 - ``n`` other than 1 and ``response_format`` are refused (400).
 """
 
@@ -24,13 +29,19 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 MAX_BODY = 4 << 20  # bytes: a request body over this is refused (413)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_logprobs", "n", "seed")
 _NUM_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+# fields OpenAI accepts that decide nothing here: their type checked as OpenAI does, their value ignored
+_OTHER_FIELDS = {"parallel_tool_calls": ((bool,), "a boolean"), "store": ((bool,), "a boolean"), "metadata": ((dict,), "an object"),
+                 "user": ((str,), "a string"), "service_tier": ((str,), "a string"), "reasoning_effort": ((str,), "a string"),
+                 "prompt_cache_key": ((str,), "a string"), "verbosity": ((str,), "a string")}
 
 
 class ApiError(Exception):
@@ -66,15 +77,25 @@ class ChatRequest:
     include_usage: bool = False
     ignored: dict = field(default_factory=dict)  # temperature, top_p, ...: read and not used (see the module's doc)
 
-    def canonical(self) -> str:
+    @cached_property
+    def _canonical(self) -> str:
         """The request as the journal keeps it: every field that decides the answer, keys sorted, no spaces."""
         d = {"model": self.model, "messages": self.messages, "tools": self.tools, "tool_choice": self.tool_choice,
              "max_tokens": self.max_tokens, "stop": list(self.stop), "logprobs": self.logprobs, "top_logprobs": self.top_logprobs,
              "stream": self.stream, "include_usage": self.include_usage}
         return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
+    @cached_property
+    def _digest(self) -> str:
+        return hashlib.sha256(self._canonical.encode()).hexdigest()
+
+    def canonical(self) -> str:
+        """The request as the journal keeps it (made once a request)."""
+        return self._canonical
+
     def digest(self) -> str:
-        return hashlib.sha256(self.canonical().encode()).hexdigest()
+        """The sha256 of its canonical form (made once a request)."""
+        return self._digest
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -169,6 +190,8 @@ def parse_request(body: bytes, model: str) -> ChatRequest:
         _typed(d, k, (int,), "an integer")
     for k in _NUM_FIELDS:
         _typed(d, k, (int, float), "a number")
+    for k, (types, what) in _OTHER_FIELDS.items():
+        _typed(d, k, types, what)
     if d.get("n") not in (None, 1):
         raise _bad("'n' must be 1: each call of an episode is one sample of the policy (call again for another).", "n")
     if d.get("response_format") is not None:
@@ -262,6 +285,53 @@ class Completion:
     finish_reason: str  # stop | length
     prompt_tokens: int
     completion_tokens: int
+    pieces: tuple = ()  # a token-by-token stream's text deltas, one a token ("" for none): see `streams_tokens`
+
+
+def streams_tokens(req: ChatRequest) -> bool:
+    """Whether a request's stream sends its text token by token, as it is generated: a stream without
+    tools in play, stop strings or log-probs (each of those decides what is sent only once the whole
+    completion is known: a tool call is parsed, a stop string cuts the text). The others are streamed
+    whole, after generation. Either way the bytes are the same whenever the call is answered."""
+    return req.stream and not req.logprobs and not req.stop and not (req.tools and req.tool_choice != "none")
+
+
+class TextStream:
+    """A completion's text token by token (`feed` a token id, get its text delta, "" while a character is
+    incomplete): the text of a window of recent tokens is decoded and what it adds is the delta, so that
+    no token's text depends on how the tokenizer joins it to the ones long before."""
+
+    def __init__(self, decode: Callable[[list], str]):
+        self.decode, self.ids, self.prefix, self.read = decode, list[int](), 0, 0
+
+    def feed(self, token: int) -> str:
+        self.ids.append(int(token))
+        before = self.decode(self.ids[self.prefix : self.read])
+        now = self.decode(self.ids[self.prefix :])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return now[len(before) :]
+
+
+def _event(d: dict) -> bytes:
+    return f"data: {json.dumps(d, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+def stream_head(req: ChatRequest, call_id: str) -> dict:
+    """A stream's chunk fields (every event has them)."""
+    return {"id": f"chatcmpl-{call_id}", "created": 0, "model": req.model, "system_fingerprint": "verlj", "object": "chat.completion.chunk"}
+
+
+def role_event(req: ChatRequest, call_id: str) -> bytes:
+    """A stream's first event: the assistant's role."""
+    return _event({**stream_head(req, call_id), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                                              "finish_reason": None}]})
+
+
+def piece_event(req: ChatRequest, call_id: str, piece: str) -> bytes:
+    """A token-by-token stream's event for one text delta."""
+    return _event({**stream_head(req, call_id), "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}]})
 
 
 def _logprobs(req: ChatRequest, c: Completion) -> dict | None:
@@ -297,9 +367,13 @@ def response_bytes(req: ChatRequest, c: Completion, call_id: str, parser: str = 
         body = {**head, "object": "chat.completion",
                 "choices": [{"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}], "usage": _usage(c)}
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(), flag
-    chunk = {**head, "object": "chat.completion.chunk"}
-    deltas: list[dict] = [{"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-    if msg["content"]:
+    chunk = stream_head(req, call_id)
+    deltas: list[dict] = []
+    if streams_tokens(req):  # a delta a token, as they were sent while generating; what they miss of the text, last
+        sent = "".join(c.pieces)
+        pieces = [*c.pieces, c.text[len(sent):]] if c.text.startswith(sent) else list(c.pieces)
+        deltas += [{"delta": {"content": p}, "logprobs": None, "finish_reason": None} for p in pieces if p]
+    elif msg["content"]:
         deltas.append({"delta": {"content": msg["content"]}, "logprobs": lp, "finish_reason": None})
     for k, tc in enumerate(msg.get("tool_calls", [])):
         deltas.append({"delta": {"tool_calls": [{"index": k, **tc}]}, "logprobs": None, "finish_reason": None})
@@ -307,8 +381,7 @@ def response_bytes(req: ChatRequest, c: Completion, call_id: str, parser: str = 
     events = [{**chunk, "choices": [{"index": 0, **d}]} for d in deltas]
     if req.include_usage:
         events.append({**chunk, "choices": [], "usage": _usage(c)})
-    text = "".join(f"data: {json.dumps(e, ensure_ascii=False, separators=(',', ':'))}\n\n" for e in events) + "data: [DONE]\n\n"
-    return text.encode(), flag
+    return role_event(req, call_id) + b"".join(map(_event, events)) + b"data: [DONE]\n\n", flag
 
 
 def models_body(model: str) -> bytes:

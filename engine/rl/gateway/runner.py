@@ -13,8 +13,13 @@ from its own seed (its episode's place and the call's position in it: never timi
 call is generated in, and so its tokens, are the same on every run of the same agent. A running
 agent that neither calls nor ends within rollout.agent_timeout_s of its last answer is a fault.
 
-Durable execution (completion order: ``sources.agents_async``): `Runner.durable` makes a batch's calls
-durable before any of them is answered; a re-run after a crash is given each episode's journaled calls
+A streamed call (``stream: true``, no tools in play, stop strings or log-probs) goes token by token when the
+engine streams (`Runner.stream_tokens`: `generate` is given a function of each step's tokens): its events
+are sent as its tokens are sampled (:class:`LiveStream`), its last ones once the call is durable.
+
+Durable execution (completion order: ``sources.agents_async``): `Runner.durable` makes a batch's new calls
+durable (each call once, under its own key: a write costs what it adds) before any of them is answered; a
+re-run after a crash is given each episode's journaled calls
 (`play`'s `journaled`), answered from there byte for byte while each request's hash is the one journaled
 at that position (:meth:`Runner.from_journal`), a request that differs a divergence (one line, counted,
 the journaled calls from there on discarded).
@@ -43,9 +48,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...config import ConfigError
-from ...plugins import import_object
+from ...plugins import import_object, raised_at
 from .ledger import Call
-from .protocol import ApiError, ChatRequest, Completion, response_bytes, template_messages, unauthorized
+from .protocol import (
+    ApiError,
+    ChatRequest,
+    Completion,
+    TextStream,
+    piece_event,
+    response_bytes,
+    role_event,
+    streams_tokens,
+    template_messages,
+    unauthorized,
+)
 from .server import Gateway
 
 KEY = "rollout.agent"
@@ -143,10 +159,14 @@ class Play:
         self.state, self.since, self.fault = RUNNING, time.monotonic(), ""
         self.calls: list[Call] = []
         self.pending: list[tuple[int, ChatRequest, np.ndarray, Future]] = []
+        self.sinks: dict[Future, Callable[[bytes], None]] = {}  # a pending call streamed token by token: where its events go
         self.result: float | None = None
         self.key = ""
 
-    def submit(self, req: ChatRequest, retry: int) -> Future:
+    def submit(self, req: ChatRequest, retry: int, sink: Callable[[bytes], None] | None = None) -> Future:
+        """A call: answered from the journal, or generated with the next batch. `sink` (a streamed request's):
+        where its events go as its tokens are generated (when the engine streams them: `Runner.stream_tokens`);
+        the future's bytes are the whole stream, those events first."""
         r = self.runner
         if retry:  # the SDK asks again for an answer it did not get: the same call, never generated twice
             with r.cond:
@@ -157,10 +177,11 @@ class Play:
                     done: Future = Future()
                     done.set_result(self.calls[-1].response)
                     return done
-        with r.cond:
-            answered = r.from_journal(self, req)
-        if answered is not None:
-            return answered
+        if r.journaled.get(self.place):  # a re-run after a crash (read without the lock: only this episode's own calls change it)
+            with r.cond:
+                answered = r.from_journal(self, req)
+            if answered is not None:
+                return answered
         ids = r.render(req)
         with r.cond:
             if self.state == DONE:
@@ -171,8 +192,11 @@ class Play:
                 raise ApiError(400, f"This episode has made its rollout.max_turns={r.max_turns} calls.", code="max_turns_exceeded")
             fut: Future = Future()
             self.pending.append((k, req, ids, fut))
+            if sink is not None and streams_tokens(req):
+                self.sinks[fut] = sink
             self.state = WAITING
-            r.cond.notify_all()
+            if not any(q.state == RUNNING and q.key for q in r.plays):  # the batch is complete: wake the trainer's thread
+                r.cond.notify_all()
         return fut
 
 
@@ -187,11 +211,14 @@ class Runner:
         self.call_seed: Callable[[int, int], int] = lambda place, k: 0
         self.max_prompt = 0  # a prompt longer than this (0: no cap) is refused: context_length_exceeded
         self.counts = AgentCounts()
+        self.stream_tokens = False  # `generate` takes a third argument, a function of each step's tokens: streams go token by token
         # durable execution (completion order): each place's calls journaled by an earlier process, answered
-        # from there while its requests match; `durable(plays)` makes the plays' calls durable before they are
-        # answered; `name(place)` names an episode in a divergence's line
+        # from there while its requests match; `durable(new)` makes the new calls ((episode, position) each)
+        # durable before they are answered, and forgets those in `discarded` ((place, position): a divergence's);
+        # `name(place)` names an episode in a divergence's line
         self.journaled: dict[int, list[Call]] = {}
-        self.durable: Callable[[list[Play]], None] | None = None
+        self.discarded: list[tuple[int, int]] = []
+        self.durable: Callable[[list[tuple[Play, int]]], None] | None = None
         self.name: Callable[[int], str] = lambda place: f"episode {place}"
         self.plays: list[Play] = []  # the round being played, by place
 
@@ -217,7 +244,7 @@ class Runner:
         the seed of call k of the episode at `place`; `journaled`: the calls an earlier process made durable,
         by place (answered from there while the requests match: :meth:`from_journal`)."""
         self.call_seed = call_seed
-        self.journaled = dict(journaled or {})
+        self.journaled, self.discarded = dict(journaled or {}), []
         plays = [Play(self, i, row, seed) for i, (row, seed) in enumerate(zip(rows, seeds))]
         self.plays = plays
         todo, running = list(range(len(plays)))[::-1], list[Play]()
@@ -247,7 +274,8 @@ class Runner:
                 out = asyncio.run(_awaited(out))
         except BaseException as e:  # noqa: BLE001 - the agent's own failure is its episode's fault, never the run's
             with self.cond:
-                self.end(p, f"the agent raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}".rstrip(": "))
+                said = f"the agent raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}".rstrip(": ")
+                self.end(p, said + raised_at(e))
             return
         with self.cond:
             if p.state == DONE:
@@ -275,6 +303,7 @@ class Runner:
                   f"in {', '.join(fields) or 'its bytes'}; the {len(held) - k} journaled call(s) from there on are discarded "
                   "and the episode goes on live", file=sys.stderr, flush=True)
             self.journaled[p.place] = held[:k]
+            self.discarded += [(p.place, j) for j in range(k, len(held))]
             self.counts.divergences += 1
             return None
         p.calls.append(held[k])
@@ -294,7 +323,7 @@ class Runner:
             self.agent.kill(p.key)
         for *_, fut in p.pending:
             fut.set_exception(unauthorized())
-        p.pending = []
+        p.pending, p.sinks = [], {}
         self.cond.notify_all()
 
     def _ready(self, running: list[Play]) -> list[Play] | None:
@@ -321,22 +350,36 @@ class Runner:
         """Generate every waiting call of `batch` together (each from its own seed) and answer them."""
         with self.cond:
             asks = [(p, k, req, ids, fut) for p in batch for (k, req, ids, fut) in p.pending]
-        ids_out, lps_out = self.generate([a[3] for a in asks], [self.call_seed(a[0].place, a[1]) for a in asks])
+            sinks = [p.sinks.pop(fut, None) for p, *_, fut in asks]
+        prompts, seeds = [a[3] for a in asks], [self.call_seed(a[0].place, a[1]) for a in asks]
+        live = [(i, LiveStream(self, a[2], call_id(seeds[i], a[1]), sink)) for i, (a, sink) in enumerate(zip(asks, sinks)) if sink is not None]
+        if live and self.stream_tokens:
+            def on_token(step: np.ndarray) -> None:  # the trainer's thread, between two generation steps
+                for i, s in live:
+                    s.push(int(step[i]))
+
+            ids_out, lps_out = self.generate(prompts, seeds, on_token)  # type: ignore[call-arg]
+        else:
+            ids_out, lps_out = self.generate(prompts, seeds)
+        made: list[tuple[Play, Future, Call]] = []
+        for (p, k, req, ids, fut), out, lps, seed in zip(asks, ids_out, lps_out, seeds):  # each call's own data: outside the lock
+            out, lps = np.asarray(out, np.int64), np.asarray(lps, np.float32)
+            comp, keep = self.completion(req, out, lps, len(ids))
+            body, flag = response_bytes(req, comp, call_id(seed, k))
+            made.append((p, fut, Call(req.canonical(), req.digest(), ids, out[:keep], lps[:keep], body, flag)))
         answers: list[tuple[Play, Future, bytes]] = []
+        new: list[tuple[Play, int]] = []  # (episode, the position of its new call)
         with self.cond:
-            for (p, k, req, ids, fut), out, lps in zip(asks, ids_out, lps_out):
+            for p, fut, call in made:
                 if p.state == DONE:
                     continue
-                seed = self.call_seed(p.place, k)
-                comp, keep = self.completion(req, np.asarray(out, np.int64), np.asarray(lps, np.float32), len(ids))
-                body, flag = response_bytes(req, comp, f"{seed & 0xFFFFFFFFFFFF:012x}{k:03d}")
-                p.calls.append(Call(req.canonical(), req.digest(), ids, np.asarray(out, np.int64)[:keep],
-                                    np.asarray(lps, np.float32)[:keep], body, flag))
+                p.calls.append(call)
+                new.append((p, len(p.calls) - 1))
                 self.counts.calls += 1
-                self.counts.malformed_tool_calls += bool(flag)
-                answers.append((p, fut, body))
+                self.counts.malformed_tool_calls += bool(call.flag)
+                answers.append((p, fut, call.response))
             if self.durable is not None and answers:  # every completed call durable before its answer is returned
-                self.durable(list({id(p): p for p, _, _ in answers}.values()))
+                self.durable(new)
             for p, fut, body in answers:
                 p.pending = [x for x in p.pending if x[3] is not fut]
                 if not p.pending:
@@ -357,8 +400,43 @@ class Runner:
             cut, stop = hits[0]
             text, finish = text[:cut], "stop"
             keep = next(n for n in range(1, keep + 1) if stop in tok.decode(out[:n], skip_special_tokens=True))
-        shown = [tok.decode([int(t)], skip_special_tokens=True) for t in out[:keep]]
-        return Completion(text, shown, lps[:keep].tolist(), finish, prompt_len, keep), keep
+        shown = [tok.decode([int(t)], skip_special_tokens=True) for t in out[:keep]] if req.logprobs else []  # only logprobs shows them
+        pieces: tuple = ()
+        if streams_tokens(req):  # the deltas a token-by-token stream sent (or would have: the same whichever engine)
+            stream = TextStream(self.decode)
+            pieces = tuple(stream.feed(int(t)) for t in out[:keep])
+        return Completion(text, shown, lps[:keep].tolist(), finish, prompt_len, keep, pieces), keep
+
+    def decode(self, ids: list) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def call_id(seed: int, k: int) -> str:
+    """A call's id in its response (``chatcmpl-ID``, a tool call's ``call_ID_n``): from its seed and position, never from timing."""
+    return f"{seed & 0xFFFFFFFFFFFF:012x}{k:03d}"
+
+
+class LiveStream:
+    """A call streamed token by token while its batch generates: its role event with the first token, then an
+    event for each text delta, as `Runner.completion` will make them of the kept tokens (cut at max_tokens; the
+    end-of-sequence token ends it). The rest (the finish, the usage, [DONE]) goes once the call is durable."""
+
+    def __init__(self, runner: Runner, req: ChatRequest, cid: str, sink: Callable[[bytes], None]):
+        self.req, self.cid, self.sink, self.eos = req, cid, sink, runner.tok.eos_token_id
+        self.text, self.left, self.over = TextStream(runner.decode), req.max_tokens, False
+
+    def push(self, token: int) -> None:
+        if self.over:
+            return
+        try:
+            if not self.text.ids:
+                self.sink(role_event(self.req, self.cid))
+            piece = self.text.feed(token)
+            if piece:
+                self.sink(piece_event(self.req, self.cid, piece))
+        except Exception:  # noqa: BLE001 - the client's loop gone: the stream stops, generation goes on
+            self.over = True
+        self.over = self.over or token == self.eos or (self.left is not None and len(self.text.ids) >= self.left)
 
 
 def differing(was: dict, now: dict) -> list[str]:

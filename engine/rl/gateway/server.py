@@ -1,27 +1,28 @@
-"""The gateway's HTTP server: ``POST /v1/chat/completions`` and ``GET /v1/models``, a FastAPI app
+"""The gateway's HTTP server: ``POST /v1/chat/completions`` and ``GET /v1/models``, a plain ASGI app
 served by uvicorn in a thread of the trainer's process, on 127.0.0.1 at a port the system chooses
-(``pip install 'verlj[agent]'``: fastapi, uvicorn, and the openai client agents use).
+(``pip install 'verlj[agent]'``: uvicorn with httptools and uvloop, and the openai client agents use).
+No web framework: two routes, the raw body parsed once (``gateway.protocol``), so what a call costs is
+the gateway's own work (``tools/bench_gateway.py``).
 
 Every request names its episode by its API key (``Authorization: Bearer KEY``): a random secret made
 for that episode alone and forgotten when it ends, so a missing, wrong or finished key gets 401 and
 one episode can neither read nor add to another's calls. What a key's episode answers is its own
-business (:class:`Session`: ``gateway.runner``); the server parses (``gateway.protocol``), hands the
-request over and sends back the bytes it is given. Every refusal is OpenAI's error shape; nothing a
-client sends ends in a traceback, to the client or in the log.
+business (:class:`Session`: ``gateway.runner``); the server parses, hands the request over and sends
+back the bytes it is given. Every refusal is OpenAI's error shape; nothing a client sends ends in a
+traceback, to the client or in the log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
-
-from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
 
 from .protocol import MAX_BODY, ApiError, ChatRequest, models_body, parse_request, unauthorized
 
@@ -31,8 +32,9 @@ log = logging.getLogger("verlj.gateway")
 class Session(Protocol):
     """One episode as the server sees it: its calls are handed over here, answered by a future."""
 
-    def submit(self, req: ChatRequest, retry: int) -> Future:
-        """The call's answer (response bytes), or an ApiError set on the future (or raised at once)."""
+    def submit(self, req: ChatRequest, retry: int, sink: Callable[[bytes], None] | None = None) -> Future:
+        """The call's answer (response bytes), or an ApiError set on the future (or raised at once). A stream's
+        events may go to `sink` (from any thread) as they are made; the answer's bytes then begin with them."""
 
 
 class Gateway:
@@ -77,7 +79,8 @@ class Gateway:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app(self), log_level="critical", access_log=False, lifespan="off", timeout_keep_alive=30)
+        http = "httptools" if importlib.util.find_spec("httptools") else "h11"  # the loop: uvloop when installed ("auto")
+        config = uvicorn.Config(app(self), http=http, log_level="critical", access_log=False, lifespan="off", timeout_keep_alive=30)
         self.server = server = uvicorn.Server(config)
         self.thread = threading.Thread(target=server.run, kwargs={"sockets": [self.sock]}, name="verlj-gateway", daemon=True)
         self.thread.start()
@@ -96,47 +99,108 @@ class Gateway:
             self.sock = None
 
 
-def app(gw: Gateway):
-    """The FastAPI app over `gw`'s sessions."""
-    api = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-
-    def error(e: ApiError) -> Response:
-        return Response(e.body(), status_code=e.status, media_type="application/json")
-
-    @api.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:  # never a traceback to the client
-        log.error("gateway: %s on %s: %s", type(exc).__name__, request.url.path, exc)
-        return error(ApiError(500, "The gateway failed on this request.", kind="server_error"))
-
-    @api.get("/v1/models")
-    async def models(request: Request) -> Response:
-        try:
-            gw.session(request.headers.get("authorization"))
-        except ApiError as e:
-            return error(e)
-        return Response(models_body(gw.model), media_type="application/json")
-
-    @api.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        try:
-            session = gw.session(request.headers.get("authorization"))
-            size = request.headers.get("content-length")
-            if size is not None and size.isdigit() and int(size) > MAX_BODY:
-                raise ApiError(413, f"The request body is {size} bytes, more than the gateway's limit of {MAX_BODY}.")
-            req = parse_request(await request.body(), gw.model)
-            retry = request.headers.get("x-stainless-retry-count", "0")
-            body = await asyncio.wrap_future(session.submit(req, int(retry) if retry.isdigit() else 0))
-        except ApiError as e:
-            return error(e)
-        if req.stream:
-            return StreamingResponse(_events(body), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        return Response(body, media_type="application/json")
-
-    return api
+JSON = b"application/json"
 
 
-async def _events(body: bytes):
-    """An SSE stream's bytes, one event a chunk (what the journal keeps is their concatenation)."""
-    for part in body.split(b"\n\n"):
+async def _respond(send, status: int, body: bytes, media: bytes = JSON) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", media), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _stream(send, session: Session, req: ChatRequest, retry: int) -> None:
+    """A server-sent event stream: each event as the session makes it (a token's text delta, while its batch
+    generates), the rest once the answer is complete (durable: the finish reason, the usage, ``[DONE]``).
+    What was sent is where the answer's bytes begin: the journal keeps their concatenation."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[bytes] = asyncio.Queue()
+
+    def sink(event: bytes) -> None:  # from the trainer's thread
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    done = asyncio.wrap_future(session.submit(req, retry, sink))
+    sent, started = b"", False
+
+    async def out(body: bytes, more: bool = True) -> None:
+        nonlocal sent, started
+        if not started:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+            started = True
+        sent += body
+        await send({"type": "http.response.body", "body": body, "more_body": more})
+
+    while not done.done():
+        got = asyncio.ensure_future(events.get())
+        await asyncio.wait({got, done}, return_when=asyncio.FIRST_COMPLETED)
+        if got.done():
+            await out(got.result())
+        else:
+            got.cancel()
+    while not events.empty():  # put before the answer was set: every event is in the queue by now
+        await out(events.get_nowait())
+    try:
+        body = done.result()
+    except ApiError as e:
+        if not started:
+            raise
+        await out(b"data: " + e.body() + b"\n\n", more=False)  # as OpenAI's streams say an error midway
+        return
+    if not body.startswith(sent):
+        log.error("gateway: a stream's answer does not begin with the events sent while it was generated")
+    for part in body[len(sent):].split(b"\n\n"):
         if part:
-            yield part + b"\n\n"
+            await out(part + b"\n\n")
+    await out(b"", more=False)
+
+
+async def _body(receive, size: str | None) -> bytes:
+    """The request's body, refused (413) past MAX_BODY as soon as its length says so."""
+    if size is not None and size.isdigit() and int(size) > MAX_BODY:
+        raise ApiError(413, f"The request body is {size} bytes, more than the gateway's limit of {MAX_BODY}.")
+    parts, got = [], 0
+    while True:
+        m = await receive()
+        chunk = m.get("body", b"")
+        got += len(chunk)
+        if got > MAX_BODY:
+            raise ApiError(413, f"The request body is more than the gateway's limit of {MAX_BODY} bytes.")
+        parts.append(chunk)
+        if not m.get("more_body"):
+            return b"".join(parts)
+
+
+def app(gw: Gateway):
+    """The ASGI app over `gw`'s sessions."""
+
+    async def chat(headers: dict, receive, send) -> None:
+        session = gw.session(headers.get("authorization"))
+        req = parse_request(await _body(receive, headers.get("content-length")), gw.model)
+        retry = headers.get("x-stainless-retry-count", "0")
+        if req.stream:
+            await _stream(send, session, req, int(retry) if retry.isdigit() else 0)
+            return
+        body = await asyncio.wrap_future(session.submit(req, int(retry) if retry.isdigit() else 0))
+        await _respond(send, 200, body)
+
+    async def asgi(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        route = (scope["method"], scope["path"].rstrip("/"))
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            if route == ("POST", "/v1/chat/completions"):
+                await chat(headers, receive, send)
+            elif route == ("GET", "/v1/models"):
+                gw.session(headers.get("authorization"))
+                await _respond(send, 200, models_body(gw.model))
+            else:
+                raise ApiError(404, f"Invalid URL ({route[0]} {scope['path']}): the gateway serves POST /v1/chat/completions "
+                               "and GET /v1/models.", code="unknown_url")
+        except ApiError as e:
+            await _respond(send, e.status, e.body())
+        except Exception as exc:  # noqa: BLE001 - never a traceback to the client
+            log.error("gateway: %s on %s: %s", type(exc).__name__, scope["path"], exc)
+            await _respond(send, 500, ApiError(500, "The gateway failed on this request.", kind="server_error").body())
+
+    return asgi

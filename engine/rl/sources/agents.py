@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -61,6 +62,7 @@ class AgentPlaying(Source):
                                  ro.agent_timeout_s, ro.max_turns)
             self.built = want
         self.runner.max_prompt = self._max_prompt()
+        self.runner.stream_tokens = self._streams()
         return self.runner
 
     def _max_prompt(self) -> int:
@@ -77,8 +79,19 @@ class AgentPlaying(Source):
             return render_chat(tok, lead + messages, True)
         return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
-    def _generate(self, prompts: list, seeds: list) -> tuple[list, list]:
+    def _generate(self, prompts: list, seeds: list, on_token: Callable | None = None) -> tuple[list, list]:
+        """A batch of calls generated; `on_token` (the runner's, when it streams: `_streams`) given each step's tokens."""
+        if on_token is not None:
+            return self.live.generate(prompts, seeds, self.cfg, on_token)  # type: ignore[attr-defined]
         return self.live.result(self.live.submit(prompts, seeds, self.cfg))
+
+    def _streams(self) -> bool:
+        """Whether the engine generates here, step by step, so that a stream can go token by token: verlj's own
+        sampler on the trainer's thread (rollout.engine=hf, sync). vLLM, and async mode's generator process,
+        answer a stream whole once its call is generated."""
+        from ..rollout import HFEngine
+
+        return isinstance(self.live, HFEngine)
 
     def agent_samples(self, rows: list[int], played: list[Played], agent_seeds: list[int]) -> list[Sample]:
         """Each episode (of the dataset row `rows[k]`) as a sample: its longest consistent segment, its reward (the

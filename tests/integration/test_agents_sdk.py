@@ -1,0 +1,40 @@
+"""An OpenAI Agents SDK agent (examples/agents_sdk.py: the library used unmodified) trained by verlj: every
+call the SDK makes journaled with its sample, its requests the SDK's own, the reward scored from its final
+output; SIGKILLed before a commit in sync mode and resumed, bit-identical to the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+
+from verlj.engine.schema.events import StepEvents
+from verlj.engine.schema.sample import EnvEnd, unpack
+from verlj.journal import open_journal_reader
+from verlj_testing import cli, kill_and_resume, train
+
+SDK = ["model.tiny.vocab=ascii", "rollout.agent=examples.agents_sdk:solve", "rollout.max_turns=3", "rollout.max_response_length=8",
+       "trainer.total_steps=2", "trainer.save_interval=1"]
+
+
+def test_an_agents_sdk_agent_trains_on_its_rewards_and_a_kill_resumes_bit_identical(tmp_path):
+    ref = tmp_path / "ref"
+    out = train(ref, *SDK)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open_journal_reader(ref / "journal") as j:
+        samples = [s for rec in j.iter_steps() for s in unpack(StepEvents.of(rec).added.samples)]
+    assert len(samples) == 32 and all(s.env_end == EnvEnd.DONE and s.agent_calls for s in samples)
+    for s in samples:
+        led = json.loads(s.agent_calls)
+        assert 1 <= len(led["calls"]) <= 3 and s.rule_reward == led["reward"]
+        req = json.loads(led["calls"][0]["request"])  # the SDK's request, as it sent it
+        assert req["messages"][0]["content"].startswith("Answer with the number") and req["tools"][0]["function"]["strict"] is True
+        final = json.loads(led["calls"][-1]["response"])["choices"][0]["message"]["content"] or ""
+        # scored from the SDK's final output: the row's answer in it, else a tenth of its share of digits
+        assert led["reward"] in (1.0, 0.1 * sum(c.isdigit() for c in final) / max(1, len(final)))
+    assert len({s.rule_reward for s in samples}) > 1  # the rewards vary: the update has something to learn from
+    out = cli("export", ref, "--rollouts", "--turns", "-o", tmp_path / "calls.jsonl", check=True)  # a row per model call
+    rows = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert f"wrote {len(rows)} calls to" in out.stdout
+    want = [(s.id, k + 1, c["completion_ids"]) for s in samples for k, c in enumerate(json.loads(s.agent_calls)["calls"])]
+    assert [(r["sample_id"], r["call"], r["completion_ids"]) for r in rows] == want
+    assert all(json.loads(r["messages"])[0]["role"] == "system" and r["status"] == "consumed" for r in rows)
+    kill_and_resume(tmp_path / "run", ref, *SDK, failpoint="step.before_commit:2")

@@ -1,0 +1,124 @@
+"""An agent library used unmodified against the gateway: examples/agents_sdk.py (the OpenAI Agents SDK's
+Agent, @function_tool and Runner over an AsyncOpenAI client) answered by a scripted policy that calls the
+tool, then answers. The SDK's requests are accepted as sent; its tool call is run and its result sent back;
+the episode's sample continues the first call's sequence with the tool's turn masked from the loss. And the
+request fields OpenAI accepts beside (what such libraries send) are checked for their type and ignored."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from examples.agents_sdk import solve
+from verlj.engine.rl.gateway import ledger
+from verlj.engine.rl.gateway.protocol import ApiError, parse_request
+from verlj.engine.rl.gateway.runner import Runner
+from verlj.engine.rl.gateway.server import Gateway
+from verlj.engine.rl.models import builtin_tokenizer, render_chat
+from verlj.engine.rl.vocab import VOCABS
+
+TOK = builtin_tokenizer(VOCABS["ascii"])
+MODEL = "verlj-policy"
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+def encode(text: str) -> list[int]:
+    return TOK(text, add_special_tokens=False).input_ids
+
+
+def tool_then_answer(prompts, seeds):
+    """The policy, scripted: a tool call first (cut at the length limit: the built-in template writes back no
+    end-of-sequence token, which would break the sequence); once the tool has answered, its result."""
+    outs = []
+    for p in prompts:
+        text = TOK.decode(p, skip_special_tokens=True)
+        ids = encode(text.rsplit("<|tool|>\n", 1)[1].split("\n")[0]) + [TOK.eos_token_id] if "<|tool|>" in text else encode(CALL)
+        outs.append(np.asarray(ids, np.int64))
+    return outs, [np.full(len(o), -0.5, np.float32) for o in outs]
+
+
+def test_an_agents_sdk_agent_calls_its_tool_through_the_gateway_and_the_tools_turn_is_masked():
+    gw = Gateway(MODEL).start()
+    try:
+        r = Runner(gw, solve, TOK, lambda msgs, tools: render_chat(TOK, msgs, True), tool_then_answer, 2, 10.0, 3)
+        out = r.play([{"prompt": "2+3=", "answer": "5"}, {"prompt": "2+3=", "answer": "7"}], [1, 2], lambda place, k: 10 * place + k)
+    finally:
+        gw.stop()
+    assert [p.fault for p in out] == ["", ""]
+    assert out[0].reward == 1.0 and out[1].reward == pytest.approx(0.1)  # from the SDK's final output, "5"
+    calls = out[0].calls
+    assert len(calls) == 2
+    first, second = (json.loads(c.request) for c in calls)
+    # the SDK's own request: its instructions, its strict tool schema
+    assert first["messages"][0] == {"role": "system", "content": "Answer with the number. Use the add tool to add."}
+    assert first["tools"][0]["function"]["name"] == "add" and first["tools"][0]["function"]["strict"] is True
+    assert json.loads(calls[0].response)["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "add"
+    # the SDK ran the tool and sent its result back against the call's id
+    said, tool = second["messages"][-2:]
+    assert said["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+    assert tool == {"role": "tool", "content": "5", "tool_call_id": said["tool_calls"][0]["id"]}
+    segs = ledger.segments(calls)
+    assert segs == [[0, 1]]  # the second call's prompt continues the first's prompt and completion
+    f = ledger.sample_fields(calls, segs[0])
+    n0, n1 = len(calls[0].completion_ids), len(calls[1].completion_ids)
+    between = len(calls[1].prompt_ids) - len(calls[0].prompt_ids) - n0
+    assert between > 0 and f["loss_mask"].tolist() == [1] * n0 + [0] * between + [1] * n1  # the tool's turn: masked
+    full = np.concatenate([f["prompt_ids"], f["response_ids"]])
+    assert "<|tool|>\n5" in TOK.decode(full[len(calls[0].prompt_ids) + n0: len(calls[1].prompt_ids)])
+
+
+BASE = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize("name, good, bad", [
+    ("parallel_tool_calls", False, "no"),
+    ("store", False, 1),
+    ("metadata", {"task": "t"}, ["t"]),
+    ("user", "someone", 3),
+    ("service_tier", "auto", True),
+    ("reasoning_effort", "low", 1),
+    ("prompt_cache_key", "k", {}),
+    ("verbosity", "low", 2),
+])
+def test_a_field_openai_accepts_is_accepted_and_ignored_and_a_wrong_type_refused(name, good, bad):
+    plain = parse_request(json.dumps(BASE).encode(), MODEL)
+    got = parse_request(json.dumps({**BASE, name: good}).encode(), MODEL)
+    assert got.canonical() == plain.canonical()  # decides nothing: the journaled request (and its hash) are the same
+    with pytest.raises(ApiError) as e:
+        parse_request(json.dumps({**BASE, name: bad}).encode(), MODEL)
+    assert e.value.status == 400 and e.value.param == name and name in e.value.message
+
+
+def test_stream_options_are_honoured_with_a_stream_and_ignored_without():
+    assert parse_request(json.dumps({**BASE, "stream": True, "stream_options": {"include_usage": True}}).encode(), MODEL).include_usage
+    assert not parse_request(json.dumps({**BASE, "stream_options": {"include_usage": True}}).encode(), MODEL).include_usage
+    with pytest.raises(ApiError) as e:
+        parse_request(json.dumps({**BASE, "stream_options": "usage"}).encode(), MODEL)
+    assert e.value.param == "stream_options"
+
+
+def test_the_sdks_streamed_run_gets_its_tool_call_and_answer_as_server_sent_events():
+    from agents import Agent, OpenAIChatCompletionsModel, RunConfig
+    from agents import Runner as SdkRunner
+    from openai import AsyncOpenAI
+
+    from examples.agents_sdk import add, reward
+
+    async def streamed(ep):
+        client = AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        agent = Agent(name="adder", instructions="Add.", tools=[add], model=OpenAIChatCompletionsModel(model=ep.model, openai_client=client))
+        run = SdkRunner.run_streamed(agent, ep.row["prompt"], max_turns=ep.max_turns, run_config=RunConfig(tracing_disabled=True))
+        kinds = {e.type async for e in run.stream_events()}
+        assert "raw_response_event" in kinds
+        return reward(str(run.final_output or ""), "5")
+
+    gw = Gateway(MODEL).start()
+    try:
+        out = Runner(gw, streamed, TOK, lambda msgs, tools: render_chat(TOK, msgs, True), tool_then_answer, 1, 10.0, 3).play(
+            [{"prompt": "2+3="}], [1], lambda place, k: k)
+    finally:
+        gw.stop()
+    assert out[0].fault == "" and out[0].reward == 1.0 and len(out[0].calls) == 2
+    assert all(json.loads(c.request)["stream"] and c.response.endswith(b"data: [DONE]\n\n") for c in out[0].calls)
