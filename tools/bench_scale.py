@@ -23,8 +23,11 @@ with fp32 masters; TRL: Hugging Face's bf16=True, fp32 weights with bf16 autocas
                 after step a, written again --repeats times in a separate process, the median of write + fsync +
                 publish; TRL: its
                 checkpoint-a directory and the time from on_step_end to on_save of that step)
-  blocked       verlj, trainer.async_save=true: the time save() held the loop (state copied to host memory)
-                over the whole async snapshot's write time, medians of --repeats (goal <= 10%)
+  blocked       verlj, trainer.async_save=true: the time the loop was held, by save() (DeepSpeed's
+                save_checkpoint on the loop's thread: the state dicts, holding the live tensors) and by the
+                next update's wait for the write (Checkpointer.settle, after the next step's collect, which
+                this probe runs as the loop does), over the async snapshot's write time (from save() until
+                published, in the background), medians of --repeats (goal <= 10%)
   recover       recovery (load the snapshot at a, replay k journaled steps, checking each) over re-running
                 the k steps live from the same snapshot (generation, reward, update: what a checkpoint-only
                 trainer redoes), each in a fresh process of this script (--recovery-probe): launch to exit,
@@ -37,8 +40,8 @@ and the ratios verlj/TRL of step time and peak RSS (goals <= 1). verlj trains a 
 timed are those after --warmup. TRL trains a steps, its checkpoint at a.
 
 Load: the arms and rungs run one after another, each using one core; nothing else should run meanwhile
-(the 135m and 500m rungs need an idle machine; 500m about 16 GiB of memory: at 135m verlj's process
-held about 30 bytes a parameter at its peak, TRL's about 25). Times are wall-clock, meaningful side by side as ratios.
+(the 135m and 500m rungs need an idle machine; 500m about 12 GiB of memory: verlj's process peaked at
+11.7 GiB in fp32, TRL's at 8.9; the 500m rung took 33 minutes in fp32 and 18 in bf16 on a shared 2-core machine). Times are wall-clock, meaningful side by side as ratios.
 `--rungs tiny --arms verlj` is a smoke of the tool, not a figure; the test suite does not run it.
 """
 
@@ -201,7 +204,8 @@ def recovery_probe(run: Path, a: int, k: int, how: str) -> dict:
 def snapshot_probe(run: Path, step: int, repeats: int) -> dict:
     """In this process: the run's state restored from its snapshot at `step` (Adam's moments included), then
     written again into a scratch run `repeats` times each, synchronously (its bytes and write time) and with
-    trainer.async_save (the time save() holds the loop, and the time until the write is published): medians."""
+    trainer.async_save, the next step collected meanwhile as the loop does (the time save() and the update's
+    wait for the write, Checkpointer.settle, hold the loop, and the write's time until published): medians."""
     import copy
 
     from verlj.engine.config import config_from_dict
@@ -232,8 +236,11 @@ def snapshot_probe(run: Path, step: int, repeats: int) -> dict:
             at = step + 2 * i + int(async_save)
             t = time.perf_counter()
             ckpt.save(at, "bench")
+            if async_save:  # as the loop goes on: the next step collected while the snapshot is written, then its update waits
+                trainer.collect(step + 1)
+                ckpt.settle()
             ckpt.wait()
-            times["async_s" if async_save else "sync_s"].append(time.perf_counter() - t)
+            times["async_s" if async_save else "sync_s"].append(ckpt.write_s if async_save else time.perf_counter() - t)
             if async_save:
                 times["blocked_s"].append(ckpt.blocked_s)
             out.setdefault("bytes", du(scratch / f"step_{at:05d}"))

@@ -14,9 +14,15 @@ gathers its Stateful objects: the sharded ones (the DeepSpeed engines of the act
 through DeepSpeed's own save/load, the others through state_dict / load_state_dict, encoded as
 msgpack. Loading never unpickles anything but tensors (state.safe_load).
 
-:class:`Checkpointer` decides (loop.policy), writes (sync, or async: the loop is blocked only
-while DeepSpeed's state is copied to host memory), hands the directory to the store to publish and
-rotate (loop.snapshot_store), and loads.
+:class:`Checkpointer` decides (loop.policy), writes (sync, or async), hands the directory to the
+store to publish and rotate (loop.snapshot_store), and loads.
+
+An async snapshot copies nothing on the loop's thread: DeepSpeed hands its state dicts to
+safe_load's wrapper, which holds the live tensors, and a background thread writes them (making
+views and device tensors host copies of their own as it goes) while the loop collects the next
+step. The loop changes no trained state before the next update: it calls :meth:`Checkpointer.settle`
+before each apply, which waits until the held tensors are written (fsync and publish go on in
+the background). What the loop waited for, in save() and there, is ``blocked_s``.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from verlj.journal.space import files_under, write_failure_cause
 from ..errors import RunError, SnapshotError
 from ..state import reshard
 from ..state.manifest import ANCHOR, META, SnapshotMeta, fsync_tree, snapshot_name, write_bytes_durable
-from ..state.safe_load import install_safe_checkpointing, save_portable
+from ..state.safe_load import install_safe_checkpointing, save_portable, saveable
 from ..state.seeding import RNGState
 from ..state.stateful import Stateful
 from ..state.topology import Topology, refusal
@@ -129,7 +135,10 @@ class Checkpointer:
         self.last_saved: int | None = None
         self.resharded: Resharded | None = None  # set by load() when the snapshot came from another topology
         self.loaded_fingerprint: str | None = None  # the state's fingerprint right after a restore (recovery)
-        self.blocked_s = 0.0  # how long the last snapshot blocked the loop
+        self.blocked_s = 0.0  # how long the last snapshot blocked the loop (save, and settle for an async one)
+        self.write_s = 0.0  # the last snapshot's write, from save() to published (async: in the background)
+        self._held = threading.Event()  # clear while an async snapshot holds live tensors it has not written
+        self._held.set()
         for engine in trainer.engines().values():
             install_safe_checkpointing(engine)
 
@@ -215,7 +224,7 @@ class Checkpointer:
         rt.barrier()
         t0 = time.perf_counter()
         async_save = self.trainer.cfg.trainer.async_save and publish
-        deferred: list[tuple[str, object]] = []  # async: DeepSpeed's state copied to host memory, written in the background
+        deferred: list[tuple[str, object]] = []  # async: DeepSpeed's state dicts, holding the live tensors, written in the background
         small: dict[str, bytes] = {}
         anchor: dict[str, dict] = {}
         for part in self.parts():
@@ -250,7 +259,8 @@ class Checkpointer:
         self.blocked_s = time.perf_counter() - t0
         self.last_saved = step
         if async_save:
-            self._thread = threading.Thread(target=self._finish_async, args=(step, fp, tmp, deferred, small), daemon=True)
+            self._held.clear()
+            self._thread = threading.Thread(target=self._finish_async, args=(step, fp, tmp, deferred, small, t0), daemon=True)
             self._thread.start()
             self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / snapshot_name(step)} in the background...")
             return
@@ -265,13 +275,20 @@ class Checkpointer:
             self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / snapshot_name(step)}...")
             if rt.is_main:
                 self._retain()
+        self.write_s = time.perf_counter() - t0
 
-    def _finish_async(self, step, fp, tmp: Path, deferred, small) -> None:
-        """Background: write the copied state, mark this rank done; rank 0 waits for all, then publishes."""
+    def _finish_async(self, step, fp, tmp: Path, deferred, small, t0: float) -> None:
+        """Background: write the held state (then the loop may change it: settle), mark this rank done;
+        rank 0 waits for all, then publishes."""
         try:
-            for path, state in deferred:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-                save_portable(state, path)
+            try:
+                failpoint("snapshot.held")  # the live tensors held, none written yet (a test stalls here: the update must wait)
+                for path, state in deferred:
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                    save_portable(saveable(state), path)
+            finally:
+                deferred.clear()
+                self._held.set()
             _write_small(tmp, small)
             failpoint("snapshot.mid_write")
             fsync_tree(tmp)
@@ -284,6 +301,7 @@ class Checkpointer:
                     m.unlink()
                 self._publish(step, fp, tmp)
                 self._retain()
+            self.write_s = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - surfaced by wait()
             self._error, self._error_step = e, step
             self._error_cause = write_failure_cause(e, tmp, files_under(tmp))
@@ -299,6 +317,14 @@ class Checkpointer:
             retention.apply(self.run_dir, self.trainer.cfg, self.ledger, self.reporter)
         except (RunError, JournalError, OSError) as e:  # the samples stay; the next snapshot tries again
             self.reporter.warn(f"journal retention did not run: {e}")
+
+    def settle(self) -> None:
+        """Block until an in-flight async snapshot has written the live tensors it holds, so that the
+        trained state may change (the loop calls it before each update); the wait counts in blocked_s."""
+        if not self._held.is_set():
+            t = time.perf_counter()
+            self._held.wait()
+            self.blocked_s += time.perf_counter() - t
 
     def wait(self) -> None:
         """Block until an in-flight async snapshot is published (or raise its error)."""
@@ -330,6 +356,7 @@ class Checkpointer:
     def load(self, path: Path) -> SnapshotMeta:
         """Load a verified snapshot into every part of the registry, in one loop (collective).
         Returns its meta."""
+        self.settle()  # an async snapshot still writing the state this load replaces
         meta = SnapshotMeta.read(path)
         engines = [p.name for p in self.parts() if p.kind == ENGINE_PART]
         if sorted(meta.engines) != sorted(engines):

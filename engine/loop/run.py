@@ -333,6 +333,7 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
         t_step = time.perf_counter()
         inputs = source.collect(step)  # async: also starts generating a later step's batch ...
         samples = trainer.take(step, inputs)
+        ckpt.settle()  # an async snapshot's write of the state the update is about to change
         outcome = trainer.apply(step, inputs, samples)
         inputs = source.finish_collect(step, inputs)  # ... which is in the buffer, and in this record, before the commit
         generated = Columns(inputs.added).samples()

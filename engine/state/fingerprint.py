@@ -19,6 +19,8 @@ Two kinds (``trainer.state_digest``, fixed for a run; runs made before the key a
 from __future__ import annotations
 
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import blake3
 import torch
@@ -28,6 +30,8 @@ from ..dist import Runtime
 SMALL = 1 << 20  # tensors under this many bytes are digested together (one row of sums for all of them) ...
 CHUNK = 4 << 20  # ... gathered into buffers of at most this many bytes (group_sums)
 ROW = 16  # int64 words per row of the sum64 layout (128 bytes: both reductions stream at memory speed on CPU)
+PIECE = 1 << 20  # a large tensor is reduced in pieces of at most this many words (8 MiB), on as many threads ...
+MAX_THREADS = 8  # ... as the process may run on, at most this many
 
 
 # ----------------------------------------------------------------------------- sum64
@@ -77,24 +81,52 @@ def group_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     built whole (on a model whose every tensor is small, that copied its whole state each step, and
     a fresh buffer of it costs more than the copy): they are gathered at most CHUNK bytes at a time,
     and each chunk adds its share at its place in the layout (_placed_sums; the sums are linear
-    modulo 2^64, so the row is the same bits). One set of kernels still serves many small tensors."""
+    modulo 2^64, so the row is the same bits). One set of kernels still serves many small tensors.
+    A large tensor is reduced in pieces of at most PIECE words the same way, and on the host the
+    pieces and chunks are reduced by as many threads as the process may use (torch releases the
+    interpreter's lock in its kernels): integer sums modulo 2^64 are the same bits in any order."""
     small = [_words(t) for t in tensors if t.numel() * t.element_size() < SMALL]
-    out = []
+    jobs: list[tuple[int, list[torch.Tensor], int, int]] = []  # (row of the result, words laid end to end, offset, end)
     if small:
         end = sum(w.numel() for w in small) // ROW * ROW  # the layout's rows end here; the words past it are its tail
-        row, offset, held = None, 0, 0
+        offset, held = 0, 0
         chunk: list[torch.Tensor] = []
         for w in [*small, None]:
             if chunk and (w is None or (held + w.numel()) * 8 > CHUNK):
-                share = _placed_sums(torch.cat(chunk) if len(chunk) > 1 else chunk[0], offset, end)
-                row = share if row is None else row + share
+                jobs.append((0, chunk, offset, end))
                 offset, chunk, held = offset + held, [], 0
             if w is not None:
                 chunk.append(w)
                 held += w.numel()
-        out.append(row)
-    out += [tensor_sums(t) for t in tensors if t.numel() * t.element_size() >= SMALL]
-    return torch.stack(out) if out else torch.zeros((0, 2), dtype=torch.int64)
+    rows = int(bool(small))
+    for t in tensors:
+        if t.numel() * t.element_size() >= SMALL:
+            w = _words(t)
+            jobs += [(rows, [w[lo : lo + PIECE]], lo, w.numel() // ROW * ROW) for lo in range(0, w.numel(), PIECE)]
+            rows += 1
+    if not rows:
+        return torch.zeros((0, 2), dtype=torch.int64)
+    device = tensors[0].device
+    out = torch.zeros((rows, 2), dtype=torch.int64, device=device)
+    for (row, _, _, _), share in zip(jobs, _in_parallel(_job, jobs, device)):
+        out[row] += share
+    return out
+
+
+def _job(job: tuple[int, list[torch.Tensor], int, int]) -> torch.Tensor:
+    _, words, offset, end = job
+    return _placed_sums(torch.cat(words) if len(words) > 1 else words[0], offset, end)
+
+
+def _in_parallel(fn, jobs: list, device: torch.device) -> list:
+    """[fn(job) for job in jobs], on a host's tensors by a pool of threads (one a core this process may
+    run on, at most MAX_THREADS), made for the call: a pool kept across calls would not survive a fork."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # macOS has no affinity
+    threads = min(cores, MAX_THREADS, len(jobs)) if device.type == "cpu" else 1
+    if threads <= 1:
+        return [fn(job) for job in jobs]
+    with ThreadPoolExecutor(threads, thread_name_prefix="verlj-digest") as pool:
+        return list(pool.map(fn, jobs))
 
 
 def _placed_sums(w: torch.Tensor, offset: int, end: int) -> torch.Tensor:
@@ -113,11 +145,11 @@ def _placed_sums(w: torch.Tensor, offset: int, end: int) -> torch.Tensor:
                 part, j = w[lo - offset : hi - offset], torch.arange(lo, hi, dtype=torch.int64, device=dev)
                 s0.append((part * (j // ROW + 1)).sum())
                 s1.append((part * (j % ROW + 1)).sum())
-        if last > first:
+        if last > first:  # rows r0.. weigh r0 + 1 + j: r0 times their sum, plus weights 1.. made once
             rows = w[first - offset : last - offset].view(-1, ROW)
-            r0 = first // ROW
-            s0.append((rows.sum(1) * torch.arange(r0 + 1, r0 + rows.shape[0] + 1, dtype=torch.int64, device=dev)).sum())
-            s1.append((rows.sum(0) * _columns(dev)).sum())
+            sums = rows.sum(1)
+            s0.append(_weighted(sums, _rows(dev, rows.shape[0])) + first // ROW * sums.sum())
+            s1.append(_weighted(rows.sum(0), _columns(dev)))
     if offset + m > end:  # the layout's tail: weights position+1 and 1
         lo = max(offset, end)
         tail = w[lo - offset :]
@@ -130,6 +162,23 @@ def _placed_sums(w: torch.Tensor, offset: int, end: int) -> torch.Tensor:
 def _columns(dev: torch.device) -> torch.Tensor:
     """The column weights 1..ROW on a device, made once."""
     return torch.arange(1, ROW + 1, dtype=torch.int64, device=dev)
+
+
+@functools.cache
+def _row_weights(dev: torch.device) -> torch.Tensor:
+    """The row weights 1..(rows of a piece) on a device, made once."""
+    return torch.arange(1, max(PIECE, CHUNK // 8) // ROW + 1, dtype=torch.int64, device=dev)
+
+
+def _rows(dev: torch.device, n: int) -> torch.Tensor:
+    """The row weights 1..n."""
+    made = _row_weights(dev)
+    return made[:n] if n <= made.numel() else torch.arange(1, n + 1, dtype=torch.int64, device=dev)
+
+
+def _weighted(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ x·weights modulo 2^64: on the host one kernel without a temporary (CUDA has no integer dot)."""
+    return torch.dot(x, weights) if x.device.type == "cpu" else (x * weights).sum()
 
 
 # ----------------------------------------------------------------------------- traversal

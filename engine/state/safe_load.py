@@ -2,7 +2,8 @@
 
 DeepSpeed writes its checkpoints with ``torch.save``; verlj reads them back through
 :class:`SafeCheckpointEngine`, which wraps the engine's checkpoint engine and loads with
-``torch.load(weights_only=True)``. The same wrapper can defer saves to host memory (async snapshots).
+``torch.load(weights_only=True)``. The same wrapper can defer saves (async snapshots): it holds the
+live tensors, which a background thread writes while the loop goes on (loop.checkpointer).
 
 Enum members, whichever Python wrote them. Python 3.11.0-3.11.4 pickle a member of an enum with a
 mixed-in type (DeepSpeed's ``ZeroStageEnum(int, Enum)``, in every ZeRO 1-3 optimizer state) by name,
@@ -138,19 +139,45 @@ def weights_only_everywhere():
         torch.load = original
 
 
-def _copy_state(obj):
-    """A host-memory copy of a state dict that later training cannot change."""
+def _held(obj):
+    """A state dict as an async snapshot holds it until written: its tensors the live ones (no copy:
+    the loop does not change them before the next update, which waits for the write: Checkpointer.settle),
+    everything else copied."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach()
     if isinstance(obj, OrderedDict):
-        return OrderedDict((k, _copy_state(v)) for k, v in obj.items())
+        return OrderedDict((k, _held(v)) for k, v in obj.items())
     if isinstance(obj, dict):
-        return {k: _copy_state(v) for k, v in obj.items()}
+        return {k: _held(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_copy_state(v) for v in obj]
+        return [_held(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_copy_state(v) for v in obj)
+        return tuple(_held(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+def saveable(obj, seen: set | None = None):
+    """What DeepSpeed hands torch.save (its clone_tensors_for_torch_save: every tensor a storage of its
+    own on the host) without copying a tensor that already is one: a view into a larger buffer, a second
+    name for a storage already met (tied weights) and a device tensor are copied, the rest saved as they
+    are. torch.save writes the same bytes for both."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        whole = obj.storage_offset() == 0 and obj.is_contiguous() and storage.nbytes() == obj.numel() * obj.element_size()
+        if obj.device.type != "cpu":
+            return obj.detach().to("cpu")
+        if whole and storage.data_ptr() not in seen and obj.numel():
+            seen.add(storage.data_ptr())
+            return obj
+        return obj.detach().clone()
+    if isinstance(obj, list):
+        return [saveable(v, seen) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(saveable(v, seen) for v in obj)
+    if isinstance(obj, dict):
+        return type(obj)({k: saveable(v, seen) for k, v in obj.items()})
+    return obj
 
 
 class SafeCheckpointEngine:
@@ -163,9 +190,14 @@ class SafeCheckpointEngine:
     def __getattr__(self, name):
         return getattr(self._base, name)
 
+    def preserves_storage_sharing(self) -> bool:
+        """Whether DeepSpeed must copy every tensor before save(): not when deferring (save() holds the
+        live tensors, and the background write makes them `saveable`)."""
+        return self.deferred is None and self._base.preserves_storage_sharing()
+
     def save(self, state_dict, path: str):
         if self.deferred is not None:
-            self.deferred.append((path, _copy_state(state_dict)))
+            self.deferred.append((path, _held(state_dict)))
             return None
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 

@@ -388,8 +388,11 @@ def test_sigterm_and_double_sigint(tmp_path, references):
 
 
 def test_async_save_matches_sync(tmp_path, references, ref8):
+    """An async snapshot holds the live tensors and writes them while the loop goes on: its write is
+    stalled 3 s before the first tensor (at 6), so the next step's update has to wait for it (or the snapshot
+    at 6 would hold step 7's state, and the resume from it below would not match)."""
     run = tmp_path / "run"
-    out = train(run, *GRPO_DYN, "trainer.async_save=true")
+    out = train(run, *GRPO_DYN, "trainer.async_save=true", VERLJ_FAILPOINT="snapshot.held:3:sleep=3")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "in the background" in out.stdout
     assert_same_journal(run, references["grpo"])

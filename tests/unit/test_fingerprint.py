@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from verlj.engine.state import fingerprint
 from verlj.engine.state.fingerprint import ROW, _words, group_sums, leaves_digest, tensor_sums
 
 
@@ -79,6 +80,22 @@ def test_the_small_tensors_row_is_their_concatenation_s_without_building_it():
         small = [t for t in ts if t.numel() * t.element_size() < 1 << 20]
         want = tensor_sums(torch.cat([_words(t) for t in small]))
         assert group_sums(ts)[0].tolist() == want.tolist(), sizes
+
+
+@pytest.mark.parametrize("piece", [fingerprint.PIECE, 1000 * ROW, 4099])
+def test_large_tensors_in_pieces_on_threads_are_the_same_bits(monkeypatch, piece):
+    """A large tensor is reduced in pieces (at any offset, part rows included), by one thread or many:
+    each row of group_sums is still tensor_sums of the tensor, as a journaled sum64 holds."""
+    g = torch.Generator().manual_seed(piece)
+    ts = [torch.randn(n, generator=g) for n in (300_001, 5, 262_144, 70)] + [torch.randn(700, 513, generator=g).to(torch.bfloat16),
+                                                                          torch.randn(9, 40_000, generator=g, dtype=torch.float64).t()]
+    want = [tensor_sums(t).tolist() for t in ts if t.numel() * t.element_size() >= 1 << 20]
+    monkeypatch.setattr(fingerprint, "PIECE", piece)
+    for threads in (1, 4):
+        monkeypatch.setattr(fingerprint, "MAX_THREADS", threads)
+        got = group_sums(ts)
+        assert got[1:].tolist() == want, (piece, threads)
+        assert got[0].tolist() == tensor_sums(torch.cat([_words(t) for t in ts if t.numel() * t.element_size() < 1 << 20])).tolist()
 
 
 def test_sum64_digest_is_pinned():

@@ -76,3 +76,49 @@ def test_verljs_saves_pickle_members_by_value_on_every_interpreter(tmp_path, mon
     with torch.serialization.safe_globals([ZeroStageEnum]):  # torch's own loader reads it: no getattr in it
         assert torch.load(portable, weights_only=True)["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.optimizer_states
     assert load_weights_only(plain)["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.optimizer_states
+
+
+def test_an_async_snapshot_holds_the_live_tensors_and_writes_what_deepspeed_would():
+    """Deferred, DeepSpeed is told not to copy (preserves_storage_sharing), the wrapper holds the live
+    tensors, and `saveable` makes only views and second names copies: the file loads to the tensors
+    DeepSpeed's own copy (clone_tensors_for_torch_save) gives, each in a storage of its own, of the same size."""
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from verlj.engine.state.safe_load import saveable
+
+    flat = torch.arange(40, dtype=torch.float32)  # a ZeRO flat buffer and the parameters that are views into it
+    tied = torch.randn(3, 4)
+    state = OrderedDict(module=OrderedDict(a=flat[:10].view(2, 5), b=flat[10:40], emb=tied, head=tied),
+                        optimizer={"state": {0: {"exp_avg": torch.randn(6), "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]},
+                        bits=(torch.tensor([1, 2], dtype=torch.int8), ZeroStageEnum.gradients))
+    ce = SafeCheckpointEngine(TorchCheckpointEngine())
+    assert ce.preserves_storage_sharing()  # saving now: DeepSpeed copies first
+    ce.deferred = []
+    assert not ce.preserves_storage_sharing()
+    ce.save(state, "f")
+    (_, held), = ce.deferred
+    assert held["module"]["emb"].data_ptr() == tied.data_ptr() and held["module"]["b"].data_ptr() == flat[10:].data_ptr()  # no copy
+    ours, theirs = io.BytesIO(), io.BytesIO()
+    save_portable(saveable(held), ours)
+    save_portable(clone_tensors_for_torch_save(state), theirs)
+    assert len(ours.getvalue()) == len(theirs.getvalue())
+    a, b = (load_weights_only(io.BytesIO(f.getvalue())) for f in (ours, theirs))
+    flat_a = [(k, v) for k, v in _tensors(a)]
+    flat_b = [(k, v) for k, v in _tensors(b)]
+    assert [k for k, _ in flat_a] == [k for k, _ in flat_b]
+    for (k, x), (_, y) in zip(flat_a, flat_b):
+        assert x.dtype == y.dtype and x.shape == y.shape and x.stride() == y.stride() and torch.equal(x, y), k
+    assert len({x.untyped_storage().data_ptr() for _, x in flat_a}) == len(flat_a)  # no two share a storage, as DeepSpeed's
+    assert a["bits"][1] is ZeroStageEnum.gradients and a["optimizer"]["param_groups"] == [{"lr": 0.1}]
+
+
+def _tensors(obj, path=""):
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{path}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{path}/{i}")
