@@ -25,6 +25,7 @@ only here.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -531,10 +532,8 @@ class Journal:
         out = {}
         with self._read() as txn:
             for k, v in txn.cursor(self._pending):
-                try:
+                with contextlib.suppress(JournalError, CodecError):
                     out[bytes(k)] = unframe_plain(v, "a pending entry")
-                except (JournalError, CodecError):
-                    continue
         return out
 
     def make_durable(self) -> None:
@@ -552,9 +551,7 @@ class Journal:
         """The last committed step (``base_step()`` when no step is committed yet)."""
         with self._read() as txn:
             cur = txn.cursor(self._steps)
-            if cur.last():
-                return key_step(cur.key())
-            return self._base_step_txn(txn)
+            return key_step(cur.key()) if cur.last() else self._base_step_txn(txn)
 
     def first_step(self) -> int | None:
         with self._read() as txn:

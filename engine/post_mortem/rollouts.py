@@ -39,6 +39,8 @@ from ..schema.table import (
     num_rows,
     parquet_options,
     require_pyarrow,
+    row_end,
+    row_head,
     rows,
     step_columns,
     to_arrow,
@@ -193,10 +195,7 @@ def call_rows(cols: dict) -> Iterator[dict]:
 
     texts = cols.get(AGENT_TEXT) or [""] * num_rows(cols)
     for i, text in enumerate(texts):
-        head = {"step": cols["step"][i].item(), SAMPLE_ID: cols[SAMPLE_ID][i].item(), "group": cols["group"][i].item(),
-                "index": cols["index"][i].item(), VERSION: cols[VERSION][i].item()}
-        tail = {"score": cols["score"][i].item(), "env_end": cols["env_end"][i].item() if "env_end" in cols else 0,
-                "env_reason": cols["env_reason"][i] if "env_reason" in cols else ""}
+        head, tail = row_head(cols, i), row_end(cols, i)
         rec = AgentCalls.from_json(text) if text else AgentCalls((), -1, None, 0)
         if not rec.calls:
             yield {**head, "call": 0, "messages": None, "content": None, "tool_calls": [], "finish_reason": None, "flag": "",

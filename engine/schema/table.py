@@ -181,6 +181,18 @@ TURN_COLUMNS = ["step", "sample_id", "group", "index", "policy_version", "turn",
                 "action_logprobs", "observation_ids", "score", "env_end", EPISODE_TEXT]
 
 
+def row_head(cols: dict, i: int) -> dict:
+    """Row `i`'s identity as the per-turn and per-call tables start it: step, sample id, group, index, version."""
+    return {"step": cols["step"][i].item(), SAMPLE_ID: cols[SAMPLE_ID][i].item(), "group": cols["group"][i].item(),
+            "index": cols["index"][i].item(), VERSION: cols[VERSION][i].item()}
+
+
+def row_end(cols: dict, i: int) -> dict:
+    """Row `i`'s outcome as the per-turn and per-call tables end it: score, env_end (0 outside an episode), reason."""
+    return {"score": cols["score"][i].item(), "env_end": cols["env_end"][i].item() if "env_end" in cols else 0,
+            EPISODE_TEXT: cols[EPISODE_TEXT][i] if EPISODE_TEXT in cols else ""}
+
+
 def turn_rows(cols: dict) -> Iterator[dict]:
     """One step's columns as one row a turn (TURN_COLUMNS; JSON-ready values), `turn` counting from 1. A
     single-turn sample is one turn: its response, no observation, reward None, env_end 0 (EnvEnd.NONE)."""
@@ -191,17 +203,16 @@ def turn_rows(cols: dict) -> Iterator[dict]:
         if TURNS in cols:
             lens_v, lens_o = cols["turn_lens"]
             lens = lens_v[lens_o[i] : lens_o[i + 1]].tolist()
-            turns, end, reason = cols[TURNS][i], cols["env_end"][i].item(), cols[EPISODE_TEXT][i]
+            turns = cols[TURNS][i]
         else:
             lens = [len(ids), 0]
-            turns, end, reason = [{"action": cols["response"][i], "observation": "", "reward": None}], 0, ""
-        head = {"step": cols["step"][i].item(), "sample_id": cols[SAMPLE_ID][i].item(), "group": cols["group"][i].item(),
-                "index": cols["index"][i].item(), VERSION: cols[VERSION][i].item()}
+            turns = [{"action": cols["response"][i], "observation": "", "reward": None}]
+        head, end = row_head(cols, i), row_end(cols, i)
         at = 0
         for t, turn in enumerate(turns):
             a, o = lens[2 * t], lens[2 * t + 1]
             yield {**head, "turn": t + 1, **turn, "action_ids": ids[at : at + a], "action_logprobs": lps[at : at + a],
-                   "observation_ids": ids[at + a : at + a + o], "score": cols["score"][i].item(), "env_end": end, EPISODE_TEXT: reason}
+                   "observation_ids": ids[at + a : at + a + o], **end}
             at += a + o
 
 
