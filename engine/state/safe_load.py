@@ -190,19 +190,24 @@ class SafeCheckpointEngine:
     def __getattr__(self, name):
         return getattr(self._base, name)
 
+    def _torch(self) -> bool:
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        return isinstance(self._base, TorchCheckpointEngine)
+
     def preserves_storage_sharing(self) -> bool:
-        """Whether DeepSpeed must copy every tensor before save(): not when deferring (save() holds the
-        live tensors, and the background write makes them `saveable`)."""
-        return self.deferred is None and self._base.preserves_storage_sharing()
+        """Whether DeepSpeed must copy every tensor before save() (its clone_tensors_for_torch_save: the whole
+        state again, 12 bytes a parameter in fp32 at ZeRO-0, at a snapshot's peak): not for torch.save, which
+        save() hands a `saveable` state (copies of views, second names and device tensors only: the same
+        bytes), at once or, when deferring, in the background write."""
+        return not self._torch() and self.deferred is None and self._base.preserves_storage_sharing()
 
     def save(self, state_dict, path: str):
         if self.deferred is not None:
             self.deferred.append((path, _held(state_dict)))
             return None
-        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-        if isinstance(self._base, TorchCheckpointEngine):  # what it does, with enums pickled by value
-            return save_portable(state_dict, path, self._base.zipfile_serialization)
+        if self._torch():  # what it does, with enums pickled by value
+            return save_portable(saveable(state_dict), path, self._base.zipfile_serialization)
         return self._base.save(state_dict, path)
 
     def load(self, path: str, map_location=None):

@@ -28,3 +28,62 @@ def test_bf16_killed_and_resumed_is_bit_identical(tmp_path, stage):
         assert {t.dtype for t in states["module"].values()} == {torch.bfloat16}
         masters = states["optimizer"]["fp32_groups"]
         assert masters and all(t.dtype == torch.float32 for group in masters for t in group)
+
+
+_REDUCE_ALONE = r"""
+import sys, torch
+from verlj.engine.config import make_config
+from verlj.engine.dist import setup
+from verlj.engine.rl import workers
+from verlj.engine.rl.models import BUILTIN_TINY, load_causal_lm
+
+cfg = make_config(None, ["trainer.precision=" + sys.argv[1], "model.actor.optim.weight_decay=0.1"])
+rt = setup(cfg)
+torch.use_deterministic_algorithms(True)
+
+def engine(theirs):
+    module = load_causal_lm(BUILTIN_TINY, cfg, 0)
+    module.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))  # no gradient: made zeros, decayed
+    e = workers.make_engine(module, cfg.model.actor.optim, cfg, rt, 2)
+    assert not e.enable_backward_allreduce  # one rank at ZeRO-0: verlj reduces
+    e.enable_backward_allreduce = theirs
+    return e
+
+def module_vocab(e):
+    return e.module.config.vocab_size
+
+def train(e):
+    calls = []
+    e.allreduce_gradients = lambda *a, **k: (calls.append(1), type(e).allreduce_gradients(e, *a, **k))
+    for step in range(3):
+        for micro in range(2):  # accumulated over two micro-batches, as the update does
+            ids = torch.randint(0, module_vocab(e), (2, 12), generator=torch.Generator().manual_seed(2 * step + micro))
+            loss = e(input_ids=ids, labels=ids).loss
+            e.set_gradient_accumulation_boundary(micro == 1)
+            e.backward(loss)
+            if micro == 1 and not e.enable_backward_allreduce:
+                workers.reduce_alone(e)
+            e.step()
+    return calls, [p.detach().clone() for p in e.module.parameters()], e.optimizer.state_dict()
+
+(c_ds, p_ds, o_ds), (c_v, p_v, o_v) = train(engine(True)), train(engine(False))
+assert c_ds and not c_v, (c_ds, c_v)
+assert all(torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a, b.view(torch.uint8) if b.dtype != torch.bool else b) for a, b in zip(p_ds, p_v))
+assert not torch.equal(p_v[-1], torch.ones(3))  # the unused parameter was stepped (weight decay)
+flat = lambda o: [t for t in torch.utils._pytree.tree_leaves(o) if isinstance(t, torch.Tensor)]
+assert len(flat(o_ds)) == len(flat(o_v)) > 0 and all(torch.equal(a, b) for a, b in zip(flat(o_ds), flat(o_v)))
+print("same bits")
+"""
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_rank_at_zero0_reduces_tensor_by_tensor_to_deepspeeds_bits(tmp_path, precision):
+    """DeepSpeed's fallback all-reduce at ZeRO-0 copies every gradient into one flat buffer even on one rank
+    (4 bytes a parameter at the step's peak in fp32, 2 in bf16); verlj skips it and does what it would to the
+    gradients (zeros for a parameter without one). Three steps of two micro-batches each way, from the same
+    weights: the same parameters and optimizer state."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _REDUCE_ALONE, precision], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0 and "same bits" in out.stdout, out.stderr[-3000:]

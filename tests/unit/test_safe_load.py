@@ -78,10 +78,11 @@ def test_verljs_saves_pickle_members_by_value_on_every_interpreter(tmp_path, mon
     assert load_weights_only(plain)["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.optimizer_states
 
 
-def test_an_async_snapshot_holds_the_live_tensors_and_writes_what_deepspeed_would():
-    """Deferred, DeepSpeed is told not to copy (preserves_storage_sharing), the wrapper holds the live
-    tensors, and `saveable` makes only views and second names copies: the file loads to the tensors
-    DeepSpeed's own copy (clone_tensors_for_torch_save) gives, each in a storage of its own, of the same size."""
+def test_a_snapshot_copies_only_views_and_second_names_and_writes_what_deepspeed_would():
+    """DeepSpeed is told not to copy the state before save (preserves_storage_sharing), sync or deferred;
+    deferred, the wrapper holds the live tensors; `saveable` makes only views and second names copies: the
+    file, written at once or from what was held, loads to the tensors DeepSpeed's own copy
+    (clone_tensors_for_torch_save) gives, each in a storage of its own, of the same size."""
     from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
@@ -93,7 +94,9 @@ def test_an_async_snapshot_holds_the_live_tensors_and_writes_what_deepspeed_woul
                         optimizer={"state": {0: {"exp_avg": torch.randn(6), "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]},
                         bits=(torch.tensor([1, 2], dtype=torch.int8), ZeroStageEnum.gradients))
     ce = SafeCheckpointEngine(TorchCheckpointEngine())
-    assert ce.preserves_storage_sharing()  # saving now: DeepSpeed copies first
+    assert not ce.preserves_storage_sharing()  # saving now: verlj's save makes it saveable
+    now = io.BytesIO()
+    ce.save(state, now)
     ce.deferred = []
     assert not ce.preserves_storage_sharing()
     ce.save(state, "f")
@@ -103,7 +106,12 @@ def test_an_async_snapshot_holds_the_live_tensors_and_writes_what_deepspeed_woul
     save_portable(saveable(held), ours)
     save_portable(clone_tensors_for_torch_save(state), theirs)
     assert len(ours.getvalue()) == len(theirs.getvalue())
-    a, b = (load_weights_only(io.BytesIO(f.getvalue())) for f in (ours, theirs))
+    theirs_now = io.BytesIO()  # in the engine's own serialization
+    save_portable(clone_tensors_for_torch_save(state), theirs_now, ce.zipfile_serialization)
+    assert len(now.getvalue()) == len(theirs_now.getvalue())
+    a, b, c = (load_weights_only(io.BytesIO(f.getvalue())) for f in (ours, theirs, now))
+    assert [k for k, _ in _tensors(c)] == [k for k, _ in _tensors(b)]
+    assert all(torch.equal(x, y) and x.stride() == y.stride() for (_, x), (_, y) in zip(_tensors(c), _tensors(b)))
     flat_a = [(k, v) for k, v in _tensors(a)]
     flat_b = [(k, v) for k, v in _tensors(b)]
     assert [k for k, _ in flat_a] == [k for k, _ in flat_b]
