@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -39,11 +40,15 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+_HASH_BUF = memoryview(bytearray(HASH_CHUNK))
+_HASH_LOCK = threading.Lock()
+
+
 def file_digest(path: Path) -> str:
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
+    with _HASH_LOCK, open(path, "rb", buffering=0) as f:
+        while n := f.readinto(_HASH_BUF):
+            h.update(_HASH_BUF[:n])
     return h.hexdigest()
 
 

@@ -9,7 +9,7 @@ import torch
 
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.state.safe_load import load_weights_only
-from verlj_testing import TINY, fingerprints, kill_and_resume
+from verlj_testing import TINY, env, fingerprints, kill_and_resume
 
 pytestmark = pytest.mark.slow
 
@@ -85,5 +85,5 @@ def test_one_rank_at_zero0_reduces_tensor_by_tensor_to_deepspeeds_bits(tmp_path,
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _REDUCE_ALONE, precision], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _REDUCE_ALONE, precision], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env())
     assert out.returncode == 0 and "same bits" in out.stdout, out.stderr[-3000:]
