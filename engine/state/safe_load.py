@@ -151,9 +151,14 @@ def _held(obj):
         return {k: _held(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_held(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_held(v) for v in obj)
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+        return _same_tuple(obj, [_held(v) for v in obj])
     return copy.deepcopy(obj)
+
+
+def _same_tuple(obj: tuple, items: list) -> tuple:
+    """`items` as a tuple of obj's own kind (a named tuple stays one; torch.Size never gets here: it is a leaf)."""
+    return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
 
 
 def saveable(obj, seen: set | None = None):
@@ -173,8 +178,8 @@ def saveable(obj, seen: set | None = None):
         return obj.detach().clone()
     if isinstance(obj, list):
         return [saveable(v, seen) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(saveable(v, seen) for v in obj)
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):  # a parameter's shape stays a torch.Size
+        return _same_tuple(obj, [saveable(v, seen) for v in obj])
     if isinstance(obj, dict):
         return type(obj)({k: saveable(v, seen) for k, v in obj.items()})
     return obj

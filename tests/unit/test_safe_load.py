@@ -92,7 +92,13 @@ def test_a_snapshot_copies_only_views_and_second_names_and_writes_what_deepspeed
     tied = torch.randn(3, 4)
     state = OrderedDict(module=OrderedDict(a=flat[:10].view(2, 5), b=flat[10:40], emb=tied, head=tied),
                         optimizer={"state": {0: {"exp_avg": torch.randn(6), "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]},
-                        bits=(torch.tensor([1, 2], dtype=torch.int8), ZeroStageEnum.gradients))
+                        bits=(torch.tensor([1, 2], dtype=torch.int8), ZeroStageEnum.gradients),
+                        param_shapes=[OrderedDict(a=torch.Size([2, 5]), b=torch.Size([30]))])
+    def ds_clone(st):  # DeepSpeed's copy, the shapes kept as torch.Size (its clone makes them tuples, which verlj does not)
+        out = clone_tensors_for_torch_save(OrderedDict((k, v) for k, v in st.items() if k != "param_shapes"))
+        out["param_shapes"] = st["param_shapes"]
+        return out
+
     ce = SafeCheckpointEngine(TorchCheckpointEngine())
     assert not ce.preserves_storage_sharing()  # saving now: verlj's save makes it saveable
     now = io.BytesIO()
@@ -104,10 +110,10 @@ def test_a_snapshot_copies_only_views_and_second_names_and_writes_what_deepspeed
     assert held["module"]["emb"].data_ptr() == tied.data_ptr() and held["module"]["b"].data_ptr() == flat[10:].data_ptr()  # no copy
     ours, theirs = io.BytesIO(), io.BytesIO()
     save_portable(saveable(held), ours)
-    save_portable(clone_tensors_for_torch_save(state), theirs)
+    save_portable(ds_clone(state), theirs)
     assert len(ours.getvalue()) == len(theirs.getvalue())
     theirs_now = io.BytesIO()  # in the engine's own serialization
-    save_portable(clone_tensors_for_torch_save(state), theirs_now, ce.zipfile_serialization)
+    save_portable(ds_clone(state), theirs_now, ce.zipfile_serialization)
     assert len(now.getvalue()) == len(theirs_now.getvalue())
     a, b, c = (load_weights_only(io.BytesIO(f.getvalue())) for f in (ours, theirs, now))
     assert [k for k, _ in _tensors(c)] == [k for k, _ in _tensors(b)]
@@ -119,6 +125,8 @@ def test_a_snapshot_copies_only_views_and_second_names_and_writes_what_deepspeed
         assert x.dtype == y.dtype and x.shape == y.shape and x.stride() == y.stride() and torch.equal(x, y), k
     assert len({x.untyped_storage().data_ptr() for _, x in flat_a}) == len(flat_a)  # no two share a storage, as DeepSpeed's
     assert a["bits"][1] is ZeroStageEnum.gradients and a["optimizer"]["param_groups"] == [{"lr": 0.1}]
+    for loaded in (a, c):  # shapes stay torch.Size (DeepSpeed's clone is never given them: a LoRA test reads .numel())
+        assert all(type(v) is torch.Size for v in loaded["param_shapes"][0].values()), loaded["param_shapes"]
 
 
 def _tensors(obj, path=""):
