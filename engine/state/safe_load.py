@@ -28,7 +28,6 @@ import importlib
 import pickle
 import platform
 import types
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -139,50 +138,46 @@ def weights_only_everywhere():
         torch.load = original
 
 
+def _rebuild(obj, leaf):
+    """`obj`'s containers rebuilt around leaf(x) of everything else: dicts keep their kind, a named tuple
+    stays one, a torch.Size (a parameter's shape) is a leaf."""
+    if isinstance(obj, dict):
+        return type(obj)({k: _rebuild(v, leaf) for k, v in obj.items()})
+    if isinstance(obj, list):
+        return [_rebuild(v, leaf) for v in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+        items = [_rebuild(v, leaf) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    return leaf(obj)
+
+
 def _held(obj):
     """A state dict as an async snapshot holds it until written: its tensors the live ones (no copy:
     the loop does not change them before the next update, which waits for the write: Checkpointer.settle),
     everything else copied."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach()
-    if isinstance(obj, OrderedDict):
-        return OrderedDict((k, _held(v)) for k, v in obj.items())
-    if isinstance(obj, dict):
-        return {k: _held(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_held(v) for v in obj]
-    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
-        return _same_tuple(obj, [_held(v) for v in obj])
-    return copy.deepcopy(obj)
+    return _rebuild(obj, lambda x: x.detach() if isinstance(x, torch.Tensor) else copy.deepcopy(x))
 
 
-def _same_tuple(obj: tuple, items: list) -> tuple:
-    """`items` as a tuple of obj's own kind (a named tuple stays one; torch.Size never gets here: it is a leaf)."""
-    return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-
-
-def saveable(obj, seen: set | None = None):
+def saveable(obj):
     """What DeepSpeed hands torch.save (its clone_tensors_for_torch_save: every tensor a storage of its
     own on the host) without copying a tensor that already is one: a view into a larger buffer, a second
     name for a storage already met (tied weights) and a device tensor are copied, the rest saved as they
     are. torch.save writes the same bytes for both."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()
-        whole = obj.storage_offset() == 0 and obj.is_contiguous() and storage.nbytes() == obj.numel() * obj.element_size()
-        if obj.device.type != "cpu":
-            return obj.detach().to("cpu")
-        if whole and storage.data_ptr() not in seen and obj.numel():
+    seen: set[int] = set()
+
+    def tensor(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        storage = x.untyped_storage()
+        whole = x.storage_offset() == 0 and x.is_contiguous() and storage.nbytes() == x.numel() * x.element_size()
+        if x.device.type != "cpu":
+            return x.detach().to("cpu")
+        if whole and storage.data_ptr() not in seen and x.numel():
             seen.add(storage.data_ptr())
-            return obj
-        return obj.detach().clone()
-    if isinstance(obj, list):
-        return [saveable(v, seen) for v in obj]
-    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):  # a parameter's shape stays a torch.Size
-        return _same_tuple(obj, [saveable(v, seen) for v in obj])
-    if isinstance(obj, dict):
-        return type(obj)({k: saveable(v, seen) for k, v in obj.items()})
-    return obj
+            return x
+        return x.detach().clone()
+
+    return _rebuild(obj, tensor)
 
 
 class SafeCheckpointEngine:
