@@ -258,6 +258,9 @@ class OptimConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     warmup_steps: int = 0  # linear LR warm-up, in optimizer steps
     grad_clip: float = 1.0  # max global grad norm (0 = off)
+    # torch's fused AdamW kernel (each parameter's update in one pass over its state; what Hugging Face's
+    # Trainer picks); false: torch's default (a tensor at a time on CPU, foreach on GPU; other rounding)
+    fused: bool = True
 
     def validate(self, prefix: str) -> None:
         _positive(f"{prefix}.lr", self.lr)
@@ -786,7 +789,7 @@ def _without_one_off(data: dict) -> dict:
 # Keys added with a new default whose absence from a stored config means the old behaviour: a run
 # made before the key existed keeps training (and replaying) exactly as it did.
 LEGACY_VALUES = {"algorithm.loss_normalization": "micro_batch", "model.tiny.vocab": "digits", "trainer.state_digest": "blake3",
-                 "rollout.max_observation_length": 0}
+                 "rollout.max_observation_length": 0, "model.actor.optim.fused": False, "model.critic.optim.fused": False}
 
 
 def stored_config(data: dict) -> dict:

@@ -41,6 +41,7 @@ def ds_config(optim: OptimConfig, cfg: Config, rt: Runtime, micro: int, n_params
                 "eps": optim.eps,
                 "weight_decay": optim.weight_decay,
                 "torch_adam": True,
+                **({"fused": True} if optim.fused else {}),
             },
         },
         "gradient_clipping": 0.0 if verlj_clips(cfg, rt, cfg.distributed.zero_stage) else optim.grad_clip,
