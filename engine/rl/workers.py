@@ -9,7 +9,9 @@ gradient-accumulation count is set per mini-batch with ``set_train_batch_size``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,13 +115,96 @@ def make_engine(module: torch.nn.Module, optim: OptimConfig, cfg: Config, rt: Ru
     import deepspeed
 
     params = [p for p in module.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(
-        model=module, model_parameters=params, config=ds_config(optim, cfg, rt, micro, sum(p.numel() for p in params))
-    )
+    with _masters_made_one_by_one(cfg.trainer.precision == "bf16" and cfg.distributed.zero_stage == 0):
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, model_parameters=params, config=ds_config(optim, cfg, rt, micro, sum(p.numel() for p in params))
+        )
     if (rt.world_size == 1 and engine.zero_optimization_stage() == 0 and not hasattr(engine.optimizer, "get_grads_for_reduction")
             and all(p.dtype == engine.communication_data_type for p in engine.module.parameters() if p.requires_grad)):
         engine.enable_backward_allreduce = False  # reduce_alone does what it would, without the copy
+    if engine.bfloat16_enabled() and engine.zero_optimization_stage() == 0 and _steps_all_at_once(engine.optimizer):
+        engine.optimizer.step = types.MethodType(step_masters_one_by_one, engine.optimizer)
     return engine
+
+
+@contextmanager
+def _masters_made_one_by_one(on: bool) -> Iterator[None]:
+    """While DeepSpeed builds an engine: its bf16 wrapper at ZeRO-0 makes its optimizer's state by a step
+    on zero gradients (weight decay and the step count included), with every master's fp32 gradient
+    made at once (4 bytes a parameter, and 2 more of bf16 ones it never reads); this makes the same step
+    a master at a time (the same bits: make_engine's test builds both)."""
+    if not on:
+        yield
+        return
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    theirs = FP16_UnfusedOptimizer.initialize_optimizer_states
+    FP16_UnfusedOptimizer.initialize_optimizer_states = _init_masters_one_by_one  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FP16_UnfusedOptimizer.initialize_optimizer_states = theirs  # type: ignore[method-assign]
+
+
+def _init_masters_one_by_one(self) -> None:
+    _each_master_alone(self, lambda master, low: torch.zeros(master.size(), dtype=master.dtype, device=master.device))
+
+
+def _each_master_alone(self, grad: Callable, after: Callable | None = None) -> None:
+    """Step each fp32 master of DeepSpeed's bf16 wrapper `self` alone: its gradient made by
+    grad(master, bf16 parameter), the inner optimizer stepped on that master only (its group's settings),
+    the gradient dropped, then after(master, bf16 parameter)."""
+    inner, groups = self.optimizer, self.optimizer.param_groups
+    try:
+        for i, group in enumerate(groups):
+            for master, low in zip(self.fp32_groups[i], self.fp16_groups[i]):
+                master.grad = grad(master, low)
+                inner.param_groups = [{**group, "params": [master]}]
+                inner.step()
+                master.grad = None
+                if after is not None:
+                    after(master, low)
+    finally:
+        inner.param_groups = groups
+
+
+def _steps_all_at_once(opt) -> bool:
+    """Whether `opt` is DeepSpeed's bf16 wrapper at ZeRO-0 (FP16_UnfusedOptimizer: fp32 masters beside the
+    module's bf16 weights), whose step makes every fp32 gradient before stepping any master."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    return type(opt) is FP16_UnfusedOptimizer and not opt.fused_lamb_legacy and not opt.custom_loss_scaler
+
+
+def step_masters_one_by_one(self) -> bool:
+    """FP16_UnfusedOptimizer.step (DeepSpeed 0.19) with the same bits, a master at a time: its step makes the
+    fp32 gradient of every master, then steps them all, holding 4 bytes a parameter of gradients at the
+    update's peak beside the bf16 ones (2 GiB at 500M parameters); this one makes a master's fp32 gradient,
+    scales it as DeepSpeed would (the clip factor of the norm over all the bf16 gradients, computed first
+    as there), steps that master alone and drops the gradient before the next. AdamW's update is
+    elementwise within a parameter, so stepping the masters apart is the same arithmetic (a test compares
+    three steps each way). `self` is the wrapper (bound by make_engine)."""
+    from deepspeed.runtime.fp16 import unfused_optimizer as uo
+
+    self.overflow = self.overflow_checker.check()
+    if self.overflow:
+        return self._skip_invalid_grad_norm()
+    norm_groups = []
+    for group in self.fp16_groups:
+        grads_for_norm, _ = uo.split_params_grads_into_shared_and_expert_params(group)
+        norm_groups.append(uo.get_weight_norm(grads_for_norm, mpu=self.mpu) if grads_for_norm else 0.0)
+    self._global_grad_norm = uo.get_global_norm(norm_list=norm_groups)
+    if uo.is_invalid_grad_norm(self._global_grad_norm):
+        return self._skip_invalid_grad_norm()
+    self._update_scale(False)
+    scale = self.unscale_and_clip_grads(self._global_grad_norm, apply_scale=False)
+
+    def grad(master, low):
+        g = torch.zeros(low.size(), dtype=master.dtype, device=master.device) if low.grad is None else low.grad.to(master.dtype)
+        return g.mul_(1.0 / scale)
+
+    _each_master_alone(self, grad, after=lambda master, low: low.data.copy_(master.data))
+    return self.overflow
 
 
 def reduce_alone(engine) -> None:

@@ -87,3 +87,71 @@ def test_one_rank_at_zero0_reduces_tensor_by_tensor_to_deepspeeds_bits(tmp_path,
 
     out = subprocess.run([sys.executable, "-c", _REDUCE_ALONE, precision], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env())
     assert out.returncode == 0 and "same bits" in out.stdout, out.stderr[-3000:]
+
+
+_MASTERS = r"""
+import sys, torch, deepspeed
+from verlj.engine.config import make_config
+from verlj.engine.dist import setup
+from verlj.engine.rl import workers
+from verlj.engine.rl.models import BUILTIN_TINY, load_causal_lm
+
+# a clip that bites (the scaled path) and weight decay; the fused kernel or torch's per-tensor one
+cfg = make_config(None, ["trainer.precision=bf16", "model.actor.optim.weight_decay=0.1", "model.actor.optim.grad_clip=" + sys.argv[1],
+                         "model.actor.optim.fused=" + sys.argv[2]])
+rt = setup(cfg)
+torch.use_deterministic_algorithms(True)
+
+def engine(theirs):
+    module = load_causal_lm(BUILTIN_TINY, cfg, 0)
+    module.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))  # no gradient: a zero one, decayed
+    if theirs:  # DeepSpeed's own engine: its optimizer's state made, and each step taken, with every fp32 gradient at once
+        params = list(module.parameters())
+        e = deepspeed.initialize(model=module, model_parameters=params, config=workers.ds_config(cfg.model.actor.optim, cfg, rt, 2, 0))[0]
+        assert "step" not in vars(e.optimizer)
+        return e
+    e = workers.make_engine(module, cfg.model.actor.optim, cfg, rt, 2)
+    assert e.optimizer.step.__func__ is workers.step_masters_one_by_one  # verlj steps the masters at ZeRO-0 in bf16
+    return e
+
+def train(e):
+    peaks = []
+    for step in range(3):
+        for micro in range(2):
+            ids = torch.randint(0, e.module.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2 * step + micro))
+            e.set_gradient_accumulation_boundary(micro == 1)
+            e.backward(e(input_ids=ids, labels=ids).loss)
+            if micro == 1 and not e.enable_backward_allreduce:
+                workers.reduce_alone(e)
+            inner = e.optimizer.optimizer
+            seen = []
+            orig = type(inner).step
+            inner.step = lambda *a, **k: (seen.append(sum(p.grad is not None for g in e.optimizer.fp32_groups for p in g)), orig(inner, *a, **k))[1]
+            e.step()
+            del inner.step
+            peaks += seen
+    return (peaks, [p.detach().clone() for p in e.module.parameters()], e.optimizer.state_dict(), e.optimizer._global_grad_norm)
+
+(p_ds, w_ds, o_ds, n_ds), (p_v, w_v, o_v, n_v) = train(engine(True)), train(engine(False))
+masters = sum(len(g) for g in engine(False).optimizer.fp32_groups)
+assert set(p_ds) == {masters} and set(p_v) == {1}, (set(p_ds), set(p_v))  # fp32 gradients alive at each inner step
+assert n_ds == n_v and n_ds > 0
+assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(w_ds, w_v))
+assert not torch.equal(w_v[-1], torch.ones(3, dtype=w_v[-1].dtype))  # the unused parameter was stepped (weight decay)
+flat = lambda o: [t for t in torch.utils._pytree.tree_leaves(o) if isinstance(t, torch.Tensor)]
+assert len(flat(o_ds)) == len(flat(o_v)) > 0 and all(torch.equal(a, b) for a, b in zip(flat(o_ds), flat(o_v)))
+print("same bits")
+"""
+
+
+@pytest.mark.parametrize("clip,fused", [("0.01", "true"), ("0.0", "false")])
+def test_bf16_masters_are_stepped_one_by_one_to_deepspeeds_bits(tmp_path, clip, fused):
+    """DeepSpeed's bf16 step at ZeRO-0 makes every master's fp32 gradient before stepping any (4 bytes a
+    parameter at the update's peak); verlj makes and drops them one master at a time. Three steps of two
+    micro-batches each way, from the same weights: the same bf16 weights, fp32 masters, moments and norm,
+    with a clip that scales the gradients and without, on the fused kernel and torch's per-tensor one."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MASTERS, clip, fused], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env())
+    assert out.returncode == 0 and "same bits" in out.stdout, out.stderr[-3000:]
