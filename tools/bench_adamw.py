@@ -2,7 +2,7 @@
 run's default and what Hugging Face's Trainer picks) against torch's default (a tensor at a time on CPU:
 what runs made before the key step with).
 
-    python tools/bench_adamw.py                    # a 135M-parameter Llama-like set, fp32, one thread (~1 min)
+    python tools/bench_adamw.py                    # a Llama-like set of about 179M parameters, fp32, one thread (~1 min)
     python tools/bench_adamw.py --params 20e6 --threads 2
 
 The parameters are shaped like a model's (tools/bench_fingerprint.py's set) with random gradients; each arm
