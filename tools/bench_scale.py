@@ -40,8 +40,10 @@ and the ratios verlj/TRL of step time and peak RSS (goals <= 1). verlj trains a 
 timed are those after --warmup. TRL trains a steps, its checkpoint at a.
 
 Load: the arms and rungs run one after another, each using one core; nothing else should run meanwhile
-(the 135m and 500m rungs need an idle machine; 500m about 12 GiB of memory: verlj's process peaked at
-11.7 GiB in fp32, TRL's at 8.9; the 500m rung took 33 minutes in fp32 and 18 in bf16 on a shared 2-core machine). Times are wall-clock, meaningful side by side as ratios.
+(the 135m and 500m rungs need an idle machine; 500m about 10 GiB of memory: verlj's process peaked at
+9.9 GiB in fp32, TRL's at 9.1, and about 25 GiB of free disk under $TMPDIR for its snapshots of 5.7-6.6 GiB; the
+500m rung took 12 minutes in fp32 and 10 in bf16, both arms, on an idle 2-core machine). Times are wall-clock,
+meaningful side by side as ratios.
 `--rungs tiny --arms verlj` is a smoke of the tool, not a figure; the test suite does not run it.
 """
 
