@@ -122,17 +122,16 @@ def make_engine(module: torch.nn.Module, optim: OptimConfig, cfg: Config, rt: Ru
     if (rt.world_size == 1 and engine.zero_optimization_stage() == 0 and not hasattr(engine.optimizer, "get_grads_for_reduction")
             and all(p.dtype == engine.communication_data_type for p in engine.module.parameters() if p.requires_grad)):
         engine.enable_backward_allreduce = False  # reduce_alone does what it would, without the copy
-    if engine.bfloat16_enabled() and engine.zero_optimization_stage() == 0 and _steps_all_at_once(engine.optimizer):
-        engine.optimizer.step = types.MethodType(step_masters_one_by_one, engine.optimizer)
     return engine
 
 
 @contextmanager
 def _masters_made_one_by_one(on: bool) -> Iterator[None]:
-    """While DeepSpeed builds an engine: its bf16 wrapper at ZeRO-0 makes its optimizer's state by a step
-    on zero gradients (weight decay and the step count included), with every master's fp32 gradient
-    made at once (4 bytes a parameter, and 2 more of bf16 ones it never reads); this makes the same step
-    a master at a time (the same bits: make_engine's test builds both)."""
+    """While DeepSpeed builds an engine: its bf16 wrapper at ZeRO-0 (FP16_UnfusedOptimizer) makes its
+    optimizer's state by a step on zero gradients (weight decay and the step count included), with every
+    master's fp32 gradient made at once (4 bytes a parameter, and 2 more of bf16 ones it never reads);
+    this makes the same step a master at a time, and binds the wrapper's step to
+    :func:`step_masters_one_by_one` (the same bits: a test builds DeepSpeed's own engine beside it)."""
     if not on:
         yield
         return
@@ -148,6 +147,8 @@ def _masters_made_one_by_one(on: bool) -> Iterator[None]:
 
 def _init_masters_one_by_one(self) -> None:
     _each_master_alone(self, lambda master, low: torch.zeros(master.size(), dtype=master.dtype, device=master.device))
+    if not self.fused_lamb_legacy:  # (FusedLamb's legacy step is left to DeepSpeed)
+        self.step = types.MethodType(step_masters_one_by_one, self)
 
 
 def _each_master_alone(self, grad: Callable, after: Callable | None = None) -> None:
@@ -168,14 +169,6 @@ def _each_master_alone(self, grad: Callable, after: Callable | None = None) -> N
         inner.param_groups = groups
 
 
-def _steps_all_at_once(opt) -> bool:
-    """Whether `opt` is DeepSpeed's bf16 wrapper at ZeRO-0 (FP16_UnfusedOptimizer: fp32 masters beside the
-    module's bf16 weights), whose step makes every fp32 gradient before stepping any master."""
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-
-    return type(opt) is FP16_UnfusedOptimizer and not opt.fused_lamb_legacy and not opt.custom_loss_scaler
-
-
 def step_masters_one_by_one(self) -> bool:
     """FP16_UnfusedOptimizer.step (DeepSpeed 0.19) with the same bits, a master at a time: its step makes the
     fp32 gradient of every master, then steps them all, holding 4 bytes a parameter of gradients at the
@@ -183,7 +176,7 @@ def step_masters_one_by_one(self) -> bool:
     scales it as DeepSpeed would (the clip factor of the norm over all the bf16 gradients, computed first
     as there), steps that master alone and drops the gradient before the next. AdamW's update is
     elementwise within a parameter, so stepping the masters apart is the same arithmetic (a test compares
-    three steps each way). `self` is the wrapper (bound by make_engine)."""
+    three steps each way). `self` is the wrapper (bound as it is made: _masters_made_one_by_one)."""
     from deepspeed.runtime.fp16 import unfused_optimizer as uo
 
     self.overflow = self.overflow_checker.check()
