@@ -190,10 +190,14 @@ def kill_at_random(run, over, rng, ranks=1, group=True):
                 time.sleep(rng.uniform(0.0, 0.15))
                 break
     kids = [int(pid) for pid in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()] if group is False else []
-    if group:
-        os.killpg(p.pid, signal.SIGKILL)
-    else:
-        p.kill()
+    try:
+        if group:
+            os.killpg(p.pid, signal.SIGKILL)
+        else:
+            p.kill()
+    except ProcessLookupError:  # it finished the run in the delay (or printed its last step and exited): then it ended cleanly
+        assert p.wait() == 0, f"the run ended on its own before the kill, with exit status {p.returncode}"
+        return kids
     p.wait()
     return kids
 
