@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ..config import Config
-from .sampler import AskedGroup, SamplerEngine, sample_seeded, sampling_params, step_order_only
+from .sampler import AskedGroup, GeneratesHere, SamplerEngine, sample_seeded, sampling_params
 
 if TYPE_CHECKING:
     from ..dist import Runtime
@@ -88,7 +88,7 @@ class RolloutEngine(Protocol):
         `at_once`: the user asked to stop now (a second Ctrl-C): wait for no work in flight."""
 
 
-class HFEngine(SamplerEngine):
+class HFEngine(GeneratesHere, SamplerEngine):
     """rollout.engine=hf: sampling with the actor's own module (ZeRO-3 and TP ranks step together)."""
 
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config,
@@ -96,18 +96,6 @@ class HFEngine(SamplerEngine):
         """`on_token`: each step's tokens as they are sampled (the agent gateway's streams: ``rl.sampler.generate``)."""
         return sample_seeded(self.actor.module, prompts, seeds, sampling_params(cfg), self.tokenizer.eos_token_id,
                              self.tokenizer.pad_token_id, self.rt.device, all_done=self.rt.all_true, on_token=on_token)
-
-    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        return self.generate(prompts, seeds, cfg)
-
-    def result(self, handle: tuple[list[np.ndarray], list[np.ndarray]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        return handle
-
-    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int) -> None:
-        raise step_order_only(self.name)
-
-    def arrived(self, wait: float) -> list[tuple]:
-        raise step_order_only(self.name)
 
     def weights_changed(self) -> None:
         """Nothing to do: it samples from the trained module itself."""

@@ -28,6 +28,29 @@ def step_order_only(engine: str) -> AssertionError:
                           "rollout.async_order=completion needs rollout.mode=async (config.validate refuses the rest)")
 
 
+class GeneratesHere:
+    """What the engines that generate in the trainer's own process share (hf, a colocated vLLM): a `submit`
+    generates at once (its handle is the samples themselves: `result` hands them back), and only in step order
+    (`ask` and `arrived`, completion order's calls, are refused). The engine defines `generate`."""
+
+    name: str
+
+    def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        raise NotImplementedError
+
+    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        return self.generate(prompts, seeds, cfg)
+
+    def result(self, handle: tuple[list[np.ndarray], list[np.ndarray]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        return handle
+
+    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int) -> None:
+        raise step_order_only(self.name)
+
+    def arrived(self, wait: float) -> list[tuple]:
+        raise step_order_only(self.name)
+
+
 class SamplerEngine:
     """What the engines that run verlj's sampler share: their name in the journal and version."""
 

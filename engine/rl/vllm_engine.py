@@ -41,7 +41,7 @@ from verlj.journal.claim import process_start
 from ..config import Config, ConfigError
 from .episodes import longest_sequence
 from .models import BUILTIN_TINY
-from .sampler import AskedGroup, sampling_params, step_order_only
+from .sampler import GeneratesHere, sampling_params
 
 # vLLM's CPU attention backend (0.32) takes these head sizes only (CPUAttentionBackend; checked by
 # tests/integration/test_vllm.py against the installed vLLM).
@@ -314,7 +314,7 @@ def close_llm(llm) -> None:
         gc.collect()
 
 
-class VllmEngine:
+class VllmEngine(GeneratesHere):
     """rollout.engine=vllm (a rollout.RolloutEngine): a colocated vLLM engine in this process."""
 
     name = "vllm"
@@ -362,19 +362,6 @@ class VllmEngine:
             self.push()
 
     # ------------------------------------------------------------------ generation
-
-    def submit(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Generates here (the colocated engine shares the trainer's process): see `generate`."""
-        return self.generate(prompts, seeds, cfg)
-
-    def result(self, handle: tuple[list[np.ndarray], list[np.ndarray]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        return handle
-
-    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int) -> None:
-        raise step_order_only(self.name)
-
-    def arrived(self, wait: float) -> list[tuple]:
-        raise step_order_only(self.name)
 
     def metrics(self) -> dict[str, float]:
         return {}
