@@ -197,7 +197,6 @@ def kill_at_random(run, over, rng, ranks=1, group=True):
             p.kill()
     except ProcessLookupError:  # it finished the run in the delay (or printed its last step and exited): then it ended cleanly
         assert p.wait() == 0, f"the run ended on its own before the kill, with exit status {p.returncode}"
-        return kids
     p.wait()
     return kids
 
