@@ -431,6 +431,14 @@ class RolloutConfig:
     # async: step (deterministic: step s trains on version max(0, s-1-k); null = step) | completion
     # (free-running: each step takes the completed groups within k versions, in completion order)
     async_order: Optional[Order] = None
+    # async completion order: partial rollouts: when the trainer pushes new weights, a generation in flight stops at
+    # its next token and goes on under the new weights from the same seed stream, each token's policy version journaled
+    # (a push waits for no long generation) | false: a push waits for the generations begun to end (docs/guides/async.md)
+    partial: bool = False
+    # rollout.partial: a sample whose oldest token is more than this many policy versions behind the policy a step
+    # starts from is dropped when that step would train it (buffer.drop reason stale; rollout/dropped_stale) | null: none
+    # is dropped for its age (rollout.max_staleness's look-ahead paces how far generation runs ahead)
+    max_token_staleness: Optional[int] = live(None)
     # async: none (the generator process beside each rank) | ray (rollout.fleet_size generator actors on a
     # Ray cluster: pip install 'verlj[ray]'; docs/guides/async.md: a rollout fleet on Ray)
     fleet: Fleet = live(Fleet.NONE)
@@ -481,6 +489,7 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.max_staleness must be an integer of at least 1, got {self.max_staleness!r}")
             if self.async_order is not None:
                 _choice("rollout.async_order", self.async_order, Order)
+        self._validate_partial()
         self._validate_env()
         _choice("rollout.fleet", self.fleet, Fleet)
         if self.fleet == "ray":
@@ -497,6 +506,21 @@ class RolloutConfig:
                 import ray  # noqa: F401
             except ImportError:
                 raise ConfigError(f"rollout.fleet=ray needs ray: {install_hint('ray')}") from None
+
+    def _validate_partial(self) -> None:
+        if self.max_token_staleness is not None and not self.partial:
+            raise ConfigError("rollout.max_token_staleness applies to rollout.partial=true only; remove it or set rollout.partial=true")
+        if not self.partial:
+            return
+        if not self.free_running:
+            raise ConfigError("rollout.partial=true continues generations across weight updates in async completion order only; "
+                              "set rollout.mode=async and rollout.async_order=completion, or rollout.partial=false")
+        if self.env is not None or self.agent is not None:
+            raise ConfigError(f"rollout.partial=true does not combine with rollout.{'env' if self.env is not None else 'agent'} yet "
+                              "(a turn or a model call is generated whole); set rollout.partial=false")
+        if self.max_token_staleness is not None and (isinstance(self.max_token_staleness, bool) or self.max_token_staleness < self.staleness):
+            raise ConfigError(f"rollout.max_token_staleness must be an integer of at least rollout.max_staleness ({self.staleness}): "
+                              f"a sample generated whole is that old when trained; got {self.max_token_staleness!r}")
 
     def _validate_env(self) -> None:
         _positive("rollout.max_turns", self.max_turns)

@@ -45,6 +45,12 @@ def ran_episodes(configs: list[dict]) -> bool:
     return any(config_from_stored(c).rollout.env for c in configs)
 
 
+def ran_partial(configs: list[dict]) -> bool:
+    """Whether steps run under these stored configs had partial rollouts (rollout.partial): their rollout
+    table has each token's version."""
+    return any(config_from_stored(c).rollout.partial for c in configs)
+
+
 def archive_dir(run_dir: Path) -> Path:
     return Path(run_dir) / ARCHIVE_DIR
 
@@ -74,8 +80,8 @@ def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
     tmp = out_dir / f".tmp-{name}"
     rows = 0
     decoder = text_decoder(ledger.config_at(last))
-    episodes = ran_episodes(ledger.configs_in(first, last))
-    schema = samples.arrow_schema(False, episodes)
+    episodes, partial = ran_episodes(ledger.configs_in(first, last)), ran_partial(ledger.configs_in(first, last))
+    schema = samples.arrow_schema(False, episodes, partial)
     pending: list = []  # steps' tables, written as one row group per ROW_GROUP_BYTES (a row group per step costs ~15%)
 
     def flush(w) -> None:
@@ -90,7 +96,7 @@ def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
             added = StepEvents.of(record).added
             if added is not None and added.samples is not None:
                 cols = samples.step_columns(record.step, added.samples, decoder)
-                pending.append(samples.to_arrow(cols, episodes=episodes))
+                pending.append(samples.to_arrow(cols, episodes=episodes, partial=partial))
                 rows += samples.num_rows(cols)
                 if sum(t.nbytes for t in pending) >= ROW_GROUP_BYTES:
                     flush(w)

@@ -39,7 +39,7 @@ from ..config import stored_config
 from ..errors import RunError
 from ..schema.agent_calls import AgentCalls, Call
 from ..schema.events import ControlKind
-from ..schema.sample import GroupInFlight
+from ..schema.sample import GroupInFlight, GroupProgress
 from .records import (
     ArchiveEntry,
     ConfigEntry,
@@ -298,6 +298,13 @@ _GROUP_PREFIX = b"episodes/"
 
 def _group_key(group: int) -> bytes:
     return _GROUP_PREFIX + group.to_bytes(8, "big")
+
+
+_PARTIAL_PREFIX = b"partial/"  # rollout.partial: a group's generation as a push stopped it, its group id big-endian
+
+
+def _partial_key(group: int) -> bytes:
+    return _PARTIAL_PREFIX + group.to_bytes(8, "big")
 
 
 _CALL_PREFIX = b"agentcalls/"  # rollout.agent in completion order: one pending entry a call, (group, episode, position) big-endian
@@ -570,6 +577,24 @@ class Ledger:
                 calls.setdefault(group, {}).setdefault(episode, {})[k] = value
         return {g: dataclasses.replace(state, agent_calls=[_agent_calls(calls[g].get(e, {})) for e in range(len(state.env_seed))])
                 if g in calls else state for g, state in out.items()}
+
+    def keep_partial(self, groups: list[GroupProgress], settled) -> None:
+        """rollout.partial: make these groups' generations durable as a push stopped them (one transaction,
+        replacing each group's entry), and forget the groups in `settled` (their samples are in a committed step)."""
+        self.fence()
+        self.journal.put_pending({_partial_key(g.group): g.to_dict() for g in groups}, [_partial_key(int(g)) for g in settled])
+
+    def partial_groups(self) -> dict[int, GroupProgress]:
+        """rollout.partial: the groups made durable mid-generation and not yet forgotten, by group id."""
+        out: dict[int, GroupProgress] = {}
+        for key, value in self.journal.pending().items():
+            if key.startswith(_PARTIAL_PREFIX):
+                try:
+                    state = GroupProgress.from_dict(value)
+                except (KeyError, TypeError, ValueError):
+                    continue  # not ours to read: as if never written, its group is asked again from its start
+                out[state.group] = state
+        return out
 
     def pruned_through(self) -> int:
         """The last step whose samples retention removed from the journal (0: none)."""

@@ -32,7 +32,7 @@ from ..config import ONE_OFF_KEYS, Config, check_change, config_from_dict, diff_
 from ..errors import ConfigError, RunError
 from ..report import Reporter
 from ..schema.events import Control, ControlKind
-from ..schema.sample import GroupInFlight
+from ..schema.sample import GroupInFlight, GroupProgress
 from . import whatif
 from .context import Run
 from .ledger import (
@@ -388,6 +388,14 @@ class InFlightEpisodes:
     def read(self) -> dict[int, GroupInFlight]:
         got = self.run.rt.from_rank0(lambda: [g.to_dict() for g in self.run.main_ledger().in_flight().values()], "reading the episodes in flight")
         return {g.group: g for g in map(GroupInFlight.from_dict, got)}
+
+    def keep_partial(self, groups: list[GroupProgress], settled: list[int]) -> None:
+        self.run.rt.from_rank0(lambda: self.run.main_ledger().keep_partial(groups, settled), "making partial generations durable")
+
+    def read_partial(self) -> dict[int, GroupProgress]:
+        got = self.run.rt.from_rank0(lambda: [g.to_dict() for g in self.run.main_ledger().partial_groups().values()],
+                                     "reading the partial generations")
+        return {g.group: g for g in map(GroupProgress.from_dict, got)}
 
 
 def fork_config(old: dict, overrides: list[str], new_run: Path) -> tuple[Config, list[str]]:

@@ -6,7 +6,7 @@
     verlj find RUN --where 'actor/grad_norm > 10'
     verlj diff RUN_A RUN_B                 # the first step where two runs differ (post_mortem.diff)
 
-Metrics, find and diff read the journal's summary sub-database (no samples), so they stream a long
+Metrics, find (post_mortem.find) and diff read the journal's summary sub-database (no samples), so they stream a long
 run quickly; a single step is one key lookup.
 
 Each command's answer is a frozen dataclass here (:class:`RunSummary`, :class:`StepDetail`,
@@ -20,10 +20,7 @@ missing snapshots) and the probe files through the views below.
 
 from __future__ import annotations
 
-import json
 import math
-import operator
-import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -38,7 +35,7 @@ from ..loop.reader import StepReader
 from ..rl.vocab import text_decoder
 from ..schema import table
 from ..schema.events import ConfigChange, Control, ControlKind, Eval, Requests, Rollout, StepEvents
-from ..schema.sample import Columns, Sample
+from ..schema.sample import Columns, Sample, version_runs
 from ..state.manifest import check_snapshot
 from . import derived
 from .diff import (  # noqa: F401 - `verlj diff`'s answer, re-exported from where it lived (its code: post_mortem.diff)
@@ -52,7 +49,7 @@ from .diff import (  # noqa: F401 - `verlj diff`'s answer, re-exported from wher
     first_difference,
     render_diff,
 )
-from .steps import parse_steps
+from .find import Condition, Match, find_steps, metric_rows, parse_where  # noqa: F401 - metrics and find, importable from here as before
 from .views import TIMING, Deviation, Snapshot, _json, _view, topology_line  # noqa: F401 - TIMING and Deviation: importable from here as before
 
 REWARD = "critic/score/mean"  # the summary's trend
@@ -73,7 +70,7 @@ def _rollout_json(r: Rollout) -> dict:
 
 
 def _order(r: Rollout) -> str:
-    return "completion order, " if r.completion_order else ""
+    return ("completion order, " if r.completion_order else "") + ("partial rollouts, " if r.partial else "")
 
 
 # ----------------------------------------------------------------------------- views of the ledger's entries
@@ -366,19 +363,21 @@ class SampleLine:
     policy_version: int
     episode: EpisodeLine | None = None  # rollout.env: the episode turn by turn
     fault: str = ""  # its reward function's fault (rl.faults; an env's is the episode's env_reason)
+    version_runs: tuple = ()  # rollout.partial: (version, tokens) of each run of its tokens' versions
 
     @classmethod
     def of(cls, row: dict) -> SampleLine:
         """A row of the rollout table (schema.table.rows)."""
         text = {name: row[name] or row[f"{name}_ids"] for name in table.TEXT}
-        return cls(**{f.name: row[table.TABLE_NAMES.get(f.name, f.name)] for f in fields(cls) if f.name not in text and f.name not in ("episode", "fault")},
-                   **text)
+        runs = tuple(map(tuple, version_runs(row.get(table.TOKEN_VERSIONS) or []).reshape(-1, 2).tolist()))
+        return cls(**{f.name: row[table.TABLE_NAMES.get(f.name, f.name)] for f in fields(cls)
+                      if f.name not in text and f.name not in ("episode", "fault", "version_runs")}, **text, version_runs=runs)
 
     def with_episode(self, sample: Sample, decoder) -> SampleLine:
         return replace(self, episode=EpisodeLine.of(sample, decoder) if sample.is_episode else None, fault=sample.fault)
 
     def to_json(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "episode" and (f.name != "fault" or self.fault)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "episode" and (f.name not in ("fault", "version_runs") or getattr(self, f.name))}
         return {**out, **self.episode.to_json()} if self.episode is not None else out
 
 
@@ -483,7 +482,8 @@ class StepDetail:
             "seeds": self.seeds,
             "rollout": _rollout_json(self.rollout) if self.rollout else None,
             "plans": self.plans,
-            "requests": {"groups": req.groups.tolist(), "rows": req.rows.tolist(), "regenerated": req.regenerated.tolist()} if req else None,
+            "requests": {"groups": req.groups.tolist(), "rows": req.rows.tolist(), "regenerated": req.regenerated.tolist(),
+                         **({"continued": req.continued.tolist()} if len(req.continued) else {})} if req else None,
             "rng_digests": self.rng_digests,
             "buffer": _json(self.buffer),
             "samples": [s.to_json() for s in self.samples],
@@ -515,7 +515,7 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
             assert ev.added.samples is not None  # not pruned
             cols = table.step_columns(step, ev.added.samples, decoder)
     episodes = cols is not None and table.TURNS in cols
-    samples = [SampleLine.of(r) for r in table.rows(cols, episodes)] if cols is not None else []
+    samples = [SampleLine.of(r) for r in table.rows(cols, episodes, table.TOKEN_VERSIONS in cols)] if cols is not None else []
     if ev.added is not None and ev.added.samples is not None:  # episodes (rollout.env): each turn's action, observation, reward
         samples = [line.with_episode(s, decoder) for line, s in zip(samples, Columns(ev.added.samples).samples())]
     elif episodes:  # pruned: as the archive holds them
@@ -554,7 +554,7 @@ def render_step(d: StepDetail) -> str:
     if req:
         rows = req.rows.tolist()
         again = (f"; asked again {len(req.regenerated)} groups in flight when the last process stopped (from their seeds)"
-                 if len(req.regenerated) else "")
+                 if len(req.regenerated) else "") + (f"; {len(req.continued)} groups went on from their durable tokens" if len(req.continued) else "")
         lines.append(f"asked      {len(req.groups)} groups of the generator (rows {rows[:8]}{' …' if len(rows) > 8 else ''}){again}")
     for c in d.control:
         lines.append(f"control    {c.kind.value} {c.details}" if isinstance(c, Control) else f"control    {c.TYPE} {c.changed}")
@@ -569,6 +569,8 @@ def render_step(d: StepDetail) -> str:
     for s in d.samples:
         mark = " consumed" if s.id in consumed else (" dropped" if s.id in dropped else "")
         lines.append(f"  {s.id:>6} {s.group:>6} v{s.policy_version:<3} | {one_line(s.prompt)} → {one_line(s.response)} | {s.score:.4g}{mark}")
+        if len(s.version_runs) > 1:  # rollout.partial: its generation went on across weight updates
+            lines.append("         tokens by version: " + ", ".join(f"v{v} {n}" for v, n in s.version_runs))
         if s.episode is not None and s.episode.calls:  # an agent's episode: call by call
             for n, c in enumerate(s.episode.calls):
                 tools = f"  tool calls: {', '.join(c.tool_calls)}" if c.tool_calls else ""
@@ -591,126 +593,3 @@ def render_step(d: StepDetail) -> str:
             name = k.split("/")[1]
             lines.append(f"  {k:32s} {d.probe_metrics[k]:.6g}  (version {probe_versions.get(name)})")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- metrics, find
-
-
-def metric_rows(run_dir: Path, names: list[str] | None, steps: str | None) -> tuple[list[str], list[dict]]:
-    """The metric names shown and one row a step: {"step": step, name: value, ...} (--jsonl's lines)."""
-    start, stop = parse_steps(steps)
-    rows, seen, at = [], set(), []
-    probed = derived.values(run_dir)  # `verlj replay --probe`'s, beside the journal
-    with open_run(run_dir) as ledger:
-        for step, values in ledger.metrics(start, stop):
-            values = {**values, **probed.get(step, {})}
-            seen |= set(values)
-            rows.append({"step": step, **(values if names is None else {k: values.get(k) for k in names})})
-            at.append(step)
-    if names is not None:
-        unknown = [n for n in names if n not in seen]
-        if unknown and rows:  # measured after a step's commit, some metrics are only in the logs
-            logged = _logged_only(Path(run_dir) / "metrics.jsonl", set(unknown))
-            for step, row in zip(at, rows):
-                row.update(logged.get(step, {}))
-            found = {k for values in logged.values() for k in values}
-            unknown = [n for n in unknown if n not in found]
-        if unknown and rows:
-            raise RunError(f"unknown metric {unknown[0]!r}; this run has: {', '.join(sorted(seen))}")
-        cols = names
-    else:
-        cols = sorted(seen)
-    return cols, rows
-
-
-def _logged_only(path: Path, names: set[str]) -> dict[int, dict[str, float]]:
-    """step -> {name: value} of `names` in metrics.jsonl: the metrics measured after a step's commit
-    (timing_s/commit, journal/ship_lag_steps: run.train_loop logs them), which its record cannot hold."""
-    out: dict[int, dict[str, float]] = {}
-    try:
-        f = open(path)
-    except OSError:
-        return out
-    with f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            hit = {k: row[k] for k in names if k in row}
-            if hit and isinstance(step := row.get("step"), int):
-                out.setdefault(step, {}).update(hit)
-    return out
-
-
-_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": operator.ne}
-_COND = re.compile(r"^\s*([\w/.\-]+)\s*(>=|<=|==|!=|>|<)\s*(\S+)\s*$|^\s*([\w/.\-]+)\s+is\s+(nan|inf|not finite)\s*$")
-
-
-@dataclass
-class Condition:
-    name: str
-    op: str
-    value: float | None
-
-    def __call__(self, values: dict) -> bool:
-        v = values.get(self.name)
-        if v is None:
-            return False
-        if self.op == "nan":
-            return math.isnan(v)
-        if self.op == "inf":
-            return math.isinf(v)
-        if self.op == "not finite":
-            return not math.isfinite(v)
-        assert self.value is not None  # NAME OP NUMBER
-        return _OPS[self.op](v, self.value)
-
-
-def parse_where(where: str) -> list[Condition]:
-    """'actor/grad_norm > 10 and critic/score/mean < 0.1', or 'actor/pg_loss is nan'."""
-    conds = []
-    for part in re.split(r"\s+and\s+", where.strip()):
-        m = _COND.match(part)
-        if not m:
-            raise RunError(
-                f"cannot parse --where {where!r}: use NAME OP NUMBER (OP one of > >= < <= == !=) or NAME is nan|inf|not finite, joined by 'and'"
-            )
-        if m.group(1):
-            try:
-                conds.append(Condition(m.group(1), m.group(2), float(m.group(3))))
-            except ValueError:
-                raise RunError(f"cannot parse --where {where!r}: {m.group(3)!r} is not a number") from None
-        else:
-            conds.append(Condition(m.group(4), m.group(5), None))
-    return conds
-
-
-@dataclass(frozen=True)
-class Match:
-    """A step `verlj find` found, with the values of the metrics its condition names."""
-
-    step: int
-    values: dict[str, float | None]
-
-    def to_json(self) -> dict:
-        return {"step": self.step, **self.values}
-
-
-def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[Match]:
-    conds = parse_where(where)
-    out = []
-    names_seen: set[str] = set()
-    probed = derived.values(run_dir)
-    with open_run(run_dir) as ledger:
-        for step, values in ledger.metrics():
-            values = {**values, **probed.get(step, {})}
-            names_seen |= set(values)
-            if all(c(values) for c in conds):
-                out.append(Match(step, {c.name: values.get(c.name) for c in conds}))
-                if limit is not None and len(out) >= limit:
-                    break
-    missing = [c.name for c in conds if names_seen and c.name not in names_seen]
-    if missing:
-        raise RunError(f"unknown metric {missing[0]!r} in --where")
-    return out

@@ -5,7 +5,8 @@
     verlj export RUN --rollouts --turns --output turns.parquet       # episodes: one row per turn
 
 The table's columns are schema.table's (its one schema of a sample; a run of episodes, rollout.env, has
-the episode's columns too: ``turns``, ``env_end``, ``env_reason``, ``env_seed``, ...), plus each sample's
+the episode's columns too: ``turns``, ``env_end``, ``env_reason``, ``env_seed``, ...; a run with partial rollouts,
+rollout.partial, ``token_versions``: each response token's policy version), plus each sample's
 fate, derived here from the journal: ``status`` (consumed | dropped | pending) and ``status_step`` (when).
 ``--turns`` writes one row per turn instead (schema.table.TURN_COLUMNS, then the fate); for a run of agent
 programs (rollout.agent), one row per model call (:data:`CALL_COLUMNS`, then the fate: :func:`call_rows`).
@@ -26,7 +27,7 @@ import numpy as np
 from ..config import config_from_stored
 from ..errors import RunError
 from ..loop import archive
-from ..loop.archive import ran_episodes
+from ..loop.archive import ran_episodes, ran_partial
 from ..loop.ledger import open_run
 from ..loop.reader import StepReader
 from ..rl.vocab import text_decoder
@@ -243,11 +244,11 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
         if a > b:
             raise RunError(f"--steps selects no step: this run has steps {first}–{last}")
         fates = sample_fates(ledger, a, None)
-        episodes = ran_episodes(ledger.configs_in(a, b))
+        episodes, partial = ran_episodes(ledger.configs_in(a, b)), ran_partial(ledger.configs_in(a, b))
         calls = turns and any(config_from_stored(c).rollout.agent for c in ledger.configs_in(a, b))  # a row per model call
 
         def table_rows(cols: dict) -> Iterator[dict]:
-            for row in (call_rows(cols) if calls else turn_rows(cols)) if turns else rows(cols, episodes):
+            for row in (call_rows(cols) if calls else turn_rows(cols)) if turns else rows(cols, episodes, partial):
                 status, when = fates.get(row["sample_id"], ("pending", None))
                 yield {**row, "status": status, "status_step": when}
 
@@ -256,10 +257,10 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
                 import pyarrow as pa
                 import pyarrow.parquet as pq
 
-                schema = (call_schema() if calls else turn_schema(True)) if turns else arrow_schema(True, episodes)
+                schema = (call_schema() if calls else turn_schema(True)) if turns else arrow_schema(True, episodes, partial)
                 with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as w:
                     for _step, cols in iter_step_columns(run_dir, ledger, a, b, notes):
-                        table = pa.Table.from_pylist(list(table_rows(cols)), schema) if turns else to_arrow(cols, fates, episodes)
+                        table = pa.Table.from_pylist(list(table_rows(cols)), schema) if turns else to_arrow(cols, fates, episodes, partial)
                         w.write_table(table)
                         written += table.num_rows
             else:

@@ -48,6 +48,7 @@ from verlj.journal.failpoints import failpoint
 
 from ..config import Config
 from ..errors import RunError
+from .partial import Progress
 from .reaper import resource_tracker_apart
 from .sampler import AskedGroup, SamplerEngine, sampling_params
 
@@ -68,6 +69,7 @@ class GeneratorProcess(SamplerEngine):
         self.stale = True
         self._next = 0
         self._arrivals: list[tuple] = []  # completion order: groups sent back, not yet taken by `arrived`
+        self._partials: dict[int, tuple] = {}  # rollout.partial: groups a push stopped, not yet taken by `partials`
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -147,25 +149,46 @@ class GeneratorProcess(SamplerEngine):
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
         return self.result(self.submit(prompts, seeds, cfg))
 
-    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int) -> None:
+    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int, progress: dict[int, Progress] | None = None) -> None:
         """Completion order: queue groups (group id, prompt, one seed per sample; the prompt may be a list
         of one prompt per seed: an episode's turn); they come back from `arrived`, in the order the
         process completes them. It generates up to `batch_groups` queued groups together, as one batch
-        from one version."""
-        if groups:
-            self._send(("ask", [(int(g), [np.asarray(x) for x in p] if isinstance(p, list) else np.asarray(p), list(seeds))
-                                for g, p, seeds in groups], sampling_params(cfg), batch_groups))
+        from one version. rollout.partial: `progress` has a group's tokens so far where it goes on from them
+        (rl.partial: a resume's durable tokens), and a push stops the groups in flight (`partials`)."""
+        if not groups:
+            return
+        if cfg.rollout.partial:
+            progress = progress or {}
+            self._send(("ask", [(int(g), np.asarray(p), list(seeds), progress.get(int(g))) for g, p, seeds in groups], sampling_params(cfg),
+                        batch_groups))
+            return
+        self._send(("ask", [(int(g), [np.asarray(x) for x in p] if isinstance(p, list) else np.asarray(p), list(seeds))
+                            for g, p, seeds in groups], sampling_params(cfg), batch_groups))
+
+    def partials(self) -> list[tuple]:
+        """rollout.partial: the groups the pushes since the last call stopped with tokens, as (group, responses,
+        log-probs, runs, done): each as it stood at its push (the latest)."""
+        out, self._partials = list(self._partials.values()), {}
+        return out
 
     def arrived(self, wait: float) -> list[tuple]:
         """Completion order: the groups completed since the last call, as (group, responses, log-probs,
         version), waiting up to `wait` seconds for the first when none has."""
         deadline = time.monotonic() + wait
         while (reply := self._reply(0 if self._arrivals else max(0.0, deadline - time.monotonic()))) is not None:
-            if reply[0] != "group":
+            if reply[0] not in ("group", "partial"):
                 raise RunError(f"the rollout generator process answered {reply[1]!r} unasked")
-            self._arrivals.append(reply[1:])
+            self._took(reply)
         out, self._arrivals = self._arrivals, []
         return out
+
+    def _took(self, reply: tuple) -> None:
+        """A group sent back: completed (to `arrived`), or stopped by a push with its tokens so far (to `partials`)."""
+        if reply[0] == "group":
+            self._arrivals.append(reply[1:])
+            self._partials.pop(int(reply[1]), None)
+        else:
+            self._partials[int(reply[1])] = reply[1:]
 
     def _call(self, message: tuple, tag) -> tuple:
         self._send(message)
@@ -212,8 +235,8 @@ class GeneratorProcess(SamplerEngine):
                 if timeout is not None and time.monotonic() - start > timeout:
                     raise RunError(f"the rollout generator process (pid {self.proc.pid}) did not start within {timeout:.0f} s") from None
                 continue
-            if reply[0] == "group":  # completion order: a group that completed before the reply awaited
-                self._arrivals.append(reply[1:])
+            if reply[0] in ("group", "partial"):  # completion order: a group that completed (or a push stopped) before the reply awaited
+                self._took(reply)
                 continue
             if reply[1] != tag:
                 raise RunError(f"the rollout generator process answered {reply[1]!r} where {tag!r} was awaited")
@@ -250,10 +273,15 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
     try:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
-        generate, push = _generator(cfg_dict, weights, eos_id, pad_id, dp_size)
+        generate, push, stream = _generator(cfg_dict, weights, eos_id, pad_id, dp_size)
         results.send(("ready", "ready", os.getpid()))
     except Exception as e:  # noqa: BLE001 - reported to the trainer in one sentence
         results.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    if stream is not None:  # rollout.partial: generations stopped at a push and continued (rl.partial)
+        from . import partial
+
+        partial.serve(requests, results, stream, push, version, parent)
         return
 
     queue: deque = deque()  # completion order: (group, prompt, seeds, params) asked, not begun
@@ -308,9 +336,11 @@ def serve(requests, results, cfg_dict: dict, weights: dict, version: int, eos_id
 def _generator(cfg_dict: dict, weights: dict, eos_id: int, pad_id: int, dp_size: int):
     """The generator process's policy, its parameters the trainer's shared `weights` (with
     rollout.engine=vllm, a vLLM engine built from them). Returns (generate(prompts, seeds, params)
-    -> (responses, log-probs), push(): the weights changed, reload them where they are copied)."""
+    -> (responses, log-probs), push(): the weights changed, reload them where they are copied,
+    rollout.partial's stream over the policy (rl.partial; None without))."""
     from ..config import config_from_dict
     from .models import load_causal_lm
+    from .partial import stream_for
     from .sampler import sample_seeded
 
     cfg = config_from_dict(cfg_dict)
@@ -322,14 +352,17 @@ def _generator(cfg_dict: dict, weights: dict, eos_id: int, pad_id: int, dp_size:
         params[name].data = t
     model.eval()
     device = next(iter(weights.values())).device
+    rows = max(1, cfg.data.prompts_per_step // dp_size) * cfg.rollout.n  # a rank's share of a step: one batch
     if cfg.rollout.engine != "vllm":
-        return (lambda prompts, seeds, p: sample_seeded(model, prompts, seeds, p, eos_id, pad_id, device)), (lambda: None)
+        stream = stream_for(model, False, eos_id, pad_id, device, rows) if cfg.rollout.partial else None
+        return (lambda prompts, seeds, p: sample_seeded(model, prompts, seeds, p, eos_id, pad_id, device)), (lambda: None), stream
     from . import vllm_engine
 
     names = list(weights)
     llm = vllm_engine.start_llm(cfg, model.config, list(weights.items()), dp_size, device.type)
     return ((lambda prompts, seeds, p: vllm_engine.generate_llm(llm, prompts, seeds, p, eos_id)),
-            (lambda: vllm_engine.push_llm(llm, names, list(weights.items()))))
+            (lambda: vllm_engine.push_llm(llm, names, list(weights.items()))),
+            stream_for(llm, True, eos_id, pad_id, device, rows) if cfg.rollout.partial else None)
 
 
 def _die_with_parent() -> None:

@@ -39,7 +39,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..schema.sample import EnvEnd, GroupInFlight
+from ..schema.sample import EnvEnd, GroupInFlight, GroupProgress
 from ..state.seeding import derive_seed
 from .envs import EnvFactory, EnvFault, safe_reset, safe_resets, safe_step, safe_steps
 
@@ -371,3 +371,10 @@ class InFlightLog(Protocol):
 
     def read(self) -> dict[int, GroupInFlight]:
         """The groups made durable and not forgotten, by group id."""
+
+    def keep_partial(self, groups: list[GroupProgress], settled: list[int]) -> None:
+        """rollout.partial (completion order's generations a push stopped: rl.sources.partial): make `groups`
+        durable as they stand; forget the groups in `settled`."""
+
+    def read_partial(self) -> dict[int, GroupProgress]:
+        """rollout.partial: the groups made durable mid-generation and not forgotten, by group id."""

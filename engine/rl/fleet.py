@@ -59,6 +59,7 @@ from verlj.journal.failpoints import failpoint
 from ..config import Config
 from ..errors import ConfigError, RunError, install_hint
 from .episodes import GroupWork
+from .partial import Progress, settle
 from .reaper import Reaper, session_dir
 from .sampler import AskedGroup, SamplerEngine, sampling_params
 
@@ -96,6 +97,7 @@ class GeneratorActor:
         self.llm: Any = None  # rollout.engine=vllm: the engine, started at the first version received
         self.eos_id, self.pad_id = eos_id, pad_id
         self.version: int | None = None
+        self.stop_through = -1  # rollout.partial: a call generating from this version or an older one stops at its next token
         self.held: dict[int, Any] = {}  # rollout.env: the rounds of episodes this actor played the last turn of (rl.episodes.play_group)
         self.envs: Any = None
         if cfg.rollout.env is not None:  # the envs run here, beside generation: the observations are tokenized here too
@@ -120,6 +122,8 @@ class GeneratorActor:
         if self.version != version:
             self._load(ray.get(weights[0]))
             self.version = version
+        if work and isinstance(work[0][1], tuple) and len(work[0][1]) == 3:  # rollout.partial: (prompt, seeds, progress)
+            return self._partial(work, version), version
         out: list[tuple] = []
         for key, job, params in work:
             if isinstance(job, GroupWork):
@@ -128,6 +132,19 @@ class GeneratorActor:
             prompt, seeds = job
             out.append((key, self._sample(group_prompts(prompt, len(seeds)), list(seeds), params)))
         return out, version
+
+    def interrupt(self, version: int) -> None:
+        """rollout.partial: a call generating from `version` (or an older one) stops at its next token (the
+        fleet pushes a newer one). Runs beside `generate` (the actor takes two calls at once)."""
+        self.stop_through = max(self.stop_through, int(version))
+
+    def _partial(self, work: list[tuple], version: int) -> list[tuple]:
+        """rollout.partial: the call's groups generated together until each ended or the fleet stops the call (rl.partial.run_call)."""
+        from .partial import run_call, stream_for
+
+        rows = sum(len(job[1]) for _, job, _ in work)
+        stream = stream_for(self.llm if self.vllm else self.model, self.vllm, self.eos_id, self.pad_id, self.device, rows)
+        return run_call(stream, work, version, lambda: self.stop_through >= version)
 
     def _sample(self, prompts: list[np.ndarray], seeds: list[int], params: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
         if self.vllm:
@@ -229,7 +246,9 @@ class RayFleet(SamplerEngine):
         self._chunk = 1
         self._paused = False
         self._results: dict[int, list] = {}  # step order: handle -> each group's (responses, log-probs), None until done
-        self._arrivals: list[tuple] = []  # completion order: (group, responses, log-probs, version) not yet taken
+        self._arrivals: list[tuple] = []  # completion order: (group, responses, log-probs, version[, runs]) not yet taken
+        self._partials: dict[int, tuple] = {}  # rollout.partial: groups a push stopped, not yet taken by `partials`
+        self._partial = False  # rollout.partial (set when the fleet starts)
         self._next = 0
         self._error: str | None = None
         self._none_since: float | None = None
@@ -270,7 +289,9 @@ class RayFleet(SamplerEngine):
                                   "this machine has less: ask less, or set RAY_ADDRESS (or distributed.ray_address) to a cluster "
                                   "that has it")
         tok = self.tokenizer
-        self._remote = ray.remote(GeneratorActor).options(max_restarts=-1, max_task_retries=0, **_resources(ro.fleet_resources))
+        self._partial = bool(ro.partial)
+        concurrency = {"max_concurrency": 2} if ro.partial else {}  # rollout.partial: `interrupt` beside a call generating
+        self._remote = ray.remote(GeneratorActor).options(max_restarts=-1, max_task_retries=0, **concurrency, **_resources(ro.fleet_resources))
         self._args = (cfg.to_dict(), tok.eos_token_id, tok.pad_token_id, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
                       self.version)
         self.slots = [self._new_slot() for _ in range(ro.fleet_size)]
@@ -309,6 +330,10 @@ class RayFleet(SamplerEngine):
             self._start(cfg, sum(t.numel() * t.element_size() for t in weights.values()))
         with self._lock:
             self._paused = True
+            if self._partial and self.policy_version is not None:  # rollout.partial: the calls in flight stop at their next token
+                for s in self.slots:
+                    if s.call is not None and s.alive:
+                        s.handle.interrupt.remote(self.policy_version)
             while any(s.call is not None for s in self.slots):
                 self._check()
                 self._lock.wait(WAIT_S)
@@ -415,16 +440,27 @@ class RayFleet(SamplerEngine):
     def generate(self, prompts: list[np.ndarray], seeds: list[int], cfg: Config):
         return self.result(self.submit(prompts, seeds, cfg))
 
-    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int) -> None:
+    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int, progress: dict[int, Progress] | None = None) -> None:
         """Completion order: queue groups (group id, prompt, one seed per sample); each actor generates up
-        to batch_groups / M of them per call, from the version the fleet holds when the call starts."""
+        to batch_groups / M of them per call, from the version the fleet holds when the call starts.
+        rollout.partial: a group in `progress` goes on from its tokens so far; a push stops the calls in flight
+        at their next token, and their groups go back to the head of the queue as they stand (`partials`)."""
         if not groups:
             return
         params = sampling_params(cfg)
+        progress = progress or {}
         with self._lock:
             self._chunk = max(1, math.ceil(batch_groups / max(1, len(self.slots))))
-            self._queue.extend((None, int(g), (np.asarray(p), list(s)), params) for g, p, s in groups)
+            self._queue.extend((None, int(g), (np.asarray(p), list(s), progress.get(int(g))) if self._partial else (np.asarray(p), list(s)), params)
+                               for g, p, s in groups)
             self._dispatch()
+
+    def partials(self) -> list[tuple]:
+        """rollout.partial: the groups the pushes since the last call stopped with tokens, as (group, responses,
+        log-probs, runs, done), each as it stood at its latest push."""
+        with self._lock:
+            out, self._partials = list(self._partials.values()), {}
+        return out
 
     def ask_play(self, works: list[GroupWork], cfg: Config, batch_groups: int) -> None:
         """Completion order with rollout.env: queue each group's next turn (work.turns: one), played on
@@ -564,6 +600,9 @@ class RayFleet(SamplerEngine):
             return
         except RayTaskError as e:
             self._error = f"the rollout fleet's generator actor failed: {_cause(e)}"
+            return
+        if self._partial and items and items[0][0] is None and not isinstance(items[0][2], GroupWork):  # rollout.partial (rl.partial.settle)
+            self._queue.extendleft(reversed(settle(items, done, self._arrivals, self._partials)))
             return
         for i, got in done:
             owner, key = items[i][0], items[i][1]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ..config import Config
+from .partial import Progress
 from .sampler import AskedGroup, GeneratesHere, SamplerEngine, sample_seeded, sampling_params
 
 if TYPE_CHECKING:
@@ -68,14 +69,20 @@ class RolloutEngine(Protocol):
         """(response ids, their log-probs under the sampling distribution) of a `submit`, waiting for
         them. Collective."""
 
-    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int) -> None:
+    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int, progress: dict[int, Progress] | None = None) -> None:
         """Completion order (``rollout.async_order=completion``): queue groups; they come back from
         `arrived` in the order they complete, up to `batch_groups` of them generated together.
+        rollout.partial: a group in `progress` goes on from its tokens so far (rl.partial).
         Engines that generate only in step order refuse it (config.validate never lets it reach them)."""
 
     def arrived(self, wait: float) -> list[tuple]:
         """Completion order: the groups completed since the last call, as (group, responses, log-probs,
-        version), waiting up to `wait` seconds for the first when none has."""
+        version), waiting up to `wait` seconds for the first when none has; rollout.partial: with each
+        sample's version runs after them (the version: the oldest token's)."""
+
+    def partials(self) -> list[tuple]:
+        """rollout.partial: the groups the pushes since the last call stopped with tokens, as (group,
+        responses, log-probs, runs, done), each as it stood at its latest push. Completion order only."""
 
     def weights_changed(self) -> None:
         """The actor's weights changed (an update, a snapshot load): the next sync must bring them."""

@@ -44,10 +44,13 @@ class GeneratesHere:
     def result(self, handle: tuple[list[np.ndarray], list[np.ndarray]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         return handle
 
-    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int) -> None:
+    def ask(self, groups: list[AskedGroup], cfg: Config, batch_groups: int, progress: dict | None = None) -> None:
         raise step_order_only(self.name)
 
     def arrived(self, wait: float) -> list[tuple]:
+        raise step_order_only(self.name)
+
+    def partials(self) -> list[tuple]:
         raise step_order_only(self.name)
 
 
@@ -77,11 +80,23 @@ def sampling_params(cfg: Config) -> dict:
     return {"max_new_tokens": ro.max_response_length, "temperature": ro.temperature, "top_p": ro.top_p, "ignore_eos": ro.ignore_eos}
 
 
+def seeded_uniforms(seeds: list[int], length: int, offsets: list[int] | None = None) -> torch.Tensor:
+    """Each sample's uniforms ([B, length]): `length` draws from its seed's stream, from position `offsets[i]`
+    on (a generation continued at token t draws uniforms[t:] of the same stream), zeros past its end."""
+    full = torch.stack([torch.rand(length, generator=generator(s)) for s in seeds])
+    if not offsets or not any(offsets):
+        return full
+    out = torch.zeros_like(full)
+    for i, t in enumerate(offsets):
+        out[i, : length - t] = full[i, t:]
+    return out
+
+
 def sample_seeded(model, prompts: list[np.ndarray], seeds: list[int], params: dict, eos_id: int, pad_id: int, device,
                   all_done: Callable[[bool], bool] = lambda done: done,
                   on_token: Callable[[np.ndarray], None] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """verlj's sampler on `model`: each sample's uniforms from its own seed (see the module's doc)."""
-    uniforms = torch.stack([torch.rand(params["max_new_tokens"], generator=generator(s)) for s in seeds])
+    uniforms = seeded_uniforms(seeds, params["max_new_tokens"])
     return generate(model, prompts, uniforms, eos_id=eos_id, pad_id=pad_id, device=device, all_done=all_done, on_token=on_token, **params)
 
 
@@ -110,6 +125,81 @@ def sample_token(logits: torch.Tensor, uniforms: torch.Tensor, temperature: floa
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+class Decoder:
+    """One batch decoded token by token with a KV cache (what :func:`generate` runs): row i's token t drawn
+    at ``uniforms[i, t]``, its context (prompt, and the tokens a continued generation had) left-padded into
+    the batch, positions from the attention mask. A row ends at eos (included, unless ignore_eos) or at
+    its budget (``budgets[i]`` tokens; None: the uniforms' width). `step` samples one token for every row
+    (a row that ended gets the pad), `responses` gives each row's tokens and log-probs so far."""
+
+    def __init__(self, model, contexts: list[np.ndarray], uniforms: torch.Tensor, *, temperature: float, top_p: float, eos_id: int,
+                 pad_id: int, device: torch.device, ignore_eos: bool = False, budgets: list[int] | None = None):
+        B = len(contexts)
+        width = max(len(p) for p in contexts)
+        ids = torch.full((B, width), pad_id, dtype=torch.long)
+        mask = torch.zeros((B, width), dtype=torch.long)
+        for i, p in enumerate(contexts):
+            ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        self.model, self.uniforms, self.temperature, self.top_p = model, uniforms, temperature, top_p
+        self.eos_id, self.pad_id, self.ignore_eos = eos_id, pad_id, ignore_eos
+        self.mask = mask.to(device)
+        self.step_ids, self.step_pos = ids.to(device), (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.finished = torch.zeros(B, dtype=torch.bool, device=device)
+        self.budgets = torch.as_tensor(budgets, dtype=torch.long, device=device) if budgets is not None else None
+        self.limit = int(max(budgets)) if budgets is not None else uniforms.shape[1]
+        self.cache = None
+        self.tokens: list[torch.Tensor] = []
+        self.logps: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        """One token for every row ([B]; a row's pad once it has ended)."""
+        if self.tokens:  # the last token is the next input
+            tok = self.tokens[-1]
+            self.mask = torch.cat([self.mask, (~self.finished | (tok == self.eos_id)).long()[:, None]], dim=1)
+            self.step_pos = self.step_pos[:, -1:] + 1
+            self.step_ids = tok[:, None]
+        logits, self.cache = forward_with_cache(self.model, self.step_ids, self.mask, self.step_pos, self.cache)
+        tok, lp = sample_token(logits[:, -1, :], self.uniforms[:, len(self.tokens)], self.temperature, self.top_p)
+        tok = torch.where(self.finished, torch.full_like(tok, self.pad_id), tok)
+        self.tokens.append(tok)
+        self.logps.append(lp)
+        if not self.ignore_eos:
+            self.finished = self.finished | (tok == self.eos_id)
+        if self.budgets is not None:
+            self.finished = self.finished | (self.budgets <= len(self.tokens))
+        return tok
+
+    @property
+    def done(self) -> bool:
+        """Every row ended, or the uniforms are spent."""
+        return len(self.tokens) >= self.limit or bool(self.finished.all())
+
+    def ended(self) -> np.ndarray:
+        """Which rows have ended (bool [B])."""
+        return self.finished.cpu().numpy()
+
+    def responses(self, rows: list[int] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Each row's tokens and log-probs so far (of `rows`, or all), cut after its eos and at its budget."""
+        B = len(self.finished)
+        if not self.tokens:
+            return [np.zeros(0, np.int64) for _ in range(B)], [np.zeros(0, np.float32) for _ in range(B)]
+        toks = torch.stack(self.tokens, 1).cpu().numpy()
+        logps = torch.stack(self.logps, 1).float().cpu().numpy()
+        budgets = self.budgets.cpu().numpy() if self.budgets is not None else None
+        responses, logprobs = [], []
+        for i in range(B) if rows is None else rows:
+            row = toks[i]
+            ends = np.nonzero(row == self.eos_id)[0] if not self.ignore_eos else np.zeros(0, dtype=np.int64)
+            n = int(ends[0]) + 1 if len(ends) else len(row)
+            if budgets is not None:
+                n = min(n, int(budgets[i]))
+            responses.append(row[:n].astype(np.int64))
+            logprobs.append(logps[i, :n].astype(np.float32))
+        return responses, logprobs
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -130,50 +220,20 @@ def generate(
     Returns (response ids, generation log-probs) per prompt.
 
     Prompts are left-padded into one batch; positions come from the attention mask. A response
-    ends at eos (included) or at max_new_tokens. ``all_done`` lets ranks that share sharded
+    ends at eos (included) or at max_new_tokens (:class:`Decoder`). ``all_done`` lets ranks that share sharded
     weights (ZeRO-3, TP) keep stepping together until every rank has finished. ``on_token`` is given
     each step's tokens ([B], a row's pad once it has ended) as they are sampled (the agent gateway's
     token-by-token streams); it reads, and changes nothing sampled.
     """
     was_training = model.training
     model.eval()
-    B = len(prompts)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((B, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
-        mask[i, width - len(p) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    out_tokens: list[torch.Tensor] = []
-    out_logps: list[torch.Tensor] = []
-    cache = None
-    step_ids, step_pos = ids, positions
+    dec = Decoder(model, prompts, uniforms, temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id, device=device,
+                  ignore_eos=ignore_eos)
     for _ in range(max_new_tokens):
-        logits, cache = forward_with_cache(model, step_ids, mask, step_pos, cache)
-        tok, lp = sample_token(logits[:, -1, :], uniforms[:, len(out_tokens)], temperature, top_p)
-        tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
-        out_tokens.append(tok)
-        out_logps.append(lp)
+        tok = dec.step()
         if on_token is not None:
             on_token(tok.cpu().numpy())
-        if not ignore_eos:
-            finished = finished | (tok == eos_id)
-        if all_done(bool(finished.all())):
+        if all_done(bool(dec.finished.all())):
             break
-        mask = torch.cat([mask, (~finished | (tok == eos_id)).long()[:, None]], dim=1)
-        step_pos = step_pos[:, -1:] + 1
-        step_ids = tok[:, None]
     model.train(was_training)
-    toks = torch.stack(out_tokens, 1).cpu().numpy()
-    logps = torch.stack(out_logps, 1).float().cpu().numpy()
-    responses, logprobs = [], []
-    for i in range(B):
-        row = toks[i]
-        ends = np.nonzero(row == eos_id)[0] if not ignore_eos else np.zeros(0, dtype=np.int64)
-        n = int(ends[0]) + 1 if len(ends) else len(row)
-        responses.append(row[:n].astype(np.int64))
-        logprobs.append(logps[i, :n].astype(np.float32))
-    return responses, logprobs
+    return dec.responses()

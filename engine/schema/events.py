@@ -147,7 +147,8 @@ class Data(Event):
 class Rollout(Event):
     """The engine that generated the step's samples (hf | vllm), its package's version, and the
     rollout mode: `mode`/`max_staleness`/`async_order` are journaled for async steps only (absent: sync;
-    a step-order journal from before `async_order` existed reads as step order). A what-if's steps say so."""
+    a step-order journal from before `async_order` existed reads as step order), `partial` only when true
+    (rollout.partial: generations continued across weight updates). A what-if's steps say so."""
 
     TYPE: ClassVar[str] = "rollout"
     VERSION: ClassVar[int] = 1
@@ -160,6 +161,7 @@ class Rollout(Event):
     async_order: AsyncOrder | None = None
     whatif: bool = False
     whatif_correction: bool = False
+    partial: bool = False
 
     @property
     def is_async(self) -> bool:
@@ -176,6 +178,8 @@ class Rollout(Event):
         out: dict = {"mode": self.mode.value, "max_staleness": self.max_staleness}
         if self.async_order is not None:
             out["async_order"] = self.async_order.value
+        if self.partial:
+            out["partial"] = True
         return out
 
     def to_event(self) -> dict:
@@ -187,7 +191,7 @@ class Rollout(Event):
         mode = RolloutMode(e.get("mode", "sync"))
         order = e.get("async_order")
         return cls(str(e["engine"]), e.get("version"), mode, e.get("max_staleness"), AsyncOrder(order) if order else None,
-                   bool(e.get("whatif", False)), bool(e.get("whatif_correction", False)))
+                   bool(e.get("whatif", False)), bool(e.get("whatif_correction", False)), bool(e.get("partial", False)))
 
 
 @declared
@@ -298,7 +302,8 @@ class Plan(Event):
 @dataclass(frozen=True)
 class Requests(Event):
     """Async completion order: the groups and rows asked this step; `regenerated`: groups asked
-    again because they were in flight when the last process stopped."""
+    again because they were in flight when the last process stopped; `continued` (rollout.partial;
+    journaled only when some): groups asked that went on from their durable tokens instead of their start."""
 
     TYPE: ClassVar[str] = "buffer.request"
     VERSION: ClassVar[int] = 1
@@ -306,13 +311,15 @@ class Requests(Event):
     groups: np.ndarray = field(default_factory=lambda: _NO_IDS)
     rows: np.ndarray = field(default_factory=lambda: _NO_IDS)
     regenerated: np.ndarray = field(default_factory=lambda: _NO_IDS)
+    continued: np.ndarray = field(default_factory=lambda: _NO_IDS)
 
     def to_event(self) -> dict:
-        return make_event(self.TYPE, groups=self.groups, rows=self.rows, regenerated=self.regenerated)
+        extra = {"continued": self.continued} if len(self.continued) else {}  # only then: a record without keeps its bytes
+        return make_event(self.TYPE, groups=self.groups, rows=self.rows, regenerated=self.regenerated, **extra)
 
     @classmethod
     def from_event(cls, e: dict) -> Requests:
-        return cls(_ids(e.get("groups")), _ids(e.get("rows")), _ids(e.get("regenerated")))
+        return cls(_ids(e.get("groups")), _ids(e.get("rows")), _ids(e.get("regenerated")), _ids(e.get("continued")))
 
 
 @declared

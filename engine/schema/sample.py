@@ -34,6 +34,10 @@ one of the batch's samples has it (journals from before lack it: read as ""):
                              function raised or returned a non-finite number ("reward function m.f raised ...")
     agent_calls    str       an agent episode's token ledger (rollout.agent; schema.agent_calls): every model
                              call as answered, one JSON text carrying its own version ("" for any other sample)
+    version_runs   int32[]   the policy version of each response token, as runs of equal version: flat
+                             (version, count) pairs (rollout.partial: a generation continued across weight
+                             updates; :func:`version_runs`, :func:`token_versions`); policy_version is the
+                             first run's, the oldest. Empty: every token is policy_version's
 
 Samples travel columnar — padded arrays plus lengths (:func:`pack`, :func:`unpack`) — in journal
 events, snapshots and between ranks: live training and replay both go through them, so the update
@@ -61,6 +65,8 @@ EPISODE_TEXT = "env_reason"  # a list of str column
 EPISODE_FIELDS = {**EPISODE_SCALARS, **EPISODE_SEQUENCES}
 FAULT_TEXT = "fault"  # a list of str column, only in a batch where a sample has one
 AGENT_TEXT = "agent_calls"  # a list of str column, only in a batch where a sample has one (rollout.agent)
+RUNS = "version_runs"  # a sequence column, only in a batch where a sample has one (rollout.partial)
+PARTIAL_SEQUENCES = {RUNS: np.int32}
 PAD = -1  # fills token-id rows past their length in the columnar form (log-probs: 0)
 
 _EMPTY_F32 = np.zeros(0, np.float32)
@@ -112,6 +118,7 @@ class Sample:
     env_reason: str = ""
     fault: str = ""  # a fault of its scoring (reward function): the sample is out of the update
     agent_calls: str = ""  # rollout.agent: the episode's calls as answered (schema.agent_calls's JSON)
+    version_runs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # rollout.partial: (version, count) pairs
 
     @property
     def is_episode(self) -> bool:
@@ -132,6 +139,13 @@ class Sample:
     def policy_tokens(self) -> int:
         return int(np.count_nonzero(self.loss_mask)) if self.is_episode else len(self.response_ids)
 
+    def token_versions(self) -> np.ndarray:
+        """The policy version of each response token (int64): its runs expanded, or policy_version for every
+        token when it has none (a generation never continued across an update)."""
+        if not len(self.version_runs):
+            return np.full(len(self.response_ids), self.policy_version, np.int64)
+        return token_versions(self.version_runs)
+
     def env_score(self) -> float:
         """The env's rewards summed over the episode (turns without one count 0)."""
         return float(np.nansum(np.asarray(self.turn_rewards, np.float64))) if len(self.turn_rewards) else 0.0
@@ -151,7 +165,7 @@ class Sample:
     def __getitem__(self, name: str):
         """A field by name: `sample["score"]`, for user code written when samples were dicts (a probe's
         batch, a reward function's extra info). verlj's own code reads attributes."""
-        if name not in FIELDS and name not in EPISODE_FIELDS and name not in (EPISODE_TEXT, FAULT_TEXT, AGENT_TEXT):
+        if name not in FIELDS and name not in EPISODE_FIELDS and name not in (EPISODE_TEXT, FAULT_TEXT, AGENT_TEXT, RUNS):
             raise KeyError(name)
         return getattr(self, name)
 
@@ -164,14 +178,14 @@ class Sample:
         if ((self.is_episode or other.is_episode) and self.env_reason != other.env_reason) or self.fault != other.fault \
                 or self.agent_calls != other.agent_calls:
             return False
-        for name, dt in EPISODE_FIELDS.items():
+        for name, dt in {**EPISODE_FIELDS, **PARTIAL_SEQUENCES}.items():
             a, b = np.asarray(getattr(self, name), dt), np.asarray(getattr(other, name), dt)
             if a.shape != b.shape or a.tobytes() != b.tobytes():
                 return False
         return True
 
 
-assert {f.name for f in fields(Sample)} == set(FIELDS) | set(EPISODE_FIELDS) | {EPISODE_TEXT, FAULT_TEXT, AGENT_TEXT}, \
+assert {f.name for f in fields(Sample)} == set(FIELDS) | set(EPISODE_FIELDS) | {EPISODE_TEXT, FAULT_TEXT, AGENT_TEXT, RUNS}, \
     "Sample and FIELDS, EPISODE_FIELDS must name the same fields"
 
 
@@ -202,6 +216,8 @@ def pack(samples: Iterable[Sample]) -> dict:
         out[FAULT_TEXT] = [str(s.fault) for s in samples]
     if any(s.agent_calls for s in samples):  # only then: a batch without an agent episode keeps its bytes
         out[AGENT_TEXT] = [str(s.agent_calls) for s in samples]
+    if any(len(s.version_runs) for s in samples):  # only then: a batch of samples never continued keeps its bytes
+        _pack_sequences(out, samples, PARTIAL_SEQUENCES)
     return out
 
 
@@ -221,9 +237,48 @@ def unpack(cols: dict) -> list[Sample]:
             seq.update(fault=str(cols[FAULT_TEXT][i]))
         if AGENT_TEXT in cols:
             seq.update(agent_calls=str(cols[AGENT_TEXT][i]))
+        if RUNS in cols:
+            seq.update(version_runs=cols[RUNS][i, : cols[RUNS + "_len"][i]].astype(np.int64))
         fields_: dict[str, Any] = {k: (int(v[i]) if SCALARS[k] is np.int64 else float(v[i])) for k, v in scal.items()}
         out.append(Sample(**fields_, **seq))
     return out
+
+
+def version_runs(versions) -> np.ndarray:
+    """Per-token policy versions as runs of equal version: flat (version, count) pairs, int64 (empty for no token)."""
+    v = np.asarray(versions, np.int64)
+    if not len(v):
+        return np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.r_[True, v[1:] != v[:-1]])
+    counts = np.diff(np.r_[starts, len(v)])
+    return np.stack([v[starts], counts], axis=1).reshape(-1)
+
+
+def token_versions(runs) -> np.ndarray:
+    """The per-token versions a sample's runs (flat (version, count) pairs) stand for, int64."""
+    pairs = np.asarray(runs, np.int64).reshape(-1, 2)
+    return np.repeat(pairs[:, 0], pairs[:, 1])
+
+
+def extend_runs(runs, version: int, count: int) -> np.ndarray:
+    """Runs with `count` more tokens of `version` after them (merged into the last run when it is that version's)."""
+    pairs = np.asarray(runs, np.int64).reshape(-1, 2)
+    if count <= 0:
+        return pairs.reshape(-1)
+    if len(pairs) and pairs[-1, 0] == version:
+        pairs = pairs.copy()
+        pairs[-1, 1] += count
+        return pairs.reshape(-1)
+    return np.concatenate([pairs, [[version, count]]]).astype(np.int64).reshape(-1)
+
+
+def runs_through(runs, version: int) -> np.ndarray:
+    """The leading runs of versions up to `version` (what a resume holding `version` may keep of them)."""
+    pairs = np.asarray(runs, np.int64).reshape(-1, 2)
+    keep = 0
+    while keep < len(pairs) and pairs[keep, 0] <= version:
+        keep += 1
+    return pairs[:keep].reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -257,7 +312,7 @@ class Columns:
 
     def padded(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """A sequence column as (padded 2-D array, lengths); empty when the journal lacks it."""
-        arr = np.asarray(self.cols.get(name, np.zeros((self.n, 0))), SEQUENCES.get(name) or EPISODE_SEQUENCES[name])
+        arr = np.asarray(self.cols.get(name, np.zeros((self.n, 0))), SEQUENCES.get(name) or EPISODE_SEQUENCES.get(name) or PARTIAL_SEQUENCES[name])
         lens = np.asarray(self.cols.get(name + "_len", np.zeros(self.n)), np.int64)
         return arr, lens
 
@@ -337,3 +392,52 @@ class GroupInFlight:
             cut["env_end"].append(int(EnvEnd.NONE))
             cut["env_reason"].append("")
         return GroupInFlight(self.group, self.row, self.versions[:turns], self.prompt_ids, env_seed=self.env_seed, **cut)
+
+
+@dataclass(frozen=True)
+class GroupProgress:
+    """rollout.partial: one group's generation so far, as the generator stopped it at a weight update (its
+    samples' tokens, log-probs and each token's policy version, as runs) and as it is made durable at that
+    update (the journal's pending store, written by loop.ledger), so that a resume continues each of its
+    samples from its last durable token. One entry per sample in each list; `row`: the dataset row of
+    the group's prompt; `done`: the sample ended (end-of-sequence or rollout.max_response_length)."""
+
+    group: int
+    row: int
+    responses: list
+    logprobs: list
+    runs: list
+    done: list
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GroupProgress:
+        seq = lambda name, dt: [np.asarray(x, dt) for x in d[name]]  # noqa: E731
+        return cls(int(d["group"]), int(d["row"]), seq("responses", np.int64), seq("logprobs", np.float32), seq("runs", np.int64),
+                   [bool(x) for x in d["done"]])
+
+    @property
+    def tokens(self) -> int:
+        """Its samples' tokens so far, in all."""
+        return sum(len(r) for r in self.responses)
+
+    @property
+    def oldest(self) -> int | None:
+        """The version of its oldest token (None: none generated yet)."""
+        firsts = [int(r[0]) for r in self.runs if len(r)]
+        return min(firsts) if firsts else None
+
+    def through(self, version: int) -> GroupProgress:
+        """The group as it stood with only its tokens of versions up to `version` (a resume holding that
+        version keeps no token of a later one): a sample cut short is going again."""
+        responses, logprobs, runs, done = [], [], [], []
+        for r, lp, rn, d in zip(self.responses, self.logprobs, self.runs, self.done):
+            kept = runs_through(rn, version)
+            n = int(kept.reshape(-1, 2)[:, 1].sum())
+            responses.append(r[:n])
+            logprobs.append(lp[:n])
+            runs.append(kept)
+            done.append(d and n == len(r))
+        return GroupProgress(self.group, self.row, responses, logprobs, runs, done)

@@ -10,7 +10,9 @@ A table of episodes (rollout.env) has the episode's fields too (:data:`EPISODE_C
 episode turn by turn as text (``[{action, observation, reward}]``, reward null where the env gave none),
 ``env_end``, ``env_reason``, ``env_seed``, and ``loss_mask``, ``turn_lens``, ``turn_rewards`` as lists. A
 single-turn run's table has none of them: its files are byte for byte what they were before episodes.
-:func:`turn_rows` gives the table one row per turn instead (``export --rollouts --turns``).
+:func:`turn_rows` gives the table one row per turn instead (``export --rollouts --turns``). A table of a run
+with partial rollouts (rollout.partial) has ``token_versions`` too: each response token's policy version
+(the sample's runs expanded: a generation continued across weight updates shows where each version took over).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import RunError, install_hint
-from .sample import AGENT_TEXT, EPISODE_SCALARS, EPISODE_SEQUENCES, EPISODE_TEXT, SCALARS, SEQUENCES, Columns
+from .sample import AGENT_TEXT, EPISODE_SCALARS, EPISODE_SEQUENCES, EPISODE_TEXT, RUNS, SCALARS, SEQUENCES, Columns
 
 # ----------------------------------------------------------------------------- the rollout table
 
@@ -32,8 +34,10 @@ COLUMNS = ["step", "sample_id", "group", "index", "prompt", "response", *SEQUENC
 FATE = ["status", "status_step"]
 TURNS = "turns"  # an episode's turns as text: [{action, observation, reward}]
 EPISODE_COLUMNS = [TURNS, "env_end", EPISODE_TEXT, "env_seed", *EPISODE_SEQUENCES]
+TOKEN_VERSIONS = "token_versions"  # rollout.partial: each response token's policy version
+PARTIAL_COLUMNS = [TOKEN_VERSIONS]
 _TABLE_SCALARS = {"step": np.int64, **{TABLE_NAMES.get(k, k): dt for k, dt in {**SCALARS, **EPISODE_SCALARS}.items()}}
-_TABLE_SEQUENCES = {**SEQUENCES, **EPISODE_SEQUENCES}
+_TABLE_SEQUENCES = {**SEQUENCES, **EPISODE_SEQUENCES, TOKEN_VERSIONS: np.int64}
 _TABLE_TEXT = (*TEXT, EPISODE_TEXT)
 
 
@@ -57,18 +61,19 @@ def parquet_options(schema) -> dict:
     the others (their turns' text aside) dictionary-encoded."""
     names = set(schema.names)
     return {"compression": "zstd", "compression_level": 9, "use_byte_stream_split": [c for c in _FLOATS if c in names],
-            "use_dictionary": [c for c in COLUMNS + EPISODE_COLUMNS + FATE if c in names and c not in _FLOATS and c != TURNS]}
+            "use_dictionary": [c for c in COLUMNS + EPISODE_COLUMNS + PARTIAL_COLUMNS + FATE if c in names and c not in _FLOATS and c != TURNS]}
 
 
-def arrow_schema(with_fate: bool, episodes: bool = False):
+def arrow_schema(with_fate: bool, episodes: bool = False, partial: bool = False):
     """The table's Parquet schema: with the fate columns (export) or without (the archive); with the
-    episode columns for a run of episodes."""
+    episode columns for a run of episodes, token_versions for a run with partial rollouts."""
     pa = require_pyarrow("Parquet")
     arrow = {np.int64: pa.int64(), np.float64: pa.float64(), np.int32: pa.int32(), np.float32: pa.float32(), np.int8: pa.int8()}
     turn = pa.struct([("action", pa.string()), ("observation", pa.string()), ("reward", pa.float64())])
     types = {**{k: arrow[dt] for k, dt in _TABLE_SCALARS.items()}, **{k: pa.list_(arrow[dt]) for k, dt in _TABLE_SEQUENCES.items()},
              **{k: pa.string() for k in _TABLE_TEXT}, TURNS: pa.list_(turn), "status": pa.string(), "status_step": pa.int64()}
-    return pa.schema([(k, types[k]) for k in COLUMNS + (EPISODE_COLUMNS if episodes else []) + (FATE if with_fate else [])])
+    extra = (EPISODE_COLUMNS if episodes else []) + (PARTIAL_COLUMNS if partial else [])
+    return pa.schema([(k, types[k]) for k in COLUMNS + extra + (FATE if with_fate else [])])
 
 
 def step_columns(step: int, samples: dict, decoder) -> dict:
@@ -103,6 +108,11 @@ def step_columns(step: int, samples: dict, decoder) -> dict:
                          "reward": None if np.isnan(t.reward) else t.reward} for t in s.turns()] for s in batch.samples()]
     if batch.has(AGENT_TEXT):  # rollout.agent: each episode's calls (export --turns: a row per call); in no table column
         cols[AGENT_TEXT] = batch.text(AGENT_TEXT)
+    if batch.has(RUNS):  # rollout.partial: each token's version, its sample's runs expanded
+        versions = [s.token_versions() for s in batch.samples()]
+        offsets = np.zeros(n + 1, np.int32)
+        np.cumsum([len(v) for v in versions], out=offsets[1:])
+        cols[TOKEN_VERSIONS] = (np.concatenate(versions) if versions else np.zeros(0, np.int64), offsets)
     return cols
 
 
@@ -110,15 +120,15 @@ def num_rows(cols: dict) -> int:
     return len(cols[SAMPLE_ID])
 
 
-def to_arrow(cols: dict, fate: dict | None = None, episodes: bool = False):
+def to_arrow(cols: dict, fate: dict | None = None, episodes: bool = False, partial: bool = False):
     """A pyarrow Table of one step's columns (with the fate columns when `fate` is given; with the episode
-    columns when `episodes`, null for a step without episodes)."""
+    columns when `episodes`, null for a step without episodes; token_versions when `partial`)."""
     pa = require_pyarrow("Parquet")
     arrays = []
-    schema = arrow_schema(fate is not None, episodes)
+    schema = arrow_schema(fate is not None, episodes, partial)
     for name in schema.names:
         typ = schema.field(name).type
-        if name in EPISODE_COLUMNS and name not in cols:
+        if name in EPISODE_COLUMNS + PARTIAL_COLUMNS and name not in cols:
             arrays.append(pa.nulls(num_rows(cols), typ))
         elif name in _TABLE_SEQUENCES:
             values, offsets = cols[name]
@@ -132,10 +142,10 @@ def to_arrow(cols: dict, fate: dict | None = None, episodes: bool = False):
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def rows(cols: dict, episodes: bool = False) -> Iterator[dict]:
+def rows(cols: dict, episodes: bool = False, partial: bool = False) -> Iterator[dict]:
     """One step's columns as row dicts (JSON-ready values); with the episode columns when `episodes`
-    (None for a step without episodes)."""
-    names = COLUMNS + (EPISODE_COLUMNS if episodes else [])
+    (None for a step without episodes), token_versions when `partial`."""
+    names = COLUMNS + (EPISODE_COLUMNS if episodes else []) + (PARTIAL_COLUMNS if partial else [])
     for i in range(num_rows(cols)):
         row: dict = {}
         for name in names:
@@ -231,7 +241,8 @@ def table_columns(table) -> dict:
     episode columns when the table holds them for these rows)."""
     cols: dict = {}
     held = [name for name in EPISODE_COLUMNS if name in table.column_names and table.num_rows and table.column(name).null_count == 0]
-    for name in COLUMNS + (held if len(held) == len(EPISODE_COLUMNS) else []):
+    versions = [name for name in PARTIAL_COLUMNS if name in table.column_names and table.num_rows and table.column(name).null_count == 0]
+    for name in COLUMNS + (held if len(held) == len(EPISODE_COLUMNS) else []) + versions:
         if name == "policy_version" and name not in table.column_names:  # archived before the field existed
             cols[name] = cols["step"] - 1
             continue

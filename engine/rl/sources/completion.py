@@ -6,7 +6,8 @@ records what was asked, what arrived and what was asked again (the ``requests`` 
 What recovery needs back: the buffer's requests (groups asked and not arrived, in the buffer's state
 and in each step's record). A process's first collect asks again for every one of them, from its
 original seeds; with rollout.env a group of episodes comes back from its last durable turn
-(``sources.episodes.Turns``).
+(``sources.episodes.Turns``), with rollout.partial a group a push stopped from its last durable token
+(``sources.partial.Partials``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ...state.seeding import derive_seed
 from .. import faults
 from .base import Host, Source, StepInputs, add_time, episode_metrics, zero_variance
 from .episodes import Turns
+from .partial import Partials
 
 ARRIVAL_POLL_S = 0.5  # how long one wait for the generator's groups lasts before the ranks compare
 
@@ -41,6 +43,8 @@ class Flow:
     stale: list = field(default_factory=list)  # ids of waiting groups more than k versions behind
     faulted: list = field(default_factory=list)  # ids out of the update for a fault (rl.faults)
     rounds: int = 0  # rounds of prompts_per_step prompts asked
+    continued: list = field(default_factory=list)  # rollout.partial: groups asked that went on from their durable tokens
+    continued_tokens: int = 0  # and those tokens
 
 
 class CompletionSource(Source):
@@ -51,6 +55,7 @@ class CompletionSource(Source):
         self.flow: Flow | None = None  # this step's arrivals and asks
         self.resumed_asks = False  # the groups asked and not arrived were asked again of this process's generator
         self.turns = Turns(self)  # rollout.env: the groups of episodes being played
+        self.partials = Partials(self) if host.cfg.rollout.partial else None  # rollout.partial: generations a push stopped
         self.consumed = np.zeros(0, np.int64)
 
     def engine_closed(self) -> None:
@@ -62,20 +67,27 @@ class CompletionSource(Source):
         trains. Collective."""
         self.begin(step)
         cfg, P, buffer = self.cfg, self.cfg.data.prompts_per_step, self.host.buffer
-        if self.flow is not None and cfg.rollout.env is not None:  # its groups are in the step committed since
-            self.turns.settle += sorted({int(s.group) for s in self.flow.added})
+        if self.flow is not None:  # its groups are in the step committed since
+            arrived = sorted({int(s.group) for s in self.flow.added})
+            if cfg.rollout.env is not None:
+                self.turns.settle += arrived
+            if self.partials is not None:
+                self.partials.settle += arrived
         self.flow = flow = Flow()
         if not self.resumed_asks:
             flow.regenerated = list(buffer.requests)
             if cfg.rollout.env is not None:
                 self.turns.durable = self.turns.durable_groups()
+            if self.partials is not None:
+                self.partials.restore()
             self.ask(list(buffer.requests.items()))
             self.resumed_asks = True
-        oldest = max(0, step - 1 - cfg.rollout.staleness)
+        bound = cfg.rollout.max_token_staleness if cfg.rollout.partial else cfg.rollout.staleness  # partial: the oldest token's
+        oldest = max(0, step - 1 - bound) if bound is not None else 0
         wait = 0.0
         while True:
             self.receive(wait)
-            stale = [i for ids in buffer.groups().values() if buffer.samples[ids[0]].policy_version < oldest for i in ids]
+            stale = [i for ids in buffer.groups().values() if min(buffer.samples[i].policy_version for i in ids) < oldest for i in ids]
             buffer.drop(stale)
             flow.stale += stale
             waiting = len(buffer.groups())
@@ -99,6 +111,10 @@ class CompletionSource(Source):
         self.live.sync(self.cfg, step)  # before the commit: a group in flight at a crash began from a committed version
         add_time(self.timings, "timing_s/weight_sync", time.perf_counter() - t)
         self.receive(0.0)
+        if self.partials is not None:  # the groups the push stopped, durable before the commit
+            failpoint("partial.before_durable")
+            self.partials.keep()
+            failpoint("partial.after_durable")
         return self.inputs()
 
     def replayed(self, inputs: StepInputs) -> None:
@@ -136,8 +152,9 @@ class CompletionSource(Source):
             self.live.ask([a for a in asks if a is not None], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size))
             return
         prompt_ids = self.host.prompt_ids
+        progress = self.partials.progress(mine) if self.partials is not None else None  # rollout.partial: from durable tokens
         self.live.ask([(g, prompt_ids[r], [derive_seed(cfg.trainer.seed, 0, "rollout/group", g, j) for j in range(n)])
-                       for g, r in mine], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size))
+                       for g, r in mine], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size), progress)
 
     def receive(self, wait: float) -> None:
         """Take in the groups every rank's generator sent back (rank order, then arrival order): score
@@ -175,15 +192,19 @@ class CompletionSource(Source):
         failpoint("async.admit")
 
     def scored(self, arrived: list[tuple]) -> list[Sample]:
-        """Single-turn groups arrived (group, responses, log-probs, version), scored, as samples."""
+        """Single-turn groups arrived (group, responses, log-probs, version[, each sample's version runs:
+        rollout.partial]), scored, as samples (a sample's policy_version: its oldest token's)."""
         n, host = self.cfg.rollout.n, self.host
         t = time.perf_counter()
         new = []
-        for g, responses, logps, version in arrived:
+        for g, responses, logps, version, *runs in arrived:
             g, row = int(g), host.buffer.requests[int(g)]
             got = host.scorer.score([row], n, [host.prompt_ids[row]] * n, list(responses), list(logps))
             for j, smp in enumerate(got):
                 smp.id, smp.group, smp.policy_version = g + j, g, int(version)
+                if runs:
+                    smp.version_runs = np.asarray(runs[0][j], np.int64)
+                    smp.policy_version = int(smp.version_runs[0]) if len(smp.version_runs) else int(version)
             new += got
         add_time(self.timings, "timing_s/reward", time.perf_counter() - t)
         return new
@@ -194,6 +215,8 @@ class CompletionSource(Source):
                              "rollout/regenerated_groups": float(len(flow.regenerated)), **faults.metrics(flow.added)})
         if cfg.rollout.env is not None:
             self.timings.update(episode_metrics(flow.added), **{"rollout/env/restored_turns": float(flow.restored_turns)})
+        if self.partials is not None:
+            self.timings.update(self.partials.metrics())
         ids = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
         return StepInputs(
             seeds=self.seeds,
@@ -202,9 +225,10 @@ class CompletionSource(Source):
             dropped=ids(flow.dropped),
             consumed=self.consumed,
             timings=self.timings,
-            rollout=ev.Rollout(self.live.name, self.live.version, ev.RolloutMode.ASYNC, cfg.rollout.staleness, ev.AsyncOrder.COMPLETION),
+            rollout=ev.Rollout(self.live.name, self.live.version, ev.RolloutMode.ASYNC, cfg.rollout.staleness, ev.AsyncOrder.COMPLETION,
+                               partial=cfg.rollout.partial),
             stale=ids(flow.stale),
             faulted=ids(flow.faulted),
-            requests=ev.Requests(ids([g for g, _ in flow.asked]), ids([r for _, r in flow.asked]), ids(flow.regenerated)),
+            requests=ev.Requests(ids([g for g, _ in flow.asked]), ids([r for _, r in flow.asked]), ids(flow.regenerated), ids(flow.continued)),
             admitted=True,
         )
