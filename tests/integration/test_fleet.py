@@ -115,6 +115,29 @@ def test_completion_order_on_two_actors_through_a_killed_actor_accounts_for_ever
     assert replay_here(run, 4)[0]["fingerprint"] == fingerprints(run)[4]  # what `verlj replay RUN --to-step 4` prints
 
 
+def test_partial_rollouts_on_two_actors_go_on_from_their_durable_tokens_through_a_killed_trainer_and_actor(tmp_path, cluster):
+    """rollout.partial on a fleet: a push stops each actor's call at its next token (`interrupt`, beside the call);
+    the trainer SIGKILLed after step 2's push made the stopped groups durable, resumed with an actor SIGKILLed as
+    it gets a call: each durable group goes on from its tokens, every group is accounted for."""
+    from test_partial_rollouts import check_continued, check_versions, durable, records
+
+    over = [*FLEET, "rollout.async_order=completion", "rollout.partial=true", "rollout.max_staleness=2", "rollout.max_response_length=24",
+            "trainer.total_steps=5"]
+    run = tmp_path / "run"
+    out = train(run, *over, VERLJ_FAILPOINT="partial.after_durable:2", **cluster)
+    assert out.returncode == -9, out.stderr[-3000:]
+    assert max(fingerprints(run)) == 1
+    stops = durable(run)
+    assert stops
+    ok(train(run, *over, resume=True, VERLJ_FAILPOINT=KILL, **cluster))
+    steps = records(run)
+    assert check_versions(steps) > 0
+    check_accounting(run)
+    assert check_continued(steps, [(1, stops)]) > 0
+    assert sum(m["rollout/fleet/deaths"] for m in fleet_metrics(run).values()) >= 1
+    assert replay_here(run, 5)[0]["fingerprint"] == fingerprints(run)[5]
+
+
 def test_without_ray_a_fleet_is_one_line_and_exit_2(tmp_path):
     """ray hidden from the CLI's process (None in sys.modules: `import ray` raises ImportError there)."""
     run = tmp_path / "run"
