@@ -19,8 +19,14 @@ version that was.
   what is queued (up to a rank's share of a step) as one batch, and sends each group back as its
   batch completes (``arrived``).
 
-A push (``sync``) first pauses the process at a batch's boundary: every generation begun from the
-old version has then been sent back, so whatever is still queued starts from the new one. The
+- Completion order with ``rollout.partial`` (``rl.partial``): the process keeps its rows generating
+  token by token, sends each group back as its last sample ends, and a push stops every generation at
+  its next token instead: the groups stopped are sent back as they stand (``partials``: the trainer
+  makes them durable) and go on under the new weights.
+
+A push (``sync``) first pauses the process at a batch's boundary (with rollout.partial: at its next
+token): every generation begun from the old version has then been sent back, complete or stopped, so
+whatever is still queued starts from the new one. The
 completion source's ``finish_collect`` pushes before the step's commit, so a group in flight at a
 crash began (if at all) from the last committed version, the one a resume holds, which generates it
 again from its seeds (in a batch that timing composes: the same version and seeds, not necessarily
