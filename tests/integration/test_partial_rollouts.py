@@ -150,6 +150,24 @@ def test_kills_mid_partial_generation_resume_from_the_durable_tokens_none_genera
     assert "went on from their durable tokens" in shown
 
 
+def test_two_ranks_resume_every_ranks_durable_generations(tmp_path):
+    """Each rank's generator stops its own groups at a push; rank 0 makes every rank's durable; after a kill
+    every rank reads them and asks its own share from its durable tokens, and the record names them all."""
+    run = tmp_path / "run"
+    over = [*PARTIAL, "distributed.zero_stage=2", "trainer.total_steps=4", "trainer.save_interval=2"]
+    out = train(run, *over, ranks=2, VERLJ_FAILPOINT=f"{SLOW},partial.after_durable:2")
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert max(fingerprints(run)) == 1
+    stops = durable(run)
+    assert len(stops) > 1
+    out = train(run, *over, ranks=2, resume=True, VERLJ_FAILPOINT=SLOW)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = records(run)
+    check_versions(steps)
+    check_accounting(run)
+    assert check_continued(steps, [(1, stops)]) > 1
+
+
 def test_no_sample_past_the_token_staleness_bound_is_trained_and_every_drop_is_counted(tmp_path):
     """Dynamic sampling leaves groups waiting (the drop itself, by the oldest token: test_partial's
     resumed-source test); whatever the timing, none is trained past the bound and the metric counts the drops."""

@@ -152,7 +152,8 @@ class CompletionSource(Source):
             self.live.ask([a for a in asks if a is not None], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size))
             return
         prompt_ids = self.host.prompt_ids
-        progress = self.partials.progress(mine) if self.partials is not None else None  # rollout.partial: from durable tokens
+        # rollout.partial: from durable tokens (every rank reads the same: each notes all the groups that go on, asks its own)
+        progress = self.partials.progress(groups) if self.partials is not None else None
         self.live.ask([(g, prompt_ids[r], [derive_seed(cfg.trainer.seed, 0, "rollout/group", g, j) for j in range(n)])
                        for g, r in mine], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size), progress)
 
