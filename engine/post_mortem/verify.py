@@ -298,8 +298,8 @@ def _verify_accounting(report: RunReport, ledger: Ledger) -> None:
                    + (f", {uncommitted} more groups from a step that never committed" if uncommitted else ""))
     stopped = ledger.partial_groups()  # rollout.partial: generations a push stopped, durable with their tokens (rl.sources.partial)
     if stopped:
-        held = [stopped[g] for g in acc.in_flight_groups if g in stopped]
-        counts += (f"; partial rollouts: {len(held)} of the groups in flight go on from {sum(g.tokens for g in held)} durable tokens")
+        going = [stopped[g] for g in acc.in_flight_groups if g in stopped]
+        counts += f"; partial rollouts: {len(going)} of the groups in flight go on from {sum(g.tokens for g in going)} durable tokens"
     if faults:
         report.journal_ok = False
         report.journal_lines.append(f"✗ rollout accounting (async completion order): {counts}; " + "; ".join(faults))
