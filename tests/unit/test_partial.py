@@ -127,6 +127,17 @@ def test_a_flight_asked_with_progress_goes_on_from_it(model, params):
         assert runs[j][:2].tolist() == [4, t] and set(token_versions(runs[j])[t:].tolist()) <= {6}
 
 
+def test_a_flight_whose_durable_tokens_reach_the_length_is_sent_back_as_it_is(model, params):
+    """A sample stopped right at rollout.max_response_length has ended: nothing is generated past it."""
+    full = [np.arange(L) % 10 + 3, np.arange(L) % 7 + 3]
+    progress = (full, [np.zeros(L, np.float32)] * 2, [np.asarray([2, L])] * 2, [False, False])
+    sched = Scheduler(stream_for(model, False, EOS, PAD, CPU, 4), 3)
+    sched.ask(Flight.asked(5, PROMPTS[0], SEEDS[:2], params, progress))
+    sent: list = []
+    sched.step(sent.append)
+    assert not sched.busy and [m[:2] for m in sent] == [("group", 5)] and [len(r) for r in sent[0][2]] == [L, L]
+
+
 def test_the_fleets_side_of_a_call_sends_ended_groups_and_requeues_the_rest():
     items = [(None, 40, ("p", "s", None), {}), (None, 44, ("p", "s", None), {}), (None, 48, ("p", "s", None), {})]
     progress = ([np.arange(2)], [np.zeros(2, np.float32)], [np.asarray([1, 2])], [False])
