@@ -19,8 +19,10 @@ the first batches). Printed, as medians over the kept steps of all repeats:
     making every completed batch durable before a step may count on it (the goal: <= 1%).
 
 `--partial` benchmarks partial rollouts (rollout.partial) on a job with a long-tailed response length
-instead: the built-in model generating until its end-of-sequence token (ignore_eos off), so most
-responses are short and a few run to max_response_length (the share printed). Three arms: sync,
+instead (by default 4 prompts x 8 samples, up to 64 tokens, 12 steps): the built-in model generating
+until its end-of-sequence token (ignore_eos off), so most responses are short and a few run to
+max_response_length (the share printed), its learning rate small (1e-4) so that the lengths stay so
+through the run, its update one micro-batch. Three arms: sync,
 completion order without partial rollouts (a push waits for the generations begun), and completion
 order with them (a push stops them at their next token; they go on under the new weights). Printed:
 each arm's step time and the ratios (the goal: partial <= 0.7x completion order without), the push's
@@ -121,16 +123,22 @@ def med(rows: list[dict], key: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=None, help="10 (--partial: 12)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--response-length", type=int, default=96)
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--response-length", type=int, default=None, help="96 (--partial: 64)")
+    ap.add_argument("--prompts", type=int, default=None, help="16 (--partial: 4)")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="what generates (rollout.engine)")
     ap.add_argument("--partial", action="store_true", help="partial rollouts on a long-tailed job (see above)")
     ap.add_argument("extra", nargs="*", help="more config overrides for every arm (key=value)")
     args = ap.parse_args()
+    for key, plain, partial in (("steps", 10, 12), ("response_length", 96, 64), ("prompts", 16, 4)):
+        if getattr(args, key) is None:
+            setattr(args, key, partial if args.partial else plain)
     if args.partial:
+        # the untrained model's lengths (geometric: most short, a few at the maximum), kept by a small learning rate; the
+        # update in one micro-batch: generation is the longer side, as in the RL jobs partial rollouts are for
+        args.extra = ["model.actor.optim.lr=1e-4", f"model.actor.micro_batch_size={args.prompts * args.n}", *args.extra]
         return partial_main(args)
     root = Path(tempfile.mkdtemp(prefix="verlj-bench-async-"))
     rows: dict[str, list[dict]] = {"sync": [], "async": [], "completion": []}
