@@ -206,7 +206,7 @@ class VllmStream:
     def __init__(self, llm, eos_id: int, capacity: int):
         self.llm, self.eos_id, self.capacity = llm, eos_id, capacity
         self.requests: dict[str, tuple[tuple[int, int], int]] = {}  # request id -> (row key, tokens it had)
-        self.latest: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # request id -> its tokens and log-probs so far
+        self.latest: dict[str, tuple[list, list]] = {}  # request id -> its new tokens and their log-probs so far
         self.next = 0
 
     def live(self) -> int:
@@ -226,34 +226,33 @@ class VllmStream:
             seed = r.seed if r.offset == 0 else derive_seed(r.seed, r.offset, "rollout/continue")
             sp = SamplingParams(n=1, seed=int(seed), temperature=params.temperature, top_p=params.top_p, max_tokens=int(r.budget),
                                 ignore_eos=params.ignore_eos, stop_token_ids=[] if params.ignore_eos else [self.eos_id], logprobs=0,
-                                detokenize=False, output_kind=RequestOutputKind.CUMULATIVE)
+                                detokenize=False, output_kind=RequestOutputKind.DELTA)
             rid = f"r{self.next}"
             self.next += 1
             self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=[int(t) for t in r.context]), sp)
             self.requests[rid] = (r.key, r.offset)
 
     def step(self) -> list[Ended]:
-        from .vllm_engine import samples_of
-
         out: list[Ended] = []
-        for o in self.llm.llm_engine.step():
+        for o in self.llm.llm_engine.step():  # each request's new tokens (vLLM's DELTA outputs)
             if o.request_id not in self.requests:
                 continue
-            (tokens,), (logps,) = samples_of([o])
+            c = o.outputs[0]
+            tokens, logps = self.latest.setdefault(o.request_id, ([], []))
+            tokens += c.token_ids
+            logps += [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
             if o.finished:
                 key, _ = self.requests.pop(o.request_id)
-                self.latest.pop(o.request_id, None)
-                out.append((key, tokens, logps, True))
-            else:
-                self.latest[o.request_id] = (tokens, logps)
+                del self.latest[o.request_id]
+                out.append((key, np.asarray(tokens, np.int64), np.asarray(logps, np.float32), True))
         return out
 
     def cut(self) -> list[Ended]:
         """Abort every request: each row's tokens so far, not ended."""
         out: list[Ended] = []
         for rid, (key, _) in self.requests.items():
-            tokens, logps = self.latest.get(rid, (np.zeros(0, np.int64), np.zeros(0, np.float32)))
-            out.append((key, tokens, logps, False))
+            tokens, logps = self.latest.get(rid, ([], []))
+            out.append((key, np.asarray(tokens, np.int64), np.asarray(logps, np.float32), False))
         if self.requests:
             self.llm.llm_engine.abort_request(list(self.requests))
             while self.llm.llm_engine.has_unfinished_requests():  # let the engine settle the aborts
