@@ -54,6 +54,14 @@ samples, metrics other than timings, and fingerprint). Kinds:
                EXACT. Completion order: exact when the completion kind's checks pass and every episode
                in flight at a kill went on from its durable turns (its trained sample begins with them)
                | NOT EXACT. Counts the durable turns resumed.
+  partial      partial rollouts (rollout.partial: async completion order, generations span weight updates;
+               the generator slowed to 10 ms a token so that every push stops some), killed as the async
+               kind kills, or at the failpoints on either side of a push's durable write
+               (partial.before_durable / after_durable); then `--resume` until the target step. exact
+               when the completion kind's checks pass, every group a resume asked that had durable
+               tokens went on from them (none from its start), and each such group's trained samples
+               begin with those tokens, ids and log-probs bit for bit, with their versions | NOT EXACT.
+               Counts the durable tokens taken up.
   bad-input    malformed configs, wrong overrides, missing paths, a newer-schema journal, a
                directory that is not a run: one line, non-zero exit, no traceback, nothing written.
   operator     an operator's hands on a run (its journal in the run or in journal.local_dir), after a
@@ -117,7 +125,8 @@ NODE_LOSS_POINTS = {"snapshot.before_rename": 3, "snapshot.before_index": 3, "sn
 RETENTION_POINTS = {"journal.prune": 3, "archive.mid_write": 6}
 COMPACTION_POINTS = {"compact.before_publish": 4, "compact.after_publish": 4, "compact.delete": 4}  # with segment_fanout 2
 SLOW_SHIPPING = "ship.before_publish:1:sleep-each=0.3"
-KINDS = ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "async", "bitflip", "bad-input", "operator", "fleet", "episodes")
+KINDS = ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "async", "bitflip", "bad-input", "operator", "fleet", "episodes",
+         "partial")
 GOOD = {"exact", "found", "recovered exactly", "refused clearly", "unaffected", "stopped clearly, resumed exactly", "kept going without snapshots",
         "refused", "undisturbed", "clear error", "accounted"}
 
@@ -482,6 +491,98 @@ def episodes_trial(root: Path, refs: dict[tuple[str, str], Path], rng: random.Ra
     problems += episode_problems(run, durable, counts)
     shutil.rmtree(run, ignore_errors=True)
     return Trial("episodes", n, what, "NOT EXACT" if problems else "exact", "; ".join(problems))
+
+
+# ----------------------------------------------------------------------------- partial rollouts
+
+PARTIAL = [*ASYNC, "rollout.async_order=completion", "rollout.partial=true", "rollout.max_staleness=2", "rollout.max_response_length=24"]
+SLOW_TOKENS = "generator.token:1:sleep-each=0.01"  # a push (every step) finds generations going
+PARTIAL_POINTS = {"partial.before_durable": TARGET, "partial.after_durable": TARGET}
+
+
+def partial_trial(root: Path, rng: random.Random, n: int, counts: Counter) -> Trial:
+    """rollout.partial: the completion kind's checks, and every generation durable at a kill went on from its tokens."""
+    run = root / f"partial{n}"
+    kept: dict[int, str] = {}
+    phases: list[tuple[int, dict]] = []  # at each kill: the last committed step, and the generations durable (what the resume reads)
+
+    def keep() -> None:
+        kept.update(_kept(run, kept))
+        phases.append((max(kept, default=0), _stopped(run)))
+
+    try:
+        if rng.random() < 0.5:
+            point = rng.choice(sorted(PARTIAL_POINTS))
+            count = rng.randint(1, PARTIAL_POINTS[point])
+            out = train(run, *PARTIAL, VERLJ_FAILPOINT=f"{SLOW_TOKENS},{point}:{count}")
+            keep()
+            what = f"partial: SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
+        else:
+            what, failed = async_kills(run, PARTIAL, rng, "partial", slow=SLOW_TOKENS, each=keep)
+            if failed:
+                return Trial("partial", n, what, "NOT EXACT", failed)
+    except AssertionError as e:  # a committed step changed
+        return Trial("partial", n, "partial", "NOT EXACT", str(e))
+    out = resume_until_done(run, *PARTIAL, VERLJ_FAILPOINT=SLOW_TOKENS)
+    if out is None or out.returncode != 0:
+        return Trial("partial", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+    problems, continued = partial_problems(run, phases, counts)
+    problems = completion_problems(run, kept, counts, resumed=continued) + problems
+    shutil.rmtree(run, ignore_errors=True)
+    return Trial("partial", n, what, "NOT EXACT" if problems else "exact", "; ".join(problems))
+
+
+def _stopped(run: Path) -> dict:
+    """The generations durable in the run's journal (rollout.partial), each cut as a resume takes it."""
+    from verlj.engine.loop.ledger import Ledger
+
+    if not (run / "journal" / "data.mdb").exists():
+        return {}
+    with Ledger.open_reader(run) as ledger:
+        last = ledger.last_step()
+        return {g: state.through(last) for g, state in ledger.partial_groups().items()}
+
+
+def partial_problems(run: Path, phases: list[tuple[int, dict]], counts: Counter) -> tuple[list[str], set[int]]:
+    """Each resume (after its last committed step, with the generations it read durable): every group it asked
+    that had durable tokens for the same prompt went on from them, none from its start, and that group's
+    trained samples begin with them (ids, log-probs bit for bit, versions). Returns the problems and the groups continued."""
+    import numpy as np
+
+    from verlj.engine.schema.events import StepEvents
+    from verlj.engine.schema.sample import Columns, token_versions
+
+    Journal, _ = _journal()
+    with Journal.open_reader(run / "journal") as j:
+        steps = {r.step: StepEvents.of(r) for r in j.iter_steps()}
+    samples: dict[int, list] = {}
+    for ev in steps.values():
+        for smp in Columns(ev.added.samples).samples() if ev.added is not None and ev.added.samples is not None else []:
+            samples.setdefault(smp.group, []).append(smp)
+    problems, history = [], {}
+    for step, ev in steps.items():
+        if ev.requests is None:
+            continue
+        read = [d for after, d in phases if after < step][-1:] or [{}]
+        asked = {int(g): int(r) for g, r in zip(ev.requests.groups, ev.requests.rows)}
+        again = {int(g) for g in ev.requests.regenerated} | {g for g, r in asked.items() if g in read[0] and read[0][g].row == r}
+        want = {g for g in again if g in read[0] and read[0][g].tokens}
+        got = {int(g) for g in ev.requests.continued}
+        if want != got:
+            problems.append(f"step {step}: groups {sorted(want - got)} asked again from their start, {sorted(got - want)} "
+                            "went on from tokens not durable")
+        for g in got & want:
+            history.setdefault(g, []).append(read[0][g])
+    for g, states in history.items():
+        for j, smp in enumerate(sorted(samples.get(g, []), key=lambda x: x.id)):
+            for state in states:
+                k = len(state.responses[j])
+                if not (np.array_equal(smp.response_ids[:k], state.responses[j]) and smp.gen_logprobs[:k].tobytes() == state.logprobs[j].tobytes()
+                        and np.array_equal(smp.token_versions()[:k], token_versions(state.runs[j]))):
+                    problems.append(f"group {g}: sample {smp.id} does not begin with its durable tokens")
+        counts.update(durable_tokens=sum(state.tokens for state in states[-1:]))
+    counts.update(partial=1, continued=len(history))
+    return problems, set(history)
 
 
 def kill_trial_kills(run: Path, rng: random.Random, over: list[str]) -> str:
@@ -1155,6 +1256,7 @@ def main() -> int:
     ap.add_argument("--bitflips", type=int, default=24)
     ap.add_argument("--operators", type=int, default=30)
     ap.add_argument("--episodes", type=int, default=30)
+    ap.add_argument("--partials", type=int, default=30, help="trials of the partial kind (rollout.partial)")
     ap.add_argument("--fleet", type=int, default=30, help="trials of the fleet kind (rollout.fleet=ray; needs ray)")
     ap.add_argument("--async-engine", default="hf", choices=["hf", "vllm"], help="what the async trials' generator runs")
     ap.add_argument("--async-order", default="both", choices=["step", "completion", "both"],
@@ -1172,7 +1274,7 @@ def main() -> int:
     PYTHON[0] = args.python
     if args.quick:
         args.kills, args.corruptions, args.disk_full, args.node_losses, args.two_writers, args.asyncs = 1, 3, 1, 1, 1, 1
-        args.bitflips, args.operators, args.fleet, args.episodes = 1, 3, 1, 1
+        args.bitflips, args.operators, args.fleet, args.episodes, args.partials = 1, 3, 1, 1, 1
     kinds = set(args.kinds.split(",")) if args.kinds else set(KINDS) - ({"fleet"} if args.quick else set())
     if kinds - set(KINDS):
         print(f"error: unknown kind(s) {', '.join(sorted(kinds - set(KINDS)))} in --kinds; the kinds are {', '.join(KINDS)}", file=sys.stderr)
@@ -1244,6 +1346,10 @@ def main() -> int:
         if "episodes" in kinds:
             for n in range(1, args.episodes + 1):
                 record(episodes_trial(root, episode_refs, rng, n, episode_counts))
+        partial_counts: Counter = Counter()
+        if "partial" in kinds:
+            for n in range(1, args.partials + 1):
+                record(partial_trial(root, rng, n, partial_counts))
         if "fleet" in kinds:
             ray = cluster.enter_context(RayCluster())
             fleet_ref = root / "ref_fleet"  # step order, uninterrupted, on the same cluster
@@ -1275,6 +1381,10 @@ def main() -> int:
         print(f"episodes: completion order ({episode_counts['episodes']} trials): {episode_counts['durable_turns']} durable turns of episodes "
               f"in flight at a kill went on after it; {episode_counts['regenerated']} groups asked again, "
               f"{episode_counts['lost']} completed samples lost, {episode_counts['duplicated']} trained or arrived twice")
+    if any(t.kind == "partial" for t in trials):
+        print(f"partial: {partial_counts['partial']} trials: {partial_counts['continued']} groups went on from durable tokens after a kill "
+              f"({partial_counts['durable_tokens']} tokens never generated again); {partial_counts['regenerated']} groups asked again, "
+              f"{partial_counts['lost']} completed samples lost, {partial_counts['duplicated']} trained or arrived twice")
     if any(t.kind == "fleet" for t in trials):
         print(f"fleet: {fleet_counts['deaths']} actor deaths counted by the fleet, {fleet_counts['restarts']} trainer restarts by the "
               f"supervisor; completion order: {fleet_counts['lost']} completed samples lost, {fleet_counts['duplicated']} trained or "
