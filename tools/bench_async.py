@@ -104,7 +104,7 @@ def run(out: Path, mode: str, args) -> list[dict]:
         f"trainer.total_steps={args.steps}", "trainer.num_threads=1", "trainer.save_interval=0", "logging.progress=off",
         f"rollout.max_response_length={args.response_length}", f"rollout.ignore_eos={str(not args.partial).lower()}",
         "data.max_prompt_length=16", f"data.prompts_per_step={args.prompts}", f"rollout.n={args.n}", "model.actor.use_kl_loss=false",
-        f"rollout.mode={mode}", *(["rollout.max_staleness=1", f"rollout.async_order={order}"] if mode == "async" else []),
+        f"rollout.mode={mode}", *([f"rollout.max_staleness={args.max_staleness}", f"rollout.async_order={order}"] if mode == "async" else []),
         f"rollout.engine={args.engine}", *(["rollout.partial=true"] if partial else []), *args.extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
@@ -128,6 +128,7 @@ def main() -> None:
     ap.add_argument("--response-length", type=int, default=None, help="96 (--partial: 64)")
     ap.add_argument("--prompts", type=int, default=None, help="16 (--partial: 4)")
     ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-staleness", type=int, default=1, help="k, the async arms' rollout.max_staleness")
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="what generates (rollout.engine)")
     ap.add_argument("--partial", action="store_true", help="partial rollouts on a long-tailed job (see above)")
     ap.add_argument("extra", nargs="*", help="more config overrides for every arm (key=value)")
@@ -195,7 +196,7 @@ def partial_main(args) -> None:
     at_max = sum(n >= args.response_length for n in lengths) / max(1, len(lengths))
     print(f"GRPO, {args.prompts} prompts x {args.n} samples, responses to eos or {args.response_length} tokens (sync: mean "
           f"{statistics.mean(lengths):.1f}, median {statistics.median(lengths):.0f}, {at_max:.1%} at the maximum), built-in model, "
-          f"{args.engine}, one thread a side; medians of steps 3..{args.steps} over {args.repeats} repeats")
+          f"{args.engine}, k={args.max_staleness}, one thread a side; medians of steps 3..{args.steps} over {args.repeats} repeats")
     for arm in arms:
         later = med(rows[arm], "rollout/partial/later_version_tokens")
         print(f"  {arm:<11} step {step[arm]:8.4f} s   push waited {med(rows[arm], 'timing_s/weight_sync'):.4f} s, waiting for groups "

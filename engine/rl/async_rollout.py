@@ -359,13 +359,15 @@ def _generator(cfg_dict: dict, weights: dict, eos_id: int, pad_id: int, dp_size:
     model.eval()
     device = next(iter(weights.values())).device
     rows = max(1, cfg.data.prompts_per_step // dp_size) * cfg.rollout.n  # a rank's share of a step: one batch
+    if cfg.rollout.partial:  # every group asked generates at once: the k rounds asked ahead and the step's own
+        rows *= cfg.rollout.staleness + 1
     if cfg.rollout.engine != "vllm":
         stream = stream_for(model, False, eos_id, pad_id, device, rows) if cfg.rollout.partial else None
         return (lambda prompts, seeds, p: sample_seeded(model, prompts, seeds, p, eos_id, pad_id, device)), (lambda: None), stream
     from . import vllm_engine
 
     names = list(weights)
-    llm = vllm_engine.start_llm(cfg, model.config, list(weights.items()), dp_size, device.type)
+    llm = vllm_engine.start_llm(cfg, model.config, list(weights.items()), dp_size, device.type, seqs=rows if cfg.rollout.partial else None)
     return ((lambda prompts, seeds, p: vllm_engine.generate_llm(llm, prompts, seeds, p, eos_id)),
             (lambda: vllm_engine.push_llm(llm, names, list(weights.items()))),
             stream_for(llm, True, eos_id, pad_id, device, rows) if cfg.rollout.partial else None)

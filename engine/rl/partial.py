@@ -21,7 +21,10 @@ back to the head of the queue, and after the push they go on under the new weigh
   function of the sample's seed, the durable prefix and the weights, not the tokens an uninterrupted
   request would have drawn.
 
-A flight asked with progress (a resume: its durable tokens) goes on from there the same way.
+A flight asked with progress (a resume: its durable tokens) goes on from there the same way. The
+generator process's stream holds the rows of every group asked at once (the k rounds asked ahead and
+the step's own: rollout.max_staleness + 1 rounds), so the groups that end first are there first, and
+a long generation holds up none of them.
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ class SamplerStream:
     """verlj's sampler over rows (see the module's doc): one batch (a Decoder) at a time, made again with
     the rows waiting once at most half of its rows are still going."""
 
+    REBATCH = 0.5  # a batch is made again once at most this share of its rows are still going (and rows wait)
+
     def __init__(self, model, eos_id: int, pad_id: int, device, capacity: int):
         self.model, self.eos_id, self.pad_id, self.device, self.capacity = model, eos_id, pad_id, device, capacity
         self.pending: list[tuple[Row, Sampling]] = []
@@ -142,7 +147,7 @@ class SamplerStream:
 
     def room(self) -> int:
         """Rows it takes now: a new batch's, or rows for the next one once the running batch is half spent."""
-        if self.dec is not None and self._going() > len(self.batch) // 2:
+        if self.dec is not None and self._going() > len(self.batch) * self.REBATCH:
             return 0
         return max(0, self.capacity - self._going() - len(self.pending))
 
@@ -152,7 +157,7 @@ class SamplerStream:
     def step(self) -> list[Ended]:
         """One token for every row going; the rows that ended, and (a batch made again) the tokens of the rows carried over."""
         out: list[Ended] = []
-        if self.pending and (self.dec is None or self._going() <= len(self.batch) // 2):
+        if self.pending and (self.dec is None or self._going() <= len(self.batch) * self.REBATCH):
             out = self._rebatch()
         assert self.dec is not None, "a step has rows to generate"
         self.dec.step()
