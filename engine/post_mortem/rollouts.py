@@ -190,7 +190,7 @@ def call_rows(cols: dict) -> Iterator[dict]:
     finish reason and flag, whether the call is in the trained chain, its token ids and log-probs, and the
     episode's reward (the agent's own; None when rollout.reward_fn scored), score and end. An episode that
     made no call (a fault) is one row, call 0, its reason in env_reason."""
-    from ..rl.gateway.protocol import read_answer
+    from ..rl.gateway.wire import read_answer
     from ..schema.agent_calls import AgentCalls
 
     texts = cols.get(AGENT_TEXT) or [""] * num_rows(cols)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...schema.agent_calls import AgentCalls, Call
-from .protocol import last_sent, read_answer
+from .protocol import last_sent
+from .wire import read_answer
 
 
 def parents(calls: list[Call]) -> list[int]:

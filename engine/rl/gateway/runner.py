@@ -37,6 +37,7 @@ never called the model, or returned something that is not a number or None.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -54,21 +55,10 @@ from ...plugins import raised_at
 from .agents import EPISODE, Agent, AgentEpisode, AgentOutput, CommandAgent, start_async
 from .ledger import Call
 from .prompts import Answered, Prompts
-from .protocol import (
-    ApiError,
-    ChatRequest,
-    Completion,
-    TextStream,
-    answered_message,
-    conversation,
-    forced_prefix,
-    piece_event,
-    response_bytes,
-    role_event,
-    streams_tokens,
-    unauthorized,
-)
+from .protocol import ApiError, ChatRequest, Completion, TextStream, conversation, forced_prefix, streams_tokens, unauthorized
+from .responses import continued
 from .server import Gateway
+from .wire import answered_message, head_event, piece_event, response_bytes, response_id
 
 RUNNING, WAITING, DONE = "running", "waiting", "done"
 
@@ -168,6 +158,12 @@ class Play:
         where its events go as its tokens are generated (when the generator streams them); the future's bytes
         are the whole stream, those events first."""
         r = self.runner
+        with r.cond:
+            calls = list(self.calls)
+        if req.previous_response_id is not None:  # the Responses API: the conversation that response continues, then the input
+            said = [(rid, conversation(c.request).own, a.answer) for c, a in zip(calls, self.earlier(calls))
+                    if (rid := response_id(c.response)) is not None]
+            req = dataclasses.replace(req, messages=continued(req, said))
         if retry:  # the SDK asks again for an answer it did not get: the same call, never generated twice
             with r.cond:
                 for _, q, _, waiting in self.pending:
@@ -182,8 +178,6 @@ class Play:
                 answered = r.from_journal(self, req)
             if answered is not None:
                 return answered
-        with r.cond:
-            calls = list(self.calls)
         ids, _ = r.prompts.ids(req.messages, req.tools, self.earlier(calls), forced_prefix(req))
         with r.cond:
             if self.state == DONE:
@@ -204,8 +198,8 @@ class Play:
     def earlier(self, calls: list[Call]) -> list[Answered]:
         """The episode's calls so far as a request may continue them (from their journaled requests and answers)."""
         for c in calls[len(self.answered):]:
-            messages, tools = conversation(c.request)
-            self.answered.append(Answered(messages, tools, c.prompt_ids, c.completion_ids, answered_message(c.response)))
+            conv = conversation(c.request)
+            self.answered.append(Answered(conv.messages, conv.tools, c.prompt_ids, c.completion_ids, answered_message(c.response)))
         return self.answered[: len(calls)]
 
 
@@ -446,23 +440,24 @@ def call_id(seed: int, k: int) -> str:
 
 
 class LiveStream:
-    """A call streamed token by token while its batch generates: its role event with the first token, then an
-    event for each text delta, as `Runner.completion` will make them of the kept tokens (cut at max_tokens; the
+    """A call streamed token by token while its batch generates: its first events with the first token (a chat
+    completion's role; a response's opening), then an event for each text delta, as `Runner.completion` will make them of the kept tokens (cut at max_tokens; the
     end-of-sequence token ends it). The rest (the finish, the usage, [DONE]) goes once the call is durable."""
 
     def __init__(self, runner: Runner, req: ChatRequest, cid: str, sink: Callable[[bytes], None]):
         self.req, self.cid, self.sink, self.eos = req, cid, sink, runner.tok.eos_token_id
-        self.text, self.left, self.over = TextStream(runner.decode), req.max_tokens, False
+        self.text, self.left, self.over, self.sent = TextStream(runner.decode), req.max_tokens, False, 0
 
     def push(self, token: int) -> None:
         if self.over:
             return
         try:
             if not self.text.ids:
-                self.sink(role_event(self.req, self.cid))
+                self.sink(head_event(self.req, self.cid))
             piece = self.text.feed(token)
             if piece:
-                self.sink(piece_event(self.req, self.cid, piece))
+                self.sink(piece_event(self.req, self.cid, piece, self.sent))
+                self.sent += 1
         except Exception:  # noqa: BLE001 - the client's loop gone: the stream stops, generation goes on
             self.over = True
         self.over = self.over or token == self.eos or (self.left is not None and len(self.text.ids) >= self.left)
