@@ -155,6 +155,7 @@ BOUNDARIES = {
     "engine/state/safe_load.py",
     "engine/config.py",
     "engine/rl/gateway/protocol.py",  # OpenAI's chat-completions JSON: requests parsed, responses written and read back
+    "engine/rl/gateway/responses.py",  # OpenAI's Responses JSON and its stream's events: the same, for /v1/responses
     "engine/rl/gateway/server.py",  # HTTP: the gateway's paths and headers (authorization, content-length)
     "engine/post_mortem/view/server.py",  # HTTP: the viewer's query strings and headers (token, Cookie, Host)
 }

@@ -477,6 +477,12 @@ def answered_message(body: bytes) -> dict:
             "finish_reason": choice["finish_reason"]}
 
 
+def answer_of(m: dict) -> Answer:
+    """An answered message (:func:`answered_message`'s) for reading: its text, tool calls as ``name(arguments)``, finish."""
+    return Answer(m["content"] or "", tuple(f"{t['function']['name']}({t['function']['arguments']})" for t in m["tool_calls"]),
+                  m["finish_reason"])
+
+
 def last_sent(request: str) -> str:
     """A canonical request's last message, as ``role: content``."""
     last = json.loads(request)["messages"][-1]

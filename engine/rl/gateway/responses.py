@@ -291,6 +291,10 @@ def read_response(body: bytes) -> dict:
     return json.loads(last.split("\ndata: ", 1)[1])["response"]
 
 
+def response_id(body: bytes) -> str:
+    return read_response(body)["id"]
+
+
 def answered(body: bytes) -> dict:
     """The assistant message in a Responses answer, as protocol.answered_message gives a chat completion's: its text,
     its tool calls as a chat message has them, a finish reason (tool_calls, length or stop), and the response's id."""

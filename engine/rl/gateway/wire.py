@@ -32,11 +32,9 @@ def answered_message(body: bytes) -> dict:
 def response_id(body: bytes) -> str | None:
     """A Responses answer's id (``resp_...``: what a later request's previous_response_id names); None for a chat
     completion's."""
-    return responses.read_response(body)["id"] if responses.is_response(body) else None
+    return responses.response_id(body) if responses.is_response(body) else None
 
 
 def read_answer(body: bytes) -> Answer:
     """The answer, for reading: its text, its tool calls as ``name(arguments)``, its finish reason."""
-    m = answered_message(body)
-    return Answer(m["content"] or "", tuple(f"{t['function']['name']}({t['function']['arguments']})" for t in m["tool_calls"]),
-                  m["finish_reason"])
+    return protocol.answer_of(answered_message(body))
