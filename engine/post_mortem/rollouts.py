@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -29,6 +29,7 @@ from ..loop import archive
 from ..loop.archive import ran_episodes
 from ..loop.ledger import open_run
 from ..loop.reader import StepReader
+from ..loop.records import attempt_at
 from ..rl.vocab import text_decoder
 from ..schema.events import DropReason, StepEvents
 from ..schema.sample import AGENT_TEXT
@@ -183,9 +184,10 @@ CALL_COLUMNS = ["step", "sample_id", "group", "index", "policy_version", "call",
                 "flag", "trained", "prompt_ids", "completion_ids", "logprobs", "reward", "score", "env_end", "env_reason"]
 
 
-def call_rows(cols: dict) -> Iterator[dict]:
+def call_rows(cols: dict, step_attempt: Callable[[int], int] = lambda step: 1) -> Iterator[dict]:
     """One step's agent episodes as one row a model call (CALL_COLUMNS; JSON-ready values), `call` counting
-    from 1, and the attempt of the episode that generated it (1; 2, ... for a call made by a re-run after a crash):
+    from 1, and the attempt of the episode that generated it (1; 2, ... for a call made by a re-run after a crash: the
+    call's own in completion order, else `step_attempt(step)`, the run's lineage's):
     the request's messages (JSON text), the answer's content and tool calls (``name(arguments)``), its
     finish reason and flag, whether the call is in the trained chain, its token ids and log-probs, and the
     episode's reward (the agent's own; None when rollout.reward_fn scored), score and end. An episode that
@@ -205,7 +207,7 @@ def call_rows(cols: dict) -> Iterator[dict]:
         for k, c in enumerate(rec.calls):
             answer = read_answer(c.response)
             messages = json.dumps(json.loads(c.request)["messages"], ensure_ascii=False)
-            yield {**head, "call": k + 1, "attempt": c.attempt, "messages": messages, "content": answer.content,
+            yield {**head, "call": k + 1, "attempt": c.attempt or step_attempt(int(head["step"])), "messages": messages, "content": answer.content,
                    "tool_calls": list(answer.tool_calls),
                    "finish_reason": answer.finish_reason, "flag": c.flag, "trained": k in trained, "prompt_ids": c.prompt_ids.tolist(),
                    "completion_ids": c.completion_ids.tolist(), "logprobs": c.logprobs.tolist(), "reward": rec.reward, **tail}
@@ -245,9 +247,10 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
         fates = sample_fates(ledger, a, None)
         episodes = ran_episodes(ledger.configs_in(a, b))
         calls = turns and any(config_from_stored(c).rollout.agent for c in ledger.configs_in(a, b))  # a row per model call
+        lineage = ledger.lineage_entries()
 
         def table_rows(cols: dict) -> Iterator[dict]:
-            for row in (call_rows(cols) if calls else turn_rows(cols)) if turns else rows(cols, episodes):
+            for row in (call_rows(cols, lambda step: attempt_at(lineage, step)) if calls else turn_rows(cols)) if turns else rows(cols, episodes):
                 status, when = fates.get(row["sample_id"], ("pending", None))
                 yield {**row, "status": status, "status_step": when}
 

@@ -287,6 +287,7 @@ class GroupInFlight:
     env_end: list
     env_reason: list
     agent_calls: list = field(default_factory=list)  # rollout.agent: each episode's calls so far (schema.agent_calls.AgentCalls.to_json)
+    attempt: int = 1  # rollout.agent: the processes that have played the group (its entry is written before its agents start)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -297,7 +298,7 @@ class GroupInFlight:
         return cls(int(d["group"]), int(d["row"]), [int(v) for v in d["versions"]], seq("prompt_ids", np.int64), seq("response_ids", np.int64),
                    seq("gen_logprobs", np.float32), seq("loss_mask", np.int8), seq("turn_lens", np.int64), seq("turn_rewards", np.float64),
                    [int(x) for x in d["env_seed"]], [int(x) for x in d["env_end"]], [str(x) for x in d["env_reason"]],
-                   [str(x) for x in d.get("agent_calls", [])])
+                   [str(x) for x in d.get("agent_calls", [])], int(d.get("attempt", 1)))
 
     @property
     def turn(self) -> int:
@@ -336,4 +337,5 @@ class GroupInFlight:
             cut["turn_rewards"].append(self.turn_rewards[k][:turns])
             cut["env_end"].append(int(EnvEnd.NONE))
             cut["env_reason"].append("")
-        return GroupInFlight(self.group, self.row, self.versions[:turns], self.prompt_ids, env_seed=self.env_seed, **cut)
+        return GroupInFlight(self.group, self.row, self.versions[:turns], self.prompt_ids, cut["response_ids"], cut["gen_logprobs"],
+                             cut["loss_mask"], cut["turn_lens"], cut["turn_rewards"], self.env_seed, cut["env_end"], cut["env_reason"])

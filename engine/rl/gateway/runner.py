@@ -99,7 +99,7 @@ class CallSink(Protocol):
 @dataclass
 class Episodes:
     """A round of episodes to play, one per row: each agent's seed, each episode's id (the sample it becomes) and
-    attempt, `call_seed(place, k)` the seed of call k of the episode at `place`, `journaled` the calls an earlier
+    attempt (its agent is told both, and they tag its output), `call_seed(place, k)` the seed of call k of the episode at `place`, `journaled` the calls an earlier
     process made durable by place (answered from there while the requests match), `sink` where each batch's new
     calls are made durable (None: with the step), `name(place)` an episode as a line names it."""
 
@@ -108,6 +108,7 @@ class Episodes:
     ids: list[int]
     call_seed: Callable[[int, int], int]
     attempts: list[int] = field(default_factory=list)  # [] : every episode's first
+    journal_attempts: bool = False  # each call journaled with its episode's attempt (completion order: only the journal can tell)
     journaled: dict[int, list[Call]] = field(default_factory=dict)
     sink: CallSink | None = None
     name: Callable[[int], str] = lambda place: f"episode {place}"
@@ -385,7 +386,8 @@ class Runner:
             out, lps = np.asarray(out, np.int64), np.asarray(lps, np.float32)
             comp, keep = self.completion(req, out, lps, len(ids))
             body, flag = response_bytes(req, comp, call_id(seed, k))
-            made.append((p, fut, Call(req.canonical(), req.digest(), ids, out[:keep], lps[:keep], body, flag, p.attempt)))
+            attempt = p.attempt if self.round.journal_attempts else None
+            made.append((p, fut, Call(req.canonical(), req.digest(), ids, out[:keep], lps[:keep], body, flag, attempt)))
         answers: list[tuple[Play, Future, bytes]] = []
         new: list[tuple[int, int, Call]] = []  # (episode's place, the position of its new call, the call)
         with self.cond:
