@@ -287,7 +287,6 @@ class GroupInFlight:
     env_end: list
     env_reason: list
     agent_calls: list = field(default_factory=list)  # rollout.agent: each episode's calls so far (schema.agent_calls.AgentCalls.to_json)
-    attempt: int = 1  # rollout.agent: the processes that have played the group (its entry is written before its agents start)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -298,7 +297,7 @@ class GroupInFlight:
         return cls(int(d["group"]), int(d["row"]), [int(v) for v in d["versions"]], seq("prompt_ids", np.int64), seq("response_ids", np.int64),
                    seq("gen_logprobs", np.float32), seq("loss_mask", np.int8), seq("turn_lens", np.int64), seq("turn_rewards", np.float64),
                    [int(x) for x in d["env_seed"]], [int(x) for x in d["env_end"]], [str(x) for x in d["env_reason"]],
-                   [str(x) for x in d.get("agent_calls", [])], int(d.get("attempt", 1)))
+                   [str(x) for x in d.get("agent_calls", [])])
 
     @property
     def turn(self) -> int:

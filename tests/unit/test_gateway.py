@@ -121,12 +121,12 @@ def test_the_second_call_continues_the_sequence_and_its_new_tokens_are_masked(cl
     assert np.all(f["gen_logprobs"][np.asarray(mask) == 0] == 0)
 
 
-def mk(prompt: list, completion: list, attempt: int | None = None) -> ledger.Call:
-    return ledger.Call("{}", "d", np.asarray(prompt), np.asarray(completion), np.zeros(len(completion), np.float32), b"{}", "", attempt)
+def mk(prompt: list, completion: list) -> ledger.Call:
+    return ledger.Call("{}", "d", np.asarray(prompt), np.asarray(completion), np.zeros(len(completion), np.float32), b"{}")
 
 
 def test_a_rewritten_history_is_a_prefix_break_and_the_longest_chain_is_trained():
-    calls = [mk([1, 5], [6, 7]), mk([1, 5, 6, 7, 9], [8]), mk([1, 4], [6, 6, 6, 6], attempt=2)]
+    calls = [mk([1, 5], [6, 7]), mk([1, 5, 6, 7, 9], [8]), mk([1, 4], [6, 6, 6, 6])]
     assert ledger.parents(calls) == [-1, 0, -1]
     assert ledger.trained_chain(calls) == ((2,), 2)  # 4 generated tokens against 3
     assert ledger.trained_chain(calls[:2]) == ((0, 1), 1)
@@ -134,7 +134,7 @@ def test_a_rewritten_history_is_a_prefix_break_and_the_longest_chain_is_trained(
     rec = ledger.ledger_of(calls, 0.5)
     back = AgentCalls.from_json(rec.to_json())
     assert (back.trained, back.reward, back.segments) == ((2,), 0.5, 2)
-    assert back.prefix_breaks == 1 and back.calls[2].completion_ids.tolist() == [6, 6, 6, 6] and back.calls[2].attempt == 2
+    assert back.prefix_breaks == 1 and back.calls[2].completion_ids.tolist() == [6, 6, 6, 6]
     assert back.to_json() == rec.to_json()  # read and written again: the same text
 
 
@@ -149,10 +149,10 @@ def test_calls_that_continue_one_call_branch_and_are_no_break():
 
 def test_a_version_1_ledger_reads_as_its_segment_then():
     calls = [mk([1, 5], [6, 7]), mk([1, 5, 6, 7, 9], [8]), mk([1, 4], [6])]
-    v1 = {"v": 1, "segment": 0, "reward": None, "calls": [{k: v for k, v in c.to_dict().items() if k != "attempt"} for c in calls],
+    v1 = {"v": 1, "segment": 0, "reward": None, "calls": [c.to_dict() for c in calls],
           "segments": 2}
     rec = AgentCalls.from_json(json.dumps(v1))
-    assert rec.trained == (0, 1) and rec.segments == 2 and {c.attempt for c in rec.calls} == {None}
+    assert rec.trained == (0, 1) and rec.segments == 2
 
 
 def test_async_streaming_tool_calls_reach_the_client_parsed(cleanup):

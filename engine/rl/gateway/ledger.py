@@ -89,7 +89,7 @@ def sample_fields(calls: list[Call], chain: tuple[int, ...] | list[int]) -> dict
 class CallLine:
     """A journaled call, for reading (``verlj inspect --step``): the last message sent (``role: content``),
     the answer's text and tool calls (``name(arguments)``), its finish reason, its flag, whether the
-    call is in the trained chain, and the attempt that generated it (completion order; None: the step's)."""
+    call is in the trained chain."""
 
     sent: str
     text: str
@@ -97,7 +97,6 @@ class CallLine:
     tool_calls: tuple[str, ...]
     flag: str
     trained: bool
-    attempt: int | None = None
 
 
 def call_lines(text: str) -> list[CallLine]:
@@ -109,5 +108,5 @@ def call_lines(text: str) -> list[CallLine]:
     out = []
     for k, c in enumerate(rec.calls):
         answer = read_answer(c.response)
-        out.append(CallLine(last_sent(c.request), answer.content, answer.finish_reason, answer.tool_calls, c.flag, k in trained, c.attempt))
+        out.append(CallLine(last_sent(c.request), answer.content, answer.finish_reason, answer.tool_calls, c.flag, k in trained))
     return out

@@ -108,7 +108,6 @@ class Episodes:
     ids: list[int]
     call_seed: Callable[[int, int], int]
     attempts: list[int] = field(default_factory=list)  # [] : every episode's first
-    journal_attempts: bool = False  # each call journaled with its episode's attempt (completion order: only the journal can tell)
     journaled: dict[int, list[Call]] = field(default_factory=dict)
     sink: CallSink | None = None
     name: Callable[[int], str] = lambda place: f"episode {place}"
@@ -386,8 +385,7 @@ class Runner:
             out, lps = np.asarray(out, np.int64), np.asarray(lps, np.float32)
             comp, keep = self.completion(req, out, lps, len(ids))
             body, flag = response_bytes(req, comp, call_id(seed, k))
-            attempt = p.attempt if self.round.journal_attempts else None
-            made.append((p, fut, Call(req.canonical(), req.digest(), ids, out[:keep], lps[:keep], body, flag, attempt)))
+            made.append((p, fut, Call(req.canonical(), req.digest(), ids, out[:keep], lps[:keep], body, flag)))
         answers: list[tuple[Play, Future, bytes]] = []
         new: list[tuple[int, int, Call]] = []  # (episode's place, the position of its new call, the call)
         with self.cond:
