@@ -115,17 +115,20 @@ class Episodes:
 
 @dataclass
 class AgentCounts:
-    """The runner's running counts: calls generated, those whose tool call did not parse, those answered from the
-    journal (a re-run after a crash), and divergences from it."""
+    """The runner's running counts: calls generated, those whose tool call did not parse (generated or not), those answered from the
+    journal (a re-run after a crash), divergences from it, and the writes that made calls durable (completion order:
+    one a lockstep batch)."""
 
     calls: int = 0
     malformed_tool_calls: int = 0
     calls_from_journal: int = 0
     divergences: int = 0
+    durable_writes: int = 0
 
     def to_metrics(self) -> dict[str, float]:
         return {"agent/calls": float(self.calls), "agent/malformed_tool_calls": float(self.malformed_tool_calls),
-                "agent/calls_from_journal": float(self.calls_from_journal), "agent/divergences": float(self.divergences)}
+                "agent/calls_from_journal": float(self.calls_from_journal), "agent/divergences": float(self.divergences),
+                "agent/durable_writes": float(self.durable_writes)}
 
 
 @dataclass
@@ -318,6 +321,7 @@ class Runner:
         p.calls.append(held[k])
         p.since = time.monotonic()
         self.counts.calls_from_journal += 1
+        self.counts.malformed_tool_calls += bool(held[k].flag)  # a count of the episodes' calls, wherever they came from
         done: Future = Future()
         done.set_result(held[k].response)
         return done
@@ -402,6 +406,7 @@ class Runner:
                 # answer is returned (several ranks: at every batch, as the ranks write together)
                 sink.keep(new, self.discarded)
                 self.discarded = []
+                self.counts.durable_writes += 1
             for p, fut, body in answers:
                 p.pending = [x for x in p.pending if x[3] is not fut]
                 if not p.pending:
