@@ -18,12 +18,13 @@ ids, the completion ids and their log-probs, the exact response bytes (UTF-8), a
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
 
 from ...schema.agent_calls import AgentCalls, Call
-from .protocol import last_sent, read_answer
+from .protocol import answered, last_sent, read_answer
 
 
 def segments(calls: list[Call]) -> list[list[int]]:
@@ -94,3 +95,37 @@ def call_lines(text: str) -> list[CallLine]:
         answer = read_answer(c.response)
         out.append(CallLine(last_sent(c.request), answer.content, answer.finish_reason, answer.tool_calls, c.flag, k in trained))
     return out
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A sample's trained segment as a chat (``verlj export --sft/--dpo``): the messages of its last call's
+    request, then that call's answer, each as the gateway keeps them (``role``, ``content``, an assistant's
+    ``tool_calls``, a tool's ``tool_call_id``); the tools the request offered (None: none); how many messages
+    the segment's first call was sent (``prompt``: what the sample's prompt ids hold); and which messages are
+    the segment's answers (``trained``: the policy's tokens in the sample's loss mask, every other message's
+    tokens masked or in the prompt)."""
+
+    messages: tuple[dict, ...]
+    tools: list | None
+    prompt: int
+    trained: frozenset[int]
+
+
+def conversation(text: str) -> Conversation | None:
+    """A sample's journaled calls (its ``agent_calls``) as the chat its trained segment is; None for "" or an
+    episode that made no call."""
+    if not text:
+        return None
+    rec = AgentCalls.from_json(text)
+    if rec.segment < 0 or not rec.calls:
+        return None
+    calls = list(rec.calls)
+    seg = segments(calls)[rec.segment]
+    requests = [json.loads(calls[k].request) for k in seg]
+    last = requests[-1]
+    answer, _ = answered(calls[seg[-1]].response)
+    messages = (*last["messages"], answer)
+    # call j's answer is the message after call j's own messages in every later request of the segment
+    trained = frozenset([len(r["messages"]) for r in requests[:-1]] + [len(messages) - 1])
+    return Conversation(messages, last.get("tools"), len(requests[0]["messages"]), trained)

@@ -397,19 +397,31 @@ class Answer:
     finish_reason: str
 
 
-def read_answer(body: bytes) -> Answer:
-    """The answer in response bytes (:func:`response_bytes`'s): a JSON object, or a stream's deltas put together."""
+def answered(body: bytes) -> tuple[dict, str]:
+    """(the assistant message, its finish reason) in response bytes (:func:`response_bytes`'s): a JSON object, or
+    a stream's deltas put together. The message as a request would send it back: ``role``, ``content`` (None:
+    none), and ``tool_calls`` ({id, type, function: {name, arguments}}) when it made any."""
     text = body.decode()
     if text.startswith("data: "):
         chunks = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
         choices = [ch["choices"][0] for ch in chunks if ch["choices"]]
-        content = "".join(ch["delta"].get("content") or "" for ch in choices)
-        tools = [t for ch in choices for t in ch["delta"].get("tool_calls") or []]
+        content = "".join(ch["delta"].get("content") or "" for ch in choices) or None
+        tools = [{k: v for k, v in t.items() if k != "index"} for ch in choices for t in ch["delta"].get("tool_calls") or []]
         finish = next((ch["finish_reason"] for ch in choices if ch["finish_reason"]), "")
     else:
         choice = json.loads(text)["choices"][0]
-        content, tools, finish = choice["message"]["content"] or "", choice["message"].get("tool_calls") or [], choice["finish_reason"]
-    return Answer(content, tuple(f"{t['function']['name']}({t['function']['arguments']})" for t in tools), finish)
+        content, tools, finish = choice["message"]["content"], choice["message"].get("tool_calls") or [], choice["finish_reason"]
+    msg: dict = {"role": "assistant", "content": content}
+    if tools:
+        msg["tool_calls"] = tools
+    return msg, finish
+
+
+def read_answer(body: bytes) -> Answer:
+    """The answer in response bytes (:func:`response_bytes`'s): a JSON object, or a stream's deltas put together."""
+    msg, finish = answered(body)
+    tools = msg.get("tool_calls", [])
+    return Answer(msg["content"] or "", tuple(f"{t['function']['name']}({t['function']['arguments']})" for t in tools), finish)
 
 
 def last_sent(request: str) -> str:
