@@ -298,8 +298,9 @@ def file_rows(path: Path, fmt: str) -> Iterator[dict]:
     elif fmt == "parquet":
         import pyarrow.parquet as pq
 
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
-            yield from batch.to_pylist()
+        pf = pq.ParquetFile(path)
+        for i in range(pf.num_row_groups):  # a row group at a time (iter_batches reads ahead: its memory grows with the file)
+            yield from pf.read_row_group(i).to_pylist()
     else:
         import pyarrow as pa
 
