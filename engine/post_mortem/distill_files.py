@@ -1,7 +1,7 @@
 """The directory `verlj export RUN --sft/--dpo -o DIR` writes, and reading it back.
 
     DIR/data/train-00000-of-00001.parquet   the rows in order (--format jsonl: .jsonl); a new file past 256 MiB
-    DIR/README.md                           a dataset card: `datasets.load_dataset(DIR)` reads its `configs`
+    DIR/README.md                           a dataset card (`datasets.load_dataset(DIR)` finds data/train-* by itself)
     DIR/manifest.json                       the run's identity and config hash, the filter, the counts, the steps
                                             left out, and each file's size and BLAKE3 digest (a data file's rows too)
   --format arrow, for `datasets.load_from_disk(DIR)` (the layout `Dataset.save_to_disk` writes):
@@ -132,6 +132,7 @@ def export_dataset(run_dir: Path, out: Path, kind: str, fmt: str, steps: str | N
         from ..schema.table import require_pyarrow
 
         require_pyarrow(f"--format {fmt}")
+    Spec(kind, 1, 1, **filters)  # the filter's own sentence, before the output or the run is looked at
     _check_output(out)
     a, b = parse_steps(steps)
     run_dir = Path(run_dir)
@@ -243,8 +244,9 @@ def card(manifest: dict, data: list[str]) -> str:
     """The dataset card (README.md): what the rows are, where they came from, how to load and check them."""
     run, spec, kind = manifest["run"], manifest["filter"], manifest["kind"]
     fmt = manifest["format"]
-    head = "" if fmt == "arrow" else (
-        f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*\ntags:\n- verlj\n- {kind}\n---\n\n")
+    # no `configs` in the card: `load_dataset(DIR)` finds data/train-* by itself, and a card's configs key the cache by
+    # the directory's name, not the files (datasets 5.2: two exports named alike would load as one)
+    head = f"---\ntags:\n- verlj\n- {kind}\n---\n\n"
     load = ('from datasets import load_from_disk\nds = load_from_disk("DIR")' if fmt == "arrow" else
             f'from datasets import load_dataset\nds = load_dataset("{fmt if fmt == "parquet" else "json"}", data_files="DIR/data/train-*", split="train")')
     filters = ", ".join(f"{k}={v}" for k, v in spec.items() if k not in ("kind", "first", "last") and v not in (None, False, 0.0))
