@@ -46,7 +46,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import Any
 
@@ -56,10 +56,12 @@ from ..config import config_from_stored
 from ..errors import RunError
 from ..loop.reader import StepReader
 from ..rl.gateway.ledger import conversation
+from ..rl.gateway.protocol import Message
 from ..rl.vocab import text_decoder
 from ..schema.events import StepEvents
 from ..schema.sample import Columns, Sample
 from .steps import ranges
+from .views import _view
 
 SFT, DPO = "sft", "dpo"
 IGNORE = -100  # a label the loss skips (PyTorch's cross-entropy ignore_index, as TRL and transformers use it)
@@ -98,9 +100,6 @@ class Spec:
         if self.min_score is not None and not math.isfinite(self.min_score):
             raise RunError(f"--min-score {self.min_score}: give a finite number")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     @classmethod
     def from_dict(cls, d: dict) -> Spec:
         return cls(**d)
@@ -130,25 +129,29 @@ class Form:
 
 # ----------------------------------------------------------------------------- a sample as a chat
 
-def message(role: str, content: str | None, weight: int, tool_calls: list | None = None, tool_call_id: str | None = None) -> dict:
+def message_row(m: Message, weight: int) -> dict:
     """A message as a row holds it: every key present (one Arrow struct for all), None where it has none."""
-    calls = None if not tool_calls else [{"id": str(c.get("id", "")), "type": str(c.get("type", "function")),
-                                          "function": {"name": str(c["function"]["name"]), "arguments": str(c["function"]["arguments"])}}
-                                         for c in tool_calls]
-    return {"role": role, "content": content, "tool_calls": calls, "tool_call_id": tool_call_id, "weight": weight}
+    calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+    return {"role": m.role, "content": m.content, "tool_calls": calls or None, "tool_call_id": m.tool_call_id, "weight": weight}
 
 
 @dataclass(frozen=True)
 class Chat:
-    """A sample as a conversation: its messages, how many of them are its prompt, the tools (JSON text, agents)."""
+    """A sample as a conversation: its messages and their weights (1: the policy's tokens, trained), how many of them
+    are its prompt, the tools (JSON text, agents)."""
 
-    messages: tuple[dict, ...]
+    messages: tuple[Message, ...]
+    weights: tuple[int, ...]
     prompt: int
     tools: str | None = None
 
+    def rows(self, first: int = 0, stop: int | None = None) -> list[dict]:
+        """Messages first..stop as a row holds them."""
+        return [message_row(m, w) for m, w in zip(self.messages[first:stop], self.weights[first:stop])]
+
     def key(self) -> bytes:
         """What two samples of one prompt share: the prompt's messages and the tools."""
-        return json.dumps([self.messages[: self.prompt], self.tools], sort_keys=True).encode()
+        return json.dumps([self.rows(0, self.prompt), self.tools], sort_keys=True).encode()
 
 
 Decode = Callable[[np.ndarray, bool], str]
@@ -161,18 +164,17 @@ def chat_of(s: Sample, decode: Decode | None) -> Chat | None:
         conv = conversation(s.agent_calls)
         if conv is None:
             return None
-        msgs = tuple(message(m["role"], m.get("content"), int(k in conv.trained), m.get("tool_calls"), m.get("tool_call_id"))
-                     for k, m in enumerate(conv.messages))
-        return Chat(msgs, conv.prompt, None if conv.tools is None else json.dumps(conv.tools, ensure_ascii=False))
+        weights = tuple(int(k in conv.trained) for k in range(len(conv.messages)))
+        return Chat(conv.messages, weights, conv.prompt, None if conv.tools is None else json.dumps(conv.tools, ensure_ascii=False))
     if decode is None:
         raise RunError("the run's tokenizer cannot be found (model.actor.model_name_or_path has no tokenizer.json): its samples' ids "
                        "cannot be written as text")
-    out = [message("user", decode(s.prompt_ids, True), 0)]
+    out = [(Message("user", decode(s.prompt_ids, True)), 0)]
     for t in s.turns():
-        out.append(message("assistant", decode(t.action_ids, True), 1))
+        out.append((Message("assistant", decode(t.action_ids, True)), 1))
         if len(t.observation_ids):
-            out.append(message("user", decode(t.observation_ids, False), 0))
-    return Chat(tuple(out), 1)
+            out.append((Message("user", decode(t.observation_ids, False)), 0))
+    return Chat(tuple(m for m, _ in out), tuple(w for _, w in out), 1)
 
 
 # ----------------------------------------------------------------------------- rows
@@ -199,60 +201,58 @@ def _floats(a: np.ndarray) -> list[float]:
     return np.asarray(a, np.float32).tolist()
 
 
+def _mask(s: Sample) -> list[int]:
+    return [int(m) for m in s.policy_mask().tolist()]
+
+
 def sft_row(item: Item, run: str, form: Form, spec: Spec) -> dict:
     s, chat = item.sample, item.chat
-    row: dict[str, Any] = {"run": run, "step": item.step, "sample_id": s.id, "group": s.group, "index": s.index,
-                           "policy_version": s.policy_version, "score": s.score, "chain": item.chain}
-    if form.conversational:
-        row["messages"] = list(chat.messages)
-    else:
-        row["prompt"], row["completion"] = chat.messages[0]["content"], chat.messages[1]["content"]
-    if form.tools:
-        row["tools"] = chat.tools
+    row = {"run": run, "step": item.step, "sample_id": s.id, "group": s.group, "index": s.index, "policy_version": s.policy_version,
+           "score": s.score, "chain": item.chain}
+    text = ({"messages": chat.rows()} if form.conversational else
+            {"prompt": chat.messages[0].content, "completion": chat.messages[1].content})
+    tools = {"tools": chat.tools} if form.tools else {}
+    tokens = {}
     if spec.tokens:
-        mask = s.policy_mask() > 0
-        response = _ints(s.response_ids)
-        row["input_ids"] = _ints(s.prompt_ids) + response
-        row["labels"] = [IGNORE] * len(s.prompt_ids) + [t if m else IGNORE for t, m in zip(response, mask.tolist())]
-        row["gen_logprobs"] = [0.0] * len(s.prompt_ids) + _floats(np.where(mask, s.gen_logprobs, 0))
-    return row
+        mask = np.asarray(_mask(s), bool)
+        response, lead = _ints(s.response_ids), [IGNORE] * len(s.prompt_ids)
+        tokens = {"input_ids": _ints(s.prompt_ids) + response,
+                  "labels": lead + [t if m else IGNORE for t, m in zip(response, mask.tolist())],
+                  "gen_logprobs": [0.0] * len(s.prompt_ids) + _floats(np.where(mask, s.gen_logprobs, 0))}
+    return {**row, **text, **tools, **tokens}
 
 
 def dpo_row(chosen: Item, rejected: Item, run: str, form: Form, spec: Spec) -> dict:
-    c, r = chosen.sample, rejected.sample
-    row: dict[str, Any] = {"run": run, "step": chosen.step, "group": c.group, "index": c.index, "chain": chosen.chain,
-                           "chosen_sample_id": c.id, "rejected_sample_id": r.id, "chosen_policy_version": c.policy_version,
-                           "rejected_policy_version": r.policy_version, "score_chosen": c.score, "score_rejected": r.score}
-    n = chosen.chat.prompt
+    c, r, n = chosen.sample, rejected.sample, chosen.chat.prompt
+    row = {"run": run, "step": chosen.step, "group": c.group, "index": c.index, "chain": chosen.chain, "chosen_sample_id": c.id,
+           "rejected_sample_id": r.id, "chosen_policy_version": c.policy_version, "rejected_policy_version": r.policy_version,
+           "score_chosen": c.score, "score_rejected": r.score}
     if form.conversational:
-        row["prompt"], row["chosen"], row["rejected"] = (list(chosen.chat.messages[:n]), list(chosen.chat.messages[n:]),
-                                                         list(rejected.chat.messages[n:]))
+        text = {"prompt": chosen.chat.rows(0, n), "chosen": chosen.chat.rows(n), "rejected": rejected.chat.rows(n)}
     else:
-        row["prompt"], row["chosen"], row["rejected"] = (chosen.chat.messages[0]["content"], chosen.chat.messages[1]["content"],
-                                                         rejected.chat.messages[1]["content"])
-    if form.tools:
-        row["tools"] = chosen.chat.tools
+        text = {"prompt": chosen.chat.messages[0].content, "chosen": chosen.chat.messages[1].content,
+                "rejected": rejected.chat.messages[1].content}
+    tools = {"tools": chosen.chat.tools} if form.tools else {}
+    tokens = {}
     if spec.tokens:
-        row["prompt_ids"] = _ints(c.prompt_ids)
-        row["chosen_ids"], row["rejected_ids"] = _ints(c.response_ids), _ints(r.response_ids)
-        row["chosen_loss_mask"], row["rejected_loss_mask"] = [int(m) for m in c.policy_mask().tolist()], [int(m) for m in r.policy_mask().tolist()]
-        row["chosen_logprobs"], row["rejected_logprobs"] = _floats(c.gen_logprobs), _floats(r.gen_logprobs)
-    return row
+        tokens = {"prompt_ids": _ints(c.prompt_ids), "chosen_ids": _ints(c.response_ids), "rejected_ids": _ints(r.response_ids),
+                  "chosen_loss_mask": _mask(c), "rejected_loss_mask": _mask(r), "chosen_logprobs": _floats(c.gen_logprobs),
+                  "rejected_logprobs": _floats(r.gen_logprobs)}
+    return {**row, **text, **tools, **tokens}
+
+
+KEYS = {SFT: ("step", "sample_id"), DPO: ("step", "chosen_sample_id", "rejected_sample_id")}
+TEXT_COLUMNS = {SFT: ("prompt", "completion", "messages", "tools"), DPO: ("prompt", "chosen", "rejected", "tools")}
 
 
 def row_key(kind: str, row: dict) -> tuple[int, ...]:
     """A row's place in an export: rows come in this order, and verify matches them by it."""
-    if kind == SFT:
-        return (row["step"], row["sample_id"])
-    return (row["step"], row["chosen_sample_id"], row["rejected_sample_id"])
-
-
-_TEXT_COLUMNS = {SFT: ("prompt", "completion", "messages", "tools"), DPO: ("prompt", "chosen", "rejected", "tools")}
+    return tuple(row[k] for k in KEYS[kind])
 
 
 def text_digest(kind: str, row: dict) -> bytes:
     """The row's text, digested (--dedupe: exact text)."""
-    text = json.dumps([row.get(k) for k in _TEXT_COLUMNS[kind]], sort_keys=True, ensure_ascii=False)
+    text = json.dumps([row.get(k) for k in TEXT_COLUMNS[kind]], sort_keys=True, ensure_ascii=False)
     return blake2b(text.encode(), digest_size=16).digest()
 
 
@@ -270,9 +270,6 @@ class Counts:
     no_pair: int = 0  # DPO: prompts (a group's samples of one prompt) that gave no pair
     duplicates: int = 0
     rows: int = 0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _usable(items: list[Item], spec: Spec, counts: Counts) -> list[Item]:
@@ -355,8 +352,10 @@ class LeftOut:
                        "(`verlj export --rollouts` reads them from the rollout archive)")
         return out
 
-    def to_dict(self) -> dict:
-        return {"damaged": {str(k): v for k, v in self.damaged.items()}, "pruned": ranges(self.pruned) if self.pruned else ""}
+    @classmethod
+    def from_dict(cls, d: dict) -> LeftOut:
+        v = _view(cls, d)
+        return cls({int(k): str(p) for k, p in v.damaged.items()}, [int(x) for x in v.pruned])
 
 
 class Rows:
@@ -406,7 +405,7 @@ class Rows:
             if chat is None and not s.fault_reason:
                 self.counts.empty += 1
                 continue
-            items.append(Item(s, chat if chat is not None else Chat((), 0), step, chain))
+            items.append(Item(s, chat if chat is not None else Chat((), (), 0), step, chain))
         if self.spec.kind == SFT:
             rows = [sft_row(it, self.run, self.form, self.spec) for it in choose_sft(items, self.spec, self.counts)]
         else:

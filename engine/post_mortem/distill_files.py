@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -28,8 +28,9 @@ import blake3
 
 from ..errors import RunError
 from ..loop.ledger import now_iso, open_run
-from .distill import DPO, Form, Rows, Spec
+from .distill import DPO, Counts, Form, LeftOut, Rows, Spec
 from .steps import parse_steps
+from .views import _view
 
 FORMATS = ("parquet", "jsonl", "arrow")
 MANIFEST, CARD = "manifest.json", "README.md"
@@ -123,6 +124,76 @@ class Written:
     notes: list[str]
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """What the run's identity (Ledger.identity) says of it that an export names."""
+
+    created: str | None = None
+    config_hash: str | None = None
+    seed: int | None = None
+    git_commit: str | None = None
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """The run an export came from (the manifest's ``run``): its directory's name and path then, when it was made,
+    its config hash, seed and commit, where its journal starts (a fork's base step, its parent; a what-if's
+    counterfactual), and the chain hash of the last exported step's record (the journal as it was read)."""
+
+    name: str
+    path: str
+    created: str | None
+    config_hash: str | None
+    seed: int | None
+    git_commit: str | None
+    base_step: int
+    parent: dict | None
+    whatif: dict | None
+    last_step_chain: str | None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file of the export: its path in DIR, its size, its BLAKE3 digest, and a data file's rows (None: no data)."""
+
+    path: str
+    bytes: int
+    blake3: str
+    rows: int | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """DIR/manifest.json."""
+
+    verlj_export: int  # the format's version (MARK)
+    kind: str
+    format: str
+    run: RunIdentity
+    filter: Spec
+    form: Form
+    columns: list[str]
+    rows: int
+    counts: Counts
+    left_out: LeftOut
+    written: str
+    verlj: str
+    files: list[FileEntry]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Manifest:
+        m = _view(cls, d)
+        return replace(m, run=_view(RunIdentity, m.run), filter=Spec.from_dict(m.filter), form=_view(Form, m.form),
+                       counts=_view(Counts, m.counts), left_out=LeftOut.from_dict(m.left_out), files=[_view(FileEntry, f) for f in m.files])
+
+    @property
+    def data(self) -> list[FileEntry]:
+        return [f for f in self.files if f.rows is not None]
+
+
 def export_dataset(run_dir: Path, out: Path, kind: str, fmt: str, steps: str | None, **filters: Any) -> Written:
     """Write the `kind` rows (sft | dpo) of `run_dir`'s steps A:B to the directory `out` (:mod:`.distill`'s
     rows; `filters`: Spec's fields), with its manifest and card. Refuses a filter that selects no row."""
@@ -143,45 +214,46 @@ def export_dataset(run_dir: Path, out: Path, kind: str, fmt: str, steps: str | N
             raise RunError(f"--steps selects no step: this run has steps {first}–{last}" if last >= first else "this run has no step yet")
         spec = Spec(kind, a, b, **filters)
         made = Rows(ledger, run_dir.resolve().name, spec)
-        columns = made.form.columns(spec)
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            sink = Sink(tmp, fmt, _schema(fmt, spec, made.form), columns)
-            batch: list[dict] = []
-            for got in made.steps():
-                batch += got.rows
-                if len(batch) >= BATCH_ROWS:
-                    sink.write(batch)
-                    batch = []
-            sink.write(batch)
-            parts = sink.close()
+            files = _write_rows(tmp, fmt, made)
             if made.counts.rows == 0:
                 raise RunError(f"nothing to write: {_counted(made)}")
-            files: list[dict[str, Any]] = []
-            for (path, rows), name in zip(parts, _data_names(fmt, len(parts))):
-                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(path, tmp / name)
-                files.append({"path": name, "rows": rows})
             identity = run_identity(ledger, run_dir, spec)
-            manifest = {MARK: VERSION, "kind": kind, "format": fmt, "run": identity, "filter": spec.to_dict(),
-                        "form": {"conversational": made.form.conversational, "tools": made.form.tools}, "columns": columns,
-                        "rows": made.counts.rows, "counts": made.counts.to_dict(), "left_out": made.left_out.to_dict(),
-                        "written": now_iso(), "verlj": version("verlj")}
             if fmt == "arrow":
                 _write_disk_layout(tmp, files, identity)
-            (tmp / CARD).write_text(card(manifest, [f["path"] for f in files]))
-            extra = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file() and str(p.relative_to(tmp)) not in
-                           {f["path"] for f in files})
-            manifest["files"] = [*({**f, "bytes": (tmp / f["path"]).stat().st_size, "blake3": digest_file(tmp / f["path"])} for f in files),
-                                 *({"path": name, "bytes": (tmp / name).stat().st_size, "blake3": digest_file(tmp / name)}
-                                   for name in extra)]
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+            manifest = Manifest(VERSION, kind, fmt, identity, spec, made.form, made.form.columns(spec), made.counts.rows, made.counts,
+                                made.left_out, now_iso(), version("verlj"), files)
+            (tmp / CARD).write_text(card(manifest))
+            names = {f.path for f in files}
+            extra = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file() and str(p.relative_to(tmp)) not in names)
+            manifest = replace(manifest, files=files + [FileEntry(name, (tmp / name).stat().st_size, digest_file(tmp / name)) for name in extra])
+            (tmp / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2, ensure_ascii=False) + "\n")
             _publish(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return Written(made.counts.rows, [f["path"] for f in files], made.left_out.notes(run_dir))
+    return Written(made.counts.rows, sorted(names), made.left_out.notes(run_dir))
+
+
+def _write_rows(tmp: Path, fmt: str, made: Rows) -> list[FileEntry]:
+    """Stream the rows into data files under `tmp`, named as their format's layout has them."""
+    sink = Sink(tmp, fmt, _schema(fmt, made.spec, made.form), made.form.columns(made.spec))
+    batch: list[dict] = []
+    for got in made.steps():
+        batch += got.rows
+        if len(batch) >= BATCH_ROWS:
+            sink.write(batch)
+            batch = []
+    sink.write(batch)
+    parts = sink.close()
+    files = []
+    for (path, rows), name in zip(parts, _data_names(fmt, len(parts))):
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, tmp / name)
+        files.append(FileEntry(name, (tmp / name).stat().st_size, digest_file(tmp / name), rows))
+    return files
 
 
 def _counted(made: Rows) -> str:
@@ -205,12 +277,11 @@ def _schema(fmt: str, spec: Spec, form: Form):
     return arrow_schema(spec, form)
 
 
-def run_identity(ledger, run_dir: Path, spec: Spec) -> dict:
+def run_identity(ledger, run_dir: Path, spec: Spec) -> RunIdentity:
     """What names the run an export came from: the manifest's ``run``, what verify checks a run against."""
-    return {"name": run_dir.resolve().name, "path": str(run_dir.resolve()), "created": ledger.get("created"),
-            "config_hash": ledger.get("config_hash"), "seed": ledger.get("seed"), "git_commit": ledger.get("git_commit"),
-            "base_step": ledger.base_step(), "parent": ledger.parent(), "whatif": ledger.counterfactual(),
-            "last_step_chain": ledger.journal.chain_hash(spec.last)}
+    rec = _view(Recorded, ledger.identity())
+    return RunIdentity(run_dir.resolve().name, str(run_dir.resolve()), rec.created, rec.config_hash, rec.seed, rec.git_commit,
+                       ledger.base_step(), ledger.parent(), ledger.counterfactual(), ledger.journal.chain_hash(spec.last))
 
 
 def _check_output(out: Path) -> None:
@@ -231,37 +302,36 @@ def _publish(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_disk_layout(tmp: Path, files: list[dict], identity: dict) -> None:
+def _write_disk_layout(tmp: Path, files: list[FileEntry], identity: RunIdentity) -> None:
     """dataset_info.json and state.json as `Dataset.save_to_disk` writes them (the features: from the files' schema)."""
-    fingerprint = blake3.blake3(json.dumps([identity, [f["path"] for f in files]]).encode()).hexdigest()[:16]
-    (tmp / "dataset_info.json").write_text(json.dumps({"description": f"rows exported by verlj from run {identity['name']}"}, indent=2))
-    (tmp / "state.json").write_text(json.dumps({"_data_files": [{"filename": f["path"]} for f in files], "_fingerprint": fingerprint,
+    fingerprint = blake3.blake3(json.dumps([asdict(identity), [f.path for f in files]]).encode()).hexdigest()[:16]
+    (tmp / "dataset_info.json").write_text(json.dumps({"description": f"rows exported by verlj from run {identity.name}"}, indent=2))
+    (tmp / "state.json").write_text(json.dumps({"_data_files": [{"filename": f.path} for f in files], "_fingerprint": fingerprint,
                                                 "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
                                                 "_output_all_columns": False, "_split": "train"}, indent=2))
 
 
-def card(manifest: dict, data: list[str]) -> str:
+def card(m: Manifest) -> str:
     """The dataset card (README.md): what the rows are, where they came from, how to load and check them."""
-    run, spec, kind = manifest["run"], manifest["filter"], manifest["kind"]
-    fmt = manifest["format"]
+    run, spec = m.run, m.filter
     # no `configs` in the card: `load_dataset(DIR)` finds data/train-* by itself, and a card's configs key the cache by
     # the directory's name, not the files (datasets 5.2: two exports named alike would load as one)
-    head = f"---\ntags:\n- verlj\n- {kind}\n---\n\n"
-    load = ('from datasets import load_from_disk\nds = load_from_disk("DIR")' if fmt == "arrow" else
-            f'from datasets import load_dataset\nds = load_dataset("{fmt if fmt == "parquet" else "json"}", data_files="DIR/data/train-*", split="train")')
-    filters = ", ".join(f"{k}={v}" for k, v in spec.items() if k not in ("kind", "first", "last") and v not in (None, False, 0.0))
-    left = manifest["left_out"]
-    lines = [f"# {kind.upper()} rows of the verlj run `{run['name']}`", "",
-             f"{manifest['rows']} rows ({'preference pairs' if kind == DPO else 'one per sample'}) from steps {spec['first']}–{spec['last']} "
-             f"of the run made {run['created']} (config hash `{run['config_hash']}`), written {manifest['written']} by verlj "
-             f"{manifest['verlj']}; filter: {filters or 'none'}.", "",
-             f"Columns: {', '.join(f'`{c}`' for c in manifest['columns'])}.", "",
+    head = f"---\ntags:\n- verlj\n- {m.kind}\n---\n\n"
+    load = ('from datasets import load_from_disk\nds = load_from_disk("DIR")' if m.format == "arrow" else
+            f'from datasets import load_dataset\nds = load_dataset("{"parquet" if m.format == "parquet" else "json"}", '
+            'data_files="DIR/data/train-*", split="train")')
+    chosen = {k: v for k, v in asdict(spec).items() if k not in ("kind", "first", "last") and v not in (None, False, 0.0)}
+    lines = [f"# {m.kind.upper()} rows of the verlj run `{run.name}`", "",
+             f"{m.rows} rows ({'preference pairs' if m.kind == DPO else 'one per sample'}) from steps {spec.first}–{spec.last} "
+             f"of the run made {run.created} (config hash `{run.config_hash}`), written {m.written} by verlj {m.verlj}; "
+             f"filter: {', '.join(f'{k}={v}' for k, v in chosen.items()) or 'none'}.", "",
+             f"Columns: {', '.join(f'`{c}`' for c in m.columns)}.", "",
              "Each row carries its lineage: the run, the step, the sample (and the policy version that generated it), its score, and "
              "`chain`, the hash of the step's record in the run's hash-chained journal. `manifest.json` has each file's BLAKE3 digest. "
              "Check every row against the run's journal (text and token ids):", "", "```bash", "verlj verify DIR --against RUN", "```", "",
              "Load it:", "", "```python", load, "```"]
-    if left["damaged"] or left["pruned"]:
-        lines += ["", f"Steps left out: damaged {sorted(map(int, left['damaged'])) or 'none'}, pruned {left['pruned'] or 'none'}."]
+    if m.left_out.damaged or m.left_out.pruned:
+        lines += ["", f"Steps left out: damaged {sorted(m.left_out.damaged) or 'none'}, pruned {m.left_out.pruned or 'none'}."]
     return head + "\n".join(lines) + "\n"
 
 
@@ -276,7 +346,7 @@ def is_export(path: Path) -> bool:
     return isinstance(d, dict) and MARK in d
 
 
-def read_manifest(path: Path) -> dict:
+def read_manifest(path: Path) -> Manifest:
     """DIR's manifest, or RunError saying why DIR is not an export this verlj reads."""
     f = Path(path) / MANIFEST
     try:
@@ -288,7 +358,10 @@ def read_manifest(path: Path) -> dict:
         raise RunError(f"{f} is not the manifest of a verlj export (no {MARK!r} key)")
     if d[MARK] != VERSION:
         raise RunError(f"{f} is an export of version {d[MARK]}; this verlj reads version {VERSION}")
-    return d
+    try:
+        return Manifest.from_dict(d)
+    except (TypeError, ValueError, AttributeError, RunError) as e:
+        raise RunError(f"{f} is not a complete export manifest ({e})") from None
 
 
 def file_rows(path: Path, fmt: str) -> Iterator[dict]:

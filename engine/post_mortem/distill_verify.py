@@ -24,8 +24,9 @@ from ..errors import RunError
 from ..loop.ledger import open_run
 from ..schema.events import StepEvents
 from ..schema.sample import Columns
-from .distill import SFT, Rows, Spec, row_key
-from .distill_files import MANIFEST, digest_file, file_rows, read_manifest
+from .distill import KEYS, SFT, Rows, Spec, row_key
+from .distill_files import MANIFEST, FileEntry, Recorded, digest_file, file_rows, read_manifest
+from .views import _view
 
 MAX_SHOWN = 50  # rows named one by one; past that, counted
 
@@ -76,56 +77,50 @@ def differing(got: dict, want: dict) -> list[str]:
 
 def verify_export(path: Path, run_dir: Path) -> ExportReport:
     path, run_dir = Path(path), Path(run_dir)
-    manifest = read_manifest(path)
-    rep = ExportReport(str(path), str(run_dir), manifest.get("kind", ""))
-    try:
-        spec = Spec.from_dict(manifest["filter"])
-        fmt, named = manifest["format"], manifest["run"]
-        files = manifest["files"]
-    except (KeyError, TypeError, RunError) as e:
-        raise RunError(f"{path / MANIFEST} is not a complete export manifest ({e})") from None
+    m = read_manifest(path)
+    rep = ExportReport(str(path), str(run_dir), m.kind)
+    named = m.run
     with open_run(run_dir) as ledger:
-        here = (ledger.get("created"), ledger.get("config_hash"))
-        if here != (named.get("created"), named.get("config_hash")):
+        here = _view(Recorded, ledger.identity())
+        if (here.created, here.config_hash) != (named.created, named.config_hash):
             rep.ok = False
-            rep.lines.append(f"✗ {path} was exported from another run (made {named.get('created')}, config hash {named.get('config_hash')}); "
-                             f"{run_dir} was made {here[0]}, config hash {here[1]}")
+            rep.lines.append(f"✗ {path} was exported from another run (made {named.created}, config hash {named.config_hash}); "
+                             f"{run_dir} was made {here.created}, config hash {here.config_hash}")
             return rep
-        rep.lines.append(f"✓ the manifest names this run (made {here[0]}, config hash {here[1]})")
-        _check_chain(rep, ledger, spec, named)
-        _check_files(rep, path, files)
-        made = Rows(ledger, named["name"], spec)
-        _check_rows(rep, made, _rows_of(path, [f for f in files if "rows" in f], fmt), ledger)
-        for step in sorted(set(made.left_out.damaged) - {int(s) for s in manifest.get("left_out", {}).get("damaged", {})}):
+        rep.lines.append(f"✓ the manifest names this run (made {here.created}, config hash {here.config_hash})")
+        _check_chain(rep, ledger, m.filter, named.last_step_chain)
+        _check_files(rep, path, m.files)
+        made = Rows(ledger, named.name, m.filter)
+        _check_rows(rep, made, _rows_of(path, m.data, m.format), ledger)
+        for step in sorted(set(made.left_out.damaged) - set(m.left_out.damaged)):
             rep.ok = False
             rep.lines.append(f"✗ step {step} is damaged in the journal now ({made.left_out.damaged[step]}); run `verlj verify {run_dir}`")
-        for step, problem in manifest.get("left_out", {}).get("damaged", {}).items():
+        for step, problem in m.left_out.damaged.items():
             rep.lines.append(f"note: step {step} was left out of the export: it was damaged ({problem})")
     return rep
 
 
-def _check_chain(rep: ExportReport, ledger, spec: Spec, named: dict) -> None:
+def _check_chain(rep: ExportReport, ledger, spec: Spec, then: str | None) -> None:
     try:
         now = ledger.journal.chain_hash(spec.last)
     except JournalError as e:
         now = f"unreadable ({e})"
-    if named.get("last_step_chain") != now:
+    if then != now:
         rep.ok = False
-        rep.lines.append(f"✗ the journal's chain at step {spec.last} is not the one exported from ({named.get('last_step_chain')}; now {now}): "
-                         "its steps were rewritten")
+        rep.lines.append(f"✗ the journal's chain at step {spec.last} is not the one exported from ({then}; now {now}): its steps were rewritten")
     else:
         rep.lines.append(f"✓ the journal holds steps {spec.first}–{spec.last} as exported (chain {now[:16]}…)")
 
 
-def _check_files(rep: ExportReport, path: Path, files: list[dict]) -> None:
-    listed = {f["path"] for f in files}
+def _check_files(rep: ExportReport, path: Path, files: list[FileEntry]) -> None:
+    listed = {f.path for f in files}
     bad = 0
     for f in files:
-        p = path / f["path"]
+        p = path / f.path
         if not p.is_file():
-            rep.problem(f"{f['path']}: missing", row=False)
-        elif p.stat().st_size != f["bytes"] or digest_file(p) != f["blake3"]:
-            rep.problem(f"{f['path']}: its size or BLAKE3 digest differs from the manifest's (the file was changed)", row=False)
+            rep.problem(f"{f.path}: missing", row=False)
+        elif p.stat().st_size != f.bytes or digest_file(p) != f.blake3:
+            rep.problem(f"{f.path}: its size or BLAKE3 digest differs from the manifest's (the file was changed)", row=False)
         else:
             continue
         bad += 1
@@ -138,17 +133,17 @@ def _check_files(rep: ExportReport, path: Path, files: list[dict]) -> None:
         rep.lines.append(f"✓ {len(files)} files match the manifest (sizes and BLAKE3 digests)")
 
 
-def _rows_of(path: Path, files: list[dict], fmt: str) -> Iterator[tuple[str, dict]]:
+def _rows_of(path: Path, files: list[FileEntry], fmt: str) -> Iterator[tuple[str, dict]]:
     """(where, row) for each row of the data files, in order (where: 'row N of FILE', N from 1)."""
     for f in files:
-        p = path / f["path"]
+        p = path / f.path
         if not p.is_file():
             continue
         try:
             for k, row in enumerate(file_rows(p, fmt), 1):
-                yield f"row {k} of {f['path']}", row
+                yield f"row {k} of {f.path}", row
         except (OSError, ValueError) as e:
-            raise RunError(f"{f['path']} cannot be read as {fmt} ({e})") from None
+            raise RunError(f"{f.path} cannot be read as {fmt} ({e})") from None
 
 
 def _check_rows(rep: ExportReport, made: Rows, rows: Iterator[tuple[str, dict]], ledger) -> None:
@@ -162,7 +157,7 @@ def _check_rows(rep: ExportReport, made: Rows, rows: Iterator[tuple[str, dict]],
         try:
             key = row_key(kind, row)
         except (KeyError, TypeError):
-            rep.problem(f"{where}: it has no lineage ({'step, sample_id' if kind == SFT else 'step, chosen/rejected_sample_id'})")
+            rep.problem(f"{where}: it has no lineage ({', '.join(KEYS[kind])})")
             continue
         if last is not None and key <= last:
             rep.problem(f"{where} ({_where(kind, key)}): {'twice' if key == last else 'out of order'}: an export's rows come in step order, "
@@ -210,7 +205,7 @@ def _unexpected(ledger, made: Rows, key: tuple) -> str:
     missing = [sid for sid in key[1:] if sid not in ids]
     if missing:
         return f"step {step} holds no sample {missing[0]}"
-    return f"the export's filter does not make this row from the journal ({json.dumps({k: v for k, v in spec.to_dict().items() if k not in ('first', 'last')})})"
+    return "the export's filter does not make this row from the journal"
 
 
 def render(rep: ExportReport) -> str:

@@ -8,7 +8,6 @@ and never touches an existing directory. One run of each kind for the module; a 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import shutil
 from pathlib import Path
@@ -16,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verlj.engine.post_mortem.distill_files import read_manifest
+from journal_helpers import raw_get, raw_put, tamper
+from verlj.engine.post_mortem.distill_files import Manifest, read_manifest
 from verlj.engine.rl.gateway.ledger import conversation
 from verlj.engine.schema.events import StepEvents
 from verlj.engine.schema.sample import unpack
 from verlj.journal import open_journal_reader
-from journal_helpers import raw_get, raw_put, tamper
 from verlj_testing import cli, train
 
 TESTS = str(Path(__file__).resolve().parents[1])  # envs_for_tests, agents_for_tests
@@ -63,7 +62,7 @@ def journal_samples(run: Path) -> dict[tuple[int, int], object]:
     return out
 
 
-def export(run: Path, out: Path, *args: str) -> dict:
+def export(run: Path, out: Path, *args: str) -> Manifest:
     said = cli("export", run, "-o", out, *args, check=True)
     assert said.stdout.startswith("wrote ") and f"verlj verify {out} --against {run}" in said.stdout
     return read_manifest(out)
@@ -111,15 +110,15 @@ def test_every_export_of_each_kind_of_run_loads_with_datasets_and_verifies_again
         out = tmp_path / f"sft-{fmt}"
         manifest = export(run, out, "--sft", "--tokens", "--format", fmt)
         rows = load(out, fmt).to_list()
-        assert len(rows) == manifest["rows"] == manifest["files"][0]["rows"] == 64
-        assert list(rows[0]) == manifest["columns"] and rows[0]["run"] == "run"
+        assert len(rows) == manifest.rows == manifest.files[0].rows == 64
+        assert list(rows[0]) == manifest.columns and rows[0]["run"] == "run"
         check_sft_rows(rows, run, conversational)
         assert cli("verify", out, "--against", run).returncode == 0
     out = tmp_path / "dpo"
     manifest = export(run, out, "--dpo", "--tokens")
     pairs = load(out, "parquet").to_list()
     held = journal_samples(run)
-    assert pairs and len(pairs) == manifest["rows"]
+    assert pairs and len(pairs) == manifest.rows
     for p in pairs:
         c, r = held[p["step"], p["chosen_sample_id"]], held[p["step"], p["rejected_sample_id"]]
         assert c.group == r.group == p["group"] and np.array_equal(c.prompt_ids, r.prompt_ids) and p["prompt_ids"] == c.prompt_ids.tolist()
@@ -185,7 +184,7 @@ def test_the_filters_choose_what_they_say(default_run, tmp_path):
     rows = lambda out: load(out, "parquet").to_list()  # noqa: E731
     m = export(default_run, tmp_path / "min", "--sft", "--min-score", "0.1")
     assert {r["sample_id"] for r in rows(tmp_path / "min")} == {s.id for s in samples if s.score >= 0.1}
-    assert m["counts"]["below_min_score"] == sum(s.score < 0.1 for s in samples) and m["filter"]["min_score"] == 0.1
+    assert m.counts.below_min_score == sum(s.score < 0.1 for s in samples) and m.filter.min_score == 0.1
     export(default_run, tmp_path / "best", "--sft", "--best-of-group", "--steps", "2:3")
     best = {}
     for k, s in held.items():
@@ -194,9 +193,9 @@ def test_the_filters_choose_what_they_say(default_run, tmp_path):
     assert [r["sample_id"] for r in rows(tmp_path / "best")] == sorted(min(g, key=lambda s: (-s.score, s.id)).id for g in best.values())
     m = export(default_run, tmp_path / "dedupe", "--sft", "--dedupe")
     texts = [(r["prompt"], r["completion"]) for r in rows(tmp_path / "dedupe")]
-    assert len(texts) == len(set(texts)) == 64 - m["counts"]["duplicates"]
+    assert len(texts) == len(set(texts)) == 64 - m.counts.duplicates
     m = export(default_run, tmp_path / "pairs", "--dpo", "--all-pairs", "--margin", "0.05")
-    assert all(p["score_chosen"] - p["score_rejected"] >= 0.05 for p in rows(tmp_path / "pairs")) and m["rows"] > 0
+    assert all(p["score_chosen"] - p["score_rejected"] >= 0.05 for p in rows(tmp_path / "pairs")) and m.rows > 0
     for name in ("min", "best", "dedupe", "pairs"):
         assert cli("verify", tmp_path / name, "--against", default_run).returncode == 0, name
 
@@ -267,7 +266,7 @@ def test_bad_usage_is_one_line_and_never_touches_a_directory_that_is_not_an_expo
     # an export is replaced by the next one; verify without --against, or --against given a run's directory as the export
     first = export(default_run, tmp_path / "e", "--sft", "--steps", "1:1")
     again = export(default_run, tmp_path / "e", "--sft", "--steps", "2:2")
-    assert (first["rows"], again["filter"]["first"]) == (16, 2) and not list(tmp_path.glob(".e.*"))
+    assert (first.rows, again.filter.first) == (16, 2) and not list(tmp_path.glob(".e.*"))
     said = cli("verify", tmp_path / "e")
     assert said.returncode == 2 and "is an export (verlj export --sft/--dpo); say which run to check its rows against: --against RUN" in said.stderr
     said = cli("verify", default_run, "--against", default_run)
@@ -288,7 +287,7 @@ def test_an_export_of_a_run_with_a_damaged_step_warns_and_leaves_it_out(default_
     assert said.returncode == 0 and said.stdout.startswith("wrote 48 rows")
     assert said.stderr == (f"warning: step 2 is damaged in the journal (its stored bytes do not match its checksum): its samples are left out; "
                            f"run `verlj verify {run}`\n")
-    assert read_manifest(tmp_path / "sft")["left_out"]["damaged"] == {"2": "its stored bytes do not match its checksum"}
+    assert read_manifest(tmp_path / "sft").left_out.damaged == {2: "its stored bytes do not match its checksum"}
     assert sorted({r["step"] for r in load(tmp_path / "sft", "parquet").to_list()}) == [1, 3, 4]
     said = cli("verify", tmp_path / "sft", "--against", run)
     assert said.returncode == 0 and "note: step 2 was left out of the export: it was damaged (its stored bytes do not match its checksum)" in said.stdout

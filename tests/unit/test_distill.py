@@ -21,7 +21,7 @@ from verlj.engine.post_mortem.distill import DPO, IGNORE, SFT, Counts, Form, Ite
 from verlj.engine.post_mortem.distill_files import export_dataset, file_rows, read_manifest
 from verlj.engine.post_mortem.distill_verify import verify_export
 from verlj.engine.rl.gateway.ledger import conversation
-from verlj.engine.rl.gateway.protocol import Completion, parse_request, response_bytes
+from verlj.engine.rl.gateway.protocol import Completion, Message, ToolCall, parse_request, response_bytes
 from verlj.engine.schema.agent_calls import AgentCalls, Call
 from verlj.engine.schema.events import Added
 from verlj.engine.schema.sample import EnvEnd, Sample, pack
@@ -53,25 +53,25 @@ def tool_episode(segment: int = 0) -> tuple[AgentCalls, list]:
 def test_an_agent_episode_is_its_trained_segment_as_a_chat_with_its_tool_calls_and_results():
     calls, asked = tool_episode(0)
     conv = conversation(calls.to_json())
-    assert [m["role"] for m in conv.messages] == ["user", "assistant", "tool", "assistant"]
-    assert conv.messages[1]["tool_calls"] == asked and conv.messages[1]["content"] is None
-    assert conv.messages[2] == {"role": "tool", "content": "5", "tool_call_id": asked[0]["id"]}
-    assert conv.messages[3] == {"role": "assistant", "content": "it is 5"}
+    assert [m.role for m in conv.messages] == ["user", "assistant", "tool", "assistant"]
+    assert conv.messages[1] == Message("assistant", None, (ToolCall(asked[0]["id"], "add", '{"a": 2, "b": 3}'),))
+    assert conv.messages[2] == Message("tool", "5", (), asked[0]["id"]) and conv.messages[3] == Message("assistant", "it is 5")
     assert conv.prompt == 1 and conv.trained == {1, 3} and conv.tools == TOOLS
     assert conversation("") is None and conversation(AgentCalls((), -1, None, 0).to_json()) is None
     # the later segment trained: the earlier answers are history it was sent (weight 0), its own answer trained
     later = conversation(tool_episode(1)[0].to_json())
-    assert [m["role"] for m in later.messages] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+    assert [m.role for m in later.messages] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
     assert later.prompt == 5 and later.trained == {5} and later.tools is None
 
     sample = Sample(index=3, prompt_ids=np.array([1, 5]), response_ids=np.array([6, 7, 9, 8, 2]), gen_logprobs=np.zeros(5, np.float32),
                     id=40, group=40, loss_mask=np.array([1, 1, 0, 1, 1], np.int8), turn_lens=np.array([2, 1, 2, 0]), env_end=EnvEnd.DONE,
                     agent_calls=calls.to_json())
     chat = chat_of(sample, None)  # an agent's chat needs no decoder: its text is the calls'
-    assert [m["weight"] for m in chat.messages] == [0, 1, 0, 1] and chat.prompt == 1 and json.loads(chat.tools) == TOOLS
-    assert chat.messages[1]["tool_calls"] == [{"id": asked[0]["id"], "type": "function",
-                                               "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]
-    assert set(chat.messages[0]) == {"role", "content", "tool_calls", "tool_call_id", "weight"}  # every key: one Arrow struct
+    rows = chat.rows()
+    assert [m["weight"] for m in rows] == [0, 1, 0, 1] and chat.prompt == 1 and json.loads(chat.tools) == TOOLS
+    assert rows[1]["tool_calls"] == asked  # as OpenAI's API has them: {id, type, function: {name, arguments}}
+    assert [list(m) for m in rows] == [["role", "content", "tool_calls", "tool_call_id", "weight"]] * 4  # every key: one Arrow struct
+    assert rows[2] == {"role": "tool", "content": "5", "tool_calls": None, "tool_call_id": asked[0]["id"], "weight": 0}
 
 
 def decode(ids, skip: bool) -> str:
@@ -88,7 +88,7 @@ def episode(sid: int = 0, score: float = 0.0, group: int = 0, **kw) -> Sample:
 
 def test_an_episode_is_a_chat_turn_by_turn_and_its_token_columns_mask_the_observations():
     chat = chat_of(episode(), decode)
-    assert [(m["role"], m["content"], m["weight"]) for m in chat.messages] == [
+    assert [(m["role"], m["content"], m["weight"]) for m in chat.rows()] == [
         ("user", "c", 0), ("assistant", "de", 1), ("user", "h", 0), ("assistant", "f", 1), ("user", "ij", 0)]
     spec, form = Spec(SFT, 1, 1, tokens=True), Form(True, False)
     row = sft_row(Item(episode(), chat, 7, "ab" * 32), "run", form, spec)
@@ -208,7 +208,7 @@ def test_an_export_leaves_a_damaged_step_out_and_says_so_and_verify_names_the_ro
     assert (whole.rows, part.rows) == (16, 12)
     assert part.notes == [f"warning: step 2 is damaged in the journal (its stored bytes do not match its checksum): its samples are left out; "
                           f"run `verlj verify {run}`"]
-    assert read_manifest(tmp_path / "part")["left_out"]["damaged"] == {"2": "its stored bytes do not match its checksum"}
+    assert read_manifest(tmp_path / "part").left_out.damaged == {2: "its stored bytes do not match its checksum"}
     assert {r["step"] for r in file_rows(tmp_path / "part" / "data/train-00000-of-00001.jsonl", "jsonl")} == {1, 3, 4}
     assert verify_export(tmp_path / "part", run).ok
     rep = verify_export(tmp_path / "whole", run)
@@ -238,7 +238,7 @@ def test_a_long_journal_exports_and_verifies_streamed_in_memory_that_does_not_gr
         out = tmp_path / f"e{steps}"
         peaks[steps] = (peak_traced(lambda: export_dataset(run, out, SFT, "parquet", None, tokens=True)),
                         peak_traced(lambda: verify_export(out, run)))
-        assert read_manifest(out)["rows"] == 4 * steps
+        assert read_manifest(out).rows == 4 * steps
     (export_small, verify_small), (export_big, verify_big) = peaks[300], peaks[1200]
     assert export_big < 1.1 * export_small, peaks
     assert verify_big < 1.1 * verify_small, peaks

@@ -18,13 +18,12 @@ ids, the completion ids and their log-probs, the exact response bytes (UTF-8), a
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
 
 from ...schema.agent_calls import AgentCalls, Call
-from .protocol import answered, last_sent, read_answer
+from .protocol import Message, Sent, answered, last_sent, read_answer
 
 
 def segments(calls: list[Call]) -> list[list[int]]:
@@ -100,13 +99,12 @@ def call_lines(text: str) -> list[CallLine]:
 @dataclass(frozen=True)
 class Conversation:
     """A sample's trained segment as a chat (``verlj export --sft/--dpo``): the messages of its last call's
-    request, then that call's answer, each as the gateway keeps them (``role``, ``content``, an assistant's
-    ``tool_calls``, a tool's ``tool_call_id``); the tools the request offered (None: none); how many messages
-    the segment's first call was sent (``prompt``: what the sample's prompt ids hold); and which messages are
-    the segment's answers (``trained``: the policy's tokens in the sample's loss mask, every other message's
-    tokens masked or in the prompt)."""
+    request, then that call's answer, as the gateway keeps them; the tools the request offered (None: none); how
+    many messages the segment's first call was sent (``prompt``: what the sample's prompt ids hold); and which
+    messages are the segment's answers (``trained``: the policy's tokens in the sample's loss mask, every other
+    message's tokens masked or in the prompt)."""
 
-    messages: tuple[dict, ...]
+    messages: tuple[Message, ...]
     tools: list | None
     prompt: int
     trained: frozenset[int]
@@ -122,10 +120,9 @@ def conversation(text: str) -> Conversation | None:
         return None
     calls = list(rec.calls)
     seg = segments(calls)[rec.segment]
-    requests = [json.loads(calls[k].request) for k in seg]
-    last = requests[-1]
+    sent = [Sent.of(calls[k].request) for k in seg]
     answer, _ = answered(calls[seg[-1]].response)
-    messages = (*last["messages"], answer)
+    messages = (*sent[-1].messages, answer)
     # call j's answer is the message after call j's own messages in every later request of the segment
-    trained = frozenset([len(r["messages"]) for r in requests[:-1]] + [len(messages) - 1])
-    return Conversation(messages, last.get("tools"), len(requests[0]["messages"]), trained)
+    trained = frozenset([len(s.messages) for s in sent[:-1]] + [len(messages) - 1])
+    return Conversation(messages, sent[-1].tools, len(sent[0].messages), trained)

@@ -397,31 +397,67 @@ class Answer:
     finish_reason: str
 
 
-def answered(body: bytes) -> tuple[dict, str]:
+@dataclass(frozen=True)
+class ToolCall:
+    """An assistant's tool call, as a request sends it back: its id, the function's name, its arguments (JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @classmethod
+    def of(cls, c: dict) -> ToolCall:
+        return cls(str(c.get("id", "")), c["function"]["name"], c["function"].get("arguments", ""))
+
+
+@dataclass(frozen=True)
+class Message:
+    """A chat message as the gateway keeps it (a canonical request's, or an answer's): its role, its content (None:
+    none), an assistant's tool calls, a tool's answer's call id."""
+
+    role: str
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+    @classmethod
+    def of(cls, m: dict) -> Message:
+        return cls(m["role"], m.get("content"), tuple(ToolCall.of(c) for c in m.get("tool_calls") or ()), m.get("tool_call_id"))
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What a canonical request sent: its messages, and the tools it offered (as sent; None: none)."""
+
+    messages: tuple[Message, ...]
+    tools: list | None
+
+    @classmethod
+    def of(cls, request: str) -> Sent:
+        d = json.loads(request)
+        return cls(tuple(Message.of(m) for m in d["messages"]), d.get("tools"))
+
+
+def answered(body: bytes) -> tuple[Message, str]:
     """(the assistant message, its finish reason) in response bytes (:func:`response_bytes`'s): a JSON object, or
-    a stream's deltas put together. The message as a request would send it back: ``role``, ``content`` (None:
-    none), and ``tool_calls`` ({id, type, function: {name, arguments}}) when it made any."""
+    a stream's deltas put together; the message as a request would send it back."""
     text = body.decode()
     if text.startswith("data: "):
         chunks = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
         choices = [ch["choices"][0] for ch in chunks if ch["choices"]]
         content = "".join(ch["delta"].get("content") or "" for ch in choices) or None
-        tools = [{k: v for k, v in t.items() if k != "index"} for ch in choices for t in ch["delta"].get("tool_calls") or []]
+        tools = [t for ch in choices for t in ch["delta"].get("tool_calls") or []]
         finish = next((ch["finish_reason"] for ch in choices if ch["finish_reason"]), "")
     else:
         choice = json.loads(text)["choices"][0]
         content, tools, finish = choice["message"]["content"], choice["message"].get("tool_calls") or [], choice["finish_reason"]
-    msg: dict = {"role": "assistant", "content": content}
-    if tools:
-        msg["tool_calls"] = tools
-    return msg, finish
+    return Message("assistant", content, tuple(ToolCall.of(t) for t in tools)), finish
 
 
 def read_answer(body: bytes) -> Answer:
     """The answer in response bytes (:func:`response_bytes`'s): a JSON object, or a stream's deltas put together."""
     msg, finish = answered(body)
-    tools = msg.get("tool_calls", [])
-    return Answer(msg["content"] or "", tuple(f"{t['function']['name']}({t['function']['arguments']})" for t in tools), finish)
+    return Answer(msg.content or "", tuple(f"{t.name}({t.arguments})" for t in msg.tool_calls), finish)
 
 
 def last_sent(request: str) -> str:
