@@ -37,3 +37,37 @@ LONGEST_FIRST = [
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def bpe_model(tmp_path_factory) -> str:
+    """A Qwen2-shaped model with a real tokenizer, made locally (examples/make_bpe_model.py: a byte-level BPE
+    trained by `tokenizers`, a ChatML template with hermes tool calls, <|im_end|> as its end of sequence): the
+    directory, for model.actor.model_name_or_path. Made once per session and shared by the xdist workers
+    (their common base directory, under a file lock); the same bytes every time."""
+    import hashlib
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from filelock import FileLock
+
+    repo = Path(__file__).resolve().parents[1]
+    maker = repo / "examples" / "make_bpe_model.py"
+    root = tmp_path_factory.getbasetemp().parent  # every worker's basetemp is under it
+    out = root / f"bpe_model-{hashlib.sha256(maker.read_bytes()).hexdigest()[:12]}"  # made anew when the recipe changes
+    with FileLock(str(root / "bpe_model.lock")):
+        if not (out / "model.safetensors").is_file():
+            sys.path.insert(0, str(repo))
+            try:
+                from examples.make_bpe_model import make_bpe_model
+            finally:
+                sys.path.remove(str(repo))
+            made = root / f"{out.name}.tmp"
+            shutil.rmtree(made, ignore_errors=True)
+            make_bpe_model(made)
+            made.rename(out)
+    return str(out)

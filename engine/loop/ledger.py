@@ -318,7 +318,7 @@ def _agent_calls(by_position: dict[int, dict]) -> str:
             calls.append(Call.from_dict(by_position[len(calls)]))
         except (KeyError, TypeError, ValueError, AttributeError):
             break
-    return AgentCalls(tuple(calls), -1, None, 0).to_json() if calls else ""
+    return AgentCalls(tuple(calls), (), None, 0).to_json() if calls else ""
 
 
 class Ledger:

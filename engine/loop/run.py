@@ -506,7 +506,7 @@ def preflight_rollout(cfg: Config, rt: Runtime) -> None:
     if cfg.rollout.env is not None:
         check_env(cfg)
     if cfg.rollout.agent is not None:  # rollout.agent: importable (a command is found when it runs)
-        from ..rl.gateway.runner import load_agent
+        from ..rl.gateway.agents import load_agent
 
         load_agent(cfg.rollout.agent)
 

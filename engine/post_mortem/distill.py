@@ -55,7 +55,7 @@ import numpy as np
 from ..config import config_from_stored
 from ..errors import RunError
 from ..loop.reader import StepReader
-from ..rl.gateway.ledger import conversation
+from ..rl.gateway.ledger import trained_chat
 from ..rl.gateway.protocol import Message
 from ..rl.vocab import text_decoder
 from ..schema.events import StepEvents
@@ -161,7 +161,7 @@ def chat_of(s: Sample, decode: Decode | None) -> Chat | None:
     """A sample as a Chat: an agent episode from its calls (None: it made no call), any other from its ids,
     turn by turn (an episode's observations masked, weight 0)."""
     if s.agent_calls:
-        conv = conversation(s.agent_calls)
+        conv = trained_chat(s.agent_calls)
         if conv is None:
             return None
         weights = tuple(int(k in conv.trained) for k in range(len(conv.messages)))
@@ -212,7 +212,7 @@ def sft_row(item: Item, run: str, form: Form, spec: Spec) -> dict:
     text = ({"messages": chat.rows()} if form.conversational else
             {"prompt": chat.messages[0].content, "completion": chat.messages[1].content})
     tools = {"tools": chat.tools} if form.tools else {}
-    tokens = {}
+    tokens: dict[str, Any] = {}
     if spec.tokens:
         mask = np.asarray(_mask(s), bool)
         response, lead = _ints(s.response_ids), [IGNORE] * len(s.prompt_ids)
@@ -227,13 +227,14 @@ def dpo_row(chosen: Item, rejected: Item, run: str, form: Form, spec: Spec) -> d
     row = {"run": run, "step": chosen.step, "group": c.group, "index": c.index, "chain": chosen.chain, "chosen_sample_id": c.id,
            "rejected_sample_id": r.id, "chosen_policy_version": c.policy_version, "rejected_policy_version": r.policy_version,
            "score_chosen": c.score, "score_rejected": r.score}
+    text: dict[str, Any]
     if form.conversational:
         text = {"prompt": chosen.chat.rows(0, n), "chosen": chosen.chat.rows(n), "rejected": rejected.chat.rows(n)}
     else:
         text = {"prompt": chosen.chat.messages[0].content, "chosen": chosen.chat.messages[1].content,
                 "rejected": rejected.chat.messages[1].content}
     tools = {"tools": chosen.chat.tools} if form.tools else {}
-    tokens = {}
+    tokens: dict[str, Any] = {}
     if spec.tokens:
         tokens = {"prompt_ids": _ints(c.prompt_ids), "chosen_ids": _ints(c.response_ids), "rejected_ids": _ints(r.response_ids),
                   "chosen_loss_mask": _mask(c), "rejected_loss_mask": _mask(r), "chosen_logprobs": _floats(c.gen_logprobs),

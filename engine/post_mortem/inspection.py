@@ -572,7 +572,7 @@ def render_step(d: StepDetail) -> str:
         if s.episode is not None and s.episode.calls:  # an agent's episode: call by call
             for n, c in enumerate(s.episode.calls):
                 tools = f"  tool calls: {', '.join(c.tool_calls)}" if c.tool_calls else ""
-                lines.append(f"         call {n + 1}{'' if c.trained else ' (not trained: another segment)'}: {c.sent!r} → "
+                lines.append(f"         call {n + 1}{'' if c.trained else ' (not trained: off the trained chain)'}: {c.sent!r} → "
                              f"{c.text!r} [{c.finish_reason}]{tools}{'  ' + c.flag if c.flag else ''}")
         elif s.episode is not None:
             for t, turn in enumerate(s.episode.turns):

@@ -179,34 +179,34 @@ def iter_step_columns(run_dir: Path, ledger, start: int, stop: int, notes: list[
         notes.append(f"steps {ranges(missing)} were pruned without an archive (journal.archive was off): their samples are not in the table")
 
 
-CALL_COLUMNS = ["step", "sample_id", "group", "index", "policy_version", "call", "messages", "content", "tool_calls", "finish_reason",
+CALL_COLUMNS = ["step", "sample_id", "group", "index", "policy_version", "call", "attempt", "messages", "content", "tool_calls", "finish_reason",
                 "flag", "trained", "prompt_ids", "completion_ids", "logprobs", "reward", "score", "env_end", "env_reason"]
 
 
 def call_rows(cols: dict) -> Iterator[dict]:
     """One step's agent episodes as one row a model call (CALL_COLUMNS; JSON-ready values), `call` counting
-    from 1: the request's messages (JSON text), the answer's content and tool calls (``name(arguments)``), its
-    finish reason and flag, whether the call is in the trained segment, its token ids and log-probs, and the
+    from 1, and the attempt of the episode that generated it (1; 2, ... for a call made by a re-run after a crash):
+    the request's messages (JSON text), the answer's content and tool calls (``name(arguments)``), its
+    finish reason and flag, whether the call is in the trained chain, its token ids and log-probs, and the
     episode's reward (the agent's own; None when rollout.reward_fn scored), score and end. An episode that
     made no call (a fault) is one row, call 0, its reason in env_reason."""
-    from ..rl.gateway.ledger import segments
     from ..rl.gateway.protocol import read_answer
     from ..schema.agent_calls import AgentCalls
 
     texts = cols.get(AGENT_TEXT) or [""] * num_rows(cols)
     for i, text in enumerate(texts):
         head, tail = row_head(cols, i), row_end(cols, i)
-        rec = AgentCalls.from_json(text) if text else AgentCalls((), -1, None, 0)
+        rec = AgentCalls.from_json(text) if text else AgentCalls((), (), None, 0)
         if not rec.calls:
-            yield {**head, "call": 0, "messages": None, "content": None, "tool_calls": [], "finish_reason": None, "flag": "",
+            yield {**head, "call": 0, "attempt": None, "messages": None, "content": None, "tool_calls": [], "finish_reason": None, "flag": "",
                    "trained": False, "prompt_ids": [], "completion_ids": [], "logprobs": [], "reward": rec.reward, **tail}
             continue
-        segs = segments(list(rec.calls))
-        trained = set(segs[rec.segment]) if segs and rec.segment >= 0 else set()
+        trained = set(rec.trained)
         for k, c in enumerate(rec.calls):
             answer = read_answer(c.response)
             messages = json.dumps(json.loads(c.request)["messages"], ensure_ascii=False)
-            yield {**head, "call": k + 1, "messages": messages, "content": answer.content, "tool_calls": list(answer.tool_calls),
+            yield {**head, "call": k + 1, "attempt": c.attempt, "messages": messages, "content": answer.content,
+                   "tool_calls": list(answer.tool_calls),
                    "finish_reason": answer.finish_reason, "flag": c.flag, "trained": k in trained, "prompt_ids": c.prompt_ids.tolist(),
                    "completion_ids": c.completion_ids.tolist(), "logprobs": c.logprobs.tolist(), "reward": rec.reward, **tail}
 
@@ -215,7 +215,7 @@ def call_schema():
     """call_rows' Parquet schema, with the fate columns."""
     pa = require_pyarrow("Parquet")
     ids, text = pa.list_(pa.int32()), pa.string()
-    types = {"step": pa.int64(), SAMPLE_ID: pa.int64(), "group": pa.int64(), "index": pa.int64(), VERSION: pa.int64(), "call": pa.int32(),
+    types = {"step": pa.int64(), SAMPLE_ID: pa.int64(), "group": pa.int64(), "index": pa.int64(), VERSION: pa.int64(), "call": pa.int32(), "attempt": pa.int32(),
              "messages": text, "content": text, "tool_calls": pa.list_(text), "finish_reason": text, "flag": text, "trained": pa.bool_(),
              "prompt_ids": ids, "completion_ids": ids, "logprobs": pa.list_(pa.float32()), "reward": pa.float64(), "score": pa.float64(),
              "env_end": pa.int8(), "env_reason": text, "status": text, "status_step": pa.int64()}

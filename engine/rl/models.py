@@ -8,6 +8,8 @@ directory loaded with ``local_files_only=True``.
 from __future__ import annotations
 
 import inspect
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,17 +45,35 @@ BUILTIN_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 BUILTIN_GENERATION_PROMPT = "<|assistant|>\n"
 
 
-def render_chat(tok, messages: list[dict], builtin: bool) -> str:
+def render_chat(tok, messages: list[dict], builtin: bool, generation_prompt: bool = True) -> str:
     """A chat prompt's text: the built-in template (`builtin`), else the tokenizer's own
-    (`apply_chat_template` with the generation prompt). DataError if it has none or it fails."""
+    (`apply_chat_template`, with the generation prompt unless `generation_prompt` is False). DataError if it has
+    none or it fails."""
     if builtin:
-        return "".join(BUILTIN_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + BUILTIN_GENERATION_PROMPT
+        return "".join(BUILTIN_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + (
+            BUILTIN_GENERATION_PROMPT if generation_prompt else "")
     if not getattr(tok, "chat_template", None):
         raise DataError("its prompt is a list of chat messages but the model's tokenizer has no chat template")
     try:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as e:  # noqa: BLE001 - the tokenizer's template (jinja) failing on these messages
         raise DataError(f"the tokenizer's chat template failed on its messages ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+
+
+def chat_template(tok, builtin: bool) -> Callable[[list, list | None, bool], str]:
+    """The agent gateway's template: (messages, tools, generation_prompt) -> text. The tokenizer's own chat template
+    with its tools; the built-in model's (which has no tool syntax) with the tools leading as a system message."""
+    if builtin:
+        def builtin_text(messages: list, tools: list | None, generation_prompt: bool) -> str:
+            lead = [{"role": "system", "content": "Tools: " + json.dumps(tools, ensure_ascii=False)}] if tools else []
+            return render_chat(tok, lead + messages, True, generation_prompt)
+
+        return builtin_text
+
+    def own(messages: list, tools: list | None, generation_prompt: bool) -> str:
+        return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+
+    return own
 
 
 def _local_dir(path: str, key: str) -> Path:

@@ -17,7 +17,8 @@ import pytest
 
 from journal_helpers import raw_get, raw_put, tamper
 from verlj.engine.post_mortem.distill_files import Manifest, read_manifest
-from verlj.engine.rl.gateway.ledger import conversation
+from verlj.engine.rl.gateway.ledger import trained_chat
+from verlj.engine.schema.agent_calls import AgentCalls
 from verlj.engine.schema.events import StepEvents
 from verlj.engine.schema.sample import unpack
 from verlj.journal import open_journal_reader
@@ -96,8 +97,9 @@ def check_sft_rows(rows: list[dict], run: Path, conversational: bool) -> None:
         trained = [m for m in r["messages"] if m["weight"] == 1]
         assert all(m["role"] == "assistant" for m in trained) and r["messages"][0]["weight"] == 0
         if s.agent_calls:  # the trained segment's answers, as the gateway answered them
-            conv = conversation(s.agent_calls)
-            assert [m["content"] for m in trained] == [conv.messages[k]["content"] for k in sorted(conv.trained)]
+            conv = trained_chat(s.agent_calls)
+            assert [m["content"] for m in trained] == [conv.messages[k].content for k in sorted(conv.trained)]
+            assert len(trained) == len(AgentCalls.from_json(s.agent_calls).trained)  # every call of the chain found
         else:  # one assistant message an action, an observation after it (user) when the env said one
             assert len(trained) == len(s.turns()) == len(s.turn_lens) // 2
 

@@ -20,7 +20,7 @@ from verlj.engine.loop.reader import StepReader
 from verlj.engine.post_mortem.distill import DPO, IGNORE, SFT, Counts, Form, Item, Spec, chat_of, choose_pairs, choose_sft, sft_row
 from verlj.engine.post_mortem.distill_files import export_dataset, file_rows, read_manifest
 from verlj.engine.post_mortem.distill_verify import verify_export
-from verlj.engine.rl.gateway.ledger import conversation
+from verlj.engine.rl.gateway.ledger import ledger_of, trained_chat
 from verlj.engine.rl.gateway.protocol import Completion, Message, ToolCall, parse_request, response_bytes
 from verlj.engine.schema.agent_calls import AgentCalls, Call
 from verlj.engine.schema.events import Added
@@ -39,27 +39,30 @@ def call(messages: list, text: str, prompt: list, completion: list, tools: bool 
     return Call(req.canonical(), req.digest(), np.asarray(prompt), np.asarray(completion), np.full(len(completion), -0.5, np.float32), resp, flag)
 
 
-def tool_episode(segment: int = 0) -> tuple[AgentCalls, list]:
-    """A tool call, its result sent back, the final answer (one segment); then a call that rewrote the history."""
+def tool_episode(trained: tuple[int, ...] | None = None) -> tuple[AgentCalls, list]:
+    """A tool call, its result sent back, the final answer (one chain, trained); then a call that rewrote the history
+    (`trained`: the calls trained instead)."""
     sent = [{"role": "user", "content": "2+3="}]
     first = call(sent, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', [1, 5], [6, 7], tools=True)
     asked = json.loads(first.response)["choices"][0]["message"]["tool_calls"]
     back = [*sent, {"role": "assistant", "content": None, "tool_calls": asked}, {"role": "tool", "tool_call_id": asked[0]["id"], "content": "5"}]
     second = call(back, "it is 5", [1, 5, 6, 7, 9], [8, 2], tools=True)
     rewritten = call([*back, {"role": "assistant", "content": "it is 5"}, {"role": "user", "content": "sure?"}], "yes", [1, 4], [3, 2])
-    return AgentCalls((first, second, rewritten), segment, 1.0, 2), asked
+    calls = ledger_of([first, second, rewritten], 1.0)
+    assert calls.trained == (0, 1) and calls.segments == 2
+    return (calls if trained is None else AgentCalls(calls.calls, trained, 1.0, 2)), asked
 
 
 def test_an_agent_episode_is_its_trained_segment_as_a_chat_with_its_tool_calls_and_results():
-    calls, asked = tool_episode(0)
-    conv = conversation(calls.to_json())
+    calls, asked = tool_episode()
+    conv = trained_chat(calls.to_json())
     assert [m.role for m in conv.messages] == ["user", "assistant", "tool", "assistant"]
     assert conv.messages[1] == Message("assistant", None, (ToolCall(asked[0]["id"], "add", '{"a": 2, "b": 3}'),))
     assert conv.messages[2] == Message("tool", "5", (), asked[0]["id"]) and conv.messages[3] == Message("assistant", "it is 5")
     assert conv.prompt == 1 and conv.trained == {1, 3} and conv.tools == TOOLS
-    assert conversation("") is None and conversation(AgentCalls((), -1, None, 0).to_json()) is None
+    assert trained_chat("") is None and trained_chat(AgentCalls((), (), None, 0).to_json()) is None
     # the later segment trained: the earlier answers are history it was sent (weight 0), its own answer trained
-    later = conversation(tool_episode(1)[0].to_json())
+    later = trained_chat(tool_episode((2,))[0].to_json())
     assert [m.role for m in later.messages] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
     assert later.prompt == 5 and later.trained == {5} and later.tools is None
 

@@ -35,10 +35,10 @@ def test_a_row_per_call_with_its_messages_answer_tool_calls_and_the_episodes_rew
     cols = {"step": np.array([3, 3]), "sample_id": np.array([10, 11]), "group": np.array([2, 2]), "index": np.array([7, 7]),
             "policy_version": np.array([2, 2]), "score": np.array([1.0, 0.0]), "env_end": np.array([1, 3], np.int8),
             "env_reason": ["", "the agent raised RuntimeError: down"],
-            AGENT_TEXT: [AgentCalls((first, second, rewritten), 0, 1.0, 2).to_json(), ""]}
+            AGENT_TEXT: [AgentCalls((first, second, rewritten), (0, 1), 1.0, 2).to_json(), ""]}
     rows = list(call_rows(cols))
     assert all(list(r) == CALL_COLUMNS for r in rows)
-    assert [(r["sample_id"], r["call"]) for r in rows] == [(10, 1), (10, 2), (10, 3), (11, 0)]
+    assert [(r["sample_id"], r["call"], r["attempt"]) for r in rows] == [(10, 1, 1), (10, 2, 1), (10, 3, 1), (11, 0, None)]
     one, two, three, fault = rows
     assert json.loads(one["messages"]) == sent and one["tool_calls"] == ['add({"a": 2, "b": 3})'] and one["finish_reason"] == "tool_calls"
     assert json.loads(two["messages"])[-1] == {"role": "tool", "tool_call_id": "call_c0_0", "content": "5"}

@@ -57,12 +57,14 @@ def test_a_reward_function_that_raises_names_its_line_in_the_fault_and_the_error
 
 
 def test_an_agent_that_raises_names_its_line(user):
-    from verlj.engine.rl.gateway.runner import Runner
+    from verlj.engine.rl.gateway.prompts import Prompts
+    from verlj.engine.rl.gateway.runner import Episodes, Runner, Settings
     from verlj.engine.rl.gateway.server import Gateway
 
     gw = Gateway("m").start()
     try:
-        out = Runner(gw, user.agent, None, lambda m, t: "", lambda p, s: ([], []), 1, 5.0, 1).play([{}], [0], lambda place, k: 0)
+        out = Runner(gw, user.agent, Prompts(None, lambda m, t, g: ""), lambda p, s, e, o=None: ([], []), Settings(1, 5.0, 1)).play(
+            Episodes([{}], [0], [0], lambda place, k: 0))
     finally:
         gw.stop()
     assert out[0].fault == "the agent raised RuntimeError: the sandbox is down (at my_env.py:17)"

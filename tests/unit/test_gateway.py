@@ -15,10 +15,12 @@ import openai
 import pytest
 
 from verlj.engine.rl.gateway import ledger
+from verlj.engine.rl.gateway.agents import AgentEpisode, load_agent
+from verlj.engine.rl.gateway.prompts import Prompts
 from verlj.engine.rl.gateway.protocol import ApiError, hermes, parse_request
-from verlj.engine.rl.gateway.runner import AgentEpisode, Runner
+from verlj.engine.rl.gateway.runner import Episodes, Runner, Settings
 from verlj.engine.rl.gateway.server import Gateway
-from verlj.engine.rl.models import builtin_tokenizer, render_chat
+from verlj.engine.rl.models import builtin_tokenizer, chat_template
 from verlj.engine.rl.vocab import VOCABS
 from verlj.engine.schema.agent_calls import AgentCalls
 from verlj_testing import raised_at
@@ -31,29 +33,37 @@ def encode(text: str) -> list[int]:
     return TOK(text, add_special_tokens=False).input_ids
 
 
-def scripted(answers: dict):
-    """A generate function: each call's text from `answers` by its prompt's last user line (default: the
-    seed's digits), with log-prob -0.5 a token; it records every batch it is given."""
-    batches = []
+class Scripted:
+    """A generator (gateway.runner.Generator): each call's text from `answers` by its prompt's last user line
+    (default: the seed's digits), with log-prob -0.5 a token; it records every batch it is given."""
 
-    def generate(prompts, seeds):
-        batches.append([(len(p), s) for p, s in zip(prompts, seeds)])
+    streams = False
+
+    def __init__(self, answers: dict):
+        self.answers, self.batches = answers, []
+
+    def __call__(self, prompts, seeds, episodes, on_token=None):
+        self.batches.append([(len(p), s) for p, s in zip(prompts, seeds)])
         outs = []
         for p, s in zip(prompts, seeds):
             text = TOK.decode(p, skip_special_tokens=True)
             last = text.rsplit("<|user|>\n", 1)[-1].split("\n")[0] if "<|user|>" in text else ""
-            outs.append(np.asarray(encode(answers.get(last, str(s))) + [TOK.eos_token_id], np.int64))
+            outs.append(np.asarray(encode(self.answers.get(last, str(s))) + [TOK.eos_token_id], np.int64))
         return outs, [np.full(len(o), -0.5, np.float32) for o in outs]
 
-    return generate, batches
 
-
-def runner(agent, answers=None, **kw) -> tuple[Runner, Gateway, list]:
+def runner(agent, answers=None, gen=None, **kw) -> tuple[Runner, Gateway, list]:
     gw = Gateway(MODEL).start()
-    gen, batches = scripted(answers or {})
-    r = Runner(gw, agent, TOK, lambda msgs, tools: render_chat(TOK, msgs, True), gen, kw.get("concurrency", 4),
-               kw.get("timeout_s", 5.0), kw.get("max_turns", 3))
-    return r, gw, batches
+    gen = gen or Scripted(answers or {})
+    r = Runner(gw, agent, Prompts(TOK, chat_template(TOK, True), kw.get("max_prompt", 0)), gen,
+               Settings(kw.get("concurrency", 4), kw.get("timeout_s", 5.0), kw.get("max_turns", 3)))
+    return r, gw, gen.batches
+
+
+def episodes(rows: list[str], seeds: list[int] | None = None, **kw) -> Episodes:
+    """A round of one episode a row (ids 0, 1, ...), call k of the episode at place p from seed 1000 p + k."""
+    return Episodes([{"prompt": r} for r in rows], seeds or [100 + i for i in range(len(rows))], list(range(len(rows))),
+                    lambda place, k: 1000 * place + k, **kw)
 
 
 @pytest.fixture
@@ -68,7 +78,7 @@ def play(agent, n=2, answers=None, cleanup=None, **kw):
     r, gw, batches = runner(agent, answers, **kw)
     if cleanup is not None:
         cleanup.append(gw)
-    out = r.play([{"prompt": f"row {i}"} for i in range(n)], [100 + i for i in range(n)], lambda place, k: 1000 * place + k)
+    out = r.play(episodes([f"row {i}" for i in range(n)]))
     return out, r, gw, batches
 
 
@@ -98,9 +108,9 @@ def test_a_sync_openai_agent_is_answered_in_lockstep_from_each_calls_seed(cleanu
 def test_the_second_call_continues_the_sequence_and_its_new_tokens_are_masked(cleanup):
     out, *_ = play(two_turns, n=1, answers={"row 0": "abcdefg", "again": "ok"}, cleanup=cleanup)
     calls = out[0].calls
-    segs = ledger.segments(calls)
-    assert segs == [[0, 1]]  # the first completion had no eos (cut at 4 tokens) and its text tokenizes back
-    f = ledger.sample_fields(calls, segs[0])
+    chain, segments = ledger.trained_chain(calls)
+    assert (chain, segments) == ((0, 1), 1)  # the second call spliced onto the first (cut at 4 tokens: no eos)
+    f = ledger.sample_fields(calls, chain)
     assert f["prompt_ids"].tolist() == calls[0].prompt_ids.tolist()
     full = np.concatenate([f["prompt_ids"], f["response_ids"]])
     assert full[: len(calls[1].prompt_ids)].tolist() == calls[1].prompt_ids.tolist()
@@ -111,16 +121,38 @@ def test_the_second_call_continues_the_sequence_and_its_new_tokens_are_masked(cl
     assert np.all(f["gen_logprobs"][np.asarray(mask) == 0] == 0)
 
 
-def test_a_rewritten_history_is_a_prefix_break_and_the_longest_segment_is_trained():
-    mk = lambda p, c: ledger.Call("{}", "d", np.asarray(p), np.asarray(c), np.zeros(len(c), np.float32), b"{}")  # noqa: E731
-    calls = [mk([1, 5], [6, 7]), mk([1, 5, 6, 7, 9], [8]), mk([1, 4], [6, 6, 6, 6])]
-    segs = ledger.segments(calls)
-    assert segs == [[0, 1], [2]]
-    assert ledger.chosen(calls, segs) == 1  # 4 generated tokens against 3
-    assert ledger.chosen(calls[:2], segs[:1]) == 0
-    text = AgentCalls(tuple(calls), 1, 0.5, len(segs)).to_json()
-    back = AgentCalls.from_json(text)
-    assert back.segment == 1 and back.reward == 0.5 and back.prefix_breaks == 1 and back.calls[2].completion_ids.tolist() == [6, 6, 6, 6]
+def mk(prompt: list, completion: list, attempt: int = 1) -> ledger.Call:
+    return ledger.Call("{}", "d", np.asarray(prompt), np.asarray(completion), np.zeros(len(completion), np.float32), b"{}", "", attempt)
+
+
+def test_a_rewritten_history_is_a_prefix_break_and_the_longest_chain_is_trained():
+    calls = [mk([1, 5], [6, 7]), mk([1, 5, 6, 7, 9], [8]), mk([1, 4], [6, 6, 6, 6], attempt=2)]
+    assert ledger.parents(calls) == [-1, 0, -1]
+    assert ledger.trained_chain(calls) == ((2,), 2)  # 4 generated tokens against 3
+    assert ledger.trained_chain(calls[:2]) == ((0, 1), 1)
+    assert ledger.trained_chain([]) == ((), 0)
+    rec = ledger.ledger_of(calls, 0.5)
+    back = AgentCalls.from_json(rec.to_json())
+    assert (back.trained, back.reward, back.segments) == ((2,), 0.5, 2)
+    assert back.prefix_breaks == 1 and back.calls[2].completion_ids.tolist() == [6, 6, 6, 6] and back.calls[2].attempt == 2
+    assert back.to_json() == rec.to_json()  # read and written again: the same text
+
+
+def test_calls_that_continue_one_call_branch_and_are_no_break():
+    # two calls continue call 0 (an agent that asks twice from one point): a branch, not a prefix break
+    calls = [mk([1, 5], [6]), mk([1, 5, 6, 9], [7]), mk([1, 5, 6, 8], [7, 7]), mk([1, 5, 6, 9, 7, 3], [4])]
+    assert ledger.parents(calls) == [-1, 0, 0, 1]
+    assert ledger.trained_chain(calls) == ((0, 1, 3), 1)  # 3 generated tokens on either branch: the later leaf
+    f = ledger.sample_fields(calls, (0, 1, 3))
+    assert f["response_ids"].tolist() == [6, 9, 7, 3, 4] and f["loss_mask"].tolist() == [1, 0, 1, 0, 1]
+
+
+def test_a_version_1_ledger_reads_as_its_segment_then():
+    calls = [mk([1, 5], [6, 7]), mk([1, 5, 6, 7, 9], [8]), mk([1, 4], [6])]
+    v1 = {"v": 1, "segment": 0, "reward": None, "calls": [{k: v for k, v in c.to_dict().items() if k != "attempt"} for c in calls],
+          "segments": 2}
+    rec = AgentCalls.from_json(json.dumps(v1))
+    assert rec.trained == (0, 1) and rec.segments == 2 and {c.attempt for c in rec.calls} == {1}
 
 
 def test_async_streaming_tool_calls_reach_the_client_parsed(cleanup):
@@ -263,8 +295,6 @@ print(len(got.choices[0].message.content) if row["prompt"] != "row 1" else "None
 def test_a_command_agent_gets_the_gateway_in_its_environment_and_prints_its_reward(cleanup, tmp_path):
     import sys
 
-    from verlj.engine.rl.gateway.runner import load_agent
-
     script = tmp_path / "agent.py"
     script.write_text(COMMAND)
     out, *_ = play(load_agent(f"cmd:{sys.executable} {script}"), n=2, answers={"row 0": "abc"}, cleanup=cleanup, timeout_s=60)
@@ -290,7 +320,6 @@ def test_bad_agent_configs_are_one_line(overrides, message):
 
 def test_an_agent_that_cannot_be_imported_is_one_line():
     from verlj.engine.config import ConfigError
-    from verlj.engine.rl.gateway.runner import load_agent
 
     with pytest.raises(ConfigError, match=r"rollout.agent: cannot import 'no_such_agent_module:run'"):
         load_agent("no_such_agent_module:run")
@@ -324,10 +353,9 @@ def test_a_conversation_past_the_context_is_refused_as_openai_does(cleanup):
             seen["code"] = e.code
         return two_turns(ep)
 
-    r, gw, _ = runner(agent)
+    r, gw, _ = runner(agent, max_prompt=80)
     cleanup.append(gw)
-    r.max_prompt = 80
-    out = r.play([{"prompt": "row 0"}], [1], lambda p, k: k)
+    out = r.play(episodes(["row 0"], [1]))
     assert seen["code"] == "context_length_exceeded" and out[0].fault == "" and len(out[0].calls) == 2
 
 
@@ -342,21 +370,22 @@ def test_fewer_slots_than_episodes_keep_the_batches_the_same_on_every_run(cleanu
 def test_every_call_is_durable_before_its_answer_and_a_rerun_is_answered_from_the_journal(cleanup):
     r, gw, batches = runner(two_turns, {"again": "ok"})
     cleanup.append(gw)
-    durable = []
 
-    def keep(new):  # under the runner's lock, before any of these answers is returned to its agent
-        assert all(p.pending and not fut.done() for p, _ in new for *_, fut in p.pending)
-        assert all(k == len(p.calls) - 1 for p, k in new)
-        durable.append(sorted((p.place, k) for p, k in new))
+    class Sink:
+        name, durable = "a list", []
 
-    r.durable = keep
-    rows, seeds, seed = [{"prompt": "row 0"}, {"prompt": "row 1"}], [100, 101], lambda place, k: 1000 * place + k
-    first = r.play(rows, seeds, seed)
-    assert durable == [[(0, 0), (1, 0)], [(0, 1), (1, 1)]]  # each call written once, in the batch that made it
+        def keep(self, new, discarded):  # under the runner's lock, before any of these answers is returned to its agent
+            assert all(r.plays[q].pending and not any(fut.done() for *_, fut in r.plays[q].pending) for q, _, _ in new)
+            assert all(r.plays[q].calls[k] is call for q, k, call in new) and discarded == []
+            self.durable.append(sorted((q, k) for q, k, _ in new))
+
+    sink = Sink()
+    first = r.play(episodes(["row 0", "row 1"], sink=sink))
+    assert sink.durable == [[(0, 0), (1, 0)], [(0, 1), (1, 1)]]  # each call written once, in the batch that made it
     # a re-run (a crash after episode 0's two calls and episode 1's first): the journaled calls answered byte for
     # byte, never generated; episode 1's second call generated live from its own seed
     batches.clear()
-    again = r.play(rows, seeds, seed, {0: first[0].calls, 1: first[1].calls[:1]})
+    again = r.play(episodes(["row 0", "row 1"], journaled={0: first[0].calls, 1: first[1].calls[:1]}))
     assert [[c.response for c in p.calls] for p in again] == [[c.response for c in p.calls] for p in first]
     assert batches == [[(len(first[1].calls[1].prompt_ids), 1001)]]
     assert r.counts.calls_from_journal == 3 and r.counts.divergences == 0
@@ -365,10 +394,9 @@ def test_every_call_is_durable_before_its_answer_and_a_rerun_is_answered_from_th
 def test_a_request_that_differs_from_the_journaled_one_is_a_divergence_and_goes_on_live(cleanup, capsys):
     r, gw, batches = runner(two_turns, {"again": "ok"})
     cleanup.append(gw)
-    first = r.play([{"prompt": "row 0"}], [100], lambda place, k: 1000 * place + k)
-    r.name = lambda place: f"episode {place} of group 7"
+    first = r.play(episodes(["row 0"]))
     batches.clear()
-    again = r.play([{"prompt": "row 9"}], [100], lambda place, k: 1000 * place + k, {0: first[0].calls})  # the row changed
+    again = r.play(episodes(["row 9"], journaled={0: first[0].calls}, name=lambda place: f"episode {place} of group 7"))  # the row changed
     err = capsys.readouterr().err
     assert err.count("diverged") == 1 and "episode 0 of group 7 diverged at call 0" in err and "messages[0]" in err
     assert "the 2 journaled call(s) from there on are discarded" in err
@@ -394,22 +422,29 @@ def test_an_unknown_url_or_method_gets_an_openai_shaped_404(cleanup):
         assert got.status_code == 404 and got.json()["error"]["code"] == "unknown_url" and "Traceback" not in got.text
 
 
-def streaming_runner(answers: dict, arrived):
-    """A runner whose generate streams: each step's tokens to `on_token`, and at the third it waits until a client
-    has read a content delta (`arrived`, an Event): a stream sent only after generation never gets there."""
-    r, gw, batches = runner(None, answers)
-    scripted_gen, waited = r.generate, []
+class Streaming(Scripted):
+    """A generator that streams: each step's tokens to `on_token`, and at the third it waits until a client has read a
+    content delta (`arrived`, an Event): a stream sent only after generation never gets there."""
 
-    def generate(prompts, seeds, on_token=None):
-        outs, lps = scripted_gen(prompts, seeds)
+    streams = True
+
+    def __init__(self, answers: dict, arrived: threading.Event):
+        super().__init__(answers)
+        self.arrived, self.waited = arrived, []
+
+    def __call__(self, prompts, seeds, episodes, on_token=None):
+        outs, lps = super().__call__(prompts, seeds, episodes)
         for t in range(max(len(o) for o in outs)) if on_token is not None else ():
             on_token(np.asarray([o[t] if t < len(o) else TOK.pad_token_id for o in outs]))
             if t == 2:
-                waited.append(arrived.wait(10))
+                self.waited.append(self.arrived.wait(10))
         return outs, lps
 
-    r.generate, r.stream_tokens = generate, True
-    return r, gw, waited
+
+def streaming_runner(agent, answers: dict, arrived):
+    gen = Streaming(answers, arrived)
+    r, gw, _ = runner(agent, gen=gen)
+    return r, gw, gen.waited
 
 
 def test_a_stream_goes_token_by_token_and_joins_to_the_answer_not_streamed(cleanup):
@@ -430,12 +465,12 @@ def test_a_stream_goes_token_by_token_and_joins_to_the_answer_not_streamed(clean
         return 1.0
 
     answers = {"row 0": "hello world"}
-    r, gw, waited = streaming_runner(answers, arrived)
+    r, gw, waited = streaming_runner(lambda ep: agent(ep, True), answers, arrived)
     cleanup.append(gw)
-    r.agent = lambda ep: agent(ep, True)
-    streamed = r.play([{"prompt": "row 0"}], [100], lambda place, k: 1000 * place + k)
-    r.agent = lambda ep: agent(ep, False)
-    plain = r.play([{"prompt": "row 0"}], [100], lambda place, k: 1000 * place + k)
+    streamed = r.play(episodes(["row 0"]))
+    r2, gw2, _ = streaming_runner(lambda ep: agent(ep, False), answers, arrived)
+    cleanup.append(gw2)
+    plain = r2.play(episodes(["row 0"]))
     assert waited == [True]  # a delta reached the client while its call was still generating
     deltas = [c.choices[0].delta.content for c in got["chunks"] if c.choices and c.choices[0].delta.content]
     assert len(deltas) == len("hello world") and "".join(deltas) == got["plain"] == "hello world"
@@ -457,10 +492,9 @@ def test_the_bytes_a_stream_sent_are_the_bytes_journaled(cleanup):
                     arrived.set()
         return 1.0
 
-    r, gw, waited = streaming_runner({"row 0": "hi there"}, arrived)
+    r, gw, waited = streaming_runner(agent, {"row 0": "hi there"}, arrived)
     cleanup.append(gw)
-    r.agent = agent
-    out = r.play([{"prompt": "row 0"}], [100], lambda place, k: k)
+    out = r.play(episodes(["row 0"]))
     assert waited == [True] and b"".join(raw) == out[0].calls[0].response
     assert out[0].calls[0].response.endswith(b"data: [DONE]\n\n") and b'"usage"' in out[0].calls[0].response
 

@@ -13,10 +13,11 @@ import pytest
 
 from examples.agents_sdk import solve
 from verlj.engine.rl.gateway import ledger
+from verlj.engine.rl.gateway.prompts import Prompts
 from verlj.engine.rl.gateway.protocol import ApiError, parse_request
-from verlj.engine.rl.gateway.runner import Runner
+from verlj.engine.rl.gateway.runner import Episodes, Runner, Settings
 from verlj.engine.rl.gateway.server import Gateway
-from verlj.engine.rl.models import builtin_tokenizer, render_chat
+from verlj.engine.rl.models import builtin_tokenizer, chat_template
 from verlj.engine.rl.vocab import VOCABS
 
 TOK = builtin_tokenizer(VOCABS["ascii"])
@@ -28,9 +29,9 @@ def encode(text: str) -> list[int]:
     return TOK(text, add_special_tokens=False).input_ids
 
 
-def tool_then_answer(prompts, seeds):
-    """The policy, scripted: a tool call first (cut at the length limit: the built-in template writes back no
-    end-of-sequence token, which would break the sequence); once the tool has answered, its result."""
+def tool_then_answer(prompts, seeds, episodes=(), on_token=None):
+    """The policy, scripted: a tool call first (no end-of-sequence token: cut at the length limit); once the tool has
+    answered, its result."""
     outs = []
     for p in prompts:
         text = TOK.decode(p, skip_special_tokens=True)
@@ -39,11 +40,15 @@ def tool_then_answer(prompts, seeds):
     return outs, [np.full(len(o), -0.5, np.float32) for o in outs]
 
 
+tool_then_answer.streams = False  # type: ignore[attr-defined]  # a generator that does not stream (gateway.runner.Generator)
+
+
 def test_an_agents_sdk_agent_calls_its_tool_through_the_gateway_and_the_tools_turn_is_masked():
     gw = Gateway(MODEL).start()
     try:
-        r = Runner(gw, solve, TOK, lambda msgs, tools: render_chat(TOK, msgs, True), tool_then_answer, 2, 10.0, 3)
-        out = r.play([{"prompt": "2+3=", "answer": "5"}, {"prompt": "2+3=", "answer": "7"}], [1, 2], lambda place, k: 10 * place + k)
+        r = Runner(gw, solve, Prompts(TOK, chat_template(TOK, True)), tool_then_answer, Settings(2, 10.0, 3))
+        out = r.play(Episodes([{"prompt": "2+3=", "answer": "5"}, {"prompt": "2+3=", "answer": "7"}], [1, 2], [0, 1],
+                              lambda place, k: 10 * place + k))
     finally:
         gw.stop()
     assert [p.fault for p in out] == ["", ""]
@@ -59,9 +64,9 @@ def test_an_agents_sdk_agent_calls_its_tool_through_the_gateway_and_the_tools_tu
     said, tool = second["messages"][-2:]
     assert said["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
     assert tool == {"role": "tool", "content": "5", "tool_call_id": said["tool_calls"][0]["id"]}
-    segs = ledger.segments(calls)
-    assert segs == [[0, 1]]  # the second call's prompt continues the first's prompt and completion
-    f = ledger.sample_fields(calls, segs[0])
+    chain, segments = ledger.trained_chain(calls)
+    assert (chain, segments) == ((0, 1), 1)  # the second call's prompt continues the first's prompt and completion
+    f = ledger.sample_fields(calls, chain)
     n0, n1 = len(calls[0].completion_ids), len(calls[1].completion_ids)
     between = len(calls[1].prompt_ids) - len(calls[0].prompt_ids) - n0
     assert between > 0 and f["loss_mask"].tolist() == [1] * n0 + [0] * between + [1] * n1  # the tool's turn: masked
@@ -116,8 +121,8 @@ def test_the_sdks_streamed_run_gets_its_tool_call_and_answer_as_server_sent_even
 
     gw = Gateway(MODEL).start()
     try:
-        out = Runner(gw, streamed, TOK, lambda msgs, tools: render_chat(TOK, msgs, True), tool_then_answer, 1, 10.0, 3).play(
-            [{"prompt": "2+3="}], [1], lambda place, k: k)
+        out = Runner(gw, streamed, Prompts(TOK, chat_template(TOK, True)), tool_then_answer, Settings(1, 10.0, 3)).play(
+            Episodes([{"prompt": "2+3="}], [1], [0], lambda place, k: k))
     finally:
         gw.stop()
     assert out[0].fault == "" and out[0].reward == 1.0 and len(out[0].calls) == 2

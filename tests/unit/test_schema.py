@@ -121,17 +121,28 @@ STORED_AGENT_CALLS = (
 )
 
 
-def test_a_stored_agent_calls_text_round_trips_byte_for_byte():
+def test_a_stored_version_1_agent_calls_text_reads_as_its_trained_segment():
     rec = AgentCalls.from_json(STORED_AGENT_CALLS)
-    assert rec.to_json().encode() == STORED_AGENT_CALLS.encode()
-    assert rec.segment == 1 and rec.reward is None and rec.segments == 2 and rec.prefix_breaks == 1
+    # version 1: the calls split in order where a prompt does not extend the one before; segment 1 is call 1 alone
+    assert rec.trained == (1,) and rec.reward is None and rec.segments == 2 and rec.prefix_breaks == 1
     first, second = rec.calls
     assert first.prompt_ids.tolist() == [1, 5, 9] and first.completion_ids.tolist() == [6, 7] and first.logprobs.dtype == np.float32
     assert first.response.decode().count("é") == 1 and first.flag == "" and second.flag == "malformed_tool_call"
-    again = AgentCalls(rec.calls, rec.segment, 0.5, rec.segments).to_json()
-    assert AgentCalls.from_json(again).reward == 0.5 and again != STORED_AGENT_CALLS
-    with pytest.raises(ValueError, match="version 2"):
-        AgentCalls.from_json(STORED_AGENT_CALLS.replace('{"v":1', '{"v":2', 1))
+    assert {c.attempt for c in rec.calls} == {1}
+    with pytest.raises(ValueError, match="version 3"):
+        AgentCalls.from_json(STORED_AGENT_CALLS.replace('{"v":1', '{"v":3', 1))
+
+
+STORED_AGENT_CALLS_V2 = STORED_AGENT_CALLS.replace('{"v":1,"segment":1,', '{"v":2,"trained":[1],').replace(
+    '"flag":""}', '"flag":"","attempt":1}').replace('"flag":"malformed_tool_call"}', '"flag":"malformed_tool_call","attempt":2}')
+
+
+def test_a_stored_agent_calls_text_round_trips_byte_for_byte():
+    rec = AgentCalls.from_json(STORED_AGENT_CALLS_V2)
+    assert rec.to_json().encode() == STORED_AGENT_CALLS_V2.encode()
+    assert rec.trained == (1,) and rec.segments == 2 and [c.attempt for c in rec.calls] == [1, 2]
+    again = AgentCalls(rec.calls, rec.trained, 0.5, rec.segments).to_json()
+    assert AgentCalls.from_json(again).reward == 0.5 and again != STORED_AGENT_CALLS_V2
 
 
 # ----------------------------------------------------------------------------- the codec boundary

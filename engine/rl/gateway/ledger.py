@@ -1,19 +1,21 @@
 """An agent episode's token ledger: its model calls as the gateway answered them (:class:`Call`), and
 the training sample built from their token ids, never from text tokenized again.
 
-A call whose prompt ids begin with the previous call's prompt and completion ids continues the same
-sequence: the tokens between (the agent's tool results, its next user message, the template's role
-markers) are the sample's observation tokens, masked from the loss (log-prob 0), exactly as an
-environment's observations are (``rl.episodes``). A call whose prompt does not (the agent rewrote its
-history: a summary, a template that drops earlier reasoning, a completion cut at a stop string and sent
-back without it) is a **prefix break**: a new segment begins. The episode is trained as its longest
-segment (the most tokens the policy generated; the later one on a tie); the other segments' calls
-stay in the journal (the sample's ``agent_calls``) and are counted (``agent/prefix_breaks``).
+A call whose prompt ids begin with an earlier call's prompt and completion ids continues that call's
+sequence (the gateway splices a call that continues a conversation as answered: ``gateway.prompts``): the
+tokens between (the agent's tool results, its next user message, the template's role markers) are the
+sample's observation tokens, masked from the loss (log-prob 0), exactly as an environment's observations are
+(``rl.episodes``). Each call's **parent** is the latest earlier call it continues; a call that continues none
+(the agent rewrote its history: a summary, an edited answer, other tools) is a **prefix break**: a new
+segment begins. Calls that continue the same call (an agent that asks twice from one point, or in parallel)
+branch. The episode is trained as one **chain** of calls, root to leaf: the one with the most tokens the
+policy generated (the later leaf on a tie); the other calls stay in the journal (the sample's
+``agent_calls``), untrained, and the breaks are counted (``agent/prefix_breaks``).
 
 The ledger is journaled with the sample as one JSON text (``schema.sample``'s ``agent_calls``; its
 record and codec are ``schema.agent_calls``): per call the canonical request and its hash, the prompt
-ids, the completion ids and their log-probs, the exact response bytes (UTF-8), and a flag
-(``malformed_tool_call``).
+ids, the completion ids and their log-probs, the exact response bytes (UTF-8), a flag
+(``malformed_tool_call``) and the attempt that generated it.
 """
 
 from __future__ import annotations
@@ -23,43 +25,57 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...schema.agent_calls import AgentCalls, Call
-from .protocol import Message, Sent, answered, last_sent, read_answer
+from .protocol import Message, answered_message, conversation, last_sent, read_answer, same_answer
 
 
-def segments(calls: list[Call]) -> list[list[int]]:
-    """The calls' indices, split where a call's prompt does not extend the sequence so far."""
-    out: list[list[int]] = []
-    seq = np.zeros(0, np.int64)
+def parents(calls: list[Call]) -> list[int]:
+    """Each call's parent: the latest earlier call whose prompt and completion ids begin its prompt ids (-1: none,
+    a new segment)."""
+    seqs = [np.concatenate([np.asarray(c.prompt_ids, np.int64), np.asarray(c.completion_ids, np.int64)]) for c in calls]
+    out = []
     for k, c in enumerate(calls):
         p = np.asarray(c.prompt_ids, np.int64)
-        if out and len(p) >= len(seq) and np.array_equal(p[: len(seq)], seq):
-            out[-1].append(k)
-        else:
-            out.append([k])
-        seq = np.concatenate([p, np.asarray(c.completion_ids, np.int64)])
+        out.append(next((j for j in reversed(range(k)) if len(p) >= len(seqs[j]) and np.array_equal(p[: len(seqs[j])], seqs[j])), -1))
     return out
 
 
-def chosen(calls: list[Call], segs: list[list[int]]) -> int:
-    """The segment trained: the most generated tokens, the later one on a tie."""
-    sizes = [sum(len(calls[k].completion_ids) for k in s) for s in segs]
-    return max(range(len(segs)), key=lambda i: (sizes[i], i))
+def trained_chain(calls: list[Call]) -> tuple[tuple[int, ...], int]:
+    """(the chain of calls trained, root first; the number of segments): of every chain from a root to a leaf, the
+    one with the most generated tokens, the later leaf on a tie. ((), 0) for no call."""
+    up = parents(calls)
+    leaves = [k for k in range(len(calls)) if k not in set(up)]
+    best: tuple[int, ...] = ()
+    size = -1
+    for leaf in leaves:
+        chain = [leaf]
+        while up[chain[-1]] >= 0:
+            chain.append(up[chain[-1]])
+        n = sum(len(calls[k].completion_ids) for k in chain)
+        if n >= size:
+            best, size = tuple(reversed(chain)), n
+    return best, sum(p < 0 for p in up)
 
 
-def sample_fields(calls: list[Call], seg: list[int]) -> dict:
-    """A segment as an episode's Sample fields: the first call's prompt, then each completion and the
+def ledger_of(calls: list[Call], reward: float | None) -> AgentCalls:
+    """An episode's calls as journaled: with the chain trained and the segment count."""
+    chain, segments = trained_chain(calls)
+    return AgentCalls(tuple(calls), chain, reward, segments)
+
+
+def sample_fields(calls: list[Call], chain: tuple[int, ...] | list[int]) -> dict:
+    """A chain of calls as an episode's Sample fields: the first call's prompt, then each completion and the
     observation tokens the next call's prompt added after it (masked), turn by turn."""
-    first = calls[seg[0]]
+    first = calls[chain[0]]
     response: list = []
     logprobs: list = []
     mask: list = []
     lens: list = []
-    for j, k in enumerate(seg):
+    for j, k in enumerate(chain):
         c = calls[k]
         response += c.completion_ids.tolist()
         logprobs += c.logprobs.tolist()
         mask += [1] * len(c.completion_ids)
-        obs = calls[seg[j + 1]].prompt_ids[len(first.prompt_ids) + len(response):] if j + 1 < len(seg) else np.zeros(0, np.int64)
+        obs = calls[chain[j + 1]].prompt_ids[len(first.prompt_ids) + len(response):] if j + 1 < len(chain) else np.zeros(0, np.int64)
         response += obs.tolist()
         logprobs += [0.0] * len(obs)
         mask += [0] * len(obs)
@@ -87,8 +103,7 @@ def call_lines(text: str) -> list[CallLine]:
     if not text:
         return []
     rec = AgentCalls.from_json(text)
-    segs = segments(list(rec.calls))
-    trained = set(segs[rec.segment]) if segs and rec.segment >= 0 else set()
+    trained = set(rec.trained)
     out = []
     for k, c in enumerate(rec.calls):
         answer = read_answer(c.response)
@@ -97,12 +112,12 @@ def call_lines(text: str) -> list[CallLine]:
 
 
 @dataclass(frozen=True)
-class Conversation:
-    """A sample's trained segment as a chat (``verlj export --sft/--dpo``): the messages of its last call's
-    request, then that call's answer, as the gateway keeps them; the tools the request offered (None: none); how
-    many messages the segment's first call was sent (``prompt``: what the sample's prompt ids hold); and which
-    messages are the segment's answers (``trained``: the policy's tokens in the sample's loss mask, every other
-    message's tokens masked or in the prompt)."""
+class TrainedChat:
+    """A sample's trained chain of calls as a chat (``verlj export --sft/--dpo``): the messages of its last call's
+    request, then that call's answer (:class:`protocol.Message`); the tools the request offered (None: none); how many
+    messages the chain's first call was sent (``prompt``: what the sample's prompt ids hold); and which messages are
+    the chain's answers (``trained``: the policy's tokens in the sample's loss mask; every other message's tokens are
+    masked or in the prompt)."""
 
     messages: tuple[Message, ...]
     tools: list | None
@@ -110,19 +125,18 @@ class Conversation:
     trained: frozenset[int]
 
 
-def conversation(text: str) -> Conversation | None:
-    """A sample's journaled calls (its ``agent_calls``) as the chat its trained segment is; None for "" or an
-    episode that made no call."""
+def trained_chat(text: str) -> TrainedChat | None:
+    """A sample's journaled calls (its ``agent_calls``) as the chat its trained chain is; None for "" or an episode
+    that made no call."""
     if not text:
         return None
     rec = AgentCalls.from_json(text)
-    if rec.segment < 0 or not rec.calls:
+    if not rec.trained:
         return None
-    calls = list(rec.calls)
-    seg = segments(calls)[rec.segment]
-    sent = [Sent.of(calls[k].request) for k in seg]
-    answer, _ = answered(calls[seg[-1]].response)
-    messages = (*sent[-1].messages, answer)
-    # call j's answer is the message after call j's own messages in every later request of the segment
-    trained = frozenset([len(s.messages) for s in sent[:-1]] + [len(messages) - 1])
-    return Conversation(messages, sent[-1].tools, len(sent[0].messages), trained)
+    sent = [conversation(rec.calls[k].request) for k in rec.trained]
+    answers = [answered_message(rec.calls[k].response) for k in rec.trained]
+    last, tools = sent[-1]
+    messages = (*(Message.of(m) for m in last), Message.of({"role": "assistant", **answers[-1]}))
+    # a call the next one continues as answered: its answer is the message after its own, in every later request
+    trained = [len(m) for (m, _), a in zip(sent[:-1], answers[:-1]) if len(last) > len(m) and same_answer(last[len(m)], a)]
+    return TrainedChat(messages, tools, len(sent[0][0]), frozenset([*trained, len(messages) - 1]))

@@ -68,7 +68,7 @@ class ChatRequest:
     model: str
     messages: list
     tools: list | None = None
-    tool_choice: str = "auto"
+    tool_choice: str | dict = "auto"  # auto | none | required | {"type": "function", "function": {"name": ...}}
     max_tokens: int | None = None
     stop: tuple = ()
     logprobs: bool = False
@@ -171,6 +171,36 @@ def _stop(raw: Any) -> tuple:
     return tuple(stops)
 
 
+def _tool_choice(raw: Any, tools: list | None, param: str) -> str | dict:
+    """``auto``, ``none``, ``required`` or a named function (``{"type": "function", "function": {"name": ...}}``; the
+    Responses API's ``{"type": "function", "name": ...}`` is read as the same), checked against the tools."""
+    if raw in ("auto", "none"):
+        return raw
+    named = raw.get("function", raw).get("name") if isinstance(raw, dict) and raw.get("type") == "function" else None
+    if raw != "required" and not isinstance(named, str):
+        raise _bad(f"Invalid '{param}': expected 'auto', 'none', 'required' or {{type: function, function: {{name}}}}.", param)
+    offered = [t["function"]["name"] for t in tools or []]
+    if not offered:
+        raise _bad(f"Invalid '{param}': {raw if raw == 'required' else 'a named function'} needs 'tools'.", param)
+    if named is not None and named not in offered:
+        raise _bad(f"Invalid '{param}': the function '{named}' is not among the tools ({', '.join(offered)}).", param)
+    return "required" if named is None else {"type": "function", "function": {"name": named}}
+
+
+def forced_prefix(req: ChatRequest) -> str:
+    """The text an answer is made to begin with, written after the generation prompt (its tokens part of the prompt,
+    masked from the loss): for tool_choice ``required`` the hermes tool-call tag, for a named function the tag and
+    the call's name, so that the policy writes the call (its arguments, for a named one). A completion that then does
+    not close a call that parses is answered as text, flagged ``malformed_tool_call``. "" for ``auto`` and ``none``."""
+    choice = req.tool_choice
+    if not req.tools or choice in ("auto", "none"):
+        return ""
+    if choice == "required":
+        return "<tool_call>\n"
+    assert isinstance(choice, dict)
+    return '<tool_call>\n{"name": ' + json.dumps(choice["function"]["name"], ensure_ascii=False) + ', "arguments": '
+
+
 def parse_request(body: bytes, model: str) -> ChatRequest:
     """A request body checked, or an ApiError (400 malformed or refused, 404 another model, 413 too large)."""
     if len(body) > MAX_BODY:
@@ -196,9 +226,8 @@ def parse_request(body: bytes, model: str) -> ChatRequest:
         raise _bad("'n' must be 1: each call of an episode is one sample of the policy (call again for another).", "n")
     if d.get("response_format") is not None:
         raise _bad("'response_format' is not supported: the policy is trained on what it samples, unconstrained.", "response_format")
-    choice = d.get("tool_choice", "auto")
-    if choice not in ("auto", "none"):
-        raise _bad("Invalid 'tool_choice': only 'auto' and 'none' are supported.", "tool_choice")
+    tools = _tools(d.get("tools"))
+    choice = _tool_choice(d.get("tool_choice", "auto"), tools, "tool_choice")
     max_tokens = d.get("max_completion_tokens", d.get("max_tokens"))
     if max_tokens is not None and max_tokens < 1:
         raise _bad("Invalid 'max_tokens': expected at least 1.", "max_tokens")
@@ -208,7 +237,7 @@ def parse_request(body: bytes, model: str) -> ChatRequest:
     stream = _typed(d, "stream", (bool,), "a boolean") or False
     logprobs = _typed(d, "logprobs", (bool,), "a boolean") or False
     opts = _typed(d, "stream_options", (dict,), "an object") or {}
-    return ChatRequest(model=name, messages=_messages(d.get("messages")), tools=_tools(d.get("tools")), tool_choice=choice,
+    return ChatRequest(model=name, messages=_messages(d.get("messages")), tools=tools, tool_choice=choice,
                        max_tokens=max_tokens, stop=_stop(d.get("stop")), logprobs=logprobs, top_logprobs=int(top), stream=stream,
                        include_usage=bool(opts.get("include_usage")) and stream,
                        ignored={k: d[k] for k in _NUM_FIELDS + ("seed",) if k in d})
@@ -397,6 +426,44 @@ class Answer:
     finish_reason: str
 
 
+def same_answer(sent: dict, answer: dict) -> bool:
+    """Whether a message sent back is the assistant message answered (:func:`answered_message`): its content (None and
+    "" alike) and its tool calls (id, name, arguments), as the gateway sent them."""
+    if sent.get("role") != "assistant" or (sent.get("content") or "") != (answer.get("content") or ""):
+        return False
+    calls = lambda m: [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]  # noqa: E731
+    return calls(sent) == calls(answer)
+
+
+def conversation(canonical: str) -> tuple[list, list | None]:
+    """A journaled call's (canonical) request: its messages and tools."""
+    d = json.loads(canonical)
+    return d["messages"], d["tools"]
+
+
+def answered_message(body: bytes) -> dict:
+    """The assistant message in response bytes (:func:`response_bytes`'s): a JSON object, or a stream's deltas put
+    together; ``{"content": str | None, "tool_calls": [...], "finish_reason": str}``."""
+    text = body.decode()
+    if text.startswith("data: "):
+        chunks = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+        choices = [ch["choices"][0] for ch in chunks if ch["choices"]]
+        content = "".join(ch["delta"].get("content") or "" for ch in choices)
+        tools = [{k: t[k] for k in ("id", "type", "function")} for ch in choices for t in ch["delta"].get("tool_calls") or []]
+        finish = next((ch["finish_reason"] for ch in choices if ch["finish_reason"]), "")
+        return {"content": content or None, "tool_calls": tools, "finish_reason": finish}
+    choice = json.loads(text)["choices"][0]
+    return {"content": choice["message"]["content"], "tool_calls": choice["message"].get("tool_calls") or [],
+            "finish_reason": choice["finish_reason"]}
+
+
+def read_answer(body: bytes) -> Answer:
+    """The answer in response bytes, for reading: its text, its tool calls as ``name(arguments)``, its finish reason."""
+    m = answered_message(body)
+    return Answer(m["content"] or "", tuple(f"{t['function']['name']}({t['function']['arguments']})" for t in m["tool_calls"]),
+                  m["finish_reason"])
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """An assistant's tool call, as a request sends it back: its id, the function's name, its arguments (JSON text)."""
@@ -412,8 +479,8 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Message:
-    """A chat message as the gateway keeps it (a canonical request's, or an answer's): its role, its content (None:
-    none), an assistant's tool calls, a tool's answer's call id."""
+    """A chat message as the gateway keeps it (a canonical request's, or an answer's, :func:`answered_message`): its
+    role, its content (None: none), an assistant's tool calls, a tool message's call id."""
 
     role: str
     content: str | None
@@ -423,41 +490,6 @@ class Message:
     @classmethod
     def of(cls, m: dict) -> Message:
         return cls(m["role"], m.get("content"), tuple(ToolCall.of(c) for c in m.get("tool_calls") or ()), m.get("tool_call_id"))
-
-
-@dataclass(frozen=True)
-class Sent:
-    """What a canonical request sent: its messages, and the tools it offered (as sent; None: none)."""
-
-    messages: tuple[Message, ...]
-    tools: list | None
-
-    @classmethod
-    def of(cls, request: str) -> Sent:
-        d = json.loads(request)
-        return cls(tuple(Message.of(m) for m in d["messages"]), d.get("tools"))
-
-
-def answered(body: bytes) -> tuple[Message, str]:
-    """(the assistant message, its finish reason) in response bytes (:func:`response_bytes`'s): a JSON object, or
-    a stream's deltas put together; the message as a request would send it back."""
-    text = body.decode()
-    if text.startswith("data: "):
-        chunks = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
-        choices = [ch["choices"][0] for ch in chunks if ch["choices"]]
-        content = "".join(ch["delta"].get("content") or "" for ch in choices) or None
-        tools = [t for ch in choices for t in ch["delta"].get("tool_calls") or []]
-        finish = next((ch["finish_reason"] for ch in choices if ch["finish_reason"]), "")
-    else:
-        choice = json.loads(text)["choices"][0]
-        content, tools, finish = choice["message"]["content"], choice["message"].get("tool_calls") or [], choice["finish_reason"]
-    return Message("assistant", content, tuple(ToolCall.of(t) for t in tools)), finish
-
-
-def read_answer(body: bytes) -> Answer:
-    """The answer in response bytes (:func:`response_bytes`'s): a JSON object, or a stream's deltas put together."""
-    msg, finish = answered(body)
-    return Answer(msg.content or "", tuple(f"{t.name}({t.arguments})" for t in msg.tool_calls), finish)
 
 
 def last_sent(request: str) -> str:

@@ -1,8 +1,12 @@
-"""The gateway's HTTP server: ``POST /v1/chat/completions`` and ``GET /v1/models``, a plain ASGI app
-served by uvicorn in a thread of the trainer's process, on 127.0.0.1 at a port the system chooses
+"""The gateway's HTTP server: ``POST /v1/chat/completions``, ``POST /v1/responses`` and ``GET /v1/models``, a
+plain ASGI app served by uvicorn on the agents' event loop (``gateway.agents.agent_loop``: one thread of the
+trainer's process, which the ``async def`` agents share), on 127.0.0.1 at a port the system chooses
 (``pip install 'verlj[agent]'``: uvicorn with httptools and uvloop, and the openai client agents use).
-No web framework: two routes, the raw body parsed once (``gateway.protocol``), so what a call costs is
-the gateway's own work (``tools/bench_gateway.py``).
+No web framework: three routes, the raw body parsed once (``gateway.protocol``, ``gateway.responses``), so what
+a call costs is the gateway's own work (``tools/bench_gateway.py``).
+
+Every answer says whose it is: ``x-verlj-episode`` (the id of the sample the episode becomes) and
+``x-verlj-attempt`` (1; 2, 3, ... when the episode is run again after a crash), as the journal records them.
 
 Every request names its episode by its API key (``Authorization: Bearer KEY``): a random secret made
 for that episode alone and forgotten when it ends, so a missing, wrong or finished key gets 401 and
@@ -19,11 +23,13 @@ import importlib.util
 import logging
 import secrets
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from .agents import agent_loop
 from .protocol import MAX_BODY, ApiError, ChatRequest, models_body, parse_request, unauthorized
 
 log = logging.getLogger("verlj.gateway")
@@ -31,6 +37,9 @@ log = logging.getLogger("verlj.gateway")
 
 class Session(Protocol):
     """One episode as the server sees it: its calls are handed over here, answered by a future."""
+
+    episode: int  # the id of the sample it becomes
+    attempt: int  # 1; 2, 3, ... when it is run again after a crash
 
     def submit(self, req: ChatRequest, retry: int, sink: Callable[[bytes], None] | None = None) -> Future:
         """The call's answer (response bytes), or an ApiError set on the future (or raised at once). A stream's
@@ -45,7 +54,7 @@ class Gateway:
         self.sessions: dict[str, Session] = {}
         self.lock = threading.Lock()
         self.server: Any = None  # uvicorn.Server, once started
-        self.thread: threading.Thread | None = None
+        self.serving: Future | None = None  # its serve() on the agents' loop
         self.sock: socket.socket | None = None
         self.port = 0
 
@@ -72,40 +81,59 @@ class Gateway:
         return s
 
     def start(self) -> Gateway:
-        """Serve in a daemon thread; returns once the port is listening."""
+        """Serve on the agents' event loop; returns once the port is listening."""
         import uvicorn
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        http = "httptools" if importlib.util.find_spec("httptools") else "h11"  # the loop: uvloop when installed ("auto")
+        http = "httptools" if importlib.util.find_spec("httptools") else "h11"
         config = uvicorn.Config(app(self), http=http, log_level="critical", access_log=False, lifespan="off", timeout_keep_alive=30)
         self.server = server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=server.run, kwargs={"sockets": [self.sock]}, name="verlj-gateway", daemon=True)
-        self.thread.start()
-        while not server.started and self.thread.is_alive():
+        loop = agent_loop()
+        loop.set_exception_handler(unhandled)
+        self.serving = serving = asyncio.run_coroutine_threadsafe(server.serve(sockets=[self.sock]), loop)
+        while not server.started and not serving.done():
             threading.Event().wait(0.005)
+        if serving.done():
+            serving.result()  # raises what stopped it
         return self
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
-            assert self.thread is not None
-            self.thread.join(timeout=5)
-            self.server = None
+            assert self.serving is not None
+            try:
+                self.serving.result(timeout=5)
+            except Exception:  # noqa: BLE001 - a server that did not stop in time is left to the daemon loop
+                pass
+            self.server = self.serving = None
         if self.sock is not None:
             self.sock.close()
             self.sock = None
 
 
+def unhandled(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """What the gateway's loop could not hand to anyone (an exception no task's owner read: an agent's forgotten task,
+    a client gone mid-stream): one line, never a traceback."""
+    exc = context.get("exception")
+    what = f"{type(exc).__name__}: {exc}" if exc is not None else context.get("message", "")
+    sys.stderr.write(f"[WARNING] the agent gateway's event loop: {what}\n")
+
+
 JSON = b"application/json"
 
 
-async def _respond(send, status: int, body: bytes, media: bytes = JSON) -> None:
+async def _respond(send, status: int, body: bytes, media: bytes = JSON, headers: tuple = ()) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", media), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", media), (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})
+
+
+def identity(session: Session) -> tuple:
+    """The headers that say whose answer it is."""
+    return ((b"x-verlj-episode", str(session.episode).encode()), (b"x-verlj-attempt", str(session.attempt).encode()))
 
 
 async def _stream(send, session: Session, req: ChatRequest, retry: int) -> None:
@@ -125,7 +153,7 @@ async def _stream(send, session: Session, req: ChatRequest, retry: int) -> None:
         nonlocal sent, started
         if not started:
             await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *identity(session)]})
             started = True
         sent += body
         await send({"type": "http.response.body", "body": body, "more_body": more})
@@ -181,7 +209,7 @@ def app(gw: Gateway):
             await _stream(send, session, req, int(retry) if retry.isdigit() else 0)
             return
         body = await asyncio.wrap_future(session.submit(req, int(retry) if retry.isdigit() else 0))
-        await _respond(send, 200, body)
+        await _respond(send, 200, body, headers=identity(session))
 
     async def asgi(scope, receive, send) -> None:
         if scope["type"] != "http":

@@ -30,10 +30,11 @@ import numpy as np
 from verlj.journal.failpoints import failpoint
 
 from ...schema import sample as sample_codec
-from ...schema.agent_calls import AgentCalls
+from ...schema.agent_calls import AgentCalls, Call
 from ...schema.sample import EnvEnd, GroupInFlight, Sample
 from ...state.seeding import derive_seed
 from ..envs import row_of
+from ..gateway.runner import Episodes
 from .agents import AgentPlaying
 from .base import Host, StepInputs, add_time
 from .completion import CompletionSource
@@ -47,7 +48,6 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
         self.ready: list[Sample] = []  # the groups played since the last receive
         self.held: dict[int, GroupInFlight] | None = None  # the calls an earlier process made durable, by group (read once)
         self.settle: list[int] = []  # groups in a committed step: forgotten at the next durable write
-        self.headed: set[int] = set()  # the places (in the groups being played) whose group's entry is written
 
     def collect(self, step: int) -> StepInputs:
         if self.flow is not None:  # its groups are in the step committed since
@@ -89,15 +89,12 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
         def call_seed(place: int, k: int) -> int:
             return derive_seed(seed, 0, "rollout/group", groups[place // n][0], place % n, *([k] if k else []))
 
-        self.headed = set()
-        runner.durable = lambda new: self.keep(groups, new, version)
-        runner.name = lambda place: f"episode {place % n} of group {groups[place // n][0]} (row {groups[place // n][1]})"
+        episodes = Episodes(rows, agent_seeds, [g + j for g, _ in groups for j in range(n)], call_seed, journaled=journaled,
+                            sink=DurableCalls(self, groups, agent_seeds, version),
+                            name=lambda place: f"episode {place % n} of group {groups[place // n][0]} (row {groups[place // n][1]})")
         before = runner.counts.to_metrics()
         t0 = time.perf_counter()
-        try:
-            played = runner.play(rows, agent_seeds, call_seed, journaled)
-        finally:
-            runner.durable = None
+        played = runner.play(episodes)
         t1 = time.perf_counter()
         got = self.agent_samples([int(r) for _, r in groups for _ in range(n)], played, agent_seeds)
         for k, smp in enumerate(got):
@@ -108,32 +105,6 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
         add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
         self.count(before, got)
 
-    def keep(self, groups: list[tuple[int, int]], new: list, version: int) -> None:
-        """Make the new calls ((episode, its position) each) durable, each under its own key, in one write (under
-        the runner's lock): a group's entry (its row, version, seeds) with its first, the calls a divergence
-        discarded forgotten, the groups settled since forgotten with their calls. Several ranks: collective, at every
-        batch (rank 0 writes every rank's calls)."""
-        log, n, runner, rt = self.host.in_flight_log, self.cfg.rollout.n, self.runner, self.host.rt
-        if log is None or runner is None:
-            return
-        states = []
-        for q in sorted({p.place // n for p, _ in new} - self.headed):
-            g, row = groups[q]
-            plays = runner.plays[q * n : (q + 1) * n]
-            none = lambda dt: [np.zeros(0, dt)] * n  # noqa: E731 - an agent group's turns are its calls
-            states.append(GroupInFlight(g, int(row), [version], none(np.int64), none(np.int64), none(np.float32), none(np.int8),
-                                        none(np.int64), none(np.float64), [p.seed for p in plays], [int(EnvEnd.NONE)] * n, [""] * n))
-            self.headed.add(q)
-        calls = [(groups[p.place // n][0], p.place % n, k, p.calls[k].to_dict()) for p, k in new]
-        dropped = [(groups[place // n][0], place % n, k) for place, k in runner.discarded]
-        if rt.world_size > 1:
-            shares = rt.all_gather_obj(([st.to_dict() for st in states], calls, dropped))
-            states = [GroupInFlight.from_dict(d) for st, _, _ in shares for d in st]
-            calls, dropped = [c for _, cs, _ in shares for c in cs], [d for _, _, ds in shares for d in ds]
-        log.keep(states, self.settle, calls, dropped)
-        self.settle, runner.discarded = [], []
-        failpoint("agents.after_durable")
-
     def receive(self, wait: float) -> None:
         """Take in the groups every rank played since the last receive (rank order; no wait: they were played when
         asked). Collective."""
@@ -143,3 +114,38 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
         if new:
             self.take_in(new)
 
+
+class DurableCalls:
+    """The in-flight log as a round's call sink (``gateway.runner.CallSink``): each batch's new calls made durable, each
+    under its own key (group, episode, position), before any is answered."""
+
+    name = "the run's in-flight log"
+
+    def __init__(self, src: AgentCompletionSource, groups: list[tuple[int, int]], seeds: list[int], version: int):
+        self.src, self.groups, self.seeds, self.version = src, groups, seeds, version
+        self.headed: set[int] = set()  # the groups (by their place in `groups`) whose entry is written
+
+    def keep(self, new: list[tuple[int, int, Call]], discarded: list[tuple[int, int]]) -> None:
+        """In one write: a group's entry (its row, version, seeds) with its first call, the new calls, the calls a
+        divergence discarded forgotten, the groups settled since forgotten with their calls. Several ranks: collective, at
+        every batch (rank 0 writes every rank's calls)."""
+        src, groups = self.src, self.groups
+        log, n, rt = src.host.in_flight_log, src.cfg.rollout.n, src.host.rt
+        if log is None:
+            return
+        states = []
+        for q in sorted({place // n for place, _, _ in new} - self.headed):
+            g, row = groups[q]
+            none = lambda dt: [np.zeros(0, dt)] * n  # noqa: E731 - an agent group's turns are its calls
+            states.append(GroupInFlight(g, int(row), [self.version], none(np.int64), none(np.int64), none(np.float32), none(np.int8),
+                                        none(np.int64), none(np.float64), self.seeds[q * n : (q + 1) * n], [int(EnvEnd.NONE)] * n, [""] * n))
+            self.headed.add(q)
+        calls = [(groups[place // n][0], place % n, k, call.to_dict()) for place, k, call in new]
+        dropped = [(groups[place // n][0], place % n, k) for place, k in discarded]
+        if rt.world_size > 1:
+            shares = rt.all_gather_obj(([st.to_dict() for st in states], calls, dropped))
+            states = [GroupInFlight.from_dict(d) for st, _, _ in shares for d in st]
+            calls, dropped = [c for _, cs, _ in shares for c in cs], [d for _, _, ds in shares for d in ds]
+        log.keep(states, src.settle, calls, dropped)
+        src.settle = []
+        failpoint("agents.after_durable")
