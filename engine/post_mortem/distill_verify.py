@@ -183,7 +183,8 @@ def _check_rows(rep: ExportReport, made: Rows, rows: Iterator[tuple[str, dict]],
     if bad:
         rep.lines.append(f"✗ {bad} rows are not what the journal holds (of {rep.rows} read, {checked} checked)")
     else:
-        rep.lines.append(f"✓ {checked} rows are what the journal holds (text, token ids and lineage), steps {made.spec.first}–{made.spec.last}")
+        what = "text, token ids and lineage" if made.spec.tokens else "text and lineage"
+        rep.lines.append(f"✓ {checked} rows are what the journal holds ({what}), steps {made.spec.first}–{made.spec.last}")
 
 
 def _unexpected(ledger, made: Rows, key: tuple) -> str:
