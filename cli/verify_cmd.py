@@ -49,10 +49,14 @@ def _verify_export(path: Path, against: Path, deep: bool, as_json: bool) -> None
 
     if deep:
         raise fail("--deep replays a run; --against checks an export's rows against one: pass one of them", EXIT_USAGE)
+    from verlj.engine.loop.ledger import has_run, lost_journal
+
     for p in (path, against):
         if not p.exists():
             raise fail(f"{p} does not exist", EXIT_USAGE)
     _usage(lambda: read_manifest(path))
+    if not has_run(against):
+        raise fail(lost_journal(against) or f"--against {against} is not a verlj run (no journal/ with run metadata)", EXIT_USAGE)
     report = guarded(lambda: verify_export(path, against))
     typer.echo(to_json(report) if as_json else render(report))
     raise typer.Exit(0 if report.ok else 1)

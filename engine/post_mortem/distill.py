@@ -47,8 +47,9 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from hashlib import blake2b
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -62,6 +63,9 @@ from ..schema.events import StepEvents
 from ..schema.sample import Columns, Sample
 from .steps import ranges
 from .views import _view
+
+if TYPE_CHECKING:
+    from ..loop.ledger import Ledger
 
 SFT, DPO = "sft", "dpo"
 IGNORE = -100  # a label the loss skips (PyTorch's cross-entropy ignore_index, as TRL and transformers use it)
@@ -181,12 +185,19 @@ def chat_of(s: Sample, decode: Decode | None) -> Chat | None:
 
 @dataclass(frozen=True)
 class Item:
-    """A sample that may become a row: the sample, its chat, its step's chain hash."""
+    """A sample that may become a row: the sample, its step's chain hash, and its chat (made from the run's decoder
+    when first asked: only for the samples the filter keeps, or pairs)."""
 
     sample: Sample
-    chat: Chat
     step: int
     chain: str
+    decode: Decode | None = None
+
+    @cached_property
+    def chat(self) -> Chat:
+        chat = chat_of(self.sample, self.decode)
+        assert chat is not None, "a sample without a call the policy answered has no token of the policy's: never a row"
+        return chat
 
     @property
     def prompt_key(self) -> bytes:
@@ -364,7 +375,7 @@ class Rows:
     (``counts``) and the steps it left out (``left_out``). Memory stays flat with the steps; --dedupe keeps a
     16-byte digest per row."""
 
-    def __init__(self, ledger, run: str, spec: Spec):
+    def __init__(self, ledger: Ledger, run: str, spec: Spec):
         self.ledger, self.run, self.spec = ledger, run, spec
         self.history = ledger.history()
         self.form = Form.of(self.history.configs_in(spec.first, spec.last), spec)
@@ -400,13 +411,7 @@ class Rows:
     def _rows(self, step: int, chain: str, samples: list[Sample]) -> list[dict]:
         decode = self._decoder(step) if not all(s.agent_calls for s in samples) else None
         self.counts.samples += len(samples)
-        items = []
-        for s in samples:
-            chat = None if s.fault_reason else chat_of(s, decode)
-            if chat is None and not s.fault_reason:
-                self.counts.empty += 1
-                continue
-            items.append(Item(s, chat if chat is not None else Chat((), (), 0), step, chain))
+        items = [Item(s, step, chain, decode) for s in samples]
         if self.spec.kind == SFT:
             rows = [sft_row(it, self.run, self.form, self.spec) for it in choose_sft(items, self.spec, self.counts)]
         else:

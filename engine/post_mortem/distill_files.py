@@ -22,15 +22,20 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import blake3
+
+from verlj.journal import JournalError
 
 from ..errors import RunError
 from ..loop.ledger import now_iso, open_run
 from .distill import DPO, Counts, Form, LeftOut, Rows, Spec
 from .steps import parse_steps
 from .views import _view
+
+if TYPE_CHECKING:
+    from ..loop.ledger import Ledger
 
 FORMATS = ("parquet", "jsonl", "arrow")
 MANIFEST, CARD = "manifest.json", "README.md"
@@ -277,11 +282,15 @@ def _schema(fmt: str, spec: Spec, form: Form):
     return arrow_schema(spec, form)
 
 
-def run_identity(ledger, run_dir: Path, spec: Spec) -> RunIdentity:
+def run_identity(ledger: Ledger, run_dir: Path, spec: Spec) -> RunIdentity:
     """What names the run an export came from: the manifest's ``run``, what verify checks a run against."""
     rec = _view(Recorded, ledger.identity())
+    try:
+        chain = ledger.journal.chain_hash(spec.last)
+    except JournalError:  # its frame unreadable: the step was left out, and said
+        chain = None
     return RunIdentity(run_dir.resolve().name, str(run_dir.resolve()), rec.created, rec.config_hash, rec.seed, rec.git_commit,
-                       ledger.base_step(), ledger.parent(), ledger.counterfactual(), ledger.journal.chain_hash(spec.last))
+                       ledger.base_step(), ledger.parent(), ledger.counterfactual(), chain)
 
 
 def _check_output(out: Path) -> None:

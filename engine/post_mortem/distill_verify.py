@@ -21,7 +21,7 @@ from pathlib import Path
 from verlj.journal import JournalError
 
 from ..errors import RunError
-from ..loop.ledger import open_run
+from ..loop.ledger import Ledger, open_run
 from ..schema.events import StepEvents
 from ..schema.sample import Columns
 from .distill import KEYS, SFT, Rows, Spec, row_key
@@ -100,14 +100,17 @@ def verify_export(path: Path, run_dir: Path) -> ExportReport:
     return rep
 
 
-def _check_chain(rep: ExportReport, ledger, spec: Spec, then: str | None) -> None:
+def _check_chain(rep: ExportReport, ledger: Ledger, spec: Spec, then: str | None) -> None:
+    now: str | None
     try:
         now = ledger.journal.chain_hash(spec.last)
     except JournalError as e:
-        now = f"unreadable ({e})"
+        now = None if then is None else f"unreadable ({e})"
     if then != now:
         rep.ok = False
         rep.lines.append(f"✗ the journal's chain at step {spec.last} is not the one exported from ({then}; now {now}): its steps were rewritten")
+    elif now is None:
+        rep.lines.append(f"note: the record of step {spec.last}, the last exported, could not be read when exported, nor now")
     else:
         rep.lines.append(f"✓ the journal holds steps {spec.first}–{spec.last} as exported (chain {now[:16]}…)")
 
@@ -146,7 +149,7 @@ def _rows_of(path: Path, files: list[FileEntry], fmt: str) -> Iterator[tuple[str
             raise RunError(f"{f.path} cannot be read as {fmt} ({e})") from None
 
 
-def _check_rows(rep: ExportReport, made: Rows, rows: Iterator[tuple[str, dict]], ledger) -> None:
+def _check_rows(rep: ExportReport, made: Rows, rows: Iterator[tuple[str, dict]], ledger: Ledger) -> None:
     kind = made.spec.kind
     expected = ((row_key(kind, r), r) for sr in made.steps() for r in sr.rows)
     want = next(expected, None)
@@ -187,7 +190,7 @@ def _check_rows(rep: ExportReport, made: Rows, rows: Iterator[tuple[str, dict]],
         rep.lines.append(f"✓ {checked} rows are what the journal holds ({what}), steps {made.spec.first}–{made.spec.last}")
 
 
-def _unexpected(ledger, made: Rows, key: tuple) -> str:
+def _unexpected(ledger: Ledger, made: Rows, key: tuple) -> str:
     """Why the journal makes no such row: the step is not exported, damaged or pruned; it holds no such sample;
     or the filter leaves it out."""
     step, spec = key[0], made.spec

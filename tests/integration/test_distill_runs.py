@@ -8,6 +8,7 @@ and never touches an existing directory. One run of each kind for the module; a 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import shutil
 from pathlib import Path
@@ -273,6 +274,11 @@ def test_bad_usage_is_one_line_and_never_touches_a_directory_that_is_not_an_expo
     assert said.returncode == 2 and "is an export (verlj export --sft/--dpo); say which run to check its rows against: --against RUN" in said.stderr
     said = cli("verify", default_run, "--against", default_run)
     assert said.returncode == 2 and "is not an export of `verlj export --sft/--dpo`: manifest.json is missing" in said.stderr
+    said = cli("verify", tmp_path / "e", "--against", tmp_path / "e")
+    assert said.returncode == 2 and f"--against {tmp_path / 'e'} is not a verlj run (no journal/ with run metadata)" in said.stderr
+    said = cli("verify", tmp_path / "e", "--against", default_run, "--json")
+    report = json.loads(said.stdout)
+    assert said.returncode == 0 and report["ok"] and report["rows"] == 16 and report["problems"] == []
 
 
 def test_an_export_of_a_run_with_a_damaged_step_warns_and_leaves_it_out(default_run, tmp_path):

@@ -94,18 +94,18 @@ def test_an_episode_is_a_chat_turn_by_turn_and_its_token_columns_mask_the_observ
     assert [(m["role"], m["content"], m["weight"]) for m in chat.rows()] == [
         ("user", "c", 0), ("assistant", "de", 1), ("user", "h", 0), ("assistant", "f", 1), ("user", "ij", 0)]
     spec, form = Spec(SFT, 1, 1, tokens=True), Form(True, False)
-    row = sft_row(Item(episode(), chat, 7, "ab" * 32), "run", form, spec)
+    row = sft_row(Item(episode(), 7, "ab" * 32, decode), "run", form, spec)
     assert row["input_ids"] == [1, 2, 3, 4, 7, 5, 1, 8, 9]
     assert row["labels"] == [IGNORE, IGNORE, 3, 4, IGNORE, 5, 1, IGNORE, IGNORE]
     assert row["gen_logprobs"] == [0, 0, -1, -2, 0, -3, -4, 0, 0]
     assert list(row) == form.columns(spec) and row["step"] == 7 and row["chain"] == "ab" * 32
     single = Sample(index=2, prompt_ids=np.array([1, 2]), response_ids=np.array([3, 1]), gen_logprobs=np.array([-1, -2], np.float32))
-    text = sft_row(Item(single, chat_of(single, decode), 1, ""), "run", Form(False, False), Spec(SFT, 1, 1))
+    text = sft_row(Item(single, 1, "", decode), "run", Form(False, False), Spec(SFT, 1, 1))
     assert (text["prompt"], text["completion"]) == ("c", "d")  # special tokens left out of the text (the ids keep them)
 
 
 def items(*samples: Sample) -> list[Item]:
-    return [Item(s, chat_of(s, decode), 1, "") for s in samples]
+    return [Item(s, 1, "", decode) for s in samples]
 
 
 def ids(chosen) -> list:
@@ -122,6 +122,7 @@ def test_sft_rows_leave_out_faults_then_keep_scores_at_least_min_score_then_each
     counts = Counts()
     assert ids(choose_sft(group, Spec(SFT, 1, 1, best_of_group=True), counts)) == [1, 4]  # a tie: the first generated
     assert counts.not_best_of_group == 3
+    assert not any("chat" in vars(it) for it in group)  # chosen by score alone: no sample's text made (a row makes its own)
 
 
 def test_pairs_are_the_best_against_the_worst_of_one_prompt_never_equal_and_at_least_the_margin_apart():
