@@ -60,7 +60,7 @@ from ..rl.gateway.ledger import trained_chat
 from ..rl.gateway.protocol import Message
 from ..rl.vocab import text_decoder
 from ..schema.events import StepEvents
-from ..schema.sample import Columns, Sample
+from ..schema.sample import UNKNOWN_VERSION, Columns, Sample
 from .steps import ranges
 from .views import _view
 
@@ -406,6 +406,8 @@ class Rows:
                 yield StepRows(got.step, [], frozenset())
                 continue
             samples = Columns(added.samples).samples()
+            for s in samples:  # journaled before the field existed: a sync step's, as the rollout table reads it
+                s.policy_version = got.step - 1 if s.policy_version == UNKNOWN_VERSION else s.policy_version
             yield StepRows(got.step, self._rows(got.step, got.chain, samples), frozenset(s.id for s in samples))
 
     def _rows(self, step: int, chain: str, samples: list[Sample]) -> list[dict]:

@@ -199,7 +199,13 @@ def test_the_filters_choose_what_they_say(default_run, tmp_path):
     assert len(texts) == len(set(texts)) == 64 - m.counts.duplicates
     m = export(default_run, tmp_path / "pairs", "--dpo", "--all-pairs", "--margin", "0.05")
     assert all(p["score_chosen"] - p["score_rejected"] >= 0.05 for p in rows(tmp_path / "pairs")) and m.rows > 0
-    for name in ("min", "best", "dedupe", "pairs"):
+    export(default_run, tmp_path / "chat", "--sft", "--messages", "--steps", "1:1")  # single-turn samples as conversations
+    export(default_run, tmp_path / "plain", "--sft", "--steps", "1:1")
+    chats, plain = rows(tmp_path / "chat"), rows(tmp_path / "plain")
+    assert [r["sample_id"] for r in chats] == [r["sample_id"] for r in plain] and "prompt" not in chats[0]
+    for r, p in zip(chats, plain):
+        assert [(m["role"], m["content"], m["weight"]) for m in r["messages"]] == [("user", p["prompt"], 0), ("assistant", p["completion"], 1)]
+    for name in ("min", "best", "dedupe", "pairs", "chat"):
         assert cli("verify", tmp_path / name, "--against", default_run).returncode == 0, name
 
 
