@@ -111,6 +111,15 @@ class LineageEntry(MetaRecord):
         return self.kind in (ControlKind.FORK, ControlKind.WHATIF)
 
 
+def attempt_at(entries: list[LineageEntry], step: int) -> int:
+    """How many processes of a run have begun live step `step` (at least 1): each start, fork or resume began at the
+    step after its `at_step` and went on until the next one began, so a process that stopped with `step` not yet
+    committed began it, and so does the one after. An upper bound for a step whose process stopped between its
+    previous commit and its own collect. What an agent episode of `step` in step order is told (its attempt)."""
+    starts = sorted(e.at_step for e in entries)
+    return max(1, sum(1 for k, at in enumerate(starts) if at < step <= (starts[k + 1] + 1 if k + 1 < len(starts) else step)))
+
+
 @dataclass(frozen=True)
 class ConfigEntry(MetaRecord):
     """A config change made on resume: the config in force from `from_step` on."""

@@ -54,6 +54,7 @@ from .ledger import (
     writer_refusal,
 )
 from .provenance import produced_on
+from .records import attempt_at
 
 if TYPE_CHECKING:  # torch and DeepSpeed load only once the config is known good: bad input fails fast
     from ..dist import Runtime
@@ -388,6 +389,9 @@ class InFlightEpisodes:
     def read(self) -> dict[int, GroupInFlight]:
         got = self.run.rt.from_rank0(lambda: [g.to_dict() for g in self.run.main_ledger().in_flight().values()], "reading the episodes in flight")
         return {g.group: g for g in map(GroupInFlight.from_dict, got)}
+
+    def attempt(self, step: int) -> int:
+        return self.run.rt.from_rank0(lambda: attempt_at(self.run.main_ledger().lineage_entries(), step), "reading the run's lineage")
 
 
 def fork_config(old: dict, overrides: list[str], new_run: Path) -> tuple[Config, list[str]]:

@@ -35,6 +35,7 @@ from ..errors import RunError
 from ..loop import archive
 from ..loop.ledger import Counterfactual, Ledger, LineageEntry, ParentRun, open_run, writer_dir
 from ..loop.reader import StepReader
+from ..loop.records import attempt_at
 from ..rl.vocab import text_decoder
 from ..schema import table
 from ..schema.events import ConfigChange, Control, ControlKind, Eval, Requests, Rollout, StepEvents
@@ -506,11 +507,15 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
         record = StepReader(ledger.journal).read(step)
         ev = StepEvents.of(record)
         decoder = text_decoder(ledger.config_at(step))
+        attempt, cfg = attempt_at(ledger.lineage_entries(), step), config_from_stored(ledger.config_at(step), unknown="none")
+        if attempt > 1 and cfg is not None and cfg.rollout.agent:
+            note = f"attempt {attempt}: this step began in {attempt} processes, its agents run again in each (the run's lineage)"
         cols = None
         if record.pruned:
             cols = archive.Reader(run_dir, ledger).step_columns(step)
             note = (f"samples pruned from the journal (journal.retain_samples); shown from {archive.ARCHIVE_DIR}/"
                     if cols is not None else "samples pruned from the journal (journal.retain_samples) and not archived")
+            note += f"; attempt {attempt}" if attempt > 1 else ""
         elif ev.added is not None:
             assert ev.added.samples is not None  # not pruned
             cols = table.step_columns(step, ev.added.samples, decoder)

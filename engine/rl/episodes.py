@@ -371,3 +371,7 @@ class InFlightLog(Protocol):
 
     def read(self) -> dict[int, GroupInFlight]:
         """The groups made durable and not forgotten, by group id."""
+
+    def attempt(self, step: int) -> int:
+        """How many processes of this run have begun live step `step`, this one included (the run's lineage:
+        loop.records.attempt_at): what a step-order agent episode is told of its attempt."""

@@ -336,4 +336,5 @@ class GroupInFlight:
             cut["turn_rewards"].append(self.turn_rewards[k][:turns])
             cut["env_end"].append(int(EnvEnd.NONE))
             cut["env_reason"].append("")
-        return GroupInFlight(self.group, self.row, self.versions[:turns], self.prompt_ids, env_seed=self.env_seed, **cut)
+        return GroupInFlight(self.group, self.row, self.versions[:turns], self.prompt_ids, cut["response_ids"], cut["gen_logprobs"],
+                             cut["loss_mask"], cut["turn_lens"], cut["turn_rewards"], self.env_seed, cut["env_end"], cut["env_reason"])

@@ -47,7 +47,7 @@ def test_an_openai_agent_trains_on_its_rewards_and_every_call_is_journaled(agent
             led = json.loads(s.agent_calls)
             assert led["v"] == 2 and len(led["calls"]) == 2 and s.rule_reward == led["reward"]
             # the second call continues the first as answered: spliced, one chain, both trained
-            assert led["trained"] == [0, 1] and led["segments"] == 1 and {c["attempt"] for c in led["calls"]} == {1}
+            assert led["trained"] == [0, 1] and led["segments"] == 1
             first, second = led["calls"]
             # the sample's tokens are the calls' ids, never re-tokenized text: the first prompt, then the completions at
             # the policy's places in the mask, the whole the second call's prompt and completion

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...schema.agent_calls import AgentCalls, Call
-from .protocol import Message, answered_message, conversation, last_sent, read_answer, same_answer
+from .protocol import Message, conversation, last_sent, same_answer
+from .wire import answered_message, read_answer
 
 
 def parents(calls: list[Call]) -> list[int]:
@@ -87,8 +88,8 @@ def sample_fields(calls: list[Call], chain: tuple[int, ...] | list[int]) -> dict
 @dataclass(frozen=True)
 class CallLine:
     """A journaled call, for reading (``verlj inspect --step``): the last message sent (``role: content``),
-    the answer's text and tool calls (``name(arguments)``), its finish reason, its flag, and whether the
-    call is in the trained segment."""
+    the answer's text and tool calls (``name(arguments)``), its finish reason, its flag, whether the
+    call is in the trained chain."""
 
     sent: str
     text: str
@@ -135,8 +136,8 @@ def trained_chat(text: str) -> TrainedChat | None:
         return None
     sent = [conversation(rec.calls[k].request) for k in rec.trained]
     answers = [answered_message(rec.calls[k].response) for k in rec.trained]
-    last, tools = sent[-1]
+    last = sent[-1].messages
     messages = (*(Message.of(m) for m in last), Message.of({"role": "assistant", **answers[-1]}))
     # a call the next one continues as answered: its answer is the message after its own, in every later request
-    trained = [len(m) for (m, _), a in zip(sent[:-1], answers[:-1]) if len(last) > len(m) and same_answer(last[len(m)], a)]
-    return TrainedChat(messages, tools, len(sent[0][0]), frozenset([*trained, len(messages) - 1]))
+    trained = [len(c.messages) for c, a in zip(sent[:-1], answers[:-1]) if len(last) > len(c.messages) and same_answer(last[len(c.messages)], a)]
+    return TrainedChat(messages, sent[-1].tools, len(sent[0].messages), frozenset([*trained, len(messages) - 1]))

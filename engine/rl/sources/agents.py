@@ -186,8 +186,11 @@ class AgentRounds(AgentPlaying, StepOrder):
         def call_seed(place: int, k: int) -> int:
             return derive_seed(seed, step, "rollout/sample", rnd, places[place], *([k] if k else []))
 
-        # an episode is named by the sample it becomes: the round's first id and its place (StepOrder.gathered)
-        episodes = Episodes(rows, agent_seeds, [prod.next_id + q for q in places], call_seed)
+        # an episode is named by the sample it becomes: the round's first id and its place (StepOrder.gathered); its attempt
+        # is the processes that have begun the step that plays it (the run's lineage: a crashed step's agents run again)
+        log = host.in_flight_log
+        attempt = log.attempt(self.step) if log is not None else 1
+        episodes = Episodes(rows, agent_seeds, [prod.next_id + q for q in places], call_seed, [attempt] * len(rows))
         return AgentRound(runner, episodes, runner.counts.to_metrics())
 
     def round_samples(self, prod: Production) -> list[Sample]:
