@@ -20,9 +20,9 @@ A row's form follows TRL's dataset formats (``SFTTrainer``, ``DPOTrainer``; verl
   ``prompt``/``chosen``/``rejected`` as lists of messages for DPO. Each message has ``role``, ``content``,
   ``tool_calls`` ({id, type, function: {name, arguments (JSON text)}}), ``tool_call_id`` and ``weight``: 1 where its
   tokens are the policy's and the update trained on them, 0 where the loss masked them or they were prompt (an
-  env's observations, an agent's tool results and user turns, an agent's answers outside its trained segment):
+  env's observations, an agent's tool results and user turns, an agent's answers outside its trained chain):
   OpenAI's fine-tuning convention. An episode is its prompt as a user message, then each action (assistant) and
-  the observation the env answered (user); an agent episode its trained segment as the gateway kept it (the last
+  the observation the env answered (user); an agent episode its trained chain of calls as the gateway kept it (the last
   call's request, then its answer; ``tools``: the tools it offered, JSON text).
 - lineage, every row: ``run`` (the run directory's name), ``step``, ``sample_id`` (DPO: ``chosen_sample_id``,
   ``rejected_sample_id``), ``group``, ``index`` (the dataset row), ``policy_version``, ``score``, and ``chain``, the

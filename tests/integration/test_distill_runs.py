@@ -97,7 +97,7 @@ def check_sft_rows(rows: list[dict], run: Path, conversational: bool) -> None:
             continue
         trained = [m for m in r["messages"] if m["weight"] == 1]
         assert all(m["role"] == "assistant" for m in trained) and r["messages"][0]["weight"] == 0
-        if s.agent_calls:  # the trained segment's answers, as the gateway answered them
+        if s.agent_calls:  # the trained chain's answers, as the gateway answered them
             conv = trained_chat(s.agent_calls)
             assert [m["content"] for m in trained] == [conv.messages[k].content for k in sorted(conv.trained)]
             assert len(trained) == len(AgentCalls.from_json(s.agent_calls).trained)  # every call of the chain found

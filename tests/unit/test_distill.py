@@ -1,5 +1,5 @@
-"""export --sft/--dpo's rows (post_mortem.distill) on samples made here: an agent episode's trained segment as a chat
-(tool calls and results kept, the messages outside the segment weight 0), an episode turn by turn (observations
+"""export --sft/--dpo's rows (post_mortem.distill) on samples made here: an agent episode's trained chain as a chat
+(tool calls and results kept, the messages outside the chain weight 0), an episode turn by turn (observations
 masked), the filter (faults never, --min-score, --best-of-group, pairs within one prompt, --margin, never equal), the
 token columns (labels -100 exactly where the loss mask is 0); StepReader.chained on a real LMDB journal (a damaged
 record said, the walk going on); and an export of a long journal in flat memory, streamed."""
@@ -53,7 +53,7 @@ def tool_episode(trained: tuple[int, ...] | None = None) -> tuple[AgentCalls, li
     return (calls if trained is None else AgentCalls(calls.calls, trained, 1.0, 2)), asked
 
 
-def test_an_agent_episode_is_its_trained_segment_as_a_chat_with_its_tool_calls_and_results():
+def test_an_agent_episode_is_its_trained_chain_as_a_chat_with_its_tool_calls_and_results():
     calls, asked = tool_episode()
     conv = trained_chat(calls.to_json())
     assert [m.role for m in conv.messages] == ["user", "assistant", "tool", "assistant"]
@@ -61,7 +61,7 @@ def test_an_agent_episode_is_its_trained_segment_as_a_chat_with_its_tool_calls_a
     assert conv.messages[2] == Message("tool", "5", (), asked[0]["id"]) and conv.messages[3] == Message("assistant", "it is 5")
     assert conv.prompt == 1 and conv.trained == {1, 3} and conv.tools == TOOLS
     assert trained_chat("") is None and trained_chat(AgentCalls((), (), None, 0).to_json()) is None
-    # the later segment trained: the earlier answers are history it was sent (weight 0), its own answer trained
+    # the rewritten call trained: the earlier answers are history it was sent (weight 0), its own answer trained
     later = trained_chat(tool_episode((2,))[0].to_json())
     assert [m.role for m in later.messages] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
     assert later.prompt == 5 and later.trained == {5} and later.tools is None
