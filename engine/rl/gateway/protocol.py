@@ -483,6 +483,34 @@ def answer_of(m: dict) -> Answer:
                   m["finish_reason"])
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """An assistant's tool call, as a request sends it back: its id, the function's name, its arguments (JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @classmethod
+    def of(cls, c: dict) -> ToolCall:
+        return cls(str(c.get("id", "")), c["function"]["name"], c["function"].get("arguments", ""))
+
+
+@dataclass(frozen=True)
+class Message:
+    """A chat message as the gateway keeps it (a canonical request's, or an answer's, :func:`answered_message`): its
+    role, its content (None: none), an assistant's tool calls, a tool message's call id."""
+
+    role: str
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+    @classmethod
+    def of(cls, m: dict) -> Message:
+        return cls(m["role"], m.get("content"), tuple(ToolCall.of(c) for c in m.get("tool_calls") or ()), m.get("tool_call_id"))
+
+
 def last_sent(request: str) -> str:
     """A canonical request's last message, as ``role: content``."""
     last = json.loads(request)["messages"][-1]
