@@ -10,19 +10,30 @@ turn masked from the loss); the episode ends on the SDK's final output, at most 
 provider's client is made per episode and never closed, as the SDK's docs make it: the gateway's one event loop
 closes it when it is collected. The SDK's tracing is off: nothing leaves the machine.
 
-A response cut at rollout.max_response_length is `incomplete`, as OpenAI's are, and the SDK raises on one: an
-episode fault. So the example runs on a model that ends its turns (examples/make_bpe_model.py's). To speak chat
+A response cut at rollout.max_response_length is `incomplete`, as OpenAI's are, and the SDK raises on one
+(`ModelBehaviorError`), as it does on more than max_turns calls (`MaxTurnsExceeded`): `solve` scores such an episode
+0.0 (a fault would leave it out of the update, and the policy would never learn to end its turns). It runs on a
+model that ends its turns (examples/make_bpe_model.py's). To speak chat
 completions instead, give the Agent `OpenAIChatCompletionsModel(model=episode.model, openai_client=AsyncOpenAI(...))`
 (tests/unit/test_gateway_sdk.py does both).
 
 Its reward, from the final output alone: 1.0 when it holds the row's answer, else a tenth of the share of
-digits in it (so an untrained model has something to climb). A run that exceeds max_turns is an episode
-fault (the SDK raises MaxTurnsExceeded), counted in the step's line.
+digits in it (so an untrained model has something to climb).
 """
 
 from __future__ import annotations
 
-from agents import Agent, ModelSettings, OpenAIProvider, RunConfig, Runner, function_tool, set_tracing_disabled
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    ModelBehaviorError,
+    ModelSettings,
+    OpenAIProvider,
+    RunConfig,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 
 set_tracing_disabled(True)  # the SDK would otherwise export its traces to OpenAI's servers
 
@@ -50,6 +61,9 @@ async def solve(episode) -> float:
     provider = OpenAIProvider(base_url=episode.base_url, api_key=episode.api_key)  # the SDK's default model: the Responses API
     agent = Agent(name="adder", instructions="Answer with the number. Use the add tool to add.", tools=[add], model=episode.model,
                   model_settings=ModelSettings(parallel_tool_calls=False))
-    result = await Runner.run(agent, episode.row["prompt"], max_turns=episode.max_turns,
-                              run_config=RunConfig(model_provider=provider, tracing_disabled=True))
+    try:
+        result = await Runner.run(agent, episode.row["prompt"], max_turns=episode.max_turns,
+                                  run_config=RunConfig(model_provider=provider, tracing_disabled=True))
+    except (ModelBehaviorError, MaxTurnsExceeded):  # a response cut at the length, too many calls: the policy's doing
+        return 0.0
     return reward(str(result.final_output or ""), str(episode.row["answer"]))
