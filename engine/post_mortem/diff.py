@@ -241,7 +241,7 @@ def _stage_difference(ea: StepEvents, eb: StepEvents) -> StageDifference | None:
     sa, sb = ea.stages, eb.stages
     if sa is None or sb is None:
         return None
-    stage = first_stage(sa.as_dict(), sb.as_dict())
+    stage = first_stage(sa.to_dict(), sb.to_dict())
     if stage is None:
         return None
     out = StageDifference(stage, sa.summary.get(stage), sb.summary.get(stage))
@@ -340,6 +340,7 @@ def render_diff(d: Difference, a: Path, b: Path) -> str:
     if d.differs == ["length"]:
         assert d.step is not None  # the first step one run lacks
         return "\n".join([f"the runs agree up to step {d.step - 1}; {a} has {d.steps_a} steps, {b} has {d.steps_b}", *config])
+    assert d.step is not None  # the first step that differs
     lines = [f"first difference at step {d.step}: " + ", ".join(_NAMES.get(k, k) for k in d.differs), *config]
     for history, run in zip(d.topology or ((), ()), (a, b)):
         for entry in history:
