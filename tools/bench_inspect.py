@@ -73,10 +73,10 @@ def main() -> None:
         template = [events(s, rng) for s in range(1, 101)]
         t = time.perf_counter()
         with Journal.open_writer(run / "journal") as j:
-            j.set_meta("config", Config().to_dict())
-            j.set_meta("world_size", 1)
+            j.meta.set("config", Config().to_dict())
+            j.meta.set("world_size", 1)
             for a in range(1, args.steps + 1, 1000):
-                j.append_steps([(s, events(s, rng) if s == 77_777 else template[s % 100]) for s in range(a, min(args.steps, a + 999) + 1)])
+                j.writer.append_steps([(s, events(s, rng) if s == 77_777 else template[s % 100]) for s in range(a, min(args.steps, a + 999) + 1)])
         size = sum(p.stat().st_size for p in (run / "journal").glob("*.mdb"))
         print(f"built a {args.steps:,}-step journal ({size / 2**30:.2f} GiB) in {time.perf_counter() - t:.0f} s")
         mid = args.steps // 2

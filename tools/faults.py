@@ -802,7 +802,7 @@ def node_loss_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
         return Trial("node-loss", n, what, "BOUND EXCEEDED", f"committed {committed}, shipped {shipped}, bound {lag} + 1")
     if found.segments:
         with open_journal_reader(run / "journal") as j:  # what a recovery reads now: the segments alone
-            shipped_now, named = j.last_step(), [info["path"] for info in j.snapshots().values()]
+            shipped_now, named = j.last_step(), [info["path"] for info in j.meta.snapshots().values()]
         gone = [name for name in named if not (run / name).is_dir()]
         if gone and not torn:
             return Trial("node-loss", n, what, "SNAPSHOT LOST", f"the shipped journal names {', '.join(gone)}, deleted")
@@ -1095,7 +1095,7 @@ def bad_input_trials(root: Path, finished: Path, quick: bool = False) -> list[Tr
     newer = root / "newer"
     shutil.copytree(finished, newer, symlinks=True)
     with Journal.open_writer(newer / "journal") as j:
-        j.append_step(j.last_step() + 1, [{"type": "metrics", "v": 99, "values": {}}])
+        j.writer.append_step(j.last_step() + 1, [{"type": "metrics", "v": 99, "values": {}}])
     notarun = root / "notarun"
     notarun.mkdir()
     (notarun / "notes.txt").write_text("mine")

@@ -2,7 +2,7 @@
 
     RUN/journal  meta        identity: config, config_hash, seed, versions, topology, created,
                              git_commit, run_dir, reward_model digest; a fork's parent (its journal
-                             starts after the parent's step: Journal.start_after)
+                             starts after the parent's step: journal.writer.start_after)
                  meta        history: config_history (changes from a step on), topology_history
                              (world size / ZeRO stage / TP size changes from a step on, with the
                              rebased fingerprint), lineage (start, resume, fork), quarantined snapshots,
@@ -125,7 +125,7 @@ def open_writer(run_dir: Path, jc, claim: Claim) -> tuple[Journal, list[str]]:
     except BaseException:
         claim.release()
         raise
-    journal.compression_level = jc.compression_level
+    journal.writer.compression_level = jc.compression_level
     return journal, notes
 
 
@@ -231,7 +231,7 @@ def run_state(run_dir: Path) -> str:
         return "empty" if started else "none"
     with open_journal_reader(journal_dir(run_dir)) as journal:
         # a journal that holds a step is a run, whatever else it lacks: nothing discards it
-        if journal.last_step() == journal.base_step() and not journal.snapshots() and journal.get_meta(_PARENT) is None:
+        if journal.last_step() == journal.base_step() and not journal.meta.snapshots() and journal.meta.get(_PARENT) is None:
             return "empty"
     return "run"
 
@@ -290,7 +290,7 @@ def has_run(run_dir: Path) -> bool:
     if not journal_exists(run_dir):
         return False
     with open_journal_reader(journal_dir(run_dir)) as journal:
-        return journal.get_meta(_CONFIG) is not None
+        return journal.meta.get(_CONFIG) is not None
 
 
 _GROUP_PREFIX = b"episodes/"
@@ -330,12 +330,11 @@ class Ledger:
     def fence(self) -> None:
         """Before a write into the run directory: raise claim.FencedError unless this process still
         holds the run's writer claim (a writer that was taken over must touch nothing)."""
-        if self.journal.claim is not None:
-            self.journal.claim.check()
+        self.journal.store.fence()
 
     def make_durable(self) -> None:
         """Return once everything recorded so far is in the journal copy a recovery reads (shipped)."""
-        self.journal.make_durable()
+        self.journal.shipping.make_durable()
 
     @classmethod
     def open_reader(cls, run_dir: Path) -> Ledger:
@@ -363,15 +362,15 @@ class Ledger:
         if counterfactual:
             values[_COUNTERFACTUAL] = counterfactual
         if parent is None:
-            self.journal.update_meta(values)
+            self.journal.meta.update(values)
         else:
             # None for a fork at its parent's own base step, whose record the parent's journal does not
             # hold (Journal.chain_hash): stored as it is given, as before
-            self.journal.start_after(base_step, cast(str, chain_base), {**values, _PARENT: parent})
+            self.journal.writer.start_after(base_step, cast(str, chain_base), {**values, _PARENT: parent})
 
     def identity(self) -> dict[str, Any]:
         """Everything recorded about the run (config, versions, topology, ...)."""
-        return self.journal.meta()
+        return self.journal.meta.all()
 
     def loaded(self) -> Loaded:
         """What the trainer loaded when the run started (a resume checks it is the same)."""
@@ -379,11 +378,11 @@ class Ledger:
 
     def get(self, key: str, default: Any = None) -> Any:
         """One identity fact (e.g. 'world_size', 'reward_model_digest')."""
-        return self.journal.get_meta(key, default)
+        return self.journal.meta.get(key, default)
 
     def parent(self) -> dict | None:
         """The parent as stored (ParentRun's map): what the post-mortem readers show."""
-        return self.journal.get_meta(_PARENT)
+        return self.journal.meta.get(_PARENT)
 
     def parent_run(self) -> ParentRun | None:
         """A fork's (or a what-if's) parent; None for a run that was not forked."""
@@ -402,7 +401,7 @@ class Ledger:
     def counterfactual(self) -> dict | None:
         """A what-if's Counterfactual, as stored (the map crosses ranks as it is); None for a run
         trained on its own samples."""
-        return self.journal.get_meta(_COUNTERFACTUAL)
+        return self.journal.meta.get(_COUNTERFACTUAL)
 
     def whatif_of(self) -> Counterfactual | None:
         """A what-if's Counterfactual: the run whose samples it trains on; None for a run trained on its own samples."""
@@ -418,14 +417,14 @@ class Ledger:
     # ------------------------------------------------------------------ config history
 
     def first_config(self) -> dict:
-        cfg = self.journal.get_meta(_CONFIG)
+        cfg = self.journal.meta.get(_CONFIG)
         if cfg is None:
             raise RunError(f"{self.journal.path.parent} has a journal but no stored config; it was not written by verlj train")
         return stored_config(cfg)
 
     def config_history(self) -> list[ConfigEntry]:
         """The changes made on resume, in order."""
-        return _config_changes(self.journal.get_meta(_HISTORY))
+        return _config_changes(self.journal.meta.get(_HISTORY))
 
     def config_at(self, step: int) -> dict:
         """The config in force for `step` (the run's first config, then each recorded change)."""
@@ -436,13 +435,13 @@ class Ledger:
         return self.history().configs_in(first, last)
 
     def record_config_change(self, from_step: int, config: dict) -> None:
-        self.journal.set_meta(_HISTORY, [*(self.journal.get_meta(_HISTORY) or []), ConfigEntry(from_step, config).to_dict()])
+        self.journal.meta.set(_HISTORY, [*(self.journal.meta.get(_HISTORY) or []), ConfigEntry(from_step, config).to_dict()])
 
     # ------------------------------------------------------------------ topology history
 
     def topology_history(self) -> list[dict]:
         """The TopologyChange entries as stored (what the post-mortem readers show)."""
-        return list(self.journal.get_meta(_TOPOLOGY) or [])
+        return list(self.journal.meta.get(_TOPOLOGY) or [])
 
     def topology_changes(self) -> list[TopologyChange]:
         """The resumes that changed the world size, ZeRO stage or TP size, in order."""
@@ -465,14 +464,14 @@ class Ledger:
 
     def record_topology_change(self, from_step: int, topology: dict, details: dict) -> None:
         """A TopologyChange: `details` is TopologyChange.details() (how the resume got there)."""
-        self.journal.set_meta(_TOPOLOGY, [*self.topology_history(), {"from_step": from_step, "topology": topology, **details}])
+        self.journal.meta.set(_TOPOLOGY, [*self.topology_history(), {"from_step": from_step, "topology": topology, **details}])
 
     # ------------------------------------------------------------------ lineage
 
     def lineage_entries(self) -> list[LineageEntry]:
         """start / fork / what-if / resume entries, oldest first (runs from before this entry existed
         start with a resume); a fork's names its parent."""
-        entries = [LineageEntry.from_dict(e) for e in self.journal.get_meta(_LINEAGE) or []]
+        entries = [LineageEntry.from_dict(e) for e in self.journal.meta.get(_LINEAGE) or []]
         parent = self.parent()
         if parent is not None and not any(e.forked for e in entries):
             entries.insert(0, LineageEntry(ControlKind.FORK, ParentRun.from_dict(parent).step))
@@ -488,7 +487,7 @@ class Ledger:
         moved = [f"{k} {before[k]} → {v}" for k, v in now.items() if k in before and before[k] != v]
         entry = LineageEntry(ControlKind.RESUME, at_step, snapshot_step, config_changes, world_size, now_iso(), now,
                              resume_from if resume_from not in (None, "auto") else None, moved or None)
-        self.journal.set_meta(_LINEAGE, [*(self.journal.get_meta(_LINEAGE) or []), entry.to_dict()])
+        self.journal.meta.set(_LINEAGE, [*(self.journal.meta.get(_LINEAGE) or []), entry.to_dict()])
         return moved
 
     def produced_on(self) -> list:
@@ -513,28 +512,28 @@ class Ledger:
 
     def snapshot_index(self) -> dict[int, SnapshotEntry]:
         """step -> its SnapshotEntry, oldest first."""
-        return {step: SnapshotEntry.from_dict(info) for step, info in self.journal.snapshots().items()}
+        return {step: SnapshotEntry.from_dict(info) for step, info in self.journal.meta.snapshots().items()}
 
     def index_snapshot(self, step: int, entry: SnapshotEntry) -> None:
-        self.journal.add_snapshot(step, entry.to_dict())
+        self.journal.meta.add_snapshot(step, entry.to_dict())
 
     def unindex_snapshot(self, step: int) -> None:
-        self.journal.remove_snapshot(step)
+        self.journal.meta.remove_snapshot(step)
 
     def quarantined(self) -> list[dict]:
         """Snapshots found damaged and moved aside: [{name, step, reason, path, time}]."""
-        return self.journal.get_meta(_QUARANTINE) or []
+        return self.journal.meta.get(_QUARANTINE) or []
 
     def record_quarantine(self, entry: dict) -> None:
-        self.journal.set_meta(_QUARANTINE, [*self.quarantined(), {**entry, "time": now_iso()}])
+        self.journal.meta.set(_QUARANTINE, [*self.quarantined(), {**entry, "time": now_iso()}])
 
     def missing(self) -> list[dict]:
         """Snapshots the index named that were not on disk (deleted by hand?), which a resume removed
         from the index: [{name, step, reason, time}]."""
-        return self.journal.get_meta(_MISSING) or []
+        return self.journal.meta.get(_MISSING) or []
 
     def record_missing(self, entry: dict) -> None:
-        self.journal.set_meta(_MISSING, [*self.missing(), {**entry, "time": now_iso()}])
+        self.journal.meta.set(_MISSING, [*self.missing(), {**entry, "time": now_iso()}])
 
     # ------------------------------------------------------------------ retention
 
@@ -550,14 +549,14 @@ class Ledger:
         values = {_group_key(g.group): g.to_dict() for g in groups}
         values.update({_call_key(int(g), e, k): d for g, e, k, d in calls})
         drop = [_group_key(int(g)) for g in settled] + [_call_key(int(g), e, k) for g, e, k in dropped]
-        self.journal.put_pending(values, drop, [_call_key(int(g)) for g in settled])
+        self.journal.pending.put(values, drop, [_call_key(int(g)) for g in settled])
 
     def in_flight(self) -> dict[int, GroupInFlight]:
         """The groups of episodes made durable and not yet forgotten, by group id (a resume keeps those
         still asked); an agent group's calls read back in order into its `agent_calls`."""
         out: dict[int, GroupInFlight] = {}
         calls: dict[int, dict[int, dict[int, dict]]] = {}
-        for key, value in self.journal.pending().items():
+        for key, value in self.journal.pending.entries().items():
             if key.startswith(_GROUP_PREFIX):
                 try:
                     state = GroupInFlight.from_dict(value)
@@ -573,17 +572,17 @@ class Ledger:
 
     def pruned_through(self) -> int:
         """The last step whose samples retention removed from the journal (0: none)."""
-        return self.journal.pruned_through()
+        return self.journal.retention.pruned_through()
 
     def archive_entries(self) -> list[ArchiveEntry]:
         """The archived samples of pruned steps, oldest first."""
-        return [ArchiveEntry.from_dict(e) for e in self.journal.get_meta(_ARCHIVE) or []]
+        return [ArchiveEntry.from_dict(e) for e in self.journal.meta.get(_ARCHIVE) or []]
 
     def prune(self, through: int, archived: ArchiveEntry | None = None) -> tuple[int, int]:
         """Remove the samples of steps through `through`, indexing their archive file in the same
         transaction. Returns (steps pruned, bytes freed)."""
-        meta = {_ARCHIVE: [*(self.journal.get_meta(_ARCHIVE) or []), archived.to_dict()]} if archived else None
-        return self.journal.prune(through, meta)
+        meta = {_ARCHIVE: [*(self.journal.meta.get(_ARCHIVE) or []), archived.to_dict()]} if archived else None
+        return self.journal.retention.prune(through, meta)
 
     # ------------------------------------------------------------------ metrics
 
@@ -620,7 +619,7 @@ class Ledger:
             samples_seen=samples_seen,
             last_save_time=now_iso() if saved else old.last_save_time,
             last_snapshot=index[max(index)].path if index else None,
-            git_commit=self.journal.get_meta(_GIT_COMMIT),
+            git_commit=self.journal.meta.get(_GIT_COMMIT),
             config_hash=config_hash,
             resume_from=resume_from if resume_from is not None else old.resume_from,
         ).to_dict())

@@ -354,11 +354,11 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
         failpoint("step.before_commit")  # the update is done, the journal does not know it yet
         t_commit = time.perf_counter()
         events = control + inputs.events() + outcome.events() + evaluated
-        rt.from_rank0(lambda: run.main_ledger().journal.append_step(step, events), f"the journal commit of step {step}")
+        rt.from_rank0(lambda: run.main_ledger().journal.writer.append_step(step, events), f"the journal commit of step {step}")
         control = []
         # the commit's own time cannot be in the record it commits: it goes to the logs only
         logged = {**outcome.metrics, "timing_s/commit": time.perf_counter() - t_commit}
-        shipper = ledger.journal.shipper if ledger is not None else None
+        shipper = ledger.journal.shipping.shipper if ledger is not None else None
         if shipper is not None:
             logged.update({"journal/ship_lag_steps": shipper.lag(), "timing_s/ship_cpu": shipper.cpu_seconds - ship_cpu})
             ship_cpu = shipper.cpu_seconds

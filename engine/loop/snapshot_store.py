@@ -12,7 +12,7 @@
 Publishing: manifest written and fsynced, the directory renamed into place, the run directory
 fsynced, then indexed in the ledger, then `latest` swapped, then rotation. Rotation unindexes
 before it deletes, so a half-deleted snapshot is never offered, and deletes only once the copy of
-the journal a recovery would read records the unindexing (``Journal.make_durable``: with
+the journal a recovery would read records the unindexing (``journal.shipping.make_durable``: with
 journal.local_dir, once it is shipped), so a node lost at any moment never leaves a run whose
 journal names only deleted snapshots. Every rename and delete first checks the writer's claim on
 the run (``Ledger.fence``): a writer that was taken over touches nothing. Only rank 0 calls the

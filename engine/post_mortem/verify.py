@@ -223,7 +223,7 @@ def _verify_segments(report: RunReport, run_dir: Path, ledger: Ledger | None) ->
         report.journal_lines.append(f"✓ Journal segments: {len(found.segments)} sealed in {segments.segment_dir(jd)} "
                                     f"({held}{size}), steps through {shipped}; digests, links and hash chain verified")
     elif found.problem_at_end:  # a torn or damaged last segment: what --resume does with it, not a refusal
-        live = ledger is not None and ledger.last_step() > shipped and ledger.journal.shipped_problem is None
+        live = ledger is not None and ledger.last_step() > shipped and ledger.journal.shipping.problem is None
         if live:
             then = "`verlj train --resume` ships its steps again from the local journal; nothing is lost"
         elif found.lost_steps is None:
@@ -238,7 +238,7 @@ def _verify_segments(report: RunReport, run_dir: Path, ledger: Ledger | None) ->
         report.journal_ok = False
         report.journal_lines.append(f"✗ journal segments: {found.problem}")
         report.advice = damaged_journal_advice(run_dir, found.problem, shipped, ledger.base_step() if ledger else 0)
-    if ledger is not None and ledger.journal.shipped_problem is None and ledger.last_step() > shipped:
+    if ledger is not None and ledger.journal.shipping.problem is None and ledger.last_step() > shipped:
         report.journal_lines.append(f"· the local journal at {ledger.journal.path} holds steps through {ledger.last_step()} "
                                     f"({ledger.last_step() - shipped} not shipped yet)")
 

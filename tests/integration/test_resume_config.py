@@ -47,7 +47,7 @@ def test_resume_from_applies_to_the_resume_that_names_it(copy):
 
 def test_library_versions_that_changed_since_the_last_start_are_said_and_recorded(copy):
     with Journal.open_writer(copy / "journal") as j:
-        j.set_meta("versions", {**j.get_meta("versions"), "transformers": "0.0.1"})
+        j.meta.set("versions", {**j.meta.get("versions"), "transformers": "0.0.1"})
     out = train(copy, *SMALL, "trainer.total_steps=5", resume=True)
     assert out.returncode == 0, out.stderr[-3000:]
     import transformers

@@ -47,7 +47,7 @@ def run(tmp_path):
     cfg = make_config(None, ["trainer.total_steps=6"])
     ledger.start({"config": cfg.to_stored(), "world_size": 2, "tensor_parallel_size": 1, "versions": {"torch": "1"}})
     for s in range(1, 7):
-        j.append_step(s, [make_event("metrics", values={"loss": s / 10}), make_event("state", fingerprint=fp(s), parts={})])
+        j.writer.append_step(s, [make_event("metrics", values={"loss": s / 10}), make_event("state", fingerprint=fp(s), parts={})])
     yield tmp_path, ledger
     j.close()
 
@@ -117,7 +117,7 @@ def test_the_ledgers_records_store_the_maps_of_the_previous_release(run):
                                                  "checked_steps", "max_deviation", "rebased"]
     assert list(change.control_details()) == ["from", "to", "snapshot_step", "resharded", "replayed", "tolerance", "checked_steps",
                                               "max_deviation", "rebased"]
-    assert list(ledger.journal.snapshots()[4]) == ["path", "fingerprint", "manifest", "time"]
+    assert list(ledger.journal.meta.snapshots()[4]) == ["path", "fingerprint", "manifest", "time"]
     assert meta["archive"] == [{"file": "steps_0000000001-0000000002.parquet", "first": 1, "last": 2, "rows": 8, "bytes": 100,
                                 "digest": "d" * 64}]
     assert list(meta["archive"][0]) == ["file", "first", "last", "rows", "bytes", "digest"]
@@ -354,8 +354,8 @@ def test_an_agent_groups_calls_are_kept_one_key_a_call_and_read_back_in_order(ru
 
     _, ledger = run
     writes = []
-    put = ledger.journal.put_pending
-    ledger.journal.put_pending = lambda values, *a: (writes.append(len(values)), put(values, *a))[1]
+    put = ledger.journal.pending.put
+    ledger.journal.pending.put = lambda values, *a: (writes.append(len(values)), put(values, *a))[1]
 
     def call(i):
         return Call(f'{{"i":{i}}}', f"d{i}", np.arange(4 + i), np.arange(i % 3 + 1), np.full(i % 3 + 1, -0.25 * i, np.float32), f"réponse {i}".encode())
@@ -377,4 +377,4 @@ def test_an_agent_groups_calls_are_kept_one_key_a_call_and_read_back_in_order(ru
     assert len(AgentCalls.from_json(ledger.in_flight()[5].agent_calls[0]).calls) == 4
     ledger.keep_in_flight([entry(6)], [5], [(6, 1, 0, call(7).to_dict())])  # group 5 in a committed step: it and its calls forgotten
     assert list(ledger.in_flight()) == [6] and ledger.in_flight()[6].agent_calls[0] == ""
-    assert not [k for k in ledger.journal.pending() if k.startswith(b"agentcalls/") and k[11:19] == (5).to_bytes(8, "big")]
+    assert not [k for k in ledger.journal.pending.entries() if k.startswith(b"agentcalls/") and k[11:19] == (5).to_bytes(8, "big")]

@@ -80,7 +80,7 @@ def test_a_new_event_type_declares_itself_and_round_trips(tmp_path, monkeypatch)
     call = Call(np.arange(3, dtype=np.int32))
     assert list(call.to_event()) == ["type", "v", "tokens"] and Call.UPCASTERS == {}
     with Journal.open_writer(tmp_path / "j") as j:
-        j.append_step(1, [call.to_event()])
+        j.writer.append_step(1, [call.to_event()])
 
     del registry._DECLARED["probe.call"]  # the next release of the same code: its class says v2 instead
 
