@@ -407,7 +407,7 @@ def completion_problems(run: Path, kept: dict[int, str], counts: Counter, resume
         problems.append("verify --deep: " + next((line.strip() for line in out.stdout.splitlines() if "✗" in line), out.stderr.strip()[-200:]))
     with open_run(run) as ledger:
         acc = group_accounting(ledger)
-        cfg = config_from_dict(ledger.identity()["config"])
+        cfg = config_from_dict(ledger.identity.all()["config"])
         records = list(ledger.journal.iter_steps())
     size = len(load_data(cfg.data, cfg.trainer.seed).train)
     want = Sampler(size, cfg.trainer.seed).draw(len(acc.rows)).tolist()
@@ -506,7 +506,7 @@ def _durable(run: Path) -> dict:
     with Ledger.open_reader(run) as ledger:
         last = ledger.last_step()
         out = {}
-        for g, state in ledger.in_flight().items():
+        for g, state in ledger.in_flight.groups().items():
             cut = state.before(sum(v <= last for v in state.versions))
             if cut is not None:
                 out[g] = cut

@@ -9,11 +9,17 @@ journal, no torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 from ..schema.events import ControlKind
 from ..schema.record import Record, stored
 
 OPT = stored(optional=True)  # left out of the stored map while None (the maps of releases from before the field)
+
+
+def now_iso() -> str:
+    """Now, as the records store a time (UTC, to the second)."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class Counterfactual(Record):
 class LineageEntry(Record):
     """A start, fork, what-if or resume of the run. A resume says from which snapshot, the config keys it
     changed, its world size and library versions (and those that moved since), and the
-    trainer.resume_from it was asked for. `parent`: a fork's, filled in by Ledger.lineage_entries (never stored)."""
+    trainer.resume_from it was asked for. `parent`: a fork's, filled in by ledger.lineage.entries (never stored)."""
 
     kind: ControlKind
     at_step: int
@@ -185,7 +191,7 @@ class History(Record):
     first_config: dict
     config_changes: list[ConfigEntry]  # the changes made on resume, in order
     topology_start: dict  # {world_size, tensor_parallel_size, zero_stage} of the run's start
-    topology_changes: list[TopologyChange]  # in order (Ledger.topology_changes)
+    topology_changes: list[TopologyChange]  # in order (ledger.identity.topology_changes)
     # [after_step, versions]: what the start (-1) and each resume ran on (versions and hardware: loop.provenance)
     produced_on: list = field(default_factory=list)
 

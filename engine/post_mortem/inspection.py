@@ -33,9 +33,9 @@ import numpy as np
 from ..config import config_from_stored
 from ..errors import RunError
 from ..loop import archive
-from ..loop.ledger import Counterfactual, Ledger, LineageEntry, ParentRun, open_run, writer_dir
+from ..loop.ledger import Ledger, open_run, writer_dir
 from ..loop.reader import StepReader
-from ..loop.records import attempt_at
+from ..loop.records import Counterfactual, LineageEntry, ParentRun, attempt_at
 from ..rl.vocab import text_decoder
 from ..schema import table
 from ..schema.events import ConfigChange, Control, ControlKind, Eval, Requests, Rollout, StepEvents
@@ -82,7 +82,7 @@ def _order(r: Rollout) -> str:
 
 @dataclass(frozen=True)
 class Identity:
-    """What inspect shows of a run's identity (Ledger.identity); a fact it lacks is None."""
+    """What inspect shows of a run's identity (ledger.identity.all()); a fact it lacks is None."""
 
     config_hash: str | None = None
     config: dict | None = None  # as stored (--json shows it so); read through config_from_stored
@@ -206,13 +206,13 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
 
     run_dir = Path(run_dir)
     with open_run(run_dir) as ledger:
-        identity = _view(Identity, ledger.identity())
-        lineage = ledger.lineage_entries()
-        topology = ledger.topology_history()
-        quarantined = ledger.quarantined()
-        missing = ledger.missing()
+        identity = _view(Identity, ledger.identity.all())
+        lineage = ledger.lineage.entries()
+        topology = ledger.identity.topology_history()
+        quarantined = ledger.snapshots.quarantined()
+        missing = ledger.snapshots.missing()
         last, base = ledger.last_step(), ledger.base_step()
-        indexed = {e.path for e in ledger.snapshot_index().values()}
+        indexed = {e.path for e in ledger.snapshots.index().values()}
         ranks_now = Topology(**ledger.topology_at(last)).world_size
         last_summary = ledger.journal.read_summary(last) if last > base else None
         rollout = StepEvents.of(last_summary).rollout if last_summary else None

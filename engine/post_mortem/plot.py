@@ -24,8 +24,8 @@ def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) ->
     import matplotlib.pyplot as plt
 
     with open_run(run_dir) as ledger:
-        snaps = sorted(ledger.snapshot_index())
-        resumes = ledger.resume_steps()
+        snaps = sorted(ledger.snapshots.index())
+        resumes = ledger.lineage.resume_steps()
     n = max(1, len(cols))
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 * n), sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], cols):

@@ -18,7 +18,8 @@ from verlj.journal import JournalError, NotAJournalError, segments, unpackb, ver
 
 from ..errors import ConfigError, HardwareDivergence, RunError
 from ..loop import archive
-from ..loop.ledger import Ledger, SnapshotEntry, journal_dir, journal_exists, lost_journal
+from ..loop.ledger import Ledger, journal_dir, journal_exists, lost_journal
+from ..loop.records import SnapshotEntry
 from ..loop.recovery import damaged_journal_advice
 from ..loop.snapshot_store import ADOPT, UNINDEX, Leftover, SnapshotStore
 from ..schema.events import StepEvents
@@ -150,14 +151,14 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
             report.last_step = ledger.last_step()
             report.last_good_step = jr.last_good_step
             try:
-                index = ledger.snapshot_index()
-                report.quarantined = ledger.quarantined()
-                report.missing = ledger.missing()
+                index = ledger.snapshots.index()
+                report.quarantined = ledger.snapshots.quarantined()
+                report.missing = ledger.snapshots.missing()
             except JournalError:
                 index = None
             try:
                 fps = ledger.fingerprints()
-                base = ledger.base_fingerprint()
+                base = ledger.identity.base_fingerprint()
                 if base is not None:  # a fork's base snapshot: the state it started from
                     fps.setdefault(ledger.base_step(), base)
             except JournalError:
@@ -250,7 +251,7 @@ def _verify_retention(report: RunReport, run_dir: Path, ledger: Ledger, jr) -> N
         report.journal_lines.append(f"✓ Retention: the samples of {jr.pruned} steps through step {jr.pruned_through} were pruned "
                                     "(journal.retain_samples); their records, summaries and place in the hash chain remain and were verified")
     try:
-        entries = ledger.archive_entries()
+        entries = ledger.retention.archive_entries()
     except JournalError as e:
         report.archive_ok = False
         report.journal_lines.append(f"✗ rollout archive index: {e}")
@@ -289,7 +290,7 @@ def _verify_accounting(report: RunReport, ledger: Ledger) -> None:
     dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(acc.dropped.items())) or "0"
     counts = (f"{acc.asked} groups asked, {acc.arrived} arrived ({acc.regenerated} asked again after a stop), "
               f"{acc.in_flight} in flight; samples: {acc.trained} trained, {dropped} dropped, {acc.waiting} waiting")
-    durable = ledger.in_flight()  # rollout.env: groups of episodes made durable turn by turn (rl.episodes)
+    durable = ledger.in_flight.groups()  # rollout.env: groups of episodes made durable turn by turn (rl.episodes)
     if durable:
         uncommitted = len(set(durable) - acc.all_asked)  # asked in a step that never committed: taken up if asked again
         held = [durable[g] for g in acc.in_flight_groups if g in durable]
@@ -376,7 +377,7 @@ def _indexed(info: SnapshotEntry) -> tuple[str, str | None]:
 
 def _rotated_away(ledger: Ledger, step: int | None, path: Path) -> bool:
     try:
-        return step not in ledger.snapshot_index() and not path.exists()
+        return step not in ledger.snapshots.index() and not path.exists()
     except JournalError:
         return False
 
