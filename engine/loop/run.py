@@ -391,7 +391,7 @@ class InFlightEpisodes:
         return {g.group: g for g in map(GroupInFlight.from_dict, got)}
 
     def attempt(self, step: int) -> int:
-        return self.run.rt.from_rank0(lambda: attempt_at(self.run.main_ledger().lineage_entries(), step), "reading the run's lineage")
+        return self.run.rt.from_rank0(lambda: attempt_at(self.run.main_ledger().lineage.entries(), step), "reading the run's lineage")
 
 
 def fork_config(old: dict, overrides: list[str], new_run: Path) -> tuple[Config, list[str]]:

@@ -500,7 +500,7 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
         record = StepReader(ledger.journal).read(step)
         ev = StepEvents.of(record)
         decoder = text_decoder(ledger.config_at(step))
-        attempt, cfg = attempt_at(ledger.lineage_entries(), step), config_from_stored(ledger.config_at(step), unknown="none")
+        attempt, cfg = attempt_at(ledger.lineage.entries(), step), config_from_stored(ledger.config_at(step), unknown="none")
         if attempt > 1 and cfg is not None and cfg.rollout.agent:
             note = f"attempt {attempt}: this step began in {attempt} processes, its agents run again in each (the run's lineage)"
         cols = None
