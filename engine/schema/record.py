@@ -86,6 +86,10 @@ class _Plan:
     nullable: bool
     encode: Callable[[Any], Any] | None  # None: stored as it is
     decode: Callable[[Any], Any]
+    # what the loops ask of each field, flat (they run for every event read or written)
+    with_: str | None = None
+    optional: bool = False
+    none_is_missing: bool = False  # a stored None reads as the `missing` value (a field that may not be None)
 
     def absent(self) -> Any:
         """The value of a field whose key the map lacks."""
@@ -164,7 +168,8 @@ def _plan_of(cls: type) -> tuple[_Plan, ...]:
         if nullable:
             decode = (lambda d: lambda v: None if v is None else d(v))(decode)
             encode = None if encode is None else (lambda e: lambda v: None if v is None else e(v))(encode)
-        out.append(_Plan(f.name, decl.key or f.name, decl, f, nullable, encode, decode))
+        out.append(_Plan(f.name, decl.key or f.name, decl, f, nullable, encode, decode, decl.with_, decl.optional,
+                         not nullable and decl.missing is not NOTHING))
     plan = tuple(out)
     names = {p.name for p in plan}
     for p in plan:
@@ -189,7 +194,7 @@ class Record:
         written: set[str] = set()
         for p in _plan_of(type(self)):
             value = getattr(self, p.name)
-            if (p.decl.with_ is not None and p.decl.with_ not in written) or (p.decl.optional and p.is_default(value)):
+            if (p.with_ is not None and p.with_ not in written) or (p.optional and p.is_default(value)):
                 continue
             out[p.key] = value if p.encode is None else p.encode(value)
             written.add(p.name)
@@ -201,13 +206,12 @@ class Record:
         values: dict[str, Any] = {}
         present: set[str] = set()
         for p in _plan_of(cls):
-            if p.decl.with_ is not None and p.decl.with_ not in present:
+            if p.with_ is not None and p.with_ not in present:
                 continue  # its leader is not there: the field keeps its default
             if p.key in data:
                 present.add(p.name)
                 raw = data[p.key]
-                use_missing = raw is None and not p.nullable and p.decl.missing is not NOTHING
-                values[p.name] = p.absent() if use_missing else p.decode(raw)
+                values[p.name] = p.absent() if raw is None and p.none_is_missing else p.decode(raw)
             else:
                 values[p.name] = p.absent()
         return cls(**values)
