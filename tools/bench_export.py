@@ -45,10 +45,10 @@ def make_run(run: Path, steps: int, samples: int, prompt: int, response: int) ->
                             policy_version=step - 1) for k in range(samples)]
             batch.append((step, [Added(np.arange(g, g + samples), pack(group)).to_event(), Metrics({"critic/score/mean": 0.0}).to_event()]))
             if len(batch) == 1000:
-                j.append_steps(batch)
+                j.writer.append_steps(batch)
                 batch = []
         if batch:
-            j.append_steps(batch)
+            j.writer.append_steps(batch)
 
 
 def phase(name: str, run: Path, out: Path) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from verlj.journal import CodecError, Journal, JournalError, SchemaError, StepRecord
 from verlj.journal.frames import GENESIS, StepFrame, digest
-from verlj.journal.store import CHAIN_BASE
+from verlj.journal.lmdb_env import CHAIN_BASE
 
 from ..errors import ReplayError
 
@@ -144,5 +144,5 @@ class StepReader:
                 return StepFrame.parse(raw).chain if raw is not None else b""
             except JournalError:
                 return b""
-        base = journal.get_meta(CHAIN_BASE)
+        base = journal.meta.get(CHAIN_BASE)
         return bytes.fromhex(base) if base else GENESIS

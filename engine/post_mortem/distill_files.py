@@ -284,13 +284,13 @@ def _schema(fmt: str, spec: Spec, form: Form):
 
 def run_identity(ledger: Ledger, run_dir: Path, spec: Spec) -> RunIdentity:
     """What names the run an export came from: the manifest's ``run``, what verify checks a run against."""
-    rec = _view(Recorded, ledger.identity())
+    rec = _view(Recorded, ledger.identity.all())
     try:
         chain = ledger.journal.chain_hash(spec.last)
     except JournalError:  # its frame unreadable: the step was left out, and said
         chain = None
     return RunIdentity(run_dir.resolve().name, str(run_dir.resolve()), rec.created, rec.config_hash, rec.seed, rec.git_commit,
-                       ledger.base_step(), ledger.parent(), ledger.counterfactual(), chain)
+                       ledger.base_step(), ledger.identity.parent(), ledger.identity.counterfactual(), chain)
 
 
 def _check_output(out: Path) -> None:

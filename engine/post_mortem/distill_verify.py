@@ -81,7 +81,7 @@ def verify_export(path: Path, run_dir: Path) -> ExportReport:
     rep = ExportReport(str(path), str(run_dir), m.kind)
     named = m.run
     with open_run(run_dir) as ledger:
-        here = _view(Recorded, ledger.identity())
+        here = _view(Recorded, ledger.identity.all())
         if (here.created, here.config_hash) != (named.created, named.config_hash):
             rep.ok = False
             rep.lines.append(f"✗ {path} was exported from another run (made {named.created}, config hash {named.config_hash}); "

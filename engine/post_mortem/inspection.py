@@ -2,15 +2,12 @@
 
     verlj inspect RUN                      # summary: config, versions, steps, snapshots, lineage, trend
     verlj inspect RUN --step 1247          # everything journaled at step 1247, samples as text
-    verlj metrics RUN --names actor/pg_loss --steps 100:200 [--csv | --jsonl | --plot out.png]
-    verlj find RUN --where 'actor/grad_norm > 10'
-    verlj diff RUN_A RUN_B                 # the first step where two runs differ (post_mortem.diff)
 
-Metrics, find and diff read the journal's summary sub-database (no samples), so they stream a long
-run quickly; a single step is one key lookup.
+`verlj metrics` and `verlj find` are post_mortem.metrics's, `verlj diff` post_mortem.diff's. A single
+step is one key lookup.
 
-Each command's answer is a frozen dataclass here (:class:`RunSummary`, :class:`StepDetail`,
-:class:`Match`; diff's :class:`Difference` is in post_mortem.diff, and importable from here as before):
+Each command's answer is a frozen dataclass here (:class:`RunSummary`, :class:`StepDetail`; diff's
+:class:`Difference` is in post_mortem.diff, and importable from here as before):
 ``to_json()`` is its ``--json`` form, ``render_*`` its text.
 Journal records are read through ``schema.events.StepEvents``; the ledger's own entries through its
 typed records (loop.ledger: LineageEntry, TopologyChange, Counterfactual, ...), shown in ``--json``
@@ -20,10 +17,7 @@ missing snapshots) and the probe files through the views below.
 
 from __future__ import annotations
 
-import json
 import math
-import operator
-import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -33,9 +27,9 @@ import numpy as np
 from ..config import config_from_stored
 from ..errors import RunError
 from ..loop import archive
-from ..loop.ledger import Counterfactual, Ledger, LineageEntry, ParentRun, open_run, writer_dir
+from ..loop.ledger import Ledger, open_run, writer_dir
 from ..loop.reader import StepReader
-from ..loop.records import attempt_at
+from ..loop.records import Counterfactual, LineageEntry, ParentRun, attempt_at
 from ..rl.vocab import text_decoder
 from ..schema import table
 from ..schema.events import ConfigChange, Control, ControlKind, Eval, Requests, Rollout, StepEvents
@@ -53,7 +47,6 @@ from .diff import (  # noqa: F401 - `verlj diff`'s answer, re-exported from wher
     first_difference,
     render_diff,
 )
-from .steps import parse_steps
 from .views import TIMING, Deviation, Snapshot, _json, _view, topology_line  # noqa: F401 - TIMING and Deviation: importable from here as before
 
 REWARD = "critic/score/mean"  # the summary's trend
@@ -82,7 +75,7 @@ def _order(r: Rollout) -> str:
 
 @dataclass(frozen=True)
 class Identity:
-    """What inspect shows of a run's identity (Ledger.identity); a fact it lacks is None."""
+    """What inspect shows of a run's identity (ledger.identity.all()); a fact it lacks is None."""
 
     config_hash: str | None = None
     config: dict | None = None  # as stored (--json shows it so); read through config_from_stored
@@ -206,13 +199,13 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
 
     run_dir = Path(run_dir)
     with open_run(run_dir) as ledger:
-        identity = _view(Identity, ledger.identity())
-        lineage = ledger.lineage_entries()
-        topology = ledger.topology_history()
-        quarantined = ledger.quarantined()
-        missing = ledger.missing()
+        identity = _view(Identity, ledger.identity.all())
+        lineage = ledger.lineage.entries()
+        topology = ledger.identity.topology_history()
+        quarantined = ledger.snapshots.quarantined()
+        missing = ledger.snapshots.missing()
         last, base = ledger.last_step(), ledger.base_step()
-        indexed = {e.path for e in ledger.snapshot_index().values()}
+        indexed = {e.path for e in ledger.snapshots.index().values()}
         ranks_now = Topology(**ledger.topology_at(last)).world_size
         last_summary = ledger.journal.read_summary(last) if last > base else None
         rollout = StepEvents.of(last_summary).rollout if last_summary else None
@@ -507,7 +500,7 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
         record = StepReader(ledger.journal).read(step)
         ev = StepEvents.of(record)
         decoder = text_decoder(ledger.config_at(step))
-        attempt, cfg = attempt_at(ledger.lineage_entries(), step), config_from_stored(ledger.config_at(step), unknown="none")
+        attempt, cfg = attempt_at(ledger.lineage.entries(), step), config_from_stored(ledger.config_at(step), unknown="none")
         if attempt > 1 and cfg is not None and cfg.rollout.agent:
             note = f"attempt {attempt}: this step began in {attempt} processes, its agents run again in each (the run's lineage)"
         cols = None
@@ -596,126 +589,3 @@ def render_step(d: StepDetail) -> str:
             name = k.split("/")[1]
             lines.append(f"  {k:32s} {d.probe_metrics[k]:.6g}  (version {probe_versions.get(name)})")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- metrics, find
-
-
-def metric_rows(run_dir: Path, names: list[str] | None, steps: str | None) -> tuple[list[str], list[dict]]:
-    """The metric names shown and one row a step: {"step": step, name: value, ...} (--jsonl's lines)."""
-    start, stop = parse_steps(steps)
-    rows, seen, at = [], set(), []
-    probed = derived.values(run_dir)  # `verlj replay --probe`'s, beside the journal
-    with open_run(run_dir) as ledger:
-        for step, values in ledger.metrics(start, stop):
-            values = {**values, **probed.get(step, {})}
-            seen |= set(values)
-            rows.append({"step": step, **(values if names is None else {k: values.get(k) for k in names})})
-            at.append(step)
-    if names is not None:
-        unknown = [n for n in names if n not in seen]
-        if unknown and rows:  # measured after a step's commit, some metrics are only in the logs
-            logged = _logged_only(Path(run_dir) / "metrics.jsonl", set(unknown))
-            for step, row in zip(at, rows):
-                row.update(logged.get(step, {}))
-            found = {k for values in logged.values() for k in values}
-            unknown = [n for n in unknown if n not in found]
-        if unknown and rows:
-            raise RunError(f"unknown metric {unknown[0]!r}; this run has: {', '.join(sorted(seen))}")
-        cols = names
-    else:
-        cols = sorted(seen)
-    return cols, rows
-
-
-def _logged_only(path: Path, names: set[str]) -> dict[int, dict[str, float]]:
-    """step -> {name: value} of `names` in metrics.jsonl: the metrics measured after a step's commit
-    (timing_s/commit, journal/ship_lag_steps: run.train_loop logs them), which its record cannot hold."""
-    out: dict[int, dict[str, float]] = {}
-    try:
-        f = open(path)
-    except OSError:
-        return out
-    with f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            hit = {k: row[k] for k in names if k in row}
-            if hit and isinstance(step := row.get("step"), int):
-                out.setdefault(step, {}).update(hit)
-    return out
-
-
-_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": operator.ne}
-_COND = re.compile(r"^\s*([\w/.\-]+)\s*(>=|<=|==|!=|>|<)\s*(\S+)\s*$|^\s*([\w/.\-]+)\s+is\s+(nan|inf|not finite)\s*$")
-
-
-@dataclass
-class Condition:
-    name: str
-    op: str
-    value: float | None
-
-    def __call__(self, values: dict) -> bool:
-        v = values.get(self.name)
-        if v is None:
-            return False
-        if self.op == "nan":
-            return math.isnan(v)
-        if self.op == "inf":
-            return math.isinf(v)
-        if self.op == "not finite":
-            return not math.isfinite(v)
-        assert self.value is not None  # NAME OP NUMBER
-        return _OPS[self.op](v, self.value)
-
-
-def parse_where(where: str) -> list[Condition]:
-    """'actor/grad_norm > 10 and critic/score/mean < 0.1', or 'actor/pg_loss is nan'."""
-    conds = []
-    for part in re.split(r"\s+and\s+", where.strip()):
-        m = _COND.match(part)
-        if not m:
-            raise RunError(
-                f"cannot parse --where {where!r}: use NAME OP NUMBER (OP one of > >= < <= == !=) or NAME is nan|inf|not finite, joined by 'and'"
-            )
-        if m.group(1):
-            try:
-                conds.append(Condition(m.group(1), m.group(2), float(m.group(3))))
-            except ValueError:
-                raise RunError(f"cannot parse --where {where!r}: {m.group(3)!r} is not a number") from None
-        else:
-            conds.append(Condition(m.group(4), m.group(5), None))
-    return conds
-
-
-@dataclass(frozen=True)
-class Match:
-    """A step `verlj find` found, with the values of the metrics its condition names."""
-
-    step: int
-    values: dict[str, float | None]
-
-    def to_json(self) -> dict:
-        return {"step": self.step, **self.values}
-
-
-def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[Match]:
-    conds = parse_where(where)
-    out = []
-    names_seen: set[str] = set()
-    probed = derived.values(run_dir)
-    with open_run(run_dir) as ledger:
-        for step, values in ledger.metrics():
-            values = {**values, **probed.get(step, {})}
-            names_seen |= set(values)
-            if all(c(values) for c in conds):
-                out.append(Match(step, {c.name: values.get(c.name) for c in conds}))
-                if limit is not None and len(out) >= limit:
-                    break
-    missing = [c.name for c in conds if names_seen and c.name not in names_seen]
-    if missing:
-        raise RunError(f"unknown metric {missing[0]!r} in --where")
-    return out

@@ -247,7 +247,7 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
         fates = sample_fates(ledger, a, None)
         episodes = ran_episodes(ledger.configs_in(a, b))
         calls = turns and any(config_from_stored(c).rollout.agent for c in ledger.configs_in(a, b))  # a row per model call
-        lineage = ledger.lineage_entries()
+        lineage = ledger.lineage.entries()
 
         def table_rows(step: int, cols: dict) -> Iterator[dict]:
             for row in (call_rows(cols, attempt_at(lineage, step)) if calls else turn_rows(cols)) if turns else rows(cols, episodes):

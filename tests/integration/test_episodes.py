@@ -350,7 +350,7 @@ def test_completion_order_killed_mid_episode_resumes_from_the_last_durable_turn(
     assert out.returncode == -9, out.stderr[-3000:]
     with Ledger.open_reader(run) as ledger:
         committed = {s: ledger.journal.read_raw(s) for s in range(1, ledger.last_step() + 1)}
-        durable = ledger.in_flight()
+        durable = ledger.in_flight.groups()
     assert committed and durable
     out = train(run, *over, resume=True, PYTHONPATH=TESTS, VERLJ_TEST_ENV_LOG=log)
     assert out.returncode == 0, out.stderr[-3000:]

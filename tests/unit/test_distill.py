@@ -162,10 +162,10 @@ def digits_run(path: Path, steps: int, per_step: int = 4) -> Path:
                             policy_version=step - 1) for k in range(per_step)]
             batch.append((step, [Added(np.arange(g, g + per_step), pack(group)).to_event(), make_event("metrics", values={"x": 1.0})]))
             if len(batch) == 500:
-                j.append_steps(batch)
+                j.writer.append_steps(batch)
                 batch = []
         if batch:
-            j.append_steps(batch)
+            j.writer.append_steps(batch)
     return path
 
 
