@@ -24,7 +24,7 @@ its last events once the call is durable.
 The way from a call to the journal, top to bottom (completion order: ``sources.agents_async``):
 :meth:`Play.submit` (the server hands the request over) -> :meth:`Runner._answer` (the batch generated, each
 call's :class:`Call` made) -> :meth:`CallSink.keep` (the batch's new calls and the calls a divergence discarded)
--> the run's in-flight log -> ``Ledger.keep_in_flight`` -> ``Journal.put_pending`` (one transaction), and only
+-> the run's in-flight log -> ``ledger.in_flight.keep`` -> ``journal.pending.put`` (one transaction), and only
 then each answer returned. A re-run after a crash is given each episode's journaled calls (``Episodes.journaled``),
 answered from there byte for byte while each request's hash is the one journaled at that position
 (:meth:`Runner.from_journal`), a request that differs a divergence (one line, counted, the journaled calls from
