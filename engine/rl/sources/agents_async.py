@@ -38,16 +38,17 @@ from ...schema.sample import EnvEnd, GroupInFlight, Sample
 from ...state.seeding import derive_seed
 from ..envs import row_of
 from ..gateway.runner import Episodes
-from .agents import AgentPlaying
+from .agents import Agents
 from .base import Host, StepInputs, add_time
 from .completion import CompletionSource
 
 
-class AgentCompletionSource(AgentPlaying, CompletionSource):
+class AgentCompletionSource(CompletionSource):
     """Async completion order with rollout.agent: each group asked is played at once, every call durable."""
 
     def __init__(self, host: Host):
         super().__init__(host)
+        self.agents = Agents(self)
         self.ready: list[Sample] = []  # the groups played since the last receive
         self.held: dict[int, GroupInFlight] | None = None  # the calls an earlier process made durable, by group (read once)
         self.settle: list[int] = []  # groups in a committed step: forgotten at the next durable write
@@ -77,7 +78,7 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
         groups = [(g, r) for q, (g, r) in enumerate(groups) if q % rt.dp_size == rt.dp_rank]
         if self.held is None:
             self.held = self.durable_groups()
-        runner = self._runner()
+        runner = self.agents.runner()
         journaled = {}
         for q, (g, row) in enumerate(groups):
             state = self.held.pop(g, None)
@@ -102,14 +103,14 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
         t0 = time.perf_counter()
         played = runner.play(episodes)
         t1 = time.perf_counter()
-        got = self.agent_samples([int(r) for _, r in groups for _ in range(n)], played, agent_seeds)
+        got = self.agents.samples([int(r) for _, r in groups for _ in range(n)], played, agent_seeds)
         for k, smp in enumerate(got):
             g = groups[k // n][0]
             smp.id, smp.group, smp.policy_version = g + k % n, g, version
         self.ready += got
         add_time(self.timings, "timing_s/gen", t1 - t0)
         add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
-        self.count(before, got)
+        self.agents.count(before, got)
 
     def receive(self, wait: float) -> None:
         """Take in the groups every rank played since the last receive (rank order; no wait: they were played when
@@ -119,6 +120,10 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
             new = [s for cols in self.host.rt.all_gather_obj(sample_codec.pack(new)) for s in sample_codec.unpack(cols)]
         if new:
             self.take_in(new)
+
+    def close(self, at_once: bool = False) -> None:
+        self.agents.close()
+        super().close(at_once)
 
 
 class DurableCalls:
