@@ -19,8 +19,10 @@ EXIT_SNAPSHOTS_FAILED = 3  # `verlj train` ran to its end, every step journaled,
 
 
 def quiet_libraries() -> None:
-    """DeepSpeed and transformers log a lot at INFO; verlj prints its own lines."""
+    """DeepSpeed and transformers log a lot at INFO, and transformers draws a bar while it loads a model's weights;
+    verlj prints its own lines."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -48,7 +48,7 @@ def metrics(
 ) -> None:
     """Metrics per step as a table, CSV, JSONL or a plot; several runs side by side on one plot."""
     quiet_libraries()
-    from verlj.engine.post_mortem import inspection
+    from verlj.engine.post_mortem import metrics
 
     chosen = [flag for flag, on in (("--csv", as_csv), ("--jsonl", as_jsonl), ("--plot", plot is not None)) if on]
     if len(chosen) > 1:
@@ -71,7 +71,7 @@ def metrics(
             said = [f"{o.name} parts at step {p}" if p is not None else f"{o.name} never parts" for o, p in zip(others, parted)]
             typer.echo(f"wrote {plot} ({'; '.join(said)})")
         return
-    cols, rows = guarded(lambda: inspection.metric_rows(run, wanted, steps))
+    cols, rows = guarded(lambda: metrics.metric_rows(run, wanted, steps))
     if plot is not None:
         from verlj.engine.post_mortem.plot import plot_metrics
 
@@ -118,9 +118,9 @@ def find(
 ) -> None:
     """The steps whose metrics match a condition, first one first."""
     quiet_libraries()
-    from verlj.engine.post_mortem import inspection
+    from verlj.engine.post_mortem import metrics
 
-    hits = guarded(lambda: inspection.find_steps(run, where, limit))
+    hits = guarded(lambda: metrics.find_steps(run, where, limit))
     if as_json:
         typer.echo(json.dumps([m.to_json() for m in hits], allow_nan=True))
         return

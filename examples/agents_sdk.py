@@ -1,22 +1,39 @@
 """An agent written with the OpenAI Agents SDK (`openai-agents`), the library used unmodified: verlj runs
 `solve` once per sample (rollout.agent=examples.agents_sdk:solve; examples/agents_sdk.yaml).
 
-The agent is an `agents.Agent` with one `@function_tool`, `add`, run by `agents.Runner.run` on an
-`OpenAIChatCompletionsModel` over an `AsyncOpenAI` client pointed at the episode's gateway: the SDK sends its
-own requests (its tools' strict JSON schemas, `parallel_tool_calls`, its tool results as `tool` messages)
-and verlj answers them from the policy. A tool call the gateway parses (hermes `<tool_call>` JSON) is run
-by the SDK and its result sent back as the next call; the episode ends on the SDK's final output, at most
-episode.max_turns model calls. The SDK's tracing is off: nothing leaves the machine.
+The agent is an `agents.Agent` with one `@function_tool`, `add`, run by `agents.Runner.run` on the SDK's default
+model (the Responses API, `/v1/responses`) from an `OpenAIProvider` pointed at the episode's gateway: the SDK sends
+its own requests (its instructions, its tools' strict JSON schemas, its input items, `include`, `parallel_tool_calls`)
+and verlj answers them from the policy. A tool call the gateway parses (hermes `<tool_call>` JSON) is run by the SDK
+and its result sent back as a `function_call_output` in the next call, which is spliced onto the first (the tool's
+turn masked from the loss); the episode ends on the SDK's final output, at most episode.max_turns model calls. The
+provider's client is made per episode and never closed, as the SDK's docs make it: the gateway's one event loop
+closes it when it is collected. The SDK's tracing is off: nothing leaves the machine.
+
+A response cut at rollout.max_response_length is `incomplete`, as OpenAI's are, and the SDK raises on one
+(`ModelBehaviorError`), as it does on more than max_turns calls (`MaxTurnsExceeded`): `solve` scores such an episode
+0.0 (a fault would leave it out of the update, and the policy would never learn to end its turns). It runs on a
+model that ends its turns (examples/make_bpe_model.py's). To speak chat
+completions instead, give the Agent `OpenAIChatCompletionsModel(model=episode.model, openai_client=AsyncOpenAI(...))`
+(tests/unit/test_gateway_sdk.py does both).
 
 Its reward, from the final output alone: 1.0 when it holds the row's answer, else a tenth of the share of
-digits in it (so an untrained model has something to climb). A run that exceeds max_turns is an episode
-fault (the SDK raises MaxTurnsExceeded), counted in the step's line.
+digits in it (so an untrained model has something to climb).
 """
 
 from __future__ import annotations
 
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool, set_tracing_disabled
-from openai import AsyncOpenAI
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    ModelBehaviorError,
+    ModelSettings,
+    OpenAIProvider,
+    RunConfig,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 
 set_tracing_disabled(True)  # the SDK would otherwise export its traces to OpenAI's servers
 
@@ -41,13 +58,12 @@ def reward(final: str, answer: str) -> float:
 
 
 async def solve(episode) -> float:
-    client = AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0)
-    model = OpenAIChatCompletionsModel(model=episode.model, openai_client=client)
-    agent = Agent(name="adder", instructions="Answer with the number. Use the add tool to add.", tools=[add], model=model,
+    provider = OpenAIProvider(base_url=episode.base_url, api_key=episode.api_key)  # the SDK's default model: the Responses API
+    agent = Agent(name="adder", instructions="Answer with the number. Use the add tool to add.", tools=[add], model=episode.model,
                   model_settings=ModelSettings(parallel_tool_calls=False))
     try:
         result = await Runner.run(agent, episode.row["prompt"], max_turns=episode.max_turns,
-                                  run_config=RunConfig(tracing_disabled=True))
-    finally:
-        await client.close()
+                                  run_config=RunConfig(model_provider=provider, tracing_disabled=True))
+    except (ModelBehaviorError, MaxTurnsExceeded):  # a response cut at the length, too many calls: the policy's doing
+        return 0.0
     return reward(str(result.final_output or ""), str(episode.row["answer"]))

@@ -1,6 +1,9 @@
-"""A small model with a real tokenizer, made here with no download: a random-init Qwen2 whose tokenizer is a
-byte-level BPE trained by `tokenizers` on text generated below, with a ChatML chat template that speaks tools
-(hermes-style ``<tool_call>``) and ``<|im_end|>`` as its end of sequence, as Qwen2.5's does.
+"""A small model with a real tokenizer, made here with no download: a Qwen2 whose tokenizer is a byte-level BPE
+trained by `tokenizers` on text generated below, with a ChatML chat template that speaks tools (hermes-style
+``<tool_call>``) and ``<|im_end|>`` as its end of sequence, as Qwen2.5's does. Its weights are a random init
+warmed up for 300 steps on ChatML conversations (about 30 s on one core), so that it answers briefly
+and ends its turn with ``<|im_end|>`` as a chat model does, and sometimes writes a tool call; it knows nothing
+else.
 
     python examples/make_bpe_model.py models/bpe                 # then model.actor.model_name_or_path=models/bpe
     verlj train -o runs/bpe-agent --config examples/agent.yaml model.actor.model_name_or_path=models/bpe
@@ -108,8 +111,64 @@ def make_tokenizer(seed: int = 0, vocab_size: int = 3000):
     return tok
 
 
-def make_bpe_model(out: str | Path, seed: int = 0, hidden_size: int = 64, layers: int = 2, vocab_size: int = 3000) -> Path:
-    """Write the tokenizer and a random-init Qwen2 (head size 32, which vLLM's CPU attention runs) to `out`."""
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+# the same tool as an agent library describes it (the OpenAI Agents SDK's strict JSON schema of a @function_tool)
+STRICT = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "properties": {"a": {"description": "the first addend.", "title": "A", "type": "integer"},
+                   "b": {"description": "the second addend.", "title": "B", "type": "integer"}},
+    "required": ["a", "b"], "title": "add_args", "type": "object", "additionalProperties": False}, "strict": True}}]
+
+
+def conversations(tok, seed: int, n: int, tools: bool) -> list[str]:
+    """ChatML conversations to warm the model up on: a question and a short answer; with `tools`, the add tool
+    offered and called (hermes JSON), then the tool's result and the answer."""
+    rng = random.Random(seed + 1 + tools)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        user = {"role": "user", "content": rng.choice([f"{a}+{b}=", f"What is {a} plus {b}?", " ".join(rng.choice(WORDS) for _ in range(5))])}
+        if tools:
+            call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}]}
+            system = rng.choice([[], [{"role": "system", "content": "Answer with the number. Use the add tool to add."}],
+                                 [{"role": "system", "content": " ".join(rng.choice(WORDS) for _ in range(6))}]])
+            msgs = [*system, user, call, {"role": "tool", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}]
+            out.append(tok.apply_chat_template(msgs, tools=rng.choice([TOOLS, STRICT]), tokenize=False))
+        else:
+            answer = str(a + b) if "+" in user["content"] or "plus" in user["content"] else " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4)))
+            out.append(tok.apply_chat_template([user, {"role": "assistant", "content": answer}], tokenize=False))
+    return out
+
+
+def warm_up(model, tok, seed: int, steps: int) -> None:
+    """`steps` AdamW steps of next-token loss on `conversations`, every other one on a batch of 8 with the tool, the others
+    on 16 without (a batch is padded to its longest: the tool's system turn is long); deterministic (one thread, fixed
+    order)."""
+    import torch
+
+    plain, tool = conversations(tok, seed, 16 * steps, False), conversations(tok, seed, 8 * steps, True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model.train()
+        for k in range(steps):
+            batch = tool[8 * k : 8 * k + 8] if k % 2 else plain[16 * k : 16 * k + 16]
+            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+            labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
+            loss = model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def make_bpe_model(out: str | Path, seed: int = 0, hidden_size: int = 64, layers: int = 2, vocab_size: int = 3000,
+                   warmup_steps: int = 300) -> Path:
+    """Write the tokenizer and the Qwen2 (head size 32, which vLLM's CPU attention runs; random init, then
+    `warmup_steps` on ChatML conversations) to `out`."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -121,6 +180,7 @@ def make_bpe_model(out: str | Path, seed: int = 0, hidden_size: int = 64, layers
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
+        warm_up(model, tok, seed, warmup_steps)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
@@ -132,9 +192,11 @@ def main() -> None:
     ap.add_argument("out", help="the directory to write (model.actor.model_name_or_path)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=3000)
+    ap.add_argument("--warmup-steps", type=int, default=300, help="steps on ChatML conversations after the random init (0: none)")
     args = ap.parse_args()
-    path = make_bpe_model(args.out, args.seed, vocab_size=args.vocab_size)
-    print(f"wrote {path}: a random-init Qwen2 with a byte-level BPE of {args.vocab_size} tokens and a ChatML template")
+    path = make_bpe_model(args.out, args.seed, vocab_size=args.vocab_size, warmup_steps=args.warmup_steps)
+    print(f"wrote {path}: a Qwen2 with a byte-level BPE of {args.vocab_size} tokens and a ChatML template "
+          f"({args.warmup_steps} warm-up steps)")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ the code that owns them; verlj's step events by ``verlj.engine.schema.events``, 
     import verlj.engine  # declares verlj's event types
     from verlj.journal import Journal, make_event
     with Journal.open_writer("runs/demo/journal") as j:
-        j.append_step(1, [make_event("metrics", values={"actor/pg_loss": 0.1})])
+        j.writer.append_step(1, [make_event("metrics", values={"actor/pg_loss": 0.1})])
     with Journal.open_reader("runs/demo/journal") as j:
         for record in j.iter_steps(1, 10): ...
 

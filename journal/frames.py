@@ -8,12 +8,12 @@ A step frame (v2, written since records got compact payloads) is::
 generated samples), ``payload`` those fields, msgpack'd with narrow integers and zstd-compressed;
 ``checksum = H(H(payload) | len(core) | core)`` and ``chain = H(previous chain | checksum)``, H being
 BLAKE3-256 (a cryptographic hash, about 4x faster than SHA-256 here; see tools/bench_journal.py).
-Retention (``Journal.prune``) drops the payload bytes and nothing else, so a pruned step still
+Retention (``journal.retention``) drops the payload bytes and nothing else, so a pruned step still
 proves its place in the chain, and the payload's digest stays to check an archived copy against.
 A flipped bit, a missing, repeated or reordered step is caught by :mod:`verlj.journal.verify`.
 v1 frames (``MAGIC | H(body) | chain | body``, everything inline) are still read, never pruned.
 Meta and snapshot frames are ``MAGIC_PLAIN | H(body) | body``. The LMDB environment that holds them
-is :mod:`verlj.journal.store`'s.
+is :mod:`verlj.journal.lmdb_env`'s.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from .durable import fsync_dir
 from .errors import JournalError
 from .failpoints import failpoint
 from .frames import GENESIS, HASH_LEN, STEP_HEADER, StepFrame, digest, unframe_plain
-from .store import BASE_STEP, CHAIN_BASE
+from .lmdb_env import BASE_STEP, CHAIN_BASE
 
 MAGIC_SEGMENT = b"VJSEG\x01"
 _FIXED = struct.Struct(">QQQQ")  # file length, head length, first step + 1 (0: none), last step

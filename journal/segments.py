@@ -39,6 +39,7 @@ from .compaction import L0_FANOUT, plan_compaction  # noqa: F401
 from .durable import fsync_dir
 from .errors import JournalError
 from .frames import unframe_plain
+from .lmdb_env import is_open_here
 from .segment_file import (  # noqa: F401  (segments.X: the shipped journal's names in one place)
     JOURNAL_ID,
     Segment,
@@ -116,8 +117,8 @@ def rebuild(shipped: Path, dest: Path, *, tolerate: str = "tail", found: Segment
     try:
         with Journal.open_writer(work) as j:
             for seg in found.segments:
-                j.restore(seg.steps, seg.first, None, None, pruned_through=pruned_through)
-            j.restore([], None, meta or {}, snaps or {})
+                j.shipping.restore(seg.steps, seg.first, None, None, pruned_through=pruned_through)
+            j.shipping.restore([], None, meta or {}, snaps or {})
         (work / "writer.lock").unlink(missing_ok=True)
         if dest.exists():
             dest.rmdir()  # only an empty directory (checked above that it holds no journal)
@@ -149,7 +150,7 @@ def open_reader(shipped: Path) -> Journal:
     hold steps not yet shipped; only the last segments are read to decide). Otherwise the segments
     are checked and rebuilt once per process (into a temporary directory removed when it exits, or
     where :func:`stage_for_writer` put them), and read again only when the files change;
-    ``journal.shipped_problem`` then names any damage found.
+    ``journal.shipping.problem`` then names any damage found.
     """
     shipped = Path(shipped)
     if (shipped / "data.mdb").is_file():
@@ -161,7 +162,7 @@ def open_reader(shipped: Path) -> Journal:
         return Journal.open_reader(local)
     rebuilt = _current_rebuild(shipped) or _rebuild_for_readers(shipped)
     j = Journal.open_reader(rebuilt.path)
-    j.shipped_problem = rebuilt.found.problem
+    j.shipping.problem = rebuilt.found.problem
     return j
 
 
@@ -328,12 +329,12 @@ def matches(local: Path, shipped: Path, found: SegmentScan) -> bool:
             if found.journal_id is None:
                 ptr = read_pointer(shipped)
                 same = ptr is not None and os.path.realpath(ptr["path"]) == os.path.realpath(local)
-            elif j.get_meta(JOURNAL_ID) != found.journal_id:
+            elif j.meta.get(JOURNAL_ID) != found.journal_id:
                 return False
             else:
                 last = found.last_step
                 same = last is None or (j.last_step() >= last and j.chain_hash(last) == found.last_chain)
-            owner = j.get_meta(OWNER)
+            owner = j.meta.get(OWNER)
     except JournalError:
         return False
     return same and _in_use_by_another(owner, local, shipped) is None
@@ -349,7 +350,7 @@ def local_owner(local: Path, shipped: Path) -> tuple[Path, str | None] | None:
     resumes as itself."""
     try:
         with Journal.open_reader(local) as j:
-            owner, jid = j.get_meta(OWNER), j.get_meta(JOURNAL_ID)
+            owner, jid = j.meta.get(OWNER), j.meta.get(JOURNAL_ID)
     except JournalError:
         return None
     other = _in_use_by_another(owner, local, shipped)
@@ -425,7 +426,7 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
     if not (local / "data.mdb").is_file() and (older := _older_local_copy(shipped, local, found)) is not None:
         old, last = older  # this host still has the previous local journal, ahead of what was shipped: keep its steps
         with Journal.open_reader(old) as j:
-            j.copy_to(local)
+            j.shipping.copy_to(local)
         notes.append(f"Copied the journal from the previous local directory {old} (steps through {last}, "
                      f"{last - (found.last_step or 0)} not shipped) to {local}")
     if (local / "data.mdb").is_file():
@@ -458,18 +459,18 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
     journal = Journal.open_writer(local, claim=claim)
     try:
         mine = {OWNER: os.path.realpath(shipped)}  # a moved run's writer takes it over (local_owner)
-        if journal.get_meta(JOURNAL_ID) is None:
+        if journal.meta.get(JOURNAL_ID) is None:
             mine[JOURNAL_ID] = uuid.uuid4().hex
-        if any(journal.get_meta(k) != v for k, v in mine.items()):
-            journal.update_meta(mine)
+        if any(journal.meta.get(k) != v for k, v in mine.items()):
+            journal.meta.update(mine)
         shipper = Shipper(journal, shipped, max_lag, found, claim, retention)
         shipper.l0_fanout, shipper.fanout = fanout, max(2, fanout // 4)  # fanout 0: never merged
     except BaseException:
         journal.close()
         raise
-    journal.add_commit_hook(shipper.on_commit)
+    journal.store.add_commit_hook(shipper.on_commit)
     journal.on_close(shipper.close)
-    journal.shipper = shipper
+    journal.shipping.shipper = shipper
     return journal, notes
 
 
@@ -495,7 +496,7 @@ def _rebuild_for_writer(shipped: Path, local: Path, found: SegmentScan, cached: 
 def _adopt(staged: _Rebuilt, local: Path) -> bool:
     """Rename the staged rebuild to `local` (absent or an empty directory); False when it cannot be
     (a reader still has it open, `local` is a mount point or not empty): the caller copies it."""
-    if Journal.is_open_here(staged.path):
+    if is_open_here(staged.path):
         return False
     try:
         if local.is_dir():

@@ -244,7 +244,7 @@ class Shipper:
             # committed before them (the run's identity written before step 1, say)
             with self._cond:
                 seals_asked = self._seals_asked  # before the cut: these requests are about commits it holds
-            steps, meta, snaps = self.journal.read_cut(self._shipped, MAX_SEGMENT_BYTES)
+            steps, meta, snaps = self.journal.shipping.read_cut(self._shipped, MAX_SEGMENT_BYTES)
             if not self._stepped:  # no step shipped yet: the chain starts where this cut's meta says (a fork
                 with self._cond:  # records its parent's step and chain after its writer opened)
                     self._shipped, self._chain = chain_start(meta)

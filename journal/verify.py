@@ -23,7 +23,8 @@ from . import codec
 from .errors import CodecError, JournalError, SchemaError
 from .events import summary_types
 from .frames import GENESIS, StepFrame, decode_frame, digest, key_step, unframe_plain
-from .store import BASE_STEP, CHAIN_BASE, SHAPES, Journal
+from .lmdb_env import BASE_STEP, CHAIN_BASE, SHAPES
+from .store import Journal
 
 MAX_PROBLEMS = 100
 
@@ -115,7 +116,7 @@ def _chain_start(journal: Journal, report: JournalReport) -> tuple[int, bytes, d
     decide where the chain starts."""
     base_step, prev_chain, meta = 0, GENESIS, {}
     try:
-        meta = journal.meta()
+        meta = journal.meta.all()
         base_step = int(meta.get(BASE_STEP, 0))
         report.pruned_through = int(meta.get("pruned_through", 0))
         if CHAIN_BASE in meta:
@@ -192,8 +193,8 @@ def _check_content(journal: Journal, report: JournalReport, step: int, frame: St
 def _check_structure(journal: Journal, report: JournalReport) -> None:
     """Every sub-database's cursor walk against its B-tree entry count; meta and snapshot frames."""
     try:
-        with journal.env().begin(buffers=True) as txn:
-            for name, db in journal.dbs().items():
+        with journal.store.env().begin(buffers=True) as txn:
+            for name, db in journal.store.dbs().items():
                 counted = 0
                 for key, value in txn.cursor(db):
                     counted += 1

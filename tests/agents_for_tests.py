@@ -7,6 +7,7 @@ user message ("more"): another one is an agent changed between a crash and its r
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -91,3 +92,45 @@ def overlapping(ep):
             break
         time.sleep(0.005)
     return digits(ep)
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+def tooled(ep):
+    """Three calls with the add tool offered, each answer sent back as it came (the message as the client parsed it): a
+    tool call is run and its result sent, else a next question. The reward: 1.0 when the last answer holds the row's
+    answer, else a tenth of its share of digits."""
+    client = _client(ep)
+    msgs = [{"role": "user", "content": ep.row["prompt"]}]
+    text = ""
+    for k in range(3):
+        m = client.chat.completions.create(model=ep.model, messages=msgs, tools=TOOLS).choices[0].message
+        msgs.append(m.model_dump(exclude_none=True))
+        text = m.content or ""
+        if m.tool_calls:
+            for c in m.tool_calls:
+                try:
+                    args = json.loads(c.function.arguments)
+                    result = str(int(args["a"]) + int(args["b"]))
+                except (ValueError, KeyError, TypeError) as e:
+                    result = f"error: {e}"
+                msgs.append({"role": "tool", "tool_call_id": c.id, "content": result})
+        else:
+            msgs.append({"role": "user", "content": f"Are you sure? ({k})"})
+    want = str(ep.row["answer"])
+    return 1.0 if want in text else 0.1 * sum(ch.isdigit() for ch in text) / max(1, len(text))
+
+
+async def leaky_stream(ep):
+    """Two streamed calls with an AsyncOpenAI client of its own, never closed (the openai docs' pattern), the second
+    continuing the first as answered; it says where it is on stdout. None: rollout.reward_fn scores the last answer."""
+    client = _client(ep, openai.AsyncOpenAI)
+    msgs = [{"role": "user", "content": ep.row["prompt"]}]
+    for _ in range(2):
+        stream = await client.chat.completions.create(model=ep.model, messages=msgs, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "Once more."}]
+    print(f"leaky_stream: episode {ep.episode} played, attempt {ep.attempt}")
+    return None

@@ -1,4 +1,7 @@
 import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Fixed thread count and deterministic kernels for every test process (and children, via env).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -50,24 +53,36 @@ def bpe_model(tmp_path_factory) -> str:
     (their common base directory, under a file lock); the same bytes every time."""
     import hashlib
     import shutil
-    import sys
-    from pathlib import Path
 
     from filelock import FileLock
 
-    repo = Path(__file__).resolve().parents[1]
-    maker = repo / "examples" / "make_bpe_model.py"
+    maker = REPO / "examples" / "make_bpe_model.py"
     root = tmp_path_factory.getbasetemp().parent  # every worker's basetemp is under it
     out = root / f"bpe_model-{hashlib.sha256(maker.read_bytes()).hexdigest()[:12]}"  # made anew when the recipe changes
     with FileLock(str(root / "bpe_model.lock")):
         if not (out / "model.safetensors").is_file():
-            sys.path.insert(0, str(repo))
-            try:
-                from examples.make_bpe_model import make_bpe_model
-            finally:
-                sys.path.remove(str(repo))
+            make_bpe_model = _recipe().make_bpe_model
             made = root / f"{out.name}.tmp"
             shutil.rmtree(made, ignore_errors=True)
             make_bpe_model(made)
             made.rename(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer():
+    """The bpe_model's tokenizer alone (its byte-level BPE and ChatML template; the same, made in two seconds without the
+    model's weights), for what needs no model."""
+    return _recipe().make_tokenizer()
+
+
+def _recipe():
+    """examples/make_bpe_model.py, imported from the repository's root."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    try:
+        return importlib.import_module("examples.make_bpe_model")
+    finally:
+        sys.path.remove(str(REPO))

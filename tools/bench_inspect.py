@@ -63,7 +63,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from verlj.engine.config import Config
-    from verlj.engine.post_mortem import inspection
+    from verlj.engine.post_mortem import inspection, metrics
     from verlj.journal import Journal
 
     root = Path(tempfile.mkdtemp(prefix="verlj-bench-inspect-"))
@@ -73,17 +73,17 @@ def main() -> None:
         template = [events(s, rng) for s in range(1, 101)]
         t = time.perf_counter()
         with Journal.open_writer(run / "journal") as j:
-            j.set_meta("config", Config().to_dict())
-            j.set_meta("world_size", 1)
+            j.meta.set("config", Config().to_dict())
+            j.meta.set("world_size", 1)
             for a in range(1, args.steps + 1, 1000):
-                j.append_steps([(s, events(s, rng) if s == 77_777 else template[s % 100]) for s in range(a, min(args.steps, a + 999) + 1)])
+                j.writer.append_steps([(s, events(s, rng) if s == 77_777 else template[s % 100]) for s in range(a, min(args.steps, a + 999) + 1)])
         size = sum(p.stat().st_size for p in (run / "journal").glob("*.mdb"))
         print(f"built a {args.steps:,}-step journal ({size / 2**30:.2f} GiB) in {time.perf_counter() - t:.0f} s")
         mid = args.steps // 2
         print(f"inspect --step {mid:,}:             {timed(lambda: inspection.step_detail(run, mid)) * 1e3:8.1f} ms")
-        print(f"metrics --steps {mid}:{mid + 9}:       {timed(lambda: inspection.metric_rows(run, None, f'{mid}:{mid + 9}')) * 1e3:8.1f} ms")
+        print(f"metrics --steps {mid}:{mid + 9}:       {timed(lambda: metrics.metric_rows(run, None, f'{mid}:{mid + 9}')) * 1e3:8.1f} ms")
         print(f"run summary (inspect RUN):          {timed(lambda: inspection.run_summary(run)) * 1e3:8.1f} ms")
-        print(f"find --where 'actor/grad_norm is nan' over all steps: {timed(lambda: inspection.find_steps(run, 'actor/grad_norm is nan'), 1):8.2f} s")
+        print(f"find --where 'actor/grad_norm is nan' over all steps: {timed(lambda: metrics.find_steps(run, 'actor/grad_norm is nan'), 1):8.2f} s")
         t = time.perf_counter()
         out = subprocess.run([sys.executable, "-m", "verlj.cli", "inspect", str(run), "--step", str(mid)], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr

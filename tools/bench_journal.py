@@ -108,7 +108,7 @@ def bench_vs_floor(root: Path, steps: int, samples: int, tokens: int, level: int
     records = [step_events(s, rng, samples, tokens) for s in range(1, steps + 1)]
     jpath, fpath = root / f"journal-{label}-{level}", root / f"floor-{label}-{level}"
     journal = Journal.open_writer(jpath)
-    journal.compression_level = level
+    journal.writer.compression_level = level
     floor_env = lmdb.open(str(fpath), map_size=1 << 36, max_dbs=4, subdir=True)  # same flags: sync on
     floor_db = floor_env.open_db(b"steps")
     j_times, f_times, sizes, old_sizes, ntok, raw_payload, payload = [], [], [], [], 0, 0, 0
@@ -131,7 +131,7 @@ def bench_vs_floor(root: Path, steps: int, samples: int, tokens: int, level: int
 
         def journal_append():
             t = time.perf_counter()
-            journal.append_step(s, events)
+            journal.writer.append_step(s, events)
             j_times.append(time.perf_counter() - t)
 
         # alternate who goes first so neither always follows the other's fsync
@@ -161,14 +161,14 @@ def bench_growth(root: Path, far: int, samples: int, tokens: int, probes: int) -
     floor_db = floor_env.open_db(b"steps")
 
     def journal_put(s: int) -> None:
-        journal.append_step(s, template)
+        journal.writer.append_step(s, template)
 
     def floor_put(s: int) -> None:
         with floor_env.begin(write=True) as txn:
             txn.put(step_key(s), raw_value, db=floor_db, append=True)
 
     def journal_fill(a: int, b: int) -> None:
-        journal.append_steps([(k, template) for k in range(a, b)])
+        journal.writer.append_steps([(k, template) for k in range(a, b)])
 
     def floor_fill(a: int, b: int) -> None:
         with floor_env.begin(write=True) as txn:

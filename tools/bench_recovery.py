@@ -85,7 +85,7 @@ def main() -> None:
 
         journal = Ledger.open_reader(run)
         history = journal.history()
-        cfg = config_from_dict(journal.first_config())
+        cfg = config_from_dict(journal.identity.first_config())
         rt = setup(cfg)
         configure_determinism(cfg)
 

@@ -42,7 +42,7 @@ from verlj.journal.frames import StepFrame  # noqa: E402
 
 
 def used_bytes(j: Journal) -> int:
-    info, stat = j.env().info(), j.env().stat()
+    info, stat = j.store.env().info(), j.store.env().stat()
     return (info["last_pgno"] + 1) * stat["psize"]
 
 
@@ -61,19 +61,19 @@ def journal_mode(root: Path, steps: int, interval: int, samples: int, tokens: in
         events = templates[s % len(templates)]
         for name, j in journals.items():
             t = time.perf_counter()
-            j.append_step(s, events)
+            j.writer.append_step(s, events)
             if name == "retention":
                 append_time += time.perf_counter() - t
         if s % interval == 0:
             snaps = [*snaps, s][-2:]  # save_total_limit=2
             bound = prune_bound("since_oldest_snapshot", snaps, s)
             t = time.perf_counter()
-            if bound > journals["retention"].pruned_through():
-                journals["retention"].prune(bound)
+            if bound > journals["retention"].retention.pruned_through():
+                journals["retention"].retention.prune(bound)
             prune_time += time.perf_counter() - t
         if s in (steps // 2, steps):
             sizes[s] = {name: used_bytes(j) for name, j in journals.items()}
-    kept = kept_per_step(journals["retention"], journals["retention"].pruned_through())
+    kept = kept_per_step(journals["retention"], journals["retention"].retention.pruned_through())
     full = len(journals["all"].read_raw(steps))
     for j in journals.values():
         j.close()
@@ -95,24 +95,24 @@ def shipped_mode(root: Path, steps: int, interval: int, samples: int, tokens: in
 
     with j:
         for s in range(1, steps + 1):
-            j.append_step(s, templates[s % len(templates)])
+            j.writer.append_step(s, templates[s % len(templates)])
             if s % interval == 0:
-                j.add_snapshot(s, {"path": f"step_{s:06d}"})
+                j.meta.add_snapshot(s, {"path": f"step_{s:06d}"})
                 snaps = [*snaps, s]
                 if len(snaps) > 2:  # save_total_limit=2
-                    j.remove_snapshot(snaps.pop(0))
+                    j.meta.remove_snapshot(snaps.pop(0))
                 bound = prune_bound("since_oldest_snapshot", snaps, s)
-                if bound > j.pruned_through():
-                    j.make_durable()
-                    j.prune(bound)
+                if bound > j.retention.pruned_through():
+                    j.shipping.make_durable()
+                    j.retention.prune(bound)
             if s % 100 == 0:
                 most = max(most, len(files()))
             if s in (steps // 2, steps):
-                j.make_durable()
-                while j.shipper.compact_once():  # what the rule leaves once compaction has caught up
+                j.shipping.make_durable()
+                while j.shipping.shipper.compact_once():  # what the rule leaves once compaction has caught up
                     pass
-                seen[s] = (sum(p.stat().st_size for p in files()), len(files()), j.shipper.compactions)
-        problem = j.shipper.compaction_problem
+                seen[s] = (sum(p.stat().st_size for p in files()), len(files()), j.shipping.shipper.compactions)
+        problem = j.shipping.shipper.compaction_problem
     half = steps // 2
     print(f"shipped journal (journal.local_dir, retention since_oldest_snapshot, snapshot every {interval}, 2 kept): "
           f"{steps} steps of {samples} samples x {tokens} tokens")
@@ -153,7 +153,7 @@ def train_mode(root: Path, steps: int, interval: int) -> None:
             with open_journal_reader(run / "journal") as j:
                 sizes.setdefault(upto, {})[name] = used_bytes(j)
                 if name == "retention" and i:
-                    kept, full = kept_per_step(j, j.pruned_through()), len(j.read_raw(steps))
+                    kept, full = kept_per_step(j, j.retention.pruned_through()), len(j.read_raw(steps))
     report(sizes, steps, kept, full, f"verlj train (built-in model, 64 samples x 64 tokens a step): {steps} steps, snapshot every {interval}")
 
 

@@ -183,7 +183,7 @@ def recovery_probe(run: Path, a: int, k: int, how: str) -> dict:
     from verlj.engine.rl.trainer import Trainer
 
     journal = Ledger.open_reader(run)
-    cfg = config_from_dict(journal.first_config())
+    cfg = config_from_dict(journal.identity.first_config())
     rt = setup(cfg)
     configure_determinism(cfg)
     t, c = time.perf_counter(), time.process_time()
@@ -219,7 +219,7 @@ def snapshot_probe(run: Path, step: int, repeats: int) -> dict:
     from verlj.journal import Journal
 
     journal = Ledger.open_reader(run)
-    cfg = config_from_dict(journal.first_config())
+    cfg = config_from_dict(journal.identity.first_config())
     rt = setup(cfg)
     configure_determinism(cfg)
     trainer = Trainer(cfg, rt)

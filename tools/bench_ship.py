@@ -45,7 +45,7 @@ def throughput(root: Path, events: list[list[dict]]) -> None:
     local = root / "t-local"
     with Journal.open_writer(local) as j:
         for s, ev in enumerate(events, 1):
-            j.append_step(s, ev)
+            j.writer.append_step(s, ev)
         frames = [raw for _s, raw in j.iter_raw()]
     size = sum(map(len, frames))
     best_ship = best_copy = float("inf")
@@ -84,9 +84,9 @@ def lag(root: Path, events: list[list[dict]], max_lag: int) -> None:
     with j:
         for s, ev in enumerate(events, 1):
             t0 = time.perf_counter()
-            j.append_step(s, ev)
+            j.writer.append_step(s, ev)
             waits += time.perf_counter() - t0
-            lags.append(j.shipper.lag())
+            lags.append(j.shipping.shipper.lag())
         t_loop = time.perf_counter() - t_loop
     print(f"2. lag, commit-only loop ({len(events)} steps, ship_max_lag_steps={max_lag})")
     print(f"   lag after a commit     mean {statistics.mean(lags):.2f}, max {max(lags)} steps")
@@ -106,7 +106,7 @@ def loop_cost(root: Path, events: list[list[dict]], compute: int, rounds: int) -
             for s, ev in enumerate(events, 1):
                 t0 = time.perf_counter()
                 (a @ a).sum()  # the step's work
-                j.append_step(s, ev)
+                j.writer.append_step(s, ev)
                 times.append(time.perf_counter() - t0)
         return times
 

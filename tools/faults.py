@@ -416,7 +416,7 @@ def completion_problems(run: Path, kept: dict[int, str], counts: Counter, resume
         problems.append("verify --deep: " + next((line.strip() for line in out.stdout.splitlines() if "✗" in line), out.stderr.strip()[-200:]))
     with open_run(run) as ledger:
         acc = group_accounting(ledger)
-        cfg = config_from_dict(ledger.identity()["config"])
+        cfg = config_from_dict(ledger.identity.all()["config"])
         records = list(ledger.journal.iter_steps())
     size = len(load_data(cfg.data, cfg.trainer.seed).train)
     want = Sampler(size, cfg.trainer.seed).draw(len(acc.rows)).tolist()
@@ -540,7 +540,7 @@ def _stopped(run: Path) -> dict:
         return {}
     with Ledger.open_reader(run) as ledger:
         last = ledger.last_step()
-        return {g: state.through(last) for g, state in ledger.partial_groups().items()}
+        return {g: state.through(last) for g, state in ledger.in_flight.partial_groups().items()}
 
 
 def partial_problems(run: Path, phases: list[tuple[int, dict]], counts: Counter) -> tuple[list[str], set[int]]:
@@ -607,7 +607,7 @@ def _durable(run: Path) -> dict:
     with Ledger.open_reader(run) as ledger:
         last = ledger.last_step()
         out = {}
-        for g, state in ledger.in_flight().items():
+        for g, state in ledger.in_flight.groups().items():
             cut = state.before(sum(v <= last for v in state.versions))
             if cut is not None:
                 out[g] = cut
@@ -903,7 +903,7 @@ def node_loss_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
         return Trial("node-loss", n, what, "BOUND EXCEEDED", f"committed {committed}, shipped {shipped}, bound {lag} + 1")
     if found.segments:
         with open_journal_reader(run / "journal") as j:  # what a recovery reads now: the segments alone
-            shipped_now, named = j.last_step(), [info["path"] for info in j.snapshots().values()]
+            shipped_now, named = j.last_step(), [info["path"] for info in j.meta.snapshots().values()]
         gone = [name for name in named if not (run / name).is_dir()]
         if gone and not torn:
             return Trial("node-loss", n, what, "SNAPSHOT LOST", f"the shipped journal names {', '.join(gone)}, deleted")
@@ -1196,7 +1196,7 @@ def bad_input_trials(root: Path, finished: Path, quick: bool = False) -> list[Tr
     newer = root / "newer"
     shutil.copytree(finished, newer, symlinks=True)
     with Journal.open_writer(newer / "journal") as j:
-        j.append_step(j.last_step() + 1, [{"type": "metrics", "v": 99, "values": {}}])
+        j.writer.append_step(j.last_step() + 1, [{"type": "metrics", "v": 99, "values": {}}])
     notarun = root / "notarun"
     notarun.mkdir()
     (notarun / "notes.txt").write_text("mine")

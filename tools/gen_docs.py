@@ -18,6 +18,7 @@ import enum
 import inspect
 import io
 import json
+import re
 import sys
 import tokenize
 import types
@@ -204,6 +205,11 @@ def _commands(group, path: list[str]):
             yield from _commands(cmd, [*path, name])
 
 
+def _guide_links(text: str) -> str:
+    """A help text's plain `docs/guides/NAME.md` (what `--help` prints) as a link on the page."""
+    return re.sub(r"\bdocs/guides/([\w-]+)\.md\b", r"[docs/guides/\1.md](../guides/\1.md)", text)
+
+
 def cli_reference(app) -> str:
     """The CLI reference page of a typer app: every command (sub-commands included), its help text, its
     arguments and options, as `verlj COMMAND --help` gives them."""
@@ -231,7 +237,7 @@ def cli_reference(app) -> str:
     for path, cmd in _commands(root, []):
         lines += ["", f"## `verlj {' '.join(path)}`", ""]
         if cmd.help:
-            lines += [_text(inspect.cleandoc(cmd.help)), ""]
+            lines += [_guide_links(_text(inspect.cleandoc(cmd.help))), ""]
         if hasattr(cmd, "commands"):
             subs = [n for n in sorted(cmd.commands) if not cmd.commands[n].hidden]
             lines += [f"Sub-commands: {', '.join(f'`{n}`' for n in subs)}.", ""]

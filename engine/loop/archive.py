@@ -115,7 +115,7 @@ class Reader:
 
     def __init__(self, run_dir: Path, ledger):
         self.run_dir = Path(run_dir)
-        self.entries = ledger.archive_entries()
+        self.entries = ledger.retention.archive_entries()
         self._table: Any = None  # the pyarrow Table of `_entry`'s file
         self._entry: ArchiveEntry | None = None
 
@@ -166,7 +166,7 @@ def leftovers(run_dir: Path, entries: list[ArchiveEntry]) -> list[str]:
 def clean_leftovers(run_dir: Path, ledger) -> list[str]:
     """Remove them (the writer's claim is held; the journal still holds the samples they carry).
     Returns one line per file removed."""
-    gone = leftovers(run_dir, ledger.archive_entries())
+    gone = leftovers(run_dir, ledger.retention.archive_entries())
     if gone:
         ledger.fence()
     for name in gone:

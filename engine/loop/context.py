@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .ledger import History
+from .records import History
 
 if TYPE_CHECKING:
     from ..config import Config

@@ -68,7 +68,7 @@ def resolve_explicit(run_dir: Path, ledger: Ledger, spec: str) -> tuple[int, Pat
             f"trainer.resume_from: {spec} is not a snapshot of the run in {run_dir}; to start from another run's state, "
             "use `verlj replay OTHER_RUN --to-step N --fork NEW_RUN`"
         )
-    for step, entry in ledger.snapshot_index().items():
+    for step, entry in ledger.snapshots.index().items():
         if entry.path == path.name:
             return step, path
     raise SnapshotError(f"trainer.resume_from: {spec} is not in this run's snapshot index (rotated away or quarantined)")
@@ -80,14 +80,14 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
     agree with the journal, and from which the journal still holds the samples to replay up to
     `target` (default: limit). A damaged one is skipped with a warning and, when `store` is given (a
     resume, which holds the writer lock), quarantined. (0, None): the initial state."""
-    index = ledger.snapshot_index()
+    index = ledger.snapshots.index()
     if explicit is not None:
         candidates = [explicit]
     else:
         candidates = [(s, run_dir / index[s].path) for s in sorted(index, reverse=True) if s <= limit]
     base = ledger.base_step()
     target = limit if target is None else target
-    need = min(target, ledger.pruned_through())  # replay starts after a snapshot at or after this step
+    need = min(target, ledger.retention.pruned_through())  # replay starts after a snapshot at or after this step
     for step, path in candidates:
         if step < need:  # replaying forward from here would need pruned samples
             break
@@ -108,7 +108,7 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
             raise SnapshotError(f"snapshot {path} is at step {step}, after the target step {limit}")
         return step, path
     if need > base:
-        pruned = f"journal.retain_samples pruned the samples of steps through {ledger.pruned_through()}"
+        pruned = f"journal.retain_samples pruned the samples of steps through {ledger.retention.pruned_through()}"
         if limit < need:  # asked for an older snapshot than any replay could start from
             kept = [snapshot_name(s) for s in sorted(index) if s >= need]
             raise ReplayError(
@@ -418,12 +418,12 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
     if rt.is_main:
         ledger = run.main_ledger()
         if topology is not None:
-            ledger.record_topology_change(topology.from_step, topology.topology, topology.details())
-        moved = ledger.record_resume(last, step0, changed, rt.world_size, produced_on(cfg.to_stored()), resume_from=spec)
+            ledger.identity.record_topology_change(topology.from_step, topology.topology, topology.details())
+        moved = ledger.lineage.record_resume(last, step0, changed, rt.world_size, produced_on(cfg.to_stored()), resume_from=spec)
         if moved:
             reporter.warn(f"library versions changed since this run last started: {', '.join(moved)} (recorded in its lineage)")
         if changed:
-            ledger.record_config_change(last + 1, cfg.to_stored())
+            ledger.identity.record_config_change(last + 1, cfg.to_stored())
         run.ckpt.write_metadata(last, resume_from=from_snapshot or "the initial state")
     if changed:
         control.append(ConfigChange(cfg.to_stored(), cfg.hash(), changed).to_event())

@@ -40,14 +40,14 @@ def apply(run_dir: Path, cfg, ledger, reporter) -> tuple[int, int] | None:
     jc = cfg.journal
     oldest = next(SnapshotStore(run_dir, ledger).sound(), None)  # the bound only needs the oldest sound one
     bound = prune_bound(jc.retain_samples, [] if oldest is None else [oldest], ledger.last_step())
-    done = ledger.pruned_through()
+    done = ledger.retention.pruned_through()
     if bound <= done:
         return None
     # the copy a recovery reads (shipped segments) must hold these steps whole, and the snapshot index
     # that makes them unneeded, before the samples leave this copy: a shipment reads frames as they are now
     ledger.make_durable()
     entry = archive.write(run_dir, ledger, max(done, ledger.base_step()) + 1, bound) if jc.archive else None
-    pruned, freed = ledger.prune(bound, entry)
+    pruned, freed = ledger.retention.prune(bound, entry)
     where = f", archived to {archive.ARCHIVE_DIR}/{entry.file}" if entry else ""
     size = f"{freed / 2**20:.1f} MiB" if freed >= 2**20 else f"{freed / 1024:.0f} KiB"
     reporter.info(f"Journal retention: samples of steps through {bound} pruned ({pruned} steps, {size}){where}")

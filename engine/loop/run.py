@@ -54,6 +54,7 @@ from .ledger import (
     writer_refusal,
 )
 from .provenance import produced_on
+from .records import attempt_at
 
 if TYPE_CHECKING:  # torch and DeepSpeed load only once the config is known good: bad input fails fast
     from ..dist import Runtime
@@ -122,7 +123,7 @@ def unstarted_config(run_dir: Path) -> dict | None:
     config.yaml its start wrote; None when neither holds one."""
     if has_run(run_dir):
         with Ledger.open_reader(run_dir) as ledger:
-            return ledger.first_config()
+            return ledger.identity.first_config()
     path = Path(run_dir) / "config.yaml"
     try:
         data = yaml.safe_load(path.read_text())
@@ -271,8 +272,8 @@ def begin(run: Run, existing: bool, changed: list[str], allow_change: bool) -> t
             run.main_ledger().start(run_identity(run))
         reporter.info("Step 0: Starting training...")
         return 0, [Control(ControlKind.START, {"config_hash": run.cfg.hash(), "world_size": rt.world_size}).to_event()], None
-    rt.from_rank0(lambda: run.trainer.check_identity(run.main_ledger().loaded()), "checking the run's identity")
-    counterfactual = rt.from_rank0(lambda: run.main_ledger().counterfactual(), "reading the run's identity")
+    rt.from_rank0(lambda: run.trainer.check_identity(run.main_ledger().identity.loaded()), "checking the run's identity")
+    counterfactual = rt.from_rank0(lambda: run.main_ledger().identity.counterfactual(), "reading the run's identity")
     # a what-if goes on training on its parent's samples
     source = whatif.resume_source(run, counterfactual, changed) if counterfactual is not None else None
     try:
@@ -353,11 +354,11 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
         failpoint("step.before_commit")  # the update is done, the journal does not know it yet
         t_commit = time.perf_counter()
         events = control + inputs.events() + outcome.events() + evaluated
-        rt.from_rank0(lambda: run.main_ledger().journal.append_step(step, events), f"the journal commit of step {step}")
+        rt.from_rank0(lambda: run.main_ledger().journal.writer.append_step(step, events), f"the journal commit of step {step}")
         control = []
         # the commit's own time cannot be in the record it commits: it goes to the logs only
         logged = {**outcome.metrics, "timing_s/commit": time.perf_counter() - t_commit}
-        shipper = ledger.journal.shipper if ledger is not None else None
+        shipper = ledger.journal.shipping.shipper if ledger is not None else None
         if shipper is not None:
             logged.update({"journal/ship_lag_steps": shipper.lag(), "timing_s/ship_cpu": shipper.cpu_seconds - ship_cpu})
             ship_cpu = shipper.cpu_seconds
@@ -382,20 +383,23 @@ class InFlightEpisodes:
         self.run = run
 
     def keep(self, groups: list[GroupInFlight], settled: list[int], calls: list | None = None, dropped: list | None = None) -> None:
-        self.run.rt.from_rank0(lambda: self.run.main_ledger().keep_in_flight(groups, settled, calls or (), dropped or ()),
+        self.run.rt.from_rank0(lambda: self.run.main_ledger().in_flight.keep(groups, settled, calls or (), dropped or ()),
                                "making episodes' turns durable")
 
     def read(self) -> dict[int, GroupInFlight]:
-        got = self.run.rt.from_rank0(lambda: [g.to_dict() for g in self.run.main_ledger().in_flight().values()], "reading the episodes in flight")
+        got = self.run.rt.from_rank0(lambda: [g.to_dict() for g in self.run.main_ledger().in_flight.groups().values()], "reading the episodes in flight")
         return {g.group: g for g in map(GroupInFlight.from_dict, got)}
 
     def keep_partial(self, groups: list[GroupProgress], settled: list[int]) -> None:
-        self.run.rt.from_rank0(lambda: self.run.main_ledger().keep_partial(groups, settled), "making partial generations durable")
+        self.run.rt.from_rank0(lambda: self.run.main_ledger().in_flight.keep_partial(groups, settled), "making partial generations durable")
 
     def read_partial(self) -> dict[int, GroupProgress]:
-        got = self.run.rt.from_rank0(lambda: [g.to_dict() for g in self.run.main_ledger().partial_groups().values()],
+        got = self.run.rt.from_rank0(lambda: [g.to_dict() for g in self.run.main_ledger().in_flight.partial_groups().values()],
                                      "reading the partial generations")
         return {g.group: g for g in map(GroupProgress.from_dict, got)}
+
+    def attempt(self, step: int) -> int:
+        return self.run.rt.from_rank0(lambda: attempt_at(self.run.main_ledger().lineage.entries(), step), "reading the run's lineage")
 
 
 def fork_config(old: dict, overrides: list[str], new_run: Path) -> tuple[Config, list[str]]:

@@ -12,7 +12,7 @@
 Publishing: manifest written and fsynced, the directory renamed into place, the run directory
 fsynced, then indexed in the ledger, then `latest` swapped, then rotation. Rotation unindexes
 before it deletes, so a half-deleted snapshot is never offered, and deletes only once the copy of
-the journal a recovery would read records the unindexing (``Journal.make_durable``: with
+the journal a recovery would read records the unindexing (``journal.shipping.make_durable``: with
 journal.local_dir, once it is shipped), so a node lost at any moment never leaves a run whose
 journal names only deleted snapshots. Every rename and delete first checks the writer's claim on
 the run (``Ledger.fence``): a writer that was taken over touches nothing. Only rank 0 calls the
@@ -40,7 +40,8 @@ import blake3
 from verlj.journal.failpoints import failpoint
 
 from ..state.manifest import MANIFEST, SnapshotCheck, build_manifest, check_snapshot, fsync_dir, snapshot_name, write_bytes_durable
-from .ledger import Ledger, SnapshotEntry
+from .ledger import Ledger
+from .records import SnapshotEntry
 
 QUARANTINE = "quarantine"
 _LEFTOVER = re.compile(r"^(\.tmp-step_\d+|\.trash-step_\d+-\d+|\.latest\.tmp)$")  # never published, or unindexed durably
@@ -121,7 +122,7 @@ class SnapshotStore:
         os.replace(tmp, final)
         fsync_dir(self.run_dir)
         failpoint("snapshot.before_index")
-        self.main_ledger.index_snapshot(step, _index_entry(final.name, fingerprint, manifest_bytes, time.time()))
+        self.main_ledger.snapshots.add(step, _index_entry(final.name, fingerprint, manifest_bytes, time.time()))
         self._point_latest()
         return final
 
@@ -139,10 +140,10 @@ class SnapshotStore:
         unindexes the missing, and its choice of snapshot quarantines the damaged)."""
         if limit <= 0:
             return
-        index = self.main_ledger.snapshot_index()
+        index = self.main_ledger.snapshots.index()
         old = list(self.sound(index))[:-limit]
         for step in old:
-            self.main_ledger.unindex_snapshot(step)  # unindex first: a half-deleted snapshot is never offered
+            self.main_ledger.snapshots.remove(step)  # unindex first: a half-deleted snapshot is never offered
             failpoint("snapshot.rotate")
         if not old:
             return
@@ -164,7 +165,7 @@ class SnapshotStore:
         anchor parse; step and fingerprint are the journal's. No weight file is hashed: that would read
         every kept snapshot in full at every save. A flipped bit inside a file is left to the full
         check a resume makes of the snapshot it picks (it falls back to an older one, which this keeps)."""
-        index = self.main_ledger.snapshot_index() if index is None else index
+        index = self.main_ledger.snapshots.index() if index is None else index
         for step, entry in sorted(index.items()):
             if check_against_journal(self.main_ledger, step, self.run_dir / entry.path, entry.manifest, hash_files=False)[1] is None:
                 yield step
@@ -173,8 +174,8 @@ class SnapshotStore:
         """Move a damaged snapshot out of the index and out of the way; say where it went. `step` None:
         it was not in the index."""
         self.main_ledger.fence()
-        if step is not None and step in self.main_ledger.snapshot_index():
-            self.main_ledger.unindex_snapshot(step)
+        if step is not None and step in self.main_ledger.snapshots.index():
+            self.main_ledger.snapshots.remove(step)
         dest_dir = self.run_dir / QUARANTINE
         dest_dir.mkdir(exist_ok=True)
         dest = dest_dir / path.name
@@ -183,7 +184,7 @@ class SnapshotStore:
         if path.exists():
             os.replace(path, dest)
             fsync_dir(self.run_dir)
-        self.main_ledger.record_quarantine({"name": path.name, "step": step, "reason": reason, "path": str(dest.relative_to(self.run_dir))})
+        self.main_ledger.snapshots.record_quarantine({"name": path.name, "step": step, "reason": reason, "path": str(dest.relative_to(self.run_dir))})
         latest = self.run_dir / "latest"
         if latest.is_symlink() and os.readlink(latest) == path.name:
             self._point_latest()
@@ -209,7 +210,7 @@ class SnapshotStore:
         indexing; with journal.local_dir, a node lost before the index was shipped). Reading only."""
         if not self.run_dir.is_dir():
             return []
-        indexed = {entry.path for entry in (self.main_ledger.snapshot_index() if index is None else _entries(index)).values()}
+        indexed = {entry.path for entry in (self.main_ledger.snapshots.index() if index is None else _entries(index)).values()}
         return [p.name for p in sorted(self.run_dir.iterdir()) if _SNAPSHOT.match(p.name) and p.is_dir() and p.name not in indexed]
 
     def plan_leftovers(self, index: dict[int, SnapshotEntry] | None = None, refused: str | None = None) -> list[Leftover]:
@@ -222,7 +223,7 @@ class SnapshotStore:
         every published snapshot is then listed, kept as it is."""
         plan: list[Leftover] = []
         if index is None:
-            index = self.ledger.snapshot_index() if self.ledger is not None else {}
+            index = self.ledger.snapshots.index() if self.ledger is not None else {}
         index = _entries(index)
         if refused is not None:
             return [Leftover(name, KEEP, _step_of(name), refused) for name in self.temporaries() + self.unindexed(index)]
@@ -248,7 +249,7 @@ class SnapshotStore:
         carry out :meth:`plan_leftovers`. Temporaries removed; each published snapshot the index lacks
         adopted into the index when its manifest verifies and its step and fingerprint are the
         journal's, else quarantined; each indexed one missing from disk unindexed and recorded
-        (Ledger.missing). Returns what was done (Leftover.done says it)."""
+        (ledger.snapshots.missing). Returns what was done (Leftover.done says it)."""
         plan = self.plan_leftovers()
         if plan:
             self.main_ledger.fence()
@@ -261,14 +262,14 @@ class SnapshotStore:
                     shutil.rmtree(path)
             elif item.action == ADOPT:
                 assert item.step is not None and item.entry is not None  # an adopted snapshot's
-                self.main_ledger.index_snapshot(item.step, item.entry)
+                self.main_ledger.snapshots.add(item.step, item.entry)
             elif item.action == QUARANTINE:
                 item.moved_to = str(self.quarantine(None, path, f"published but not indexed, and {item.reason}").relative_to(self.run_dir))
             elif item.action == UNINDEX:
                 # recorded before it leaves the index: a kill in between records it twice, never loses it
                 assert item.step is not None  # an index entry's
-                self.main_ledger.record_missing({"name": item.name, "step": item.step, "reason": item.reason})
-                self.main_ledger.unindex_snapshot(item.step)
+                self.main_ledger.snapshots.record_missing({"name": item.name, "step": item.step, "reason": item.reason})
+                self.main_ledger.snapshots.remove(item.step)
         if any(item.action == REMOVE for item in plan):
             fsync_dir(self.run_dir)
         if any(item.action in (ADOPT, UNINDEX) for item in plan):
@@ -280,7 +281,7 @@ class SnapshotStore:
         by a copy that follows links (`cp -rL`, some sync tools) holds `latest` (or a leftover
         `.latest.tmp`) as a directory: a second copy of a snapshot that stays in its own step_N
         directory, never read through `latest`; it is removed so that the link can take its place."""
-        index = self.main_ledger.snapshot_index()
+        index = self.main_ledger.snapshots.index()
         latest = self.run_dir / "latest"
         if not latest.is_symlink() and latest.is_dir():
             shutil.rmtree(latest)
@@ -302,7 +303,7 @@ def check_against_journal(ledger: Ledger, step: int, path: Path, expected_manife
     """Whether the snapshot at `path` is the state after `step` as the journal knows it: its manifest
     and files (and the manifest's digest, when the index recorded one), the step its meta names, and
     its fingerprint against the one journaled for that step (a fork's base step, which its journal
-    does not hold, against Ledger.base_fingerprint). hash_files=False: file sizes only (SnapshotStore.sound).
+    does not hold, against ledger.identity.base_fingerprint). hash_files=False: file sizes only (SnapshotStore.sound).
     Returns (the check, the first problem or None)."""
     res = check_snapshot(path, hash_files=hash_files, expected_manifest=expected_manifest)
     if not res.valid:
@@ -311,7 +312,7 @@ def check_against_journal(ledger: Ledger, step: int, path: Path, expected_manife
         return res, f"its meta says step {res.step}, its name and the index say {step}"
     want = ledger.fingerprint_at(step)
     if want is None and step == ledger.base_step():
-        want = ledger.base_fingerprint()
+        want = ledger.identity.base_fingerprint()
     if want is None:
         return res, f"step {step} is not in the journal (it ends at step {ledger.last_step()})"
     assert res.snapshot is not None  # a valid snapshot's meta parsed

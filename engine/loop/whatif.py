@@ -12,7 +12,7 @@ not vary are left out (sync runs). Only the keys config.WHATIF_KEYS names (and b
 change; eval never runs (it would generate).
 
 NEW is a real run (journal, snapshots, lineage naming RUN and A) whose identity says it is
-counterfactual (Ledger.counterfactual): forking it is refused, since its samples were not drawn by
+counterfactual (ledger.identity.counterfactual): forking it is refused, since its samples were not drawn by
 its own policy; `verlj train -o NEW --resume` continues the what-if from RUN's journal.
 """
 
@@ -27,14 +27,15 @@ from ..config import Config, check_whatif, check_whatif_keys, make_config
 from ..errors import RunError
 from ..schema.sample import Sample
 from .context import Run
-from .ledger import Counterfactual, Ledger, check_local_dir, journal_dir
+from .ledger import Ledger, check_local_dir, journal_dir
 from .reader import StepReader
+from .records import Counterfactual
 
 
 def refuse_counterfactual(ledger: Ledger, run_dir: Path, what: str, instead: str) -> None:
     """A what-if is never forked, nor made the base of another what-if: one sentence (`what` it
     cannot be; `instead`: what to do to its parent run)."""
-    cf = ledger.whatif_of()
+    cf = ledger.identity.whatif_of()
     if cf is not None:
         raise RunError(f"{run_dir} is a what-if of {cf.run} (its samples were not drawn by its own policy): it cannot be {what}; "
                        f"{instead} {cf.run} instead")
@@ -123,7 +124,7 @@ class WhatifSource:
     def _origin(self, step: int) -> str | None:
         """RUN's fingerprint after its base step (a fork's), from its parent record."""
         assert self.ledger is not None  # rank 0's
-        parent = self.ledger.parent_run()
+        parent = self.ledger.identity.parent_run()
         return parent.fingerprint if parent is not None and parent.step == step else None
 
     def close(self) -> None:

@@ -122,7 +122,7 @@ class Difference:
     environment: dict[str, list]
     steps_a: int
     steps_b: int
-    topology: tuple[list[dict], list[dict]] | None = None  # each run's Ledger.topology_history (a step differs)
+    topology: tuple[list[dict], list[dict]] | None = None  # each run's ledger.identity.topology_history (a step differs)
     samples_not_compared: list[int] | None = None  # --full: pruned steps neither holds the samples of (no step differs)
 
     def reexecuted(self, element: dict | None) -> Difference:
@@ -169,7 +169,7 @@ def _environment_differences(ja: Ledger, jb: Ledger, rollout: tuple[int, Rollout
     last started on, and the rollout engine's package where a step generated under different ones
     (`rollout`: that step and both runs' rollout there).
     An environment difference alone changes no number: diff names it apart from a training difference."""
-    va, vb = ja.versions_in_force(), jb.versions_in_force()
+    va, vb = ja.lineage.versions_in_force(), jb.lineage.versions_in_force()
     out = {k: [va.get(k), vb.get(k)] for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)}
     if rollout is not None:
         step, ra, rb = rollout
@@ -194,7 +194,7 @@ def first_difference(run_a: Path, run_b: Path, full: bool = False) -> Difference
         base = max(ja.base_step(), jb.base_step())
         common = min(la, lb)
         config_changes = _config_differences(ja, jb)
-        topology = (ja.topology_history(), jb.topology_history())
+        topology = (ja.identity.topology_history(), jb.identity.topology_history())
         readers = (archive.Reader(Path(run_a), ja), archive.Reader(Path(run_b), jb))
         rollout = None  # the first step whose rollout engine's package version differs
         for x, y in zip(ja.journal.iter_summaries(base + 1, common), jb.journal.iter_summaries(base + 1, common)):
@@ -241,7 +241,7 @@ def _stage_difference(ea: StepEvents, eb: StepEvents) -> StageDifference | None:
     sa, sb = ea.stages, eb.stages
     if sa is None or sb is None:
         return None
-    stage = first_stage(sa.as_dict(), sb.as_dict())
+    stage = first_stage(sa.to_dict(), sb.to_dict())
     if stage is None:
         return None
     out = StageDifference(stage, sa.summary.get(stage), sb.summary.get(stage))
@@ -309,7 +309,7 @@ def _equal(a, b) -> bool:
 
 def _config_differences(ja: Ledger, jb: Ledger) -> dict[str, list]:
     """Dotted key -> [value in a, value in b] for the configs the two runs started with."""
-    a, b = ja.first_config(), jb.first_config()
+    a, b = ja.identity.first_config(), jb.identity.first_config()
     return {k: [_dotted(a, k), _dotted(b, k)] for k in diff_configs(a, b)}
 
 
@@ -340,6 +340,7 @@ def render_diff(d: Difference, a: Path, b: Path) -> str:
     if d.differs == ["length"]:
         assert d.step is not None  # the first step one run lacks
         return "\n".join([f"the runs agree up to step {d.step - 1}; {a} has {d.steps_a} steps, {b} has {d.steps_b}", *config])
+    assert d.step is not None  # the first step that differs
     lines = [f"first difference at step {d.step}: " + ", ".join(_NAMES.get(k, k) for k in d.differs), *config]
     for history, run in zip(d.topology or ((), ()), (a, b)):
         for entry in history:

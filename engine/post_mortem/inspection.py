@@ -2,15 +2,12 @@
 
     verlj inspect RUN                      # summary: config, versions, steps, snapshots, lineage, trend
     verlj inspect RUN --step 1247          # everything journaled at step 1247, samples as text
-    verlj metrics RUN --names actor/pg_loss --steps 100:200 [--csv | --jsonl | --plot out.png]
-    verlj find RUN --where 'actor/grad_norm > 10'
-    verlj diff RUN_A RUN_B                 # the first step where two runs differ (post_mortem.diff)
 
-Metrics, find (post_mortem.find) and diff read the journal's summary sub-database (no samples), so they stream a long
-run quickly; a single step is one key lookup.
+`verlj metrics` and `verlj find` are post_mortem.metrics's, `verlj diff` post_mortem.diff's. A single
+step is one key lookup.
 
-Each command's answer is a frozen dataclass here (:class:`RunSummary`, :class:`StepDetail`,
-:class:`Match`; diff's :class:`Difference` is in post_mortem.diff, and importable from here as before):
+Each command's answer is a frozen dataclass here (:class:`RunSummary`, :class:`StepDetail`; diff's
+:class:`Difference` is in post_mortem.diff, and importable from here as before):
 ``to_json()`` is its ``--json`` form, ``render_*`` its text.
 Journal records are read through ``schema.events.StepEvents``; the ledger's own entries through its
 typed records (loop.ledger: LineageEntry, TopologyChange, Counterfactual, ...), shown in ``--json``
@@ -30,8 +27,9 @@ import numpy as np
 from ..config import config_from_stored
 from ..errors import RunError
 from ..loop import archive
-from ..loop.ledger import Counterfactual, Ledger, LineageEntry, ParentRun, open_run, writer_dir
+from ..loop.ledger import Ledger, open_run, writer_dir
 from ..loop.reader import StepReader
+from ..loop.records import Counterfactual, LineageEntry, ParentRun, attempt_at
 from ..rl.vocab import text_decoder
 from ..schema import table
 from ..schema.events import ConfigChange, Control, ControlKind, Eval, Requests, Rollout, StepEvents
@@ -49,7 +47,6 @@ from .diff import (  # noqa: F401 - `verlj diff`'s answer, re-exported from wher
     first_difference,
     render_diff,
 )
-from .find import Condition, Match, find_steps, metric_rows, parse_where  # noqa: F401 - metrics and find, importable from here as before
 from .views import TIMING, Deviation, Snapshot, _json, _view, topology_line  # noqa: F401 - TIMING and Deviation: importable from here as before
 
 REWARD = "critic/score/mean"  # the summary's trend
@@ -78,7 +75,7 @@ def _order(r: Rollout) -> str:
 
 @dataclass(frozen=True)
 class Identity:
-    """What inspect shows of a run's identity (Ledger.identity); a fact it lacks is None."""
+    """What inspect shows of a run's identity (ledger.identity.all()); a fact it lacks is None."""
 
     config_hash: str | None = None
     config: dict | None = None  # as stored (--json shows it so); read through config_from_stored
@@ -202,13 +199,13 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
 
     run_dir = Path(run_dir)
     with open_run(run_dir) as ledger:
-        identity = _view(Identity, ledger.identity())
-        lineage = ledger.lineage_entries()
-        topology = ledger.topology_history()
-        quarantined = ledger.quarantined()
-        missing = ledger.missing()
+        identity = _view(Identity, ledger.identity.all())
+        lineage = ledger.lineage.entries()
+        topology = ledger.identity.topology_history()
+        quarantined = ledger.snapshots.quarantined()
+        missing = ledger.snapshots.missing()
         last, base = ledger.last_step(), ledger.base_step()
-        indexed = {e.path for e in ledger.snapshot_index().values()}
+        indexed = {e.path for e in ledger.snapshots.index().values()}
         ranks_now = Topology(**ledger.topology_at(last)).world_size
         last_summary = ledger.journal.read_summary(last) if last > base else None
         rollout = StepEvents.of(last_summary).rollout if last_summary else None
@@ -506,11 +503,15 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
         record = StepReader(ledger.journal).read(step)
         ev = StepEvents.of(record)
         decoder = text_decoder(ledger.config_at(step))
+        attempt, cfg = attempt_at(ledger.lineage.entries(), step), config_from_stored(ledger.config_at(step), unknown="none")
+        if attempt > 1 and cfg is not None and cfg.rollout.agent:
+            note = f"attempt {attempt}: this step began in {attempt} processes, its agents run again in each (the run's lineage)"
         cols = None
         if record.pruned:
             cols = archive.Reader(run_dir, ledger).step_columns(step)
             note = (f"samples pruned from the journal (journal.retain_samples); shown from {archive.ARCHIVE_DIR}/"
                     if cols is not None else "samples pruned from the journal (journal.retain_samples) and not archived")
+            note += f"; attempt {attempt}" if attempt > 1 else ""
         elif ev.added is not None:
             assert ev.added.samples is not None  # not pruned
             cols = table.step_columns(step, ev.added.samples, decoder)

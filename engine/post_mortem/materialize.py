@@ -89,7 +89,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
     try:
         run = make_run(run_dir, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
         # a snapshot holds LoRA adapters only: on another base they would replay, export or re-train another model
-        check_base(ledger.loaded().actor_base_digest, run.trainer.actor_base, cfg.model.actor.model_name_or_path)
+        check_base(ledger.identity.loaded().actor_base_digest, run.trainer.actor_base, cfg.model.actor.model_name_or_path)
         step0, out = materialize_steps(run, to_step, max_snapshot=max_snapshot)
         fp = out.fingerprint
         if fp is None:

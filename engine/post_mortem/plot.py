@@ -10,7 +10,7 @@ from ..loop.ledger import open_run
 
 
 def _points(rows: list[dict], name: str) -> list[tuple[int, float]]:
-    """(step, value) of the metric `name` in inspection.metric_rows' rows, where the step has it."""
+    """(step, value) of the metric `name` in metrics.metric_rows' rows, where the step has it."""
     return [(r["step"], r[name]) for r in rows if r.get(name) is not None]
 
 
@@ -24,8 +24,8 @@ def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) ->
     import matplotlib.pyplot as plt
 
     with open_run(run_dir) as ledger:
-        snaps = sorted(ledger.snapshot_index())
-        resumes = ledger.resume_steps()
+        snaps = sorted(ledger.snapshots.index())
+        resumes = ledger.lineage.resume_steps()
     n = max(1, len(cols))
     fig, axes = plt.subplots(n, 1, figsize=(9, 2.2 * n), sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], cols):
@@ -61,7 +61,7 @@ def plot_compare(run_a: Path, others: list[Path], names: list[str] | None, steps
         import matplotlib
     except ImportError:
         raise RunError("--plot needs matplotlib, which the default install leaves out: pip install matplotlib") from None
-    from .inspection import metric_rows
+    from .metrics import metric_rows
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -119,7 +119,7 @@ def probe_steps(run_dir: Path, start: int, stop: int, spec: str, workers: int = 
         raise StepsError(f"--workers must be >= 1, not {workers}")
     run_dir = Path(run_dir)
     with steps_reader(run_dir, start, stop) as ledger:
-        snapshots = sorted(ledger.snapshot_index())
+        snapshots = sorted(ledger.snapshots.index())
     parts = split(start, stop, snapshots, workers)
     if len(parts) == 1:
         rows = _measure(run_dir, start, stop, spec)

@@ -147,7 +147,7 @@ class Observed:
         """The first stage that differs (STATE: only the fingerprint does), or None."""
         from ..state.stages import first_difference
 
-        stage = first_difference(self.journaled.as_dict(), self.rerun.as_dict()) if self.journaled is not None else None
+        stage = first_difference(self.journaled.to_dict(), self.rerun.to_dict()) if self.journaled is not None else None
         if stage is None and self.journaled_fingerprint != self.rerun_fingerprint:
             stage = STATE
         return stage
@@ -156,7 +156,7 @@ class Observed:
         """Two re-executions of a step agree: every stage and the fingerprint."""
         from ..state.stages import first_difference
 
-        return first_difference(self.rerun.as_dict(), other.rerun.as_dict()) is None and self.rerun_fingerprint == other.rerun_fingerprint
+        return first_difference(self.rerun.to_dict(), other.rerun.to_dict()) is None and self.rerun_fingerprint == other.rerun_fingerprint
 
 
 @contextmanager
@@ -263,8 +263,8 @@ def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> 
         config = ledger.config_at(stop)
         reward_model = bool(config_from_stored(config).model.reward_model.model_name_or_path)
         pruned = [s for s in range(ledger.base_step() + 1, stop + 1) if StepReader(ledger.journal).read(s).pruned]
-        recorded = ledger.versions_in_force()
-        snapshots = sorted(ledger.snapshot_index())
+        recorded = ledger.lineage.versions_in_force()
+        snapshots = sorted(ledger.snapshots.index())
         verdicts: list[Verdict] = []
         origins: list[int] = []
         pos = start

@@ -30,6 +30,7 @@ from ..loop import archive
 from ..loop.archive import ran_episodes, ran_partial
 from ..loop.ledger import open_run
 from ..loop.reader import StepReader
+from ..loop.records import attempt_at
 from ..rl.vocab import text_decoder
 from ..schema.events import DropReason, StepEvents
 from ..schema.sample import AGENT_TEXT
@@ -184,14 +185,15 @@ CALL_COLUMNS = ["step", "sample_id", "group", "index", "policy_version", "call",
                 "flag", "trained", "prompt_ids", "completion_ids", "logprobs", "reward", "score", "env_end", "env_reason"]
 
 
-def call_rows(cols: dict) -> Iterator[dict]:
+def call_rows(cols: dict, attempt: int = 1) -> Iterator[dict]:
     """One step's agent episodes as one row a model call (CALL_COLUMNS; JSON-ready values), `call` counting
-    from 1, and the attempt of the episode that generated it (1; 2, ... for a call made by a re-run after a crash):
+    from 1, and the attempt of the episode that made it (1; 2, ... when it was run again after a crash: the step's, from
+    the run's lineage, loop.records.attempt_at):
     the request's messages (JSON text), the answer's content and tool calls (``name(arguments)``), its
     finish reason and flag, whether the call is in the trained chain, its token ids and log-probs, and the
     episode's reward (the agent's own; None when rollout.reward_fn scored), score and end. An episode that
     made no call (a fault) is one row, call 0, its reason in env_reason."""
-    from ..rl.gateway.protocol import read_answer
+    from ..rl.gateway.wire import read_answer
     from ..schema.agent_calls import AgentCalls
 
     texts = cols.get(AGENT_TEXT) or [""] * num_rows(cols)
@@ -206,7 +208,7 @@ def call_rows(cols: dict) -> Iterator[dict]:
         for k, c in enumerate(rec.calls):
             answer = read_answer(c.response)
             messages = json.dumps(json.loads(c.request)["messages"], ensure_ascii=False)
-            yield {**head, "call": k + 1, "attempt": c.attempt, "messages": messages, "content": answer.content,
+            yield {**head, "call": k + 1, "attempt": attempt, "messages": messages, "content": answer.content,
                    "tool_calls": list(answer.tool_calls),
                    "finish_reason": answer.finish_reason, "flag": c.flag, "trained": k in trained, "prompt_ids": c.prompt_ids.tolist(),
                    "completion_ids": c.completion_ids.tolist(), "logprobs": c.logprobs.tolist(), "reward": rec.reward, **tail}
@@ -246,9 +248,10 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
         fates = sample_fates(ledger, a, None)
         episodes, partial = ran_episodes(ledger.configs_in(a, b)), ran_partial(ledger.configs_in(a, b))
         calls = turns and any(config_from_stored(c).rollout.agent for c in ledger.configs_in(a, b))  # a row per model call
+        lineage = ledger.lineage.entries()
 
-        def table_rows(cols: dict) -> Iterator[dict]:
-            for row in (call_rows(cols) if calls else turn_rows(cols)) if turns else rows(cols, episodes, partial):
+        def table_rows(step: int, cols: dict) -> Iterator[dict]:
+            for row in (call_rows(cols, attempt_at(lineage, step)) if calls else turn_rows(cols)) if turns else rows(cols, episodes, partial):
                 status, when = fates.get(row["sample_id"], ("pending", None))
                 yield {**row, "status": status, "status_step": when}
 
@@ -259,14 +262,14 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
 
                 schema = (call_schema() if calls else turn_schema(True)) if turns else arrow_schema(True, episodes, partial)
                 with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as w:
-                    for _step, cols in iter_step_columns(run_dir, ledger, a, b, notes):
-                        table = pa.Table.from_pylist(list(table_rows(cols)), schema) if turns else to_arrow(cols, fates, episodes, partial)
+                    for step, cols in iter_step_columns(run_dir, ledger, a, b, notes):
+                        table = pa.Table.from_pylist(list(table_rows(step, cols)), schema) if turns else to_arrow(cols, fates, episodes, partial)
                         w.write_table(table)
                         written += table.num_rows
             else:
                 with open(tmp, "w") as f:
-                    for _step, cols in iter_step_columns(run_dir, ledger, a, b, notes):
-                        for row in table_rows(cols):
+                    for step, cols in iter_step_columns(run_dir, ledger, a, b, notes):
+                        for row in table_rows(step, cols):
                             f.write(json.dumps(row, allow_nan=True) + "\n")
                             written += 1
             os.replace(tmp, output)

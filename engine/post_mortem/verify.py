@@ -18,7 +18,8 @@ from verlj.journal import JournalError, NotAJournalError, segments, unpackb, ver
 
 from ..errors import ConfigError, HardwareDivergence, RunError
 from ..loop import archive
-from ..loop.ledger import Ledger, SnapshotEntry, journal_dir, journal_exists, lost_journal
+from ..loop.ledger import Ledger, journal_dir, journal_exists, lost_journal
+from ..loop.records import SnapshotEntry
 from ..loop.recovery import damaged_journal_advice
 from ..loop.snapshot_store import ADOPT, UNINDEX, Leftover, SnapshotStore
 from ..schema.events import StepEvents
@@ -150,14 +151,14 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
             report.last_step = ledger.last_step()
             report.last_good_step = jr.last_good_step
             try:
-                index = ledger.snapshot_index()
-                report.quarantined = ledger.quarantined()
-                report.missing = ledger.missing()
+                index = ledger.snapshots.index()
+                report.quarantined = ledger.snapshots.quarantined()
+                report.missing = ledger.snapshots.missing()
             except JournalError:
                 index = None
             try:
                 fps = ledger.fingerprints()
-                base = ledger.base_fingerprint()
+                base = ledger.identity.base_fingerprint()
                 if base is not None:  # a fork's base snapshot: the state it started from
                     fps.setdefault(ledger.base_step(), base)
             except JournalError:
@@ -223,7 +224,7 @@ def _verify_segments(report: RunReport, run_dir: Path, ledger: Ledger | None) ->
         report.journal_lines.append(f"✓ Journal segments: {len(found.segments)} sealed in {segments.segment_dir(jd)} "
                                     f"({held}{size}), steps through {shipped}; digests, links and hash chain verified")
     elif found.problem_at_end:  # a torn or damaged last segment: what --resume does with it, not a refusal
-        live = ledger is not None and ledger.last_step() > shipped and ledger.journal.shipped_problem is None
+        live = ledger is not None and ledger.last_step() > shipped and ledger.journal.shipping.problem is None
         if live:
             then = "`verlj train --resume` ships its steps again from the local journal; nothing is lost"
         elif found.lost_steps is None:
@@ -238,7 +239,7 @@ def _verify_segments(report: RunReport, run_dir: Path, ledger: Ledger | None) ->
         report.journal_ok = False
         report.journal_lines.append(f"✗ journal segments: {found.problem}")
         report.advice = damaged_journal_advice(run_dir, found.problem, shipped, ledger.base_step() if ledger else 0)
-    if ledger is not None and ledger.journal.shipped_problem is None and ledger.last_step() > shipped:
+    if ledger is not None and ledger.journal.shipping.problem is None and ledger.last_step() > shipped:
         report.journal_lines.append(f"· the local journal at {ledger.journal.path} holds steps through {ledger.last_step()} "
                                     f"({ledger.last_step() - shipped} not shipped yet)")
 
@@ -250,7 +251,7 @@ def _verify_retention(report: RunReport, run_dir: Path, ledger: Ledger, jr) -> N
         report.journal_lines.append(f"✓ Retention: the samples of {jr.pruned} steps through step {jr.pruned_through} were pruned "
                                     "(journal.retain_samples); their records, summaries and place in the hash chain remain and were verified")
     try:
-        entries = ledger.archive_entries()
+        entries = ledger.retention.archive_entries()
     except JournalError as e:
         report.archive_ok = False
         report.journal_lines.append(f"✗ rollout archive index: {e}")
@@ -289,14 +290,14 @@ def _verify_accounting(report: RunReport, ledger: Ledger) -> None:
     dropped = ", ".join(f"{n} {reason}" for reason, n in sorted(acc.dropped.items())) or "0"
     counts = (f"{acc.asked} groups asked, {acc.arrived} arrived ({acc.regenerated} asked again after a stop), "
               f"{acc.in_flight} in flight; samples: {acc.trained} trained, {dropped} dropped, {acc.waiting} waiting")
-    durable = ledger.in_flight()  # rollout.env: groups of episodes made durable turn by turn (rl.episodes)
+    durable = ledger.in_flight.groups()  # rollout.env: groups of episodes made durable turn by turn (rl.episodes)
     if durable:
         uncommitted = len(set(durable) - acc.all_asked)  # asked in a step that never committed: taken up if asked again
         held = [durable[g] for g in acc.in_flight_groups if g in durable]
         counts += (f"; episodes: {len(held)} of the groups in flight resume from durable turns ({sum(g.turns_durable for g in held)} "
                    f"turns, {sum(g.live for g in held)} episodes still going)"
                    + (f", {uncommitted} more groups from a step that never committed" if uncommitted else ""))
-    stopped = ledger.partial_groups()  # rollout.partial: generations a push stopped, durable with their tokens (rl.sources.partial)
+    stopped = ledger.in_flight.partial_groups()  # rollout.partial: generations a push stopped, durable with their tokens (rl.sources.partial)
     if stopped:
         going = [stopped[g] for g in acc.in_flight_groups if g in stopped]
         counts += f"; partial rollouts: {len(going)} of the groups in flight go on from {sum(g.tokens for g in going)} durable tokens"
@@ -380,7 +381,7 @@ def _indexed(info: SnapshotEntry) -> tuple[str, str | None]:
 
 def _rotated_away(ledger: Ledger, step: int | None, path: Path) -> bool:
     try:
-        return step not in ledger.snapshot_index() and not path.exists()
+        return step not in ledger.snapshots.index() and not path.exists()
     except JournalError:
         return False
 

@@ -25,7 +25,7 @@ def _json(view) -> dict:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A snapshot the ledger moved aside (Ledger.quarantined: `path`) or found missing (Ledger.missing)."""
+    """A snapshot the ledger moved aside (ledger.snapshots.quarantined: `path`) or found missing (ledger.snapshots.missing)."""
 
     name: str
     reason: str | None = None
@@ -39,7 +39,7 @@ class Deviation:
 
 
 def topology_line(entry: dict) -> str:
-    """One topology boundary of the ledger's history (an entry of Ledger.topology_history), in words."""
+    """One topology boundary of the ledger's history (an entry of ledger.identity.topology_history), in words."""
     from ..state.topology import Topology
 
     change = TopologyChange.from_dict(entry)

@@ -26,8 +26,8 @@ def check_whatif(run_dir: Path, from_step: int, to_step: int | None, new_run: Pa
         if not (base < from_step or (from_step == base and base > 0)) or not from_step < stop <= last:
             raise StepsError(f"--from-step {from_step} --to-step {stop} is out of range: {run_dir} has steps {base + 1}–{last} "
                              "(a what-if trains steps A+1..B of them, from the state after A)")
-        if ledger.pruned_through() > from_step:
-            raise RunError(f"the samples of steps through {ledger.pruned_through()} were pruned from {run_dir}'s journal "
+        if ledger.retention.pruned_through() > from_step:
+            raise RunError(f"the samples of steps through {ledger.retention.pruned_through()} were pruned from {run_dir}'s journal "
                            f"(journal.retain_samples): a what-if from step {from_step} cannot read them")
         whatif_config(ledger.config_at(from_step), overrides, stop, new_run)
     return stop

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import blake3
@@ -26,6 +26,7 @@ import numpy as np
 
 from ..config import DataConfig
 from ..errors import DataError, install_hint
+from ..schema.record import Record, stored
 from ..state.seeding import derive_seed
 from ..state.stateful import check_version
 from . import tasks
@@ -89,24 +90,16 @@ def load_data(cfg: DataConfig, seed: int, render: Callable[[list[dict]], str] | 
 
 
 @dataclass(frozen=True)
-class DataIdentity:
+class DataIdentity(Record):
     """The prompts' identity, as the run's identity records it (`dataset`): where they came from, a
     reasoning-gym task's generation (tasks.generate: tasks, configs, weights, seed, and the package's
     version under `reasoning_gym`), the rows, and a digest of every prompt and answer."""
 
     source: str | None = None
-    reasoning_gym: dict | None = None
+    reasoning_gym: dict | None = field(default=None, metadata=stored(optional=True))  # none for a file
     train_rows: int | None = None
     held_out_rows: int | None = None
     digest: str | None = None
-
-    @classmethod
-    def from_dict(cls, data: dict) -> DataIdentity:
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
-
-    def to_dict(self) -> dict:
-        """The recorded map (its keys in the order they have always had; no reasoning_gym for a file)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if not (f.name == "reasoning_gym" and self.reasoning_gym is None)}
 
     @property
     def generator_version(self) -> str | None:

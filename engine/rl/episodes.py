@@ -12,7 +12,7 @@ whose reason is journaled with the sample (env_reason; rl.faults leaves it out o
 length (no room left under rollout.max_episode_length for another action), or when the policy's
 action is only its end-of-sequence token (:class:`Limits`).
 
-Seeds, all from the sample's place in its step (round r, place q; ``sources.sync.StepOrder.submit_round``):
+Seeds, all from the sample's place in its step (round r, place q; ``sources.batches.Batches.submit_round``):
 turn 0's generation uses the sample's seed of a single-turn run, ``derive_seed(seed, step,
 "rollout/sample", r, q)``; turn t > 0's ``derive_seed(seed, step, "rollout/sample", r, q, t)``; the
 env's ``reset(row, seed)`` gets ``derive_seed(seed, step, "rollout/env", r, q)``. Replay never plays
@@ -313,6 +313,38 @@ class Play:
         return self.round.state(group, self.row, self.versions)
 
 
+Generate = Callable[[list[np.ndarray], list[int]], tuple[list[np.ndarray], list[np.ndarray]]]
+
+
+def play_lockstep(rnd: Round, generate: Generate, seed_of: Callable[[int, int], int], all_done: Callable[[bool], bool],
+                  turn0: tuple[list[np.ndarray], list[np.ndarray]] | None = None) -> None:
+    """Play `rnd`'s episodes to their ends, in lockstep: turn t of every episode still going generated together, each
+    from its context so far and its own seed (`seed_of(place, t)`), then every env stepped (Round.take). `turn0`: the
+    first turn's responses and log-probs when they were generated already (asked beside the trainer), for the
+    episodes the resets left going (a stand-in's when none). Collective (`all_done`: every rank's episodes over): a
+    rank whose episodes are over while another's are not generates a stand-in with it (ZeRO-3's gathers, TP) and
+    keeps nothing. The one loop for the rollout's rounds (sources.episodes) and the held-out eval (rl.evaluation)."""
+    places = rnd.live()  # a reset that faulted: no action is asked of it
+    if turn0 is not None:
+        responses, logps = turn0 if places else ([], [])
+    else:
+        responses, logps = _turn(rnd, places, generate, seed_of)
+    while True:
+        rnd.take(places, responses, logps)
+        if all_done(rnd.done()):
+            return
+        places = [] if rnd.done() else rnd.live()
+        responses, logps = _turn(rnd, places, generate, seed_of)
+
+
+def _turn(rnd: Round, places: list[int], generate: Generate, seed_of: Callable[[int, int], int]) -> tuple[list, list]:
+    """The turn's actions of the episodes at `places` (none: a stand-in generated with the other ranks, kept nowhere)."""
+    if not places:
+        generate([rnd.episodes[0].context()], [0])
+        return [], []
+    return generate([rnd.episodes[i].context() for i in places], [seed_of(i, rnd.turn) for i in places])
+
+
 @dataclass
 class GroupWork:
     """A group's episodes to play where their envs live beside generation (a fleet's actor:
@@ -329,9 +361,6 @@ class GroupWork:
     limits: Limits
     turns: int
     state: dict | None = None  # GroupInFlight.to_dict() as it last stood durable; None: from its resets
-
-
-Generate = Callable[[list[np.ndarray], list[int]], tuple[list[np.ndarray], list[np.ndarray]]]
 
 
 def play_group(work: GroupWork, factory: EnvFactory, tokenizer, generate: Generate, version: int, held: dict[int, Round]) -> dict:
@@ -378,3 +407,7 @@ class InFlightLog(Protocol):
 
     def read_partial(self) -> dict[int, GroupProgress]:
         """rollout.partial: the groups made durable mid-generation and not forgotten, by group id."""
+
+    def attempt(self, step: int) -> int:
+        """How many processes of this run have begun live step `step`, this one included (the run's lineage:
+        loop.records.attempt_at): what a step-order agent episode is told of its attempt."""

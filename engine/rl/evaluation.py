@@ -14,7 +14,7 @@ from ..state.seeding import derive_seed
 from .core import Core
 from .data import Dataset
 from .envs import EnvFactory, row_of
-from .episodes import Limits, Round
+from .episodes import Limits, Round, play_lockstep
 from .rewards import scored_or_faults
 from .sampler import sample_seeded, sampling_params
 
@@ -100,20 +100,14 @@ def _eval_episodes(tr: Evaluated, step: int, rows: np.ndarray, seeds: list[int],
     env_seeds = [derive_seed(cfg.trainer.seed, step, "eval/env", int(i)) for i in rows]
     eps = Round(tr.envs(), [row_of(ex) for ex in examples], env_seeds, [tr.held_out_ids[int(i)] for i in rows], tok,
                 Limits.of(cfg.rollout))
-    places = eps.live()  # a reset that faulted: no action
-    contexts, seeds = [eps.first_prompts()[i] for i in places] or eps.first_prompts()[:1], [seeds[i] for i in places] or [0]
-    while True:
-        responses, logps = sample_seeded(tr.actor.module, contexts, seeds, params, tok.eos_token_id, tok.pad_token_id, rt.device,
-                                         all_done=rt.all_true)
-        if places:
-            eps.take(places, responses, logps)
-        if rt.all_true(eps.done()):
-            break
-        places = [] if eps.done() else eps.live()
-        contexts = [eps.episodes[i].context() for i in places]
-        seeds = [derive_seed(cfg.trainer.seed, step, "eval", int(rows[i]), eps.turn) for i in places]
-        if not places:  # this rank's episodes are over, another rank's are not: step with it, keep nothing
-            contexts, seeds = [eps.episodes[0].context()], [0]
+
+    def generate(contexts: list[np.ndarray], turn_seeds: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        return sample_seeded(tr.actor.module, contexts, turn_seeds, params, tok.eos_token_id, tok.pad_token_id, rt.device, all_done=rt.all_true)
+
+    def seed_of(i: int, turn: int) -> int:
+        return seeds[i] if turn == 0 else derive_seed(cfg.trainer.seed, step, "eval", int(rows[i]), turn)
+
+    play_lockstep(eps, generate, seed_of, rt.all_true)
     scores = [eps.env_score(k) for k in range(len(rows))]
     faulted = [ep.reason if ep.end == EnvEnd.FAULT else "" for ep in eps.episodes]
     if tr.scorer.reward_fn_named():

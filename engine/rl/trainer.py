@@ -43,7 +43,7 @@ from .update import StepOutcome
 from .workers import ActorWorker, CriticWorker
 
 if TYPE_CHECKING:
-    from ..loop.ledger import Loaded
+    from ..loop.records import Loaded
 
 __all__ = ["StepInputs", "StepOutcome", "TrainState", "Trainer", "is_timing"]
 
@@ -112,7 +112,7 @@ class Trainer:
 
     def check_identity(self, recorded: Loaded) -> None:
         """On resume: the prompts and the frozen reward model must be the ones the run started with.
-        `recorded`: what the run's identity says was loaded (loop.ledger.Loaded: dataset, reward_model_digest)."""
+        `recorded`: what the run's identity says was loaded (loop.records.Loaded: dataset, reward_model_digest)."""
         check_identity(recorded.dataset, self.data.identity)
         lora.check_base(recorded.actor_base_digest, self.actor_base, self.cfg.model.actor.model_name_or_path)
         want = recorded.reward_model_digest

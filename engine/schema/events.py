@@ -1,20 +1,23 @@
 """The journal's step events as types: one frozen dataclass per event type, the codec boundary, and
 the one place each type is declared.
 
-Each class here is a journaled event type declared once (:class:`Event`, :func:`declared`): its fields,
-its name in the journal (`TYPE`), its current version (`VERSION`), its upcasters from older versions
-(`UPCASTERS`) and how the store keeps it (`SUMMARY`, `PAYLOAD`), side by side. Importing this module
-(``verlj.engine`` does) declares them to the journal's registry (``verlj.journal.events``), which knows
-their names, versions and storage, nothing of their meaning. Every event a step record holds is
+Each class here is a journaled event type declared once (:class:`Event`, :func:`declared`): its fields
+(each with what it declares of its stored form, ``field(metadata=stored(...))``: :mod:`.record`), its
+name in the journal (`TYPE`), its current version (`VERSION`) and how the store keeps it (`SUMMARY`,
+`PAYLOAD`), side by side; its upcasters from older versions come from its fields (a field added in v2
+says ``stored(since=2, old=...)``), with `UPCASTERS` for a change no field can say. Importing this
+module (``verlj.engine`` does) declares them to the journal's registry (``verlj.journal.events``), which
+knows their names, versions and storage, nothing of their meaning. Every event a step record holds is
 written and read through the class here: ``to_event()`` gives the plain map the journal stores,
 ``from_event()`` reads one back (already lifted to the current version by the upcasters; a field an
-older writer did not write is given its documented default here, and only here). :class:`StepEvents`
-is a step record read as these types: the trainer, recovery and every post-mortem command read
-records through it, never by key.
+older writer did not write is given the `missing` value its field declares, here and only here).
+:class:`StepEvents` is a step record read as these types: the trainer, recovery and every post-mortem
+command read records through it, never by key.
 
-``to_event()`` writes the fields in the order the journal has always held them and leaves out the
-optional ones that are unset, so a journal written through these types is byte-identical to one
-written before them (tests/unit/test_schema.py reads a journal of the previous release).
+``to_event()`` writes the fields in the order they are declared, which is the order the journal has
+always held them, and leaves out the optional ones that are unset, so a journal written through these
+types is byte-identical to one written before them (tests/unit/test_schema.py reads a journal of the
+previous release).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from verlj.journal import EventSpec, StepRecord, declare, make_event
 from verlj.journal.events import Upcaster
 
 from ..errors import ReplayError
+from .record import Record, stored, upcasters_of
 
 _NO_IDS = np.zeros(0, np.int64)
 
@@ -69,55 +73,61 @@ class ControlKind(str, enum.Enum):
     TOPOLOGY = "topology"
 
 
-def _ids(value: Any) -> np.ndarray:
-    return np.asarray(value if value is not None else _NO_IDS, np.int64)
-
-
 # ----------------------------------------------------------------------------- the registry
 
 Upcasters = Mapping[int, Upcaster]
 
 
-class Event:
-    """A journaled event type, declared once: its fields (the dataclass), its name in the journal
-    (`TYPE`), its current version (`VERSION`), the functions lifting each older version one step
-    (`UPCASTERS`, {from version: event -> event of the next version}), and how the store keeps it
-    (`SUMMARY`: small, also kept in the step's summary; `PAYLOAD`: fields kept apart, compressed,
-    pruned by retention). :func:`declared` hands all of it to the journal (``verlj.journal.declare``).
+class Event(Record):
+    """A journaled event type, declared once: its fields (the dataclass, each with what it declares of
+    its stored form: :func:`.record.stored`), its name in the journal (`TYPE`), its current version
+    (`VERSION`) and how the store keeps it (`SUMMARY`: small, also kept in the step's summary;
+    `PAYLOAD`: fields kept apart, compressed, pruned by retention). Its map (:meth:`to_event`,
+    :meth:`from_event`) and its upcasters come from the fields (:mod:`.record`); :func:`declared` hands
+    all of it to the journal (``verlj.journal.declare``).
 
-    A new version of a type: raise `VERSION`, add `UPCASTERS[old]` giving an old event the new
-    fields (so `from_event` only ever sees the current shape), and add a journal of the old version
-    under tests/fixtures (tests/unit/test_registry.py fails until each upcaster is exercised by one)."""
+    A new version of a type: raise `VERSION`, declare each field it adds with
+    ``stored(since=VERSION, old=...)`` (what an older event is given), or, for a change the fields cannot
+    say (a rename), give the upcaster from the old version in `UPCASTERS` ({from version: event -> event
+    of the next version}); add a journal of the old version under tests/fixtures
+    (tests/unit/test_registry.py fails until each upcaster is exercised by one). `from_event` then only
+    ever sees the current shape."""
 
     TYPE: ClassVar[str]
     VERSION: ClassVar[int]
-    UPCASTERS: ClassVar[Upcasters]
+    UPCASTERS: ClassVar[Upcasters] = {}  # the upcasters no field says (declared() adds those the fields do)
     SUMMARY: ClassVar[bool] = False
     PAYLOAD: ClassVar[tuple[str, ...]] = ()
 
     def to_event(self) -> dict:
-        """The plain map the journal stores (current version)."""
-        raise NotImplementedError
+        """The plain map the journal stores (current version): its fields' map, stamped with type and version."""
+        return make_event(self.TYPE, **self.to_dict())
 
     @classmethod
-    def from_event(cls, e: dict) -> Event:
+    def from_event(cls: type[EV], e: dict) -> EV:
         """The event read back (already upcast to the current version by the journal)."""
-        raise NotImplementedError
+        return cls.from_dict(e)
 
 
 EVENT_TYPES: dict[str, type[Event]] = {}  # type name -> its class: every declared type
 E = TypeVar("E", bound=type[Event])
+EV = TypeVar("EV", bound=Event)
 
 
 def declared(cls: E) -> E:
-    """Class decorator: declare the event type to the journal and register its class."""
-    missing = [name for name in ("TYPE", "VERSION", "UPCASTERS") if name not in vars(cls)]
+    """Class decorator: declare the event type to the journal (its version, its upcasters: those of its
+    fields and its own `UPCASTERS`, its storage) and register its class."""
+    missing = [name for name in ("TYPE", "VERSION") if name not in vars(cls)]
     if missing:
         raise TypeError(f"event class {cls.__name__} must declare its own {', '.join(missing)}")
+    cls.UPCASTERS = upcasters_of(cls, cls.VERSION, vars(cls).get("UPCASTERS", {}))
     declare(EventSpec(cls.TYPE, cls.VERSION, cls.UPCASTERS, summary=cls.SUMMARY, payload=cls.PAYLOAD))
     EVENT_TYPES[cls.TYPE] = cls
     return cls
 
+
+IDS = stored(dtype=np.int64, missing=_NO_IDS)  # an int64 id array; an event without it (or with None) reads as empty
+INT64 = stored(dtype=np.int64)  # an int64 array the event always has
 
 
 @declared
@@ -127,19 +137,11 @@ class Data(Event):
 
     TYPE: ClassVar[str] = "data"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
     SUMMARY: ClassVar[bool] = True
     epoch: int
     cursor: int
     indices: np.ndarray
     rounds: int
-
-    def to_event(self) -> dict:
-        return make_event(self.TYPE, epoch=self.epoch, cursor=self.cursor, indices=self.indices, rounds=self.rounds)
-
-    @classmethod
-    def from_event(cls, e: dict) -> Data:
-        return cls(int(e["epoch"]), int(e["cursor"]), np.asarray(e["indices"]), int(e["rounds"]))
 
 
 @declared
@@ -152,16 +154,15 @@ class Rollout(Event):
 
     TYPE: ClassVar[str] = "rollout"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
     SUMMARY: ClassVar[bool] = True
     engine: str
     version: str | None
-    mode: RolloutMode = RolloutMode.SYNC
-    max_staleness: int | None = None
-    async_order: AsyncOrder | None = None
-    whatif: bool = False
-    whatif_correction: bool = False
-    partial: bool = False
+    mode: RolloutMode = field(default=RolloutMode.SYNC, metadata=stored(optional=True))
+    max_staleness: int | None = field(default=None, metadata=stored(with_="mode"))
+    async_order: AsyncOrder | None = field(default=None, metadata=stored(with_="mode", optional=True))
+    partial: bool = field(default=False, metadata=stored(with_="mode", optional=True))  # rollout.partial: only when true
+    whatif: bool = field(default=False, metadata=stored(optional=True))
+    whatif_correction: bool = field(default=False, metadata=stored(with_="whatif"))
 
     @property
     def is_async(self) -> bool:
@@ -173,25 +174,7 @@ class Rollout(Event):
 
     def mode_fields(self) -> dict:
         """The async fields as journaled (empty for sync)."""
-        if not self.is_async:
-            return {}
-        out: dict = {"mode": self.mode.value, "max_staleness": self.max_staleness}
-        if self.async_order is not None:
-            out["async_order"] = self.async_order.value
-        if self.partial:
-            out["partial"] = True
-        return out
-
-    def to_event(self) -> dict:
-        extra = {"whatif": True, "whatif_correction": self.whatif_correction} if self.whatif else {}
-        return make_event(self.TYPE, engine=self.engine, version=self.version, **self.mode_fields(), **extra)
-
-    @classmethod
-    def from_event(cls, e: dict) -> Rollout:
-        mode = RolloutMode(e.get("mode", "sync"))
-        order = e.get("async_order")
-        return cls(str(e["engine"]), e.get("version"), mode, e.get("max_staleness"), AsyncOrder(order) if order else None,
-                   bool(e.get("whatif", False)), bool(e.get("whatif_correction", False)), bool(e.get("partial", False)))
+        return {k: v for k, v in self.to_dict().items() if k in ("mode", "max_staleness", "async_order", "partial")}
 
 
 @declared
@@ -201,17 +184,9 @@ class Rng(Event):
 
     TYPE: ClassVar[str] = "rng"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
     SUMMARY: ClassVar[bool] = True
     seeds: dict[str, int]
-    digests: dict[str, str]
-
-    def to_event(self) -> dict:
-        return make_event(self.TYPE, seeds=self.seeds, digests=self.digests)
-
-    @classmethod
-    def from_event(cls, e: dict) -> Rng:
-        return cls(dict(e["seeds"]), dict(e.get("digests", {})))
+    digests: dict[str, str] = field(metadata=stored(missing={}))
 
 
 @declared
@@ -222,17 +197,9 @@ class Added(Event):
 
     TYPE: ClassVar[str] = "buffer.add"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
     PAYLOAD: ClassVar[tuple[str, ...]] = ("samples",)
-    ids: np.ndarray
-    samples: dict | None
-
-    def to_event(self) -> dict:
-        return make_event(self.TYPE, ids=self.ids, samples=self.samples)
-
-    @classmethod
-    def from_event(cls, e: dict) -> Added:
-        return cls(_ids(e.get("ids")), e.get("samples"))
+    ids: np.ndarray = field(metadata=IDS)
+    samples: dict | None = field()
 
 
 @declared
@@ -240,15 +207,7 @@ class Added(Event):
 class Consumed(Event):
     TYPE: ClassVar[str] = "buffer.consume"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
-    ids: np.ndarray  # what the step's update trains on, in order
-
-    def to_event(self) -> dict:
-        return make_event(self.TYPE, ids=self.ids)
-
-    @classmethod
-    def from_event(cls, e: dict) -> Consumed:
-        return cls(_ids(e.get("ids")))
+    ids: np.ndarray = field(metadata=IDS)  # what the step's update trains on, in order
 
 
 @declared
@@ -256,16 +215,8 @@ class Consumed(Event):
 class Dropped(Event):
     TYPE: ClassVar[str] = "buffer.drop"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
-    ids: np.ndarray
-    reason: DropReason
-
-    def to_event(self) -> dict:
-        return make_event(self.TYPE, ids=self.ids, reason=self.reason.value)
-
-    @classmethod
-    def from_event(cls, e: dict) -> Dropped:
-        return cls(_ids(e.get("ids")), DropReason(e.get("reason", "zero_variance")))  # the first drops had no reason
+    ids: np.ndarray = field(metadata=IDS)
+    reason: DropReason = field(metadata=stored(missing="zero_variance"))  # the first drops had no reason
 
 
 @declared
@@ -275,10 +226,9 @@ class Plan(Event):
 
     TYPE: ClassVar[str] = "buffer.plan"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
-    steps: np.ndarray
-    counts: np.ndarray
-    ids: np.ndarray
+    steps: np.ndarray = field(metadata=INT64)
+    counts: np.ndarray = field(metadata=INT64)
+    ids: np.ndarray = field(metadata=INT64)
 
     @classmethod
     def of(cls, plans: dict[int, np.ndarray]) -> Plan:
@@ -290,13 +240,6 @@ class Plan(Event):
         ends = np.cumsum(self.counts)
         return {int(j): np.asarray(self.ids[e - c : e], np.int64) for j, c, e in zip(self.steps, self.counts, ends)}
 
-    def to_event(self) -> dict:
-        return make_event(self.TYPE, steps=self.steps, counts=self.counts, ids=self.ids)
-
-    @classmethod
-    def from_event(cls, e: dict) -> Plan:
-        return cls(_ids(e["steps"]), _ids(e["counts"]), _ids(e["ids"]))
-
 
 @declared
 @dataclass(frozen=True)
@@ -307,19 +250,11 @@ class Requests(Event):
 
     TYPE: ClassVar[str] = "buffer.request"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
-    groups: np.ndarray = field(default_factory=lambda: _NO_IDS)
-    rows: np.ndarray = field(default_factory=lambda: _NO_IDS)
-    regenerated: np.ndarray = field(default_factory=lambda: _NO_IDS)
-    continued: np.ndarray = field(default_factory=lambda: _NO_IDS)
-
-    def to_event(self) -> dict:
-        extra = {"continued": self.continued} if len(self.continued) else {}  # only then: a record without keeps its bytes
-        return make_event(self.TYPE, groups=self.groups, rows=self.rows, regenerated=self.regenerated, **extra)
-
-    @classmethod
-    def from_event(cls, e: dict) -> Requests:
-        return cls(_ids(e.get("groups")), _ids(e.get("rows")), _ids(e.get("regenerated")), _ids(e.get("continued")))
+    groups: np.ndarray = field(default_factory=lambda: _NO_IDS, metadata=IDS)
+    rows: np.ndarray = field(default_factory=lambda: _NO_IDS, metadata=IDS)
+    regenerated: np.ndarray = field(default_factory=lambda: _NO_IDS, metadata=IDS)
+    # rollout.partial: stored only when some (a record without keeps its bytes)
+    continued: np.ndarray = field(default_factory=lambda: _NO_IDS, metadata=stored(dtype=np.int64, missing=_NO_IDS, optional=True))
 
 
 @declared
@@ -327,16 +262,8 @@ class Requests(Event):
 class Metrics(Event):
     TYPE: ClassVar[str] = "metrics"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
     SUMMARY: ClassVar[bool] = True
     values: dict[str, float]
-
-    def to_event(self) -> dict:
-        return make_event(self.TYPE, values=self.values)
-
-    @classmethod
-    def from_event(cls, e: dict) -> Metrics:
-        return cls(dict(e["values"]))
 
 
 @declared
@@ -346,17 +273,9 @@ class State(Event):
 
     TYPE: ClassVar[str] = "state"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
     SUMMARY: ClassVar[bool] = True
     fingerprint: str
-    parts: dict[str, str]
-
-    def to_event(self) -> dict:
-        return make_event(self.TYPE, fingerprint=self.fingerprint, parts=self.parts)
-
-    @classmethod
-    def from_event(cls, e: dict) -> State:
-        return cls(str(e["fingerprint"]), dict(e.get("parts", {})))
+    parts: dict[str, str] = field(metadata=stored(missing={}))
 
 
 @declared
@@ -367,19 +286,8 @@ class Stages(Event):
 
     TYPE: ClassVar[str] = "stages"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
     digests: dict[str, str] = field(default_factory=dict)
     summary: dict[str, dict] = field(default_factory=dict)
-
-    def to_event(self) -> dict:
-        return make_event(self.TYPE, digests=self.digests, summary=self.summary)
-
-    @classmethod
-    def from_event(cls, e: dict) -> Stages:
-        return cls(dict(e.get("digests", {})), dict(e.get("summary", {})))
-
-    def as_dict(self) -> dict:
-        return {"digests": self.digests, "summary": self.summary}
 
 
 @declared
@@ -390,17 +298,9 @@ class Control(Event):
 
     TYPE: ClassVar[str] = "control"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
     SUMMARY: ClassVar[bool] = True
     kind: ControlKind
-    details: dict
-
-    def to_event(self) -> dict:
-        return make_event(self.TYPE, kind=self.kind.value, details=self.details)
-
-    @classmethod
-    def from_event(cls, e: dict) -> Control:
-        return cls(ControlKind(e["kind"]), dict(e.get("details") or {}))
+    details: dict = field(metadata=stored(missing={}))
 
 
 @declared
@@ -410,18 +310,10 @@ class ConfigChange(Event):
 
     TYPE: ClassVar[str] = "config"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
     SUMMARY: ClassVar[bool] = True
     config: dict
     hash: str
-    changed: list
-
-    def to_event(self) -> dict:
-        return make_event(self.TYPE, config=self.config, hash=self.hash, changed=self.changed)
-
-    @classmethod
-    def from_event(cls, e: dict) -> ConfigChange:
-        return cls(dict(e["config"]), str(e["hash"]), list(e.get("changed") or []))
+    changed: list = field(metadata=stored(missing=[]))
 
 
 @declared
@@ -435,14 +327,13 @@ class Eval(Event):
 
     TYPE: ClassVar[str] = "eval"
     VERSION: ClassVar[int] = 1
-    UPCASTERS: ClassVar[Upcasters] = {}
-    rows: np.ndarray
-    scores: np.ndarray
-    response_ids: np.ndarray
-    response_len: np.ndarray
-    turns: np.ndarray | None = None
-    turn_lens: np.ndarray | None = None
-    env_end: np.ndarray | None = None
+    rows: np.ndarray = field(metadata=INT64)
+    scores: np.ndarray = field(metadata=stored(dtype=np.float64))
+    response_ids: np.ndarray = field()
+    response_len: np.ndarray = field(metadata=INT64)
+    turns: np.ndarray | None = field(default=None, metadata=stored(dtype=np.int64, optional=True))
+    turn_lens: np.ndarray | None = field(default=None, metadata=stored(dtype=np.int64, with_="turns", missing=_NO_IDS))
+    env_end: np.ndarray | None = field(default=None, metadata=stored(dtype=np.int64, with_="turns", missing=_NO_IDS))
 
     def responses(self) -> list[np.ndarray]:
         ends = np.cumsum(self.response_len)
@@ -454,17 +345,6 @@ class Eval(Event):
             return []
         ends = np.cumsum(2 * self.turns)
         return [self.turn_lens[e - 2 * n : e] for n, e in zip(self.turns, ends)]
-
-    def to_event(self) -> dict:
-        episode = {} if self.turns is None else {"turns": self.turns, "turn_lens": self.turn_lens, "env_end": self.env_end}
-        return make_event(self.TYPE, rows=self.rows, scores=self.scores, response_ids=self.response_ids, response_len=self.response_len,
-                          **episode)
-
-    @classmethod
-    def from_event(cls, e: dict) -> Eval:
-        episode = {} if e.get("turns") is None else {"turns": _ids(e["turns"]), "turn_lens": _ids(e.get("turn_lens")),
-                                                     "env_end": _ids(e.get("env_end"))}
-        return cls(_ids(e["rows"]), np.asarray(e["scores"], np.float64), np.asarray(e["response_ids"]), _ids(e["response_len"]), **episode)
 
 
 # The StepEvents field each declared type is read into: a type held once a step, or (STEP_MANY) repeated.

@@ -42,11 +42,14 @@ one of the batch's samples has it (journals from before lack it: read as ""):
 Samples travel columnar — padded arrays plus lengths (:func:`pack`, :func:`unpack`) — in journal
 events, snapshots and between ranks: live training and replay both go through them, so the update
 sees bit-identical inputs either way. The columns are a map ``{field: array, field_len: lengths}``
-read and written here only; :class:`Columns` is the read-only view the rest of the engine uses.
+read and written here only; :class:`Columns` is the read-only view the rest of the engine uses. Each
+column is declared once, on its Sample field (:func:`column`: its stored dtype, its part of the batch,
+what a batch from before it reads as), and the tables above are made from those declarations.
 """
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
@@ -54,22 +57,63 @@ from typing import Any
 
 import numpy as np
 
-SCALARS = {"id": np.int64, "index": np.int64, "group": np.int64, "score": np.float64, "rule_reward": np.float64, "rm_score": np.float64,
-           "policy_version": np.int64}
-UNKNOWN_VERSION = -1  # policy_version of a sample journaled before the field existed (its step - 1: all were sync)
-SEQUENCES = {"prompt_ids": np.int32, "response_ids": np.int32, "gen_logprobs": np.float32, "ref_logprobs": np.float32}
-FIELDS = {**SCALARS, **SEQUENCES}
-EPISODE_SCALARS = {"env_seed": np.int64, "env_end": np.int8}
-EPISODE_SEQUENCES = {"loss_mask": np.int8, "turn_lens": np.int32, "turn_rewards": np.float64}
-EPISODE_TEXT = "env_reason"  # a list of str column
-EPISODE_FIELDS = {**EPISODE_SCALARS, **EPISODE_SEQUENCES}
-FAULT_TEXT = "fault"  # a list of str column, only in a batch where a sample has one
-AGENT_TEXT = "agent_calls"  # a list of str column, only in a batch where a sample has one (rollout.agent)
-RUNS = "version_runs"  # a sequence column, only in a batch where a sample has one (rollout.partial)
-PARTIAL_SEQUENCES = {RUNS: np.int32}
-PAD = -1  # fills token-id rows past their length in the columnar form (log-probs: 0)
+from .record import NOTHING, Record, stored
 
+UNKNOWN_VERSION = -1  # policy_version of a sample journaled before the field existed (its step - 1: all were sync)
+PAD = -1  # fills token-id rows past their length in the columnar form (log-probs: 0)
 _EMPTY_F32 = np.zeros(0, np.float32)
+
+# A column's part of the batch: in every batch; only in a batch where a sample is an episode; only in a
+# batch where some sample's value (a text, a sequence) is not empty. Either way a batch without them keeps its bytes.
+CORE, EPISODE, ANY = "core", "episode", "any"
+_COLUMN = "verlj.column"  # the key of a Sample field's column in dataclasses.field(metadata=...)
+
+
+@dataclass(frozen=True)
+class Column:
+    """A Sample field's column: its name, its dtype in the columnar form (a sequence of int32 is int64 in
+    memory: the narrow form is the stored one), its part of the batch, and what a batch written before it
+    existed reads as (`missing`)."""
+
+    name: str
+    dtype: Any  # str: a text column (a list of str)
+    part: str
+    kind: str  # "scalar", "sequence" (a padded 2-D array and its `_len`), "text"
+    missing: Any = NOTHING
+
+    def pack(self, out: dict, values: list) -> None:
+        if self.kind == "text":
+            out[self.name] = [str(x) for x in values]
+        elif self.kind == "scalar":
+            out[self.name] = np.array(values, dtype=self.dtype)
+        else:
+            lens = np.array([len(x) for x in values], dtype=np.int32)
+            arr = np.full((len(values), int(lens.max()) if values else 0), PAD if self.dtype is np.int32 else 0, dtype=self.dtype)
+            for i, x in enumerate(values):
+                arr[i, : lens[i]] = x
+            out[self.name] = arr
+            out[self.name + "_len"] = lens
+
+    def unpack(self, cols: dict, n: int) -> list:
+        """The column's value for each of the batch's `n` samples, as a Sample holds it."""
+        if self.kind == "text":
+            return [str(x) for x in cols[self.name]]
+        if self.kind == "scalar":
+            if self.name not in cols:
+                return [self.missing] * n
+            cast = int if np.issubdtype(self.dtype, np.integer) else float
+            return [cast(x) for x in cols[self.name].tolist()]
+        memory = np.int64 if self.dtype is np.int32 else self.dtype
+        arr, lens = cols[self.name], cols[self.name + "_len"]
+        return [arr[i, : lens[i]].astype(memory) for i in range(n)]
+
+    def readable(self, cols: dict) -> bool:
+        return self.name in cols or self.missing is not NOTHING
+
+
+def column(dtype: Any, part: str = CORE, missing: Any = NOTHING) -> dict[str, tuple]:
+    """A Sample field's column, for ``dataclasses.field(metadata=...)`` (see :class:`Column`)."""
+    return {_COLUMN: (dtype, part, missing)}
 
 
 class EnvEnd(IntEnum):
@@ -94,31 +138,34 @@ class Turn:
     reward: float
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Sample:
     """One generated sample. Mutable while its step produces it (ids, rewards and reference
-    log-probs are filled in as they become known); what is journaled is its packed form."""
+    log-probs are filled in as they become known); what is journaled is its packed form, whose columns
+    its fields declare (:func:`column`), in the order they are packed."""
 
-    index: int
-    prompt_ids: np.ndarray
-    response_ids: np.ndarray
-    gen_logprobs: np.ndarray
-    id: int = -1
-    group: int = -1
-    score: float = 0.0
-    rule_reward: float = 0.0
-    rm_score: float = 0.0
-    policy_version: int = UNKNOWN_VERSION
-    ref_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
-    loss_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))  # empty: every response token is the policy's
-    turn_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    turn_rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
-    env_seed: int = 0
-    env_end: int = EnvEnd.NONE
-    env_reason: str = ""
-    fault: str = ""  # a fault of its scoring (reward function): the sample is out of the update
-    agent_calls: str = ""  # rollout.agent: the episode's calls as answered (schema.agent_calls's JSON)
-    version_runs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # rollout.partial: (version, count) pairs
+    id: int = field(default=-1, metadata=column(np.int64))
+    index: int = field(metadata=column(np.int64))
+    group: int = field(default=-1, metadata=column(np.int64))
+    score: float = field(default=0.0, metadata=column(np.float64))
+    rule_reward: float = field(default=0.0, metadata=column(np.float64))
+    rm_score: float = field(default=0.0, metadata=column(np.float64))
+    policy_version: int = field(default=UNKNOWN_VERSION, metadata=column(np.int64, missing=UNKNOWN_VERSION))
+    prompt_ids: np.ndarray = field(metadata=column(np.int32))
+    response_ids: np.ndarray = field(metadata=column(np.int32))
+    gen_logprobs: np.ndarray = field(metadata=column(np.float32))
+    ref_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32, metadata=column(np.float32))
+    env_seed: int = field(default=0, metadata=column(np.int64, EPISODE))
+    env_end: int = field(default=EnvEnd.NONE, metadata=column(np.int8, EPISODE))
+    # empty: every response token is the policy's
+    loss_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8), metadata=column(np.int8, EPISODE))
+    turn_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), metadata=column(np.int32, EPISODE))
+    turn_rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64), metadata=column(np.float64, EPISODE))
+    env_reason: str = field(default="", metadata=column(str, EPISODE))
+    fault: str = field(default="", metadata=column(str, ANY))  # a fault of its scoring (reward function): the sample is out of the update
+    agent_calls: str = field(default="", metadata=column(str, ANY))  # rollout.agent: the episode's calls as answered (schema.agent_calls's JSON)
+    # rollout.partial: each response token's version as flat (version, count) pairs; empty: all policy_version's
+    version_runs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), metadata=column(np.int32, ANY))
 
     @property
     def is_episode(self) -> bool:
@@ -165,83 +212,75 @@ class Sample:
     def __getitem__(self, name: str):
         """A field by name: `sample["score"]`, for user code written when samples were dicts (a probe's
         batch, a reward function's extra info). verlj's own code reads attributes."""
-        if name not in FIELDS and name not in EPISODE_FIELDS and name not in (EPISODE_TEXT, FAULT_TEXT, AGENT_TEXT, RUNS):
+        if name not in _BY_NAME:
             raise KeyError(name)
         return getattr(self, name)
 
     def same_as(self, other: Sample) -> bool:
-        """Every field equal, bit for bit (NaN equals NaN, -0.0 differs from 0.0), at its journaled dtype."""
-        for name, dt in FIELDS.items():
-            a, b = np.asarray(getattr(self, name), dt), np.asarray(getattr(other, name), dt)
-            if a.shape != b.shape or a.tobytes() != b.tobytes():
-                return False
-        if ((self.is_episode or other.is_episode) and self.env_reason != other.env_reason) or self.fault != other.fault \
-                or self.agent_calls != other.agent_calls:
-            return False
-        for name, dt in {**EPISODE_FIELDS, **PARTIAL_SEQUENCES}.items():
-            a, b = np.asarray(getattr(self, name), dt), np.asarray(getattr(other, name), dt)
+        """Every field equal, bit for bit (NaN equals NaN, -0.0 differs from 0.0), at its journaled dtype
+        (an episode's text only where one of the two is an episode)."""
+        for c in COLUMNS:
+            a, b = getattr(self, c.name), getattr(other, c.name)
+            if c.kind == "text":
+                if a != b and (c.part != EPISODE or self.is_episode or other.is_episode):
+                    return False
+                continue
+            a, b = np.asarray(a, c.dtype), np.asarray(b, c.dtype)
             if a.shape != b.shape or a.tobytes() != b.tobytes():
                 return False
         return True
 
 
-assert {f.name for f in fields(Sample)} == set(FIELDS) | set(EPISODE_FIELDS) | {EPISODE_TEXT, FAULT_TEXT, AGENT_TEXT, RUNS}, \
-    "Sample and FIELDS, EPISODE_FIELDS must name the same fields"
+def _columns() -> tuple[Column, ...]:
+    types = typing.get_type_hints(Sample)
+    out = []
+    for f in fields(Sample):
+        dtype, part, missing = f.metadata[_COLUMN]
+        kind = "text" if dtype is str else "sequence" if types[f.name] is np.ndarray else "scalar"
+        out.append(Column(f.name, dtype, part, kind, missing))
+    return tuple(out)
 
 
-def _pack_sequences(out: dict, samples: list[Sample], sequences: dict) -> None:
-    n = len(samples)
-    for k, dt in sequences.items():
-        seqs = [getattr(s, k) for s in samples]
-        lens = np.array([len(x) for x in seqs], dtype=np.int32)
-        width = int(lens.max()) if n else 0
-        arr = np.full((n, width), PAD if dt is np.int32 else 0, dtype=dt)
-        for i, x in enumerate(seqs):
-            arr[i, : lens[i]] = x
-        out[k] = arr
-        out[k + "_len"] = lens
+COLUMNS = _columns()  # in the order they are packed
+_BY_NAME = {c.name: c for c in COLUMNS}
+
+
+def _dtypes(part: str, kind: str) -> dict[str, Any]:
+    return {c.name: c.dtype for c in COLUMNS if c.part == part and c.kind == kind}
+
+
+SCALARS = _dtypes(CORE, "scalar")
+SEQUENCES = _dtypes(CORE, "sequence")
+FIELDS = {**SCALARS, **SEQUENCES}
+EPISODE_SCALARS = _dtypes(EPISODE, "scalar")
+EPISODE_SEQUENCES = _dtypes(EPISODE, "sequence")
+EPISODE_FIELDS = {**EPISODE_SCALARS, **EPISODE_SEQUENCES}
+(EPISODE_TEXT,) = _dtypes(EPISODE, "text")  # env_reason
+FAULT_TEXT, AGENT_TEXT = _dtypes(ANY, "text")  # fault, agent_calls
+PARTIAL_SEQUENCES = _dtypes(ANY, "sequence")  # version_runs (rollout.partial)
+(RUNS,) = PARTIAL_SEQUENCES
 
 
 def pack(samples: Iterable[Sample]) -> dict:
     """Samples as columns: each scalar field an array, each sequence field a padded 2-D array and
-    `<field>_len` its lengths."""
+    `<field>_len` its lengths, each text a list of str; a part's columns only in a batch that has them
+    (a single-turn batch's bytes are what they were before episodes, a batch without a fault's before faults)."""
     samples = list(samples)
-    out: dict = {k: np.array([getattr(s, k) for s in samples], dtype=dt) for k, dt in SCALARS.items()}
-    _pack_sequences(out, samples, SEQUENCES)
-    if any(s.is_episode for s in samples):  # only then: a single-turn batch's bytes are what they always were
-        out.update({k: np.array([int(getattr(s, k)) for s in samples], dtype=dt) for k, dt in EPISODE_SCALARS.items()})
-        _pack_sequences(out, samples, EPISODE_SEQUENCES)
-        out[EPISODE_TEXT] = [str(s.env_reason) for s in samples]
-    if any(s.fault for s in samples):  # only then: a batch without one keeps its bytes
-        out[FAULT_TEXT] = [str(s.fault) for s in samples]
-    if any(s.agent_calls for s in samples):  # only then: a batch without an agent episode keeps its bytes
-        out[AGENT_TEXT] = [str(s.agent_calls) for s in samples]
-    if any(len(s.version_runs) for s in samples):  # only then: a batch of samples never continued keeps its bytes
-        _pack_sequences(out, samples, PARTIAL_SEQUENCES)
+    out: dict = {}
+    episodes = any(s.is_episode for s in samples)
+    for c in COLUMNS:
+        values = [getattr(s, c.name) for s in samples]
+        if (c.part == EPISODE and not episodes) or (c.part == ANY and not any(len(v) for v in values)):
+            continue
+        c.pack(out, values)
     return out
 
 
 def unpack(cols: dict) -> list[Sample]:
     n = len(cols["id"])
-    if "policy_version" not in cols:  # written before the field existed
-        cols = {**cols, "policy_version": np.full(n, UNKNOWN_VERSION, np.int64)}
-    scal = {k: cols[k].tolist() for k in SCALARS}
-    episodes = "env_end" in cols
-    out = []
-    for i in range(n):
-        seq = {k: cols[k][i, : cols[k + "_len"][i]].astype(np.int64 if dt is np.int32 else dt) for k, dt in SEQUENCES.items()}
-        if episodes:
-            seq.update({k: cols[k][i, : cols[k + "_len"][i]].astype(np.int64 if dt is np.int32 else dt) for k, dt in EPISODE_SEQUENCES.items()})
-            seq.update({k: int(cols[k][i]) for k in EPISODE_SCALARS}, env_reason=str(cols[EPISODE_TEXT][i]))
-        if FAULT_TEXT in cols:
-            seq.update(fault=str(cols[FAULT_TEXT][i]))
-        if AGENT_TEXT in cols:
-            seq.update(agent_calls=str(cols[AGENT_TEXT][i]))
-        if RUNS in cols:
-            seq.update(version_runs=cols[RUNS][i, : cols[RUNS + "_len"][i]].astype(np.int64))
-        fields_: dict[str, Any] = {k: (int(v[i]) if SCALARS[k] is np.int64 else float(v[i])) for k, v in scal.items()}
-        out.append(Sample(**fields_, **seq))
-    return out
+    found = {c.name: c.unpack(cols, n) for c in COLUMNS if c.readable(cols)}
+    names = tuple(found)
+    return [Sample(**dict(zip(names, row))) for row in zip(*found.values())]
 
 
 def version_runs(versions) -> np.ndarray:
@@ -321,7 +360,7 @@ class Columns:
 
 
 @dataclass(frozen=True)
-class GroupInFlight:
+class GroupInFlight(Record):
     """Completion order with rollout.env: one group's episodes between two commits, made durable after
     each of its turns (the journal's pending store, written by loop.ledger; rl.episodes plays them), so
     a resume brings them back from their last durable turn. One entry per episode of the group in
@@ -331,28 +370,17 @@ class GroupInFlight:
 
     group: int
     row: int
-    versions: list
-    prompt_ids: list
-    response_ids: list
-    gen_logprobs: list
-    loss_mask: list
-    turn_lens: list
-    turn_rewards: list
-    env_seed: list
-    env_end: list
-    env_reason: list
-    agent_calls: list = field(default_factory=list)  # rollout.agent: each episode's calls so far (schema.agent_calls.AgentCalls.to_json)
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> GroupInFlight:
-        seq = lambda name, dt: [np.asarray(x, dt) for x in d[name]]  # noqa: E731
-        return cls(int(d["group"]), int(d["row"]), [int(v) for v in d["versions"]], seq("prompt_ids", np.int64), seq("response_ids", np.int64),
-                   seq("gen_logprobs", np.float32), seq("loss_mask", np.int8), seq("turn_lens", np.int64), seq("turn_rewards", np.float64),
-                   [int(x) for x in d["env_seed"]], [int(x) for x in d["env_end"]], [str(x) for x in d["env_reason"]],
-                   [str(x) for x in d.get("agent_calls", [])])
+    versions: list[int]
+    prompt_ids: list[np.ndarray] = field(metadata=stored(dtype=np.int64))
+    response_ids: list[np.ndarray] = field(metadata=stored(dtype=np.int64))
+    gen_logprobs: list[np.ndarray] = field(metadata=stored(dtype=np.float32))
+    loss_mask: list[np.ndarray] = field(metadata=stored(dtype=np.int8))
+    turn_lens: list[np.ndarray] = field(metadata=stored(dtype=np.int64))
+    turn_rewards: list[np.ndarray] = field(metadata=stored(dtype=np.float64))
+    env_seed: list[int]
+    env_end: list[int]
+    env_reason: list[str]
+    agent_calls: list[str] = field(default_factory=list)  # rollout.agent: each episode's calls so far (schema.agent_calls.AgentCalls.to_json)
 
     @property
     def turn(self) -> int:
@@ -391,11 +419,12 @@ class GroupInFlight:
             cut["turn_rewards"].append(self.turn_rewards[k][:turns])
             cut["env_end"].append(int(EnvEnd.NONE))
             cut["env_reason"].append("")
-        return GroupInFlight(self.group, self.row, self.versions[:turns], self.prompt_ids, env_seed=self.env_seed, **cut)
+        return GroupInFlight(self.group, self.row, self.versions[:turns], self.prompt_ids, cut["response_ids"], cut["gen_logprobs"],
+                             cut["loss_mask"], cut["turn_lens"], cut["turn_rewards"], self.env_seed, cut["env_end"], cut["env_reason"])
 
 
 @dataclass(frozen=True)
-class GroupProgress:
+class GroupProgress(Record):
     """rollout.partial: one group's generation so far, as the generator stopped it at a weight update (its
     samples' tokens, log-probs and each token's policy version, as runs) and as it is made durable at that
     update (the journal's pending store, written by loop.ledger), so that a resume continues each of its
@@ -404,19 +433,10 @@ class GroupProgress:
 
     group: int
     row: int
-    responses: list
-    logprobs: list
-    runs: list
-    done: list
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> GroupProgress:
-        seq = lambda name, dt: [np.asarray(x, dt) for x in d[name]]  # noqa: E731
-        return cls(int(d["group"]), int(d["row"]), seq("responses", np.int64), seq("logprobs", np.float32), seq("runs", np.int64),
-                   [bool(x) for x in d["done"]])
+    responses: list[np.ndarray] = field(metadata=stored(dtype=np.int64))
+    logprobs: list[np.ndarray] = field(metadata=stored(dtype=np.float32))
+    runs: list[np.ndarray] = field(metadata=stored(dtype=np.int64))  # flat (version, count) pairs a sample
+    done: list[bool]
 
     @property
     def tokens(self) -> int:

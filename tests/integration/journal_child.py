@@ -20,7 +20,7 @@ if mode == "write":
     with Journal.open_writer(path, map_size=1 << 20) as j:
         step = j.last_step() + 1
         while n is None or step <= n:
-            j.append_step(step, step_events(step, samples=8, tokens=64))
+            j.writer.append_step(step, step_events(step, samples=8, tokens=64))
             print(step, flush=True)
             step += 1
 elif mode == "hold":

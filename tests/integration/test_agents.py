@@ -47,7 +47,7 @@ def test_an_openai_agent_trains_on_its_rewards_and_every_call_is_journaled(agent
             led = json.loads(s.agent_calls)
             assert led["v"] == 2 and len(led["calls"]) == 2 and s.rule_reward == led["reward"]
             # the second call continues the first as answered: spliced, one chain, both trained
-            assert led["trained"] == [0, 1] and led["segments"] == 1 and {c["attempt"] for c in led["calls"]} == {1}
+            assert led["trained"] == [0, 1] and led["segments"] == 1
             first, second = led["calls"]
             # the sample's tokens are the calls' ids, never re-tokenized text: the first prompt, then the completions at
             # the policy's places in the mask, the whole the second call's prompt and completion
@@ -147,7 +147,7 @@ def test_completion_order_killed_mid_episode_answers_the_journaled_calls_from_th
     got = agents_of(run)
     assert got["calls_from_journal"] == 24 and got["divergences"] == 0, got
     assert got["calls_generated"] + got["calls_from_journal"] == ref["calls_generated"]  # no completed call generated twice
-    assert_same_journal(run, completion_ref, ignore=("agent/calls",))
+    assert_same_journal(run, completion_ref, ignore=("agent/calls", "agent/durable_writes"))
     assert fingerprints(run) == fingerprints(completion_ref)
 
 
@@ -232,4 +232,4 @@ def test_on_two_ranks_killed_then_resumed_is_bit_identical(tmp_path, order):
         got = agents_of(run)
         assert got["calls_from_journal"] > 0 and got["divergences"] == 0, got
         assert got["calls_generated"] + got["calls_from_journal"] == agents_of(ref)["calls_generated"]
-    assert_same_journal(run, ref, ignore=("agent/calls",))
+    assert_same_journal(run, ref, ignore=("agent/calls", "agent/durable_writes"))

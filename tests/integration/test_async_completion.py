@@ -30,7 +30,7 @@ def check_accounting(run: Path) -> Accounting:
     assert out.returncode == 0 and "✓ Rollout accounting (async completion order)" in out.stdout, out.stdout + out.stderr
     with open_run(run) as ledger:
         acc = group_accounting(ledger)
-        cfg = config_from_dict(ledger.identity()["config"])
+        cfg = config_from_dict(ledger.identity.all()["config"])
     for fault in ("arrived_twice", "arrived_unasked", "fate_twice", "fate_unarrived"):
         assert getattr(acc, fault) == [], fault
     # no prompt asked twice or skipped: the rows asked are the sampler's draws, in order

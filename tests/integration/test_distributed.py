@@ -41,7 +41,7 @@ def test_two_ranks_same_config_same_journal(tmp_path, refs, name):
     assert r.returncode == 0, r.stderr[-4000:]
     assert_same_journal(tmp_path / "again", refs[name])
     with Journal.open_reader(refs[name] / "journal") as j:
-        assert j.get_meta("world_size") == 2 and verify_journal(j).ok
+        assert j.meta.get("world_size") == 2 and verify_journal(j).ok
     assert len(set(fingerprints(refs[name]).values())) == len(fingerprints(refs[name]))
 
 

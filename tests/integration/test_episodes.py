@@ -350,7 +350,7 @@ def test_completion_order_killed_mid_episode_resumes_from_the_last_durable_turn(
     assert out.returncode == -9, out.stderr[-3000:]
     with Ledger.open_reader(run) as ledger:
         committed = {s: ledger.journal.read_raw(s) for s in range(1, ledger.last_step() + 1)}
-        durable = ledger.in_flight()
+        durable = ledger.in_flight.groups()
     assert committed and durable
     out = train(run, *over, resume=True, PYTHONPATH=TESTS, VERLJ_TEST_ENV_LOG=log)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -469,3 +469,36 @@ def test_two_ranks_train_on_groups_that_faults_left_uneven(tmp_path):
         ids = set(e.consumed.ids.tolist())
         assert ids and len(ids) % 2 == 0 and not ids & set(e.dropped(DropReason.FAULT).tolist())
         assert e.metrics.values["rollout/faults"] > 0
+
+
+@pytest.mark.parametrize("mode", [[], ["rollout.mode=async", "rollout.async_order=completion"]], ids=["sync", "completion"])
+def test_on_a_real_tokenizer_episodes_keep_the_policys_tokens_and_a_kill_resumes_exact(tmp_path, bpe_model, mode):
+    """The bpe_model (a byte-level BPE, ChatML): each turn's action is the tokens the policy sampled, never its text
+    tokenized again, the observation the env's text tokenized after it. Killed after a commit and resumed: sync mode,
+    the same journal and fingerprints; completion order (mid-episode: the groups asked ahead), the committed step
+    unchanged and every group accounted for."""
+    from transformers import AutoTokenizer
+
+    over = [f"model.actor.model_name_or_path={bpe_model}", "rollout.env=builtin:guess", "rollout.max_turns=3", "rollout.max_response_length=8",
+            "trainer.total_steps=3", "trainer.save_interval=1", *mode]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    out = train(ref, *over)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tok = AutoTokenizer.from_pretrained(bpe_model, local_files_only=True)
+    turns = [t for st in episodes(ref).values() for s in st for t in s.turns()]
+    assert any(len(s.turn_lens) > 2 for st in episodes(ref).values() for s in st)  # episodes of several turns
+    retokenized = [t for t in turns if tok(tok.decode(t.action_ids), add_special_tokens=False).input_ids != t.action_ids.tolist()]
+    assert retokenized  # the sampled actions are not the tokenizer's own split: a text round trip would have changed them
+    out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:2")
+    assert out.returncode == -9, out.stderr[-3000:]
+    with open_journal_reader(run / "journal") as j:
+        committed = {s: j.read_raw(s) for s in (1, 2)}
+    out = train(run, *over, resume=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if mode:  # completion order: timing composes the generator's batches; what is committed and accounted for is exact
+        with open_journal_reader(run / "journal") as j:
+            assert {s: j.read_raw(s) for s in (1, 2)} == committed
+        check_accounting(run)
+    else:
+        assert fingerprints(run) == fingerprints(ref)
+        assert_same_journal(run, ref)

@@ -310,5 +310,5 @@ def test_agents_on_a_fleet_are_bit_identical_through_a_killed_actor_and_trainer(
         got = _agent_calls(run)
         assert got["calls_from_journal"] > 0 and got["divergences"] == 0, got
         assert got["calls_generated"] + got["calls_from_journal"] == _agent_calls(ref)["calls_generated"]
-    assert_same_journal(ref, run, ignore=(*NOT_FLEET, "agent/calls"))
+    assert_same_journal(ref, run, ignore=(*NOT_FLEET, "agent/calls", "agent/durable_writes"))
     assert fingerprints(run) == fingerprints(ref)

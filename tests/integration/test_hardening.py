@@ -62,7 +62,7 @@ def test_verify_does_not_call_a_rotated_snapshot_damaged(copy, monkeypatch):
 
     real = verify_mod.verify_snapshot
     rotate = ("from verlj.journal import Journal; import shutil, sys\n"
-              "with Journal.open_writer(sys.argv[1] + '/journal') as j: j.remove_snapshot(2)\n"
+              "with Journal.open_writer(sys.argv[1] + '/journal') as j: j.meta.remove_snapshot(2)\n"
               "shutil.rmtree(sys.argv[1] + '/step_00002')\n")
 
     def racing(path, *a, **kw):
@@ -187,7 +187,7 @@ def test_damaged_snapshot_is_quarantined_and_good_ones_kept(copy, base6):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "moved to" in out.stderr and (copy / "quarantine" / "step_00004").is_dir()
     with Journal.open_reader(copy / "journal") as j:
-        assert sorted(j.snapshots()) == [2, 6]  # rotation kept the good step 2, not the damaged 4
+        assert sorted(j.meta.snapshots()) == [2, 6]  # rotation kept the good step 2, not the damaged 4
     out = cli("verify", copy)
     assert out.returncode == 0, out.stdout
     assert "step_00004 was set aside by a resume and moved to quarantine/step_00004" in out.stdout
@@ -348,7 +348,7 @@ def test_a_copy_made_while_its_run_is_written_names_the_writer_of_the_original(b
 def _snapshots(run: Path) -> dict:
     try:
         with Journal.open_reader(run / "journal") as j:
-            return j.snapshots()
+            return j.meta.snapshots()
     except Exception:  # noqa: BLE001 - not created yet
         return {}
 
@@ -398,13 +398,13 @@ def test_policy_state_travels_in_snapshots_and_resume_decides_the_same(tmp_path)
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert verlj("train", "-o", ref, *over, PYTHONPATH=code).returncode == 0
     with Journal.open_reader(ref / "journal") as j:
-        assert sorted(j.snapshots()) == [3, 4, 6, 8]
+        assert sorted(j.meta.snapshots()) == [3, 4, 6, 8]
     out = verlj("train", "-o", run, *over, PYTHONPATH=code, VERLJ_FAILPOINT="step.before_commit:6")
     assert out.returncode == -9
     out = verlj("train", "-o", run, *over, "--resume", PYTHONPATH=code)
     assert out.returncode == 0, out.stderr[-2000:]
     with Journal.open_reader(run / "journal") as j:
-        assert sorted(j.snapshots()) == [3, 4, 6, 8]  # the policy's count survived the kill
+        assert sorted(j.meta.snapshots()) == [3, 4, 6, 8]  # the policy's count survived the kill
     assert_same_journal(run, ref)
     md = json.loads((run / "train_metadata.json").read_text())
     assert md["samples_seen"] == 8 * 16 and md["resume_from"] == "step_00004"

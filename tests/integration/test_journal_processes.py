@@ -43,7 +43,7 @@ def test_sigkill_mid_append_loses_nothing_committed(tmp_path):
     # appending resumes at the next step
     with Journal.open_writer(path) as j:
         nxt = j.last_step() + 1
-        j.append_step(nxt, step_events(nxt))
+        j.writer.append_step(nxt, step_events(nxt))
         assert j.last_step() == nxt and verify_journal(j).ok
 
 
@@ -62,13 +62,13 @@ def test_second_writer_is_refused_naming_the_holder(tmp_path):
         holder.wait()
     # once the holder is gone (even by SIGKILL) the lock is free
     with Journal.open_writer(path) as j:
-        j.append_step(1, step_events(1))
+        j.writer.append_step(1, step_events(1))
 
 
 def test_reader_in_another_process_follows_a_live_writer(tmp_path):
     path = tmp_path / "j"
     with Journal.open_writer(path, map_size=1 << 20) as j:
-        j.append_step(1, step_events(1))
+        j.writer.append_step(1, step_events(1))
     follower = spawn(path, "follow", 150)
     writer = spawn(path, "write", 150)  # grows the map several times while being followed
     assert writer.wait(timeout=120) == 0

@@ -85,7 +85,7 @@ def test_node_lost_at_each_crash_point_resumes_exactly(tmp_path, references, ret
     valid = [p.name for p in sorted(run.glob("step_*")) if check_snapshot(p).valid]
     shutil.rmtree(local)  # the node is gone
     with open_journal_reader(run / "journal") as j:  # what a recovery reads now: the segments alone
-        named = [info["path"] for info in j.snapshots().values()]
+        named = [info["path"] for info in j.meta.snapshots().values()]
     assert all((run / name).is_dir() for name in named), (named, valid)  # nothing it names was deleted
     out = train(run, *over, f"journal.local_dir={tmp_path / 'L2'}", resume=True)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -46,7 +46,7 @@ def samples_by_group(steps: dict) -> dict[int, list]:
 
 def durable(run: Path) -> dict[int, GroupProgress]:
     with open_run(run) as ledger:
-        return ledger.partial_groups()
+        return ledger.in_flight.partial_groups()
 
 
 def check_versions(steps: dict) -> int:

@@ -220,7 +220,7 @@ def test_save_total_limit_and_layout(references):
     assert snaps == ["step_00006", "step_00007"]
     assert os.readlink(run / "latest") == "step_00007"
     with Journal.open_reader(run / "journal") as j:
-        assert sorted(j.snapshots()) == [6, 7]
+        assert sorted(j.meta.snapshots()) == [6, 7]
     assert not [p for p in run.iterdir() if p.name.startswith((".tmp", ".trash"))]
     md = json.loads((run / "train_metadata.json").read_text())
     assert md["global_step"] == TARGET and md["last_snapshot"] == "step_00007"
@@ -313,7 +313,7 @@ def test_export_and_snapshot_and_fork(keep_all, tmp_path):
     out = verlj("replay", keep_all, "--to-step", 5, "--fork", tmp_path / "fork", "model.actor.optim.lr=0.0005", check=True)
     with Journal.open_reader(tmp_path / "fork" / "journal") as j:
         assert j.base_step() == 5 and j.last_step() == TARGET
-        assert j.get_meta("parent")["step"] == 5
+        assert j.meta.get("parent")["step"] == 5
         assert verify_journal(j).ok
         first = j.read_step(6)
     assert any(e["type"] == "control" and e["kind"] == "fork" for e in first.events)
@@ -338,7 +338,7 @@ def test_config_change_on_resume(tmp_path, references):
     with Journal.open_reader(run / "journal") as j:
         ev6 = {e["type"]: e for e in j.read_step(6).events}
         assert ev6["config"]["changed"] == ["model.actor.clip_ratio", "trainer.total_steps"]
-        assert [h["from_step"] for h in j.get_meta("config_history")] == [5, 6]
+        assert [h["from_step"] for h in j.meta.get("config_history")] == [5, 6]
     # replay applies each step under the config in force then: steps 5 and 6 check out from step 4's snapshot
     assert replay_here(run, 6)["fingerprint"] == fingerprints(run)[6]
 
@@ -400,7 +400,7 @@ def test_async_save_matches_sync(tmp_path, references, ref8):
     assert "in the background" in out.stdout
     assert_same_journal(run, references["grpo"])
     with Journal.open_reader(run / "journal") as j:
-        assert sorted(j.snapshots()) == [6, 7]
+        assert sorted(j.meta.snapshots()) == [6, 7]
     # resume from an async snapshot: extend by one step, compare with a straight 8-step run
     flip_byte(next((run / "step_00007" / "actor").iterdir()))
     out = train(run, *GRPO_DYN, "trainer.total_steps=8", "trainer.async_save=true", resume=True)

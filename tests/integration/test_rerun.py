@@ -172,7 +172,7 @@ def test_rerun_scores_again_with_the_reward_module_as_it_is_now(tmp_path):
     out = train(run, "trainer.total_steps=3", "rollout.reward_fn=rrrew:score", PYTHONPATH=code)
     assert out.returncode == 0, out.stderr[-2000:]
     with open_journal_reader(run / "journal") as j:
-        recorded = j.get_meta("versions")["reward module rrrew"]
+        recorded = j.meta.get("versions")["reward module rrrew"]
         first = j.read_step(3).first("buffer.add")["samples"]
     same = verlj("rerun", run, "--steps", "3:3", PYTHONPATH=code)
     assert same.returncode == 0, same.stderr[-2000:]

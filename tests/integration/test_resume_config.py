@@ -27,7 +27,7 @@ def test_a_run_that_never_committed_resumes_with_its_stored_config(tmp_path):
     assert (f"{run} held a run that never committed a step; starting it afresh with its stored config, changed by this "
             "command in trainer.total_steps.") in out.stdout
     with Ledger.open_reader(run) as ledger:
-        cfg = ledger.first_config()
+        cfg = ledger.identity.first_config()
     assert (cfg["model"]["tiny"]["num_heads"], cfg["rollout"]["n"], cfg["trainer"]["total_steps"]) == (2, 2, 1)
 
 
@@ -40,14 +40,14 @@ def test_resume_from_applies_to_the_resume_that_names_it(copy):
     assert f"Resuming from checkpoint: {copy / 'step_00005'}" in out.stdout and "Replayed" not in out.stdout
     with Ledger.open_reader(copy) as ledger:
         assert ledger.config_at(6)["trainer"]["resume_from"] is None
-        resumes = [e for e in ledger.lineage_entries() if e.kind == "resume"]
+        resumes = [e for e in ledger.lineage.entries() if e.kind == "resume"]
     assert [e.resume_from for e in resumes] == ["2", None]
     assert "(asked: trainer.resume_from=2)" in cli("inspect", copy).stdout
 
 
 def test_library_versions_that_changed_since_the_last_start_are_said_and_recorded(copy):
     with Journal.open_writer(copy / "journal") as j:
-        j.set_meta("versions", {**j.get_meta("versions"), "transformers": "0.0.1"})
+        j.meta.set("versions", {**j.meta.get("versions"), "transformers": "0.0.1"})
     out = train(copy, *SMALL, "trainer.total_steps=5", resume=True)
     assert out.returncode == 0, out.stderr[-3000:]
     import transformers

@@ -48,7 +48,7 @@ def test_pruned_run_is_exact_verifies_and_post_mortem_reads_across_pruned_steps(
     root, ref, pruned = runs
     assert fingerprints(pruned) == fingerprints(ref)
     with open_journal_reader(pruned / "journal") as j:
-        assert j.pruned_through() == 6  # snapshots 6 and 9 are kept: steps 1-6 are needed by neither
+        assert j.retention.pruned_through() == 6  # snapshots 6 and 9 are kept: steps 1-6 are needed by neither
         assert [j.read_step(s).pruned for s in range(1, 10)] == [True] * 6 + [False] * 3
     v = cli("verify", pruned)
     assert v.returncode == 0, v.stdout + v.stderr
@@ -129,7 +129,7 @@ def test_kill_while_archiving_or_pruning_loses_nothing(runs, failpoint):
     out = train(run, "trainer.total_steps=9", *RETAIN, VERLJ_FAILPOINT=failpoint)
     assert out.returncode == -9, out.stderr[-2000:]
     with open_journal_reader(run / "journal") as j:
-        assert j.pruned_through() == 0 and j.get_meta("archive") is None  # nothing half-done is visible
+        assert j.retention.pruned_through() == 0 and j.meta.get("archive") is None  # nothing half-done is visible
         assert not any(j.read_step(s).pruned for s in range(1, j.last_step() + 1))
     left = [p.name for p in (run / "rollouts").iterdir()]
     assert left, "the kill should have left the file it was writing"
@@ -222,7 +222,7 @@ HAND = ["trainer.save_interval=2", "trainer.save_total_limit=3", "journal.retain
 
 def index_and_pruned(run) -> tuple[list[int], int]:
     with open_journal_reader(run / "journal") as j:
-        return sorted(j.snapshots()), j.pruned_through()
+        return sorted(j.meta.snapshots()), j.retention.pruned_through()
 
 
 def test_snapshots_deleted_by_hand_leave_the_index_and_nothing_is_rotated_or_pruned_against_them(tmp_path):

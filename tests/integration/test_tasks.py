@@ -119,3 +119,26 @@ def test_verl_format_chat_parquet_trains_with_a_compute_score_reward(tmp_path):
                 assert s.rule_reward == s.score == want, (i, response)
                 seen.add(i)
     assert seen == {0, 1, 2} and SPECIALS[1] == "<bos>"
+
+
+def test_chat_prompts_on_a_real_tokenizer_are_rendered_by_its_template(tmp_path, bpe_model):
+    """A chat-message dataset on the bpe_model: each prompt is its messages through the model's ChatML template, tokenized
+    once (no <bos>: the tokenizer has none), the generation prompt last."""
+    from transformers import AutoTokenizer
+
+    from verlj.engine.schema.sample import unpack
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{i}+{i}="}],
+                                        "answer": str(2 * i)}) + "\n" for i in range(4)))
+    run = tmp_path / "run"
+    out = train(run, f"data.train_dataset={data}", f"model.actor.model_name_or_path={bpe_model}", "rollout.reward_fn=builtin:add",
+                "trainer.total_steps=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    tok = AutoTokenizer.from_pretrained(bpe_model, local_files_only=True)
+    with open_journal_reader(run / "journal") as j:
+        samples = [s for step in (1, 2) for s in unpack(j.read_step(step).first("buffer.add")["samples"])]
+    for s in samples:
+        text = f"<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n{s.index}+{s.index}=<|im_end|>\n<|im_start|>assistant\n"
+        assert s.prompt_ids.tolist() == tok(text, add_special_tokens=False).input_ids
+    assert {s.index for s in samples} == {0, 1, 2, 3}

@@ -41,7 +41,7 @@ def test_default_command_line_and_logs(finished_run):
                  "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/step"):
         assert name in rows[0], name
     with Journal.open_reader(finished_run / "journal") as j:
-        meta = j.meta()
+        meta = j.meta.all()
     for key in ("config", "config_hash", "seed", "versions", "world_size", "num_threads"):
         assert key in meta
     assert set(meta["versions"]) >= {"torch", "deepspeed", "verlj"}
@@ -155,7 +155,7 @@ def test_checkpoint_policy_and_tensorboard(tmp_path):
     r = {row["step"]: row["critic/score/mean"] for row in rows}
     drops = {s for s in r if s > 1 and r[s] < r[s - 1] * 0.95}
     with Journal.open_reader(run / "journal") as j:
-        saved = set(j.snapshots())
+        saved = set(j.meta.snapshots())
     assert drops, "the run never dropped 5%: the check would be vacuous"
     assert saved == drops | {12}  # the final step is always saved
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))

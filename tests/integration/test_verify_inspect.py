@@ -249,9 +249,9 @@ def test_find(run, tmp_path):
     # NaN and inf are findable
     nan_run = tmp_path / "nan"
     with Journal.open_writer(nan_run / "journal") as j:
-        j.set_meta("config", Config().to_dict())
+        j.meta.set("config", Config().to_dict())
         for s, v in enumerate([0.5, float("nan"), float("inf"), 1.0], start=1):
-            j.append_step(s, [make_event("metrics", values={"actor/grad_norm": v})])
+            j.writer.append_step(s, [make_event("metrics", values={"actor/grad_norm": v})])
     assert "first: 2" in cli("find", nan_run, "--where", "actor/grad_norm is nan").stdout
     assert "first: 3" in cli("find", nan_run, "--where", "actor/grad_norm is inf").stdout
     assert "2 step(s)" in cli("find", nan_run, "--where", "actor/grad_norm is not finite").stdout

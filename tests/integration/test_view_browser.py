@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from verlj.engine.loop.run import train as run_train
-from verlj.engine.post_mortem import inspection
+from verlj.engine.post_mortem import inspection, metrics
 from verlj.engine.post_mortem.view import Server
 from verlj.engine.post_mortem.whatif import whatif
 from verlj_testing import TINY, fingerprints, train
@@ -92,7 +92,7 @@ def test_the_run_shows_its_last_step_and_charts_of_its_metrics(browser, runs, tm
     assert find(browser, "#last-step")[0].text == "3"
     reward = find(browser, '.chart[data-metric="critic/score/mean"]')
     assert reward and len(reward[0].find_elements("css selector", "circle")) == 3 and last.is_displayed()
-    want = [r["critic/score/mean"] for r in inspection.metric_rows(runs / "grpo", ["critic/score/mean"], None)[1]]
+    want = [r["critic/score/mean"] for r in metrics.metric_rows(runs / "grpo", ["critic/score/mean"], None)[1]]
     said = [c.find_element("css selector", "title").get_attribute("textContent") for c in reward[0].find_elements("css selector", "circle")]
     assert said == [f"grpo step {s}: {js(v)}" for s, v in zip((1, 2, 3), want)]
     # choose another metric: its chart is drawn
@@ -157,7 +157,7 @@ def test_two_runs_part_at_the_first_divergent_step(browser, runs, tmp_path):
 def test_search_finds_the_steps_find_finds(browser, runs):
     where = "critic/score/mean >= 0"
     open_page(browser, "/run/grpo/search?where=critic%2Fscore%2Fmean+%3E%3D+0", "#step-matches")
-    want = [m.step for m in inspection.find_steps(runs / "grpo", where)]
+    want = [m.step for m in metrics.find_steps(runs / "grpo", where)]
     assert [a.text for a in find(browser, "#step-matches a")] == [f"step {s}" for s in want] and want
 
 

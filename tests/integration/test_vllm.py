@@ -254,3 +254,21 @@ def test_async_rollout_on_vllm_samples_what_sync_does_and_resumes_exactly(tmp_pa
     out = train(run, *over, resume=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_journal(run, ref)
+
+
+def test_an_agent_on_a_real_tokenizer_is_spliced_on_vllm(tmp_path, bpe_model):
+    """rollout.engine=vllm on the bpe_model (a byte-level BPE, ChatML; head size 32): an openai-client agent with tools
+    sends its history back as answered, and every continuing call is spliced onto the one before (no prefix break)."""
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1])
+    run = tmp_path / "run"
+    out = train(run, f"model.actor.model_name_or_path={bpe_model}", "rollout.engine=vllm", "rollout.agent=agents_for_tests:tooled",
+                "rollout.max_turns=3", "rollout.max_response_length=48", "trainer.total_steps=2", "rollout.max_fault_rate=1",
+                PYTHONPATH=tests)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(cli("inspect", run, "--json", check=True).stdout)["agents"]
+    assert got["prefix_breaks"] == 0 and got["calls_generated"] > 2 * 16, got  # calls that continued their episodes
+    with open_journal_reader(run / "journal") as j:
+        engines = {j.read_step(s).first("rollout")["engine"] for s in (1, 2)}
+    assert engines == {"vllm"}

@@ -102,7 +102,7 @@ def test_a_whatif_says_so_and_is_never_forked(parent):
     assert f"COUNTERFACTUAL: steps 3–3 re-trained on the samples of {(parent / 'run').resolve()}" in shown
     assert "changed: model.actor.optim.lr=0.002" in shown and "a what-if of" in shown
     with open_journal_reader(new / "journal") as j:
-        cf = j.get_meta("counterfactual")
+        cf = j.meta.get("counterfactual")
     assert (cf["from_step"], cf["to_step"], cf["changed"]) == (2, 3, ["model.actor.optim.lr"])
     # a real run: verify, replay and rerun take it (exit 0); the latter two by the calls the commands make, in this process
     assert cli("verify", new).returncode == 0

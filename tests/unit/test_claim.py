@@ -98,10 +98,10 @@ def test_a_taken_over_writer_is_fenced_and_a_journal_refuses_its_writes(tmp_path
     d = tmp_path / "writer"
     a = Claim.acquire(d, 60, what="run r")
     j = Journal.open_writer(tmp_path / "journal", claim=a)
-    j.append_step(1, [make_event("metrics", values={})])
+    j.writer.append_step(1, [make_event("metrics", values={})])
     fake_holder(d, a.epoch + 1, remote=True)  # another node took the run over (say, after a network partition)
     with pytest.raises(FencedError, match="was taken over by pid 4242 on node-b .*stops without writing"):
-        j.append_step(2, [make_event("metrics", values={})])
+        j.writer.append_step(2, [make_event("metrics", values={})])
     assert a.taken_over() and not a.held()
     j.close()  # closing does not touch the new writer's claim
     assert current(d)[0] == a.epoch + 1 and current(d)[1]["released"] is False

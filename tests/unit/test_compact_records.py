@@ -51,7 +51,7 @@ def test_compact_records_read_back_bit_for_bit_and_are_smaller(tmp_path):
     events = {s: rollout_events(s) for s in range(1, 6)}
     with Journal.open_writer(tmp_path / "j") as j:
         for s, ev in events.items():
-            j.append_step(s, ev)
+            j.writer.append_step(s, ev)
     with Journal.open_reader(tmp_path / "j") as j:
         for s, ev in events.items():
             record = j.read_step(s)
@@ -66,8 +66,8 @@ def test_compact_records_read_back_bit_for_bit_and_are_smaller(tmp_path):
 
 def test_uncompressed_level_zero_reads_back_the_same(tmp_path):
     with Journal.open_writer(tmp_path / "j") as j:
-        j.compression_level = 0
-        j.append_step(1, rollout_events(1))
+        j.writer.compression_level = 0
+        j.writer.append_step(1, rollout_events(1))
         record = j.read_step(1)
     assert same(record.events, rollout_events(1))
 
@@ -77,7 +77,7 @@ def test_a_v1_journal_stays_readable_and_continues(tmp_path):
     path = tmp_path / "j"
     old = step_events(1)
     with Journal.open_writer(path) as j:
-        j.append_step(1, old)  # creates the sub-databases; replaced below by a v1 frame
+        j.writer.append_step(1, old)  # creates the sub-databases; replaced below by a v1 frame
         summary_1 = j.read_summary(1)
     v1 = frame_step(packb({"v": 1, "step": 1, "time": summary_1.time, "events": old}), bytes(32))
     v1_summary = _summary_frame(1, summary_1.time, old)  # v1 journals kept a summary entry per step
@@ -89,11 +89,11 @@ def test_a_v1_journal_stays_readable_and_continues(tmp_path):
         txn.delete(b"shapes", db=env.open_db(b"meta", txn=txn))  # a v1 journal had no interned shapes
     env.close()
     with Journal.open_writer(path) as j:
-        j.append_step(2, step_events(2))
+        j.writer.append_step(2, step_events(2))
         r1, r2 = j.read_step(1), j.read_step(2)
         assert r1.pruned is False and same(r1.events, old)
         assert same(r2.events, step_events(2))
-        pruned, _ = j.prune(2)
+        pruned, _ = j.retention.prune(2)
         assert pruned == 1  # step 2 only: a v1 frame has no separate payload and stays as it is
         assert j.read_step(1).pruned is False and j.read_step(2).pruned is True
         report = verify_journal(j)
@@ -104,12 +104,12 @@ def test_pruning_keeps_the_chain_summaries_and_ids_and_drops_only_samples(tmp_pa
     path = tmp_path / "j"
     with Journal.open_writer(path) as j:
         for s in range(1, 7):
-            j.append_step(s, rollout_events(s))
+            j.writer.append_step(s, rollout_events(s))
         before = {s: j.read_raw(s) for s in range(1, 7)}
         summaries = [j.read_summary(s) for s in range(1, 7)]
-        pruned, freed = j.prune(4, meta={"note": "x"})
+        pruned, freed = j.retention.prune(4, meta={"note": "x"})
         assert pruned == 4 and freed == sum(len(StepFrame.parse(before[s]).payload) for s in range(1, 5))
-        assert j.pruned_through() == 4 and j.get_meta("note") == "x"
+        assert j.retention.pruned_through() == 4 and j.meta.get("note") == "x"
         for s in range(1, 7):
             record, frame = j.read_step(s), StepFrame.parse(j.read_raw(s))
             old = StepFrame.parse(before[s])
@@ -120,17 +120,17 @@ def test_pruning_keeps_the_chain_summaries_and_ids_and_drops_only_samples(tmp_pa
         assert same([j.read_summary(s).to_dict() for s in range(1, 7)], [x.to_dict() for x in summaries])
         report = verify_journal(j)
         assert report.ok and report.pruned == 4 and report.pruned_through == 4
-        assert j.prune(4) == (0, 0)  # nothing more to do
+        assert j.retention.prune(4) == (0, 0)  # nothing more to do
         with pytest.raises(Exception, match="pruned already"):
-            j.prune(3)
+            j.retention.prune(3)
 
 
 def test_damage_to_a_pruned_step_or_a_payload_missing_beyond_pruning_is_detected(tmp_path):
     path = tmp_path / "j"
     with Journal.open_writer(path) as j:
         for s in range(1, 6):
-            j.append_step(s, rollout_events(s))
-        j.prune(2)
+            j.writer.append_step(s, rollout_events(s))
+        j.retention.prune(2)
     flipped = bytearray(raw_read(path, 2))
     flipped[-5] ^= 0x01  # inside the pruned step's core
     tamper(path, lambda txn, db: raw_put(txn, db, 2, bytes(flipped)))
@@ -148,9 +148,9 @@ def test_pruning_stops_the_file_from_growing(tmp_path):
     sizes, kept, payloads = {}, 0, 0
     with Journal.open_writer(path) as j:
         for s in range(1, 401):
-            j.append_step(s, rollout_events(s, samples=16, tokens=512))
+            j.writer.append_step(s, rollout_events(s, samples=16, tokens=512))
             if s % 10 == 0 and s > 20:
-                j.prune(s - 20)
+                j.retention.prune(s - 20)
             if s in (200, 400):
                 sizes[s] = _used(j)
             if s > 200:
@@ -163,7 +163,7 @@ def test_pruning_stops_the_file_from_growing(tmp_path):
 
 
 def _used(j: Journal) -> int:
-    info, stat = j.env().info(), j.env().stat()
+    info, stat = j.store.env().info(), j.store.env().stat()
     return (info["last_pgno"] + 1) * stat["psize"]  # the file's used length (the map may be larger)
 
 
@@ -171,17 +171,17 @@ def test_kill_inside_the_prune_transaction_leaves_every_payload(tmp_path):
     path = tmp_path / "j"
     with Journal.open_writer(path) as j:
         for s in range(1, 5):
-            j.append_step(s, rollout_events(s))
+            j.writer.append_step(s, rollout_events(s))
     code = textwrap.dedent(f"""
         from verlj.journal import Journal
         with Journal.open_writer({str(path)!r}) as j:
-            j.prune(3, meta={{"archive": ["x"]}})
+            j.retention.prune(3, meta={{"archive": ["x"]}})
     """)
     env = {**os.environ, "VERLJ_FAILPOINT": "journal.prune:1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
     assert out.returncode == -9, out.stderr
     with Journal.open_reader(path) as j:
-        assert j.pruned_through() == 0 and j.get_meta("archive") is None
+        assert j.retention.pruned_through() == 0 and j.meta.get("archive") is None
         assert all(not j.read_step(s).pruned for s in range(1, 5))
         assert same(j.read_step(2).events, rollout_events(2))
         assert verify_journal(j).ok
@@ -213,9 +213,9 @@ def test_v3_cores_read_back_exactly_and_declare_each_shape_once(tmp_path):
     from verlj.journal import codec
 
     with Journal.open_writer(tmp_path / "j") as j:
-        j.append_step(1, varied_events(1))
-        j.append_step(2, varied_events(2))
-        j.append_step(3, varied_events(3, extra=True))
+        j.writer.append_step(1, varied_events(1))
+        j.writer.append_step(2, varied_events(2))
+        j.writer.append_step(3, varied_events(3, extra=True))
         heads = [codec.core_head(StepFrame.parse(j.read_raw(s)).body)[0] for s in (1, 2, 3)]
         back = [j.read_step(s).events for s in (1, 2, 3)]
     assert heads[0] is not None and heads[1] is None  # step 2 reuses step 1's shapes
@@ -239,7 +239,7 @@ def test_v3_core_is_a_fraction_of_the_v2_core(tmp_path):
 
     with Journal.open_writer(tmp_path / "j") as j:
         for s in range(1, 4):
-            j.append_step(s, events(s))
+            j.writer.append_step(s, events(s))
         v3 = len(StepFrame.parse(j.read_raw(3)).body)
     core_events = [{k: v for k, v in e.items() if k != "samples"} for e in events(3)]
     v2 = len(packb({"v": 2, "step": 3, "time": 0.0, "events": core_events, "payload": {"codec": "zstd", "size": 1, "raw_size": 1}}))
@@ -250,13 +250,13 @@ def test_an_append_that_fails_declares_nothing_and_readers_follow_new_shapes(tmp
     from verlj.journal import StepOrderError
 
     with Journal.open_writer(tmp_path / "j") as w:
-        w.append_step(1, varied_events(1))
+        w.writer.append_step(1, varied_events(1))
         with Journal.open_reader(tmp_path / "j") as r:  # another process's reader: its own table (a fresh handle here)
-            r._shape_table = None
+            r.store.shape_table = None
             assert same(r.read_step(1).events, varied_events(1))
             with pytest.raises(StepOrderError):
-                w.append_step(5, varied_events(5, extra=True))  # not committed: its new shape is forgotten
-            w.append_step(2, varied_events(2, extra=True))  # declares it again, in a committed record
+                w.writer.append_step(5, varied_events(5, extra=True))  # not committed: its new shape is forgotten
+            w.writer.append_step(2, varied_events(2, extra=True))  # declares it again, in a committed record
             assert same(r.read_step(2).events, varied_events(2, extra=True))  # the reader reloads the table
         assert verify_journal(w).ok
 
@@ -264,13 +264,13 @@ def test_an_append_that_fails_declares_nothing_and_readers_follow_new_shapes(tmp
 def test_tampered_shapes_in_meta_are_caught(tmp_path):
     path = tmp_path / "j"
     with Journal.open_writer(path) as j:
-        j.append_step(1, varied_events(1))
-        j.append_step(2, varied_events(2))
-        shapes = j.get_meta("shapes")
+        j.writer.append_step(1, varied_events(1))
+        j.writer.append_step(2, varied_events(2))
+        shapes = j.meta.get("shapes")
     floats = next(i for i, e in enumerate(shapes) if e[0] == 1)
     shapes[floats] = [1, *reversed(shapes[floats][1:])]  # metric names swapped: the values would change names
     with Journal.open_writer(path) as j:
-        j.set_meta("shapes", shapes)
+        j.meta.set("shapes", shapes)
         report = verify_journal(j)
     assert [p.kind for p in report.problems] == ["bad_meta"], report.problems
 
@@ -282,7 +282,7 @@ def test_a_journal_of_v2_cores_continues_in_v3(tmp_path):
 
     path = tmp_path / "j"
     with Journal.open_writer(path) as j:
-        j.append_step(1, varied_events(1))  # creates the sub-databases; replaced below by a v2 frame
+        j.writer.append_step(1, varied_events(1))  # creates the sub-databases; replaced below by a v2 frame
     core_events, payload, desc = split_payload(varied_events(1), 1)
     v2 = frame_step2(codec.packb_compact({"v": 2, "step": 1, "time": 1.0, "events": core_events, "payload": desc}), payload, bytes(32))
 
@@ -292,7 +292,7 @@ def test_a_journal_of_v2_cores_continues_in_v3(tmp_path):
         txn.delete(b"shapes", db=env.open_db(b"meta", txn=txn))  # a v2 journal had no shapes
     env.close()
     with Journal.open_writer(path) as j:
-        j.append_step(2, varied_events(2))
+        j.writer.append_step(2, varied_events(2))
         assert not codec.is_core_v3(StepFrame.parse(j.read_raw(1)).body) and codec.is_core_v3(StepFrame.parse(j.read_raw(2)).body)
         assert same(j.read_step(1).events, varied_events(1)) and same(j.read_step(2).events, varied_events(2))
         assert same(j.read_summary(1).metrics, j.read_summary(2).metrics | {"a/x": 1.5})

@@ -33,23 +33,23 @@ def run(local: Path, shipped: Path, upto: int, interval: int = 5, window: int = 
     steps keeping `window` of them, samples pruned through the oldest kept one (retention). Fixed
     wall times: two runs of the same steps store the same bytes."""
     j, _notes = segments.open_writer(local, shipped, 0, retention=True)
-    j.shipper.l0_fanout, j.shipper.fanout = fan
+    j.shipping.shipper.l0_fanout, j.shipping.shipper.fanout = fan
     with j:
         for s in range(j.last_step() + 1, upto + 1):
-            j.append_step(s, _events(s), wall_time=float(s))
+            j.writer.append_step(s, _events(s), wall_time=float(s))
             if s % interval == 0:
-                j.add_snapshot(s, {"path": f"step_{s:05d}"})
-                kept = sorted(j.snapshots())[-window:]
-                for old in sorted(j.snapshots())[:-window]:
-                    j.remove_snapshot(old)
-                if kept[0] > j.pruned_through():
-                    j.make_durable()
-                    j.prune(kept[0])
-        j.make_durable()
-        while j.shipper.compact_once():
+                j.meta.add_snapshot(s, {"path": f"step_{s:05d}"})
+                kept = sorted(j.meta.snapshots())[-window:]
+                for old in sorted(j.meta.snapshots())[:-window]:
+                    j.meta.remove_snapshot(old)
+                if kept[0] > j.retention.pruned_through():
+                    j.shipping.make_durable()
+                    j.retention.prune(kept[0])
+        j.shipping.make_durable()
+        while j.shipping.shipper.compact_once():
             pass
-        assert j.shipper.compaction_problem is None
-        return j.pruned_through(), j.shipper.compactions
+        assert j.shipping.shipper.compaction_problem is None
+        return j.retention.pruned_through(), j.shipping.shipper.compactions
 
 
 def frames(path: Path) -> dict[int, bytes]:

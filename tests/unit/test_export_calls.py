@@ -38,7 +38,7 @@ def test_a_row_per_call_with_its_messages_answer_tool_calls_and_the_episodes_rew
             AGENT_TEXT: [AgentCalls((first, second, rewritten), (0, 1), 1.0, 2).to_json(), ""]}
     rows = list(call_rows(cols))
     assert all(list(r) == CALL_COLUMNS for r in rows)
-    assert [(r["sample_id"], r["call"], r["attempt"]) for r in rows] == [(10, 1, 1), (10, 2, 1), (10, 3, 1), (11, 0, None)]
+    assert [(r["sample_id"], r["call"], r["attempt"]) for r in rows] == [(10, 1, 1), (10, 2, 1), (10, 3, 1), (11, 0, None)]  # the default: one process
     one, two, three, fault = rows
     assert json.loads(one["messages"]) == sent and one["tool_calls"] == ['add({"a": 2, "b": 3})'] and one["finish_reason"] == "tool_calls"
     assert json.loads(two["messages"])[-1] == {"role": "tool", "tool_call_id": "call_c0_0", "content": "5"}

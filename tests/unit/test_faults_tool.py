@@ -41,5 +41,5 @@ def test_fleet_deaths_sums_each_trainer_process_count(tmp_path):
     with Journal.open_writer(tmp_path / "run" / "journal") as j:
         for step, d in deaths.items():
             control = [{"type": "control", "v": 1, "kind": "start" if step == 1 else "resume", "details": {}}] if step in (1, 4) else []
-            j.append_step(step, [*control, {"type": "metrics", "v": 1, "values": {"rollout/fleet/deaths": float(d)}}])
+            j.writer.append_step(step, [*control, {"type": "metrics", "v": 1, "values": {"rollout/fleet/deaths": float(d)}}])
     assert _faults().fleet_deaths(tmp_path / "run") == 3

@@ -121,12 +121,12 @@ def test_the_second_call_continues_the_sequence_and_its_new_tokens_are_masked(cl
     assert np.all(f["gen_logprobs"][np.asarray(mask) == 0] == 0)
 
 
-def mk(prompt: list, completion: list, attempt: int = 1) -> ledger.Call:
-    return ledger.Call("{}", "d", np.asarray(prompt), np.asarray(completion), np.zeros(len(completion), np.float32), b"{}", "", attempt)
+def mk(prompt: list, completion: list) -> ledger.Call:
+    return ledger.Call("{}", "d", np.asarray(prompt), np.asarray(completion), np.zeros(len(completion), np.float32), b"{}")
 
 
 def test_a_rewritten_history_is_a_prefix_break_and_the_longest_chain_is_trained():
-    calls = [mk([1, 5], [6, 7]), mk([1, 5, 6, 7, 9], [8]), mk([1, 4], [6, 6, 6, 6], attempt=2)]
+    calls = [mk([1, 5], [6, 7]), mk([1, 5, 6, 7, 9], [8]), mk([1, 4], [6, 6, 6, 6])]
     assert ledger.parents(calls) == [-1, 0, -1]
     assert ledger.trained_chain(calls) == ((2,), 2)  # 4 generated tokens against 3
     assert ledger.trained_chain(calls[:2]) == ((0, 1), 1)
@@ -134,7 +134,7 @@ def test_a_rewritten_history_is_a_prefix_break_and_the_longest_chain_is_trained(
     rec = ledger.ledger_of(calls, 0.5)
     back = AgentCalls.from_json(rec.to_json())
     assert (back.trained, back.reward, back.segments) == ((2,), 0.5, 2)
-    assert back.prefix_breaks == 1 and back.calls[2].completion_ids.tolist() == [6, 6, 6, 6] and back.calls[2].attempt == 2
+    assert back.prefix_breaks == 1 and back.calls[2].completion_ids.tolist() == [6, 6, 6, 6]
     assert back.to_json() == rec.to_json()  # read and written again: the same text
 
 
@@ -149,10 +149,10 @@ def test_calls_that_continue_one_call_branch_and_are_no_break():
 
 def test_a_version_1_ledger_reads_as_its_segment_then():
     calls = [mk([1, 5], [6, 7]), mk([1, 5, 6, 7, 9], [8]), mk([1, 4], [6])]
-    v1 = {"v": 1, "segment": 0, "reward": None, "calls": [{k: v for k, v in c.to_dict().items() if k != "attempt"} for c in calls],
+    v1 = {"v": 1, "segment": 0, "reward": None, "calls": [c.to_dict() for c in calls],
           "segments": 2}
     rec = AgentCalls.from_json(json.dumps(v1))
-    assert rec.trained == (0, 1) and rec.segments == 2 and {c.attempt for c in rec.calls} == {1}
+    assert rec.trained == (0, 1) and rec.segments == 2
 
 
 def test_async_streaming_tool_calls_reach_the_client_parsed(cleanup):
@@ -514,3 +514,75 @@ def test_the_samplers_steps_are_its_tokens_and_watching_them_changes_nothing():
     for i in range(2):
         assert np.array_equal(plain[0][i], watched[0][i]) and np.array_equal(plain[1][i], watched[1][i])
         assert [int(s[i]) for s in steps[: len(plain[0][i])]] == plain[0][i].tolist()
+
+
+def test_a_steps_attempt_counts_the_processes_that_began_it():
+    from verlj.engine.loop.records import LineageEntry, attempt_at
+    from verlj.engine.schema.events import ControlKind
+
+    start = LineageEntry(ControlKind.START, 0)
+    assert [attempt_at([start], s) for s in (1, 2, 9)] == [1, 1, 1]
+    crashed = [start, LineageEntry(ControlKind.RESUME, 2)]  # stopped with step 3 begun, resumed after step 2
+    assert [attempt_at(crashed, s) for s in (2, 3, 4)] == [1, 2, 1]
+    twice = [*crashed, LineageEntry(ControlKind.RESUME, 2), LineageEntry(ControlKind.RESUME, 5)]
+    assert [attempt_at(twice, s) for s in (3, 4, 6, 7)] == [3, 1, 2, 1]
+
+
+def test_an_agent_is_told_its_episode_and_attempt_and_its_output_is_tagged_once(capfd, caplog):
+    import logging
+
+    seen = {}
+
+    def agent(ep):
+        seen[ep.episode] = ep.attempt
+        print(f"working on {ep.row['prompt']}", end="")  # a line ended only when the episode is
+        print(" ... done")
+        logging.getLogger("my_agent").warning("a warning from %s", ep.row["prompt"])
+        r = httpx.post(ep.base_url + "/chat/completions", json={"model": ep.model, "messages": [{"role": "user", "content": "x"}]},
+                       headers={"Authorization": f"Bearer {ep.api_key}"})
+        seen[f"h{ep.episode}"] = (r.headers["x-verlj-episode"], r.headers["x-verlj-attempt"])
+        return 1.0
+
+    r, gw, _ = runner(agent)
+    try:
+        out = r.play(Episodes([{"prompt": "row 0"}, {"prompt": "row 1"}], [1, 2], [17, 18], lambda p, k: k, attempts=[1, 3]))
+    finally:
+        gw.stop()
+    assert [p.fault for p in out] == ["", ""] and seen == {17: 1, 18: 3, "h17": ("17", "1"), "h18": ("18", "3")}
+    said = capfd.readouterr()
+    text = said.out + said.err
+    assert text.count("[episode 17] working on row 0 ... done\n") == 1 and text.count("[episode 18, attempt 3] working on row 1 ... done\n") == 1
+    assert "working on" not in text.replace("] working on", "")
+    logged = [r.getMessage() for r in caplog.records if r.name == "my_agent"]  # the root logger's handlers: pytest's here
+    assert sorted(logged) == ["[episode 17] a warning from row 0", "[episode 18, attempt 3] a warning from row 1"]
+
+
+def test_async_agents_that_never_close_their_clients_leave_no_traceback(capfd):
+    import gc
+
+    from verlj.engine.rl.gateway.agents import agent_loop
+
+    async def leaky(ep):  # a client of its own, never closed: the openai and Agents SDK docs' pattern
+        client = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        for _ in range(2):
+            stream = await client.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": "x"}], stream=True)
+            async for _ in stream:
+                pass
+        return None
+
+    for _ in range(3):
+        out, *_ = play(leaky, n=4)
+        assert [p.fault for p in out] == [""] * 4
+    # the clients are collected wherever the collector runs: here, and on the agents' loop (where the server runs)
+    gc.collect()
+    asyncio.run_coroutine_threadsafe(asyncio.to_thread(lambda: None), agent_loop()).result()
+    asyncio.run_coroutine_threadsafe(_collect(), agent_loop()).result()
+    said = capfd.readouterr()
+    assert "Traceback" not in said.err and "Event loop is closed" not in said.err and "Task exception" not in said.err, said.err[-2000:]
+
+
+async def _collect():
+    import gc
+
+    gc.collect()
+    await asyncio.sleep(0.2)  # the closes the collector scheduled on this loop run

@@ -1,6 +1,7 @@
-"""An agent library used unmodified against the gateway: examples/agents_sdk.py (the OpenAI Agents SDK's
-Agent, @function_tool and Runner over an AsyncOpenAI client) answered by a scripted policy that calls the
-tool, then answers. The SDK's requests are accepted as sent; its tool call is run and its result sent back;
+"""An agent library used unmodified against the gateway on chat completions: examples/agents_sdk.py's agent (the
+OpenAI Agents SDK's Agent, @function_tool and Runner) on an OpenAIChatCompletionsModel over an AsyncOpenAI client
+(its default model, the Responses API: tests/unit/test_gateway_responses.py), answered by a scripted policy that
+calls the tool, then answers. The SDK's requests are accepted as sent; its tool call is run and its result sent back;
 the episode's sample continues the first call's sequence with the tool's turn masked from the loss. And the
 request fields OpenAI accepts beside (what such libraries send) are checked for their type and ignored."""
 
@@ -11,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from examples.agents_sdk import solve
+from examples.agents_sdk import add, reward
 from verlj.engine.rl.gateway import ledger
 from verlj.engine.rl.gateway.prompts import Prompts
 from verlj.engine.rl.gateway.protocol import ApiError, parse_request
@@ -41,6 +42,18 @@ def tool_then_answer(prompts, seeds, episodes=(), on_token=None):
 
 
 tool_then_answer.streams = False  # type: ignore[attr-defined]  # a generator that does not stream (gateway.runner.Generator)
+
+
+async def solve(episode) -> float:
+    """examples/agents_sdk.py's agent, on chat completions."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0)
+    agent = Agent(name="adder", instructions="Answer with the number. Use the add tool to add.", tools=[add],
+                  model=OpenAIChatCompletionsModel(model=episode.model, openai_client=client), model_settings=ModelSettings(parallel_tool_calls=False))
+    result = await Runner.run(agent, episode.row["prompt"], max_turns=episode.max_turns, run_config=RunConfig(tracing_disabled=True))
+    return reward(str(result.final_output or ""), str(episode.row["answer"]))
 
 
 def test_an_agents_sdk_agent_calls_its_tool_through_the_gateway_and_the_tools_turn_is_masked():
@@ -108,8 +121,6 @@ def test_the_sdks_streamed_run_gets_its_tool_call_and_answer_as_server_sent_even
     from agents import Agent, OpenAIChatCompletionsModel, RunConfig
     from agents import Runner as SdkRunner
     from openai import AsyncOpenAI
-
-    from examples.agents_sdk import add, reward
 
     async def streamed(ep):
         client = AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)

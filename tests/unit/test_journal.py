@@ -22,7 +22,7 @@ from verlj.journal.frames import STEP_HEADER, step_key
 def write_steps(path, n, start=1, **kw):
     with Journal.open_writer(path, **kw) as j:
         for s in range(start, start + n):
-            j.append_step(s, step_events(s))
+            j.writer.append_step(s, step_events(s))
 
 
 def test_append_and_read_back(tmp_path):
@@ -55,44 +55,44 @@ def test_streaming_crosses_read_chunks(tmp_path, monkeypatch):
 @pytest.mark.parametrize("bad_step", [0, 1, 2, 4, 5])
 def test_steps_must_be_consecutive(tmp_path, bad_step):
     with Journal.open_writer(tmp_path / "j") as j:
-        j.append_step(1, step_events(1))
-        j.append_step(2, step_events(2))
+        j.writer.append_step(1, step_events(1))
+        j.writer.append_step(2, step_events(2))
         with pytest.raises(StepOrderError, match="next must be 3"):
-            j.append_step(bad_step, step_events(bad_step))
+            j.writer.append_step(bad_step, step_events(bad_step))
         assert j.last_step() == 2
 
 
 def test_a_step_that_fails_to_encode_leaves_nothing(tmp_path):
     with Journal.open_writer(tmp_path / "j") as j:
-        j.append_step(1, step_events(1))
+        j.writer.append_step(1, step_events(1))
         with pytest.raises(CodecError):
-            j.append_step(2, [make_event("metrics", values={"x": object()})])
+            j.writer.append_step(2, [make_event("metrics", values={"x": object()})])
         assert j.last_step() == 1
-        j.append_step(2, step_events(2))
+        j.writer.append_step(2, step_events(2))
     with Journal.open_reader(tmp_path / "j") as j:
         assert verify_journal(j).ok
 
 
 def test_fork_base_step_and_meta(tmp_path):
     with Journal.open_writer(tmp_path / "j") as j:
-        j.start_after(40, "ab" * 32, {"config": {"a": 1}})
+        j.writer.start_after(40, "ab" * 32, {"config": {"a": 1}})
         assert j.last_step() == 40
         with pytest.raises(StepOrderError):
-            j.append_step(1, [])
-        j.append_step(41, step_events(41))
+            j.writer.append_step(1, [])
+        j.writer.append_step(41, step_events(41))
         with pytest.raises(JournalError, match="only an empty journal can start after another's step"):
-            j.start_after(10, "cd" * 32)
-        j.add_snapshot(41, {"path": "step_00041", "fingerprint": "f"})
+            j.writer.start_after(10, "cd" * 32)
+        j.meta.add_snapshot(41, {"path": "step_00041", "fingerprint": "f"})
     with Journal.open_reader(tmp_path / "j") as j:
-        assert j.get_meta("config") == {"a": 1}
-        assert j.snapshots() == {41: {"path": "step_00041", "fingerprint": "f"}}
+        assert j.meta.get("config") == {"a": 1}
+        assert j.meta.snapshots() == {41: {"path": "step_00041", "fingerprint": "f"}}
         assert verify_journal(j).ok
 
 
 def test_newer_schema_is_refused_and_older_is_upcast(tmp_path, monkeypatch):
     with Journal.open_writer(tmp_path / "j") as j:
-        j.append_step(1, [{"type": "metrics", "v": 1, "values": {"a": 1.0}}])
-        j.append_step(2, [{"type": "metrics", "v": 7, "values": {"from the future": 1.0}}])
+        j.writer.append_step(1, [{"type": "metrics", "v": 1, "values": {"a": 1.0}}])
+        j.writer.append_step(2, [{"type": "metrics", "v": 7, "values": {"from the future": 1.0}}])
     with Journal.open_reader(tmp_path / "j") as j:
         with pytest.raises(SchemaError, match="newer than this verlj understands"):
             j.read_step(2)
@@ -114,8 +114,8 @@ def test_map_grows_past_a_small_initial_size(tmp_path):
     path = tmp_path / "j"
     with Journal.open_writer(path, map_size=64 << 10) as j:
         for s in range(1, 41):
-            j.append_step(s, step_events(s, samples=16, tokens=64))  # ~12 KB each: ~8x the initial map
-        assert j.env().info()["map_size"] > 64 << 10
+            j.writer.append_step(s, step_events(s, samples=16, tokens=64))  # ~12 KB each: ~8x the initial map
+        assert j.store.env().info()["map_size"] > 64 << 10
     with Journal.open_reader(path) as j:
         assert j.last_step() == 40 and verify_journal(j).ok
 
@@ -133,7 +133,7 @@ def test_every_single_byte_flip_of_a_record_is_detected(tmp_path):
     path = tmp_path / "j"
     with Journal.open_writer(path) as j:
         for s in range(1, 4):
-            j.append_step(s, [make_event("metrics", values={"loss": s / 7})])
+            j.writer.append_step(s, [make_event("metrics", values={"loss": s / 7})])
     with Journal.open_reader(path) as j:
         original = j.read_raw(2)
     for pos in range(len(original)):
@@ -214,8 +214,8 @@ def test_damaged_record_is_refused_on_read(tmp_path):
 def test_damaged_meta_is_reported(tmp_path):
     path = tmp_path / "j"
     with Journal.open_writer(path) as j:
-        j.set_meta("config", {"lr": 1e-6})
-        j.append_step(1, [])
+        j.meta.set("config", {"lr": 1e-6})
+        j.writer.append_step(1, [])
 
     def flip_meta(txn, _steps):
         env_meta = txn.get(b"config", db=_meta_db[0])
@@ -242,18 +242,18 @@ def test_pending_entries_are_durable_apart_from_the_chain_and_a_damaged_one_is_l
     path = tmp_path / "j"
     write_steps(path, 2)
     with Journal.open_reader(path) as r:  # a journal written before the sub-database existed, read only
-        assert r.pending() == {}
+        assert r.pending.entries() == {}
     with Journal.open_writer(path) as j:
-        j.put_pending({b"a": {"x": np.arange(3)}, b"b": [1, 2]})
-        j.put_pending({b"c": "three"}, drop=[b"a", b"nothing"])  # one transaction: writes and deletions
+        j.pending.put({b"a": {"x": np.arange(3)}, b"b": [1, 2]})
+        j.pending.put({b"c": "three"}, drop=[b"a", b"nothing"])  # one transaction: writes and deletions
         chain = j.chain_hash(2)
     with Journal.open_reader(path) as r:
-        assert r.pending() == {b"b": [1, 2], b"c": "three"} and r.chain_hash(2) == chain and r.last_step() == 2
+        assert r.pending.entries() == {b"b": [1, 2], b"c": "three"} and r.chain_hash(2) == chain and r.last_step() == 2
         assert verify_journal(r).ok
     with Journal.open_writer(path) as j:
-        with j.env().begin(write=True) as txn:
-            raw = bytearray(txn.get(b"b", db=j.dbs()["pending"]))
+        with j.store.env().begin(write=True) as txn:
+            raw = bytearray(txn.get(b"b", db=j.store.dbs()["pending"]))
             raw[-1] ^= 1
-            txn.put(b"b", bytes(raw), db=j.dbs()["pending"])
+            txn.put(b"b", bytes(raw), db=j.store.dbs()["pending"])
     with Journal.open_reader(path) as r:
-        assert r.pending() == {b"c": "three"}  # what it held is made again, as if never written
+        assert r.pending.entries() == {b"c": "three"}  # what it held is made again, as if never written

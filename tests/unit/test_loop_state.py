@@ -12,10 +12,10 @@ import pytest
 
 from verlj.engine.config import make_config
 from verlj.engine.errors import ReplayError, SnapshotError
-from verlj.engine.loop.ledger import ArchiveEntry, Ledger
+from verlj.engine.loop.ledger import Ledger
 from verlj.engine.loop.policy import CheckpointSchedule
 from verlj.engine.loop.provenance import versions
-from verlj.engine.loop.records import Rebased, TopologyChange
+from verlj.engine.loop.records import ArchiveEntry, Rebased, TopologyChange
 from verlj.engine.loop.recovery import choose_snapshot, resolve_explicit
 from verlj.engine.loop.retention import apply as apply_retention
 from verlj.engine.loop.retention import prune_bound
@@ -47,7 +47,7 @@ def run(tmp_path):
     cfg = make_config(None, ["trainer.total_steps=6"])
     ledger.start({"config": cfg.to_stored(), "world_size": 2, "tensor_parallel_size": 1, "versions": {"torch": "1"}})
     for s in range(1, 7):
-        j.append_step(s, [make_event("metrics", values={"loss": s / 10}), make_event("state", fingerprint=fp(s), parts={})])
+        j.writer.append_step(s, [make_event("metrics", values={"loss": s / 10}), make_event("state", fingerprint=fp(s), parts={})])
     yield tmp_path, ledger
     j.close()
 
@@ -71,8 +71,8 @@ def snapshot(run_dir, ledger, step, fingerprint=None, publish=True):
 def test_history_is_what_was_in_force_at_each_step(run):
     _run_dir, ledger = run
     lr = make_config(None, ["trainer.total_steps=6", "model.actor.optim.lr=0.002"]).to_stored()
-    ledger.record_config_change(4, lr)
-    ledger.record_topology_change(5, {"world_size": 1, "tensor_parallel_size": 1, "zero_stage": 0},
+    ledger.identity.record_config_change(4, lr)
+    ledger.identity.record_topology_change(5, {"world_size": 1, "tensor_parallel_size": 1, "zero_stage": 0},
                                   {"rebased": {"step": 4, "fingerprint": fp(4)}})
     h = ledger.history()
     assert (h.base_step, h.last_step, h.pruned_through) == (0, 6, 0)
@@ -84,12 +84,12 @@ def test_history_is_what_was_in_force_at_each_step(run):
 
 def test_a_resume_records_its_own_choice_and_the_versions_that_moved(run):
     _run_dir, ledger = run
-    moved = ledger.record_resume(6, 4, ["trainer.total_steps"], 1, versions(), resume_from="4")
+    moved = ledger.lineage.record_resume(6, 4, ["trainer.total_steps"], 1, versions(), resume_from="4")
     assert moved and all(m.startswith("torch 1 → ") for m in moved[:1])
-    entry = ledger.lineage_entries()[-1]
+    entry = ledger.lineage.entries()[-1]
     assert entry.resume_from == "4" and entry.versions_changed == moved
-    assert ledger.record_resume(6, 6, [], 1, versions()) == []  # compared with the last start: nothing moved since
-    assert ledger.lineage_entries()[-1].resume_from is None and "resume_from" not in ledger.lineage_entries()[-1].to_dict()
+    assert ledger.lineage.record_resume(6, 6, [], 1, versions()) == []  # compared with the last start: nothing moved since
+    assert ledger.lineage.entries()[-1].resume_from is None and "resume_from" not in ledger.lineage.entries()[-1].to_dict()
     assert ledger.config_at(6)["trainer"]["resume_from"] is None
 
 
@@ -97,15 +97,15 @@ def test_the_ledgers_records_store_the_maps_of_the_previous_release(run):
     """The typed records write the journal meta the previous release wrote, key for key and in order
     (its journals read back through them; tests/fixtures/v0 holds such journals)."""
     run_dir, ledger = run
-    ledger.record_resume(6, 4, ["trainer.total_steps"], 1, versions(), resume_from="4")
+    ledger.lineage.record_resume(6, 4, ["trainer.total_steps"], 1, versions(), resume_from="4")
     cfg = make_config(None, ["trainer.total_steps=8"]).to_stored()
-    ledger.record_config_change(7, cfg)
+    ledger.identity.record_config_change(7, cfg)
     one, two = {"world_size": 1, "tensor_parallel_size": 1, "zero_stage": 0}, {"world_size": 2, "tensor_parallel_size": 1, "zero_stage": 0}
     change = TopologyChange(7, one, two, 4, None, [5, 6], {"rtol": 1e-3, "atol": 1e-5}, 2, None, Rebased(6, fp(6)))
-    ledger.record_topology_change(change.from_step, change.topology, change.details())
+    ledger.identity.record_topology_change(change.from_step, change.topology, change.details())
     snapshot(run_dir, ledger, 4)
-    ledger.prune(2, ArchiveEntry("steps_0000000001-0000000002.parquet", 1, 2, 8, 100, "d" * 64))
-    meta = ledger.identity()
+    ledger.retention.prune(2, ArchiveEntry("steps_0000000001-0000000002.parquet", 1, 2, 8, 100, "d" * 64))
+    meta = ledger.identity.all()
     assert [list(e) for e in meta["lineage"]] == [
         ["kind", "at_step", "time"],
         ["kind", "at_step", "snapshot_step", "config_changes", "world_size", "time", "versions", "resume_from", "versions_changed"]]
@@ -117,7 +117,7 @@ def test_the_ledgers_records_store_the_maps_of_the_previous_release(run):
                                                  "checked_steps", "max_deviation", "rebased"]
     assert list(change.control_details()) == ["from", "to", "snapshot_step", "resharded", "replayed", "tolerance", "checked_steps",
                                               "max_deviation", "rebased"]
-    assert list(ledger.journal.snapshots()[4]) == ["path", "fingerprint", "manifest", "time"]
+    assert list(ledger.journal.meta.snapshots()[4]) == ["path", "fingerprint", "manifest", "time"]
     assert meta["archive"] == [{"file": "steps_0000000001-0000000002.parquet", "first": 1, "last": 2, "rows": 8, "bytes": 100,
                                 "digest": "d" * 64}]
     assert list(meta["archive"][0]) == ["file", "first", "last", "rows", "bytes", "digest"]
@@ -173,7 +173,7 @@ def test_latest_as_a_directory_after_a_copy_that_follows_links_is_replaced_by_th
         shutil.copytree(run_dir / "step_00002", link)
     snapshot(run_dir, ledger, 4)
     assert os.readlink(run_dir / "latest") == "step_00004" and not (run_dir / ".latest.tmp").exists()
-    assert sorted(ledger.snapshot_index()) == [2, 4] and (run_dir / "step_00002" / "weights.bin").read_bytes() == bytes([2]) * 64
+    assert sorted(ledger.snapshots.index()) == [2, 4] and (run_dir / "step_00002" / "weights.bin").read_bytes() == bytes([2]) * 64
 
 
 def test_rotation_keeps_the_newest_and_latest_follows(run):
@@ -181,7 +181,7 @@ def test_rotation_keeps_the_newest_and_latest_follows(run):
     for s in (2, 4, 6):
         snapshot(run_dir, ledger, s)
     SnapshotStore(run_dir, ledger).rotate(2)
-    assert sorted(ledger.snapshot_index()) == [4, 6]
+    assert sorted(ledger.snapshots.index()) == [4, 6]
     assert not (run_dir / "step_00002").exists() and os.readlink(run_dir / "latest") == "step_00006"
     assert not [p for p in run_dir.iterdir() if p.name.startswith(".trash-")]
 
@@ -192,8 +192,8 @@ def test_quarantine_moves_out_of_the_index_and_the_way(run):
         snapshot(run_dir, ledger, s)
     dest = SnapshotStore(run_dir, ledger).quarantine(6, run_dir / "step_00006", "a test's reason")
     assert dest == run_dir / "quarantine" / "step_00006" and (dest / META).is_file()
-    assert sorted(ledger.snapshot_index()) == [4] and os.readlink(run_dir / "latest") == "step_00004"
-    assert ledger.quarantined()[-1]["reason"] == "a test's reason"
+    assert sorted(ledger.snapshots.index()) == [4] and os.readlink(run_dir / "latest") == "step_00004"
+    assert ledger.snapshots.quarantined()[-1]["reason"] == "a test's reason"
 
 
 def test_a_resume_adopts_what_checks_out_and_sets_aside_the_rest_never_deleting(run):
@@ -206,8 +206,8 @@ def test_a_resume_adopts_what_checks_out_and_sets_aside_the_rest_never_deleting(
     lines = [item.done for item in SnapshotStore(run_dir, ledger).recover_leftovers()]
     assert "Removed what an interrupted run left behind: .tmp-step_00009" in lines
     assert any(line.startswith("Adopted step_00004") for line in lines)
-    assert sorted(ledger.snapshot_index()) == [2, 4] and os.readlink(run_dir / "latest") == "step_00004"
-    assert {q["name"]: q["reason"] for q in ledger.quarantined()} == {
+    assert sorted(ledger.snapshots.index()) == [2, 4] and os.readlink(run_dir / "latest") == "step_00004"
+    assert {q["name"]: q["reason"] for q in ledger.snapshots.quarantined()} == {
         "step_00005": "published but not indexed, and its fingerprint does not match the journal's for step 5",
         "step_00008": "published but not indexed, and step 8 is not in the journal (it ends at step 6)",
     }
@@ -225,13 +225,13 @@ def test_rotation_counts_only_snapshots_on_disk_and_whole(run):
     store = SnapshotStore(run_dir, ledger)
     assert list(store.sound()) == [1]
     store.rotate(2)
-    assert sorted(ledger.snapshot_index()) == [1, 2, 3] and (run_dir / "step_00001").is_dir() and (run_dir / "step_00003").is_dir()
+    assert sorted(ledger.snapshots.index()) == [1, 2, 3] and (run_dir / "step_00001").is_dir() and (run_dir / "step_00003").is_dir()
     snapshot(run_dir, ledger, 5)
     store.rotate(2)  # the checkpointer rotates after each publish
-    assert sorted(ledger.snapshot_index()) == [1, 2, 3, 5] and (run_dir / "step_00001").is_dir()
+    assert sorted(ledger.snapshots.index()) == [1, 2, 3, 5] and (run_dir / "step_00001").is_dir()
     snapshot(run_dir, ledger, 6)
     store.rotate(2)  # two good newer ones: now the oldest good one goes
-    assert sorted(ledger.snapshot_index()) == [2, 3, 5, 6] and not (run_dir / "step_00001").exists()
+    assert sorted(ledger.snapshots.index()) == [2, 3, 5, 6] and not (run_dir / "step_00001").exists()
     assert (run_dir / "step_00003").is_dir()  # the one that fails its check is left for a resume to quarantine
 
 
@@ -244,7 +244,7 @@ def test_retention_prunes_only_against_a_snapshot_on_disk_and_whole(run, gone, b
         shutil.rmtree(run_dir / f"step_{s:05d}")
     cfg = make_config(None, ["trainer.total_steps=6", "journal.retain_samples=since_oldest_snapshot"])
     apply_retention(run_dir, cfg, ledger, Said())
-    assert ledger.pruned_through() == bound  # step 4 deleted by hand never lets steps 1-4 go while step_00002 is all there is
+    assert ledger.retention.pruned_through() == bound  # step 4 deleted by hand never lets steps 1-4 go while step_00002 is all there is
 
 
 def test_verify_and_resume_share_one_plan_for_leftovers(run):
@@ -267,8 +267,8 @@ def test_verify_and_resume_share_one_plan_for_leftovers(run):
     done = store.recover_leftovers()
     assert [(x.name, x.action) for x in done] == [(x.name, x.action) for x in plan]
     assert [x.done for x in done if x.warning] == ["step_00003 is in the index but not on disk (deleted by hand?): removed from the index"]
-    assert sorted(ledger.snapshot_index()) == [2, 4] and os.readlink(run_dir / "latest") == "step_00004"
-    assert [(m["name"], m["step"]) for m in ledger.missing()] == [("step_00003", 3)]
+    assert sorted(ledger.snapshots.index()) == [2, 4] and os.readlink(run_dir / "latest") == "step_00004"
+    assert [(m["name"], m["step"]) for m in ledger.snapshots.missing()] == [("step_00003", 3)]
     assert (run_dir / "quarantine" / "step_00005").is_dir() and not (run_dir / ".trash-step_00001-77").exists()
     assert store.plan_leftovers() == []
 
@@ -324,7 +324,7 @@ def test_pruned_samples_bound_where_a_replay_may_start(run):
     run_dir, ledger = run
     for s in (2, 4):
         snapshot(run_dir, ledger, s)
-    ledger.prune(4)
+    ledger.retention.prune(4)
     assert choose_snapshot(run_dir, ledger, 6, Said())[0] == 4
     with pytest.raises(ReplayError, match=r"no snapshot at or before step 3 can be used to reach step 6: .*through 4.* \(kept: step_00004\)"):
         choose_snapshot(run_dir, ledger, 3, Said(), target=6)
@@ -354,8 +354,8 @@ def test_an_agent_groups_calls_are_kept_one_key_a_call_and_read_back_in_order(ru
 
     _, ledger = run
     writes = []
-    put = ledger.journal.put_pending
-    ledger.journal.put_pending = lambda values, *a: (writes.append(len(values)), put(values, *a))[1]
+    put = ledger.journal.pending.put
+    ledger.journal.pending.put = lambda values, *a: (writes.append(len(values)), put(values, *a))[1]
 
     def call(i):
         return Call(f'{{"i":{i}}}', f"d{i}", np.arange(4 + i), np.arange(i % 3 + 1), np.full(i % 3 + 1, -0.25 * i, np.float32), f"réponse {i}".encode())
@@ -364,17 +364,17 @@ def test_an_agent_groups_calls_are_kept_one_key_a_call_and_read_back_in_order(ru
         empty = [np.zeros(0)] * 2
         return GroupInFlight(g, 3, [1], empty, empty, empty, empty, empty, empty, [11, 12], [0, 0], ["", ""])
 
-    ledger.keep_in_flight([entry(5)], [], [(5, 0, 0, call(0).to_dict()), (5, 1, 0, call(100).to_dict())])
+    ledger.in_flight.keep([entry(5)], [], [(5, 0, 0, call(0).to_dict()), (5, 1, 0, call(100).to_dict())])
     for k in range(1, 10):  # each write adds its call alone: linear in the episode's length
-        ledger.keep_in_flight([], [], [(5, 0, k, call(k).to_dict())])
+        ledger.in_flight.keep([], [], [(5, 0, k, call(k).to_dict())])
     assert writes == [3] + [1] * 9
-    back = ledger.in_flight()[5]
+    back = ledger.in_flight.groups()[5]
     got = [AgentCalls.from_json(text).calls for text in back.agent_calls]
     assert [c.response for c in got[0]] == [call(k).response for k in range(10)] and got[1][0].request == call(100).request
     assert all(np.array_equal(a.logprobs, call(k).logprobs) and a.logprobs.dtype == np.float32 for k, a in enumerate(got[0]))
     assert (back.row, back.env_seed) == (3, [11, 12])
-    ledger.keep_in_flight([], [], dropped=[(5, 0, k) for k in range(4, 10)])  # a divergence at call 4 discarded the rest
-    assert len(AgentCalls.from_json(ledger.in_flight()[5].agent_calls[0]).calls) == 4
-    ledger.keep_in_flight([entry(6)], [5], [(6, 1, 0, call(7).to_dict())])  # group 5 in a committed step: it and its calls forgotten
-    assert list(ledger.in_flight()) == [6] and ledger.in_flight()[6].agent_calls[0] == ""
-    assert not [k for k in ledger.journal.pending() if k.startswith(b"agentcalls/") and k[11:19] == (5).to_bytes(8, "big")]
+    ledger.in_flight.keep([], [], dropped=[(5, 0, k) for k in range(4, 10)])  # a divergence at call 4 discarded the rest
+    assert len(AgentCalls.from_json(ledger.in_flight.groups()[5].agent_calls[0]).calls) == 4
+    ledger.in_flight.keep([entry(6)], [5], [(6, 1, 0, call(7).to_dict())])  # group 5 in a committed step: it and its calls forgotten
+    assert list(ledger.in_flight.groups()) == [6] and ledger.in_flight.groups()[6].agent_calls[0] == ""
+    assert not [k for k in ledger.journal.pending.entries() if k.startswith(b"agentcalls/") and k[11:19] == (5).to_bytes(8, "big")]

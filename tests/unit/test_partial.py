@@ -254,11 +254,11 @@ def test_the_ledger_keeps_the_stopped_groups_and_forgets_the_settled(tmp_path):
     def group(g: int, n: int) -> GroupProgress:
         return GroupProgress(g, 7, [np.arange(n)], [np.full(n, -0.25, np.float32)], [np.asarray([1, n])], [False])
 
-    ledger.keep_partial([group(4, 3), group(8, 2)], [])
-    ledger.keep_partial([group(4, 5)], [8])  # group 4 stopped again, with more tokens; group 8 arrived in a committed step
-    back = ledger.partial_groups()
+    ledger.in_flight.keep_partial([group(4, 3), group(8, 2)], [])
+    ledger.in_flight.keep_partial([group(4, 5)], [8])  # group 4 stopped again, with more tokens; group 8 arrived in a committed step
+    back = ledger.in_flight.partial_groups()
     assert list(back) == [4] and back[4].responses[0].tolist() == list(range(5)) and back[4].row == 7
-    assert ledger.in_flight() == {}  # the episodes' entries are another family
+    assert ledger.in_flight.groups() == {}  # the episodes' entries are another family
     j.close()
 
 

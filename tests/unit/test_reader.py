@@ -35,7 +35,7 @@ def journal(tmp_path):
     j = Journal.open_writer(tmp_path / "journal")
     for s in range(1, 5):
         ids = np.arange(2, dtype=np.int64) + 2 * s
-        j.append_step(s, [make_event("buffer.add", ids=ids, samples={"id": ids, "score": np.ones(2)}),
+        j.writer.append_step(s, [make_event("buffer.add", ids=ids, samples={"id": ids, "score": np.ones(2)}),
                           make_event("metrics", values={"loss": s / 10}), make_event("state", fingerprint=fp(s), parts={})])
     yield j
     j.close()
@@ -60,7 +60,7 @@ def test_a_walk_past_the_journal_refuses_the_missing_step(journal):
 
 
 def test_a_walk_refuses_a_pruned_step_and_the_scan_shows_it(journal):
-    journal.prune(2)
+    journal.retention.prune(2)
     with pytest.raises(ReplayError, match=r"^step 1's samples were pruned from the journal \(journal.retain_samples\); it cannot be replayed$"):
         next(StepReader(journal, OneRank()).walk(1, 4))
     assert [r.step for r in StepReader(journal).walk(3, 4)] == [3, 4]  # the kept steps still walk

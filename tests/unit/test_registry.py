@@ -8,7 +8,7 @@ was made with an older release's journal)."""
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from verlj.engine.schema import events as ev
+from verlj.engine.schema.record import stored
 from verlj.journal import EventSpec, Journal, SchemaError, declare, declared, make_event, open_journal_reader, packb, verify_journal
 from verlj.journal import events as registry
 
@@ -62,8 +63,9 @@ def test_an_upcaster_that_does_not_lift_one_version_is_refused(monkeypatch):
 
 
 def test_a_new_event_type_declares_itself_and_round_trips(tmp_path, monkeypatch):
-    """What a new event (the agent gateway's, say) needs: a frozen dataclass, its TYPE, VERSION and UPCASTERS,
-    and @declared. Its v1 journal reads back as v2 through the upcaster declared beside its fields."""
+    """What a new event (the agent gateway's, say) needs: a frozen dataclass with its TYPE and VERSION, its
+    fields, and @declared; its map comes from the fields. Its next version declares the field it adds
+    (`stored(since=2, old=...)`), and its v1 journal reads back as v2 through the upcaster made from that."""
     monkeypatch.setattr(registry, "_DECLARED", dict(registry._DECLARED))
     monkeypatch.setattr(registry, "_SUMMARY", registry._SUMMARY)
     monkeypatch.setattr(ev, "EVENT_TYPES", dict(ev.EVENT_TYPES))
@@ -73,18 +75,12 @@ def test_a_new_event_type_declares_itself_and_round_trips(tmp_path, monkeypatch)
     class Call(ev.Event):
         TYPE: ClassVar[str] = "probe.call"
         VERSION: ClassVar[int] = 1
-        UPCASTERS: ClassVar[ev.Upcasters] = {}
-        tokens: np.ndarray
+        tokens: np.ndarray = field(metadata=stored(dtype=np.int64))
 
-        def to_event(self) -> dict:
-            return make_event(self.TYPE, tokens=self.tokens)
-
-        @classmethod
-        def from_event(cls, e: dict) -> Call:
-            return cls(np.asarray(e["tokens"]))
-
+    call = Call(np.arange(3, dtype=np.int32))
+    assert list(call.to_event()) == ["type", "v", "tokens"] and Call.UPCASTERS == {}
     with Journal.open_writer(tmp_path / "j") as j:
-        j.append_step(1, [Call(np.arange(3, dtype=np.int64)).to_event()])
+        j.writer.append_step(1, [call.to_event()])
 
     del registry._DECLARED["probe.call"]  # the next release of the same code: its class says v2 instead
 
@@ -93,18 +89,60 @@ def test_a_new_event_type_declares_itself_and_round_trips(tmp_path, monkeypatch)
     class Call2(ev.Event):  # its v2 adds `model`; a v1 call was the policy's
         TYPE: ClassVar[str] = "probe.call"
         VERSION: ClassVar[int] = 2
-        UPCASTERS: ClassVar[ev.Upcasters] = {1: lambda e: {**e, "v": 2, "model": "policy"}}
-        tokens: np.ndarray
-        model: str
+        tokens: np.ndarray = field(metadata=stored(dtype=np.int64))
+        model: str = field(metadata=stored(since=2, old="policy"))
 
+    assert set(declared()["probe.call"].upcasters) == {1}
     with Journal.open_reader(tmp_path / "j") as j:
         (e,) = j.read_step(1).events
     assert e["v"] == 2 and e["model"] == "policy" and e["tokens"].tolist() == [0, 1, 2]
-    with pytest.raises(TypeError, match="must declare its own VERSION, UPCASTERS"):
+    typed = Call2.from_event(e)
+    assert typed.model == "policy" and typed.tokens.dtype == np.int64 and typed.tokens.tolist() == [0, 1, 2]
+    assert list(typed.to_event()) == ["type", "v", "tokens", "model"] and typed.to_event()["v"] == 2
+    with pytest.raises(TypeError, match="must declare its own VERSION"):
         @ev.declared
         @dataclass(frozen=True)
         class Inherits(Call):
             TYPE: ClassVar[str] = "probe.other"
+    with pytest.raises(TypeError, match="v2 adds no field .* and declares no upcaster from v1"):
+        @ev.declared
+        @dataclass(frozen=True)
+        class Silent(ev.Event):  # a new version that says nothing of what changed
+            TYPE: ClassVar[str] = "probe.silent"
+            VERSION: ClassVar[int] = 2
+            tokens: np.ndarray
+    with pytest.raises(TypeError, match="added in v3, but the type's versions are 1..2"):
+        @ev.declared
+        @dataclass(frozen=True)
+        class Ahead(ev.Event):
+            TYPE: ClassVar[str] = "probe.ahead"
+            VERSION: ClassVar[int] = 2
+            model: str = field(metadata=stored(since=3, old="policy"))
+
+
+def test_an_upcaster_the_fields_cannot_say_is_declared_beside_them(monkeypatch):
+    """A change that is no added field (a rename) gives its own upcaster in UPCASTERS; the fields added in
+    the same version are put in after it."""
+    monkeypatch.setattr(registry, "_DECLARED", dict(registry._DECLARED))
+    monkeypatch.setattr(registry, "_SUMMARY", registry._SUMMARY)
+    monkeypatch.setattr(ev, "EVENT_TYPES", dict(ev.EVENT_TYPES))
+
+    def renamed(e: dict) -> dict:
+        out = {k: v for k, v in e.items() if k != "ids"}
+        return {**out, "v": 2, "tokens": e["ids"]}
+
+    @ev.declared
+    @dataclass(frozen=True)
+    class Renamed(ev.Event):
+        TYPE: ClassVar[str] = "probe.renamed"
+        VERSION: ClassVar[int] = 2
+        UPCASTERS: ClassVar[ev.Upcasters] = {1: renamed}
+        tokens: list
+        model: str = field(metadata=stored(since=2, old="policy"))
+
+    lifted = registry.upcast_event({"type": "probe.renamed", "v": 1, "ids": [4, 5]})
+    assert lifted == {"type": "probe.renamed", "v": 2, "tokens": [4, 5], "model": "policy"}
+    assert Renamed.from_event(lifted) == Renamed([4, 5], "policy")
 
 
 def _read_all(journals: list[Path]) -> tuple[set[tuple[str, int]], set[int]]:

@@ -5,7 +5,9 @@ boundary."""
 from __future__ import annotations
 
 import ast
+import enum
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +15,9 @@ import pytest
 
 from verlj.engine.schema import events as ev
 from verlj.engine.schema.agent_calls import AgentCalls
+from verlj.engine.schema.record import Record, stored
 from verlj.engine.schema.sample import FIELDS, Sample, pack, unpack
-from verlj.journal import declared, open_journal_reader, packb
+from verlj.journal import declared, open_journal_reader, packb, unpackb
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "v0"  # journals written by the release before the typed schema
@@ -114,6 +117,52 @@ def test_episodes_pack_their_turns_and_single_turn_batches_are_unchanged():
     assert not back[1].same_as(ep)
 
 
+# ----------------------------------------------------------------------------- the one codec (schema.record)
+
+
+class Kind(str, enum.Enum):
+    A = "a"
+    B = "b"
+
+
+@dataclass(frozen=True)
+class Inner(Record):
+    step: int
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Outer(Record):
+    kind: Kind
+    ids: np.ndarray = field(metadata=stored(dtype=np.int64, missing=np.zeros(0, np.int64)))
+    before: dict | None = field(default=None, metadata=stored(key="from"))
+    note: str | None = field(default=None, metadata=stored(optional=True))
+    detail: int | None = field(default=None, metadata=stored(with_="note"))
+    inner: Inner | None = None
+    rows: list[np.ndarray] = field(default_factory=list, metadata=stored(dtype=np.int8))
+
+
+def test_a_records_map_and_its_reading_back_come_from_its_fields():
+    """Each field under its key in declaration order; an enum as its value, a nested record as its map;
+    an optional field left out while unset and a field stored `with_` another only beside it; read back
+    as the declared types (the dtypes named), an absent key as its `missing` value, an unknown key ignored."""
+    o = Outer(Kind.B, np.arange(3, dtype=np.int32), {"w": 1}, inner=Inner(3, "ab"), rows=[np.arange(2)])
+    m = o.to_dict()
+    assert list(m) == ["kind", "ids", "from", "inner", "rows"] and m["kind"] == "b" and m["inner"] == {"step": 3, "fingerprint": "ab"}
+    back = Outer.from_dict(unpackb(packb({**m, "unknown": 1})))
+    assert back.kind is Kind.B and back.inner == Inner(3, "ab") and back.before == {"w": 1} and back.note is None
+    assert back.ids.dtype == np.int64 and back.ids.tolist() == [0, 1, 2] and back.rows[0].dtype == np.int8
+    with_note = Outer(Kind.A, np.zeros(0, np.int64), note="n", detail=None)
+    assert list(with_note.to_dict()) == ["kind", "ids", "from", "note", "detail", "inner", "rows"]
+    assert Outer.from_dict({"kind": "a", "detail": 5}).detail is None  # without its `note`, `detail` is not read
+    assert Outer.from_dict({"kind": "a", "note": "n", "detail": 5}).detail == 5
+    assert Outer.from_dict({"kind": "a"}).ids.tolist() == [] and Outer.from_dict({"kind": "a", "ids": None}).ids.tolist() == []
+    with pytest.raises(KeyError):
+        Inner.from_dict({"step": 1})  # a field with no default, no `missing`, that may not be None
+    with pytest.raises(ValueError):
+        Outer.from_dict({"kind": "c"})
+
+
 # An agent_calls text as the journal held it before its codec moved here (rl.gateway.ledger.dumps plus "segments").
 STORED_AGENT_CALLS = (
     r'{"v":1,"segment":1,"reward":null,"calls":[{"request":"{\"messages\":[{\"role\":\"user\",\"content\":\"2+2 ünd\"}]}","digest":"ab12","prompt_ids":[1,5,9],"completion_ids":[6,7],"logprobs":[-0.10000000149011612,-2.5],"response":"{\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\"'
@@ -128,19 +177,17 @@ def test_a_stored_version_1_agent_calls_text_reads_as_its_trained_segment():
     first, second = rec.calls
     assert first.prompt_ids.tolist() == [1, 5, 9] and first.completion_ids.tolist() == [6, 7] and first.logprobs.dtype == np.float32
     assert first.response.decode().count("é") == 1 and first.flag == "" and second.flag == "malformed_tool_call"
-    assert {c.attempt for c in rec.calls} == {1}
     with pytest.raises(ValueError, match="version 3"):
         AgentCalls.from_json(STORED_AGENT_CALLS.replace('{"v":1', '{"v":3', 1))
 
 
-STORED_AGENT_CALLS_V2 = STORED_AGENT_CALLS.replace('{"v":1,"segment":1,', '{"v":2,"trained":[1],').replace(
-    '"flag":""}', '"flag":"","attempt":1}').replace('"flag":"malformed_tool_call"}', '"flag":"malformed_tool_call","attempt":2}')
+STORED_AGENT_CALLS_V2 = STORED_AGENT_CALLS.replace('{"v":1,"segment":1,', '{"v":2,"trained":[1],')
 
 
 def test_a_stored_agent_calls_text_round_trips_byte_for_byte():
     rec = AgentCalls.from_json(STORED_AGENT_CALLS_V2)
     assert rec.to_json().encode() == STORED_AGENT_CALLS_V2.encode()
-    assert rec.trained == (1,) and rec.segments == 2 and [c.attempt for c in rec.calls] == [1, 2]
+    assert rec.trained == (1,) and rec.segments == 2
     again = AgentCalls(rec.calls, rec.trained, 0.5, rec.segments).to_json()
     assert AgentCalls.from_json(again).reward == 0.5 and again != STORED_AGENT_CALLS_V2
 
@@ -155,6 +202,7 @@ BOUNDARIES = {
     "engine/state/safe_load.py",
     "engine/config.py",
     "engine/rl/gateway/protocol.py",  # OpenAI's chat-completions JSON: requests parsed, responses written and read back
+    "engine/rl/gateway/responses.py",  # OpenAI's Responses JSON and its stream's events: the same, for /v1/responses
     "engine/rl/gateway/server.py",  # HTTP: the gateway's paths and headers (authorization, content-length)
     "engine/post_mortem/view/server.py",  # HTTP: the viewer's query strings and headers (token, Cookie, Host)
 }

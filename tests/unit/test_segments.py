@@ -29,21 +29,21 @@ def _events(step: int) -> list[dict]:
 def _write(local: Path, shipped: Path, steps: range, max_lag: int = 1, snapshot_every: int = 5) -> None:
     j, _notes = segments.open_writer(local, shipped, max_lag)
     with j:
-        if j.get_meta("config") is None:
-            j.update_meta({"config": {"seed": 1}})
+        if j.meta.get("config") is None:
+            j.meta.update({"config": {"seed": 1}})
         for s in steps:
-            j.append_step(s, _events(s))
-            assert j.shipper.shipped_step >= s - max_lag  # the bound holds after every commit
+            j.writer.append_step(s, _events(s))
+            assert j.shipping.shipper.shipped_step >= s - max_lag  # the bound holds after every commit
             if s % snapshot_every == 0:
-                j.add_snapshot(s, {"path": f"step_{s:05d}"})
+                j.meta.add_snapshot(s, {"path": f"step_{s:05d}"})
 
 
 def _dump(path: Path) -> dict:
     with Journal.open_reader(path) as j:
-        _frames, meta, snapshots = j.read_cut(j.last_step(), 1)
+        _frames, meta, snapshots = j.shipping.read_cut(j.last_step(), 1)
         return {
             "steps": list(j.iter_raw()),
-            "summary": list(j._iter_db(j.dbs()["summary"], None, None, 16)),
+            "summary": list(j.store.iter_db(j.store.dbs()["summary"], None, None, 16)),
             "meta": meta,
             "snapshots": snapshots,
         }
@@ -79,9 +79,9 @@ def test_a_segment_carries_the_metadata_committed_before_its_steps(tmp_path, mon
     j, _notes = segments.open_writer(local, shipped, max_lag=4)
     with j:
         assert entered.wait(10)  # the first shipment (the journal id) is on its way, and stuck
-        j.update_meta({"config": {"seed": 1}})
-        j.append_step(1, _events(1))
-        j.append_step(2, _events(2))
+        j.meta.update({"config": {"seed": 1}})
+        j.writer.append_step(1, _events(1))
+        j.writer.append_step(2, _events(2))
         gate.set()
     for seg in (segments.read_segment(p) for p in sorted(segments.segment_dir(shipped).glob("*.seg"))):
         if seg.first is not None:
@@ -108,7 +108,7 @@ def test_reader_without_the_local_copy_rebuilds_and_cleans_up(tmp_path):
         (local / name).unlink()
     with open_journal_reader(shipped) as j:
         tmp = Path(j.path)
-        assert tmp != local and j.last_step() == 10 and j.shipped_problem is None
+        assert tmp != local and j.last_step() == 10 and j.shipping.problem is None
         assert _dump(tmp) == live
     with open_journal_reader(shipped) as j:  # rebuilt once per process
         assert Path(j.path) == tmp
@@ -145,7 +145,7 @@ def test_a_resume_from_segments_reads_them_once_and_copies_nothing(tmp_path, mon
     inode = (staged / "data.mdb").stat().st_ino
     for _ in range(3):  # a resume reads the run several times before it opens the writer
         with open_journal_reader(shipped) as j:
-            assert Path(j.path) == staged and (j.shipped_problem is not None) == bool(damage)
+            assert Path(j.path) == staged and (j.shipping.problem is not None) == bool(damage)
     j, notes = segments.open_writer(new, shipped, 0)
     with j:
         assert any(n.startswith(f"Rebuilt the journal in {new}") for n in notes), notes
@@ -221,7 +221,7 @@ def test_damaged_last_segment_costs_only_its_steps(tmp_path, damage):
     with j:
         was = f"step {last.first} was" if last.first == last.last else f"steps {last.first}–{last.last} were"  # "step 27 were lost" was said
         assert any(f": {was} lost with it and will be run again" in n for n in notes), notes
-        j.append_step(last.first, _events(last.first))
+        j.writer.append_step(last.first, _events(last.first))
     assert segments.scan(shipped).problem is None
     assert (segments.segment_dir(shipped) / f".damaged-{last.seq:010d}.seg").exists()
 
@@ -245,7 +245,7 @@ def test_damage_before_the_last_segment_is_refused(tmp_path):
         (local / name).unlink()
     # from the segments alone, post-mortem reads the intact prefix and says what is wrong
     with open_journal_reader(shipped) as j:
-        assert j.shipped_problem and "missing" in j.shipped_problem
+        assert j.shipping.problem and "missing" in j.shipping.problem
         assert j.last_step() == segments.scan(shipped).last_step < 10
 
 
@@ -279,7 +279,7 @@ def test_a_copy_never_opens_the_original_s_local_journal_and_a_move_takes_it_ove
         assert Path(j.path) == local.resolve() and j.last_step() == 8
     _write(local, moved / "journal", range(9, 11))
     with Journal.open_reader(local) as j:
-        assert j.last_step() == 10 and j.get_meta(segments.OWNER) == str((moved / "journal").resolve())
+        assert j.last_step() == 10 and j.meta.get(segments.OWNER) == str((moved / "journal").resolve())
     shutil.copytree(moved, copy)  # and a copy of the moved run is a copy of it
     with pytest.raises(segments.CopiedJournalError, match=f"holds the journal of {(moved / 'journal').resolve()}"):
         segments.open_writer(local, copy / "journal", 1)
@@ -330,13 +330,13 @@ def test_make_durable_seals_what_a_deletion_relies_on_behind_another_segment(tmp
     j, _notes = segments.open_writer(local, shipped, 0)
     with j:
         for s in range(1, 5):
-            j.append_step(s, _events(s))
-        j.add_snapshot(4, {"path": "step_00004"})
-        j.make_durable()  # a rotation would now delete the older snapshot
+            j.writer.append_step(s, _events(s))
+        j.meta.add_snapshot(4, {"path": "step_00004"})
+        j.shipping.make_durable()  # a rotation would now delete the older snapshot
         newest = max(segments.segment_dir(shipped).glob("*.seg"))
         seal = segments.read_segment(newest)
         assert (seal.first, seal.meta, seal.snapshots, seal.steps) == (None, None, None, [])
-        j.make_durable()  # nothing new: no second seal
+        j.shipping.make_durable()  # nothing new: no second seal
         assert max(segments.segment_dir(shipped).glob("*.seg")) == newest
     raw = bytearray(newest.read_bytes())
     raw[-1] ^= 0x01
@@ -345,32 +345,32 @@ def test_make_durable_seals_what_a_deletion_relies_on_behind_another_segment(tmp
     assert found.problem_at_end and found.lost_steps is None and found.last_step == 4
     segments.rebuild(shipped, tmp_path / "L2")
     with Journal.open_reader(tmp_path / "L2") as jr:
-        assert list(jr.snapshots()) == [4] and jr.last_step() == 4
+        assert list(jr.meta.snapshots()) == [4] and jr.last_step() == 4
 
 
 def _parent(path: Path, last: int) -> str:
     """A plain journal with steps 1..last; returns its chain hash after `last` (what a fork continues)."""
     with Journal.open_writer(path) as p:
-        p.update_meta({"config": {"seed": 1}})
+        p.meta.update({"config": {"seed": 1}})
         for s in range(1, last + 1):
-            p.append_step(s, _events(s))
+            p.writer.append_step(s, _events(s))
         return p.chain_hash(last)
 
 
 def test_a_fork_s_segments_continue_its_parent_s_chain_and_rebuild(tmp_path):
     """A fork opens its shipped writer (which ships the journal id at once) and only then records the
-    parent's step and chain (Journal.start_after): its segments still carry its steps under their own
+    parent's step and chain (journal.writer.start_after): its segments still carry its steps under their own
     numbers, and the scan starts the chain at the parent's, not at GENESIS."""
     chain = _parent(tmp_path / "parent", 3)
     local, shipped = tmp_path / "L", tmp_path / "fork" / "journal"
     j, _notes = segments.open_writer(local, shipped, max_lag=1)
     with j:
-        j.shipper.flush()  # the meta-only first shipment is out before the fork's base is recorded
+        j.shipping.shipper.flush()  # the meta-only first shipment is out before the fork's base is recorded
         assert segments.scan(shipped).segments[0].meta is not None
-        j.start_after(3, chain, {"config": {"seed": 1}})
+        j.writer.start_after(3, chain, {"config": {"seed": 1}})
         for s in range(4, 9):
-            j.append_step(s, _events(s))
-            assert j.shipper.shipped_step >= s - 1
+            j.writer.append_step(s, _events(s))
+            assert j.shipping.shipper.shipped_step >= s - 1
     found = segments.scan(shipped)
     assert found.problem is None and found.last_step == 8, found.problem
     # under their own numbers, 4-8, contiguous (the shipper thread may put two steps in one cut)
@@ -391,18 +391,18 @@ def test_a_fork_at_its_parent_s_last_step_closes_at_once(tmp_path):
     chain = _parent(tmp_path / "parent", 5)
     local, shipped = tmp_path / "L", tmp_path / "fork" / "journal"
     j, _notes = segments.open_writer(local, shipped, max_lag=2)
-    j.shipper.flush()
-    j.start_after(5, chain, {"config": {"seed": 1}})
+    j.shipping.shipper.flush()
+    j.writer.start_after(5, chain, {"config": {"seed": 1}})
     closing = threading.Thread(target=j.close, daemon=True)
     closing.start()
     closing.join(30)
     assert not closing.is_alive(), "closing the journal hung"
-    assert j.shipper.shipped_step == 5
+    assert j.shipping.shipper.shipped_step == 5
     found = segments.scan(shipped)
     assert found.problem is None and found.last_step is None
     with open_journal_reader(shipped) as r:  # another host: rebuilt from the segments
         assert (r.base_step(), r.last_step(), r.num_steps()) == (5, 5, 0)
-        assert r.get_meta("chain_base") == chain
+        assert r.meta.get("chain_base") == chain
 
 
 def test_a_shipper_that_gives_up_on_close_says_so_in_one_line_naming_the_steps(tmp_path, monkeypatch, capsys):
@@ -411,10 +411,10 @@ def test_a_shipper_that_gives_up_on_close_says_so_in_one_line_naming_the_steps(t
     local, shipped = tmp_path / "L", tmp_path / "run" / "journal"
     _write(local, shipped, range(1, 3), max_lag=0)
     j, _notes = segments.open_writer(local, shipped, max_lag=4)
-    stalled = j.shipper
+    stalled = j.shipping.shipper
     monkeypatch.setattr(stalled, "ship_once", lambda compact=False: time.sleep(0.2) or False)  # never gets anywhere
     for s in range(3, 6):
-        j.append_step(s, _events(s))
+        j.writer.append_step(s, _events(s))
     stalled.close(timeout=1.0)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("[WARNING] journal shipping gave up on close: steps 3–5 not shipped to "), err

@@ -9,9 +9,11 @@ import pytest
 from verlj.engine.config import make_config
 from verlj.engine.rl.buffer import RolloutBuffer
 from verlj.engine.rl.sources import StepInputs, make_source, source_kind
-from verlj.engine.rl.sources.agents import AgentPlannedSource, AgentSource
+from verlj.engine.rl.sources.agents import AgentRounds
 from verlj.engine.rl.sources.agents_async import AgentCompletionSource
+from verlj.engine.rl.sources.batches import SingleTurn
 from verlj.engine.rl.sources.completion import CompletionSource
+from verlj.engine.rl.sources.episodes import EnvRounds
 from verlj.engine.rl.sources.planned import PlannedSource
 from verlj.engine.rl.sources.sync import SyncSource
 from verlj.engine.schema import events as ev
@@ -26,17 +28,21 @@ def host(*overrides: str) -> SimpleNamespace:
     return SimpleNamespace(cfg=make_config(None, ["rollout.n=2", *overrides]), buffer=RolloutBuffer())
 
 
-@pytest.mark.parametrize("overrides, kind, cls", [([], "sync", SyncSource), (ASYNC, "planned", PlannedSource),
-                                                  ([*ASYNC, "rollout.async_order=step"], "planned", PlannedSource),
-                                                  (COMPLETION, "completion", CompletionSource),
-                                                  (["rollout.agent=m:f", "rollout.max_turns=2"], "agent", AgentSource),
-                                                  ([*ASYNC, "rollout.agent=m:f"], "agent_planned", AgentPlannedSource),
-                                                  ([*COMPLETION, "rollout.agent=m:f"], "agent_completion", AgentCompletionSource)])
-def test_the_config_chooses_the_source(overrides, kind, cls):
+@pytest.mark.parametrize("overrides, kind, cls, player", [
+    ([], "sync", SyncSource, SingleTurn), (ASYNC, "planned", PlannedSource, SingleTurn),
+    ([*ASYNC, "rollout.async_order=step"], "planned", PlannedSource, SingleTurn),
+    (["rollout.env=builtin:guess", "rollout.max_turns=2"], "sync", SyncSource, EnvRounds),
+    (COMPLETION, "completion", CompletionSource, None),
+    (["rollout.agent=m:f", "rollout.max_turns=2"], "agent", SyncSource, AgentRounds),
+    ([*ASYNC, "rollout.agent=m:f"], "agent_planned", PlannedSource, AgentRounds),
+    ([*COMPLETION, "rollout.agent=m:f"], "agent_completion", AgentCompletionSource, None)])
+def test_the_config_chooses_the_source(overrides, kind, cls, player):
     h = host(*overrides)
     assert source_kind(h.cfg) == kind
     source = make_source(h)
     assert type(source) is cls and source.engine is None  # no engine until a live collect: replay never builds one
+    if player is not None:  # step order: the round player the source's batches choose by the config
+        assert type(source.batches.player()) is player
 
 
 def group(first: int, scores: list[float], version: int = 0) -> list[Sample]:

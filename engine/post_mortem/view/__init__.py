@@ -5,8 +5,8 @@
     verlj view RUN --host 0.0.0.0 --token SECRET   # beyond this machine: only with a token
 
 The server (server.py: the standard library's ThreadingHTTPServer) answers GET only; what it
-shows (data.py) is what the post-mortem readers answer: inspection's summary, step detail, metrics,
-find and diff; rollouts' sample columns; verify's report. The page (static/: one HTML shell, one
+shows (data.py) is what the post-mortem readers answer: inspection's summary and step detail, metrics'
+rows and find, diff; rollouts' sample columns; verify's report. The page (static/: one HTML shell, one
 script, one stylesheet, shipped with the package) draws itself from that JSON: no front-end build,
 nothing fetched from the internet.
 """

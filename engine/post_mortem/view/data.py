@@ -1,5 +1,5 @@
 """What `verlj view` shows, as JSON: each answer is one of the post-mortem readers' answers
-(inspection's summary, step detail, metric rows, find and diff; rollouts' sample columns; verify's
+(inspection's summary and step detail, metrics' rows and find, diff; rollouts' sample columns; verify's
 report) made safe for a browser's JSON.parse (NaN and infinities as null, numpy values as numbers).
 
 Nothing here opens a file by hand: every read goes through `loop.ledger.open_run` and the readers
@@ -21,6 +21,7 @@ from ...loop.ledger import open_run
 from ...rl.vocab import text_decoder
 from ...schema.table import TURNS, sample_rows
 from .. import inspection
+from ..metrics import Condition, find_steps, metric_rows
 from ..rollouts import iter_step_columns
 from ..verify import render, verify_run
 
@@ -107,7 +108,7 @@ def summary(run: Run) -> dict:
 
 def metrics(run: Run, after: int) -> dict:
     """Every metric of every step after `after` (`verlj metrics RUN --jsonl`'s rows): the page polls it."""
-    cols, found = inspection.metric_rows(run.path, None, f"{after + 1}:")
+    cols, found = metric_rows(run.path, None, f"{after + 1}:")
     return plain({"names": cols, "rows": found})
 
 
@@ -158,14 +159,14 @@ _SCORE = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*(-?[0-9.eE+-]+)\s*$")
 def search(run: Run, where: str, text: str, score: str, faults: bool) -> dict:
     """`verlj find RUN --where ...` over the metrics, and the samples whose prompt or response holds
     `text`, whose score matches `score` (e.g. '> 0.5') and, with `faults`, whose episode ended in a fault."""
-    steps = [m.to_json() for m in inspection.find_steps(run.path, where)] if where.strip() else None
+    steps = [m.to_json() for m in find_steps(run.path, where)] if where.strip() else None
     cond = None
     if score.strip():
         m = _SCORE.match(score)
         if not m:
             raise RunError(f"cannot parse score {score!r}: write an operator and a number, e.g. '> 0.5'")
         try:
-            cond = inspection.Condition("score", m.group(1), float(m.group(2)))
+            cond = Condition("score", m.group(1), float(m.group(2)))
         except ValueError:
             raise RunError(f"cannot parse score {score!r}: {m.group(2)!r} is not a number") from None
     samples, truncated = _samples(run, text, cond, faults) if text or cond is not None or faults else (None, False)

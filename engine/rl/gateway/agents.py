@@ -223,7 +223,7 @@ class AgentOutput:
         self.out = self.err if sys.stdout is sys.stderr else Tagged(sys.stdout)
         sys.stdout, sys.stderr = self.out, self.err  # type: ignore[assignment]
         self.filter = _EpisodeFilter()
-        self.handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler)]
+        self.handlers = list(logging.getLogger().handlers)  # none: logging's last resort writes to sys.stderr (tagged)
         for h in self.handlers:
             h.addFilter(self.filter)
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...schema.agent_calls import AgentCalls, Call
-from .protocol import last_sent, read_answer
+from .protocol import Message, conversation, last_sent, same_answer
+from .wire import answered_message, read_answer
 
 
 def parents(calls: list[Call]) -> list[int]:
@@ -87,8 +88,8 @@ def sample_fields(calls: list[Call], chain: tuple[int, ...] | list[int]) -> dict
 @dataclass(frozen=True)
 class CallLine:
     """A journaled call, for reading (``verlj inspect --step``): the last message sent (``role: content``),
-    the answer's text and tool calls (``name(arguments)``), its finish reason, its flag, and whether the
-    call is in the trained segment."""
+    the answer's text and tool calls (``name(arguments)``), its finish reason, its flag, whether the
+    call is in the trained chain."""
 
     sent: str
     text: str
@@ -109,3 +110,34 @@ def call_lines(text: str) -> list[CallLine]:
         answer = read_answer(c.response)
         out.append(CallLine(last_sent(c.request), answer.content, answer.finish_reason, answer.tool_calls, c.flag, k in trained))
     return out
+
+
+@dataclass(frozen=True)
+class TrainedChat:
+    """A sample's trained chain of calls as a chat (``verlj export --sft/--dpo``): the messages of its last call's
+    request, then that call's answer (:class:`protocol.Message`); the tools the request offered (None: none); how many
+    messages the chain's first call was sent (``prompt``: what the sample's prompt ids hold); and which messages are
+    the chain's answers (``trained``: the policy's tokens in the sample's loss mask; every other message's tokens are
+    masked or in the prompt)."""
+
+    messages: tuple[Message, ...]
+    tools: list | None
+    prompt: int
+    trained: frozenset[int]
+
+
+def trained_chat(text: str) -> TrainedChat | None:
+    """A sample's journaled calls (its ``agent_calls``) as the chat its trained chain is; None for "" or an episode
+    that made no call."""
+    if not text:
+        return None
+    rec = AgentCalls.from_json(text)
+    if not rec.trained:
+        return None
+    sent = [conversation(rec.calls[k].request) for k in rec.trained]
+    answers = [answered_message(rec.calls[k].response) for k in rec.trained]
+    last = sent[-1].messages
+    messages = (*(Message.of(m) for m in last), Message.of({"role": "assistant", **answers[-1]}))
+    # a call the next one continues as answered: its answer is the message after its own, in every later request
+    trained = [len(c.messages) for c, a in zip(sent[:-1], answers[:-1]) if len(last) > len(c.messages) and same_answer(last[len(c.messages)], a)]
+    return TrainedChat(messages, sent[-1].tools, len(sent[0].messages), frozenset([*trained, len(messages) - 1]))

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+CHAT, RESPONSES = "chat", "responses"  # the two APIs a request may come by
 MAX_BODY = 4 << 20  # bytes: a request body over this is refused (413)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_logprobs", "n", "seed")
@@ -76,6 +77,9 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     ignored: dict = field(default_factory=dict)  # temperature, top_p, ...: read and not used (see the module's doc)
+    api: str = CHAT  # CHAT (/v1/chat/completions) or RESPONSES (/v1/responses: gateway.responses)
+    instructions: str | None = None  # responses: the system message that leads `messages` (not carried to the next response)
+    previous_response_id: str | None = None  # responses: the episode's earlier response whose conversation `messages` continues
 
     @cached_property
     def _canonical(self) -> str:
@@ -83,6 +87,8 @@ class ChatRequest:
         d = {"model": self.model, "messages": self.messages, "tools": self.tools, "tool_choice": self.tool_choice,
              "max_tokens": self.max_tokens, "stop": list(self.stop), "logprobs": self.logprobs, "top_logprobs": self.top_logprobs,
              "stream": self.stream, "include_usage": self.include_usage}
+        if self.api != CHAT:  # only then: a chat request keeps the form (and hash) it always had
+            d.update(api=self.api, instructions=self.instructions, previous_response_id=self.previous_response_id)
         return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
     @cached_property
@@ -98,16 +104,16 @@ class ChatRequest:
         return self._digest
 
 
-def _bad(message: str, param: str | None = None) -> ApiError:
+def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
 
 
-def _typed(body: dict, name: str, types: tuple, what: str) -> Any:
+def typed_field(body: dict, name: str, types: tuple, what: str) -> Any:
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) and bool not in types or not isinstance(v, types):
-        raise _bad(f"Invalid type for '{name}': expected {what}, but got {type(v).__name__}.", name)
+        raise bad_request(f"Invalid type for '{name}': expected {what}, but got {type(v).__name__}.", name)
     return v
 
 
@@ -117,48 +123,48 @@ def _content(m: dict, i: int) -> str | None:
         return c
     if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c):
         return "".join(p["text"] for p in c)
-    raise _bad(f"Invalid 'messages[{i}].content': expected a string or a list of text parts.", f"messages[{i}].content")
+    raise bad_request(f"Invalid 'messages[{i}].content': expected a string or a list of text parts.", f"messages[{i}].content")
 
 
 def _tool_calls(calls: Any, i: int) -> list:
     where = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
-        raise _bad(f"Invalid '{where}': expected an array.", where)
+        raise bad_request(f"Invalid '{where}': expected an array.", where)
     out = []
     for k, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None
         if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments", ""), str)):
-            raise _bad(f"Invalid '{where}[{k}]': expected {{id, type: function, function: {{name, arguments (a string)}}}}.", f"{where}[{k}]")
+            raise bad_request(f"Invalid '{where}[{k}]': expected {{id, type: function, function: {{name, arguments (a string)}}}}.", f"{where}[{k}]")
         out.append({"id": str(c.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": fn.get("arguments", "")}})
     return out
 
 
 def _messages(raw: Any) -> list:
     if not isinstance(raw, list) or not raw:
-        raise _bad("'messages' must be a non-empty array of messages.", "messages")
+        raise bad_request("'messages' must be a non-empty array of messages.", "messages")
     out = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise _bad(f"Invalid 'messages[{i}].role': expected one of {', '.join(ROLES)}.", f"messages[{i}].role")
+            raise bad_request(f"Invalid 'messages[{i}].role': expected one of {', '.join(ROLES)}.", f"messages[{i}].role")
         msg: dict = {"role": m["role"], "content": _content(m, i)}
         if m["role"] == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
         elif msg["content"] is None:
-            raise _bad(f"Invalid 'messages[{i}].content': a {m['role']} message needs content.", f"messages[{i}].content")
+            raise bad_request(f"Invalid 'messages[{i}].content': a {m['role']} message needs content.", f"messages[{i}].content")
         if m["role"] == "tool":
             if not isinstance(m.get("tool_call_id"), str):
-                raise _bad(f"Missing 'messages[{i}].tool_call_id': a tool message answers a tool call by its id.", f"messages[{i}].tool_call_id")
+                raise bad_request(f"Missing 'messages[{i}].tool_call_id': a tool message answers a tool call by its id.", f"messages[{i}].tool_call_id")
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
 
 
-def _tools(raw: Any) -> list | None:
+def tools_of(raw: Any) -> list | None:
     if raw is None:
         return None
     if not isinstance(raw, list) or not all(isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
                                             and isinstance(t["function"].get("name"), str) for t in raw):
-        raise _bad("Invalid 'tools': expected an array of {type: function, function: {name, description, parameters}}.", "tools")
+        raise bad_request("Invalid 'tools': expected an array of {type: function, function: {name, description, parameters}}.", "tools")
     return [{"type": "function", "function": t["function"]} for t in raw]
 
 
@@ -167,23 +173,23 @@ def _stop(raw: Any) -> tuple:
         return ()
     stops = [raw] if isinstance(raw, str) else raw
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise _bad("Invalid 'stop': expected a string or an array of up to 4 non-empty strings.", "stop")
+        raise bad_request("Invalid 'stop': expected a string or an array of up to 4 non-empty strings.", "stop")
     return tuple(stops)
 
 
-def _tool_choice(raw: Any, tools: list | None, param: str) -> str | dict:
+def tool_choice_of(raw: Any, tools: list | None, param: str) -> str | dict:
     """``auto``, ``none``, ``required`` or a named function (``{"type": "function", "function": {"name": ...}}``; the
     Responses API's ``{"type": "function", "name": ...}`` is read as the same), checked against the tools."""
     if raw in ("auto", "none"):
         return raw
     named = raw.get("function", raw).get("name") if isinstance(raw, dict) and raw.get("type") == "function" else None
     if raw != "required" and not isinstance(named, str):
-        raise _bad(f"Invalid '{param}': expected 'auto', 'none', 'required' or {{type: function, function: {{name}}}}.", param)
+        raise bad_request(f"Invalid '{param}': expected 'auto', 'none', 'required' or {{type: function, function: {{name}}}}.", param)
     offered = [t["function"]["name"] for t in tools or []]
     if not offered:
-        raise _bad(f"Invalid '{param}': {raw if raw == 'required' else 'a named function'} needs 'tools'.", param)
+        raise bad_request(f"Invalid '{param}': {raw if raw == 'required' else 'a named function'} needs 'tools'.", param)
     if named is not None and named not in offered:
-        raise _bad(f"Invalid '{param}': the function '{named}' is not among the tools ({', '.join(offered)}).", param)
+        raise bad_request(f"Invalid '{param}': the function '{named}' is not among the tools ({', '.join(offered)}).", param)
     return "required" if named is None else {"type": "function", "function": {"name": named}}
 
 
@@ -198,7 +204,7 @@ def forced_prefix(req: ChatRequest) -> str:
     if choice == "required":
         return "<tool_call>\n"
     assert isinstance(choice, dict)
-    return '<tool_call>\n{"name": ' + json.dumps(choice["function"]["name"], ensure_ascii=False) + ', "arguments": '
+    return '<tool_call>\n{"name": ' + json.dumps(choice["function"]["name"], ensure_ascii=False) + ', "arguments":'
 
 
 def parse_request(body: bytes, model: str) -> ChatRequest:
@@ -208,35 +214,35 @@ def parse_request(body: bytes, model: str) -> ChatRequest:
     try:
         d = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        raise _bad("We could not parse the JSON body of your request. The body must be a JSON object.") from None
+        raise bad_request("We could not parse the JSON body of your request. The body must be a JSON object.") from None
     if not isinstance(d, dict):
-        raise _bad("The body of your request must be a JSON object.")
-    name = _typed(d, "model", (str,), "a string")
+        raise bad_request("The body of your request must be a JSON object.")
+    name = typed_field(d, "model", (str,), "a string")
     if name is None:
-        raise _bad("Missing required parameter: 'model'.", "model")
+        raise bad_request("Missing required parameter: 'model'.", "model")
     if name != model:
         raise ApiError(404, f"The model `{name}` does not exist; this gateway serves `{model}` (GET /v1/models).", "model", "model_not_found")
     for k in _INT_FIELDS:
-        _typed(d, k, (int,), "an integer")
+        typed_field(d, k, (int,), "an integer")
     for k in _NUM_FIELDS:
-        _typed(d, k, (int, float), "a number")
+        typed_field(d, k, (int, float), "a number")
     for k, (types, what) in _OTHER_FIELDS.items():
-        _typed(d, k, types, what)
+        typed_field(d, k, types, what)
     if d.get("n") not in (None, 1):
-        raise _bad("'n' must be 1: each call of an episode is one sample of the policy (call again for another).", "n")
+        raise bad_request("'n' must be 1: each call of an episode is one sample of the policy (call again for another).", "n")
     if d.get("response_format") is not None:
-        raise _bad("'response_format' is not supported: the policy is trained on what it samples, unconstrained.", "response_format")
-    tools = _tools(d.get("tools"))
-    choice = _tool_choice(d.get("tool_choice", "auto"), tools, "tool_choice")
+        raise bad_request("'response_format' is not supported: the policy is trained on what it samples, unconstrained.", "response_format")
+    tools = tools_of(d.get("tools"))
+    choice = tool_choice_of(d.get("tool_choice", "auto"), tools, "tool_choice")
     max_tokens = d.get("max_completion_tokens", d.get("max_tokens"))
     if max_tokens is not None and max_tokens < 1:
-        raise _bad("Invalid 'max_tokens': expected at least 1.", "max_tokens")
+        raise bad_request("Invalid 'max_tokens': expected at least 1.", "max_tokens")
     top = d.get("top_logprobs") or 0
     if not 0 <= top <= 20:
-        raise _bad("Invalid 'top_logprobs': expected an integer from 0 to 20.", "top_logprobs")
-    stream = _typed(d, "stream", (bool,), "a boolean") or False
-    logprobs = _typed(d, "logprobs", (bool,), "a boolean") or False
-    opts = _typed(d, "stream_options", (dict,), "an object") or {}
+        raise bad_request("Invalid 'top_logprobs': expected an integer from 0 to 20.", "top_logprobs")
+    stream = typed_field(d, "stream", (bool,), "a boolean") or False
+    logprobs = typed_field(d, "logprobs", (bool,), "a boolean") or False
+    opts = typed_field(d, "stream_options", (dict,), "an object") or {}
     return ChatRequest(model=name, messages=_messages(d.get("messages")), tools=tools, tool_choice=choice,
                        max_tokens=max_tokens, stop=_stop(d.get("stop")), logprobs=logprobs, top_logprobs=int(top), stream=stream,
                        include_usage=bool(opts.get("include_usage")) and stream,
@@ -343,7 +349,7 @@ class TextStream:
         return now[len(before) :]
 
 
-def _event(d: dict) -> bytes:
+def sse_event(d: dict) -> bytes:
     return f"data: {json.dumps(d, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
@@ -354,13 +360,13 @@ def stream_head(req: ChatRequest, call_id: str) -> dict:
 
 def role_event(req: ChatRequest, call_id: str) -> bytes:
     """A stream's first event: the assistant's role."""
-    return _event({**stream_head(req, call_id), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    return sse_event({**stream_head(req, call_id), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                                               "finish_reason": None}]})
 
 
 def piece_event(req: ChatRequest, call_id: str, piece: str) -> bytes:
     """A token-by-token stream's event for one text delta."""
-    return _event({**stream_head(req, call_id), "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}]})
+    return sse_event({**stream_head(req, call_id), "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}]})
 
 
 def _logprobs(req: ChatRequest, c: Completion) -> dict | None:
@@ -410,7 +416,7 @@ def response_bytes(req: ChatRequest, c: Completion, call_id: str, parser: str = 
     events = [{**chunk, "choices": [{"index": 0, **d}]} for d in deltas]
     if req.include_usage:
         events.append({**chunk, "choices": [], "usage": _usage(c)})
-    return role_event(req, call_id) + b"".join(map(_event, events)) + b"data: [DONE]\n\n", flag
+    return role_event(req, call_id) + b"".join(map(sse_event, events)) + b"data: [DONE]\n\n", flag
 
 
 def models_body(model: str) -> bytes:
@@ -435,10 +441,24 @@ def same_answer(sent: dict, answer: dict) -> bool:
     return calls(sent) == calls(answer)
 
 
-def conversation(canonical: str) -> tuple[list, list | None]:
-    """A journaled call's (canonical) request: its messages and tools."""
+@dataclass(frozen=True)
+class Conversation:
+    """A journaled call's (canonical) request, as a later call reads it: its messages, tools and instructions (the
+    Responses API's system message that leads the messages; None for a chat completion)."""
+
+    messages: list
+    tools: list | None
+    instructions: str | None
+
+    @property
+    def own(self) -> list:
+        """The messages less the system message its instructions lead with."""
+        return self.messages[1:] if self.instructions is not None else self.messages
+
+
+def conversation(canonical: str) -> Conversation:
     d = json.loads(canonical)
-    return d["messages"], d["tools"]
+    return Conversation(d["messages"], d["tools"], d.get("instructions"))
 
 
 def answered_message(body: bytes) -> dict:
@@ -457,11 +477,38 @@ def answered_message(body: bytes) -> dict:
             "finish_reason": choice["finish_reason"]}
 
 
-def read_answer(body: bytes) -> Answer:
-    """The answer in response bytes, for reading: its text, its tool calls as ``name(arguments)``, its finish reason."""
-    m = answered_message(body)
+def answer_of(m: dict) -> Answer:
+    """An answered message (:func:`answered_message`'s) for reading: its text, tool calls as ``name(arguments)``, finish."""
     return Answer(m["content"] or "", tuple(f"{t['function']['name']}({t['function']['arguments']})" for t in m["tool_calls"]),
                   m["finish_reason"])
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """An assistant's tool call, as a request sends it back: its id, the function's name, its arguments (JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @classmethod
+    def of(cls, c: dict) -> ToolCall:
+        return cls(str(c.get("id", "")), c["function"]["name"], c["function"].get("arguments", ""))
+
+
+@dataclass(frozen=True)
+class Message:
+    """A chat message as the gateway keeps it (a canonical request's, or an answer's, :func:`answered_message`): its
+    role, its content (None: none), an assistant's tool calls, a tool message's call id."""
+
+    role: str
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+    @classmethod
+    def of(cls, m: dict) -> Message:
+        return cls(m["role"], m.get("content"), tuple(ToolCall.of(c) for c in m.get("tool_calls") or ()), m.get("tool_call_id"))
 
 
 def last_sent(request: str) -> str:

@@ -24,7 +24,7 @@ its last events once the call is durable.
 The way from a call to the journal, top to bottom (completion order: ``sources.agents_async``):
 :meth:`Play.submit` (the server hands the request over) -> :meth:`Runner._answer` (the batch generated, each
 call's :class:`Call` made) -> :meth:`CallSink.keep` (the batch's new calls and the calls a divergence discarded)
--> the run's in-flight log -> ``Ledger.keep_in_flight`` -> ``Journal.put_pending`` (one transaction), and only
+-> the run's in-flight log -> ``ledger.in_flight.keep`` -> ``journal.pending.put`` (one transaction), and only
 then each answer returned. A re-run after a crash is given each episode's journaled calls (``Episodes.journaled``),
 answered from there byte for byte while each request's hash is the one journaled at that position
 (:meth:`Runner.from_journal`), a request that differs a divergence (one line, counted, the journaled calls from
@@ -37,6 +37,7 @@ never called the model, or returned something that is not a number or None.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -54,21 +55,10 @@ from ...plugins import raised_at
 from .agents import EPISODE, Agent, AgentEpisode, AgentOutput, CommandAgent, start_async
 from .ledger import Call
 from .prompts import Answered, Prompts
-from .protocol import (
-    ApiError,
-    ChatRequest,
-    Completion,
-    TextStream,
-    answered_message,
-    conversation,
-    forced_prefix,
-    piece_event,
-    response_bytes,
-    role_event,
-    streams_tokens,
-    unauthorized,
-)
+from .protocol import ApiError, ChatRequest, Completion, TextStream, conversation, forced_prefix, streams_tokens, unauthorized
+from .responses import continued
 from .server import Gateway
+from .wire import answered_message, head_event, piece_event, response_bytes, response_id
 
 RUNNING, WAITING, DONE = "running", "waiting", "done"
 
@@ -109,7 +99,7 @@ class CallSink(Protocol):
 @dataclass
 class Episodes:
     """A round of episodes to play, one per row: each agent's seed, each episode's id (the sample it becomes) and
-    attempt, `call_seed(place, k)` the seed of call k of the episode at `place`, `journaled` the calls an earlier
+    attempt (its agent is told both, and they tag its output), `call_seed(place, k)` the seed of call k of the episode at `place`, `journaled` the calls an earlier
     process made durable by place (answered from there while the requests match), `sink` where each batch's new
     calls are made durable (None: with the step), `name(place)` an episode as a line names it."""
 
@@ -125,17 +115,20 @@ class Episodes:
 
 @dataclass
 class AgentCounts:
-    """The runner's running counts: calls generated, those whose tool call did not parse, those answered from the
-    journal (a re-run after a crash), and divergences from it."""
+    """The runner's running counts: calls generated, those whose tool call did not parse (generated or not), those answered from the
+    journal (a re-run after a crash), divergences from it, and the writes that made calls durable (completion order:
+    one a lockstep batch)."""
 
     calls: int = 0
     malformed_tool_calls: int = 0
     calls_from_journal: int = 0
     divergences: int = 0
+    durable_writes: int = 0
 
     def to_metrics(self) -> dict[str, float]:
         return {"agent/calls": float(self.calls), "agent/malformed_tool_calls": float(self.malformed_tool_calls),
-                "agent/calls_from_journal": float(self.calls_from_journal), "agent/divergences": float(self.divergences)}
+                "agent/calls_from_journal": float(self.calls_from_journal), "agent/divergences": float(self.divergences),
+                "agent/durable_writes": float(self.durable_writes)}
 
 
 @dataclass
@@ -168,6 +161,12 @@ class Play:
         where its events go as its tokens are generated (when the generator streams them); the future's bytes
         are the whole stream, those events first."""
         r = self.runner
+        with r.cond:
+            calls = list(self.calls)
+        if req.previous_response_id is not None:  # the Responses API: the conversation that response continues, then the input
+            said = [(rid, conversation(c.request).own, a.answer) for c, a in zip(calls, self.earlier(calls))
+                    if (rid := response_id(c.response)) is not None]
+            req = dataclasses.replace(req, messages=continued(req, said))
         if retry:  # the SDK asks again for an answer it did not get: the same call, never generated twice
             with r.cond:
                 for _, q, _, waiting in self.pending:
@@ -182,8 +181,6 @@ class Play:
                 answered = r.from_journal(self, req)
             if answered is not None:
                 return answered
-        with r.cond:
-            calls = list(self.calls)
         ids, _ = r.prompts.ids(req.messages, req.tools, self.earlier(calls), forced_prefix(req))
         with r.cond:
             if self.state == DONE:
@@ -204,8 +201,8 @@ class Play:
     def earlier(self, calls: list[Call]) -> list[Answered]:
         """The episode's calls so far as a request may continue them (from their journaled requests and answers)."""
         for c in calls[len(self.answered):]:
-            messages, tools = conversation(c.request)
-            self.answered.append(Answered(messages, tools, c.prompt_ids, c.completion_ids, answered_message(c.response)))
+            conv = conversation(c.request)
+            self.answered.append(Answered(conv.messages, conv.tools, c.prompt_ids, c.completion_ids, answered_message(c.response)))
         return self.answered[: len(calls)]
 
 
@@ -324,6 +321,7 @@ class Runner:
         p.calls.append(held[k])
         p.since = time.monotonic()
         self.counts.calls_from_journal += 1
+        self.counts.malformed_tool_calls += bool(held[k].flag)  # a count of the episodes' calls, wherever they came from
         done: Future = Future()
         done.set_result(held[k].response)
         return done
@@ -391,7 +389,7 @@ class Runner:
             out, lps = np.asarray(out, np.int64), np.asarray(lps, np.float32)
             comp, keep = self.completion(req, out, lps, len(ids))
             body, flag = response_bytes(req, comp, call_id(seed, k))
-            made.append((p, fut, Call(req.canonical(), req.digest(), ids, out[:keep], lps[:keep], body, flag, p.attempt)))
+            made.append((p, fut, Call(req.canonical(), req.digest(), ids, out[:keep], lps[:keep], body, flag)))
         answers: list[tuple[Play, Future, bytes]] = []
         new: list[tuple[int, int, Call]] = []  # (episode's place, the position of its new call, the call)
         with self.cond:
@@ -408,6 +406,7 @@ class Runner:
                 # answer is returned (several ranks: at every batch, as the ranks write together)
                 sink.keep(new, self.discarded)
                 self.discarded = []
+                self.counts.durable_writes += 1
             for p, fut, body in answers:
                 p.pending = [x for x in p.pending if x[3] is not fut]
                 if not p.pending:
@@ -446,23 +445,24 @@ def call_id(seed: int, k: int) -> str:
 
 
 class LiveStream:
-    """A call streamed token by token while its batch generates: its role event with the first token, then an
-    event for each text delta, as `Runner.completion` will make them of the kept tokens (cut at max_tokens; the
+    """A call streamed token by token while its batch generates: its first events with the first token (a chat
+    completion's role; a response's opening), then an event for each text delta, as `Runner.completion` will make them of the kept tokens (cut at max_tokens; the
     end-of-sequence token ends it). The rest (the finish, the usage, [DONE]) goes once the call is durable."""
 
     def __init__(self, runner: Runner, req: ChatRequest, cid: str, sink: Callable[[bytes], None]):
         self.req, self.cid, self.sink, self.eos = req, cid, sink, runner.tok.eos_token_id
-        self.text, self.left, self.over = TextStream(runner.decode), req.max_tokens, False
+        self.text, self.left, self.over, self.sent = TextStream(runner.decode), req.max_tokens, False, 0
 
     def push(self, token: int) -> None:
         if self.over:
             return
         try:
             if not self.text.ids:
-                self.sink(role_event(self.req, self.cid))
+                self.sink(head_event(self.req, self.cid))
             piece = self.text.feed(token)
             if piece:
-                self.sink(piece_event(self.req, self.cid, piece))
+                self.sink(piece_event(self.req, self.cid, piece, self.sent))
+                self.sent += 1
         except Exception:  # noqa: BLE001 - the client's loop gone: the stream stops, generation goes on
             self.over = True
         self.over = self.over or token == self.eos or (self.left is not None and len(self.text.ids) >= self.left)

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from .agents import agent_loop
 from .protocol import MAX_BODY, ApiError, ChatRequest, models_body, parse_request, unauthorized
+from .responses import parse_responses
 
 log = logging.getLogger("verlj.gateway")
 
@@ -201,9 +202,9 @@ async def _body(receive, size: str | None) -> bytes:
 def app(gw: Gateway):
     """The ASGI app over `gw`'s sessions."""
 
-    async def chat(headers: dict, receive, send) -> None:
+    async def call(headers: dict, receive, send, parse: Callable[[bytes, str], ChatRequest]) -> None:
         session = gw.session(headers.get("authorization"))
-        req = parse_request(await _body(receive, headers.get("content-length")), gw.model)
+        req = parse(await _body(receive, headers.get("content-length")), gw.model)
         retry = headers.get("x-stainless-retry-count", "0")
         if req.stream:
             await _stream(send, session, req, int(retry) if retry.isdigit() else 0)
@@ -218,13 +219,15 @@ def app(gw: Gateway):
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             if route == ("POST", "/v1/chat/completions"):
-                await chat(headers, receive, send)
+                await call(headers, receive, send, parse_request)
+            elif route == ("POST", "/v1/responses"):
+                await call(headers, receive, send, parse_responses)
             elif route == ("GET", "/v1/models"):
                 gw.session(headers.get("authorization"))
                 await _respond(send, 200, models_body(gw.model))
             else:
-                raise ApiError(404, f"Invalid URL ({route[0]} {scope['path']}): the gateway serves POST /v1/chat/completions "
-                               "and GET /v1/models.", code="unknown_url")
+                raise ApiError(404, f"Invalid URL ({route[0]} {scope['path']}): the gateway serves POST /v1/chat/completions, "
+                               "POST /v1/responses and GET /v1/models.", code="unknown_url")
         except ApiError as e:
             await _respond(send, e.status, e.body())
         except Exception as exc:  # noqa: BLE001 - never a traceback to the client

@@ -3,10 +3,11 @@
 
 - ``sync`` (:class:`SyncSource`): rollout.mode=sync, each step generates its own batch.
 - ``planned`` (:class:`PlannedSource`): async in step order, k batches planned ahead.
+- ``batches``: what those two hold: step order's batches (``Batches``), made round by round by a round player
+  (``SingleTurn``; ``episodes.EnvRounds`` for rollout.env; ``agents.AgentRounds`` for rollout.agent).
 - ``completion`` (:class:`CompletionSource`): async in completion order, a free-running generator.
-- ``episodes``: rollout.env's episodes, played in either order by the sources above.
-- ``agents`` (:class:`AgentSource`, :class:`AgentPlannedSource`): rollout.agent's programs, each sample an
-  episode over the gateway (sync, async step order).
+- ``episodes``: rollout.env's episodes, in step order (``EnvRounds``) and completion order (``Turns``).
+- ``agents``: rollout.agent's programs over the gateway (``Agents``, what every agent source holds; ``AgentRounds``).
 - ``agents_async`` (:class:`AgentCompletionSource`): rollout.agent in completion order, every call durable.
 
 Where they generate is the rollout engine's business (``rl.rollout``: hf, vLLM, the generator
@@ -19,10 +20,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...config import Config
-from .agents import AgentPlannedSource, AgentSource
+from .agents import AgentRounds
 from .agents_async import AgentCompletionSource
 from .base import Host, StepInputs, StepSource
+from .batches import RoundPlayer, SingleTurn
 from .completion import CompletionSource
+from .episodes import EnvRounds
 from .planned import PlannedSource
 from .sync import SyncSource
 
@@ -47,9 +50,9 @@ def make_source(host: Host) -> StepSource:
     if kind == "planned":
         return PlannedSource(host)
     if kind == "agent":
-        return AgentSource(host)
+        return SyncSource(host, AgentRounds)
     if kind == "agent_planned":
-        return AgentPlannedSource(host)
+        return PlannedSource(host, AgentRounds)
     if kind == "agent_completion":
         return AgentCompletionSource(host)
     return SyncSource(host)
@@ -57,6 +60,9 @@ def make_source(host: Host) -> StepSource:
 
 if TYPE_CHECKING:  # every source is a StepSource: mypy fails here when one stops conforming
 
-    def _conforms(sync: SyncSource, planned: PlannedSource, completion: CompletionSource, agent: AgentSource,
-                  agent_planned: AgentPlannedSource, agent_completion: AgentCompletionSource) -> list[StepSource]:
-        return [sync, planned, completion, agent, agent_planned, agent_completion]
+    def _conforms(sync: SyncSource, planned: PlannedSource, completion: CompletionSource,
+                  agent_completion: AgentCompletionSource) -> list[StepSource]:
+        return [sync, planned, completion, agent_completion]
+
+    def _plays(single: SingleTurn, episodes: EnvRounds, agents: AgentRounds) -> list[RoundPlayer]:
+        return [single, episodes, agents]

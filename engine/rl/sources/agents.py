@@ -1,5 +1,7 @@
-"""rollout.agent: agent programs as rollouts, in step order (sync, and async step order: the batch played
-from the version the generator holds; completion order: ``sources.agents_async``). Each sample of a step is one agent episode
+"""rollout.agent: agent programs as rollouts. :class:`Agents` is what every agent source holds (the gateway, a runner,
+the samples of played episodes); :class:`AgentRounds` is step order's round player (sync, and async step order: the
+batch played from the version the generator holds), held by the sync and planned sources of an agent run; completion
+order: ``sources.agents_async``. Each sample of a step is one agent episode
 (its dataset row, its seed from its place in the step), run against the gateway (``rl.gateway``):
 an OpenAI-compatible endpoint on loopback whose calls the rollout engine generates, each from its own
 seed. The episode's sample is built from the calls' token ids (``gateway.ledger``), scored by the
@@ -28,15 +30,14 @@ from ...state.seeding import derive_seed
 from ..envs import row_of
 from ..episodes import longest_sequence
 from ..models import BUILTIN_TINY, chat_template
-from .base import Source, add_time
+from .base import Host, Source, add_time
 from .episodes import on_fleet
-from .planned import PlannedSource
-from .sync import StepOrder, SyncSource
 
 if TYPE_CHECKING:
+    from ...config import Config
     from ..gateway.runner import Episodes, Played, Runner
     from ..gateway.server import Gateway
-    from .sync import Production
+    from .batches import Production, RoundAsk
 
 
 class EngineCalls:
@@ -45,7 +46,7 @@ class EngineCalls:
     calls go to. It streams (`on_token`) where verlj's own sampler generates on the trainer's thread (rollout.engine=hf,
     sync); vLLM and async mode's generator process answer a stream whole once its call is generated."""
 
-    def __init__(self, src: AgentPlaying):
+    def __init__(self, src: Source):
         from ..rollout import HFEngine
 
         self.src = src
@@ -62,14 +63,26 @@ class EngineCalls:
         return engine.result(engine.submit(prompts, seeds, cfg))
 
 
-class AgentPlaying(Source):
-    """What every rollout.agent source shares: the gateway, a runner for the agent, the samples of its episodes."""
+class Agents:
+    """What every rollout.agent source holds: the gateway (started at the first live round), a runner for the agent, and
+    what turns played episodes into samples. `src`: the source whose engine generates the calls and whose config is in
+    force."""
 
-    gateway: Gateway | None = None
-    runner: Runner | None = None
-    built: tuple = ()
+    def __init__(self, src: Source):
+        self.src = src
+        self.gateway: Gateway | None = None
+        self.runner_: Runner | None = None
+        self.built: tuple = ()
 
-    def _runner(self) -> Runner:
+    @property
+    def cfg(self) -> Config:
+        return self.src.cfg
+
+    @property
+    def host(self) -> Host:
+        return self.src.host
+
+    def runner(self) -> Runner:
         """The gateway (started at the first live round) and a runner for the agent the config names now, on the engine
         the source drives now (a runner is made anew when either changes)."""
         from ..gateway.agents import load_agent
@@ -81,15 +94,15 @@ class AgentPlaying(Source):
         if self.gateway is None:
             self.gateway = Gateway(cfg.model.actor.model_name_or_path).start()
         ro = cfg.rollout
-        want = (ro.agent, ro.agent_concurrency, ro.agent_timeout_s, ro.max_turns, id(self.live))
-        if self.runner is None or want != self.built:
+        want = (ro.agent, ro.agent_concurrency, ro.agent_timeout_s, ro.max_turns, id(self.src.live))
+        if self.runner_ is None or want != self.built:
             assert ro.agent is not None
             template = chat_template(host.tokenizer, cfg.model.actor.model_name_or_path == BUILTIN_TINY)
-            self.runner = Runner(self.gateway, load_agent(ro.agent), Prompts(host.tokenizer, template, self._max_prompt()), EngineCalls(self),
-                                 Settings(ro.agent_concurrency, ro.agent_timeout_s, ro.max_turns),
-                                 host.rt.all_true if host.rt.world_size > 1 else None)  # each rank its share, generated together
+            self.runner_ = Runner(self.gateway, load_agent(ro.agent), Prompts(host.tokenizer, template, self._max_prompt()),
+                                  EngineCalls(self.src), Settings(ro.agent_concurrency, ro.agent_timeout_s, ro.max_turns),
+                                  host.rt.all_true if host.rt.world_size > 1 else None)  # each rank its share, generated together
             self.built = want
-        return self.runner
+        return self.runner_
 
     def _max_prompt(self) -> int:
         """The longest prompt a call may have: the context a generation holds (rl.episodes.longest_sequence,
@@ -98,7 +111,7 @@ class AgentPlaying(Source):
         positions = getattr(self.host.actor.module.config, "max_position_embeddings", None) or 0  # a config may not say
         return max(1, longest_sequence(self.cfg, int(positions)) - self.cfg.rollout.max_response_length)
 
-    def agent_samples(self, rows: list[int], played: list[Played], agent_seeds: list[int]) -> list[Sample]:
+    def samples(self, rows: list[int], played: list[Played], agent_seeds: list[int]) -> list[Sample]:
         """Each episode (of the dataset row `rows[k]`) as a sample: its longest consistent segment, its reward (the
         agent's, else rollout.reward_fn's on its last answer), its fault, its calls."""
         from ..gateway import ledger
@@ -143,65 +156,74 @@ class AgentPlaying(Source):
     def count(self, before: dict[str, float], played: list[Sample]) -> None:
         """The step's agent/* metrics: the runner's counts since `before` and the prefix breaks of the samples
         played, summed over the ranks (each played its share). Collective."""
-        assert self.runner is not None
-        got = {name: v - before[name] for name, v in self.runner.counts.to_metrics().items()}
+        assert self.runner_ is not None
+        got = {name: v - before[name] for name, v in self.runner_.counts.to_metrics().items()}
         got["agent/prefix_breaks"] = float(sum(AgentCalls.from_json(s.agent_calls).prefix_breaks for s in played if s.agent_calls))
         rt = self.host.rt
         for share in rt.all_gather_obj(got) if rt.world_size > 1 else [got]:
             for name, v in share.items():
-                add_time(self.timings, name, v)
+                add_time(self.src.timings, name, v)
 
-    def close(self, at_once: bool = False) -> None:
-        super().close(at_once)
+    def close(self) -> None:
         if self.gateway is not None:
             self.gateway.stop()
             self.gateway = None
-            self.runner = None
+            self.runner_ = None
 
 
-class AgentRounds(AgentPlaying, StepOrder):
-    """Step order with rollout.agent: each round's samples are agent episodes, played to their ends (sync: in the
-    step's collect; async step order: while the update runs on one rank, after it on several; from the version
-    the generator holds)."""
+class AgentRounds:
+    """Step order's round player for rollout.agent (``sources.batches.RoundPlayer``): each sample of the round is an
+    agent episode, played to its end (sync: in the step's collect; async step order: while the update runs on one rank,
+    after it on several; from the version the generator holds)."""
 
-    def start_round(self, prod: Production) -> None:
+    def __init__(self, src: Source):
+        self.src, self.agents = src, Agents(src)
+
+    def start(self, prod: Production, ask: RoundAsk) -> None:
         """Async step order on one rank: the round's agents begin now, in a thread of their own, and play while
         the update runs (the generator keeps the version they play from until the next step's sync); else
-        they play in round_samples. Several ranks play there: their lockstep is collective, as the update is."""
-        prod.handle = None
-        if self.cfg.rollout.mode == "async" and self.host.rt.world_size == 1:
-            rnd = prod.handle = self._round(prod)
+        they play in `samples`. Several ranks play there: their lockstep is collective, as the update is."""
+        src = self.src
+        ask.handle = None
+        if src.cfg.rollout.mode == "async" and src.host.rt.world_size == 1:
+            rnd = ask.handle = self.round(prod, ask)
             rnd.future = Future()
             threading.Thread(target=_settle, args=(rnd.future, rnd.play), name="verlj-agents-round", daemon=True).start()
 
-    def _round(self, prod: Production) -> AgentRound:
+    def round(self, prod: Production, ask: RoundAsk) -> AgentRound:
         from ..gateway.runner import Episodes
 
-        cfg, host = self.cfg, self.host
-        runner, seed, n = self._runner(), cfg.trainer.seed, cfg.rollout.n
-        rows = [row_of(host.dataset[int(i)]) for i in prod.mine for _ in range(n)]
-        agent_seeds = [derive_seed(seed, prod.step, "rollout/agent", prod.rounds, q) for q in prod.places]
-        step, rnd, places = prod.step, prod.rounds, list(prod.places)
+        src = self.src
+        cfg, host = src.cfg, src.host
+        runner, seed, n = self.agents.runner(), cfg.trainer.seed, cfg.rollout.n
+        rows = [row_of(host.dataset[int(i)]) for i in ask.mine for _ in range(n)]
+        agent_seeds = [derive_seed(seed, prod.step, "rollout/agent", prod.rounds, q) for q in ask.places]
+        step, rnd, places = prod.step, prod.rounds, list(ask.places)
 
         def call_seed(place: int, k: int) -> int:
             return derive_seed(seed, step, "rollout/sample", rnd, places[place], *([k] if k else []))
 
-        # an episode is named by the sample it becomes: the round's first id and its place (StepOrder.gathered)
-        episodes = Episodes(rows, agent_seeds, [prod.next_id + q for q in places], call_seed)
+        # an episode is named by the sample it becomes: the round's first id and its place (Batches.gathered); its attempt
+        # is the processes that have begun the step that plays it (the run's lineage: a crashed step's agents run again)
+        log = host.in_flight_log
+        attempt = log.attempt(src.step) if log is not None else 1
+        episodes = Episodes(rows, agent_seeds, [prod.next_id + q for q in places], call_seed, [attempt] * len(rows))
         return AgentRound(runner, episodes, runner.counts.to_metrics())
 
-    def round_samples(self, prod: Production) -> list[Sample]:
-        n = self.cfg.rollout.n
+    def samples(self, prod: Production, ask: RoundAsk) -> list[Sample]:
+        n = self.src.cfg.rollout.n
         t0 = time.perf_counter()
-        rnd = prod.handle if isinstance(prod.handle, AgentRound) else self._round(prod)
-        played = rnd.future.result() if rnd.future is not None else rnd.play()  # playing since start_round: the wait counts
-        before, agent_seeds = rnd.before, rnd.episodes.seeds
+        rnd = ask.handle if isinstance(ask.handle, AgentRound) else self.round(prod, ask)
+        played = rnd.future.result() if rnd.future is not None else rnd.play()  # playing since start: the wait counts
         t1 = time.perf_counter()
-        local = self.agent_samples([int(i) for i in prod.mine for _ in range(n)], played, agent_seeds)
+        local = self.agents.samples([int(i) for i in ask.mine for _ in range(n)], played, rnd.episodes.seeds)
         prod.gen_s += t1 - t0
-        add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
-        self.count(before, local)
+        add_time(self.src.timings, "timing_s/reward", time.perf_counter() - t1)
+        self.agents.count(rnd.before, local)
         return local
+
+    def close(self) -> None:
+        self.agents.close()
 
 
 @dataclass
@@ -223,12 +245,3 @@ def _settle(fut: Future, fn: Callable[[], list]) -> None:
         fut.set_result(fn())
     except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread, which raises it
         fut.set_exception(e)
-
-
-class AgentSource(AgentRounds, SyncSource):
-    """rollout.mode=sync with rollout.agent: each step's samples are agent episodes, played to their ends."""
-
-
-class AgentPlannedSource(AgentRounds, PlannedSource):
-    """rollout.mode=async, async_order=step with rollout.agent: the batch of step s+k played while step s updates
-    (several ranks: after it)."""

@@ -14,7 +14,10 @@ its episodes again from their starts, with the same rows and seeds: each call is
 journal, byte for byte and with no generation, while its request is the one journaled at that
 position (by its hash); from the first call not journaled it goes on live, from that call's own seed.
 A request that differs is a divergence (``Runner.from_journal``): said in one line, counted
-(``agent/divergences``), the journaled calls from there on discarded, never trained.
+(``agent/divergences``), the journaled calls from there on discarded, never trained. A group asked again so is
+run again: its agents are told their attempt (``episode.attempt``, the ``x-verlj-attempt`` header: the processes
+that have begun the step that asks it, from the run's lineage), which the journal keeps nowhere new, so the step's
+samples are byte for byte those of the uninterrupted run.
 
 Seeds, from the group's id g and the episode's place j in it: the agent's ``derive_seed(seed, 0,
 "rollout/agent", g, j)``; call k's generation ``derive_seed(seed, 0, "rollout/group", g, j)`` (k = 0,
@@ -35,16 +38,17 @@ from ...schema.sample import EnvEnd, GroupInFlight, Sample
 from ...state.seeding import derive_seed
 from ..envs import row_of
 from ..gateway.runner import Episodes
-from .agents import AgentPlaying
+from .agents import Agents
 from .base import Host, StepInputs, add_time
 from .completion import CompletionSource
 
 
-class AgentCompletionSource(AgentPlaying, CompletionSource):
+class AgentCompletionSource(CompletionSource):
     """Async completion order with rollout.agent: each group asked is played at once, every call durable."""
 
     def __init__(self, host: Host):
         super().__init__(host)
+        self.agents = Agents(self)
         self.ready: list[Sample] = []  # the groups played since the last receive
         self.held: dict[int, GroupInFlight] | None = None  # the calls an earlier process made durable, by group (read once)
         self.settle: list[int] = []  # groups in a committed step: forgotten at the next durable write
@@ -74,7 +78,7 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
         groups = [(g, r) for q, (g, r) in enumerate(groups) if q % rt.dp_size == rt.dp_rank]
         if self.held is None:
             self.held = self.durable_groups()
-        runner = self._runner()
+        runner = self.agents.runner()
         journaled = {}
         for q, (g, row) in enumerate(groups):
             state = self.held.pop(g, None)
@@ -84,26 +88,29 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
                 journaled.update({q * n + j: list(AgentCalls.from_json(text).calls) for j, text in enumerate(state.agent_calls) if text})
         rows = [row_of(host.dataset[int(r)]) for _, r in groups for _ in range(n)]
         agent_seeds = [derive_seed(seed, 0, "rollout/agent", g, j) for g, _ in groups for j in range(n)]
-        version = int(host.policy_version)
 
         def call_seed(place: int, k: int) -> int:
             return derive_seed(seed, 0, "rollout/group", groups[place // n][0], place % n, *([k] if k else []))
 
-        episodes = Episodes(rows, agent_seeds, [g + j for g, _ in groups for j in range(n)], call_seed, journaled=journaled,
-                            sink=DurableCalls(self, groups, agent_seeds, version),
+        # a group asked in step s is asked again under the same id in step s by the process after a crash: its attempt is the
+        # processes that have begun the step (the run's lineage)
+        attempt = host.in_flight_log.attempt(self.step) if host.in_flight_log is not None else 1
+        version = int(host.policy_version)
+        episodes = Episodes(rows, agent_seeds, [g + j for g, _ in groups for j in range(n)], call_seed, [attempt] * len(rows),
+                            journaled=journaled, sink=DurableCalls(self, groups, agent_seeds, version),
                             name=lambda place: f"episode {place % n} of group {groups[place // n][0]} (row {groups[place // n][1]})")
         before = runner.counts.to_metrics()
         t0 = time.perf_counter()
         played = runner.play(episodes)
         t1 = time.perf_counter()
-        got = self.agent_samples([int(r) for _, r in groups for _ in range(n)], played, agent_seeds)
+        got = self.agents.samples([int(r) for _, r in groups for _ in range(n)], played, agent_seeds)
         for k, smp in enumerate(got):
             g = groups[k // n][0]
             smp.id, smp.group, smp.policy_version = g + k % n, g, version
         self.ready += got
         add_time(self.timings, "timing_s/gen", t1 - t0)
         add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
-        self.count(before, got)
+        self.agents.count(before, got)
 
     def receive(self, wait: float) -> None:
         """Take in the groups every rank played since the last receive (rank order; no wait: they were played when
@@ -114,10 +121,15 @@ class AgentCompletionSource(AgentPlaying, CompletionSource):
         if new:
             self.take_in(new)
 
+    def close(self, at_once: bool = False) -> None:
+        self.agents.close()
+        super().close(at_once)
+
 
 class DurableCalls:
     """The in-flight log as a round's call sink (``gateway.runner.CallSink``): each batch's new calls made durable, each
-    under its own key (group, episode, position), before any is answered."""
+    under its own key (group, episode, position), before any is answered; a group's entry (its row, version, seeds)
+    with its first call."""
 
     name = "the run's in-flight log"
 
@@ -126,20 +138,18 @@ class DurableCalls:
         self.headed: set[int] = set()  # the groups (by their place in `groups`) whose entry is written
 
     def keep(self, new: list[tuple[int, int, Call]], discarded: list[tuple[int, int]]) -> None:
-        """In one write: a group's entry (its row, version, seeds) with its first call, the new calls, the calls a
-        divergence discarded forgotten, the groups settled since forgotten with their calls. Several ranks: collective, at
-        every batch (rank 0 writes every rank's calls)."""
-        src, groups = self.src, self.groups
-        log, n, rt = src.host.in_flight_log, src.cfg.rollout.n, src.host.rt
+        """In one write: the entries of the groups whose first calls these are, the new calls, the calls a divergence
+        discarded forgotten, the groups settled since forgotten with their calls. Several ranks: collective, at every
+        batch (rank 0 writes every rank's calls)."""
+        src, groups, n = self.src, self.groups, self.src.cfg.rollout.n
+        log, rt = src.host.in_flight_log, src.host.rt
         if log is None:
             return
-        states = []
-        for q in sorted({place // n for place, _, _ in new} - self.headed):
-            g, row = groups[q]
-            none = lambda dt: [np.zeros(0, dt)] * n  # noqa: E731 - an agent group's turns are its calls
-            states.append(GroupInFlight(g, int(row), [self.version], none(np.int64), none(np.int64), none(np.float32), none(np.int8),
-                                        none(np.int64), none(np.float64), self.seeds[q * n : (q + 1) * n], [int(EnvEnd.NONE)] * n, [""] * n))
-            self.headed.add(q)
+        none = lambda dt: [np.zeros(0, dt)] * n  # noqa: E731 - an agent group's turns are its calls
+        states = [GroupInFlight(groups[q][0], int(groups[q][1]), [self.version], none(np.int64), none(np.int64), none(np.float32),
+                                none(np.int8), none(np.int64), none(np.float64), self.seeds[q * n : (q + 1) * n], [int(EnvEnd.NONE)] * n,
+                                [""] * n) for q in sorted({place // n for place, _, _ in new} - self.headed)]
+        self.headed |= {place // n for place, _, _ in new}
         calls = [(groups[place // n][0], place % n, k, call.to_dict()) for place, k, call in new]
         dropped = [(groups[place // n][0], place % n, k) for place, k in discarded]
         if rt.world_size > 1:

@@ -157,6 +157,7 @@ class Source:
     def __init__(self, host: Host):
         self.host = host
         self.engine: RolloutEngine | None = None
+        self.step = 0  # the live step being collected (begin)
         self.seeds: dict[str, int] = {}
         self.timings: dict[str, float] = {}
 
@@ -168,6 +169,7 @@ class Source:
         """A live step's start: its seeds (the globals seeded too), the engine built and synced to the
         actor's weights. Returns the policy version it holds. Collective."""
         cfg, rt = self.cfg, self.host.rt
+        self.step = step
         self.seeds = {
             "rollout": derive_seed(cfg.trainer.seed, step, "rollout"),
             "train": derive_seed(cfg.trainer.seed, step, "train"),

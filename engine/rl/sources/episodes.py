@@ -1,8 +1,9 @@
 """rollout.env: episodes, in either order (the envs themselves and a round of episodes: ``rl.envs``,
 ``rl.episodes``).
 
-Step order (:func:`play_round`): a round's episodes are played to their ends within the step, turn t
-of every episode still going generated together. Completion order (:class:`Turns`): each group's
+Step order (:class:`EnvRounds`, the step-order batches' round player): a round's episodes are played to their
+ends within the step, turn t of every episode still going generated together (``rl.episodes.play_lockstep``, the
+loop the held-out eval plays its episodes by too). Completion order (:class:`Turns`): each group's
 episodes are played a turn at a time as the generator returns them; every group that took a turn is
 made durable (the run's in-flight log) before its next turn is asked, so that after a crash a group
 comes back from its last durable turn (its envs restored, the journaled actions re-applied) instead
@@ -12,6 +13,7 @@ of from its start.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,61 +24,97 @@ from ...schema import sample as sample_codec
 from ...schema.sample import EnvEnd, GroupInFlight, Sample
 from ...state.seeding import derive_seed
 from ..envs import row_of
-from ..episodes import GroupWork, Limits, Play, Round
+from ..episodes import GroupWork, Limits, Play, Round, play_lockstep
 from ..fleet import RayFleet
 from ..rollout import RolloutEngine
 from ..sampler import AskedGroup
 from .base import add_time
 
 if TYPE_CHECKING:
+    from .base import Source
+    from .batches import Production, RoundAsk
     from .completion import CompletionSource
-    from .sync import Production, StepOrder
 
 
-def play_round(src: StepOrder, prod: Production, responses: list[np.ndarray], logps: list[np.ndarray]) -> None:
-    """Play the round's episodes to their ends from turn 0's actions: turn t of every episode still
-    going is generated together (its context so far as the prompt, its own seed). Collective: the
-    ranks generate each turn together while any rank has an episode going."""
-    cfg, rt, eps = src.cfg, src.host.rt, prod.episodes
-    assert eps is not None
-    places = prod.first  # turn 0 was asked of these (start_round); a stand-in prompt when none
-    responses, logps = (responses, logps) if places else ([], [])
-    while True:
-        eps.take(places, responses, logps)
-        if rt.all_true(eps.done()):
+@dataclass
+class EnvAsk:
+    """A round of episodes in flight on this rank: played here (`round`, its first turn asked of the engine: `handle`),
+    or on a fleet's actors (`round` None, `handle` the fleet's)."""
+
+    handle: object
+    round: Round | None = None
+
+
+class EnvRounds:
+    """Step order's round player for rollout.env (``sources.batches.RoundPlayer``): each of the round's episodes reset
+    (its env's seed from its place), played to its end in lockstep (rl.episodes.play_lockstep: turn t of every episode
+    still going generated together, its context so far as the prompt, its own seed), scored as an episode; on a Ray
+    fleet its envs run on the actors, beside generation, and the trainer gets each group's state back."""
+
+    def __init__(self, src: Source):
+        self.src = src
+
+    def start(self, prod: Production, ask: RoundAsk) -> None:
+        src = self.src
+        cfg, host, n = src.cfg, src.host, src.cfg.rollout.n
+        rows = [row_of(host.dataset[int(i)]) for i in ask.mine for _ in range(n)]
+        env_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/env", prod.rounds, q) for q in ask.places]
+        fleet = on_fleet(src.live)
+        if fleet is not None:  # its envs run on the fleet's actors, beside generation
+            ask.handle = EnvAsk(fleet.play(self.works(prod, ask, rows, env_seeds), cfg))
             return
-        places = [] if eps.done() else eps.live()
-        contexts = [eps.episodes[i].context() for i in places]
-        seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, prod.places[i], eps.turn) for i in places]
-        if not places:  # this rank's episodes are over, another rank's are not: step with it, keep nothing
-            contexts, seeds = [eps.episodes[0].context()], [0]
-        responses, logps = src.live.result(src.live.submit(contexts, seeds, cfg))
-        if not places:
-            responses, logps = [], []
+        rnd = Round(host.envs(), rows, env_seeds, ask.prompts, host.tokenizer, Limits.of(cfg.rollout))
+        first = rnd.live()  # a reset that faulted: no action is asked of it (a stand-in prompt when none is left)
+        seeds = [self.seed(prod, ask, i, 0) for i in first] or [0]
+        ask.handle = EnvAsk(src.live.submit([rnd.first_prompts()[i] for i in first] or rnd.first_prompts()[:1], seeds, cfg), rnd)
+
+    def seed(self, prod: Production, ask: RoundAsk, i: int, turn: int) -> int:
+        """The seed of turn `turn` of the episode at place `i` of this rank's share (its sample's place in the step)."""
+        return derive_seed(self.src.cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, ask.places[i], *([turn] if turn else []))
+
+    def samples(self, prod: Production, ask: RoundAsk) -> list[Sample]:
+        """The round's episodes played to their ends from their first turns' actions, scored. Collective: the ranks
+        generate each turn together while any rank has an episode going."""
+        src = self.src
+        assert isinstance(ask.handle, EnvAsk), "an env round is started before its samples are asked for"
+        t0 = time.perf_counter()
+        here, cfg = ask.handle.round, src.cfg
+        if here is None:  # played on the fleet's actors
+            rnd = self.played(ask.handle.handle)
+        else:
+            rnd = here
+            play_lockstep(rnd, lambda contexts, seeds: src.live.result(src.live.submit(contexts, seeds, cfg)),
+                          lambda i, turn: self.seed(prod, ask, i, turn), src.host.rt.all_true, src.live.result(ask.handle.handle))
+        t1 = time.perf_counter()
+        local = src.host.scorer.score_episodes(ask.mine, src.cfg.rollout.n, rnd)
+        prod.gen_s += t1 - t0
+        add_time(src.timings, "timing_s/reward", time.perf_counter() - t1)
+        return local
+
+    def works(self, prod: Production, ask: RoundAsk, rows: list[dict], env_seeds: list[int]) -> list[GroupWork]:
+        """On a fleet: the round's groups of episodes to play to their ends on its actors, each episode's seeds those
+        of its place in the step (as played here)."""
+        cfg, n = self.src.cfg, self.src.cfg.rollout.n
+        limits = Limits.of(cfg.rollout)
+        return [GroupWork(k // n, int(ask.mine[k // n]), rows[k : k + n], ask.prompts[k : k + n], env_seeds[k : k + n],
+                          [(cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, q) for q in ask.places[k : k + n]], limits,
+                          cfg.rollout.max_turns) for k in range(0, len(rows), n)]
+
+    def played(self, handle: object) -> Round:
+        """On a fleet: the round's episodes, as its actors played them (their envs stay there)."""
+        fleet = on_fleet(self.src.live)
+        assert fleet is not None and isinstance(handle, int), "a round is played on a fleet only, named by its handle"
+        states = [GroupInFlight.from_dict(d) for d in fleet.played(handle)]
+        return Round.of_states(states, self.src.host.tokenizer, Limits.of(self.src.cfg.rollout))
+
+    def close(self) -> None:
+        pass
 
 
 def on_fleet(engine: RolloutEngine) -> RayFleet | None:
     """The engine when it is a Ray fleet (rollout.fleet=ray): rollout.env's envs then run on its actors,
     beside generation (rl.episodes.play_group), and the trainer holds each group's state only."""
     return engine if isinstance(engine, RayFleet) else None
-
-
-def round_works(src: StepOrder, prod: Production, rows: list[dict], env_seeds: list[int]) -> list[GroupWork]:
-    """Step order on a fleet: the round's groups of episodes to play to their ends on its actors, each
-    episode's seeds those of its place in the step (as play_round's)."""
-    cfg, n = src.cfg, src.cfg.rollout.n
-    limits = Limits.of(cfg.rollout)
-    return [GroupWork(k // n, int(prod.mine[k // n]), rows[k : k + n], prod.prompts[k : k + n], env_seeds[k : k + n],
-                      [(cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, q) for q in prod.places[k : k + n]], limits,
-                      cfg.rollout.max_turns) for k in range(0, len(rows), n)]
-
-
-def played_round(src: StepOrder, handle: int) -> Round:
-    """Step order on a fleet: the round's episodes, as its actors played them (their envs stay there)."""
-    fleet = on_fleet(src.live)
-    assert fleet is not None, "a round is played on a fleet only"
-    states = [GroupInFlight.from_dict(d) for d in fleet.played(handle)]
-    return Round.of_states(states, src.host.tokenizer, Limits.of(src.cfg.rollout))
 
 
 class Turns:

@@ -2,36 +2,53 @@
 step s is planned already when s begins; s starts generating the batch of step s+k from version s-1,
 which generates during the update and is taken in (``finish_collect``) before the commit. Step 1
 first generates batches 1..k (all from version 0: the staleness of step s is min(k, s-1)). The plans
-(which samples each later step trains on) are in the buffer, so a resume needs nothing more back.
+(which samples each later step trains on) are in the buffer, so a resume needs nothing more back. The batches are
+made by the step-order machinery the source holds (``sources.batches``).
 """
 
 from __future__ import annotations
 
-from .base import StepInputs
-from .sync import Production, StepOrder
+from collections.abc import Callable
+
+import numpy as np
+
+from .base import Host, Source, StepInputs
+from .batches import Batches, Production, RoundPlayer
+from .episodes import EnvRounds
 
 
-class PlannedSource(StepOrder):
-    """Async step order: k batches planned ahead, one generating while the update runs."""
+class PlannedSource(Source):
+    """Async step order: k batches planned ahead, one generating while the update runs. `agents`: what makes the
+    round player of rollout.agent's programs (sources.agents.AgentRounds), for an agent run."""
 
-    inflight: Production | None = None  # the batch generating while the update runs
+    def __init__(self, host: Host, agents: Callable[[Source], RoundPlayer] | None = None):
+        super().__init__(host)
+        self.batches = Batches(self, EnvRounds(self), agents(self) if agents is not None else None)
+        self.made: list[Production] = []
+        self.inflight: Production | None = None  # the batch generating while the update runs
+        self.consumed = np.zeros(0, np.int64)  # what the step being collected trains on
 
     def collect(self, step: int) -> StepInputs:
-        version = self.begin(step)
+        version, b = self.begin(step), self.batches
         k, buffer = self.cfg.rollout.staleness, self.host.buffer
         self.made = []
         through = buffer.planned_through() or step - 1
         for j in range(through + 1, step + k):  # only at the run's first step: batches 2..k wait for no update
-            self.made.append(self.admit(self.finish(self.start(j, version)), planned=True))
-        self.inflight = self.start(step + k, version) if through < step + k else None
+            self.made.append(b.admit(b.finish(b.start(j, version)), planned=True))
+        self.inflight = b.start(step + k, version) if through < step + k else None
         self.consumed = buffer.plans[step]
-        return self.inputs()
+        return b.inputs(self.made, self.consumed)
 
     def finish_collect(self, step: int, inputs: StepInputs) -> StepInputs:
         """After the update: wait for the batch `collect` started, score it, admit it and plan it; the
         step's inputs then include it. Collective."""
         if self.inflight is None:
             return inputs
-        self.made.append(self.admit(self.finish(self.inflight), planned=True))
+        b = self.batches
+        self.made.append(b.admit(b.finish(self.inflight), planned=True))
         self.inflight = None
-        return self.inputs()
+        return b.inputs(self.made, self.consumed)
+
+    def close(self, at_once: bool = False) -> None:
+        self.batches.close()
+        super().close(at_once)

@@ -1,10 +1,10 @@
-"""Post-mortem: a run's metrics step by step, and the steps where they meet a condition, read from the
-journal's summaries (no samples), so they stream a long run quickly (also while it trains).
+"""`verlj metrics` and `verlj find`: a run's journaled metrics (and its probes', beside the journal)
+as one row a step, and the steps where a condition on them holds.
 
     verlj metrics RUN --names actor/pg_loss --steps 100:200 [--csv | --jsonl | --plot out.png]
     verlj find RUN --where 'actor/grad_norm > 10'
 
-Importable from post_mortem.inspection as before (its module's doc names the commands' answers).
+Both read the journal's summaries (no samples: Ledger.metrics), so they stream a long run quickly.
 """
 
 from __future__ import annotations

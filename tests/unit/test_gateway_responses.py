@@ -1,0 +1,242 @@
+"""The Responses API on the gateway (gateway.responses), spoken to the real `openai` client and to the OpenAI
+Agents SDK's default model: a response as the client parses it, its stream's events in order, previous_response_id
+within an episode, the SDK's tool call run and its result spliced onto the call that made it; tool_choice
+"required" and a named function on both APIs (the answer made to begin as a tool call); the refusals; and every
+answer's episode and attempt in its headers."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from verlj.engine.rl.gateway import ledger
+from verlj.engine.rl.gateway.prompts import Prompts
+from verlj.engine.rl.gateway.protocol import ApiError, forced_prefix, parse_request
+from verlj.engine.rl.gateway.responses import parse_responses
+from verlj.engine.rl.gateway.runner import Episodes, Runner, Settings
+from verlj.engine.rl.gateway.server import Gateway
+from verlj.engine.rl.models import chat_template
+
+MODEL = "verlj-policy"
+ADD = {"type": "function", "name": "add", "description": "Add two integers.",
+       "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+class Policy:
+    """Scripted on the BPE tokenizer: a tool call while the conversation has no tool result, then the result's digits
+    (spelt a character a token: not the tokenizer's own split), then <|im_end|>. A prompt that ends inside a forced
+    tool call (tool_choice) is answered with the rest of one."""
+
+    streams = False
+
+    def __init__(self, tok, tool: bool = True):
+        self.tok, self.tool, self.prompts = tok, tool, []
+
+    def __call__(self, prompts, seeds, episodes, on_token=None):
+        outs = []
+        for p in prompts:
+            self.prompts.append(p)
+            text = self.tok.decode(p)
+            if text.endswith('"arguments":'):
+                answer = ' {"a": 2, "b": 3}}\n</tool_call>'
+            elif text.endswith("<tool_call>\n"):
+                answer = CALL[len("<tool_call>\n"):]
+            elif "<tool_response>" in text:
+                answer = text.rsplit("<tool_response>\n", 1)[1].split("\n")[0]
+            else:
+                answer = CALL if self.tool else "hello world"
+            ids = [i for ch in answer for i in self.tok(ch, add_special_tokens=False).input_ids]
+            outs.append(np.asarray(ids + [self.tok.eos_token_id], np.int64))
+        return outs, [np.full(len(o), -0.5, np.float32) for o in outs]
+
+
+def play(tok, agent, n: int = 1, tool: bool = True, max_turns: int = 4):
+    gw = Gateway(MODEL).start()
+    policy = Policy(tok, tool)
+    try:
+        r = Runner(gw, agent, Prompts(tok, chat_template(tok, False)), policy, Settings(n, 10.0, max_turns))
+        out = r.play(Episodes([{"prompt": "2+3=", "answer": "5"}] * n, list(range(n)), [40 + i for i in range(n)],
+                              lambda place, k: 100 * place + k))
+    finally:
+        gw.stop()
+    return out, policy
+
+
+def test_a_response_as_the_openai_client_reads_it_and_its_stream_in_order(bpe_tokenizer):
+    seen = {}
+
+    def agent(ep):
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        r = client.responses.create(model=ep.model, input="Say hello.", instructions="Be brief.")
+        seen["plain"] = (r.id, r.status, r.output_text, r.usage.input_tokens, r.usage.output_tokens, r.instructions)
+        with client.responses.create(model=ep.model, input="Say hello.", stream=True) as stream:
+            events = list(stream)
+        seen["kinds"] = [e.type for e in events]
+        seen["seq"] = [e.sequence_number for e in events]
+        seen["done"] = events[-1].response.output_text
+        raw = httpx.post(ep.base_url + "/responses", json={"model": ep.model, "input": "hi"}, headers={"Authorization": f"Bearer {ep.api_key}"})
+        seen["headers"] = (raw.headers["x-verlj-episode"], raw.headers["x-verlj-attempt"])
+        return 1.0
+
+    out, _ = play(bpe_tokenizer, agent, tool=False)
+    assert out[0].fault == ""
+    rid, status, text, prompt_tokens, completion_tokens, instructions = seen["plain"]
+    first = out[0].calls[0]
+    assert rid.startswith("resp_") and status == "completed" and text == "hello world" and instructions == "Be brief."
+    assert prompt_tokens == len(first.prompt_ids) and completion_tokens == len(first.completion_ids)
+    assert json.loads(first.request)["messages"][0] == {"role": "system", "content": "Be brief."}
+    kinds = seen["kinds"]  # token by token: a text delta a character
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert kinds[4:-4] == ["response.output_text.delta"] * len("hello world")
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert seen["seq"] == list(range(len(kinds))) and seen["done"] == "hello world"
+    assert out[0].calls[1].response.startswith(b"event: response.created\ndata: ")
+    assert seen["headers"] == ("40", "1")
+
+
+def test_previous_response_id_continues_that_responses_conversation_spliced(bpe_tokenizer):
+    seen = {}
+
+    def agent(ep):
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        first = client.responses.create(model=ep.model, input=ep.row["prompt"], instructions="Add.")
+        second = client.responses.create(model=ep.model, input="and again?", previous_response_id=first.id, instructions="Add.")
+        try:
+            client.responses.create(model=ep.model, input="x", previous_response_id="resp_not_this_episodes")
+        except openai.BadRequestError as e:
+            seen["unknown"] = e.code
+        return float(second.status == "completed")
+
+    out, _ = play(bpe_tokenizer, agent, tool=False)
+    assert out[0].fault == "" and out[0].reward == 1.0 and seen["unknown"] == "previous_response_not_found"
+    a, b = out[0].calls
+    messages = json.loads(b.request)["messages"]
+    # this request's instructions, the first response's input (less its own instructions), its answer, the new input
+    assert messages == [{"role": "system", "content": "Add."}, {"role": "user", "content": "2+3="},
+                        {"role": "assistant", "content": "hello world"}, {"role": "user", "content": "and again?"}]
+    assert ledger.trained_chain(out[0].calls) == ((0, 1), 1)  # spliced onto the response it continues
+    assert json.loads(b.request)["previous_response_id"].startswith("resp_")
+
+
+def test_the_agents_sdks_default_model_runs_its_tool_and_the_call_after_is_spliced(bpe_tokenizer):
+    from examples.agents_sdk import solve
+
+    out, policy = play(bpe_tokenizer, solve, n=2)
+    assert [p.fault for p in out] == ["", ""] and [p.reward for p in out] == [1.0, 1.0]  # the tool's 5 in the final output
+    for p in out:
+        first, second = (json.loads(c.request) for c in p.calls)
+        assert first["api"] == "responses" and first["instructions"].startswith("Answer with the number")
+        assert first["tools"][0]["function"]["name"] == "add" and first["tools"][0]["function"]["strict"] is True
+        call = json.loads(p.calls[0].response)["output"][0]
+        assert call["type"] == "function_call" and call["name"] == "add" and json.loads(call["arguments"]) == {"a": 2, "b": 3}
+        said, result = second["messages"][-2:]  # the SDK's items back: its function call, then the tool's output
+        assert said["tool_calls"][0]["id"] == call["call_id"] and result == {"role": "tool", "tool_call_id": call["call_id"], "content": "5"}
+        assert ledger.trained_chain(p.calls) == ((0, 1), 1)  # spliced: no break
+        f = ledger.sample_fields(p.calls, (0, 1))
+        a = p.calls[0]
+        between = bpe_tokenizer.decode(p.calls[1].prompt_ids[len(a.prompt_ids) + len(a.completion_ids):])
+        assert "<tool_response>\n5\n</tool_response>" in between and f["loss_mask"].tolist().count(0) == len(p.calls[1].prompt_ids) - len(
+            a.prompt_ids) - len(a.completion_ids)
+
+
+def test_the_agents_sdks_default_model_streamed(bpe_tokenizer):
+    from agents import Agent, OpenAIProvider, RunConfig
+    from agents import Runner as SdkRunner
+
+    from examples.agents_sdk import add, reward
+
+    async def streamed(ep):
+        agent = Agent(name="adder", instructions="Add.", tools=[add], model=ep.model)
+        run = SdkRunner.run_streamed(agent, ep.row["prompt"], max_turns=ep.max_turns,
+                                     run_config=RunConfig(model_provider=OpenAIProvider(base_url=ep.base_url, api_key=ep.api_key),
+                                                          tracing_disabled=True))
+        kinds = {e.type async for e in run.stream_events()}
+        assert "raw_response_event" in kinds
+        return reward(str(run.final_output or ""), "5")
+
+    out, _ = play(bpe_tokenizer, streamed)
+    assert out[0].fault == "" and out[0].reward == 1.0 and len(out[0].calls) == 2
+    assert all(json.loads(c.request)["stream"] and c.response.startswith(b"event: response.created") for c in out[0].calls)
+    assert ledger.trained_chain(out[0].calls) == ((0, 1), 1)
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tool_choice_required_or_named_makes_the_answer_begin_as_a_tool_call(bpe_tokenizer, api, choice):
+    seen = {}
+
+    def agent(ep):
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        if api == "chat":
+            named = {"type": "function", "function": {"name": "add"}}
+            m = client.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": "2+3="}],
+                                               tools=[{"type": "function", "function": {k: v for k, v in ADD.items() if k != "type"}}],
+                                               tool_choice="required" if choice == "required" else named).choices[0].message
+            seen["call"] = (m.tool_calls[0].function.name, json.loads(m.tool_calls[0].function.arguments))
+        else:
+            r = client.responses.create(model=ep.model, input="2+3=", tools=[ADD],
+                                        tool_choice="required" if choice == "required" else {"type": "function", "name": "add"})
+            seen["call"] = (r.output[0].name, json.loads(r.output[0].arguments))
+        return 1.0
+
+    out, policy = play(bpe_tokenizer, agent, tool=False)  # the policy writes a tool call only when the prompt begins one
+    assert out[0].fault == "" and seen["call"] == ("add", {"a": 2, "b": 3})
+    forced = bpe_tokenizer.decode(out[0].calls[0].prompt_ids)
+    assert forced.endswith("<tool_call>\n" if choice == "required" else '<tool_call>\n{"name": "add", "arguments":')
+    assert out[0].calls[0].flag == ""
+
+
+def test_forced_prefixes_and_their_refusals():
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": tools}
+    req = parse_request(json.dumps({**body, "tool_choice": {"type": "function", "function": {"name": "add"}}}).encode(), MODEL)
+    assert forced_prefix(req) == '<tool_call>\n{"name": "add", "arguments":'
+    assert forced_prefix(parse_request(json.dumps({**body, "tool_choice": "auto"}).encode(), MODEL)) == ""
+    assert forced_prefix(parse_request(json.dumps({**body, "tool_choice": "none"}).encode(), MODEL)) == ""
+    for bad, param in [({**body, "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice"),
+                       ({"model": MODEL, "messages": body["messages"], "tool_choice": "required"}, "tool_choice"),
+                       ({**body, "tool_choice": "always"}, "tool_choice")]:
+        with pytest.raises(ApiError) as e:
+            parse_request(json.dumps(bad).encode(), MODEL)
+        assert e.value.status == 400 and e.value.param == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "prompt": {"id": "p"}}, "prompt"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+    ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call_output", "output": "5"}]}, "input[0].call_id"),
+    ({"input": []}, "input"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {}}}}, "text.format"),
+    ({"input": "x", "tools": [ADD], "tool_choice": {"type": "function", "name": "sub"}}, "tool_choice"),
+    ({"input": "x", "store": "yes"}, "store"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "background": True}, "background"),
+])
+def test_bad_responses_requests_get_openai_shaped_errors(body, param):
+    with pytest.raises(ApiError) as e:
+        parse_responses(json.dumps({"model": MODEL, **body}).encode(), MODEL)
+    assert e.value.status == 400 and e.value.param == param and json.loads(e.value.body())["error"]["message"]
+
+
+def test_input_items_read_as_chat_messages():
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "2+3="}]},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "let me add", "annotations": []}]},
+             {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2}', "id": "fc_1", "status": "completed"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "5"}]
+    req = parse_responses(json.dumps({"model": MODEL, "input": items, "instructions": "Add.", "include": [], "metadata": {},
+                                      "parallel_tool_calls": False, "truncation": "disabled"}).encode(), MODEL)
+    assert req.messages == [{"role": "system", "content": "Add."}, {"role": "user", "content": "2+3="},
+                            {"role": "assistant", "content": "let me add",
+                             "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}]},
+                            {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    assert json.loads(req.canonical())["api"] == "responses" and req.digest() != parse_responses(
+        json.dumps({"model": MODEL, "input": items}).encode(), MODEL).digest()
