@@ -172,6 +172,24 @@ def test_a_groups_progress_through_a_version_keeps_only_its_tokens_and_reads_bac
     assert back.row == 3 and all(np.array_equal(a, b) for a, b in zip(back.runs, p.runs)) and back.logprobs[0].dtype == np.float32
 
 
+def test_the_events_hold_partial_and_continued_only_when_set_and_read_them_back():
+    from dataclasses import replace
+
+    from verlj.engine.schema import events as ev
+
+    comp = ev.Rollout("hf", None, ev.RolloutMode.ASYNC, 1, ev.AsyncOrder.COMPLETION)
+    assert "partial" not in comp.to_event() and "partial" not in comp.mode_fields()  # a run without keeps its bytes
+    part = replace(comp, partial=True)
+    e = part.to_event()
+    assert [k for k in e if k not in ("type", "v")] == ["engine", "version", "mode", "max_staleness", "async_order", "partial"]
+    assert ev.Rollout.from_event(e) == part and part.mode_fields()["partial"] is True
+    ids = lambda *xs: np.asarray(xs, np.int64)  # noqa: E731
+    req = ev.Requests(ids(4, 8), ids(1, 2), ids(4))
+    assert "continued" not in req.to_event() and ev.Requests.from_event(req.to_event()).continued.tolist() == []
+    went_on = replace(req, continued=ids(8))
+    assert list(went_on.to_event())[-1] == "continued" and ev.Requests.from_event(went_on.to_event()).continued.tolist() == [8]
+
+
 def _sample(i: int, runs=None) -> Sample:
     s = Sample(index=i, prompt_ids=np.arange(3), response_ids=np.arange(4 + i), gen_logprobs=np.full(4 + i, -0.5, np.float32), id=i, group=0,
                policy_version=2)

@@ -163,6 +163,24 @@ def test_a_records_map_and_its_reading_back_come_from_its_fields():
         Outer.from_dict({"kind": "c"})
 
 
+@dataclass(frozen=True)
+class Grown(Record):
+    ids: np.ndarray = field(metadata=stored(dtype=np.int64))
+    more: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), metadata=stored(dtype=np.int64, optional=True))
+    tags: list[str] = field(default_factory=list, metadata=stored(optional=True))
+
+
+def test_an_optional_field_with_a_default_factory_is_left_out_while_it_equals_what_the_factory_makes():
+    """`optional` on a field whose default comes from a factory: left out while equal to what the factory
+    makes (an array: same shape and values, so an empty array of any dtype), stored as soon as it differs."""
+    assert list(Grown(np.arange(2)).to_dict()) == ["ids"]
+    assert list(Grown(np.arange(2), np.zeros(0, np.int32), []).to_dict()) == ["ids"]
+    m = Grown(np.arange(2), np.asarray([0]), ["a"]).to_dict()
+    assert list(m) == ["ids", "more", "tags"] and m["more"].tolist() == [0]
+    back = Grown.from_dict(unpackb(packb(m)))
+    assert back.more.tolist() == [0] and back.tags == ["a"] and Grown.from_dict({"ids": [1]}).more.tolist() == []
+
+
 # An agent_calls text as the journal held it before its codec moved here (rl.gateway.ledger.dumps plus "segments").
 STORED_AGENT_CALLS = (
     r'{"v":1,"segment":1,"reward":null,"calls":[{"request":"{\"messages\":[{\"role\":\"user\",\"content\":\"2+2 ünd\"}]}","digest":"ab12","prompt_ids":[1,5,9],"completion_ids":[6,7],"logprobs":[-0.10000000149011612,-2.5],"response":"{\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\"'
