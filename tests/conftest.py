@@ -1,6 +1,8 @@
 import os
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Fixed thread count and deterministic kernels for every test process (and children, via env).
@@ -9,40 +11,82 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
-# The suite runs on two workers (pytest-xdist, one test module per worker at a time: addopts in
-# pyproject.toml). xdist hands out the modules with the most tests first, so the unit modules mix with the
-# long multi-process ones; this order only breaks its ties. Handing out the longest first instead
-# (--no-loadscope-reorder) made a clean-clone CI slower (33 min, against 27 for the CI before it; the fork
-# server's fallback after vLLM's import muddies the comparison): two multi-process modules at once on two
-# cores slowed each other (test_fleet's longest test 160 s against 132). Seconds each, measured serially.
-LONGEST_FIRST = [
-    "test_fleet.py",  # ~280 with other jobs on the cores (new; a Ray cluster and nine runs)
-    "test_ray_launcher.py",  # ~180 with other jobs on the cores (new: a Ray cluster, torchrun's 2 ranks, 2 Ray runs of 2 ranks)
-    "test_recovery.py",  # 166
-    "test_reshard.py",  # 166
-    "test_node_loss.py",  # 142
-    "test_async.py",  # 139
-    "test_whatif.py",  # ~130 (new: estimated from its runs under load)
-    "test_vllm.py",  # 125
-    "test_hardening.py",  # 97
-    "test_shipping.py",  # 87
-    "test_async_completion.py",  # 83
-    "test_distributed.py",  # 82
-    "test_interpreters.py",  # ~80 (new)
-    "test_faults_quick.py",  # 66 when measured; 45 since it runs three kinds
-    "test_retention.py",  # 62
-    "test_view_browser.py",  # ~60 (new: three runs, a what-if, a resume, headless Chromium)
-    "test_examples.py",  # 60
-    "test_verify_inspect.py",  # 56
-]
+# The suite's two tiers. `python -m pytest` runs every test (CI); `python -m pytest -m "not slow"`, the everyday
+# tier, leaves out the tests marked slow: the modules whose tests take longest, by SECONDS below, which are
+# measured, never guessed. Each test module's seconds in a full run of the suite (its tests' setup, call and
+# teardown summed: the time the module holds an xdist worker), and the calls of the few tests that take long
+# in a module that does not, as `python -m pytest --measure-seconds FILE` writes them (FILE: JSON, the same
+# keys); the numbers below come from the full run named in SECONDS_MEASURED. A module or test over
+# SLOW_SECONDS is marked slow. Every test module is listed (tests/unit/test_suite_layout.py checks it, and that
+# every name listed exists): after adding one, measure it (`python -m pytest -n 0 tests/integration/test_x.py
+# --measure-seconds /tmp/s.json` gives its seconds alone; the next full run, the figure to keep).
+SECONDS_MEASURED = "provisional"
+SLOW_SECONDS = 30
+SECONDS = {
+    "test_fleet.py": 280,
+    "test_ray_launcher.py": 180,
+    "test_reshard.py": 166,
+    "test_node_loss.py": 142,
+    "test_async.py": 139,
+    "test_whatif.py": 130,
+    "test_vllm.py": 125,
+    "test_recovery.py": 101,
+    "test_hardening.py": 97,
+    "test_shipping.py": 87,
+    "test_async_completion.py": 83,
+    "test_distributed.py": 82,
+    "test_interpreters.py": 80,
+    "test_faults_quick.py": 45,
+    "test_retention.py": 62,
+    "test_view_browser.py": 60,
+    "test_examples.py": 60,
+    "test_verify_inspect.py": 56,
+}
 
 
+def slow(nodeid: str) -> bool:
+    """Whether the test `nodeid` (tests/DIR/test_x.py::test_name[params]) is in the slow tier: its module's
+    seconds, or its own, over SLOW_SECONDS."""
+    module, _, name = nodeid.rsplit("/", 1)[-1].partition("::")
+    return max(SECONDS.get(module, 0), SECONDS.get(f"{module}::{name.split('[')[0]}", 0)) > SLOW_SECONDS
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    for item in items:
+        if slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+    # xdist (--dist loadscope: one test module per worker at a time) hands out the modules with the most tests
+    # first, so the unit modules mix with the long multi-process ones; this order, longest first, only breaks
+    # its ties. Handing out the longest first instead (--no-loadscope-reorder) made a clean-clone CI slower (33
+    # min, against 27 for the CI before it): two multi-process modules at once on two cores slowed each other.
+    items.sort(key=lambda item: -SECONDS.get(item.path.name, 0))  # stable: the rest keep their order
 
 
-import pytest  # noqa: E402
+def pytest_addoption(parser):
+    parser.addoption("--measure-seconds", metavar="FILE", default=None,
+                     help="write each test module's seconds (its tests' setup, call and teardown summed), and each "
+                          "test function's calls, to FILE as JSON: what SECONDS in tests/conftest.py holds")
+
+
+_MEASURED: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    module, _, name = report.nodeid.rsplit("/", 1)[-1].partition("::")
+    _MEASURED[module] = _MEASURED.get(module, 0.0) + report.duration
+    if report.when == "call":
+        test = f"{module}::{name.split('[')[0]}"
+        _MEASURED[test] = _MEASURED.get(test, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--measure-seconds")
+    if path and not hasattr(session.config, "workerinput"):  # the controller, which gets every worker's reports
+        import json
+
+        seconds = {k: round(v, 1) for k, v in sorted(_MEASURED.items(), key=lambda kv: -kv[1])}
+        Path(path).write_text(json.dumps(seconds, indent=1) + "\n")
 
 
 @pytest.fixture(scope="session")

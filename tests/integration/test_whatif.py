@@ -24,10 +24,11 @@ REWARD = "from verlj.engine.rl.rewards import add_reward\n\ndef negated(prompt, 
 
 
 @pytest.fixture(scope="module")
-def parent(tmp_path_factory):
+def parent(tmp_path_factory, reference_run):
+    """A directory with the run (a 4-step run: test_algorithm_runs's grpo, trained once) and the reward module."""
     root = tmp_path_factory.mktemp("whatif")
     (root / "wirew.py").write_text(REWARD)
-    run_train(root / "run", None, [*TINY, "trainer.total_steps=4", "trainer.save_interval=2", "trainer.save_total_limit=0"])
+    reference_run(root / "run", [*TINY, "trainer.total_steps=4", "trainer.save_interval=2", "trainer.save_total_limit=0"])
     return root
 
 
