@@ -202,7 +202,6 @@ TWO_RANKS = {"sync": ([], "step.before_commit:2"),
              "completion": (["rollout.mode=async", "rollout.async_order=completion"], "agents.after_durable:45")}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("order", list(TWO_RANKS))
 def test_on_two_ranks_killed_then_resumed_is_bit_identical(tmp_path, order):
     """torchrun, 2 ranks: each serves its own gateway and plays its share of the episodes (agents of one to three

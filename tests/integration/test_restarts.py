@@ -15,8 +15,6 @@ import pytest
 
 from verlj_testing import REPO, TINY, _port, assert_same_journal, env
 
-pytestmark = pytest.mark.slow
-
 
 def children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]

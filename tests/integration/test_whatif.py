@@ -136,7 +136,6 @@ def test_a_whatif_with_local_dir_verifies_and_resumes_exactly(parent, tmp_path):
     assert cli("verify", new).returncode == 0
 
 
-@pytest.mark.slow
 def test_a_whatif_killed_at_a_random_moment_and_resumed_is_bit_identical(tmp_path):
     run = tmp_path / "run"
     run_train(run, None, [*TINY, "trainer.total_steps=10", "trainer.save_interval=3", "trainer.save_total_limit=0"])
