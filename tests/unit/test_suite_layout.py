@@ -46,29 +46,19 @@ def suite_conftest():
     return module
 
 
-def functions_of(path: Path) -> set[str]:
-    return {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
-
-
-def test_every_test_module_is_measured_and_every_name_measured_exists():
-    files = {p.name: p for p in TESTS.rglob("test_*.py")}
+def test_every_test_module_is_measured_and_every_module_measured_exists():
+    files = {p.name for p in TESTS.rglob("test_*.py")}
     seconds = suite_conftest().SECONDS
-    missing = sorted(set(files) - set(seconds))
-    assert not missing, (f"not in tests/conftest.py's SECONDS: {missing}; measure them (python -m pytest -n 0 FILE "
-                         "--measure-seconds /tmp/s.json) and add them")
-    for name in seconds:
-        module, _, test = name.partition("::")
-        assert module in files, f"SECONDS names {module}, which is no test module"
-        assert not test or test in functions_of(files[module]), f"SECONDS names {name}, which is no test function"
+    assert not sorted(files - set(seconds)), (f"not in tests/conftest.py's SECONDS: {sorted(files - set(seconds))}; measure "
+                                              "them (python -m pytest -n 0 FILE --measure-seconds /tmp/s.json) and add them")
+    assert not sorted(set(seconds) - files), f"SECONDS names {sorted(set(seconds) - files)}, which are no test modules"
 
 
-def test_a_module_or_a_test_over_the_threshold_is_slow_and_the_rest_is_not():
+def test_a_module_over_the_threshold_is_slow_and_the_rest_is_not():
     tiers = suite_conftest()
-    over = tiers.SLOW_SECONDS + 1
-    tiers.SECONDS.update({"test_a.py": over, "test_b.py": 1, "test_b.py::test_long": over})
-    assert tiers.slow("tests/integration/test_a.py::test_x[1-2]")
-    assert tiers.slow("tests/integration/test_b.py::test_long[grpo]") and tiers.slow("tests/integration/test_b.py::test_long")
-    assert not tiers.slow("tests/integration/test_b.py::test_short") and not tiers.slow("tests/unit/test_unmeasured.py::test_x")
+    tiers.SECONDS.update({"test_a.py": tiers.SLOW_SECONDS + 1, "test_b.py": tiers.SLOW_SECONDS})
+    assert tiers.slow("tests/integration/test_a.py::test_x[1-2/3]") and tiers.slow("tests/integration/test_a.py::test_y")
+    assert not tiers.slow("tests/integration/test_b.py::test_x") and not tiers.slow("tests/unit/test_unmeasured.py::test_x")
 
 
 # ----------------------------------------------------------------------------- every module in the everyday tier
