@@ -10,6 +10,7 @@ measured SECONDS: every test module is measured there and every name there exist
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 from collections import Counter
 from pathlib import Path
@@ -78,6 +79,11 @@ def _type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def _package(module: str, path: Path) -> str:
     return module if path.name == "__init__.py" else module.rpartition(".")[0]
 
@@ -92,13 +98,14 @@ def _targets(node: ast.Import | ast.ImportFrom, package: str) -> tuple[set[str],
     return {module} | {f"{module}.{alias.name}" for alias in node.names}, {(module, alias.name) for alias in node.names}
 
 
-def imports(path: Path, package: str, everywhere: bool) -> tuple[set[str], set[tuple[str, str]]]:
+@functools.cache  # each file read once for the whole check
+def imports(path: Path, package: str, everywhere: bool) -> tuple[frozenset[str], frozenset[tuple[str, str]]]:
     """The modules `path` imports (package: its own, for relative imports; `a.b.c` brings `a` and `a.b`), and the
     (module, name) pairs it imports by name. everywhere=True: wherever the statement is (test code: what its
     tests may run), and a string "verlj.cli" is `python -m verlj.cli`; else only what runs when it is imported:
     its top-level statements and the bodies of its own functions that they call (cli.main's _register()).
     Never what is under `if TYPE_CHECKING:`."""
-    tree = ast.parse(path.read_text())
+    tree = _parsed(path)
     functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     called = [functions[n.value.func.id] for n in tree.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)
               and isinstance(n.value.func, ast.Name) and n.value.func.id in functions]
@@ -123,14 +130,14 @@ def imports(path: Path, package: str, everywhere: bool) -> tuple[set[str], set[t
 
     for node in tree.body:
         visit(node)
-    return {".".join(m.split(".")[:i]) for m in modules for i in range(1, m.count(".") + 2)}, names
+    return frozenset(".".join(m.split(".")[:i]) for m in modules for i in range(1, m.count(".") + 2)), frozenset(names)
 
 
 def called_imports(module: str, name: str, product: dict[str, Path]) -> set[str]:
     """What the function `name` of the product module `module`, where it is one, imports in its body: a test that
     imports a function calls it (run.train imports the checkpointer there)."""
     path = product[module]
-    for node in ast.parse(path.read_text()).body:
+    for node in _parsed(path).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
             return set().union(*(_targets(n, _package(module, path))[0] for n in ast.walk(node)
                                  if isinstance(n, (ast.Import, ast.ImportFrom))))
@@ -150,7 +157,7 @@ def loaded_by(test_file: Path, product: dict[str, Path]) -> set[str]:
     while todo or by_name:
         if not todo:  # then what the functions taken by name import when called
             todo = [m for module, name in sorted(by_name) if module in product for m in called_imports(module, name, product)]
-            by_name = set()
+            by_name = frozenset()
             continue
         module = todo.pop()
         if module in seen:
@@ -161,7 +168,7 @@ def loaded_by(test_file: Path, product: dict[str, Path]) -> set[str]:
         elif module in code:
             found, named = imports(code[module], "", everywhere=module in helpers)
             todo.extend(found)
-            by_name |= named if module in helpers else set()
+            by_name |= named if module in helpers else frozenset()
     return seen & set(product)
 
 
