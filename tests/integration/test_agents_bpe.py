@@ -18,8 +18,6 @@ from verlj.engine.schema.sample import unpack
 from verlj.journal import open_journal_reader
 from verlj_testing import assert_same_journal, cli, fingerprints, kill_and_resume, train
 
-pytestmark = pytest.mark.slow
-
 TESTS = str(Path(__file__).resolve().parents[1])
 AGENTS = {
     "openai_tools": ["rollout.agent=agents_for_tests:tooled", "rollout.max_turns=3"],

@@ -36,7 +36,6 @@ def test_every_example_is_a_valid_config_with_a_header_that_runs_it():
         assert commands and f"--config examples/{path.name}" in commands[0], path.name
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_runs(path, tmp_path):
     run = tmp_path / "run"
