@@ -62,7 +62,7 @@ SECONDS = {
     "test_compaction.py": 8,
     "test_distill.py": 8,
     "test_schema_compat.py": 6,
-    "test_agents_sdk.py": 4,  # failing on main then (KeyError: choices): its reference run only
+    "test_agents_sdk.py": 50,  # on the bpe_model since (measured alone with test_examples[agents_sdk]: 54 s for both)
     "test_journal_processes.py": 4,
     "test_segments.py": 4,
     "test_diff_stages.py": 3,
