@@ -70,17 +70,18 @@ def uneven(ep):
 
 
 def _main_thread_in() -> set[str]:
-    """The functions the trainer's main thread is in now (its stack's code names)."""
+    """The functions the trainer's main thread is in now (its stack's qualified code names)."""
     frame, names = sys._current_frames().get(threading.main_thread().ident), set()
     while frame is not None:
-        names.add(frame.f_code.co_name)
+        names.add(frame.f_code.co_qualname)
         frame = frame.f_back
     return names
 
 
 def overlapping(ep):
-    """As digits, after watching the trainer's main thread (up to 10 s, until it waits for the agents in
-    round_samples): seen in the update (rl.update._update), the file VERLJ_TEST_AGENT_OVERLAP names is written."""
+    """As digits, after watching the trainer's main thread (up to 10 s, until it waits for the round's agents in
+    AgentRounds.samples, sources/agents.py): seen in the update (rl.update._update), the file
+    VERLJ_TEST_AGENT_OVERLAP names is written."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         names = _main_thread_in()
@@ -88,7 +89,7 @@ def overlapping(ep):
             with open(os.environ["VERLJ_TEST_AGENT_OVERLAP"], "a") as f:
                 f.write(f"{ep.seed}\n")
             break
-        if "round_samples" in names:  # the trainer waits for this round: no update runs until it is played
+        if "AgentRounds.samples" in names:  # the trainer waits for this round: no update runs until it is played
             break
         time.sleep(0.005)
     return digits(ep)

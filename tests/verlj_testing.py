@@ -27,6 +27,13 @@ TINY = [
 SMALL = [*TINY, "trainer.total_steps=4", "trainer.save_interval=2", "trainer.save_total_limit=2"]  # snapshots 2 and 4
 
 
+def session_dir(tmp_path_factory) -> Path:
+    """This pytest session's own directory, the same for all its xdist workers (each one's basetemp lies under it):
+    where what the session makes once for every worker goes (conftest.py's reference_run)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 def env(**extra) -> dict:
     e = dict(os.environ)
     e.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", TOKENIZERS_PARALLELISM="false")

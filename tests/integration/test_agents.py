@@ -16,7 +16,7 @@ import pytest
 from verlj.engine.schema.events import DropReason, StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import assert_same_journal, cli, fingerprints, kill_and_resume, raised_at, replay_here, train
+from verlj_testing import TINY, assert_same_journal, cli, fingerprints, kill_and_resume, raised_at, replay_here, train
 
 TESTS = str(Path(__file__).resolve().parents[1])  # agents_for_tests
 AGENT = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:digits", "rollout.max_turns=2", "trainer.total_steps=4",
@@ -29,11 +29,9 @@ def steps_of(run: Path) -> dict[int, StepEvents]:
 
 
 @pytest.fixture(scope="module")
-def agent_ref(tmp_path_factory):
-    run = tmp_path_factory.mktemp("agent") / "ref"
-    out = train(run, *AGENT, PYTHONPATH=TESTS)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return run
+def agent_ref(tmp_path_factory, reference_run):
+    """The agent's run (test_distill_runs's agent_run, trained once)."""
+    return reference_run(tmp_path_factory.mktemp("agent") / "ref", [*TINY, *AGENT], {"PYTHONPATH": TESTS})
 
 
 def test_an_openai_agent_trains_on_its_rewards_and_every_call_is_journaled(agent_ref):
@@ -204,7 +202,6 @@ TWO_RANKS = {"sync": ([], "step.before_commit:2"),
              "completion": (["rollout.mode=async", "rollout.async_order=completion"], "agents.after_durable:45")}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("order", list(TWO_RANKS))
 def test_on_two_ranks_killed_then_resumed_is_bit_identical(tmp_path, order):
     """torchrun, 2 ranks: each serves its own gateway and plays its share of the episodes (agents of one to three

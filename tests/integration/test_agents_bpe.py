@@ -18,8 +18,6 @@ from verlj.engine.schema.sample import unpack
 from verlj.journal import open_journal_reader
 from verlj_testing import assert_same_journal, cli, fingerprints, kill_and_resume, train
 
-pytestmark = pytest.mark.slow
-
 TESTS = str(Path(__file__).resolve().parents[1])
 AGENTS = {
     "openai_tools": ["rollout.agent=agents_for_tests:tooled", "rollout.max_turns=3"],
@@ -58,7 +56,7 @@ def check_clean(out, run: Path, agent: str, episodes: int | None = 48) -> None:
         assert episodes is None or len(lines) == episodes
 
 
-@pytest.mark.parametrize("agent", list(AGENTS))
+@pytest.mark.parametrize("agent", ["openai_tools", "async_stream"])  # the Agents SDK's: tests/integration/test_agents_sdk.py
 def test_on_a_real_tokenizer_an_agent_trains_with_no_prefix_break_and_a_kill_resumes_bit_identical(tmp_path, bpe_model, agent):
     ref, run = tmp_path / "ref", tmp_path / "run"
     over = overrides(bpe_model, agent)
@@ -66,8 +64,6 @@ def test_on_a_real_tokenizer_an_agent_trains_with_no_prefix_break_and_a_kill_res
     check_clean(out, ref, agent)
     if agent == "openai_tools":  # the model writes tool calls that parse: their results went back, spliced
         assert any(json.loads(s.agent_calls)["calls"][0]["response"].count('"tool_calls"') for s in samples_of(ref))
-    if agent == "sdk_responses":
-        assert all(json.loads(json.loads(s.agent_calls)["calls"][0]["request"])["api"] == "responses" for s in samples_of(ref) if s.agent_calls)
     kill_and_resume(run, ref, *over, failpoint="step.before_commit:2", PYTHONPATH=TESTS)
 
 

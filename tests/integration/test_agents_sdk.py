@@ -1,6 +1,7 @@
-"""An OpenAI Agents SDK agent (examples/agents_sdk.py: the library used unmodified) trained by verlj: every
-call the SDK makes journaled with its sample, its requests the SDK's own, the reward scored from its final
-output; SIGKILLed before a commit in sync mode and resumed, bit-identical to the uninterrupted run."""
+"""An OpenAI Agents SDK agent (examples/agents_sdk.py: the library used unmodified, on its default model, the Responses
+API) trained by verlj on the bpe_model: every call the SDK makes journaled with its sample, its requests the SDK's own,
+the reward scored from its final output, a row per call exported; SIGKILLed before a commit in sync mode and resumed,
+bit-identical to the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
 from verlj_testing import cli, kill_and_resume, train
 
-SDK = ["model.tiny.vocab=ascii", "rollout.agent=examples.agents_sdk:solve", "rollout.max_turns=3", "rollout.max_response_length=8",
+SDK = ["rollout.agent=examples.agents_sdk:solve", "rollout.max_turns=3", "rollout.max_response_length=48",
        "trainer.total_steps=2", "trainer.save_interval=1"]
 
 
-def test_an_agents_sdk_agent_trains_on_its_rewards_and_a_kill_resumes_bit_identical(tmp_path):
+def test_an_agents_sdk_agent_trains_on_its_rewards_and_a_kill_resumes_bit_identical(tmp_path, bpe_model):
     ref = tmp_path / "ref"
-    out = train(ref, *SDK)
+    over = [*SDK, f"model.actor.model_name_or_path={bpe_model}"]
+    out = train(ref, *over)
     assert out.returncode == 0, out.stderr[-3000:]
     with open_journal_reader(ref / "journal") as j:
         samples = [s for rec in j.iter_steps() for s in unpack(StepEvents.of(rec).added.samples)]
@@ -25,16 +27,20 @@ def test_an_agents_sdk_agent_trains_on_its_rewards_and_a_kill_resumes_bit_identi
     for s in samples:
         led = json.loads(s.agent_calls)
         assert 1 <= len(led["calls"]) <= 3 and s.rule_reward == led["reward"]
-        req = json.loads(led["calls"][0]["request"])  # the SDK's request, as it sent it
-        assert req["messages"][0]["content"].startswith("Answer with the number") and req["tools"][0]["function"]["strict"] is True
-        final = json.loads(led["calls"][-1]["response"])["choices"][0]["message"]["content"] or ""
-        # scored from the SDK's final output: the row's answer in it, else a tenth of its share of digits
-        assert led["reward"] in (1.0, 0.1 * sum(c.isdigit() for c in final) / max(1, len(final)))
+        req = json.loads(led["calls"][0]["request"])  # the SDK's request, as it sent it (the Responses API)
+        assert req["api"] == "responses" and req["instructions"].startswith("Answer with the number")
+        assert req["tools"][0]["function"]["strict"] is True
+        last = json.loads(led["calls"][-1]["response"])
+        final = "".join(p["text"] for item in last["output"] if item["type"] == "message" for p in item["content"])
+        # scored from the SDK's final output: the row's answer in it, else a tenth of its share of digits; an episode the
+        # SDK ended for a response cut at its length (incomplete) scores 0
+        assert led["reward"] in (1.0, 0.0, 0.1 * sum(c.isdigit() for c in final) / max(1, len(final)))
     assert len({s.rule_reward for s in samples}) > 1  # the rewards vary: the update has something to learn from
+    assert json.loads(cli("inspect", ref, "--json", check=True).stdout)["agents"]["prefix_breaks"] == 0
     out = cli("export", ref, "--rollouts", "--turns", "-o", tmp_path / "calls.jsonl", check=True)  # a row per model call
     rows = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert f"wrote {len(rows)} calls to" in out.stdout
     want = [(s.id, k + 1, c["completion_ids"]) for s in samples for k, c in enumerate(json.loads(s.agent_calls)["calls"])]
     assert [(r["sample_id"], r["call"], r["completion_ids"]) for r in rows] == want
     assert all(json.loads(r["messages"])[0]["role"] == "system" and r["status"] == "consumed" for r in rows)
-    kill_and_resume(tmp_path / "run", ref, *SDK, failpoint="step.before_commit:2")
+    kill_and_resume(tmp_path / "run", ref, *over, failpoint="step.before_commit:2")

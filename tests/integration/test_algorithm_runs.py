@@ -28,10 +28,9 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def grpo(tmp_path_factory):
-    run = tmp_path_factory.mktemp("algos") / "grpo"
-    run_train(run, None, [*TINY, *COMMON])
-    return run
+def grpo(tmp_path_factory, reference_run):
+    """GRPO's run (test_whatif's parent run, trained once)."""
+    return reference_run(tmp_path_factory.mktemp("algos") / "grpo", [*TINY, *COMMON])
 
 
 def metrics(run) -> dict[int, dict]:

@@ -165,7 +165,6 @@ def test_two_ranks_zero3_ppo_killed_and_resumed_match_the_uninterrupted_run(tmp_
         assert j.read_step(4).metrics["rollout/staleness/max"] == 2.0
 
 
-@pytest.mark.slow
 def test_tensor_parallel_ranks_generate_what_one_rank_does_and_resume_exactly(tmp_path):
     """TP=2: each rank's generator holds the whole policy (gathered from the TP shards at each push)
     and generates its data-parallel group's share, so step 1 (version 0) samples are a one-rank

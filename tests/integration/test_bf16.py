@@ -11,8 +11,6 @@ from verlj.engine.loop.run import train as run_train
 from verlj.engine.state.safe_load import load_weights_only
 from verlj_testing import TINY, env, fingerprints, kill_and_resume
 
-pytestmark = pytest.mark.slow
-
 BF16 = ["trainer.precision=bf16", "trainer.total_steps=5", "trainer.save_interval=2"]
 
 

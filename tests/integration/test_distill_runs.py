@@ -23,7 +23,7 @@ from verlj.engine.schema.agent_calls import AgentCalls
 from verlj.engine.schema.events import StepEvents
 from verlj.engine.schema.sample import unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import cli, train
+from verlj_testing import TINY, cli
 
 TESTS = str(Path(__file__).resolve().parents[1])  # envs_for_tests, agents_for_tests
 ENV = ["rollout.env=envs_for_tests:Digits", "rollout.max_turns=3", "model.tiny.vocab=ascii"]
@@ -31,26 +31,21 @@ AGENT = ["rollout.agent=agents_for_tests:digits", "rollout.max_turns=2", "model.
 DATA = "data/train-00000-of-00001"
 
 
-def trained(tmp_path_factory, name: str, *overrides: str) -> Path:
-    run = tmp_path_factory.mktemp(name) / "run"
-    out = train(run, *overrides, PYTHONPATH=TESTS)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return run
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, reference_run):
+    """The default task's run (test_restarts's reference, trained once)."""
+    return reference_run(tmp_path_factory.mktemp("default") / "run", TINY, {})
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    return trained(tmp_path_factory, "default")
+def env_run(tmp_path_factory, reference_run):
+    return reference_run(tmp_path_factory.mktemp("env") / "run", [*TINY, *ENV], {"PYTHONPATH": TESTS})
 
 
 @pytest.fixture(scope="module")
-def env_run(tmp_path_factory):
-    return trained(tmp_path_factory, "env", *ENV)
-
-
-@pytest.fixture(scope="module")
-def agent_run(tmp_path_factory):
-    return trained(tmp_path_factory, "agent", *AGENT)
+def agent_run(tmp_path_factory, reference_run):
+    """An agent program's run (test_agents's agent_ref, trained once)."""
+    return reference_run(tmp_path_factory.mktemp("agent") / "run", [*TINY, *AGENT], {"PYTHONPATH": TESTS})
 
 
 def journal_samples(run: Path) -> dict[tuple[int, int], object]:

@@ -408,7 +408,6 @@ ORDERS = {"sync": [], "step": ["rollout.mode=async", "rollout.async_order=step"]
           "completion": ["rollout.mode=async", "rollout.async_order=completion"]}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("order", list(ORDERS))
 @pytest.mark.parametrize("where", list(WHERE))
 def test_episodes_on_vllm_and_two_ranks_killed_then_resumed(tmp_path, where, order):

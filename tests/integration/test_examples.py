@@ -36,11 +36,12 @@ def test_every_example_is_a_valid_config_with_a_header_that_runs_it():
         assert commands and f"--config examples/{path.name}" in commands[0], path.name
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_runs(path, tmp_path):
+def test_example_runs(path, tmp_path, request):
     run = tmp_path / "run"
     local = [f"journal.local_dir={tmp_path / 'local'}"] if "local_dir" in path.read_text() else []
+    if any("examples/make_bpe_model.py" in c for c in header_commands(path)):  # the header makes the BPE model first: the fixture's
+        local.append(f"model.actor.model_name_or_path={request.getfixturevalue('bpe_model')}")
     ranks = 2 if any(c.startswith("torchrun") for c in header_commands(path)) else 1
     verlj("train", "--config", path, "-o", run, *SHORT, *local, ranks=ranks, check=True, timeout=600)
     assert (run / "step_00003" / "manifest.json").is_file()

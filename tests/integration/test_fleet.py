@@ -25,8 +25,6 @@ from test_async_completion import check_accounting
 from verlj.journal import open_journal_reader
 from verlj_testing import REPO, TINY, assert_same_journal, cli, env, fingerprints, replay_here, train
 
-pytestmark = pytest.mark.slow
-
 TESTS = str(Path(__file__).resolve().parents[1])  # envs_for_tests (the ragged runs' reward)
 FLEET = ["rollout.mode=async", "rollout.fleet=ray", "rollout.fleet_size=2"]
 NOT_FLEET = ("rollout/fleet/",)  # the fleet's own counters (deaths, live actors, M) differ by design between the runs compared

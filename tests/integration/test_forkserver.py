@@ -8,8 +8,6 @@ import signal
 import subprocess
 import time
 
-import pytest
-
 import verlj_testing
 from verlj_testing import REPO, assert_same_journal, fingerprints, train
 
@@ -30,7 +28,6 @@ def same_text(a: str, b: str, tmp_path) -> bool:
     return norm(a) == norm(b)
 
 
-@pytest.mark.slow
 def test_a_forked_run_a_refusal_and_a_kill_are_what_a_fresh_interpreter_gives(monkeypatch, tmp_path):
     forked, fresh = both(monkeypatch, tmp_path / "run", "trainer.total_steps=3")
     assert forked.returncode == fresh.returncode == 0
@@ -70,7 +67,6 @@ def served() -> list[str]:
     return verlj_testing._SERVER[0].said()
 
 
-@pytest.mark.slow
 def test_torchrun_s_ranks_forked_train_and_die_as_fresh_ones_do(monkeypatch, tmp_path):
     """Two ranks; rank 0 SIGKILLs itself after step 2's commit: the agent ends rank 1 (SIGTERM, which forkclient
     passes on) and exits 1, as with fresh ranks; the same journal and fingerprints up to the kill."""

@@ -16,11 +16,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-import pytest
-
 from verlj_testing import REPO, TINY, env
-
-pytestmark = pytest.mark.slow
 
 SOURCES = ("journal", "engine", "cli", "pyproject.toml", "setup.py", "README.md")
 

@@ -16,8 +16,6 @@ from verlj.engine.state.safe_load import load_weights_only
 from verlj.journal import open_journal_reader
 from verlj_testing import TINY, fingerprints, kill_and_resume, train, verlj
 
-pytestmark = pytest.mark.slow
-
 LORA = ["model.actor.lora_rank=4", "model.actor.lora_alpha=8", "trainer.total_steps=5", "trainer.save_interval=2"]
 
 

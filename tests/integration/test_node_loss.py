@@ -32,8 +32,6 @@ from verlj.engine.state.manifest import check_snapshot
 from verlj.journal import Journal, open_journal_reader, segments
 from verlj_testing import REPO, TINY, _port, assert_same_journal, cli, comparable_steps, env, fingerprints, popen, train
 
-pytestmark = pytest.mark.slow
-
 LAG = 2
 MATRIX = ["trainer.total_steps=6", "trainer.save_interval=2", "trainer.save_total_limit=1", f"journal.ship_max_lag_steps={LAG}"]
 RETAIN = ["journal.retain_samples=since_oldest_snapshot", "journal.archive=true"]

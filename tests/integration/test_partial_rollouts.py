@@ -22,8 +22,6 @@ from verlj.engine.schema.sample import Columns, GroupProgress, token_versions
 from verlj.journal import open_journal_reader
 from verlj_testing import cli, fingerprints, replay_here, train
 
-pytestmark = pytest.mark.slow
-
 # the generator 10 ms a token: a push (every step, well under a second here) finds generations going, and a
 # response of up to 24 tokens spans updates
 SLOW = "generator.token:1:sleep-each=0.01"

@@ -7,13 +7,10 @@ import json
 import random
 from collections import Counter
 
-import pytest
 from test_recovery import kill_at_random, resume_until_done
 
 from verlj.engine.report import wandb_steps
 from verlj_testing import assert_same_journal, train
-
-pytestmark = pytest.mark.slow
 
 TARGET = 8
 SINKS = [f"trainer.total_steps={TARGET}", "trainer.save_interval=3", "logging.wandb=true", "logging.tensorboard=true"]

@@ -18,8 +18,6 @@ import pytest
 
 from verlj_testing import REPO, TINY, assert_same_journal, committed, env, fingerprints, train, verlj
 
-pytestmark = pytest.mark.slow
-
 RAY = ["--launcher", "ray", "--nproc", "2"]
 
 

@@ -76,24 +76,31 @@ def journal_ok(run):
 
 
 @pytest.mark.parametrize(
-    "algo, point",
+    "algo, first, then",
     [
-        ("grpo", "journal.before_commit:3"),  # inside the LMDB transaction of step 3
-        ("grpo", "snapshot.rotate:1"),  # old snapshot unindexed, not yet deleted
-        ("ppo", "step.before_commit:4"),  # update done, step 4 not journaled
-        ("ppo", "snapshot.before_index:2"),  # step_00004 renamed into place, not in the index
+        # inside the LMDB transaction of step 3; resumed, the old snapshot unindexed, not yet deleted (step 6's rotation)
+        ("grpo", "journal.before_commit:3", "snapshot.rotate:1"),
+        # update done, step 4 not journaled; resumed (from step_00002), step_00004 renamed into place, not in the index
+        ("ppo", "step.before_commit:4", "snapshot.before_index:1"),
     ],
 )
-def test_kill_at_a_failpoint_then_resume_is_exact(tmp_path, references, algo, point):
+def test_kills_at_failpoints_then_resume_is_exact(tmp_path, references, algo, first, then):
+    """Killed at `first`, its resume killed at `then` (counted in the resumed process: where a fresh run's
+    count would put it), then resumed to the end: the uninterrupted run's journal."""
     over = GRPO_DYN if algo == "grpo" else PPO_Z3
     run = tmp_path / "run"
-    out = train(run, *over, VERLJ_FAILPOINT=point)
+    out = train(run, *over, VERLJ_FAILPOINT=first)
     assert out.returncode == -9, out.stderr[-3000:]
     ok, last = journal_ok(run)
     assert ok and last < TARGET
+    out = train(run, *over, resume=True, VERLJ_FAILPOINT=then)
+    assert out.returncode == -9, out.stderr[-3000:]
+    assert "Resuming from checkpoint" in out.stdout or "initial state" in out.stdout
+    ok, last_then = journal_ok(run)
+    assert ok and last < last_then < TARGET
     out = resume_until_done(run, over)
     assert "Resuming from checkpoint" in out.stdout or "initial state" in out.stdout
-    if point.startswith("snapshot.before_index"):  # a valid published snapshot is adopted, never deleted
+    if then.startswith("snapshot.before_index"):  # a valid published snapshot is adopted, never deleted
         assert "Adopted step_00004: published but not indexed" in out.stdout, out.stdout
         assert "Resuming from checkpoint" in out.stdout and "step_00004" in out.stdout
     assert_same_journal(run, references[algo])

@@ -69,7 +69,6 @@ def test_a_difference_that_does_not_repeat_is_transient(journaled, monkeypatch):
     assert (v["verdict"], v["stage"], v["kind"]) == ("differs", "advantages", "transient")
 
 
-@pytest.mark.slow
 def test_rerun_finds_a_flipped_gradient_bit_and_a_flipped_parameter_bit(tmp_path):
     """Silent data corruption in a live run (the update.grads / update.params failpoints flip one
     mantissa bit): rerun names exactly those steps and stages, goes on from the next snapshot, and

@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from verlj_testing import REPO, TINY, _port, assert_same_journal, env, train
-
-pytestmark = pytest.mark.slow
+from verlj_testing import REPO, TINY, _port, assert_same_journal, env
 
 
 def children(pid: int) -> list[int]:
@@ -23,11 +21,9 @@ def children(pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("restarts") / "reference"
-    out = train(run)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return run
+def reference(tmp_path_factory, reference_run) -> Path:
+    """The default run (test_distill_runs's default_run, trained once)."""
+    return reference_run(tmp_path_factory.mktemp("restarts") / "reference", TINY, {})
 
 
 def test_a_trainer_killed_by_sigkill_is_restarted_and_the_run_ends_identical(tmp_path, reference):

@@ -9,13 +9,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from verlj.engine.loop.ledger import Ledger
 from verlj.journal import Journal
 from verlj_testing import SMALL, TINY, cli, train, verlj
-
-pytestmark = pytest.mark.slow
 
 
 def test_a_run_that_never_committed_resumes_with_its_stored_config(tmp_path):

@@ -15,8 +15,6 @@ from verlj.engine.loop.run import train as run_train
 from verlj.journal import open_journal_reader
 from verlj_testing import TINY, _same, assert_same_journal, cli, comparable_steps, env, fingerprints, popen, train, verlj
 
-pytestmark = pytest.mark.slow
-
 SNAPS = ["trainer.save_interval=3", "trainer.save_total_limit=2"]
 RETAIN = [*SNAPS, "journal.retain_samples=since_oldest_snapshot", "journal.archive=true"]
 

@@ -19,8 +19,6 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("vllm")
 
-pytestmark = pytest.mark.slow
-
 VLLM = ["rollout.engine=vllm", "model.tiny.num_heads=2"]  # head size 32: one vLLM's CPU attention runs
 TARGET = 6
 GRPO_DYN = [f"trainer.total_steps={TARGET}", "trainer.save_interval=2", "trainer.save_total_limit=2",

@@ -24,10 +24,11 @@ REWARD = "from verlj.engine.rl.rewards import add_reward\n\ndef negated(prompt, 
 
 
 @pytest.fixture(scope="module")
-def parent(tmp_path_factory):
+def parent(tmp_path_factory, reference_run):
+    """A directory with the run (a 4-step run: test_algorithm_runs's grpo, trained once) and the reward module."""
     root = tmp_path_factory.mktemp("whatif")
     (root / "wirew.py").write_text(REWARD)
-    run_train(root / "run", None, [*TINY, "trainer.total_steps=4", "trainer.save_interval=2", "trainer.save_total_limit=0"])
+    reference_run(root / "run", [*TINY, "trainer.total_steps=4", "trainer.save_interval=2", "trainer.save_total_limit=0"])
     return root
 
 
@@ -135,7 +136,6 @@ def test_a_whatif_with_local_dir_verifies_and_resumes_exactly(parent, tmp_path):
     assert cli("verify", new).returncode == 0
 
 
-@pytest.mark.slow
 def test_a_whatif_killed_at_a_random_moment_and_resumed_is_bit_identical(tmp_path):
     run = tmp_path / "run"
     run_train(run, None, [*TINY, "trainer.total_steps=10", "trainer.save_interval=3", "trainer.save_total_limit=0"])
