@@ -245,6 +245,8 @@ def test_the_loss_weights_each_token_by_the_version_that_generated_it():
     (["rollout.partial=true", "rollout.mode=async"], "in async completion order only"),
     (["rollout.partial=true", "rollout.mode=async", "rollout.async_order=completion", "rollout.env=builtin:guess"],
      "does not combine with rollout.env"),
+    (["rollout.partial=true", "rollout.mode=async", "rollout.async_order=completion", "rollout.agent=examples.agents_sdk:main"],
+     "does not combine with rollout.agent"),
     (["rollout.max_token_staleness=3"], "applies to rollout.partial=true only"),
     (["rollout.partial=true", "rollout.mode=async", "rollout.async_order=completion", "rollout.max_staleness=2",
       "rollout.max_token_staleness=1"], "at least rollout.max_staleness (2)"),
