@@ -1,8 +1,9 @@
 """The one codec of verlj's records: a dataclass declares its fields once, and its map (the plain
 form the journal stores as msgpack), its reading back and its upcasters all come from that declaration.
 
-Step events (:mod:`.events`), the ledger's records (``loop.records``), a group of episodes in flight
-(:mod:`.sample`) and the prompts' identity are :class:`Record` subclasses. A record's map holds its
+Step events (:mod:`.events`), the ledger's records (``loop.records``), a group of episodes in flight and
+a generation a weight update stopped (rollout.partial; both :mod:`.sample`) and the prompts' identity are
+:class:`Record` subclasses. A record's map holds its
 fields in the order they are declared, each under its name, its value as the field holds it, except
 what a field's type says (an enum is stored as its value, a nested record as its map) and what the
 field declares itself with ``dataclasses.field(metadata=stored(...))``, where it is::
