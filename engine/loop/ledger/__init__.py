@@ -274,7 +274,7 @@ class Ledger:
         ledger.lineage    its start, fork or what-if, each resume since, and what each ran on (Lineage)
         ledger.snapshots  the snapshot index, the quarantined snapshots, those gone missing (SnapshotIndex)
         ledger.retention  the last step whose samples were pruned, the rollout archive's index (RetentionIndex)
-        ledger.in_flight  the episodes and agent calls in flight between two commits (InFlight)
+        ledger.in_flight  the episodes, agent calls and partial generations in flight between two commits (InFlight)
     """
 
     def __init__(self, journal: Journal):
