@@ -209,7 +209,7 @@ class Whole(Prompts):
     """Every call's conversation rendered by the chat template and tokenized whole (never spliced): the gateway before."""
 
     def ids(self, messages, tools, earlier, forced=""):
-        return self.whole(messages, tools, forced), -1
+        return self.whole(messages, tools, forced)
 
 
 def echo_agent(calls: int, tools: list | None):

@@ -586,3 +586,58 @@ async def _collect():
 
     gc.collect()
     await asyncio.sleep(0.2)  # the closes the collector scheduled on this loop run
+
+
+def test_the_tagged_stream_hands_through_what_it_does_not_own_and_never_holds_its_lock_writing():
+    """A progress bar's console finds the real stream through a proxy's attribute (rich's rich_proxied_file) and may
+    write back through sys.stdout while a line is written: the tagged stream neither hides the one nor deadlocks on the
+    other."""
+    import io
+
+    from verlj.engine.rl.gateway.agents import EPISODE, Tagged
+
+    class Proxy(io.StringIO):
+        rich_proxied_file = "the real stream"
+
+        def write(self, s):  # as a console writing back through the stream it was given
+            if s.startswith("[episode 1]") and not getattr(self, "again", False):
+                self.again = True
+                tagged.write("(the console's own line)\n")
+            return super().write(s)
+
+    tagged = Tagged(Proxy())
+    assert tagged.rich_proxied_file == "the real stream" and tagged.getvalue() == ""
+    done = threading.Event()
+
+    def agent_thread():
+        EPISODE.set("episode 1")
+        tagged.write("hello\n")
+        done.set()
+
+    threading.Thread(target=agent_thread, daemon=True).start()
+    assert done.wait(5), "the tagged stream deadlocked on a write that came back through it"
+    assert tagged.inner.getvalue().count("[episode 1] hello\n") == 1
+
+
+def test_an_async_agent_that_blocks_its_loop_still_gets_its_answer_and_what_it_leaves_running_is_cancelled():
+    import time
+
+    from verlj.engine.rl.gateway.agents import agent_loop
+
+    left = []
+
+    async def agent(ep):
+        async def forever():
+            await asyncio.sleep(3600)
+
+        left.append(asyncio.get_running_loop().create_task(forever()))  # made and never awaited
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0, timeout=10)  # a sync client: blocks the loop
+        got = client.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": "x"}])
+        return float(bool(got.choices))
+
+    out, *_ = play(agent, n=1)
+    assert out[0].fault == "" and out[0].reward == 1.0  # the server runs apart from the agents' loop
+    deadline = time.monotonic() + 5
+    while not left[0].done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert left[0].cancelled() and left[0].get_loop() is agent_loop()

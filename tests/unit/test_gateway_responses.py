@@ -200,7 +200,9 @@ def test_forced_prefixes_and_their_refusals():
     assert forced_prefix(parse_request(json.dumps({**body, "tool_choice": "none"}).encode(), MODEL)) == ""
     for bad, param in [({**body, "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice"),
                        ({"model": MODEL, "messages": body["messages"], "tool_choice": "required"}, "tool_choice"),
-                       ({**body, "tool_choice": "always"}, "tool_choice")]:
+                       ({**body, "tool_choice": "always"}, "tool_choice"),
+                       ({**body, "tool_choice": {"type": "function", "function": "add"}}, "tool_choice"),
+                       ({**body, "tool_choice": {"type": "function", "function": None}}, "tool_choice")]:
         with pytest.raises(ApiError) as e:
             parse_request(json.dumps(bad).encode(), MODEL)
         assert e.value.status == 400 and e.value.param == param

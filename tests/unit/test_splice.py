@@ -82,7 +82,7 @@ class Whole(Prompts):
     """The gateway before splicing: every conversation rendered by the template and tokenized whole."""
 
     def ids(self, messages, tools, earlier, forced=""):
-        return self.whole(messages, tools, forced), -1
+        return self.whole(messages, tools, forced)
 
 
 def test_a_conversation_sent_back_as_answered_is_spliced_where_tokenizing_it_again_breaks(tok):

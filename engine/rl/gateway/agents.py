@@ -9,14 +9,15 @@ returning the episode's reward or None) or ``rollout.agent=cmd:COMMAND`` (a prog
 prints; ``None`` or nothing: rollout.reward_fn scores).
 
 **One event loop.** Every ``async def`` agent runs as a task on one event loop, in one thread, that lives as long
-as the process; the gateway's HTTP server runs on it too (``gateway.server``). An agent that makes its own
-``AsyncOpenAI`` or ``httpx.AsyncClient`` per episode and never closes it (the openai and Agents SDK docs'
+as the process (the gateway's HTTP server has a loop of its own, likewise: ``gateway.server``). An agent that makes
+its own ``AsyncOpenAI`` or ``httpx.AsyncClient`` per episode and never closes it (the openai and Agents SDK docs'
 pattern) leaves the client to the garbage collector, which closes it on whatever loop is running in the thread
-that collects it: here, the loop the client was made on, still running, so the close succeeds. (Each agent on
-a loop of its own, closed when it returned, made every such close fail later on another thread's loop: ``Task
-exception was never retrieved ... RuntimeError: Event loop is closed``.) The loop is shared, so an ``async def``
-agent must not block it (a blocking agent is a plain function: it runs in a thread of its own). A hung ``async
-def`` agent is cancelled when its episode ends.
+that collects it; the loops never close, so the close succeeds. (Each agent on a loop of its own, closed when it
+returned, made every such close fail later: ``Task exception was never retrieved ... RuntimeError: Event loop is
+closed``.) The agents' loop is shared: an ``async def`` agent that blocks it (a sync client, ``time.sleep``) delays
+the others (a blocking agent is better a plain function: it runs in a thread of its own). What an agent leaves
+running when it returns (tasks it made) is cancelled, as ``asyncio.run`` would; a hung ``async def`` agent is
+cancelled when its episode ends.
 
 **Its output.** What an agent prints (stdout, stderr) and logs reaches the user once, each line tagged with
 its episode (``[episode 37] ...``; ``[episode 37, attempt 2]`` for a re-run after a crash): a command's output
@@ -36,6 +37,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -118,27 +120,56 @@ class CommandAgent:
 
 # ----------------------------------------------------------------------------- the agents' event loop
 
-_LOOP: asyncio.AbstractEventLoop | None = None
-_LOOP_LOCK = threading.Lock()
+_LOOPS: dict[str, asyncio.AbstractEventLoop] = {}
+_LOOPS_LOCK = threading.Lock()
+_SPAWNED: dict[str, weakref.WeakSet] = {}  # an episode's tag -> the tasks its agent's code made (cancelled when it ends)
 
 
-def agent_loop() -> asyncio.AbstractEventLoop:
-    """The process's one event loop for the gateway's server and every ``async def`` agent (uvloop when
-    installed), running in a daemon thread of its own from its first use to the process's end (what it cannot hand
-    to anyone is said in one line: ``gateway.server.unhandled``)."""
-    global _LOOP
-    with _LOOP_LOCK:
-        if _LOOP is None:
-            loop: asyncio.AbstractEventLoop
+def _loop(name: str) -> asyncio.AbstractEventLoop:
+    """The process's event loop `name` (uvloop when installed), running in a daemon thread of its own from its first
+    use to the process's end."""
+    with _LOOPS_LOCK:
+        loop = _LOOPS.get(name)
+        if loop is None:
             try:
                 import uvloop
 
                 loop = uvloop.new_event_loop()
             except ImportError:
                 loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="verlj-agents", daemon=True).start()
-            _LOOP = loop
-        return _LOOP
+            loop.set_task_factory(_task)
+            threading.Thread(target=loop.run_forever, name=f"verlj-{name}", daemon=True).start()
+            _LOOPS[name] = loop
+        return loop
+
+
+def agent_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop every ``async def`` agent runs on (what it cannot hand to anyone is said in one line:
+    ``gateway.server.unhandled``)."""
+    return _loop("agents")
+
+
+def server_loop() -> asyncio.AbstractEventLoop:
+    """The gateway's HTTP server's loop: a loop apart, so that an agent that blocks its own loop (a sync client in
+    an ``async def``) still gets its answers."""
+    return _loop("gateway")
+
+
+def _task(loop: asyncio.AbstractEventLoop, coro: Any, context: contextvars.Context | None = None, **kw: Any) -> asyncio.Task:
+    """The loops' task factory: a task made in an agent's code (its episode's tag in its context) is noted, so that
+    what the agent leaves running when it returns is cancelled (as asyncio.run would), not left on the shared loop."""
+    task = asyncio.Task(coro, loop=loop, context=context, **kw)
+    tag = (context or contextvars.copy_context()).get(EPISODE, "")
+    if tag:
+        _SPAWNED.setdefault(tag, weakref.WeakSet()).add(task)
+    return task
+
+
+def cancel_spawned(tag: str) -> None:
+    """Cancel the tasks an episode's agent made that are still running (on their loop's thread)."""
+    for task in list(_SPAWNED.pop(tag, ())):
+        if not task.done():
+            task.get_loop().call_soon_threadsafe(task.cancel)
 
 
 def start_async(awaitable: Any) -> Future:
@@ -170,23 +201,23 @@ class Tagged(io.TextIOBase):
         tag = EPISODE.get()
         if not tag:
             return self.inner.write(s)
-        with self.lock:
+        with self.lock:  # only the partial lines under the lock: the write below may come back here (a console's proxy)
             text = self.partial.pop(tag, "") + s
             *lines, rest = text.split("\n")
             if rest:
                 self.partial[tag] = rest
-            if lines:
-                self.inner.write("".join(f"[{tag}] {line}\n" for line in lines))
-                self.inner.flush()
+        if lines:
+            self.inner.write("".join(f"[{tag}] {line}\n" for line in lines))
+            self.inner.flush()
         return len(s)
 
     def end(self, tag: str) -> None:
         """The episode is over: what it wrote without a line break, as a line."""
         with self.lock:
             rest = self.partial.pop(tag, "")
-            if rest:
-                self.inner.write(f"[{tag}] {rest}\n")
-                self.inner.flush()
+        if rest:
+            self.inner.write(f"[{tag}] {rest}\n")
+            self.inner.flush()
 
     def flush(self) -> None:
         self.inner.flush()
@@ -200,6 +231,11 @@ class Tagged(io.TextIOBase):
     @property
     def encoding(self) -> str:  # type: ignore[override]
         return getattr(self.inner, "encoding", "utf-8")
+
+    def __getattr__(self, name: str) -> Any:
+        """Whatever else the wrapped stream has (``buffer``, ``name``; rich's ``rich_proxied_file``, by which a progress
+        bar's console finds the real stream instead of writing back through this one)."""
+        return getattr(self.inner, name)
 
 
 class _EpisodeFilter(logging.Filter):
@@ -233,8 +269,11 @@ class AgentOutput:
             self.err.end(tag)
 
     def close(self) -> None:
-        if (sys.stdout, sys.stderr) == (self.out, self.err):
-            sys.stdout, sys.stderr = self.was
+        """Each stream put back that is still this one's (one replaced meanwhile, e.g. by a redirect, is left alone)."""
+        if sys.stdout is self.out:
+            sys.stdout = self.was[0]
+        if sys.stderr is self.err:
+            sys.stderr = self.was[1]
         for h in self.handlers:
             h.removeFilter(self.filter)
 

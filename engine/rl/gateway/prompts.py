@@ -18,8 +18,8 @@ completion is never tokenized again: the policy's own tokens stay, whatever the 
 their place. Only a real rewrite (an earlier message changed, dropped or summarised, an answer edited, the tools
 changed) is rendered whole, which starts a new segment in the ledger (``gateway.ledger``).
 
-Nothing here is random or timed: the same calls give the same ids, so a call answered again after a crash
-is spliced as it was.
+Nothing here is random: the same calls give the same ids (given a template that is itself deterministic: one
+that writes today's date changes with it), so a call answered again after a crash is spliced as it was.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ from .protocol import ApiError, same_answer, template_messages
 Template = Callable[[list, "list | None", bool], str]
 
 SENTINEL = "VERLJ-SPLICE-SENTINEL"  # an assistant's content, to find what the template writes after one
-STAND_IN = [{"role": "user", "content": "-"}]  # a conversation the new messages are rendered after when the history's rendering moves
+# conversations the new messages are rendered after when the history's rendering moves (the first that renders and
+# stays a prefix: one ending in a user message for templates that drop earlier reasoning, one ending in an
+# assistant's for templates that make roles alternate)
+STAND_INS = ([{"role": "user", "content": "-"}], [{"role": "user", "content": "-"}, {"role": "assistant", "content": "-"}])
 
 
 @dataclass(frozen=True)
@@ -78,18 +81,19 @@ class Prompts:
         except Exception as e:  # noqa: BLE001 - the template (the tokenizer's jinja) refusing these messages
             raise ApiError(400, f"The chat template cannot render these messages: {str(e).splitlines()[0][:200]}", "messages") from None
 
-    def ids(self, messages: list, tools: list | None, earlier: list[Answered], forced: str = "") -> tuple[np.ndarray, int]:
-        """A request's prompt ids and the earlier call they are spliced onto (-1: rendered whole). `forced`: text the
-        answer must begin with, written after the generation prompt (tool_choice "required": the tool-call tag)."""
+    def ids(self, messages: list, tools: list | None, earlier: list[Answered], forced: str = "") -> np.ndarray:
+        """A request's prompt ids: spliced onto the earlier call it continues, else rendered whole (the ledger reads
+        which call a call continues from the ids themselves: gateway.ledger.parents). `forced`: text the answer must
+        begin with, written after the generation prompt (tool_choice "required": the tool-call tag)."""
         k = continued(messages, tools, earlier)
         ids = self.spliced(messages, tools, earlier[k], forced) if k >= 0 else None
         if ids is None:
-            k, ids = -1, self.whole(messages, tools, forced)
+            ids = self.whole(messages, tools, forced)
         if self.max_prompt and len(ids) > self.max_prompt:
             raise ApiError(400, f"This conversation is {len(ids)} tokens, more than the {self.max_prompt} the model's context leaves "
                            "for a prompt (rollout.max_episode_length, or the model's positions, less rollout.max_response_length).",
                            "messages", "context_length_exceeded")
-        return ids, k
+        return ids
 
     def whole(self, messages: list, tools: list | None, forced: str = "") -> np.ndarray:
         """The conversation rendered by the chat template and tokenized, <bos> first (as every prompt)."""
@@ -104,8 +108,11 @@ class Prompts:
         """`a`'s prompt and completion ids, the end of its turn, then the new messages tokenized (None: the
         template cannot say where its assistant turn ends, or renders no new messages after it)."""
         m = len(a.messages)
-        end = self.end_of_turn(messages[:m], tools, a.completion_ids)
-        new = self.new_text(messages, m, tools)
+        try:
+            end = self.end_of_turn(messages[:m], tools, a.completion_ids)
+            new = self.new_text(messages, m, tools)
+        except ApiError:  # the template refuses a partial conversation: the whole one is rendered (or refused) instead
+            return None
         if end is None or new is None:
             return None
         return np.concatenate([a.prompt_ids, a.completion_ids, np.asarray(self.encode(end + new + forced), np.int64)]).astype(np.int64)
@@ -131,5 +138,11 @@ class Prompts:
         through, whole = self.render(messages[: m + 1], tools, False), self.render(messages, tools)
         if whole.startswith(through):
             return whole[len(through):]
-        base, after = self.render(STAND_IN, tools, False), self.render([*STAND_IN, *messages[m + 1:]], tools)
-        return after[len(base):] if after.startswith(base) else None
+        for stand_in in STAND_INS:
+            try:
+                base, after = self.render(stand_in, tools, False), self.render([*stand_in, *messages[m + 1:]], tools)
+            except ApiError:
+                continue
+            if after.startswith(base):
+                return after[len(base):]
+        return None

@@ -10,7 +10,8 @@ server ignores what a model does not use):
 
 - ``model`` (the run's name, ``GET /v1/models``), ``messages`` (system, developer, user, assistant, tool;
   ``content`` a string or a list of text parts; an assistant's ``tool_calls``; a tool's ``tool_call_id``),
-  ``tools`` (functions), ``tool_choice`` (``auto`` or ``none``), ``max_tokens`` / ``max_completion_tokens``
+  ``tools`` (functions), ``tool_choice`` (``auto``, ``none``, ``required`` or a named function: :func:`forced_prefix`),
+  ``max_tokens`` / ``max_completion_tokens``
   (capped at rollout.max_response_length), ``stop`` (a string or up to 4), ``logprobs`` / ``top_logprobs``,
   ``stream`` (with ``stream_options.include_usage``; token by token where the engine streams and the
   request has no tools in play, stop strings or log-probs: :func:`streams_tokens`).
@@ -182,7 +183,8 @@ def tool_choice_of(raw: Any, tools: list | None, param: str) -> str | dict:
     Responses API's ``{"type": "function", "name": ...}`` is read as the same), checked against the tools."""
     if raw in ("auto", "none"):
         return raw
-    named = raw.get("function", raw).get("name") if isinstance(raw, dict) and raw.get("type") == "function" else None
+    fn = raw.get("function", raw) if isinstance(raw, dict) and raw.get("type") == "function" else None
+    named = fn.get("name") if isinstance(fn, dict) else None
     if raw != "required" and not isinstance(named, str):
         raise bad_request(f"Invalid '{param}': expected 'auto', 'none', 'required' or {{type: function, function: {{name}}}}.", param)
     offered = [t["function"]["name"] for t in tools or []]
@@ -207,8 +209,9 @@ def forced_prefix(req: ChatRequest) -> str:
     return '<tool_call>\n{"name": ' + json.dumps(choice["function"]["name"], ensure_ascii=False) + ', "arguments":'
 
 
-def parse_request(body: bytes, model: str) -> ChatRequest:
-    """A request body checked, or an ApiError (400 malformed or refused, 404 another model, 413 too large)."""
+def request_object(body: bytes, model: str) -> tuple[dict, str]:
+    """A request body as its JSON object and the model it names (either API's), or an ApiError: 413 too large, 400
+    not a JSON object or no model, 404 another model."""
     if len(body) > MAX_BODY:
         raise ApiError(413, f"The request body is {len(body)} bytes, more than the gateway's limit of {MAX_BODY}.")
     try:
@@ -222,6 +225,12 @@ def parse_request(body: bytes, model: str) -> ChatRequest:
         raise bad_request("Missing required parameter: 'model'.", "model")
     if name != model:
         raise ApiError(404, f"The model `{name}` does not exist; this gateway serves `{model}` (GET /v1/models).", "model", "model_not_found")
+    return d, name
+
+
+def parse_request(body: bytes, model: str) -> ChatRequest:
+    """A request body checked, or an ApiError (400 malformed or refused, 404 another model, 413 too large)."""
+    d, name = request_object(body, model)
     for k in _INT_FIELDS:
         typed_field(d, k, (int,), "an integer")
     for k in _NUM_FIELDS:
@@ -349,6 +358,13 @@ class TextStream:
         return now[len(before) :]
 
 
+def token_deltas(c: Completion) -> list[str]:
+    """A token-by-token stream's text deltas: a delta a token, as they were sent while generating, then what they
+    miss of the text (none empty)."""
+    sent = "".join(c.pieces)
+    return [p for p in ([*c.pieces, c.text[len(sent):]] if c.text.startswith(sent) else c.pieces) if p]
+
+
 def sse_event(d: dict) -> bytes:
     return f"data: {json.dumps(d, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
@@ -404,10 +420,8 @@ def response_bytes(req: ChatRequest, c: Completion, call_id: str, parser: str = 
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(), flag
     chunk = stream_head(req, call_id)
     deltas: list[dict] = []
-    if streams_tokens(req):  # a delta a token, as they were sent while generating; what they miss of the text, last
-        sent = "".join(c.pieces)
-        pieces = [*c.pieces, c.text[len(sent):]] if c.text.startswith(sent) else list(c.pieces)
-        deltas += [{"delta": {"content": p}, "logprobs": None, "finish_reason": None} for p in pieces if p]
+    if streams_tokens(req):
+        deltas += [{"delta": {"content": p}, "logprobs": None, "finish_reason": None} for p in token_deltas(c)]
     elif msg["content"]:
         deltas.append({"delta": {"content": msg["content"]}, "logprobs": lp, "finish_reason": None})
     for k, tc in enumerate(msg.get("tool_calls", [])):

@@ -37,13 +37,15 @@ import json
 from typing import Any
 
 from .protocol import (
-    MAX_BODY,
     RESPONSES,
     ApiError,
     ChatRequest,
     Completion,
     bad_request,
     message,
+    request_object,
+    streams_tokens,
+    token_deltas,
     tool_choice_of,
     typed_field,
 )
@@ -117,19 +119,7 @@ def _tools(raw: Any) -> list | None:
 def parse_responses(body: bytes, model: str) -> ChatRequest:
     """A ``/v1/responses`` body checked, as the request it asks for (``api="responses"``; its
     previous_response_id resolved later, by the episode that holds that response: :func:`continued`)."""
-    if len(body) > MAX_BODY:
-        raise ApiError(413, f"The request body is {len(body)} bytes, more than the gateway's limit of {MAX_BODY}.")
-    try:
-        d = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise bad_request("We could not parse the JSON body of your request. The body must be a JSON object.") from None
-    if not isinstance(d, dict):
-        raise bad_request("The body of your request must be a JSON object.")
-    name = typed_field(d, "model", (str,), "a string")
-    if name is None:
-        raise bad_request("Missing required parameter: 'model'.", "model")
-    if name != model:
-        raise ApiError(404, f"The model `{name}` does not exist; this gateway serves `{model}` (GET /v1/models).", "model", "model_not_found")
+    d, name = request_object(body, model)
     for k, (types, what) in _IGNORED.items():
         typed_field(d, k, types, what)
     for k in ("conversation", "prompt"):
@@ -244,8 +234,6 @@ def piece_event(req: ChatRequest, cid: str, piece: str, index: int) -> bytes:
 def response_bytes(req: ChatRequest, c: Completion, cid: str) -> tuple[bytes, str]:
     """The exact bytes answered (a Responses object, or a stream of its events) and the parser's flag. Deterministic,
     as a chat completion's are; a token-by-token stream's bytes begin with the events sent while it was generated."""
-    from .protocol import streams_tokens
-
     items, status, flag = _items_of(req, c, cid)
     whole = _response(req, c, cid, items, status)
     if not req.stream:
@@ -261,8 +249,7 @@ def response_bytes(req: ChatRequest, c: Completion, cid: str) -> tuple[bytes, st
             iid, text = item["id"], item["content"][0]["text"]
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             if streams_tokens(req):  # a delta a token, as sent while generating; what they miss of the text, last
-                sent = "".join(c.pieces)
-                deltas = [*c.pieces, text[len(sent):]] if text.startswith(sent) else list(c.pieces)
+                deltas = token_deltas(c)
             else:
                 ev.add("response.output_item.added", output_index=i, item={**item, "status": "in_progress", "content": []})
                 ev.add("response.content_part.added", item_id=iid, output_index=i, content_index=0, part=part)

@@ -52,7 +52,7 @@ from typing import Protocol
 import numpy as np
 
 from ...plugins import raised_at
-from .agents import EPISODE, Agent, AgentEpisode, AgentOutput, CommandAgent, start_async
+from .agents import EPISODE, Agent, AgentEpisode, AgentOutput, CommandAgent, cancel_spawned, start_async
 from .ledger import Call
 from .prompts import Answered, Prompts
 from .protocol import ApiError, ChatRequest, Completion, TextStream, conversation, forced_prefix, streams_tokens, unauthorized
@@ -87,9 +87,7 @@ class Generator(Protocol):
 
 class CallSink(Protocol):
     """Where a batch's calls are made durable before any of them is answered (completion order: the run's in-flight
-    log). `name` says where, for people."""
-
-    name: str
+    log)."""
 
     def keep(self, new: list[tuple[int, int, Call]], discarded: list[tuple[int, int]]) -> None:
         """Make `new` ((place, position, call) each) durable, and forget `discarded` ((place, position): the journaled
@@ -181,7 +179,7 @@ class Play:
                 answered = r.from_journal(self, req)
             if answered is not None:
                 return answered
-        ids, _ = r.prompts.ids(req.messages, req.tools, self.earlier(calls), forced_prefix(req))
+        ids = r.prompts.ids(req.messages, req.tools, self.earlier(calls), forced_prefix(req))
         with r.cond:
             if self.state == DONE:
                 raise unauthorized()
@@ -271,12 +269,15 @@ class Runner:
         """The episode's agent, in a thread of its own (an async def agent: as a task on the agents' loop, this thread
         waiting for it), its output tagged with the episode."""
         EPISODE.set(p.tag)
+        output = self.output
         try:
             out = self.agent(ep)
             if inspect.isawaitable(out):
                 with self.cond:
                     p.task = start_async(out) if p.state != DONE else None
                 if p.task is None:
+                    if inspect.iscoroutine(out):
+                        out.close()  # its episode is over already: never started, never awaited
                     return
                 out = p.task.result()
         except CancelledError:  # its episode ended first (a timeout): the fault is said already
@@ -287,8 +288,9 @@ class Runner:
                 self.end(p, said + raised_at(e))
             return
         finally:
-            if self.output is not None:
-                self.output.end(p.tag)
+            cancel_spawned(p.tag)
+            if output is not None:
+                output.end(p.tag)
         with self.cond:
             if p.state == DONE:
                 return

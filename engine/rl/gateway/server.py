@@ -1,6 +1,6 @@
 """The gateway's HTTP server: ``POST /v1/chat/completions``, ``POST /v1/responses`` and ``GET /v1/models``, a
-plain ASGI app served by uvicorn on the agents' event loop (``gateway.agents.agent_loop``: one thread of the
-trainer's process, which the ``async def`` agents share), on 127.0.0.1 at a port the system chooses
+plain ASGI app served by uvicorn on an event loop of its own (``gateway.agents.server_loop``: a thread of the
+trainer's process that lives as long as it), on 127.0.0.1 at a port the system chooses
 (``pip install 'verlj[agent]'``: uvicorn with httptools and uvloop, and the openai client agents use).
 No web framework: three routes, the raw body parsed once (``gateway.protocol``, ``gateway.responses``), so what
 a call costs is the gateway's own work (``tools/bench_gateway.py``).
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from .agents import agent_loop
+from .agents import agent_loop, server_loop
 from .protocol import MAX_BODY, ApiError, ChatRequest, models_body, parse_request, unauthorized
 from .responses import parse_responses
 
@@ -92,8 +92,9 @@ class Gateway:
         http = "httptools" if importlib.util.find_spec("httptools") else "h11"
         config = uvicorn.Config(app(self), http=http, log_level="critical", access_log=False, lifespan="off", timeout_keep_alive=30)
         self.server = server = uvicorn.Server(config)
-        loop = agent_loop()
+        loop = server_loop()
         loop.set_exception_handler(unhandled)
+        agent_loop().set_exception_handler(unhandled)
         self.serving = serving = asyncio.run_coroutine_threadsafe(server.serve(sockets=[self.sock]), loop)
         while not server.started and not serving.done():
             threading.Event().wait(0.005)

@@ -112,14 +112,16 @@ class Agents:
         return max(1, longest_sequence(self.cfg, int(positions)) - self.cfg.rollout.max_response_length)
 
     def samples(self, rows: list[int], played: list[Played], agent_seeds: list[int]) -> list[Sample]:
-        """Each episode (of the dataset row `rows[k]`) as a sample: its longest consistent segment, its reward (the
-        agent's, else rollout.reward_fn's on its last answer), its fault, its calls."""
+        """Each episode (of the dataset row `rows[k]`) as a sample: its trained chain of calls, its reward (the agent's,
+        else rollout.reward_fn's on the chain's last answer: the text the agent was answered), its fault, its calls."""
         from ..gateway import ledger
+        from ..gateway.wire import read_answer
 
         host = self.host
-        out = []
+        out, answers = [], []
         for k, p in enumerate(played):
             rec = ledger.ledger_of(p.calls, p.reward)
+            answers.append(read_answer(p.calls[rec.trained[-1]].response).content if rec.trained else "")
             f = ledger.sample_fields(p.calls, rec.trained) if rec.trained else {
                 "prompt_ids": host.prompt_ids[rows[k]], "response_ids": np.zeros(0, np.int64), "gen_logprobs": np.zeros(0, np.float32),
                 "loss_mask": np.zeros(0, np.int8), "turn_lens": np.zeros(0, np.int64)}
@@ -130,15 +132,16 @@ class Agents:
             out.append(Sample(index=rows[k], id=0, group=0, turn_rewards=rewards, env_seed=agent_seeds[k],
                               env_end=int(EnvEnd.FAULT if p.fault else EnvEnd.DONE), env_reason=p.fault,
                               agent_calls=rec.to_json(), **f))
-        self._rewards(out, played)
+        self._rewards(out, played, answers)
         return out
 
-    def _rewards(self, samples: list[Sample], played: list[Played]) -> None:
-        """score = rule_reward (the agent's reward, else rollout.reward_fn's of the last answer) + weight * the reward model's."""
-        scorer, tok = self.host.scorer, self.host.tokenizer
+    def _rewards(self, samples: list[Sample], played: list[Played], answers: list[str]) -> None:
+        """score = rule_reward (the agent's reward, else rollout.reward_fn's of `answers`: each sample's last answer)
+        + weight * the reward model's."""
+        scorer = self.host.scorer
         need = [k for k, p in enumerate(played) if p.reward is None and not p.fault]
         idx = list(range(len(samples))) if scorer.rm is not None else need
-        last = [tok.decode(played[k].calls[-1].completion_ids, skip_special_tokens=True) if played[k].calls else "" for k in idx]
+        last = [answers[k] for k in idx]
         rule, rm, faulted = scorer.rewards([int(samples[k].index) for k in idx], [samples[k].prompt_ids for k in idx],
                                            [samples[k].response_ids for k in idx], scored=last) if idx else ([], None, [])
         got = dict(zip(idx, zip(rule, faulted)))

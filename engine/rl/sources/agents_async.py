@@ -131,8 +131,6 @@ class DurableCalls:
     under its own key (group, episode, position), before any is answered; a group's entry (its row, version, seeds)
     with its first call."""
 
-    name = "the run's in-flight log"
-
     def __init__(self, src: AgentCompletionSource, groups: list[tuple[int, int]], seeds: list[int], version: int):
         self.src, self.groups, self.seeds, self.version = src, groups, seeds, version
         self.headed: set[int] = set()  # the groups (by their place in `groups`) whose entry is written
