@@ -10,10 +10,10 @@ from verlj.engine.config import make_config
 from verlj.engine.rl.buffer import RolloutBuffer
 from verlj.engine.rl.sources import StepInputs, make_source, source_kind
 from verlj.engine.rl.sources.agents import AgentRounds
-from verlj.engine.rl.sources.agents_async import AgentCompletionSource
+from verlj.engine.rl.sources.agents_async import AgentGroups
 from verlj.engine.rl.sources.batches import SingleTurn
-from verlj.engine.rl.sources.completion import CompletionSource
-from verlj.engine.rl.sources.episodes import EnvRounds
+from verlj.engine.rl.sources.completion import CompletionSource, SingleTurnGroups
+from verlj.engine.rl.sources.episodes import EnvRounds, Turns
 from verlj.engine.rl.sources.planned import PlannedSource
 from verlj.engine.rl.sources.sync import SyncSource
 from verlj.engine.schema import events as ev
@@ -32,17 +32,18 @@ def host(*overrides: str) -> SimpleNamespace:
     ([], "sync", SyncSource, SingleTurn), (ASYNC, "planned", PlannedSource, SingleTurn),
     ([*ASYNC, "rollout.async_order=step"], "planned", PlannedSource, SingleTurn),
     (["rollout.env=builtin:guess", "rollout.max_turns=2"], "sync", SyncSource, EnvRounds),
-    (COMPLETION, "completion", CompletionSource, None),
+    (COMPLETION, "completion", CompletionSource, SingleTurnGroups),
+    ([*COMPLETION, "rollout.env=builtin:guess", "rollout.max_turns=2"], "completion", CompletionSource, Turns),
     (["rollout.agent=m:f", "rollout.max_turns=2"], "agent", SyncSource, AgentRounds),
     ([*ASYNC, "rollout.agent=m:f"], "agent_planned", PlannedSource, AgentRounds),
-    ([*COMPLETION, "rollout.agent=m:f"], "agent_completion", AgentCompletionSource, None)])
+    ([*COMPLETION, "rollout.agent=m:f"], "agent_completion", CompletionSource, AgentGroups)])
 def test_the_config_chooses_the_source(overrides, kind, cls, player):
     h = host(*overrides)
     assert source_kind(h.cfg) == kind
     source = make_source(h)
     assert type(source) is cls and source.engine is None  # no engine until a live collect: replay never builds one
-    if player is not None:  # step order: the round player the source's batches choose by the config
-        assert type(source.batches.player()) is player
+    # step order: the round player the source's batches choose by the config; completion order: its group player
+    assert type(source.player() if isinstance(source, CompletionSource) else source.batches.player()) is player
 
 
 def group(first: int, scores: list[float], version: int = 0) -> list[Sample]:

@@ -5,10 +5,12 @@
 - ``planned`` (:class:`PlannedSource`): async in step order, k batches planned ahead.
 - ``batches``: what those two hold: step order's batches (``Batches``), made round by round by a round player
   (``SingleTurn``; ``episodes.EnvRounds`` for rollout.env; ``agents.AgentRounds`` for rollout.agent).
-- ``completion`` (:class:`CompletionSource`): async in completion order, a free-running generator.
+- ``completion`` (:class:`CompletionSource`): async in completion order, a free-running generator; it holds its
+  group players (``SingleTurnGroups``; ``episodes.Turns`` for rollout.env; ``agents_async.AgentGroups``).
 - ``episodes``: rollout.env's episodes, in step order (``EnvRounds``) and completion order (``Turns``).
 - ``agents``: rollout.agent's programs over the gateway (``Agents``, what every agent source holds; ``AgentRounds``).
-- ``agents_async`` (:class:`AgentCompletionSource`): rollout.agent in completion order, every call durable.
+- ``agents_async``: rollout.agent in completion order (``AgentGroups``, a completion source's group player), every
+  call durable.
 
 Where they generate is the rollout engine's business (``rl.rollout``: hf, vLLM, the generator
 process, the Ray fleet), so any source runs on any engine its order allows. A new source (an agent
@@ -21,11 +23,11 @@ from typing import TYPE_CHECKING
 
 from ...config import Config
 from .agents import AgentRounds
-from .agents_async import AgentCompletionSource
+from .agents_async import AgentGroups
 from .base import Host, StepInputs, StepSource
 from .batches import RoundPlayer, SingleTurn
-from .completion import CompletionSource
-from .episodes import EnvRounds
+from .completion import CompletionSource, GroupPlayer, SingleTurnGroups
+from .episodes import EnvRounds, Turns
 from .planned import PlannedSource
 from .sync import SyncSource
 
@@ -54,15 +56,17 @@ def make_source(host: Host) -> StepSource:
     if kind == "agent_planned":
         return PlannedSource(host, AgentRounds)
     if kind == "agent_completion":
-        return AgentCompletionSource(host)
+        return CompletionSource(host, AgentGroups)
     return SyncSource(host)
 
 
 if TYPE_CHECKING:  # every source is a StepSource: mypy fails here when one stops conforming
 
-    def _conforms(sync: SyncSource, planned: PlannedSource, completion: CompletionSource,
-                  agent_completion: AgentCompletionSource) -> list[StepSource]:
-        return [sync, planned, completion, agent_completion]
+    def _conforms(sync: SyncSource, planned: PlannedSource, completion: CompletionSource) -> list[StepSource]:
+        return [sync, planned, completion]
+
+    def _groups(single: SingleTurnGroups, episodes: Turns, agents: AgentGroups) -> list[GroupPlayer]:
+        return [single, episodes, agents]
 
     def _plays(single: SingleTurn, episodes: EnvRounds, agents: AgentRounds) -> list[RoundPlayer]:
         return [single, episodes, agents]

@@ -27,6 +27,7 @@ a single-turn sample's) or ``derive_seed(seed, 0, "rollout/group", g, j, k)``.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,24 +40,31 @@ from ...state.seeding import derive_seed
 from ..envs import row_of
 from ..gateway.runner import Episodes
 from .agents import Agents
-from .base import Host, StepInputs, add_time
-from .completion import CompletionSource
+from .base import Host, add_time
+
+if TYPE_CHECKING:
+    from .completion import CompletionSource
 
 
-class AgentCompletionSource(CompletionSource):
-    """Async completion order with rollout.agent: each group asked is played at once, every call durable."""
+class AgentGroups:
+    """The completion source's group player with rollout.agent (``sources.completion.GroupPlayer``): each group asked is
+    played at once, every call durable; it holds the agents (the gateway, a runner: ``sources.agents.Agents``)."""
 
-    def __init__(self, host: Host):
-        super().__init__(host)
-        self.agents = Agents(self)
-        self.ready: list[Sample] = []  # the groups played since the last receive
+    def __init__(self, src: CompletionSource):
+        self.src, self.agents = src, Agents(src)
+        self.ready: list[Sample] = []  # the groups played since the last arrival
         self.held: dict[int, GroupInFlight] | None = None  # the calls an earlier process made durable, by group (read once)
         self.settle: list[int] = []  # groups in a committed step: forgotten at the next durable write
 
-    def collect(self, step: int) -> StepInputs:
-        if self.flow is not None:  # its groups are in the step committed since
-            self.settle += sorted({int(s.group) for s in self.flow.added})
-        return super().collect(step)
+    @property
+    def host(self) -> Host:
+        return self.src.host
+
+    def resume(self) -> None:
+        """The calls an earlier process made durable, read once (at the first ask that needs them)."""
+
+    def committed(self, groups: list[int]) -> None:
+        self.settle += groups
 
     def durable_groups(self) -> dict[int, GroupInFlight]:
         """The groups whose calls an earlier process made durable and that are still to come: asked and not
@@ -74,7 +82,8 @@ class AgentCompletionSource(CompletionSource):
         single-turn groups are), each call durable before it is answered. Collective: the ranks play together."""
         if not groups:
             return
-        host, n, seed, rt = self.host, self.cfg.rollout.n, self.cfg.trainer.seed, self.host.rt
+        src, host = self.src, self.src.host
+        n, seed, rt = src.cfg.rollout.n, src.cfg.trainer.seed, host.rt
         groups = [(g, r) for q, (g, r) in enumerate(groups) if q % rt.dp_size == rt.dp_rank]
         if self.held is None:
             self.held = self.durable_groups()
@@ -94,7 +103,7 @@ class AgentCompletionSource(CompletionSource):
 
         # a group asked in step s is asked again under the same id in step s by the process after a crash: its attempt is the
         # processes that have begun the step (the run's lineage)
-        attempt = host.in_flight_log.attempt(self.step) if host.in_flight_log is not None else 1
+        attempt = host.in_flight_log.attempt(src.step) if host.in_flight_log is not None else 1
         version = int(host.policy_version)
         episodes = Episodes(rows, agent_seeds, [g + j for g, _ in groups for j in range(n)], call_seed, [attempt] * len(rows),
                             journaled=journaled, sink=DurableCalls(self, groups, agent_seeds, version),
@@ -108,22 +117,27 @@ class AgentCompletionSource(CompletionSource):
             g = groups[k // n][0]
             smp.id, smp.group, smp.policy_version = g + k % n, g, version
         self.ready += got
-        add_time(self.timings, "timing_s/gen", t1 - t0)
-        add_time(self.timings, "timing_s/reward", time.perf_counter() - t1)
+        add_time(src.timings, "timing_s/gen", t1 - t0)
+        add_time(src.timings, "timing_s/reward", time.perf_counter() - t1)
         self.agents.count(before, got)
 
-    def receive(self, wait: float) -> None:
-        """Take in the groups every rank played since the last receive (rank order; no wait: they were played when
-        asked). Collective."""
+    def arrived(self, wait: float) -> list[Sample]:
+        """The groups every rank played since the last call (rank order; no wait: they were played when asked).
+        Collective."""
         new, self.ready = self.ready, []
         if self.host.rt.world_size > 1:
             new = [s for cols in self.host.rt.all_gather_obj(sample_codec.pack(new)) for s in sample_codec.unpack(cols)]
-        if new:
-            self.take_in(new)
+        return new
 
-    def close(self, at_once: bool = False) -> None:
+    def pushed(self) -> None:
+        """Nothing: every call is durable before it is answered."""
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
         self.agents.close()
-        super().close(at_once)
+
 
 
 class DurableCalls:
@@ -131,16 +145,16 @@ class DurableCalls:
     under its own key (group, episode, position), before any is answered; a group's entry (its row, version, seeds)
     with its first call."""
 
-    def __init__(self, src: AgentCompletionSource, groups: list[tuple[int, int]], seeds: list[int], version: int):
-        self.src, self.groups, self.seeds, self.version = src, groups, seeds, version
+    def __init__(self, player: AgentGroups, groups: list[tuple[int, int]], seeds: list[int], version: int):
+        self.player, self.groups, self.seeds, self.version = player, groups, seeds, version
         self.headed: set[int] = set()  # the groups (by their place in `groups`) whose entry is written
 
     def keep(self, new: list[tuple[int, int, Call]], discarded: list[tuple[int, int]]) -> None:
         """In one write: the entries of the groups whose first calls these are, the new calls, the calls a divergence
         discarded forgotten, the groups settled since forgotten with their calls. Several ranks: collective, at every
         batch (rank 0 writes every rank's calls)."""
-        src, groups, n = self.src, self.groups, self.src.cfg.rollout.n
-        log, rt = src.host.in_flight_log, src.host.rt
+        player, groups, n = self.player, self.groups, self.player.src.cfg.rollout.n
+        log, rt = player.host.in_flight_log, player.host.rt
         if log is None:
             return
         none = lambda dt: [np.zeros(0, dt)] * n  # noqa: E731 - an agent group's turns are its calls
@@ -154,6 +168,6 @@ class DurableCalls:
             shares = rt.all_gather_obj(([st.to_dict() for st in states], calls, dropped))
             states = [GroupInFlight.from_dict(d) for st, _, _ in shares for d in st]
             calls, dropped = [c for _, cs, _ in shares for c in cs], [d for _, _, ds in shares for d in ds]
-        log.keep(states, src.settle, calls, dropped)
-        src.settle = []
+        log.keep(states, player.settle, calls, dropped)
+        player.settle = []
         failpoint("agents.after_durable")

@@ -13,7 +13,9 @@ original seeds; with rollout.env a group of episodes comes back from its last du
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -24,7 +26,7 @@ from ...schema import sample as sample_codec
 from ...schema.sample import Sample
 from ...state.seeding import derive_seed
 from .. import faults
-from .base import Host, Source, StepInputs, add_time, episode_metrics, zero_variance
+from .base import Host, Source, StepInputs, add_time, zero_variance
 from .episodes import Turns
 from .partial import Partials
 
@@ -47,16 +49,118 @@ class Flow:
     continued_tokens: int = 0  # and those tokens
 
 
-class CompletionSource(Source):
-    """Async completion order: arrivals enter the buffer (and this step's record) as they come."""
+class GroupPlayer(Protocol):
+    """What plays the groups a completion-order source asks: single-turn samples (:class:`SingleTurnGroups`),
+    rollout.env's episodes (``sources.episodes.Turns``), rollout.agent's programs (``sources.agents_async.AgentGroups``).
+    Each holds what it makes durable between commits and reads it back after a crash."""
 
-    def __init__(self, host: Host):
+    def resume(self) -> None:
+        """A process's first collect (or the first after its engine changed): what an earlier process made durable, read
+        back for the groups still to come. Collective."""
+
+    def committed(self, groups: list[int]) -> None:
+        """The groups whose samples are in the step committed since: forgotten at the next durable write."""
+
+    def ask(self, groups: list[tuple[int, int]]) -> None:
+        """Begin this rank's share of `groups` (group, row): the q-th is rank q mod dp's. Collective."""
+
+    def arrived(self, wait: float) -> list[Sample]:
+        """Every rank's groups over since the last call (rank order, then arrival order), scored, waiting up to `wait`
+        seconds for the first; the wait counted in timing_s/gen. Collective."""
+
+    def pushed(self) -> None:
+        """After a push of new weights, before the step's commit. Collective."""
+
+    def metrics(self) -> dict[str, float]:
+        """The player's own metrics for the step."""
+
+    def close(self) -> None:
+        """Release what it holds (a gateway)."""
+
+
+class SingleTurnGroups:
+    """One response a sample: a group asked of the generator with its samples' seeds (rollout.partial: from its durable
+    tokens, if a push stopped it before a crash: the Partials it holds), scored when it arrives."""
+
+    def __init__(self, src: CompletionSource):
+        self.src = src
+        self.partials = Partials(src) if src.cfg.rollout.partial else None  # rollout.partial: generations a push stopped
+
+    def resume(self) -> None:
+        if self.partials is not None:
+            self.partials.restore()
+
+    def committed(self, groups: list[int]) -> None:
+        if self.partials is not None:
+            self.partials.settle += groups
+
+    def ask(self, groups: list[tuple[int, int]]) -> None:
+        src = self.src
+        cfg, n, rt = src.cfg, src.cfg.rollout.n, src.host.rt
+        mine = [(g, r) for q, (g, r) in enumerate(groups) if q % rt.dp_size == rt.dp_rank]
+        prompt_ids = src.host.prompt_ids
+        # rollout.partial: from durable tokens (every rank reads the same: each notes all the groups that go on, asks its own)
+        progress = self.partials.progress(groups) if self.partials is not None else None
+        src.live.ask([(g, prompt_ids[r], [derive_seed(cfg.trainer.seed, 0, "rollout/group", g, j) for j in range(n)])
+                      for g, r in mine], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size), progress)
+
+    def arrived(self, wait: float) -> list[Sample]:
+        src = self.src
+        t = time.perf_counter()
+        arrived = [a for got in src.host.rt.all_gather_obj(src.live.arrived(wait)) for a in got]
+        add_time(src.timings, "timing_s/gen", time.perf_counter() - t)  # the wait the update did not cover
+        return self.scored(arrived) if arrived else []
+
+    def scored(self, arrived: list[tuple]) -> list[Sample]:
+        """Single-turn groups arrived (group, responses, log-probs, version[, each sample's version runs:
+        rollout.partial]), scored, as samples (a sample's policy_version: its oldest token's)."""
+        src = self.src
+        n, host = src.cfg.rollout.n, src.host
+        t = time.perf_counter()
+        new = []
+        for g, responses, logps, version, *runs in arrived:
+            g, row = int(g), host.buffer.requests[int(g)]
+            got = host.scorer.score([row], n, [host.prompt_ids[row]] * n, list(responses), list(logps))
+            for j, smp in enumerate(got):
+                smp.id, smp.group, smp.policy_version = g + j, g, int(version)
+                if runs:
+                    smp.version_runs = np.asarray(runs[0][j], np.int64)
+                    smp.policy_version = int(smp.version_runs[0]) if len(smp.version_runs) else int(version)
+            new += got
+        add_time(src.timings, "timing_s/reward", time.perf_counter() - t)
+        return new
+
+    def pushed(self) -> None:
+        if self.partials is not None:  # the groups the push stopped, durable before the commit
+            failpoint("partial.before_durable")
+            self.partials.keep()
+            failpoint("partial.after_durable")
+
+    def metrics(self) -> dict[str, float]:
+        return self.partials.metrics() if self.partials is not None else {}
+
+    def close(self) -> None:
+        pass
+
+
+class CompletionSource(Source):
+    """Async completion order: arrivals enter the buffer (and this step's record) as they come. It holds its group
+    players and asks the one the config in force names (`agents`: what makes an agent run's, sources.agents_async)."""
+
+    def __init__(self, host: Host, agents: Callable[[CompletionSource], GroupPlayer] | None = None):
         super().__init__(host)
         self.flow: Flow | None = None  # this step's arrivals and asks
         self.resumed_asks = False  # the groups asked and not arrived were asked again of this process's generator
+        self.single = SingleTurnGroups(self)
         self.turns = Turns(self)  # rollout.env: the groups of episodes being played
-        self.partials = Partials(self) if host.cfg.rollout.partial else None  # rollout.partial: generations a push stopped
+        self.agents = agents(self) if agents is not None else None
         self.consumed = np.zeros(0, np.int64)
+
+    def player(self) -> GroupPlayer:
+        """The group player the config in force asks for."""
+        if self.agents is not None:
+            return self.agents
+        return self.turns if self.cfg.rollout.env is not None else self.single
 
     def engine_closed(self) -> None:
         self.resumed_asks = False  # a new generator: what the old one was asked must be asked again
@@ -68,18 +172,11 @@ class CompletionSource(Source):
         self.begin(step)
         cfg, P, buffer = self.cfg, self.cfg.data.prompts_per_step, self.host.buffer
         if self.flow is not None:  # its groups are in the step committed since
-            arrived = sorted({int(s.group) for s in self.flow.added})
-            if cfg.rollout.env is not None:
-                self.turns.settle += arrived
-            if self.partials is not None:
-                self.partials.settle += arrived
+            self.player().committed(sorted({int(s.group) for s in self.flow.added}))
         self.flow = flow = Flow()
         if not self.resumed_asks:
             flow.regenerated = list(buffer.requests)
-            if cfg.rollout.env is not None:
-                self.turns.durable = self.turns.durable_groups()
-            if self.partials is not None:
-                self.partials.restore()
+            self.player().resume()
             self.ask(list(buffer.requests.items()))
             self.resumed_asks = True
         bound = cfg.rollout.max_token_staleness if cfg.rollout.partial else cfg.rollout.staleness  # partial: the oldest token's
@@ -111,10 +208,7 @@ class CompletionSource(Source):
         self.live.sync(self.cfg, step)  # before the commit: a group in flight at a crash began from a committed version
         add_time(self.timings, "timing_s/weight_sync", time.perf_counter() - t)
         self.receive(0.0)
-        if self.partials is not None:  # the groups the push stopped, durable before the commit
-            failpoint("partial.before_durable")
-            self.partials.keep()
-            failpoint("partial.after_durable")
+        self.player().pushed()
         return self.inputs()
 
     def replayed(self, inputs: StepInputs) -> None:
@@ -142,40 +236,17 @@ class CompletionSource(Source):
         self.ask(list(zip(groups, rows.tolist())))
 
     def ask(self, groups: list[tuple[int, int]]) -> None:
-        """Ask this rank's generator for its share of `groups` (group, row): the q-th goes to rank q mod dp.
-        With rollout.env, each group's episodes begin (or come back from their last durable turn) here,
-        and what is asked is their turn."""
-        cfg, n, rt = self.cfg, self.cfg.rollout.n, self.host.rt
-        mine = [(g, r) for q, (g, r) in enumerate(groups) if q % rt.dp_size == rt.dp_rank]
-        if cfg.rollout.env is not None:
-            asks = [self.turns.begin_play(g, r) for g, r in mine]
-            self.live.ask([a for a in asks if a is not None], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size))
-            return
-        prompt_ids = self.host.prompt_ids
-        # rollout.partial: from durable tokens (every rank reads the same: each notes all the groups that go on, asks its own)
-        progress = self.partials.progress(groups) if self.partials is not None else None
-        self.live.ask([(g, prompt_ids[r], [derive_seed(cfg.trainer.seed, 0, "rollout/group", g, j) for j in range(n)])
-                       for g, r in mine], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size), progress)
+        """Ask for `groups` (group, row), this rank its share: single-turn groups of the generator; with rollout.env each
+        group's episodes begin (or come back from their last durable turn) and their turn is asked; with rollout.agent the
+        groups are played at once."""
+        self.player().ask(groups)
 
     def receive(self, wait: float) -> None:
-        """Take in the groups every rank's generator sent back (rank order, then arrival order): score
-        them, add their reference log-probs, and admit them; dynamic sampling drops the groups whose
-        rewards do not vary. Collective."""
-        cfg, host = self.cfg, self.host
-        t = time.perf_counter()
-        if cfg.rollout.env is not None:
-            mine = self.live.arrived(wait)
-            add_time(self.timings, "timing_s/gen", time.perf_counter() - t)
-            new = self.turns.receive(mine)
-            if not new:
-                return
-        else:
-            arrived = [a for got in host.rt.all_gather_obj(self.live.arrived(wait)) for a in got]
-            add_time(self.timings, "timing_s/gen", time.perf_counter() - t)  # the wait the update did not cover
-            if not arrived:
-                return
-            new = self.scored(arrived)
-        self.take_in(new)
+        """Take in the groups every rank's player has over (rank order, then arrival order), scored: reference
+        log-probs, admitted; dynamic sampling drops the groups whose rewards do not vary. Collective."""
+        new = self.player().arrived(wait)
+        if new:
+            self.take_in(new)
 
     def take_in(self, new: list[Sample]) -> None:
         """Arrived samples given their reference log-probs and admitted; dynamic sampling drops the groups
@@ -192,32 +263,11 @@ class CompletionSource(Source):
         self.now.faulted += out
         failpoint("async.admit")
 
-    def scored(self, arrived: list[tuple]) -> list[Sample]:
-        """Single-turn groups arrived (group, responses, log-probs, version[, each sample's version runs:
-        rollout.partial]), scored, as samples (a sample's policy_version: its oldest token's)."""
-        n, host = self.cfg.rollout.n, self.host
-        t = time.perf_counter()
-        new = []
-        for g, responses, logps, version, *runs in arrived:
-            g, row = int(g), host.buffer.requests[int(g)]
-            got = host.scorer.score([row], n, [host.prompt_ids[row]] * n, list(responses), list(logps))
-            for j, smp in enumerate(got):
-                smp.id, smp.group, smp.policy_version = g + j, g, int(version)
-                if runs:
-                    smp.version_runs = np.asarray(runs[0][j], np.int64)
-                    smp.policy_version = int(smp.version_runs[0]) if len(smp.version_runs) else int(version)
-            new += got
-        add_time(self.timings, "timing_s/reward", time.perf_counter() - t)
-        return new
-
     def inputs(self) -> StepInputs:
         flow, cfg, sampler = self.now, self.cfg, self.host.sampler
         self.timings.update({"sampling/rounds": float(flow.rounds), "sampling/dropped_groups": float(len(flow.dropped) // cfg.rollout.n),
                              "rollout/regenerated_groups": float(len(flow.regenerated)), **faults.metrics(flow.added)})
-        if cfg.rollout.env is not None:
-            self.timings.update(episode_metrics(flow.added), **{"rollout/env/restored_turns": float(flow.restored_turns)})
-        if self.partials is not None:
-            self.timings.update(self.partials.metrics())
+        self.timings.update(self.player().metrics())
         ids = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
         return StepInputs(
             seeds=self.seeds,
@@ -233,3 +283,8 @@ class CompletionSource(Source):
             requests=ev.Requests(ids([g for g, _ in flow.asked]), ids([r for _, r in flow.asked]), ids(flow.regenerated), ids(flow.continued)),
             admitted=True,
         )
+
+    def close(self, at_once: bool = False) -> None:
+        if self.agents is not None:
+            self.agents.close()
+        super().close(at_once)

@@ -28,7 +28,7 @@ from ..episodes import GroupWork, Limits, Play, Round, play_lockstep
 from ..fleet import RayFleet
 from ..rollout import RolloutEngine
 from ..sampler import AskedGroup
-from .base import add_time
+from .base import add_time, episode_metrics
 
 if TYPE_CHECKING:
     from .base import Source
@@ -128,6 +128,43 @@ class Turns:
         self.durable: dict[int, GroupInFlight] = {}
         self.over: list[int] = []
         self.settle: list[int] = []
+
+    # ------------------------------------------------------------------ the completion source's group player
+
+    def resume(self) -> None:
+        """A process's first collect: the groups made durable by an earlier one, read back (durable_groups)."""
+        self.durable = self.durable_groups()
+
+    def committed(self, groups: list[int]) -> None:
+        self.settle += groups
+
+    def ask(self, groups: list[tuple[int, int]]) -> None:
+        """This rank's share of `groups` (the q-th is rank q mod dp's): each group's episodes begin (or come back from their
+        last durable turn), and their turn is asked of the generator."""
+        src = self.src
+        cfg, rt = src.cfg, src.host.rt
+        asks = [self.begin_play(g, r) for q, (g, r) in enumerate(groups) if q % rt.dp_size == rt.dp_rank]
+        src.live.ask([a for a in asks if a is not None], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size))
+
+    def arrived(self, wait: float) -> list[Sample]:
+        """This rank's turns arrived, taken (receive): every rank's groups over, as samples. Collective."""
+        src = self.src
+        t = time.perf_counter()
+        mine = src.live.arrived(wait)
+        add_time(src.timings, "timing_s/gen", time.perf_counter() - t)
+        return self.receive(mine)
+
+    def pushed(self) -> None:
+        """Nothing: a group's turns are durable as they are taken."""
+
+    def metrics(self) -> dict[str, float]:
+        flow = self.src.now
+        return {**episode_metrics(flow.added), "rollout/env/restored_turns": float(flow.restored_turns)}
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ its groups
 
     def durable_groups(self) -> dict[int, GroupInFlight]:
         """The groups of episodes made durable by an earlier process, each as it stood after its last turn
