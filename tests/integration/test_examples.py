@@ -33,7 +33,7 @@ def test_every_example_is_a_valid_config_with_a_header_that_runs_it():
         assert isinstance(yaml.safe_load(path.read_text()), dict)
         make_config(path)
         commands = header_commands(path)
-        assert commands and f"--config examples/{path.name}" in commands[0], path.name
+        assert any(f"--config examples/{path.name}" in c for c in commands), path.name  # a set-up line may come first
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
