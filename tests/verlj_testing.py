@@ -64,6 +64,20 @@ def verlj(*args, check: bool = False, timeout: float = 300, ranks: int = 1, **en
     return out
 
 
+# The end of a test's own script that started a process group (`python -c SCRIPT + LEAVE`), as the CLI's successful
+# commands end (cli/main.py: _leave_process_group): the group destroyed, the output flushed, and no interpreter
+# finalization, in which gloo's worker threads can abort a process whose work is done ("terminate called without an
+# active exception", SIGABRT; pytorch/pytorch#190489; seen once in a clean-clone CI after "same bits" was printed).
+LEAVE = """
+import os as _os, sys as _sys
+from verlj.engine.dist import teardown as _teardown
+_teardown()
+_sys.stdout.flush()
+_sys.stderr.flush()
+_os._exit(0)
+"""
+
+
 IN_OWN_PROCESS = ("train", "replay", "rerun", "whatif")  # they move file descriptor 1 (cli.common.data_stdout)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.state.safe_load import load_weights_only
-from verlj_testing import TINY, env, fingerprints, kill_and_resume
+from verlj_testing import LEAVE, TINY, env, fingerprints, kill_and_resume
 
 BF16 = ["trainer.precision=bf16", "trainer.total_steps=5", "trainer.save_interval=2"]
 
@@ -83,7 +83,7 @@ def test_one_rank_at_zero0_reduces_tensor_by_tensor_to_deepspeeds_bits(tmp_path,
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _REDUCE_ALONE, precision], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env())
+    out = subprocess.run([sys.executable, "-c", _REDUCE_ALONE + LEAVE, precision], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env())
     assert out.returncode == 0 and "same bits" in out.stdout, out.stderr[-3000:]
 
 
@@ -151,5 +151,5 @@ def test_bf16_masters_are_stepped_one_by_one_to_deepspeeds_bits(tmp_path, clip, 
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _MASTERS, clip, fused], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env())
+    out = subprocess.run([sys.executable, "-c", _MASTERS + LEAVE, clip, fused], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env())
     assert out.returncode == 0 and "same bits" in out.stdout, out.stderr[-3000:]

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from verlj.engine.config import Config, ConfigError, check_change, config_from_dict, stored_config
-from verlj_testing import env
+from verlj_testing import LEAVE, env
 
 _STEPS = r"""
 import json, sys, torch
@@ -47,7 +47,7 @@ print(json.dumps({"new_fused": out["new"][0], "old_fused": out["old"][0], "same_
 def test_new_runs_step_fused_adamw_and_old_runs_keep_theirs(tmp_path, precision):
     import json
 
-    out = subprocess.run([sys.executable, "-c", _STEPS, precision], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env())
+    out = subprocess.run([sys.executable, "-c", _STEPS + LEAVE, precision], capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env())
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     # the new run's optimizer is the fused kernel, the old run's is not, and three steps from the same
