@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import TypeVar
 
 from verlj.journal import Journal
 
@@ -33,6 +34,18 @@ def _call_key(group: int, episode: int | None = None, k: int | None = None) -> b
     """A call's key; a group's calls' common prefix (`episode` None)."""
     key = _CALL_PREFIX + group.to_bytes(8, "big")
     return key if episode is None or k is None else key + episode.to_bytes(4, "big") + k.to_bytes(4, "big")
+
+
+_State = TypeVar("_State", GroupInFlight, GroupProgress)
+
+
+def _readable(kind: type[_State], value: dict) -> _State | None:
+    """A group's durable entry read back, or None where it is not ours to read: as if never written, its group is
+    asked again from its start."""
+    try:
+        return kind.from_dict(value)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _agent_calls(by_position: dict[int, dict]) -> str:
@@ -72,11 +85,8 @@ class InFlight:
         calls: dict[int, dict[int, dict[int, dict]]] = {}
         for key, value in self.journal.pending.entries().items():
             if key.startswith(_GROUP_PREFIX):
-                try:
-                    state = GroupInFlight.from_dict(value)
-                except (KeyError, TypeError, ValueError):
-                    continue  # not ours to read: as if never written, its group is asked again from its start
-                out[state.group] = state
+                if (state := _readable(GroupInFlight, value)) is not None:
+                    out[state.group] = state
             elif key.startswith(_CALL_PREFIX) and len(key) == len(_CALL_PREFIX) + 16:
                 at = len(_CALL_PREFIX)
                 group, episode, k = int.from_bytes(key[at:at + 8], "big"), int.from_bytes(key[at + 8:at + 12], "big"), int.from_bytes(key[at + 12:], "big")
@@ -92,12 +102,5 @@ class InFlight:
 
     def partial_groups(self) -> dict[int, GroupProgress]:
         """rollout.partial: the groups made durable mid-generation and not yet forgotten, by group id."""
-        out: dict[int, GroupProgress] = {}
-        for key, value in self.journal.pending.entries().items():
-            if key.startswith(_PARTIAL_PREFIX):
-                try:
-                    state = GroupProgress.from_dict(value)
-                except (KeyError, TypeError, ValueError):
-                    continue  # not ours to read: as if never written, its group is asked again from its start
-                out[state.group] = state
-        return out
+        states = (_readable(GroupProgress, value) for key, value in self.journal.pending.entries().items() if key.startswith(_PARTIAL_PREFIX))
+        return {state.group: state for state in states if state is not None}
