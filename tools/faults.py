@@ -104,6 +104,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,6 +198,11 @@ def resume_until_done(run: Path, *over, tries=8, **extra) -> subprocess.Complete
 # ----------------------------------------------------------------------------- kills
 
 
+def resume_failure(out: subprocess.CompletedProcess | None) -> str:
+    """Why resume_until_done did not end the run: its last resume's last line, or that it kept dying."""
+    return "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying")
+
+
 def kill_at_random(run: Path, rng: random.Random, *over: str, group: bool = True, **extra) -> None:
     """SIGKILL `verlj train` at a random moment: its whole process group, or (group=False) the trainer alone."""
     cmd = [PYTHON[0], "-m", "verlj.cli", "train", "--output-dir", str(run), *SMALL, *over, "--resume"]
@@ -244,7 +250,7 @@ def kill_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
         what = f"SIGKILL after step {k}'s commit, then inside the resume's replay" + ("" if out.returncode == -9 else " (replay not reached)")
     out = resume_until_done(run)
     if out is None or out.returncode != 0:
-        return Trial("kill", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+        return Trial("kill", n, what, "NOT EXACT", resume_failure(out))
     same, note = identical(run, ref)
     shutil.rmtree(run, ignore_errors=True)
     return Trial("kill", n, what, "exact" if same else "NOT EXACT", note)
@@ -345,7 +351,7 @@ def async_trial(root: Path, refs: dict[int, Path], rng: random.Random, n: int, c
         return Trial("async", n, what, "NOT EXACT", failed)
     out = resume_until_done(run, *over)
     if out is None or out.returncode != 0:
-        return Trial("async", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+        return Trial("async", n, what, "NOT EXACT", resume_failure(out))
     same, note = identical(run, refs[k])
     lost, dup, skipped = sample_accounting(run, refs[k])
     counts.update(lost=lost, duplicated=dup, skipped=skipped)
@@ -380,7 +386,7 @@ def completion_trial(root: Path, rng: random.Random, n: int, counts: Counter) ->
         return Trial("async", n, what, "NOT EXACT", failed)
     out = resume_until_done(run, *over, VERLJ_FAILPOINT=SLOW_GENERATOR)
     if out is None or out.returncode != 0:
-        return Trial("async", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+        return Trial("async", n, what, "NOT EXACT", resume_failure(out))
     problems = completion_problems(run, kept, counts)
     shutil.rmtree(run, ignore_errors=True)
     return Trial("async", n, what, "NOT EXACT" if problems else "exact", "; ".join(problems))
@@ -446,6 +452,29 @@ EPISODES = ["rollout.env=builtin:guess", "rollout.max_turns=3", "model.tiny.voca
 EPISODE_POINTS = {"episodes.before_durable": 12, "episodes.after_durable": 12}
 
 
+def killed_then_resumed(run: Path, over: list[str], rng: random.Random, label: str, points: dict[str, int], slow: str,
+                        keep: Callable[[], None]) -> tuple[str, str | None]:
+    """A completion-order trial's kill and resume (the episodes and partial kinds): a SIGKILL at one of `points` (at a
+    random count up to its bound) or async_kills' random ones, with `slow` (a failpoint spec) slowing the generator
+    and `keep` run after each kill; then --resume until done. What was done, and why the trial failed (None: the run
+    ended)."""
+    try:
+        if rng.random() < 0.5:
+            point = rng.choice(sorted(points))
+            count = rng.randint(1, points[point])
+            out = train(run, *over, VERLJ_FAILPOINT=f"{slow},{point}:{count}")
+            keep()
+            what = f"{label}: SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
+        else:
+            what, failed = async_kills(run, over, rng, label, slow=slow, each=keep)
+            if failed:
+                return what, failed
+    except AssertionError as e:  # a committed step changed
+        return label, str(e)
+    out = resume_until_done(run, *over, VERLJ_FAILPOINT=slow)
+    return what, None if out is not None and out.returncode == 0 else resume_failure(out)
+
+
 def episodes_trial(root: Path, refs: dict[tuple[str, str], Path], rng: random.Random, n: int, counts: Counter) -> Trial:
     order, algo = rng.choice(["sync", "step", "completion", "completion"]), rng.choice(["grpo", "ppo"])
     over = [*EPISODES, f"algorithm.name={algo}"] + ([] if order == "sync" else [*ASYNC, f"rollout.async_order={order}"])
@@ -460,7 +489,7 @@ def episodes_trial(root: Path, refs: dict[tuple[str, str], Path], rng: random.Ra
             return Trial("episodes", n, what, "NOT EXACT", failed)
         out = resume_until_done(run, *over)
         if out is None or out.returncode != 0:
-            return Trial("episodes", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+            return Trial("episodes", n, what, "NOT EXACT", resume_failure(out))
         same, note = identical(run, ref)
         shutil.rmtree(run, ignore_errors=True)
         return Trial("episodes", n, what, "exact" if same else "NOT EXACT", note)
@@ -471,22 +500,9 @@ def episodes_trial(root: Path, refs: dict[tuple[str, str], Path], rng: random.Ra
         kept.update(_kept(run, kept))
         durable.update(_durable(run))
 
-    try:
-        if rng.random() < 0.5:
-            point = rng.choice(sorted(EPISODE_POINTS))
-            count = rng.randint(1, EPISODE_POINTS[point])
-            out = train(run, *over, VERLJ_FAILPOINT=f"{SLOW_GENERATOR},{point}:{count}")
-            keep()
-            what = f"{label}: SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
-        else:
-            what, failed = async_kills(run, over, rng, label, slow=SLOW_GENERATOR, each=keep)
-            if failed:
-                return Trial("episodes", n, what, "NOT EXACT", failed)
-    except AssertionError as e:  # a committed step changed
-        return Trial("episodes", n, label, "NOT EXACT", str(e))
-    out = resume_until_done(run, *over, VERLJ_FAILPOINT=SLOW_GENERATOR)
-    if out is None or out.returncode != 0:
-        return Trial("episodes", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+    what, failed = killed_then_resumed(run, over, rng, label, EPISODE_POINTS, SLOW_GENERATOR, keep)
+    if failed is not None:
+        return Trial("episodes", n, what, "NOT EXACT", failed)
     problems = completion_problems(run, kept, counts, resumed=set(durable))
     problems += episode_problems(run, durable, counts)
     shutil.rmtree(run, ignore_errors=True)
@@ -510,22 +526,9 @@ def partial_trial(root: Path, rng: random.Random, n: int, counts: Counter) -> Tr
         kept.update(_kept(run, kept))
         phases.append((max(kept, default=0), _stopped(run)))
 
-    try:
-        if rng.random() < 0.5:
-            point = rng.choice(sorted(PARTIAL_POINTS))
-            count = rng.randint(1, PARTIAL_POINTS[point])
-            out = train(run, *PARTIAL, VERLJ_FAILPOINT=f"{SLOW_TOKENS},{point}:{count}")
-            keep()
-            what = f"partial: SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
-        else:
-            what, failed = async_kills(run, PARTIAL, rng, "partial", slow=SLOW_TOKENS, each=keep)
-            if failed:
-                return Trial("partial", n, what, "NOT EXACT", failed)
-    except AssertionError as e:  # a committed step changed
-        return Trial("partial", n, "partial", "NOT EXACT", str(e))
-    out = resume_until_done(run, *PARTIAL, VERLJ_FAILPOINT=SLOW_TOKENS)
-    if out is None or out.returncode != 0:
-        return Trial("partial", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+    what, failed = killed_then_resumed(run, PARTIAL, rng, "partial", PARTIAL_POINTS, SLOW_TOKENS, keep)
+    if failed is not None:
+        return Trial("partial", n, what, "NOT EXACT", failed)
     problems, continued = partial_problems(run, phases, counts)
     problems = completion_problems(run, kept, counts, resumed=continued) + problems
     shutil.rmtree(run, ignore_errors=True)
@@ -914,7 +917,7 @@ def node_loss_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
     floor = max((s for s in range(2, committed, 2) if s <= shipped_now), default=0)
     out = resume_until_done(run, *over[1:], f"journal.local_dir={root / f'node{n}-local2'}")
     if out is None or out.returncode != 0:
-        return Trial("node-loss", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+        return Trial("node-loss", n, what, "NOT EXACT", resume_failure(out))
     start = next((int(line.rsplit("step_", 1)[1]) for line in out.stdout.splitlines() if "Resuming from checkpoint:" in line), 0)
     if start < floor:
         return Trial("node-loss", n, what, "SNAPSHOT LOST", f"resumed from step {start}, step_{floor:05d} was valid and shipped")
@@ -1081,7 +1084,7 @@ def operator_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
             target = run  # the copy was refused: the original must still resume exactly
             out = resume_until_done(run, *over)
     if out is None or out.returncode != 0:
-        return Trial("operator", n, what, "NOT EXACT", "resume failed: " + ((out.stderr.strip().splitlines() or ["?"])[-1] if out else "kept dying"))
+        return Trial("operator", n, what, "NOT EXACT", resume_failure(out))
     quarantined = sorted(p.name for p in (target / "quarantine").glob("step_*")) if (target / "quarantine").is_dir() else []
     lost = sorted(name for name in kept if not (target / name).is_dir()
                   and len([s for s in _snapshots_on_disk(target) if s > name]) < 2)  # save_total_limit=2 rotates only after newer ones
