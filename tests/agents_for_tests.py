@@ -18,12 +18,24 @@ import openai
 FORBID = "VERLJ_TEST_AGENT_FORBID"
 
 
+_HTTP: list = []  # this process's one connection pool for the synchronous clients
+_HTTP_LOCK = threading.Lock()
+
+
 def _client(ep, cls=openai.OpenAI):
+    """A client of the episode's own (its base_url and key). The synchronous ones share one connection pool, as an
+    agent service that keeps an httpx client does: a pool of its own per episode would spend most of a test run
+    loading the system's CA certificates (about 30 ms a client, for a gateway served over plain HTTP)."""
     if os.environ.get(FORBID) == "1":
         sys.stderr.write(f"agents_for_tests: an agent ran with {FORBID}=1\n")
         sys.stderr.flush()
         os._exit(97)
-    return cls(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+    if cls is not openai.OpenAI:
+        return cls(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+    with _HTTP_LOCK:
+        if not _HTTP:
+            _HTTP.append(openai.DefaultHttpxClient())
+    return cls(base_url=ep.base_url, api_key=ep.api_key, max_retries=0, http_client=_HTTP[0])
 
 
 def digits(ep):

@@ -134,6 +134,20 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -SECONDS.get(item.path.name, 0))  # stable: the rest keep their order
 
 
+def pytest_configure(config):
+    """The controller (not each xdist worker) compiles verlj's and the tests' sources to bytecode once, as pip does for an
+    installed package: the editable install reads them from the checkout, and where PYTHONDONTWRITEBYTECODE is set (it
+    is in this project's containers) every process the suite starts (about 600: runs, torchrun's ranks, Ray's
+    actors) compiled every module it imported again (about 0.25 s of a core each). Python reads the cached files
+    whatever that variable says, and checks them against each source's mtime and size as on any import."""
+    if hasattr(config, "workerinput"):
+        return
+    import compileall
+
+    for folder in ("engine", "journal", "cli", "tests", "examples"):
+        compileall.compile_dir(REPO / folder, quiet=1, workers=1)
+
+
 def pytest_addoption(parser):
     parser.addoption("--measure-seconds", metavar="FILE", default=None,
                      help="write each test module's seconds (its tests' setup, call and teardown summed), and each "

@@ -1,13 +1,20 @@
 """The test suite's fork server: `python -m verlj.cli ...` without paying torch's and transformers' imports each time.
 
 `verlj_testing.verlj()` runs the CLI as a process of its own, under torchrun for more than one rank. A fresh
-interpreter spends about 6 s of one core importing torch, transformers' model classes and torch's inductor
-config (which `use_deterministic_algorithms` imports) before verlj does anything, and the suite starts about
-400 of them. This process imports those once, then for each request forks a real process that becomes
-`python -m MODULE ARGS` (verlj.cli, or torch.distributed.run: torchrun's agent) with the request's
-environment, working directory and standard streams: its own pid, killed by a real SIGKILL, its exit status
-what a fresh interpreter's would be. What it has not imported (verlj itself, DeepSpeed, vLLM, Ray) it imports
-as a fresh process does, after the request's environment is set. torchrun's ranks come from here too: the
+interpreter spends about 7 s of one core importing torch, transformers' model classes, torch's inductor
+config (which `use_deterministic_algorithms` imports) and DeepSpeed before verlj does anything, and the suite
+starts about 600 of them. This process imports those once (DeepSpeed on a CPU build of torch only, on the CPU
+accelerator that verlj.engine.dist.prepare_accelerator picks there), then for each request forks a real
+process that becomes `python -m MODULE ARGS` (verlj.cli, or torch.distributed.run: torchrun's agent) with the
+request's environment, working directory and standard streams: its own pid, killed by a real SIGKILL, its
+exit status what a fresh interpreter's would be. What it has not imported (verlj itself, Ray) it imports as a
+fresh process does, after the request's environment is set. A server started with `vllm` after the socket's
+path imports vLLM too (about 3 s of a core; with the variables verlj.engine.rl.vllm_engine sets before it imports
+vLLM), for the runs on rollout.engine=vllm (verlj_testing picks the server by the command line); the other
+server's runs never have vLLM imported. Before it serves, the server moves what it imported into the garbage
+collector's permanent generation (gc.freeze), so that a full collection in a forked process (vLLM makes
+several as it starts and stops) walks only what that process made, as Python's documentation advises for a
+server that forks. torchrun's ranks come from here too: the
 agent starts each rank as `$PYTHON_EXEC -u -m verlj.cli ARGS`, and PYTHON_EXEC is a script that runs
 tests/forkclient.py, which asks this server for the rank with its own environment and file descriptors,
 passes on the signals the agent sends and ends as the rank ended. A request whose environment differs from
@@ -16,7 +23,7 @@ whose PYTHONPATH shadows a preloaded module (`shadows_preloaded`) needs a fresh 
 before asking, and the server declines a rank's request that needs one (forkclient then starts it as a
 fresh interpreter). With VERLJ_TESTS_FRESH=1 no server is used.
 
-Protocol, on a Unix socket whose path is argv[1]: one connection a request; the client sends one JSON line
+Protocol, on a Unix socket whose path is argv[1] (argv[2], when given, is `vllm`): one connection a request; the client sends one JSON line
 {"module", "args", "env", "cwd", "unbuffered" (python -u), "setsid" (a session of its own)} with the process's
 descriptors 0, 1 and 2 attached (SCM_RIGHTS); the server answers {"pid": PID} when the process
 starts and {"code": CODE} when it ends (negative: the signal that ended it, as subprocess reports it), or
@@ -34,7 +41,10 @@ import sys
 # Variables the preloaded libraries read when they are imported: a request that sets them otherwise than this
 # process had them needs an interpreter of its own (verlj_testing checks before asking).
 PRELOAD_PREFIXES = ("TORCH", "ATEN_", "PYTORCH", "HF_", "HUGGINGFACE", "TRANSFORMERS", "CUDA", "OMP_", "MKL_", "KMP_", "GOMP",
-                    "TOKENIZERS", "LD_", "TRITON", "USE_", "XDG_", "NCCL", "PYTHON", "LANG", "LC_")
+                    "TOKENIZERS", "LD_", "TRITON", "USE_", "XDG_", "NCCL", "PYTHON", "LANG", "LC_",
+                    "DS_", "DEEPSPEED", "DISABLE_LOGS", "MSGPACK", "PYDANTIC",  # DeepSpeed's import
+                    "VLLM_")  # vLLM's (the plain server: a test process that imported vLLM starts it again)
+RAY_PREFIXES = ("RAY_",)  # vLLM's import imports Ray's core, which reads the cluster's address and token then
 
 # ... but these are read only when used: each process gets its own sys.path; breakpoint() reads PYTHONBREAKPOINT
 # when called (Ray's driver sets it); torchrun's agent reads PYTHON_EXEC, and sets TORCHELASTIC_* and
@@ -42,11 +52,17 @@ PRELOAD_PREFIXES = ("TORCH", "ATEN_", "PYTORCH", "HF_", "HUGGINGFACE", "TRANSFOR
 AT_RUN_TIME = ("PYTHONPATH", "PYTHONBREAKPOINT", "PYTHON_EXEC", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
-def preloaded_env_differs(env: dict, base: dict, set_by_imports: dict | None = None) -> list[str]:
-    """The variables read at start or import by what this server preloads whose values differ between env and
-    base. One that the imports set when it is unset (`set_by_imports`) counts as set to that value where unset."""
+def prefixes(preloaded) -> tuple[str, ...]:
+    """The prefixes of the variables read at import by a server that preloaded the top-level modules `preloaded`."""
+    return PRELOAD_PREFIXES + (RAY_PREFIXES if "ray" in preloaded else ())
+
+
+def preloaded_env_differs(env: dict, base: dict, set_by_imports: dict | None = None, read=PRELOAD_PREFIXES) -> list[str]:
+    """The variables read at start or import by what this server preloads (their prefixes: `read`) whose values
+    differ between env and base. One that the imports set when it is unset (`set_by_imports`) counts as set to
+    that value where unset."""
     env, base = {**(set_by_imports or {}), **env}, {**(set_by_imports or {}), **base}
-    keys = {k for k in (*env, *base) if k.startswith(PRELOAD_PREFIXES) and not k.startswith(AT_RUN_TIME)}
+    keys = {k for k in (*env, *base) if k.startswith(read) and not k.startswith(AT_RUN_TIME)}
     return sorted(k for k in keys if env.get(k) != base.get(k))
 
 
@@ -60,7 +76,7 @@ def shadows_preloaded(env: dict, preloaded: set[str]) -> list[str]:
     return sorted(names & preloaded)
 
 
-def _preload() -> None:
+def _preload(vllm: bool = False) -> None:
     import torch  # noqa: F401
     import torch._inductor.config  # noqa: F401  (torch.use_deterministic_algorithms imports it: 1-2 s)
     from transformers import (  # noqa: F401
@@ -72,6 +88,23 @@ def _preload() -> None:
         LlamaForCausalLM,
         PreTrainedTokenizerFast,
     )
+
+    if torch.version.cuda is None and torch.version.hip is None:  # a CPU build of torch: no GPU to leave untouched before fork
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as verlj.engine.dist.prepare_accelerator sets it where no GPU is visible
+        import deepspeed  # noqa: F401
+    if vllm:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as verlj.engine.rl.vllm_engine._env sets them before its import
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        import vllm  # noqa: F401
+        from vllm import LLM, SamplingParams  # noqa: F401
+        from vllm.inputs import TokensPrompt  # noqa: F401
+
+        if torch.version.cuda is None and torch.version.hip is None:  # what its CPU engine imports as it starts (0.5 s)
+            try:
+                import vllm.v1.worker.cpu_model_runner  # noqa: F401
+                import vllm.v1.worker.cpu_worker  # noqa: F401
+            except ImportError:  # another vLLM's layout: its runs import what they need, as a fresh process does
+                pass
 
 
 def _read_request(conn) -> tuple[dict, list[int]]:
@@ -105,10 +138,12 @@ def _become(req: dict, fds: list[int], base_path: list[str], set_by_imports: dic
         os.dup2(fd, target)
         os.close(fd)
     if req.get("unbuffered"):  # as `python -u` makes them: no buffer under the text layer, written through
+        was = {id(sys.stdout): 1, id(sys.stderr): 2}
         sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=sys.stdout.encoding,
                                                         errors=sys.stdout.errors, write_through=True)
         sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=sys.stderr.encoding,
                                                         errors=sys.stderr.errors, write_through=True)
+        _restream_handlers(was)
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update({**set_by_imports, **req["env"]})
@@ -120,19 +155,35 @@ def _become(req: dict, fds: list[int], base_path: list[str], set_by_imports: dic
     sys.exit(0)
 
 
+def _restream_handlers(was: dict[int, int]) -> None:
+    """The logging handlers the preloaded libraries made at import (DeepSpeed's logger writes to the sys.stdout of
+    then, transformers' to its sys.stderr) write to the streams that replaced those (`was`: the old streams' ids,
+    and the descriptor each wrote to), as they would had they been made in this process."""
+    import logging
+
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger))]
+    for lg in loggers:
+        for h in lg.handlers:
+            if isinstance(h, logging.StreamHandler) and id(h.stream) in was:
+                h.setStream(sys.stdout if was[id(h.stream)] == 1 else sys.stderr)
+
+
 def main() -> None:
+    import gc
     import socket
 
     path = sys.argv[1]
     start_env = dict(os.environ)
-    _preload()
+    _preload(vllm=sys.argv[2:] == ["vllm"])
     set_by_imports = {k: v for k, v in os.environ.items() if k not in start_env}  # TORCHINDUCTOR_CACHE_DIR: a fresh process's imports set them too
-    assert "verlj" not in sys.modules and "deepspeed" not in sys.modules, "the server must not import what a request configures"
+    assert "verlj" not in sys.modules, "the server must not import what a request configures"
     base_path = sys.path[1:]  # without this file's folder (sys.path[0])
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(64)
     preloaded = sorted({name.partition(".")[0] for name in sys.modules})
+    gc.collect()
+    gc.freeze()
     print("ready " + json.dumps({"preloaded": preloaded, "set_by_imports": set_by_imports}), flush=True)
     while True:
         conn, _ = srv.accept()
@@ -152,7 +203,8 @@ def main() -> None:
         srv.close()
         try:
             req, fds = _read_request(conn)
-            declined = preloaded_env_differs(req["env"], start_env, set_by_imports) + shadows_preloaded(req["env"], set(preloaded))
+            declined = preloaded_env_differs(req["env"], start_env, set_by_imports, prefixes(preloaded)) + \
+                shadows_preloaded(req["env"], set(preloaded))
             if declined:
                 print(f"declined {req['module']}: {declined}", file=sys.stderr, flush=True)
                 conn.sendall(json.dumps({"declined": declined}).encode() + b"\n")

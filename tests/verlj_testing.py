@@ -47,7 +47,12 @@ def verlj(*args, check: bool = False, timeout: float = 300, ranks: int = 1, **en
     """Run the real CLI in a process of its own (under torchrun when ranks > 1). The process (torchrun's agent,
     and its ranks through tests/forkclient.py) is forked by the fork server (tests/forkserver.py: torch and
     transformers already imported), unless VERLJ_TESTS_FRESH=1 or the environment asked for is one only a fresh
-    interpreter gives (ForkServer.serves)."""
+    interpreter gives (ForkServer.serves). With VERLJ_TESTS_RUNLOG=FILE each run adds a JSON line to FILE: the test,
+    the command's arguments, its ranks, who started it (a fork server's kind, or fresh) and its seconds, what a
+    look at where the suite's time goes starts from."""
+    import time
+
+    started = time.monotonic()
     e = env(**env_extra)
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(_port()),
@@ -59,6 +64,13 @@ def verlj(*args, check: bool = False, timeout: float = 300, ranks: int = 1, **en
         out = server.run(cmd, served_env, timeout)
     else:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=REPO)
+    if os.environ.get("VERLJ_TESTS_RUNLOG"):
+        import json
+
+        line = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "args": [str(a) for a in args], "ranks": ranks,
+                "by": server.kind if server is not None else "fresh", "seconds": round(time.monotonic() - started, 2), "code": out.returncode}
+        with open(os.environ["VERLJ_TESTS_RUNLOG"], "a") as f:
+            f.write(json.dumps(line) + "\n")
     if check and out.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}")
     return out
@@ -119,10 +131,15 @@ def replay_here(run_dir: Path, to_step: int, export: Path | None = None) -> tupl
     return said
 
 
-class ForkServer:
-    """This test process's fork server (tests/forkserver.py), started on first use, stopped at exit."""
+# The fork servers a test process may start (tests/forkserver.py's arguments after the socket): `vllm`'s has vLLM
+# imported too, for the runs on rollout.engine=vllm (_kind); the plain one's runs never import vLLM.
+KINDS = {"plain": [], "vllm": ["vllm"]}
 
-    def __init__(self) -> None:
+
+class ForkServer:
+    """One of this test process's fork servers (tests/forkserver.py), started on first use, stopped at exit."""
+
+    def __init__(self, kind: str = "plain") -> None:
         import atexit
         import json
         import shlex
@@ -133,7 +150,8 @@ class ForkServer:
         self.env = env()
         self.env.pop("PYTHONPATH", None)
         self.log = open(self.dir / "server.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py")), self.socket],
+        self.kind = kind
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py")), self.socket, *KINDS[kind]],
                                      stdout=subprocess.PIPE, stderr=self.log, env=self.env, cwd=REPO)
         said = self.proc.stdout.readline().decode().split(" ", 1)
         if said[0] != "ready":
@@ -148,7 +166,11 @@ class ForkServer:
 
     def serves(self, e: dict) -> bool:
         """Whether a process it forks is what a fresh interpreter with environment `e` would be."""
-        return not forkserver.preloaded_env_differs(e, self.env, self.set_by_imports) and not forkserver.shadows_preloaded(e, self.preloaded)
+        return not self.differs(e, self.env) and not forkserver.shadows_preloaded(e, self.preloaded)
+
+    def differs(self, e: dict, base: dict) -> list[str]:
+        """The variables its preloaded libraries read at import whose values differ between `e` and `base`."""
+        return forkserver.preloaded_env_differs(e, base, self.set_by_imports, forkserver.prefixes(self.preloaded))
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -292,7 +314,9 @@ def _served(e: dict, cmd: list[str]) -> tuple[ForkServer | None, dict]:
     """The fork server that serves `cmd` with environment `e` (None: a fresh interpreter), and the environment to
     ask it with: under torchrun, the agent starts each rank as `$PYTHON_EXEC -u -m verlj.cli ...`, and
     forkclient asks the server for it."""
-    server = _fork_server(e)
+    server = _fork_server(e, _kind(cmd))
+    if server is not None and server.kind != "plain" and not server.serves(e):  # a run that joins a Ray cluster, say
+        server = _fork_server(e)
     if server is None or not server.serves(e):
         return None, e
     if cmd[2] == "torch.distributed.run":
@@ -310,22 +334,27 @@ def popen(cmd: list[str], env: dict, stdout=None, stderr=None, start_new_session
     return Forked(server, cmd, e, stdout=stdout, stderr=stderr, start_new_session=start_new_session)
 
 
-_SERVER: list[ForkServer] = []
+_SERVERS: dict[str, ForkServer] = {}
 
 
-def _fork_server(e: dict) -> ForkServer | None:
-    """This process's fork server for a run with environment `e`: started again with this process's environment
-    when that has changed in a variable the server read at import since it started (importing vLLM or starting
-    Ray in this process sets some), so that it serves the runs after as a fresh interpreter would."""
+def _fork_server(e: dict, kind: str = "plain") -> ForkServer | None:
+    """This process's fork server of `kind` (KINDS) for a run with environment `e`: started again with this process's
+    environment when that has changed in a variable the server read at import since it started (importing vLLM or
+    starting Ray in this process sets some), so that it serves the runs after as a fresh interpreter would."""
     if os.environ.get("VERLJ_TESTS_FRESH") == "1":
         return None
     base = env()
-    if _SERVER and _SERVER[0].alive() and forkserver.preloaded_env_differs(base, _SERVER[0].env, _SERVER[0].set_by_imports) \
-            and not forkserver.preloaded_env_differs(e, base, _SERVER[0].set_by_imports):
-        _SERVER[0].stop()
-    if not _SERVER or not _SERVER[0].alive():
-        _SERVER[:] = [ForkServer()]
-    return _SERVER[0]
+    server = _SERVERS.get(kind)
+    if server is not None and server.alive() and server.differs(base, server.env) and not server.differs(e, base):
+        server.stop()
+    if server is None or not server.alive():
+        server = _SERVERS[kind] = ForkServer(kind)
+    return server
+
+
+def _kind(cmd: list[str]) -> str:
+    """Which fork server a command line goes to: `vllm` for a run on rollout.engine=vllm, where it says so."""
+    return "vllm" if "rollout.engine=vllm" in cmd else "plain"
 
 
 def _port() -> int:

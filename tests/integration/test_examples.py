@@ -10,7 +10,7 @@ import yaml
 from verlj_testing import REPO, cli, verlj
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-SHORT = ["trainer.total_steps=3", "trainer.save_interval=2", "logging.progress=lines"]
+SHORT = ["trainer.total_steps=3", "trainer.save_interval=2", "data.prompts_per_step=4", "logging.progress=lines"]  # each at its own scale but these
 
 
 def header_commands(path: Path) -> list[str]:

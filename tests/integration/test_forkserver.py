@@ -8,6 +8,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 import verlj_testing
 from verlj_testing import REPO, assert_same_journal, fingerprints, train
 
@@ -18,7 +20,8 @@ def both(monkeypatch, tmp_path, *args, ranks=1, **env_extra):
     for how in ("forked", "fresh"):
         monkeypatch.setenv("VERLJ_TESTS_FRESH", "1" if how == "fresh" else "0")
         out[how] = train(tmp_path / how, *args, ranks=ranks, **env_extra)
-    assert verlj_testing._SERVER and verlj_testing._SERVER[0].alive()  # started by the forked call, which it served
+    kind = verlj_testing._kind(list(args))
+    assert kind in verlj_testing._SERVERS and verlj_testing._SERVERS[kind].alive()  # started by the forked call, which it served
     return out["forked"], out["fresh"]
 
 
@@ -50,21 +53,37 @@ def test_the_server_starts_again_when_this_process_s_environment_changes_under_i
     such a variable for itself alone gets a fresh interpreter, and the server stays."""
     monkeypatch.delenv("VERLJ_TESTS_FRESH", raising=False)
     assert train(tmp_path / "a", "trainer.total_steps=1").returncode == 0
-    first = verlj_testing._SERVER[0]
+    first = verlj_testing._SERVERS["plain"]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # as vLLM's import sets it
     assert train(tmp_path / "b", "trainer.total_steps=1").returncode == 0
-    second = verlj_testing._SERVER[0]
+    second = verlj_testing._SERVERS["plain"]
     assert second is not first and not first.alive() and second.alive() and second.env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     own = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "own")}  # this run's own: a fresh interpreter
     assert not second.serves(verlj_testing.env(**own))
     assert train(tmp_path / "c", "trainer.total_steps=1", **own).returncode == 0
-    assert verlj_testing._SERVER[0] is second and second.alive()
+    assert verlj_testing._SERVERS["plain"] is second and second.alive()
     assert_same_journal(tmp_path / "a", tmp_path / "b")
     assert_same_journal(tmp_path / "a", tmp_path / "c")
 
 
+def test_a_vllm_run_is_forked_by_the_server_with_vllm_imported_and_is_what_a_fresh_interpreter_gives(monkeypatch, tmp_path):
+    """A run on rollout.engine=vllm goes to the server that has vLLM imported (verlj_testing.KINDS); what it prints,
+    journals and fingerprints is what a fresh interpreter gives, and the plain server never imports vLLM."""
+    pytest.importorskip("vllm")
+    forked, fresh = both(monkeypatch, tmp_path, "trainer.total_steps=2", "rollout.engine=vllm", "model.tiny.num_heads=2")
+    assert forked.returncode == fresh.returncode == 0, forked.stderr[-3000:] + fresh.stderr[-3000:]
+    assert same_text(forked.stdout, fresh.stdout, tmp_path) and same_text(forked.stderr, fresh.stderr, tmp_path)
+    assert_same_journal(tmp_path / "forked", tmp_path / "fresh")
+    assert fingerprints(tmp_path / "forked") == fingerprints(tmp_path / "fresh")
+    server = verlj_testing._SERVERS["vllm"]
+    assert "vllm" in server.preloaded and sum(line.startswith("forked verlj.cli") for line in server.said()) >= 1
+    monkeypatch.delenv("VERLJ_TESTS_FRESH")
+    plain = verlj_testing._fork_server(verlj_testing.env())
+    assert plain is not server and "vllm" not in plain.preloaded and "deepspeed" in plain.preloaded
+
+
 def served() -> list[str]:
-    return verlj_testing._SERVER[0].said()
+    return verlj_testing._SERVERS["plain"].said()
 
 
 def test_torchrun_s_ranks_forked_train_and_die_as_fresh_ones_do(monkeypatch, tmp_path):
