@@ -1,33 +1,32 @@
 """The test suite's fork server: `python -m verlj.cli ...` without paying torch's and transformers' imports each time.
 
 `verlj_testing.verlj()` runs the CLI as a process of its own, under torchrun for more than one rank. A fresh
-interpreter spends about 7 s of one core importing torch, transformers' model classes, torch's inductor
-config (which `use_deterministic_algorithms` imports) and DeepSpeed before verlj does anything, and the suite
-starts about 600 of them. This process imports those once (DeepSpeed on a CPU build of torch only, on the CPU
-accelerator that verlj.engine.dist.prepare_accelerator picks there), then for each request forks a real
-process that becomes `python -m MODULE ARGS` (verlj.cli, or torch.distributed.run: torchrun's agent) with the
-request's environment, working directory and standard streams: its own pid, killed by a real SIGKILL, its
-exit status what a fresh interpreter's would be. What it has not imported (verlj itself, Ray) it imports as a
-fresh process does, after the request's environment is set. A server started with `vllm` after the socket's
-path imports vLLM too (about 3 s of a core; with the variables verlj.engine.rl.vllm_engine sets before it imports
-vLLM), for the runs on rollout.engine=vllm (verlj_testing picks the server by the command line); the other
-server's runs never have vLLM imported. Before it serves, the server moves what it imported into the garbage
-collector's permanent generation (gc.freeze), so that a full collection in a forked process (vLLM makes
-several as it starts and stops) walks only what that process made, as Python's documentation advises for a
-server that forks. torchrun's ranks come from here too: the
-agent starts each rank as `$PYTHON_EXEC -u -m verlj.cli ARGS`, and PYTHON_EXEC is a script that runs
-tests/forkclient.py, which asks this server for the rank with its own environment and file descriptors,
-passes on the signals the agent sends and ends as the rank ended. A request whose environment differs from
-this process's in a variable the preloaded libraries read at start or import (`preloaded_env_differs`) or
-whose PYTHONPATH shadows a preloaded module (`shadows_preloaded`) needs a fresh interpreter: verlj() checks
-before asking, and the server declines a rank's request that needs one (forkclient then starts it as a
-fresh interpreter). With VERLJ_TESTS_FRESH=1 no server is used.
+interpreter spends about 7 s of one core importing torch, transformers' model classes, torch's inductor config
+(which `use_deterministic_algorithms` imports) and DeepSpeed before verlj does anything, and the suite starts
+about 650 of them (its runs, and torchrun's agents and ranks). This process imports those once (DeepSpeed on a
+CPU build of torch only, on the CPU accelerator that verlj.engine.dist.prepare_accelerator picks there), then
+for each request forks a real process that becomes `python -m MODULE ARGS` (verlj.cli, or torch.distributed.run:
+torchrun's agent) with the request's environment, working directory and standard streams: its own pid, killed by
+a real SIGKILL, its exit status what a fresh interpreter's would be. What it has not imported (verlj itself,
+Ray) it imports as a fresh process does, after the request's environment is set. A server started with `vllm`
+after the socket's path imports vLLM too (about 3 s of a core; with the variables verlj.engine.rl.vllm_engine
+sets before it imports vLLM), for the runs on rollout.engine=vllm (verlj_testing picks the server by the command
+line); the other server's runs never have vLLM imported. Before it serves, the server moves what it imported
+into the garbage collector's permanent generation (gc.freeze), so that a full collection in a forked process
+(vLLM makes several as it starts and stops) walks only what that process made, as Python's documentation advises
+for a server that forks. torchrun's ranks come from here too: the agent starts each rank as `$PYTHON_EXEC -u -m
+verlj.cli ARGS`, and PYTHON_EXEC is a script that runs tests/forkclient.py, which asks this server for the rank
+with its own environment and file descriptors, passes on the signals the agent sends and ends as the rank ended.
+A request whose environment differs from this process's in a variable the preloaded libraries read at start or
+import (`preloaded_env_differs`) or whose PYTHONPATH shadows a preloaded module (`shadows_preloaded`) needs a
+fresh interpreter: verlj() checks before asking, and the server declines a rank's request that needs one
+(forkclient then starts it as a fresh interpreter). With VERLJ_TESTS_FRESH=1 no server is used.
 
-Protocol, on a Unix socket whose path is argv[1] (argv[2], when given, is `vllm`): one connection a request; the client sends one JSON line
-{"module", "args", "env", "cwd", "unbuffered" (python -u), "setsid" (a session of its own)} with the process's
-descriptors 0, 1 and 2 attached (SCM_RIGHTS); the server answers {"pid": PID} when the process
-starts and {"code": CODE} when it ends (negative: the signal that ended it, as subprocess reports it), or
-{"declined": [VARIABLES]}. A waiter process between the two (forked per request) lets requests overlap,
+Protocol, on a Unix socket whose path is argv[1] (argv[2], when given, is `vllm`): one connection a request; the
+client sends one JSON line {"module", "args", "env", "cwd", "unbuffered" (python -u), "setsid" (a session of its
+own)} with the process's descriptors 0, 1 and 2 attached (SCM_RIGHTS); the server answers {"pid": PID} when the
+process starts and {"code": CODE} when it ends (negative: the signal that ended it, as subprocess reports it),
+or {"declined": [VARIABLES]}. A waiter process between the two (forked per request) lets requests overlap,
 reports the exit status, and SIGKILLs the process if the client goes away first (its own SIGKILL, a test's
 timeout): a rank lives no longer than torchrun's process for it would.
 """
