@@ -2,25 +2,28 @@
 
 `verlj_testing.verlj()` runs the CLI as a process of its own, under torchrun for more than one rank. A fresh
 interpreter spends about 7 s of one core importing torch, transformers' model classes, torch's inductor config
-(which `use_deterministic_algorithms` imports) and DeepSpeed before verlj does anything, and the suite starts
-about 650 of them (its runs, and torchrun's agents and ranks). This process imports those once (DeepSpeed on a
-CPU build of torch only, on the CPU accelerator that verlj.engine.dist.prepare_accelerator picks there), then
-for each request forks a real process that becomes `python -m MODULE ARGS` (verlj.cli, or torch.distributed.run:
-torchrun's agent) with the request's environment, working directory and standard streams: its own pid, killed by
-a real SIGKILL, its exit status what a fresh interpreter's would be. What it has not imported (verlj itself,
-Ray) it imports as a fresh process does, after the request's environment is set. A server started with `vllm`
-after the socket's path imports vLLM too (about 3 s of a core; with the variables verlj.engine.rl.vllm_engine
-sets before it imports vLLM), for the runs on rollout.engine=vllm (verlj_testing picks the server by the command
-line); the other server's runs never have vLLM imported. Before it serves, the server moves what it imported
-into the garbage collector's permanent generation (gc.freeze), so that a full collection in a forked process
-(vLLM makes several as it starts and stops) walks only what that process made, as Python's documentation advises
-for a server that forks. torchrun's ranks come from here too: the agent starts each rank as `$PYTHON_EXEC -u -m
-verlj.cli ARGS`, and PYTHON_EXEC is a script that runs tests/forkclient.py, which asks this server for the rank
-with its own environment and file descriptors, passes on the signals the agent sends and ends as the rank ended.
-A request whose environment differs from this process's in a variable the preloaded libraries read at start or
-import (`preloaded_env_differs`) or whose PYTHONPATH shadows a preloaded module (`shadows_preloaded`) needs a
-fresh interpreter: verlj() checks before asking, and the server declines a rank's request that needs one
-(forkclient then starts it as a fresh interpreter). With VERLJ_TESTS_FRESH=1 no server is used.
+(which `use_deterministic_algorithms` imports) and DeepSpeed before verlj does anything, and the suite starts about
+650 of them (its runs, and torchrun's agents and ranks). This process imports those once (DeepSpeed on a CPU build
+of torch only, on the CPU accelerator that verlj.engine.dist.prepare_accelerator picks there), then for each
+request forks a real process that becomes `python -m MODULE ARGS` (verlj.cli, or torch.distributed.run: torchrun's
+agent) with the request's environment, working directory and standard streams: its own pid, killed by a real
+SIGKILL, its exit status what a fresh interpreter's would be. What it has not imported (verlj itself, Ray) it
+imports as a fresh process does, after the request's environment is set. A server started with `vllm` after the
+socket's path imports vLLM too (about 3 s of a core; with the variables verlj.engine.rl.vllm_engine sets before it
+imports vLLM), for the runs on rollout.engine=vllm (verlj_testing picks the server by the command line); the other
+server's runs never have vLLM imported. A run with rollout.mode=async forks, as it starts, the process that its
+generator will be (_spawn_from_waiting): multiprocessing's spawn of the generator hands that process the
+descriptors and the spawn_main it would give a fresh interpreter, which saves the interpreter's 4 s of imports each
+time. Before it serves, the server moves what it imported into the garbage collector's permanent generation
+(gc.freeze), so that a full collection in a forked process (vLLM makes several as it starts and stops) walks only
+what that process made, as Python's documentation advises for a server that forks. torchrun's ranks come from here
+too: the agent starts each rank as `$PYTHON_EXEC -u -m verlj.cli ARGS`, and PYTHON_EXEC is a script that runs
+tests/forkclient.py, which asks this server for the rank with its own environment and file descriptors, passes on
+the signals the agent sends and ends as the rank ended. A request whose environment differs from this process's in
+a variable the preloaded libraries read at start or import (`preloaded_env_differs`) or whose PYTHONPATH shadows a
+preloaded module (`shadows_preloaded`) needs a fresh interpreter: verlj() checks before asking, and the server
+declines a rank's request that needs one (forkclient then starts it as a fresh interpreter). With
+VERLJ_TESTS_FRESH=1 no server is used.
 
 Protocol, on a Unix socket whose path is argv[1] (argv[2], when given, is `vllm`): one connection a request; the
 client sends one JSON line {"module", "args", "env", "cwd", "unbuffered" (python -u), "setsid" (a session of its
@@ -119,7 +122,7 @@ def _read_request(conn) -> tuple[dict, list[int]]:
     return json.loads(data), fds
 
 
-def _become(req: dict, fds: list[int], base_path: list[str], set_by_imports: dict) -> None:
+def _become(req: dict, fds: list[int], base_path: list[str], set_by_imports: dict, preloaded: list[str]) -> None:
     """(In the forked process.) Become `python [-u] -m MODULE ARGS` as a fresh interpreter started with the
     request's environment, working directory and standard streams would be; returns only by raising SystemExit
     (or another exception), which ends this process as it would end the interpreter."""
@@ -149,8 +152,129 @@ def _become(req: dict, fds: list[int], base_path: list[str], set_by_imports: dic
     extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [os.getcwd(), *extra, *base_path]  # as `python -m` puts them: the working directory, PYTHONPATH, the rest
     importlib.invalidate_caches()
+    if req["module"] == "verlj.cli" and "rollout.mode=async" in req["args"]:
+        _spawn_from_waiting(preloaded)
     sys.argv = ["-m", *req["args"]]
     runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
+
+SPAWN_MAIN = "from multiprocessing.spawn import spawn_main;"  # how the command line of a process multiprocessing spawns begins
+MAX_FDS = 200  # descriptors a message (SCM_RIGHTS) carries; Linux takes at most 253
+
+
+def _spawn_from_waiting(preloaded: list[str]) -> None:
+    """(In the process becoming a run with rollout.mode=async, as it starts.) Fork a process that waits, and
+    make multiprocessing's first spawn of a process (the run's generator: `python -c "from
+    multiprocessing.spawn import spawn_main; spawn_main(...)"` with the descriptors it passes) that waiting
+    process instead of a fresh interpreter, which would spend about 4 s of a core importing torch, its inductor
+    config and transformers' model classes again. The waiting process is the run's own child (its pid,
+    waitpid, getppid and PR_SET_PDEATHSIG are what a spawned one's are); it gets the descriptors at the numbers
+    they have here, and this process's environment and working directory at the spawn, and runs spawn_main
+    as `python -c` would. A spawn that is not spawn_main's (the resource tracker's) goes as it would, and so
+    does the first spawn_main when this process's environment has come to differ from the one it started with
+    in a variable the preloaded libraries read at import (the waiting process then ends). The waiting process
+    ends too when this one ends without spawning."""
+    import socket
+    from multiprocessing import util
+
+    here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    parent = os.getpid()
+    waiting = os.fork()
+    if waiting == 0:
+        here.close()
+        _wait_to_be_spawned(there, parent)  # ends this process: never returns
+    there.close()
+    start = dict(os.environ)
+    plain = util.spawnv_passfds
+    ends: list = [here]
+
+    def spawnv_passfds(path, args, passfds):
+        prog = args[args.index("-c") + 1] if "-c" in args[:-1] else ""
+        if not ends or not prog.startswith(SPAWN_MAIN):
+            return plain(path, args, passfds)
+        conn = ends.pop()
+        with conn:
+            differs = preloaded_env_differs(dict(os.environ), start, None, prefixes(preloaded))
+            if set(differs) <= set(REAPPLIED):
+                fds = sorted({int(fd) for fd in passfds})
+                head = {"prog": prog, "argv": args[args.index("-c") + 2 :], "fds": fds, "env": dict(os.environ), "cwd": os.getcwd(),
+                        "reapply": differs}
+                try:
+                    socket.send_fds(conn, [json.dumps(head).encode()], fds[:MAX_FDS])
+                    for at in range(MAX_FDS, len(fds), MAX_FDS):
+                        socket.send_fds(conn, [b"+"], fds[at : at + MAX_FDS])
+                    return waiting
+                except OSError:  # it has gone (killed with the test's process group): spawn as usual
+                    pass
+        return plain(path, args, passfds)
+
+    util.spawnv_passfds = spawnv_passfds
+
+
+# Variables that verlj's CLI sets for itself as it starts (cli.common.quiet_libraries), which a process it spawns
+# inherits and reads as it imports transformers and huggingface_hub: the waiting process, whose modules were
+# imported without them, applies them as those imports would have (_reapply).
+REAPPLIED = ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")
+
+
+def _reapply(names: list[str]) -> None:
+    """What importing transformers and huggingface_hub makes of REAPPLIED's variables `names` as os.environ has them
+    now: transformers' logging level, and huggingface_hub's HF_HUB_DISABLE_PROGRESS_BARS (in every module that
+    copied it at import; read from their dictionaries, as an attribute of transformers' lazy modules imports)."""
+    if "TRANSFORMERS_VERBOSITY" in names:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging._get_library_root_logger().setLevel(transformers_logging._get_default_logging_level())
+    if "HF_HUB_DISABLE_PROGRESS_BARS" in names:
+        from huggingface_hub import constants
+
+        raw = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
+        value = None if raw is None else constants._is_true(raw)
+        for name, module in list(sys.modules.items()):
+            if name.startswith(("huggingface_hub", "transformers")) and "HF_HUB_DISABLE_PROGRESS_BARS" in getattr(module, "__dict__", {}):
+                module.HF_HUB_DISABLE_PROGRESS_BARS = value
+
+
+def _wait_to_be_spawned(conn, parent: int) -> None:
+    """(The waiting process.) Become the process multiprocessing spawns (see _spawn_from_waiting), or end
+    (os._exit) when the run ends or spawns otherwise. Ends by raising SystemExit, as `python -c` ends."""
+    import ctypes
+    import fcntl
+    import signal
+    import socket
+    import types
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the run, as its generator would
+    if os.getppid() != parent:  # the run died before that took hold
+        os._exit(0)
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 253)
+        if not data:
+            os._exit(0)
+        head = json.loads(data)
+        while len(fds) < len(head["fds"]):
+            more, got, _, _ = socket.recv_fds(conn, 1, 253)
+            if not more:
+                os._exit(1)
+            fds += got
+    except OSError:
+        os._exit(1)
+    base = max([*head["fds"], *fds, conn.fileno()]) + 1  # above every number in use or wanted
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    conn.close()
+    for target, fd in zip(head["fds"], high):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(head["env"])
+    _reapply(head["reapply"])
+    os.chdir(head["cwd"])
+    sys.argv = ["-c", *head["argv"]]
+    main = sys.modules["__main__"] = types.ModuleType("__main__")
+    exec(compile(head["prog"], "<string>", "exec"), main.__dict__)
     sys.exit(0)
 
 
@@ -213,7 +337,7 @@ def main() -> None:
             os._exit(1)
         if child == 0:
             conn.close()
-            _become(req, fds, base_path, set_by_imports)  # raises SystemExit out of main(): this process ends as the interpreter would
+            _become(req, fds, base_path, set_by_imports, preloaded)  # raises SystemExit out of main(): this process ends as the interpreter would
         for fd in fds:
             os.close(fd)
         print(f"forked {req['module']} {child}", file=sys.stderr, flush=True)  # the log tests read

@@ -6,12 +6,14 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import verlj_testing
-from verlj_testing import REPO, assert_same_journal, fingerprints, train
+from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, popen, train
 
 
 def both(monkeypatch, tmp_path, *args, ranks=1, **env_extra):
@@ -80,6 +82,42 @@ def test_a_vllm_run_is_forked_by_the_server_with_vllm_imported_and_is_what_a_fre
     monkeypatch.delenv("VERLJ_TESTS_FRESH")
     plain = verlj_testing._fork_server(verlj_testing.env())
     assert plain is not server and "vllm" not in plain.preloaded and "deepspeed" in plain.preloaded
+
+
+def test_an_async_run_s_generator_is_the_fork_it_made_as_it_started_and_is_what_a_fresh_spawn_gives(monkeypatch, tmp_path):
+    """rollout.mode=async: the generator multiprocessing spawns is the process the run forked as it started
+    (forkserver._spawn_from_waiting), a child of the run running spawn_main, not a fresh interpreter; the run
+    prints, journals and fingerprints what one whose generator is a fresh interpreter gives, and a generator
+    killed alone ends both runs alike."""
+    run = ["rollout.mode=async", "trainer.total_steps=3"]
+    forked, fresh = both(monkeypatch, tmp_path / "run", *run)
+    assert forked.returncode == fresh.returncode == 0, forked.stderr[-3000:] + fresh.stderr[-3000:]
+    assert same_text(forked.stdout, fresh.stdout, tmp_path / "run") and same_text(forked.stderr, fresh.stderr, tmp_path / "run")
+    assert_same_journal(tmp_path / "run" / "forked", tmp_path / "run" / "fresh")
+    assert fingerprints(tmp_path / "run" / "forked") == fingerprints(tmp_path / "run" / "fresh")
+
+    forked, fresh = both(monkeypatch, tmp_path / "kill", *run, VERLJ_FAILPOINT="generator.before_reply:2")  # SIGKILLs the generator
+    assert forked.returncode == fresh.returncode != 0
+    said = [re.sub(r"pid \d+", "pid N", out.stderr.strip().splitlines()[-1]) for out in (forked, fresh)]
+    assert said[0] == said[1] and "the rollout generator process (pid N)" in said[0] and "killed by signal 9" in said[0]
+
+    monkeypatch.setenv("VERLJ_TESTS_FRESH", "0")  # the generator, seen while the run goes: the run's child, no interpreter of its own
+    cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(tmp_path / "seen"), *TINY, *run]
+    p = popen(cmd, env=env(VERLJ_FAILPOINT="generator.before_reply:1:sleep-each=0.3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert isinstance(p, verlj_testing.Forked)
+    for line in p.stdout:
+        if "[INFO] Step 1: reward=" in line:
+            break
+    kids = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children(p.pid)}
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    generators = [pid for pid, line in kids.items() if b"forkserver.py" in line and b"spawn_main" not in line]
+    assert len(generators) == 1 and not [line for line in kids.values() if b"spawn_main" in line], kids
+    assert_same_journal(tmp_path / "seen", tmp_path / "run" / "fresh")
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def served() -> list[str]:
