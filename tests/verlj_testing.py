@@ -324,6 +324,11 @@ def _served(e: dict, cmd: list[str]) -> tuple[ForkServer | None, dict]:
     return server, e
 
 
+def children(pid: int) -> list[int]:
+    """The pids of process `pid`'s children (Linux's /proc: a zombie still counts)."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def popen(cmd: list[str], env: dict, stdout=None, stderr=None, start_new_session: bool = False):
     """subprocess.Popen(cmd, env=env, cwd=REPO, text=True, ...) for `cmd` = `python -m verlj.cli ...` (or torchrun's
     `python -m torch.distributed.run ...`): the process forked by the fork server where it serves that

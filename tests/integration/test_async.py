@@ -16,7 +16,7 @@ from test_recovery import kill_at_random
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import VerljError, open_journal_reader
-from verlj_testing import TINY, assert_same_journal, cli, committed, env, fingerprints, popen, train, verlj
+from verlj_testing import TINY, assert_same_journal, children, cli, committed, env, fingerprints, popen, train, verlj
 
 # dynamic sampling over 2 rounds at most, so carried-over groups meet the staleness bound
 ASYNC = ["rollout.mode=async", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=2", "trainer.total_steps=6",
@@ -27,10 +27,6 @@ def finish(run, over, **env_extra):
     out = train(run, *over, resume=True, **env_extra)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
-
-
-def children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def alive(pid: int) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import verlj_testing
-from verlj_testing import REPO, TINY, assert_same_journal, env, fingerprints, popen, train
+from verlj_testing import REPO, TINY, assert_same_journal, children, env, fingerprints, popen, train
 
 
 def both(monkeypatch, tmp_path, *args, ranks=1, **env_extra):
@@ -114,10 +114,6 @@ def test_an_async_run_s_generator_is_the_fork_it_made_as_it_started_and_is_what_
     generators = [pid for pid, line in kids.items() if b"forkserver.py" in line and b"spawn_main" not in line]
     assert len(generators) == 1 and not [line for line in kids.values() if b"spawn_main" in line], kids
     assert_same_journal(tmp_path / "seen", tmp_path / "run" / "fresh")
-
-
-def children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def served() -> list[str]:

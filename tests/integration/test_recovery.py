@@ -12,13 +12,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import Journal, verify_journal
-from verlj_testing import TINY, assert_same_journal, cli, env, fingerprints, popen, train, verlj
+from verlj_testing import TINY, assert_same_journal, children, cli, env, fingerprints, popen, train, verlj
 
 TARGET = 7
 COMMON = [f"trainer.total_steps={TARGET}", "trainer.save_interval=2", "trainer.save_total_limit=2"]
@@ -196,7 +195,7 @@ def kill_at_random(run, over, rng, ranks=1, group=True):
             if seen >= want:
                 time.sleep(rng.uniform(0.0, 0.15))
                 break
-    kids = [int(pid) for pid in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()] if group is False else []
+    kids = children(p.pid) if group is False else []
     try:
         if group:
             os.killpg(p.pid, signal.SIGKILL)

@@ -13,11 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from verlj_testing import REPO, TINY, _port, assert_same_journal, env
-
-
-def children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+from verlj_testing import REPO, TINY, _port, assert_same_journal, children, env
 
 
 @pytest.fixture(scope="module")
