@@ -1,4 +1,4 @@
-"""A rank's interpreter under torchrun, from the suite's fork server (tests/forkserver.py).
+"""A rank's interpreter under torchrun, or a Ray worker's, from the suite's fork server (tests/forkserver.py).
 
 torchrun's agent starts each rank as `$PYTHON_EXEC -u -m verlj.cli ARGS`; verlj_testing.verlj() sets
 PYTHON_EXEC to a script that runs this file with the real interpreter. It asks the server at
@@ -7,8 +7,9 @@ environment (less those two variables, which a rank under plain torchrun does no
 standard streams (their file descriptors go with the request), passes on every signal the agent sends it, and
 ends as that process ended: the same exit status, or killed by the same signal. If this process is killed
 (SIGKILL), the server kills the rank. Where the server declines (the rank's environment is one only a fresh
-interpreter gives) or cannot be reached, or the command line is not `[-u] -m MODULE ARGS`, this process
-becomes the fresh interpreter itself (exec). Standard library only: it starts in a few hundredths of a second.
+interpreter gives) or cannot be reached, or the command line is not `[-u] -m MODULE ARGS` (or Ray's worker,
+SCRIPTS below), this process becomes the fresh interpreter itself (exec). Standard library only: it starts in a
+few hundredths of a second.
 """
 
 from __future__ import annotations
@@ -22,6 +23,20 @@ import sys
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
+# The scripts asked of the server by path (`python [-u] SCRIPT ARGS`): a Ray worker, which the raylet of a cluster
+# started under verlj_testing.workers_from() starts as `$PYTHON default_worker.py ARGS`, $PYTHON being the script
+# (VERLJ_FORKCLIENT_PYTHON: it says its own path) that runs this file.
+SCRIPTS = ("default_worker.py",)
+# A worker whose job or actor has a runtime env (Ray's py_modules, env_vars) the raylet starts as `$PYTHON
+# setup_worker.py ... default_worker.py ARGS`: setup_worker.py applies the env, then execs `PY default_worker.py
+# ARGS`, PY being the runtime env agent's sys.executable. That setup runs as the fresh interpreter it was, the
+# server's socket left in its environment, and the agent runs with sys.executable $PYTHON (RAY_AGENT_BOOT), so
+# that the worker it execs comes back here and is asked of the server.
+RAY_SETUP = "setup_worker.py"
+RAY_AGENT = os.path.join("runtime_env", "agent", "main.py")
+RAY_AGENT_BOOT = ("import os, runpy, sys; sys.executable = sys.argv[1]; sys.argv = sys.argv[2:]; "
+                  "sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0])); runpy.run_path(sys.argv[0], run_name='__main__')")
+
 PENDING: list[int] = []  # signals that came before the rank's pid
 
 
@@ -34,12 +49,24 @@ def fresh(env: dict) -> None:
 
 def main() -> None:
     env = dict(os.environ)
+    me = env.pop("VERLJ_FORKCLIENT_PYTHON", "")
     path = env.pop("VERLJ_FORKSERVER_SOCKET", "")
     env.pop("PYTHON_EXEC", None)
     argv = sys.argv[1:]
     unbuffered = argv[:1] == ["-u"]
     rest = argv[1:] if unbuffered else argv
-    if len(rest) < 2 or rest[0] != "-m" or not path:
+    if rest[:1] == ["-m"] and len(rest) >= 2:
+        what = {"module": rest[1], "args": rest[2:]}
+    elif rest and os.path.basename(rest[0]) in SCRIPTS:
+        what = {"script": rest[0], "args": rest[1:]}
+    else:
+        what = None
+    if what is None and path and me and rest:
+        if os.path.basename(rest[0]) == RAY_SETUP:
+            os.execve(sys.executable, [sys.executable, *argv], {**env, "VERLJ_FORKSERVER_SOCKET": path})
+        if rest[0].endswith(os.sep + RAY_AGENT):
+            os.execve(sys.executable, [sys.executable, *argv[: len(argv) - len(rest)], "-c", RAY_AGENT_BOOT, me, *rest], env)
+    if what is None or not path:
         fresh(env)
     pid = None
 
@@ -54,7 +81,7 @@ def main() -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
-        req = {"module": rest[1], "args": rest[2:], "env": env, "cwd": os.getcwd(), "unbuffered": unbuffered}
+        req = {**what, "env": env, "cwd": os.getcwd(), "unbuffered": unbuffered}
         socket.send_fds(conn, [json.dumps(req).encode() + b"\n"], [0, 1, 2])
     except OSError:
         conn.close()

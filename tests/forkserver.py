@@ -25,8 +25,13 @@ preloaded module (`shadows_preloaded`) needs a fresh interpreter: verlj() checks
 declines a rank's request that needs one (forkclient then starts it as a fresh interpreter). With
 VERLJ_TESTS_FRESH=1 no server is used.
 
+A local Ray cluster the suite starts (tests/integration/conftest.py's `cluster`) has a server of its own, whose
+forks are its workers: the raylet starts each as `PYTHON default_worker.py ARGS` with PYTHON the script that runs
+forkclient, which asks for the script by path (verlj_testing.workers_from).
+
 Protocol, on a Unix socket whose path is argv[1] (argv[2], when given, is `vllm`): one connection a request; the
-client sends one JSON line {"module", "args", "env", "cwd", "unbuffered" (python -u), "setsid" (a session of its
+client sends one JSON line {"module" (`python -m MODULE`) or "script" (`python SCRIPT`), "args", "env", "cwd",
+"unbuffered" (python -u), "setsid" (a session of its
 own)} with the process's descriptors 0, 1 and 2 attached (SCM_RIGHTS); the server answers {"pid": PID} when the
 process starts and {"code": CODE} when it ends (negative: the signal that ended it, as subprocess reports it),
 or {"declined": [VARIABLES]}. A waiter process between the two (forked per request) lets requests overlap,
@@ -123,7 +128,7 @@ def _read_request(conn) -> tuple[dict, list[int]]:
 
 
 def _become(req: dict, fds: list[int], base_path: list[str], set_by_imports: dict, preloaded: list[str]) -> None:
-    """(In the forked process.) Become `python [-u] -m MODULE ARGS` as a fresh interpreter started with the
+    """(In the forked process.) Become `python [-u] -m MODULE ARGS` (or `python [-u] SCRIPT ARGS`) as a fresh interpreter started with the
     request's environment, working directory and standard streams would be; returns only by raising SystemExit
     (or another exception), which ends this process as it would end the interpreter."""
     import fcntl
@@ -150,6 +155,12 @@ def _become(req: dict, fds: list[int], base_path: list[str], set_by_imports: dic
     os.environ.clear()
     os.environ.update({**set_by_imports, **req["env"]})
     extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    if "script" in req:  # `python SCRIPT`: sys.path begins with the script's folder (its links resolved), as the interpreter puts it
+        sys.path[:] = [os.path.dirname(os.path.realpath(req["script"])), *extra, *base_path]
+        importlib.invalidate_caches()
+        sys.argv = [req["script"], *req["args"]]
+        runpy.run_path(req["script"], run_name="__main__")
+        sys.exit(0)
     sys.path[:] = [os.getcwd(), *extra, *base_path]  # as `python -m` puts them: the working directory, PYTHONPATH, the rest
     importlib.invalidate_caches()
     if req["module"] == "verlj.cli" and "rollout.mode=async" in req["args"]:
@@ -329,7 +340,7 @@ def main() -> None:
             declined = preloaded_env_differs(req["env"], start_env, set_by_imports, prefixes(preloaded)) + \
                 shadows_preloaded(req["env"], set(preloaded))
             if declined:
-                print(f"declined {req['module']}: {declined}", file=sys.stderr, flush=True)
+                print(f"declined {req.get('module') or req['script']}: {declined}", file=sys.stderr, flush=True)
                 conn.sendall(json.dumps({"declined": declined}).encode() + b"\n")
                 os._exit(0)
             child = os.fork()
@@ -340,7 +351,7 @@ def main() -> None:
             _become(req, fds, base_path, set_by_imports, preloaded)  # raises SystemExit out of main(): this process ends as the interpreter would
         for fd in fds:
             os.close(fd)
-        print(f"forked {req['module']} {child}", file=sys.stderr, flush=True)  # the log tests read
+        print(f"forked {req.get('module') or req['script']} {child}", file=sys.stderr, flush=True)  # the log tests read
         try:
             conn.sendall(json.dumps({"pid": child}).encode() + b"\n")
             _wait_or_kill(child, conn)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -159,7 +160,7 @@ class ForkServer:
         ready = json.loads(said[1])
         self.preloaded, self.set_by_imports = set(ready["preloaded"]), ready["set_by_imports"]
         self.rank_python = str(self.dir / "python")  # torchrun's PYTHON_EXEC: a rank's interpreter from this server
-        Path(self.rank_python).write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} "
+        Path(self.rank_python).write_text(f"#!/bin/sh\nexport VERLJ_FORKCLIENT_PYTHON=\"$0\"\nexec {shlex.quote(sys.executable)} "
                                           f"{shlex.quote(str(Path(__file__).with_name('forkclient.py')))} \"$@\"\n")
         os.chmod(self.rank_python, 0o755)
         atexit.register(self.stop)
@@ -322,6 +323,52 @@ def _served(e: dict, cmd: list[str]) -> tuple[ForkServer | None, dict]:
     if cmd[2] == "torch.distributed.run":
         e = {**e, "PYTHON_EXEC": server.rank_python, "VERLJ_FORKSERVER_SOCKET": server.socket}
     return server, e
+
+
+def ray_worker_server() -> ForkServer | None:
+    """A fork server of its own for the workers of a local Ray cluster this process starts (None with
+    VERLJ_TESTS_FRESH=1): started with this process's environment now, which the cluster's raylet takes as it
+    starts and passes to every worker, and kept as it is for the cluster's life (this process's own servers are
+    started again when its environment changes, _fork_server). Stop it after the cluster."""
+    return None if os.environ.get("VERLJ_TESTS_FRESH") == "1" else ForkServer("plain")
+
+
+@contextlib.contextmanager
+def workers_from(server: ForkServer | None):
+    """Within: a local Ray cluster started here (ray.init(address="local")) has its raylet start each worker
+    (`PYTHON default_worker.py ARGS`) through tests/forkclient.py, as a process `server` forks (torch, transformers
+    and DeepSpeed imported), not a fresh interpreter that spends about 5 s of a core importing them for a fleet's
+    actor. Ray builds the raylet's worker command from sys.executable, and the raylet passes its environment to
+    each worker: within, sys.executable is the server's rank_python and VERLJ_FORKSERVER_SOCKET its socket
+    (forkclient takes it out of the worker's environment). Ray's other processes started then (its agents, its
+    monitors) go through forkclient too, which execs each as the fresh interpreter it would have been."""
+    if server is None:
+        yield
+        return
+    executable, socket = sys.executable, os.environ.get("VERLJ_FORKSERVER_SOCKET")
+    sys.executable, os.environ["VERLJ_FORKSERVER_SOCKET"] = server.rank_python, server.socket
+    try:
+        yield
+    finally:
+        sys.executable = executable
+        if socket is None:
+            os.environ.pop("VERLJ_FORKSERVER_SOCKET")
+        else:
+            os.environ["VERLJ_FORKSERVER_SOCKET"] = socket
+
+
+def wait_forked_ended(timeout: float = 30) -> None:
+    """Until every process this test process's fork servers have forked has ended. A rank under torchrun whose
+    forkclient was killed (with its agent's process tree) ends a moment later, when the server's waiter for it
+    kills it: a test that kills a node whole waits for that before it goes on."""
+    import time
+
+    pids = [int(line.rsplit(" ", 1)[1]) for server in _SERVERS.values() if server.alive() for line in server.said()
+            if line.startswith("forked ")]
+    deadline = time.monotonic() + timeout
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        assert time.monotonic() < deadline, f"processes forked for this test still live after {timeout} s"
+        time.sleep(0.02)
 
 
 def children(pid: int) -> list[int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from verlj.engine.loop.run import train as run_train
-from verlj_testing import SMALL, session_dir, verlj
+from verlj_testing import SMALL, ray_worker_server, session_dir, verlj, workers_from
 
 
 @pytest.fixture(scope="session")
@@ -61,16 +61,30 @@ def copy(base, tmp_path):
     return run
 
 
+class Cluster(dict):
+    """A local Ray cluster's address for the `verlj train` subprocesses, which join it through RAY_ADDRESS (the
+    dictionary: their environment), and the fork server its workers come from (`server`; None with
+    VERLJ_TESTS_FRESH=1)."""
+
+    def __init__(self, address: str, server) -> None:
+        super().__init__(RAY_ADDRESS=address)
+        self.server = server
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    """One local Ray cluster for the module (started and stopped by this process); its address for the
-    `verlj train` subprocesses, which join it through RAY_ADDRESS (test_fleet.py, test_ray_launcher.py)."""
+    """One local Ray cluster for the module (started and stopped by this process), its workers forked by a fork
+    server of its own (verlj_testing.workers_from): a Cluster (test_fleet.py, test_ray_launcher.py)."""
     if os.environ.get("CI"):
         import ray  # in CI a missing ray is a failure, not a skip
     else:
         ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", object_store_memory=256 * 1024 * 1024)
+    server = ray_worker_server()  # its actors forked, torch and transformers imported (verlj_testing.workers_from)
     try:
-        yield {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+        with workers_from(server):
+            ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", object_store_memory=256 * 1024 * 1024)
+        yield Cluster(ray.get_runtime_context().gcs_address, server)
     finally:
         ray.shutdown()
+        if server is not None:
+            server.stop()

@@ -1,5 +1,7 @@
 """rollout.fleet=ray: generator actors on a real local Ray cluster (CPU), one cluster for the module
-(the `cluster` fixture, conftest.py), which every `verlj train` subprocess joins through RAY_ADDRESS. Step order is bit-identical whatever the
+(the `cluster` fixture, conftest.py), which every `verlj train` subprocess joins through RAY_ADDRESS; its workers are
+forked by a fork server of its own (tests/forkserver.py), and one run on a cluster its trainer starts, whose workers
+are fresh interpreters, is what the same run is on it. Step order is bit-identical whatever the
 fleet's size and whichever actor generates what, through a real SIGKILL of an actor's process (its
 groups are asked again of the fleet), a resize on resume, and a SIGKILL of the trainer that its
 supervisor (trainer.max_restarts) restarts by itself; completion order trains on two actors
@@ -71,8 +73,13 @@ def test_step_order_is_bit_identical_whatever_m_through_a_killed_actor_and_a_res
     with open_journal_reader(ref / "journal") as j:  # the weights change every step: a push that did nothing would show
         assert all(e["values"]["actor/grad_norm"] > 0 for _, e in j.iter_events("metrics"))
 
-    one = tmp_path / "m1"  # its only actor killed as it gets batch 3: the run waits for Ray to restart it
-    ok(train(one, *over, "rollout.fleet_size=1", VERLJ_FAILPOINT="fleet.dispatch:3:kill-actor", **cluster, PYTHONPATH=TESTS))
+    if cluster.server is not None:  # the module's cluster has its workers forked by its own fork server
+        assert [ln for ln in cluster.server.said() if ln.startswith("forked") and "default_worker.py" in ln]
+
+    # its only actor killed as it gets batch 3: the run waits for Ray to restart it. On a cluster the trainer starts
+    # itself (no RAY_ADDRESS), whose workers are fresh interpreters: what the module's forked ones do, they do
+    one = tmp_path / "m1"
+    ok(train(one, *over, "rollout.fleet_size=1", VERLJ_FAILPOINT="fleet.dispatch:3:kill-actor", PYTHONPATH=TESTS))
     last = fleet_metrics(one)[4]
     assert last["rollout/fleet/deaths"] == 1 and last["rollout/fleet/reasked_groups"] == 4, last
     assert_same_journal(ref, one, ignore=NOT_FLEET)

@@ -30,7 +30,7 @@ import pytest
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.state.manifest import check_snapshot
 from verlj.journal import Journal, open_journal_reader, segments
-from verlj_testing import REPO, TINY, _port, assert_same_journal, cli, comparable_steps, env, fingerprints, popen, train
+from verlj_testing import TINY, _port, assert_same_journal, cli, comparable_steps, env, fingerprints, popen, train, wait_forked_ended
 
 LAG = 2
 MATRIX = ["trainer.total_steps=6", "trainer.save_interval=2", "trainer.save_total_limit=1", f"journal.ship_max_lag_steps={LAG}"]
@@ -142,15 +142,15 @@ TWO_NODES = ["trainer.total_steps=6", "trainer.save_interval=2", "trainer.save_t
 
 
 def launch(run: Path, locals_: list[Path], *extra: str, **env_extra) -> list[subprocess.Popen]:
-    """One torchrun agent per node (`len(locals_)` nodes, one rank each), rendezvous on localhost."""
+    """One torchrun agent per node (`len(locals_)` nodes, one rank each), rendezvous on localhost, each leading a
+    session of its own (popen: the agents and their ranks forked by the fork server)."""
     port, n = _port(), len(locals_)
     procs = []
     for rank, local in enumerate(locals_):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc_per_node", "1",
                "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
                "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY, *TWO_NODES, f"journal.local_dir={local}", *extra]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                                      env=env(**env_extra), start_new_session=True))
+        procs.append(popen(cmd, env(**env_extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
     return procs
 
 
@@ -170,8 +170,9 @@ def test_two_nodes_lose_the_node_of_rank_0_and_go_on(tmp_path):
         time.sleep(0.05)
     assert committed(tmp_path / "a0") == 3
     kill_node(node0)  # rank 0's node dies whole: agent and worker
-    shutil.rmtree(tmp_path / "a0")  # and its local disk with it
     kill_node(node1)  # the scheduler ends the job's other node
+    wait_forked_ended()  # the ranks, forked by the fork server, end as their forkclients (the agents' children) did
+    shutil.rmtree(tmp_path / "a0")  # rank 0's local disk is lost with its node
 
     # the job is requeued on two new nodes: both local directories new
     outs = finish(launch(run, [tmp_path / "b0", tmp_path / "b1"], "--resume"))
