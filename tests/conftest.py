@@ -178,22 +178,26 @@ def pytest_sessionfinish(session):
 def bpe_model(tmp_path_factory) -> str:
     """A Qwen2-shaped model with a real tokenizer, made locally (examples/make_bpe_model.py: a byte-level BPE
     trained by `tokenizers`, a ChatML template with hermes tool calls, <|im_end|> as its end of sequence): the
-    directory, for model.actor.model_name_or_path. Made once per session and shared by the xdist workers
-    (their common base directory, under a file lock); the same bytes every time."""
-    import hashlib
+    directory, for model.actor.model_name_or_path. A copy of the shipped one (SHIPPED_BPE) while its recipe is the
+    recipe's now, else made; once per session, shared by the xdist workers (their common base directory, under a
+    file lock)."""
     import shutil
 
     from filelock import FileLock
 
-    maker = REPO / "examples" / "make_bpe_model.py"
+    from verlj_testing import SHIPPED_BPE, bpe_recipe
+
+    recipe = bpe_recipe()
     root = tmp_path_factory.getbasetemp().parent  # every worker's basetemp is under it
-    out = root / f"bpe_model-{hashlib.sha256(maker.read_bytes()).hexdigest()[:12]}"  # made anew when the recipe changes
+    out = root / f"bpe_model-{recipe[:12]}"  # made anew when the recipe changes
     with FileLock(str(root / "bpe_model.lock")):
         if not (out / "model.safetensors").is_file():
-            make_bpe_model = _recipe().make_bpe_model
             made = root / f"{out.name}.tmp"
             shutil.rmtree(made, ignore_errors=True)
-            make_bpe_model(made)
+            if (SHIPPED_BPE / "recipe.sha256").read_text().strip() == recipe:
+                shutil.copytree(SHIPPED_BPE, made, ignore=shutil.ignore_patterns("recipe.sha256"))
+            else:
+                _recipe().make_bpe_model(made)
             made.rename(out)
     return str(out)
 

@@ -28,6 +28,22 @@ TINY = [
 SMALL = [*TINY, "trainer.total_steps=4", "trainer.save_interval=2", "trainer.save_total_limit=2"]  # snapshots 2 and 4
 
 
+# The bpe_model fixture (conftest.py) as examples/make_bpe_model.py made it (its warm-up is about 50 s of a core),
+# shipped with the tests with the SHA-256 of the recipe that made it (recipe.sha256): the fixture copies it while the
+# recipe is unchanged and makes the model again where it changed, and tests/unit/test_splice.py then fails until the
+# model is shipped again (SHIPPED_BPE_REMAKE, from the repository's root).
+SHIPPED_BPE = REPO / "tests" / "fixtures" / "bpe_model"
+SHIPPED_BPE_REMAKE = ("python examples/make_bpe_model.py tests/fixtures/bpe_model && "
+                      "sha256sum examples/make_bpe_model.py | cut -c1-64 > tests/fixtures/bpe_model/recipe.sha256")
+
+
+def bpe_recipe() -> str:
+    """The SHA-256 of examples/make_bpe_model.py."""
+    import hashlib
+
+    return hashlib.sha256((REPO / "examples" / "make_bpe_model.py").read_bytes()).hexdigest()
+
+
 def session_dir(tmp_path_factory) -> Path:
     """This pytest session's own directory, the same for all its xdist workers (each one's basetemp lies under it):
     where what the session makes once for every worker goes (conftest.py's reference_run)."""

@@ -2,7 +2,8 @@
 fixture's tokenizer, examples/make_bpe_model.py), a policy whose completions are not the tokenizer's own split of their text
 (``h``+``e``+``llo``, a character cut between two tokens), and openai-client agents that send their history back as
 answered. Rendered whole, most continuing calls would break the sequence; spliced, none does, with and without
-tools, in parallel, across a template that drops earlier reasoning; only a real rewrite starts a segment."""
+tools, in parallel, across a template that drops earlier reasoning; only a real rewrite starts a segment. The
+bpe_model shipped with the tests is the recipe's (tests/fixtures/bpe_model)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,31 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b"
 @pytest.fixture(scope="module")
 def tok(bpe_tokenizer):
     return bpe_tokenizer
+
+
+def test_the_shipped_bpe_model_is_the_recipe_s_with_its_tokenizer(tok, tmp_path):
+    """The bpe_model fixture copies tests/fixtures/bpe_model while the recipe that made it is unchanged: its stamp
+    is examples/make_bpe_model.py's SHA-256, its tokenizer is byte for byte what the recipe trains now, and its
+    weights load into the Qwen2 its config describes, every tensor there, the embedding the vocabulary's size."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    from verlj_testing import SHIPPED_BPE, SHIPPED_BPE_REMAKE, bpe_recipe
+
+    stamp = (SHIPPED_BPE / "recipe.sha256").read_text().strip()
+    assert stamp == bpe_recipe(), f"examples/make_bpe_model.py changed since tests/fixtures/bpe_model was made: {SHIPPED_BPE_REMAKE}"
+    tok.save_pretrained(tmp_path)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / name).read_bytes() == (SHIPPED_BPE / name).read_bytes(), name
+    made, shipped = (json.loads((d / "tokenizer.json").read_text()) for d in (tmp_path, SHIPPED_BPE))
+    for state in ("truncation", "padding"):  # what the warm-up's batches left set on it, not the tokenizer
+        made.pop(state), shipped.pop(state)
+    assert made == shipped  # the vocabulary, merges, added tokens, pre-tokenizer and decoder
+    config = AutoConfig.from_pretrained(SHIPPED_BPE, local_files_only=True)
+    weights = load_file(str(SHIPPED_BPE / "model.safetensors"))
+    expected = {n: tuple(t.shape) for n, t in Qwen2ForCausalLM(config).state_dict().items() if n != "lm_head.weight"}  # tied
+    assert {n: tuple(t.shape) for n, t in weights.items()} == expected
+    assert config.vocab_size == len(tok) and weights["model.embed_tokens.weight"].shape[0] == len(tok)
 
 
 def pieces(tok, text: str) -> list[int]:
