@@ -155,18 +155,18 @@ def _become(req: dict, fds: list[int], base_path: list[str], set_by_imports: dic
     os.environ.clear()
     os.environ.update({**set_by_imports, **req["env"]})
     extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    if "script" in req:  # `python SCRIPT`: sys.path begins with the script's folder (its links resolved), as the interpreter puts it
-        sys.path[:] = [os.path.dirname(os.path.realpath(req["script"])), *extra, *base_path]
-        importlib.invalidate_caches()
-        sys.argv = [req["script"], *req["args"]]
-        runpy.run_path(req["script"], run_name="__main__")
-        sys.exit(0)
-    sys.path[:] = [os.getcwd(), *extra, *base_path]  # as `python -m` puts them: the working directory, PYTHONPATH, the rest
+    script = req.get("script")
+    # as the interpreter puts them: the script's folder (its links resolved) or, for -m, the working directory; PYTHONPATH; the rest
+    sys.path[:] = [os.path.dirname(os.path.realpath(script)) if script else os.getcwd(), *extra, *base_path]
     importlib.invalidate_caches()
-    if req["module"] == "verlj.cli" and "rollout.mode=async" in req["args"]:
-        _spawn_from_waiting(preloaded)
-    sys.argv = ["-m", *req["args"]]
-    runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+    if script:
+        sys.argv = [script, *req["args"]]
+        runpy.run_path(script, run_name="__main__")
+    else:
+        if req["module"] == "verlj.cli" and "rollout.mode=async" in req["args"]:
+            _spawn_from_waiting(preloaded)
+        sys.argv = ["-m", *req["args"]]
+        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
     sys.exit(0)
 
 
@@ -337,10 +337,11 @@ def main() -> None:
         srv.close()
         try:
             req, fds = _read_request(conn)
+            what = req.get("module") or req["script"]
             declined = preloaded_env_differs(req["env"], start_env, set_by_imports, prefixes(preloaded)) + \
                 shadows_preloaded(req["env"], set(preloaded))
             if declined:
-                print(f"declined {req.get('module') or req['script']}: {declined}", file=sys.stderr, flush=True)
+                print(f"declined {what}: {declined}", file=sys.stderr, flush=True)
                 conn.sendall(json.dumps({"declined": declined}).encode() + b"\n")
                 os._exit(0)
             child = os.fork()
@@ -351,7 +352,7 @@ def main() -> None:
             _become(req, fds, base_path, set_by_imports, preloaded)  # raises SystemExit out of main(): this process ends as the interpreter would
         for fd in fds:
             os.close(fd)
-        print(f"forked {req.get('module') or req['script']} {child}", file=sys.stderr, flush=True)  # the log tests read
+        print(f"forked {what} {child}", file=sys.stderr, flush=True)  # the log tests read
         try:
             conn.sendall(json.dumps({"pid": child}).encode() + b"\n")
             _wait_or_kill(child, conn)

@@ -175,7 +175,7 @@ class ForkServer:
             raise RuntimeError(f"the fork server did not start: {(self.dir / 'server.log').read_text()[-3000:]}")
         ready = json.loads(said[1])
         self.preloaded, self.set_by_imports = set(ready["preloaded"]), ready["set_by_imports"]
-        self.rank_python = str(self.dir / "python")  # torchrun's PYTHON_EXEC: a rank's interpreter from this server
+        self.rank_python = str(self.dir / "python")  # a rank's (torchrun's PYTHON_EXEC) or Ray worker's interpreter from this server
         Path(self.rank_python).write_text(f"#!/bin/sh\nexport VERLJ_FORKCLIENT_PYTHON=\"$0\"\nexec {shlex.quote(sys.executable)} "
                                           f"{shlex.quote(str(Path(__file__).with_name('forkclient.py')))} \"$@\"\n")
         os.chmod(self.rank_python, 0o755)
