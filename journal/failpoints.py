@@ -10,7 +10,9 @@ stalls at that hit and every later one. Any other action is handed back to the c
 acts on it: ``update.grads:3:flip=7`` flips one bit (chosen by seed 7) in the gradients of the 3rd
 optimizer step, ``update.params:2:flip=7`` in the actor's parameters after the 2nd step's update
 (silent data corruption, for `verlj rerun` to find). Unset (the normal case) a failpoint costs one
-dict lookup.
+dict lookup. VERLJ_FAILPOINT is read at the first failpoint a process reaches, not when this module is
+imported: a process forked from one that imported verlj (the test suite's fork server) arms what its own
+environment says.
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ def _parse(spec: str) -> dict[str, tuple[int, str]]:
     return out
 
 
-_POINTS = _parse(os.environ.get("VERLJ_FAILPOINT", ""))
+_POINTS: dict[str, tuple[int, str]] | None = None  # what VERLJ_FAILPOINT arms, read at the first failpoint
 _hits: dict[str, int] = {}
 
 
 def failpoint(name: str) -> str | None:
     """Act at this hit of `name` when it is armed; returns an action that is the call site's to carry out."""
+    global _POINTS
+    if _POINTS is None:
+        _POINTS = _parse(os.environ.get("VERLJ_FAILPOINT", ""))
     armed = _POINTS.get(name)
     if armed is None:
         return None

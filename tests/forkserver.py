@@ -7,8 +7,10 @@ interpreter spends about 7 s of one core importing torch, transformers' model cl
 of torch only, on the CPU accelerator that verlj.engine.dist.prepare_accelerator picks there), then for each
 request forks a real process that becomes `python -m MODULE ARGS` (verlj.cli, or torch.distributed.run: torchrun's
 agent) with the request's environment, working directory and standard streams: its own pid, killed by a real
-SIGKILL, its exit status what a fresh interpreter's would be. What it has not imported (verlj itself, Ray) it
-imports as a fresh process does, after the request's environment is set. A server started with `vllm` after the
+SIGKILL, its exit status what a fresh interpreter's would be. It imports verlj's modules too, every one (0.2 s a
+process; none reads the environment as it is imported, and none imports an optional library such as Ray or vLLM).
+What it has not imported (Ray, vLLM in the plain server) a process imports as a fresh one does, after the
+request's environment is set. A server started with `vllm` after the
 socket's path imports vLLM too (about 3 s of a core; with the variables verlj.engine.rl.vllm_engine sets before it
 imports vLLM), for the runs on rollout.engine=vllm (verlj_testing picks the server by the command line); the other
 server's runs never have vLLM imported. A run with rollout.mode=async forks, as it starts, the process that its
@@ -50,6 +52,7 @@ import sys
 PRELOAD_PREFIXES = ("TORCH", "ATEN_", "PYTORCH", "HF_", "HUGGINGFACE", "TRANSFORMERS", "CUDA", "OMP_", "MKL_", "KMP_", "GOMP",
                     "TOKENIZERS", "LD_", "TRITON", "USE_", "XDG_", "NCCL", "PYTHON", "LANG", "LC_",
                     "DS_", "DEEPSPEED", "DISABLE_LOGS", "MSGPACK", "PYDANTIC",  # DeepSpeed's import
+                    "TYPER_", "LMDB_", "READTHEDOCS",  # verlj's imports (typer's rich switch, lmdb's binding)
                     "VLLM_")  # vLLM's (the plain server: a test process that imported vLLM starts it again)
 RAY_PREFIXES = ("RAY_",)  # vLLM's import imports Ray's core, which reads the cluster's address and token then
 
@@ -112,6 +115,27 @@ def _preload(vllm: bool = False) -> None:
                 import vllm.v1.worker.cpu_worker  # noqa: F401
             except ImportError:  # another vLLM's layout: its runs import what they need, as a fresh process does
                 pass
+            from torch._inductor import cpu_vec_isa
+
+            # The vector instructions this CPU runs, which inductor probes (three processes, 0.7 s) as vLLM's
+            # sampler compiles: the machine's, cached for the process's life, the same in every process.
+            cpu_vec_isa.pick_vec_isa()
+    _import_verlj()
+
+
+def _import_verlj() -> None:
+    """Every module of verlj.journal, verlj.engine and verlj.cli (each a run would import as it goes)."""
+    import importlib
+    import pkgutil
+
+    import verlj.cli
+    import verlj.engine
+    import verlj.journal
+
+    for package in (verlj.journal, verlj.engine, verlj.cli):
+        for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if not module.name.endswith(".__main__"):  # cli's __main__ runs the CLI: each request runs it
+                importlib.import_module(module.name)
 
 
 def _read_request(conn) -> tuple[dict, list[int]]:
@@ -310,7 +334,6 @@ def main() -> None:
     start_env = dict(os.environ)
     _preload(vllm=sys.argv[2:] == ["vllm"])
     set_by_imports = {k: v for k, v in os.environ.items() if k not in start_env}  # TORCHINDUCTOR_CACHE_DIR: a fresh process's imports set them too
-    assert "verlj" not in sys.modules, "the server must not import what a request configures"
     base_path = sys.path[1:]  # without this file's folder (sys.path[0])
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)

@@ -49,6 +49,48 @@ def test_a_forked_run_a_refusal_and_a_kill_are_what_a_fresh_interpreter_gives(mo
     assert max(fingerprints(tmp_path / "kill" / "forked")) == max(fingerprints(tmp_path / "kill" / "fresh")) == 2
 
 
+READS_AS_VERLJ_IMPORTS = """
+import json, os, sys
+import forkserver
+import_verlj, forkserver._import_verlj = forkserver._import_verlj, lambda: None
+forkserver._preload()  # what the server imports before verlj
+read = set()
+class Recording(type(os.environ)):
+    def __getitem__(self, key):
+        read.add(key)
+        return super().__getitem__(key)
+    def __contains__(self, key):
+        read.add(key)
+        return super().__contains__(key)
+e = os.environ
+os.environ = Recording(e._data, e.encodekey, e.decodekey, e.encodevalue, e.decodevalue)
+before = set(sys.modules)
+import_verlj()
+new = set(sys.modules) - before
+print(json.dumps({"read": sorted(read), "verlj": sorted(m for m in new if m.startswith("verlj.")), "new": sorted({m.partition(".")[0] for m in new})}))
+"""
+
+
+def test_importing_verlj_reads_only_variables_a_request_that_changes_them_is_declined_for():
+    """The server imports every verlj module before it forks (forkserver._import_verlj), so a variable read as
+    one is imported would be the server's value, not the request's: each one read is among those whose difference
+    sends a request to a fresh interpreter (forkserver.PRELOAD_PREFIXES). VERLJ_FAILPOINT, say, is read at the
+    first failpoint (the kill in the test above is the request's own)."""
+    import json
+
+    from forkserver import PRELOAD_PREFIXES
+
+    out = subprocess.run([sys.executable, "-c", READS_AS_VERLJ_IMPORTS], cwd=REPO / "tests", env=env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(got["verlj"]) > 100 and "typer" in got["new"] and "lmdb" in got["new"]  # verlj's modules, and what they import
+    assert "verlj.journal.failpoints" in got["verlj"] and "verlj.engine.rl.vllm_engine" in got["verlj"]
+    assert "TYPER_USE_RICH" in got["read"]  # it saw what typer reads as it is imported
+    assert [k for k in got["read"] if not k.startswith(PRELOAD_PREFIXES)] == []
+    assert not {"vllm", "ray", "openai", "peft", "agents"} & set(got["new"])  # the optional libraries: imported where used
+
+
 def test_the_server_starts_again_when_this_process_s_environment_changes_under_it(monkeypatch, tmp_path):
     """Importing vLLM (test_vllm does, in the test process) sets TORCHINDUCTOR_CACHE_DIR and others, which a
     fresh interpreter would see at torch's import: the next run gets a server started with them. A run that sets
