@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import time
@@ -31,6 +32,7 @@ from verlj.journal.failpoints import failpoint
 from ..config import ONE_OFF_KEYS, Config, check_change, config_from_dict, diff_configs, make_config, stored_config, to_yaml
 from ..errors import ConfigError, RunError
 from ..report import Reporter
+from ..rl.faults import FaultStop
 from ..schema.events import Control, ControlKind
 from ..schema.sample import GroupInFlight, GroupProgress
 from . import whatif
@@ -177,6 +179,22 @@ def train(
     stop = StopFlag()
     stop.install()
 
+    def unstarted() -> bool:
+        """Whether this start made a run that never committed a step, which it removes as it ends, leaving nothing to
+        block a retry: only this process's own new run (it claimed it and still holds it; a refused or taken-over one
+        touches nothing). A run that was there before and never committed a step stays, with this start's config, for a
+        --resume to start afresh with."""
+        owned = claim is not None and not claim.taken_over()
+        return owned and state == "none" and (journal is None or journal.last_step() == 0)
+
+    def again(with_fault_rate: bool = False) -> str:
+        """This start's command, to paste (with rollout.max_fault_rate=1 in place of any it named)."""
+        over = [o for o in overrides if not (with_fault_rate and o.split("=", 1)[0].strip() == "rollout.max_fault_rate")]
+        words = ["verlj", "train", "--output-dir", str(run_dir), *(["--config", str(config_file)] if config_file else []),
+                 *(["--resume"] if resume else []), *over, *(["rollout.max_fault_rate=1"] if with_fault_rate else [])]
+        return shlex.join(words)
+
+
     def open_journal() -> Journal:
         nonlocal claim
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -200,6 +218,13 @@ def train(
         last, control, source = begin(run, existing, changed, allow_config_change)
         last = train_loop(run, last, control, stop, source)
         return Trained(last, run.ckpt.failures())
+    except FaultStop as e:
+        if not unstarted():
+            raise
+        # nothing of the run is kept, so there is nothing to --resume (which would start the defaults): the same command
+        raise FaultStop(e.step, e.summary, f"Nothing of the run was kept; fix it and start it again with `{again()}`, or with "
+                        f"`{again(with_fault_rate=True)}` to train past the faults and read each one with `verlj inspect "
+                        f"{run_dir} --step {e.step}`") from None
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, waiting for nothing in flight
         interrupted = True
         raise
@@ -208,17 +233,14 @@ def train(
             source.close()
         if reporter is not None:
             reporter.close()
-        # a start that never committed a step leaves nothing behind to block a retry: only this process's
-        # own start (it claimed the run and still holds it; a refused or taken-over one touches nothing)
-        owned = claim is not None and not claim.taken_over()
-        unstarted = owned and not existing and (journal is None or journal.last_step() == 0)
+        discard = unstarted()
         if journal is not None:
             journal.close()
         elif claim is not None:
             claim.release()
         if trainer is not None:
             trainer.close(at_once=interrupted)
-        if unstarted:
+        if discard:
             discard_unstarted(run_dir, remove_dir=created)
 
 

@@ -66,8 +66,18 @@ def note(samples: list[Sample]) -> str:
     return f"{head}: {faulted[0].fault_reason}" if faulted else head
 
 
+class FaultStop(RunError):
+    """A step stopped by its faults (past rollout.max_fault_rate): nothing of it was committed. `summary`: what
+    ended which samples, in one sentence; `advice`: how to go on (:func:`check` says it for a run that is kept;
+    loop.run says otherwise where a fresh run's first step stopped and nothing of the run was kept)."""
+
+    def __init__(self, step: int, summary: str, advice: str):
+        self.step, self.summary = step, summary
+        super().__init__(f"{summary}. {advice}")
+
+
 def check(step: int, samples: list[Sample], max_rate: float, run_dir) -> None:
-    """A RunError (exit 1, one line) when more than `max_rate` of the step's samples ended by a fault:
+    """A FaultStop (exit 1, one line) when more than `max_rate` of the step's samples ended by a fault:
     the step is not committed. The line names the commonest reasons and how to go on."""
     faulted = [s for s in samples if s.fault_reason]
     if not samples or len(faulted) <= max_rate * len(samples):
@@ -75,7 +85,7 @@ def check(step: int, samples: list[Sample], max_rate: float, run_dir) -> None:
     what = "episodes" if any(s.is_episode for s in samples) else "samples"
     reasons = Counter(s.fault_reason for s in sorted(faulted, key=lambda s: s.id)).most_common()
     said = "; ".join(f"{n}× {r}" if len(reasons) > 1 else r for r, n in reasons[:3]) + ("; ..." if len(reasons) > 3 else "")
-    raise RunError(f"step {step}: {len(faulted)} of {len(samples)} {what} ended by a fault, more than rollout.max_fault_rate="
-                   f"{max_rate:g} allows: {said}. Nothing of step {step} was committed; fix it and run `verlj train --output-dir "
-                   f"{run_dir} --resume`, or resume with rollout.max_fault_rate=1 to train past the faults and read each one with "
-                   f"`verlj inspect {run_dir} --step {step}`")
+    raise FaultStop(step, f"step {step}: {len(faulted)} of {len(samples)} {what} ended by a fault, more than rollout.max_fault_rate="
+                          f"{max_rate:g} allows: {said}",
+                    f"Nothing of step {step} was committed; fix it and run `verlj train --output-dir {run_dir} --resume`, or resume "
+                    f"with rollout.max_fault_rate=1 to train past the faults and read each one with `verlj inspect {run_dir} --step {step}`")

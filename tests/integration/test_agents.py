@@ -16,7 +16,7 @@ import pytest
 from verlj.engine.schema.events import DropReason, StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import TINY, assert_same_journal, cli, fingerprints, kill_and_resume, raised_at, replay_here, train
+from verlj_testing import TINY, assert_same_journal, cli, fingerprints, kill_and_resume, raised_at, replay_here, train, verlj
 
 TESTS = str(Path(__file__).resolve().parents[1])  # agents_for_tests
 AGENT = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:digits", "rollout.max_turns=2", "trainer.total_steps=4",
@@ -230,3 +230,60 @@ def test_on_two_ranks_killed_then_resumed_is_bit_identical(tmp_path, order):
         assert got["calls_from_journal"] > 0 and got["divergences"] == 0, got
         assert got["calls_generated"] + got["calls_from_journal"] == agents_of(ref)["calls_generated"]
     assert_same_journal(run, ref, ignore=("agent/calls", "agent/durable_writes"))
+
+
+def test_the_fault_stop_s_advice_run_as_printed_trains_the_intended_job(tmp_path):
+    """Step 1 of a fresh run stopped by its faults keeps nothing: the advice is the command itself (never `--resume`,
+    which would start the built-in default job in a directory that is gone), pasted as printed it trains the agent
+    run it names, past the faults or once they are fixed. A run that was there before and never committed a step
+    is kept as it is, so the `--resume` the advice names there starts it with its own config."""
+    import shlex
+
+    code = tmp_path / "code"
+    code.mkdir()
+    broken = "def solve(ep):\n    raise RuntimeError('the sandbox is down')\n"
+    fixed = ("import openai\ndef solve(ep):\n    c = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)\n"
+             "    c.chat.completions.create(model=ep.model, messages=[{'role': 'user', 'content': ep.row['prompt']}])\n    return 1.0\n")
+    (code / "fixme.py").write_text(broken)
+    over = ["model.tiny.vocab=ascii", "rollout.agent=fixme:solve", "trainer.total_steps=2", "trainer.save_interval=2"]
+
+    def advice(out) -> list[list[str]]:
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+        assert out.returncode == 1 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        return [shlex.split(c) for c in re.findall(r"`([^`]+)`", errors[0])]
+
+    def run_as_printed(words: list[str]):
+        assert words[:2] == ["verlj", "train"], words
+        return verlj(*words[1:], PYTHONPATH=code)
+
+    def agent_of(run: Path) -> str:
+        from verlj.engine.loop.ledger import Ledger
+
+        with Ledger.open_reader(run) as ledger:
+            return ledger.config_at(ledger.last_step())["rollout"]["agent"]
+
+    for past_the_faults in (True, False):
+        run = tmp_path / f"r{int(past_the_faults)}"
+        (code / "fixme.py").write_text(broken)
+        printed = advice(train(run, *over, PYTHONPATH=code))
+        assert not run.exists() and len(printed) == 3 and "--resume" not in printed[0] + printed[1], printed
+        assert printed[1] == [*printed[0], "rollout.max_fault_rate=1"] and printed[2] == ["verlj", "inspect", str(run), "--step", "1"]
+        if not past_the_faults:
+            (code / "fixme.py").write_text(fixed)
+        out = run_as_printed(printed[1] if past_the_faults else printed[0])
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert agent_of(run) == "fixme:solve" and sorted(fingerprints(run)) == [1, 2]
+        shown = cli(*printed[2][1:], check=True).stdout
+        assert ("ended by a fault: the agent raised RuntimeError: the sandbox is down" in shown) == past_the_faults, shown
+
+    # a run killed before its first step is there to resume: a failed start leaves it so, and its --resume is the advice
+    run = tmp_path / "empty"
+    (code / "fixme.py").write_text(fixed)
+    assert train(run, *over, PYTHONPATH=code, VERLJ_FAILPOINT="step.before_commit:1").returncode == -9
+    (code / "fixme.py").write_text(broken)
+    printed = advice(verlj("train", "--output-dir", run, "--resume", PYTHONPATH=code))
+    assert printed[0] == ["verlj", "train", "--output-dir", str(run), "--resume"], printed
+    (code / "fixme.py").write_text(fixed)
+    out = run_as_printed(printed[0])
+    assert out.returncode == 0 and "never committed a step; starting it afresh with its stored config" in out.stdout, out.stderr[-3000:]
+    assert agent_of(run) == "fixme:solve" and sorted(fingerprints(run)) == [1, 2]

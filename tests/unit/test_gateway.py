@@ -325,6 +325,9 @@ def test_an_agent_that_cannot_be_imported_is_one_line():
         load_agent("no_such_agent_module:run")
     with pytest.raises(ConfigError, match="names no command"):
         load_agent("cmd: ")
+    # an agent that cannot take its episode is refused up front, not 128 faults later
+    with pytest.raises(ConfigError, match=r"rollout.agent: operator:add \(called as fn\(episode\)\) has the wrong signature"):
+        load_agent("operator:add")
 
 
 def test_an_sdk_retry_of_a_call_is_answered_with_that_call_never_generated_twice(cleanup):

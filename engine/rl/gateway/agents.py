@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import ConfigError
-from ...plugins import import_object
+from ...plugins import check_signature, import_object
 
 KEY = "rollout.agent"
 
@@ -81,6 +81,7 @@ def load_agent(spec: str) -> Agent:
     fn = import_object(spec, module, attr, KEY, ConfigError)
     if not callable(fn):
         raise ConfigError(f"{KEY}: {spec!r} is not a function")
+    check_signature(fn, 1, f"{KEY}: {spec} (called as fn(episode))", ConfigError)
     return fn
 
 
