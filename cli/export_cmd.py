@@ -13,8 +13,9 @@ from .common import EXIT_USAGE, fail, guarded, quiet_libraries
 
 def export(
     run: Annotated[Path, typer.Argument(help="Run directory.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="The file to write (--rollouts), or the directory (--sft, --dpo); "
-                                                                "replaced if it exists (a directory only if empty or an export).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The file to write (--rollouts), or the directory (--sft, --dpo), "
+                                                                "never inside a run's directory; folders made as needed, replaced "
+                                                                "if it exists (a directory only if empty or an export).")],
     rollouts: Annotated[bool, typer.Option("--rollouts", help="Export the rollout table: one row per generated sample.")] = False,
     sft: Annotated[bool, typer.Option("--sft", help="Export SFT rows, one per chosen sample (prompt/completion, or messages for "
                                                     "episodes and agents), as a `datasets`-loadable directory with a manifest.")] = False,
@@ -79,10 +80,6 @@ def _rollouts(run: Path, output: Path, steps: Optional[str], fmt: Optional[str],
         if fmt is None:
             raise fail(f"--output {output}: the rollout table is written as Parquet or JSONL; name the file .parquet or "
                        ".jsonl, or say which with --format", EXIT_USAGE)
-    if output.is_dir():
-        raise fail(f"--output {output} is a directory; name a file", EXIT_USAGE)
-    if not output.parent.is_dir():
-        raise fail(f"--output {output}: directory {output.parent} does not exist", EXIT_USAGE)
     written, unit, notes = guarded(lambda: export_rollouts(run, output, fmt, steps, turns))
     for note in notes:
         typer.echo(f"note: {note}", err=True)

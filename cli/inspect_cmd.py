@@ -55,8 +55,11 @@ def metrics(
         raise fail(f"{' and '.join(chosen)} each choose the output; pass one", EXIT_USAGE)
     if plot is not None and plot.is_dir():
         raise fail(f"--plot {plot} is a directory; name a .png file", EXIT_USAGE)
-    if plot is not None and not plot.parent.is_dir():
-        raise fail(f"--plot {plot}: directory {plot.parent} does not exist", EXIT_USAGE)
+    if plot is not None:
+        from verlj.engine.post_mortem.outputs import check_output, make_parent
+
+        guarded(lambda: check_output("--plot", plot))
+        make_parent(plot)
 
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
     if others:

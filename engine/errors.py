@@ -11,6 +11,13 @@ class ConfigError(VerljError, ValueError):
     exit_code = 2
 
 
+class UsageError(VerljError, ValueError):
+    """The command line asks for what cannot be done, found before anything runs: one sentence naming the option
+    (exit code 2, as a config problem)."""
+
+    exit_code = 2
+
+
 class DataError(VerljError, ValueError):
     """The dataset cannot be used."""
 

@@ -21,6 +21,7 @@ import shutil
 import signal
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -179,22 +180,6 @@ def train(
     stop = StopFlag()
     stop.install()
 
-    def unstarted() -> bool:
-        """Whether this start made a run that never committed a step, which it removes as it ends, leaving nothing to
-        block a retry: only this process's own new run (it claimed it and still holds it; a refused or taken-over one
-        touches nothing). A run that was there before and never committed a step stays, with this start's config, for a
-        --resume to start afresh with."""
-        owned = claim is not None and not claim.taken_over()
-        return owned and state == "none" and (journal is None or journal.last_step() == 0)
-
-    def again(with_fault_rate: bool = False) -> str:
-        """This start's command, to paste (with rollout.max_fault_rate=1 in place of any it named)."""
-        over = [o for o in overrides if not (with_fault_rate and o.split("=", 1)[0].strip() == "rollout.max_fault_rate")]
-        words = ["verlj", "train", "--output-dir", str(run_dir), *(["--config", str(config_file)] if config_file else []),
-                 *(["--resume"] if resume else []), *over, *(["rollout.max_fault_rate=1"] if with_fault_rate else [])]
-        return shlex.join(words)
-
-
     def open_journal() -> Journal:
         nonlocal claim
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -219,12 +204,13 @@ def train(
         last = train_loop(run, last, control, stop, source)
         return Trained(last, run.ckpt.failures())
     except FaultStop as e:
-        if not unstarted():
+        if not unstarted(claim, state, journal):
             raise
         # nothing of the run is kept, so there is nothing to --resume (which would start the defaults): the same command
+        again = partial(start_command, run_dir, config_file, overrides, resume)
         raise FaultStop(e.step, e.summary, f"Nothing of the run was kept; fix it and start it again with `{again()}`, or with "
-                        f"`{again(with_fault_rate=True)}` to train past the faults and read each one with `verlj inspect "
-                        f"{run_dir} --step {e.step}`") from None
+                        f"`{again(fault_rate=True)}` to train past the faults and read each one with `verlj inspect {run_dir} "
+                        f"--step {e.step}`") from None
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, waiting for nothing in flight
         interrupted = True
         raise
@@ -233,7 +219,7 @@ def train(
             source.close()
         if reporter is not None:
             reporter.close()
-        discard = unstarted()
+        discard = unstarted(claim, state, journal)
         if journal is not None:
             journal.close()
         elif claim is not None:
@@ -242,6 +228,22 @@ def train(
             trainer.close(at_once=interrupted)
         if discard:
             discard_unstarted(run_dir, remove_dir=created)
+
+
+def unstarted(claim: Claim | None, state: str, journal: Journal | None) -> bool:
+    """Whether a start made a run that never committed a step, which it removes as it ends, leaving nothing to block a
+    retry: only a new run of this process's own (it claimed it and still holds it; a refused or taken-over start touches
+    nothing). A run that was there before (`state`) and never committed a step stays, with this start's config, for a
+    --resume to start afresh with."""
+    owned = claim is not None and not claim.taken_over()
+    return owned and state == "none" and (journal is None or journal.last_step() == 0)
+
+
+def start_command(run_dir: Path, config_file, overrides, resume: bool, fault_rate: bool = False) -> str:
+    """A start's command, to paste (`fault_rate`: with rollout.max_fault_rate=1 in place of any it named)."""
+    over = [o for o in overrides if not (fault_rate and o.split("=", 1)[0].strip() == "rollout.max_fault_rate")]
+    return shlex.join(["verlj", "train", "--output-dir", str(run_dir), *(["--config", str(config_file)] if config_file else []),
+                       *(["--resume"] if resume else []), *over, *(["rollout.max_fault_rate=1"] if fault_rate else [])])
 
 
 def check_start(run_dir: Path, config_file, overrides, resume: bool, allow_change: bool) -> tuple[str, Config, list[str], str | None]:

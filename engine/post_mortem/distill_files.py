@@ -28,9 +28,10 @@ import blake3
 
 from verlj.journal import JournalError
 
-from ..errors import RunError
+from ..errors import RunError, UsageError
 from ..loop.ledger import now_iso, open_run
 from .distill import DPO, Counts, Form, LeftOut, Rows, Spec
+from .outputs import check_output, make_parent, remove_made
 from .steps import parse_steps
 from .views import _view
 
@@ -220,8 +221,10 @@ def export_dataset(run_dir: Path, out: Path, kind: str, fmt: str, steps: str | N
         spec = Spec(kind, a, b, **filters)
         made = Rows(ledger, run_dir.resolve().name, spec)
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        folders = make_parent(out)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        published = False
         try:
             files = _write_rows(tmp, fmt, made)
             if made.counts.rows == 0:
@@ -237,8 +240,11 @@ def export_dataset(run_dir: Path, out: Path, kind: str, fmt: str, steps: str | N
             manifest = replace(manifest, files=files + [FileEntry(name, (tmp / name).stat().st_size, digest_file(tmp / name)) for name in extra])
             (tmp / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2, ensure_ascii=False) + "\n")
             _publish(tmp, out)
+            published = True
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            if not published:
+                remove_made(folders)
     return Written(made.counts.rows, sorted(names), made.left_out.notes(run_dir))
 
 
@@ -294,12 +300,12 @@ def run_identity(ledger: Ledger, run_dir: Path, spec: Spec) -> RunIdentity:
 
 
 def _check_output(out: Path) -> None:
+    check_output("--output", out)
     if out.exists() and not out.is_dir():
-        raise RunError(f"--output {out} is a file; an SFT or DPO export is a directory: name one")
-    if not out.parent.is_dir():
-        raise RunError(f"--output {out}: directory {out.parent} does not exist")
+        raise UsageError(f"--output {out} is a file; an SFT or DPO export is a directory: name one")
     if out.is_dir() and any(out.iterdir()) and not is_export(out):
-        raise RunError(f"--output {out} holds files and is not an export (no {MANIFEST}); name a new or empty directory")
+        raise UsageError(f"--output {out} holds files and is not an export of `verlj export --sft/--dpo` (no export "
+                         f"{MANIFEST}); name a new or empty directory")
 
 
 def _publish(tmp: Path, out: Path) -> None:

@@ -25,6 +25,7 @@ from ..loop.context import Run
 from ..loop.ledger import Ledger, has_run, lost_journal, run_state
 from ..report import Reporter
 from ..rl.lora import check_base
+from .outputs import check_output
 
 if TYPE_CHECKING:
     from ..loop.recovery import Deviation
@@ -42,15 +43,15 @@ class Materialized:
 
 
 def check_outputs(export: Path | None, snapshot: Path | None, fork: Path | None, adapter: Path | None = None) -> None:
-    """Refuse an output directory that would mix verlj's files with someone else's, before any work."""
-    for flag, path in (("--export", export), ("--snapshot", snapshot), ("--export-adapter", adapter)):
-        if path is not None and path.exists() and (not path.is_dir() or any(path.iterdir())):
+    """Refuse an output directory that would mix verlj's files with someone else's, or lie in a run's, before any work."""
+    if fork is not None and run_state(fork) == "run":
+        raise RunError(f"{fork} already holds a run; choose another --fork directory")
+    for flag, path in (("--export", export), ("--snapshot", snapshot), ("--export-adapter", adapter), ("--fork", fork)):
+        if path is None:
+            continue
+        check_output(flag, path)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise RunError(f"{flag} {path} exists and is not empty; choose a new or empty directory")
-    if fork is not None:
-        if run_state(fork) == "run":
-            raise RunError(f"{fork} already holds a run; choose another --fork directory")
-        if fork.exists() and (not fork.is_dir() or any(fork.iterdir())):
-            raise RunError(f"--fork {fork} exists and is not empty; choose a new or empty directory")
 
 
 def replay_config(ledger: Ledger, step: int):

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..config import config_from_stored
-from ..errors import RunError
+from ..errors import RunError, UsageError
 from ..loop import archive
 from ..loop.archive import ran_episodes, ran_partial
 from ..loop.ledger import open_run
@@ -49,6 +49,7 @@ from ..schema.table import (
     turn_rows,
     turn_schema,
 )
+from .outputs import check_output, make_parent, remove_made
 from .steps import parse_steps, ranges
 
 
@@ -236,6 +237,9 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
         raise RunError(f"--format must be parquet or jsonl, got {fmt!r}")
     if fmt == "parquet":
         require_pyarrow("--format parquet")
+    check_output("--output", output)
+    if output.is_dir():
+        raise UsageError(f"--output {output} is a directory; name a file")
     a, b = parse_steps(steps)
     notes: list[str] = []
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
@@ -255,6 +259,7 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
                 status, when = fates.get(row["sample_id"], ("pending", None))
                 yield {**row, "status": status, "status_step": when}
 
+        folders = make_parent(output)
         try:
             if fmt == "parquet":
                 import pyarrow as pa
@@ -273,6 +278,8 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
                             f.write(json.dumps(row, allow_nan=True) + "\n")
                             written += 1
             os.replace(tmp, output)
+            folders = []
         finally:
             tmp.unlink(missing_ok=True)
+            remove_made(folders)
     return written, "calls" if calls else "turns" if turns else "samples", notes

@@ -265,7 +265,7 @@ def test_bad_usage_is_one_line_and_never_touches_a_directory_that_is_not_an_expo
     out = cli("export", default_run, "-o", tmp_path / "none", "--sft", "--steps", "9:")
     assert out.returncode == 1 and "--steps selects no step: this run has steps 1–4" in out.stderr and not (tmp_path / "none").exists()
     out = cli("export", default_run, "-o", keep, "--sft")
-    assert out.returncode == 1 and "holds files and is not an export (no manifest.json)" in out.stderr
+    assert out.returncode == 2 and "holds files and is not an export of `verlj export --sft/--dpo` (no export manifest.json)" in out.stderr
     assert [p.name for p in keep.iterdir()] == ["notes.txt"]
     # an export is replaced by the next one; verify without --against, or --against given a run's directory as the export
     first = export(default_run, tmp_path / "e", "--sft", "--steps", "1:1")
@@ -280,6 +280,31 @@ def test_bad_usage_is_one_line_and_never_touches_a_directory_that_is_not_an_expo
     said = cli("verify", tmp_path / "e", "--against", default_run, "--json")
     report = json.loads(said.stdout)
     assert said.returncode == 0 and report["ok"] and report["rows"] == 16 and report["problems"] == []
+
+
+def test_no_export_writes_into_a_run_and_the_folders_of_its_output_are_made(default_run, tmp_path):
+    """A run's own files are never replaced (metrics.jsonl, a snapshot's directory), nor is anything written beside them,
+    whichever run the path lies in; an output in folders that do not exist yet is written there (the datasets guide's
+    `-o out/sft`), and a refused export leaves no folder behind."""
+    run = tmp_path / "run"
+    shutil.copytree(default_run, run)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    snapshot = next(p for p in sorted(run.iterdir()) if p.name.startswith("step_"))
+    for args, where in ((["--rollouts", "-o", run / "metrics.jsonl"], run / "metrics.jsonl"),
+                        (["--rollouts", "-o", snapshot / "rows.parquet"], snapshot / "rows.parquet"),
+                        (["--sft", "-o", snapshot], snapshot), (["--dpo", "-o", run / "new" / "pairs"], run / "new" / "pairs"),
+                        (["--sft", "-o", run], run)):
+        out = cli("export", default_run, *args)
+        what = "is the run directory" if where == run else f"is inside the run directory {run.resolve()}"
+        assert out.returncode == 2 and out.stderr == f"error: --output {where} {what}: verlj never writes what a command makes into a " \
+            "run, where it could replace or be taken for one of the run's own files; name a path outside it\n", out.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before and not (run / "new").exists()
+    # the guide's outputs, in folders made as needed
+    assert export(default_run, tmp_path / "out" / "sft", "--sft", "--steps", "1:1").rows == 16
+    said = cli("export", default_run, "--rollouts", "-o", tmp_path / "tables" / "all.jsonl", "--steps", "1:1", check=True)
+    assert said.stdout == f"wrote 16 samples to {tmp_path / 'tables' / 'all.jsonl'}\n"
+    out = cli("export", default_run, "--sft", "--min-score", "1000", "-o", tmp_path / "deep" / "er" / "sft")
+    assert out.returncode == 1 and "nothing to write" in out.stderr and not (tmp_path / "deep").exists(), out.stderr
 
 
 def test_an_export_of_a_run_with_a_damaged_step_warns_and_leaves_it_out(default_run, tmp_path):

@@ -549,9 +549,9 @@ def test_cli_options_that_were_silently_ignored_or_misread_are_refused(base, cop
     def cli(*args):
         return CliRunner().invoke(app, [str(a) for a in args])
 
-    out = cli("metrics", base, "--plot", tmp_path / "no" / "dir" / "p.png")
-    assert out.exit_code == 2 and f"directory {tmp_path / 'no' / 'dir'} does not exist" in out.output
-    assert not (tmp_path / "no").exists()  # it made the directory and wrote there
+    out = cli("metrics", base, "--plot", base / "p.png")  # never into a run's directory
+    assert out.exit_code == 2 and f"--plot {base / 'p.png'} is the run directory" not in out.output, out.output
+    assert f"--plot {base / 'p.png'} is inside the run directory {base.resolve()}" in out.output and not (base / "p.png").exists()
     out = cli("metrics", base, "--csv", "--jsonl")
     assert out.exit_code == 2 and "--csv and --jsonl each choose the output; pass one" in out.output
     out = cli("verify", base, "--from-step", "2")

@@ -199,14 +199,28 @@ def run_state(run_dir: Path) -> str:
     if not journal_exists(run_dir):
         if lost_journal(run_dir) is not None:
             return "lost"
-        # a claim, or a pointer to a local journal that was never created: a start killed at its first breath
-        started = segments.read_pointer(journal_dir(run_dir)) is not None or writer_dir(run_dir).is_dir()
-        return "empty" if started else "none"
+        return "empty" if _started(run_dir) else "none"
     with open_journal_reader(journal_dir(run_dir)) as journal:
         # a journal that holds a step is a run, whatever else it lacks: nothing discards it
         if journal.last_step() == journal.base_step() and not journal.meta.snapshots() and journal.meta.get(PARENT) is None:
             return "empty"
     return "run"
+
+
+def _started(run_dir: Path) -> bool:
+    """A claim, or a pointer to a local journal that was never created: a start killed at its first breath."""
+    return segments.read_pointer(journal_dir(run_dir)) is not None or writer_dir(run_dir).is_dir()
+
+
+def run_holding(path: Path) -> Path | None:
+    """The run directory `path` is, or lies in (links followed): a directory with a journal, a writer's claim or what
+    a past run leaves (run_state other than 'none'); None when it is in none. What verlj writes for a user (an export)
+    never goes there, where it could replace a run's own file or be taken for one."""
+    at = Path(path).resolve()
+    for d in (at, *at.parents):
+        if d.is_dir() and (journal_exists(d) or _started(d) or lost_journal(d) is not None):  # run_state's, without opening it
+            return d
+    return None
 
 
 def open_run(run_dir: Path) -> Ledger:
