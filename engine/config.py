@@ -153,6 +153,13 @@ class Fleet(Choice):
     RAY = "ray"
 
 
+class Overlong(Choice):
+    KEEP = "keep"
+    MASK = "mask"
+    REWARD = "reward"
+    PENALTY = "penalty"
+
+
 class Backend(Choice):
     AUTO = "auto"
     GLOO = "gloo"
@@ -459,6 +466,16 @@ class RolloutConfig:
     # a step where more than this share of the samples it generated ended by a fault (an env's, a reward
     # function's: rl.faults) is not committed and the run stops in one line | 1: never stop (faults are left out of the update either way)
     max_fault_rate: float = bookkeeping(0.5)
+    # a sample that hit the length limit (rl.overlong: a response that reached rollout.max_response_length without its
+    # end-of-sequence token, an episode ended by rollout.max_episode_length, an agent episode whose last answer was cut):
+    # keep (scored and trained as any sample) | mask (out of the loss, its score still in its group's statistics: DAPO's
+    # overlong filtering) | reward (scored rollout.overlong_reward) | penalty (DAPO's soft overlong punishment: a sample
+    # whose last generation is within rollout.overlong_buffer tokens of rollout.max_response_length loses up to
+    # rollout.overlong_penalty from its score, linearly, a cut one all of it)
+    overlong: Overlong = live(Overlong.KEEP)
+    overlong_reward: float = live(0.0)  # rollout.overlong=reward: the score of a sample that hit the length limit
+    overlong_buffer: int = live(0)  # rollout.overlong=penalty: the tokens before rollout.max_response_length where the penalty grows
+    overlong_penalty: float = live(1.0)  # rollout.overlong=penalty: what a sample at the limit loses from its score
     # agent programs as rollouts (rl.gateway; docs/guides/agents.md): null (none) | module:function (called
     # with an episode: base_url, api_key, model, row, seed, max_turns; returns its reward, or None for
     # rollout.reward_fn) | cmd:COMMAND (a program told OPENAI_BASE_URL, OPENAI_API_KEY, VERLJ_MODEL, VERLJ_ROW,
@@ -491,6 +508,7 @@ class RolloutConfig:
                 _choice("rollout.async_order", self.async_order, Order)
         self._validate_partial()
         self._validate_env()
+        self._validate_overlong()
         _choice("rollout.fleet", self.fleet, Fleet)
         if self.fleet == "ray":
             if self.mode != "async":
@@ -521,6 +539,13 @@ class RolloutConfig:
         if self.max_token_staleness is not None and (isinstance(self.max_token_staleness, bool) or self.max_token_staleness < self.staleness):
             raise ConfigError(f"rollout.max_token_staleness must be an integer of at least rollout.max_staleness ({self.staleness}): "
                               f"a sample generated whole is that old when trained; got {self.max_token_staleness!r}")
+
+    def _validate_overlong(self) -> None:
+        _choice("rollout.overlong", self.overlong, Overlong)
+        _at_least("rollout.overlong_buffer", self.overlong_buffer, 0)
+        if self.overlong == Overlong.PENALTY and not 1 <= self.overlong_buffer <= self.max_response_length:
+            raise ConfigError(f"rollout.overlong=penalty needs rollout.overlong_buffer between 1 and rollout.max_response_length "
+                              f"({self.max_response_length}): the tokens before the limit where the penalty grows; got {self.overlong_buffer}")
 
     def _validate_env(self) -> None:
         _positive("rollout.max_turns", self.max_turns)

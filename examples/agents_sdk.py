@@ -11,9 +11,11 @@ provider's client is made per episode and never closed, as the SDK's docs make i
 closes it when it is collected. The SDK's tracing is off: nothing leaves the machine.
 
 A response cut at rollout.max_response_length is `incomplete`, as OpenAI's are, and the SDK raises on one
-(`ModelBehaviorError`), as it does on more than max_turns calls (`MaxTurnsExceeded`): `solve` scores such an episode
-0.0 (a fault would leave it out of the update, and the policy would never learn to end its turns). It runs on a
-model that ends its turns (examples/make_bpe_model.py's). To speak chat
+(`ModelBehaviorError`): `solve` lets it, as the SDK's docs write an agent. verlj reads an episode whose agent raised
+after its last answer was cut as **truncated** (ended by length, no fault), trained as rollout.overlong says
+(examples/agents_sdk.yaml scores it 0.0, so the policy learns to end its turns). More than max_turns calls
+(`MaxTurnsExceeded`) is the policy's doing too: `solve` scores it 0.0 (an exception would be a fault, left out of the
+update). It runs on a model that ends its turns (examples/make_bpe_model.py's). To speak chat
 completions instead, give the Agent `OpenAIChatCompletionsModel(model=episode.model, openai_client=AsyncOpenAI(...))`
 (tests/unit/test_gateway_sdk.py does both).
 
@@ -26,7 +28,6 @@ from __future__ import annotations
 from agents import (
     Agent,
     MaxTurnsExceeded,
-    ModelBehaviorError,
     ModelSettings,
     OpenAIProvider,
     RunConfig,
@@ -64,6 +65,6 @@ async def solve(episode) -> float:
     try:
         result = await Runner.run(agent, episode.row["prompt"], max_turns=episode.max_turns,
                                   run_config=RunConfig(model_provider=provider, tracing_disabled=True))
-    except (ModelBehaviorError, MaxTurnsExceeded):  # a response cut at the length, too many calls: the policy's doing
+    except MaxTurnsExceeded:  # too many calls: the policy's doing (a cut answer's ModelBehaviorError: truncated, verlj's)
         return 0.0
     return reward(str(result.final_output or ""), str(episode.row["answer"]))

@@ -62,6 +62,7 @@ SECONDS = {
     "test_compaction.py": 8,
     "test_distill.py": 8,
     "test_tasks.py": 7,
+    "test_overlong.py": 6,
     "test_resume_config.py": 6,
     "test_journal_processes.py": 4,
     "test_gateway_responses.py": 3,

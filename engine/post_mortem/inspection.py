@@ -33,7 +33,7 @@ from ..loop.records import Counterfactual, LineageEntry, ParentRun, attempt_at
 from ..rl.vocab import text_decoder
 from ..schema import table
 from ..schema.events import ConfigChange, Control, ControlKind, Eval, Requests, Rollout, StepEvents
-from ..schema.sample import Columns, Sample, version_runs
+from ..schema.sample import Columns, EnvEnd, Sample, version_runs
 from ..state.manifest import check_snapshot
 from . import derived
 from .diff import (  # noqa: F401 - `verlj diff`'s answer, re-exported from where it lived (its code: post_mortem.diff)
@@ -175,14 +175,15 @@ class RunSummary:
 
 
 AGENT_COUNTS = {"calls_generated": "agent/calls", "calls_from_journal": "agent/calls_from_journal", "divergences": "agent/divergences",
-                "prefix_breaks": "agent/prefix_breaks", "malformed_tool_calls": "agent/malformed_tool_calls"}
+                "prefix_breaks": "agent/prefix_breaks", "malformed_tool_calls": "agent/malformed_tool_calls", "truncated": "agent/truncated"}
 _AGENT_SUMS = {**AGENT_COUNTS, "faults": "rollout/faults"}  # summed over the steps
 
 
 def agent_counts(metrics) -> dict | None:
     """rollout.agent's counts over a run's steps ((step, metrics) pairs): calls generated and answered from the
     journal (0 in sync mode: a crashed step's agents run again live; completion order: the calls a crashed process
-    made durable), divergences (a re-run's request that differs from the journaled call), prefix breaks, malformed tool calls, and the episodes that ended by a fault. None without agents."""
+    made durable), divergences (a re-run's request that differs from the journaled call), prefix breaks, malformed tool calls, the
+    episodes whose last answer was cut at its length (truncated) and those that ended by a fault. None without agents."""
     out = dict.fromkeys([*AGENT_COUNTS, "faults"], 0)
     seen = False
     for _, values in metrics:
@@ -314,6 +315,11 @@ def render_summary(s: RunSummary) -> str:
     for pr in (_view(Probe, x) for x in s.probes):
         span = f"steps {pr.steps[0]}–{pr.steps[1]} ({pr.count})" if pr.steps else "no steps"
         lines.append(f"probe      {pr.probe} version {pr.version}: {span}, as probe/{pr.probe}/… (verlj replay --probe)")
+    if s.agents:
+        a = s.agents
+        lines.append(f"agents     {a['calls_generated']} calls generated, {a['calls_from_journal']} answered from the journal, "
+                     f"{a['divergences']} divergences, {a['prefix_breaks']} prefix breaks, {a['malformed_tool_calls']} malformed tool "
+                     f"calls, {a['truncated']} episodes cut at their length, {a['faults']} faults")
     if s.trend:
         rewards = [t.reward for t in s.trend]
         losses = [t.loss for t in s.trend]
@@ -580,8 +586,9 @@ def render_step(d: StepDetail) -> str:
         elif s.episode is not None:
             for t, turn in enumerate(s.episode.turns):
                 lines.append(f"         turn {t + 1}: {one_line(turn.action)} ⇒ {one_line(turn.observation)}" + (f"  reward {turn.reward:.4g}" if turn.reward is not None else ""))
-            if s.episode.env_reason:
-                lines.append(f"         ended by a fault: {s.episode.env_reason}")
+        if s.episode is not None and (s.episode.env_end == EnvEnd.LENGTH or s.episode.env_reason):
+            ended = "ended by length" if s.episode.env_end == EnvEnd.LENGTH else "ended by a fault"
+            lines.append(f"         {ended}" + (f": {s.episode.env_reason}" if s.episode.env_reason else ""))
         if s.fault:
             lines.append(f"         a fault, never trained on: {s.fault}")
     lines.append("metrics")

@@ -23,7 +23,7 @@ from ..state.fingerprint import state_leaves
 from ..state.seeding import seed_globals
 from ..state.stage_recorder import StageRecorder
 from ..state.stages import combine
-from . import algorithms
+from . import algorithms, overlong
 from .core import Core
 from .scoring import needs_reference
 from .sources import StepInputs
@@ -112,6 +112,8 @@ def _update(tr: Trained, step: int, inputs: StepInputs, samples: list[Sample], s
     mine = [samples[i] for i in rows]
     all_sum = rt.dp_sum if global_tokens and rt.dp_size > 1 else None  # token means over every rank's tokens
     batch = collate(mine, tr.tokenizer.pad_token_id, rt.device)
+    for i in overlong.masked(mine, cfg.rollout, tr.tokenizer.eos_token_id):  # DAPO's overlong filtering: out of the loss,
+        batch.resp_mask[i] = 0.0  # its score still in its group's statistics (the advantages read every sample's score)
     mask = batch.resp_mask
     # GRPO with one pass over one mini-batch: the policy before the update is the one the
     # update's own forward sees, so the "old" log-probs come from that forward (detached)

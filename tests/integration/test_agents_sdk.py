@@ -23,17 +23,21 @@ def test_an_agents_sdk_agent_trains_on_its_rewards_and_a_kill_resumes_bit_identi
     assert out.returncode == 0, out.stderr[-3000:]
     with open_journal_reader(ref / "journal") as j:
         samples = [s for rec in j.iter_steps() for s in unpack(StepEvents.of(rec).added.samples)]
-    assert len(samples) == 32 and all(s.env_end == EnvEnd.DONE and s.agent_calls for s in samples)
+    assert len(samples) == 32 and all(s.env_end in (EnvEnd.DONE, EnvEnd.LENGTH) and s.agent_calls for s in samples)
     for s in samples:
         led = json.loads(s.agent_calls)
-        assert 1 <= len(led["calls"]) <= 3 and s.rule_reward == led["reward"]
+        assert 1 <= len(led["calls"]) <= 3
+        if s.env_end == EnvEnd.LENGTH:  # the SDK raised on a response cut at its length: truncated, scored 0 (the yaml's overlong)
+            assert led["reward"] is None and s.score == 0.0 and "ModelBehaviorError" in s.env_reason, s.env_reason
+            continue
+        assert s.rule_reward == led["reward"]
         req = json.loads(led["calls"][0]["request"])  # the SDK's request, as it sent it (the Responses API)
         assert req["api"] == "responses" and req["instructions"].startswith("Answer with the number")
         assert req["tools"][0]["function"]["strict"] is True
         last = json.loads(led["calls"][-1]["response"])
         final = "".join(p["text"] for item in last["output"] if item["type"] == "message" for p in item["content"])
         # scored from the SDK's final output: the row's answer in it, else a tenth of its share of digits; an episode the
-        # SDK ended for a response cut at its length (incomplete) scores 0
+        # SDK ended for more than max_turns calls scores 0
         assert led["reward"] in (1.0, 0.0, 0.1 * sum(c.isdigit() for c in final) / max(1, len(final)))
     assert len({s.rule_reward for s in samples}) > 1  # the rewards vary: the update has something to learn from
     assert json.loads(cli("inspect", ref, "--json", check=True).stdout)["agents"]["prefix_breaks"] == 0
@@ -44,3 +48,39 @@ def test_an_agents_sdk_agent_trains_on_its_rewards_and_a_kill_resumes_bit_identi
     assert [(r["sample_id"], r["call"], r["completion_ids"]) for r in rows] == want
     assert all(json.loads(r["messages"])[0]["role"] == "system" and r["status"] == "consumed" for r in rows)
     kill_and_resume(tmp_path / "run", ref, *over, failpoint="step.before_commit:2")
+
+
+def test_an_agents_sdk_agent_whose_answers_are_cut_trains_them_as_truncated_never_as_faults(tmp_path, bpe_model):
+    """At rollout.max_response_length=12 the untrained BPE model's answers are mostly cut: the SDK raises on each
+    (`incomplete`: ModelBehaviorError), as it does against OpenAI. Those episodes are truncated, not faults: counted
+    (agent/truncated, rollout/truncated), kept and trained (consumed, scored by rollout.reward_fn on the last answer:
+    rollout.overlong=keep); with rollout.overlong=mask they are out of the loss, which a kill and resume replays exactly."""
+    over = [*SDK, f"model.actor.model_name_or_path={bpe_model}", "rollout.max_response_length=12", "rollout.overlong=keep",
+            "rollout.max_fault_rate=0"]
+    ref = tmp_path / "ref"
+    out = train(ref, *over)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open_journal_reader(ref / "journal") as j:
+        steps = [StepEvents.of(rec) for rec in j.iter_steps()]
+    for st in steps:
+        samples = unpack(st.added.samples)
+        cut = {s.id for s in samples if s.env_end == EnvEnd.LENGTH}
+        assert st.metrics.values["rollout/faults"] == 0.0 and st.metrics.values["agent/truncated"] == len(cut) > 0
+        assert st.metrics.values["rollout/truncated"] == len(cut)
+        assert cut <= set(st.consumed.ids.tolist())  # trained, not left out as faults are
+        assert all("ModelBehaviorError" in s.env_reason and "cut at its length" in s.env_reason for s in samples if s.id in cut)
+    shown = cli("inspect", ref, "--step", "1", check=True).stdout
+    assert "ended by length: the agent raised ModelBehaviorError" in shown, shown
+    masked, over = tmp_path / "masked", [*over, "rollout.overlong=mask"]
+    out = train(masked, *over)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open_journal_reader(masked / "journal") as j:
+        first = unpack(StepEvents.of(next(iter(j.iter_steps()))).added.samples)
+    assert all(s.env_end == EnvEnd.LENGTH for s in first)  # step 1 all cut: with mask, no token of it is in the loss
+    assert metrics_of(masked)[1]["actor/entropy"] == 0.0 < metrics_of(ref)[1]["actor/entropy"]
+    kill_and_resume(tmp_path / "run", masked, *over, failpoint="step.before_commit:2")
+
+
+def metrics_of(run) -> dict[int, dict[str, float]]:
+    with open_journal_reader(run / "journal") as j:
+        return {rec.step: StepEvents.of(rec).metrics.values for rec in j.iter_steps()}

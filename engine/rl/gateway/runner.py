@@ -131,11 +131,13 @@ class AgentCounts:
 
 @dataclass
 class Played:
-    """An episode's end: its calls, the reward the agent returned, and its fault ("" none)."""
+    """An episode's end: its calls, the reward the agent returned, its fault ("" none), and why it ended by length ("" it
+    did not: its last answer was not cut at its length)."""
 
     calls: list
     reward: float | None
     fault: str
+    cut: str = ""
 
 
 class Play:
@@ -145,7 +147,7 @@ class Play:
         self.runner, self.place, self.row, self.seed = runner, place, row, seed
         self.episode, self.attempt = episode, attempt
         self.tag = f"episode {episode}" + (f", attempt {attempt}" if attempt > 1 else "")  # its output's lines are tagged so
-        self.state, self.since, self.fault = RUNNING, time.monotonic(), ""
+        self.state, self.since, self.fault, self.cut = RUNNING, time.monotonic(), "", ""
         self.calls: list[Call] = []
         self.answered: list[Answered] = []  # its calls as later calls may continue them (made as they are needed)
         self.pending: list[tuple[int, ChatRequest, np.ndarray, Future]] = []
@@ -239,7 +241,7 @@ class Runner:
         finally:
             self.output.close()
             self.output = None
-        return [Played(p.calls, None if p.fault else p.result, p.fault) for p in plays]
+        return [Played(p.calls, None if p.fault else p.result, p.fault, p.cut) for p in plays]
 
     def _play(self, plays: list[Play]) -> None:
         todo, running = list(range(len(plays)))[::-1], list[Play]()
@@ -284,8 +286,12 @@ class Runner:
             return
         except BaseException as e:  # noqa: BLE001 - the agent's own failure is its episode's fault, never the run's
             with self.cond:
-                said = f"the agent raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}".rstrip(": ")
-                self.end(p, said + raised_at(e))
+                said = f"the agent raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}".rstrip(": ") + raised_at(e)
+                if p.state != DONE and cut_short(p.calls):  # what it raised on is its answer cut at its length (the OpenAI
+                    p.cut = said + " after its last answer was cut at its length"  # Agents SDK's ModelBehaviorError on an
+                    self.end(p, "")  # incomplete response): the episode ended by length, no fault; rollout.overlong handles it
+                else:
+                    self.end(p, said)
             return
         finally:
             cancel_spawned(p.tag)
@@ -300,6 +306,7 @@ class Runner:
                 self.end(p, "the agent never called the model")
             else:
                 p.result = None if out is None else float(out)
+                p.cut = "its last answer was cut at its length" if cut_short(p.calls) else ""
                 self.end(p, "")
 
     def from_journal(self, p: Play, req: ChatRequest) -> Future | None:
@@ -439,6 +446,11 @@ class Runner:
 
     def decode(self, ids: list) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def cut_short(calls: list[Call]) -> bool:
+    """Whether an episode's last call was answered cut at its length (finish_reason length, a response `incomplete`)."""
+    return bool(calls) and answered_message(calls[-1].response)["finish_reason"] == "length"
 
 
 def call_id(seed: int, k: int) -> str:

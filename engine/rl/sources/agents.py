@@ -129,9 +129,9 @@ class Agents:
             rewards = np.full(turns, np.nan)
             if turns and p.reward is not None:
                 rewards[-1] = p.reward
-            out.append(Sample(index=rows[k], id=0, group=0, turn_rewards=rewards, env_seed=agent_seeds[k],
-                              env_end=int(EnvEnd.FAULT if p.fault else EnvEnd.DONE), env_reason=p.fault,
-                              agent_calls=rec.to_json(), **f))
+            end = EnvEnd.FAULT if p.fault else EnvEnd.LENGTH if p.cut else EnvEnd.DONE  # LENGTH: rl.overlong's truncated
+            out.append(Sample(index=rows[k], id=0, group=0, turn_rewards=rewards, env_seed=agent_seeds[k], env_end=int(end),
+                              env_reason=p.fault or p.cut, agent_calls=rec.to_json(), **f))
         self._rewards(out, played, answers)
         return out
 
@@ -162,6 +162,7 @@ class Agents:
         assert self.runner_ is not None
         got = {name: v - before[name] for name, v in self.runner_.counts.to_metrics().items()}
         got["agent/prefix_breaks"] = float(sum(AgentCalls.from_json(s.agent_calls).prefix_breaks for s in played if s.agent_calls))
+        got["agent/truncated"] = float(sum(s.env_end == EnvEnd.LENGTH for s in played))
         rt = self.host.rt
         for share in rt.all_gather_obj(got) if rt.world_size > 1 else [got]:
             for name, v in share.items():

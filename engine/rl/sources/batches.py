@@ -23,7 +23,7 @@ from ...schema import events as ev
 from ...schema import sample as sample_codec
 from ...schema.sample import Sample
 from ...state.seeding import derive_seed
-from .. import faults
+from .. import faults, overlong
 from .base import Source, StepInputs, add_time, episode_metrics, zero_variance
 
 if TYPE_CHECKING:
@@ -161,6 +161,7 @@ class Batches:
             add_time(timings, "timing_s/ref", time.perf_counter() - t2)
             # every rank gets every sample; TP peers generated the same ones, keep one copy per DP rank
             new = self.gathered(local, prod, group_size)
+            overlong.shape(new, cfg.rollout, src.host.tokenizer.eos_token_id)  # before dynamic sampling reads the scores
             prod.added += new
             prod.rounds += 1
             out = faults.excluded(new, faults.min_group(cfg.algorithm.name, group_size))
@@ -204,7 +205,7 @@ class Batches:
         drawn = [i for p in made for i in p.drawn]
         src.timings.update({"sampling/rounds": float(sum(p.rounds for p in made)),
                             "sampling/dropped_groups": float(sum(len(p.dropped) for p in made) // cfg.rollout.n)})
-        src.timings.update(faults.metrics(added))
+        src.timings.update({**faults.metrics(added), **overlong.metrics(added, src.host.tokenizer.eos_token_id)})
         if cfg.rollout.env is not None:
             src.timings.update(episode_metrics(added))
         async_mode = cfg.rollout.mode == "async"

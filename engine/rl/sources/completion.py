@@ -25,7 +25,7 @@ from ...schema import events as ev
 from ...schema import sample as sample_codec
 from ...schema.sample import Sample
 from ...state.seeding import derive_seed
-from .. import faults
+from .. import faults, overlong
 from .base import Host, Source, StepInputs, add_time, zero_variance
 from .episodes import Turns
 from .partial import Partials
@@ -252,6 +252,7 @@ class CompletionSource(Source):
         """Arrived samples given their reference log-probs and admitted; dynamic sampling drops the groups
         whose rewards do not vary, a fault's group is out of the update."""
         cfg, n, host = self.cfg, self.cfg.rollout.n, self.host
+        overlong.shape(new, cfg.rollout, host.tokenizer.eos_token_id)  # before dynamic sampling reads the scores
         t = time.perf_counter()
         host.scorer.reference_logprobs(new, host.actor)
         add_time(self.timings, "timing_s/ref", time.perf_counter() - t)
@@ -266,7 +267,8 @@ class CompletionSource(Source):
     def inputs(self) -> StepInputs:
         flow, cfg, sampler = self.now, self.cfg, self.host.sampler
         self.timings.update({"sampling/rounds": float(flow.rounds), "sampling/dropped_groups": float(len(flow.dropped) // cfg.rollout.n),
-                             "rollout/regenerated_groups": float(len(flow.regenerated)), **faults.metrics(flow.added)})
+                             "rollout/regenerated_groups": float(len(flow.regenerated)), **faults.metrics(flow.added),
+                             **overlong.metrics(flow.added, self.host.tokenizer.eos_token_id)})
         self.timings.update(self.player().metrics())
         ids = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
         return StepInputs(
