@@ -747,17 +747,8 @@ def check_change(old: dict, new: Config, allow_live: bool, how: str) -> list[str
     live keys unless `allow_live`; bookkeeping keys pass. Keys added to verlj since the run began
     take their defaults and are not a change. Topology keys pass like bookkeeping ones (and like the
     number of ranks): the snapshot is resharded."""
-    changed = [k for k in diff_configs(config_from_dict(old).to_dict(), new.to_dict()) if k not in ONE_OFF_KEYS]
-    fixed = [k for k in changed if policy_of(k) == FIXED]
-    if fixed:
-        instead = (f"start a new run with them (a fork may change live keys such as {keys_with_policy(LIVE)[0]}, and bookkeeping ones)"
-                   if how == "fork" else
-                   "start a new run (or fork one with `verlj replay RUN --to-step N --fork NEW_RUN` and change only "
-                   f"live keys such as {keys_with_policy(LIVE)[0]})")
-        raise ConfigError(
-            f"{', '.join(fixed)} cannot change within a run ({how}): they shape the engines, the data or the random "
-            f"streams; {instead}"
-        )
+    changed = _changed(old, new)
+    _refuse_fixed(changed, how)
     needs_flag = [k for k in changed if policy_of(k) == LIVE]
     if needs_flag and not allow_live:
         raise ConfigError(
@@ -765,6 +756,37 @@ def check_change(old: dict, new: Config, allow_live: bool, how: str) -> list[str
             f"so {how} refuses them (pass --allow-config-change to accept and record the change)"
         )
     return changed
+
+
+def changed_config(old: dict, config_file: str | Path | None, overrides: list[str] | tuple[str, ...], allow_live: bool,
+                   how: str) -> tuple[Config, list[str]]:
+    """A run's config `old` changed by a command's file and overrides (a resume, a fork): the config and the keys that
+    changed, checked by their resume policies (check_change). A key the run fixes is said first, as such, before what
+    the changed config would say of itself: `rollout.partial=false` on a partial run is "rollout.partial cannot change",
+    not a complaint about the rollout.max_token_staleness the run keeps, which the user never typed."""
+    data = _merged(config_file, overrides, old)
+    try:
+        cfg = config_from_dict(data)
+    except ConfigError:
+        _refuse_fixed(_changed(old, _build(Config, data)), how)
+        raise
+    return cfg, check_change(old, cfg, allow_live, how)
+
+
+def _changed(old: dict, new: Config) -> list[str]:
+    return [k for k in diff_configs(config_from_dict(old).to_dict(), new.to_dict()) if k not in ONE_OFF_KEYS]
+
+
+def _refuse_fixed(changed: list[str], how: str) -> None:
+    fixed = [k for k in changed if policy_of(k) == FIXED]
+    if fixed:
+        instead = (f"start a new run with them (a fork may change live keys such as {keys_with_policy(LIVE)[0]}, and bookkeeping ones)"
+                   if how == "fork" else
+                   "start a new run (or fork one with `verlj replay RUN --to-step N --fork NEW_RUN` and change only "
+                   f"live keys such as {keys_with_policy(LIVE)[0]})")
+        they = "they shape" if len(fixed) > 1 else "it shapes"
+        raise ConfigError(f"{', '.join(fixed)} cannot change within a run ({how}): {they} the engines, the data or the random "
+                          f"streams; {instead}")
 
 
 # ----------------------------------------------------------------------------- what-if policy
@@ -948,6 +970,13 @@ def _coerce(key: str, tp, value):
             return "on" if value else "off"
         if isinstance(value, (str, int, float)):  # a number where a name is due: the field's own check says what it takes
             return str(value)
+        if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value.values())), (str, int, float, type(None))):
+            # YAML reads `cmd: python agent.py` (a colon, then a space) as a mapping: the text was meant
+            (k, v), = value.items()
+            text = f"{k}: {v}" if v is not None else f"{k}:"
+            raise ConfigError(f"{key} must be a string, got the mapping {value!r}: YAML reads a colon followed by a space as a "
+                              f"mapping; quote the value ({key.rpartition('.')[2]}: \"{text}\" in a file, "
+                              f"'{key}=\"{text}\"' on the command line), or write it without the space")
     raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
 
 
@@ -1029,17 +1058,23 @@ def _yaml_where(e: yaml.YAMLError, text: str) -> str:
     if line > lines and context is not None:
         line = context.line + 1
     what = f": {e.problem}" if getattr(e, "problem", None) else ""
+    if getattr(e, "problem", None) == "mapping values are not allowed here":  # `agent: cmd: python a.py`
+        what += " (a value holding a colon and a space needs quotes: agent: \"cmd: python agent.py\")"
     return f" at line {min(line, lines)}{what}"
 
 
 def make_config(config_file: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: dict | None = None) -> Config:
     """Default <- base (e.g. a run's stored config) <- config file <- dotted overrides; validated."""
+    return config_from_dict(_merged(config_file, overrides, base))
+
+
+def _merged(config_file: str | Path | None, overrides: list[str] | tuple[str, ...], base: dict | None) -> dict:
     data: dict = dict(base or {})
     if config_file is not None:
         data = _merge(data, load_config_file(config_file))
     for o in overrides:
         data = _merge(data, parse_override(o))
-    return config_from_dict(data)
+    return data
 
 
 def _asked(config_file: str | Path | None, overrides: list[str] | tuple[str, ...], section: str, key: str, default):

@@ -30,7 +30,7 @@ import yaml
 from verlj.journal import Claim, Journal, open_journal_reader
 from verlj.journal.failpoints import failpoint
 
-from ..config import ONE_OFF_KEYS, Config, check_change, config_from_dict, diff_configs, make_config, stored_config, to_yaml
+from ..config import ONE_OFF_KEYS, Config, changed_config, config_from_dict, diff_configs, make_config, stored_config, to_yaml
 from ..errors import ConfigError, RunError
 from ..report import Reporter
 from ..rl.faults import FaultStop
@@ -104,12 +104,12 @@ def resolve_config(run_dir: Path, state: str, config_file, overrides, resume: bo
         with Ledger.open_reader(run_dir) as ledger:
             last = ledger.last_step()
             stored = ledger.config_at(last)
-        cfg = make_config(config_file, overrides, base=stored)
+        cfg, changed = changed_config(stored, config_file, overrides, allow_change, "resume")
         if cfg.trainer.total_steps < last:  # a resume only goes forward: it would train nothing, silently
             raise ConfigError(f"trainer.total_steps={cfg.trainer.total_steps} is below step {last}, where {run_dir} already is: "
                               f"a resume only goes forward (to branch off at an earlier step: verlj replay {run_dir} "
                               f"--to-step {cfg.trainer.total_steps} --fork NEW_RUN)")
-        return cfg, check_change(stored, cfg, allow_change, "resume"), None
+        return cfg, changed, None
     if state != "empty":
         return make_config(config_file, overrides), [], None
     said = f"{run_dir} held a run that never committed a step; starting it afresh"
@@ -429,8 +429,7 @@ class InFlightEpisodes:
 def fork_config(old: dict, overrides: list[str], new_run: Path) -> tuple[Config, list[str]]:
     """A fork's config: `old` (the parent's at the fork's step) with the overrides, checked. Returns
     (config, changed keys)."""
-    cfg = make_config(None, overrides, base=old)
-    changed = check_change(old, cfg, allow_live=True, how="fork")
+    cfg, changed = changed_config(old, None, overrides, allow_live=True, how="fork")
     check_local_dir(new_run, cfg.journal)
     return cfg, changed
 

@@ -60,7 +60,7 @@ def test_a_fork_with_a_fixed_key_is_refused_before_the_replay(base, tmp_path):
     # a replay would hit this failpoint and be killed: the refusal must come first
     out = verlj("replay", base, "--to-step", 3, "--fork", new, "algorithm.name=ppo", VERLJ_FAILPOINT="replay.step:1")
     assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr.strip() == ("error: algorithm.name cannot change within a run (fork): they shape the engines, the data or "
+    assert out.stderr.strip() == ("error: algorithm.name cannot change within a run (fork): it shapes the engines, the data or "
                                   "the random streams; start a new run with them (a fork may change live keys such as "
                                   "algorithm.gamma, and bookkeeping ones)")
     assert not new.exists()

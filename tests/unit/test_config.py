@@ -105,6 +105,22 @@ def test_bad_files(tmp_path):
         make_config(f)
 
 
+def test_a_command_written_after_a_colon_and_a_space_is_told_to_quote_it(tmp_path):
+    """`rollout.agent=cmd: python agent.py`: YAML reads the value as a mapping (in a file, as a syntax error); each says
+    to quote it, and quoted it is the command."""
+    with pytest.raises(ConfigError) as e:
+        make_config(None, ["rollout.agent=cmd: python agent.py"])
+    assert str(e.value) == ("rollout.agent must be a string, got the mapping {'cmd': 'python agent.py'}: YAML reads a colon followed "
+                            "by a space as a mapping; quote the value (agent: \"cmd: python agent.py\" in a file, "
+                            "'rollout.agent=\"cmd: python agent.py\"' on the command line), or write it without the space")
+    assert make_config(None, ['rollout.agent="cmd: python -c pass"']).rollout.agent == "cmd: python -c pass"
+    f = tmp_path / "agent.yaml"
+    f.write_text("rollout:\n  agent: cmd: python agent.py\n")
+    with pytest.raises(ConfigError, match=r"at line 2: mapping values are not allowed here \(a value holding a colon and a space "
+                                          r"needs quotes: agent: \"cmd: python agent.py\"\)"):
+        make_config(f)
+
+
 def test_hash_ignores_bookkeeping_only():
     base = make_config()
     assert make_config(None, ["trainer.total_steps=999", "logging.jsonl=false"]).hash() == base.hash()
@@ -154,6 +170,25 @@ def test_keys_added_since_a_run_began_keep_its_behaviour_and_mapping_keys_take_t
     assert check_change(old.to_stored(), make_config(None, ["trainer.checkpoint_policy_kwargs={every: 3}"], base=old.to_stored()),
                         allow_live=False, how="resume") == ["trainer.checkpoint_policy_kwargs.every"]
     assert kwargs.trainer.checkpoint_policy_kwargs == {"every": 3}
+
+
+@pytest.mark.parametrize("run, changed, said", [
+    (["rollout.mode=async", "rollout.async_order=completion", "rollout.partial=true", "rollout.max_token_staleness=2"],
+     ["rollout.partial=false"], "rollout.partial cannot change within a run (resume): it shapes"),  # not max_token_staleness
+    (["rollout.mode=async", "rollout.async_order=step"], ["rollout.mode=sync"], "rollout.mode cannot change"),  # not async_order
+    (["rollout.mode=async"], ["rollout.mode=sync", "rollout.n=2"], "rollout.mode, rollout.n cannot change within a run (resume): they"),
+])
+def test_a_resume_that_changes_a_fixed_key_names_that_key_not_what_the_changed_config_would_say(run, changed, said):
+    """The keys the command typed and the run fixes are said first, never a key of the run's own the user never typed."""
+    from verlj.engine.config import changed_config
+
+    old = make_config(None, run).to_stored()
+    with pytest.raises(ConfigError) as e:
+        changed_config(old, None, changed, allow_live=True, how="resume")
+    assert said in str(e.value), str(e.value)
+    if "rollout.partial=true" in run:  # a change of no fixed key: what the changed config says of itself, as before
+        with pytest.raises(ConfigError, match="rollout.max_token_staleness must be an integer of at least rollout.max_staleness"):
+            changed_config(old, None, ["rollout.max_token_staleness=0"], allow_live=True, how="resume")
 
 
 def test_a_whatif_may_change_the_estimator_among_those_without_a_critic():
