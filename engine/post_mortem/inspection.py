@@ -560,8 +560,11 @@ def render_step(d: StepDetail) -> str:
     req = d.requests
     if req:
         rows = req.rows.tolist()
-        again = (f"; asked again {len(req.regenerated)} groups in flight when the last process stopped (from their seeds)"
-                 if len(req.regenerated) else "") + (f"; {len(req.continued)} groups went on from their durable tokens" if len(req.continued) else "")
+        again = ""
+        stopped, went_on = set(req.regenerated.tolist()), set(req.continued.tolist())  # went on: among those asked again
+        if stopped | went_on:
+            how = [f"{n} {what}" for n, what in ((len(stopped - went_on), "from their seeds"), (len(went_on), "from their durable tokens")) if n]
+            again = f"; asked again {len(stopped | went_on)} groups in flight when the last process stopped: {', '.join(how)}"
         lines.append(f"asked      {len(req.groups)} groups of the generator (rows {rows[:8]}{' …' if len(rows) > 8 else ''}){again}")
     for c in d.control:
         lines.append(f"control    {c.kind.value} {c.details}" if isinstance(c, Control) else f"control    {c.TYPE} {c.changed}")

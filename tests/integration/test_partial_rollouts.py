@@ -143,9 +143,13 @@ def test_kills_mid_partial_generation_resume_from_the_durable_tokens_none_genera
     resumed = [ev for ev in steps.values() if ev.requests is not None and len(ev.requests.continued)]
     assert all(ev.values["rollout/partial/continued_tokens"] > 0 for ev in resumed)
     assert replay_here(run, 6)[0]["fingerprint"] == fingerprints(run)[6]
-    shown = cli("inspect", run, "--step", str(min(s for s, ev in steps.items() if ev.requests is not None and len(ev.requests.continued))),
-                check=True).stdout
-    assert "went on from their durable tokens" in shown
+    first = min(s for s, ev in steps.items() if ev.requests is not None and len(ev.requests.continued))
+    req = steps[first].requests
+    again, went_on = set(req.regenerated.tolist()), set(req.continued.tolist())
+    assert went_on <= again  # a group that went on from its durable tokens was asked again: counted once, by how
+    shown = cli("inspect", run, "--step", str(first), check=True).stdout
+    how = ", ".join(f"{n} {what}" for n, what in ((len(again - went_on), "from their seeds"), (len(went_on), "from their durable tokens")) if n)
+    assert f"; asked again {len(again)} groups in flight when the last process stopped: {how}\n" in shown, shown
 
 
 def test_two_ranks_resume_every_ranks_durable_generations(tmp_path):
