@@ -27,7 +27,9 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # special: skipped wh
 ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]  # kept in decoded text
 
 # ChatML with tools, in the shape of Qwen2.5's template: the tools listed in the system turn, an assistant's tool
-# calls written as hermes <tool_call> JSON, tool results in a user turn as <tool_response> blocks.
+# calls written as hermes <tool_call> JSON, tool results in a user turn as <tool_response> blocks. An assistant's turn
+# is marked {% generation %} (its text and <|im_end|>: what the model writes), as TRL's SFTTrainer(assistant_only_loss=
+# True) needs to train the assistant's tokens alone (return_assistant_tokens_mask); the marks write nothing.
 CHAT_TEMPLATE = """\
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
@@ -44,12 +46,19 @@ CHAT_TEMPLATE = """\
 {%- if message.role == 'system' and loop.first %}
 {%- elif message.role == 'assistant' and message.tool_calls %}
 {{- '<|im_start|>assistant' }}
+{%- generation %}
 {%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
 {%- for call in message.tool_calls %}
 {%- set fn = call.function if call.function is defined else call %}
 {{- '\\n<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' + (fn.arguments if fn.arguments is string else fn.arguments | tojson) + '}\\n</tool_call>' }}
 {%- endfor %}
-{{- '<|im_end|>\\n' }}
+{{- '<|im_end|>' }}
+{%- endgeneration %}
+{{- '\\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\\n' }}
+{%- generation %}{{- (message.content or '') + '<|im_end|>' }}{%- endgeneration %}
+{{- '\\n' }}
 {%- elif message.role == 'tool' %}
 {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
 {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}

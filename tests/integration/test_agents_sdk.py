@@ -47,7 +47,38 @@ def test_an_agents_sdk_agent_trains_on_its_rewards_and_a_kill_resumes_bit_identi
     want = [(s.id, k + 1, c["completion_ids"]) for s in samples for k, c in enumerate(json.loads(s.agent_calls)["calls"])]
     assert [(r["sample_id"], r["call"], r["completion_ids"]) for r in rows] == want
     assert all(json.loads(r["messages"])[0]["role"] == "system" and r["status"] == "consumed" for r in rows)
+    check_trl_trains_the_assistant_turns(ref, bpe_model, tmp_path)
     kill_and_resume(tmp_path / "run", ref, *over, failpoint="step.before_commit:2")
+
+
+def check_trl_trains_the_assistant_turns(run, bpe_model: str, tmp_path) -> None:
+    """The datasets guide's way to train the exported conversations on the model's own template: TRL's SFTTrainer with
+    assistant_only_loss=True, which needs the template's {% generation %} marks (the BPE model's has them). One step,
+    its loss finite and the weights moved; the assistant tokens' mask is what the model wrote, tool calls included."""
+    import math
+
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    cli("export", run, "--sft", "--format", "jsonl", "-o", tmp_path / "sft", check=True)
+    rows = datasets.load_dataset("json", data_files=str(tmp_path / "sft" / "data" / "train-*"), split="train")
+    tok = AutoTokenizer.from_pretrained(bpe_model)
+    first = rows[0]
+    got = tok.apply_chat_template(first["messages"], tools=json.loads(first["tools"]) if first["tools"] else None,
+                                  return_assistant_tokens_mask=True, return_dict=True)
+    marked = tok.decode([i for i, m in zip(got["input_ids"], got["assistant_masks"]) if m])
+    assert marked.endswith("<|im_end|>") and "<|im_start|>" not in marked, marked
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(bpe_model)
+    before = [p.detach().clone() for p in model.parameters()]
+    args = SFTConfig(output_dir=str(tmp_path / "trl"), max_steps=1, per_device_train_batch_size=4, report_to="none", use_cpu=True,
+                     save_strategy="no", max_length=512, learning_rate=1e-3, assistant_only_loss=True)
+    out = SFTTrainer(model=model, args=args, train_dataset=rows.remove_columns(["tools"]) if not first["tools"] else rows,
+                     processing_class=tok).train()
+    assert math.isfinite(out.training_loss) and out.global_step == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_an_agents_sdk_agent_whose_answers_are_cut_trains_them_as_truncated_never_as_faults(tmp_path, bpe_model):
