@@ -225,8 +225,10 @@ def cli_reference(app) -> str:
         "prints one of these sections. Every command that fails prints one line (`error: …`) and exits non-zero.",
         "",
         "**Exit codes**, one rule for every command: **0** it did what was asked; **2** what it was given cannot be used, "
-        "before anything runs: the command line, a config key or value, or code the config names (`rollout.env`, "
-        "`rollout.reward_fn`, `trainer.checkpoint_policy`, `--probe`) that cannot be imported, made or called as it must be; "
+        "before anything runs: the command line (an option's value, steps or a metric the run does not have, an output inside a "
+        "run's directory, an extra a flag needs that is not installed), a config key or value, or code the config names "
+        "(`rollout.env`, `rollout.agent`, `rollout.reward_fn`, `trainer.checkpoint_policy`, `--probe`) that cannot be imported, "
+        "made or called as it must be; "
         "**1** it ran and failed, or found what it was asked to look for: user code that raised or answered wrongly while it "
         "ran, a training step past `rollout.max_fault_rate` (nothing of it committed), a run directory, journal or snapshot "
         "that cannot be used, two runs that differ (`diff`), a step that did not reproduce (`rerun`). `verify` keeps 1 for "

@@ -31,7 +31,7 @@ from verlj.journal import Claim, Journal, open_journal_reader
 from verlj.journal.failpoints import failpoint
 
 from ..config import ONE_OFF_KEYS, Config, changed_config, config_from_dict, diff_configs, make_config, stored_config, to_yaml
-from ..errors import ConfigError, RunError
+from ..errors import ConfigError, RunError, UsageError
 from ..report import Reporter
 from ..rl.faults import FaultStop
 from ..schema.events import Control, ControlKind
@@ -250,7 +250,7 @@ def check_start(run_dir: Path, config_file, overrides, resume: bool, allow_chang
     """What `verlj train` may do in `run_dir`, checked before anything loads or is written: one sentence
     when it may not. Returns (its run_state, the config, the changed keys, a note to print)."""
     if run_dir.exists() and not run_dir.is_dir():
-        raise RunError(f"--output-dir {run_dir} exists and is not a directory")
+        raise UsageError(f"--output-dir {run_dir} exists and is not a directory")
     lost = lost_journal(run_dir)  # a past run without its journal: never taken for one that never started
     if lost is not None:
         raise RunError(lost)

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..config import config_from_stored
-from ..errors import RunError
+from ..errors import RunError, UsageError
 from ..loop.reader import StepReader
 from ..rl.gateway.ledger import trained_chat
 from ..rl.gateway.protocol import Message
@@ -96,13 +96,13 @@ class Spec:
         if self.kind not in (SFT, DPO):
             raise RunError(f"an export is sft or dpo, not {self.kind!r}")
         if self.kind == DPO and self.best_of_group:
-            raise RunError("--best-of-group chooses SFT rows; a --dpo export pairs each group's samples (--all-pairs for every pair)")
+            raise UsageError("--best-of-group chooses SFT rows; a --dpo export pairs each group's samples (--all-pairs for every pair)")
         if self.kind == SFT and (self.all_pairs or self.margin):
-            raise RunError("--all-pairs and --margin choose preference pairs; pass them with --dpo")
+            raise UsageError("--all-pairs and --margin choose preference pairs; pass them with --dpo")
         if self.margin < 0 or not math.isfinite(self.margin):
-            raise RunError(f"--margin {self.margin}: a pair's chosen must score at least this much above its rejected; give 0 or more")
+            raise UsageError(f"--margin {self.margin}: a pair's chosen must score at least this much above its rejected; give 0 or more")
         if self.min_score is not None and not math.isfinite(self.min_score):
-            raise RunError(f"--min-score {self.min_score}: give a finite number")
+            raise UsageError(f"--min-score {self.min_score}: give a finite number")
 
     @classmethod
     def from_dict(cls, d: dict) -> Spec:

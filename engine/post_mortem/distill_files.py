@@ -204,11 +204,11 @@ def export_dataset(run_dir: Path, out: Path, kind: str, fmt: str, steps: str | N
     """Write the `kind` rows (sft | dpo) of `run_dir`'s steps A:B to the directory `out` (:mod:`.distill`'s
     rows; `filters`: Spec's fields), with its manifest and card. Refuses a filter that selects no row."""
     if fmt not in FORMATS:
-        raise RunError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt != "jsonl":
         from ..schema.table import require_pyarrow
 
-        require_pyarrow(f"--format {fmt}")
+        require_pyarrow(f"--format {fmt}", UsageError)
     Spec(kind, 1, 1, **filters)  # the filter's own sentence, before the output or the run is looked at
     _check_output(out)
     a, b = parse_steps(steps)
@@ -217,7 +217,7 @@ def export_dataset(run_dir: Path, out: Path, kind: str, fmt: str, steps: str | N
         first, last = ledger.base_step() + 1, ledger.last_step()
         a, b = max(a or first, first), min(b or last, last)
         if a > b:
-            raise RunError(f"--steps selects no step: this run has steps {first}–{last}" if last >= first else "this run has no step yet")
+            raise UsageError(f"--steps selects no step: this run has steps {first}–{last}") if last >= first else RunError("this run has no step yet")
         spec = Spec(kind, a, b, **filters)
         made = Rows(ledger, run_dir.resolve().name, spec)
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"

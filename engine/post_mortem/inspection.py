@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..config import config_from_stored
-from ..errors import RunError
+from ..errors import UsageError
 from ..loop import archive
 from ..loop.ledger import Ledger, open_run, writer_dir
 from ..loop.reader import StepReader
@@ -58,7 +58,7 @@ STALENESS_MAX = "rollout/staleness/max"
 def check_range(ledger: Ledger, step: int) -> None:
     first, last = ledger.base_step() + 1, ledger.last_step()
     if not first <= step <= last:
-        raise RunError(f"step {step} is out of range: this run has steps {first}–{last}")
+        raise UsageError(f"step {step} is out of range: this run has steps {first}–{last}")
 
 
 def _rollout_json(r: Rollout) -> dict:
@@ -177,6 +177,9 @@ class RunSummary:
 AGENT_COUNTS = {"calls_generated": "agent/calls", "calls_from_journal": "agent/calls_from_journal", "divergences": "agent/divergences",
                 "prefix_breaks": "agent/prefix_breaks", "malformed_tool_calls": "agent/malformed_tool_calls", "truncated": "agent/truncated"}
 _AGENT_SUMS = {**AGENT_COUNTS, "faults": "rollout/faults"}  # summed over the steps
+AGENT_LINE = (("calls_generated", "calls generated"), ("calls_from_journal", "answered from the journal"), ("divergences", "divergences"),
+              ("prefix_breaks", "prefix breaks"), ("malformed_tool_calls", "malformed tool calls"),
+              ("truncated", "episodes cut at their length"), ("faults", "faults"))  # inspect's line of them
 
 
 def agent_counts(metrics) -> dict | None:
@@ -316,10 +319,7 @@ def render_summary(s: RunSummary) -> str:
         span = f"steps {pr.steps[0]}–{pr.steps[1]} ({pr.count})" if pr.steps else "no steps"
         lines.append(f"probe      {pr.probe} version {pr.version}: {span}, as probe/{pr.probe}/… (verlj replay --probe)")
     if s.agents:
-        a = s.agents
-        lines.append(f"agents     {a['calls_generated']} calls generated, {a['calls_from_journal']} answered from the journal, "
-                     f"{a['divergences']} divergences, {a['prefix_breaks']} prefix breaks, {a['malformed_tool_calls']} malformed tool "
-                     f"calls, {a['truncated']} episodes cut at their length, {a['faults']} faults")
+        lines.append("agents     " + ", ".join(f"{s.agents[k]} {what}" for k, what in AGENT_LINE))
     if s.trend:
         rewards = [t.reward for t in s.trend]
         losses = [t.loss for t in s.trend]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..config import config_from_dict
 from ..dist import configure_determinism, setup
-from ..errors import RunError
+from ..errors import RunError, UsageError
 from ..loop.context import Run
 from ..loop.ledger import Ledger, has_run, lost_journal, run_state
 from ..report import Reporter
@@ -78,7 +78,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
     try:
         last, base = ledger.last_step(), ledger.base_step()
         if not base < to_step <= last and not (to_step == base and base > 0):
-            raise RunError(f"--to-step {to_step} is out of range: {run_dir} has steps {base + 1}–{last}")
+            raise UsageError(f"--to-step {to_step} is out of range: {run_dir} has steps {base + 1}–{last}")
         cfg = replay_config(ledger, to_step)
     except BaseException:
         ledger.close()
@@ -134,7 +134,7 @@ def export_adapter(replayed: Materialized, out_dir: Path) -> None:
     on the base loads it) with the tokenizer."""
     actor = replayed.run.trainer.actor
     if not actor.lora:
-        raise RunError("--export-adapter: this run trains every weight (model.actor.lora_rank is 0); use --export")
+        raise UsageError("--export-adapter: this run trains every weight (model.actor.lora_rank is 0); use --export")
     from ..rl.lora import adapter_state
 
     state = adapter_state(actor.engine.module)

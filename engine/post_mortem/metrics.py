@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import RunError
+from ..errors import UsageError
 from ..loop.ledger import open_run
 from . import derived
 from .steps import parse_steps
@@ -42,7 +42,7 @@ def metric_rows(run_dir: Path, names: list[str] | None, steps: str | None) -> tu
             found = {k for values in logged.values() for k in values}
             unknown = [n for n in unknown if n not in found]
         if unknown and rows:
-            raise RunError(f"unknown metric {unknown[0]!r}; this run has: {', '.join(sorted(seen))}")
+            raise UsageError(f"unknown metric {unknown[0]!r}; this run has: {', '.join(sorted(seen))}")
         cols = names
     else:
         cols = sorted(seen)
@@ -99,14 +99,14 @@ def parse_where(where: str) -> list[Condition]:
     for part in re.split(r"\s+and\s+", where.strip()):
         m = _COND.match(part)
         if not m:
-            raise RunError(
+            raise UsageError(
                 f"cannot parse --where {where!r}: use NAME OP NUMBER (OP one of > >= < <= == !=) or NAME is nan|inf|not finite, joined by 'and'"
             )
         if m.group(1):
             try:
                 conds.append(Condition(m.group(1), m.group(2), float(m.group(3))))
             except ValueError:
-                raise RunError(f"cannot parse --where {where!r}: {m.group(3)!r} is not a number") from None
+                raise UsageError(f"cannot parse --where {where!r}: {m.group(3)!r} is not a number") from None
         else:
             conds.append(Condition(m.group(4), m.group(5), None))
     return conds
@@ -138,5 +138,5 @@ def find_steps(run_dir: Path, where: str, limit: int | None = None) -> list[Matc
                     break
     missing = [c.name for c in conds if names_seen and c.name not in names_seen]
     if missing:
-        raise RunError(f"unknown metric {missing[0]!r} in --where")
+        raise UsageError(f"unknown metric {missing[0]!r} in --where")
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..errors import RunError
+from ..errors import UsageError
 from ..loop.ledger import open_run
 
 
@@ -18,7 +18,7 @@ def plot_metrics(run_dir: Path, cols: list[str], rows: list[dict], out: Path) ->
     try:
         import matplotlib
     except ImportError:
-        raise RunError("--plot needs matplotlib, which the default install leaves out: pip install matplotlib") from None
+        raise UsageError("--plot needs matplotlib, which the default install leaves out: pip install matplotlib") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -60,7 +60,7 @@ def plot_compare(run_a: Path, others: list[Path], names: list[str] | None, steps
     try:
         import matplotlib
     except ImportError:
-        raise RunError("--plot needs matplotlib, which the default install leaves out: pip install matplotlib") from None
+        raise UsageError("--plot needs matplotlib, which the default install leaves out: pip install matplotlib") from None
     from .metrics import metric_rows
 
     matplotlib.use("Agg")
@@ -73,7 +73,7 @@ def plot_compare(run_a: Path, others: list[Path], names: list[str] | None, steps
     known = set().union(*(set(cols) for cols, _ in loaded))
     unknown = [c for c in cols if c not in known]
     if unknown:
-        raise RunError(f"unknown metric {unknown[0]!r}; the runs have: {', '.join(common)}")
+        raise UsageError(f"unknown metric {unknown[0]!r}; the runs have: {', '.join(common)}")
     prints = []
     for r in runs:
         with open_run(r) as ledger:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from ..config import config_from_stored
 from ..dist import configure_determinism, setup
-from ..errors import ReplayError, RunError, SnapshotError
+from ..errors import ReplayError, RunError, SnapshotError, UsageError
 from ..loop.ledger import Ledger, has_run, lost_journal
 from ..loop.provenance import produced_on
 from ..loop.reader import StepReader
@@ -45,10 +45,8 @@ PERSISTENT, TRANSIENT = "persistent", "transient"  # a difference's kind
 SCORES, STATE = "scores", "state"  # the stages rerun names itself: the rescored rewards, the state after the update
 
 
-class StepsError(RunError):
+class StepsError(UsageError):
     """--steps names no steps this run can re-execute: a usage error (exit 2)."""
-
-    exit_code = 2
 
 
 def _from_dict(cls, data: dict, **nested):

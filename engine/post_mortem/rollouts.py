@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..config import config_from_stored
-from ..errors import RunError, UsageError
+from ..errors import UsageError
 from ..loop import archive
 from ..loop.archive import ran_episodes, ran_partial
 from ..loop.ledger import open_run
@@ -234,9 +234,9 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
     import os
 
     if fmt not in ("parquet", "jsonl"):
-        raise RunError(f"--format must be parquet or jsonl, got {fmt!r}")
+        raise UsageError(f"--format must be parquet or jsonl, got {fmt!r}")
     if fmt == "parquet":
-        require_pyarrow("--format parquet")
+        require_pyarrow("--format parquet", UsageError)
     check_output("--output", output)
     if output.is_dir():
         raise UsageError(f"--output {output} is a directory; name a file")
@@ -248,7 +248,7 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
         first, last = ledger.base_step() + 1, ledger.last_step()
         a, b = max(a or first, first), min(b or last, last)
         if a > b:
-            raise RunError(f"--steps selects no step: this run has steps {first}–{last}")
+            raise UsageError(f"--steps selects no step: this run has steps {first}–{last}")
         fates = sample_fates(ledger, a, None)
         episodes, partial = ran_episodes(ledger.configs_in(a, b)), ran_partial(ledger.configs_in(a, b))
         calls = turns and any(config_from_stored(c).rollout.agent for c in ledger.configs_in(a, b))  # a row per model call

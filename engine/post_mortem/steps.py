@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import RunError
+from ..errors import UsageError
 
 
 def parse_steps(spec: str | None) -> tuple[int | None, int | None]:
@@ -13,10 +13,10 @@ def parse_steps(spec: str | None) -> tuple[int | None, int | None]:
         return None, None
     m = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", spec)
     if not m:
-        raise RunError(f"--steps {spec!r} must look like START:STOP (either may be empty), e.g. 100:200")
+        raise UsageError(f"--steps {spec!r} must look like START:STOP (either may be empty), e.g. 100:200")
     a, b = (int(x) if x else None for x in m.groups())
     if a is not None and b is not None and a > b:
-        raise RunError(f"--steps {spec!r}: START is after STOP")
+        raise UsageError(f"--steps {spec!r}: START is after STOP")
     return a, b
 
 

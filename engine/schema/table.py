@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import RunError, install_hint
+from ..errors import RunError, VerljError, install_hint
 from .sample import AGENT_TEXT, EPISODE_SCALARS, EPISODE_SEQUENCES, EPISODE_TEXT, RUNS, SCALARS, SEQUENCES, Columns
 
 # ----------------------------------------------------------------------------- the rollout table
@@ -41,12 +41,14 @@ _TABLE_SEQUENCES = {**SEQUENCES, **EPISODE_SEQUENCES, TOKEN_VERSIONS: np.int64}
 _TABLE_TEXT = (*TEXT, EPISODE_TEXT)
 
 
-def require_pyarrow(what: str):
+def require_pyarrow(what: str, error: type[VerljError] = RunError):
+    """pyarrow, or `error` saying what needs it and how to install it (UsageError where a command asked for it up front:
+    exit 2; RunError where a run's own files need it: exit 1)."""
     try:
         import pyarrow as pa
         import pyarrow.parquet  # noqa: F401
     except ImportError:
-        raise RunError(f"{what} needs pyarrow: {install_hint('archive')}") from None
+        raise error(f"{what} needs pyarrow: {install_hint('archive')}") from None
     return pa
 
 

@@ -263,7 +263,7 @@ def test_bad_usage_is_one_line_and_never_touches_a_directory_that_is_not_an_expo
         assert out.returncode != 0 and out.stderr.startswith("error: ") and says in out.stderr, (args, out.stderr)
         assert "Traceback" not in out.stderr
     out = cli("export", default_run, "-o", tmp_path / "none", "--sft", "--steps", "9:")
-    assert out.returncode == 1 and "--steps selects no step: this run has steps 1–4" in out.stderr and not (tmp_path / "none").exists()
+    assert out.returncode == 2 and "--steps selects no step: this run has steps 1–4" in out.stderr and not (tmp_path / "none").exists()
     out = cli("export", default_run, "-o", keep, "--sft")
     assert out.returncode == 2 and "holds files and is not an export of `verlj export --sft/--dpo` (no export manifest.json)" in out.stderr
     assert [p.name for p in keep.iterdir()] == ["notes.txt"]

@@ -151,7 +151,7 @@ def test_plot_without_matplotlib(base, tmp_path):
     (blocker / "matplotlib").mkdir(parents=True)
     (blocker / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
     out = verlj("metrics", base, "--plot", tmp_path / "m.png", PYTHONPATH=blocker)
-    one_line_error(out, 1, "--plot needs matplotlib")
+    one_line_error(out, 2, "--plot needs matplotlib")
     assert not (tmp_path / "m.png").exists()
 
 

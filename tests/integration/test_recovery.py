@@ -301,7 +301,7 @@ def test_damaged_newer_snapshots_fall_back_and_stay_exact(keep_all, ref8, tmp_pa
 
 def test_replay_refuses_out_of_range_and_non_runs(keep_all, tmp_path):
     out = verlj("replay", keep_all, "--to-step", 99)
-    assert out.returncode == 1 and "out of range" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "out of range" in out.stderr and "Traceback" not in out.stderr
     out = verlj("replay", tmp_path, "--to-step", 1)
     assert out.returncode == 1 and "is not a verlj run" in out.stderr
 

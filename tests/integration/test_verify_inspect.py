@@ -202,7 +202,7 @@ def test_inspect_summary_and_step(run):
     assert set(d["buffer"]["consumed"]) <= {s["id"] for s in d["samples"]}
     for bad in (0, 6):
         out = cli("inspect", run, "--step", bad)
-        assert out.returncode == 1 and "out of range" in out.stderr and "Traceback" not in out.stderr
+        assert out.returncode == 2 and "out of range" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_commands_refuse_a_non_run(tmp_path):
@@ -219,9 +219,9 @@ def test_metrics_outputs(run, tmp_path):
     rows = [json.loads(l) for l in cli("metrics", run, "--jsonl").stdout.splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and "critic/score/mean" in rows[0]
     out = cli("metrics", run, "--names", "actor/nope")
-    assert out.returncode == 1 and "unknown metric 'actor/nope'" in out.stderr
+    assert out.returncode == 2 and "unknown metric 'actor/nope'" in out.stderr
     out = cli("metrics", run, "--steps", "9:2")
-    assert out.returncode == 1 and "START is after STOP" in out.stderr
+    assert out.returncode == 2 and "START is after STOP" in out.stderr
     assert "actor/pg_loss" in cli("metrics", run, "--names", "actor/pg_loss").stdout
 
 
@@ -245,7 +245,7 @@ def test_find(run, tmp_path):
     assert [h["step"] for h in hits] == [1, 2, 3, 4, 5]
     for bad, msg in (("grad_norm >", "cannot parse --where"), ("x > y", "is not a number"), ("nope > 1", "unknown metric 'nope'")):
         out = cli("find", run, "--where", bad)
-        assert out.returncode == 1 and msg in out.stderr and "Traceback" not in out.stderr, bad
+        assert out.returncode == 2 and msg in out.stderr and "Traceback" not in out.stderr, bad
     # NaN and inf are findable
     nan_run = tmp_path / "nan"
     with Journal.open_writer(nan_run / "journal") as j:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from verlj.engine.config import make_config
-from verlj.engine.errors import RunError
+from verlj.engine.errors import UsageError
 from verlj.engine.loop.ledger import Ledger
 from verlj.engine.loop.reader import StepReader
 from verlj.engine.post_mortem.distill import DPO, IGNORE, SFT, Counts, Form, Item, Spec, chat_of, choose_pairs, choose_sft, sft_row
@@ -142,8 +142,9 @@ def test_pairs_are_the_best_against_the_worst_of_one_prompt_never_equal_and_at_l
                                       ({"kind": DPO, "margin": -1.0}, "give 0 or more"),
                                       ({"kind": SFT, "min_score": float("nan")}, "give a finite number")])
 def test_a_filter_that_means_nothing_is_one_sentence(kw, says):
-    with pytest.raises(RunError, match=says):
+    with pytest.raises(UsageError, match=says) as e:  # a wrong argument: exit 2
         Spec(first=1, last=2, **kw)
+    assert e.value.exit_code == 2
 
 
 # ----------------------------------------------------------------------------- on a real journal

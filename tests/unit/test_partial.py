@@ -350,7 +350,7 @@ def _source(entries: dict[int, GroupProgress], runs: dict[int, list[int]], bound
     rt = SimpleNamespace(dp_size=1, dp_rank=0, world_size=1, all_gather_obj=lambda x: [x])
     log = FakeLog(entries)
     host = SimpleNamespace(cfg=cfg, buffer=buffer, rt=rt, sampler=SimpleNamespace(draw=lambda k: next(draws), epoch=0, cursor=0),
-                           prompt_ids=[np.array([1, 2])] * 20, scorer=FakeScorer(), actor=None, tokenizer=None, policy_version=4,
+                           prompt_ids=[np.array([1, 2])] * 20, scorer=FakeScorer(), actor=None, tokenizer=SimpleNamespace(eos_token_id=2), policy_version=4,
                            in_flight_log=log)
     src = CompletionSource(host)
     src.engine = FakeEngine(runs)

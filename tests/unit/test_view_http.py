@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from verlj.engine.errors import RunError
+from verlj.engine.errors import UsageError
 from verlj.engine.post_mortem.view import Server
 from verlj_testing import REPO, cli
 
@@ -171,10 +171,10 @@ def test_on_loopback_a_request_for_another_host_is_refused(served):
 def test_another_host_only_with_a_token_and_every_request_carries_it(tmp_path):
     run = tmp_path / "sync"
     shutil.copytree(FIXTURES / "sync", run)
-    with pytest.raises(RunError, match=r"^--host 127.0.0.2 serves the runs beyond this machine: give a --token too"):
+    with pytest.raises(UsageError, match=r"^--host 127.0.0.2 serves the runs beyond this machine: give a --token too"):
         Server([run], host="127.0.0.2", port=0)
     for bad in ("short", "has space in it", "semi;colon=1"):
-        with pytest.raises(RunError, match=r"^--token must be at least 8 characters"):
+        with pytest.raises(UsageError, match=r"^--token must be at least 8 characters"):
             Server([run], host="127.0.0.2", port=0, token=bad)
     server = Server([run], host="127.0.0.2", port=0, token="s3cret-token")
     server.start()
@@ -201,11 +201,11 @@ def test_another_host_only_with_a_token_and_every_request_carries_it(tmp_path):
 def test_the_command_refuses_in_one_line(tmp_path):
     run = tmp_path / "sync"
     shutil.copytree(FIXTURES / "sync", run)
-    for args, said in [(["--host", "0.0.0.0"], "error: --host 0.0.0.0 serves the runs beyond this machine: give a --token too"),
-                       ([str(tmp_path / "nope")], f"error: {tmp_path / 'nope'} does not exist"),
-                       ([str(tmp_path)], f"error: {tmp_path} is not a verlj run (no journal/ with run metadata)")]:
+    for args, said, code in [(["--host", "0.0.0.0"], "error: --host 0.0.0.0 serves the runs beyond this machine: give a --token too", 2),
+                             ([str(tmp_path / "nope")], f"error: {tmp_path / 'nope'} does not exist", 1),
+                             ([str(tmp_path)], f"error: {tmp_path} is not a verlj run (no journal/ with run metadata)", 1)]:
         out = cli("view", *([str(run)] if args[0].startswith("--") else []), *args)
-        assert out.returncode == 1 and out.stderr.strip().splitlines() == [said + (" (anyone with it can read them)" if "--host" in args else "")], out.stderr
+        assert out.returncode == code and out.stderr.strip().splitlines() == [said + (" (anyone with it can read them)" if "--host" in args else "")], out.stderr
 
 
 def test_the_command_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path):

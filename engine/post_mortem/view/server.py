@@ -229,12 +229,12 @@ class Server:
     """`verlj view`'s server: made (bound) here, served until stopped; `url` is what to open."""
 
     def __init__(self, paths: list[Path], host: str = "127.0.0.1", port: int = 8765, token: str | None = None) -> None:
-        from ...errors import RunError
+        from ...errors import UsageError
 
         if host not in LOOPBACK and not token:
-            raise RunError(f"--host {host} serves the runs beyond this machine: give a --token too (anyone with it can read them)")
+            raise UsageError(f"--host {host} serves the runs beyond this machine: give a --token too (anyone with it can read them)")
         if token is not None and not re.fullmatch(r"[A-Za-z0-9._~-]{8,}", token):
-            raise RunError("--token must be at least 8 characters of A-Z a-z 0-9 . _ ~ - (it travels in a URL and a cookie)")
+            raise UsageError("--token must be at least 8 characters of A-Z a-z 0-9 . _ ~ - (it travels in a URL and a cookie)")
         runs = Runs([Path(p) for p in paths])
         for r in runs.runs.values():  # open each once: a path that is not a run, or one the ledger cannot read, is said now
             data.steps_of(r)

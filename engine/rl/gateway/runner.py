@@ -58,7 +58,7 @@ from .prompts import Answered, Prompts
 from .protocol import ApiError, ChatRequest, Completion, TextStream, conversation, forced_prefix, streams_tokens, unauthorized
 from .responses import continued
 from .server import Gateway
-from .wire import answered_message, head_event, piece_event, response_bytes, response_id
+from .wire import answered_message, head_event, piece_event, read_answer, response_bytes, response_id
 
 RUNNING, WAITING, DONE = "running", "waiting", "done"
 
@@ -450,7 +450,7 @@ class Runner:
 
 def cut_short(calls: list[Call]) -> bool:
     """Whether an episode's last call was answered cut at its length (finish_reason length, a response `incomplete`)."""
-    return bool(calls) and answered_message(calls[-1].response)["finish_reason"] == "length"
+    return bool(calls) and read_answer(calls[-1].response).finish_reason == "length"
 
 
 def call_id(seed: int, k: int) -> str:

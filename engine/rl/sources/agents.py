@@ -161,8 +161,8 @@ class Agents:
         played, summed over the ranks (each played its share). Collective."""
         assert self.runner_ is not None
         got = {name: v - before[name] for name, v in self.runner_.counts.to_metrics().items()}
-        got["agent/prefix_breaks"] = float(sum(AgentCalls.from_json(s.agent_calls).prefix_breaks for s in played if s.agent_calls))
-        got["agent/truncated"] = float(sum(s.env_end == EnvEnd.LENGTH for s in played))
+        got.update({"agent/prefix_breaks": float(sum(AgentCalls.from_json(s.agent_calls).prefix_breaks for s in played if s.agent_calls)),
+                    "agent/truncated": float(sum(s.env_end == EnvEnd.LENGTH for s in played))})
         rt = self.host.rt
         for share in rt.all_gather_obj(got) if rt.world_size > 1 else [got]:
             for name, v in share.items():
