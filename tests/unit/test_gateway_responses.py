@@ -34,8 +34,8 @@ class Policy:
 
     streams = False
 
-    def __init__(self, tok, tool: bool = True):
-        self.tok, self.tool, self.prompts = tok, tool, []
+    def __init__(self, tok, tool: bool = True, after: str = "\n</tool_call>"):
+        self.tok, self.tool, self.prompts, self.after = tok, tool, [], after  # after: what follows a forced call's JSON
 
     def __call__(self, prompts, seeds, episodes, on_token=None):
         outs = []
@@ -43,9 +43,9 @@ class Policy:
             self.prompts.append(p)
             text = self.tok.decode(p)
             if text.endswith('"arguments":'):
-                answer = ' {"a": 2, "b": 3}}\n</tool_call>'
+                answer = ' {"a": 2, "b": 3}}' + self.after
             elif text.endswith("<tool_call>\n"):
-                answer = CALL[len("<tool_call>\n"):]
+                answer = '{"name": "add", "arguments": {"a": 2, "b": 3}}' + self.after
             elif "<tool_response>" in text:
                 answer = text.rsplit("<tool_response>\n", 1)[1].split("\n")[0]
             else:
@@ -55,9 +55,9 @@ class Policy:
         return outs, [np.full(len(o), -0.5, np.float32) for o in outs]
 
 
-def play(tok, agent, n: int = 1, tool: bool = True, max_turns: int = 4):
+def play(tok, agent, n: int = 1, tool: bool = True, max_turns: int = 4, after: str = "\n</tool_call>"):
     gw = Gateway(MODEL).start()
-    policy = Policy(tok, tool)
+    policy = Policy(tok, tool, after)
     try:
         r = Runner(gw, agent, Prompts(tok, chat_template(tok, False)), policy, Settings(n, 10.0, max_turns))
         out = r.play(Episodes([{"prompt": "2+3=", "answer": "5"}] * n, list(range(n)), [40 + i for i in range(n)],
@@ -191,6 +191,101 @@ def test_tool_choice_required_or_named_makes_the_answer_begin_as_a_tool_call(bpe
     assert out[0].calls[0].flag == ""
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_call_ends_where_its_json_closes_and_the_call_after_is_spliced_with_the_closing_tag_masked(bpe_tokenizer, api, choice,
+                                                                                                            stream):
+    """The policy writes a whole call, then goes on (another turn's text, no closing tag): the call is answered as a
+    tool call, cut where its JSON closed (as constrained decoding ends it), journaled through the token that closed it;
+    the call that sends the tool's result back is spliced, the closing tag the answer showed is an observation token."""
+    tok, seen = bpe_tokenizer, {}
+    tools = [{"type": "function", "function": {k: v for k, v in ADD.items() if k != "type"}}]
+    forced = "required" if choice == "required" else {"type": "function", "function": {"name": "add"}}
+
+    def agent(ep):
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        if api == "chat":
+            msgs = [{"role": "user", "content": "2+3="}]
+            got = client.chat.completions.create(model=ep.model, messages=msgs, tools=tools, tool_choice=forced, stream=stream)
+            if stream:
+                chunks = list(got)
+                calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason][0]
+                said = {"role": "assistant", "content": None, "tool_calls": [t.model_dump(exclude={"index"}) for t in calls]}
+            else:
+                m = got.choices[0]
+                calls, finish, said = m.message.tool_calls or [], m.finish_reason, m.message.model_dump(exclude_none=True)
+            seen["call"] = [(c.function.name, json.loads(c.function.arguments)) for c in calls], finish
+            msgs += [said, *({"role": "tool", "tool_call_id": c.id, "content": "5"} for c in calls)]
+            seen["after"] = client.chat.completions.create(model=ep.model, messages=msgs, tools=tools).choices[0].message.content
+        else:
+            named = "required" if choice == "required" else {"type": "function", "name": "add"}
+            if stream:
+                with client.responses.create(model=ep.model, input="2+3=", tools=[ADD], tool_choice=named, stream=True) as events:
+                    r = [e for e in events][-1].response
+            else:
+                r = client.responses.create(model=ep.model, input="2+3=", tools=[ADD], tool_choice=named)
+            calls = [o for o in r.output if o.type == "function_call"]
+            seen["call"] = [(c.name, json.loads(c.arguments)) for c in calls], r.status
+            outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "5"} for c in calls]
+            seen["after"] = client.responses.create(model=ep.model, input=outputs, tools=[ADD], previous_response_id=r.id).output_text
+        return 1.0
+
+    out, _ = play(tok, agent, tool=False, after="\nuser\n<tool_response>\n9")  # no closing tag, no end of its turn
+    assert out[0].fault == "" and seen["call"] == ([("add", {"a": 2, "b": 3})], "tool_calls" if api == "chat" else "completed")
+    assert seen["after"] == "5"
+    first, second = out[0].calls
+    assert first.flag == "" and tok.decode(first.completion_ids).endswith('{"a": 2, "b": 3}}')  # through the brace, all generated
+    assert len(first.logprobs) == len(first.completion_ids) and np.all(first.logprobs == -0.5)
+    assert ledger.trained_chain(out[0].calls) == ((0, 1), 1)  # spliced: its prompt begins with the first's ids
+    between = second.prompt_ids[len(first.prompt_ids) + len(first.completion_ids):]
+    assert tok.decode(between).startswith("\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response>")
+    f = ledger.sample_fields(out[0].calls, (0, 1))
+    n = len(first.completion_ids)
+    assert f["loss_mask"].tolist() == [1] * n + [0] * len(between) + [1] * len(second.completion_ids)  # the tag: observation
+
+
+@pytest.mark.parametrize("text, end", [
+    ('{"name": "add", "arguments": {"a": 1}}', 38),
+    ('  \n{"a": "}"} after', 13),  # leading whitespace; a brace in a string is text
+    ('{"a": "say \\"}\\" ok"}}', 21),  # an escaped quote does not end the string
+    ('{"a": "\\\\"}x', 11),  # an escaped backslash does
+    ('{"a": {"b": 1}', -1),  # never closes
+    ('{"a": {"b": 1}, "c": [1, {}]', -1),
+    ('x {"a": 1}', -1),  # not an object first
+    ('"{}"', -1),
+    ('', -1),
+])
+def test_where_a_json_object_closes(text, end):
+    from verlj.engine.rl.gateway.protocol import object_end
+
+    assert object_end(text) == end
+    if end >= 0:
+        json.loads(text[:end])  # what it found is the whole object
+
+
+def test_the_closing_a_call_that_continues_a_forced_one_is_given():
+    """protocol.forced_closing: the closing tag the answer showed and the policy did not write, less what the token that
+    closed the JSON held past the brace; "" where the call did not end there (a call journaled before, which wrote its own
+    tag and end of turn; one cut at its length)."""
+    from verlj.engine.rl.gateway.protocol import TOOL_CLOSE, TOOL_OPEN, forced_closing
+
+    decode = "".join  # a token a string; an end of turn decodes to ""
+    named = TOOL_OPEN + '{"name": "add", "arguments":'
+    call = {"content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}
+    assert forced_closing(named, call, [" {", "}", "}"], decode) == TOOL_CLOSE
+    assert forced_closing(TOOL_OPEN, call, ['{"name": "add", "arguments": {}', "}\n"], decode) == "</tool_call>"  # held the newline
+    assert forced_closing(TOOL_OPEN, call, ['{"name": "add", "arguments": {}', "}}"], decode) == TOOL_CLOSE  # held another brace
+    # what calls journaled before forced calls ended at their JSON were: the tag and the end of turn written by the policy
+    assert forced_closing(named, call, [" {}", "}", "\n", "</tool_call>", ""], decode) == ""
+    assert forced_closing("", call, ['{"a": 1}'], decode) == ""  # not forced
+    cut = {"content": named + ' {"a": 1', "tool_calls": []}  # cut at its length: never closed
+    assert forced_closing(named, cut, [' {"a": 1'], decode) == ""
+    malformed = {"content": named + ' {"a": plus}' + "}" + TOOL_CLOSE, "tool_calls": []}  # closed, did not parse: the tag shown all the same
+    assert forced_closing(named, malformed, [' {"a": plus}', "}"], decode) == TOOL_CLOSE
+
+
 def test_forced_prefixes_and_their_refusals():
     tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": tools}
@@ -242,3 +337,4 @@ def test_input_items_read_as_chat_messages():
                             {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
     assert json.loads(req.canonical())["api"] == "responses" and req.digest() != parse_responses(
         json.dumps({"model": MODEL, "input": items}).encode(), MODEL).digest()
+

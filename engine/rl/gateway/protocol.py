@@ -195,18 +195,70 @@ def tool_choice_of(raw: Any, tools: list | None, param: str) -> str | dict:
     return "required" if named is None else {"type": "function", "function": {"name": named}}
 
 
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # what a forced call begins with, and what closes it (hermes)
+
+
 def forced_prefix(req: ChatRequest) -> str:
     """The text an answer is made to begin with, written after the generation prompt (its tokens part of the prompt,
     masked from the loss): for tool_choice ``required`` the hermes tool-call tag, for a named function the tag and
-    the call's name, so that the policy writes the call (its arguments, for a named one). A completion that then does
-    not close a call that parses is answered as text, flagged ``malformed_tool_call``. "" for ``auto`` and ``none``."""
-    choice = req.tool_choice
-    if not req.tools or choice in ("auto", "none"):
+    the call's name, so that the policy writes the call (its arguments, for a named one). "" for ``auto`` and ``none``.
+    The call ends where its JSON object closes (``Runner.completion``: the tag that closes it is added, as the prefix
+    was); a completion that does not close one that parses is answered as text, flagged ``malformed_tool_call``."""
+    return forced_text(req.tools, req.tool_choice)
+
+
+def forced_text(tools: list | None, choice: str | dict) -> str:
+    """:func:`forced_prefix` of a request's tools and tool_choice (a canonical request's, too)."""
+    if not tools or choice in ("auto", "none"):
         return ""
     if choice == "required":
-        return "<tool_call>\n"
+        return TOOL_OPEN
     assert isinstance(choice, dict)
-    return '<tool_call>\n{"name": ' + json.dumps(choice["function"]["name"], ensure_ascii=False) + ', "arguments":'
+    return TOOL_OPEN + '{"name": ' + json.dumps(choice["function"]["name"], ensure_ascii=False) + ', "arguments":'
+
+
+def object_end(text: str) -> int:
+    """Where the JSON object `text` begins with (after any whitespace) closes: the index just past its closing brace,
+    braces in strings (and escaped quotes) not counted. -1 when it never closes, or `text` begins with anything else.
+    Only where it ends: whether it parses is the tool-call parser's business."""
+    depth, quoted, escaped = 0, False, False
+    for i, ch in enumerate(text):
+        if quoted:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+        elif ch == "{":
+            depth += 1
+        elif depth == 0:
+            if not ch.isspace():
+                return -1
+        elif ch == '"':
+            quoted = True
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
+def forced_closing(forced: str, answer: dict, ids: Any, decode: Callable[[Any], str]) -> str:
+    """What a forced tool call's answer showed after its completion ids (`decode` reads them as the runner does): the
+    tag that closes the call (:data:`TOOL_CLOSE`), less what the token that closed its JSON held past the brace, when
+    the call ended there (``Runner.completion``). "" for any other call: not forced, an answer that shows no closing
+    tag (cut at its length or at a stop string), or a JSON that closed before the last token (a call journaled before
+    forced calls ended at their JSON, which wrote its own closing tag)."""
+    if not forced or not len(ids) or not (answer.get("tool_calls") or (answer.get("content") or "").endswith(TOOL_CLOSE)):
+        return ""
+    head = forced[len(TOOL_OPEN):]
+    text = head + decode(ids)
+    end = object_end(text)
+    if end < 0 or object_end(head + decode(ids[:-1])) >= 0:
+        return ""
+    past = text[end:]
+    return TOOL_CLOSE[len(past):] if TOOL_CLOSE.startswith(past) else TOOL_CLOSE
 
 
 def request_object(body: bytes, model: str) -> tuple[dict, str]:
@@ -458,11 +510,13 @@ def same_answer(sent: dict, answer: dict) -> bool:
 @dataclass(frozen=True)
 class Conversation:
     """A journaled call's (canonical) request, as a later call reads it: its messages, tools and instructions (the
-    Responses API's system message that leads the messages; None for a chat completion)."""
+    Responses API's system message that leads the messages; None for a chat completion), and the text its answer was
+    made to begin with (:func:`forced_prefix`; "" for none)."""
 
     messages: list
     tools: list | None
     instructions: str | None
+    forced: str = ""
 
     @property
     def own(self) -> list:
@@ -472,7 +526,7 @@ class Conversation:
 
 def conversation(canonical: str) -> Conversation:
     d = json.loads(canonical)
-    return Conversation(d["messages"], d["tools"], d.get("instructions"))
+    return Conversation(d["messages"], d["tools"], d.get("instructions"), forced_text(d["tools"], d["tool_choice"]))
 
 
 def answered_message(body: bytes) -> dict:
