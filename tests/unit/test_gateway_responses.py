@@ -316,6 +316,9 @@ def test_forced_prefixes_and_their_refusals():
     ({"input": "x", "store": "yes"}, "store"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "background": True}, "background"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "5"}]}, "input"),  # answers no function_call
+    ({"input": [{"type": "function_call", "call_id": "call_1", "name": "add", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_2", "output": "5"}]}, "input"),
 ])
 def test_bad_responses_requests_get_openai_shaped_errors(body, param):
     with pytest.raises(ApiError) as e:
@@ -337,4 +340,28 @@ def test_input_items_read_as_chat_messages():
                             {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
     assert json.loads(req.canonical())["api"] == "responses" and req.digest() != parse_responses(
         json.dumps({"model": MODEL, "input": items}).encode(), MODEL).digest()
+
+
+def test_a_function_call_output_must_answer_a_call_of_the_input_or_the_previous_response(bpe_tokenizer):
+    said = {}
+
+    def agent(ep):
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        first = client.responses.create(model=ep.model, input="2+3=", tools=[ADD])
+        call = first.output[0]
+        for call_id in ("call_not_made", call.call_id):
+            try:
+                r = client.responses.create(model=ep.model, input=[{"type": "function_call_output", "call_id": call_id, "output": "5"}],
+                                            tools=[ADD], previous_response_id=first.id)
+                said[call_id] = r.output_text
+            except openai.BadRequestError as e:
+                said[call_id] = e.body
+        return 1.0
+
+    out, _ = play(bpe_tokenizer, agent)
+    assert out[0].fault == "" and len(out[0].calls) == 2  # the refused call was never generated
+    refused = said.pop("call_not_made")
+    assert refused == {"message": "No tool call found for function call output with call_id call_not_made.", "type": "invalid_request_error",
+                       "param": "input", "code": None}
+    assert list(said.values()) == ["5"]
 

@@ -156,6 +156,49 @@ def test_tool_calls_and_their_results_splice_and_the_tool_turn_is_masked(tok):
         assert f["gen_logprobs"][f["loss_mask"] == 1].tolist() == [-0.25] * int(f["loss_mask"].sum())
 
 
+def test_tool_calls_sent_back_under_ids_of_the_agents_own_still_splice(tok):
+    """A call's id is never rendered into tokens: an agent (a framework) that gives the calls it was answered ids of its
+    own, and answers them by those, sends back the tokens it was answered; it is spliced, every call."""
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+
+    def renamer(ep):
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": ep.row["prompt"]}]
+        for k in range(3):
+            m = client.chat.completions.create(model=ep.model, messages=msgs, tools=TOOLS).choices[0].message.model_dump(exclude_none=True)
+            for j, c in enumerate(m.get("tool_calls", [])):
+                c["id"] = f"mine_{k}_{j}"
+            msgs.append(m)
+            msgs += ([{"role": "tool", "tool_call_id": c["id"], "content": "7"} for c in m["tool_calls"]] if m.get("tool_calls")
+                     else [{"role": "user", "content": "and?"}])
+        return 1.0
+
+    out = play(tok, renamer, [call, call, "7"])
+    for p in out:
+        assert ledger.trained_chain(p.calls) == ((0, 1, 2), 1)
+        assert [m["tool_calls"][0]["id"] for m in json.loads(p.calls[2].request)["messages"] if m.get("tool_calls")] == ["mine_0_0", "mine_1_0"]
+
+
+def test_a_tool_calls_id_decides_no_rendering_and_its_name_and_arguments_do(tok):
+    """Why a splice may compare tool calls by name and arguments only: two histories that differ in ids alone render
+    the same text (so the same ids), and any other difference in a call is no longer the answer."""
+    from verlj.engine.rl.gateway.protocol import same_answer, same_history
+
+    prompts = Prompts(tok, chat_template(tok, False))
+    answer = {"content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]}
+    sent = {"role": "assistant", **answer}
+    renamed = {**sent, "tool_calls": [{**answer["tool_calls"][0], "id": "other"}]}
+    history = [{"role": "user", "content": "x"}, sent, {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
+    again = [history[0], renamed, history[2]]
+    assert prompts.render(history, TOOLS) == prompts.render(again, TOOLS) and "call_1" not in prompts.render(history, TOOLS)
+    assert same_answer(renamed, answer) and same_history(history, again)
+    for change in ({"name": "mul"}, {"arguments": '{"a": 2}'}):
+        other = {**sent, "tool_calls": [{**answer["tool_calls"][0], "function": {**answer["tool_calls"][0]["function"], **change}}]}
+        assert not same_answer(other, answer) and not same_history(history, [history[0], other, history[2]])
+    assert not same_answer({**sent, "content": "y"}, answer)
+    assert not same_history(history, [history[0], sent, {**history[2], "tool_call_id": "other"}])  # a template may write that one
+
+
 def test_an_edited_answer_is_a_real_rewrite_and_starts_a_segment(tok):
     def editor(ep):
         client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)

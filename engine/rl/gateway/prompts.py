@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .protocol import ApiError, forced_closing, same_answer, template_messages
+from .protocol import ApiError, forced_closing, same_answer, same_history, template_messages
 
 # (messages, tools, add_generation_prompt) -> the chat template's text
 Template = Callable[[list, "list | None", bool], str]
@@ -65,7 +65,7 @@ def continued(messages: list, tools: list | None, earlier: list[Answered]) -> in
     best, at = -1, -1
     for k, a in enumerate(earlier):
         m = len(a.messages)
-        if (len(messages) > m + 1 and m >= best and a.tools == tools and messages[:m] == a.messages
+        if (len(messages) > m + 1 and m >= best and a.tools == tools and same_history(messages[:m], a.messages)
                 and same_answer(messages[m], a.answer)):
             best, at = m, k
     return at

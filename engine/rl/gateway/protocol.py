@@ -23,6 +23,8 @@ server ignores what a model does not use):
   checked for OpenAI's type (:data:`_OTHER_FIELDS`) and ignored: it decides nothing here (every tool call a
   completion holds is returned, whatever ``parallel_tool_calls`` says; nothing is stored).
 - ``n`` other than 1 and ``response_format`` are refused (400).
+- A ``tool`` message must answer a tool call of an earlier assistant message in the request (by its
+  ``tool_call_id``), as OpenAI requires (400).
 """
 
 from __future__ import annotations
@@ -157,6 +159,23 @@ def _messages(raw: Any) -> list:
                 raise bad_request(f"Missing 'messages[{i}].tool_call_id': a tool message answers a tool call by its id.", f"messages[{i}].tool_call_id")
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
+    for i, call_id in unanswered(out):
+        if not any(m.get("tool_calls") for m in out[:i]):
+            raise bad_request("Invalid parameter: messages with role 'tool' must be a response to a preceeding message with 'tool_calls'.",
+                              f"messages[{i}].role")
+        raise bad_request(f"Invalid parameter: 'tool_call_id' of '{call_id}' not found in 'tool_calls' of any preceding message.",
+                          f"messages[{i}].tool_call_id")
+    return out
+
+
+def unanswered(messages: list) -> list[tuple[int, str]]:
+    """The tool messages (index, tool_call_id) that answer no tool call of an earlier assistant message."""
+    made: set[str] = set()
+    out = []
+    for i, m in enumerate(messages):
+        made.update(c["id"] for c in m.get("tool_calls") or ())
+        if m["role"] == "tool" and m["tool_call_id"] not in made:
+            out.append((i, m["tool_call_id"]))
     return out
 
 
@@ -325,9 +344,11 @@ class Parsed:
     flag: str = ""
 
 
-def hermes(text: str, call_id: str) -> Parsed:
+def hermes(text: str, call_id: str, offered: frozenset[str] | set[str]) -> Parsed:
     """Hermes-style tool calls: each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` a call.
-    Text outside the tags is the content (None when only whitespace is left)."""
+    Text outside the tags is the content (None when only whitespace is left). A block is a call only when it is
+    exactly ``name`` (one of the `offered` tools) and ``arguments`` (an object, or a JSON string of one), as OpenAI's
+    tool calls are; one that is not makes the completion malformed (answered as text, flagged)."""
     blocks = _TOOL_CALL.findall(text)
     if not blocks:
         return Parsed(text, [], "malformed_tool_call" if "<tool_call>" in text else "")
@@ -335,11 +356,13 @@ def hermes(text: str, call_id: str) -> Parsed:
     for k, b in enumerate(blocks):
         try:
             d = json.loads(b)
-        except ValueError:
+            args = d["arguments"] if isinstance(d, dict) else None
+            ok = (isinstance(d, dict) and set(d) == {"name", "arguments"} and d["name"] in offered
+                  and (isinstance(args, dict) or isinstance(args, str) and isinstance(json.loads(args), dict)))
+        except (ValueError, KeyError, TypeError):  # not JSON, no arguments, an unhashable name
+            ok = False
+        if not ok:
             return Parsed(text, [], "malformed_tool_call")
-        if not (isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("arguments", {}), (dict, str))):
-            return Parsed(text, [], "malformed_tool_call")
-        args = d.get("arguments", {})
         calls.append({"id": f"call_{call_id}_{k}", "type": "function",
                       "function": {"name": d["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
     rest = _TOOL_CALL.sub("", text).strip()
@@ -448,7 +471,8 @@ def _logprobs(req: ChatRequest, c: Completion) -> dict | None:
 
 def message(req: ChatRequest, c: Completion, call_id: str, parser: str = "hermes") -> tuple[dict, str, str]:
     """(the assistant message, its finish_reason, the parser's flag) of a completion."""
-    parsed = PARSERS[parser](c.text, call_id) if req.tools and req.tool_choice != "none" else Parsed(c.text, [])
+    offered = frozenset(t["function"]["name"] for t in req.tools or ())
+    parsed = PARSERS[parser](c.text, call_id, offered) if req.tools and req.tool_choice != "none" else Parsed(c.text, [])
     msg: dict = {"role": "assistant", "content": parsed.content, "refusal": None}
     if parsed.tool_calls:
         msg["tool_calls"] = parsed.tool_calls
@@ -500,11 +524,27 @@ class Answer:
 
 def same_answer(sent: dict, answer: dict) -> bool:
     """Whether a message sent back is the assistant message answered (:func:`answered_message`): its content (None and
-    "" alike) and its tool calls (id, name, arguments), as the gateway sent them."""
+    "" alike) and its tool calls by name and arguments, as the gateway sent them. Not by id: a call's id is never
+    rendered into tokens (:func:`template_messages` writes the name and arguments), so an agent that gives the calls
+    ids of its own sends back the tokens it was answered."""
     if sent.get("role") != "assistant" or (sent.get("content") or "") != (answer.get("content") or ""):
         return False
-    calls = lambda m: [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]  # noqa: E731
-    return calls(sent) == calls(answer)
+    return rendered_calls(sent) == rendered_calls(answer)
+
+
+def rendered_calls(m: dict) -> list[tuple[str, str]]:
+    """A message's tool calls as they are rendered: (name, arguments), never the id."""
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or ()]
+
+
+def same_history(a: list, b: list) -> bool:
+    """Whether two conversations render alike: the same messages, an assistant's tool calls compared by name and
+    arguments only (:func:`same_answer`); a tool message's ``tool_call_id`` is compared as sent (a template may write it)."""
+    return len(a) == len(b) and all(x == y or _rendered(x) == _rendered(y) for x, y in zip(a, b))
+
+
+def _rendered(m: dict) -> dict:
+    return {**m, "tool_calls": rendered_calls(m)} if m.get("tool_calls") else m
 
 
 @dataclass(frozen=True)

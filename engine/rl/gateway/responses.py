@@ -21,6 +21,8 @@ What a request may say:
 - What the Agents SDK and others send beside (``include``, ``metadata``, ``store``, ``parallel_tool_calls``,
   ``truncation``, ``reasoning``, ``temperature``, ``top_p``, ``user``, ``service_tier``, ``prompt_cache_key``, ...)
   is checked for its type and ignored; ``text.format`` other than ``text`` is refused as ``response_format`` is.
+- A ``function_call_output`` must answer a ``function_call`` of the input or of the previous response's conversation
+  (by its ``call_id``), as OpenAI requires (400).
 
 The answer: ``resp_ID`` with its output items (a ``message`` with one ``output_text``, then a ``function_call`` a
 tool call, ids from the call's seed), ``status`` ``completed``, or ``incomplete`` (``incomplete_details.reason``
@@ -48,6 +50,7 @@ from .protocol import (
     token_deltas,
     tool_choice_of,
     typed_field,
+    unanswered,
 )
 
 # fields accepted and ignored: their type checked as OpenAI does
@@ -138,11 +141,19 @@ def parse_responses(body: bytes, model: str) -> ChatRequest:
         raise bad_request("Invalid 'max_output_tokens': expected at least 1.", "max_output_tokens")
     tools = _tools(d.get("tools"))
     messages = _items(d.get("input"))
+    previous = typed_field(d, "previous_response_id", (str,), "a string")
+    if previous is None:  # else checked once that response's conversation leads them (`continued`)
+        answered_calls(messages)
     return ChatRequest(model=name, messages=([{"role": "system", "content": instructions}] if instructions is not None else []) + messages,
                        tools=tools, tool_choice=tool_choice_of(d.get("tool_choice", "auto"), tools, "tool_choice"), max_tokens=max_tokens,
                        stream=bool(typed_field(d, "stream", (bool,), "a boolean")), api=RESPONSES, instructions=instructions,
-                       previous_response_id=typed_field(d, "previous_response_id", (str,), "a string"),
-                       ignored={k: d[k] for k in ("temperature", "top_p") if k in d})
+                       previous_response_id=previous, ignored={k: d[k] for k in ("temperature", "top_p") if k in d})
+
+
+def answered_calls(messages: list) -> None:
+    """A 400, worded as OpenAI's, for a function_call_output that answers no function_call before it."""
+    if bad := unanswered(messages):
+        raise bad_request(f"No tool call found for function call output with call_id {bad[0][1]}.", "input")
 
 
 def continued(req: ChatRequest, earlier: list[tuple[str, list, dict]]) -> list:
@@ -156,7 +167,9 @@ def continued(req: ChatRequest, earlier: list[tuple[str, list, dict]]) -> list:
     messages, answer = found[-1]
     said = [{"role": "assistant", "content": answer["content"], **({"tool_calls": answer["tool_calls"]} if answer["tool_calls"] else {})}]
     lead = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    return lead + messages + said + own_messages(req)
+    out = lead + messages + said + own_messages(req)
+    answered_calls(out)
+    return out
 
 
 def own_messages(req: ChatRequest) -> list:
