@@ -319,6 +319,9 @@ def test_forced_prefixes_and_their_refusals():
     ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "5"}]}, "input"),  # answers no function_call
     ({"input": [{"type": "function_call", "call_id": "call_1", "name": "add", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "call_2", "output": "5"}]}, "input"),
+    ({"input": "x", "frobnicate": 1}, "frobnicate"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+    ({"input": "x", "include": [1]}, "include"),
 ])
 def test_bad_responses_requests_get_openai_shaped_errors(body, param):
     with pytest.raises(ApiError) as e:
@@ -365,3 +368,62 @@ def test_a_function_call_output_must_answer_a_call_of_the_input_or_the_previous_
                        "param": "input", "code": None}
     assert list(said.values()) == ["5"]
 
+
+def _exact(model) -> None:
+    """A parsed SDK object holds only the fields its type declares (the openai SDK keeps any other as an extra)."""
+    from pydantic import BaseModel
+
+    assert not model.model_extra, model.model_extra
+    for v in dict(model).values():
+        for x in v if isinstance(v, list) else [v]:
+            if isinstance(x, BaseModel):
+                _exact(x)
+
+
+@pytest.mark.parametrize("top", [0, 2])
+def test_responses_logprobs_are_served_in_openais_shape_the_sampled_token_only_as_top(bpe_tokenizer, top):
+    """include message.output_text.logprobs: each output token's text, log-prob and bytes in the output_text part, and
+    without bytes in the stream's text events, as the openai SDK's Responses types declare them (parsed by them, no
+    field left over); top_logprobs lists the sampled token only (verlj's samplers keep no alternatives). The same
+    tokens and log-probs as the call journaled; without include, none, and the request journaled as before."""
+    from openai.types.responses import ResponseOutputText, ResponseTextDeltaEvent, ResponseTextDoneEvent
+
+    seen = {}
+
+    def agent(ep):
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        ask = {"model": ep.model, "input": "Say hello.", "include": ["message.output_text.logprobs"], "top_logprobs": top}
+        seen["plain"] = client.responses.create(**ask)
+        with client.responses.create(**ask, stream=True) as events:
+            seen["events"] = list(events)
+        seen["none"] = client.responses.create(model=ep.model, input="Say hello.", top_logprobs=top)
+        return 1.0
+
+    out, _ = play(bpe_tokenizer, agent, tool=False)
+    assert out[0].fault == ""
+    call, streamed = out[0].calls[:2]
+    tokens = [bpe_tokenizer.decode([int(t)], skip_special_tokens=True) for t in call.completion_ids]  # its end of turn: ""
+    assert tokens[-1] == "" and "".join(tokens) == "hello world"  # as a chat completion's logprobs show it
+    want = [(t, float(lp)) for t, lp in zip(tokens, call.logprobs)]
+    # the journaled bytes validated by the SDK's own types (strictly: the client only constructs what it reads)
+    for part in (ResponseOutputText.model_validate(json.loads(call.response)["output"][0]["content"][0]),
+                 seen["plain"].output[0].content[0]):
+        _exact(part)
+        assert part.text == "hello world" and [(x.token, x.logprob) for x in part.logprobs] == want
+        assert all(x.bytes == list(x.token.encode()) for x in part.logprobs)
+        assert [[(y.token, y.logprob, y.bytes) for y in x.top_logprobs] for x in part.logprobs] == [
+            [(x.token, x.logprob, x.bytes)] if top else [] for x in part.logprobs]
+    kinds = {"response.output_text.delta": ResponseTextDeltaEvent, "response.output_text.done": ResponseTextDoneEvent}
+    events = [e.split("\ndata: ", 1) for e in streamed.response.decode().split("\n\n") if e]
+    text_events = [kinds[k[len("event: "):]].model_validate_json(data) for k, data in events if k[len("event: "):] in kinds]
+    assert [type(e) for e in text_events] == [ResponseTextDeltaEvent, ResponseTextDoneEvent]  # with log-probs the text is sent whole
+    assert [e.type for e in seen["events"] if e.type in kinds] == list(kinds)
+    for e in text_events:
+        _exact(e)
+        assert [(x.token, x.logprob) for x in e.logprobs] == want
+        assert [[(y.token, y.logprob) for y in x.top_logprobs] for x in e.logprobs] == [[(x.token, x.logprob)] if top else [] for x in e.logprobs]
+    assert seen["events"][-1].response.output[0].content[0].logprobs == seen["plain"].output[0].content[0].logprobs
+    # without include: no log-probs, and top_logprobs alone decides nothing (the journaled request is the one it always was)
+    assert seen["none"].output[0].content[0].logprobs == []
+    plain = parse_responses(json.dumps({"model": MODEL, "input": "Say hello."}).encode(), MODEL)
+    assert out[0].calls[2].request == plain.canonical()

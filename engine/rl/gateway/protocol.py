@@ -19,10 +19,12 @@ server ignores what a model does not use):
   and ignored: the trainer's sampling settings (rollout.temperature, rollout.top_p) and each call's own
   seed decide every sample, so that what is trained on is what the policy would sample.
 - What agent libraries send beside (the OpenAI Agents SDK's ``parallel_tool_calls``; ``store``,
-  ``metadata``, ``user``, ``service_tier``, ``reasoning_effort``, ``prompt_cache_key``, ``verbosity``) is
-  checked for OpenAI's type (:data:`_OTHER_FIELDS`) and ignored: it decides nothing here (every tool call a
-  completion holds is returned, whatever ``parallel_tool_calls`` says; nothing is stored).
-- ``n`` other than 1 and ``response_format`` are refused (400).
+  ``metadata``, ``user``, ``service_tier``, ``reasoning_effort``, ``prompt_cache_key``, ``verbosity``, and every
+  other field openai-python's ``chat.completions.create`` sends) is checked for OpenAI's type
+  (:data:`_OTHER_FIELDS`) and ignored: it decides nothing here (every tool call a completion holds is returned,
+  whatever ``parallel_tool_calls`` says; nothing is stored).
+- ``n`` other than 1 and ``response_format`` are refused (400), and so is a field no OpenAI client sends (a typo:
+  ``tool_choise``), as OpenAI refuses it: "Unrecognized request argument supplied: tool_choise".
 - A ``tool`` message must answer a tool call of an earlier assistant message in the request (by its
   ``tool_call_id``), as OpenAI requires (400).
 """
@@ -42,10 +44,19 @@ MAX_BODY = 4 << 20  # bytes: a request body over this is refused (413)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_logprobs", "n", "seed")
 _NUM_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+OBJECT, ARRAY, STRING, BOOLEAN, INTEGER = ((dict,), "an object"), ((list,), "an array"), ((str,), "a string"), ((bool,), "a boolean"), \
+    ((int,), "an integer")
 # fields OpenAI accepts that decide nothing here: their type checked as OpenAI does, their value ignored
-_OTHER_FIELDS = {"parallel_tool_calls": ((bool,), "a boolean"), "store": ((bool,), "a boolean"), "metadata": ((dict,), "an object"),
-                 "user": ((str,), "a string"), "service_tier": ((str,), "a string"), "reasoning_effort": ((str,), "a string"),
-                 "prompt_cache_key": ((str,), "a string"), "verbosity": ((str,), "a string")}
+_OTHER_FIELDS = {"parallel_tool_calls": BOOLEAN, "store": BOOLEAN, "metadata": OBJECT, "user": STRING, "service_tier": STRING,
+                 "reasoning_effort": STRING, "prompt_cache_key": STRING, "verbosity": STRING, "safety_identifier": STRING,
+                 "prompt_cache_retention": STRING, "prompt_cache_options": OBJECT, "audio": OBJECT, "modalities": ARRAY,
+                 "prediction": OBJECT, "logit_bias": OBJECT, "web_search_options": OBJECT, "moderation": OBJECT,
+                 "functions": ARRAY, "function_call": ((str, dict), "a string or an object")}
+# every field a request may send: those read here and those ignored. Any other is refused as OpenAI refuses it (400
+# "Unrecognized request argument supplied"), so that a typo is said, not ignored; the list holds every body field of
+# openai-python's chat.completions.create (tests/unit/test_gateway_sdk.py fails when the installed SDK knows one more)
+CHAT_FIELDS = frozenset({"model", "messages", "tools", "tool_choice", "stop", "logprobs", "stream", "stream_options", "response_format",
+                         *_INT_FIELDS, *_NUM_FIELDS, *_OTHER_FIELDS})
 
 
 class ApiError(Exception):
@@ -118,6 +129,13 @@ def typed_field(body: dict, name: str, types: tuple, what: str) -> Any:
     if isinstance(v, bool) and bool not in types or not isinstance(v, types):
         raise bad_request(f"Invalid type for '{name}': expected {what}, but got {type(v).__name__}.", name)
     return v
+
+
+def unrecognized(body: dict, known: frozenset) -> None:
+    """A 400 for the first field of `body` that is not `known`, worded as OpenAI's (its param: the field)."""
+    for k in body:
+        if k not in known:
+            raise bad_request(f"Unrecognized request argument supplied: {k}", k)
 
 
 def _content(m: dict, i: int) -> str | None:
@@ -302,6 +320,7 @@ def request_object(body: bytes, model: str) -> tuple[dict, str]:
 def parse_request(body: bytes, model: str) -> ChatRequest:
     """A request body checked, or an ApiError (400 malformed or refused, 404 another model, 413 too large)."""
     d, name = request_object(body, model)
+    unrecognized(d, CHAT_FIELDS)
     for k in _INT_FIELDS:
         typed_field(d, k, (int,), "an integer")
     for k in _NUM_FIELDS:
