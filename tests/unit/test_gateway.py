@@ -6,6 +6,7 @@ faults, and the token ledger's segments."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 
@@ -101,7 +102,7 @@ def test_a_sync_openai_agent_is_answered_in_lockstep_from_each_calls_seed(cleanu
     body = json.loads(c0.response)
     assert body["choices"][0]["message"]["content"] == "1000" and body["choices"][0]["finish_reason"] == "length"
     assert len(c0.completion_ids) == 4 and c0.logprobs.tolist() == [-0.5] * 4  # cut at max_tokens: the eos not kept
-    assert json.loads(c0.request)["max_tokens"] == 4 and c0.digest == parse_request(c0.request.encode(), MODEL).digest()
+    assert json.loads(c0.request)["max_tokens"] == 4 and c0.digest == hashlib.sha256(c0.request.encode()).hexdigest()  # the canonical's
     assert r.counts.calls == 6
 
 
@@ -181,10 +182,54 @@ def test_async_streaming_tool_calls_reach_the_client_parsed(cleanup):
 
 
 def test_a_tool_call_that_does_not_parse_is_flagged_and_returned_as_text():
-    parsed = hermes('<tool_call>{"name": "add", "arguments": {oops}</tool_call>', "x")
+    parsed = hermes('<tool_call>{"name": "add", "arguments": {oops}</tool_call>', "x", {"add"})
     assert parsed.flag == "malformed_tool_call" and parsed.tool_calls == [] and "oops" in parsed.content
-    ok = hermes('thinking <tool_call>{"name": "f", "arguments": {}}</tool_call>', "x")
+    ok = hermes('thinking <tool_call>{"name": "f", "arguments": {}}</tool_call>', "x", {"f"})
     assert ok.content == "thinking" and ok.tool_calls[0]["function"]["arguments"] == "{}"
+
+
+@pytest.mark.parametrize("block", [
+    '{"name": "add", "perties": {"a": 1}}',  # a key that is not arguments: not add({})
+    '{"name": "add"}',  # no arguments
+    '{"name": "add", "arguments": {"a": 1}, "id": "x"}',  # a key beside name and arguments
+    '{"name": "sub", "arguments": {"a": 1}}',  # a tool never offered
+    '{"name": ["add"], "arguments": {}}',
+    '{"name": "add", "arguments": 7}',
+    '{"name": "add", "arguments": "7"}',  # a JSON string, not of an object
+    '{"name": "add", "arguments": "{oops"}',
+    '["add", {}]',
+])
+def test_a_block_that_is_not_exactly_an_offered_tools_name_and_arguments_is_malformed(block):
+    text = f"<tool_call>{block}</tool_call>"
+    parsed = hermes(text, "x", {"add", "mul"})
+    assert (parsed.flag, parsed.tool_calls, parsed.content) == ("malformed_tool_call", [], text)
+    # a call beside a good one makes the whole completion malformed: answered as text, as OpenAI's tool calls are all parsed
+    both = hermes('<tool_call>{"name": "mul", "arguments": {}}</tool_call>' + text, "x", {"add", "mul"})
+    assert both.flag == "malformed_tool_call" and both.tool_calls == []
+
+
+def test_arguments_as_an_object_or_a_json_string_of_one_parse():
+    got = hermes('<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call><tool_call>{"name": "mul", "arguments": "{\\"b\\": 2}"}'
+                 '</tool_call>', "x", {"add", "mul"})
+    assert got.flag == "" and [(c["function"]["name"], c["function"]["arguments"]) for c in got.tool_calls] == [
+        ("add", '{"a": 1}'), ("mul", '{"b": 2}')]
+
+
+def test_a_tool_call_of_a_tool_never_offered_is_answered_as_text_and_counted(cleanup):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    seen = {}
+
+    def agent(ep):
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        for q in ("sub", "add"):
+            m = client.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": q}], tools=tools).choices[0]
+            seen[q] = (m.finish_reason, m.message.tool_calls, m.message.content)
+        return 1.0
+
+    sub, add = '<tool_call>{"name": "sub", "arguments": {"a": 1}}</tool_call>', '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    out, r, *_ = play(agent, n=1, answers={"sub": sub, "add": add}, cleanup=cleanup)
+    assert seen["sub"] == ("stop", None, sub) and seen["add"][0] == "tool_calls" and seen["add"][1][0].function.name == "add"
+    assert [c.flag for c in out[0].calls] == ["malformed_tool_call", ""] and r.counts.to_metrics()["agent/malformed_tool_calls"] == 1.0
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -198,6 +243,13 @@ def test_a_tool_call_that_does_not_parse_is_flagged_and_returned_as_text():
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "4"}).encode(), 400, "max_tokens"),
     (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "messages[0].role"),
     (json.dumps({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}).encode(), 400, "messages[0].tool_call_id"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_1", "content": "5"}]}).encode(),
+     400, "messages[1].role"),  # no tool call before it: OpenAI's "must be a response to a preceeding message with 'tool_calls'"
+    (json.dumps({"model": MODEL, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "5"}]}).encode(), 400, "messages[2].tool_call_id"),  # answers no call made
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "frobnicate": 1}).encode(), 400, "frobnicate"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}).encode(), 400, "tool_choice"),
 ])
 def test_bad_requests_get_openai_shaped_errors(body, status, param):
@@ -206,6 +258,23 @@ def test_bad_requests_get_openai_shaped_errors(body, status, param):
     assert e.value.status == status and e.value.param == param
     err = json.loads(e.value.body())["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+def test_a_tool_message_is_refused_in_openais_words_unless_it_answers_a_call_made_before_it():
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    ok = parse_request(json.dumps({"model": MODEL, "messages": [*base, {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+                                                               {"role": "user", "content": "y"}]}).encode(), MODEL)
+    assert ok.messages[2]["tool_call_id"] == "call_1"
+    for messages, said in [([base[0], {"role": "tool", "tool_call_id": "call_1", "content": "5"}],
+                            "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with 'tool_calls'."),
+                           ([*base, {"role": "tool", "tool_call_id": "call_9", "content": "5"}],
+                            "Invalid parameter: 'tool_call_id' of 'call_9' not found in 'tool_calls' of any preceding message."),
+                           ([{"role": "tool", "tool_call_id": "call_1", "content": "5"}, *base],  # answered before it was made
+                            "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with 'tool_calls'.")]:
+        with pytest.raises(ApiError) as e:
+            parse_request(json.dumps({"model": MODEL, "messages": messages}).encode(), MODEL)
+        assert (e.value.status, e.value.message) == (400, said)
 
 
 def test_keys_are_per_episode_and_bad_requests_never_reach_an_agent_as_a_traceback(cleanup):

@@ -99,6 +99,12 @@ BASE = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
     ("reasoning_effort", "low", 1),
     ("prompt_cache_key", "k", {}),
     ("verbosity", "low", 2),
+    ("safety_identifier", "u1", 1),
+    ("logit_bias", {"50256": -100}, [1]),
+    ("modalities", ["text"], "text"),
+    ("web_search_options", {}, "low"),
+    ("prompt_cache_retention", "24h", 24),
+    ("function_call", "auto", 1),
 ])
 def test_a_field_openai_accepts_is_accepted_and_ignored_and_a_wrong_type_refused(name, good, bad):
     plain = parse_request(json.dumps(BASE).encode(), MODEL)
@@ -107,6 +113,70 @@ def test_a_field_openai_accepts_is_accepted_and_ignored_and_a_wrong_type_refused
     with pytest.raises(ApiError) as e:
         parse_request(json.dumps({**BASE, name: bad}).encode(), MODEL)
     assert e.value.status == 400 and e.value.param == name and name in e.value.message
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("field", ["frobnicate", "tool_choise", "include_usage", "top_k"])
+def test_a_field_no_openai_client_sends_is_refused_in_openais_words(api, field):
+    """A typo (tool_choise), another server's knob (top_k) or nothing at all gets OpenAI's 400 naming it, on either
+    API, through the openai client's extra_body: never a 200 that ignored what the agent asked."""
+    from openai import BadRequestError, OpenAI
+
+    gw = Gateway(MODEL).start()
+    said = {}
+
+    def agent(ep):
+        client = OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        try:
+            if api == "chat":
+                client.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": "x"}], extra_body={field: 1})
+            else:
+                client.responses.create(model=ep.model, input="x", extra_body={field: 1})
+        except BadRequestError as e:
+            said["error"] = e.body
+        client.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": "x"}])
+        return 1.0
+
+    try:
+        out = Runner(gw, agent, Prompts(TOK, chat_template(TOK, True)), tool_then_answer, Settings(1, 10.0, 3)).play(
+            Episodes([{"prompt": "x"}], [1], [0], lambda place, k: k))
+    finally:
+        gw.stop()
+    assert out[0].fault == "" and len(out[0].calls) == 1  # the refused call was never generated
+    assert said["error"] == {"message": f"Unrecognized request argument supplied: {field}", "type": "invalid_request_error", "param": field,
+                             "code": None}
+
+
+def _body_fields(params: type) -> set[str]:
+    """The JSON body fields of one of openai-python's request TypedDicts: its keys, by their wire names (an alias where
+    the SDK gives one)."""
+    import typing
+
+    from openai._utils import PropertyInfo
+
+    out = set()
+    for name, hint in typing.get_type_hints(params, include_extras=True).items():
+        alias = next((m.alias for m in getattr(hint, "__metadata__", ()) if isinstance(m, PropertyInfo) and m.alias), None)
+        out.add(alias or name)
+    return out
+
+
+def test_the_gateway_knows_every_body_field_the_installed_openai_sdk_sends():
+    """Every field openai-python's chat.completions.create and responses.create may put in a body is one the gateway
+    reads or accepts-and-ignores: a new SDK release's field would otherwise be refused as unrecognized, and agents on
+    it would break. When this fails, add the field (read it, or check its type and ignore it) and say so in the agents
+    guide."""
+    from openai.types.chat import completion_create_params as chat
+    from openai.types.responses import response_create_params as responses
+
+    from verlj.engine.rl.gateway.protocol import CHAT_FIELDS
+    from verlj.engine.rl.gateway.responses import FIELDS
+
+    sdk_chat = _body_fields(chat.CompletionCreateParamsStreaming) | _body_fields(chat.CompletionCreateParamsNonStreaming)
+    sdk_responses = _body_fields(responses.ResponseCreateParamsStreaming) | _body_fields(responses.ResponseCreateParamsNonStreaming)
+    assert {"messages", "tools", "stream"} <= sdk_chat and {"input", "include", "stream"} <= sdk_responses  # read as meant
+    assert sdk_chat - CHAT_FIELDS == set(), "chat.completions.create sends fields the gateway would refuse"
+    assert sdk_responses - FIELDS == set(), "responses.create sends fields the gateway would refuse"
 
 
 def test_stream_options_are_honoured_with_a_stream_and_ignored_without():

@@ -9,7 +9,12 @@ assistant message the gateway answered it with (content and tool calls as sent),
 text the template writes after an assistant message (less the end token when the completion ended with it),
 then the new messages alone, tokenized:
 
-    ids = earlier.prompt_ids + earlier.completion_ids + tokens(end_of_turn + new_messages_text)
+    ids = earlier.prompt_ids + earlier.completion_ids + tokens(closing + end_of_turn + new_messages_text)
+
+``closing`` is "" but after a forced tool call (tool_choice ``required`` or a named function), which ends at the
+token that closed its JSON object: then it is the tag that closes the call (``\n</tool_call>``), which the answer
+showed and the policy did not generate (as the forced prefix before it is prompt text), less what that last token
+held past the brace.
 
 ``new_messages_text`` is the template's rendering of the whole conversation less its rendering through that
 assistant message; where the template renders the history differently once more follows (Qwen3's drops
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .protocol import ApiError, same_answer, template_messages
+from .protocol import ApiError, forced_closing, same_answer, same_history, template_messages
 
 # (messages, tools, add_generation_prompt) -> the chat template's text
 Template = Callable[[list, "list | None", bool], str]
@@ -50,7 +55,8 @@ class Answered:
     tools: list | None
     prompt_ids: np.ndarray
     completion_ids: np.ndarray
-    answer: dict  # {"content": str | None, "tool_calls": [...]} (protocol.answered_message)
+    answer: dict  # {"content": str | None, "tool_calls": [...], "finish_reason": str} (protocol.answered_message)
+    forced: str = ""  # the text its answer was made to begin with (protocol.forced_prefix), "" for none
 
 
 def continued(messages: list, tools: list | None, earlier: list[Answered]) -> int:
@@ -59,7 +65,7 @@ def continued(messages: list, tools: list | None, earlier: list[Answered]) -> in
     best, at = -1, -1
     for k, a in enumerate(earlier):
         m = len(a.messages)
-        if (len(messages) > m + 1 and m >= best and a.tools == tools and messages[:m] == a.messages
+        if (len(messages) > m + 1 and m >= best and a.tools == tools and same_history(messages[:m], a.messages)
                 and same_answer(messages[m], a.answer)):
             best, at = m, k
     return at
@@ -115,7 +121,17 @@ class Prompts:
             return None
         if end is None or new is None:
             return None
-        return np.concatenate([a.prompt_ids, a.completion_ids, np.asarray(self.encode(end + new + forced), np.int64)]).astype(np.int64)
+        text = self.closing(a) + end + new + forced
+        return np.concatenate([a.prompt_ids, a.completion_ids, np.asarray(self.encode(text), np.int64)]).astype(np.int64)
+
+    def closing(self, a: Answered) -> str:
+        """The text `a`'s answer showed after the policy's tokens when it was a forced tool call ended at its JSON's
+        close (the tag that closes the call: protocol.forced_closing), else ""."""
+        return forced_closing(a.forced, a.answer, a.completion_ids, self.decode)
+
+    def decode(self, ids) -> str:
+        """Completion ids as text, as the runner reads them (special tokens left out)."""
+        return self.tok.decode([int(t) for t in ids], skip_special_tokens=True)
 
     def end_of_turn(self, before: list, tools: list | None, completion: np.ndarray) -> str | None:
         """What the template writes after an assistant message's content (ChatML: ``<|im_end|>\\n``), less the

@@ -19,10 +19,14 @@ server ignores what a model does not use):
   and ignored: the trainer's sampling settings (rollout.temperature, rollout.top_p) and each call's own
   seed decide every sample, so that what is trained on is what the policy would sample.
 - What agent libraries send beside (the OpenAI Agents SDK's ``parallel_tool_calls``; ``store``,
-  ``metadata``, ``user``, ``service_tier``, ``reasoning_effort``, ``prompt_cache_key``, ``verbosity``) is
-  checked for OpenAI's type (:data:`_OTHER_FIELDS`) and ignored: it decides nothing here (every tool call a
-  completion holds is returned, whatever ``parallel_tool_calls`` says; nothing is stored).
-- ``n`` other than 1 and ``response_format`` are refused (400).
+  ``metadata``, ``user``, ``service_tier``, ``reasoning_effort``, ``prompt_cache_key``, ``verbosity``, and every
+  other field openai-python's ``chat.completions.create`` sends) is checked for OpenAI's type
+  (:data:`_OTHER_FIELDS`) and ignored: it decides nothing here (every tool call a completion holds is returned,
+  whatever ``parallel_tool_calls`` says; nothing is stored).
+- ``n`` other than 1 and ``response_format`` are refused (400), and so is a field no OpenAI client sends (a typo:
+  ``tool_choise``), as OpenAI refuses it: "Unrecognized request argument supplied: tool_choise".
+- A ``tool`` message must answer a tool call of an earlier assistant message in the request (by its
+  ``tool_call_id``), as OpenAI requires (400).
 """
 
 from __future__ import annotations
@@ -40,10 +44,19 @@ MAX_BODY = 4 << 20  # bytes: a request body over this is refused (413)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "top_logprobs", "n", "seed")
 _NUM_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+OBJECT, ARRAY, STRING, BOOLEAN, INTEGER = ((dict,), "an object"), ((list,), "an array"), ((str,), "a string"), ((bool,), "a boolean"), \
+    ((int,), "an integer")
 # fields OpenAI accepts that decide nothing here: their type checked as OpenAI does, their value ignored
-_OTHER_FIELDS = {"parallel_tool_calls": ((bool,), "a boolean"), "store": ((bool,), "a boolean"), "metadata": ((dict,), "an object"),
-                 "user": ((str,), "a string"), "service_tier": ((str,), "a string"), "reasoning_effort": ((str,), "a string"),
-                 "prompt_cache_key": ((str,), "a string"), "verbosity": ((str,), "a string")}
+_OTHER_FIELDS = {"parallel_tool_calls": BOOLEAN, "store": BOOLEAN, "metadata": OBJECT, "user": STRING, "service_tier": STRING,
+                 "reasoning_effort": STRING, "prompt_cache_key": STRING, "verbosity": STRING, "safety_identifier": STRING,
+                 "prompt_cache_retention": STRING, "prompt_cache_options": OBJECT, "audio": OBJECT, "modalities": ARRAY,
+                 "prediction": OBJECT, "logit_bias": OBJECT, "web_search_options": OBJECT, "moderation": OBJECT,
+                 "functions": ARRAY, "function_call": ((str, dict), "a string or an object")}
+# every field a request may send: those read here and those ignored. Any other is refused as OpenAI refuses it (400
+# "Unrecognized request argument supplied"), so that a typo is said, not ignored; the list holds every body field of
+# openai-python's chat.completions.create (tests/unit/test_gateway_sdk.py fails when the installed SDK knows one more)
+CHAT_FIELDS = frozenset({"model", "messages", "tools", "tool_choice", "stop", "logprobs", "stream", "stream_options", "response_format",
+                         *_INT_FIELDS, *_NUM_FIELDS, *_OTHER_FIELDS})
 
 
 class ApiError(Exception):
@@ -118,6 +131,13 @@ def typed_field(body: dict, name: str, types: tuple, what: str) -> Any:
     return v
 
 
+def unrecognized(body: dict, known: frozenset) -> None:
+    """A 400 for the first field of `body` that is not `known`, worded as OpenAI's (its param: the field)."""
+    for k in body:
+        if k not in known:
+            raise bad_request(f"Unrecognized request argument supplied: {k}", k)
+
+
 def _content(m: dict, i: int) -> str | None:
     c = m.get("content")
     if c is None or isinstance(c, str):
@@ -157,6 +177,23 @@ def _messages(raw: Any) -> list:
                 raise bad_request(f"Missing 'messages[{i}].tool_call_id': a tool message answers a tool call by its id.", f"messages[{i}].tool_call_id")
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
+    for i, call_id in unanswered(out):
+        if not any(m.get("tool_calls") for m in out[:i]):
+            raise bad_request("Invalid parameter: messages with role 'tool' must be a response to a preceeding message with 'tool_calls'.",
+                              f"messages[{i}].role")
+        raise bad_request(f"Invalid parameter: 'tool_call_id' of '{call_id}' not found in 'tool_calls' of any preceding message.",
+                          f"messages[{i}].tool_call_id")
+    return out
+
+
+def unanswered(messages: list) -> list[tuple[int, str]]:
+    """The tool messages (index, tool_call_id) that answer no tool call of an earlier assistant message."""
+    made: set[str] = set()
+    out = []
+    for i, m in enumerate(messages):
+        made.update(c["id"] for c in m.get("tool_calls") or ())
+        if m["role"] == "tool" and m["tool_call_id"] not in made:
+            out.append((i, m["tool_call_id"]))
     return out
 
 
@@ -195,18 +232,70 @@ def tool_choice_of(raw: Any, tools: list | None, param: str) -> str | dict:
     return "required" if named is None else {"type": "function", "function": {"name": named}}
 
 
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # what a forced call begins with, and what closes it (hermes)
+
+
 def forced_prefix(req: ChatRequest) -> str:
     """The text an answer is made to begin with, written after the generation prompt (its tokens part of the prompt,
     masked from the loss): for tool_choice ``required`` the hermes tool-call tag, for a named function the tag and
-    the call's name, so that the policy writes the call (its arguments, for a named one). A completion that then does
-    not close a call that parses is answered as text, flagged ``malformed_tool_call``. "" for ``auto`` and ``none``."""
-    choice = req.tool_choice
-    if not req.tools or choice in ("auto", "none"):
+    the call's name, so that the policy writes the call (its arguments, for a named one). "" for ``auto`` and ``none``.
+    The call ends where its JSON object closes (``Runner.completion``: the tag that closes it is added, as the prefix
+    was); a completion that does not close one that parses is answered as text, flagged ``malformed_tool_call``."""
+    return forced_text(req.tools, req.tool_choice)
+
+
+def forced_text(tools: list | None, choice: str | dict) -> str:
+    """:func:`forced_prefix` of a request's tools and tool_choice (a canonical request's, too)."""
+    if not tools or choice in ("auto", "none"):
         return ""
     if choice == "required":
-        return "<tool_call>\n"
+        return TOOL_OPEN
     assert isinstance(choice, dict)
-    return '<tool_call>\n{"name": ' + json.dumps(choice["function"]["name"], ensure_ascii=False) + ', "arguments":'
+    return TOOL_OPEN + '{"name": ' + json.dumps(choice["function"]["name"], ensure_ascii=False) + ', "arguments":'
+
+
+def object_end(text: str) -> int:
+    """Where the JSON object `text` begins with (after any whitespace) closes: the index just past its closing brace,
+    braces in strings (and escaped quotes) not counted. -1 when it never closes, or `text` begins with anything else.
+    Only where it ends: whether it parses is the tool-call parser's business."""
+    depth, quoted, escaped = 0, False, False
+    for i, ch in enumerate(text):
+        if quoted:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+        elif ch == "{":
+            depth += 1
+        elif depth == 0:
+            if not ch.isspace():
+                return -1
+        elif ch == '"':
+            quoted = True
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
+def forced_closing(forced: str, answer: dict, ids: Any, decode: Callable[[Any], str]) -> str:
+    """What a forced tool call's answer showed after its completion ids (`decode` reads them as the runner does): the
+    tag that closes the call (:data:`TOOL_CLOSE`), less what the token that closed its JSON held past the brace, when
+    the call ended there (``Runner.completion``). "" for any other call: not forced, an answer that shows no closing
+    tag (cut at its length or at a stop string), or a JSON that closed before the last token (a call journaled before
+    forced calls ended at their JSON, which wrote its own closing tag)."""
+    if not forced or not len(ids) or not (answer.get("tool_calls") or (answer.get("content") or "").endswith(TOOL_CLOSE)):
+        return ""
+    head = forced[len(TOOL_OPEN):]
+    text = head + decode(ids)
+    end = object_end(text)
+    if end < 0 or object_end(head + decode(ids[:-1])) >= 0:
+        return ""
+    past = text[end:]
+    return TOOL_CLOSE[len(past):] if TOOL_CLOSE.startswith(past) else TOOL_CLOSE
 
 
 def request_object(body: bytes, model: str) -> tuple[dict, str]:
@@ -231,6 +320,7 @@ def request_object(body: bytes, model: str) -> tuple[dict, str]:
 def parse_request(body: bytes, model: str) -> ChatRequest:
     """A request body checked, or an ApiError (400 malformed or refused, 404 another model, 413 too large)."""
     d, name = request_object(body, model)
+    unrecognized(d, CHAT_FIELDS)
     for k in _INT_FIELDS:
         typed_field(d, k, (int,), "an integer")
     for k in _NUM_FIELDS:
@@ -273,9 +363,11 @@ class Parsed:
     flag: str = ""
 
 
-def hermes(text: str, call_id: str) -> Parsed:
+def hermes(text: str, call_id: str, offered: frozenset[str] | set[str]) -> Parsed:
     """Hermes-style tool calls: each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` a call.
-    Text outside the tags is the content (None when only whitespace is left)."""
+    Text outside the tags is the content (None when only whitespace is left). A block is a call only when it is
+    exactly ``name`` (one of the `offered` tools) and ``arguments`` (an object, or a JSON string of one), as OpenAI's
+    tool calls are; one that is not makes the completion malformed (answered as text, flagged)."""
     blocks = _TOOL_CALL.findall(text)
     if not blocks:
         return Parsed(text, [], "malformed_tool_call" if "<tool_call>" in text else "")
@@ -283,11 +375,13 @@ def hermes(text: str, call_id: str) -> Parsed:
     for k, b in enumerate(blocks):
         try:
             d = json.loads(b)
-        except ValueError:
+            args = d["arguments"] if isinstance(d, dict) else None
+            ok = (isinstance(d, dict) and set(d) == {"name", "arguments"} and d["name"] in offered
+                  and (isinstance(args, dict) or isinstance(args, str) and isinstance(json.loads(args), dict)))
+        except (ValueError, KeyError, TypeError):  # not JSON, no arguments, an unhashable name
+            ok = False
+        if not ok:
             return Parsed(text, [], "malformed_tool_call")
-        if not (isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("arguments", {}), (dict, str))):
-            return Parsed(text, [], "malformed_tool_call")
-        args = d.get("arguments", {})
         calls.append({"id": f"call_{call_id}_{k}", "type": "function",
                       "function": {"name": d["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
     rest = _TOOL_CALL.sub("", text).strip()
@@ -396,7 +490,8 @@ def _logprobs(req: ChatRequest, c: Completion) -> dict | None:
 
 def message(req: ChatRequest, c: Completion, call_id: str, parser: str = "hermes") -> tuple[dict, str, str]:
     """(the assistant message, its finish_reason, the parser's flag) of a completion."""
-    parsed = PARSERS[parser](c.text, call_id) if req.tools and req.tool_choice != "none" else Parsed(c.text, [])
+    offered = frozenset(t["function"]["name"] for t in req.tools or ())
+    parsed = PARSERS[parser](c.text, call_id, offered) if req.tools and req.tool_choice != "none" else Parsed(c.text, [])
     msg: dict = {"role": "assistant", "content": parsed.content, "refusal": None}
     if parsed.tool_calls:
         msg["tool_calls"] = parsed.tool_calls
@@ -448,21 +543,39 @@ class Answer:
 
 def same_answer(sent: dict, answer: dict) -> bool:
     """Whether a message sent back is the assistant message answered (:func:`answered_message`): its content (None and
-    "" alike) and its tool calls (id, name, arguments), as the gateway sent them."""
+    "" alike) and its tool calls by name and arguments, as the gateway sent them. Not by id: a call's id is never
+    rendered into tokens (:func:`template_messages` writes the name and arguments), so an agent that gives the calls
+    ids of its own sends back the tokens it was answered."""
     if sent.get("role") != "assistant" or (sent.get("content") or "") != (answer.get("content") or ""):
         return False
-    calls = lambda m: [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]  # noqa: E731
-    return calls(sent) == calls(answer)
+    return rendered_calls(sent) == rendered_calls(answer)
+
+
+def rendered_calls(m: dict) -> list[tuple[str, str]]:
+    """A message's tool calls as they are rendered: (name, arguments), never the id."""
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or ()]
+
+
+def same_history(a: list, b: list) -> bool:
+    """Whether two conversations render alike: the same messages, an assistant's tool calls compared by name and
+    arguments only (:func:`same_answer`); a tool message's ``tool_call_id`` is compared as sent (a template may write it)."""
+    return len(a) == len(b) and all(x == y or _rendered(x) == _rendered(y) for x, y in zip(a, b))
+
+
+def _rendered(m: dict) -> dict:
+    return {**m, "tool_calls": rendered_calls(m)} if m.get("tool_calls") else m
 
 
 @dataclass(frozen=True)
 class Conversation:
     """A journaled call's (canonical) request, as a later call reads it: its messages, tools and instructions (the
-    Responses API's system message that leads the messages; None for a chat completion)."""
+    Responses API's system message that leads the messages; None for a chat completion), and the text its answer was
+    made to begin with (:func:`forced_prefix`; "" for none)."""
 
     messages: list
     tools: list | None
     instructions: str | None
+    forced: str = ""
 
     @property
     def own(self) -> list:
@@ -472,7 +585,7 @@ class Conversation:
 
 def conversation(canonical: str) -> Conversation:
     d = json.loads(canonical)
-    return Conversation(d["messages"], d["tools"], d.get("instructions"))
+    return Conversation(d["messages"], d["tools"], d.get("instructions"), forced_text(d["tools"], d["tool_choice"]))
 
 
 def answered_message(body: bytes) -> dict:

@@ -18,9 +18,15 @@ What a request may say:
   response's conversation (its input, less its instructions, then its output). The gateway keeps no response
   past its episode, so another episode's or an unknown id is refused (400 ``previous_response_not_found``), as is
   ``conversation`` (a server-side conversation) and a stored ``prompt``.
-- What the Agents SDK and others send beside (``include``, ``metadata``, ``store``, ``parallel_tool_calls``,
-  ``truncation``, ``reasoning``, ``temperature``, ``top_p``, ``user``, ``service_tier``, ``prompt_cache_key``, ...)
-  is checked for its type and ignored; ``text.format`` other than ``text`` is refused as ``response_format`` is.
+- ``include`` with ``message.output_text.logprobs``: the output text's tokens with their log-probs (``top_logprobs``:
+  the sampled token only, as a chat completion's: verlj's samplers keep no alternatives); what else it names is ignored.
+- What the Agents SDK and others send beside (``metadata``, ``store``, ``parallel_tool_calls``, ``truncation``,
+  ``reasoning``, ``temperature``, ``top_p``, ``user``, ``service_tier``, ``prompt_cache_key``, ..., every other field
+  openai-python's ``responses.create`` sends) is checked for its type and ignored; ``text.format`` other than ``text``
+  is refused as ``response_format`` is, and a field no OpenAI client sends as OpenAI refuses it (400 "Unrecognized
+  request argument supplied").
+- A ``function_call_output`` must answer a ``function_call`` of the input or of the previous response's conversation
+  (by its ``call_id``), as OpenAI requires (400).
 
 The answer: ``resp_ID`` with its output items (a ``message`` with one ``output_text``, then a ``function_call`` a
 tool call, ids from the call's seed), ``status`` ``completed``, or ``incomplete`` (``incomplete_details.reason``
@@ -37,7 +43,12 @@ import json
 from typing import Any
 
 from .protocol import (
+    ARRAY,
+    BOOLEAN,
+    INTEGER,
+    OBJECT,
     RESPONSES,
+    STRING,
     ApiError,
     ChatRequest,
     Completion,
@@ -48,15 +59,21 @@ from .protocol import (
     token_deltas,
     tool_choice_of,
     typed_field,
+    unanswered,
+    unrecognized,
 )
 
 # fields accepted and ignored: their type checked as OpenAI does
-_IGNORED = {"include": ((list,), "an array"), "metadata": ((dict,), "an object"), "store": ((bool,), "a boolean"),
-            "parallel_tool_calls": ((bool,), "a boolean"), "truncation": ((str,), "a string"), "reasoning": ((dict,), "an object"),
-            "temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"), "top_logprobs": ((int,), "an integer"),
-            "user": ((str,), "a string"), "service_tier": ((str,), "a string"), "prompt_cache_key": ((str,), "a string"),
-            "safety_identifier": ((str,), "a string"), "prompt_cache_retention": ((str,), "a string"),
-            "max_tool_calls": ((int,), "an integer"), "background": ((bool,), "a boolean"), "text": ((dict,), "an object")}
+_IGNORED = {"metadata": OBJECT, "store": BOOLEAN, "parallel_tool_calls": BOOLEAN, "truncation": STRING, "reasoning": OBJECT,
+            "temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"), "user": STRING, "service_tier": STRING,
+            "prompt_cache_key": STRING, "safety_identifier": STRING, "prompt_cache_retention": STRING, "prompt_cache_options": OBJECT,
+            "max_tool_calls": INTEGER, "background": BOOLEAN, "background_options": OBJECT, "text": OBJECT, "stream_options": OBJECT,
+            "context_management": ARRAY, "image": OBJECT, "moderation": OBJECT, "access_programs": OBJECT}
+# every field a request may send (those read, those refused with a reason, those ignored); any other is refused as
+# OpenAI refuses it. It holds every body field of openai-python's responses.create (tests/unit/test_gateway_sdk.py)
+FIELDS = frozenset({"model", "input", "instructions", "max_output_tokens", "tools", "tool_choice", "stream", "previous_response_id",
+                    "include", "top_logprobs", "conversation", "prompt", *_IGNORED})
+LOGPROBS = "message.output_text.logprobs"  # what `include` names to have the output text's log-probs
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -120,8 +137,16 @@ def parse_responses(body: bytes, model: str) -> ChatRequest:
     """A ``/v1/responses`` body checked, as the request it asks for (``api="responses"``; its
     previous_response_id resolved later, by the episode that holds that response: :func:`continued`)."""
     d, name = request_object(body, model)
+    unrecognized(d, FIELDS)
     for k, (types, what) in _IGNORED.items():
         typed_field(d, k, types, what)
+    include = typed_field(d, "include", *ARRAY) or []
+    if not all(isinstance(x, str) for x in include):
+        raise bad_request("Invalid 'include': expected an array of strings.", "include")
+    top = typed_field(d, "top_logprobs", *INTEGER) or 0
+    if not 0 <= top <= 20:
+        raise bad_request("Invalid 'top_logprobs': expected an integer from 0 to 20.", "top_logprobs")
+    logprobs = LOGPROBS in include
     for k in ("conversation", "prompt"):
         if d.get(k) is not None:
             raise bad_request(f"'{k}' is not supported: the gateway keeps no conversations or prompts; send the input (or "
@@ -138,11 +163,20 @@ def parse_responses(body: bytes, model: str) -> ChatRequest:
         raise bad_request("Invalid 'max_output_tokens': expected at least 1.", "max_output_tokens")
     tools = _tools(d.get("tools"))
     messages = _items(d.get("input"))
+    previous = typed_field(d, "previous_response_id", (str,), "a string")
+    if previous is None:  # else checked once that response's conversation leads them (`continued`)
+        answered_calls(messages)
     return ChatRequest(model=name, messages=([{"role": "system", "content": instructions}] if instructions is not None else []) + messages,
                        tools=tools, tool_choice=tool_choice_of(d.get("tool_choice", "auto"), tools, "tool_choice"), max_tokens=max_tokens,
+                       logprobs=logprobs, top_logprobs=top if logprobs else 0,  # without log-probs it decides nothing: not kept
                        stream=bool(typed_field(d, "stream", (bool,), "a boolean")), api=RESPONSES, instructions=instructions,
-                       previous_response_id=typed_field(d, "previous_response_id", (str,), "a string"),
-                       ignored={k: d[k] for k in ("temperature", "top_p") if k in d})
+                       previous_response_id=previous, ignored={k: d[k] for k in ("temperature", "top_p") if k in d})
+
+
+def answered_calls(messages: list) -> None:
+    """A 400, worded as OpenAI's, for a function_call_output that answers no function_call before it."""
+    if bad := unanswered(messages):
+        raise bad_request(f"No tool call found for function call output with call_id {bad[0][1]}.", "input")
 
 
 def continued(req: ChatRequest, earlier: list[tuple[str, list, dict]]) -> list:
@@ -156,7 +190,9 @@ def continued(req: ChatRequest, earlier: list[tuple[str, list, dict]]) -> list:
     messages, answer = found[-1]
     said = [{"role": "assistant", "content": answer["content"], **({"tool_calls": answer["tool_calls"]} if answer["tool_calls"] else {})}]
     lead = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    return lead + messages + said + own_messages(req)
+    out = lead + messages + said + own_messages(req)
+    answered_calls(out)
+    return out
 
 
 def own_messages(req: ChatRequest) -> list:
@@ -185,13 +221,26 @@ def _response(req: ChatRequest, c: Completion | None, cid: str, items: list, sta
             "usage": usage, "user": None, "metadata": {}}
 
 
+def _logprobs(req: ChatRequest, c: Completion, part: bool) -> list:
+    """The output text's tokens and log-probs (``include``: message.output_text.logprobs; [] without), as OpenAI's
+    Responses types have them: an ``output_text`` part's with each token's bytes, a stream's text events' without.
+    ``top_logprobs``: the sampled token only, as a chat completion's (verlj's samplers keep no alternatives)."""
+    if not req.logprobs:
+        return []
+    out = []
+    for t, lp in zip(c.tokens, c.logprobs):
+        one = {"token": t, "logprob": float(lp), **({"bytes": list(t.encode())} if part else {})}
+        out.append({**one, "top_logprobs": [one] if req.top_logprobs else []})
+    return out
+
+
 def _items_of(req: ChatRequest, c: Completion, cid: str) -> tuple[list, str, str]:
     """(the output items, the response's status, the parser's flag) of a completion."""
     msg, finish, flag = message(req, c, cid)
     items = []
     if msg["content"] is not None or not msg.get("tool_calls"):
         items.append({"id": f"msg_{cid}", "type": "message", "status": "completed", "role": "assistant",
-                      "content": [{"type": "output_text", "text": msg["content"] or "", "annotations": [], "logprobs": []}]})
+                      "content": [{"type": "output_text", "text": msg["content"] or "", "annotations": [], "logprobs": _logprobs(req, c, True)}]})
     for k, tc in enumerate(msg.get("tool_calls", [])):
         items.append({"id": f"fc_{cid}_{k}", "type": "function_call", "status": "completed", "call_id": tc["id"],
                       "name": tc["function"]["name"], "arguments": tc["function"]["arguments"]})
@@ -254,11 +303,12 @@ def response_bytes(req: ChatRequest, c: Completion, cid: str) -> tuple[bytes, st
                 ev.add("response.output_item.added", output_index=i, item={**item, "status": "in_progress", "content": []})
                 ev.add("response.content_part.added", item_id=iid, output_index=i, content_index=0, part=part)
                 deltas = [text]
+            lps = _logprobs(req, c, False)  # with log-probs the text is one delta (streamed whole: streams_tokens)
             for d in deltas:
                 if d:
-                    ev.add("response.output_text.delta", item_id=iid, output_index=i, content_index=0, delta=d, logprobs=[])
-            ev.add("response.output_text.done", item_id=iid, output_index=i, content_index=0, text=text, logprobs=[])
-            ev.add("response.content_part.done", item_id=iid, output_index=i, content_index=0, part={**part, "text": text})
+                    ev.add("response.output_text.delta", item_id=iid, output_index=i, content_index=0, delta=d, logprobs=lps)
+            ev.add("response.output_text.done", item_id=iid, output_index=i, content_index=0, text=text, logprobs=lps)
+            ev.add("response.content_part.done", item_id=iid, output_index=i, content_index=0, part=item["content"][0])
         else:
             ev.add("response.output_item.added", output_index=i, item={**item, "status": "in_progress", "arguments": ""})
             ev.add("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=item["arguments"])

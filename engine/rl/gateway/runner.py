@@ -37,6 +37,7 @@ never called the model, or returned something that is not a number or None.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import inspect
 import json
@@ -55,7 +56,19 @@ from ...plugins import raised_at
 from .agents import EPISODE, Agent, AgentEpisode, AgentOutput, CommandAgent, cancel_spawned, start_async
 from .ledger import Call
 from .prompts import Answered, Prompts
-from .protocol import ApiError, ChatRequest, Completion, TextStream, conversation, forced_prefix, streams_tokens, unauthorized
+from .protocol import (
+    TOOL_CLOSE,
+    TOOL_OPEN,
+    ApiError,
+    ChatRequest,
+    Completion,
+    TextStream,
+    conversation,
+    forced_prefix,
+    object_end,
+    streams_tokens,
+    unauthorized,
+)
 from .responses import continued
 from .server import Gateway
 from .wire import answered_message, head_event, piece_event, read_answer, response_bytes, response_id
@@ -202,7 +215,7 @@ class Play:
         """The episode's calls so far as a request may continue them (from their journaled requests and answers)."""
         for c in calls[len(self.answered):]:
             conv = conversation(c.request)
-            self.answered.append(Answered(conv.messages, conv.tools, c.prompt_ids, c.completion_ids, answered_message(c.response)))
+            self.answered.append(Answered(conv.messages, conv.tools, c.prompt_ids, c.completion_ids, answered_message(c.response), conv.forced))
         return self.answered[: len(calls)]
 
 
@@ -426,25 +439,33 @@ class Runner:
     def completion(self, req: ChatRequest, out: np.ndarray, lps: np.ndarray, prompt_len: int) -> tuple[Completion, int]:
         """What a call answers of the generated tokens: cut at the request's max_tokens and at its first stop
         string (the text before it; the tokens kept: through the one that completed it), after the text the answer
-        was made to begin with (`forced_prefix`: tool_choice "required" or a named function). Returns the
-        completion and how many tokens were kept."""
+        was made to begin with (`forced_prefix`: tool_choice "required" or a named function). A forced call ends where
+        its JSON object closes, as a stop string cuts: the text through the brace, then the tag that closes the call
+        (text, as the forced prefix is: `Prompts.closing` adds it to a call that continues this one), the tokens through
+        the one that closed it, all the policy's. Returns the completion and how many tokens were kept."""
         tok, eos, forced = self.tok, self.tok.eos_token_id, forced_prefix(req)
         keep = min(len(out), req.max_tokens or len(out))
-        text = tok.decode(out[:keep], skip_special_tokens=True)
+        text = self.decode(out[:keep])
         finish = "stop" if keep and out[keep - 1] == eos else "length"
+        closed = False
+        head = forced[len(TOOL_OPEN):]
+        if forced and (end := object_end(head + text)) >= 0:
+            # the fewest tokens whose text closes it (a prefix's text is the text's prefix: the first that closes)
+            keep = bisect.bisect_left(range(1, keep + 1), True, key=lambda n: object_end(head + self.decode(out[:n])) >= 0) + 1
+            text, finish, closed = text[: end - len(head)], "stop", True
         hits = sorted((i, s) for s in req.stop if (i := text.find(s)) >= 0)
         if hits:
             cut, stop = hits[0]
-            text, finish = text[:cut], "stop"
+            text, finish, closed = text[:cut], "stop", False
             keep = next(n for n in range(1, keep + 1) if stop in tok.decode(out[:n], skip_special_tokens=True))
         shown = [tok.decode([int(t)], skip_special_tokens=True) for t in out[:keep]] if req.logprobs else []  # only logprobs shows them
         pieces: tuple = ()
         if streams_tokens(req):  # the deltas a token-by-token stream sent (or would have: the same whichever engine)
             stream = TextStream(self.decode)
             pieces = tuple(stream.feed(int(t)) for t in out[:keep])
-        return Completion(forced + text, shown, lps[:keep].tolist(), finish, prompt_len, keep, pieces), keep
+        return Completion(forced + text + (TOOL_CLOSE if closed else ""), shown, lps[:keep].tolist(), finish, prompt_len, keep, pieces), keep
 
-    def decode(self, ids: list) -> str:
+    def decode(self, ids: list | np.ndarray) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
