@@ -92,7 +92,7 @@ def _main_thread_in() -> set[str]:
 
 def overlapping(ep):
     """As digits, after watching the trainer's main thread (up to 10 s, until it waits for the round's agents in
-    AgentRounds.samples, sources/agents.py): seen in the update (rl.update._update), the file
+    AgentRounds.samples, sources/agent_players.py): seen in the update (rl.update._update), the file
     VERLJ_TEST_AGENT_OVERLAP names is written."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -64,6 +64,7 @@ SECONDS = {
     "test_distill.py": 8,
     "test_tasks.py": 7,
     "test_overlong.py": 6,
+    "test_rollout_shape.py": 8,
     "test_resume_config.py": 6,
     "test_doc_commands.py": 6,
     "test_journal_processes.py": 4,

@@ -530,3 +530,36 @@ def raised_at(path, needle: str) -> str:
     hits = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if line.strip() == needle]
     assert len(hits) == 1, (path.name, needle, hits)
     return f" (at {path.name}:{hits[0]})"
+
+
+class Driven:
+    """A trainer and the rollout source a run would assemble for it, driven as the train loop drives them, without a run
+    directory (the engine tests'): `collect` is the source's, `apply` the trainer's followed by the engine told the
+    weights changed, `rollout` the source's engine; every other attribute is the trainer's."""
+
+    def __init__(self, trainer):
+        from verlj.engine.rl.sources import make_source
+
+        self.trainer, self.source = trainer, make_source(trainer.rollout_parts(None))
+
+    def __getattr__(self, name: str):
+        return getattr(self.trainer, name)
+
+    @property
+    def rollout(self):
+        return self.source.engine
+
+    def collect(self, step: int):
+        return self.source.collect(step)
+
+    def apply(self, step: int, inputs, samples):
+        out = self.trainer.apply(step, inputs, samples)
+        self.source.weights_changed()
+        return out
+
+    def weights_changed(self) -> None:
+        self.source.weights_changed()
+
+    def close(self) -> None:
+        self.source.close()
+        self.trainer.close()

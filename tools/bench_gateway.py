@@ -43,7 +43,7 @@ import httpx
 import numpy as np
 import openai
 
-from verlj.engine.rl.gateway import ledger
+from verlj.engine.rl.gateway import token_ledger as ledger
 from verlj.engine.rl.gateway.agents import AgentEpisode
 from verlj.engine.rl.gateway.prompts import Prompts
 from verlj.engine.rl.gateway.protocol import Completion, parse_request, response_bytes

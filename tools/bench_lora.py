@@ -44,8 +44,9 @@ def measure(label: str, over: list[str], steps: int, writes: int, root: Path) ->
     step_s = []
     for step in range(1, steps + 1):
         t = time.perf_counter()
-        inputs = trainer.collect(step)
+        inputs = run.source.collect(step)
         trainer.apply(step, inputs, trainer.take(step, inputs))
+        run.source.weights_changed()
         step_s.append(time.perf_counter() - t)
     fp, _ = trainer.state_fingerprint()
     write_s, sizes = [], []
@@ -58,6 +59,7 @@ def measure(label: str, over: list[str], steps: int, writes: int, root: Path) ->
         shutil.rmtree(out)
     trained = sum(p.numel() for p in trainer.actor.module.parameters() if p.requires_grad)
     total = sum(p.numel() for p in trainer.actor.module.parameters())
+    run.source.close()
     trainer.close()
     return {"label": label, "trained": trained, "total": total, "bytes": statistics.median(sizes),
             "write_s": statistics.median(write_s), "step_s": statistics.median(step_s[1:] or step_s)}

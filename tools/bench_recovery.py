@@ -108,9 +108,11 @@ def main() -> None:
             t0 = time.perf_counter()
             restore(r, k)
             for step in range(k + 1, total + 1):  # what a checkpoint-only tool redoes
-                inputs = r.trainer.collect(step)
+                inputs = r.source.collect(step)
                 r.trainer.apply(step, inputs, r.trainer.take(step, inputs))
+                r.source.weights_changed()
             rerun.append(time.perf_counter() - t0)
+            r.source.close()
             r.trainer.close()
 
         r_step = statistics.median(replay_per_step)

@@ -50,6 +50,7 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 def bench(size: str, args) -> dict:
     from verlj.engine.rl.rollout import HFEngine
+    from verlj.engine.rl.sources import make_source
     from verlj.engine.rl.vllm_engine import VllmEngine
 
     tr = build(size, args.prompts, args.n, args.response_length)
@@ -71,12 +72,14 @@ def bench(size: str, args) -> dict:
     assert sum(len(r) for r in out_vllm[0]) == tokens
     same = sum(a.tolist() == b.tolist() for a, b in zip(out_hf[0], out_vllm[0]))
 
-    tr.rollout = vllm  # train on it: each step pushes the previous update first
+    source = make_source(tr.rollout_parts(None))
+    source.engine = vllm  # train on it: each step pushes the previous update first
     steps = []
     for step in range(1, 4):
         t = time.perf_counter()
-        inputs = tr.collect(step)
+        inputs = source.collect(step)
         tr.apply(step, inputs, tr.take(step, inputs))
+        source.weights_changed()
         steps.append(time.perf_counter() - t)
     pushes = []
     for _ in range(args.repeats):
@@ -84,6 +87,7 @@ def bench(size: str, args) -> dict:
         vllm.push()
         pushes.append(time.perf_counter() - t)
     push, step_s = statistics.median(pushes), statistics.median(steps[1:])
+    source.close()
     tr.close()
     return {"size": size, "params_m": params / 1e6, "hf_tok_s": tokens / t_hf, "vllm_tok_s": tokens / t_vllm,
             "startup_s": startup, "push_s": push, "step_s": step_s, "same_samples": same, "samples": len(prompts)}

@@ -193,11 +193,13 @@ def recovery_probe(run: Path, a: int, k: int, how: str) -> dict:
         replay(r, journal.history(), a + 1, a + k)
     else:
         for step in range(a + 1, a + k + 1):
-            inputs = r.trainer.collect(step)
+            inputs = r.source.collect(step)
             samples = r.trainer.take(step, inputs)
             r.trainer.advance_sampler(inputs)
             r.trainer.apply(step, inputs, samples)
+            r.source.weights_changed()
     inside = {"inside_wall": time.perf_counter() - t, "inside_cpu": time.process_time() - c}
+    r.source.close()
     r.trainer.close()
     journal.close()
     return inside
@@ -223,7 +225,8 @@ def snapshot_probe(run: Path, step: int, repeats: int) -> dict:
     rt = setup(cfg)
     configure_determinism(cfg)
     trainer = Trainer(cfg, rt)
-    restore(make_run(run, rt, trainer, Silent(), journal), step)
+    restored = make_run(run, rt, trainer, Silent(), journal)
+    restore(restored, step)
     scratch = run.parent / f"{run.name}-snaps"
     scratch.mkdir()
     ledger = Ledger(Journal.open_writer(scratch / "journal"))
@@ -239,7 +242,7 @@ def snapshot_probe(run: Path, step: int, repeats: int) -> dict:
             t = time.perf_counter()
             ckpt.save(at, "bench")
             if async_save:  # as the loop goes on: the next step collected while the snapshot is written, then its update waits
-                trainer.collect(step + 1)
+                restored.source.collect(step + 1)
                 ckpt.settle()
             ckpt.wait()
             times["async_s" if async_save else "sync_s"].append(ckpt.write_s if async_save else time.perf_counter() - t)
@@ -250,6 +253,7 @@ def snapshot_probe(run: Path, step: int, repeats: int) -> dict:
     out.update({k: statistics.median(v) for k, v in times.items()})
     ledger.close()
     journal.close()
+    restored.source.close()
     trainer.close()
     shutil.rmtree(scratch, ignore_errors=True)
     return out

@@ -108,11 +108,15 @@ class Resharded:
 def make_run(run_dir: Path, rt: Runtime, trainer: Trainer, reporter: Reporter, ledger: Ledger | None = None) -> Run:
     """The run being driven (loop.context.Run), made whole at once: its checkpointer first, from the
     parts it serves; the topology and the snapshot schedule from the config the trainer is under (the
-    run's). The one way a Run is made. `ledger`: rank 0's (None on the other ranks, and for a run
+    run's); its rollout source and player, over the run's durable log. The one way a Run is made. `ledger`: rank 0's (None on the other ranks, and for a run
     without a journal)."""
+    from ..rl.sources import make_source
+    from .durable_log import DurableLog
+
     topology = Topology.of_runtime(rt, trainer.cfg)
     ckpt = Checkpointer(run_dir, rt, trainer, reporter, ledger, topology)
-    return Run(run_dir, rt, trainer, reporter, ledger, topology, ckpt)
+    source = make_source(trainer.rollout_parts(DurableLog(rt, ledger)))  # the rollout, assembled once for the run's config
+    return Run(run_dir, rt, trainer, reporter, ledger, topology, ckpt, source)
 
 
 class Checkpointer:
@@ -377,8 +381,7 @@ class Checkpointer:
                 part.obj.load_state_dict(anchor[part.name])
             elif not part.optional:
                 raise SnapshotError(f"{path / ANCHOR} has no {part.name!r} state")
-        self.trainer.weights_changed()
-        return meta
+        return meta  # no rollout engine holds older weights: a run's source makes its engine at its first live step, after this
 
     def _load_engine(self, part: Part, path: Path, universal: Path | None) -> None:
         engine, tag = part.obj, part.name

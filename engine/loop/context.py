@@ -1,6 +1,7 @@
 """The run being driven: one object for what every part of the loop needs, handed around whole.
 
     run = make_run(run_dir, rt, trainer, reporter, ledger)  # loop.checkpointer; ledger: rank 0's, None on the others
+                                                             # (its rollout source assembled: rl.sources.make_source)
     last, control = resume(run, changed, allow_change)       # loop.recovery
     train_loop(run, last, control, stop)                     # loop.run
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..dist import Runtime
     from ..report import Reporter
+    from ..rl.sources import StepSource
     from ..rl.trainer import Trainer
     from ..state.topology import Topology
     from .checkpointer import Checkpointer
@@ -42,6 +44,8 @@ class Run:
     ledger: Ledger | None  # the run's history in its journal: rank 0 only
     topology: Topology  # this process's: its ranks, TP size and ZeRO stage (what a snapshot of another is resharded to)
     ckpt: Checkpointer
+    source: StepSource  # what collects each live step's inputs (rl.sources), assembled for the run's config; replay puts back
+    # the buffer changes of journaled steps through it
 
     @property
     def cfg(self) -> Config:

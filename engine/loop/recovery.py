@@ -210,7 +210,7 @@ def apply_steps(run: Run, history: History, start: int, stop: int, before=None) 
     the run's trainer under the config in force for it, as live training applied it: the same
     ``take`` and ``apply``. Collective. Yields each step once applied; the caller checks it.
     `before(step, inputs, samples)`: called with each step's inputs just before it is applied."""
-    from ..rl.trainer import StepInputs
+    from ..rl.inputs import StepInputs
 
     rt, trainer = run.rt, run.trainer
     reader = StepReader(run.main_ledger().journal if rt.is_main else None, rt)
@@ -225,12 +225,13 @@ def apply_steps(run: Run, history: History, start: int, stop: int, before=None) 
         for change in boundaries:
             topo = change.topology
         inputs = StepInputs.from_record(record)
+        run.source.replayed(inputs)  # the journaled batches enter the buffer as they did live
         samples = trainer.take(step, inputs)
         trainer.advance_sampler(inputs)
         if before is not None:
             before(step, inputs, samples)
         outcome = trainer.apply(step, inputs, samples)
-        outcome.metrics.update(trainer.buffer_metrics())
+        outcome.metrics.update(run.source.in_flight())
         yield Applied(step, record, inputs, outcome, topo, boundaries)
 
 

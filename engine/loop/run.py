@@ -35,7 +35,6 @@ from ..errors import ConfigError, RunError, UsageError
 from ..report import Reporter
 from ..rl.faults import FaultStop
 from ..schema.events import Control, ControlKind
-from ..schema.sample import GroupInFlight, GroupProgress
 from . import whatif
 from .context import Run
 from .ledger import (
@@ -57,7 +56,6 @@ from .ledger import (
     writer_refusal,
 )
 from .provenance import produced_on
-from .records import attempt_at
 
 if TYPE_CHECKING:  # torch and DeepSpeed load only once the config is known good: bad input fails fast
     from ..dist import Runtime
@@ -173,7 +171,7 @@ def train(
     configure_determinism(cfg)
     preflight_rollout(cfg, rt)
     created = not run_dir.exists()
-    journal = trainer = reporter = source = None
+    journal = trainer = reporter = source = run = None
     claim: Claim | None = None
     notes: list[str] = []
     interrupted = False
@@ -224,8 +222,10 @@ def train(
             journal.close()
         elif claim is not None:
             claim.release()
+        if run is not None:
+            run.source.close(at_once=interrupted)
         if trainer is not None:
-            trainer.close(at_once=interrupted)
+            trainer.close()
         if discard:
             discard_unstarted(run_dir, remove_dir=created)
 
@@ -333,17 +333,16 @@ def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
 
 def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None = None, source=None) -> int:
     """Live steps last+1 .. total_steps: collect, apply, commit, maybe snapshot. Returns the last step.
-    `control`: events for the first step's record (start, resume, fork, a config change). `source`:
-    what collects each step's inputs (collect, finish_collect, eval_due): the trainer, or a what-if's
-    reader of another run's journal (loop.whatif.WhatifSource)."""
+    `control`: events for the first step's record (start, resume, fork, a config change). `source`: what collects
+    each step's inputs in place of the run's rollout source: a what-if's reader of another run's journal
+    (loop.whatif.WhatifSource), whose samples passed their fault check and are never evaluated on."""
     from ..rl import faults
     from ..rl.rollout import engine_metrics
     from ..schema.sample import Columns
 
     cfg, rt, trainer, ckpt, ledger, reporter = run.cfg, run.rt, run.trainer, run.ckpt, run.ledger, run.reporter
     stop = stop or StopFlag()
-    source = source or trainer
-    trainer.in_flight_log = InFlightEpisodes(run)
+    collect = source or run.source  # a what-if reads its parent's steps where the run's source would collect
     if rt.is_main:
         (run.run_dir / "config.yaml").write_text(to_yaml(cfg, stored=True))
     reporter.start(last + 1)
@@ -356,23 +355,26 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
     step, ship_cpu = last, 0.0
     for step in range(last + 1, cfg.trainer.total_steps + 1):
         t_step = time.perf_counter()
-        inputs = source.collect(step)  # async: also starts generating a later step's batch ...
+        inputs = collect.collect(step)  # async: also starts generating a later step's batch ...
+        if not inputs.admitted:  # a what-if's step, read from its parent's journal: its batches enter the buffer as replay's
+            run.source.replayed(inputs)
         samples = trainer.take(step, inputs)
         ckpt.settle()  # an async snapshot's write of the state the update is about to change
         outcome = trainer.apply(step, inputs, samples)
-        inputs = source.finish_collect(step, inputs)  # ... which is in the buffer, and in this record, before the commit
+        run.source.weights_changed()  # the engine generates from the weights the update made, once the next sync brings them
+        inputs = collect.finish_collect(step, inputs)  # ... which is in the buffer, and in this record, before the commit
         generated = Columns(inputs.added).samples()
-        if source is trainer:  # past rollout.max_fault_rate: one line, nothing of the step committed (a what-if's samples passed it)
+        if source is None:  # past rollout.max_fault_rate: one line, nothing of the step committed (a what-if's samples passed it)
             faults.check(step, generated, cfg.rollout.max_fault_rate, run.run_dir)
-        outcome.metrics.update(trainer.buffer_metrics())
+        outcome.metrics.update(run.source.in_flight())
         evaluated, eval_note = [], ""
-        if source.eval_due(step):
+        if source is None and trainer.eval_due(step):
             t_eval = time.perf_counter()
             eval_metrics, eval_event, eval_note = trainer.evaluate(step)
             outcome.metrics.update(eval_metrics, **{"timing_s/eval": time.perf_counter() - t_eval})
             evaluated = [eval_event]
         outcome.metrics.update(inputs.timings)
-        outcome.metrics.update(engine_metrics(trainer.rollout))  # the fleet's deaths, groups asked again, live actors
+        outcome.metrics.update(engine_metrics(run.source.engine))  # the fleet's deaths, groups asked again, live actors
         outcome.metrics.update({"timing_s/step": time.perf_counter() - t_step})
         due = ckpt.due(step, outcome.metrics)
         failpoint("step.before_commit")  # the update is done, the journal does not know it yet
@@ -397,33 +399,6 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
     if rt.is_main:
         ckpt.write_metadata(step)
     return step
-
-
-class InFlightEpisodes:
-    """rl.episodes.InFlightLog over the run's ledger: completion order's groups of episodes made durable
-    between commits (rank 0 writes and reads; every rank waits for it)."""
-
-    def __init__(self, run: Run):
-        self.run = run
-
-    def keep(self, groups: list[GroupInFlight], settled: list[int], calls: list | None = None, dropped: list | None = None) -> None:
-        self.run.rt.from_rank0(lambda: self.run.main_ledger().in_flight.keep(groups, settled, calls or (), dropped or ()),
-                               "making episodes' turns durable")
-
-    def read(self) -> dict[int, GroupInFlight]:
-        got = self.run.rt.from_rank0(lambda: [g.to_dict() for g in self.run.main_ledger().in_flight.groups().values()], "reading the episodes in flight")
-        return {g.group: g for g in map(GroupInFlight.from_dict, got)}
-
-    def keep_partial(self, groups: list[GroupProgress], settled: list[int]) -> None:
-        self.run.rt.from_rank0(lambda: self.run.main_ledger().in_flight.keep_partial(groups, settled), "making partial generations durable")
-
-    def read_partial(self) -> dict[int, GroupProgress]:
-        got = self.run.rt.from_rank0(lambda: [g.to_dict() for g in self.run.main_ledger().in_flight.partial_groups().values()],
-                                     "reading the partial generations")
-        return {g.group: g for g in map(GroupProgress.from_dict, got)}
-
-    def attempt(self, step: int) -> int:
-        return self.run.rt.from_rank0(lambda: attempt_at(self.run.main_ledger().lineage.entries(), step), "reading the run's lineage")
 
 
 def fork_config(old: dict, overrides: list[str], new_run: Path) -> tuple[Config, list[str]]:
@@ -524,11 +499,12 @@ def close_child(run: Run | None, trainer) -> None:
     """Close what start_child opened (`run`: None when it failed) and the replayed trainer."""
     try:
         if run is not None:
+            run.source.close()  # its rollout engine (vLLM, the async generator)
             run.reporter.close()
             if run.ledger is not None:
                 run.ledger.close()
     finally:
-        trainer.close()  # its rollout engine too (vLLM, the async generator)
+        trainer.close()
 
 
 def preflight_rollout(cfg: Config, rt: Runtime) -> None:

@@ -54,7 +54,7 @@ def whatif_config(old: dict, overrides: list[str], to_step: int, new_run: Path) 
 
 
 class WhatifSource:
-    """Stands where Trainer.collect stands in the train loop: each step's inputs read from RUN's
+    """Stands where the run's rollout source collects in the train loop: each step's inputs read from RUN's
     journal (reader.StepReader: rank 0 reads, the others receive them), its samples scored with the
     what-if's reward."""
 
@@ -71,7 +71,7 @@ class WhatifSource:
         """Step `step`'s inputs from RUN's journal, its samples scored again, and whether the update
         corrects for the policy that generated them no longer being the one it starts from (the state
         now differs from RUN's after step - 1): the async objective's truncated importance weights."""
-        from ..rl.trainer import StepInputs
+        from ..rl.inputs import StepInputs
         from ..schema import sample as sample_codec
 
         trainer = self.run.trainer
@@ -117,9 +117,6 @@ class WhatifSource:
 
     def finish_collect(self, step: int, inputs):
         return inputs
-
-    def eval_due(self, step: int) -> bool:
-        return False  # evaluating would generate
 
     def _origin(self, step: int) -> str | None:
         """RUN's fingerprint after its base step (a fork's), from its parent record."""

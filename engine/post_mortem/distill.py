@@ -56,8 +56,8 @@ import numpy as np
 from ..config import config_from_stored
 from ..errors import RunError, UsageError
 from ..loop.reader import StepReader
-from ..rl.gateway.ledger import trained_chat
 from ..rl.gateway.protocol import Message
+from ..rl.gateway.token_ledger import trained_chat
 from ..rl.vocab import text_decoder
 from ..schema.events import StepEvents
 from ..schema.sample import UNKNOWN_VERSION, Columns, Sample

@@ -398,11 +398,11 @@ class EpisodeLine:
     turns: tuple[TurnLine, ...]
     env_end: int
     env_reason: str
-    calls: tuple = ()  # rollout.agent: the episode's model calls (rl.gateway.ledger.call_lines)
+    calls: tuple = ()  # rollout.agent: the episode's model calls (rl.gateway.token_ledger.call_lines)
 
     @classmethod
     def of(cls, s: Sample, decoder) -> EpisodeLine:
-        from ..rl.gateway.ledger import call_lines
+        from ..rl.gateway.token_ledger import call_lines
 
         def text(ids):
             return decoder.decode(ids.tolist(), skip_special_tokens=False) if decoder else ids.tolist()

@@ -207,10 +207,9 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
                                f"(torchrun --nproc_per_node {topo.world_size} -m verlj.cli ...)")
     configure_determinism(cfg)
     reporter = Reporter(cfg.logging, run_dir, enabled=False, total_steps=stop, sinks=False)
-    trainer = Trainer(cfg, rt)
+    trainer = Trainer(cfg, rt, keep_stages=keep)
     try:
         run = make_run(run_dir, rt, trainer, reporter, ledger if rt.is_main else None)
-        run.trainer.keep_stages = keep
         step0 = restore(run, start - 1)
         seen: dict[int, Observed] = {}
 

@@ -297,7 +297,7 @@ def _verify_accounting(report: RunReport, ledger: Ledger) -> None:
         counts += (f"; episodes: {len(held)} of the groups in flight resume from durable turns ({sum(g.turns_durable for g in held)} "
                    f"turns, {sum(g.live for g in held)} episodes still going)"
                    + (f", {uncommitted} more groups from a step that never committed" if uncommitted else ""))
-    stopped = ledger.in_flight.partial_groups()  # rollout.partial: generations a push stopped, durable with their tokens (rl.sources.partial)
+    stopped = ledger.in_flight.partial_groups()  # rollout.partial: generations a push stopped, durable with their tokens (rl.sources.partial_groups)
     if stopped:
         going = [stopped[g] for g in acc.in_flight_groups if g in stopped]
         counts += f"; partial rollouts: {len(going)} of the groups in flight go on from {sum(g.tokens for g in going)} durable tokens"

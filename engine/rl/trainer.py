@@ -34,11 +34,10 @@ from . import evaluation, lora, update
 from .buffer import RolloutBuffer
 from .data import Example, Sampler, check_identity, load_data
 from .envs import EnvFactory, load_env
-from .episodes import InFlightLog
+from .inputs import StepInputs
 from .models import BUILTIN_TINY, ValueModel, load_causal_lm, load_tokenizer, render_chat
-from .rollout import RolloutEngine
 from .scoring import Scorer
-from .sources import StepInputs, StepSource, make_source, source_kind
+from .sources import InFlightLog, Parts
 from .update import StepOutcome
 from .workers import ActorWorker, CriticWorker
 
@@ -56,10 +55,9 @@ class Trainer:
     """Holds the run's Stateful parts (actor (+ reference), critic, sampler, rollout buffer), chooses the
     rollout source, and applies steps."""
 
-    keep_stages = False  # a re-execution for `verlj diff --stages` keeps every stage's values (StepOutcome.kept)
-
-    def __init__(self, cfg: Config, rt: Runtime) -> None:
-        self.cfg, self.rt = cfg, rt
+    def __init__(self, cfg: Config, rt: Runtime, keep_stages: bool = False) -> None:
+        """`keep_stages`: a re-execution for `verlj diff --stages` keeps every stage's values (StepOutcome.kept)."""
+        self.cfg, self.rt, self.keep_stages = cfg, rt, keep_stages
         if cfg.data.prompts_per_step % rt.dp_size:
             raise ConfigError(
                 f"data.prompts_per_step ({cfg.data.prompts_per_step}) must be divisible by the data-parallel size ({rt.dp_size})"
@@ -90,11 +88,8 @@ class Trainer:
             return load_causal_lm(cfg.model.actor.model_name_or_path, cfg, derive_seed(seed, 0, "init/actor"))
 
         actor_model, self.actor_base = lora.adapt(initial_actor(), cfg, derive_seed(seed, 0, "init/lora"))
-        self.actor = ActorWorker(actor_model, cfg, rt, reference=initial_actor)
+        self.actor = ActorWorker(actor_model, cfg, rt, reference=initial_actor, keep_grads=keep_stages)
         self._env_factory: EnvFactory | None = None  # rollout.env's, made at its first use (replay never plays an episode)
-        # where completion order makes its groups of episodes durable (set by loop.run for live training)
-        self.in_flight_log: InFlightLog | None = None
-        self.source: StepSource = make_source(self)  # what collects each live step's inputs (rl.sources)
         self.critic: CriticWorker | None = None
         if cfg.algorithm.name == "ppo":
             path = cfg.model.critic.model_name_or_path or cfg.model.actor.model_name_or_path
@@ -102,7 +97,7 @@ class Trainer:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(derive_seed(seed, 0, "init/value_head"))
                 value_model = ValueModel(backbone)
-            self.critic = CriticWorker(value_model, cfg, rt)
+            self.critic = CriticWorker(value_model, cfg, rt, keep_grads=keep_stages)
 
     def identity(self) -> dict:
         """What the trainer loaded that the config alone does not pin: the prompts (a file's rows, a
@@ -127,12 +122,6 @@ class Trainer:
         self.scorer.set_config(cfg)
         if (cfg.rollout.env, cfg.rollout.max_turns) != (self.cfg.rollout.env, self.cfg.rollout.max_turns):
             self._env_factory = None
-        if source_kind(cfg) != source_kind(self.cfg):  # a config of another run read by this trainer (replay chooses again)
-            self.source.close()
-            self.cfg = cfg
-            self.source = make_source(self)
-        else:
-            self.source.set_config(cfg)
         self.cfg = cfg
         self.actor.set_config(cfg)
         if self.critic is not None:
@@ -151,23 +140,13 @@ class Trainer:
             )
         return np.asarray(ids, dtype=np.int64)
 
-    def close(self, at_once: bool = False) -> None:
-        """Release the rollout and DeepSpeed engines (hooks, buffers, threads) so a process can build another run.
-        `at_once`: the user asked to stop now; nothing in flight is waited for."""
-        self.source.close(at_once)
+    def close(self) -> None:
+        """Release the DeepSpeed engines (hooks, buffers, threads) so a process can build another run (the rollout's
+        engine is its source's: loop.context.Run)."""
         for engine in self.engines().values():
             engine.destroy()
         del self.actor  # what a closed trainer no longer holds
         self.critic = None
-
-    @property
-    def rollout(self) -> RolloutEngine | None:
-        """The rollout engine the source drives (None until its first live collect)."""
-        return self.source.engine
-
-    @rollout.setter
-    def rollout(self, engine: RolloutEngine | None) -> None:
-        self.source.engine = engine
 
     @property
     def policy_version(self) -> int:
@@ -184,11 +163,6 @@ class Trainer:
         """{engine: {parameter: whole shape}} of what each engine trains (state.reshard)."""
         return {"actor": self.actor.full_shapes, **({"critic": self.critic.full_shapes} if self.critic is not None else {})}
 
-    def weights_changed(self) -> None:
-        """The actor's weights changed (an update, a snapshot load): the rollout engine must catch up."""
-        if self.rollout is not None:
-            self.rollout.weights_changed()
-
     def engines(self) -> dict:
         return {"actor": self.actor.engine, **({"critic": self.critic.engine} if self.critic is not None else {})}
 
@@ -197,26 +171,19 @@ class Trainer:
         and its parts by engine. Collective."""
         return state_fingerprint(self.engines(), self.rt, self.cfg.trainer.state_digest)
 
-    # ================================================================== collect: the rollout source
+    # ================================================================== the rollout: its parts, and what a step takes
 
-    def collect(self, step: int) -> StepInputs:
-        """The stochastic, expensive half of a step, by the source (rl.sources): draw prompts, generate
-        `rollout.n` samples for each (each from its own seed: its place in the step that trains on it,
-        or its group's), score them, and decide what enters, leaves and is consumed from the rollout
-        buffer. Changes the sampler and the buffer, nothing the update reads; returns exactly what
-        the journal records. Live steps only: replay reads these inputs back instead. Collective."""
-        return self.source.collect(step)
-
-    def finish_collect(self, step: int, inputs: StepInputs) -> StepInputs:
-        """After the update, before the commit: what generated during it (async) taken into the step's
-        inputs; sync mode: `inputs` as they are. Collective."""
-        return self.source.finish_collect(step, inputs)
+    def rollout_parts(self, durable: InFlightLog | None) -> Parts:
+        """What the run's rollout source and its player are made of (rl.sources.make_source): the config in force, the
+        ranks, the tokenizer, the dataset and its prompts, the buffer and sampler, the scorer, the actor, rollout.env's
+        factory; `durable`: where completion order makes what is in flight durable (the run's journal)."""
+        return Parts(self.cfg, self.rt, self.tokenizer, self.dataset, self.prompt_ids, self.buffer, self.sampler, self.scorer,
+                     self.actor, self.envs, durable)
 
     def take(self, step: int, inputs: StepInputs) -> list[Sample]:
-        """Apply the step's buffer changes (add, drop, plan, ask: unless a live collect did; then
-        consume) and return the consumed samples. Live and replay both come through here."""
-        if not inputs.admitted:  # replay: the journaled batches enter the buffer as they did live
-            self.source.replayed(inputs)
+        """Consume the step's samples from the buffer, once its batches are in it (a live collect admitted them; replay:
+        the source's `replayed`), checked against the plan made when they were generated. Live and replay both come
+        through here."""
         planned = self.buffer.plans.pop(step, None)
         if planned is not None:
             if not np.array_equal(planned, inputs.consumed):
@@ -228,11 +195,6 @@ class Trainer:
         self.train_state.step = step
         self.train_state.samples_seen += len(samples)
         return samples
-
-    def buffer_metrics(self) -> dict[str, float]:
-        """What waits once the step is done (async: with the batch generated during the update): live
-        steps read it after finish_collect, replay after apply."""
-        return self.source.in_flight()
 
     def advance_sampler(self, inputs: StepInputs) -> None:
         """Replay: the sampler ends where the journal says this step left it."""

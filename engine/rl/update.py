@@ -25,8 +25,8 @@ from ..state.stage_recorder import StageRecorder
 from ..state.stages import combine
 from . import algorithms, overlong
 from .core import Core
+from .inputs import StepInputs
 from .scoring import needs_reference
-from .sources import StepInputs
 from .workers import Batch, CriticWorker, collate, shard_batch
 
 AllSum = Callable[[torch.Tensor], torch.Tensor] | None  # a sum over the data-parallel ranks (global token means), or none
@@ -44,7 +44,6 @@ class Trained(Core, Protocol):
 
     def state_fingerprint(self) -> tuple[str, dict[str, str]]: ...
 
-    def weights_changed(self) -> None: ...
 
 
 @dataclass
@@ -82,6 +81,10 @@ class StepBook:
         t = time.perf_counter()
         yield self.rec
         self.stage_s += time.perf_counter() - t
+
+    def digested(self, seconds: float) -> None:
+        """Time spent digesting stages elsewhere (a worker's gradients, inside its update), counted as timing_s/stages."""
+        self.stage_s += seconds
 
 
 def apply(tr: Trained, step: int, inputs: StepInputs, samples: list[Sample]) -> StepOutcome:
@@ -146,7 +149,6 @@ def _update(tr: Trained, step: int, inputs: StepInputs, samples: list[Sample], s
     act = failpoint("update.params")
     if act is not None and act.startswith("flip="):  # fault injection: silent corruption of the weights
         tr.actor.flip_a_weight_bit(act)
-    tr.weights_changed()
 
 
 def _ref_logprobs(tr: Trained, mine: list[Sample], width: int) -> torch.Tensor:
@@ -227,9 +229,6 @@ def _token_staleness(tr: Trained, step: int, mine: list[Sample], mask: torch.Ten
 def _record_inputs(tr: Trained, book: StepBook, inputs: StepInputs, samples: list[Sample], scores: torch.Tensor) -> None:
     """The stages the update starts from: the ids it trains on, their dataset rows and tokens, the scores."""
     with book.staging() as rec:
-        for worker in (tr.critic, tr.actor):
-            if worker is not None:
-                worker.kept_grads = [] if tr.keep_stages else None
         # what the update trains on: the ids consumed and their dataset rows (async: drawn steps before)
         rec.host("data", np.asarray(inputs.consumed, np.int64), np.asarray([s.index for s in samples], np.int64))
         rec.host("samples", *_id_arrays(samples))
@@ -251,14 +250,14 @@ def _record_update(tr: Trained, book: StepBook, mask: torch.Tensor, before: torc
         rec.tensor("advantages", advantages, mask)
         for worker in (tr.critic, tr.actor):
             if worker is not None:
-                losses, norms, grads, grad_s = worker.stage_outputs()
-                book.stage_s += grad_s  # digested inside the update (its time counts there too)
+                losses, norms, grads, grad_s, kept = worker.stage_outputs()
+                book.digested(grad_s)  # digested inside the update (its time counts there too)
                 rec.tensor("loss", torch.cat(losses))
                 rec.numbers("grad_norm", norms)
                 for g in grads:
                     if g is not None:
                         rec.digest_only("grads", g)
-                for k, step_grads in enumerate(worker.kept_grads or []):
+                for k, step_grads in enumerate(kept):
                     for j, g in enumerate(step_grads):
                         rec.keep("grads", f"{worker.role} optimizer step {k}, gradient {j}", g)
 

@@ -400,12 +400,14 @@ class _Stepper:
             self.stage_norms.append(norm)
         stats.end_micro(mb)
 
-    kept_grads: list | None = None  # set to [] to keep a host copy of every optimizer step's gradients
+    kept_grads: list | None  # a host copy of every optimizer step's gradients since the last call (None: not kept)
 
-    def stage_outputs(self) -> tuple[list, list, list, float]:
-        """(losses, gradient norms, gradient sums, seconds spent digesting gradients) since the last call, cleared."""
-        out = (self.stage_losses, self.stage_norms, self.stage_grads, self.stage_seconds)
+    def stage_outputs(self) -> tuple[list, list, list, float, list]:
+        """(losses, gradient norms, gradient sums, seconds spent digesting gradients, each optimizer step's gradients
+        where they are kept, else []) since the last call, cleared."""
+        out = (self.stage_losses, self.stage_norms, self.stage_grads, self.stage_seconds, self.kept_grads or [])
         self.stage_losses, self.stage_norms, self.stage_grads, self.stage_seconds = [], [], [], 0.0
+        self.kept_grads = [] if self.kept_grads is not None else None
         return out
 
     def _local_grads(self) -> list:
@@ -478,12 +480,13 @@ def needs_reference(cfg: Config) -> bool:
 class ActorWorker(_Stepper):
     role = "actor"
 
-    def __init__(self, model: torch.nn.Module, cfg: Config, rt: Runtime, reference: Callable[[], torch.nn.Module]):
+    def __init__(self, model: torch.nn.Module, cfg: Config, rt: Runtime, reference: Callable[[], torch.nn.Module], keep_grads: bool = False):
         """`reference` loads the frozen reference afresh (the actor's initial weights, as the run's
         start loaded them), at the first step that reads its log-probs: never in a run without a KL
         term (:func:`needs_reference`), which so holds no second copy of the model, and never in a
         replay, which reads them from the journal; a live config change that turns the KL term on
-        loads it then (the same weights: the reference never trains)."""
+        loads it then (the same weights: the reference never trains). `keep_grads`: keep a host copy of every
+        optimizer step's gradients (`verlj diff --stages`)."""
         self.cfg, self.rt = cfg, rt
         self.actor_cfg = cfg.model.actor
         self.optim = self.actor_cfg.optim
@@ -495,6 +498,7 @@ class ActorWorker(_Stepper):
         self.engine = make_engine(model, self.actor_cfg.optim, cfg, rt, self.actor_cfg.micro_batch_size)
         self.temperature = cfg.rollout.temperature
         self.stage_losses, self.stage_norms, self.stage_grads, self.stage_seconds = [], [], [], 0.0
+        self.kept_grads: list | None = [] if keep_grads else None
 
     def _reference(self) -> torch.nn.Module:
         with torch.random.fork_rng(devices=[]):  # loading consumes none of the run's random streams
@@ -596,7 +600,7 @@ class ActorWorker(_Stepper):
 class CriticWorker(_Stepper):
     role = "critic"
 
-    def __init__(self, module: torch.nn.Module, cfg: Config, rt: Runtime):
+    def __init__(self, module: torch.nn.Module, cfg: Config, rt: Runtime, keep_grads: bool = False):
         self.cfg, self.rt = cfg, rt
         self.critic_cfg = cfg.model.critic
         self.optim = self.critic_cfg.optim
@@ -604,6 +608,7 @@ class CriticWorker(_Stepper):
         self.full_shapes = trainable_shapes(module)
         self.engine = make_engine(module, self.critic_cfg.optim, cfg, rt, self.critic_cfg.micro_batch_size)
         self.stage_losses, self.stage_norms, self.stage_grads, self.stage_seconds = [], [], [], 0.0
+        self.kept_grads: list | None = [] if keep_grads else None
 
     def set_config(self, cfg: Config) -> None:
         self.cfg, self.critic_cfg = cfg, cfg.model.critic

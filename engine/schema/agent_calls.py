@@ -5,7 +5,7 @@ The text is ``{"v", "trained", "reward", "calls", "segments"}``: the indices of 
 chain of calls the sample is built from, in order; [] when the episode made no call), the agent's reward
 (null: none), per call (:class:`Call`) the canonical request and its hash, the prompt ids, the completion ids
 and their log-probs, the exact response bytes (UTF-8) and a flag, then how many segments the calls split into
-(``rl.gateway.ledger``: a call that continues no earlier call starts one). ``to_json`` writes compact
+(``rl.gateway.token_ledger``: a call that continues no earlier call starts one). ``to_json`` writes compact
 separators, keys in that order, UTF-8 kept as is, so a stored text read and written again is byte for byte
 the same.
 

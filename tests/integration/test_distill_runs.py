@@ -18,7 +18,7 @@ import pytest
 
 from journal_helpers import raw_get, raw_put, tamper
 from verlj.engine.post_mortem.distill_files import Manifest, read_manifest
-from verlj.engine.rl.gateway.ledger import trained_chat
+from verlj.engine.rl.gateway.token_ledger import trained_chat
 from verlj.engine.schema.agent_calls import AgentCalls
 from verlj.engine.schema.events import StepEvents
 from verlj.engine.schema.sample import unpack

@@ -11,10 +11,10 @@ import torch
 from test_hardening import flip, one_line_error, tree
 
 from verlj.engine.loop.run import train as run_train
-from verlj.engine.post_mortem.whatif import whatif
+from verlj.engine.post_mortem.counterfactual import whatif
 from verlj.engine.state.safe_load import load_weights_only
 from verlj.journal import open_journal_reader
-from verlj_testing import TINY, fingerprints, kill_and_resume, train, verlj
+from verlj_testing import TINY, Driven, fingerprints, kill_and_resume, train, verlj
 
 LORA = ["model.actor.lora_rank=4", "model.actor.lora_alpha=8", "trainer.total_steps=5", "trainer.save_interval=2"]
 
@@ -151,7 +151,7 @@ def test_vllm_generates_from_the_merged_weights():
     cfg = make_config(None, [*TINY, *VLLM, *LORA])
     rt = setup(cfg)
     configure_determinism(cfg)
-    tr = Trainer(cfg, rt)
+    tr = Driven(Trainer(cfg, rt))
     try:
         _steps(tr, 1, 3)
         assert tr.rollout.name == "vllm" and tr.rollout.pushes == 2

@@ -12,7 +12,7 @@ import torch
 from test_recovery import journal_ok, kill_at_random, resume_until_done
 
 from verlj.journal import open_journal_reader
-from verlj_testing import TINY, assert_same_journal, cli, fingerprints, train, verlj
+from verlj_testing import TINY, Driven, assert_same_journal, cli, fingerprints, train, verlj
 
 if os.environ.get("CI"):
     import vllm  # noqa: F401 - in CI a missing vLLM is a failure, not a skip
@@ -37,7 +37,7 @@ def trainer():
     cfg = make_config(None, [*TINY, *VLLM])
     rt = setup(cfg)
     configure_determinism(cfg)
-    tr = Trainer(cfg, rt)
+    tr = Driven(Trainer(cfg, rt))
     yield tr
     tr.close()
 
@@ -131,7 +131,7 @@ def test_a_fresh_engine_samples_what_the_pushed_one_does(trainer):
     tr.weights_changed()
     pushed = tr.rollout.generate(prompts, seeds, tr.cfg)
     tr.rollout.close()
-    tr.rollout = make_engine("vllm", tr.rt, tr.actor, tr.tokenizer)
+    tr.source.engine = make_engine("vllm", tr.rt, tr.actor, tr.tokenizer)  # as a resumed run's first step makes it
     fresh = tr.rollout.generate(prompts, seeds, tr.cfg)
     assert tr.rollout.pushes == 0
     for a, b in zip(pushed[0], fresh[0]):

@@ -20,8 +20,8 @@ from verlj.engine.loop.reader import StepReader
 from verlj.engine.post_mortem.distill import DPO, IGNORE, SFT, Counts, Form, Item, Spec, chat_of, choose_pairs, choose_sft, sft_row
 from verlj.engine.post_mortem.distill_files import export_dataset, file_rows, read_manifest
 from verlj.engine.post_mortem.distill_verify import verify_export
-from verlj.engine.rl.gateway.ledger import ledger_of, trained_chat
 from verlj.engine.rl.gateway.protocol import Completion, Message, ToolCall, parse_request, response_bytes
+from verlj.engine.rl.gateway.token_ledger import ledger_of, trained_chat
 from verlj.engine.schema.agent_calls import AgentCalls, Call
 from verlj.engine.schema.events import Added
 from verlj.engine.schema.sample import EnvEnd, Sample, pack

@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from verlj.engine.rl.gateway import ledger
+from verlj.engine.rl.gateway import token_ledger as ledger
 from verlj.engine.rl.gateway.agents import AgentEpisode, load_agent
 from verlj.engine.rl.gateway.prompts import Prompts
 from verlj.engine.rl.gateway.protocol import ApiError, hermes, parse_request

@@ -13,7 +13,7 @@ import numpy as np
 import openai
 import pytest
 
-from verlj.engine.rl.gateway import ledger
+from verlj.engine.rl.gateway import token_ledger as ledger
 from verlj.engine.rl.gateway.prompts import Prompts
 from verlj.engine.rl.gateway.protocol import ApiError, forced_prefix, parse_request
 from verlj.engine.rl.gateway.responses import parse_responses

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from examples.agents_sdk import add, reward
-from verlj.engine.rl.gateway import ledger
+from verlj.engine.rl.gateway import token_ledger as ledger
 from verlj.engine.rl.gateway.prompts import Prompts
 from verlj.engine.rl.gateway.protocol import ApiError, parse_request
 from verlj.engine.rl.gateway.runner import Episodes, Runner, Settings

@@ -264,21 +264,28 @@ def test_partial_is_fixed_for_a_run_and_its_staleness_bound_live():
     assert policy_of("rollout.partial") == FIXED and policy_of("rollout.max_token_staleness") == LIVE
 
 
-def test_the_ledger_keeps_the_stopped_groups_and_forgets_the_settled(tmp_path):
+def test_the_runs_durable_log_keeps_the_stopped_groups_and_forgets_the_settled(tmp_path):
+    """The players' one way to the journal (loop.durable_log.DurableLog over the ledger's in-flight entries): what a push
+    stopped is read back as it was kept, a settled group forgotten, and the episodes' entries are another family."""
+    import torch
+
+    from verlj.engine.dist import Runtime
+    from verlj.engine.loop.durable_log import DurableLog
     from verlj.engine.loop.ledger import Ledger
     from verlj.journal import Journal
 
     j = Journal.open_writer(tmp_path / "journal")
-    ledger = Ledger(j)
+    log = DurableLog(Runtime(rank=0, world_size=1, local_rank=0, tp_size=1, device=torch.device("cpu"), backend="gloo"), Ledger(j))
 
     def group(g: int, n: int) -> GroupProgress:
         return GroupProgress(g, 7, [np.arange(n)], [np.full(n, -0.25, np.float32)], [np.asarray([1, n])], [False])
 
-    ledger.in_flight.keep_partial([group(4, 3), group(8, 2)], [])
-    ledger.in_flight.keep_partial([group(4, 5)], [8])  # group 4 stopped again, with more tokens; group 8 arrived in a committed step
-    back = ledger.in_flight.partial_groups()
+    log.keep_partial([group(4, 3), group(8, 2)], [])
+    log.keep_partial([group(4, 5)], [8])  # group 4 stopped again, with more tokens; group 8 arrived in a committed step
+    back = log.read_partial()
     assert list(back) == [4] and back[4].responses[0].tolist() == list(range(5)) and back[4].row == 7
-    assert ledger.in_flight.groups() == {}  # the episodes' entries are another family
+    assert log.read() == {}  # the episodes' entries are another family
+    assert log.attempt(1) == 1  # no process has begun a step yet but this one
     j.close()
 
 
@@ -339,7 +346,7 @@ def _source(entries: dict[int, GroupProgress], runs: dict[int, list[int]], bound
     from types import SimpleNamespace
 
     from verlj.engine.rl.buffer import RolloutBuffer
-    from verlj.engine.rl.sources.completion import CompletionSource
+    from verlj.engine.rl.sources import Parts, make_source
 
     cfg = make_config(None, ["rollout.mode=async", "rollout.async_order=completion", "rollout.partial=true", "rollout.n=2",
                              "data.prompts_per_step=2", "rollout.max_staleness=1", f"rollout.max_token_staleness={bound}"])
@@ -349,12 +356,11 @@ def _source(entries: dict[int, GroupProgress], runs: dict[int, list[int]], bound
     draws = iter([np.array([7, 9]), np.array([11, 13])])
     rt = SimpleNamespace(dp_size=1, dp_rank=0, world_size=1, all_gather_obj=lambda x: [x])
     log = FakeLog(entries)
-    host = SimpleNamespace(cfg=cfg, buffer=buffer, rt=rt, sampler=SimpleNamespace(draw=lambda k: next(draws), epoch=0, cursor=0),
-                           prompt_ids=[np.array([1, 2])] * 20, scorer=FakeScorer(), actor=None, tokenizer=SimpleNamespace(eos_token_id=2), policy_version=4,
-                           in_flight_log=log)
-    src = CompletionSource(host)
-    src.engine = FakeEngine(runs)
-    return src, host, log
+    sampler = SimpleNamespace(draw=lambda k: next(draws), epoch=0, cursor=0)
+    parts = Parts(cfg, rt, SimpleNamespace(eos_token_id=2), [], [np.array([1, 2])] * 20, buffer, sampler, FakeScorer(), None, None, log)
+    src = make_source(parts)
+    src.engine = FakeEngine(runs)  # as a live step's begin would have made it (the trainer's last step: 4)
+    return src, parts, log
 
 
 def _progress(g: int, row: int, versions: list[int]) -> GroupProgress:

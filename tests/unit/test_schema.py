@@ -181,7 +181,7 @@ def test_an_optional_field_with_a_default_factory_is_left_out_while_it_equals_wh
     assert back.more.tolist() == [0] and back.tags == ["a"] and Grown.from_dict({"ids": [1]}).more.tolist() == []
 
 
-# An agent_calls text as the journal held it before its codec moved here (rl.gateway.ledger.dumps plus "segments").
+# An agent_calls text as the journal held it before its codec moved here (rl.gateway.token_ledger.dumps plus "segments").
 STORED_AGENT_CALLS = (
     r'{"v":1,"segment":1,"reward":null,"calls":[{"request":"{\"messages\":[{\"role\":\"user\",\"content\":\"2+2 ünd\"}]}","digest":"ab12","prompt_ids":[1,5,9],"completion_ids":[6,7],"logprobs":[-0.10000000149011612,-2.5],"response":"{\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\"'
     r':\"é 2+2=4\",\"refusal\":null},\"finish_reason\":\"stop\"}]}","flag":""},{"request":"{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}","digest":"cd34","prompt_ids":[1,4],"completion_ids":[8],"logprobs":[-9.99999993922529e-09],"response":"{}","flag":"malformed_tool_call"}],"segments":2}'

@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from verlj.engine.rl.gateway import ledger
+from verlj.engine.rl.gateway import token_ledger as ledger
 from verlj.engine.rl.gateway.prompts import Prompts
 from verlj.engine.rl.gateway.runner import Episodes, Runner, Settings
 from verlj.engine.rl.gateway.server import Gateway

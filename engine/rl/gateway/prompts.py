@@ -21,7 +21,7 @@ assistant message; where the template renders the history differently once more 
 earlier ``<think>`` reasoning), the new messages rendered after a fixed stand-in conversation instead. The
 completion is never tokenized again: the policy's own tokens stay, whatever the template would have written in
 their place. Only a real rewrite (an earlier message changed, dropped or summarised, an answer edited, the tools
-changed) is rendered whole, which starts a new segment in the ledger (``gateway.ledger``).
+changed) is rendered whole, which starts a new segment in the ledger (``gateway.token_ledger``).
 
 Nothing here is random: the same calls give the same ids (given a template that is itself deterministic: one
 that writes today's date changes with it), so a call answered again after a crash is spliced as it was.
@@ -89,7 +89,7 @@ class Prompts:
 
     def ids(self, messages: list, tools: list | None, earlier: list[Answered], forced: str = "") -> np.ndarray:
         """A request's prompt ids: spliced onto the earlier call it continues, else rendered whole (the ledger reads
-        which call a call continues from the ids themselves: gateway.ledger.parents). `forced`: text the answer must
+        which call a call continues from the ids themselves: gateway.token_ledger.parents). `forced`: text the answer must
         begin with, written after the generation prompt (tool_choice "required": the tool-call tag)."""
         k = continued(messages, tools, earlier)
         ids = self.spliced(messages, tools, earlier[k], forced) if k >= 0 else None

@@ -21,10 +21,10 @@ tokenized), else its conversation rendered whole (``gateway.prompts``). A stream
 tools in play, stop strings or log-probs) goes token by token when the generator streams (:class:`LiveStream`),
 its last events once the call is durable.
 
-The way from a call to the journal, top to bottom (completion order: ``sources.agents_async``):
+The way from a call to the journal, top to bottom (completion order: ``sources.agent_groups``):
 :meth:`Play.submit` (the server hands the request over) -> :meth:`Runner._answer` (the batch generated, each
 call's :class:`Call` made) -> :meth:`CallSink.keep` (the batch's new calls and the calls a divergence discarded)
--> the run's in-flight log -> ``ledger.in_flight.keep`` -> ``journal.pending.put`` (one transaction), and only
+-> the run's durable log (``loop.durable_log``) -> ``ledger.in_flight.keep`` -> ``journal.pending.put`` (one transaction), and only
 then each answer returned. A re-run after a crash is given each episode's journaled calls (``Episodes.journaled``),
 answered from there byte for byte while each request's hash is the one journaled at that position
 (:meth:`Runner.from_journal`), a request that differs a divergence (one line, counted, the journaled calls from
@@ -54,7 +54,6 @@ import numpy as np
 
 from ...plugins import raised_at
 from .agents import EPISODE, Agent, AgentEpisode, AgentOutput, CommandAgent, cancel_spawned, start_async
-from .ledger import Call
 from .prompts import Answered, Prompts
 from .protocol import (
     TOOL_CLOSE,
@@ -71,6 +70,7 @@ from .protocol import (
 )
 from .responses import continued
 from .server import Gateway
+from .token_ledger import Call
 from .wire import answered_message, head_event, piece_event, read_answer, response_bytes, response_id
 
 RUNNING, WAITING, DONE = "running", "waiting", "done"

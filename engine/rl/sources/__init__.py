@@ -1,66 +1,66 @@
-"""Rollout sources: one module per way a step's samples are collected, all behind one protocol
-(:class:`~.base.StepSource`). The trainer calls :func:`make_source` and applies what the source returns.
+"""Rollout sources, assembled in one place: :func:`make_source` makes a run's source (its order) and its player (the kind
+of samples it makes) from the config, each given what it needs when it is made.
 
-- ``sync`` (:class:`SyncSource`): rollout.mode=sync, each step generates its own batch.
-- ``planned`` (:class:`PlannedSource`): async in step order, k batches planned ahead.
-- ``batches``: what those two hold: step order's batches (``Batches``), made round by round by a round player
-  (``SingleTurn``; ``episodes.EnvRounds`` for rollout.env; ``agents.AgentRounds`` for rollout.agent).
-- ``completion`` (:class:`CompletionSource`): async in completion order, a free-running generator; it holds its
-  group players (``SingleTurnGroups``; ``episodes.Turns`` for rollout.env; ``agents_async.AgentGroups``).
-- ``episodes``: rollout.env's episodes, in step order (``EnvRounds``) and completion order (``Turns``).
-- ``agents``: rollout.agent's programs over the gateway (``Agents``, what every agent source holds; ``AgentRounds``).
-- ``agents_async``: rollout.agent in completion order (``AgentGroups``, a completion source's group player), every
-  call durable.
+    order (rollout.mode, rollout.async_order)        player (rollout.env, rollout.agent)
+    sync       SyncSource      (sync.py)              single   SingleTurn / SingleTurnGroups   (single.py)
+    planned    PlannedSource   (planned.py)           env      EnvRounds / Turns               (env_players.py)
+    completion CompletionSource (completion.py)       agent    AgentRounds / AgentGroups       (agent_players.py, agent_groups.py)
 
-Where they generate is the rollout engine's business (``rl.rollout``: hf, vLLM, the generator
-process, the Ray fleet), so any source runs on any engine its order allows. A new source (an agent
-gateway) is a module here, named below.
+Step order (sync, planned) asks a round player (``players.RoundPlayer``) for each round of a step's batch
+(``batches.Batches``); completion order asks a group player (``players.GroupPlayer``) for groups as the generator
+frees them. A player is made once with the rollout's parts (``players.Parts``: config, ranks, tokenizer, data, scorer,
+the durable log...), takes a small context per call and returns what it made: it reads and writes nothing of its
+source's or the trainer's. A new kind of samples is a player module and a line in ROUND_PLAYERS and GROUP_PLAYERS below;
+a new order, a source module and a line in ORDERS. Where they generate is the rollout engine's business
+(``rl.rollout``: hf, vLLM, the generator process, the Ray fleet), so any source runs on any engine its order allows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...config import Config
-from .agents import AgentRounds
-from .agents_async import AgentGroups
-from .base import Host, StepInputs, StepSource
-from .batches import RoundPlayer, SingleTurn
-from .completion import CompletionSource, GroupPlayer, SingleTurnGroups
-from .episodes import EnvRounds, Turns
+from .agent_groups import AgentGroups
+from .agent_players import AgentRounds
+from .base import StepSource
+from .completion import CompletionSource
+from .env_players import EnvRounds, Turns
 from .planned import PlannedSource
+from .players import GroupPlayer, InFlightLog, Parts, RoundPlayer
+from .single import SingleTurn, SingleTurnGroups
 from .sync import SyncSource
 
-__all__ = ["Host", "StepInputs", "StepSource", "make_source", "source_kind"]
+__all__ = ["InFlightLog", "Parts", "StepSource", "make_source", "order_of", "player_of"]
+
+# the players, by the kind of samples they make: step order's and completion order's (each made from the rollout's parts)
+ROUND_PLAYERS: dict[str, Callable[[Parts], RoundPlayer]] = {"single": SingleTurn.of, "env": EnvRounds.of, "agent": AgentRounds.of}
+GROUP_PLAYERS: dict[str, Callable[[Parts], GroupPlayer]] = {"single": SingleTurnGroups.of, "env": Turns.of, "agent": AgentGroups.of}
+# the step orders (completion order asks groups: CompletionSource)
+ORDERS: dict[str, Callable[[Parts, RoundPlayer], StepSource]] = {"sync": SyncSource, "planned": PlannedSource}
 
 
-def source_kind(cfg: Config) -> str:
-    """The name of the source the config asks for: sync, planned or completion, with rollout.agent agent,
-    agent_planned or agent_completion."""
+def order_of(cfg: Config) -> str:
+    """The order a config's rollout runs in: sync, planned (async step order) or completion (async completion order)."""
     if cfg.rollout.mode == "sync":
-        return "agent" if cfg.rollout.agent is not None else "sync"
-    if cfg.rollout.free_running:
-        return "agent_completion" if cfg.rollout.agent is not None else "completion"
-    return "agent_planned" if cfg.rollout.agent is not None else "planned"
+        return "sync"
+    return "completion" if cfg.rollout.free_running else "planned"
 
 
-def make_source(host: Host) -> StepSource:
-    """The source the host's config names (the one place it is chosen)."""
-    kind = source_kind(host.cfg)
-    if kind == "completion":
-        return CompletionSource(host)
-    if kind == "planned":
-        return PlannedSource(host)
-    if kind == "agent":
-        return SyncSource(host, AgentRounds)
-    if kind == "agent_planned":
-        return PlannedSource(host, AgentRounds)
-    if kind == "agent_completion":
-        return CompletionSource(host, AgentGroups)
-    return SyncSource(host)
+def player_of(cfg: Config) -> str:
+    """The kind of samples a config's rollout makes: agent (rollout.agent), env (rollout.env) or single."""
+    return "agent" if cfg.rollout.agent is not None else "env" if cfg.rollout.env is not None else "single"
 
 
-if TYPE_CHECKING:  # every source is a StepSource: mypy fails here when one stops conforming
+def make_source(parts: Parts) -> StepSource:
+    """The run's source and its player, for the config in `parts` (the one place they are chosen and made)."""
+    order, kind = order_of(parts.cfg), player_of(parts.cfg)
+    if order == "completion":
+        return CompletionSource(parts, GROUP_PLAYERS[kind](parts))
+    return ORDERS[order](parts, ROUND_PLAYERS[kind](parts))
+
+
+if TYPE_CHECKING:  # every source is a StepSource and every player its order's: mypy fails here when one stops conforming
 
     def _conforms(sync: SyncSource, planned: PlannedSource, completion: CompletionSource) -> list[StepSource]:
         return [sync, planned, completion]
@@ -68,5 +68,5 @@ if TYPE_CHECKING:  # every source is a StepSource: mypy fails here when one stop
     def _groups(single: SingleTurnGroups, episodes: Turns, agents: AgentGroups) -> list[GroupPlayer]:
         return [single, episodes, agents]
 
-    def _plays(single: SingleTurn, episodes: EnvRounds, agents: AgentRounds) -> list[RoundPlayer]:
+    def _rounds(single: SingleTurn, episodes: EnvRounds, agents: AgentRounds) -> list[RoundPlayer]:
         return [single, episodes, agents]

@@ -8,36 +8,34 @@ made by the step-order machinery the source holds (``sources.batches``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
-from .base import Host, Source, StepInputs
-from .batches import Batches, Production, RoundPlayer
-from .episodes import EnvRounds
+from ..inputs import StepInputs
+from .base import Source
+from .batches import Batches, Production
+from .players import Parts, RoundPlayer
 
 
 class PlannedSource(Source):
-    """Async step order: k batches planned ahead, one generating while the update runs. `agents`: what makes the
-    round player of rollout.agent's programs (sources.agents.AgentRounds), for an agent run."""
+    """Async step order: k batches planned ahead, one generating while the update runs."""
 
-    def __init__(self, host: Host, agents: Callable[[Source], RoundPlayer] | None = None):
-        super().__init__(host)
-        self.batches = Batches(self, EnvRounds(self), agents(self) if agents is not None else None)
+    def __init__(self, parts: Parts, player: RoundPlayer):
+        super().__init__(parts)
+        self.batches = Batches(parts, player)
         self.made: list[Production] = []
         self.inflight: Production | None = None  # the batch generating while the update runs
         self.consumed = np.zeros(0, np.int64)  # what the step being collected trains on
 
     def collect(self, step: int) -> StepInputs:
         version, b = self.begin(step), self.batches
-        k, buffer = self.cfg.rollout.staleness, self.host.buffer
+        k, buffer, engine = self.cfg.rollout.staleness, self.buffer, self.live
         self.made = []
         through = buffer.planned_through() or step - 1
         for j in range(through + 1, step + k):  # only at the run's first step: batches 2..k wait for no update
-            self.made.append(b.admit(b.finish(b.start(j, version)), planned=True))
-        self.inflight = b.start(step + k, version) if through < step + k else None
+            self.made.append(b.admit(b.finish(b.start(j, version, engine), engine), planned=True))
+        self.inflight = b.start(step + k, version, engine) if through < step + k else None
         self.consumed = buffer.plans[step]
-        return b.inputs(self.made, self.consumed)
+        return b.inputs(self.made, self.consumed, self.seeds, engine, self.timings)
 
     def finish_collect(self, step: int, inputs: StepInputs) -> StepInputs:
         """After the update: wait for the batch `collect` started, score it, admit it and plan it; the
@@ -45,9 +43,9 @@ class PlannedSource(Source):
         if self.inflight is None:
             return inputs
         b = self.batches
-        self.made.append(b.admit(b.finish(self.inflight), planned=True))
+        self.made.append(b.admit(b.finish(self.inflight, self.live), planned=True))
         self.inflight = None
-        return b.inputs(self.made, self.consumed)
+        return b.inputs(self.made, self.consumed, self.seeds, self.live, self.timings)
 
     def close(self, at_once: bool = False) -> None:
         self.batches.close()

@@ -13,27 +13,34 @@ of from its start.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from verlj.journal.failpoints import failpoint
 
+from ...config import Config
 from ...schema import sample as sample_codec
 from ...schema.sample import EnvEnd, GroupInFlight, Sample
 from ...state.seeding import derive_seed
-from ..envs import row_of
+from ..envs import EnvFactory, row_of
 from ..episodes import GroupWork, Limits, Play, Round, play_lockstep
 from ..fleet import RayFleet
 from ..rollout import RolloutEngine
 from ..sampler import AskedGroup
-from .base import add_time, episode_metrics
+from .players import Asked, GroupCall, InFlightLog, Made, Parts, RoundCall
 
 if TYPE_CHECKING:
-    from .base import Source
-    from .batches import Production, RoundAsk
-    from .completion import CompletionSource
+    from ...dist import Runtime
+    from ..scoring import Scorer
+
+
+def on_fleet(engine: RolloutEngine) -> RayFleet | None:
+    """The engine when it is a Ray fleet (rollout.fleet=ray): rollout.env's envs then run on its actors,
+    beside generation (rl.episodes.play_group), and the trainer holds each group's state only."""
+    return engine if isinstance(engine, RayFleet) else None
 
 
 @dataclass
@@ -46,183 +53,180 @@ class EnvAsk:
 
 
 class EnvRounds:
-    """Step order's round player for rollout.env (``sources.batches.RoundPlayer``): each of the round's episodes reset
+    """Step order's round player for rollout.env (``sources.players.RoundPlayer``): each of the round's episodes reset
     (its env's seed from its place), played to its end in lockstep (rl.episodes.play_lockstep: turn t of every episode
     still going generated together, its context so far as the prompt, its own seed), scored as an episode; on a Ray
     fleet its envs run on the actors, beside generation, and the trainer gets each group's state back."""
 
-    def __init__(self, src: Source):
-        self.src = src
+    def __init__(self, cfg: Config, rt: Runtime, tokenizer: Any, dataset: list, scorer: Scorer, envs: Callable[[], EnvFactory]):
+        self.cfg, self.rt, self.tokenizer, self.dataset, self.scorer, self.envs = cfg, rt, tokenizer, dataset, scorer, envs
 
-    def start(self, prod: Production, ask: RoundAsk) -> None:
-        src = self.src
-        cfg, host, n = src.cfg, src.host, src.cfg.rollout.n
-        rows = [row_of(host.dataset[int(i)]) for i in ask.mine for _ in range(n)]
-        env_seeds = [derive_seed(cfg.trainer.seed, prod.step, "rollout/env", prod.rounds, q) for q in ask.places]
-        fleet = on_fleet(src.live)
+    @classmethod
+    def of(cls, parts: Parts) -> EnvRounds:
+        return cls(parts.cfg, parts.rt, parts.tokenizer, parts.dataset, parts.scorer, parts.envs)
+
+    def start(self, call: RoundCall) -> object:
+        cfg, n = self.cfg, self.cfg.rollout.n
+        rows = [row_of(self.dataset[int(i)]) for i in call.mine for _ in range(n)]
+        env_seeds = [derive_seed(cfg.trainer.seed, call.step, "rollout/env", call.round, q) for q in call.places]
+        fleet = on_fleet(call.engine)
         if fleet is not None:  # its envs run on the fleet's actors, beside generation
-            ask.handle = EnvAsk(fleet.play(self.works(prod, ask, rows, env_seeds), cfg))
-            return
-        rnd = Round(host.envs(), rows, env_seeds, ask.prompts, host.tokenizer, Limits.of(cfg.rollout))
+            return EnvAsk(fleet.play(self.works(call, rows, env_seeds), cfg))
+        rnd = Round(self.envs(), rows, env_seeds, call.prompts, self.tokenizer, Limits.of(cfg.rollout))
         first = rnd.live()  # a reset that faulted: no action is asked of it (a stand-in prompt when none is left)
-        seeds = [self.seed(prod, ask, i, 0) for i in first] or [0]
-        ask.handle = EnvAsk(src.live.submit([rnd.first_prompts()[i] for i in first] or rnd.first_prompts()[:1], seeds, cfg), rnd)
+        seeds = [self.seed(call, i, 0) for i in first] or [0]
+        return EnvAsk(call.engine.submit([rnd.first_prompts()[i] for i in first] or rnd.first_prompts()[:1], seeds, cfg), rnd)
 
-    def seed(self, prod: Production, ask: RoundAsk, i: int, turn: int) -> int:
+    def seed(self, call: RoundCall, i: int, turn: int) -> int:
         """The seed of turn `turn` of the episode at place `i` of this rank's share (its sample's place in the step)."""
-        return derive_seed(self.src.cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, ask.places[i], *([turn] if turn else []))
+        return derive_seed(self.cfg.trainer.seed, call.step, "rollout/sample", call.round, call.places[i], *([turn] if turn else []))
 
-    def samples(self, prod: Production, ask: RoundAsk) -> list[Sample]:
+    def samples(self, call: RoundCall, started: object) -> Made:
         """The round's episodes played to their ends from their first turns' actions, scored. Collective: the ranks
         generate each turn together while any rank has an episode going."""
-        src = self.src
-        assert isinstance(ask.handle, EnvAsk), "an env round is started before its samples are asked for"
+        assert isinstance(started, EnvAsk), "an env round is started before its samples are asked for"
         t0 = time.perf_counter()
-        here, cfg = ask.handle.round, src.cfg
+        here, cfg, engine = started.round, self.cfg, call.engine
         if here is None:  # played on the fleet's actors
-            rnd = self.played(ask.handle.handle)
+            rnd = self.played(call, started.handle)
         else:
             rnd = here
-            play_lockstep(rnd, lambda contexts, seeds: src.live.result(src.live.submit(contexts, seeds, cfg)),
-                          lambda i, turn: self.seed(prod, ask, i, turn), src.host.rt.all_true, src.live.result(ask.handle.handle))
+            play_lockstep(rnd, lambda contexts, seeds: engine.result(engine.submit(contexts, seeds, cfg)),
+                          lambda i, turn: self.seed(call, i, turn), self.rt.all_true, engine.result(started.handle))
         t1 = time.perf_counter()
-        local = src.host.scorer.score_episodes(ask.mine, src.cfg.rollout.n, rnd)
-        prod.gen_s += t1 - t0
-        add_time(src.timings, "timing_s/reward", time.perf_counter() - t1)
-        return local
+        local = self.scorer.score_episodes(call.mine, cfg.rollout.n, rnd)
+        return Made(local, t1 - t0, {"timing_s/reward": time.perf_counter() - t1})
 
-    def works(self, prod: Production, ask: RoundAsk, rows: list[dict], env_seeds: list[int]) -> list[GroupWork]:
+    def works(self, call: RoundCall, rows: list[dict], env_seeds: list[int]) -> list[GroupWork]:
         """On a fleet: the round's groups of episodes to play to their ends on its actors, each episode's seeds those
         of its place in the step (as played here)."""
-        cfg, n = self.src.cfg, self.src.cfg.rollout.n
+        cfg, n = self.cfg, self.cfg.rollout.n
         limits = Limits.of(cfg.rollout)
-        return [GroupWork(k // n, int(ask.mine[k // n]), rows[k : k + n], ask.prompts[k : k + n], env_seeds[k : k + n],
-                          [(cfg.trainer.seed, prod.step, "rollout/sample", prod.rounds, q) for q in ask.places[k : k + n]], limits,
+        return [GroupWork(k // n, int(call.mine[k // n]), rows[k : k + n], call.prompts[k : k + n], env_seeds[k : k + n],
+                          [(cfg.trainer.seed, call.step, "rollout/sample", call.round, q) for q in call.places[k : k + n]], limits,
                           cfg.rollout.max_turns) for k in range(0, len(rows), n)]
 
-    def played(self, handle: object) -> Round:
+    def played(self, call: RoundCall, handle: object) -> Round:
         """On a fleet: the round's episodes, as its actors played them (their envs stay there)."""
-        fleet = on_fleet(self.src.live)
+        fleet = on_fleet(call.engine)
         assert fleet is not None and isinstance(handle, int), "a round is played on a fleet only, named by its handle"
         states = [GroupInFlight.from_dict(d) for d in fleet.played(handle)]
-        return Round.of_states(states, self.src.host.tokenizer, Limits.of(self.src.cfg.rollout))
+        return Round.of_states(states, self.tokenizer, Limits.of(self.cfg.rollout))
 
     def close(self) -> None:
         pass
 
 
-def on_fleet(engine: RolloutEngine) -> RayFleet | None:
-    """The engine when it is a Ray fleet (rollout.fleet=ray): rollout.env's envs then run on its actors,
-    beside generation (rl.episodes.play_group), and the trainer holds each group's state only."""
-    return engine if isinstance(engine, RayFleet) else None
-
-
 class Turns:
-    """Completion order's groups of episodes: those this rank asked for, being played (`plays`); those
-    durable from before this process (read at its first collect); restored ones already over; groups in
+    """Completion order's groups of episodes (``sources.players.GroupPlayer``): those this rank asked for, being played
+    (`plays`); those durable from before this process (read at its first collect); restored ones already over; groups in
     a committed step, to forget at the next durable write."""
 
-    def __init__(self, src: CompletionSource):
-        self.src = src
+    def __init__(self, cfg: Config, rt: Runtime, tokenizer: Any, dataset: list, prompt_ids: list[np.ndarray], scorer: Scorer, envs: Callable[[], EnvFactory],
+                 durable: InFlightLog | None):
+        self.cfg, self.rt, self.tokenizer, self.dataset, self.prompt_ids = cfg, rt, tokenizer, dataset, prompt_ids
+        self.scorer, self.envs, self.durable_log = scorer, envs, durable
+        self.limits = Limits.of(cfg.rollout)
         self.plays: dict[int, Play] = {}
         self.durable: dict[int, GroupInFlight] = {}
         self.over: list[int] = []
         self.settle: list[int] = []
 
+    @classmethod
+    def of(cls, parts: Parts) -> Turns:
+        return cls(parts.cfg, parts.rt, parts.tokenizer, parts.dataset, parts.prompt_ids, parts.scorer, parts.envs, parts.durable)
+
     # ------------------------------------------------------------------ the completion source's group player
 
-    def resume(self) -> None:
+    def resume(self, call: GroupCall) -> None:
         """A process's first collect: the groups made durable by an earlier one, read back (durable_groups)."""
-        self.durable = self.durable_groups()
+        self.durable = self.durable_groups(call)
 
     def committed(self, groups: list[int]) -> None:
         self.settle += groups
 
-    def ask(self, groups: list[tuple[int, int]]) -> None:
+    def ask(self, groups: list[tuple[int, int]], call: GroupCall) -> Asked:
         """This rank's share of `groups` (the q-th is rank q mod dp's): each group's episodes begin (or come back from their
         last durable turn), and their turn is asked of the generator."""
-        src = self.src
-        cfg, rt = src.cfg, src.host.rt
-        asks = [self.begin_play(g, r) for q, (g, r) in enumerate(groups) if q % rt.dp_size == rt.dp_rank]
-        src.live.ask([a for a in asks if a is not None], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size))
+        cfg, rt, asked = self.cfg, self.rt, Asked()
+        asks = [self.begin_play(g, r, call, asked) for q, (g, r) in enumerate(groups) if q % rt.dp_size == rt.dp_rank]
+        call.engine.ask([a for a in asks if a is not None], cfg, max(1, cfg.data.prompts_per_step // rt.dp_size))
+        return asked
 
-    def arrived(self, wait: float) -> list[Sample]:
+    def arrived(self, wait: float, call: GroupCall) -> Made:
         """This rank's turns arrived, taken (receive): every rank's groups over, as samples. Collective."""
-        src = self.src
         t = time.perf_counter()
-        mine = src.live.arrived(wait)
-        add_time(src.timings, "timing_s/gen", time.perf_counter() - t)
-        return self.receive(mine)
+        mine = call.engine.arrived(wait)
+        waited = time.perf_counter() - t
+        made = self.receive(mine, call)
+        return Made(made.samples, waited, made.metrics)
 
-    def pushed(self) -> None:
+    def pushed(self, call: GroupCall) -> dict[str, float]:
         """Nothing: a group's turns are durable as they are taken."""
-
-    def metrics(self) -> dict[str, float]:
-        flow = self.src.now
-        return {**episode_metrics(flow.added), "rollout/env/restored_turns": float(flow.restored_turns)}
+        return {}
 
     def close(self) -> None:
         pass
 
     # ------------------------------------------------------------------ its groups
 
-    def durable_groups(self) -> dict[int, GroupInFlight]:
+    def durable_groups(self, call: GroupCall) -> dict[int, GroupInFlight]:
         """The groups of episodes made durable by an earlier process, each as it stood after its last turn
         generated from a committed version (a turn from the weights of a step that never committed is
         made again): those still asked, and those asked in a step that never committed, which this
         process asks again under the same ids when it draws the same rows (`begin_play` checks the row).
         The rest are forgotten at the next write. Collective."""
-        host = self.src.host
-        if host.in_flight_log is None:
+        if self.durable_log is None:
             return {}
-        version, buffer, out = host.policy_version, host.buffer, {}
-        for g, state in host.in_flight_log.read().items():
-            kept = state.before(sum(v <= version for v in state.versions)) if g in buffer.requests or g >= buffer.next_id else None
+        out = {}
+        for g, state in self.durable_log.read().items():
+            kept = state.before(sum(v <= call.version for v in state.versions)) if g in call.requests or g >= call.next_id else None
             if kept is None:
                 self.settle.append(g)
             else:
                 out[g] = kept
         return out
 
-    def begin_play(self, g: int, row: int) -> AskedGroup | None:
+    def begin_play(self, g: int, row: int, call: GroupCall, asked: Asked) -> AskedGroup | None:
         """A group's episodes begin (each env reset from its place: rl.episodes), or come back from their
         last durable turn; returns what to ask of the generator (None: the group is over already)."""
-        cfg, host, n = self.src.cfg, self.src.host, self.src.cfg.rollout.n
-        rows = [row_of(host.dataset[int(row)])] * n
+        cfg, n = self.cfg, self.cfg.rollout.n
+        rows = [row_of(self.dataset[int(row)])] * n
         durable = self.durable.pop(g, None)
         if durable is not None and durable.row != int(row):  # another prompt under that id: not this group's turns
             self.settle.append(g)
             durable = None
-        fleet = on_fleet(self.src.live)
+        fleet = on_fleet(call.engine)
         if fleet is not None:
-            self.begin_remote(g, int(row), rows, durable, fleet)
+            asked.restored_turns += self.begin_remote(g, int(row), rows, durable, fleet)
             return None
         if durable is None:
             env_seeds = [derive_seed(cfg.trainer.seed, 0, "rollout/env", g, j) for j in range(n)]
-            play = Play(Round(host.envs(), rows, env_seeds, [host.prompt_ids[row]] * n, host.tokenizer, Limits.of(cfg.rollout)), int(row))
+            play = Play(Round(self.envs(), rows, env_seeds, [self.prompt_ids[row]] * n, self.tokenizer, self.limits), int(row))
         else:
-            rnd, replayed = Round.restored(host.envs(), rows, durable, host.tokenizer, Limits.of(cfg.rollout))
+            rnd, replayed = Round.restored(self.envs(), rows, durable, self.tokenizer, self.limits)
             play = Play(rnd, int(row), list(durable.versions))
-            self.src.now.restored_turns += replayed
+            asked.restored_turns += replayed
         self.plays[g] = play
         return self.next_turn(g, play)
 
-    def begin_remote(self, g: int, row: int, rows: list[dict], durable: GroupInFlight | None, fleet: RayFleet) -> None:
+    def begin_remote(self, g: int, row: int, rows: list[dict], durable: GroupInFlight | None, fleet: RayFleet) -> int:
         """On a fleet: the group's first turn (from its resets), or its next from its last durable turn,
-        asked of the actors, whose envs play it (rl.episodes.play_group); the trainer holds its state."""
-        cfg, host, n, limits = self.src.cfg, self.src.host, self.src.cfg.rollout.n, Limits.of(self.src.cfg.rollout)
-        prompts = [host.prompt_ids[row]] * n
+        asked of the actors, whose envs play it (rl.episodes.play_group); the trainer holds its state.
+        Returns the env steps the actor re-applies."""
+        cfg, n, limits = self.cfg, self.cfg.rollout.n, self.limits
+        prompts = [self.prompt_ids[row]] * n
         work = GroupWork(g, row, rows, prompts, [derive_seed(cfg.trainer.seed, 0, "rollout/env", g, j) for j in range(n)],
                          [(cfg.trainer.seed, 0, "rollout/group", g, j) for j in range(n)], limits, 1)
         none = lambda dt: [np.zeros(0, dt)] * n  # noqa: E731 - before its first turn: no response yet
         start = durable or GroupInFlight(g, row, [], prompts, none(np.int64), none(np.float32), none(np.int8), none(np.int64),
                                          none(np.float64), list(work.env_seeds), [int(EnvEnd.NONE)] * n, [""] * n)
-        play = Play(Round.of_states([start], host.tokenizer, limits), row, list(start.versions))
-        play.work = work
-        if durable is not None:  # the actor re-applies the durable actions of each episode still going
-            self.src.now.restored_turns += sum(len(ep.turn_lens) // 2 for ep in play.round.episodes if ep.live)
+        play = Play(Round.of_states([start], self.tokenizer, limits), row, list(start.versions), work=work)
+        # the actor re-applies the durable actions of each episode still going
+        restored = sum(len(ep.turn_lens) // 2 for ep in play.round.episodes if ep.live) if durable is not None else 0
         self.plays[g] = play
         self.ask_remote([g], fleet)
+        return restored
 
     def ask_remote(self, groups: list[int], fleet: RayFleet) -> None:
         """On a fleet: the next turn of each of `groups` not over, each from its state as it stands."""
@@ -233,42 +237,38 @@ class Turns:
                 self.over.append(g)
                 continue
             assert play.work is not None, "a group played on a fleet has its work"
-            play.work.state = play.state(g).to_dict() if play.round.turn > 0 else None
-            works.append(play.work)
-        cfg = self.src.cfg
+            works.append(play.next_work(g))
+        cfg = self.cfg
         fleet.ask_play(works, cfg, max(1, cfg.data.prompts_per_step))
 
     def next_turn(self, g: int, play: Play) -> AskedGroup | None:
         """The group's next turn to ask (its live episodes' contexts, each with its own seed), or None when
         it is over (noted in `over`, taken in by the next `receive`)."""
-        rnd, seed = play.round, self.src.cfg.trainer.seed
+        rnd, seed = play.round, self.cfg.trainer.seed
         if rnd.done():  # at turn 0 too: every reset faulted (no action is asked after one)
             self.over.append(g)
             return None
-        play.places = rnd.live()
-        seeds = [derive_seed(seed, 0, "rollout/group", g, j, *([rnd.turn] if rnd.turn else [])) for j in play.places]
-        return g, [rnd.episodes[j].context() for j in play.places], seeds
+        places = play.asking(rnd.live())
+        seeds = [derive_seed(seed, 0, "rollout/group", g, j, *([rnd.turn] if rnd.turn else [])) for j in places]
+        return g, [rnd.episodes[j].context() for j in places], seeds
 
-    def receive(self, arrived: list[tuple]) -> list[Sample]:
+    def receive(self, arrived: list[tuple], call: GroupCall) -> Made:
         """This rank's arrived turns: each group's envs stepped, every group that took a turn made
         durable as it stands (the journal's pending store, through the in-flight log) before its next
         turn is asked; the groups over scored. Returns every rank's groups over, as samples (rank
         order). Collective."""
-        src = self.src
-        cfg, n, host = src.cfg, src.cfg.rollout.n, src.host
+        cfg, n = self.cfg, self.cfg.rollout.n
         t = time.perf_counter()
         took = []
-        fleet = on_fleet(src.live)
+        fleet = on_fleet(call.engine)
         for item in arrived:
             play = self.plays[int(item[0])]
             if fleet is not None:  # the group's state after the turn its actor played
-                state = GroupInFlight.from_dict(item[1])
-                play.round, play.versions = Round.of_states([state], host.tokenizer, Limits.of(cfg.rollout)), list(state.versions)
+                play.took_remote(GroupInFlight.from_dict(item[1]), self.tokenizer, self.limits)
             else:
-                play.round.take(play.places, list(item[1]), list(item[2]))
-                play.versions.append(int(item[3]))
+                play.took(list(item[1]), list(item[2]), int(item[3]))
             took.append(int(item[0]))
-        add_time(src.timings, "timing_s/env", time.perf_counter() - t)
+        env_s = time.perf_counter() - t
         if took:
             failpoint("episodes.before_durable")  # the envs have stepped; the turns are not durable
         states = [self.plays[g].state(g).to_dict() for g in took]
@@ -277,20 +277,21 @@ class Turns:
         local = []
         for g in over:
             play = self.plays.pop(g)
-            got = host.scorer.score_episodes([play.row], n, play.round)
+            got = self.scorer.score_episodes([play.row], n, play.round)
             for j, smp in enumerate(got):
                 smp.id, smp.group, smp.policy_version = g + j, g, play.versions[0]
             local += got
-        add_time(src.timings, "timing_s/reward", time.perf_counter() - t)
-        gathered = host.rt.all_gather_obj((states, sample_codec.pack(local)))
+        reward_s = time.perf_counter() - t
+        gathered = self.rt.all_gather_obj((states, sample_codec.pack(local)))
         kept = [GroupInFlight.from_dict(d) for st, _ in gathered for d in st]
-        if kept and host.in_flight_log is not None:
-            host.in_flight_log.keep(kept, self.settle)
+        if kept and self.durable_log is not None:
+            self.durable_log.keep(kept, self.settle)
             self.settle = []
             failpoint("episodes.after_durable")
         if fleet is not None:
             self.ask_remote([g for g in took if g in self.plays], fleet)
-            return [s for _, cols in gathered for s in sample_codec.unpack(cols)]
-        asks = [self.next_turn(g, self.plays[g]) for g in took if g in self.plays]
-        src.live.ask([a for a in asks if a is not None], cfg, max(1, cfg.data.prompts_per_step // host.rt.dp_size))
-        return [s for _, cols in gathered for s in sample_codec.unpack(cols)]
+        else:
+            asks = [self.next_turn(g, self.plays[g]) for g in took if g in self.plays]
+            call.engine.ask([a for a in asks if a is not None], cfg, max(1, cfg.data.prompts_per_step // self.rt.dp_size))
+        samples: list[Sample] = [s for _, cols in gathered for s in sample_codec.unpack(cols)]
+        return Made(samples, 0.0, {"timing_s/env": env_s, "timing_s/reward": reward_s})

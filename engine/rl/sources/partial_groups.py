@@ -1,5 +1,5 @@
-"""rollout.partial, the trainer's side (the generator's: ``rl.partial``): what a completion-order source
-holds of the generations a push stopped mid-way, and how they are made durable and taken up again.
+"""rollout.partial, the trainer's side (the generator's: ``rl.partial``): what the single-turn group player holds of the
+generations a push stopped mid-way, and how they are made durable and taken up again.
 
 At every push (the completion source's ``finish_collect``, before the step's commit) the generator
 stops each generation at its next token and reports every group that has tokens, as it stands: its
@@ -19,41 +19,41 @@ from typing import TYPE_CHECKING
 
 from ...schema.sample import GroupProgress
 from ..partial import Progress
+from .players import Asked, GroupCall, InFlightLog
 
 if TYPE_CHECKING:
-    from .completion import CompletionSource
+    from ...dist import Runtime
 
 
 class Partials:
     """The groups a push stopped (durable at each push), those durable from before this process (read at its
     first collect), and the groups to forget at the next durable write (their samples in a committed step)."""
 
-    def __init__(self, src: CompletionSource):
-        self.src = src
+    def __init__(self, rt: Runtime, durable: InFlightLog | None):
+        self.rt, self.durable_log = rt, durable
         self.durable: dict[int, GroupProgress] = {}
         self.settle: list[int] = []
-        self.stopped = 0  # groups the last push stopped with tokens, and their tokens (the step's metrics)
-        self.stopped_tokens = 0
 
-    def restore(self) -> None:
+    def committed(self, groups: list[int]) -> None:
+        self.settle += groups
+
+    def restore(self, call: GroupCall) -> None:
         """A process's first collect: the groups made durable by an earlier one, each cut to the tokens of
         versions the resume holds; those still asked, or asked in a step that never committed (ids from
         the buffer's next id on), are kept for their ask; the rest forgotten at the next write. Collective."""
-        host = self.src.host
-        if host.in_flight_log is None:
+        if self.durable_log is None:
             return
-        version, buffer = host.policy_version, host.buffer
-        for g, state in host.in_flight_log.read_partial().items():
-            if g in buffer.requests or g >= buffer.next_id:
-                self.durable[g] = state.through(version)
+        for g, state in self.durable_log.read_partial().items():
+            if g in call.requests or g >= call.next_id:
+                self.durable[g] = state.through(call.version)
             else:
                 self.settle.append(g)
 
-    def progress(self, asked: list[tuple[int, int]]) -> dict[int, Progress]:
-        """What of `asked` (group, row) goes on from durable tokens: {group: its progress}, noted in the step's
-        flow (continued groups and tokens). A durable group asked for another row is another prompt's."""
+    def progress(self, asked: list[tuple[int, int]]) -> tuple[Asked, dict[int, Progress]]:
+        """What of `asked` (group, row) goes on from durable tokens: ({the groups and their tokens}, {group: its
+        progress}). A durable group asked for another row is another prompt's."""
         out: dict[int, Progress] = {}
-        flow = self.src.now
+        went_on = Asked()
         for g, row in asked:
             state = self.durable.pop(int(g), None)
             if state is None:
@@ -62,25 +62,19 @@ class Partials:
                 self.settle.append(int(g))
                 continue
             out[int(g)] = (state.responses, state.logprobs, state.runs, state.done)
-            flow.continued.append(int(g))
-            flow.continued_tokens += state.tokens
-        return out
+            went_on.continued.append(int(g))
+            went_on.continued_tokens += state.tokens
+        return went_on, out
 
-    def keep(self) -> None:
+    def keep(self, call: GroupCall) -> dict[str, float]:
         """After a push: the groups it stopped (every rank's), made durable as they stand, and the settled
-        groups forgotten, in one write before the step's commit. Collective."""
-        src, host = self.src, self.src.host
-        rows = host.buffer.requests
+        groups forgotten, in one write before the step's commit. Returns what the push stopped, as the step's
+        metrics. Collective."""
+        rows = call.requests
         mine = [GroupProgress(int(g), rows[int(g)], list(r), list(lp), list(rn), list(d)).to_dict()
-                for g, r, lp, rn, d in src.live.partials() if int(g) in rows]
-        stopped = [GroupProgress.from_dict(d) for got in host.rt.all_gather_obj(mine) for d in got]
-        self.stopped, self.stopped_tokens = len(stopped), sum(s.tokens for s in stopped)
-        if host.in_flight_log is not None and (stopped or self.settle):
-            host.in_flight_log.keep_partial(stopped, self.settle)
+                for g, r, lp, rn, d in call.engine.partials() if int(g) in rows]
+        stopped = [GroupProgress.from_dict(d) for got in self.rt.all_gather_obj(mine) for d in got]
+        if self.durable_log is not None and (stopped or self.settle):
+            self.durable_log.keep_partial(stopped, self.settle)
             self.settle = []
-
-    def metrics(self) -> dict[str, float]:
-        flow = self.src.now
-        return {"rollout/partial/stopped_groups": float(self.stopped), "rollout/partial/stopped_tokens": float(self.stopped_tokens),
-                "rollout/partial/continued_groups": float(len(flow.continued)),
-                "rollout/partial/continued_tokens": float(flow.continued_tokens), "rollout/dropped_stale": float(len(flow.stale))}
+        return {"rollout/partial/stopped_groups": float(len(stopped)), "rollout/partial/stopped_tokens": float(sum(s.tokens for s in stopped))}
