@@ -250,8 +250,9 @@ def _items_of(req: ChatRequest, c: Completion, cid: str) -> tuple[list, str, str
 class _Events:
     """A stream's events in order, each with its sequence number."""
 
-    def __init__(self, start: int = 0):
-        self.n, self.out = start, b""
+    def __init__(self, start: int = 0, sent: bytes = b""):
+        """`sent`: the events already sent (a token-by-token stream's head), `start` events in all."""
+        self.n, self.out = start, sent
 
     def add(self, kind: str, **fields: Any) -> _Events:
         data = json.dumps({"type": kind, "sequence_number": self.n, **fields}, ensure_ascii=False, separators=(",", ":"))
@@ -287,9 +288,7 @@ def response_bytes(req: ChatRequest, c: Completion, cid: str) -> tuple[bytes, st
     whole = _response(req, c, cid, items, status)
     if not req.stream:
         return json.dumps(whole, ensure_ascii=False, separators=(",", ":")).encode(), flag
-    ev = _Events()
-    ev.out = head_events(req, cid) if streams_tokens(req) else b""
-    ev.n = HEAD if streams_tokens(req) else 0
+    ev = _Events(HEAD, head_events(req, cid)) if streams_tokens(req) else _Events()
     if not streams_tokens(req):
         begun = _response(req, None, cid, [], "in_progress")
         ev.add("response.created", response=begun).add("response.in_progress", response=begun)

@@ -211,6 +211,24 @@ class Play:
                 r.cond.notify_all()
         return fut
 
+    def returned(self, out: float | None) -> None:
+        """Its agent returned `out` (a finite number or None) after calling the model: its result, and whether its last
+        answer was cut at its length (rl.overlong)."""
+        self.result = None if out is None else float(out)
+        self.cut = "its last answer was cut at its length" if cut_short(self.calls) else ""
+
+    def refused(self) -> list[Future]:
+        """Its episode is over: the calls still waiting, each to be refused; none waits after."""
+        out = [fut for *_, fut in self.pending]
+        self.pending, self.sinks = [], {}
+        return out
+
+    def answered_one(self, fut: Future) -> None:
+        """The call waiting on `fut` is answered: when none waits any more, its agent runs again."""
+        self.pending = [x for x in self.pending if x[3] is not fut]
+        if not self.pending:
+            self.state, self.since = RUNNING, time.monotonic()
+
     def earlier(self, calls: list[Call]) -> list[Answered]:
         """The episode's calls so far as a request may continue them (from their journaled requests and answers)."""
         for c in calls[len(self.answered):]:
@@ -318,8 +336,7 @@ class Runner:
             elif not p.calls:
                 self.end(p, "the agent never called the model")
             else:
-                p.result = None if out is None else float(out)
-                p.cut = "its last answer was cut at its length" if cut_short(p.calls) else ""
+                p.returned(out)
                 self.end(p, "")
 
     def from_journal(self, p: Play, req: ChatRequest) -> Future | None:
@@ -359,9 +376,8 @@ class Runner:
             self.agent.kill(p.key)
         if p.task is not None and fault:
             p.task.cancel()
-        for *_, fut in p.pending:
+        for fut in p.refused():
             fut.set_exception(unauthorized())
-        p.pending, p.sinks = [], {}
         self.cond.notify_all()
 
     def _ready(self, running: list[Play]) -> list[Play] | None:
@@ -430,9 +446,7 @@ class Runner:
                 self.discarded = []
                 self.counts.durable_writes += 1
             for p, fut, body in answers:
-                p.pending = [x for x in p.pending if x[3] is not fut]
-                if not p.pending:
-                    p.state, p.since = RUNNING, time.monotonic()
+                p.answered_one(fut)
                 fut.set_result(body)
             self.cond.notify_all()
 
