@@ -2,7 +2,7 @@
 episodes after each turn, an agent's calls as they are answered, the generations a push stopped), over the run's
 ledger (``ledger.in_flight``: the journal's pending store). Rank 0 writes and reads; every rank waits for it
 (``Runtime.from_rank0``). The rollout's players are made with it (``rl.sources.players.InFlightLog``), and reach the
-journal through it alone: player -> :class:`DurableLog` -> ``Ledger.in_flight`` -> ``journal.pending``.
+journal through it alone: player -> :class:`DurableLog` -> ``InFlight`` (the ledger's) -> ``journal.pending``.
 """
 
 from __future__ import annotations
@@ -15,32 +15,44 @@ from .records import attempt_at
 if TYPE_CHECKING:
     from ..dist import Runtime
     from .ledger import Ledger
+    from .ledger.in_flight import InFlight
 
 
 class DurableLog:
-    """rl.sources.InFlightLog over the run's ledger (rank 0's; None on the other ranks)."""
+    """rl.sources.InFlightLog over the run's ledger (rank 0's; None on the other ranks): each write one transaction of
+    the ledger's in-flight entries (``ledger.in_flight``), every rank waiting for it."""
 
     def __init__(self, rt: Runtime, ledger: Ledger | None):
         self.rt, self.ledger = rt, ledger
+        self.in_flight: InFlight | None = ledger.in_flight if ledger is not None else None
 
-    def _held(self) -> Ledger:
-        assert self.ledger is not None, "the ledger is rank 0's"
-        return self.ledger
+    def _held(self) -> InFlight:
+        assert self.in_flight is not None, "the ledger is rank 0's"
+        return self.in_flight
 
-    def keep(self, groups: list[GroupInFlight], settled: list[int], calls: list | None = None, dropped: list | None = None) -> None:
-        self.rt.from_rank0(lambda: self._held().in_flight.keep(groups, settled, calls or (), dropped or ()), "making episodes' turns durable")
+    def keep_in_flight(self, groups: list[GroupInFlight], settled: list[int], calls: list | None = None, dropped: list | None = None) -> None:
+        def write() -> None:  # rank 0's
+            self._held().write_in_flight(groups, settled, calls or (), dropped or ())
 
-    def read(self) -> dict[int, GroupInFlight]:
-        got = self.rt.from_rank0(lambda: [g.to_dict() for g in self._held().in_flight.groups().values()], "reading the episodes in flight")
+        self.rt.from_rank0(write, "making episodes' turns durable")
+
+    def read_in_flight(self) -> dict[int, GroupInFlight]:
+        got = self.rt.from_rank0(lambda: [g.to_dict() for g in self._held().groups().values()], "reading the episodes in flight")
         return {g.group: g for g in map(GroupInFlight.from_dict, got)}
 
-    def keep_partial(self, groups: list[GroupProgress], settled: list[int]) -> None:
-        self.rt.from_rank0(lambda: self._held().in_flight.keep_partial(groups, settled), "making partial generations durable")
+    def keep_stopped(self, groups: list[GroupProgress], settled: list[int]) -> None:
+        def write() -> None:  # rank 0's
+            self._held().write_stopped(groups, settled)
 
-    def read_partial(self) -> dict[int, GroupProgress]:
-        got = self.rt.from_rank0(lambda: [g.to_dict() for g in self._held().in_flight.partial_groups().values()],
-                                 "reading the partial generations")
+        self.rt.from_rank0(write, "making partial generations durable")
+
+    def read_stopped(self) -> dict[int, GroupProgress]:
+        got = self.rt.from_rank0(lambda: [g.to_dict() for g in self._held().partial_groups().values()], "reading the partial generations")
         return {g.group: g for g in map(GroupProgress.from_dict, got)}
 
     def attempt(self, step: int) -> int:
-        return self.rt.from_rank0(lambda: attempt_at(self._held().lineage.entries(), step), "reading the run's lineage")
+        def lineage() -> int:  # rank 0's
+            assert self.ledger is not None, "the ledger is rank 0's"
+            return attempt_at(self.ledger.lineage.entries(), step)
+
+        return self.rt.from_rank0(lineage, "reading the run's lineage")

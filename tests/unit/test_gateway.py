@@ -446,7 +446,7 @@ def test_every_call_is_durable_before_its_answer_and_a_rerun_is_answered_from_th
     class Sink:
         name, durable = "a list", []
 
-        def keep(self, new, discarded):  # under the runner's lock, before any of these answers is returned to its agent
+        def keep_calls(self, new, discarded):  # under the runner's lock, before any of these answers is returned to its agent
             assert all(r.plays[q].pending and not any(fut.done() for *_, fut in r.plays[q].pending) for q, _, _ in new)
             assert all(r.plays[q].calls[k] is call for q, k, call in new) and discarded == []
             self.durable.append(sorted((q, k) for q, k, _ in new))

@@ -364,17 +364,17 @@ def test_an_agent_groups_calls_are_kept_one_key_a_call_and_read_back_in_order(ru
         empty = [np.zeros(0)] * 2
         return GroupInFlight(g, 3, [1], empty, empty, empty, empty, empty, empty, [11, 12], [0, 0], ["", ""])
 
-    ledger.in_flight.keep([entry(5)], [], [(5, 0, 0, call(0).to_dict()), (5, 1, 0, call(100).to_dict())])
+    ledger.in_flight.write_in_flight([entry(5)], [], [(5, 0, 0, call(0).to_dict()), (5, 1, 0, call(100).to_dict())])
     for k in range(1, 10):  # each write adds its call alone: linear in the episode's length
-        ledger.in_flight.keep([], [], [(5, 0, k, call(k).to_dict())])
+        ledger.in_flight.write_in_flight([], [], [(5, 0, k, call(k).to_dict())])
     assert writes == [3] + [1] * 9
     back = ledger.in_flight.groups()[5]
     got = [AgentCalls.from_json(text).calls for text in back.agent_calls]
     assert [c.response for c in got[0]] == [call(k).response for k in range(10)] and got[1][0].request == call(100).request
     assert all(np.array_equal(a.logprobs, call(k).logprobs) and a.logprobs.dtype == np.float32 for k, a in enumerate(got[0]))
     assert (back.row, back.env_seed) == (3, [11, 12])
-    ledger.in_flight.keep([], [], dropped=[(5, 0, k) for k in range(4, 10)])  # a divergence at call 4 discarded the rest
+    ledger.in_flight.write_in_flight([], [], dropped=[(5, 0, k) for k in range(4, 10)])  # a divergence at call 4 discarded the rest
     assert len(AgentCalls.from_json(ledger.in_flight.groups()[5].agent_calls[0]).calls) == 4
-    ledger.in_flight.keep([entry(6)], [5], [(6, 1, 0, call(7).to_dict())])  # group 5 in a committed step: it and its calls forgotten
+    ledger.in_flight.write_in_flight([entry(6)], [5], [(6, 1, 0, call(7).to_dict())])  # group 5 in a committed step: it and its calls forgotten
     assert list(ledger.in_flight.groups()) == [6] and ledger.in_flight.groups()[6].agent_calls[0] == ""
     assert not [k for k in ledger.journal.pending.entries() if k.startswith(b"agentcalls/") and k[11:19] == (5).to_bytes(8, "big")]

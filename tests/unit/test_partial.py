@@ -280,11 +280,11 @@ def test_the_runs_durable_log_keeps_the_stopped_groups_and_forgets_the_settled(t
     def group(g: int, n: int) -> GroupProgress:
         return GroupProgress(g, 7, [np.arange(n)], [np.full(n, -0.25, np.float32)], [np.asarray([1, n])], [False])
 
-    log.keep_partial([group(4, 3), group(8, 2)], [])
-    log.keep_partial([group(4, 5)], [8])  # group 4 stopped again, with more tokens; group 8 arrived in a committed step
-    back = log.read_partial()
+    log.keep_stopped([group(4, 3), group(8, 2)], [])
+    log.keep_stopped([group(4, 5)], [8])  # group 4 stopped again, with more tokens; group 8 arrived in a committed step
+    back = log.read_stopped()
     assert list(back) == [4] and back[4].responses[0].tolist() == list(range(5)) and back[4].row == 7
-    assert log.read() == {}  # the episodes' entries are another family
+    assert log.read_in_flight() == {}  # the episodes' entries are another family
     assert log.attempt(1) == 1  # no process has begun a step yet but this one
     j.close()
 
@@ -326,10 +326,10 @@ class FakeLog:
     def __init__(self, entries: dict[int, GroupProgress]):
         self.entries, self.writes = entries, []
 
-    def read_partial(self):
+    def read_stopped(self):
         return dict(self.entries)
 
-    def keep_partial(self, groups, settled):
+    def keep_stopped(self, groups, settled):
         self.writes.append(([g.group for g in groups], sorted(settled)))
 
 

@@ -66,14 +66,13 @@ class InFlight:
     def __init__(self, journal: Journal):
         self.journal = journal
 
-    def keep(self, groups: list[GroupInFlight], settled: Iterable[int], calls: Iterable[tuple] = (), dropped: Iterable[tuple] = ()) -> None:
+    def write_in_flight(self, groups: list[GroupInFlight], settled: Iterable[int], calls: Iterable[tuple] = (), dropped: Iterable[tuple] = ()) -> None:
         """Make these groups' episodes durable as they stand (one transaction, replacing each group's
         entry), and forget the groups in `settled` (their samples are in a committed step) with their calls.
         rollout.agent: `calls` are (group, episode, position, the call's dict: schema.agent_calls.Call), each
         added under its own key; `dropped` (group, episode, position) are forgotten (a divergence discarded them)."""
         self.journal.store.fence()
-        values = {_group_key(g.group): g.to_dict() for g in groups}
-        values.update({_call_key(int(g), e, k): d for g, e, k, d in calls})
+        values = {**{_group_key(g.group): g.to_dict() for g in groups}, **{_call_key(int(g), e, k): d for g, e, k, d in calls}}
         settled = list(settled)
         drop = [_group_key(int(g)) for g in settled] + [_call_key(int(g), e, k) for g, e, k in dropped]
         self.journal.pending.put(values, drop, [_call_key(int(g)) for g in settled])
@@ -94,7 +93,7 @@ class InFlight:
         return {g: dataclasses.replace(state, agent_calls=[_agent_calls(calls[g].get(e, {})) for e in range(len(state.env_seed))])
                 if g in calls else state for g, state in out.items()}
 
-    def keep_partial(self, groups: list[GroupProgress], settled: Iterable[int]) -> None:
+    def write_stopped(self, groups: list[GroupProgress], settled: Iterable[int]) -> None:
         """rollout.partial: make these groups' generations durable as a push stopped them (one transaction,
         replacing each group's entry), and forget the groups in `settled` (their samples are in a committed step)."""
         self.journal.store.fence()

@@ -23,8 +23,9 @@ its last events once the call is durable.
 
 The way from a call to the journal, top to bottom (completion order: ``sources.agent_groups``):
 :meth:`Play.submit` (the server hands the request over) -> :meth:`Runner._answer` (the batch generated, each
-call's :class:`Call` made) -> :meth:`CallSink.keep` (the batch's new calls and the calls a divergence discarded)
--> the run's durable log (``loop.durable_log``) -> ``ledger.in_flight.keep`` -> ``journal.pending.put`` (one transaction), and only
+call's :class:`Call` made) -> :meth:`CallSink.keep_calls` (the batch's new calls and the calls a divergence discarded)
+-> the run's durable log (``loop.durable_log.DurableLog.keep_in_flight``) -> ``InFlight.write_in_flight`` -> ``journal.pending.put`` (one
+transaction), and only
 then each answer returned. A re-run after a crash is given each episode's journaled calls (``Episodes.journaled``),
 answered from there byte for byte while each request's hash is the one journaled at that position
 (:meth:`Runner.from_journal`), a request that differs a divergence (one line, counted, the journaled calls from
@@ -102,7 +103,7 @@ class CallSink(Protocol):
     """Where a batch's calls are made durable before any of them is answered (completion order: the run's in-flight
     log)."""
 
-    def keep(self, new: list[tuple[int, int, Call]], discarded: list[tuple[int, int]]) -> None:
+    def keep_calls(self, new: list[tuple[int, int, Call]], discarded: list[tuple[int, int]]) -> None:
         """Make `new` ((place, position, call) each) durable, and forget `discarded` ((place, position): the journaled
         calls a divergence discarded), in one write. Several ranks: collective, at every batch."""
 
@@ -442,7 +443,7 @@ class Runner:
             sink = self.round.sink
             if sink is not None and (answers or self.together is not None):  # every completed call durable before its
                 # answer is returned (several ranks: at every batch, as the ranks write together)
-                sink.keep(new, self.discarded)
+                sink.keep_calls(new, self.discarded)
                 self.discarded = []
                 self.counts.durable_writes += 1
             for p, fut, body in answers:

@@ -10,8 +10,8 @@ episode's writes cost its length, not its length squared. A group's entry (row, 
 written with its first call; it and its calls are forgotten once its samples are in a committed step.
 
 The way a call becomes durable, each hop one object given the next when it was made: the runner's batch
-(``gateway.runner.Runner._answer``) -> :class:`DurableCalls` (this round's call sink) -> the run's in-flight log
-(``loop.run.InFlightEpisodes``) -> ``ledger.in_flight.keep`` -> ``journal.pending.put``, one transaction, and only
+(``gateway.runner.Runner._answer``) -> :class:`DurableCalls` (this round's call sink, ``keep_calls``) -> the run's in-flight log
+(``loop.durable_log.DurableLog``) -> ``InFlight.write_in_flight`` -> ``journal.pending.put``, one transaction, and only
 then each answer is returned.
 
 After a crash, a group asked again under the same id and row (the resume draws the same rows) runs
@@ -91,7 +91,7 @@ class AgentGroups:
         """The groups whose calls an earlier process made durable and that are still to come: asked and not
         arrived, or asked in a step that never committed (asked again under the same id: `ask` checks the row)."""
         out = {}
-        for g, state in (self.durable.read() if self.durable is not None else {}).items():
+        for g, state in (self.durable.read_in_flight() if self.durable is not None else {}).items():
             if state.agent_calls and (g in call.requests or g >= call.next_id):
                 out[g] = state
             else:
@@ -164,7 +164,7 @@ class DurableCalls:
         self.log, self.rt, self.n, self.groups, self.seeds, self.version, self.settling = log, rt, n, groups, seeds, version, settling
         self.headed: set[int] = set()  # the groups (by their place in `groups`) whose entry is written
 
-    def keep(self, new: list[tuple[int, int, Call]], discarded: list[tuple[int, int]]) -> None:
+    def keep_calls(self, new: list[tuple[int, int, Call]], discarded: list[tuple[int, int]]) -> None:
         """In one write: the entries of the groups whose first calls these are, the new calls, the calls a divergence
         discarded forgotten, the groups settled since forgotten with their calls. Several ranks: collective, at every
         batch (rank 0 writes every rank's calls)."""
@@ -180,5 +180,5 @@ class DurableCalls:
             shares = rt.all_gather_obj(([st.to_dict() for st in states], calls, dropped))
             states = [GroupInFlight.from_dict(d) for st, _, _ in shares for d in st]
             calls, dropped = [c for _, cs, _ in shares for c in cs], [d for _, _, ds in shares for d in ds]
-        self.log.keep(states, self.settling.take(), calls, dropped)
+        self.log.keep_in_flight(states, self.settling.take(), calls, dropped)
         failpoint("agents.after_durable")

@@ -179,7 +179,7 @@ class Turns:
         if self.durable_log is None:
             return {}
         out = {}
-        for g, state in self.durable_log.read().items():
+        for g, state in self.durable_log.read_in_flight().items():
             kept = state.before(sum(v <= call.version for v in state.versions)) if g in call.requests or g >= call.next_id else None
             if kept is None:
                 self.settle.append(g)
@@ -285,7 +285,7 @@ class Turns:
         gathered = self.rt.all_gather_obj((states, sample_codec.pack(local)))
         kept = [GroupInFlight.from_dict(d) for st, _ in gathered for d in st]
         if kept and self.durable_log is not None:
-            self.durable_log.keep(kept, self.settle)
+            self.durable_log.keep_in_flight(kept, self.settle)
             self.settle = []
             failpoint("episodes.after_durable")
         if fleet is not None:

@@ -43,7 +43,7 @@ class Partials:
         the buffer's next id on), are kept for their ask; the rest forgotten at the next write. Collective."""
         if self.durable_log is None:
             return
-        for g, state in self.durable_log.read_partial().items():
+        for g, state in self.durable_log.read_stopped().items():
             if g in call.requests or g >= call.next_id:
                 self.durable[g] = state.through(call.version)
             else:
@@ -75,6 +75,6 @@ class Partials:
                 for g, r, lp, rn, d in call.engine.partials() if int(g) in rows]
         stopped = [GroupProgress.from_dict(d) for got in self.rt.all_gather_obj(mine) for d in got]
         if self.durable_log is not None and (stopped or self.settle):
-            self.durable_log.keep_partial(stopped, self.settle)
+            self.durable_log.keep_stopped(stopped, self.settle)
             self.settle = []
         return {"rollout/partial/stopped_groups": float(len(stopped)), "rollout/partial/stopped_tokens": float(sum(s.tokens for s in stopped))}

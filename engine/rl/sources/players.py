@@ -37,18 +37,18 @@ class InFlightLog(Protocol):
     agent calls as they are answered, generations a push stopped (loop.run makes one over the run's journal). Every
     call is collective: rank 0 reads and writes."""
 
-    def keep(self, groups: list[GroupInFlight], settled: list[int], calls: list | None = None, dropped: list | None = None) -> None:
+    def keep_in_flight(self, groups: list[GroupInFlight], settled: list[int], calls: list | None = None, dropped: list | None = None) -> None:
         """Make `groups` durable as they stand; forget the groups in `settled` (in a committed step). rollout.agent:
         add `calls` (group, episode, position, the call's dict), each under its own key; forget `dropped`
-        (group, episode, position). `read` gives an agent group's calls back in its `agent_calls`."""
+        (group, episode, position). `read_in_flight` gives an agent group's calls back in its `agent_calls`."""
 
-    def read(self) -> dict[int, GroupInFlight]:
+    def read_in_flight(self) -> dict[int, GroupInFlight]:
         """The groups made durable and not forgotten, by group id."""
 
-    def keep_partial(self, groups: list[GroupProgress], settled: list[int]) -> None:
+    def keep_stopped(self, groups: list[GroupProgress], settled: list[int]) -> None:
         """rollout.partial: make `groups` durable as they stand; forget the groups in `settled`."""
 
-    def read_partial(self) -> dict[int, GroupProgress]:
+    def read_stopped(self) -> dict[int, GroupProgress]:
         """rollout.partial: the groups made durable mid-generation and not forgotten, by group id."""
 
     def attempt(self, step: int) -> int:
