@@ -89,21 +89,18 @@ def cut_then(raise_it: bool):
     return agent
 
 
-def test_an_agent_that_raises_after_its_answer_was_cut_ended_by_length_and_one_after_a_whole_answer_is_a_fault(cleanup):
+def test_an_agent_that_raises_after_its_answer_was_cut_ended_by_length_and_one_after_a_whole_answer_is_a_fault():
     from test_gateway import play
 
-    out, *_ = play(cut_then(True), n=2, answers={"row 0": "abcdef", "row 1": "ab"}, cleanup=cleanup)
-    cut, whole = out
-    assert cut.fault == "" and cut.reward is None and cut.cut.startswith("the agent raised ValueError: the answer ended by length")
-    assert cut.cut.endswith("after its last answer was cut at its length")
-    assert whole.fault.startswith("the agent raised ValueError: the answer ended by stop") and whole.cut == ""
-    out, *_ = play(cut_then(False), n=2, answers={"row 0": "abcdef", "row 1": "ab"}, cleanup=cleanup)
-    assert [(p.fault, p.reward, p.cut) for p in out] == [("", 0.5, "its last answer was cut at its length"), ("", 0.5, "")]
-
-
-@pytest.fixture
-def cleanup():
-    made = []
-    yield made
-    for gw in made:
-        gw.stop()
+    started: list = []  # the gateways the plays start, stopped after
+    try:
+        out, *_ = play(cut_then(True), n=2, answers={"row 0": "abcdef", "row 1": "ab"}, cleanup=started)
+        cut, whole = out
+        assert cut.fault == "" and cut.reward is None and cut.cut.startswith("the agent raised ValueError: the answer ended by length")
+        assert cut.cut.endswith("after its last answer was cut at its length")
+        assert whole.fault.startswith("the agent raised ValueError: the answer ended by stop") and whole.cut == ""
+        out, *_ = play(cut_then(False), n=2, answers={"row 0": "abcdef", "row 1": "ab"}, cleanup=started)
+        assert [(p.fault, p.reward, p.cut) for p in out] == [("", 0.5, "its last answer was cut at its length"), ("", 0.5, "")]
+    finally:
+        for gw in started:
+            gw.stop()
