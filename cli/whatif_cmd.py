@@ -28,7 +28,7 @@ def whatif(
     prepare_accelerator()
     log_to_stderr_only_on_rank0()
     out = data_stdout()
-    from verlj.engine.post_mortem.whatif import whatif as run_whatif
+    from verlj.engine.post_mortem.counterfactual import whatif as run_whatif
 
     first, last = guarded(lambda: run_whatif(run, from_step, to_step, output, list(overrides or []), quiet=not verbose))
     out(f"Done: what-if {output} of {run}, steps {first}–{last} re-trained on its samples (counterfactual)")

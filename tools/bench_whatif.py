@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from verlj.engine.loop.run import train
-    from verlj.engine.post_mortem.whatif import whatif
+    from verlj.engine.post_mortem.counterfactual import whatif
 
     root = Path(tempfile.mkdtemp(prefix="verlj-bench-whatif-"))
     overrides = [

@@ -8,7 +8,7 @@
 
 The index is the journal's meta ``archive`` (through the ledger): file, step range, rows, bytes and
 BLAKE3 digest of each file. A file is written, fsynced and renamed into place before the journal
-transaction that indexes it and prunes its steps' payloads (:func:`retention.apply`), so a kill at
+transaction that indexes it and prunes its steps' payloads (:func:`pruning.apply`), so a kill at
 any moment leaves either the payloads in the journal or an indexed, complete file, never neither.
 This module is the only one that names these paths.
 """

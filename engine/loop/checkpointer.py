@@ -47,7 +47,7 @@ from ..state.safe_load import install_safe_checkpointing, save_portable, saveabl
 from ..state.seeding import RNGState
 from ..state.stateful import Stateful
 from ..state.topology import Topology, refusal
-from . import retention
+from . import pruning
 from .context import Run
 from .policy import CheckpointSchedule
 from .snapshot_store import SnapshotStore
@@ -314,7 +314,7 @@ class Checkpointer:
     def _retain(self) -> None:
         """Rank 0, after a snapshot is published and rotation is done: prune what no kept snapshot needs."""
         try:
-            retention.apply(self.run_dir, self.trainer.cfg, self.ledger, self.reporter)
+            pruning.apply(self.run_dir, self.trainer.cfg, self.ledger, self.reporter)
         except (RunError, JournalError, OSError) as e:  # the samples stay; the next snapshot tries again
             self.reporter.warn(f"journal retention did not run: {e}")
 

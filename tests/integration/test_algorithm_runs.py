@@ -10,7 +10,7 @@ import math
 import pytest
 
 from verlj.engine.loop.run import train as run_train
-from verlj.engine.post_mortem.whatif import whatif
+from verlj.engine.post_mortem.counterfactual import whatif
 from verlj.engine.schema.events import StepEvents
 from verlj.journal import VerljError, open_journal_reader
 from verlj_testing import TINY, assert_same_journal, fingerprints, train

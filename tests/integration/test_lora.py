@@ -11,7 +11,7 @@ import torch
 from test_hardening import flip, one_line_error, tree
 
 from verlj.engine.loop.run import train as run_train
-from verlj.engine.post_mortem.whatif import whatif
+from verlj.engine.post_mortem.counterfactual import whatif
 from verlj.engine.state.safe_load import load_weights_only
 from verlj.journal import open_journal_reader
 from verlj_testing import TINY, fingerprints, kill_and_resume, train, verlj

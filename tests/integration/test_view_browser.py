@@ -15,8 +15,8 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.post_mortem import inspection, metrics
+from verlj.engine.post_mortem.counterfactual import whatif
 from verlj.engine.post_mortem.view import Server
-from verlj.engine.post_mortem.whatif import whatif
 from verlj_testing import TINY, fingerprints, train
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from verlj.engine.loop.run import train as run_train
+from verlj.engine.post_mortem.counterfactual import whatif
 from verlj.engine.post_mortem.rerun import rerun
-from verlj.engine.post_mortem.whatif import whatif
 from verlj.journal import JournalError, VerljError, open_journal_reader
 from verlj_testing import TINY, assert_same_journal, cli, env, fingerprints, popen, replay_here, verlj
 

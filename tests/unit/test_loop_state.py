@@ -15,10 +15,10 @@ from verlj.engine.errors import ReplayError, SnapshotError
 from verlj.engine.loop.ledger import Ledger
 from verlj.engine.loop.policy import CheckpointSchedule
 from verlj.engine.loop.provenance import versions
+from verlj.engine.loop.pruning import apply as apply_retention
+from verlj.engine.loop.pruning import prune_bound
 from verlj.engine.loop.records import ArchiveEntry, Rebased, TopologyChange
 from verlj.engine.loop.recovery import choose_snapshot, resolve_explicit
-from verlj.engine.loop.retention import apply as apply_retention
-from verlj.engine.loop.retention import prune_bound
 from verlj.engine.loop.snapshot_store import ADOPT, KEEP, QUARANTINE, REMOVE, UNINDEX, SnapshotStore
 from verlj.engine.state.manifest import ANCHOR, META, Manifest, SnapshotMeta
 from verlj.engine.state.topology import Topology
