@@ -36,7 +36,7 @@ from pathlib import Path
 
 from .claim import process_start
 from .compaction import L0_FANOUT, plan_compaction  # noqa: F401
-from .durable import fsync_dir
+from .durable import fsync_dir, publish_file
 from .errors import JournalError
 from .frames import unframe_plain
 from .lmdb_env import is_open_here
@@ -487,9 +487,7 @@ def _rebuild_for_writer(shipped: Path, local: Path, found: SegmentScan, cached: 
     local.mkdir(parents=True, exist_ok=True)
     tmp = local / "data.mdb.tmp"
     shutil.copyfile(cached.path / "data.mdb", tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, local / "data.mdb")
+    publish_file(tmp, local / "data.mdb")
     return found
 
 

@@ -37,12 +37,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from verlj.journal import JournalError, packb, unpackb
+from verlj.journal.durable import write_synced
 from verlj.journal.failpoints import failpoint
 from verlj.journal.space import files_under, write_failure_cause
 
 from ..errors import RunError, SnapshotError
 from ..state import reshard
-from ..state.manifest import ANCHOR, META, SnapshotMeta, fsync_tree, snapshot_name, write_bytes_durable
+from ..state.manifest import ANCHOR, META, SnapshotMeta, fsync_tree, snapshot_name
 from ..state.safe_load import install_safe_checkpointing, save_portable, saveable
 from ..state.seeding import RNGState
 from ..state.stateful import Stateful
@@ -292,7 +293,7 @@ class Checkpointer:
             _write_small(tmp, small)
             failpoint("snapshot.mid_write")
             fsync_tree(tmp)
-            write_bytes_durable(tmp / f".done-rank{self.rt.rank:05d}", b"")
+            write_synced(tmp / f".done-rank{self.rt.rank:05d}", b"")
             if self.rt.is_main:
                 markers = [tmp / f".done-rank{r:05d}" for r in range(self.rt.world_size)]
                 while not all(m.exists() for m in markers):
@@ -419,4 +420,4 @@ def _has_frozen(engine) -> bool:
 
 def _write_small(tmp: Path, small: dict[str, bytes]) -> None:
     for fname, data in small.items():
-        write_bytes_durable(tmp / fname, data)
+        write_synced(tmp / fname, data)

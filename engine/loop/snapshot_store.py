@@ -37,9 +37,10 @@ from pathlib import Path
 
 import blake3
 
+from verlj.journal.durable import fsync_dir, write_synced
 from verlj.journal.failpoints import failpoint
 
-from ..state.manifest import MANIFEST, SnapshotCheck, build_manifest, check_snapshot, fsync_dir, snapshot_name, write_bytes_durable
+from ..state.manifest import MANIFEST, SnapshotCheck, build_manifest, check_snapshot, snapshot_name
 from .ledger import Ledger
 from .records import SnapshotEntry
 
@@ -112,7 +113,7 @@ class SnapshotStore:
 
     def publish(self, step: int, fingerprint: str, tmp: Path) -> Path:
         manifest_bytes = json.dumps(build_manifest(tmp), indent=1).encode()
-        write_bytes_durable(tmp / MANIFEST, manifest_bytes)
+        write_synced(tmp / MANIFEST, manifest_bytes)
         fsync_dir(tmp)
         final = self.run_dir / snapshot_name(step)
         self.main_ledger.fence()
@@ -129,7 +130,7 @@ class SnapshotStore:
     @staticmethod
     def publish_standalone(tmp: Path, out_dir: Path) -> None:
         """A snapshot outside any run (`replay --snapshot`): manifest, rename, fsync; no index."""
-        write_bytes_durable(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=1).encode())
+        write_synced(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=1).encode())
         os.replace(tmp, out_dir)
         fsync_dir(out_dir.parent)
 

@@ -13,12 +13,13 @@ replaced, not mixed.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import msgpack
+
+from verlj.journal.durable import replace_durably
 
 from ..errors import RunError
 
@@ -92,17 +93,7 @@ def store(run_dir: Path, probe: str, version: str, rows: list[Row]) -> str | Non
         steps[int(row.step)] = {k: float(v) for k, v in row.values.items()}
     blob = msgpack.packb(ProbeFile(probe, version, dict(sorted(steps.items()))).to_dict(), use_bin_type=True)
     path.parent.mkdir(exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_durably(path, blob)
     return note
 
 

@@ -30,6 +30,7 @@ from verlj.journal import JournalError
 
 from ..errors import RunError, UsageError
 from ..loop.ledger import now_iso, open_run
+from ..state.manifest import file_digest
 from .distill import DPO, Counts, Form, LeftOut, Rows, Spec
 from .outputs import check_output, make_parent, remove_made
 from .steps import parse_steps
@@ -45,14 +46,6 @@ VERSION = 1
 BATCH_ROWS = 1024  # rows a write (a Parquet row group, an Arrow record batch)
 FILE_BYTES = 256 << 20  # a data file is closed past this, and the next begun
 _EXT = {"parquet": "parquet", "jsonl": "jsonl", "arrow": "arrow"}
-
-
-def digest_file(path: Path) -> str:
-    h = blake3.blake3()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- writing
@@ -237,7 +230,7 @@ def export_dataset(run_dir: Path, out: Path, kind: str, fmt: str, steps: str | N
             (tmp / CARD).write_text(card(manifest))
             names = {f.path for f in files}
             extra = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file() and str(p.relative_to(tmp)) not in names)
-            manifest = replace(manifest, files=files + [FileEntry(name, (tmp / name).stat().st_size, digest_file(tmp / name)) for name in extra])
+            manifest = replace(manifest, files=files + [FileEntry(name, (tmp / name).stat().st_size, file_digest(tmp / name)) for name in extra])
             (tmp / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2, ensure_ascii=False) + "\n")
             _publish(tmp, out)
             published = True
@@ -263,7 +256,7 @@ def _write_rows(tmp: Path, fmt: str, made: Rows) -> list[FileEntry]:
     for (path, rows), name in zip(parts, _data_names(fmt, len(parts))):
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, tmp / name)
-        files.append(FileEntry(name, (tmp / name).stat().st_size, digest_file(tmp / name), rows))
+        files.append(FileEntry(name, (tmp / name).stat().st_size, file_digest(tmp / name), rows))
     return files
 
 

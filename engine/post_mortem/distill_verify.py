@@ -24,8 +24,9 @@ from ..errors import RunError
 from ..loop.ledger import Ledger, open_run
 from ..schema.events import StepEvents
 from ..schema.sample import Columns
+from ..state.manifest import file_digest
 from .distill import KEYS, SFT, Rows, Spec, row_key
-from .distill_files import MANIFEST, FileEntry, Recorded, digest_file, file_rows, read_manifest
+from .distill_files import MANIFEST, FileEntry, Recorded, file_rows, read_manifest
 from .views import _view
 
 MAX_SHOWN = 50  # rows named one by one; past that, counted
@@ -122,7 +123,7 @@ def _check_files(rep: ExportReport, path: Path, files: list[FileEntry]) -> None:
         p = path / f.path
         if not p.is_file():
             rep.problem(f"{f.path}: missing", row=False)
-        elif p.stat().st_size != f.bytes or digest_file(p) != f.blake3:
+        elif p.stat().st_size != f.bytes or file_digest(p) != f.blake3:
             rep.problem(f"{f.path}: its size or BLAKE3 digest differs from the manifest's (the file was changed)", row=False)
         else:
             continue

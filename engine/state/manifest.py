@@ -46,17 +46,11 @@ _HASH_LOCK = threading.Lock()
 
 def file_digest(path: Path) -> str:
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    """The BLAKE3 digest (hex) of a file's bytes: a snapshot's files, an archive's, an export's, a model's."""
     with _HASH_LOCK, open(path, "rb", buffering=0) as f:
         while n := f.readinto(_HASH_BUF):
             h.update(_HASH_BUF[:n])
     return h.hexdigest()
-
-
-def write_bytes_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # ----------------------------------------------------------------------------- manifest.json and meta.json

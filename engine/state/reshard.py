@@ -36,8 +36,10 @@ from pathlib import Path
 import blake3
 import torch
 
+from verlj.journal.durable import write_synced
+
 from ..errors import SnapshotError
-from .manifest import MANIFEST, META, RESHARDED, SnapshotMeta, build_manifest, check_files, fsync_tree, write_bytes_durable
+from .manifest import MANIFEST, META, RESHARDED, SnapshotMeta, build_manifest, check_files, fsync_tree
 from .safe_load import load_weights_only, save_portable, weights_only_everywhere
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -87,9 +89,9 @@ def ensure_converted(snapshot: Path, meta: SnapshotMeta, full_shapes: dict[str, 
         digests[tag] = weights_digest_of_dir(out, list(full_shapes[tag]))
     import deepspeed
 
-    write_bytes_durable(tmp / META, json.dumps({"step": meta.step, "source": src.as_dict(), "weights": digests,
-                                                "deepspeed": deepspeed.__version__}, indent=2).encode())
-    write_bytes_durable(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=2).encode())
+    write_synced(tmp / META, json.dumps({"step": meta.step, "source": src.as_dict(), "weights": digests,
+                                         "deepspeed": deepspeed.__version__}, indent=2).encode())
+    write_synced(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=2).encode())
     fsync_tree(tmp)
     tmp.rename(snapshot / RESHARDED)
     return snapshot / RESHARDED, time.perf_counter() - t0

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from verlj.journal import Claim, Journal, JournalError, open_journal_reader, segments
 from verlj.journal.claim import being_written, live_holder
+from verlj.journal.durable import replace_durably
 
 from ...config import stored_config
 from ...errors import RunError
@@ -181,15 +182,6 @@ def git_commit() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (out.stdout.strip() or None) if out.returncode == 0 else None
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def run_state(run_dir: Path) -> str:
@@ -387,7 +379,7 @@ class Ledger:
         except (ValueError, AttributeError, TypeError):
             old = TrainMetadata()
         index = self.snapshots.index()
-        write_json_atomic(path, TrainMetadata(
+        replace_durably(path, json.dumps(TrainMetadata(
             global_step=step,
             epoch=epoch,
             samples_seen=samples_seen,
@@ -396,4 +388,4 @@ class Ledger:
             git_commit=self.identity.get(GIT_COMMIT),
             config_hash=config_hash,
             resume_from=resume_from if resume_from is not None else old.resume_from,
-        ).to_dict())
+        ).to_dict(), indent=2).encode())
