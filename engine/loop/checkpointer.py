@@ -27,6 +27,7 @@ the background). What the loop waited for, in save() and there, is ``blocked_s``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import shutil
@@ -231,14 +232,11 @@ class Checkpointer:
         for part in self.parts():
             if part.kind == ENGINE_PART:
                 ce = install_safe_checkpointing(part.obj)
-                ce.deferred = [] if async_save else None
-                try:
+                saving: contextlib.AbstractContextManager[list[tuple[str, object]]] = ce.deferring() if async_save else contextlib.nullcontext([])
+                with saving as held:
                     part.obj.save_checkpoint(str(tmp), tag=part.name, client_state={}, save_latest=False,
                                              exclude_frozen_parameters=_has_frozen(part.obj))
-                finally:
-                    if ce.deferred is not None:
-                        deferred += ce.deferred
-                    ce.deferred = None
+                deferred += held
             elif part.kind == RANK_PART:
                 small[rng_file(rt.rank)] = packb(part.obj.state_dict())
             else:

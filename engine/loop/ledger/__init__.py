@@ -102,29 +102,27 @@ def open_writer(run_dir: Path, jc, claim: Claim) -> tuple[Journal, list[str]]:
     process's claim on the run (claim_run), which the journal owns from here (checked before every
     write, released when it closes, or here when the journal cannot be opened)."""
     try:
-        journal, notes = _open_writer(run_dir, jc.local_dir, jc.ship_max_lag_steps, claim, str(jc.retain_samples) != "all",
-                                      jc.segment_fanout)
+        return _open_writer(run_dir, jc.local_dir, jc.ship_max_lag_steps, claim, str(jc.retain_samples) != "all",
+                            jc.segment_fanout, jc.compression_level)
     except BaseException:
         claim.release()
         raise
-    journal.writer.compression_level = jc.compression_level
-    return journal, notes
 
 
 def _open_writer(run_dir: Path, local_dir: str | None, max_lag: int, claim: Claim, retention: bool,
-                 fanout: int) -> tuple[Journal, list[str]]:
+                 fanout: int, compression_level: int) -> tuple[Journal, list[str]]:
     jd = journal_dir(run_dir)
     if local_dir is None:
         if segments.is_shipped(jd) and not (jd / "data.mdb").is_file():
             raise RunError(f"{run_dir} ships its journal from a node-local directory; resume with "
                            "journal.local_dir=PATH (an empty directory is rebuilt from RUN/journal/segments)")
         warning = segments.lmdb_location_warning(jd.parent if not jd.exists() else jd)
-        return Journal.open_writer(jd, claim=claim), [warning] if warning else []
+        return Journal.open_writer(jd, claim=claim, compression_level=compression_level), [warning] if warning else []
     if (jd / "data.mdb").is_file():
         raise RunError(f"{run_dir} keeps its LMDB journal in {jd}; journal.local_dir applies to new runs "
                        "(set it to null to resume this one)")
     try:
-        return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag, claim, retention, fanout)
+        return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag, claim, retention, fanout, compression_level)
     except segments.CopiedJournalError as e:  # a copy (cp -a) of a run: never written into the original's journal
         last = segments.shipped_meta(jd)[1] or 0
         raise RunError(f"{run_dir} is a copy of the run in {e.owner.parent}, whose journal is in journal.local_dir "
