@@ -52,6 +52,7 @@ from ..state.topology import Topology, refusal
 from . import pruning
 from .context import Run
 from .policy import CheckpointSchedule
+from .records import Resharded
 from .snapshot_store import SnapshotStore
 
 if TYPE_CHECKING:
@@ -92,21 +93,6 @@ class Part:
     optional: bool = False  # snapshots written before the part existed lack it: it keeps its initial state
 
 
-@dataclass(frozen=True)
-class Resharded:
-    """A snapshot loaded from another topology (Checkpointer.load): from which, to which, and how long
-    its conversion to the universal form took (0 and `cached`: a valid converted form was on disk)."""
-
-    before: Topology
-    after: Topology
-    convert_s: float
-    cached: bool
-
-    def to_dict(self) -> dict:
-        """As the `topology` control event and the ledger's topology history hold it."""
-        return {"from": self.before.as_dict(), "to": self.after.as_dict(), "convert_s": self.convert_s, "cached": self.cached}
-
-
 def make_run(run_dir: Path, rt: Runtime, trainer: Trainer, reporter: Reporter, ledger: Ledger | None = None) -> Run:
     """The run being driven (loop.context.Run), made whole at once: its checkpointer first, from the
     parts it serves; the topology and the snapshot schedule from the config the trainer is under (the
@@ -135,8 +121,6 @@ class Checkpointer:
         self.tried: list[int] = []  # the steps a snapshot was written at, this process
         self.failed: dict[int, str] = {}  # step -> why its snapshot failed (the run goes on: the journal holds every step)
         self.last_saved: int | None = None
-        self.resharded: Resharded | None = None  # set by load() when the snapshot came from another topology
-        self.loaded_fingerprint: str | None = None  # the state's fingerprint right after a restore (recovery)
         self.blocked_s = 0.0  # how long the last snapshot blocked the loop (save, and settle for an async one)
         self.write_s = 0.0  # the last snapshot's write, from save() to published (async: in the background)
         self._held = threading.Event()  # clear while an async snapshot holds live tensors it has not written
@@ -352,19 +336,18 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self, path: Path) -> SnapshotMeta:
+    def load(self, path: Path) -> tuple[SnapshotMeta, Resharded | None]:
         """Load a verified snapshot into every part of the registry, in one loop (collective).
-        Returns its meta."""
+        Returns its meta, and how it was resharded (None: it was written under this topology)."""
         self.settle()  # an async snapshot still writing the state this load replaces
         meta = SnapshotMeta.read(path)
         engines = [p.name for p in self.parts() if p.kind == ENGINE_PART]
         if sorted(meta.engines) != sorted(engines):
             raise SnapshotError(f"{path} holds engines {meta.engines}, this run has {engines}")
         src, dst = meta.topology, self.topology
-        self.resharded = None
-        universal = None
+        resharded = universal = None
         if src != dst:  # another topology's files: through their universal form, converted once
-            universal, self.resharded = self._converted(path, meta, src, dst)
+            universal, resharded = self._converted(path, meta, src, dst)
         anchor = unpackb((path / ANCHOR).read_bytes())
         own = path / rng_file(self.rt.rank)  # a rank the snapshot's topology did not have takes rank 0's
         for part in self.parts():
@@ -377,7 +360,7 @@ class Checkpointer:
             elif not part.optional:
                 raise SnapshotError(f"{path / ANCHOR} has no {part.name!r} state")
         self.trainer.weights_changed()
-        return meta
+        return meta, resharded
 
     def _load_engine(self, part: Part, path: Path, universal: Path | None) -> None:
         engine, tag = part.obj, part.name

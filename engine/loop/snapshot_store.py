@@ -42,7 +42,7 @@ from verlj.journal.failpoints import failpoint
 
 from ..state.manifest import MANIFEST, SnapshotCheck, build_manifest, check_snapshot, snapshot_name
 from .ledger import Ledger
-from .records import SnapshotEntry
+from .records import SnapshotEntry, Unindexed
 
 QUARANTINE = "quarantine"
 _LEFTOVER = re.compile(r"^(\.tmp-step_\d+|\.trash-step_\d+-\d+|\.latest\.tmp)$")  # never published, or unindexed durably
@@ -185,7 +185,7 @@ class SnapshotStore:
         if path.exists():
             os.replace(path, dest)
             fsync_dir(self.run_dir)
-        self.main_ledger.snapshots.record_quarantine({"name": path.name, "step": step, "reason": reason, "path": str(dest.relative_to(self.run_dir))})
+        self.main_ledger.snapshots.record_quarantine(Unindexed(path.name, step, reason, str(dest.relative_to(self.run_dir))))
         latest = self.run_dir / "latest"
         if latest.is_symlink() and os.readlink(latest) == path.name:
             self._point_latest()
@@ -269,7 +269,7 @@ class SnapshotStore:
             elif item.action == UNINDEX:
                 # recorded before it leaves the index: a kill in between records it twice, never loses it
                 assert item.step is not None  # an index entry's
-                self.main_ledger.snapshots.record_missing({"name": item.name, "step": item.step, "reason": item.reason})
+                self.main_ledger.snapshots.record_missing(Unindexed(item.name, item.step, item.reason))
                 self.main_ledger.snapshots.remove(item.step)
         if any(item.action == REMOVE for item in plan):
             fsync_dir(self.run_dir)

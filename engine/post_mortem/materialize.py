@@ -28,7 +28,7 @@ from ..rl.lora import check_base
 from .outputs import check_output
 
 if TYPE_CHECKING:
-    from ..loop.recovery import Deviation
+    from ..loop.records import Deviation
 
 
 @dataclass
@@ -91,7 +91,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
         run = make_run(run_dir, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
         # a snapshot holds LoRA adapters only: on another base they would replay, export or re-train another model
         check_base(ledger.identity.loaded().actor_base_digest, run.trainer.actor_base, cfg.model.actor.model_name_or_path)
-        step0, out = materialize_steps(run, to_step, max_snapshot=max_snapshot)
+        restored, out = materialize_steps(run, to_step, max_snapshot=max_snapshot)
         fp = out.fingerprint
         if fp is None:
             fp, _ = run.trainer.state_fingerprint()
@@ -99,7 +99,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
         ledger.close()
         if run is not None:
             run.ledger = None  # closed: the replayed state outlives it (export, --snapshot, --fork)
-    return Materialized(to_step, fp, step0, run, out.exact, out.tolerant_steps, out.largest)
+    return Materialized(to_step, fp, restored.step, run, out.exact, out.tolerant_steps, out.largest)
 
 
 def export_hf(replayed: Materialized, out_dir: Path) -> None:

@@ -31,7 +31,6 @@ from ..loop.reader import StepReader
 from ..report import Reporter
 from ..schema.events import Stages, StepEvents
 from ..state.hardware import cross_hardware
-from ..state.topology import Topology
 from .materialize import replay_config
 
 if TYPE_CHECKING:
@@ -200,7 +199,7 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
     if not checked:  # digests compared bit for bit: only on the process group that made them
         changes = [e.from_step for e in ledger.history().topology_changes]  # the steps from which the topology changed
         for step in sorted({start, stop, *(s for s in changes if start <= s <= stop)}):
-            topo = Topology(**ledger.topology_at(step))
+            topo = ledger.topology_at(step)
             if (topo.world_size, topo.tensor_parallel_size) != (rt.world_size, rt.tp_size):
                 raise RunError(f"step {step} ran on {topo.world_size} rank(s) with TP {topo.tensor_parallel_size}, this is "
                                f"{rt.world_size} with TP {rt.tp_size}: its digests are compared on as many ranks "
@@ -211,7 +210,7 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
     try:
         run = make_run(run_dir, rt, trainer, reporter, ledger if rt.is_main else None)
         run.trainer.keep_stages = keep
-        step0 = restore(run, start - 1)
+        restored = restore(run, start - 1)
         seen: dict[int, Observed] = {}
 
         def observe(step, record, outcome) -> bool:
@@ -232,10 +231,10 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
             if before is not None:
                 before(step, inputs, samples, run.trainer)
 
-        if step0 < stop:
-            replay(run, run.history(), step0 + 1, stop, observe=None if checked else observe,
+        if restored.step < stop:
+            replay(run, run.history(), restored, stop, observe=None if checked else observe,
                    before=pre if before or rescore else None)
-        return step0, seen
+        return restored.step, seen
     finally:
         trainer.close()
 

@@ -19,12 +19,11 @@ from verlj.journal import JournalError, NotAJournalError, segments, unpackb, ver
 from ..errors import ConfigError, HardwareDivergence, RunError
 from ..loop import archive
 from ..loop.ledger import Ledger, journal_dir, journal_exists, lost_journal
-from ..loop.records import SnapshotEntry
+from ..loop.records import SnapshotEntry, Unindexed
 from ..loop.recovery import damaged_journal_advice
 from ..loop.snapshot_store import ADOPT, UNINDEX, Leftover, SnapshotStore
 from ..schema.events import StepEvents
 from ..state.manifest import META, check_snapshot, snapshot_name
-from .views import Snapshot, _view
 
 PENDING = "buffer/pending"  # the metric of the samples the buffer holds after a step (rl.trainer journals it)
 
@@ -428,9 +427,9 @@ def render(report: RunReport) -> str:
     for name in report.rotated_by_lost:
         lines.append(f"· {name} is gone: the rotation that removed it was committed in the torn last segment "
                      "(the next --resume removes it from the index)")
-    for q in (_view(Snapshot, x) for x in report.quarantined):
+    for q in map(Unindexed.from_dict, report.quarantined):
         lines.append(f"· {q.name} was set aside by a resume and moved to {q.path} ({q.reason}); never used")
-    for m in (_view(Snapshot, x) for x in report.missing):
+    for m in map(Unindexed.from_dict, report.missing):
         lines.append(f"· {m.name} was {m.reason}; a resume removed it from the index")
     for name in report.leftovers:
         lines.append(f"· {name}: left by an interrupted run; never used, and the next --resume removes it")

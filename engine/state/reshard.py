@@ -89,7 +89,7 @@ def ensure_converted(snapshot: Path, meta: SnapshotMeta, full_shapes: dict[str, 
         digests[tag] = weights_digest_of_dir(out, list(full_shapes[tag]))
     import deepspeed
 
-    write_synced(tmp / META, json.dumps({"step": meta.step, "source": src.as_dict(), "weights": digests,
+    write_synced(tmp / META, json.dumps({"step": meta.step, "source": src.to_dict(), "weights": digests,
                                          "deepspeed": deepspeed.__version__}, indent=2).encode())
     write_synced(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=2).encode())
     fsync_tree(tmp)

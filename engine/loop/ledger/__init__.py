@@ -41,6 +41,7 @@ from verlj.journal.durable import replace_durably
 from ...config import stored_config
 from ...errors import RunError
 from ...schema.events import ControlKind
+from ...state.topology import Topology
 from ..records import History, TrainMetadata, config_in_force, now_iso
 from .identity import CONFIG, GIT_COMMIT, HISTORY, PARENT, RunIdentity, config_changes
 from .in_flight import InFlight
@@ -344,8 +345,8 @@ class Ledger:
         """The configs in force for steps first..last (History.configs_in)."""
         return self.history().configs_in(first, last)
 
-    def topology_at(self, step: int) -> dict:
-        """{world_size, tensor_parallel_size, zero_stage} that ran `step`."""
+    def topology_at(self, step: int) -> Topology:
+        """The topology that ran `step`."""
         return self.history().topology_at(step)
 
     # ------------------------------------------------------------------ metrics
