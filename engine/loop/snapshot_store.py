@@ -55,7 +55,8 @@ REMOVE, ADOPT, QUARANTINE, UNINDEX, KEEP = "remove", "adopt", "quarantine", "uni
 @dataclass
 class Leftover:
     """One thing in the run directory that is not an indexed snapshot on disk, and what the next
-    resume does with it: `plan` is how verify says it beforehand, `done` how the resume says it did it."""
+    resume does with it: `plan` is how verify says it beforehand, `done` how the resume says it did it.
+    Never stored: `to_dict` is verify's JSON of it, with its plan in words (not a record of the codec's)."""
 
     name: str  # in the run directory (UNINDEX: the index's path, not on disk)
     action: str  # REMOVE | ADOPT | QUARANTINE | UNINDEX | KEEP

@@ -30,6 +30,7 @@ from verlj.journal import JournalError
 
 from ..errors import RunError, UsageError
 from ..loop.ledger import now_iso, open_run
+from ..schema.record import Record
 from ..state.manifest import file_digest
 from .distill import DPO, Counts, Form, LeftOut, Rows, Spec
 from .outputs import check_output, make_parent, remove_made
@@ -134,7 +135,7 @@ class Recorded:
 
 
 @dataclass(frozen=True)
-class RunIdentity:
+class RunIdentity(Record):
     """The run an export came from (the manifest's ``run``): its directory's name and path then, when it was made,
     its config hash, seed and commit, where its journal starts (a fork's base step, its parent; a what-if's
     counterfactual), and the chain hash of the last exported step's record (the journal as it was read)."""
@@ -146,13 +147,13 @@ class RunIdentity:
     seed: int | None
     git_commit: str | None
     base_step: int
-    parent: dict | None
-    whatif: dict | None
+    parent: dict[str, Any] | None  # loop.records.ParentRun's map, as the run stored it
+    whatif: dict[str, Any] | None  # loop.records.Counterfactual's map, as the run stored it
     last_step_chain: str | None
 
 
 @dataclass(frozen=True)
-class FileEntry:
+class FileEntry(Record):
     """A file of the export: its path in DIR, its size, its BLAKE3 digest, and a data file's rows (None: no data)."""
 
     path: str
@@ -162,7 +163,7 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class Manifest(Record):
     """DIR/manifest.json."""
 
     verlj_export: int  # the format's version (MARK)
@@ -178,15 +179,6 @@ class Manifest:
     written: str
     verlj: str
     files: list[FileEntry]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Manifest:
-        m = _view(cls, d)
-        return replace(m, run=_view(RunIdentity, m.run), filter=Spec.from_dict(m.filter), form=_view(Form, m.form),
-                       counts=_view(Counts, m.counts), left_out=LeftOut.from_dict(m.left_out), files=[_view(FileEntry, f) for f in m.files])
 
     @property
     def data(self) -> list[FileEntry]:
@@ -312,7 +304,7 @@ def _publish(tmp: Path, out: Path) -> None:
 
 def _write_disk_layout(tmp: Path, files: list[FileEntry], identity: RunIdentity) -> None:
     """dataset_info.json and state.json as `Dataset.save_to_disk` writes them (the features: from the files' schema)."""
-    fingerprint = blake3.blake3(json.dumps([asdict(identity), [f.path for f in files]]).encode()).hexdigest()[:16]
+    fingerprint = blake3.blake3(json.dumps([identity.to_dict(), [f.path for f in files]]).encode()).hexdigest()[:16]
     (tmp / "dataset_info.json").write_text(json.dumps({"description": f"rows exported by verlj from run {identity.name}"}, indent=2))
     (tmp / "state.json").write_text(json.dumps({"_data_files": [{"filename": f.path} for f in files], "_fingerprint": fingerprint,
                                                 "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
@@ -368,7 +360,7 @@ def read_manifest(path: Path) -> Manifest:
         raise RunError(f"{f} is an export of version {d[MARK]}; this verlj reads version {VERSION}")
     try:
         return Manifest.from_dict(d)
-    except (TypeError, ValueError, AttributeError, RunError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, RunError) as e:
         raise RunError(f"{f} is not a complete export manifest ({e})") from None
 
 

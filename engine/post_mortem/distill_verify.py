@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from verlj.journal import JournalError
@@ -23,6 +23,7 @@ from verlj.journal import JournalError
 from ..errors import RunError
 from ..loop.ledger import Ledger, open_run
 from ..schema.events import StepEvents
+from ..schema.record import Record
 from ..schema.sample import Columns
 from ..state.manifest import file_digest
 from .distill import KEYS, SFT, Rows, Spec, row_key
@@ -33,7 +34,9 @@ MAX_SHOWN = 50  # rows named one by one; past that, counted
 
 
 @dataclass
-class ExportReport:
+class ExportReport(Record):
+    """What `verify EXPORT_DIR` found; `to_dict()` is its JSON (`--json`)."""
+
     path: str
     run: str
     kind: str = ""
@@ -51,9 +54,6 @@ class ExportReport:
             self.problems.append(line)
         else:
             self.unshown += 1
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _where(kind: str, key: tuple) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from verlj.journal import JournalError, NotAJournalError, segments, unpackb, verify_journal
@@ -23,13 +23,14 @@ from ..loop.records import SnapshotEntry, Unindexed
 from ..loop.recovery import damaged_journal_advice
 from ..loop.snapshot_store import ADOPT, UNINDEX, Leftover, SnapshotStore
 from ..schema.events import StepEvents
+from ..schema.record import Record
 from ..state.manifest import META, check_snapshot, snapshot_name
 
 PENDING = "buffer/pending"  # the metric of the samples the buffer holds after a step (rl.trainer journals it)
 
 
 @dataclass
-class SnapshotReport:
+class SnapshotReport(Record):
     name: str
     step: int | None
     indexed: bool
@@ -39,7 +40,10 @@ class SnapshotReport:
 
 
 @dataclass
-class RunReport:
+class RunReport(Record):
+    """What `verify RUN` found; `to_dict()` is its JSON (`--json`): its map, with what the next resume does with
+    each leftover in words (Leftover.to_dict) and the verdict (`ok`), neither read back."""
+
     path: str
     journal_lines: list[str] = field(default_factory=list)
     journal_ok: bool = True
@@ -69,7 +73,7 @@ class RunReport:
 
     def to_dict(self) -> dict:
         """The report as `verify --json` prints it."""
-        return {**asdict(self), "next_resume": [item.to_dict() for item in self.next_resume], "ok": self.ok}
+        return {**super().to_dict(), "next_resume": [item.to_dict() for item in self.next_resume], "ok": self.ok}
 
 
 def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: bool,
