@@ -157,9 +157,8 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
     reporter.info(f"Resuming from checkpoint: {path}")
     meta, resharded = ckpt.load(Path(path))
     if resharded is not None:
-        r = resharded
-        how = "its converted form was cached" if r.cached else f"converted in {r.convert_s:.2f} s"
-        reporter.info(f"Resharded {Path(path).name} from {r.before} to {r.after} ({how}); "
+        how = "its converted form was cached" if resharded.cached else f"converted in {resharded.convert_s:.2f} s"
+        reporter.info(f"Resharded {Path(path).name} from {resharded.before} to {resharded.after} ({how}); "
                       "the loaded weights match the converted ones.")
     reporter.info("Loaded model, optimizer, scheduler and RNG states.")
     reporter.info(

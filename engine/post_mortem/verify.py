@@ -13,6 +13,7 @@ import json
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from verlj.journal import JournalError, NotAJournalError, segments, unpackb, verify_journal
 
@@ -55,9 +56,9 @@ class RunReport(Record):
     advice: str | None = None  # what to do when the journal is damaged (the same words --resume says)
     leftovers: list[str] = field(default_factory=list)  # journal segments and archive files a killed run left; resume removes them
     next_resume: list[Leftover] = field(default_factory=list)  # what the next resume does with each snapshot leftover
-    missing: list[dict] = field(default_factory=list)  # indexed snapshots a resume found gone from disk and unindexed
+    missing: list[dict[str, Any]] = field(default_factory=list)  # indexed snapshots a resume found gone from disk and unindexed (Unindexed maps)
     host_leftovers: list[str] = field(default_factory=list)  # on this node, outside the run (vLLM weights copies)
-    quarantined: list[dict] = field(default_factory=list)  # damaged snapshots moved aside on resume
+    quarantined: list[dict[str, Any]] = field(default_factory=list)  # damaged snapshots moved aside on resume (Unindexed maps)
     rotated: list[str] = field(default_factory=list)  # snapshots rotation removed while verify read them
     rotated_by_lost: list[str] = field(default_factory=list)  # removed by a rotation whose commit was in a torn last segment
     deep_lines: list[str] = field(default_factory=list)
