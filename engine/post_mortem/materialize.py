@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,7 +59,7 @@ def replay_config(ledger: Ledger, step: int):
     size folded to 1 when the ranks here cannot hold it (e.g. a TP run replayed in one process)."""
     cfg = config_from_dict(ledger.config_at(step))
     if int(os.environ.get("WORLD_SIZE", "1")) % cfg.distributed.tensor_parallel_size:
-        cfg.distributed.tensor_parallel_size = 1
+        return replace(cfg, distributed=replace(cfg.distributed, tensor_parallel_size=1))  # a config of its own
     return cfg
 
 
