@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -320,7 +320,7 @@ def card(m: Manifest) -> str:
     load = ('from datasets import load_from_disk\nds = load_from_disk("DIR")' if m.format == "arrow" else
             f'from datasets import load_dataset\nds = load_dataset("{"parquet" if m.format == "parquet" else "json"}", '
             'data_files="DIR/data/train-*", split="train")')
-    chosen = {k: v for k, v in asdict(spec).items() if k not in ("kind", "first", "last") and v not in (None, False, 0.0)}
+    chosen = {k: v for k, v in spec.to_dict().items() if k not in ("kind", "first", "last") and v not in (None, False, 0.0)}
     lines = [f"# {m.kind.upper()} rows of the verlj run `{run.name}`", "",
              f"{m.rows} rows ({'preference pairs' if m.kind == DPO else 'one per sample'}) from steps {spec.first}–{spec.last} "
              f"of the run made {run.created} (config hash `{run.config_hash}`), written {m.written} by verlj {m.verlj}; "

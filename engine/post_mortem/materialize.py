@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -160,7 +160,7 @@ def write_snapshot(replayed: Materialized, out_dir: Path) -> None:
 
 def replay_report(replayed: Materialized) -> str:
     return json.dumps({"step": replayed.step, "fingerprint": replayed.fingerprint, "from_snapshot": replayed.from_snapshot,
-                       "exact": replayed.exact, "tolerant_steps": replayed.tolerant_steps, "max_deviation": asdict(replayed.largest) if replayed.largest else None})
+                       "exact": replayed.exact, "tolerant_steps": replayed.tolerant_steps, "max_deviation": replayed.largest.to_dict() if replayed.largest else None})
 
 
 def exactness_line(replayed: Materialized) -> str | None:
