@@ -39,7 +39,7 @@ import typer
 from verlj.engine.errors import install_hint
 
 from .common import EXIT_USAGE, fail, guarded
-from .supervise import SUPERVISED, exit_status, restart_or_end
+from .supervise import SUPERVISED, Forwarded, exit_status, restart_or_end
 
 PLACE_TIMEOUT_S = 600.0  # for the placement group (an autoscaling cluster may add nodes meanwhile)
 PLACE_WAIT_SAID_S = 30.0  # after this, one line says what the launcher waits for
@@ -170,21 +170,13 @@ def _run(ray, output_dir, config, overrides, resume, allow_config_change, nproc,
     env = {k: v for k, v in os.environ.items() if k.startswith(PASS_ENV)}
     env[SUPERVISED] = "1"  # a rank trains, never supervises (trainer.max_restarts is this process's)
     attempt = Attempt(ray, nproc, bundle, placement.upper(), env, train)
-    stopping = False
-
-    def pass_on(signum, _frame) -> None:
-        nonlocal stopping
-        stopping = True
-        attempt.signal(signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, pass_on)
+    signals = Forwarded(attempt.signal)
     restarted = 0
     while True:
         kwargs = {"output_dir": output_dir, "overrides": list(overrides), "config": config, "resume": resume,
                   "allow_config_change": allow_config_change}
         code, ended = attempt.run(kwargs, restarted, restarts)
-        if not restart_or_end(ended, code, stopping, restarted, restarts, say, again="the ranks"):
+        if not restart_or_end(ended, code, signals.stopping, restarted, restarts, say, again="the ranks"):
             return exit_status(code)
         restarted += 1
         resume = True

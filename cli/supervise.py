@@ -57,6 +57,24 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+class Forwarded:
+    """From when it is made, INT, TERM and HUP do not stop this process: each is passed on to `send` (the
+    trainer; every rank's process), and `stopping` says one came (a stop the user asked for: the
+    supervisor ends once the trainer has, never restarts it). The supervisors of every launcher use it."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, send: Callable[[int], None]):
+        self.stopping = False
+        self._send = send
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._pass_on)
+
+    def _pass_on(self, signum: int, _frame) -> None:
+        self.stopping = True
+        self._send(signum)
+
+
 def restart_or_end(ended: str, code: int, stopping: bool, restarted: int, restarts: int, say: Callable[[str], None],
                    again: str = "it") -> bool:
     """The restart policy, the one for every launcher (this supervisor's and cli/ray_launch's): after the
@@ -82,11 +100,8 @@ def supervise(cmd: list[str], restarts: int, say: Callable[[str], None] | None =
     env = {**os.environ, SUPERVISED: "1"}
     child: subprocess.Popen | None = None
     spare: subprocess.Popen | None = None
-    stopping = False
 
-    def pass_on(signum, _frame) -> None:
-        nonlocal stopping
-        stopping = True
+    def to_child(signum: int) -> None:
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
@@ -119,8 +134,7 @@ def supervise(cmd: list[str], restarts: int, say: Callable[[str], None] | None =
                 spare.kill()
         return exit_status(code)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, pass_on)
+    signals = Forwarded(to_child)
     restarted = 0
     child = subprocess.Popen(cmd, env=env, preexec_fn=_own_group_dying_with_parent)
     while True:
@@ -134,7 +148,7 @@ def supervise(cmd: list[str], restarts: int, say: Callable[[str], None] | None =
                 break
             except KeyboardInterrupt:  # a signal arrived between handlers: wait on
                 continue
-        if not restart_or_end(f"the training process {how_it_ended(code)}", code, stopping, restarted, restarts, say):
+        if not restart_or_end(f"the training process {how_it_ended(code)}", code, signals.stopping, restarted, restarts, say):
             return end(code)
         restarted += 1
         child = take_spare() or subprocess.Popen(resume_cmd, env=env, preexec_fn=_own_group_dying_with_parent)

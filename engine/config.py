@@ -694,7 +694,8 @@ class Config:
         return self
 
     def to_dict(self) -> dict:
-        """Plain data: each choice as its YAML value."""
+        """Plain data: each choice as its YAML value. The config's own codec, not a record's (schema.record): read
+        back, a key it does not know is refused by name (a user's file), where a record ignores it."""
         return dataclasses.asdict(self, dict_factory=_plain)
 
     def to_stored(self) -> dict:

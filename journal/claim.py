@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from .durable import fsync_dir
+from .durable import fsync_dir, replace_durably, write_synced
 from .errors import JournalError, JournalLockedError
 
 _WIDTH = 10
@@ -152,11 +152,8 @@ def current(directory: Path) -> tuple[int, dict | None] | None:
 
 def _write_new(directory: Path, name: str, data: dict) -> bool:
     """Create directory/name holding `data`, only if no such name exists (False if it does)."""
-    tmp = directory / f".tmp-{name[:-5]}-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = _tmp(directory, name)
+    write_synced(tmp, json.dumps(data).encode())
     try:
         os.link(tmp, directory / name)
     except FileExistsError:
@@ -179,9 +176,12 @@ def _write_new(directory: Path, name: str, data: dict) -> bool:
 
 
 def _replace(directory: Path, name: str, data: dict) -> None:
-    tmp = directory / f".tmp-{name[:-5]}-{os.getpid()}"
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, directory / name)
+    replace_durably(directory / name, json.dumps(data).encode(), _tmp(directory, name))
+
+
+def _tmp(directory: Path, name: str) -> Path:
+    """Where a claim or renewal of `name` (EPOCH.json) is written first: .tmp-EPOCH-PID (a leftover is known by it)."""
+    return directory / f".tmp-{name[:-5]}-{os.getpid()}"
 
 
 class Claim:

@@ -159,7 +159,9 @@ def upcast_record(record: dict) -> StepRecord:
 @dataclass(frozen=True)
 class StepRecord:
     """One step's record as the journal gives it back (upcast): its events, grouped by type here and
-    only here. Most types appear once a step (:meth:`first`); `control` and `config` may repeat."""
+    only here. Most types appear once a step (:meth:`first`); `control` and `config` may repeat. Its map
+    (to_dict, what crosses ranks) is written here: the journal stands below engine/schema and its codec,
+    which it may not import, and its envelope is its own (versioned by ENVELOPE_UPCASTERS)."""
 
     step: int
     time: float

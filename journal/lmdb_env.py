@@ -131,7 +131,7 @@ class Store:
     writer claim), the hooks after each commit, and the journal's interned core shapes. Knows nothing
     of what the records mean: the journal's parts (steps, meta, retention, pending, shipping) do."""
 
-    def __init__(self, path: Path, env: lmdb.Environment, *, writable: bool):
+    def __init__(self, path: Path, env: lmdb.Environment, *, writable: bool, claim: Any = None):
         self.path = path
         self.writable = writable
         self._env = env
@@ -142,7 +142,7 @@ class Store:
         self.summary = env.open_db(DB_SUMMARY, create=writable)
         self.pending = self._open_optional(DB_PENDING)
         self._commit_hooks: list[Callable[[int | None], None]] = []  # fn(step | None) after each committed write (the Shipper)
-        self.claim: Any = None  # a claim.Claim: the run's writer slot, checked before every write (fencing)
+        self.claim = claim  # a claim.Claim: the run's writer slot, checked before every write (fencing); None: unclaimed
         self.shape_table: codec.Shapes | None = None  # loaded from meta SHAPES on first use
 
     def _open_optional(self, name: bytes):
@@ -252,6 +252,10 @@ class Store:
                 raw = txn.get(SHAPES.encode(), db=self.meta)
                 self.shape_table = codec.Shapes([] if raw is None else unframe_plain(raw, f"meta {SHAPES!r}"))
         return self.shape_table
+
+    def forget_shapes(self) -> None:
+        """The meta the shapes are read from was replaced (a rebuild's restore): read them again at their next use."""
+        self.shape_table = None
 
     def shapes_txn(self, txn) -> codec.Shapes:
         """The shapes as a write transaction sees them (loaded in it on first use)."""

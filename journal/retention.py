@@ -1,7 +1,7 @@
 """Retention's cut in a journal: the steps' payloads (their samples) removed through a step, each
 step's core, checksum and place in the hash chain kept, and the bound (meta ``pruned_through``)
 written in the same transaction. What may be pruned, and the archive that keeps it, is the engine's
-(loop.retention); a v1 frame carries no separate payload and stays as it is.
+(loop.pruning); a v1 frame carries no separate payload and stays as it is.
 """
 
 from __future__ import annotations

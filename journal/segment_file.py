@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import codec
-from .durable import fsync_dir
+from .durable import fsync_dir, replace_durably, write_synced
 from .errors import JournalError
 from .failpoints import failpoint
 from .frames import GENESIS, HASH_LEN, STEP_HEADER, StepFrame, digest, unframe_plain
@@ -87,10 +87,7 @@ def segment_path(shipped: Path, seq: int, first_seq: int | None = None) -> Path:
 
 def write_pointer(shipped: Path, local: Path) -> None:
     shipped.mkdir(parents=True, exist_ok=True)
-    tmp = shipped / (POINTER + ".tmp")
-    tmp.write_text(json.dumps({"path": str(Path(local).resolve()), "host": socket.gethostname()}))
-    os.replace(tmp, shipped / POINTER)
-    fsync_dir(shipped)
+    replace_durably(shipped / POINTER, json.dumps({"path": str(Path(local).resolve()), "host": socket.gethostname()}).encode())
 
 
 def read_pointer(shipped: Path) -> dict | None:
@@ -208,10 +205,7 @@ def publish(shipped: Path, seg: Segment, claim=None, *, replace: bool = False, p
     parts = seg.seal()
     final = segment_path(shipped, seg.seq, seg.first_seq)
     tmp = d / f".tmp-{final.stem}"
-    with open(tmp, "wb") as f:
-        f.writelines(parts)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(tmp, parts)
     failpoint(point)  # written, not yet visible under its name
     if claim is not None:
         claim.check()

@@ -36,9 +36,9 @@ from pathlib import Path
 
 from .claim import process_start
 from .compaction import L0_FANOUT, plan_compaction  # noqa: F401
-from .durable import fsync_dir
+from .durable import fsync_dir, publish_file
 from .errors import JournalError
-from .frames import unframe_plain
+from .frames import DEFAULT_COMPRESSION_LEVEL, unframe_plain
 from .lmdb_env import is_open_here
 from .segment_file import (  # noqa: F401  (segments.X: the shipped journal's names in one place)
     JOURNAL_ID,
@@ -53,7 +53,6 @@ from .segment_file import (  # noqa: F401  (segments.X: the shipped journal's na
     segment_files,
     write_pointer,
 )
-from .shipper import Shipper
 from .store import Journal
 
 OWNER = "shipped_to"  # meta: the journal directory (RUN/journal, its realpath) the writer ships to: whose local journal it is
@@ -161,9 +160,7 @@ def open_reader(shipped: Path) -> Journal:
     if local is not None:
         return Journal.open_reader(local)
     rebuilt = _current_rebuild(shipped) or _rebuild_for_readers(shipped)
-    j = Journal.open_reader(rebuilt.path)
-    j.shipping.problem = rebuilt.found.problem
-    return j
+    return Journal.open_reader(rebuilt.path, problem=rebuilt.found.problem)
 
 
 def _files_state(shipped: Path) -> tuple:
@@ -402,13 +399,14 @@ class CopiedJournalError(JournalError):
 
 
 def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention: bool = False,
-                fanout: int = L0_FANOUT) -> tuple[Journal, list[str]]:
+                fanout: int = L0_FANOUT, compression_level: int = DEFAULT_COMPRESSION_LEVEL) -> tuple[Journal, list[str]]:
     """The run's journal writer at `local`, shipping to `shipped`. Returns (journal, notes): notes are
     one-line messages for the user (steps lost with a damaged last segment, a rebuild, a warning).
 
     When `local` holds no journal, it is rebuilt from the segments first (a resume on another host);
     when it holds one, it must hold every shipped step (same hash chain) or it is refused. `claim`:
-    the run's writer claim (claim.Claim), held already, checked before every shipment.
+    the run's writer claim (claim.Claim), held already, checked before every shipment;
+    `compression_level`: the zstd level of the step payloads it writes.
     """
     local, shipped = Path(local), Path(shipped)
     if os.path.realpath(local) == os.path.realpath(shipped):
@@ -456,21 +454,17 @@ def open_writer(local: Path, shipped: Path, max_lag: int, claim=None, retention:
     if claim is not None:
         claim.check()
     write_pointer(shipped, local)  # before the journal exists: a kill in between leaves a run that never started
-    journal = Journal.open_writer(local, claim=claim)
+    journal = Journal.open_writer(local, claim=claim, compression_level=compression_level)
     try:
         mine = {OWNER: os.path.realpath(shipped)}  # a moved run's writer takes it over (local_owner)
         if journal.meta.get(JOURNAL_ID) is None:
             mine[JOURNAL_ID] = uuid.uuid4().hex
         if any(journal.meta.get(k) != v for k, v in mine.items()):
             journal.meta.update(mine)
-        shipper = Shipper(journal, shipped, max_lag, found, claim, retention)
-        shipper.l0_fanout, shipper.fanout = fanout, max(2, fanout // 4)  # fanout 0: never merged
+        journal.shipping.ship_to(shipped, max_lag, found, retention, fanout)
     except BaseException:
         journal.close()
         raise
-    journal.store.add_commit_hook(shipper.on_commit)
-    journal.on_close(shipper.close)
-    journal.shipping.shipper = shipper
     return journal, notes
 
 
@@ -487,9 +481,7 @@ def _rebuild_for_writer(shipped: Path, local: Path, found: SegmentScan, cached: 
     local.mkdir(parents=True, exist_ok=True)
     tmp = local / "data.mdb.tmp"
     shutil.copyfile(cached.path / "data.mdb", tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, local / "data.mdb")
+    publish_file(tmp, local / "data.mdb")
     return found
 
 

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .claim import FencedError
 from .compaction import FANOUT, L0_FANOUT, IndexEntry, merge, plan_compaction
@@ -27,7 +28,9 @@ from .errors import JournalError
 from .failpoints import failpoint
 from .frames import StepFrame
 from .segment_file import Segment, SegmentScan, chain_start, map_digest, pruned_of, publish, read_segment, scan, segment_dir
-from .store import Journal
+
+if TYPE_CHECKING:
+    from .store import Journal
 
 MAX_SEGMENT_BYTES = 64 << 20  # a shipment larger than this is split over several segments
 CLOSE_TIMEOUT_S = 600.0  # how long closing waits for the shipping left before it gives up (in one line)
@@ -43,19 +46,18 @@ class Shipper:
     any moment then costs at most ``max_lag`` steps plus the one being committed.
     """
 
-    l0_fanout = L0_FANOUT  # compaction's fan-ins (journal.segment_fanout; 0: no compaction)
-    fanout = FANOUT
-
     def __init__(self, journal: Journal, shipped: Path, max_lag: int, found: SegmentScan | None = None, claim=None,
-                 retention: bool = False):
+                 retention: bool = False, *, l0_fanout: int = L0_FANOUT, fanout: int = FANOUT):
         """`found`: the caller's scan of `shipped` (the segments as they are now), when it has one;
         `claim`: the run's writer claim, checked before each segment is published; `retention`:
-        whether the run prunes samples (then compacted segments merge further only once pruned)."""
+        whether the run prunes samples (then compacted segments merge further only once pruned);
+        `l0_fanout`, `fanout`: compaction's fan-ins (journal.segment_fanout; 0: no compaction)."""
         self.journal = journal
         self.shipped = Path(shipped)
         self.max_lag = max_lag
         self.claim = claim
         self.retention = retention
+        self.l0_fanout, self.fanout = l0_fanout, fanout
         found = found or scan(self.shipped)
         if found.problem:
             raise JournalError(f"cannot ship to {segment_dir(self.shipped)}: {found.problem}")

@@ -1,6 +1,7 @@
 """What an LMDB journal gives the shipped layout and takes back from it (:mod:`verlj.journal.segments`):
-a consistent cut of it for a segment, the frames of another copy restored as that copy stored them
-(a rebuild), a copy of the LMDB file, and durability as a recovery would read it (its shipper's).
+its shipping to a run directory (its shipper, made here), a consistent cut of it for a segment, the
+frames of another copy restored as that copy stored them (a rebuild), a copy of the LMDB file, and
+durability as a recovery would read it (its shipper's).
 """
 
 from __future__ import annotations
@@ -13,19 +14,35 @@ from . import codec
 from .durable import fsync_dir, fsync_file
 from .errors import JournalError
 from .frames import StepFrame, _summary_frame, step_key
-from .lmdb_env import Store
+from .segment_file import SegmentScan
+from .shipper import Shipper
 
 if TYPE_CHECKING:
-    from .shipper import Shipper
+    from .store import Journal
 
 
 class Shipping:
     """An open journal's side of shipping (``journal.shipping``)."""
 
-    def __init__(self, store: Store):
-        self._store = store
-        self.shipper: Shipper | None = None  # the Shipper when the journal is shipped to a run directory (segments.open_writer)
-        self.problem: str | None = None  # damage found in the segments this journal was rebuilt from (segments.open_reader)
+    def __init__(self, journal: Journal, problem: str | None = None):
+        """`journal`: the journal this is the part of; `problem`: damage found in the segments it was rebuilt
+        from (segments.open_reader: a reader's copy)."""
+        self._journal = journal
+        self._store = journal.store
+        self.problem = problem
+        self.shipper: Shipper | None = None  # made by ship_to, when the journal is shipped to a run directory
+
+    def ship_to(self, shipped: Path, max_lag: int, found: SegmentScan | None, retention: bool, fanout: int) -> Shipper:
+        """Ship this writer's commits to `shipped`'s segments from now on (segments.open_writer): its shipper made
+        (its thread started), woken by every commit and closed, after its last shipment, when the journal
+        closes (before the writer's claim is released). `fanout`: compaction's one-shipment fan-in (0: never
+        merged), a quarter of it for the levels above; the rest: Shipper's."""
+        assert self.shipper is None, "a journal ships to one place"
+        self.shipper = Shipper(self._journal, shipped, max_lag, found, self._store.claim, retention,
+                               l0_fanout=fanout, fanout=max(2, fanout // 4))
+        self._store.add_commit_hook(self.shipper.on_commit)
+        self._journal.on_close(self.shipper.close)
+        return self.shipper
 
     def make_durable(self) -> None:
         """Return once every write so far is in the copy a recovery would read: at once for a journal in
@@ -89,7 +106,7 @@ class Shipping:
                         txn.put(bytes(k), bytes(v), db=db)
 
         store.write(txn_fn)
-        store.shape_table = None  # the meta may have been replaced
+        store.forget_shapes()  # the meta may have been replaced
 
     def copy_to(self, dest: str | os.PathLike) -> None:
         """A consistent copy of this journal's LMDB file into the empty directory `dest` (fsynced)."""

@@ -30,7 +30,17 @@ import lmdb
 
 from .errors import JournalError, JournalLockedError, NotAJournalError
 from .events import StepRecord, summary_types, upcast_event
-from .frames import MAGIC_STEP2, STEP_HEADER2, StepFrame, decode_core, decode_frame, key_step, step_key, unframe_plain
+from .frames import (
+    DEFAULT_COMPRESSION_LEVEL,
+    MAGIC_STEP2,
+    STEP_HEADER2,
+    StepFrame,
+    decode_core,
+    decode_frame,
+    key_step,
+    step_key,
+    unframe_plain,
+)
 from .lmdb_env import BASE_STEP, DEFAULT_MAP_SIZE, READ_CHUNK, Store, close_env, is_open_here, open_env
 from .meta import Meta
 from .pending import Pending
@@ -51,25 +61,31 @@ class Journal:
     """An open journal. Use :meth:`open_writer` (one per run, exclusive) or :meth:`open_reader`. Reads
     its steps; its parts (see the module's doc) do the rest."""
 
-    def __init__(self, path: Path, env: lmdb.Environment, *, writable: bool, lock_fd: int | None):
+    def __init__(self, path: Path, env: lmdb.Environment, *, writable: bool, lock_fd: int | None, claim=None,
+                 compression_level: int = DEFAULT_COMPRESSION_LEVEL, problem: str | None = None):
+        """`claim`: the run's writer claim (journal.claim), checked before every write; `compression_level`: the
+        zstd level of the step payloads written; `problem`: damage found in the segments a reader's copy was
+        rebuilt from (segments.open_reader)."""
         self.path = path
         self.writable = writable
         self._lock_fd = lock_fd
         self._closed = False
         self._close_hooks: list = []
-        self.store = Store(path, env, writable=writable)
+        self.store = Store(path, env, writable=writable, claim=claim)
         self.meta = Meta(self.store)
-        self.writer = StepWriter(self.store, self.meta)
+        self.writer = StepWriter(self.store, self.meta, compression_level)
         self.retention = Retention(self.store, self.meta)
         self.pending = Pending(self.store)
-        self.shipping = Shipping(self.store)
+        self.shipping = Shipping(self, problem)
 
     # ------------------------------------------------------------------ opening
 
     @classmethod
-    def open_writer(cls, path: str | os.PathLike, *, map_size: int = DEFAULT_MAP_SIZE, claim=None) -> Journal:
+    def open_writer(cls, path: str | os.PathLike, *, map_size: int = DEFAULT_MAP_SIZE, claim=None,
+                    compression_level: int = DEFAULT_COMPRESSION_LEVEL) -> Journal:
         """Open (creating if needed) the journal for appending. Refuses at once if another process writes it.
-        `claim`: the run's writer claim (journal.claim), checked before every write and released on close."""
+        `claim`: the run's writer claim (journal.claim), checked before every write and released on close;
+        `compression_level`: the zstd level of the step payloads it writes (journal.compression_level)."""
         path = Path(path)
         try:
             path.mkdir(parents=True, exist_ok=True)
@@ -90,12 +106,11 @@ class Journal:
         os.pwrite(fd, holder.encode(), 0)
         try:
             env = open_env(path, writable=True, map_size=map_size)
-            journal = cls(path, env, writable=True, lock_fd=fd)
+            journal = cls(path, env, writable=True, lock_fd=fd, claim=claim, compression_level=compression_level)
         except lmdb.Error as e:
             os.close(fd)
             raise JournalError(f"cannot open journal {path}: {e}") from None
         if claim is not None:
-            journal.store.claim = claim
             journal.on_close(claim.release)  # registered first, so it runs after every later close hook (a last shipment)
         return journal
 
@@ -105,14 +120,15 @@ class Journal:
         return is_open_here(path)
 
     @classmethod
-    def open_reader(cls, path: str | os.PathLike) -> Journal:
-        """Open an existing journal read-only. Works while a writer appends; each read sees a committed prefix."""
+    def open_reader(cls, path: str | os.PathLike, problem: str | None = None) -> Journal:
+        """Open an existing journal read-only. Works while a writer appends; each read sees a committed prefix.
+        `problem`: damage found in the segments it was rebuilt from (``journal.shipping.problem``)."""
         path = Path(path)
         if not (path / "data.mdb").is_file():
             raise NotAJournalError(f"no journal at {path} (expected {path / 'data.mdb'})")
         try:
             env = open_env(path, writable=False, map_size=0)
-            return cls(path, env, writable=False, lock_fd=None)
+            return cls(path, env, writable=False, lock_fd=None, problem=problem)
         except lmdb.NotFoundError:
             close_env(path)
             raise JournalError(f"{path} lacks the journal's sub-databases: not a verlj journal, or one from an incompatible version") from None

@@ -55,6 +55,9 @@ class Problem:
 
 @dataclass
 class JournalReport:
+    """What verify_journal found. Its map (to_dict: `verify --json`) is written here: the journal stands below
+    engine/schema and its codec."""
+
     path: str
     first_step: int | None = None
     last_step: int | None = None

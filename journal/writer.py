@@ -29,10 +29,10 @@ from .meta import Meta
 class StepWriter:
     """The step log's writer of an open journal (``journal.writer``)."""
 
-    def __init__(self, store: Store, meta: Meta):
+    def __init__(self, store: Store, meta: Meta, compression_level: int = DEFAULT_COMPRESSION_LEVEL):
         self._store = store
         self._meta = meta
-        self.compression_level = DEFAULT_COMPRESSION_LEVEL  # zstd level of step payloads written from now on
+        self.compression_level = compression_level  # the zstd level of the step payloads it writes
 
     def start_after(self, step: int, chain: str, meta: dict[str, Any] | None = None) -> None:
         """Make this empty journal continue another's hash chain: its first record will be step + 1,

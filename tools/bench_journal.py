@@ -107,8 +107,7 @@ def bench_vs_floor(root: Path, steps: int, samples: int, tokens: int, level: int
     rng = np.random.default_rng(0)
     records = [step_events(s, rng, samples, tokens) for s in range(1, steps + 1)]
     jpath, fpath = root / f"journal-{label}-{level}", root / f"floor-{label}-{level}"
-    journal = Journal.open_writer(jpath)
-    journal.writer.compression_level = level
+    journal = Journal.open_writer(jpath, compression_level=level)
     floor_env = lmdb.open(str(fpath), map_size=1 << 36, max_dbs=4, subdir=True)  # same flags: sync on
     floor_db = floor_env.open_db(b"steps")
     j_times, f_times, sizes, old_sizes, ntok, raw_payload, payload = [], [], [], [], 0, 0, 0

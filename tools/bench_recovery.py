@@ -96,9 +96,9 @@ def main() -> None:
         for _ in range(args.repeats):
             r = fresh()
             t0 = time.perf_counter()
-            restore(r, k)
+            restored = restore(r, k)
             t1 = time.perf_counter()
-            replay(r, history, k + 1, total)
+            replay(r, history, restored, total)
             t2 = time.perf_counter()
             recov.append(t2 - t0)
             replay_per_step.append((t2 - t1) / k)

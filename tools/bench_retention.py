@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_journal import step_events  # noqa: E402
 
-from verlj.engine.loop.retention import prune_bound  # noqa: E402
+from verlj.engine.loop.pruning import prune_bound  # noqa: E402
 from verlj.journal import Journal, open_journal_reader, segments  # noqa: E402
 from verlj.journal.frames import StepFrame  # noqa: E402
 

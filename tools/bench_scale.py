@@ -188,9 +188,9 @@ def recovery_probe(run: Path, a: int, k: int, how: str) -> dict:
     configure_determinism(cfg)
     t, c = time.perf_counter(), time.process_time()
     r = make_run(run, rt, Trainer(cfg, rt), Silent(), journal)
-    restore(r, a)
+    restored = restore(r, a)
     if how == "replay":
-        replay(r, journal.history(), a + 1, a + k)
+        replay(r, journal.history(), restored, a + k)
     else:
         for step in range(a + 1, a + k + 1):
             inputs = r.source.collect(step)

@@ -17,7 +17,6 @@ Side by side, in one process, on the same records:
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import tempfile
@@ -28,6 +27,8 @@ import numpy as np
 
 import verlj.engine  # noqa: F401  (declares verlj's event types to the journal)
 from verlj.journal import Journal, make_event, segments
+from verlj.journal.durable import replace_durably
+from verlj.journal.shipper import Shipper
 
 
 def step_events(step: int, samples: int, tokens: int) -> list[dict]:
@@ -53,22 +54,13 @@ def throughput(root: Path, events: list[list[dict]]) -> None:
         shipped = root / f"t-run{rep}" / "journal"
         with Journal.open_writer(local) as j:
             t0 = time.perf_counter()
-            shipper = segments.Shipper(j, shipped, max_lag=10**9)
+            shipper = Shipper(j, shipped, max_lag=10**9)
             shipper.close()  # ships everything committed, then stops
             best_ship = min(best_ship, time.perf_counter() - t0)
         d = root / f"t-copy{rep}"
         d.mkdir()
         t0 = time.perf_counter()
-        tmp = d / ".tmp"
-        with open(tmp, "wb") as f:
-            for raw in frames:
-                f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, d / "copy")
-        fd = os.open(d, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+        replace_durably(d / "copy", frames, tmp=d / ".tmp")
         best_copy = min(best_copy, time.perf_counter() - t0)
     mib = size / 2**20
     print(f"1. throughput, {len(frames)} steps, {mib:.1f} MiB (best of 3)")

@@ -8,20 +8,18 @@
 
 The index is the journal's meta ``archive`` (through the ledger): file, step range, rows, bytes and
 BLAKE3 digest of each file. A file is written, fsynced and renamed into place before the journal
-transaction that indexes it and prunes its steps' payloads (:func:`retention.apply`), so a kill at
+transaction that indexes it and prunes its steps' payloads (:func:`pruning.apply`), so a kill at
 any moment leaves either the payloads in the journal or an indexed, complete file, never neither.
 This module is the only one that names these paths.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
 
-import blake3
-
+from verlj.journal.durable import publish_file
 from verlj.journal.failpoints import failpoint
 
 from ..config import config_from_stored
@@ -29,7 +27,7 @@ from ..errors import RunError
 from ..rl.vocab import text_decoder
 from ..schema import table as samples
 from ..schema.events import StepEvents
-from ..state.manifest import fsync_dir, fsync_file
+from ..state.manifest import file_digest
 from .reader import StepReader
 from .records import ArchiveEntry
 
@@ -57,14 +55,6 @@ def archive_dir(run_dir: Path) -> Path:
 
 def file_name(first: int, last: int) -> str:
     return f"steps_{first:010d}-{last:010d}.parquet"
-
-
-def _digest(path: Path) -> str:
-    h = blake3.blake3()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
@@ -102,12 +92,9 @@ def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
                     flush(w)
             failpoint("archive.mid_write")
         flush(w)
-    fsync_file(tmp)
-    ledger.fence()
-    os.replace(tmp, out_dir / name)
-    fsync_dir(out_dir)
     path = out_dir / name
-    return ArchiveEntry(name, first, last, rows, path.stat().st_size, _digest(path))
+    publish_file(tmp, path, before=ledger.fence)
+    return ArchiveEntry(name, first, last, rows, path.stat().st_size, file_digest(path))
 
 
 class Reader:
@@ -148,7 +135,7 @@ def check_entry(run_dir: Path, entry: ArchiveEntry) -> str | None:
     path = archive_dir(run_dir) / entry.file
     if not path.is_file():
         return f"archive file {ARCHIVE_DIR}/{entry.file} (steps {entry.first}–{entry.last}) is missing"
-    if path.stat().st_size != entry.bytes or _digest(path) != entry.digest:
+    if path.stat().st_size != entry.bytes or file_digest(path) != entry.digest:
         return f"archive file {ARCHIVE_DIR}/{entry.file} (steps {entry.first}–{entry.last}) fails its digest"
     return None
 

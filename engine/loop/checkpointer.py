@@ -27,6 +27,7 @@ the background). What the loop waited for, in save() and there, is ``blocked_s``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import shutil
@@ -37,19 +38,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from verlj.journal import JournalError, packb, unpackb
+from verlj.journal.durable import write_synced
 from verlj.journal.failpoints import failpoint
 from verlj.journal.space import files_under, write_failure_cause
 
 from ..errors import RunError, SnapshotError
 from ..state import reshard
-from ..state.manifest import ANCHOR, META, SnapshotMeta, fsync_tree, snapshot_name, write_bytes_durable
+from ..state.manifest import ANCHOR, META, SnapshotMeta, fsync_tree, snapshot_name
 from ..state.safe_load import install_safe_checkpointing, save_portable, saveable
 from ..state.seeding import RNGState
 from ..state.stateful import Stateful
 from ..state.topology import Topology, refusal
-from . import retention
+from . import pruning
 from .context import Run
 from .policy import CheckpointSchedule
+from .records import Resharded
 from .snapshot_store import SnapshotStore
 
 if TYPE_CHECKING:
@@ -90,21 +93,6 @@ class Part:
     optional: bool = False  # snapshots written before the part existed lack it: it keeps its initial state
 
 
-@dataclass(frozen=True)
-class Resharded:
-    """A snapshot loaded from another topology (Checkpointer.load): from which, to which, and how long
-    its conversion to the universal form took (0 and `cached`: a valid converted form was on disk)."""
-
-    before: Topology
-    after: Topology
-    convert_s: float
-    cached: bool
-
-    def to_dict(self) -> dict:
-        """As the `topology` control event and the ledger's topology history hold it."""
-        return {"from": self.before.as_dict(), "to": self.after.as_dict(), "convert_s": self.convert_s, "cached": self.cached}
-
-
 def make_run(run_dir: Path, rt: Runtime, trainer: Trainer, reporter: Reporter, ledger: Ledger | None = None) -> Run:
     """The run being driven (loop.context.Run), made whole at once: its checkpointer first, from the
     parts it serves; the topology and the snapshot schedule from the config the trainer is under (the
@@ -137,8 +125,6 @@ class Checkpointer:
         self.tried: list[int] = []  # the steps a snapshot was written at, this process
         self.failed: dict[int, str] = {}  # step -> why its snapshot failed (the run goes on: the journal holds every step)
         self.last_saved: int | None = None
-        self.resharded: Resharded | None = None  # set by load() when the snapshot came from another topology
-        self.loaded_fingerprint: str | None = None  # the state's fingerprint right after a restore (recovery)
         self.blocked_s = 0.0  # how long the last snapshot blocked the loop (save, and settle for an async one)
         self.write_s = 0.0  # the last snapshot's write, from save() to published (async: in the background)
         self._held = threading.Event()  # clear while an async snapshot holds live tensors it has not written
@@ -234,14 +220,11 @@ class Checkpointer:
         for part in self.parts():
             if part.kind == ENGINE_PART:
                 ce = install_safe_checkpointing(part.obj)
-                ce.deferred = [] if async_save else None
-                try:
+                saving: contextlib.AbstractContextManager[list[tuple[str, object]]] = ce.deferring() if async_save else contextlib.nullcontext([])
+                with saving as held:
                     part.obj.save_checkpoint(str(tmp), tag=part.name, client_state={}, save_latest=False,
                                              exclude_frozen_parameters=_has_frozen(part.obj))
-                finally:
-                    if ce.deferred is not None:
-                        deferred += ce.deferred
-                    ce.deferred = None
+                deferred += held
             elif part.kind == RANK_PART:
                 small[rng_file(rt.rank)] = packb(part.obj.state_dict())
             else:
@@ -296,7 +279,7 @@ class Checkpointer:
             _write_small(tmp, small)
             failpoint("snapshot.mid_write")
             fsync_tree(tmp)
-            write_bytes_durable(tmp / f".done-rank{self.rt.rank:05d}", b"")
+            write_synced(tmp / f".done-rank{self.rt.rank:05d}", b"")
             if self.rt.is_main:
                 markers = [tmp / f".done-rank{r:05d}" for r in range(self.rt.world_size)]
                 while not all(m.exists() for m in markers):
@@ -318,7 +301,7 @@ class Checkpointer:
     def _retain(self) -> None:
         """Rank 0, after a snapshot is published and rotation is done: prune what no kept snapshot needs."""
         try:
-            retention.apply(self.run_dir, self.trainer.cfg, self.ledger, self.reporter)
+            pruning.apply(self.run_dir, self.trainer.cfg, self.ledger, self.reporter)
         except (RunError, JournalError, OSError) as e:  # the samples stay; the next snapshot tries again
             self.reporter.warn(f"journal retention did not run: {e}")
 
@@ -357,19 +340,18 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self, path: Path) -> SnapshotMeta:
+    def load(self, path: Path) -> tuple[SnapshotMeta, Resharded | None]:
         """Load a verified snapshot into every part of the registry, in one loop (collective).
-        Returns its meta."""
+        Returns its meta, and how it was resharded (None: it was written under this topology)."""
         self.settle()  # an async snapshot still writing the state this load replaces
         meta = SnapshotMeta.read(path)
         engines = [p.name for p in self.parts() if p.kind == ENGINE_PART]
         if sorted(meta.engines) != sorted(engines):
             raise SnapshotError(f"{path} holds engines {meta.engines}, this run has {engines}")
         src, dst = meta.topology, self.topology
-        self.resharded = None
-        universal = None
+        resharded = universal = None
         if src != dst:  # another topology's files: through their universal form, converted once
-            universal, self.resharded = self._converted(path, meta, src, dst)
+            universal, resharded = self._converted(path, meta, src, dst)
         anchor = unpackb((path / ANCHOR).read_bytes())
         own = path / rng_file(self.rt.rank)  # a rank the snapshot's topology did not have takes rank 0's
         for part in self.parts():
@@ -381,7 +363,7 @@ class Checkpointer:
                 part.obj.load_state_dict(anchor[part.name])
             elif not part.optional:
                 raise SnapshotError(f"{path / ANCHOR} has no {part.name!r} state")
-        return meta  # no rollout engine holds older weights: a run's source makes its engine at its first live step, after this
+        return meta, resharded  # no rollout engine holds older weights: a run's source makes its engine at its first live step, after this
 
     def _load_engine(self, part: Part, path: Path, universal: Path | None) -> None:
         engine, tag = part.obj, part.name
@@ -422,4 +404,4 @@ def _has_frozen(engine) -> bool:
 
 def _write_small(tmp: Path, small: dict[str, bytes]) -> None:
     for fname, data in small.items():
-        write_bytes_durable(tmp / fname, data)
+        write_synced(tmp / fname, data)

@@ -61,4 +61,4 @@ class Run:
 
     def history(self) -> History:
         """The run's history, read on rank 0 and sent to every rank (collective)."""
-        return History(**self.rt.from_rank0(lambda: self.main_ledger().history().to_dict(), "reading the run's history"))
+        return History.from_dict(self.rt.from_rank0(lambda: self.main_ledger().history().to_dict(), "reading the run's history"))

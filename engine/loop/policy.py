@@ -15,6 +15,7 @@ journaled metrics, so a resumed run decides exactly as the uninterrupted one wou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from ..config import TrainerConfig
 from ..errors import PluginError, loading
 from ..plugins import check_signature, import_object
 from ..report import REWARD_MEAN
+from ..schema.record import Record
 from ..state.stateful import check_version
 
 HISTORY = 100
@@ -73,15 +75,12 @@ def load_policy(dotted: str, kwargs: dict):
 
 
 @dataclass(frozen=True)
-class ScheduleState:
+class ScheduleState(Record):
     """CheckpointSchedule's state map: the metrics history the policy sees, and the policy's own state."""
 
     version: int
-    history: list[dict]
-    policy: dict
-
-    def to_dict(self) -> dict:
-        return {"version": self.version, "history": self.history, "policy": self.policy}
+    history: list[dict[str, float]]  # each step's metrics, the last HISTORY
+    policy: dict[str, Any]  # the policy's own state_dict() ({} without one)
 
 
 class CheckpointSchedule:
@@ -116,7 +115,7 @@ class CheckpointSchedule:
         return ScheduleState(self.VERSION, self.history, policy).to_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        saved = ScheduleState(**check_version("checkpoint schedule", state, self.VERSION))
+        saved = ScheduleState.from_dict(check_version("checkpoint schedule", state, self.VERSION))
         self.history = list(saved.history)
         if self.policy is not None and hasattr(self.policy, "load_state_dict") and saved.policy:
             self.policy.load_state_dict(saved.policy)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any
 
 from ..schema.events import ControlKind
 from ..schema.record import Record, stored
+from ..state.topology import Topology
 
 OPT = stored(optional=True)  # left out of the stored map while None (the maps of releases from before the field)
 
@@ -28,7 +30,7 @@ class Loaded(Record):
     (Trainer.identity): the prompts' identity (rl.data.DataIdentity's map) and the frozen reward
     model's digest (runs from before a field: None)."""
 
-    dataset: dict | None = None
+    dataset: dict[str, Any] | None = None  # rl.data.DataIdentity's map, as recorded (read there)
     reward_model_digest: str | None = None
     actor_base_path: str | None = None  # with LoRA: the frozen base (rl.lora.base_identity)
     actor_base_digest: str | None = None
@@ -43,6 +45,19 @@ class SnapshotEntry(Record):
     fingerprint: str | None = field(default=None, metadata=OPT)
     manifest: str | None = field(default=None, metadata=OPT)
     time: float | None = field(default=None, metadata=OPT)
+
+
+@dataclass(frozen=True)
+class Unindexed(Record):
+    """A snapshot taken out of the index (ledger.snapshots): found damaged and moved aside to `path` (in the
+    run directory: quarantined), or named by the index but gone from disk (missing: a resume unindexed it);
+    when (entries from before a field: None)."""
+
+    name: str
+    step: int | None = None
+    reason: str | None = None
+    path: str | None = field(default=None, metadata=OPT)  # quarantined: where it went; missing: not stored
+    time: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,8 +78,8 @@ class Counterfactual(Record):
     run: str
     from_step: int
     to_step: int
-    overrides: list
-    changed: list
+    overrides: list[str]  # KEY=VALUE, as given
+    changed: list[str]  # the dotted keys they changed
 
 
 @dataclass(frozen=True)
@@ -76,13 +91,14 @@ class LineageEntry(Record):
     kind: ControlKind
     at_step: int
     snapshot_step: int | None = field(default=None, metadata=OPT)
-    config_changes: list | None = field(default=None, metadata=OPT)
+    config_changes: list[str] | None = field(default=None, metadata=OPT)  # the dotted keys
     world_size: int | None = field(default=None, metadata=OPT)
     time: str | None = field(default=None, metadata=OPT)
-    versions: dict | None = field(default=None, metadata=OPT)
+    versions: dict[str, str] | None = field(default=None, metadata=OPT)  # loop.provenance.produced_on
     resume_from: str | None = field(default=None, metadata=OPT)
-    versions_changed: list | None = field(default=None, metadata=OPT)
-    parent: dict | None = field(default=None, metadata=OPT)
+    versions_changed: list[str] | None = field(default=None, metadata=OPT)  # 'name old → new'
+    # ParentRun's map as the run stored it (a fork from before base_fingerprint lacks it: shown as it is)
+    parent: dict[str, Any] | None = field(default=None, metadata=OPT)
 
     @property
     def forked(self) -> bool:
@@ -103,13 +119,36 @@ class ConfigEntry(Record):
     """A config change made on resume: the config in force from `from_step` on."""
 
     from_step: int
-    config: dict
+    config: dict[str, Any]  # the config as stored (config.stored_config reads it)
 
 
 @dataclass(frozen=True)
 class Rebased(Record):
     step: int
     fingerprint: str
+
+
+@dataclass(frozen=True)
+class Resharded(Record):
+    """A snapshot loaded from another topology (loop.checkpointer: Checkpointer.load): from which, to which,
+    and how long its conversion to the universal form took (0 and `cached`: a valid converted form was on
+    disk). A TopologyChange holds it as it is."""
+
+    before: Topology = field(metadata=stored(key="from"))
+    after: Topology = field(metadata=stored(key="to"))
+    convert_s: float
+    cached: bool
+
+
+@dataclass(frozen=True)
+class Deviation(Record):
+    """A replayed metric's deviation from the journaled one (loop.recovery, under another topology)."""
+
+    step: int
+    metric: str
+    replayed: float
+    journaled: float
+    deviation: float
 
 
 @dataclass(frozen=True)
@@ -121,24 +160,24 @@ class TopologyChange(Record):
     event's details are these, with `to` for `topology`)."""
 
     from_step: int
-    topology: dict
-    before: dict | None = field(default=None, metadata=stored(key="from"))
+    topology: Topology
+    before: Topology | None = field(default=None, metadata=stored(key="from"))
     snapshot_step: int | None = None
-    resharded: dict | None = None
-    replayed: list | None = None
-    tolerance: dict | None = None
+    resharded: Resharded | None = None
+    replayed: list[int] | None = None  # [first, last] replayed
+    tolerance: dict[str, float] | None = None  # {rtol, atol} the replayed metrics were checked within
     checked_steps: int | None = None
-    max_deviation: dict | None = None
+    max_deviation: Deviation | None = None
     rebased: Rebased | None = None
 
     def details(self) -> dict:
-        """The entry less `from_step` and `topology`: how the resume got there."""
+        """The entry's map less `from_step` and `topology`: how the resume got there."""
         return {k: v for k, v in self.to_dict().items() if k not in ("from_step", "topology")}
 
     def control_details(self) -> dict:
         """The details of the `topology` control event: from, to, then how."""
-        how = self.details()
-        return {"from": self.before, "to": self.topology, **{k: v for k, v in how.items() if k != "from"}}
+        before = None if self.before is None else self.before.to_dict()
+        return {"from": before, "to": self.topology.to_dict(), **{k: v for k, v in self.details().items() if k != "from"}}
 
 
 @dataclass(frozen=True)
@@ -171,6 +210,15 @@ class TrainMetadata(Record):
     resume_from: str | None = None
 
 
+@dataclass(frozen=True)
+class ProducedOn(Record):
+    """What a start or a resume ran on (versions and hardware: loop.provenance), in force for the steps after
+    `after` (a start's: -1) until the next."""
+
+    after: int
+    versions: dict[str, str]
+
+
 def config_in_force(first: dict, changes: list[ConfigEntry], step: int) -> dict:
     cfg = first
     for entry in changes:
@@ -179,25 +227,20 @@ def config_in_force(first: dict, changes: list[ConfigEntry], step: int) -> dict:
     return cfg
 
 
-@dataclass
+@dataclass(frozen=True)
 class History(Record):
     """A run's history as a resume or a replay needs it: read on rank 0 (Ledger.history) and sent to
-    every rank once (Run.history), so no rank asks the journal again. The one owner of "what was in
-    force at step N"."""
+    every rank once (Run.history: its map, read back with from_dict), so no rank asks the journal again.
+    The one owner of "what was in force at step N"."""
 
     base_step: int  # the step before the journal's first (a fork's parent step; 0 for a new run)
     last_step: int
     pruned_through: int  # the last step whose samples retention removed (0: none)
-    first_config: dict
+    first_config: dict[str, Any]  # as stored (config.stored_config)
     config_changes: list[ConfigEntry]  # the changes made on resume, in order
-    topology_start: dict  # {world_size, tensor_parallel_size, zero_stage} of the run's start
+    topology_start: Topology  # the run's start's
     topology_changes: list[TopologyChange]  # in order (ledger.identity.topology_changes)
-    # [after_step, versions]: what the start (-1) and each resume ran on (versions and hardware: loop.provenance)
-    produced_on: list = field(default_factory=list)
-
-    def __post_init__(self):  # from to_dict's maps (plain data: History(**it) is this history again), as they cross ranks
-        self.config_changes = [e if isinstance(e, ConfigEntry) else ConfigEntry.from_dict(e) for e in self.config_changes]
-        self.topology_changes = [e if isinstance(e, TopologyChange) else TopologyChange.from_dict(e) for e in self.topology_changes]
+    produced_on: list[ProducedOn] = field(default_factory=list)  # the start's and each resume's, in order
 
     def config_at(self, step: int) -> dict:
         return config_in_force(self.first_config, self.config_changes, step)
@@ -206,7 +249,7 @@ class History(Record):
         """The configs in force for steps first..last: the one at `first`, then each change up to `last`."""
         return [self.config_at(first), *(e.config for e in self.config_changes if first < e.from_step <= last)]
 
-    def topology_at(self, step: int) -> dict:
+    def topology_at(self, step: int) -> Topology:
         topo = self.topology_start
         for entry in self.topology_changes:
             if entry.from_step <= step:
@@ -218,10 +261,10 @@ class History(Record):
         return versions_in_force_at(self.produced_on, step)
 
 
-def versions_in_force_at(produced_on: list, step: int) -> dict[str, str]:
-    """Of [after_step, versions] pairs in order (a start's at -1, then each resume's), those in force when `step` was trained."""
+def versions_in_force_at(produced_on: list[ProducedOn], step: int) -> dict[str, str]:
+    """Of what each start and resume ran on, in order, the versions in force when `step` was trained."""
     found: dict[str, str] = {}
-    for after, versions in produced_on:
-        if after < step and versions:
-            found = versions
+    for p in produced_on:
+        if p.after < step and p.versions:
+            found = p.versions
     return found

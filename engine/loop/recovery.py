@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from .context import Run
 from .ledger import Ledger
 from .provenance import produced_on
 from .reader import StepReader
-from .records import History, Rebased, TopologyChange
+from .records import Deviation, History, Rebased, Resharded, TopologyChange
 from .snapshot_store import SnapshotStore, check_against_journal
 
 # ----------------------------------------------------------------------------- the plan
@@ -128,10 +128,21 @@ def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explici
 # ----------------------------------------------------------------------------- restore and replay
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What :func:`restore` left the run in: the snapshot's step (0: the initial state, nothing loaded), the
+    state's fingerprint right after loading it (None then), and how the snapshot was resharded (None: it was
+    written under this topology). What a replay from it starts from (:func:`replay`)."""
+
+    step: int
+    fingerprint: str | None = None
+    resharded: Resharded | None = None
+
+
 def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quarantine: bool = False,
-            target: int | None = None) -> int:
-    """Load the chosen snapshot (or keep the initial state). Collective. Returns its step.
-    A snapshot of another topology is resharded (``run.ckpt.resharded`` says so); its fingerprint,
+            target: int | None = None) -> Restored:
+    """Load the chosen snapshot (or keep the initial state). Collective. Returns what it loaded.
+    A snapshot of another topology is resharded (the result's `resharded` says so); its fingerprint,
     which hashes the old layout, cannot be compared: the loaded weights are checked instead."""
     rt, ckpt, reporter = run.rt, run.ckpt, run.reporter
 
@@ -142,13 +153,12 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
     step, path = rt.from_rank0(choose, "choosing the snapshot to start from")
     if path is None:
         reporter.info("No usable snapshot: replaying from the initial state (step 0).")
-        return 0
+        return Restored(0)
     reporter.info(f"Resuming from checkpoint: {path}")
-    meta = ckpt.load(Path(path))
-    if ckpt.resharded is not None:
-        r = ckpt.resharded
-        how = "its converted form was cached" if r.cached else f"converted in {r.convert_s:.2f} s"
-        reporter.info(f"Resharded {Path(path).name} from {r.before} to {r.after} ({how}); "
+    meta, resharded = ckpt.load(Path(path))
+    if resharded is not None:
+        how = "its converted form was cached" if resharded.cached else f"converted in {resharded.convert_s:.2f} s"
+        reporter.info(f"Resharded {Path(path).name} from {resharded.before} to {resharded.after} ({how}); "
                       "the loaded weights match the converted ones.")
     reporter.info("Loaded model, optimizer, scheduler and RNG states.")
     reporter.info(
@@ -156,10 +166,9 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
         f"buffer has {len(run.trainer.buffer)} pending samples."
     )
     fp, _ = run.trainer.state_fingerprint()
-    if ckpt.resharded is None and fp != meta.fingerprint:
+    if resharded is None and fp != meta.fingerprint:
         raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {str(meta.fingerprint)[:16]}…")
-    ckpt.loaded_fingerprint = fp
-    return step
+    return Restored(step, fp, resharded)
 
 
 # Replayed under another topology, a step's bits cannot match the journal's (the reductions run in
@@ -168,28 +177,12 @@ RTOL, ATOL = 1e-3, 1e-5
 TOLERANCE = {"rtol": RTOL, "atol": ATOL}  # as the topology control event records it
 
 
-@dataclass(frozen=True)
-class Deviation:
-    """A replayed metric's deviation from the journaled one."""
-
-    step: int
-    metric: str
-    replayed: float
-    journaled: float
-    deviation: float
-
-
 @dataclass
 class ReplayOutcome:
     fingerprint: str | None = None  # of the state after the last replayed step
     exact: bool = True  # every fingerprint matched the journal's (or a rebased one): on the reference line
     tolerant_steps: int = 0  # steps checked within TOLERANCE
     largest: Deviation | None = None  # the largest deviation seen
-
-    @property
-    def worst(self) -> dict | None:
-        """The largest deviation as plain data {step, metric, replayed, journaled, deviation} (JSON, the journal)."""
-        return None if self.largest is None else asdict(self.largest)
 
 
 @dataclass
@@ -201,7 +194,7 @@ class Applied:
     record: StepRecord
     inputs: Any  # rl.trainer.StepInputs
     outcome: Any  # rl.trainer.StepOutcome
-    topology: dict
+    topology: Topology
     boundaries: list[TopologyChange]  # the topology boundaries earlier resumes recorded at this step, in order
 
 
@@ -235,9 +228,10 @@ def apply_steps(run: Run, history: History, start: int, stop: int, before=None) 
         yield Applied(step, record, inputs, outcome, topo, boundaries)
 
 
-def replay(run: Run, history: History, start: int, stop: int, check_metrics: bool = True, observe=None,
+def replay(run: Run, history: History, restored: Restored, stop: int, check_metrics: bool = True, observe=None,
            before=None) -> ReplayOutcome:
-    """Apply journaled steps start..stop (inclusive) and check each one. Collective.
+    """Apply the journaled steps after the one `restored` (restore's) up to `stop` (inclusive), and check each
+    one. Collective.
 
     The rule: a step is checked bit for bit (fingerprint and metrics) while the state is on the
     journal's reference line and the step ran on this topology. A resharded snapshot, or a step
@@ -251,11 +245,10 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
     called with each step's inputs just before it is applied, the state being the step before's."""
     from ..rl.trainer import is_timing
 
-    ckpt = run.ckpt
-    out = ReplayOutcome(exact=ckpt is None or ckpt.resharded is None)
-    here = run.topology.as_dict()
-    prev_fp = ckpt.loaded_fingerprint if ckpt is not None else None
-    for done in apply_steps(run, history, start, stop, before):
+    out = ReplayOutcome(exact=restored.resharded is None)
+    here = run.topology
+    prev_fp = restored.fingerprint
+    for done in apply_steps(run, history, restored.step + 1, stop, before):
         step, record, outcome = done.step, done.record, done.outcome
         for change in done.boundaries:
             if not out.exact and change.topology == here and change.rebased is not None and prev_fp == change.rebased.fingerprint:
@@ -271,8 +264,7 @@ def replay(run: Run, history: History, start: int, stop: int, check_metrics: boo
             _check_exact(run, history, step, record, outcome, mine if check_metrics else None)
         else:
             _check_within_tolerance(step, record.metrics, mine, out)
-        if ckpt is not None:
-            ckpt.replayed(step, record.metrics)
+        run.ckpt.replayed(step, record.metrics)
         out.fingerprint = prev_fp = outcome.fingerprint
         failpoint("replay.step")
     return out
@@ -338,41 +330,39 @@ def _same_float(a, b) -> bool:
 
 
 def materialize_steps(run: Run, to_step: int, explicit: tuple[int, Path] | None = None, max_snapshot: int | None = None,
-                      quarantine: bool = False, history: History | None = None) -> tuple[int, ReplayOutcome]:
+                      quarantine: bool = False, history: History | None = None) -> tuple[Restored, ReplayOutcome]:
     """The state after `to_step`: restore the best snapshot, replay the rest under the configs the
-    journal recorded. Collective. Returns (snapshot step, what the replay found; its fingerprint is
+    journal recorded. Collective. Returns (what was restored, what the replay found; its fingerprint is
     None when nothing was replayed). `history`: the run's, when the caller has it already."""
     history = history or run.history()
     run.trainer.set_config(config_from_dict(history.config_at(to_step)))
     limit = to_step if max_snapshot is None else min(to_step, max_snapshot)
-    run.ckpt.loaded_fingerprint = None
-    step0 = restore(run, limit, explicit, quarantine, target=to_step)
-    if step0 >= to_step:
-        return step0, ReplayOutcome(exact=run.ckpt.resharded is None)
-    out = replay(run, history, step0 + 1, to_step)
+    restored = restore(run, limit, explicit, quarantine, target=to_step)
+    if restored.step >= to_step:
+        return restored, ReplayOutcome(exact=restored.resharded is None)
+    out = replay(run, history, restored, to_step)
     if out.tolerant_steps:
         w = out.largest
         assert w is not None  # kept with every step checked within the tolerance
         run.reporter.info(f"Replayed {out.tolerant_steps} step(s) under another topology, checked within rtol {RTOL}, "
                           f"atol {ATOL}: largest deviation {w.deviation:.3g} ({w.metric} at step {w.step}).")
-    return step0, out
+    return restored, out
 
 
 # ----------------------------------------------------------------------------- --resume
 
 
-def _topology_boundary(run: Run, history: History, step0: int, last: int, out: ReplayOutcome) -> TopologyChange | None:
+def _topology_boundary(run: Run, history: History, restored: Restored, last: int, out: ReplayOutcome) -> TopologyChange | None:
     """After a resume's restore and replay: the topology boundary at step last + 1, or None when the
     state is still on the journal's reference line on the same topology. The rebased fingerprint is
     the state now, which the steps from last + 1 on build on."""
-    here = run.topology.as_dict()
-    before = history.topology_at(last)
+    here, before = run.topology, history.topology_at(last)
     if out.exact and here == before:
         return None
     fp, _ = run.trainer.state_fingerprint()
-    resharded = run.ckpt.resharded.to_dict() if run.ckpt.resharded is not None else None
-    return TopologyChange(last + 1, here, before, step0, resharded, [step0 + 1, last] if step0 < last else None, TOLERANCE,
-                          out.tolerant_steps, out.worst, Rebased(last, fp))
+    step0 = restored.step
+    return TopologyChange(last + 1, here, before, step0, restored.resharded, [step0 + 1, last] if step0 < last else None, TOLERANCE,
+                          out.tolerant_steps, out.largest, Rebased(last, fp))
 
 
 def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[dict]]:
@@ -396,12 +386,13 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
             step, path = rt.from_rank0(lambda: [str(x) for x in resolve_explicit(run.run_dir, run.main_ledger(), spec)],
                                        "finding trainer.resume_from's snapshot")
             explicit = (int(step), Path(path))
-    step0, out = materialize_steps(run, last, explicit, max_snapshot=limit, quarantine=True, history=history)
+    restored, out = materialize_steps(run, last, explicit, max_snapshot=limit, quarantine=True, history=history)
+    step0 = restored.step
     if step0 < last:
         reporter.info(f"Replayed {f'step {last}' if step0 + 1 == last else f'steps {step0 + 1}–{last}'} from the journal.")
     run.trainer.set_config(cfg)
     from_snapshot = snapshot_name(step0) if step0 else None
-    topology = _topology_boundary(run, history, step0, last, out)
+    topology = _topology_boundary(run, history, restored, last, out)
     control = [Control(ControlKind.RESUME, {
         "from_snapshot": from_snapshot,
         "snapshot_step": step0,
@@ -414,12 +405,12 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
     if topology is not None:
         assert topology.before is not None  # _topology_boundary's
         control.append(Control(ControlKind.TOPOLOGY, topology.control_details()).to_event())
-        reporter.info(f"Step {last + 1}: topology {Topology(**topology.before)} -> {Topology(**topology.topology)}; "
+        reporter.info(f"Step {last + 1}: topology {topology.before} -> {topology.topology}; "
                       "the fingerprints journaled from here on are the new reference.")
     if rt.is_main:
         ledger = run.main_ledger()
         if topology is not None:
-            ledger.identity.record_topology_change(topology.from_step, topology.topology, topology.details())
+            ledger.identity.record_topology_change(topology)
         moved = ledger.lineage.record_resume(last, step0, changed, rt.world_size, produced_on(cfg.to_stored()), resume_from=spec)
         if moved:
             reporter.warn(f"library versions changed since this run last started: {', '.join(moved)} (recorded in its lineage)")

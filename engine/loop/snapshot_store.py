@@ -37,11 +37,12 @@ from pathlib import Path
 
 import blake3
 
+from verlj.journal.durable import fsync_dir, write_synced
 from verlj.journal.failpoints import failpoint
 
-from ..state.manifest import MANIFEST, SnapshotCheck, build_manifest, check_snapshot, fsync_dir, snapshot_name, write_bytes_durable
+from ..state.manifest import MANIFEST, SnapshotCheck, build_manifest, check_snapshot, snapshot_name
 from .ledger import Ledger
-from .records import SnapshotEntry
+from .records import SnapshotEntry, Unindexed
 
 QUARANTINE = "quarantine"
 _LEFTOVER = re.compile(r"^(\.tmp-step_\d+|\.trash-step_\d+-\d+|\.latest\.tmp)$")  # never published, or unindexed durably
@@ -54,7 +55,8 @@ REMOVE, ADOPT, QUARANTINE, UNINDEX, KEEP = "remove", "adopt", "quarantine", "uni
 @dataclass
 class Leftover:
     """One thing in the run directory that is not an indexed snapshot on disk, and what the next
-    resume does with it: `plan` is how verify says it beforehand, `done` how the resume says it did it."""
+    resume does with it: `plan` is how verify says it beforehand, `done` how the resume says it did it.
+    Never stored: `to_dict` is verify's JSON of it, with its plan in words (not a record of the codec's)."""
 
     name: str  # in the run directory (UNINDEX: the index's path, not on disk)
     action: str  # REMOVE | ADOPT | QUARANTINE | UNINDEX | KEEP
@@ -112,7 +114,7 @@ class SnapshotStore:
 
     def publish(self, step: int, fingerprint: str, tmp: Path) -> Path:
         manifest_bytes = json.dumps(build_manifest(tmp), indent=1).encode()
-        write_bytes_durable(tmp / MANIFEST, manifest_bytes)
+        write_synced(tmp / MANIFEST, manifest_bytes)
         fsync_dir(tmp)
         final = self.run_dir / snapshot_name(step)
         self.main_ledger.fence()
@@ -129,7 +131,7 @@ class SnapshotStore:
     @staticmethod
     def publish_standalone(tmp: Path, out_dir: Path) -> None:
         """A snapshot outside any run (`replay --snapshot`): manifest, rename, fsync; no index."""
-        write_bytes_durable(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=1).encode())
+        write_synced(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=1).encode())
         os.replace(tmp, out_dir)
         fsync_dir(out_dir.parent)
 
@@ -184,7 +186,7 @@ class SnapshotStore:
         if path.exists():
             os.replace(path, dest)
             fsync_dir(self.run_dir)
-        self.main_ledger.snapshots.record_quarantine({"name": path.name, "step": step, "reason": reason, "path": str(dest.relative_to(self.run_dir))})
+        self.main_ledger.snapshots.record_quarantine(Unindexed(path.name, step, reason, str(dest.relative_to(self.run_dir))))
         latest = self.run_dir / "latest"
         if latest.is_symlink() and os.readlink(latest) == path.name:
             self._point_latest()
@@ -268,7 +270,7 @@ class SnapshotStore:
             elif item.action == UNINDEX:
                 # recorded before it leaves the index: a kill in between records it twice, never loses it
                 assert item.step is not None  # an index entry's
-                self.main_ledger.snapshots.record_missing({"name": item.name, "step": item.step, "reason": item.reason})
+                self.main_ledger.snapshots.record_missing(Unindexed(item.name, item.step, item.reason))
                 self.main_ledger.snapshots.remove(item.step)
         if any(item.action == REMOVE for item in plan):
             fsync_dir(self.run_dir)

@@ -13,14 +13,16 @@ replaced, not mixed.
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
+from verlj.journal.durable import replace_durably
+
 from ..errors import RunError
+from ..schema.record import Record
 
 DIR = "derived"
 PREFIX = "probe/"
@@ -32,7 +34,8 @@ def metric_name(probe: str, key: str) -> str:
 
 @dataclass(frozen=True)
 class Row:
-    """A probe's numbers for one step (what `verlj replay --probe` prints, one JSON line a step)."""
+    """A probe's numbers for one step (what `verlj replay --probe` prints, one JSON line a step). Not a record of
+    the codec: its line holds the step beside the values, flat, where a record's map holds each field under its name."""
 
     step: int
     values: dict[str, float]
@@ -42,24 +45,21 @@ class Row:
 
 
 @dataclass(frozen=True)
-class ProbeFile:
+class ProbeFile(Record):
     """One probe's stored values: ``RUN/derived/<probe>.msgpack`` holds ``to_dict()``."""
 
     probe: str
     version: str | None
-    steps: dict  # {step: {name: value}}, steps ascending
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+    steps: dict[int, dict[str, float]]  # {step: {name: value}}, steps ascending
 
     @classmethod
-    def from_dict(cls, data) -> ProbeFile | None:
-        """None when `data` is not a map of this shape."""
+    def parse(cls, data) -> ProbeFile | None:
+        """The file's map read back; None when `data` is not a map of this shape."""
         if not isinstance(data, dict):
             return None
-        values: dict[str, Any] = {f.name: data.get(f.name) for f in fields(cls)}
-        got = cls(**values)
-        return got if isinstance(got.steps, dict) and isinstance(got.probe, str) else None
+        stored: dict[str, Any] = {f.name: data.get(f.name) for f in fields(cls)}
+        raw = cls(**stored)  # the values as stored, none made its type
+        return cls.from_dict(data) if isinstance(raw.steps, dict) and isinstance(raw.probe, str) else None
 
 
 def _path(run_dir: Path, probe: str) -> Path:
@@ -71,7 +71,7 @@ def _read(path: Path) -> ProbeFile:
         data = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
     except (ValueError, msgpack.UnpackException) as e:
         raise RunError(f"derived metrics file {path} is damaged ({e}); delete it and run the probe again") from None
-    stored = ProbeFile.from_dict(data)
+    stored = ProbeFile.parse(data)
     if stored is None:
         raise RunError(f"derived metrics file {path} is not one verlj wrote; delete it and run the probe again")
     return stored
@@ -92,17 +92,7 @@ def store(run_dir: Path, probe: str, version: str, rows: list[Row]) -> str | Non
         steps[int(row.step)] = {k: float(v) for k, v in row.values.items()}
     blob = msgpack.packb(ProbeFile(probe, version, dict(sorted(steps.items()))).to_dict(), use_bin_type=True)
     path.parent.mkdir(exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_durably(path, blob)
     return note
 
 

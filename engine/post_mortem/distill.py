@@ -60,9 +60,9 @@ from ..rl.gateway.protocol import Message
 from ..rl.gateway.token_ledger import trained_chat
 from ..rl.vocab import text_decoder
 from ..schema.events import StepEvents
+from ..schema.record import Record
 from ..schema.sample import UNKNOWN_VERSION, Columns, Sample
 from .steps import ranges
-from .views import _view
 
 if TYPE_CHECKING:
     from ..loop.ledger import Ledger
@@ -77,7 +77,7 @@ DPO_TOKENS = ["prompt_ids", "chosen_ids", "rejected_ids", "chosen_loss_mask", "r
 
 
 @dataclass(frozen=True)
-class Spec:
+class Spec(Record):
     """What an export holds: its kind (sft | dpo), its steps (inclusive), and its filter. Recorded in the
     manifest (``filter``), from which ``verify --against`` makes the same rows again."""
 
@@ -104,13 +104,9 @@ class Spec:
         if self.min_score is not None and not math.isfinite(self.min_score):
             raise UsageError(f"--min-score {self.min_score}: give a finite number")
 
-    @classmethod
-    def from_dict(cls, d: dict) -> Spec:
-        return cls(**d)
-
 
 @dataclass(frozen=True)
-class Form:
+class Form(Record):
     """How the run's rows look: conversational (messages) or text, with the agent's tools or not."""
 
     conversational: bool
@@ -271,7 +267,7 @@ def text_digest(kind: str, row: dict) -> bytes:
 # ----------------------------------------------------------------------------- choosing
 
 @dataclass
-class Counts:
+class Counts(Record):
     """What the filter did, over the steps read (the manifest's ``counts``)."""
 
     samples: int = 0  # read from the journal
@@ -349,7 +345,7 @@ class StepRows:
 
 
 @dataclass
-class LeftOut:
+class LeftOut(Record):
     """The steps an export could not read its samples from (the manifest's ``left_out``)."""
 
     damaged: dict[int, str] = field(default_factory=dict)  # step -> its problem
@@ -363,11 +359,6 @@ class LeftOut:
             out.append(f"steps {ranges(self.pruned)} were pruned (journal.retain_samples): their samples are left out "
                        "(`verlj export --rollouts` reads them from the rollout archive)")
         return out
-
-    @classmethod
-    def from_dict(cls, d: dict) -> LeftOut:
-        v = _view(cls, d)
-        return cls({int(k): str(p) for k, p in v.damaged.items()}, [int(x) for x in v.pruned])
 
 
 class Rows:

@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +30,8 @@ from verlj.journal import JournalError
 
 from ..errors import RunError, UsageError
 from ..loop.ledger import now_iso, open_run
+from ..schema.record import Record
+from ..state.manifest import file_digest
 from .distill import DPO, Counts, Form, LeftOut, Rows, Spec
 from .outputs import check_output, make_parent, remove_made
 from .steps import parse_steps
@@ -45,14 +47,6 @@ VERSION = 1
 BATCH_ROWS = 1024  # rows a write (a Parquet row group, an Arrow record batch)
 FILE_BYTES = 256 << 20  # a data file is closed past this, and the next begun
 _EXT = {"parquet": "parquet", "jsonl": "jsonl", "arrow": "arrow"}
-
-
-def digest_file(path: Path) -> str:
-    h = blake3.blake3()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- writing
@@ -141,7 +135,7 @@ class Recorded:
 
 
 @dataclass(frozen=True)
-class RunIdentity:
+class RunIdentity(Record):
     """The run an export came from (the manifest's ``run``): its directory's name and path then, when it was made,
     its config hash, seed and commit, where its journal starts (a fork's base step, its parent; a what-if's
     counterfactual), and the chain hash of the last exported step's record (the journal as it was read)."""
@@ -153,13 +147,13 @@ class RunIdentity:
     seed: int | None
     git_commit: str | None
     base_step: int
-    parent: dict | None
-    whatif: dict | None
+    parent: dict[str, Any] | None  # loop.records.ParentRun's map, as the run stored it
+    whatif: dict[str, Any] | None  # loop.records.Counterfactual's map, as the run stored it
     last_step_chain: str | None
 
 
 @dataclass(frozen=True)
-class FileEntry:
+class FileEntry(Record):
     """A file of the export: its path in DIR, its size, its BLAKE3 digest, and a data file's rows (None: no data)."""
 
     path: str
@@ -169,7 +163,7 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class Manifest(Record):
     """DIR/manifest.json."""
 
     verlj_export: int  # the format's version (MARK)
@@ -185,15 +179,6 @@ class Manifest:
     written: str
     verlj: str
     files: list[FileEntry]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Manifest:
-        m = _view(cls, d)
-        return replace(m, run=_view(RunIdentity, m.run), filter=Spec.from_dict(m.filter), form=_view(Form, m.form),
-                       counts=_view(Counts, m.counts), left_out=LeftOut.from_dict(m.left_out), files=[_view(FileEntry, f) for f in m.files])
 
     @property
     def data(self) -> list[FileEntry]:
@@ -237,7 +222,7 @@ def export_dataset(run_dir: Path, out: Path, kind: str, fmt: str, steps: str | N
             (tmp / CARD).write_text(card(manifest))
             names = {f.path for f in files}
             extra = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file() and str(p.relative_to(tmp)) not in names)
-            manifest = replace(manifest, files=files + [FileEntry(name, (tmp / name).stat().st_size, digest_file(tmp / name)) for name in extra])
+            manifest = replace(manifest, files=files + [FileEntry(name, (tmp / name).stat().st_size, file_digest(tmp / name)) for name in extra])
             (tmp / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=2, ensure_ascii=False) + "\n")
             _publish(tmp, out)
             published = True
@@ -263,7 +248,7 @@ def _write_rows(tmp: Path, fmt: str, made: Rows) -> list[FileEntry]:
     for (path, rows), name in zip(parts, _data_names(fmt, len(parts))):
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, tmp / name)
-        files.append(FileEntry(name, (tmp / name).stat().st_size, digest_file(tmp / name), rows))
+        files.append(FileEntry(name, (tmp / name).stat().st_size, file_digest(tmp / name), rows))
     return files
 
 
@@ -319,7 +304,7 @@ def _publish(tmp: Path, out: Path) -> None:
 
 def _write_disk_layout(tmp: Path, files: list[FileEntry], identity: RunIdentity) -> None:
     """dataset_info.json and state.json as `Dataset.save_to_disk` writes them (the features: from the files' schema)."""
-    fingerprint = blake3.blake3(json.dumps([asdict(identity), [f.path for f in files]]).encode()).hexdigest()[:16]
+    fingerprint = blake3.blake3(json.dumps([identity.to_dict(), [f.path for f in files]]).encode()).hexdigest()[:16]
     (tmp / "dataset_info.json").write_text(json.dumps({"description": f"rows exported by verlj from run {identity.name}"}, indent=2))
     (tmp / "state.json").write_text(json.dumps({"_data_files": [{"filename": f.path} for f in files], "_fingerprint": fingerprint,
                                                 "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
@@ -335,7 +320,7 @@ def card(m: Manifest) -> str:
     load = ('from datasets import load_from_disk\nds = load_from_disk("DIR")' if m.format == "arrow" else
             f'from datasets import load_dataset\nds = load_dataset("{"parquet" if m.format == "parquet" else "json"}", '
             'data_files="DIR/data/train-*", split="train")')
-    chosen = {k: v for k, v in asdict(spec).items() if k not in ("kind", "first", "last") and v not in (None, False, 0.0)}
+    chosen = {k: v for k, v in spec.to_dict().items() if k not in ("kind", "first", "last") and v not in (None, False, 0.0)}
     lines = [f"# {m.kind.upper()} rows of the verlj run `{run.name}`", "",
              f"{m.rows} rows ({'preference pairs' if m.kind == DPO else 'one per sample'}) from steps {spec.first}–{spec.last} "
              f"of the run made {run.created} (config hash `{run.config_hash}`), written {m.written} by verlj {m.verlj}; "
@@ -375,7 +360,7 @@ def read_manifest(path: Path) -> Manifest:
         raise RunError(f"{f} is an export of version {d[MARK]}; this verlj reads version {VERSION}")
     try:
         return Manifest.from_dict(d)
-    except (TypeError, ValueError, AttributeError, RunError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, RunError) as e:
         raise RunError(f"{f} is not a complete export manifest ({e})") from None
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from verlj.journal import JournalError
@@ -23,16 +23,20 @@ from verlj.journal import JournalError
 from ..errors import RunError
 from ..loop.ledger import Ledger, open_run
 from ..schema.events import StepEvents
+from ..schema.record import Record
 from ..schema.sample import Columns
+from ..state.manifest import file_digest
 from .distill import KEYS, SFT, Rows, Spec, row_key
-from .distill_files import MANIFEST, FileEntry, Recorded, digest_file, file_rows, read_manifest
+from .distill_files import MANIFEST, FileEntry, Recorded, file_rows, read_manifest
 from .views import _view
 
 MAX_SHOWN = 50  # rows named one by one; past that, counted
 
 
 @dataclass
-class ExportReport:
+class ExportReport(Record):
+    """What `verify EXPORT_DIR` found; `to_dict()` is its JSON (`--json`)."""
+
     path: str
     run: str
     kind: str = ""
@@ -50,9 +54,6 @@ class ExportReport:
             self.problems.append(line)
         else:
             self.unshown += 1
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _where(kind: str, key: tuple) -> str:
@@ -122,7 +123,7 @@ def _check_files(rep: ExportReport, path: Path, files: list[FileEntry]) -> None:
         p = path / f.path
         if not p.is_file():
             rep.problem(f"{f.path}: missing", row=False)
-        elif p.stat().st_size != f.bytes or digest_file(p) != f.blake3:
+        elif p.stat().st_size != f.bytes or file_digest(p) != f.blake3:
             rep.problem(f"{f.path}: its size or BLAKE3 digest differs from the manifest's (the file was changed)", row=False)
         else:
             continue

@@ -29,7 +29,7 @@ from ..errors import UsageError
 from ..loop import archive
 from ..loop.ledger import Ledger, open_run, writer_dir
 from ..loop.reader import StepReader
-from ..loop.records import Counterfactual, LineageEntry, ParentRun, attempt_at
+from ..loop.records import Counterfactual, LineageEntry, ParentRun, Unindexed, attempt_at
 from ..rl.vocab import text_decoder
 from ..schema import table
 from ..schema.events import ConfigChange, Control, ControlKind, Eval, Requests, Rollout, StepEvents
@@ -47,7 +47,7 @@ from .diff import (  # noqa: F401 - `verlj diff`'s answer, re-exported from wher
     first_difference,
     render_diff,
 )
-from .views import TIMING, Deviation, Snapshot, _json, _view, topology_line  # noqa: F401 - TIMING and Deviation: importable from here as before
+from .views import TIMING, _json, _view, topology_line  # noqa: F401 - TIMING: importable from here as before
 
 REWARD = "critic/score/mean"  # the summary's trend
 PG_LOSS = "actor/pg_loss"
@@ -199,8 +199,6 @@ def agent_counts(metrics) -> dict | None:
 
 
 def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
-    from ..state.topology import Topology
-
     run_dir = Path(run_dir)
     with open_run(run_dir) as ledger:
         identity = _view(Identity, ledger.identity.all())
@@ -210,7 +208,7 @@ def run_summary(run_dir: Path, trend_points: int = 20) -> RunSummary:
         missing = ledger.snapshots.missing()
         last, base = ledger.last_step(), ledger.base_step()
         indexed = {e.path for e in ledger.snapshots.index().values()}
-        ranks_now = Topology(**ledger.topology_at(last)).world_size
+        ranks_now = ledger.topology_at(last).world_size
         last_summary = ledger.journal.read_summary(last) if last > base else None
         rollout = StepEvents.of(last_summary).rollout if last_summary else None
         if rollout is None:
@@ -293,9 +291,9 @@ def render_summary(s: RunSummary) -> str:
         w = s.writer
         lines.append(f"writer     pid {w.pid} on {w.host} (writer epoch {w.epoch}, claimed {w.claimed}"
                      f"{', released' if w.released else ''})")
-    for q in (_view(Snapshot, x) for x in s.quarantined):
+    for q in map(Unindexed.from_dict, s.quarantined):
         lines.append(f"quarantine {q.name} ({q.reason}) moved to {q.path}")
-    for m in (_view(Snapshot, x) for x in s.missing):
+    for m in map(Unindexed.from_dict, s.missing):
         lines.append(f"missing    {m.name} was {m.reason}: a resume removed it from the index")
     for entry in s.lineage:
         if entry.kind is ControlKind.START:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,7 @@ from ..rl.lora import check_base
 from .outputs import check_output
 
 if TYPE_CHECKING:
-    from ..loop.recovery import Deviation
+    from ..loop.records import Deviation
 
 
 @dataclass
@@ -59,7 +59,7 @@ def replay_config(ledger: Ledger, step: int):
     size folded to 1 when the ranks here cannot hold it (e.g. a TP run replayed in one process)."""
     cfg = config_from_dict(ledger.config_at(step))
     if int(os.environ.get("WORLD_SIZE", "1")) % cfg.distributed.tensor_parallel_size:
-        cfg.distributed.tensor_parallel_size = 1
+        return replace(cfg, distributed=replace(cfg.distributed, tensor_parallel_size=1))  # a config of its own
     return cfg
 
 
@@ -91,7 +91,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
         run = make_run(run_dir, rt, Trainer(cfg, rt), reporter, ledger if rt.is_main else None)
         # a snapshot holds LoRA adapters only: on another base they would replay, export or re-train another model
         check_base(ledger.identity.loaded().actor_base_digest, run.trainer.actor_base, cfg.model.actor.model_name_or_path)
-        step0, out = materialize_steps(run, to_step, max_snapshot=max_snapshot)
+        restored, out = materialize_steps(run, to_step, max_snapshot=max_snapshot)
         fp = out.fingerprint
         if fp is None:
             fp, _ = run.trainer.state_fingerprint()
@@ -99,7 +99,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
         ledger.close()
         if run is not None:
             run.ledger = None  # closed: the replayed state outlives it (export, --snapshot, --fork)
-    return Materialized(to_step, fp, step0, run, out.exact, out.tolerant_steps, out.largest)
+    return Materialized(to_step, fp, restored.step, run, out.exact, out.tolerant_steps, out.largest)
 
 
 def export_hf(replayed: Materialized, out_dir: Path) -> None:
@@ -160,7 +160,7 @@ def write_snapshot(replayed: Materialized, out_dir: Path) -> None:
 
 def replay_report(replayed: Materialized) -> str:
     return json.dumps({"step": replayed.step, "fingerprint": replayed.fingerprint, "from_snapshot": replayed.from_snapshot,
-                       "exact": replayed.exact, "tolerant_steps": replayed.tolerant_steps, "max_deviation": asdict(replayed.largest) if replayed.largest else None})
+                       "exact": replayed.exact, "tolerant_steps": replayed.tolerant_steps, "max_deviation": replayed.largest.to_dict() if replayed.largest else None})
 
 
 def exactness_line(replayed: Materialized) -> str | None:

@@ -18,7 +18,7 @@ Nothing is written into the run.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,8 +30,8 @@ from ..loop.provenance import produced_on
 from ..loop.reader import StepReader
 from ..report import Reporter
 from ..schema.events import Stages, StepEvents
+from ..schema.record import Record
 from ..state.hardware import cross_hardware
-from ..state.topology import Topology
 from .materialize import replay_config
 
 if TYPE_CHECKING:
@@ -49,18 +49,8 @@ class StepsError(UsageError):
     """--steps names no steps this run can re-execute: a usage error (exit 2)."""
 
 
-def _from_dict(cls, data: dict, **nested):
-    """A dataclass of this module from its JSON form (`nested`: how to read the fields that are dataclasses too)."""
-    out = {}
-    for f in fields(cls):
-        if f.name in data:
-            value = data[f.name]
-            out[f.name] = nested[f.name](value) if f.name in nested and value is not None else value
-    return cls(**out)
-
-
 @dataclass(frozen=True)
-class _Summary:
+class _Summary(Record):
     """A stage's summary numbers as the stages event holds them (state.stages)."""
 
     n: int = 0
@@ -69,11 +59,11 @@ class _Summary:
 
     @classmethod
     def of(cls, summary: dict) -> _Summary | None:
-        return _from_dict(cls, summary) if summary else None
+        return cls.from_dict(summary) if summary else None
 
 
 @dataclass(frozen=True)
-class Rescored:
+class Rescored(Record):
     """The first sample of a step that the reward function scores otherwise now."""
 
     id: int
@@ -83,37 +73,31 @@ class Rescored:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Verdict(Record):
     """One step's outcome. Its JSON form (`to_dict`) is what `verlj rerun --json` prints per step."""
 
     step: int
     verdict: str  # REPRODUCED | DIFFERS | NOT_CHECKED
     stage: str | None = None  # the first stage that differs
-    journaled: dict = field(default_factory=dict)  # that stage's summary {n, mean, absmax} in the journal
-    rerun: dict = field(default_factory=dict)  # and in this re-execution
+    journaled: dict[str, float] = field(default_factory=dict)  # that stage's summary {n, mean, absmax} in the journal
+    rerun: dict[str, float] = field(default_factory=dict)  # and in this re-execution
     kind: str | None = None  # PERSISTENT | TRANSIENT (the first step that differs)
     sample: Rescored | None = None  # differs at scores: the first sample scored otherwise
-    second: dict = field(default_factory=dict)  # the second re-execution's summary of that stage
+    second: dict[str, float] = field(default_factory=dict)  # the second re-execution's summary of that stage
     note: str | None = None  # why a step was not checked, when not for the usual reason
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Verdict:
-        return _from_dict(cls, data, sample=lambda x: _from_dict(Rescored, x))
 
 
 @dataclass(frozen=True)
-class RerunReport:
-    """`verlj rerun`'s report; `to_dict()` is its JSON (`--json`), `render()` its text."""
+class RerunReport(Record):
+    """`verlj rerun`'s report; `to_dict()` is its JSON (`--json`: its map, then whether every step was
+    reproduced), `render()` its text."""
 
     run: str
     steps: list[int]  # [A, B]
     from_snapshot: int  # the step of the snapshot the re-execution started from (0: the initial state)
     restarted_from: list[int]  # and after each difference
-    verdicts: tuple[Verdict, ...]
-    versions_changed: dict[str, list]  # {name: [recorded, now]}
+    verdicts: list[Verdict]
+    versions_changed: dict[str, list[str | None]]  # {name: [recorded, now]}
     source_recorded: bool  # the run recorded verlj's source digest among its versions
     reward_model: str | None = None  # "rescored" | "kept" (its journaled scores); None without a reward model
 
@@ -122,13 +106,7 @@ class RerunReport:
         return all(v.verdict == REPRODUCED for v in self.verdicts)
 
     def to_dict(self) -> dict:
-        return {"run": self.run, "steps": list(self.steps), "from_snapshot": self.from_snapshot, "restarted_from": list(self.restarted_from),
-                "verdicts": [v.to_dict() for v in self.verdicts], "versions_changed": self.versions_changed,
-                "source_recorded": self.source_recorded, "reward_model": self.reward_model, "reproduced": self.reproduced}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> RerunReport:
-        return _from_dict(cls, data, verdicts=lambda vs: tuple(Verdict.from_dict(v) for v in vs))
+        return {**super().to_dict(), "reproduced": self.reproduced}  # what readers of the JSON look at first; not read back
 
 
 @dataclass(frozen=True)
@@ -200,7 +178,7 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
     if not checked:  # digests compared bit for bit: only on the process group that made them
         changes = [e.from_step for e in ledger.history().topology_changes]  # the steps from which the topology changed
         for step in sorted({start, stop, *(s for s in changes if start <= s <= stop)}):
-            topo = Topology(**ledger.topology_at(step))
+            topo = ledger.topology_at(step)
             if (topo.world_size, topo.tensor_parallel_size) != (rt.world_size, rt.tp_size):
                 raise RunError(f"step {step} ran on {topo.world_size} rank(s) with TP {topo.tensor_parallel_size}, this is "
                                f"{rt.world_size} with TP {rt.tp_size}: its digests are compared on as many ranks "
@@ -210,7 +188,7 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
     trainer = Trainer(cfg, rt, keep_stages=keep)
     try:
         run = make_run(run_dir, rt, trainer, reporter, ledger if rt.is_main else None)
-        step0 = restore(run, start - 1)
+        restored = restore(run, start - 1)
         seen: dict[int, Observed] = {}
 
         def observe(step, record, outcome) -> bool:
@@ -231,10 +209,10 @@ def _execute(run_dir: Path, ledger: Ledger, start: int, stop: int, before=None, 
             if before is not None:
                 before(step, inputs, samples, run.trainer)
 
-        if step0 < stop:
-            replay(run, run.history(), step0 + 1, stop, observe=None if checked else observe,
+        if restored.step < stop:
+            replay(run, run.history(), restored, stop, observe=None if checked else observe,
                    before=pre if before or rescore else None)
-        return step0, seen
+        return restored.step, seen
     finally:
         trainer.close()
 
@@ -294,7 +272,7 @@ def rerun(run_dir: Path, start: int, stop: int, rescore_model: bool = False) -> 
             pos = resume_at + 1
     now = produced_on(config)
     moved = {k: [recorded.get(k), now[k]] for k in now if recorded.get(k) not in (None, now[k])}
-    return RerunReport(str(run_dir), [start, stop], origins[0], origins[1:], tuple(verdicts), moved, "verlj-source" in recorded,
+    return RerunReport(str(run_dir), [start, stop], origins[0], origins[1:], verdicts, moved, "verlj-source" in recorded,
                        ("rescored" if rescore_model else "kept") if reward_model else None)
 
 

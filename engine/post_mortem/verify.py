@@ -11,26 +11,27 @@ from __future__ import annotations
 
 import json
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from verlj.journal import JournalError, NotAJournalError, segments, unpackb, verify_journal
 
 from ..errors import ConfigError, HardwareDivergence, RunError
 from ..loop import archive
 from ..loop.ledger import Ledger, journal_dir, journal_exists, lost_journal
-from ..loop.records import SnapshotEntry
+from ..loop.records import SnapshotEntry, Unindexed
 from ..loop.recovery import damaged_journal_advice
 from ..loop.snapshot_store import ADOPT, UNINDEX, Leftover, SnapshotStore
 from ..schema.events import StepEvents
+from ..schema.record import Record
 from ..state.manifest import META, check_snapshot, snapshot_name
-from .views import Snapshot, _view
 
 PENDING = "buffer/pending"  # the metric of the samples the buffer holds after a step (rl.trainer journals it)
 
 
 @dataclass
-class SnapshotReport:
+class SnapshotReport(Record):
     name: str
     step: int | None
     indexed: bool
@@ -40,7 +41,10 @@ class SnapshotReport:
 
 
 @dataclass
-class RunReport:
+class RunReport(Record):
+    """What `verify RUN` found; `to_dict()` is its JSON (`--json`): its map, with what the next resume does with
+    each leftover in words (Leftover.to_dict) and the verdict (`ok`), neither read back."""
+
     path: str
     journal_lines: list[str] = field(default_factory=list)
     journal_ok: bool = True
@@ -52,9 +56,9 @@ class RunReport:
     advice: str | None = None  # what to do when the journal is damaged (the same words --resume says)
     leftovers: list[str] = field(default_factory=list)  # journal segments and archive files a killed run left; resume removes them
     next_resume: list[Leftover] = field(default_factory=list)  # what the next resume does with each snapshot leftover
-    missing: list[dict] = field(default_factory=list)  # indexed snapshots a resume found gone from disk and unindexed
+    missing: list[dict[str, Any]] = field(default_factory=list)  # indexed snapshots a resume found gone from disk and unindexed (Unindexed maps)
     host_leftovers: list[str] = field(default_factory=list)  # on this node, outside the run (vLLM weights copies)
-    quarantined: list[dict] = field(default_factory=list)  # damaged snapshots moved aside on resume
+    quarantined: list[dict[str, Any]] = field(default_factory=list)  # damaged snapshots moved aside on resume (Unindexed maps)
     rotated: list[str] = field(default_factory=list)  # snapshots rotation removed while verify read them
     rotated_by_lost: list[str] = field(default_factory=list)  # removed by a rotation whose commit was in a torn last segment
     deep_lines: list[str] = field(default_factory=list)
@@ -70,7 +74,7 @@ class RunReport:
 
     def to_dict(self) -> dict:
         """The report as `verify --json` prints it."""
-        return {**asdict(self), "next_resume": [item.to_dict() for item in self.next_resume], "ok": self.ok}
+        return {**super().to_dict(), "next_resume": [item.to_dict() for item in self.next_resume], "ok": self.ok}
 
 
 def verify_snapshot(path: Path, journal_fps: dict[int, str] | None, indexed: bool,
@@ -428,9 +432,9 @@ def render(report: RunReport) -> str:
     for name in report.rotated_by_lost:
         lines.append(f"· {name} is gone: the rotation that removed it was committed in the torn last segment "
                      "(the next --resume removes it from the index)")
-    for q in (_view(Snapshot, x) for x in report.quarantined):
+    for q in map(Unindexed.from_dict, report.quarantined):
         lines.append(f"· {q.name} was set aside by a resume and moved to {q.path} ({q.reason}); never used")
-    for m in (_view(Snapshot, x) for x in report.missing):
+    for m in map(Unindexed.from_dict, report.missing):
         lines.append(f"· {m.name} was {m.reason}; a resume removed it from the index")
     for name in report.leftovers:
         lines.append(f"· {name}: left by an interrupted run; never used, and the next --resume removes it")

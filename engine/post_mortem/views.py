@@ -4,7 +4,7 @@ topology boundary (inspect's summary and diff both print them). No torch here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 from ..loop.records import TopologyChange
 
@@ -23,29 +23,12 @@ def _json(view) -> dict:
     return {f.name: getattr(view, f.name) for f in fields(view)}
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """A snapshot the ledger moved aside (ledger.snapshots.quarantined: `path`) or found missing (ledger.snapshots.missing)."""
-
-    name: str
-    reason: str | None = None
-    path: str | None = None
-
-
-@dataclass(frozen=True)
-class Deviation:
-    deviation: float = 0
-    metric: str | None = None
-
-
 def topology_line(entry: dict) -> str:
     """One topology boundary of the ledger's history (an entry of ledger.identity.topology_history), in words."""
-    from ..state.topology import Topology
-
     change = TopologyChange.from_dict(entry)
-    said = f"from step {change.from_step}: {Topology(**(change.before or {}))} -> {Topology(**change.topology)}"
+    said = f"from step {change.from_step}: {change.before} -> {change.topology}"
     if change.checked_steps:
-        w = _view(Deviation, change.max_deviation or {})
+        w = change.max_deviation
         said += (f"; {change.checked_steps} replayed step(s) agreed with the journal within the tolerance "
-                 f"(largest deviation {w.deviation:.3g}, {w.metric})")
+                 f"(largest deviation {0 if w is None else w.deviation:.3g}, {None if w is None else w.metric})")
     return said + "; bits differ from here by design, the new fingerprints are the reference"

@@ -26,7 +26,9 @@ VERSION = 2
 
 @dataclass(frozen=True)
 class Call:
-    """One model call of an episode, as answered."""
+    """One model call of an episode, as answered. Its map is written here, not by the codec (schema.record): it is
+    JSON text, whose ids and log-probs are lists and whose response is text, where the codec keeps arrays and
+    bytes as they are (msgpack stores both)."""
 
     request: str  # canonical JSON (gateway.protocol.ChatRequest.canonical)
     digest: str  # sha256 of `request`
@@ -49,7 +51,8 @@ class Call:
 
 @dataclass(frozen=True)
 class AgentCalls:
-    """A sample's journaled calls: all of them, those trained (in order), the agent's reward, the segment count."""
+    """A sample's journaled calls: all of them, those trained (in order), the agent's reward, the segment count.
+    JSON text with its own version and a reader of version 1, written here (see Call: not the codec's)."""
 
     calls: tuple[Call, ...]
     trained: tuple[int, ...]  # the calls the sample is built from, in order; () when the episode made no call

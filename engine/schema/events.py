@@ -199,7 +199,7 @@ class Added(Event):
     VERSION: ClassVar[int] = 1
     PAYLOAD: ClassVar[tuple[str, ...]] = ("samples",)
     ids: np.ndarray = field(metadata=IDS)
-    samples: dict | None = field()
+    samples: dict[str, np.ndarray | list[str]] | None = field()  # schema.sample.pack's columns (texts: lists of str)
 
 
 @declared
@@ -287,7 +287,7 @@ class Stages(Event):
     TYPE: ClassVar[str] = "stages"
     VERSION: ClassVar[int] = 1
     digests: dict[str, str] = field(default_factory=dict)
-    summary: dict[str, dict] = field(default_factory=dict)
+    summary: dict[str, dict[str, float]] = field(default_factory=dict)  # {stage: {n, mean, absmax}}
 
 
 @declared
@@ -300,7 +300,7 @@ class Control(Event):
     VERSION: ClassVar[int] = 1
     SUMMARY: ClassVar[bool] = True
     kind: ControlKind
-    details: dict = field(metadata=stored(missing={}))
+    details: dict[str, Any] = field(metadata=stored(missing={}))
 
 
 @declared
@@ -311,9 +311,9 @@ class ConfigChange(Event):
     TYPE: ClassVar[str] = "config"
     VERSION: ClassVar[int] = 1
     SUMMARY: ClassVar[bool] = True
-    config: dict
+    config: dict[str, Any]  # as stored (config.Config.to_stored)
     hash: str
-    changed: list = field(metadata=stored(missing=[]))
+    changed: list[str] = field(metadata=stored(missing=[]))  # the dotted keys
 
 
 @declared

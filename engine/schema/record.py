@@ -5,8 +5,8 @@ Step events (:mod:`.events`), the ledger's records (``loop.records``), a group o
 a generation a weight update stopped (rollout.partial; both :mod:`.sample`) and the prompts' identity are
 :class:`Record` subclasses. A record's map holds its
 fields in the order they are declared, each under its name, its value as the field holds it, except
-what a field's type says (an enum is stored as its value, a nested record as its map) and what the
-field declares itself with ``dataclasses.field(metadata=stored(...))``, where it is::
+what a field's type says (an enum is stored as its value, a nested record as its map, in a list or as
+a map's values too) and what the field declares itself with ``dataclasses.field(metadata=stored(...))``, where it is::
 
     @dataclass(frozen=True)
     class Rollout(Event):
@@ -15,7 +15,8 @@ field declares itself with ``dataclasses.field(metadata=stored(...))``, where it
         max_staleness: int | None = field(default=None, metadata=stored(with_="mode"))          # only beside mode
 
 Read back (:meth:`Record.from_dict`), each field's value is made its declared type again (an enum from
-its value, an array at its declared dtype, a nested record from its map, a copy of a dict or list);
+its value, an array at its declared dtype, a nested record from its map, a copy of a dict or list, the
+records in a list or a map's values, a map's int keys as ints);
 a key an older writer did not write takes the field's ``missing`` value (stored form), else its
 default, else None for a field that may be None; a key no field names is ignored. A field added in a
 later version of an event type says so (``stored(since=2, old=value)``), and the upcaster that lifts
@@ -139,7 +140,12 @@ def _decoder(tp: Any, dtype: Any) -> Callable[[Any], Any]:
     if isinstance(origin, type) and issubclass(origin, Record):
         return lambda v: v if isinstance(v, origin) else origin.from_dict(v)
     if origin in (dict, Mapping):
-        return dict
+        args = typing.get_args(tp)
+        keys = int if args and args[0] is int else None  # int keys made ints again: JSON keeps a map's keys as text
+        values = _decoder(args[1], dtype) if args and _encoder(args[1]) is not None else None  # what to_dict changed
+        if keys is None and values is None:
+            return dict
+        return lambda v: {(k if keys is None else keys(k)): (x if values is None else values(x)) for k, x in v.items()}
     if origin is list:
         args = typing.get_args(tp)
         if not args:
@@ -159,6 +165,8 @@ def _encoder(tp: Any) -> Callable[[Any], Any] | None:
         return lambda v: v.to_dict()
     if origin is list and (args := typing.get_args(tp)) and (item := _encoder(args[0])) is not None:
         return lambda v: [item(x) for x in v]
+    if origin in (dict, Mapping) and (args := typing.get_args(tp)) and (value := _encoder(args[1])) is not None:
+        return lambda v: {k: value(x) for k, x in v.items()}
     return None
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import blake3
@@ -16,6 +16,7 @@ import blake3
 from verlj.journal import unpackb
 from verlj.journal.durable import fsync_dir, fsync_file
 
+from ..schema.record import Record
 from .topology import Topology
 
 MANIFEST = "manifest.json"
@@ -45,6 +46,7 @@ _HASH_LOCK = threading.Lock()
 
 
 def file_digest(path: Path) -> str:
+    """The BLAKE3 digest (hex) of a file's bytes: a snapshot's files, an archive's, an export's, a model's."""
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     with _HASH_LOCK, open(path, "rb", buffering=0) as f:
         while n := f.readinto(_HASH_BUF):
@@ -52,18 +54,11 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_bytes_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 # ----------------------------------------------------------------------------- manifest.json and meta.json
 
 
 @dataclass(frozen=True)
-class FileEntry:
+class FileEntry(Record):
     """One file a manifest lists: its size and BLAKE3 digest."""
 
     size: int
@@ -78,12 +73,12 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class Manifest(Record):
     """manifest.json: every file of a snapshot (its path relative to the snapshot, sorted) with its entry."""
 
     version: int
-    files: dict[str, FileEntry]
     hash: str = "blake3"
+    files: dict[str, FileEntry] = field(default_factory=dict)
 
     @classmethod
     def of(cls, root: Path) -> Manifest:
@@ -96,35 +91,24 @@ class Manifest:
                 if rel == MANIFEST:
                     continue
                 files[rel] = FileEntry(p.stat().st_size, file_digest(p))
-        return cls(SNAPSHOT_VERSION, dict(sorted(files.items())))
-
-    def to_dict(self) -> dict:
-        """manifest.json's map, its keys in the order it has always had them."""
-        return {"version": self.version, "hash": self.hash, "files": {rel: asdict(e) for rel, e in self.files.items()}}
+        return cls(SNAPSHOT_VERSION, files=dict(sorted(files.items())))
 
     @classmethod
     def parse(cls, data) -> Manifest | None:
         """A parsed manifest.json, or None unless it is well formed: this version, and for every entry a
         safe relative path, an integer size and a 64-hex digest (and nothing else)."""
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or not {"version", "files"} <= data.keys():  # hash: blake3 unless said
             return None
-        try:
-            m = cls(**{k: v for k, v in data.items() if k in _MANIFEST_KEYS})
-        except TypeError:
+        raw = cls(**{k: v for k, v in data.items() if k in _MANIFEST_KEYS})  # the values as written, none made an int
+        if raw.version != SNAPSHOT_VERSION or not isinstance(raw.files, dict):
             return None
-        if m.version != SNAPSHOT_VERSION or not isinstance(m.files, dict):
-            return None
-        files = {}
-        for rel, info in m.files.items():
+        for rel, info in raw.files.items():
             parts = Path(rel).parts
             if not rel or Path(rel).is_absolute() or ".." in parts or rel == MANIFEST:
                 return None
-            if not isinstance(info, dict) or set(info) != _FILE_KEYS:
+            if not isinstance(info, dict) or set(info) != _FILE_KEYS or not FileEntry(**info).well_formed():
                 return None
-            files[rel] = FileEntry(**info)
-            if not files[rel].well_formed():
-                return None
-        return cls(m.version, files, m.hash)
+        return cls.from_dict(data)
 
 
 _MANIFEST_KEYS = {f.name for f in fields(Manifest)}
@@ -132,42 +116,29 @@ _FILE_KEYS = {f.name for f in fields(FileEntry)}
 
 
 @dataclass(frozen=True)
-class SnapshotMeta:
+class SnapshotMeta(Record):
     """meta.json: the snapshot's step, fingerprint, config hash, DeepSpeed engines, topology, when it
     was written and the Python that wrote it (snapshots from before a field: its default)."""
 
+    version: int = field(default=SNAPSHOT_VERSION, kw_only=True)
     step: int
     fingerprint: str | None = None
-    engines: list = field(default_factory=list)
+    config_hash: str | None = None
+    engines: list[str] = field(default_factory=list)  # the DeepSpeed engines' tags (actor, critic)
     world_size: int = 1
     tensor_parallel_size: int = 1
     zero_stage: int = 0
-    config_hash: str | None = None
     time: float | None = None
     python: str | None = None
-    version: int = SNAPSHOT_VERSION
 
     @property
     def topology(self) -> Topology:
-        return Topology(int(self.world_size), int(self.tensor_parallel_size), int(self.zero_stage))
-
-    def to_dict(self) -> dict:
-        """meta.json's map, its keys in the order it has always had them."""
-        return {"version": self.version, "step": self.step, "fingerprint": self.fingerprint, "config_hash": self.config_hash,
-                "engines": self.engines, "world_size": self.world_size, "tensor_parallel_size": self.tensor_parallel_size,
-                "zero_stage": self.zero_stage, "time": self.time, "python": self.python}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> SnapshotMeta:
-        return cls(**{k: v for k, v in data.items() if k in _META_KEYS})
+        return Topology(self.world_size, self.tensor_parallel_size, self.zero_stage)
 
     @classmethod
     def read(cls, path: Path) -> SnapshotMeta:
         """The meta.json of the snapshot at `path`."""
         return cls.from_dict(json.loads((Path(path) / META).read_text()))
-
-
-_META_KEYS = {f.name for f in fields(SnapshotMeta)}
 
 # dataflow_anchor.msgpack: {part name: its state_dict()} (loop.checkpointer's registry); the parts it summarises
 SAMPLER_PART, BUFFER_PART = "sampler", "buffer"

@@ -31,14 +31,19 @@ import json
 import math
 import shutil
 from argparse import Namespace
+from dataclasses import dataclass
 from pathlib import Path
 
 import blake3
 import torch
 
+from verlj.journal.durable import write_synced
+
 from ..errors import SnapshotError
-from .manifest import MANIFEST, META, RESHARDED, SnapshotMeta, build_manifest, check_files, fsync_tree, write_bytes_durable
+from ..schema.record import Record
+from .manifest import MANIFEST, META, RESHARDED, SnapshotMeta, build_manifest, check_files, fsync_tree
 from .safe_load import load_weights_only, save_portable, weights_only_everywhere
+from .topology import Topology
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
@@ -47,6 +52,18 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 # ----------------------------------------------------------------------------- converting (rank 0)
+
+
+@dataclass(frozen=True)
+class Converted(Record):
+    """The converted form's meta.json (RESHARDED/meta.json): the snapshot's step and topology, each engine's
+    converted weights' digests ({dtype: digest}, as an fp32 and a bf16 engine hold them: check_loaded), and
+    the DeepSpeed that converted it."""
+
+    step: int
+    source: Topology
+    weights: dict[str, dict[str, str]]
+    deepspeed: str
 
 
 def cached(snapshot: Path) -> Path | None:
@@ -87,9 +104,8 @@ def ensure_converted(snapshot: Path, meta: SnapshotMeta, full_shapes: dict[str, 
         digests[tag] = weights_digest_of_dir(out, list(full_shapes[tag]))
     import deepspeed
 
-    write_bytes_durable(tmp / META, json.dumps({"step": meta.step, "source": src.as_dict(), "weights": digests,
-                                                "deepspeed": deepspeed.__version__}, indent=2).encode())
-    write_bytes_durable(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=2).encode())
+    write_synced(tmp / META, json.dumps(Converted(meta.step, src, digests, deepspeed.__version__).to_dict(), indent=2).encode())
+    write_synced(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=2).encode())
     fsync_tree(tmp)
     tmp.rename(snapshot / RESHARDED)
     return snapshot / RESHARDED, time.perf_counter() - t0
@@ -326,7 +342,7 @@ def check_loaded(engine, tag: str, root: Path, rt, full_shapes: dict) -> None:
     """The loaded weights are the converted ones, bit for bit (fp32). Collective."""
     params = full_parameters(engine, rt, full_shapes)
     dtype = params[0][1].dtype if params else torch.float32
-    want = json.loads((Path(root) / META).read_text())["weights"][tag].get(str(dtype).removeprefix("torch."))
+    want = Converted.from_dict(json.loads((Path(root) / META).read_text())).weights[tag].get(str(dtype).removeprefix("torch."))
     got = _digest(params, dtype)
     if not rt.all_true(got == want):
         raise SnapshotError(f"the {tag} weights loaded from {root} differ from the converted snapshot's")

@@ -28,6 +28,7 @@ import importlib
 import pickle
 import platform
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -181,11 +182,11 @@ def saveable(obj):
 
 
 class SafeCheckpointEngine:
-    """Wraps DeepSpeed's checkpoint engine: loads with weights_only=True; can defer saves to memory."""
+    """Wraps DeepSpeed's checkpoint engine: loads with weights_only=True; can defer saves to memory (deferring)."""
 
     def __init__(self, base):
         self._base = base
-        self.deferred: list[tuple[str, object]] | None = None
+        self._deferred: list[tuple[str, object]] | None = None  # while deferring: the saves held, in order
 
     def __getattr__(self, name):
         return getattr(self._base, name)
@@ -200,11 +201,22 @@ class SafeCheckpointEngine:
         state again, 12 bytes a parameter in fp32 at ZeRO-0, at a snapshot's peak): not for torch.save, which
         save() hands a `saveable` state (copies of views, second names and device tensors only: the same
         bytes), at once or, when deferring, in the background write."""
-        return not self._torch() and self.deferred is None and self._base.preserves_storage_sharing()
+        return not self._torch() and self._deferred is None and self._base.preserves_storage_sharing()
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[list[tuple[str, object]]]:
+        """Within: every save is held in memory, not written (its live tensors: _held), and gathered, as
+        (path, state), in the list this yields: an async snapshot writes them in the background."""
+        held: list[tuple[str, object]] = []
+        self._deferred = held
+        try:
+            yield held
+        finally:
+            self._deferred = None
 
     def save(self, state_dict, path: str):
-        if self.deferred is not None:
-            self.deferred.append((path, _held(state_dict)))
+        if self._deferred is not None:
+            self._deferred.append((path, _held(state_dict)))
             return None
         if self._torch():  # what it does, with enums pickled by value
             return save_portable(saveable(state_dict), path, self._base.zipfile_serialization)

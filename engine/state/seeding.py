@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import blake3
 import numpy as np
 import torch
 
+from ..schema.record import Record, stored
 from .stateful import check_version
 
 
@@ -46,19 +48,15 @@ def rng_digest() -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class GeneratorStates:
+class GeneratorStates(Record):
     """RNGState's state map (rng_rankNNNNN.msgpack): each global generator's state as plain data (cuda:
     one per device, only where CUDA was in use)."""
 
     version: int
-    torch: np.ndarray
-    numpy: list
-    python: list
-    cuda: list | None = None
-
-    def to_dict(self) -> dict:
-        return {"version": self.version, "torch": self.torch, "numpy": self.numpy, "python": self.python,
-                **({"cuda": self.cuda} if self.cuda is not None else {})}
+    torch: np.ndarray = field(metadata=stored(dtype=np.uint8))  # torch.get_rng_state()
+    numpy: list[Any]  # np.random.get_state(): [kind, keys (uint32), pos, has_gauss, cached]
+    python: list[Any]  # random.getstate(): [version, internal state, gauss]
+    cuda: list[np.ndarray] | None = field(default=None, metadata=stored(dtype=np.uint8, optional=True))  # one per device
 
 
 class RNGState:
@@ -77,7 +75,7 @@ class RNGState:
     def load_state_dict(self, state: dict) -> None:
         import random
 
-        states = GeneratorStates(**check_version("random generators", state, self.VERSION))
+        states = GeneratorStates.from_dict(check_version("random generators", state, self.VERSION))
         torch.set_rng_state(torch.from_numpy(np.asarray(states.torch, dtype=np.uint8)))
         kind, keys, pos, has_gauss, cached = states.numpy
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))

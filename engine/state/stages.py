@@ -24,6 +24,7 @@ import blake3
 import numpy as np
 
 from ..schema.events import Stages
+from ..schema.record import Record
 
 STATE = "state"  # the last stage: the fingerprint's parts
 ORDER = ("data", "samples", "scores", "old_logprobs", "ref_logprobs", "values", "returns", "advantages", "loss", "grads", "grad_norm",
@@ -31,20 +32,17 @@ ORDER = ("data", "samples", "scores", "old_logprobs", "ref_logprobs", "values", 
 
 
 @dataclass(frozen=True)
-class RankStages:
+class RankStages(Record):
     """One rank's share of a step's stages (stage_recorder.local): each stage's digest, and its
     [count, sum, absmax] rows. Crosses ranks as `to_dict()` (msgpack)."""
 
     digests: dict[str, str]
-    stats: dict[str, list]
-
-    def to_dict(self) -> dict:
-        return {"digests": self.digests, "stats": self.stats}
+    stats: dict[str, list[list[float]]]
 
 
 def combine(per_rank: list[dict], state_parts: dict[str, str]) -> dict:
     """The step's stages event fields from every rank's `local()` (RankStages maps, in rank order) and the fingerprint's parts."""
-    shares = [RankStages(**r) for r in per_rank]
+    shares = [RankStages.from_dict(r) for r in per_rank]
     stages = [s for s in ORDER if any(s in r.digests for r in shares)]
     digests, summary = {}, {}
     for s in stages:

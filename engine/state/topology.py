@@ -4,11 +4,16 @@ No torch here: recovery's plan and the post-mortem commands use it without a dee
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+from ..schema.record import Record
 
 
 @dataclass(frozen=True)
-class Topology:
+class Topology(Record):
+    """As the ledger's topology history and a snapshot's converted form (state.reshard) hold it:
+    ``{world_size, tensor_parallel_size, zero_stage}``."""
+
     world_size: int
     tensor_parallel_size: int
     zero_stage: int
@@ -16,9 +21,6 @@ class Topology:
     @classmethod
     def of_runtime(cls, rt, cfg) -> Topology:
         return cls(rt.world_size, rt.tp_size, cfg.distributed.zero_stage)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
     def __str__(self) -> str:
         return f"{self.world_size} rank{'s' if self.world_size != 1 else ''}, ZeRO-{self.zero_stage}, TP {self.tensor_parallel_size}"

@@ -65,8 +65,7 @@ def test_compact_records_read_back_bit_for_bit_and_are_smaller(tmp_path):
 
 
 def test_uncompressed_level_zero_reads_back_the_same(tmp_path):
-    with Journal.open_writer(tmp_path / "j") as j:
-        j.writer.compression_level = 0
+    with Journal.open_writer(tmp_path / "j", compression_level=0) as j:
         j.writer.append_step(1, rollout_events(1))
         record = j.read_step(1)
     assert same(record.events, rollout_events(1))
@@ -252,7 +251,7 @@ def test_an_append_that_fails_declares_nothing_and_readers_follow_new_shapes(tmp
     with Journal.open_writer(tmp_path / "j") as w:
         w.writer.append_step(1, varied_events(1))
         with Journal.open_reader(tmp_path / "j") as r:  # another process's reader: its own table (a fresh handle here)
-            r.store.shape_table = None
+            r.store.forget_shapes()
             assert same(r.read_step(1).events, varied_events(1))
             with pytest.raises(StepOrderError):
                 w.writer.append_step(5, varied_events(5, extra=True))  # not committed: its new shape is forgotten

@@ -28,12 +28,11 @@ def _events(step: int) -> list[dict]:
     ]
 
 
-def run(local: Path, shipped: Path, upto: int, interval: int = 5, window: int = 2, fan=(4, 2)) -> tuple[int, int]:
+def run(local: Path, shipped: Path, upto: int, interval: int = 5, window: int = 2, fanout: int = 4) -> tuple[int, int]:
     """What the trainer does to its journal: a step a commit (max_lag 0), a snapshot every `interval`
     steps keeping `window` of them, samples pruned through the oldest kept one (retention). Fixed
     wall times: two runs of the same steps store the same bytes."""
-    j, _notes = segments.open_writer(local, shipped, 0, retention=True)
-    j.shipping.shipper.l0_fanout, j.shipping.shipper.fanout = fan
+    j, _notes = segments.open_writer(local, shipped, 0, retention=True, fanout=fanout)  # fan-ins 4, then 2 above level 1
     with j:
         for s in range(j.last_step() + 1, upto + 1):
             j.writer.append_step(s, _events(s), wall_time=float(s))

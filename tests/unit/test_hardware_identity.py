@@ -42,14 +42,15 @@ def test_every_rank_names_the_hardware_from_the_history_it_was_sent():
     """The divergence's cause is read from the run's History (sent to every rank), not from rank 0's
     ledger: a rank without a journal says the same first sentence."""
     from verlj.engine.errors import HardwareDivergence
-    from verlj.engine.loop.records import History
+    from verlj.engine.loop.records import History, ProducedOn
     from verlj.engine.loop.recovery import _diverged
+    from verlj.engine.state.topology import Topology
 
     here = hardware()
     other = {**here, "cpu kernels": "AVX512" if here["cpu kernels"] != "AVX512" else "AVX2"}
-    history = History(0, 3, 0, {}, [], {}, [], produced_on=[[-1, other], [2, here]])
+    history = History(0, 3, 0, {}, [], Topology(1, 1, 0), [], produced_on=[ProducedOn(-1, other), ProducedOn(2, here)])
     assert history.versions_at(2) == other and history.versions_at(3) == here
-    sent = History(**history.to_dict())
+    sent = History.from_dict(history.to_dict())
     err = _diverged(sent, 2, "fingerprint a… but the journal has b…")
     assert isinstance(err, HardwareDivergence) and str(err).startswith(f"step 2 was produced on {other['cpu kernels']}, replayed on")
     same = _diverged(sent, 3, "fingerprint a… but the journal has b…")

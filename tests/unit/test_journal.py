@@ -257,3 +257,31 @@ def test_pending_entries_are_durable_apart_from_the_chain_and_a_damaged_one_is_l
             txn.put(b"b", bytes(raw), db=j.store.dbs()["pending"])
     with Journal.open_reader(path) as r:
         assert r.pending.entries() == {b"c": "three"}  # what it held is made again, as if never written
+
+
+def test_a_durable_replace_shows_the_old_file_or_the_new_one_and_syncs_the_file_then_its_directory(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from verlj.journal.durable import publish_file, replace_durably
+
+    synced = []  # what was fsynced, in order: "file" or "dir"
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"), real(fd)))
+    path = tmp_path / "m.json"
+    path.write_bytes(b"old")
+    replace_durably(path, b"new")
+    assert path.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["m.json"] and synced == ["file", "dir"]
+    replace_durably(path, [b"ne", b"wer"], tmp=tmp_path / ".tmp-m")  # its parts in order, through a temporary of the caller's
+    assert path.read_bytes() == b"newer" and not (tmp_path / ".tmp-m").exists()
+
+    def fenced():
+        raise RuntimeError("the claim was taken over")
+
+    (tmp_path / ".tmp-n").write_bytes(b"newest")
+    with pytest.raises(RuntimeError):
+        publish_file(tmp_path / ".tmp-n", path, before=fenced)  # checked after the fsync, before the rename
+    assert path.read_bytes() == b"newer" and (tmp_path / ".tmp-n").read_bytes() == b"newest"
+    synced.clear()
+    publish_file(tmp_path / ".tmp-n", path)
+    assert path.read_bytes() == b"newest" and synced == ["file", "dir"]

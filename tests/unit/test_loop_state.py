@@ -15,14 +15,14 @@ from verlj.engine.errors import ReplayError, SnapshotError
 from verlj.engine.loop.ledger import Ledger
 from verlj.engine.loop.policy import CheckpointSchedule
 from verlj.engine.loop.provenance import versions
-from verlj.engine.loop.records import ArchiveEntry, Rebased, TopologyChange
+from verlj.engine.loop.pruning import apply as apply_retention
+from verlj.engine.loop.pruning import prune_bound
+from verlj.engine.loop.records import ArchiveEntry, Deviation, ProducedOn, Rebased, Resharded, TopologyChange
 from verlj.engine.loop.recovery import choose_snapshot, resolve_explicit
-from verlj.engine.loop.retention import apply as apply_retention
-from verlj.engine.loop.retention import prune_bound
 from verlj.engine.loop.snapshot_store import ADOPT, KEEP, QUARANTINE, REMOVE, UNINDEX, SnapshotStore
 from verlj.engine.state.manifest import ANCHOR, META, Manifest, SnapshotMeta
 from verlj.engine.state.topology import Topology
-from verlj.journal import Journal, make_event, packb
+from verlj.journal import Journal, make_event, packb, unpackb
 
 
 class Said:
@@ -72,14 +72,14 @@ def test_history_is_what_was_in_force_at_each_step(run):
     _run_dir, ledger = run
     lr = make_config(None, ["trainer.total_steps=6", "model.actor.optim.lr=0.002"]).to_stored()
     ledger.identity.record_config_change(4, lr)
-    ledger.identity.record_topology_change(5, {"world_size": 1, "tensor_parallel_size": 1, "zero_stage": 0},
-                                  {"rebased": {"step": 4, "fingerprint": fp(4)}})
+    ledger.identity.record_topology_change(TopologyChange(5, Topology(1, 1, 0), rebased=Rebased(4, fp(4))))
     h = ledger.history()
     assert (h.base_step, h.last_step, h.pruned_through) == (0, 6, 0)
     assert [h.config_at(s)["model"]["actor"]["optim"]["lr"] for s in (1, 3, 4, 6)] == [0.001, 0.001, 0.002, 0.002]
-    assert h.topology_at(4)["world_size"] == 2 and h.topology_at(5)["world_size"] == 1
+    assert h.topology_at(4) == Topology(2, 1, 0) and h.topology_at(5) == Topology(1, 1, 0)
     assert ledger.config_at(5) == h.config_at(5)  # the ledger answers through its history
-    assert type(h)(**h.to_dict()) == h  # what crosses ranks comes back whole
+    assert type(h).from_dict(unpackb(packb(h.to_dict()))) == h  # what crosses ranks comes back whole, typed
+    assert isinstance(h.topology_changes[0].rebased, Rebased) and isinstance(h.produced_on[0], ProducedOn)
 
 
 def test_a_resume_records_its_own_choice_and_the_versions_that_moved(run):
@@ -101,8 +101,11 @@ def test_the_ledgers_records_store_the_maps_of_the_previous_release(run):
     cfg = make_config(None, ["trainer.total_steps=8"]).to_stored()
     ledger.identity.record_config_change(7, cfg)
     one, two = {"world_size": 1, "tensor_parallel_size": 1, "zero_stage": 0}, {"world_size": 2, "tensor_parallel_size": 1, "zero_stage": 0}
-    change = TopologyChange(7, one, two, 4, None, [5, 6], {"rtol": 1e-3, "atol": 1e-5}, 2, None, Rebased(6, fp(6)))
-    ledger.identity.record_topology_change(change.from_step, change.topology, change.details())
+    change = TopologyChange(7, Topology(1, 1, 0), Topology(2, 1, 0), 4, None, [5, 6], {"rtol": 1e-3, "atol": 1e-5}, 2, None, Rebased(6, fp(6)))
+    ledger.identity.record_topology_change(change)
+    resharded = TopologyChange(9, Topology(1, 1, 0), Topology(1, 1, 0), 8, Resharded(Topology(2, 1, 0), Topology(1, 1, 0), 0.5, False),
+                               None, {"rtol": 1e-3, "atol": 1e-5}, 0, Deviation(9, "loss", 0.25, 0.5, 0.25), Rebased(8, fp(8)))
+    ledger.identity.record_topology_change(resharded)
     snapshot(run_dir, ledger, 4)
     ledger.retention.prune(2, ArchiveEntry("steps_0000000001-0000000002.parquet", 1, 2, 8, 100, "d" * 64))
     meta = ledger.identity.all()
@@ -110,18 +113,25 @@ def test_the_ledgers_records_store_the_maps_of_the_previous_release(run):
         ["kind", "at_step", "time"],
         ["kind", "at_step", "snapshot_step", "config_changes", "world_size", "time", "versions", "resume_from", "versions_changed"]]
     assert meta["config_history"] == [{"from_step": 7, "config": cfg}] and list(meta["config_history"][0]) == ["from_step", "config"]
-    assert meta["topology_history"] == [{"from_step": 7, "topology": one, "from": two, "snapshot_step": 4, "resharded": None,
-                                         "replayed": [5, 6], "tolerance": {"rtol": 1e-3, "atol": 1e-5}, "checked_steps": 2,
-                                         "max_deviation": None, "rebased": {"step": 6, "fingerprint": fp(6)}}]
+    assert meta["topology_history"][0] == {"from_step": 7, "topology": one, "from": two, "snapshot_step": 4, "resharded": None,
+                                           "replayed": [5, 6], "tolerance": {"rtol": 1e-3, "atol": 1e-5}, "checked_steps": 2,
+                                           "max_deviation": None, "rebased": {"step": 6, "fingerprint": fp(6)}}
     assert list(meta["topology_history"][0]) == ["from_step", "topology", "from", "snapshot_step", "resharded", "replayed", "tolerance",
                                                  "checked_steps", "max_deviation", "rebased"]
+    # a resharded snapshot and the largest deviation: the maps checkpointer.Resharded and asdict(recovery.Deviation) wrote
+    assert packb(meta["topology_history"][1]) == packb({
+        "from_step": 9, "topology": one, "from": one, "snapshot_step": 8, "resharded": {"from": two, "to": one, "convert_s": 0.5, "cached": False},
+        "replayed": None, "tolerance": {"rtol": 1e-3, "atol": 1e-5}, "checked_steps": 0,
+        "max_deviation": {"step": 9, "metric": "loss", "replayed": 0.25, "journaled": 0.5, "deviation": 0.25},
+        "rebased": {"step": 8, "fingerprint": fp(8)}})
     assert list(change.control_details()) == ["from", "to", "snapshot_step", "resharded", "replayed", "tolerance", "checked_steps",
                                               "max_deviation", "rebased"]
     assert list(ledger.journal.meta.snapshots()[4]) == ["path", "fingerprint", "manifest", "time"]
     assert meta["archive"] == [{"file": "steps_0000000001-0000000002.parquet", "first": 1, "last": 2, "rows": 8, "bytes": 100,
                                 "digest": "d" * 64}]
     assert list(meta["archive"][0]) == ["file", "first", "last", "rows", "bytes", "digest"]
-    assert ledger.history().topology_changes == [change] and ledger.topology_at(7) == one and ledger.topology_at(6)["world_size"] == 2
+    assert ledger.history().topology_changes == [change, resharded] and ledger.topology_at(7) == Topology(**one)
+    assert ledger.topology_at(6).world_size == 2
 
 
 def test_manifest_and_snapshot_meta_keep_their_files_as_they_were(tmp_path):

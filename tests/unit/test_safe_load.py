@@ -103,10 +103,11 @@ def test_a_snapshot_copies_only_views_and_second_names_and_writes_what_deepspeed
     assert not ce.preserves_storage_sharing()  # saving now: verlj's save makes it saveable
     now = io.BytesIO()
     ce.save(state, now)
-    ce.deferred = []
-    assert not ce.preserves_storage_sharing()
-    ce.save(state, "f")
-    (_, held), = ce.deferred
+    with ce.deferring() as deferred:
+        assert not ce.preserves_storage_sharing()
+        ce.save(state, "f")
+    (_, held), = deferred
+    assert ce.save(state, io.BytesIO()) is None and deferred == [("f", held)]  # deferring is over: that one was written
     assert held["module"]["emb"].data_ptr() == tied.data_ptr() and held["module"]["b"].data_ptr() == flat[10:].data_ptr()  # no copy
     ours, theirs = io.BytesIO(), io.BytesIO()
     save_portable(saveable(held), ours)

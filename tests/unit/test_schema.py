@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import enum
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,6 +182,26 @@ def test_an_optional_field_with_a_default_factory_is_left_out_while_it_equals_wh
     assert back.more.tolist() == [0] and back.tags == ["a"] and Grown.from_dict({"ids": [1]}).more.tolist() == []
 
 
+@dataclass(frozen=True)
+class Indexed(Record):
+    by_name: dict[str, Inner]
+    gone: dict[int, str] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+
+
+def test_a_maps_records_and_int_keys_read_back_as_their_types():
+    """A map's records are stored as their maps and read back as the records; its int keys, which JSON keeps
+    as text, read back as ints; plain values are kept as they are (an int where a float is declared stays one,
+    so a map read and written again keeps its bytes)."""
+    r = Indexed({"a": Inner(1, "x")}, {3: "pruned"}, {"n": 2, "mean": 0.5})
+    m = r.to_dict()
+    assert m == {"by_name": {"a": {"step": 1, "fingerprint": "x"}}, "gone": {3: "pruned"}, "counts": {"n": 2, "mean": 0.5}}
+    text = json.dumps(m)
+    back = Indexed.from_dict(json.loads(text))
+    assert back == r and back.by_name["a"] == Inner(1, "x") and list(back.gone) == [3] and type(back.counts["n"]) is int
+    assert json.dumps(back.to_dict()) == text and packb(Indexed.from_dict(unpackb(packb(m))).to_dict()) == packb(m)
+
+
 # An agent_calls text as the journal held it before its codec moved here (rl.gateway.token_ledger.dumps plus "segments").
 STORED_AGENT_CALLS = (
     r'{"v":1,"segment":1,"reward":null,"calls":[{"request":"{\"messages\":[{\"role\":\"user\",\"content\":\"2+2 ünd\"}]}","digest":"ab12","prompt_ids":[1,5,9],"completion_ids":[6,7],"logprobs":[-0.10000000149011612,-2.5],"response":"{\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\"'
@@ -222,7 +243,7 @@ BOUNDARIES = {
     "engine/rl/gateway/protocol.py",  # OpenAI's chat-completions JSON: requests parsed, responses written and read back
     "engine/rl/gateway/responses.py",  # OpenAI's Responses JSON and its stream's events: the same, for /v1/responses
     "engine/rl/gateway/server.py",  # HTTP: the gateway's paths and headers (authorization, content-length)
-    "engine/post_mortem/view/server.py",  # HTTP: the viewer's query strings and headers (token, Cookie, Host)
+    "engine/post_mortem/view/http.py",  # HTTP: the viewer's query strings and headers (token, Cookie, Host)
 }
 LIMIT = 46  # the issue's goal; keep lowering it as the last reads (external formats: reasoning-gym rows, chat messages) get types
 

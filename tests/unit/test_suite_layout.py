@@ -197,3 +197,31 @@ def test_the_import_check_follows_what_an_import_runs_and_finds_what_nothing_imp
     test = tmp_path / "test_x.py"
     test.write_text("def test_it():\n    from verlj.pkg import main\n    from verlj.pkg.used import run\n")
     assert not_imported([test], product) == ["verlj.pkg.alone", "verlj.pkg.hinted", "verlj.pkg.lazy"]
+
+
+# ----------------------------------------------------------------------------- one name, one module in engine/
+
+def repeated_module_names(root: Path) -> dict[str, list[str]]:
+    """name -> the modules under `root` that share it (a module's file name without .py, a package's folder name),
+    for each name two or more share."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        if path.name != "__init__.py":
+            found.setdefault(path.stem, []).append(path.relative_to(root).as_posix())
+        elif path.parent != root:
+            found.setdefault(path.parent.name, []).append(path.parent.relative_to(root).as_posix() + "/")
+    return {name: places for name, places in found.items() if len(places) > 1}
+
+
+def test_every_module_of_engine_has_a_name_of_its_own():
+    """A module is named once in engine/ (loop.pruning beside ledger.retention, view.answers and view.http beside
+    rl.data and rl.gateway.server, post_mortem.counterfactual beside loop.whatif, gateway.token_ledger beside
+    loop.ledger, sources.agent_players beside gateway.agents): a name says which room it is."""
+    assert repeated_module_names(REPO / "engine") == {}
+
+
+def test_the_check_finds_a_repeated_module_name(tmp_path):
+    for path in ("a/x.py", "b/x.py", "c/x/__init__.py", "b/y.py", "__init__.py", "a/__init__.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    assert repeated_module_names(tmp_path) == {"x": ["a/x.py", "b/x.py", "c/x/"]}

@@ -36,10 +36,12 @@ from pathlib import Path
 
 from verlj.journal import Claim, Journal, JournalError, open_journal_reader, segments
 from verlj.journal.claim import being_written, live_holder
+from verlj.journal.durable import replace_durably
 
 from ...config import stored_config
 from ...errors import RunError
 from ...schema.events import ControlKind
+from ...state.topology import Topology
 from ..records import History, TrainMetadata, config_in_force, now_iso
 from .identity import CONFIG, GIT_COMMIT, HISTORY, PARENT, RunIdentity, config_changes
 from .in_flight import InFlight
@@ -101,29 +103,27 @@ def open_writer(run_dir: Path, jc, claim: Claim) -> tuple[Journal, list[str]]:
     process's claim on the run (claim_run), which the journal owns from here (checked before every
     write, released when it closes, or here when the journal cannot be opened)."""
     try:
-        journal, notes = _open_writer(run_dir, jc.local_dir, jc.ship_max_lag_steps, claim, str(jc.retain_samples) != "all",
-                                      jc.segment_fanout)
+        return _open_writer(run_dir, jc.local_dir, jc.ship_max_lag_steps, claim, str(jc.retain_samples) != "all",
+                            jc.segment_fanout, jc.compression_level)
     except BaseException:
         claim.release()
         raise
-    journal.writer.compression_level = jc.compression_level
-    return journal, notes
 
 
 def _open_writer(run_dir: Path, local_dir: str | None, max_lag: int, claim: Claim, retention: bool,
-                 fanout: int) -> tuple[Journal, list[str]]:
+                 fanout: int, compression_level: int) -> tuple[Journal, list[str]]:
     jd = journal_dir(run_dir)
     if local_dir is None:
         if segments.is_shipped(jd) and not (jd / "data.mdb").is_file():
             raise RunError(f"{run_dir} ships its journal from a node-local directory; resume with "
                            "journal.local_dir=PATH (an empty directory is rebuilt from RUN/journal/segments)")
         warning = segments.lmdb_location_warning(jd.parent if not jd.exists() else jd)
-        return Journal.open_writer(jd, claim=claim), [warning] if warning else []
+        return Journal.open_writer(jd, claim=claim, compression_level=compression_level), [warning] if warning else []
     if (jd / "data.mdb").is_file():
         raise RunError(f"{run_dir} keeps its LMDB journal in {jd}; journal.local_dir applies to new runs "
                        "(set it to null to resume this one)")
     try:
-        return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag, claim, retention, fanout)
+        return segments.open_writer(Path(local_dir).expanduser(), jd, max_lag, claim, retention, fanout, compression_level)
     except segments.CopiedJournalError as e:  # a copy (cp -a) of a run: never written into the original's journal
         last = segments.shipped_meta(jd)[1] or 0
         raise RunError(f"{run_dir} is a copy of the run in {e.owner.parent}, whose journal is in journal.local_dir "
@@ -181,15 +181,6 @@ def git_commit() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (out.stdout.strip() or None) if out.returncode == 0 else None
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def run_state(run_dir: Path) -> str:
@@ -354,8 +345,8 @@ class Ledger:
         """The configs in force for steps first..last (History.configs_in)."""
         return self.history().configs_in(first, last)
 
-    def topology_at(self, step: int) -> dict:
-        """{world_size, tensor_parallel_size, zero_stage} that ran `step`."""
+    def topology_at(self, step: int) -> Topology:
+        """The topology that ran `step`."""
         return self.history().topology_at(step)
 
     # ------------------------------------------------------------------ metrics
@@ -387,7 +378,7 @@ class Ledger:
         except (ValueError, AttributeError, TypeError):
             old = TrainMetadata()
         index = self.snapshots.index()
-        write_json_atomic(path, TrainMetadata(
+        replace_durably(path, json.dumps(TrainMetadata(
             global_step=step,
             epoch=epoch,
             samples_seen=samples_seen,
@@ -396,4 +387,4 @@ class Ledger:
             git_commit=self.identity.get(GIT_COMMIT),
             config_hash=config_hash,
             resume_from=resume_from if resume_from is not None else old.resume_from,
-        ).to_dict())
+        ).to_dict(), indent=2).encode())

@@ -12,6 +12,7 @@ from verlj.journal import Journal
 
 from ...config import stored_config
 from ...errors import RunError
+from ...state.topology import Topology
 from ..records import ConfigEntry, Counterfactual, Loaded, ParentRun, TopologyChange
 
 # meta keys
@@ -102,10 +103,10 @@ class RunIdentity:
 
     # ------------------------------------------------------------------ topology history
 
-    def topology_start(self, first_config: dict) -> dict:
-        """{world_size, tensor_parallel_size, zero_stage} of the run's start (`first_config`: its first config)."""
-        return {"world_size": self.get(WORLD_SIZE, 1), "tensor_parallel_size": self.get(TP_SIZE, 1),
-                "zero_stage": first_config.get("distributed", {}).get("zero_stage", 0)}  # read as stored: inspect reads it anywhere
+    def topology_start(self, first_config: dict) -> Topology:
+        """The topology of the run's start (`first_config`: its first config)."""
+        return Topology(self.get(WORLD_SIZE, 1), self.get(TP_SIZE, 1),
+                        first_config.get("distributed", {}).get("zero_stage", 0))  # read as stored: inspect reads it anywhere
 
     def topology_history(self) -> list[dict]:
         """The TopologyChange entries as stored (what the post-mortem readers show)."""
@@ -115,6 +116,6 @@ class RunIdentity:
         """The resumes that changed the world size, ZeRO stage or TP size, in order."""
         return [TopologyChange.from_dict(e) for e in self.topology_history()]
 
-    def record_topology_change(self, from_step: int, topology: dict, details: dict) -> None:
-        """A TopologyChange: `details` is TopologyChange.details() (how the resume got there)."""
-        self.journal.meta.set(TOPOLOGY, [*self.topology_history(), {"from_step": from_step, "topology": topology, **details}])
+    def record_topology_change(self, change: TopologyChange) -> None:
+        """A resume's TopologyChange, after those recorded (kept as they were stored)."""
+        self.journal.meta.set(TOPOLOGY, [*self.topology_history(), change.to_dict()])

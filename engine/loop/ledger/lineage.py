@@ -10,7 +10,7 @@ import dataclasses
 from verlj.journal import Journal
 
 from ...schema.events import ControlKind
-from ..records import LineageEntry, ParentRun, now_iso, versions_in_force_at
+from ..records import LineageEntry, ParentRun, ProducedOn, now_iso, versions_in_force_at
 from .identity import VERSIONS, RunIdentity
 
 LINEAGE = "lineage"  # meta key
@@ -49,9 +49,9 @@ class Lineage:
         self.journal.meta.set(LINEAGE, [*(self.journal.meta.get(LINEAGE) or []), entry.to_dict()])
         return moved
 
-    def produced_on(self) -> list:
-        """[after_step, versions] of the run's start (-1) and of each start or resume since (History.produced_on)."""
-        return [[-1, self.identity.get(VERSIONS) or {}], *([e.at_step, e.versions] for e in self.entries() if e.versions)]
+    def produced_on(self) -> list[ProducedOn]:
+        """What the run's start (after step -1) and each start or resume since ran on (History.produced_on)."""
+        return [ProducedOn(-1, self.identity.get(VERSIONS) or {}), *(ProducedOn(e.at_step, e.versions) for e in self.entries() if e.versions)]
 
     def versions_at(self, step: int) -> dict[str, str]:
         """The versions (and hardware) in force when `step` was trained: those of the last start or resume before it."""

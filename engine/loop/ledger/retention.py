@@ -1,6 +1,6 @@
 """Retention as the run's journal records it: the last step whose samples were pruned, and the index
 of the rollout archive (RUN/rollouts/*.parquet: loop.archive) that keeps them, written with the prune
-in one transaction. What may be pruned is loop.retention's decision.
+in one transaction. What may be pruned is loop.pruning's decision.
 """
 
 from __future__ import annotations

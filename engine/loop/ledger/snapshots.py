@@ -6,9 +6,11 @@ deletes the directories is loop.snapshot_store.
 
 from __future__ import annotations
 
+import dataclasses
+
 from verlj.journal import Journal
 
-from ..records import SnapshotEntry, now_iso
+from ..records import SnapshotEntry, Unindexed, now_iso
 
 QUARANTINE, MISSING = "quarantined", "missing_snapshots"  # meta keys
 
@@ -30,16 +32,18 @@ class SnapshotIndex:
         self.journal.meta.remove_snapshot(step)
 
     def quarantined(self) -> list[dict]:
-        """Snapshots found damaged and moved aside: [{name, step, reason, path, time}]."""
+        """Snapshots found damaged and moved aside: Unindexed maps, as stored (with their `path`)."""
         return self.journal.meta.get(QUARANTINE) or []
 
-    def record_quarantine(self, entry: dict) -> None:
-        self.journal.meta.set(QUARANTINE, [*self.quarantined(), {**entry, "time": now_iso()}])
+    def record_quarantine(self, entry: Unindexed) -> None:
+        """`entry` (its time: now) after those recorded, which are kept as they were stored."""
+        self.journal.meta.set(QUARANTINE, [*self.quarantined(), dataclasses.replace(entry, time=now_iso()).to_dict()])
 
     def missing(self) -> list[dict]:
         """Snapshots the index named that were not on disk (deleted by hand?), which a resume removed
-        from the index: [{name, step, reason, time}]."""
+        from the index: Unindexed maps, as stored (without a `path`)."""
         return self.journal.meta.get(MISSING) or []
 
-    def record_missing(self, entry: dict) -> None:
-        self.journal.meta.set(MISSING, [*self.missing(), {**entry, "time": now_iso()}])
+    def record_missing(self, entry: Unindexed) -> None:
+        """`entry` (its time: now) after those recorded, which are kept as they were stored."""
+        self.journal.meta.set(MISSING, [*self.missing(), dataclasses.replace(entry, time=now_iso()).to_dict()])

@@ -4,13 +4,13 @@
     verlj view RUN_A RUN_B --port 8800      # /compare: the curves overlaid, the first divergent step
     verlj view RUN --host 0.0.0.0 --token SECRET   # beyond this machine: only with a token
 
-The server (server.py: the standard library's ThreadingHTTPServer) answers GET only; what it
-shows (data.py) is what the post-mortem readers answer: inspection's summary and step detail, metrics'
+The server (http.py: the standard library's ThreadingHTTPServer) answers GET only; what it
+shows (answers.py) is what the post-mortem readers answer: inspection's summary and step detail, metrics'
 rows and find, diff; rollouts' sample columns; verify's report. The page (static/: one HTML shell, one
 script, one stylesheet, shipped with the package) draws itself from that JSON: no front-end build,
 nothing fetched from the internet.
 """
 
-from .server import Server, serve
+from .http import Server, serve
 
 __all__ = ["Server", "serve"]

@@ -39,8 +39,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from verlj.journal.errors import VerljError
 
-from . import data
-from .data import NotFound, Runs
+from . import answers
+from .answers import NotFound, Runs
 
 STATIC = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -92,9 +92,9 @@ class Viewer:
                 return "search", {"run": runs.get(name).name}
         raise NotFound("no such page: the viewer has /, /step/N, /compare, /search and /run/NAME/…")
 
-    def _step(self, run: data.Run, n: str) -> tuple[str, dict]:
+    def _step(self, run: answers.Run, n: str) -> tuple[str, dict]:
         step = _int(n, "step")
-        data.check_step(run, step)
+        answers.check_step(run, step)
         return "step", {"run": run.name, "step": step}
 
     def html(self, kind: str, params: dict) -> bytes:
@@ -116,17 +116,17 @@ class Viewer:
             case ["runs"]:
                 return runs.listing()
             case ["run", name, "summary"]:
-                return data.summary(runs.get(name))
+                return answers.summary(runs.get(name))
             case ["run", name, "metrics"]:
-                return data.metrics(runs.get(name), _int(query.get("after", "0"), "after"))
+                return answers.metrics(runs.get(name), _int(query.get("after", "0"), "after"))
             case ["run", name, "verify"]:
-                return data.verification(runs.get(name))
+                return answers.verification(runs.get(name))
             case ["run", name, "step", n]:
-                return data.step(runs.get(name), _int(n, "step"))
+                return answers.step(runs.get(name), _int(n, "step"))
             case ["compare", a, b]:
-                return data.compare(runs.get(a), runs.get(b))
+                return answers.compare(runs.get(a), runs.get(b))
             case ["run", name, "search"]:
-                return data.search(runs.get(name), query.get("where", ""), query.get("text", ""), query.get("score", ""),
+                return answers.search(runs.get(name), query.get("where", ""), query.get("text", ""), query.get("score", ""),
                                    query.get("faults", "") not in ("", "0"))
         raise NotFound("no such endpoint: see /api/runs")
 
@@ -237,7 +237,7 @@ class Server:
             raise UsageError("--token must be at least 8 characters of A-Z a-z 0-9 . _ ~ - (it travels in a URL and a cookie)")
         runs = Runs([Path(p) for p in paths])
         for r in runs.runs.values():  # open each once: a path that is not a run, or one the ledger cannot read, is said now
-            data.steps_of(r)
+            answers.steps_of(r)
         self.viewer = Viewer(runs, token)
         self.httpd = (_Server6 if ":" in host else ThreadingHTTPServer)((host, port), handler(self.viewer, port, local=host in LOOPBACK))
         self.port = self.httpd.server_address[1]
