@@ -55,8 +55,9 @@ def verlj(*args, check: bool = False, timeout: float = 300, ranks: int = 1, **en
     its ranks through the harness's forkclient.py) is forked by a fork server (tests/harness/: torch and transformers
     already imported), unless VERLJ_TESTS_FRESH=1 or the environment asked for is one only a fresh interpreter gives
     (harness.processes.run). With VERLJ_TESTS_RUNLOG=FILE each run adds a JSON line to FILE: the test, the command's
-    arguments, its ranks, who started it (a fork server's kind, or fresh) and its seconds, what a look at where the
-    suite's time goes starts from."""
+    arguments, its ranks, who started it (a fork server's kind, or fresh), its seconds and exit status, what a look
+    at where the suite's time goes starts from, and the lines it printed that say how it went (RUN_LINES), which
+    test_forked_as_fresh compares between a forked and a fresh pass."""
     import time
 
     started = time.monotonic()
@@ -68,10 +69,14 @@ def verlj(*args, check: bool = False, timeout: float = 300, ranks: int = 1, **en
         cmd = [sys.executable, "-m", "verlj.cli", *map(str, args)]
     out, by = processes.run(cmd, e, timeout)
     processes.log_run({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "args": [str(a) for a in args], "ranks": ranks, "by": by,
-                       "seconds": round(time.monotonic() - started, 2), "code": out.returncode})
+                       "seconds": round(time.monotonic() - started, 2), "code": out.returncode,
+                       "said": [line for line in (out.stdout + out.stderr).splitlines() if line.startswith(RUN_LINES)]})
     if check and out.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}")
     return out
+
+
+RUN_LINES = ("[INFO] ", "error: ", "Done: ")  # what a run prints about its steps, snapshots and resumes, its end and its refusal
 
 
 # The end of a test's own script that started a process group (`python -c SCRIPT + LEAVE`), as the CLI's successful

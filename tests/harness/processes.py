@@ -37,7 +37,8 @@ def fresh() -> bool:
 
 
 def log_run(line: dict) -> None:
-    """With VERLJ_TESTS_RUNLOG=FILE: `line` appended to FILE as a line of JSON (verlj_testing.verlj() writes one a run)."""
+    """With VERLJ_TESTS_RUNLOG=FILE: `line` appended to FILE as a line of JSON (verlj_testing.verlj() writes one a run,
+    a ForkServer one as it stops)."""
     if os.environ.get("VERLJ_TESTS_RUNLOG"):
         import json
 
@@ -116,12 +117,21 @@ class ForkServer:
         return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
     def stop(self) -> None:
+        """Kill it and remove its directory; with VERLJ_TESTS_RUNLOG, log what it forked (a count of each module
+        or script) and declined first. Once: again (at exit) does nothing."""
         import shutil
+        from collections import Counter
 
+        if self.log.closed:
+            return
         if self.alive():
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+        said = self.said()
+        log_run({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "server": self.kind,
+                 "forked": dict(Counter(os.path.basename(line.split()[1]) for line in said if line.startswith("forked "))),
+                 "declined": [line for line in said if line.startswith("declined ")]})
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
