@@ -1269,7 +1269,7 @@ def main() -> int:
     ap.add_argument("--kinds", default=None, help=f"comma-separated, of {','.join(KINDS)} (default: all; --quick: all but fleet)")
     ap.add_argument("--python", default=sys.executable,
                     help="the interpreter each trial's `-m verlj.cli ...` runs under (default: this one; the test suite "
-                         "passes its fork server's, tests/forkclient.py)")
+                         "passes its fork server's, tests/harness/forkclient.py)")
     args = ap.parse_args()
     if not (os.path.isfile(args.python) and os.access(args.python, os.X_OK)):
         print(f"error: --python {args.python} is not an executable file", file=sys.stderr)

@@ -74,12 +74,12 @@ class Cluster(dict):
 @pytest.fixture(scope="module")
 def cluster():
     """One local Ray cluster for the module (started and stopped by this process), its workers forked by a fork
-    server of its own (verlj_testing.workers_from): a Cluster (test_fleet.py, test_ray_launcher.py)."""
+    server of its own (harness.processes.workers_from): a Cluster (test_fleet.py, test_ray_launcher.py)."""
     if os.environ.get("CI"):
         import ray  # in CI a missing ray is a failure, not a skip
     else:
         ray = pytest.importorskip("ray")
-    server = ray_worker_server()  # its actors forked, torch and transformers imported (verlj_testing.workers_from)
+    server = ray_worker_server()  # its actors forked, torch and transformers imported (harness.processes.workers_from)
     try:
         with workers_from(server):
             ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", object_store_memory=256 * 1024 * 1024)

@@ -7,7 +7,7 @@ is in the README's reliability section.
 import subprocess
 import sys
 
-import verlj_testing
+from harness.processes import fork_server
 from verlj_testing import REPO, env
 
 
@@ -21,7 +21,7 @@ def test_quick_fault_campaign():
     kinds = "disk-full,concurrency,bad-input"
     cmd = [sys.executable, "tools/faults.py", "--quick", "--seed", "5", "--kinds", kinds]
     e = env()
-    server = verlj_testing._fork_server(e)
+    server = fork_server(e)
     if server is not None and server.serves(e):  # each trial's `python -m verlj.cli ...` forked by the suite's fork server
         cmd += ["--python", server.rank_python]
         e["VERLJ_FORKSERVER_SOCKET"] = server.socket

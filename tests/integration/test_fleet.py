@@ -1,6 +1,6 @@
 """rollout.fleet=ray: generator actors on a real local Ray cluster (CPU), one cluster for the module
 (the `cluster` fixture, conftest.py), which every `verlj train` subprocess joins through RAY_ADDRESS; its workers are
-forked by a fork server of its own (tests/forkserver.py), and one run on a cluster its trainer starts, whose workers
+forked by a fork server of its own (tests/harness/forkserver.py), and one run on a cluster its trainer starts, whose workers
 are fresh interpreters, is what the same run is on it. Step order is bit-identical whatever the
 fleet's size and whichever actor generates what, through a real SIGKILL of an actor's process (its
 groups are asked again of the fleet), a resize on resume, and a SIGKILL of the trainer that its

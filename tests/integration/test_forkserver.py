@@ -1,6 +1,6 @@
-"""The suite's fork server (tests/forkserver.py) stands in for a fresh interpreter: what `python -m verlj.cli`
+"""The suite's fork server (tests/harness/forkserver.py) stands in for a fresh interpreter: what `python -m verlj.cli`
 prints, writes and exits with is the same from a process it forks as from a fresh one, for a run, a refusal
-and a SIGKILL, on one rank and on torchrun's two (whose ranks tests/forkclient.py asks the server for)."""
+and a SIGKILL, on one rank and on torchrun's two (whose ranks tests/harness/forkclient.py asks the server for)."""
 
 import os
 import re
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import verlj_testing
+from harness import processes
 from verlj_testing import REPO, TINY, assert_same_journal, children, env, fingerprints, popen, train
 
 
@@ -22,8 +22,8 @@ def both(monkeypatch, tmp_path, *args, ranks=1, **env_extra):
     for how in ("forked", "fresh"):
         monkeypatch.setenv("VERLJ_TESTS_FRESH", "1" if how == "fresh" else "0")
         out[how] = train(tmp_path / how, *args, ranks=ranks, **env_extra)
-    kind = verlj_testing._kind(list(args))
-    assert kind in verlj_testing._SERVERS and verlj_testing._SERVERS[kind].alive()  # started by the forked call, which it served
+    kind = processes.kind_of(list(args))
+    assert kind in processes.SERVERS and processes.SERVERS[kind].alive()  # started by the forked call, which it served
     return out["forked"], out["fresh"]
 
 
@@ -78,9 +78,9 @@ def test_importing_verlj_reads_only_variables_a_request_that_changes_them_is_dec
     first failpoint (the kill in the test above is the request's own)."""
     import json
 
-    from forkserver import PRELOAD_PREFIXES
+    from harness.forkserver import PRELOAD_PREFIXES
 
-    out = subprocess.run([sys.executable, "-c", READS_AS_VERLJ_IMPORTS], cwd=REPO / "tests", env=env(),
+    out = subprocess.run([sys.executable, "-c", READS_AS_VERLJ_IMPORTS], cwd=REPO / "tests" / "harness", env=env(),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -97,21 +97,21 @@ def test_the_server_starts_again_when_this_process_s_environment_changes_under_i
     such a variable for itself alone gets a fresh interpreter, and the server stays."""
     monkeypatch.delenv("VERLJ_TESTS_FRESH", raising=False)
     assert train(tmp_path / "a", "trainer.total_steps=1").returncode == 0
-    first = verlj_testing._SERVERS["plain"]
+    first = processes.SERVERS["plain"]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # as vLLM's import sets it
     assert train(tmp_path / "b", "trainer.total_steps=1").returncode == 0
-    second = verlj_testing._SERVERS["plain"]
+    second = processes.SERVERS["plain"]
     assert second is not first and not first.alive() and second.alive() and second.env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     own = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "own")}  # this run's own: a fresh interpreter
-    assert not second.serves(verlj_testing.env(**own))
+    assert not second.serves(env(**own))
     assert train(tmp_path / "c", "trainer.total_steps=1", **own).returncode == 0
-    assert verlj_testing._SERVERS["plain"] is second and second.alive()
+    assert processes.SERVERS["plain"] is second and second.alive()
     assert_same_journal(tmp_path / "a", tmp_path / "b")
     assert_same_journal(tmp_path / "a", tmp_path / "c")
 
 
 def test_a_vllm_run_is_forked_by_the_server_with_vllm_imported_and_is_what_a_fresh_interpreter_gives(monkeypatch, tmp_path):
-    """A run on rollout.engine=vllm goes to the server that has vLLM imported (verlj_testing.KINDS); what it prints,
+    """A run on rollout.engine=vllm goes to the server that has vLLM imported (processes.KINDS); what it prints,
     journals and fingerprints is what a fresh interpreter gives, and the plain server never imports vLLM."""
     pytest.importorskip("vllm")
     forked, fresh = both(monkeypatch, tmp_path, "trainer.total_steps=2", "rollout.engine=vllm", "model.tiny.num_heads=2")
@@ -119,10 +119,10 @@ def test_a_vllm_run_is_forked_by_the_server_with_vllm_imported_and_is_what_a_fre
     assert same_text(forked.stdout, fresh.stdout, tmp_path) and same_text(forked.stderr, fresh.stderr, tmp_path)
     assert_same_journal(tmp_path / "forked", tmp_path / "fresh")
     assert fingerprints(tmp_path / "forked") == fingerprints(tmp_path / "fresh")
-    server = verlj_testing._SERVERS["vllm"]
+    server = processes.SERVERS["vllm"]
     assert "vllm" in server.preloaded and sum(line.startswith("forked verlj.cli") for line in server.said()) >= 1
     monkeypatch.delenv("VERLJ_TESTS_FRESH")
-    plain = verlj_testing._fork_server(verlj_testing.env())
+    plain = processes.fork_server(env())
     assert plain is not server and "vllm" not in plain.preloaded and "deepspeed" in plain.preloaded
 
 
@@ -146,7 +146,7 @@ def test_an_async_run_s_generator_is_the_fork_it_made_as_it_started_and_is_what_
     monkeypatch.setenv("VERLJ_TESTS_FRESH", "0")  # the generator, seen while the run goes: the run's child, no interpreter of its own
     cmd = [sys.executable, "-m", "verlj.cli", "train", "--output-dir", str(tmp_path / "seen"), *TINY, *run]
     p = popen(cmd, env=env(VERLJ_FAILPOINT="generator.before_reply:1:sleep-each=0.3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert isinstance(p, verlj_testing.Forked)
+    assert isinstance(p, processes.Forked)
     for line in p.stdout:
         if "[INFO] Step 1: reward=" in line:
             break
@@ -159,14 +159,14 @@ def test_an_async_run_s_generator_is_the_fork_it_made_as_it_started_and_is_what_
 
 
 def served() -> list[str]:
-    return verlj_testing._SERVERS["plain"].said()
+    return processes.SERVERS["plain"].said()
 
 
 def test_torchrun_s_ranks_forked_train_and_die_as_fresh_ones_do(monkeypatch, tmp_path):
     """Two ranks; rank 0 SIGKILLs itself after step 2's commit: the agent ends rank 1 (SIGTERM, which forkclient
     passes on) and exits 1, as with fresh ranks; the same journal and fingerprints up to the kill."""
     monkeypatch.delenv("VERLJ_TESTS_FRESH", raising=False)
-    verlj_testing._fork_server(verlj_testing.env())  # started, or started again for this process's environment, now
+    processes.fork_server(env())  # started, or started again for this process's environment, now
     before = len(served())
     forked, fresh = both(monkeypatch, tmp_path, "trainer.total_steps=3", ranks=2, VERLJ_FAILPOINT="journal.after_commit:2")
     new = served()[before:]
@@ -180,11 +180,11 @@ def test_torchrun_s_ranks_forked_train_and_die_as_fresh_ones_do(monkeypatch, tmp
 
 
 def client(tmp_path, monkeypatch):
-    """tests/forkclient.py as torchrun starts a rank (PYTHON_EXEC -u -m MODULE ...), for a module that prints its
+    """tests/harness/forkclient.py as torchrun starts a rank (PYTHON_EXEC -u -m MODULE ...), for a module that prints its
     pid and sleeps; returns the client's process and the pid of the process the server forked for it."""
     monkeypatch.delenv("VERLJ_TESTS_FRESH", raising=False)
-    server = verlj_testing._fork_server(verlj_testing.env())
-    e = verlj_testing.env(PYTHON_EXEC=server.rank_python, VERLJ_FORKSERVER_SOCKET=server.socket)
+    server = processes.fork_server(env())
+    e = env(PYTHON_EXEC=server.rank_python, VERLJ_FORKSERVER_SOCKET=server.socket)
     p = subprocess.Popen([server.rank_python, "-u", "-m", "timeit", "-n", "1", "-r", "1",
                           "import os, time; print(os.getpid(), os.environ.get('PYTHON_EXEC')); time.sleep(120)"],
                          stdout=subprocess.PIPE, text=True, env=e, cwd=REPO)

@@ -30,7 +30,7 @@ import pytest
 from verlj.engine.loop.run import train as run_train
 from verlj.engine.state.manifest import check_snapshot
 from verlj.journal import Journal, open_journal_reader, segments
-from verlj_testing import TINY, _port, assert_same_journal, cli, comparable_steps, env, fingerprints, popen, train, wait_forked_ended
+from verlj_testing import TINY, assert_same_journal, cli, comparable_steps, env, fingerprints, free_port, popen, train, wait_forked_ended
 
 LAG = 2
 MATRIX = ["trainer.total_steps=6", "trainer.save_interval=2", "trainer.save_total_limit=1", f"journal.ship_max_lag_steps={LAG}"]
@@ -144,7 +144,7 @@ TWO_NODES = ["trainer.total_steps=6", "trainer.save_interval=2", "trainer.save_t
 def launch(run: Path, locals_: list[Path], *extra: str, **env_extra) -> list[subprocess.Popen]:
     """One torchrun agent per node (`len(locals_)` nodes, one rank each), rendezvous on localhost, each leading a
     session of its own (popen: the agents and their ranks forked by the fork server)."""
-    port, n = _port(), len(locals_)
+    port, n = free_port(), len(locals_)
     procs = []
     for rank, local in enumerate(locals_):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc_per_node", "1",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from verlj_testing import REPO, TINY, _port, assert_same_journal, children, env
+from verlj_testing import REPO, TINY, assert_same_journal, children, env, free_port
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_a_trainer_killed_by_sigkill_is_restarted_and_the_run_ends_identical(tmp
 def test_torchrun_max_restarts_resumes_each_restart_by_itself(tmp_path, reference):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--max-restarts", "1", "--master_port",
-           str(_port()), "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY]
+           str(free_port()), "-m", "verlj.cli", "train", "--output-dir", str(run), *TINY]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
                          env=env(VERLJ_FAILPOINT="journal.after_commit:3"))  # SIGKILL after step 3, once per process
     assert out.returncode == 0, out.stderr[-3000:]

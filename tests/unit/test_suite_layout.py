@@ -144,13 +144,29 @@ def called_imports(module: str, name: str, product: dict[str, Path]) -> set[str]
     return set()
 
 
+def code_modules(root: Path) -> dict[str, Path]:
+    """The modules of the tests' code under `root`, by the names they are imported as: a file in a folder of its own
+    on sys.path (tests/, tests/unit/, tests/integration/: no __init__.py) by its stem, one in a package under those
+    (tests/harness/) by its dotted name (`harness.processes`, `harness` for its __init__.py)."""
+    out = {}
+    for path in root.rglob("*.py"):
+        if path.name == "conftest.py":
+            continue
+        parts, folder = [] if path.name == "__init__.py" else [path.stem], path.parent
+        while (folder / "__init__.py").is_file():
+            parts.insert(0, folder.name)
+            folder = folder.parent
+        out[".".join(parts)] = path
+    return out
+
+
 def loaded_by(test_file: Path, product: dict[str, Path]) -> set[str]:
     """The product modules that importing `test_file` and running its tests imports, in this process or in the
     `verlj` processes it starts: what the test file and the tests/ helpers it uses import anywhere, and what
     the product functions they import by name import in their bodies; then, transitively, what each module
     imported runs when it is imported."""
-    code = {p.stem: p for p in TESTS.rglob("*.py") if p.name != "conftest.py"}
-    helpers = {name for name in code if not name.startswith("test_")}
+    code = code_modules(TESTS)
+    helpers = {name for name in code if not name.rpartition(".")[2].startswith("test_")}
     found, by_name = imports(test_file, "", everywhere=True)
     seen: set[str] = set()
     todo = list(found)
@@ -166,7 +182,7 @@ def loaded_by(test_file: Path, product: dict[str, Path]) -> set[str]:
         if module in product:
             todo.extend(imports(product[module], _package(module, product[module]), everywhere=False)[0])
         elif module in code:
-            found, named = imports(code[module], "", everywhere=module in helpers)
+            found, named = imports(code[module], _package(module, code[module]), everywhere=module in helpers)
             todo.extend(found)
             by_name |= named if module in helpers else frozenset()
     return seen & set(product)
@@ -182,6 +198,16 @@ def test_the_everyday_tier_imports_every_module_of_engine_journal_and_cli():
     everyday = [p for p in sorted(TESTS.rglob("test_*.py")) if tiers.SECONDS.get(p.name, 0) <= tiers.SLOW_SECONDS]
     missing = not_imported(everyday, product_modules())
     assert not missing, f"no test module of the everyday tier (-m 'not slow') imports {missing}"
+
+
+def test_the_tests_code_is_named_as_it_is_imported(tmp_path):
+    for path in ("verlj_testing.py", "unit/test_x.py", "harness/__init__.py", "harness/processes.py", "harness/deep/__init__.py",
+                 "harness/deep/server.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    (tmp_path / "conftest.py").write_text("")
+    assert sorted(code_modules(tmp_path)) == ["harness", "harness.deep", "harness.deep.server", "harness.processes", "test_x", "verlj_testing"]
+    assert {"harness", "harness.processes", "harness.forkserver", "harness.forkclient"} <= set(code_modules(TESTS))  # the suite's harness
 
 
 def test_the_import_check_follows_what_an_import_runs_and_finds_what_nothing_imports(tmp_path):

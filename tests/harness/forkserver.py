@@ -1,7 +1,7 @@
 """The test suite's fork server: `python -m verlj.cli ...` without paying torch's and transformers' imports each time.
 
-`verlj_testing.verlj()` runs the CLI as a process of its own, under torchrun for more than one rank. A fresh
-interpreter spends about 7 s of one core importing torch, transformers' model classes, torch's inductor config
+`verlj_testing.verlj()` runs the CLI as a process of its own (processes.py, beside this file), under torchrun for
+more than one rank. A fresh interpreter spends about 7 s of one core importing torch, transformers' model classes, torch's inductor config
 (which `use_deterministic_algorithms` imports) and DeepSpeed before verlj does anything, and the suite starts about
 650 of them (its runs, and torchrun's agents and ranks). This process imports those once (DeepSpeed on a CPU build
 of torch only, on the CPU accelerator that verlj.engine.dist.prepare_accelerator picks there), then for each
@@ -12,7 +12,7 @@ process; none reads the environment as it is imported, and none imports an optio
 What it has not imported (Ray, vLLM in the plain server) a process imports as a fresh one does, after the
 request's environment is set. A server started with `vllm` after the
 socket's path imports vLLM too (about 3 s of a core; with the variables verlj.engine.rl.vllm_engine sets before it
-imports vLLM), for the runs on rollout.engine=vllm (verlj_testing picks the server by the command line); the other
+imports vLLM), for the runs on rollout.engine=vllm (processes.kind_of picks the server by the command line); the other
 server's runs never have vLLM imported. A run with rollout.mode=async forks, as it starts, the process that its
 generator will be (_spawn_from_waiting): multiprocessing's spawn of the generator hands that process the
 descriptors and the spawn_main it would give a fresh interpreter, which saves the interpreter's 4 s of imports each
@@ -20,16 +20,17 @@ time. Before it serves, the server moves what it imported into the garbage colle
 (gc.freeze), so that a full collection in a forked process (vLLM makes several as it starts and stops) walks only
 what that process made, as Python's documentation advises for a server that forks. torchrun's ranks come from here
 too: the agent starts each rank as `$PYTHON_EXEC -u -m verlj.cli ARGS`, and PYTHON_EXEC is a script that runs
-tests/forkclient.py, which asks this server for the rank with its own environment and file descriptors, passes on
+forkclient.py (beside this file), which asks this server for the rank with its own environment and file descriptors, passes on
 the signals the agent sends and ends as the rank ended. A request whose environment differs from this process's in
 a variable the preloaded libraries read at start or import (`preloaded_env_differs`) or whose PYTHONPATH shadows a
-preloaded module (`shadows_preloaded`) needs a fresh interpreter: verlj() checks before asking, and the server
+preloaded module (`shadows_preloaded`) needs a fresh interpreter: processes.served checks before asking, and the server
 declines a rank's request that needs one (forkclient then starts it as a fresh interpreter). With
 VERLJ_TESTS_FRESH=1 no server is used.
 
 A local Ray cluster the suite starts (tests/integration/conftest.py's `cluster`) has a server of its own, whose
 forks are its workers: the raylet starts each as `PYTHON default_worker.py ARGS` with PYTHON the script that runs
-forkclient, which asks for the script by path (verlj_testing.workers_from).
+forkclient, which asks for the script by path (processes.workers_from). README.md beside this file says what
+this server preloads and patches, and which library internals it touches.
 
 Protocol, on a Unix socket whose path is argv[1] (argv[2], when given, is `vllm`): one connection a request; the
 client sends one JSON line {"module" (`python -m MODULE`) or "script" (`python SCRIPT`), "args", "env", "cwd",
@@ -48,7 +49,7 @@ import os
 import sys
 
 # Variables the preloaded libraries read when they are imported: a request that sets them otherwise than this
-# process had them needs an interpreter of its own (verlj_testing checks before asking).
+# process had them needs an interpreter of its own (processes.served checks before asking).
 PRELOAD_PREFIXES = ("TORCH", "ATEN_", "PYTORCH", "HF_", "HUGGINGFACE", "TRANSFORMERS", "CUDA", "OMP_", "MKL_", "KMP_", "GOMP",
                     "TOKENIZERS", "LD_", "TRITON", "USE_", "XDG_", "NCCL", "PYTHON", "LANG", "LC_",
                     "DS_", "DEEPSPEED", "DISABLE_LOGS", "MSGPACK", "PYDANTIC",  # DeepSpeed's import

@@ -1,6 +1,6 @@
-"""A rank's interpreter under torchrun, or a Ray worker's, from the suite's fork server (tests/forkserver.py).
+"""A rank's interpreter under torchrun, or a Ray worker's, from the suite's fork server (forkserver.py, beside it).
 
-torchrun's agent starts each rank as `$PYTHON_EXEC -u -m verlj.cli ARGS`; verlj_testing.verlj() sets
+torchrun's agent starts each rank as `$PYTHON_EXEC -u -m verlj.cli ARGS`; processes.served sets
 PYTHON_EXEC to a script that runs this file with the real interpreter. It asks the server at
 $VERLJ_FORKSERVER_SOCKET for a process that becomes `python -u -m verlj.cli ARGS` with this process's
 environment (less those two variables, which a rank under plain torchrun does not have), working directory and
@@ -24,7 +24,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 
 # The scripts asked of the server by path (`python [-u] SCRIPT ARGS`): a Ray worker, which the raylet of a cluster
-# started under verlj_testing.workers_from() starts as `$PYTHON default_worker.py ARGS`, $PYTHON being the script
+# started under processes.workers_from() starts as `$PYTHON default_worker.py ARGS`, $PYTHON being the script
 # (VERLJ_FORKCLIENT_PYTHON: it says its own path) that runs this file.
 SCRIPTS = ("default_worker.py",)
 # A worker whose job or actor has a runtime env (Ray's py_modules, env_vars) the raylet starts as `$PYTHON
