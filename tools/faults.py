@@ -1221,10 +1221,10 @@ def bad_input_trials(root: Path, finished: Path, quick: bool = False) -> list[Tr
         ("resume of a directory that is not a run", ["train", "-o", notarun, "--resume"], notarun, 1),
         ("journal from a newer schema: replay", ["replay", newer, "--to-step", TARGET + 1], newer, 1),
         ("journal from a newer schema: resume", ["train", "-o", newer, *SMALL, "trainer.total_steps=12", "--resume"], newer, 1),
-        ("replay step out of range", ["replay", existing, "--to-step", 999], existing, 1),
+        ("replay step out of range", ["replay", existing, "--to-step", 999], existing, 2),
         ("inspect a non-run", ["inspect", notarun], notarun, 1),
-        ("inspect step out of range", ["inspect", existing, "--step", 999], existing, 1),
-        ("malformed --where", ["find", existing, "--where", "loss >>> 3"], existing, 1),
+        ("inspect step out of range", ["inspect", existing, "--step", 999], existing, 2),
+        ("malformed --where", ["find", existing, "--where", "loss >>> 3"], existing, 2),
         ("verify a missing path", ["verify", root / "missing"], root / "missing", 2),
     ]
     if quick:

@@ -201,7 +201,7 @@ def test_post_mortem_from_the_run_directory_alone(tmp_path, reference, node_lost
     rows = [line.split(",") for line in m.stdout.strip().splitlines()]
     assert rows[0] == ["step", "journal/ship_lag_steps", "actor/pg_loss"] and all(r[1].strip() for r in rows[1:]), m.stdout
     bad = cli("metrics", run, "--names", "actor/pg_los")
-    assert bad.returncode == 1 and "…" not in bad.stderr and "timing_s/step" in bad.stderr  # every name, none cut
+    assert bad.returncode == 2 and "…" not in bad.stderr and "timing_s/step" in bad.stderr  # every name, none cut
     assert cli("find", run, "--where", "actor/pg_loss is nan").returncode == 0
     assert replay_here(run, 7)[0]["fingerprint"] == fingerprints(reference)[7]
 
