@@ -59,6 +59,11 @@ class Run:
         assert self.ledger is not None, "the ledger is rank 0's"
         return self.ledger
 
+    def closed_ledger(self) -> None:
+        """Its ledger was closed (a replay to a step is done reading it): what the replayed state is used for next
+        (an export, a --snapshot elsewhere, a --fork) records nothing in this run's history."""
+        self.ledger = None
+
     def history(self) -> History:
         """The run's history, read on rank 0 and sent to every rank (collective)."""
         return History.from_dict(self.rt.from_rank0(lambda: self.main_ledger().history().to_dict(), "reading the run's history"))

@@ -98,7 +98,7 @@ def materialize(run_dir: Path, to_step: int, reporter: Reporter | None = None, q
     finally:
         ledger.close()
         if run is not None:
-            run.ledger = None  # closed: the replayed state outlives it (export, --snapshot, --fork)
+            run.closed_ledger()  # the replayed state outlives it (export, --snapshot, --fork)
     return Materialized(to_step, fp, restored.step, run, out.exact, out.tolerant_steps, out.largest)
 
 
