@@ -184,3 +184,52 @@ def test_a_stopped_generation_reaches_the_journal_in_three(tmp_path, monkeypatch
     assert got == {"rollout/partial/stopped_groups": 1.0, "rollout/partial/stopped_tokens": 4.0} and list(log.read_stopped()) == [4]
     assert hops(stacks[0], "Partials.keep") == ["DurableLog.keep_stopped", "InFlight.write_stopped", "Pending.put"]
     j.close()
+
+
+def test_an_environment_s_turn_reaches_the_journal_in_three(tmp_path, monkeypatch):
+    """rollout.env in completion order: a group's turn, through the real group player (sources.env_players.Turns) and
+    its real envs (builtin:guess): the generator's turn arrives, the envs step, and the group as it stands is made
+    durable before its next turn is asked: Turns.receive -> DurableLog -> InFlight -> Pending (3 hops)."""
+    import torch
+    from test_envs import CharTok
+
+    from verlj.engine.config import make_config
+    from verlj.engine.dist import Runtime
+    from verlj.engine.loop.durable_log import DurableLog
+    from verlj.engine.loop.ledger import Ledger
+    from verlj.engine.rl.data import Example
+    from verlj.engine.rl.envs import load_env
+    from verlj.engine.rl.sources.env_players import Turns
+    from verlj.engine.rl.sources.players import GroupCall
+    from verlj.journal import Journal
+
+    class Generator:  # the generator's side of completion order: each turn asked comes back as the action "50"
+        def __init__(self):
+            self.asked: list = []
+
+        def ask(self, asks, cfg, most):
+            self.asked += asks
+
+        def arrived(self, wait):
+            out = [(g, [np.asarray([53, 48])] * len(contexts), [np.zeros(2, np.float32)] * len(contexts), 0) for g, contexts, _ in self.asked]
+            self.asked = []
+            return out
+
+    cfg = make_config(None, ["rollout.mode=async", "rollout.async_order=completion", "rollout.env=builtin:guess", "rollout.max_turns=3",
+                             "rollout.n=2"])
+    stacks = watch_puts(monkeypatch)
+    rt = Runtime(rank=0, world_size=1, local_rank=0, tp_size=1, device=torch.device("cpu"), backend="gloo")
+    j = Journal.open_writer(tmp_path / "journal")
+    log = DurableLog(rt, Ledger(j))
+    factory = load_env(cfg)
+    turns = Turns(cfg, rt, CharTok(), [Example("guess", "")], [np.asarray([1, 2])], None, lambda: factory, log)
+    generator = Generator()
+    call = GroupCall(1, 0, generator, {5: 0}, 6)
+    turns.ask([(5, 0)], call)
+    made = turns.arrived(0.0, call)
+    assert made.samples == [] and generator.asked and generator.asked[0][0] == 5  # the group goes on: its next turn asked
+    held = log.read_in_flight()[5]
+    # the turn is durable, read back: each episode's action, then the env's observation
+    assert all(r.tolist()[:2] == [53, 48] and len(r) > 2 for r in held.response_ids) and held.versions == [0]
+    assert len(stacks) == 1 and hops(stacks[0], "Turns.receive") == ["DurableLog.keep_in_flight", "InFlight.write_in_flight", "Pending.put"]
+    j.close()
