@@ -179,7 +179,8 @@ def setup(cfg: Config) -> Runtime:
     """Initialise torch.distributed (gloo on CPU, NCCL on GPU) and pick the device."""
     import deepspeed
 
-    if "WORLD_SIZE" not in os.environ:  # a plain process: a one-rank group
+    plain = "WORLD_SIZE" not in os.environ
+    if plain:  # a plain process: a one-rank group
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
     want = cfg.trainer.device
@@ -198,7 +199,14 @@ def setup(cfg: Config) -> Runtime:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     if not dist.is_initialized():
         _skip_shm_comm_build()
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        for attempt in range(5):
+            try:
+                deepspeed.init_distributed(dist_backend=backend, verbose=False)
+                break
+            except dist.DistNetworkError as e:  # the free port taken by another process before the store bound it
+                if not plain or "EADDRINUSE" not in str(e) or attempt == 4:
+                    raise
+                os.environ["MASTER_PORT"] = str(_free_port())
     return Runtime(rank=rank, world_size=world, local_rank=local, tp_size=tp, device=device, backend=backend)
 
 

@@ -25,14 +25,23 @@ GRPO_DYN = [*COMMON, "algorithm.dynamic_sampling=true", "rollout.n=2", "distribu
 PPO_Z3 = [*COMMON, "algorithm.name=ppo", "distributed.zero_stage=3"]
 
 
+class References(dict):
+    """The uninterrupted runs by algorithm, each trained the first time a test asks for it (a sample of this module, run
+    alone by test_forked_as_fresh, trains only the one it compares with)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name):
+        run_train(self.root / name, None, [*TINY, *{"grpo": GRPO_DYN, "ppo": PPO_Z3}[name]])
+        self[name] = self.root / name
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ref")
-    out = {}
-    for name, over in (("grpo", GRPO_DYN), ("ppo", PPO_Z3)):
-        run_train(root / name, None, [*TINY, *over])
-        out[name] = root / name
-    return out
+    return References(tmp_path_factory.mktemp("ref"))
 
 
 @pytest.fixture(scope="module")
