@@ -179,8 +179,7 @@ def setup(cfg: Config) -> Runtime:
     """Initialise torch.distributed (gloo on CPU, NCCL on GPU) and pick the device."""
     import deepspeed
 
-    plain = "WORLD_SIZE" not in os.environ
-    if plain:  # a plain process: a one-rank group
+    if "WORLD_SIZE" not in os.environ:  # a plain process: a one-rank group
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
     want = cfg.trainer.device
@@ -203,8 +202,10 @@ def setup(cfg: Config) -> Runtime:
             try:
                 deepspeed.init_distributed(dist_backend=backend, verbose=False)
                 break
-            except dist.DistNetworkError as e:  # the free port taken by another process before the store bound it
-                if not plain or "EADDRINUSE" not in str(e) or attempt == 4:
+            except dist.DistNetworkError as e:
+                # a one-rank group's port (picked free, or inherited with WORLD_SIZE=1 from a process whose own group
+                # holds it) taken before its store bound it: no other rank needs to agree on another
+                if world != 1 or "EADDRINUSE" not in str(e) or attempt == 4:
                     raise
                 os.environ["MASTER_PORT"] = str(_free_port())
     return Runtime(rank=rank, world_size=world, local_rank=local, tp_size=tp, device=device, backend=backend)

@@ -559,10 +559,11 @@ def render_step(d: StepDetail) -> str:
     if req:
         rows = req.rows.tolist()
         again = ""
-        stopped, went_on = set(req.regenerated.tolist()), set(req.continued.tolist())  # went on: among those asked again
-        if stopped | went_on:
-            how = [f"{n} {what}" for n, what in ((len(stopped - went_on), "from their seeds"), (len(went_on), "from their durable tokens")) if n]
-            again = f"; asked again {len(stopped | went_on)} groups in flight when the last process stopped: {', '.join(how)}"
+        # went on: from durable tokens, those a push in this process stopped too (not asked again)
+        stopped, went_on = set(req.regenerated.tolist()), set(req.continued.tolist())
+        if stopped:
+            how = [f"{n} {what}" for n, what in ((len(stopped - went_on), "from their seeds"), (len(stopped & went_on), "from their durable tokens")) if n]
+            again = f"; asked again {len(stopped)} groups in flight when the last process stopped: {', '.join(how)}"
         lines.append(f"asked      {len(req.groups)} groups of the generator (rows {rows[:8]}{' …' if len(rows) > 8 else ''}){again}")
     for c in d.control:
         lines.append(f"control    {c.kind.value} {c.details}" if isinstance(c, Control) else f"control    {c.TYPE} {c.changed}")
