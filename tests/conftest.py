@@ -140,12 +140,31 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -SECONDS.get(item.path.name, 0))  # stable: the rest keep their order
 
 
+class _SampleRunsOnce:
+    """Where test_forked_as_fresh.py runs, the tests of its sample (harness.FRESH_SAMPLE) run in its two pytest sessions,
+    not also in this one: its forked pass is their run in the suite's own harness, and it fails unless each passed."""
+
+    @pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
+    def pytest_collection_modifyitems(self, config, items):
+        from harness import FRESH_SAMPLE
+
+        if not any(item.path.name == "test_forked_as_fresh.py" for item in items):
+            return
+        sample = set(FRESH_SAMPLE.values())
+        there = [item for item in items if item.nodeid in sample]
+        if there:
+            config.hook.pytest_deselected(items=there)
+            items[:] = [item for item in items if item.nodeid not in sample]
+
+
 def pytest_configure(config):
     """The controller (not each xdist worker) compiles verlj's and the tests' sources to bytecode once, as pip does for an
     installed package: the editable install reads them from the checkout, and where PYTHONDONTWRITEBYTECODE is set (it
     is in this project's containers) every process the suite starts (about 800: runs, torchrun's ranks, async
     generators, Ray's actors) compiled every module it imported again (about 0.25 s of a core each). Python reads the cached files
-    whatever that variable says, and checks them against each source's mtime and size as on any import."""
+    whatever that variable says, and checks them against each source's mtime and size as on any import. (And the
+    sample test_forked_as_fresh runs is not run twice: _SampleRunsOnce.)"""
+    config.pluginmanager.register(_SampleRunsOnce(), "verlj-sample-runs-once")
     if hasattr(config, "workerinput"):
         return
     import compileall

@@ -3,3 +3,13 @@ processes. forkserver.py (the fork servers: torch, transformers, DeepSpeed and v
 forked per run), forkclient.py (a rank's or Ray worker's interpreter that asks a server for its process) and
 processes.py (which server serves a run, or a fresh interpreter; what verlj_testing imports). README.md says what
 the servers preload and patch, which library internals they touch, and how to turn them off (VERLJ_TESTS_FRESH=1)."""
+
+# The fixed sample of the suite's tests that test_forked_as_fresh.py runs twice, in pytest sessions of its own: with the
+# fork servers and in fresh interpreters (a kill and resume, an async run, a vLLM run, a run on a Ray fleet). Where that
+# module runs, these run there only (conftest deselects them from the session: its forked pass is their run).
+FRESH_SAMPLE = {
+    "kill-resume": "tests/integration/test_recovery.py::test_kills_at_failpoints_then_resume_is_exact[grpo-journal.before_commit:3-snapshot.rotate:1]",
+    "async": "tests/integration/test_async.py::test_the_journal_records_versions_plans_and_the_off_policy_metrics",
+    "vllm": "tests/integration/test_vllm.py::test_the_journal_names_the_engine",
+    "fleet": "tests/integration/test_fleet.py::test_episodes_on_a_fleet_in_step_order_are_bit_identical_through_a_killed_actor_and_trainer",
+}
