@@ -1,0 +1,159 @@
+"""rl.trl_envs: a TRL environment class as a verlj env, on the bpe_tokenizer's ChatML template: its tools described as
+transformers describes them, the reset's text joined to the last user message, the policy's calls dispatched and
+answered as TRL answers them (results, errors), the episode's end scored as TRL scores a sample."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from verlj.engine.config import make_config
+from verlj.engine.errors import ConfigError
+from verlj.engine.rl.models import chat_template
+from verlj.engine.rl.trl_envs import Prompt, RewardFuncs, TrlEnv, columns_of, tool_methods, tool_schemas
+
+
+class Counter:
+    def reset(self, **kwargs) -> str | None:
+        self.count, self.seen = 0, kwargs
+        return " Count to 3."
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the counter.
+
+        Args:
+            step: How much to add.
+
+        Returns:
+            The counter.
+        """
+        self.count += step
+        return self.count
+
+    def explode(self) -> str:
+        """
+        Always fails.
+        """
+        raise RuntimeError("boom")
+
+    def get_reward(self) -> float:
+        return 0.5 if self.count == 3 else 0.0
+
+    def _private(self) -> None:
+        raise AssertionError("never a tool")
+
+    @property
+    def evaluated(self) -> int:
+        raise AssertionError("a property is never evaluated to list the tools")
+
+
+class Undocumented:
+    def reset(self, **kwargs) -> None:
+        return None
+
+    def tool(self, x):
+        return x
+
+
+ROW = {"prompt": "rendered", "answer": "3", "task": "", "entry": None, "messages": [{"role": "user", "content": "Go."}],
+       "data_source": None, "extra_info": None}
+CALL = '<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+def made(tok, rewards: RewardFuncs | None = None, max_turns: int = 3) -> TrlEnv:
+    instance = Counter()
+    return TrlEnv(instance, chat_template(tok, False), tok, tool_schemas(instance), rewards or RewardFuncs((), (), True), max_turns)
+
+
+def test_the_tools_are_the_public_methods_described_as_transformers_describes_them():
+    from transformers.utils import get_json_schema
+
+    assert tool_methods(Counter) == ["explode", "increment"]
+    c = Counter()
+    assert tool_schemas(c) == [get_json_schema(c.explode), get_json_schema(c.increment)]
+    assert tool_schemas(c)[1]["function"]["parameters"]["properties"]["step"] == {"type": "integer", "description": "How much to add."}
+    with pytest.raises(ConfigError, match=r"^rollout.env: the tool Undocumented.tool cannot be described to the model .*docstring$"):
+        tool_schemas(Undocumented())
+
+
+def test_reset_joins_the_last_user_message_and_renders_the_tools(bpe_tokenizer):
+    env = made(bpe_tokenizer)
+    prompt = env.reset(ROW, 7)
+    assert isinstance(prompt, Prompt)
+    assert prompt == bpe_tokenizer.apply_chat_template([{"role": "user", "content": "Go. Count to 3."}], tools=[Counter().explode, Counter().increment],
+                                                       tokenize=False, add_generation_prompt=True)
+    assert env.env.seen == {"prompt": [{"role": "user", "content": "Go."}], "answer": "3"}
+    assert columns_of({**ROW, "messages": None, "data_source": "d"})["prompt"] == [{"role": "user", "content": "rendered"}]
+
+
+def test_a_call_is_dispatched_and_answered_as_a_tool_message_after_the_end_of_turn(bpe_tokenizer):
+    env = made(bpe_tokenizer)
+    env.reset(ROW, 0)
+    obs, reward, done = env.step(CALL.format(name="increment", args='{"step": 2}'))
+    assert (obs, reward, done) == ("\n<|im_start|>user\n<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n", None, False)
+    assert env.env.count == 2
+
+
+@pytest.mark.parametrize("call, said", [
+    (CALL.format(name="nope", args="{}"), "{'error': 'Tool nope not found.'}"),
+    (CALL.format(name="explode", args="{}"), "{'error': 'boom'}"),
+    (CALL.format(name="increment", args='{"stride": 1}'), "{'error': \"Counter.increment() got an unexpected keyword argument 'stride'\"}"),
+])
+def test_a_failing_call_is_a_tool_message_holding_the_error_as_trl_writes_it(bpe_tokenizer, call, said):
+    env = made(bpe_tokenizer)
+    env.reset(ROW, 0)
+    obs, _, done = env.step(call)
+    assert obs == f"\n<|im_start|>user\n<tool_response>\n{said}\n</tool_response><|im_end|>\n<|im_start|>assistant\n" and not done
+
+
+def test_an_answer_without_a_call_ends_the_episode_scored_by_get_reward_and_the_reward_functions(bpe_tokenizer):
+    got = {}
+
+    def reward(prompts, completions, environments, answer, **kwargs):
+        got.update(prompts=prompts, completions=completions, environments=environments, answer=answer, ids=kwargs["completion_ids"])
+        return [2.0]
+
+    def abstains(prompts, completions, **kwargs):
+        return [None]
+
+    env = made(bpe_tokenizer, RewardFuncs((reward, abstains), (0.25, 9.0), True))
+    env.reset(ROW, 0)
+    env.step(CALL.format(name="increment", args='{"step": 3}'))
+    obs, r, done = env.step("three")
+    assert (obs, r, done) == ("", 0.25 * 2.0 + 0.5, True)  # the weighted function, get_reward's 0.5; the None left out
+    assert got["environments"] == [env.env] and got["answer"] == ["3"]
+    assert got["prompts"] == [[{"role": "user", "content": "Go. Count to 3."}]]
+    assert [m["role"] for m in got["completions"][0]] == ["assistant", "tool", "assistant"]
+    assert got["completions"][0][0]["tool_calls"] == [{"type": "function", "function": {"name": "increment", "arguments": {"step": 3}}}]
+    assert got["completions"][0][1] == {"role": "tool", "name": "increment", "content": "3"} and got["completions"][0][2]["content"] == "three"
+    assert got["ids"] and isinstance(got["ids"][0][0], int)
+    with pytest.raises(RuntimeError, match="after the episode ended"):
+        env.step("again")
+
+
+def test_the_last_turn_ends_the_episode_without_running_its_calls(bpe_tokenizer):
+    env = made(bpe_tokenizer, max_turns=1)
+    env.reset(ROW, 0)
+    assert env.step(CALL.format(name="increment", args='{"step": 3}')) == ("", 0.0, True) and env.env.count == 0
+
+
+def test_a_reward_function_that_answers_no_list_of_one_or_no_number_raises_naming_it(bpe_tokenizer):
+    env = made(bpe_tokenizer, RewardFuncs((lambda **kw: [1.0, 2.0],), (1.0,), False))
+    env.reset(ROW, 0)
+    with pytest.raises(ValueError, match="must return a list of one reward per completion"):
+        env.step("done")
+    env = made(bpe_tokenizer, RewardFuncs((lambda **kw: [math.nan],), (1.0,), False))
+    env.reset(ROW, 0)
+    with pytest.raises(ValueError, match="returned nan, not a finite number or None"):
+        env.step("done")
+
+
+def test_the_reward_funcs_need_a_trl_env_and_one_weight_each():
+    with pytest.raises(ConfigError, match="need rollout.env=trl:module:Class"):
+        make_config(None, ["rollout.env_reward_funcs=[m:f]"])
+    with pytest.raises(ConfigError, match="has 2 weights for 1 rollout.env_reward_funcs"):
+        make_config(None, ["rollout.env=trl:m:C", "rollout.env_reward_funcs=[m:f]", "rollout.env_reward_weights=[1.0,2.0]"])
+    with pytest.raises(ConfigError, match="as trl:module:Class"):
+        make_config(None, ["rollout.env=trl:Gone"])
