@@ -34,6 +34,7 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import Config
 from ..errors import ConfigError
@@ -94,7 +95,7 @@ class RewardFuncs:
     weights: tuple
     own: bool
 
-    def score(self, env: object, prompt: list, completion: list, completion_ids: list, columns: dict) -> float:
+    def score(self, env: Any, prompt: list, completion: list, completion_ids: list, columns: dict) -> float:
         """The episode's reward as TRL sums a sample's: each function's value (None: left out) times its weight, then
         get_reward()'s (weight 1); 0.0 when every one is None (TRL's nansum)."""
         values = []
@@ -145,9 +146,12 @@ def load_reward_funcs(cfg: Config, cls: type) -> RewardFuncs:
 class TrlEnv:
     """A TRL environment instance as a verlj Environment (rl.envs): one per episode, reset on its row."""
 
-    def __init__(self, instance: object, render: Callable, tok, tools: list[dict], rewards: RewardFuncs, max_turns: int):
+    def __init__(self, instance: Any, render: Callable, tok, tools: list[dict], rewards: RewardFuncs, max_turns: int):
         self.env, self.render, self.tok, self.tools, self.rewards, self.max_turns = instance, render, tok, tools, rewards, max_turns
         self.turns, self.over = 0, True
+        self.prompt: list[dict] = []
+        self.completion: list[dict] = []  # TRL's completion: the assistant's messages and the tool messages, in order
+        self.columns: dict = {}
 
     def reset(self, row: dict, seed: int) -> Prompt:
         self.columns = columns_of(row)
@@ -168,12 +172,12 @@ class TrlEnv:
         if not parsed.tool_calls:
             self.completion.append({"role": "assistant", "content": action})
             return self._end()
-        calls = [{"type": "function", "function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
-                 for c in parsed.tool_calls]
+        named = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls]
+        calls = [{"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in named]
         self.completion.append({"role": "assistant", "content": parsed.content or "", "tool_calls": calls})
         if self.turns >= self.max_turns:  # TRL's last iteration: its calls are not run
             return self._end()
-        results = [self._dispatch(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        results = [self._dispatch(name, arguments) for name, arguments in named]
         tool_messages = [{"role": "tool", "name": name, "content": content} for name, content in results]
         self.completion += tool_messages
         return self._suffix(tool_messages), None, False
