@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 
 from verlj.engine.config import make_config
@@ -157,3 +159,122 @@ def test_the_reward_funcs_need_a_trl_env_and_one_weight_each():
         make_config(None, ["rollout.env=trl:m:C", "rollout.env_reward_funcs=[m:f]", "rollout.env_reward_weights=[1.0,2.0]"])
     with pytest.raises(ConfigError, match="as trl:module:Class"):
         make_config(None, ["rollout.env=trl:Gone"])
+
+
+TRL_MOD = '''
+class Good:
+    def reset(self, **kwargs):
+        return None
+
+    def shout(self, text: str) -> str:
+        """
+        Shout it.
+
+        Args:
+            text: What to shout.
+        """
+        return text.upper()
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+class NoReset:
+    def shout(self, text: str) -> str:
+        """
+        Shout it.
+
+        Args:
+            text: What to shout.
+        """
+        return text
+
+
+class NoReward:
+    def reset(self, **kwargs):
+        return None
+
+
+class Vague(Good):
+    def whisper(self, text):
+        return text
+
+
+class Fragile(Good):
+    def __init__(self):
+        raise OSError("no sandbox")
+
+
+def reward(prompts, completions, **kwargs):
+    return [1.0]
+
+
+def single(completion):
+    return [1.0]
+'''
+
+
+def trl_cfg(spec: str, *funcs: str):
+    from verlj.engine.config import Config
+
+    cfg = Config()
+    cfg.rollout.env, cfg.rollout.max_turns, cfg.rollout.env_reward_funcs = spec, 3, list(funcs)
+    cfg.model.tiny.vocab = "ascii"
+    return cfg
+
+
+@pytest.fixture
+def trl_mod(tmp_path, monkeypatch):
+    (tmp_path / "trl_user_mod.py").write_text(TRL_MOD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize("spec, funcs, message", [
+    ("trl:trl_user_mod:NoReset", (), "rollout.env: trl:trl_user_mod:NoReset made NoReset, which has no reset(**kwargs) (a TRL environment class needs one)"),
+    ("trl:trl_user_mod:NoReward", (), "rollout.env: trl:trl_user_mod:NoReward has no get_reward() and rollout.env_reward_funcs names no reward "
+     "function: name one (TRL's reward_funcs), or give the class a get_reward()"),
+    ("trl:trl_user_mod:Fragile", (), "rollout.env: making trl:trl_user_mod:Fragile failed: OSError: no sandbox"),
+    ("trl:trl_user_mod:Gone", (), "rollout.env: cannot import 'trl:trl_user_mod:Gone' (module 'trl_user_mod' has no 'Gone')"),
+    ("trl:trl_user_mod:Good", ("trl_user_mod:nothing",), "rollout.env_reward_funcs: cannot import 'trl_user_mod:nothing' (module 'trl_user_mod' has no 'nothing')"),
+])
+def test_a_class_or_reward_function_that_cannot_be_used_is_one_config_error(trl_mod, spec, funcs, message):
+    from verlj.engine.rl.envs import load_env
+
+    with pytest.raises(ConfigError) as e:
+        load_env(trl_cfg(spec, *funcs))
+    assert str(e.value) == message
+
+
+def test_an_undescribable_tool_and_a_reward_function_of_another_signature_are_config_errors(trl_mod):
+    from verlj.engine.rl.envs import load_env
+
+    with pytest.raises(ConfigError, match=r"^rollout.env: the tool Vague.whisper cannot be described to the model"):
+        load_env(trl_cfg("trl:trl_user_mod:Vague"))
+    with pytest.raises(ConfigError, match=r"^rollout.env_reward_funcs: trl_user_mod:single \(called as fn\(prompts=, completions=, "
+                                          r"environments=, \.\.\.\)\) has the wrong signature"):
+        load_env(trl_cfg("trl:trl_user_mod:Good", "trl_user_mod:single"))
+
+
+def test_a_rounds_episode_takes_the_prompt_its_trl_env_rendered(trl_mod):
+    """The built-in model's template (the tools leading as a system message): the episode's prompt is the Prompt reset
+    answered, <bos> first, in place of the dataset prompt's ids; a step dispatches to that episode's own instance."""
+    from verlj.engine.rl.envs import load_env
+    from verlj.engine.rl.episodes import Limits, Round
+    from verlj.engine.rl.models import load_tokenizer
+
+    cfg = trl_cfg("trl:trl_user_mod:Good", "trl_user_mod:reward")
+    tok = load_tokenizer("builtin:tiny", cfg=cfg)
+    factory = load_env(cfg)
+    rnd = Round(factory, [{**ROW, "messages": [{"role": "user", "content": "hi"}]}] * 2, [1, 2], [np.asarray([1, 5, 6])] * 2, tok,
+                Limits(3, 10.0))
+    text = '<|system|>\nTools: [{"type": "function", "function": {"name": "shout", "description": "Shout it.", "parameters": ' \
+           '{"type": "object", "properties": {"text": {"type": "string", "description": "What to shout."}}, "required": ["text"]}, "return": {"type": "string"}}}]\n' \
+           '<|user|>\nhi\n<|assistant|>\n'
+    want = [tok.bos_token_id, *tok(text, add_special_tokens=False).input_ids]
+    assert [p.tolist() for p in rnd.first_prompts()] == [want, want]
+    assert rnd.episodes[0].env.env is not rnd.episodes[1].env.env  # one instance an episode
+    call = tok('<tool_call>{"name": "shout", "arguments": {"text": "hey"}}</tool_call>', add_special_tokens=False).input_ids
+    rnd.take([0, 1], [np.asarray(call), np.asarray(tok("bye", add_special_tokens=False).input_ids)], [np.zeros(len(call)), np.zeros(3)])
+    obs = tok.decode(rnd.episodes[0].response[len(call):])
+    assert obs == "<|tool|>\nHEY\n<|assistant|>\n" and rnd.episodes[0].live
+    assert not rnd.episodes[1].live and rnd.env_score(1) == 2.0  # reward (1.0) and get_reward (1.0) at its answer
