@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
 import pytest
 
 from verlj.engine.config import make_config
