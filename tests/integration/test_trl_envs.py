@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from verlj.engine.loop.ledger import Ledger
 from verlj.engine.schema.events import StepEvents
 from verlj.engine.schema.sample import unpack
 from verlj.journal import open_journal_reader
@@ -50,3 +51,26 @@ def test_a_trl_class_trains_with_its_tools_and_a_kill_resumes_bit_identical(tmp_
     rep = verlj("replay", ref, "--to-step", "3")  # from step 2's snapshot: step 3 read from the journal, its env never made
     assert rep.returncode == 0, rep.stderr[-3000:]
     assert want[3] in rep.stdout
+
+
+def test_a_trl_class_in_completion_order_killed_mid_episode_loses_no_turn_and_trains_nothing_twice(tmp_path, bpe_model):
+    """Killed after step 1's commit, then with turns of groups asked ahead durable: resumed to the end, the committed
+    steps unchanged, every group accounted for (asked once, arrived once, trained or dropped once at most), the episodes
+    in flight rebuilt from their durable turns by replaying their actions on fresh instances."""
+    from test_async_completion import check_accounting
+
+    over = [f"model.actor.model_name_or_path={bpe_model}", *TRL, "rollout.mode=async", "rollout.async_order=completion"]
+    run = tmp_path / "run"
+    out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:1")
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *over, resume=True, VERLJ_FAILPOINT="episodes.after_durable:1")
+    assert out.returncode == -9, out.stderr[-3000:]
+    with Ledger.open_reader(run) as ledger:
+        committed = {s: ledger.journal.read_raw(s) for s in range(1, ledger.last_step() + 1)}
+        durable = ledger.in_flight.groups()
+    assert committed and durable
+    out = train(run, *over, resume=True)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    with Ledger.open_reader(run) as ledger:
+        assert {s: ledger.journal.read_raw(s) for s in committed} == committed
+    check_accounting(run)  # verify passes; a rebuilt episode's instance is tests/unit/test_trl_env_adapter.py's

@@ -204,6 +204,24 @@ class Fragile(Good):
         raise OSError("no sandbox")
 
 
+class Tally:
+    def reset(self, **kwargs):
+        self.total = 0
+
+    def add(self, n: int) -> int:
+        """
+        Add to the tally.
+
+        Args:
+            n: How much.
+        """
+        self.total += n
+        return self.total
+
+    def get_reward(self) -> float:
+        return float(self.total)
+
+
 def reward(prompts, completions, **kwargs):
     return [1.0]
 
@@ -277,3 +295,26 @@ def test_a_rounds_episode_takes_the_prompt_its_trl_env_rendered(trl_mod):
     obs = tok.decode(rnd.episodes[0].response[len(call):])
     assert obs == "<|tool|>\nHEY\n<|assistant|>\n" and rnd.episodes[0].live
     assert not rnd.episodes[1].live and rnd.env_score(1) == 2.0  # reward (1.0) and get_reward (1.0) at its answer
+
+
+def test_an_episode_in_flight_is_rebuilt_by_replaying_its_actions_on_a_fresh_instance(trl_mod):
+    """Completion order's restore (Round.restored): a fresh instance reset on the row, the durable tool call dispatched
+    again, so the next turn finds the state the first left and the episode ends with the reward it would have had."""
+    from verlj.engine.rl.envs import load_env
+    from verlj.engine.rl.episodes import Limits, Round
+    from verlj.engine.rl.models import load_tokenizer
+
+    cfg = trl_cfg("trl:trl_user_mod:Tally")
+    tok = load_tokenizer("builtin:tiny", cfg=cfg)
+    factory, limits, rows = load_env(cfg), Limits(3, 10.0), [ROW, ROW]
+    ids = [np.asarray(tok(t, add_special_tokens=False).input_ids) for t in ('<tool_call>{"name": "add", "arguments": {"n": 5}}</tool_call>', "5")]
+    played = Round(factory, rows, [1, 2], [np.asarray([1])] * 2, tok, limits)
+    played.take([0, 1], ids, [np.zeros(len(i)) for i in ids])
+    assert played.episodes[0].live and not played.episodes[1].live and played.env_score(1) == 0.0
+    rebuilt, replayed = Round.restored(factory, rows, played.state(0, 0, [0]), tok, limits)
+    assert replayed == 1 and rebuilt.episodes[0].env.env is not played.episodes[0].env.env
+    assert rebuilt.episodes[0].env.env.total == 5 and rebuilt.episodes[1].env is None
+    assert [p.tolist() for p in rebuilt.first_prompts()] == [p.tolist() for p in played.first_prompts()]
+    for rnd in (played, rebuilt):
+        rnd.take([0], [ids[1]], [np.zeros(len(ids[1]))])
+    assert played.env_score(0) == rebuilt.env_score(0) == 5.0 and played.fields(0)["response_ids"].tolist() == rebuilt.fields(0)["response_ids"].tolist()
