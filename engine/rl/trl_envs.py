@@ -39,7 +39,7 @@ from typing import Any
 from ..config import Config
 from ..errors import ConfigError
 from ..plugins import check_signature, describe, import_object
-from .gateway.protocol import hermes
+from .gateway.protocol import Message, ToolCall, hermes
 from .models import BUILTIN_TINY, chat_template, load_tokenizer
 
 PREFIX = "trl:"
@@ -148,20 +148,22 @@ class TrlEnv:
 
     def __init__(self, instance: Any, render: Callable, tok, tools: list[dict], rewards: RewardFuncs, max_turns: int):
         self.env, self.render, self.tok, self.tools, self.rewards, self.max_turns = instance, render, tok, tools, rewards, max_turns
+        self.names = set(tool_methods(type(instance)))
         self.turns, self.over = 0, True
         self.prompt: list[dict] = []
         self.completion: list[dict] = []  # TRL's completion: the assistant's messages and the tool messages, in order
+        self.answers: list[str] = []  # the assistant's texts, in order (what completion_ids are made of)
         self.columns: dict = {}
 
     def reset(self, row: dict, seed: int) -> Prompt:
-        self.columns = columns_of(row)
-        messages = [dict(m) for m in self.columns["prompt"]]
+        messages = prompt_of(row)
+        self.columns = {"prompt": [dict(m) for m in messages], **columns_of(row)}
         got = self.env.reset(**self.columns)
         if got is not None and not isinstance(got, str):
             raise TypeError(f"{type(self.env).__name__}.reset returned {type(got).__name__}, not str or None")
         if got:
-            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + got}
-        self.prompt, self.completion, self.turns, self.over = messages, [], 0, False
+            messages[-1] = {**messages[-1], "content": (Message.of(messages[-1]).content or "") + got}
+        self.prompt, self.completion, self.answers, self.turns, self.over = messages, [], [], 0, False
         return Prompt(self.render(messages, self.tools or None, True))
 
     def step(self, action: str) -> tuple[str, float | None, bool]:
@@ -171,37 +173,36 @@ class TrlEnv:
         parsed = hermes(action, str(self.turns), _AnyName())
         if not parsed.tool_calls:
             self.completion.append({"role": "assistant", "content": action})
+            self.answers.append(action)
             return self._end()
-        named = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls]
+        named = [(c.name, json.loads(c.arguments)) for c in map(ToolCall.of, parsed.tool_calls)]
         calls = [{"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in named]
         self.completion.append({"role": "assistant", "content": parsed.content or "", "tool_calls": calls})
+        self.answers.append(parsed.content or "")
         if self.turns >= self.max_turns:  # TRL's last iteration: its calls are not run
             return self._end()
         results = [self._dispatch(name, arguments) for name, arguments in named]
         tool_messages = [{"role": "tool", "name": name, "content": content} for name, content in results]
         self.completion += tool_messages
-        return self._suffix(tool_messages), None, False
+        return self._suffix(tool_messages, results[0][0]), None, False
 
     def _dispatch(self, name: str, arguments: dict) -> tuple[str, object]:
         """One tool call, answered as TRL answers it: str(result), or {'error': ...} for a call that raised or a tool
         the class lacks (a list, TRL's multimodal content, is passed on as it is)."""
         try:
-            if name not in self.tools_by_name():
+            if name not in self.names:
                 raise ValueError(f"Tool {name} not found.")
             result = _call(getattr(self.env, name), **arguments)
         except Exception as e:  # noqa: BLE001 - the tool's own failure: told to the policy, as TRL tells it
             result = {"error": str(e)}
         return name, result if isinstance(result, list) else str(result)
 
-    def tools_by_name(self) -> set[str]:
-        return {t["function"]["name"] for t in self.tools}
-
-    def _suffix(self, tool_messages: list) -> str:
+    def _suffix(self, tool_messages: list, first: str) -> str:
         """What the chat template writes after the assistant's end of turn for these tool messages, and the generation
         prompt (TRL's _get_tool_suffix_ids, on text): a dummy call rendered with and without them, the shorter cut after
-        its last end-of-sequence token."""
+        its last end-of-sequence token. `first`: the first tool message's name (the dummy call's, as TRL names it)."""
         dummy = [{"role": "user", "content": "dummy"},
-                 {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]}]
+                 {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": first, "arguments": {}}}]}]
         prefix, full = self.render(dummy, None, False), self.render(dummy + tool_messages, None, True)
         eos = self.tok.eos_token
         if eos and eos in prefix:
@@ -212,21 +213,28 @@ class TrlEnv:
 
     def _end(self) -> tuple[str, float, bool]:
         self.over = True
-        ids = self.tok(self.completion_text(), add_special_tokens=False).input_ids
+        ids = self.tok("".join(self.answers), add_special_tokens=False).input_ids
         return "", self.rewards.score(self.env, self.prompt, self.completion, ids, self.columns), True
 
-    def completion_text(self) -> str:
-        return "".join(m["content"] if isinstance(m["content"], str) else str(m["content"]) for m in self.completion if m["role"] == "assistant")
+
+COLUMNS = ("answer", "data_source", "extra_info", "task", "entry")  # a verlj row's fields a TRL class gets, beside its prompt
+
+
+def prompt_of(row: dict) -> list[dict]:
+    """A verlj row's prompt (rl.envs.row_of) as TRL's conversational prompt: its chat messages, or its text as one user
+    message."""
+    match row:
+        case {"messages": [_, *_] as messages}:
+            return [dict(m) for m in messages]
+        case {"prompt": text}:
+            return [{"role": "user", "content": text}]
+    raise ValueError("the row has neither chat messages nor a prompt")
 
 
 def columns_of(row: dict) -> dict:
-    """The dataset columns a TRL class's reset and reward functions get for a verlj row (rl.envs.row_of): ``prompt`` as
-    chat messages (a plain prompt is one user message), ``answer``, and ``data_source``, ``extra_info``, ``task`` and
-    ``entry`` where the row has them."""
-    prompt = row["messages"] if row.get("messages") else [{"role": "user", "content": row["prompt"]}]
-    out = {"prompt": [dict(m) for m in prompt], "answer": row["answer"]}
-    out.update({k: row[k] for k in ("data_source", "extra_info", "task", "entry") if row.get(k) not in (None, "")})
-    return out
+    """The dataset columns a TRL class's reset and reward functions get beside its prompt for a verlj row: ``answer``,
+    and ``data_source``, ``extra_info``, ``task`` and ``entry`` where the row has them."""
+    return {k: row[k] for k in COLUMNS if k == COLUMNS[0] or row.get(k) not in (None, "")}
 
 
 def trl_maker(cfg: Config) -> Callable[[], TrlEnv]:

@@ -12,7 +12,7 @@ import pytest
 from verlj.engine.config import make_config
 from verlj.engine.errors import ConfigError
 from verlj.engine.rl.models import chat_template
-from verlj.engine.rl.trl_envs import Prompt, RewardFuncs, TrlEnv, columns_of, tool_methods, tool_schemas
+from verlj.engine.rl.trl_envs import Prompt, RewardFuncs, TrlEnv, columns_of, prompt_of, tool_methods, tool_schemas
 
 
 class Counter:
@@ -86,7 +86,8 @@ def test_reset_joins_the_last_user_message_and_renders_the_tools(bpe_tokenizer):
     assert prompt == bpe_tokenizer.apply_chat_template([{"role": "user", "content": "Go. Count to 3."}], tools=[Counter().explode, Counter().increment],
                                                        tokenize=False, add_generation_prompt=True)
     assert env.env.seen == {"prompt": [{"role": "user", "content": "Go."}], "answer": "3"}
-    assert columns_of({**ROW, "messages": None, "data_source": "d"})["prompt"] == [{"role": "user", "content": "rendered"}]
+    assert prompt_of({**ROW, "messages": None}) == [{"role": "user", "content": "rendered"}]
+    assert columns_of({**ROW, "data_source": "d"}) == {"answer": "3", "data_source": "d"}
 
 
 def test_a_call_is_dispatched_and_answered_as_a_tool_message_after_the_end_of_turn(bpe_tokenizer):
