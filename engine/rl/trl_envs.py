@@ -146,8 +146,9 @@ def load_reward_funcs(cfg: Config, cls: type) -> RewardFuncs:
 class TrlEnv:
     """A TRL environment instance as a verlj Environment (rl.envs): one per episode, reset on its row."""
 
-    def __init__(self, instance: Any, render: Callable, tok, tools: list[dict], rewards: RewardFuncs, max_turns: int):
+    def __init__(self, instance: Any, render: Callable, tok, tools: list[dict], rewards: RewardFuncs, max_turns: int, max_prompt: int = 0):
         self.env, self.render, self.tok, self.tools, self.rewards, self.max_turns = instance, render, tok, tools, rewards, max_turns
+        self.max_prompt = max_prompt  # data.max_prompt_length: a longer prompt is the reset's fault (0: no cap)
         self.names = set(tool_methods(type(instance)))
         self.turns, self.over = 0, True
         self.prompt: list[dict] = []
@@ -164,7 +165,11 @@ class TrlEnv:
         if got:
             messages[-1] = {**messages[-1], "content": (Message.of(messages[-1]).content or "") + got}
         self.prompt, self.completion, self.answers, self.turns, self.over = messages, [], [], 0, False
-        return Prompt(self.render(messages, self.tools or None, True))
+        text = Prompt(self.render(messages, self.tools or None, True))
+        n = len(self.tok(text, add_special_tokens=False).input_ids) + (self.tok.bos_token_id is not None)
+        if self.max_prompt and n > self.max_prompt:
+            raise ValueError(f"the prompt with its tools is {n} tokens, more than data.max_prompt_length ({self.max_prompt}): raise it")
+        return text
 
     def step(self, action: str) -> tuple[str, float | None, bool]:
         if self.over:
@@ -261,9 +266,9 @@ def trl_maker(cfg: Config) -> Callable[[], TrlEnv]:
     path = cfg.model.actor.model_name_or_path
     tok = load_tokenizer(path, cfg=cfg)
     render = chat_template(tok, path == BUILTIN_TINY)
-    turns = cfg.rollout.max_turns
+    turns, max_prompt = cfg.rollout.max_turns, cfg.data.max_prompt_length
 
     def one() -> TrlEnv:
-        return TrlEnv(make(), render, tok, tools, rewards, turns)
+        return TrlEnv(make(), render, tok, tools, rewards, turns, max_prompt)
 
     return one

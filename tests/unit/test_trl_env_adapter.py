@@ -237,7 +237,7 @@ def trl_cfg(spec: str, *funcs: str):
 
     cfg = Config()
     cfg.rollout.env, cfg.rollout.max_turns, cfg.rollout.env_reward_funcs = spec, 3, list(funcs)
-    cfg.model.tiny.vocab = "ascii"
+    cfg.model.tiny.vocab, cfg.data.max_prompt_length = "ascii", 512  # the tools' schemas are in the prompt
     return cfg
 
 
@@ -319,3 +319,13 @@ def test_an_episode_in_flight_is_rebuilt_by_replaying_its_actions_on_a_fresh_ins
     for rnd in (played, rebuilt):
         rnd.take([0], [ids[1]], [np.zeros(len(ids[1]))])
     assert played.env_score(0) == rebuilt.env_score(0) == 5.0 and played.fields(0)["response_ids"].tolist() == rebuilt.fields(0)["response_ids"].tolist()
+
+
+def test_a_prompt_longer_than_data_max_prompt_length_is_the_resets_fault(bpe_tokenizer):
+    from verlj.engine.rl.envs import EnvFault, safe_reset
+
+    instance = Counter()
+    env = TrlEnv(instance, chat_template(bpe_tokenizer, False), bpe_tokenizer, tool_schemas(instance), RewardFuncs((), (), True), 3, 64)
+    got = safe_reset(env, ROW, 0, 10.0)
+    assert isinstance(got, EnvFault) and got.reason.startswith("raised ValueError: the prompt with its tools is ")
+    assert "tokens, more than data.max_prompt_length (64): raise it" in got.reason
