@@ -455,8 +455,14 @@ class RolloutConfig:
     fleet_timeout_s: float = bookkeeping(300.0)  # fleet=ray: the run stops when no actor has been alive for this long
     # multi-turn episodes (rl.envs; docs/guides/environments.md): null (none: one response a sample) |
     # builtin:calculator | builtin:equals | builtin:guess | builtin:reasoning_gym | module:Class (yours, made with no arguments)
+    # | trl:module:Class (a TRL environment_factory class: its public methods the model's tools)
     env: Optional[str] = live(None)
     max_turns: int = live(1)  # rollout.env: the policy's actions per episode at most (the built-ins end their episodes within it)
+    # rollout.env=trl:module:Class: TRL's reward_funcs, module:function each, called at an episode's end as TRL calls
+    # them (prompts, completions, completion_ids, environments=[the episode's instance], the row's columns, **kwargs)
+    env_reward_funcs: list[str] = field(default_factory=list, metadata={"policy": LIVE})
+    # rollout.env_reward_funcs: TRL's reward_weights, one per function | []: 1.0 each (get_reward's weight is 1)
+    env_reward_weights: list[float] = field(default_factory=list, metadata={"policy": LIVE})
     env_timeout_s: float = bookkeeping(30.0)  # rollout.env: an env call (reset, step) that has not answered in this many seconds is a fault
     # rollout.env: an observation (reset's too) is cut to this many tokens, ending with " [truncated]" | 0: no cap
     max_observation_length: int = live(256)
@@ -554,12 +560,20 @@ class RolloutConfig:
         _at_least("rollout.max_observation_length", self.max_observation_length, 0)
         _at_least("rollout.max_episode_length", self.max_episode_length, 0)
         self._validate_agent()
+        if (self.env_reward_funcs or self.env_reward_weights) and not (self.env or "").startswith("trl:"):
+            raise ConfigError("rollout.env_reward_funcs and rollout.env_reward_weights score a TRL environment class's "
+                              "episodes: they need rollout.env=trl:module:Class")
         if self.env is None:
             if self.max_turns > 1 and self.agent is None:
                 raise ConfigError("rollout.max_turns > 1 needs rollout.env (without an environment a sample is one response)")
             return
         if not (self.env.startswith("builtin:") or ":" in self.env.strip(":")):
-            raise ConfigError(f"rollout.env must be null, builtin:NAME or module:Class, got {self.env!r}")
+            raise ConfigError(f"rollout.env must be null, builtin:NAME, module:Class or trl:module:Class, got {self.env!r}")
+        if self.env.startswith("trl:") and ":" not in self.env[4:].strip(":"):
+            raise ConfigError(f"rollout.env=trl: names a TRL environment class as trl:module:Class, got {self.env!r}")
+        if self.env_reward_weights and len(self.env_reward_weights) != len(self.env_reward_funcs):
+            raise ConfigError(f"rollout.env_reward_weights has {len(self.env_reward_weights)} weights for "
+                              f"{len(self.env_reward_funcs)} rollout.env_reward_funcs: give one each, or none (1.0 each)")
 
     def _validate_agent(self) -> None:
         _positive("rollout.agent_concurrency", self.agent_concurrency)

@@ -5,6 +5,7 @@
     rollout.env: builtin:guess            # a game: guess the number, told "higher" / "lower"
     rollout.env: builtin:reasoning_gym    # a reasoning-gym row, answered in up to rollout.max_turns attempts
     rollout.env: my_envs:Maze             # yours: a class (or a function) that makes an Environment, called with no arguments
+    rollout.env: trl:my_envs:Wordle       # a TRL environment_factory class: its public methods the model's tools (rl.trl_envs)
     rollout.max_turns: 4                  # actions per episode at most (the built-ins end their episodes within it)
     rollout.env_timeout_s: 30             # an env call that has not answered by then is a fault (safe_step)
 
@@ -43,7 +44,7 @@ import numpy as np
 from ..config import REASONING_GYM, Config
 from ..errors import ConfigError
 from ..plugins import import_object, raised_at
-from . import tasks
+from . import tasks, trl_envs
 
 KEY = "rollout.env"
 
@@ -492,6 +493,8 @@ def load_env(cfg: Config, task_dataset=None) -> EnvFactory | None:
         if task_dataset is None:
             task_dataset, _ = tasks.generate(cfg.data, cfg.trainer.seed)
         factory = EnvFactory(spec, lambda: ReasoningGymAttempts(task_dataset.score_answer, turns))
+    elif spec.startswith(trl_envs.PREFIX):
+        factory = EnvFactory(spec, trl_envs.trl_maker(cfg))
     elif spec.startswith("builtin:"):
         raise ConfigError(f"{KEY}: unknown built-in {spec!r}; known: {', '.join(BUILTIN)}")
     else:

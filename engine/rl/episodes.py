@@ -41,6 +41,7 @@ import numpy as np
 from ..schema.sample import EnvEnd, GroupInFlight
 from ..state.seeding import derive_seed
 from .envs import EnvFactory, EnvFault, safe_reset, safe_resets, safe_step, safe_steps
+from .trl_envs import Prompt
 
 
 @dataclass
@@ -155,12 +156,22 @@ class Round:
             ep = Episode(env, np.asarray(prompt, np.int64), int(seed))
             if isinstance(first, EnvFault):
                 ep.stop(EnvEnd.FAULT, f"reset {first.reason}")  # no action is asked of it: an episode of no turn
+            elif isinstance(first, Prompt):  # the episode's whole prompt (a TRL class's: rl.trl_envs)
+                ep.prompt_ids = self._prompt(first)
             elif first:
                 ep.prompt_ids = np.concatenate([ep.prompt_ids, self._observation(first)])
             self.episodes.append(ep)
 
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tok(text, add_special_tokens=False).input_ids, np.int64)
+
+    def _prompt(self, text: str) -> np.ndarray:
+        """A prompt's ids, as the trainer encodes a dataset's chat prompt: <bos> first unless the text writes its own."""
+        ids = self._encode(text)
+        bos = self.tok.bos_token_id
+        if bos is not None and not (self.tok.bos_token and text.startswith(self.tok.bos_token)):
+            ids = np.concatenate([np.asarray([bos], np.int64), ids])
+        return ids
 
     def _observation(self, text: str) -> np.ndarray:
         """An observation's tokens, at most limits.max_observation: a longer one is cut, its end marked TRUNCATED."""

@@ -120,7 +120,8 @@ class Trainer:
     def set_config(self, cfg: Config) -> None:
         """Switch to another config of the same run (its live keys may differ: config.check_change)."""
         self.scorer.set_config(cfg)
-        if (cfg.rollout.env, cfg.rollout.max_turns) != (self.cfg.rollout.env, self.cfg.rollout.max_turns):
+        made_by = ("env", "max_turns", "env_reward_funcs", "env_reward_weights")  # what rollout.env's factory is made from
+        if [getattr(cfg.rollout, k) for k in made_by] != [getattr(self.cfg.rollout, k) for k in made_by]:
             self._env_factory = None
         self.cfg = cfg
         self.actor.set_config(cfg)

@@ -56,7 +56,7 @@ def test_file_then_overrides(tmp_path):
         ("rollout.max_turns=0", "rollout.max_turns must be positive, got 0"),
         ("rollout.max_turns=3", "rollout.max_turns > 1 needs rollout.env (without an environment a sample is one response)"),
         ("rollout.env_timeout_s=0", "rollout.env_timeout_s must be positive, got 0.0"),
-        ("rollout.env=calculator", "rollout.env must be null, builtin:NAME or module:Class, got 'calculator'"),
+        ("rollout.env=calculator", "rollout.env must be null, builtin:NAME, module:Class or trl:module:Class, got 'calculator'"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
