@@ -454,8 +454,15 @@ class RolloutConfig:
     fleet_resources: dict = field(default_factory=lambda: {"num_cpus": 1}, metadata={"policy": BOOKKEEPING})
     fleet_timeout_s: float = bookkeeping(300.0)  # fleet=ray: the run stops when no actor has been alive for this long
     # multi-turn episodes (rl.envs; docs/guides/environments.md): null (none: one response a sample) |
-    # builtin:calculator | builtin:equals | builtin:guess | builtin:reasoning_gym | module:Class (yours, made with no arguments)
+    # builtin:calculator | builtin:equals | builtin:guess | builtin:reasoning_gym | module:Class (yours, made with no arguments) |
+    # openenv:URL (an OpenEnv server's env, one WebSocket session an episode: pip install 'verlj[openenv]')
     env: Optional[str] = live(None)
+    # rollout.env=openenv:URL: a command that serves the env at URL, started before training, health-checked and
+    # stopped at exit | null: a server you started
+    openenv_command: Optional[str] = bookkeeping(None)
+    # rollout.env=openenv:URL: module:Class, a subclass of rl.openenv_envs.TextAdapter (the env's own client class, how the
+    # policy's text becomes its action) | null: the text in the action's one string field
+    openenv_adapter: Optional[str] = live(None)
     max_turns: int = live(1)  # rollout.env: the policy's actions per episode at most (the built-ins end their episodes within it)
     env_timeout_s: float = bookkeeping(30.0)  # rollout.env: an env call (reset, step) that has not answered in this many seconds is a fault
     # rollout.env: an observation (reset's too) is cut to this many tokens, ending with " [truncated]" | 0: no cap
@@ -554,12 +561,14 @@ class RolloutConfig:
         _at_least("rollout.max_observation_length", self.max_observation_length, 0)
         _at_least("rollout.max_episode_length", self.max_episode_length, 0)
         self._validate_agent()
+        if (self.openenv_command is not None or self.openenv_adapter is not None) and not (self.env or "").startswith("openenv:"):
+            raise ConfigError("rollout.openenv_command and rollout.openenv_adapter apply to rollout.env=openenv:URL only; remove them")
         if self.env is None:
             if self.max_turns > 1 and self.agent is None:
                 raise ConfigError("rollout.max_turns > 1 needs rollout.env (without an environment a sample is one response)")
             return
         if not (self.env.startswith("builtin:") or ":" in self.env.strip(":")):
-            raise ConfigError(f"rollout.env must be null, builtin:NAME or module:Class, got {self.env!r}")
+            raise ConfigError(f"rollout.env must be null, builtin:NAME, module:Class or openenv:URL, got {self.env!r}")
 
     def _validate_agent(self) -> None:
         _positive("rollout.agent_concurrency", self.agent_concurrency)
