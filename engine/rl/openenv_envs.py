@@ -325,12 +325,17 @@ class OpenEnvEnv:
 
         message = {"type": kind} if data is None else {"type": kind, "data": data}
         try:
-            self._ws.send(json.dumps(message, default=_jsonable))
+            text = json.dumps(message, default=_jsonable)
+        except TypeError as e:
+            raise OpenEnvError(f"the {kind} could not be sent as JSON ({e})") from None
+        try:
+            try:
+                self._ws.send(text)
+            except ConnectionClosed:
+                pass  # the server closed it with a word, maybe (a full server: CAPACITY_REACHED): read it
             raw = self._ws.recv(timeout=self.timeout_s)
         except TimeoutError:
             raise OpenEnvError(f"the OpenEnv server at {self.url} did not answer a {kind} in {self.timeout_s:g} s") from None
-        except TypeError as e:
-            raise OpenEnvError(f"the {kind} could not be sent as JSON ({e})") from None
         except (ConnectionClosed, OSError) as e:
             raise OpenEnvError(f"the OpenEnv server at {self.url} closed the session during a {kind} ({_why(e)})") from None
         try:
@@ -349,9 +354,8 @@ class OpenEnvEnv:
     def _error(self, kind: str, data: dict) -> str:
         code, message = str(data.get("code", "")), str(data.get("message", "")).strip().splitlines()
         if code == "CAPACITY_REACHED":
-            return (f"the OpenEnv server at {self.url} refused a session: it serves at most {data.get('max_sessions')} at once (its "
-                    f"max_concurrent_envs) and this run plays up to {self.concurrent} episodes at once; serve it with "
-                    f"max_concurrent_envs={self.concurrent} or more")
+            return (f"the OpenEnv server at {self.url} is full: max_concurrent_envs={data.get('max_sessions')}, and this run plays up to "
+                    f"{self.concurrent} episodes at once; serve it with max_concurrent_envs={self.concurrent} or more")
         return f"the OpenEnv server at {self.url} answered the {kind} with an error ({code or 'no code'}): {(message or [''])[0][:200]}"
 
     def _result(self, data: dict) -> tuple[str, float | None, bool]:
@@ -402,7 +406,7 @@ def probe_capacity(url: str, sessions: int, timeout_s: float) -> None:
     finally:
         for env in envs:
             env.close()
-    refused = [s for s in said if "refused a session" in s]
+    refused = [s for s in said if " is full: max_concurrent_envs=" in s]
     if refused:
         raise ConfigError(f"{KEY}: {refused[0]}")
     _PROBED.add((url, sessions))
