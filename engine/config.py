@@ -563,12 +563,15 @@ class RolloutConfig:
         self._validate_agent()
         if (self.openenv_command is not None or self.openenv_adapter is not None) and not (self.env or "").startswith("openenv:"):
             raise ConfigError("rollout.openenv_command and rollout.openenv_adapter apply to rollout.env=openenv:URL only; remove them")
+        if (self.env or "").startswith("openenv:") and self.fleet != Fleet.NONE:
+            raise ConfigError("rollout.env=openenv:URL does not run on rollout.fleet=ray yet (its sessions are opened beside the trainer); "
+                              "set rollout.fleet=none")
         if self.env is None:
             if self.max_turns > 1 and self.agent is None:
                 raise ConfigError("rollout.max_turns > 1 needs rollout.env (without an environment a sample is one response)")
             return
         if not (self.env.startswith("builtin:") or ":" in self.env.strip(":")):
-            raise ConfigError(f"rollout.env must be null, builtin:NAME, module:Class or openenv:URL, got {self.env!r}")
+            raise ConfigError(f"rollout.env must be null, builtin:NAME or module:Class, got {self.env!r}")
 
     def _validate_agent(self) -> None:
         _positive("rollout.agent_concurrency", self.agent_concurrency)

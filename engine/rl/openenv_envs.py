@@ -185,9 +185,9 @@ def text_field(schema: dict) -> str | None:
     """The action's one string field in the server's ``/schema`` (metadata aside), or None when it has
     none or several, or other required fields."""
     action = schema.get("action") if isinstance(schema, dict) else None
-    props = action.get("properties") if isinstance(action, dict) else None
-    if not isinstance(props, dict):
+    if not isinstance(action, dict) or not isinstance(action.get("properties"), dict):
         return None
+    props = action["properties"]
     fields = {k: v for k, v in props.items() if k != "metadata"}
     strings = [k for k, v in fields.items() if isinstance(v, dict) and v.get("type") == "string"]
     required = set(action.get("required") or ())
@@ -413,8 +413,10 @@ def probe_capacity(url: str, sessions: int, timeout_s: float) -> None:
 
 
 def concurrent_episodes(cfg) -> int:
-    """The most episodes the run plays at once: a step's (data.prompts_per_step x rollout.n)."""
-    return int(cfg.data.prompts_per_step) * int(cfg.rollout.n)
+    """The most episodes the run plays at once: a step's (data.prompts_per_step x rollout.n), or the held-out
+    eval's when it is more (data.eval_size, with trainer.eval_interval)."""
+    held = int(cfg.data.eval_size) if cfg.trainer.eval_interval else 0
+    return max(int(cfg.data.prompts_per_step) * int(cfg.rollout.n), held)
 
 
 def make_factory(cfg):
