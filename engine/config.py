@@ -456,7 +456,14 @@ class RolloutConfig:
     # multi-turn episodes (rl.envs; docs/guides/environments.md): null (none: one response a sample) |
     # builtin:calculator | builtin:equals | builtin:guess | builtin:reasoning_gym | module:Class (yours, made with no arguments)
     # | trl:module:Class (a TRL environment_factory class: its public methods the model's tools)
+    # | openenv:URL (an OpenEnv server's env, one WebSocket session an episode: pip install 'verlj[openenv]')
     env: Optional[str] = live(None)
+    # rollout.env=openenv:URL: a command that serves the env at URL, started before training, health-checked and
+    # stopped at exit | null: a server you started
+    openenv_command: Optional[str] = bookkeeping(None)
+    # rollout.env=openenv:URL: module:Class, a subclass of rl.openenv_envs.TextAdapter (the env's own client class, how the
+    # policy's text becomes its action) | null: the text in the action's one string field
+    openenv_adapter: Optional[str] = live(None)
     max_turns: int = live(1)  # rollout.env: the policy's actions per episode at most (the built-ins end their episodes within it)
     # rollout.env=trl:module:Class: TRL's reward_funcs, module:function each, called at an episode's end as TRL calls
     # them (prompts, completions, completion_ids, environments=[the episode's instance], the row's columns, **kwargs)
@@ -563,6 +570,11 @@ class RolloutConfig:
         if (self.env_reward_funcs or self.env_reward_weights) and not (self.env or "").startswith("trl:"):
             raise ConfigError("rollout.env_reward_funcs and rollout.env_reward_weights score a TRL environment class's "
                               "episodes: they need rollout.env=trl:module:Class")
+        if (self.openenv_command is not None or self.openenv_adapter is not None) and not (self.env or "").startswith("openenv:"):
+            raise ConfigError("rollout.openenv_command and rollout.openenv_adapter apply to rollout.env=openenv:URL only; remove them")
+        if (self.env or "").startswith("openenv:") and self.fleet != Fleet.NONE:
+            raise ConfigError("rollout.env=openenv:URL does not run on rollout.fleet=ray yet (its sessions are opened beside the trainer); "
+                              "set rollout.fleet=none")
         if self.env is None:
             if self.max_turns > 1 and self.agent is None:
                 raise ConfigError("rollout.max_turns > 1 needs rollout.env (without an environment a sample is one response)")

@@ -6,6 +6,7 @@
     rollout.env: builtin:reasoning_gym    # a reasoning-gym row, answered in up to rollout.max_turns attempts
     rollout.env: my_envs:Maze             # yours: a class (or a function) that makes an Environment, called with no arguments
     rollout.env: trl:my_envs:Wordle       # a TRL environment_factory class: its public methods the model's tools (rl.trl_envs)
+    rollout.env: openenv:http://127.0.0.1:8765   # an OpenEnv server's env, one session an episode (rl.openenv_envs)
     rollout.max_turns: 4                  # actions per episode at most (the built-ins end their episodes within it)
     rollout.env_timeout_s: 30             # an env call that has not answered by then is a fault (safe_step)
 
@@ -495,6 +496,10 @@ def load_env(cfg: Config, task_dataset=None) -> EnvFactory | None:
         factory = EnvFactory(spec, lambda: ReasoningGymAttempts(task_dataset.score_answer, turns))
     elif spec.startswith(trl_envs.PREFIX):
         factory = EnvFactory(spec, trl_envs.trl_maker(cfg))
+    elif spec.startswith("openenv:"):
+        from .openenv_envs import make_factory
+
+        factory = EnvFactory(spec, make_factory(cfg))
     elif spec.startswith("builtin:"):
         raise ConfigError(f"{KEY}: unknown built-in {spec!r}; known: {', '.join(BUILTIN)}")
     else:

@@ -1,0 +1,84 @@
+"""An OpenEnv server as the environment (rollout.env=openenv:URL): examples/openenv_guess.yaml's recipe, its server
+(examples/openenv_server.py, written with openenv.core's create_app) started by verlj from rollout.openenv_command,
+on the BPE model. Trains, one WebSocket session an episode; killed before step 2's commit and resumed, bit-identical
+to the uninterrupted run (sync mode and async step order: the step's episodes played again from their seeds on fresh
+sessions); replay reads the episodes from the journal with no server at all. A server that goes down mid-run faults
+its episodes, counted and never trained, the step refused in one line."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from verlj.engine.schema.events import StepEvents
+from verlj.engine.schema.sample import EnvEnd, unpack
+from verlj.journal import open_journal_reader
+from verlj_testing import REPO, free_port, kill_and_resume, train, verlj
+
+RECIPE = REPO / "examples" / "openenv_guess.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _openenv():
+    if os.environ.get("CI"):
+        import openenv  # noqa: F401 - in CI a missing openenv-core is a failure, not a skip
+    else:
+        pytest.importorskip("openenv")
+
+
+def overrides(bpe_model: str, port: int, log: Path, *more: str) -> list[str]:
+    """The recipe on the BPE model, its server on `port`; each start of the server adds a line to `log`."""
+    server = f"{sys.executable} {REPO / 'examples' / 'openenv_server.py'} --port {port}"
+    return ["--config", str(RECIPE), f"model.actor.model_name_or_path={bpe_model}", f"rollout.env=openenv:http://127.0.0.1:{port}",
+            f"rollout.openenv_command=sh -c 'echo started >> {log}; exec {server}'", "trainer.total_steps=3", "trainer.save_interval=1",
+            "rollout.max_response_length=8", *more]
+
+
+def samples(run: Path) -> dict[int, list]:
+    with open_journal_reader(run / "journal") as j:
+        return {rec.step: unpack(StepEvents.of(rec).added.samples) for rec in j.iter_steps()}
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("mode", [[], ["rollout.mode=async"]], ids=["sync", "async_step"])
+def test_an_openenv_server_trains_and_a_kill_resumes_bit_identical(tmp_path, bpe_model, mode):
+    port, log = free_port(), tmp_path / "starts.log"
+    over = overrides(bpe_model, port, log, *mode)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    out = train(ref, *over)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "faults 0/16" in out.stdout + out.stderr
+    eps = [s for st in samples(ref).values() for s in st]
+    assert len(eps) >= 3 * 16 and not any(s.env_end == EnvEnd.FAULT for s in eps)
+    assert any(len(s.turn_lens) > 2 for s in eps) and any(s.env_end == EnvEnd.DONE for s in eps)  # several guesses, the server ending some
+    assert not listening(port)  # stopped at exit
+    kill_and_resume(run, ref, *over, failpoint="step.before_commit:2")
+    assert log.read_text().splitlines() == ["started"] * 3  # ref, the killed run and its resume: once each
+    assert not listening(port)  # the killed run's server died with it
+    if not mode:  # replay reads the episodes: no server is started, none answers
+        rep = verlj("replay", run, "--to-step", "3")
+        assert rep.returncode == 0, rep.stderr[-3000:]
+        assert log.read_text().splitlines() == ["started"] * 3
+
+
+def test_a_server_that_goes_down_faults_its_episodes_never_trained(tmp_path, bpe_model):
+    """A server that dies at its 17th reset (tests/openenv_for_tests.py): step 1 trains, step 2's episodes cannot reach
+    it: each a fault naming the server, none trained, the step not committed, the run stopped in one line."""
+    port = free_port()
+    dying = f"{sys.executable} {REPO / 'tests' / 'openenv_for_tests.py'} --port {port} --die-after 16"
+    over = [*overrides(bpe_model, port, tmp_path / "starts.log"), f"rollout.openenv_command={dying}"]
+    run = tmp_path / "run"
+    out = train(run, *over)
+    assert out.returncode == 1, out.stderr[-3000:]
+    said = (out.stdout + out.stderr).strip().splitlines()
+    assert said[-1].startswith("error: step 2: 16 of 16 episodes ended by a fault, more than rollout.max_fault_rate=0.5 allows: "), said[-1]
+    assert f"reset raised OpenEnvError: the OpenEnv server at http://127.0.0.1:{port} " in said[-1]  # not answering, or closed mid-reset
+    assert list(samples(run)) == [1]  # step 2 never committed
