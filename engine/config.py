@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-import importlib.util
 import json
 import math
 import types
@@ -576,8 +575,6 @@ class RolloutConfig:
             import uvicorn  # noqa: F401
         except ImportError:
             raise ConfigError(f"rollout.agent needs the gateway's server: {install_hint('agent')}") from None
-        if self.agent.startswith(VERIFIERS) and importlib.util.find_spec("verifiers") is None:
-            raise ConfigError(f"rollout.agent={self.agent} needs the verifiers package: {install_hint('verifiers')}")
 
     @property
     def fleet_gpus(self) -> float:

@@ -32,12 +32,14 @@ import sys
 import threading
 import types
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ...config import ConfigError
 from ...errors import install_hint
 from ...plugins import import_object
-from .agents import AgentEpisode
+
+if TYPE_CHECKING:
+    from .agents import AgentEpisode
 
 PREFIX = "verifiers:"
 KEY = "rollout.agent"
