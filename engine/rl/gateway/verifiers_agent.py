@@ -146,11 +146,12 @@ class VerifiersAgent:
         env = await self._serving()
         var = f"VERLJ_API_KEY_{ep.episode}_{ep.attempt}"  # verifiers reads a client's key from the environment by name
         os.environ[var] = ep.api_key
+        client = vf.EvalClientConfig(base_url=ep.base_url, api_key_var=var)
         try:
-            ctx = vf.ModelContext(model=ep.model, client=vf.EvalClientConfig(base_url=ep.base_url, api_key_var=var))
-            episode = await env.run_episode(task, ctx)
+            episode = await env.run_episode(task, vf.ModelContext(model=ep.model, client=client))
         finally:
             os.environ.pop(var, None)
+            await self._forget(client)
         if not episode.ok:
             errors = [e for t in episode.traces for e in t.errors] + list(episode.errors)
             said = f"{errors[0].type}: {errors[0].message.splitlines()[0][:200] if errors[0].message else ''}" if errors else "not ok"
@@ -166,6 +167,16 @@ class VerifiersAgent:
         with self.lock:
             self.scored[(ep.episode, ep.attempt)] = rewards
         return float(sum(t.reward for t in episode.traces))
+
+    async def _forget(self, client: Any) -> None:
+        """Close the episode's client, which verifiers' interception servers keep, one per distinct client config, until
+        they stop (here: the process's end): an episode's key makes its config one of its own, so each would stay."""
+        interception = self.env._interception  # verifiers 0.4: a pool of servers (elastic, static) or a server
+        key = client.model_dump_json()
+        for server in getattr(interception, "servers", None) or [interception]:
+            held = server.clients.pop(key, None)
+            if held is not None:
+                await held.close()  # (closed again by the server's stack when it stops: httpx allows it)
 
     def drain(self) -> list[dict[str, float]]:
         """The named rewards of the episodes scored since the last drain (each episode's once)."""
