@@ -568,7 +568,7 @@ class RolloutConfig:
         if self.agent is None:
             return
         if not (self.agent.startswith("cmd:") or ":" in self.agent.strip(":")):
-            raise ConfigError(f"rollout.agent must be null, module:function, verifiers:TASKSET or cmd:COMMAND, got {self.agent!r}")
+            raise ConfigError(f"rollout.agent must be null, module:function or cmd:COMMAND, got {self.agent!r}")
         if self.env is not None:
             raise ConfigError("rollout.agent and rollout.env are two ways to play episodes; set one of them")
         try:

@@ -6,8 +6,8 @@ A taskset of Prime Intellect's verifiers (0.4, ``verifiers.v1``) is played as an
 ``SingleAgentEnv.run_episode(task, ModelContext(model, EvalClientConfig(base_url=the gateway)))``, so the taskset's
 harness talks to verifiers' interception server, which relays every model call to verlj's gateway (spliced,
 generated from its own seed and journaled as any agent's call). The task's ``@vf.reward`` functions score the
-episode: the sample's reward is the trace's (the weighted sum), each named component a metric
-(``reward/verifiers/NAME``, the mean over the round's scored episodes).
+episode: the sample's reward is the trace's (the weighted sum), each named reward a metric (``reward/verifiers/NAME``,
+summed over the episodes the step played: ``sources.agent_players``).
 
 TASKSET is a verifiers taskset id: an importable module exporting one ``vf.Taskset`` subclass in ``__all__``
 (verifiers' own convention, ``--env.taskset.id``; a dotted path such as ``examples.verifiers_taskset`` works), or
@@ -114,8 +114,7 @@ def _alias(name: str, exports: Mapping[str, Any]) -> str:
     dotted id breaks), holding `exports` in ``__all__``."""
     if name not in sys.modules:
         module = types.ModuleType(name)
-        module.__dict__.update(exports)
-        module.__all__ = list(exports)  # type: ignore[attr-defined]
+        module.__dict__.update({**exports, "__all__": list(exports)})
         sys.modules[name] = module
     return name
 
@@ -130,6 +129,7 @@ class VerifiersAgent:
         self.tasks = {t.key: t for t in tasks_of(cls)}
         self.env: Any = None
         self.ready: asyncio.Future | None = None
+        self.held: Any = None  # the env's serving context, entered at the first episode
         self.scored: dict[tuple[int, int], dict[str, float]] = {}  # (episode, attempt) -> its named rewards, until drained
         self.lock = threading.Lock()
 
@@ -139,9 +139,10 @@ class VerifiersAgent:
     async def play(self, ep: AgentEpisode) -> float:
         import verifiers.v1 as vf
 
-        task = self.tasks.get(str(ep.row["answer"]))
+        key = str(ep.row["answer"])
+        task = self.tasks.get(key)
         if task is None:
-            raise ValueError(f"the row's answer {str(ep.row['answer'])[:40]!r} is the key of no task of {self.cls.__name__} "
+            raise ValueError(f"the row's answer {key[:40]!r} is the key of no task of {self.cls.__name__} "
                              f"(data.train_dataset must be {PREFIX}{self.spec})")
         env = await self._serving()
         var = f"VERLJ_API_KEY_{ep.episode}_{ep.attempt}"  # verifiers reads a client's key from the environment by name
@@ -208,10 +209,9 @@ class VerifiersAgent:
         own = [h for h in exported if isinstance(h, type) and issubclass(h, _harness_base()) and h is not _harness_base()]
         tag = self.cls.__module__.replace(".", "_")
         ts = _alias(f"verlj_verifiers_taskset_{tag}_{self.cls.__name__}".lower(), {self.cls.__name__: self.cls, **{h.__name__: h for h in own}})
-        agent: dict[str, Any] = {"runtime": {"type": "subprocess"}}
-        if not own:  # the taskset brings no harness: verifiers' chat program, offline
-            agent["harness"] = {"id": _alias("verlj_verifiers_offline_chat", {"OfflineChat": offline_chat_class()})}
-        return SingleAgentEnv(SingleAgentEnvConfig(taskset={"id": ts}, agent=agent))
+        # the taskset brings no harness: verifiers' chat program, offline
+        harness = {} if own else {"harness": {"id": _alias("verlj_verifiers_offline_chat", {"OfflineChat": offline_chat_class()})}}
+        return SingleAgentEnv(SingleAgentEnvConfig(taskset={"id": ts}, agent={"runtime": {"type": "subprocess"}, **harness}))
 
 
 def _harness_base() -> type:
