@@ -39,6 +39,7 @@ import yaml
 from .errors import ConfigError, install_hint
 
 FIXED, LIVE, BOOKKEEPING, TOPOLOGY = "fixed", "live", "bookkeeping", "topology"
+VERIFIERS = "verifiers:"  # data.train_dataset=verifiers:TASKSET with rollout.agent=verifiers:TASKSET
 REASONING_GYM = "reasoning_gym"  # data.train_dataset=reasoning_gym:TASK, rollout.reward_fn=reasoning_gym
 MAX_SEED = 2**63 - 1  # seeds are journaled as msgpack integers and seed int64 generators
 
@@ -701,7 +702,11 @@ class Config:
             getattr(self, f.name).validate()
         data, ro = self.data, self.rollout
         generated = data.train_dataset == "builtin:add" or data.train_dataset.startswith(REASONING_GYM + ":")
-        if ro.reward_fn == "auto" and not generated and ro.env is None:  # with an env, its rewards alone score
+        taskset = data.train_dataset.startswith(VERIFIERS)  # a verifiers taskset's rewards score its episodes
+        if taskset != (ro.agent or "").startswith(VERIFIERS) or taskset and ro.agent != data.train_dataset:
+            raise ConfigError(f"data.train_dataset and rollout.agent name one verifiers taskset together (its tasks are the rows its "
+                              f"harness plays): set both to verifiers:TASKSET; got {data.train_dataset!r} and {ro.agent!r}")
+        if ro.reward_fn == "auto" and not (generated or taskset) and ro.env is None:  # with an env, its rewards alone score
             raise ConfigError("rollout.reward_fn: a dataset file has no scorer of its own; name one (builtin:add, or module:function)")
         if ro.reward_fn == REASONING_GYM and not data.train_dataset.startswith(REASONING_GYM + ":"):
             raise ConfigError("rollout.reward_fn=reasoning_gym scores with a reasoning-gym task's own scorer: it needs "

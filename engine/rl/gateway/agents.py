@@ -3,7 +3,8 @@
 runs on (:func:`agent_loop`), and each episode's own output tagged with its name (:class:`Tagged`).
 
 An agent is ``rollout.agent=module:function`` (a plain or ``async def`` function of one :class:`AgentEpisode`,
-returning the episode's reward or None) or ``rollout.agent=cmd:COMMAND`` (a program in any language:
+returning the episode's reward or None), ``rollout.agent=verifiers:TASKSET`` (a verifiers taskset played by its harness:
+``gateway.verifiers_agent``) or ``rollout.agent=cmd:COMMAND`` (a program in any language:
 ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``VERLJ_MODEL``, ``VERLJ_ROW`` (JSON), ``VERLJ_SEED``,
 ``VERLJ_MAX_TURNS``, ``VERLJ_EPISODE`` and ``VERLJ_ATTEMPT`` in its environment, its reward the last line it
 prints; ``None`` or nothing: rollout.reward_fn scores).
@@ -77,6 +78,10 @@ def load_agent(spec: str) -> Agent:
         if not cmd:
             raise ConfigError(f"{KEY}: {spec!r} names no command")
         return CommandAgent(cmd)
+    if spec.startswith("verifiers:"):  # a verifiers taskset, played by its harness (gateway.verifiers_agent)
+        from .verifiers_agent import load_verifiers_agent
+
+        return load_verifiers_agent(spec.removeprefix("verifiers:"))
     module, _, attr = spec.partition(":")
     fn = import_object(spec, module, attr, KEY, ConfigError)
     if not callable(fn):

@@ -158,10 +158,26 @@ class Agents:
         got = {name: v - before[name] for name, v in self.runner_.counts.to_metrics().items()}
         got.update({"agent/prefix_breaks": float(sum(AgentCalls.from_json(s.agent_calls).prefix_breaks for s in played if s.agent_calls)),
                     "agent/truncated": float(sum(s.env_end == EnvEnd.LENGTH for s in played))})
+        got.update(self._named_rewards())
         out: dict[str, float] = {}
         for share in self.rt.all_gather_obj(got) if self.rt.world_size > 1 else [got]:
             for name, v in share.items():
                 out[name] = out.get(name, 0.0) + v
+        return out
+
+    def _named_rewards(self) -> dict[str, float]:
+        """rollout.agent=verifiers:TASKSET: each named reward (``reward/verifiers/NAME``) summed over the episodes scored
+        since the last round (summed again over the ranks and the step's rounds: a total over the episodes the step
+        played, a faulted one's nothing)."""
+        from ..gateway.verifiers_agent import VerifiersAgent
+
+        agent = self.runner_.agent if self.runner_ is not None else None
+        if not isinstance(agent, VerifiersAgent):
+            return {}
+        out: dict[str, float] = {}
+        for named in agent.drain():
+            for name, v in named.items():
+                out[f"reward/verifiers/{name}"] = out.get(f"reward/verifiers/{name}", 0.0) + v
         return out
 
     def close(self) -> None:
