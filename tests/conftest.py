@@ -23,7 +23,7 @@ SLOW_SECONDS = 30
 SECONDS = {
     "test_forked_as_fresh.py": 213,  # measured alone (its two pytest sessions: 80 s forked, 133 s fresh), not yet in a full run
     "test_fleet.py": 198,
-    "test_verifiers_taskset.py": 177,  # measured alone with the verifiers extra installed (skipped where it is not)
+    "test_verifiers_taskset.py": 177,  # measured alone with the verifiers extra installed (CI installs it)
     "test_episodes.py": 142,
     "test_lora.py": 107,
     "test_examples.py": 100,
@@ -67,7 +67,7 @@ SECONDS = {
     "test_compaction.py": 8,
     "test_distill.py": 8,
     "test_tasks.py": 7,
-    "test_verifiers_agent.py": 7,  # measured alone with the verifiers extra installed (most of it skipped where it is not)
+    "test_verifiers_agent.py": 7,  # measured alone with the verifiers extra installed (CI installs it)
     "test_overlong.py": 6,
     "test_rollout_shape.py": 9,
     "test_one_rank_group.py": 6,  # measured alone

@@ -7,7 +7,6 @@ its episodes, counted and never trained, the step refused in one line."""
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 from pathlib import Path
@@ -20,14 +19,6 @@ from verlj.journal import open_journal_reader
 from verlj_testing import REPO, free_port, kill_and_resume, train, verlj
 
 RECIPE = REPO / "examples" / "openenv_guess.yaml"
-
-
-@pytest.fixture(autouse=True)
-def _openenv():
-    if os.environ.get("CI"):
-        import openenv  # noqa: F401 - in CI a missing openenv-core is a failure, not a skip
-    else:
-        pytest.importorskip("openenv")
 
 
 def overrides(bpe_model: str, port: int, log: Path, *more: str) -> list[str]:

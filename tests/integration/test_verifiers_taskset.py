@@ -2,8 +2,7 @@
 on the bpe_model with rollout.agent=verifiers:TASKSET: each episode played by verifiers' chat program in a subprocess
 against the gateway, every call journaled, the sample's reward the tasks' weighted rewards of its answer, each named
 reward a metric; SIGKILLed before a commit (sync, and async step order) and resumed, bit-identical to the
-uninterrupted run; replayed bit for bit. Needs the `verifiers` extra (it pins openai<3, which the `dev` extra's
-openai-agents refuses: see docs/guides/environments.md): skipped where it is not installed."""
+uninterrupted run; replayed bit for bit. Needs the `verifiers` extra (the README's test command installs it)."""
 
 from __future__ import annotations
 
@@ -11,14 +10,11 @@ import json
 
 import pytest
 
-pytest.importorskip("verifiers", reason="the verifiers extra (pip install -e '.[verifiers]'; it cannot install beside "
-                    "the dev extra's openai-agents: openai<3 against openai>=3)")
-
-from verlj.engine.rl.gateway.wire import read_answer  # noqa: E402
-from verlj.engine.schema.events import StepEvents  # noqa: E402
-from verlj.engine.schema.sample import EnvEnd, unpack  # noqa: E402
-from verlj.journal import open_journal_reader  # noqa: E402
-from verlj_testing import REPO, kill_and_resume, replay_here, train  # noqa: E402
+from verlj.engine.rl.gateway.wire import read_answer
+from verlj.engine.schema.events import StepEvents
+from verlj.engine.schema.sample import EnvEnd, unpack
+from verlj.journal import open_journal_reader
+from verlj_testing import REPO, kill_and_resume, replay_here, train
 
 TASKSET = "verifiers:examples.verifiers_taskset"
 OVER = [f"data.train_dataset={TASKSET}", f"rollout.agent={TASKSET}", "data.prompts_per_step=2", "rollout.n=2",
