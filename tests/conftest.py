@@ -163,6 +163,19 @@ class _SampleRunsOnce:
             items[:] = [item for item in items if item.nodeid not in sample]
 
 
+def _apart() -> list[str]:
+    """The tests of an extra that cannot install beside dev (harness.APART), where its package is not importable here:
+    tools/extras.py runs them in a venv of their own (.ci/run calls it), so this session does not collect them."""
+    import importlib.util
+
+    from harness import APART
+
+    return [path for extra, paths in APART.items() if importlib.util.find_spec(extra) is None for path in paths]
+
+
+collect_ignore = _apart()
+
+
 def pytest_configure(config):
     """The controller (not each xdist worker) compiles verlj's and the tests' sources to bytecode once, as pip does for an
     installed package: the editable install reads them from the checkout, and where PYTHONDONTWRITEBYTECODE is set (it
