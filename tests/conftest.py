@@ -144,6 +144,10 @@ def pytest_collection_modifyitems(config, items):
     # its ties. Handing out the longest first instead (--no-loadscope-reorder) made a clean-clone CI slower (33
     # min, against 27 for the CI before it): two multi-process modules at once on two cores slowed each other.
     items.sort(key=lambda item: -SECONDS.get(item.path.name, 0))  # stable: the rest keep their order
+    apart = [item for item in items if item.nodeid in APART_HERE]  # single tests of an extra missing here (_apart)
+    if apart:
+        config.hook.pytest_deselected(items=apart)
+        items[:] = [item for item in items if item.nodeid not in APART_HERE]
 
 
 class _SampleRunsOnce:
@@ -164,16 +168,17 @@ class _SampleRunsOnce:
 
 
 def _apart() -> list[str]:
-    """The tests of an extra that cannot install beside dev (harness.APART), where its package is not importable here:
-    tools/extras.py runs them in a venv of their own (.ci/run calls it), so this session does not collect them."""
+    """The tests of an extra that cannot install beside dev (harness.APART: files and test ids under tests/), where its
+    package is not importable here: tools/extras.py runs them in a venv of their own (.ci/run calls it)."""
     import importlib.util
 
     from harness import APART
 
-    return [path for extra, paths in APART.items() if importlib.util.find_spec(extra) is None for path in paths]
+    return [f"tests/{t}" for extra, tests in APART.items() if importlib.util.find_spec(extra) is None for t in tests]
 
 
-collect_ignore = _apart()
+APART_HERE = _apart()
+collect_ignore = [t.removeprefix("tests/") for t in APART_HERE if "::" not in t]  # whole modules: never imported here
 
 
 def pytest_configure(config):

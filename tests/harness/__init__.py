@@ -15,8 +15,10 @@ FRESH_SAMPLE = {
 }
 
 # The tests of extras that do not install beside `dev` (verifiers 0.4 pins openai<3; dev's openai-agents needs openai>=3),
-# by extra: conftest leaves them out of a session where the extra's package is not importable, and tools/extras.py
-# (.ci/run calls it) runs them in a venv with the extra installed as a user installs it.
+# by extra (its name is its package's), as files or test ids under tests/: conftest leaves them out of a session where
+# the extra's package is not importable, and tools/extras.py (.ci/run calls it) runs them in a venv with the extra
+# installed as a user installs it.
 APART = {
-    "verifiers": ["unit/test_verifiers_agent.py", "integration/test_verifiers_taskset.py"],
+    "verifiers": ["unit/test_verifiers_agent.py", "integration/test_verifiers_taskset.py",
+                  "integration/test_examples.py::test_example_runs[verifiers_taskset]"],
 }
