@@ -116,6 +116,8 @@ def serve(url: str, command: str, wait_s: float = HEALTH_WAIT_S) -> None:
                               "to train against it")
         try:
             argv = shlex.split(command)
+            if argv and argv[0] in ("python", "python3"):  # the interpreter running verlj, as `python -m` would be in its venv
+                argv[0] = sys.executable
         except ValueError as e:
             raise ConfigError(f"rollout.openenv_command: {command!r} is not a command line ({e})") from None
         log = tempfile.TemporaryFile()
