@@ -167,8 +167,24 @@ def _reload(worker, weights: list[tuple[str, torch.Tensor]]) -> tuple[list[str],
         worker.reload_weights(weights_iterator=iter(weights))
     finally:
         del model.load_weights
+    _repack_cpu_heads(model)
     want = {n for n, _ in model.named_parameters()}
     return sorted(want - taken), len(taken)
+
+
+def _repack_cpu_heads(model) -> None:
+    """On the CPU, vLLM computes an embedding-shaped layer's logits (the LM head, tied or not) through a GEMM handle
+    (oneDNN, or a packed copy) made from its weight when the model loaded, and an in-place reload leaves that handle
+    as it was: the logits of a batch large enough to take the packed path (a step's 128 requests) came from the
+    first weights while the rest of the model had the pushed ones. Made again from the reloaded weight here
+    (what vLLM's own load does: VocabParallelEmbedding's process_weights_after_loading); the linear layers are
+    re-processed by the reload itself."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear") and module.weight.numel():
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 def samples_of(outputs) -> tuple[list[np.ndarray], list[np.ndarray]]:

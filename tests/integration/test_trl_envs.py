@@ -1,7 +1,7 @@
 """A TRL environment class as rollout.env (examples/trl_env.py, as TRL's docs write one) on the bpe_model: its tool
 offered in the prompt through the chat template, the policy's calls dispatched to the episode's instance and answered
 as tool messages (masked from the loss), the reward (get_reward and a TRL reward function given environments=) journaled
-with the last turn. Killed before a commit and resumed, in sync mode and in async step order: the journal and the
+with the last turn. Killed before a commit and resumed, in sync mode (on hf and on vLLM) and in async step order: the journal and the
 fingerprints of the uninterrupted run; replay reproduces them without the environment."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def samples_of(run) -> list:
         return [s for rec in j.iter_steps() for s in unpack(StepEvents.of(rec).added.samples)]
 
 
-@pytest.mark.parametrize("mode", [[], ["rollout.mode=async", "rollout.async_order=step"]], ids=["sync", "step_order"])
+@pytest.mark.parametrize("mode", [[], ["rollout.mode=async", "rollout.async_order=step"], ["rollout.engine=vllm"]],
+                         ids=["sync", "step_order", "vllm"])
 def test_a_trl_class_trains_with_its_tools_and_a_kill_resumes_bit_identical(tmp_path, bpe_model, mode):
     from transformers import AutoTokenizer
 

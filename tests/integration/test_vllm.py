@@ -122,11 +122,13 @@ def test_a_partial_push_is_refused(trainer, monkeypatch):
 
 def test_a_fresh_engine_samples_what_the_pushed_one_does(trainer):
     """What a resume relies on: an engine started from restored weights generates, seed for seed,
-    what the engine that received the same weights by pushes generated."""
+    what the engine that received the same weights by pushes generated. A batch of 132 requests: the LM head's
+    logits of so many rows take vLLM's packed CPU GEMM, whose handle a reload left on the first weights
+    (vllm_engine._repack_cpu_heads; a TRL env's 128 episodes a turn were generated from a stale head)."""
     from verlj.engine.rl.rollout import make_engine
 
     tr = trainer
-    prompts = [tr.prompt_ids[i] for i in range(6) for _ in range(2)]
+    prompts = [tr.prompt_ids[i] for i in range(6) for _ in range(22)]
     seeds = [1000 + k for k in range(len(prompts))]
     tr.weights_changed()
     pushed = tr.rollout.generate(prompts, seeds, tr.cfg)
@@ -270,3 +272,48 @@ def test_an_agent_on_a_real_tokenizer_is_spliced_on_vllm(tmp_path, bpe_model):
     with open_journal_reader(run / "journal") as j:
         engines = {j.read_step(s).first("rollout")["engine"] for s in (1, 2)}
     assert engines == {"vllm"}
+
+
+PUSHED_HEAD = r"""
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import torch
+from transformers import AutoModelForCausalLM
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from verlj.engine.rl.vllm_engine import _reload
+
+path = sys.argv[1]
+llm = LLM(path, dtype="float32", max_model_len=256, enforce_eager=True, seed=0, max_num_seqs=4, skip_tokenizer_init=True,
+          kv_cache_memory_bytes=64 * 2**20)  # a small KV cache: vLLM CPU's default is GiBs to fill
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+torch.manual_seed(0)
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(0.05 * torch.randn_like(p))  # the embedding, and so the tied head, moved too
+missing, _ = llm.collective_rpc(_reload, args=([(n, p.detach()) for n, p in model.named_parameters()],))[0]
+llm.reset_prefix_cache()
+ids = [int(t) for t in torch.randint(10, 500, (64,))]
+out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0, seed=0), use_tqdm=False)
+pushed = [lp[t].logprob for lp, t in zip(out[0].prompt_logprobs[1:], ids[1:])]
+with torch.no_grad():
+    logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+actor = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+print(json.dumps({"missing": missing, "gap": max(abs(a - b) for a, b in zip(pushed, actor))}))
+"""
+
+
+def test_a_push_reaches_a_tied_lm_head_on_the_cpu(bpe_model):
+    """The bpe_model ties its LM head to its embedding: vLLM's reload updates the embedding in place, but on the CPU the
+    head's logits of many rows (64 prompt positions here; a step's 128 requests in a run) go through a GEMM handle
+    made from the weights at load, which the reload left as it was (vllm_engine._repack_cpu_heads makes it again).
+    The pushed engine's log-probs are the actor's, with the same moved weights."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PUSHED_HEAD, bpe_model], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["missing"] == [] and got["gap"] < 1e-3, got  # a stale head: gaps of 1.0 and more
