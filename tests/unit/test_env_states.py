@@ -180,3 +180,20 @@ def test_inspect_shows_the_reset_state_then_each_turns():
     assert shown["reset_state"] == line.reset_state and "state" not in shown["turns"][1] and shown["turns"][0]["state"]["steps"] == 1
     plain = EpisodeLine.of(Sample(index=0, **a_round(Stateless, n=1).fields(0)), None).to_json()
     assert "reset_state" not in plain
+
+
+def test_a_fleets_actor_journals_the_same_states_holding_the_group_or_restoring_it():
+    """rl.episodes.play_group: turn 2 on the actor that played turn 1 (its envs live) and on one that did not (fresh envs,
+    the actions re-applied, the durable states carried) gives the same states."""
+    from verlj.engine.rl.episodes import GroupWork, play_group
+
+    def generate(prompts, seeds):
+        return [np.array([65 + s % 3]) for s in seeds], [np.zeros(1, np.float32) for _ in seeds]
+
+    work = GroupWork(7, 0, [{}] * 2, [np.array([1, 2])] * 2, [11, 12], [(5, 0, "g", 7, j) for j in range(2)], Limits(3, 5.0), 1)
+    held: dict = {}
+    work.state = play_group(work, lambda: Counter(last=3), CharTok(), generate, 1, held)
+    assert [len(state_texts(t)) for t in work.state["env_states"]] == [2, 2]
+    on_a = play_group(work, lambda: Counter(last=3), CharTok(), generate, 2, held)
+    on_b = play_group(work, lambda: Counter(last=3), CharTok(), generate, 2, {})
+    assert on_a["env_states"] == on_b["env_states"] and [len(state_texts(t)) for t in on_a["env_states"]] == [3, 3]
