@@ -80,6 +80,7 @@ SECONDS = {
     "test_segments.py": 3,
     "test_diff_stages.py": 2,
     "test_envs.py": 2,
+    "test_env_states.py": 1,  # measured alone
     "test_trl_env_adapter.py": 3,  # measured alone
     "test_partial.py": 2,
     "test_splice.py": 2,

@@ -117,8 +117,8 @@ LOG = "VERLJ_TEST_ENV_LOG"
 
 
 class Logged(Digits):
-    """Digits that appends every call it gets to the file $VERLJ_TEST_ENV_LOG (one JSON line: the
-    process, the call, the env's seed, the action): what the crash tests count."""
+    """Digits that appends every reset and step it gets to the file $VERLJ_TEST_ENV_LOG (one JSON line: the
+    process, the call, the env's seed, the action): what the crash tests count. It has a state() too."""
 
     def _log(self, call: str, action: str = "") -> None:
         import json
@@ -135,6 +135,11 @@ class Logged(Digits):
         out = super().step(action)
         self._log("step", action)
         return out
+
+    def state(self) -> dict:
+        """Its seed and turns so far: journaled after reset and each step (the sample's env_states); never logged."""
+        _forbidden("state")
+        return {"seed": self.seed, "turns": self.turns}
 
 
 def digit_share(prompt: str, response: str, answer: str) -> float:

@@ -17,6 +17,7 @@ missing snapshots) and the probe files through the views below.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -387,16 +388,19 @@ class TurnLine:
     action: str | list[int]
     observation: str | list[int]
     reward: float | None  # None: the env gave none this turn
+    state: dict | None = None  # an env with state(): its state after this turn's step (None: none journaled)
 
 
 @dataclass(frozen=True)
 class EpisodeLine:
-    """An episode's turns (action ⇒ observation, reward) and how it ended (a fault's reason)."""
+    """An episode's turns (action ⇒ observation, reward, and the env's state after it where one is journaled) and
+    how it ended (a fault's reason)."""
 
     turns: tuple[TurnLine, ...]
     env_end: int
     env_reason: str
     calls: tuple = ()  # rollout.agent: the episode's model calls (rl.gateway.token_ledger.call_lines)
+    reset_state: dict | None = None  # an env with state(): its state after reset (the sample's env_states, first)
 
     @classmethod
     def of(cls, s: Sample, decoder) -> EpisodeLine:
@@ -405,8 +409,11 @@ class EpisodeLine:
         def text(ids):
             return decoder.decode(ids.tolist(), skip_special_tokens=False) if decoder else ids.tolist()
 
-        turns = tuple(TurnLine(text(t.action_ids), text(t.observation_ids), None if t.reward != t.reward else t.reward) for t in s.turns())
-        return cls(turns, int(s.env_end), s.env_reason, tuple(call_lines(s.agent_calls)))
+        states = json.loads(s.env_states) if s.env_states else []  # reset's, then one a turn whose step answered
+        after = [states[t + 1] if t + 1 < len(states) else None for t in range(len(s.turns()))]
+        turns = tuple(TurnLine(text(t.action_ids), text(t.observation_ids), None if t.reward != t.reward else t.reward, state)
+                      for t, state in zip(s.turns(), after))
+        return cls(turns, int(s.env_end), s.env_reason, tuple(call_lines(s.agent_calls)), states[0] if states else None)
 
     @classmethod
     def of_row(cls, row: dict) -> EpisodeLine:
@@ -414,7 +421,9 @@ class EpisodeLine:
         return _view(cls, {**row, table.TURNS: tuple(_view(TurnLine, t) for t in row[table.TURNS])})
 
     def to_json(self) -> dict:
-        out = {"turns": [_json(t) for t in self.turns], "env_end": self.env_end, "env_reason": self.env_reason}
+        turns = [{k: v for k, v in _json(t).items() if k != "state" or v is not None} for t in self.turns]
+        state = {"reset_state": self.reset_state} if self.reset_state is not None else {}
+        out = {"turns": turns, "env_end": self.env_end, "env_reason": self.env_reason, **state}
         return {**out, "calls": [{**asdict(c), "tool_calls": list(c.tool_calls)} for c in self.calls]} if self.calls else out
 
 
@@ -536,6 +545,12 @@ def one_line(text: object) -> str:
     return str(text).replace("\r", "\\r").replace("\n", "\\n")
 
 
+def _state_line(state: dict) -> str:
+    """An env's journaled state on one line: its JSON, keys sorted, at most 200 characters."""
+    text = json.dumps(state, sort_keys=True, ensure_ascii=False)
+    return one_line(text if len(text) <= 200 else text[:199] + "…")
+
+
 def render_step(d: StepDetail) -> str:
     lines = [f"step {d.step}  fingerprint {d.fingerprint}"]
     data = d.data
@@ -586,8 +601,11 @@ def render_step(d: StepDetail) -> str:
                 lines.append(f"         call {n + 1}{'' if c.trained else ' (not trained: off the trained chain)'}: {c.sent!r} → "
                              f"{c.text!r} [{c.finish_reason}]{tools}{'  ' + c.flag if c.flag else ''}")
         elif s.episode is not None:
+            if s.episode.reset_state is not None:
+                lines.append(f"         reset state {_state_line(s.episode.reset_state)}")
             for t, turn in enumerate(s.episode.turns):
-                lines.append(f"         turn {t + 1}: {one_line(turn.action)} ⇒ {one_line(turn.observation)}" + (f"  reward {turn.reward:.4g}" if turn.reward is not None else ""))
+                lines.append(f"         turn {t + 1}: {one_line(turn.action)} ⇒ {one_line(turn.observation)}" + (f"  reward {turn.reward:.4g}" if turn.reward is not None else "")
+                             + (f"  state {_state_line(turn.state)}" if turn.state is not None else ""))
         if s.episode is not None and (s.episode.env_end == EnvEnd.LENGTH or s.episode.env_reason):
             ended = "ended by length" if s.episode.env_end == EnvEnd.LENGTH else "ended by a fault"
             lines.append(f"         {ended}" + (f": {s.episode.env_reason}" if s.episode.env_reason else ""))

@@ -20,8 +20,9 @@ those actions on a fresh ``reset(row, seed)``; no state_dict is needed.
 
 A ``row`` is the dataset row as a dict (:func:`row_of`): ``prompt`` and ``answer`` (strings) for every
 dataset, ``entry`` (reasoning-gym's item) for ``reasoning_gym:TASK`` data, ``data_source`` and
-``extra_info`` for a verl file. The rollout calls an env through :func:`safe_reset` / :func:`safe_step`,
-which turn an exception, a wrong return type or a hang into an :class:`EnvFault` naming it. Loading
+``extra_info`` for a verl file. The rollout calls an env through :func:`safe_reset` / :func:`safe_step`
+(and :func:`safe_states` for an env with a ``state()`` method, whose states the sample journals), which turn
+an exception, a wrong return type or a hang into an :class:`EnvFault` naming it. Loading
 (:func:`load_env`, :func:`check_env`) turns an env that cannot be imported or made into one ConfigError.
 """
 
@@ -45,6 +46,7 @@ import numpy as np
 from ..config import REASONING_GYM, Config
 from ..errors import ConfigError
 from ..plugins import import_object, raised_at
+from ..schema.sample import state_text
 from . import tasks, trl_envs
 
 KEY = "rollout.env"
@@ -64,7 +66,10 @@ class StepResult:
 
 @runtime_checkable
 class Environment(Protocol):
-    """A multi-turn environment. Deterministic given `seed` and the actions `step` received since."""
+    """A multi-turn environment. Deterministic given `seed` and the actions `step` received since.
+
+    It may define ``state() -> dict`` too (not part of the runtime check): a dict of JSON, deterministic as its
+    answers are, journaled after reset and after each step it answers (:func:`safe_states`; the sample's env_states)."""
 
     def reset(self, row: dict, seed: int) -> str:
         """Start an episode on the dataset row `row` (row_of); the first observation, appended after the
@@ -178,6 +183,32 @@ def safe_steps(calls: list[tuple[object, str]], timeout_s: float) -> list[StepRe
     deadline = time.monotonic() + timeout_s
     out = [_wait(call, deadline, timeout_s) for call in started]
     return [got if isinstance(got, EnvFault) else as_step_result(got) for got in out]
+
+
+def has_state(env) -> bool:
+    """Whether `env` has a ``state()`` method (OpenEnv's; any env may define one): its state is journaled
+    after reset and after each step it answers (the sample's env_states)."""
+    return callable(getattr(type(env), "state", None))
+
+
+def safe_states(envs: list, timeout_s: float) -> list[str | EnvFault]:
+    """env.state() of each of `envs`, all at once (as safe_steps), each as the journal keeps it (its canonical
+    JSON: schema.sample.state_text), or an EnvFault when it raised, hung, or returned anything but a dict of JSON."""
+    started = [_start(env.state) for env in envs]
+    deadline = time.monotonic() + timeout_s
+    return [as_state(_wait(call, deadline, timeout_s)) for call in started]
+
+
+def as_state(out) -> str | EnvFault:
+    """What env.state() returned, as its JSON text (state_text), or the EnvFault saying what is wrong with it."""
+    if isinstance(out, EnvFault):
+        return out
+    if not isinstance(out, dict):
+        return EnvFault(f"returned {_a(out)}, not a dict")
+    try:
+        return state_text(out)
+    except (TypeError, ValueError) as e:
+        return EnvFault(f"returned a dict that is not JSON ({str(e).strip()[:160]})")
 
 
 def _reset(env, row: dict, seed: int):

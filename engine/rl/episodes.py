@@ -10,7 +10,9 @@ marked TRUNCATED when cut) and appended. An episode ends when its env says done,
 actions, at a fault (an env call that raised, returned none of the forms or hung: rl.envs.EnvFault),
 whose reason is journaled with the sample (env_reason; rl.faults leaves it out of the update), by
 length (no room left under rollout.max_episode_length for another action), or when the policy's
-action is only its end-of-sequence token (:class:`Limits`).
+action is only its end-of-sequence token (:class:`Limits`). An env with a ``state()`` method is asked it after
+its reset and after each step it answered (``safe_states``, all at once), the states kept with the episode
+(its sample's env_states); a state's fault is the episode's (``state raised ...``).
 
 Seeds, all from the sample's place in its step (round r, place q; ``sources.batches.Batches.submit_round``):
 turn 0's generation uses the sample's seed of a single-turn run, ``derive_seed(seed, step,
@@ -26,7 +28,8 @@ and when it arrives the trainer steps the envs and makes the group durable as it
 (:meth:`Round.state`, the journal's pending store) before it asks the next turn. After a crash, a
 group still asked resumes from its last durable turn (:meth:`Round.restored`): a fresh env per
 episode still going, reset on its row and seed, its journaled actions re-applied in order (the only
-env calls made twice, on a fresh env), and its next turn generated from its own seed.
+env calls made twice, on a fresh env; its states are the durable ones, never asked again), and its next
+turn generated from its own seed.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..schema.sample import EnvEnd, GroupInFlight
+from ..schema.sample import EnvEnd, GroupInFlight, state_texts, states_text
 from ..state.seeding import derive_seed
-from .envs import EnvFactory, EnvFault, safe_reset, safe_resets, safe_step, safe_steps
+from .envs import EnvFactory, EnvFault, has_state, safe_reset, safe_resets, safe_states, safe_step, safe_steps
 from .trl_envs import Prompt
 
 
@@ -59,6 +62,7 @@ class Episode:
     end: int = EnvEnd.NONE
     reason: str = ""
     last_action: str = ""  # the last action's text (what rollout.reward_fn scores, when it is named)
+    states: list[str] | None = None  # an env with state(): reset's, then one after each step it answered (JSON texts); None: none kept
 
     @property
     def live(self) -> bool:
@@ -160,7 +164,10 @@ class Round:
                 ep.prompt_ids = self._prompt(first)
             elif first:
                 ep.prompt_ids = np.concatenate([ep.prompt_ids, self._observation(first)])
+            if ep.live and has_state(env):
+                ep.states = []
             self.episodes.append(ep)
+        self._states([(ep, ep.env) for ep in self.episodes if ep.live])
 
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tok(text, add_special_tokens=False).input_ids, np.int64)
@@ -217,9 +224,23 @@ class Round:
                     ep.stop(EnvEnd.STOPPED)
                 continue
             stepped.append(i)
-        answers = safe_steps([(self.episodes[i].env, self.episodes[i].last_action) for i in stepped], self.timeout_s)
+        envs = [self.episodes[i].env for i in stepped]  # the last step may end an episode (its env dropped): its state is asked still
+        answers = safe_steps([(env, self.episodes[i].last_action) for i, env in zip(stepped, envs)], self.timeout_s)
         for i, got in zip(stepped, answers):
             self._answer(self.episodes[i], got)
+        self._states([(self.episodes[i], env) for i, env, got in zip(stepped, envs, answers) if not isinstance(got, EnvFault)])
+
+    def _states(self, answered: list[tuple[Episode, object]]) -> None:
+        """The state() of each (episode, env) of `answered` (its reset or step answered) whose env has one, all at
+        once (safe_states), kept in its states; a state's fault ends the episode (``state raised ...``): its last
+        turn keeps the step's observation and reward, and no state."""
+        asked = [(ep, env) for ep, env in answered if ep.states is not None]
+        for (ep, _), got in zip(asked, safe_states([env for _, env in asked], self.timeout_s)):
+            if isinstance(got, EnvFault):
+                ep.stop(EnvEnd.FAULT, f"state {got.reason}")
+            else:
+                assert ep.states is not None
+                ep.states.append(got)
 
     def _answer(self, ep: Episode, got) -> None:
         """What the env answered the episode's last action (already appended): its observation, reward and end."""
@@ -254,7 +275,8 @@ class Round:
         return {"prompt_ids": ep.prompt_ids, "response_ids": np.asarray(ep.response, np.int64),
                 "gen_logprobs": np.asarray(ep.logprobs, np.float32), "loss_mask": np.asarray(ep.mask, np.int8),
                 "turn_lens": np.asarray(ep.turn_lens, np.int64), "turn_rewards": np.asarray(ep.turn_rewards, np.float64),
-                "env_seed": ep.env_seed, "env_end": ep.end if not ep.live else int(EnvEnd.MAX_TURNS), "env_reason": ep.reason}
+                "env_seed": ep.env_seed, "env_end": ep.end if not ep.live else int(EnvEnd.MAX_TURNS), "env_reason": ep.reason,
+                "env_states": states_text(ep.states or [])}
 
     def state(self, group: int, row: int, versions: list[int]) -> GroupInFlight:
         """Its episodes as they stand, every turn taken so far (what completion order makes durable);
@@ -263,14 +285,15 @@ class Round:
         return GroupInFlight(group, row, list(versions), [ep.prompt_ids for ep in eps], [np.asarray(ep.response, np.int64) for ep in eps],
                              [np.asarray(ep.logprobs, np.float32) for ep in eps], [np.asarray(ep.mask, np.int8) for ep in eps],
                              [np.asarray(ep.turn_lens, np.int64) for ep in eps], [np.asarray(ep.turn_rewards, np.float64) for ep in eps],
-                             [ep.env_seed for ep in eps], [int(ep.end) for ep in eps], [ep.reason for ep in eps])
+                             [ep.env_seed for ep in eps], [int(ep.end) for ep in eps], [ep.reason for ep in eps],
+                             env_states=[states_text(ep.states or []) for ep in eps] if any(ep.states for ep in eps) else [])
 
     @classmethod
     def restored(cls, factory: EnvFactory, rows: list[dict], state: GroupInFlight, tokenizer, limits: Limits) -> tuple[Round, int]:
         """The round as `state` left it, and the env steps re-applied to bring it back: each episode still
         going gets a fresh env, reset on its row and seed, with its durable actions stepped in order.
         What the env answers now is not used (it need not be deterministic): the durable observations
-        are the episode's. An env that faults on the way ends its episode (reason ``restore: ...``)."""
+        (and states) are the episode's; state() is not asked on the way. An env that faults on the way ends its episode (reason ``restore: ...``)."""
         self, timeout_s, replayed = cls.of_states([state], tokenizer, limits), limits.timeout_s, 0
         for ep, row in zip(self.episodes, rows):
             actions = ep.actions(tokenizer)
@@ -298,7 +321,8 @@ class Round:
         self.episodes = []
         for st, k in [(g, k) for g in states for k in range(len(g.prompt_ids))]:
             ep = Episode(None, st.prompt_ids[k], st.env_seed[k], st.response_ids[k].tolist(), st.gen_logprobs[k].tolist(),
-                         st.loss_mask[k].tolist(), st.turn_lens[k].tolist(), st.turn_rewards[k].tolist(), st.env_end[k], st.env_reason[k])
+                         st.loss_mask[k].tolist(), st.turn_lens[k].tolist(), st.turn_rewards[k].tolist(), st.env_end[k], st.env_reason[k],
+                         states=state_texts(st.env_states[k]) if st.env_states and st.env_states[k] else None)
             actions = ep.actions(tokenizer)
             ep.last_action = actions[-1] if actions else ""
             self.episodes.append(ep)

@@ -12,8 +12,10 @@ with ``seed`` and the row's fields as keyword arguments (the server passes its e
 takes), so a server env that draws from the seed is deterministic and verlj's restore (a fresh reset, the
 actions stepped again) brings it back. A step's action is the policy's text in the action's one string
 field (the server's ``/schema``), or whatever the adapter makes of it; the observation is rendered to text
-(:func:`render`); reward and done come from the step's answer. The session is closed when the episode is
-done, and when verlj drops the env (an episode ended by rollout.max_turns, a fault, its length).
+(:func:`render`); reward and done come from the step's answer. ``state()`` asks the session's state (its
+``episode_id`` left out), which the rollout journals after reset and after each step (the sample's env_states).
+The session is closed when the episode is done (its last state asked first), and when verlj drops the env
+(an episode ended by rollout.max_turns, a fault, its length).
 
 The transport is a synchronous ``websockets`` client, not OpenEnv's ``SyncEnvClient`` (an event-loop
 thread a client, closed on garbage collection at best): a session here is closed when its episode ends,
@@ -270,6 +272,7 @@ class OpenEnvEnv:
         self.url, self.adapter, self.timeout_s, self.concurrent = url, adapter, timeout_s, concurrent
         self._client = adapter.client(base_url=_http(url)) if adapter.client is not None else None
         self._ws: Any = None
+        self._last_state: dict | None = None  # the state the session ended in (a done step), for state() after it
 
     def reset(self, row: dict, seed: int) -> str:
         self.open()
@@ -281,6 +284,7 @@ class OpenEnvEnv:
     def open(self) -> None:
         """A new session (the one before closed)."""
         self.close()
+        self._last_state = None
         from websockets.sync.client import connect
 
         try:
@@ -298,13 +302,21 @@ class OpenEnvEnv:
         if hasattr(payload, "model_dump"):
             payload = payload.model_dump(mode="json", exclude_unset=True)
         out = self._result(self._ask("step", payload))
-        if out[2]:
+        if out[2]:  # the session ends with the episode: the state it ended in asked first (the rollout journals it)
+            self._last_state = self.state()
             self.close()
         return out
 
     def state(self) -> dict:
-        """The env's state (OpenEnv's ``state()``), as the server sends it."""
-        return self._ask("state", None)
+        """The env's state (OpenEnv's ``state()``) as the server sends it, less its ``episode_id`` (OpenEnv's State
+        has one, which an env made from OpenEnv's template draws from uuid4 at each reset: an identifier, not state,
+        which would make the journal of a resumed run differ); after a done step, the state the episode ended in."""
+        if self._ws is None:
+            if self._last_state is None:
+                raise OpenEnvError("state() before reset() or after the session closed")
+            return self._last_state
+        data = self._ask("state", None)
+        return {k: v for k, v in data.items() if k != "episode_id"}
 
     def close(self) -> None:
         """End the session (the server frees it); nothing when there is none."""

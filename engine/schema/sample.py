@@ -38,6 +38,9 @@ one of the batch's samples has it (journals from before lack it: read as ""):
                              (version, count) pairs (rollout.partial: a generation continued across weight
                              updates; :func:`version_runs`, :func:`token_versions`); policy_version is the
                              first run's, the oldest. Empty: every token is policy_version's
+    env_states     str       an episode's env states (an env with a ``state()`` method: rl.envs.safe_states): one
+                             JSON list, reset's state first, then one after each step the env answered, each
+                             the dict state() returned (:func:`states_text`, :func:`state_texts`); "" for none
 
 Samples travel columnar — padded arrays plus lengths (:func:`pack`, :func:`unpack`) — in journal
 events, snapshots and between ranks: live training and replay both go through them, so the update
@@ -49,6 +52,7 @@ what a batch from before it reads as), and the tables above are made from those 
 
 from __future__ import annotations
 
+import json
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
@@ -166,6 +170,7 @@ class Sample:
     agent_calls: str = field(default="", metadata=column(str, ANY))  # rollout.agent: the episode's calls as answered (schema.agent_calls's JSON)
     # rollout.partial: each response token's version as flat (version, count) pairs; empty: all policy_version's
     version_runs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), metadata=column(np.int32, ANY))
+    env_states: str = field(default="", metadata=column(str, ANY))  # an env with state(): reset's, then each step's, as one JSON list
 
     @property
     def is_episode(self) -> bool:
@@ -256,7 +261,7 @@ EPISODE_SCALARS = _dtypes(EPISODE, "scalar")
 EPISODE_SEQUENCES = _dtypes(EPISODE, "sequence")
 EPISODE_FIELDS = {**EPISODE_SCALARS, **EPISODE_SEQUENCES}
 (EPISODE_TEXT,) = _dtypes(EPISODE, "text")  # env_reason
-FAULT_TEXT, AGENT_TEXT = _dtypes(ANY, "text")  # fault, agent_calls
+FAULT_TEXT, AGENT_TEXT, STATES_TEXT = _dtypes(ANY, "text")  # fault, agent_calls, env_states
 PARTIAL_SEQUENCES = _dtypes(ANY, "sequence")  # version_runs (rollout.partial)
 (RUNS,) = PARTIAL_SEQUENCES
 
@@ -281,6 +286,22 @@ def unpack(cols: dict) -> list[Sample]:
     found = {c.name: c.unpack(cols, n) for c in COLUMNS if c.readable(cols)}
     names = tuple(found)
     return [Sample(**dict(zip(names, row))) for row in zip(*found.values())]
+
+
+def state_text(state: dict) -> str:
+    """One env state as the journal keeps it: canonical JSON (keys sorted, no spaces, NaN and infinities
+    refused), so the same state is the same bytes. Raises TypeError or ValueError for one that is not JSON."""
+    return json.dumps(state, sort_keys=True, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def states_text(texts: list[str]) -> str:
+    """An episode's env_states from its states' texts (state_text), in order: one JSON list; "" for none."""
+    return "[" + ",".join(texts) + "]" if texts else ""
+
+
+def state_texts(env_states: str) -> list[str]:
+    """The states' texts (state_text) an env_states holds, in order ([] for "")."""
+    return [state_text(s) for s in json.loads(env_states)] if env_states else []
 
 
 def version_runs(versions) -> np.ndarray:
@@ -381,6 +402,8 @@ class GroupInFlight(Record):
     env_end: list[int]
     env_reason: list[str]
     agent_calls: list[str] = field(default_factory=list)  # rollout.agent: each episode's calls so far (schema.agent_calls.AgentCalls.to_json)
+    # an env with state(): each episode's states so far (its Sample's env_states); left out of the map when none has any
+    env_states: list[str] = field(default_factory=list, metadata=stored(optional=True))
 
     @property
     def turn(self) -> int:
@@ -405,12 +428,16 @@ class GroupInFlight(Record):
         if turns <= 0:
             return None
         cut: dict[str, list] = {k: [] for k in ("response_ids", "gen_logprobs", "loss_mask", "turn_lens", "turn_rewards", "env_end", "env_reason")}
+        states = []
         for k, lens in enumerate(self.turn_lens):
             pairs = np.asarray(lens, np.int64).reshape(-1, 2)
+            text = self.env_states[k] if self.env_states else ""
             if len(pairs) <= turns:
                 for name in cut:
                     cut[name].append(getattr(self, name)[k])
+                states.append(text)
                 continue
+            states.append(states_text(state_texts(text)[: turns + 1]))  # reset's, then one a turn
             n = int(pairs[:turns].sum())
             cut["response_ids"].append(self.response_ids[k][:n])
             cut["gen_logprobs"].append(self.gen_logprobs[k][:n])
@@ -420,7 +447,8 @@ class GroupInFlight(Record):
             cut["env_end"].append(int(EnvEnd.NONE))
             cut["env_reason"].append("")
         return GroupInFlight(self.group, self.row, self.versions[:turns], self.prompt_ids, cut["response_ids"], cut["gen_logprobs"],
-                             cut["loss_mask"], cut["turn_lens"], cut["turn_rewards"], self.env_seed, cut["env_end"], cut["env_reason"])
+                             cut["loss_mask"], cut["turn_lens"], cut["turn_rewards"], self.env_seed, cut["env_end"], cut["env_reason"],
+                             env_states=states if any(states) else [])
 
 
 @dataclass(frozen=True)

@@ -368,6 +368,7 @@ def test_completion_order_killed_mid_episode_resumes_from_the_last_durable_turn(
                 continue
             turns, n = len(cut.turn_lens[k]) // 2, len(cut.response_ids[k])
             assert np.array_equal(s.response_ids[:n], cut.response_ids[k]) and np.array_equal(s.gen_logprobs[:n], cut.gen_logprobs[k])
+            assert s.env_states.startswith(cut.env_states[k][:-1])  # the durable states (a JSON list) begin the journaled ones
             assert np.array_equal(s.loss_mask[:n], cut.loss_mask[k]) and np.array_equal(s.turn_lens[: 2 * turns], cut.turn_lens[k])
             if cut.env_end[k] != EnvEnd.NONE:  # over before the kill: no env is made for it again
                 assert last == [] and s.env_end == cut.env_end[k] and len(s.turn_lens) // 2 == turns
@@ -378,6 +379,9 @@ def test_completion_order_killed_mid_episode_resumes_from_the_last_durable_turn(
             assert [c[2] for c in last[1:]] == actions[:turns] + actions[turns:]
             restored += turns
     assert restored > 0
+    for s in samples.values():  # state(): reset's, then one a step it answered, whatever process played the step
+        states = json.loads(s.env_states)
+        assert states == [{"seed": int(s.env_seed), "turns": t} for t in range(len(s.turns()) + (s.env_end != EnvEnd.STOPPED))]
     first = min(s for s in fingerprints(run) if s > max(committed))
     assert metrics(run)[first]["rollout/env/restored_turns"] >= restored
 

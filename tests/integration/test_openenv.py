@@ -2,11 +2,14 @@
 (examples/openenv_server.py, written with openenv.core's create_app) started by verlj from rollout.openenv_command,
 on the BPE model. Trains, one WebSocket session an episode; killed before step 2's commit and resumed, bit-identical
 to the uninterrupted run (sync mode and async step order: the step's episodes played again from their seeds on fresh
-sessions); replay reads the episodes from the journal with no server at all. A server that goes down mid-run faults
-its episodes, counted and never trained, the step refused in one line."""
+sessions); replay reads the episodes from the journal with no server at all. Each episode journals the env's state()
+after reset and each step (env_states), what the server's env reports, and inspect shows it turn by turn. A server that
+goes down mid-run faults its episodes, counted and never trained, the step refused in one line."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import socket
 import sys
 from pathlib import Path
@@ -16,7 +19,7 @@ import pytest
 from verlj.engine.schema.events import StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import REPO, free_port, kill_and_resume, train, verlj
+from verlj_testing import REPO, cli, free_port, kill_and_resume, train, verlj
 
 RECIPE = REPO / "examples" / "openenv_guess.yaml"
 
@@ -32,6 +35,22 @@ def overrides(bpe_model: str, port: int, log: Path, *more: str) -> list[str]:
 def samples(run: Path) -> dict[int, list]:
     with open_journal_reader(run / "journal") as j:
         return {rec.step: unpack(StepEvents.of(rec).added.samples) for rec in j.iter_steps()}
+
+
+def states_of_the_servers_env(s, tok) -> list[dict]:
+    """The states examples/openenv_server.py's env reports for the sample's episode, played here in this process: reset
+    on its seed, then each action stepped (an action of only end-of-sequence is not); its episode_id left out, as verlj does."""
+    spec = importlib.util.spec_from_file_location("openenv_server", REPO / "examples" / "openenv_server.py")
+    server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server)
+    env = server.GuessEnvironment()
+    env.reset(seed=int(s.env_seed))
+    out = [env.state.model_dump(exclude={"episode_id"})]
+    turns = s.turns()[:-1] if s.env_end == EnvEnd.STOPPED else s.turns()
+    for t in turns:
+        env.step(server.GuessAction(guess=tok.decode(t.action_ids, skip_special_tokens=True)))
+        out.append(env.state.model_dump(exclude={"episode_id"}))
+    return out
 
 
 def listening(port: int) -> bool:
@@ -50,6 +69,19 @@ def test_an_openenv_server_trains_and_a_kill_resumes_bit_identical(tmp_path, bpe
     eps = [s for st in samples(ref).values() for s in st]
     assert len(eps) >= 3 * 16 and not any(s.env_end == EnvEnd.FAULT for s in eps)
     assert any(len(s.turn_lens) > 2 for s in eps) and any(s.env_end == EnvEnd.DONE for s in eps)  # several guesses, the server ending some
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bpe_model)
+    for s in eps:  # state() journaled: reset's first, then one a step, what the server's env reports (episode_id aside)
+        states = json.loads(s.env_states)
+        assert len(states) == len(s.turns()) + (s.env_end != EnvEnd.STOPPED) and states[0] == {"step_count": 0, "tries": 0}
+        assert states == states_of_the_servers_env(s, tok), s.id
+    shown = json.loads(cli("inspect", ref, "--step", "1", "--json", check=True).stdout)["samples"]
+    assert all(x["reset_state"] == {"step_count": 0, "tries": 0} for x in shown)  # inspect: each turn's state where there is one
+    stepped = [(n, t["state"]) for x in shown for n, t in enumerate(x["turns"]) if "state" in t]
+    assert stepped and all(state["step_count"] == n + 1 for n, state in stepped)
+    text = cli("inspect", ref, "--step", "1", check=True).stdout
+    assert 'reset state {"step_count": 0, "tries": 0}' in text and '  state {"step_count": 1, "tries": ' in text
     assert not listening(port)  # stopped at exit
     kill_and_resume(run, ref, *over, failpoint="step.before_commit:2")
     assert log.read_text().splitlines() == ["started"] * 3  # ref, the killed run and its resume: once each

@@ -139,7 +139,7 @@ class Scripted:
             elif self.how == "wrong" and kind == "step":
                 ws.send(json.dumps({"type": "state", "data": {}}))
             elif kind == "state":
-                ws.send(json.dumps({"type": "state", "data": {"episode_id": None, "step_count": turns}}))
+                ws.send(json.dumps({"type": "state", "data": {"episode_id": f"uuid-{time.monotonic_ns()}", "step_count": turns}}))
             elif kind == "reset":
                 ws.send(json.dumps({"type": "observation", "data": {"observation": {"message": "rules"}, "reward": None, "done": False}}))
             else:
@@ -181,14 +181,18 @@ def test_an_episode_is_one_session_reset_with_the_seed_and_the_row(scripted):
     env = env_on(server)
     assert isinstance(env, Environment)
     assert env.reset({"prompt": "guess", "answer": "3", "entry": None}, 2**62 + 5) == "rules"
-    assert env.state() == {"episode_id": None, "step_count": 0}
+    assert env.state() == {"step_count": 0}  # its episode_id (a uuid, as OpenEnv's template draws it) is no state: left out
     assert env.step("five") == ("got five", None, False)
-    assert env.step("6") == ("got 6", 1.0, True)  # a bool reward is a number; done closes the session
+    assert env.step("6") == ("got 6", 1.0, True)  # a bool reward is a number; done closes the session, its last state asked first
     assert server.got[0] == {"type": "reset", "data": {"prompt": "guess", "answer": "3", "seed": 2**62 + 5}}
     assert eventually(lambda: server.closed == 1)
-    assert server.got[2:] == [{"type": "step", "data": {"guess": "five"}}, {"type": "step", "data": {"guess": "6"}}, {"type": "close"}]
+    assert server.got[2:] == [{"type": "step", "data": {"guess": "five"}}, {"type": "step", "data": {"guess": "6"}}, {"type": "state"},
+                              {"type": "close"}]
+    assert env.state() == {"step_count": 2}  # the state the episode ended in, after its session closed
     with pytest.raises(oe.OpenEnvError, match=r"step\(\) before reset\(\) or after the episode ended"):
         env.step("7")
+    with pytest.raises(oe.OpenEnvError, match=r"state\(\) before reset\(\) or after the session closed"):
+        env_on(server).state()
 
 
 def test_an_env_dropped_mid_episode_closes_its_session(scripted):
