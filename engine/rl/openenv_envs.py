@@ -17,6 +17,12 @@ field (the server's ``/schema``), or whatever the adapter makes of it; the obser
 The session is closed when the episode is done (its last state asked first), and when verlj drops the env
 (an episode ended by rollout.max_turns, a fault, its length).
 
+An MCP env (OpenEnv's ``MCPEnvironment``, served with ``CallToolAction`` as its action: :func:`mcp_actions`) is
+played by :class:`McpEnv` unless an adapter is named: at reset its tools are listed once (``ListToolsAction``) and
+rendered into the prompt by the chat template, as a TRL class's are (rl.trl_envs: the same prompt, hermes parsing and
+tool-message rendering); each tool call of an action is a ``CallToolAction`` step whose result is a tool message; an
+action without one ends the episode, the server not stepped.
+
 The transport is a synchronous ``websockets`` client, not OpenEnv's ``SyncEnvClient`` (an event-loop
 thread a client, closed on garbage collection at best): a session here is closed when its episode ends,
 so a server's ``max_concurrent_envs`` sessions are enough for the run's concurrent episodes. A client
@@ -43,11 +49,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import ConfigError
 from ..plugins import import_object
+from .trl_envs import Prompt, joined, prompt_of, template_of, tool_calls, tool_prompt, tool_suffix
 
 PREFIX = "openenv:"
 KEY = "rollout.env"
@@ -200,6 +208,67 @@ def text_field(schema: dict) -> str | None:
     return None
 
 
+MCP_ACTIONS = frozenset({"call_tool", "list_tools"})  # the `type` of OpenEnv's CallToolAction and ListToolsAction
+
+
+def mcp_actions(schema: dict) -> bool:
+    """Whether the server's env takes OpenEnv's MCP actions: its ``/schema``'s action is CallToolAction or
+    ListToolsAction (its ``type`` a const of theirs), the action class an MCPEnvironment is served with (OpenEnv's
+    server reads a ``call_tool`` or ``list_tools`` step as one only then)."""
+    action = schema.get("action") if isinstance(schema, dict) else None
+    props = action.get("properties") if isinstance(action, dict) else None
+    kind = props.get("type") if isinstance(props, dict) else None
+    return isinstance(kind, dict) and kind.get("const") in MCP_ACTIONS
+
+
+LIST_TOOLS = {"type": "list_tools"}  # ListToolsAction's JSON
+
+
+def call_tool(name: str, arguments: dict) -> dict:
+    """CallToolAction's JSON."""
+    return {"type": "call_tool", "tool_name": name, "arguments": arguments}
+
+
+def mcp_tools(data: dict) -> dict[str, dict]:
+    """A ListToolsObservation (a step's answer) as the chat template takes its tools, by name, in the server's order:
+    ``{"type": "function", "function": {"name", "description", "parameters"}}`` (MCP's input_schema, the parameters)."""
+    obs = data.get("observation")
+    tools = obs.get("tools") if isinstance(obs, dict) else None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
+        raise OpenEnvError("the OpenEnv MCP env answered list_tools with no list of named tools")
+    out = {}
+    for t in tools:
+        params = t.get("input_schema") or t.get("inputSchema") or {"type": "object", "properties": {}}
+        out[t["name"]] = {"type": "function", "function": {"name": t["name"], "description": t.get("description") or "", "parameters": params}}
+    return out
+
+
+def mcp_result(data: dict) -> tuple[str, float | None, bool]:
+    """A CallToolObservation (a step's answer) as a tool message's content, with the step's reward and done: the
+    result's text (an MCP CallToolResult's text contents, one a line; another result as JSON), or ``{'error': ...}``
+    as TRL words a tool that failed, for an error (a tool not found, bad arguments, a tool that raised)."""
+    obs = data.get("observation")
+    obs = obs if isinstance(obs, dict) else {}
+    error, result = obs.get("error"), obs.get("result")
+    if isinstance(result, dict) and result.get("is_error"):
+        error = {"message": _texts(result)}
+    reward = data.get("reward")
+    reward = float(reward) if isinstance(reward, bool) else reward
+    if error:
+        message = error.get("message") if isinstance(error, dict) else error
+        return str({"error": str(message)}), reward, bool(data.get("done", False))
+    return _texts(result), reward, bool(data.get("done", False))
+
+
+def _texts(result: Any) -> str:
+    if isinstance(result, dict) and isinstance(result.get("content"), list):
+        texts = [c.get("text") for c in result["content"] if isinstance(c, dict) and c.get("type") == "text"]
+        if texts and all(isinstance(t, str) for t in texts):
+            return "\n".join(map(str, texts))
+        result = result.get("data", result.get("structured_content"))
+    return result if isinstance(result, str) else json.dumps(result, sort_keys=True, ensure_ascii=False)
+
+
 def _fields(schema: dict) -> str:
     props = ((schema or {}).get("action") or {}).get("properties") or {}
     named = [f"{k} ({v.get('type', 'object')})" for k, v in props.items() if k != "metadata" and isinstance(v, dict)]
@@ -231,14 +300,20 @@ class TextAdapter:
         return render(observation)
 
 
-def load_adapter(spec: str | None, url: str) -> TextAdapter:
-    """The adapter rollout.openenv_adapter names (None: TextAdapter), made with the server's /schema; one
-    ConfigError when the server does not answer, the adapter cannot be made, or nothing takes the text."""
+def read_schema(url: str) -> dict:
+    """The server's ``/schema``; one ConfigError when it does not answer."""
     try:
-        schema = get_json(url, "/schema", 10.0)
+        return get_json(url, "/schema", 10.0)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{KEY}: the OpenEnv server at {url} did not answer /schema ({_why(e)}); start it, or set "
                           "rollout.openenv_command to a command that serves it") from None
+
+
+def load_adapter(spec: str | None, url: str, schema: dict | None = None) -> TextAdapter:
+    """The adapter rollout.openenv_adapter names (None: TextAdapter), made with the server's /schema (read when not
+    given); one ConfigError when the server does not answer, the adapter cannot be made, or nothing takes the text."""
+    if schema is None:
+        schema = read_schema(url)
     cls = TextAdapter
     if spec is not None:
         module_name, _, attr = spec.partition(":")
@@ -301,11 +376,21 @@ class OpenEnvEnv:
         payload = self._client._step_payload(act) if self._client is not None else act
         if hasattr(payload, "model_dump"):
             payload = payload.model_dump(mode="json", exclude_unset=True)
-        out = self._result(self._ask("step", payload))
-        if out[2]:  # the session ends with the episode: the state it ended in asked first (the rollout journals it)
-            self._last_state = self.state()
-            self.close()
+        out = self._result(self.ask_step(payload))
+        if out[2]:
+            self.finish()
         return out
+
+    def ask_step(self, payload: Any) -> dict:
+        """The server's answer to one step of `payload` (the action's JSON): ``{"observation", "reward", "done"}``."""
+        if self._ws is None:
+            raise OpenEnvError("step() before reset() or after the episode ended")
+        return self._ask("step", payload)
+
+    def finish(self) -> None:
+        """The episode is done: the session ends, the state it ended in asked first (the rollout journals it)."""
+        self._last_state = self.state()
+        self.close()
 
     def state(self) -> dict:
         """The env's state (OpenEnv's ``state()``) as the server sends it, less its ``episode_id`` (OpenEnv's State
@@ -386,6 +471,57 @@ class OpenEnvEnv:
         return self.adapter.observation(obs), reward, done
 
 
+class McpEnv:
+    """One episode on an OpenEnv MCP env (its action CallToolAction): its tools, listed once at reset, offered to the
+    policy through the chat template as a TRL class's are (rl.trl_envs); each hermes tool call a CallToolAction step,
+    its result a tool message; the reward and done the steps'. An action without a tool call ends the episode."""
+
+    def __init__(self, session: OpenEnvEnv, render: Callable, tok: Any, max_prompt: int):
+        self.session, self.render, self.tok, self.max_prompt = session, render, tok, max_prompt
+        self.tools: dict[str, dict] = {}  # name -> its schema for the chat template, as the server listed them
+        self.turns, self.over = 0, True
+
+    def reset(self, row: dict, seed: int) -> Prompt:
+        first = self.session.reset(row, seed)
+        self.tools = mcp_tools(self.session.ask_step(LIST_TOOLS))
+        self.turns, self.over = 0, False
+        return tool_prompt(self.render, self.tok, joined(prompt_of(row), first), list(self.tools.values()), self.max_prompt)
+
+    def step(self, action: str) -> tuple[str, float | None, bool]:
+        if self.over:
+            raise OpenEnvError("step() before reset() or after the episode ended")
+        self.turns += 1
+        _, named = tool_calls(action, self.turns)
+        if not named:  # an answer: the episode ends as TRL's loop ends it, the server not stepped
+            return self._end("", None)
+        messages, total, done = [], None, False
+        for name, arguments in named:
+            content, reward, done = self._dispatch(name, arguments)
+            messages.append({"role": "tool", "name": name, "content": content})
+            total = total if reward is None else (total or 0.0) + float(reward)
+            if done:  # the env ended the episode: the calls after it are not made
+                break
+        suffix = tool_suffix(self.render, self.tok, messages, named[0][0])
+        return self._end(suffix, total) if done else (suffix, total, False)
+
+    def _dispatch(self, name: str, arguments: dict) -> tuple[str, float | None, bool]:
+        """One call: a tool the server did not list is answered here as TRL answers it, never sent."""
+        if name not in self.tools:
+            return str({"error": f"Tool {name} not found."}), None, False
+        return mcp_result(self.session.ask_step(call_tool(name, arguments)))
+
+    def _end(self, text: str, reward: float | None) -> tuple[str, float | None, bool]:
+        self.over = True
+        self.session.finish()
+        return text, reward, True
+
+    def state(self) -> dict:
+        return self.session.state()
+
+    def close(self) -> None:
+        self.session.close()
+
+
 def _jsonable(value: Any) -> Any:
     """A row's numpy values as JSON (a verl file's extra_info)."""
     if hasattr(value, "tolist"):
@@ -447,7 +583,13 @@ def make_factory(cfg):
     elif not healthy(url):
         raise ConfigError(f"{KEY}: no OpenEnv server answers {url}/health; start it, or set rollout.openenv_command to a command "
                           "that serves it")
-    adapter = load_adapter(ro.openenv_adapter, url)
+    schema = read_schema(url)
+    mcp = mcp_actions(schema) and ro.openenv_adapter is None
+    adapter = TextAdapter(schema) if mcp else load_adapter(ro.openenv_adapter, url, schema)
     concurrent = concurrent_episodes(cfg)
     probe_capacity(url, concurrent, ro.env_timeout_s)
-    return lambda: OpenEnvEnv(url, adapter, ro.env_timeout_s, concurrent)
+    if not mcp:
+        return lambda: OpenEnvEnv(url, adapter, ro.env_timeout_s, concurrent)
+    tok, render = template_of(cfg)
+    max_prompt = cfg.data.max_prompt_length
+    return lambda: McpEnv(OpenEnvEnv(url, adapter, ro.env_timeout_s, concurrent), render, tok, max_prompt)

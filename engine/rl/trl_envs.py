@@ -162,34 +162,28 @@ class TrlEnv:
         got = self.env.reset(**self.columns)
         if got is not None and not isinstance(got, str):
             raise TypeError(f"{type(self.env).__name__}.reset returned {type(got).__name__}, not str or None")
-        if got:
-            messages[-1] = {**messages[-1], "content": (Message.of(messages[-1]).content or "") + got}
+        messages = joined(messages, got)
         self.prompt, self.completion, self.answers, self.turns, self.over = messages, [], [], 0, False
-        text = Prompt(self.render(messages, self.tools or None, True))
-        n = len(self.tok(text, add_special_tokens=False).input_ids) + (self.tok.bos_token_id is not None)
-        if self.max_prompt and n > self.max_prompt:
-            raise ValueError(f"the prompt with its tools is {n} tokens, more than data.max_prompt_length ({self.max_prompt}): raise it")
-        return text
+        return tool_prompt(self.render, self.tok, messages, self.tools, self.max_prompt)
 
     def step(self, action: str) -> tuple[str, float | None, bool]:
         if self.over:
             raise RuntimeError("step() before reset() or after the episode ended")
         self.turns += 1
-        parsed = hermes(action, str(self.turns), _AnyName())
-        if not parsed.tool_calls:
+        content, named = tool_calls(action, self.turns)
+        if not named:
             self.completion.append({"role": "assistant", "content": action})
             self.answers.append(action)
             return self._end()
-        named = [(c.name, json.loads(c.arguments)) for c in map(ToolCall.of, parsed.tool_calls)]
         calls = [{"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in named]
-        self.completion.append({"role": "assistant", "content": parsed.content or "", "tool_calls": calls})
-        self.answers.append(parsed.content or "")
+        self.completion.append({"role": "assistant", "content": content, "tool_calls": calls})
+        self.answers.append(content)
         if self.turns >= self.max_turns:  # TRL's last iteration: its calls are not run
             return self._end()
         results = [self._dispatch(name, arguments) for name, arguments in named]
-        tool_messages = [{"role": "tool", "name": name, "content": content} for name, content in results]
+        tool_messages = [{"role": "tool", "name": name, "content": text} for name, text in results]
         self.completion += tool_messages
-        return self._suffix(tool_messages, results[0][0]), None, False
+        return tool_suffix(self.render, self.tok, tool_messages, results[0][0]), None, False
 
     def _dispatch(self, name: str, arguments: dict) -> tuple[str, object]:
         """One tool call, answered as TRL answers it: str(result), or {'error': ...} for a call that raised or a tool
@@ -202,25 +196,59 @@ class TrlEnv:
             result = {"error": str(e)}
         return name, result if isinstance(result, list) else str(result)
 
-    def _suffix(self, tool_messages: list, first: str) -> str:
-        """What the chat template writes after the assistant's end of turn for these tool messages, and the generation
-        prompt (TRL's _get_tool_suffix_ids, on text): a dummy call rendered with and without them, the shorter cut after
-        its last end-of-sequence token. `first`: the first tool message's name (the dummy call's, as TRL names it)."""
-        dummy = [{"role": "user", "content": "dummy"},
-                 {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": first, "arguments": {}}}]}]
-        prefix, full = self.render(dummy, None, False), self.render(dummy + tool_messages, None, True)
-        eos = self.tok.eos_token
-        if eos and eos in prefix:
-            prefix = prefix[: prefix.rindex(eos) + len(eos)]
-        if not full.startswith(prefix):
-            raise ValueError("the chat template renders a conversation's tool messages in a way that changes what came before them")
-        return full[len(prefix):]
-
     def _end(self) -> tuple[str, float, bool]:
         self.over = True
         ids = self.tok("".join(self.answers), add_special_tokens=False).input_ids
         return "", self.rewards.score(self.env, self.prompt, self.completion, ids, self.columns), True
 
+
+# ----------------------------------------------------------------------------- tools through the chat template (TRL's and an OpenEnv MCP env's)
+
+
+def joined(messages: list[dict], text: str | None) -> list[dict]:
+    """The prompt's messages with `text` (what a reset answered) joined to the last user message, as TRL joins it."""
+    if not text:
+        return messages
+    return [*messages[:-1], {**messages[-1], "content": (Message.of(messages[-1]).content or "") + text}]
+
+
+def tool_prompt(render: Callable, tok, messages: list[dict], tools: list[dict], max_prompt: int) -> Prompt:
+    """The episode's prompt: `messages` rendered by the chat template with `tools` and the generation prompt; a prompt
+    longer than data.max_prompt_length (`max_prompt`, 0: no cap) is the reset's fault, saying to raise it."""
+    text = Prompt(render(messages, tools or None, True))
+    n = len(tok(text, add_special_tokens=False).input_ids) + (tok.bos_token_id is not None)
+    if max_prompt and n > max_prompt:
+        raise ValueError(f"the prompt with its tools is {n} tokens, more than data.max_prompt_length ({max_prompt}): raise it")
+    return text
+
+
+def tool_calls(action: str, turn: int) -> tuple[str, list[tuple[str, dict]]]:
+    """The action's text besides its tool calls, and each call's (name, arguments), read by the gateway's hermes parser;
+    no call for an action without one or one that does not parse. Any name parses (the caller answers an unknown one)."""
+    parsed = hermes(action, str(turn), _AnyName())
+    return parsed.content or "", [(c.name, json.loads(c.arguments)) for c in map(ToolCall.of, parsed.tool_calls or ())]
+
+
+def tool_suffix(render: Callable, tok, tool_messages: list[dict], first: str) -> str:
+    """What the chat template writes after the assistant's end of turn for these tool messages, and the generation
+    prompt (TRL's _get_tool_suffix_ids, on text): a dummy call rendered with and without them, the shorter cut after
+    its last end-of-sequence token. `first`: the first tool message's name (the dummy call's, as TRL names it)."""
+    dummy = [{"role": "user", "content": "dummy"},
+             {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": first, "arguments": {}}}]}]
+    prefix, full = render(dummy, None, False), render(dummy + tool_messages, None, True)
+    eos = tok.eos_token
+    if eos and eos in prefix:
+        prefix = prefix[: prefix.rindex(eos) + len(eos)]
+    if not full.startswith(prefix):
+        raise ValueError("the chat template renders a conversation's tool messages in a way that changes what came before them")
+    return full[len(prefix):]
+
+
+def template_of(cfg: Config) -> tuple[Any, Callable]:
+    """The model's tokenizer and its chat template (the built-in model's lists the tools in a system message)."""
+    path = cfg.model.actor.model_name_or_path
+    tok = load_tokenizer(path, cfg=cfg)
+    return tok, chat_template(tok, path == BUILTIN_TINY)
 
 COLUMNS = ("answer", "data_source", "extra_info", "task", "entry")  # a verlj row's fields a TRL class gets, beside its prompt
 
@@ -263,9 +291,7 @@ def trl_maker(cfg: Config) -> Callable[[], TrlEnv]:
     if not rewards.funcs and not rewards.own:
         raise ConfigError(f"{KEY}: {spec} has no get_reward() and rollout.env_reward_funcs names no reward function: name one "
                           "(TRL's reward_funcs), or give the class a get_reward()")
-    path = cfg.model.actor.model_name_or_path
-    tok = load_tokenizer(path, cfg=cfg)
-    render = chat_template(tok, path == BUILTIN_TINY)
+    tok, render = template_of(cfg)
     turns, max_prompt = cfg.rollout.max_turns, cfg.data.max_prompt_length
 
     def one() -> TrlEnv:

@@ -4,7 +4,9 @@ on the BPE model. Trains, one WebSocket session an episode; killed before step 2
 to the uninterrupted run (sync mode and async step order: the step's episodes played again from their seeds on fresh
 sessions); replay reads the episodes from the journal with no server at all. Each episode journals the env's state()
 after reset and each step (env_states), what the server's env reports, and inspect shows it turn by turn. A server that
-goes down mid-run faults its episodes, counted and never trained, the step refused in one line."""
+goes down mid-run faults its episodes, counted and never trained, the step refused in one line. An MCP env
+(examples/openenv_mcp.yaml's server, an MCPEnvironment) trains with its tools in the prompt, killed and resumed
+bit-identical, replayed without its server."""
 
 from __future__ import annotations
 
@@ -105,3 +107,34 @@ def test_a_server_that_goes_down_faults_its_episodes_never_trained(tmp_path, bpe
     assert said[-1].startswith("error: step 2: 16 of 16 episodes ended by a fault, more than rollout.max_fault_rate=0.5 allows: "), said[-1]
     assert f"reset raised OpenEnvError: the OpenEnv server at http://127.0.0.1:{port} " in said[-1]  # not answering, or closed mid-reset
     assert list(samples(run)) == [1]  # step 2 never committed
+
+
+def test_an_mcp_env_trains_with_its_tools_offered_and_a_kill_resumes_bit_identical(tmp_path, bpe_model):
+    """examples/openenv_mcp.yaml: the server's MCP tool (`add`, listed once at reset: the state's step_count 1) rendered
+    into each prompt with the reset's text; a call the policy makes is answered as a tool message, masked from the loss.
+    Killed before step 2's commit and resumed, bit-identical; replay starts no server."""
+    port, log = free_port(), tmp_path / "starts.log"
+    server = f"{sys.executable} {REPO / 'examples' / 'openenv_mcp_server.py'} --port {port}"
+    over = ["--config", str(REPO / "examples" / "openenv_mcp.yaml"), f"model.actor.model_name_or_path={bpe_model}",
+            f"rollout.env=openenv:http://127.0.0.1:{port}", f"rollout.openenv_command=sh -c 'echo started >> {log}; exec {server}'",
+            "trainer.total_steps=3", "trainer.save_interval=1", "data.prompts_per_step=4"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    out = train(ref, *over)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "faults 0/" in out.stdout + out.stderr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bpe_model)
+    eps = [s for st in samples(ref).values() for s in st]
+    for s in eps:
+        prompt = tok.decode(s.prompt_ids)
+        assert '{"name": "add", "description": "Add two integers."' in prompt and prompt.endswith(" Use the add tool.<|im_end|>\n<|im_start|>assistant\n")
+        assert json.loads(s.env_states)[0]["step_count"] == 1  # reset, then the tools listed once
+        if len(s.turn_lens) > 2:  # a call answered: a tool message, masked
+            a, o = int(s.turn_lens[0]), int(s.turn_lens[1])
+            assert tok.decode(s.response_ids[a : a + o]).startswith("\n<|im_start|>user\n<tool_response>\n")
+            assert not s.loss_mask[a : a + o].any()
+    kill_and_resume(run, ref, *over, failpoint="step.before_commit:2")
+    rep = verlj("replay", run, "--to-step", "3")
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    assert log.read_text().splitlines() == ["started"] * 3  # ref, the killed run and its resume; replay none

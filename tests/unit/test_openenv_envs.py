@@ -1,7 +1,9 @@
 """rl.openenv_envs without OpenEnv: observations rendered to text, the action's one string field, adapters, and a
 session against a scripted WebSocket server speaking OpenEnv's wire protocol (reset, step, state, close), each way
 a server fails (down, no answer, an error reply, a reply of no known form, a full server) one sentence, and an env
-fault through safe_reset / safe_step. The real server: tests/integration/test_openenv.py."""
+fault through safe_reset / safe_step; an MCP env's session (list_tools and call_tool steps): its tools in the prompt, a
+call and its result as a tool message, an unknown tool, an answer ending the episode. The real servers:
+tests/integration/test_openenv.py."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from verlj.engine.config import config_from_dict
 from verlj.engine.errors import ConfigError
 from verlj.engine.rl import openenv_envs as oe
 from verlj.engine.rl.envs import EnvFault, Environment, safe_reset, safe_step
+from verlj.engine.rl.trl_envs import Prompt
 from verlj_testing import free_port
 
 SCHEMA = {"action": {"properties": {"guess": {"type": "string"}, "metadata": {"type": "object"}}, "required": ["guess"]}}
@@ -292,3 +295,108 @@ def test_a_command_is_started_once_health_checked_and_stopped(tmp_path):
     finally:
         oe._stop(oe._SERVED.pop(url))
     assert proc.returncode is not None and not oe.healthy(url)
+
+
+# ----------------------------------------------------------------------------- an MCP env: its tools offered as tools
+
+ADD = {"name": "add", "description": "Add two integers.", "input_schema": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                                                        "b": {"type": "integer"}}}}
+MCP_SCHEMA = {"action": {"properties": {"metadata": {"type": "object"}, "type": {"const": "call_tool", "default": "call_tool", "type": "string"},
+                                        "tool_name": {"type": "string"}, "arguments": {"type": "object"}},
+                         "required": ["tool_name"], "title": "CallToolAction"}}
+
+
+class ScriptedMcp(Scripted):
+    """An MCPEnvironment's session as OpenEnv's server answers it: list_tools and call_tool steps (``add`` its one tool:
+    a sum of 7 scores 1.0 and ends the episode; a tool it lacks answered as FastMCP's error)."""
+
+    def handle(self, ws) -> None:
+        steps = 0
+        for raw in ws:
+            msg = json.loads(raw)
+            self.got.append(msg)
+            kind, data = msg["type"], msg.get("data") or {}
+            if kind == "close":
+                self.closed += 1
+                return
+            if kind == "state":
+                ws.send(json.dumps({"type": "state", "data": {"episode_id": None, "step_count": steps}}))
+                continue
+            if kind == "reset":
+                obs, reward, done = {"hint": " Use the add tool."}, None, False
+            elif data["type"] == "list_tools":
+                obs, reward, done = {"tools": [ADD]}, None, False
+            elif data["tool_name"] != "add":
+                obs, reward, done = {"tool_name": data["tool_name"], "result": None,
+                                     "error": {"error_type": "tool_not_found", "message": f"Unknown tool: '{data['tool_name']}'"}}, None, False
+            else:
+                total = data["arguments"]["a"] + data["arguments"]["b"]
+                obs = {"tool_name": "add", "error": None, "result": {"content": [{"type": "text", "text": str(total)}], "data": total,
+                                                                     "is_error": False}}
+                reward, done = (1.0, True) if total == 7 else (None, False)
+            steps += kind == "step"
+            ws.send(json.dumps({"type": "observation", "data": {"observation": obs, "reward": reward, "done": done}}))
+
+
+def call(name: str, **arguments) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+
+
+@pytest.fixture
+def mcp_env(bpe_model):
+    from transformers import AutoTokenizer
+
+    from verlj.engine.rl.models import chat_template
+
+    server = ScriptedMcp()
+    tok = AutoTokenizer.from_pretrained(bpe_model)
+    yield server, oe.McpEnv(oe.OpenEnvEnv(server.url, oe.TextAdapter(MCP_SCHEMA), 5.0, 16), chat_template(tok, False), tok, 0)
+    server.close()
+
+
+def test_an_mcp_env_is_known_by_its_action_and_its_tools_are_listed_once_into_the_prompt(mcp_env):
+    assert oe.mcp_actions(MCP_SCHEMA) and not oe.mcp_actions(SCHEMA) and not oe.mcp_actions({})
+    assert oe.text_field(MCP_SCHEMA) is None  # two strings: no text field, no adapter needed for its tools
+    server, env = mcp_env
+    prompt = env.reset({"prompt": "3+4=", "answer": "7"}, 9)
+    assert isinstance(prompt, Prompt) and prompt.endswith("<|im_start|>user\n3+4= Use the add tool.<|im_end|>\n<|im_start|>assistant\n")
+    assert ('{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {"type": "object", '
+            '"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}') in prompt  # MCP's input_schema, the parameters
+    assert server.got == [{"type": "reset", "data": {"prompt": "3+4=", "answer": "7", "seed": 9}}, {"type": "step", "data": {"type": "list_tools"}}]
+    assert env.state() == {"step_count": 1}
+
+
+def test_a_call_is_a_call_tool_step_and_its_result_a_tool_message_the_steps_reward_and_done_its(mcp_env):
+    server, env = mcp_env
+    env.reset({"prompt": "3+4="}, 1)
+    assert env.step(call("add", a=2, b=3)) == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n", None, False)
+    assert env.step("Let me add. " + call("add", a=3, b=4)) == ("\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n"
+                                                               "<|im_start|>assistant\n", 1.0, True)
+    assert [m["data"] for m in server.got[2:4]] == [{"type": "call_tool", "tool_name": "add", "arguments": {"a": 2, "b": 3}},
+                                                     {"type": "call_tool", "tool_name": "add", "arguments": {"a": 3, "b": 4}}]
+    assert eventually(lambda: server.closed == 1) and server.got[-2:] == [{"type": "state"}, {"type": "close"}]  # done: its state, then closed
+    assert env.state() == {"step_count": 3}
+    with pytest.raises(oe.OpenEnvError, match=r"step\(\) before reset\(\) or after the episode ended"):
+        env.step(call("add", a=1, b=1))
+
+
+def test_a_tool_the_env_did_not_list_or_a_call_that_fails_is_an_error_tool_message(mcp_env):
+    server, env = mcp_env
+    env.reset({"prompt": "3+4="}, 1)
+    said = "\n<|im_start|>user\n<tool_response>\n{'error': 'Tool mul not found.'}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert env.step(call("mul", a=2, b=3)) == (said, None, False)  # answered here, as TRL answers it: never sent
+    assert len(server.got) == 2
+    env.tools["sub"] = env.tools["add"]  # listed, yet the server fails the call: its error, as TRL words a tool that raised
+    assert env.step(call("sub", a=2)) == (said.replace("'Tool mul not found.'", "\"Unknown tool: 'sub'\""), None, False)
+    assert oe.mcp_result({"observation": {"tool_name": "t", "result": {"content": [{"type": "text", "text": "boom"}], "is_error": True}},
+                          "reward": False, "done": False}) == ("{'error': 'boom'}", 0.0, False)
+    assert oe.mcp_result({"observation": {"tool_name": "t", "result": {"content": [], "data": [1, 2]}}}) == ("[1, 2]", None, False)
+
+
+def test_an_answer_without_a_tool_call_ends_the_episode_the_server_not_stepped(mcp_env):
+    server, env = mcp_env
+    env.reset({"prompt": "3+4="}, 1)
+    assert env.step("7") == ("", None, True)
+    assert eventually(lambda: server.closed == 1)
+    assert [m["type"] for m in server.got] == ["reset", "step", "state", "close"]
+    assert env.state() == {"step_count": 1}
