@@ -20,10 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_async_completion import check_accounting
 
+from verlj.engine.schema.sample import EnvEnd
 from verlj.journal import open_journal_reader
 from verlj_testing import REPO, TINY, assert_same_journal, cli, env, fingerprints, replay_here, train
 
@@ -243,6 +245,28 @@ def test_episodes_on_a_fleet_in_step_order_are_bit_identical_through_a_killed_ac
     assert out.returncode == -9, out.stderr[-3000:]
     assert max(fingerprints(run)) == 2 and sum(m["rollout/fleet/deaths"] for m in fleet_metrics(run).values()) == 1
     ok(train(run, *over, resume=True, **cluster, PYTHONPATH=TESTS))
+    assert_same_journal(ref, run, ignore=NOT_FLEET)
+    assert fingerprints(run) == fingerprints(ref)
+
+
+def test_a_trl_class_on_a_fleet_in_step_order_is_bit_identical_through_a_killed_actor_and_trainer(tmp_path, cluster, bpe_model):
+    """A TRL environment class (examples/trl_env.py, rl.trl_envs) on a fleet: its instances made on the actors (the
+    examples package shipped by Ray's runtime env), its tool offered through the BPE model's chat template. Killed as
+    the episodes' runs above are (an actor as it gets batch 3, the trainer in step 3's commit) and resumed: the
+    journal of the uninterrupted run, every episode with its reward."""
+    from test_trl_envs import TRL
+
+    over = [*FLEET, *TRL, f"model.actor.model_name_or_path={bpe_model}", "rollout.max_response_length=24",
+            "data.prompts_per_step=4", "rollout.n=4"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(train(ref, *over, **cluster, PYTHONPATH=str(REPO)))
+    samples = _episodes(ref)
+    assert samples and all(s.env_end in (EnvEnd.DONE, EnvEnd.MAX_TURNS) for s in samples)
+    assert all(not np.isnan(s.turn_rewards[-1]) for s in samples)  # the class's reward, at each episode's end
+    out = train(run, *over, VERLJ_FAILPOINT=f"{KILL},step.before_commit:3", **cluster, PYTHONPATH=str(REPO))
+    assert out.returncode == -9, out.stderr[-3000:]
+    assert max(fingerprints(run)) == 2 and sum(m["rollout/fleet/deaths"] for m in fleet_metrics(run).values()) == 1
+    ok(train(run, *over, resume=True, **cluster, PYTHONPATH=str(REPO)))
     assert_same_journal(ref, run, ignore=NOT_FLEET)
     assert fingerprints(run) == fingerprints(ref)
 
