@@ -1,5 +1,6 @@
 """The extras that do not install beside `dev`, each tried in a virtual environment of its own: installed as a user
-installs it (`pip install -e '.[EXTRA]'` after torch 2.13.0, with pytest), and its tests run there.
+installs it (`pip install -e '.[EXTRA,...]'` after torch 2.13.0, with the extras harness.APART_INSTALL names beside it,
+and pytest), and its tests run there.
 
     python tools/extras.py                 # every extra in harness.APART (.ci/run calls this)
     python tools/extras.py --only verifiers
@@ -24,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".extras"
 sys.path.insert(0, str(REPO / "tests"))
-from harness import APART  # noqa: E402 - the one list of which tests need which extra
+from harness import APART, APART_INSTALL  # noqa: E402 - the one list of which tests need which extra
 
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -38,7 +39,7 @@ def step(cmd: list[str], log, timeout: float = 1800) -> None:
 
 
 def environment(extra: str, log) -> Path:
-    """.extras/EXTRA's python: a venv of this interpreter with torch 2.13.0, verlj[EXTRA] editable, pytest and xdist."""
+    """.extras/EXTRA's python: a venv of this interpreter with torch 2.13.0, verlj[EXTRA,...] editable, pytest and xdist."""
     venv = CACHE / extra
     py = venv / "bin" / "python"
     if (venv / ".ready").is_file() and py.is_file():
@@ -47,9 +48,9 @@ def environment(extra: str, log) -> Path:
     step([sys.executable, "-m", "venv", str(venv)], log)
     pip = [str(py), "-m", "pip"]
     step([*pip, "install", "-q", "torch==2.13.0"], log)
-    step([*pip, "install", "-q", "-e", f".[{extra}]", "pytest>=8", "pytest-xdist>=3.5"], log)
+    step([*pip, "install", "-q", "-e", f".[{APART_INSTALL.get(extra, extra)}]", "pytest>=8", "pytest-xdist>=3.5"], log)
+    step([*pip, "check"], log)  # the extras' pins hold together
     step([*pip, "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec", "triton"], log)  # as .ci/run does
-    step([*pip, "check"], log)  # the extra's own pins hold together
     (venv / ".ready").write_text(time.strftime("%Y-%m-%d %H:%M:%S"))
     return py
 

@@ -18,6 +18,8 @@ FRESH_SAMPLE = {
 # by extra (its name is its package's), as files or test ids under tests/: conftest leaves them out of a session where
 # the extra's package is not importable, and tools/extras.py (.ci/run calls it) runs them in a venv with the extra
 # installed as a user installs it.
+# What tools/extras.py installs for each (`pip install -e '.[EXTRAS]'`): the extras it goes beside in its tests.
+APART_INSTALL = {"verifiers": "verifiers,vllm"}
 APART = {
     "verifiers": ["unit/test_verifiers_agent.py", "integration/test_verifiers_taskset.py",
                   "integration/test_examples.py::test_example_runs[verifiers_taskset]"],

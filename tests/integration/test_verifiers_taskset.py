@@ -1,7 +1,7 @@
 """A verifiers taskset (examples/verifiers_taskset.py: an in-memory task list, two @vf.reward functions) trained as it is
 on the bpe_model with rollout.agent=verifiers:TASKSET: each episode played by verifiers' chat program in a subprocess
 against the gateway, every call journaled, the sample's reward the tasks' weighted rewards of its answer, each named
-reward a metric; SIGKILLed before a commit (sync, and async step order) and resumed, bit-identical to the
+reward a metric; SIGKILLed before a commit (sync on verlj's sampler and on vLLM, and async step order) and resumed, bit-identical to the
 uninterrupted run; replayed bit for bit. Needs the `verifiers` extra (the README's test command installs it)."""
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def answers() -> list[str]:
     return [truth[ex.answer] for ex in load_data(DataConfig(train_dataset=TASKSET), 0).train]
 
 
-@pytest.mark.parametrize("mode", [["rollout.mode=sync"], ["rollout.mode=async", "rollout.async_order=step"]], ids=["sync", "async_step"])
+@pytest.mark.parametrize("mode", [["rollout.mode=sync"], ["rollout.mode=async", "rollout.async_order=step"], ["rollout.engine=vllm"]],
+                         ids=["sync", "async_step", "vllm"])
 def test_a_verifiers_taskset_trains_on_its_named_rewards_and_a_kill_resumes_bit_identical(tmp_path, bpe_model, mode):
     ref, run = tmp_path / "ref", tmp_path / "run"
     over = [*OVER, *mode, f"model.actor.model_name_or_path={bpe_model}"]
