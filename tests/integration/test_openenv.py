@@ -4,7 +4,8 @@ on the BPE model. Trains, one WebSocket session an episode; killed before step 2
 to the uninterrupted run (sync mode and async step order: the step's episodes played again from their seeds on fresh
 sessions); replay reads the episodes from the journal with no server at all. Each episode journals the env's state()
 after reset and each step (env_states), what the server's env reports, and inspect shows it turn by turn. A server that
-goes down mid-run faults its episodes, counted and never trained, the step refused in one line. An MCP env
+goes down mid-run faults its episodes, counted and never trained, the step refused in one line. In completion order,
+killed mid-episode, no turn is lost and nothing trained twice. An MCP env
 (examples/openenv_mcp.yaml's server, an MCPEnvironment) trains with its tools in the prompt, killed and resumed
 bit-identical, replayed without its server."""
 
@@ -138,3 +139,33 @@ def test_an_mcp_env_trains_with_its_tools_offered_and_a_kill_resumes_bit_identic
     rep = verlj("replay", run, "--to-step", "3")
     assert rep.returncode == 0, rep.stderr[-3000:]
     assert log.read_text().splitlines() == ["started"] * 3  # ref, the killed run and its resume; replay none
+
+
+def test_an_openenv_server_in_completion_order_killed_mid_episode_loses_no_turn_and_trains_nothing_twice(tmp_path, bpe_model):
+    """Completion order: killed after step 1's commit, then with turns of groups asked ahead durable; resumed to the
+    end, the committed steps unchanged and every group accounted for (asked once, arrived once, trained or dropped once
+    at most), the episodes in flight rebuilt on fresh sessions of a server started again, by replaying their actions."""
+    from test_async_completion import check_accounting
+
+    from verlj.engine.loop.ledger import Ledger
+
+    port, log = free_port(), tmp_path / "starts.log"
+    over = overrides(bpe_model, port, log, "rollout.mode=async", "rollout.async_order=completion")
+    run = tmp_path / "run"
+    out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:1")
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *over, resume=True, VERLJ_FAILPOINT="episodes.after_durable:1")
+    assert out.returncode == -9, out.stderr[-3000:]
+    with Ledger.open_reader(run) as ledger:
+        committed = {s: ledger.journal.read_raw(s) for s in range(1, ledger.last_step() + 1)}
+        durable = ledger.in_flight.groups()
+    assert committed and durable
+    out = train(run, *over, resume=True)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    with Ledger.open_reader(run) as ledger:
+        assert {s: ledger.journal.read_raw(s) for s in committed} == committed
+    check_accounting(run)
+    with open_journal_reader(run / "journal") as j:
+        assert sum(e["values"].get("rollout/env/restored_turns", 0) for _, e in j.iter_events("metrics")) > 0  # rebuilt, not regenerated
+    assert log.read_text().count("started") == 3  # one server a start of verlj, stopped with it (killed with it)
+    assert not listening(port)
