@@ -67,3 +67,27 @@ def test_a_verifiers_taskset_trains_on_its_named_rewards_and_a_kill_resumes_bit_
     kill_and_resume(run, ref, *over, failpoint="step.before_commit:2")
     report, line = replay_here(run, 2)
     assert line == "" and report
+
+
+def test_a_verifiers_taskset_in_completion_order_answers_the_journaled_calls_from_the_journal(tmp_path, bpe_model):
+    """Completion order, killed at step 2's last durable write (calls of its episodes journaled, the step not
+    committed) and resumed: the harness played again, those calls answered from the journal, none generated twice, no
+    divergence, and the journal and fingerprints of the uninterrupted run."""
+    from verlj_testing import assert_same_journal, cli, fingerprints
+
+    over = [*OVER, "rollout.mode=async", "rollout.async_order=completion", f"model.actor.model_name_or_path={bpe_model}"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    out = train(ref, *over)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open_journal_reader(ref / "journal") as j:
+        writes = [int(StepEvents.of(rec).metrics.values["agent/durable_writes"]) for rec in j.iter_steps()]
+    assert writes[1] >= 1, writes
+    out = train(run, *over, VERLJ_FAILPOINT=f"agents.after_durable:{writes[0] + writes[1]}")
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *over, resume=True)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    got, want = (json.loads(cli("inspect", r, "--json", check=True).stdout)["agents"] for r in (run, ref))
+    assert got["calls_from_journal"] > 0 and got["divergences"] == 0, got
+    assert got["calls_generated"] + got["calls_from_journal"] == want["calls_generated"]  # no completed call generated twice
+    assert_same_journal(run, ref, ignore=("agent/calls", "agent/durable_writes"))
+    assert fingerprints(run) == fingerprints(ref)
