@@ -154,3 +154,18 @@ def flaky_reward(prompt: str, response: str, answer: str) -> float:
     if "3" in response:
         raise RuntimeError("the grader is down")
     return float("nan") if "5" in response else digit_share(prompt, response, answer)
+
+
+class CharTok:
+    """A tokenizer for the unit tests of episodes: one token a character (its code point); 0 is the end-of-sequence token."""
+
+    eos_token_id = 0
+    bos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        class Out:
+            input_ids = [ord(c) for c in text]
+        return Out()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(int(i)) for i in ids if not (skip_special_tokens and int(i) == 0))

@@ -24,6 +24,27 @@ FREE = ["rollout.mode=async", "rollout.async_order=completion", "rollout.max_sta
         "trainer.total_steps=6", "trainer.save_interval=3"]
 
 
+def kill_mid_episode_and_resume(run: Path, *over: str, **env) -> None:
+    """Completion order with episodes: killed after step 1's commit, then with turns of groups asked ahead durable
+    (episodes.after_durable), then resumed to the end: the committed steps unchanged, some groups durable at the second
+    kill, every group accounted for (check_accounting)."""
+    from verlj.engine.loop.ledger import Ledger
+
+    out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:1", **env)
+    assert out.returncode == -9, out.stderr[-3000:]
+    out = train(run, *over, resume=True, VERLJ_FAILPOINT="episodes.after_durable:1", **env)
+    assert out.returncode == -9, out.stderr[-3000:]
+    with Ledger.open_reader(run) as ledger:
+        committed = {s: ledger.journal.read_raw(s) for s in range(1, ledger.last_step() + 1)}
+        durable = ledger.in_flight.groups()
+    assert committed and durable
+    out = train(run, *over, resume=True, **env)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    with Ledger.open_reader(run) as ledger:
+        assert {s: ledger.journal.read_raw(s) for s in committed} == committed
+    check_accounting(run)
+
+
 def check_accounting(run: Path) -> Accounting:
     """The journal's own account of every group, against the dataset's order (what tools/faults.py checks too)."""
     out = cli("verify", run)

@@ -145,26 +145,11 @@ def test_an_openenv_server_in_completion_order_killed_mid_episode_loses_no_turn_
     """Completion order: killed after step 1's commit, then with turns of groups asked ahead durable; resumed to the
     end, the committed steps unchanged and every group accounted for (asked once, arrived once, trained or dropped once
     at most), the episodes in flight rebuilt on fresh sessions of a server started again, by replaying their actions."""
-    from test_async_completion import check_accounting
-
-    from verlj.engine.loop.ledger import Ledger
+    from test_async_completion import kill_mid_episode_and_resume
 
     port, log = free_port(), tmp_path / "starts.log"
-    over = overrides(bpe_model, port, log, "rollout.mode=async", "rollout.async_order=completion")
     run = tmp_path / "run"
-    out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:1")
-    assert out.returncode == -9, out.stderr[-3000:]
-    out = train(run, *over, resume=True, VERLJ_FAILPOINT="episodes.after_durable:1")
-    assert out.returncode == -9, out.stderr[-3000:]
-    with Ledger.open_reader(run) as ledger:
-        committed = {s: ledger.journal.read_raw(s) for s in range(1, ledger.last_step() + 1)}
-        durable = ledger.in_flight.groups()
-    assert committed and durable
-    out = train(run, *over, resume=True)
-    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    with Ledger.open_reader(run) as ledger:
-        assert {s: ledger.journal.read_raw(s) for s in committed} == committed
-    check_accounting(run)
+    kill_mid_episode_and_resume(run, *overrides(bpe_model, port, log, "rollout.mode=async", "rollout.async_order=completion"))
     with open_journal_reader(run / "journal") as j:
         assert sum(e["values"].get("rollout/env/restored_turns", 0) for _, e in j.iter_events("metrics")) > 0  # rebuilt, not regenerated
     assert log.read_text().count("started") == 3  # one server a start of verlj, stopped with it (killed with it)

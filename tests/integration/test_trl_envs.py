@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from verlj.engine.loop.ledger import Ledger
 from verlj.engine.schema.events import StepEvents
 from verlj.engine.schema.sample import unpack
 from verlj.journal import open_journal_reader
@@ -58,20 +57,7 @@ def test_a_trl_class_in_completion_order_killed_mid_episode_loses_no_turn_and_tr
     """Killed after step 1's commit, then with turns of groups asked ahead durable: resumed to the end, the committed
     steps unchanged, every group accounted for (asked once, arrived once, trained or dropped once at most), the episodes
     in flight rebuilt from their durable turns by replaying their actions on fresh instances."""
-    from test_async_completion import check_accounting
+    from test_async_completion import kill_mid_episode_and_resume
 
     over = [f"model.actor.model_name_or_path={bpe_model}", *TRL, "rollout.mode=async", "rollout.async_order=completion"]
-    run = tmp_path / "run"
-    out = train(run, *over, VERLJ_FAILPOINT="journal.after_commit:1")
-    assert out.returncode == -9, out.stderr[-3000:]
-    out = train(run, *over, resume=True, VERLJ_FAILPOINT="episodes.after_durable:1")
-    assert out.returncode == -9, out.stderr[-3000:]
-    with Ledger.open_reader(run) as ledger:
-        committed = {s: ledger.journal.read_raw(s) for s in range(1, ledger.last_step() + 1)}
-        durable = ledger.in_flight.groups()
-    assert committed and durable
-    out = train(run, *over, resume=True)
-    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    with Ledger.open_reader(run) as ledger:
-        assert {s: ledger.journal.read_raw(s) for s in committed} == committed
-    check_accounting(run)  # verify passes; a rebuilt episode's instance is tests/unit/test_trl_env_adapter.py's
+    kill_mid_episode_and_resume(tmp_path / "run", *over)  # a rebuilt episode's instance is tests/unit/test_trl_env_adapter.py's

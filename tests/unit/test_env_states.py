@@ -10,25 +10,11 @@ import time
 
 import numpy as np
 import pytest
+from envs_for_tests import CharTok
 
 from verlj.engine.rl.envs import EnvFault, StepResult, has_state, safe_states
 from verlj.engine.rl.episodes import Limits, Round
 from verlj.engine.schema.sample import EnvEnd, GroupInFlight, Sample, pack, state_text, state_texts, states_text, unpack
-
-
-class CharTok:
-    """One token a character (its code point); 0 is the end-of-sequence token."""
-
-    eos_token_id = 0
-    bos_token_id = None
-
-    def __call__(self, text, add_special_tokens=False):
-        class Out:
-            input_ids = [ord(c) for c in text]
-        return Out()
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(int(i)) for i in ids if not (skip_special_tokens and int(i) == 0))
 
 
 class Counter:

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from envs_for_tests import CharTok
 
 from verlj.engine.config import Config, ConfigError, DataConfig, ReasoningGymConfig, policy_of
 from verlj.engine.rl import envs, tasks
@@ -479,20 +480,6 @@ def test_equals_presses_the_key_on_the_question_then_scores_the_answer():
 
 
 # ----------------------------------------------------------------------------- bounded episodes (rl.episodes.Round)
-
-
-class CharTok:
-    """One token a character (its code point); 0 is the end-of-sequence token."""
-
-    eos_token_id = 0
-
-    def __call__(self, text, add_special_tokens=False):
-        class Out:
-            input_ids = [ord(c) for c in text]
-        return Out()
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(int(i)) for i in ids if not (skip_special_tokens and int(i) == 0))
 
 
 class Talker:
