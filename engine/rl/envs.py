@@ -500,8 +500,9 @@ class EnvFactory:
         except Exception as e:  # noqa: BLE001 - the user's constructor: one sentence naming it
             raise ConfigError(f"{KEY}: making {self.spec} failed: {type(e).__name__}: {str(e).strip()[:200]}") from None
         if not isinstance(env, Environment):
+            hint = f"; a TRL environment_factory class is named trl:{self.spec}" if callable(getattr(env, "reset", None)) else ""
             raise ConfigError(f"{KEY}: {self.spec} made {_a(env)}, which is not an Environment "
-                              "(it needs reset(row, seed) -> str and step(action) -> StepResult or a tuple: docs/guides/environments.md)")
+                              f"(it needs reset(row, seed) -> str and step(action) -> StepResult or a tuple: docs/guides/environments.md){hint}")
         return env
 
 

@@ -101,10 +101,13 @@ class RewardFuncs:
         values = []
         kwargs = {k: [v] for k, v in columns.items() if k != "prompt"}
         for fn, w in zip(self.funcs, self.weights):
-            out = fn(prompts=[prompt], completions=[completion], completion_ids=[completion_ids], trainer_state=None,
-                     log_extra=_ignored, log_metric=_ignored, environments=[env], **kwargs)
-            if inspect.iscoroutine(out):
-                out = asyncio.run(out)
+            try:
+                out = fn(prompts=[prompt], completions=[completion], completion_ids=[completion_ids], trainer_state=None,
+                         log_extra=_ignored, log_metric=_ignored, environments=[env], **kwargs)
+                if inspect.iscoroutine(out):
+                    out = asyncio.run(out)
+            except Exception as e:  # noqa: BLE001 - the user's function: the episode's fault, its reason naming it
+                raise RewardFuncError(f"rollout.env_reward_funcs: {describe(fn)} raised {type(e).__name__}: {str(e).strip()}"[:300]) from e
             if not isinstance(out, (list, tuple)) or len(out) != 1:
                 raise ValueError(f"reward function {describe(fn)} returned {out!r}; it must return a list of one reward per completion"[:300])
             values.append((out[0], w, describe(fn)))
@@ -118,6 +121,10 @@ class RewardFuncs:
                 raise ValueError(f"{who} returned {v!r}, not a finite number or None"[:300])
             total, any_value = total + float(w) * float(v), True
         return total if any_value else 0.0
+
+
+class RewardFuncError(RuntimeError):
+    """A reward function of rollout.env_reward_funcs raised: the episode's fault, its reason naming the function."""
 
 
 def _ignored(*args, **kwargs) -> None:

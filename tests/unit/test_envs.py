@@ -378,6 +378,7 @@ def test_a_users_env_loads_by_module_and_class(user_envs):
     ("user_envs_mod:NOT_CALLABLE", "rollout.env: 'user_envs_mod:NOT_CALLABLE' is an int, not a class or function that makes an Environment"),
     ("user_envs_mod:Broken", "rollout.env: making user_envs_mod:Broken failed: OSError: no sandbox here"),
     ("user_envs_mod:NotAnEnv", "rollout.env: user_envs_mod:NotAnEnv made a NotAnEnv, which is not an Environment"),
+    ("user_envs_mod:NotAnEnv", "; a TRL environment_factory class is named trl:user_envs_mod:NotAnEnv"),  # it has a reset
     ("builtin:reasoning_gym", "rollout.env=builtin:reasoning_gym answers reasoning-gym rows: it needs data.train_dataset=reasoning_gym:TASK"),
 ])
 def test_an_env_that_cannot_be_loaded_is_one_config_error(user_envs, spec, message):

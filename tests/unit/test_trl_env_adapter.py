@@ -152,6 +152,18 @@ def test_a_reward_function_that_answers_no_list_of_one_or_no_number_raises_namin
         env.step("done")
 
 
+def test_a_reward_function_that_raises_is_named_in_the_episodes_fault(bpe_tokenizer):
+    from verlj.engine.rl.trl_envs import RewardFuncError
+
+    def boom(**kwargs):
+        raise KeyError("answer")
+
+    env = made(bpe_tokenizer, RewardFuncs((boom,), (1.0,), False))
+    env.reset(ROW, 0)
+    with pytest.raises(RewardFuncError, match=r"^rollout.env_reward_funcs: \S*boom raised KeyError: 'answer'$"):
+        env.step("done")
+
+
 def test_the_reward_funcs_need_a_trl_env_and_one_weight_each():
     with pytest.raises(ConfigError, match="need rollout.env=trl:module:Class"):
         make_config(None, ["rollout.env_reward_funcs=[m:f]"])

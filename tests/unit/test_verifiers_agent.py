@@ -35,9 +35,10 @@ def test_a_missing_verifiers_package_is_one_sentence_naming_the_extra(monkeypatc
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)
     with pytest.raises(ConfigError) as e:
         taskset_rows("examples.verifiers_taskset")
-    assert str(e.value) == ("data.train_dataset=verifiers:... needs the verifiers package: pip install 'verlj[verifiers]' "
+    assert str(e.value) == ("data.train_dataset=verifiers:... needs the verifiers package, in a venv of its own (it pins openai<3, "
+                            "which the agent and dev extras' openai-agents refuses): pip install 'verlj[verifiers]' "
                             "(in a checkout: pip install -e '.[verifiers]')")
-    with pytest.raises(ConfigError, match=r"rollout.agent=verifiers:\.\.\. needs the verifiers package: pip install 'verlj\[verifiers\]'"):
+    with pytest.raises(ConfigError, match=r"rollout.agent=verifiers:\.\.\. needs the verifiers package, in a venv of its own"):
         load_agent(TASKSET)
 
 

@@ -50,7 +50,8 @@ def require_verifiers(key: str) -> Any:
     try:
         import verifiers.v1 as vf
     except ImportError:
-        raise ConfigError(f"{key}=verifiers:... needs the verifiers package: {install_hint('verifiers')}") from None
+        raise ConfigError(f"{key}=verifiers:... needs the verifiers package, in a venv of its own (it pins openai<3, which the "
+                          f"agent and dev extras' openai-agents refuses): {install_hint('verifiers')}") from None
     return vf
 
 
