@@ -498,6 +498,9 @@ class RolloutConfig:
     agent_concurrency: int = bookkeeping(8)  # rollout.agent: episodes whose agents run at once (their waiting calls generated together)
     # rollout.agent: an agent that neither calls the model nor returns for this many seconds after its last answer is a fault
     agent_timeout_s: float = bookkeeping(60.0)
+    # rollout.agent: Python tools (module:function each) the gateway serves over MCP at episode.mcp_url, every call journaled and an
+    # external one never sent twice (rl.gateway.tools: @tool(effect=pure|restorable|external, reconcile=...); a plain function: external)
+    tools: list[str] = field(default_factory=list, metadata={"policy": LIVE})
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
@@ -592,7 +595,11 @@ class RolloutConfig:
         _positive("rollout.agent_concurrency", self.agent_concurrency)
         _positive("rollout.agent_timeout_s", self.agent_timeout_s)
         if self.agent is None:
+            if self.tools:
+                raise ConfigError("rollout.tools are served to agent programs: set rollout.agent too (an agent that connects to episode.mcp_url)")
             return
+        if any(":" not in t.strip(":") for t in self.tools):
+            raise ConfigError(f"rollout.tools names Python tools as module:function each, got {self.tools!r}")
         if not (self.agent.startswith("cmd:") or ":" in self.agent.strip(":")):
             raise ConfigError(f"rollout.agent must be null, module:function or cmd:COMMAND, got {self.agent!r}")
         if self.env is not None:

@@ -51,6 +51,35 @@ def digits(ep):
     return sum(c.isdigit() for c in text) / max(1, len(text))
 
 
+def ticketing(ep):
+    """A model call, then a tool call through the gateway's MCP server (rollout.tools: VERLJ_TEST_TOOL, default open_ticket) with
+    the answer as its title, its result the next user message of the second call; the reward as digits'."""
+    import asyncio
+
+    client = _client(ep)
+    msgs = [{"role": "user", "content": ep.row["prompt"][-12:]}]
+    a = client.chat.completions.create(model=ep.model, messages=msgs).choices[0].message.content or ""
+    got = asyncio.run(_mcp_call(ep, os.environ.get("VERLJ_TEST_TOOL", "open_ticket"), {"title": a}))
+    msgs += [{"role": "assistant", "content": a}, {"role": "user", "content": got}]
+    b = client.chat.completions.create(model=ep.model, messages=msgs).choices[0].message.content or ""
+    return sum(c.isdigit() for c in a + b) / max(1, len(a + b))
+
+
+async def _mcp_call(ep, name: str, arguments: dict) -> str:
+    """One tool call with the `mcp` package's own client, the episode's key as its bearer token."""
+    import httpx2
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {ep.api_key}"}) as hc, \
+            streamable_http_client(ep.mcp_url, http_client=hc) as streams, ClientSession(streams[0], streams[1]) as s:
+        await s.initialize()
+        out = await s.call_tool(name, arguments)
+    if out.is_error:
+        raise RuntimeError(out.content[0].text)
+    return out.content[0].text
+
+
 async def streaming(ep):
     """One streamed call with the async client; None: rollout.reward_fn scores the answer."""
     client = _client(ep, openai.AsyncOpenAI)

@@ -62,6 +62,8 @@ SECONDS = {
     "test_distill_runs.py": 11,
     "test_claim.py": 10,
     "test_gateway.py": 10,
+    "test_gateway_tools.py": 12,  # measured alone: MCP sessions of the mcp package's client
+    "test_tools.py": 42,  # measured alone: two kill campaigns (sync, completion) and an unresolved run
     "test_projections.py": 10,
     "test_fused_adamw.py": 9,
     "test_compaction.py": 8,

@@ -30,15 +30,28 @@ class DurableLog:
         assert self.in_flight is not None, "the ledger is rank 0's"
         return self.in_flight
 
-    def keep_in_flight(self, groups: list[GroupInFlight], settled: list[int], calls: list | None = None, dropped: list | None = None) -> None:
+    def keep_in_flight(self, groups: list[GroupInFlight], settled: list[int], calls: list | None = None, dropped: list | None = None,
+                       tools: list | None = None, dropped_tools: list | None = None) -> None:
         def write() -> None:  # rank 0's
-            self._held().write_in_flight(groups, settled, calls or (), dropped or ())
+            self._held().write_in_flight(groups, settled, calls or (), dropped or (), tools or (), dropped_tools or ())
 
         self.rt.from_rank0(write, "making episodes' turns durable")
 
     def read_in_flight(self) -> dict[int, GroupInFlight]:
         got = self.rt.from_rank0(lambda: [g.to_dict() for g in self._held().groups().values()], "reading the episodes in flight")
         return {g.group: g for g in map(GroupInFlight.from_dict, got)}
+
+    def read_tools(self) -> dict[int, list[dict]]:
+        got = self.rt.from_rank0(lambda: {g: [c.to_dict() for c in calls] for g, calls in self._held().tool_calls().items()},
+                                 "reading the tool calls in flight")
+        return {int(g): calls for g, calls in got.items()}
+
+    def run_token(self) -> str:
+        def token() -> str:  # rank 0's: the run's identity, recorded once at its start
+            assert self.ledger is not None, "the ledger is rank 0's"
+            return self.ledger.identity.run_token()
+
+        return self.rt.from_rank0(token, "reading the run's identity")
 
     def keep_stopped(self, groups: list[GroupProgress], settled: list[int]) -> None:
         def write() -> None:  # rank 0's

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -55,6 +56,8 @@ from .ledger import (
     stage_local_journal,
     writer_refusal,
 )
+from .ledger.identity import RUN_TOKEN
+from .ledger.in_flight import Carried, carry_tools, unstarted_tools
 from .provenance import produced_on
 
 if TYPE_CHECKING:  # torch and DeepSpeed load only once the config is known good: bad input fails fast
@@ -182,9 +185,9 @@ def train(
         nonlocal claim
         run_dir.mkdir(parents=True, exist_ok=True)
         claim = claim_run(run_dir, cfg.journal, notes.append)  # refuses a second writer before anything is touched
-        if state == "empty":  # died before its first step: nothing to keep, start it afresh
-            discard_unstarted(run_dir)
+        carried = restart_afresh(run_dir) if state == "empty" else None  # died before its first step: start it afresh
         j, more = open_writer(run_dir, cfg.journal, claim)
+        carry_tools(j, carried)
         notes.extend(more)
         return j
 
@@ -309,6 +312,18 @@ def begin(run: Run, existing: bool, changed: list[str], allow_change: bool) -> t
             source.close()
         raise
     return last, control, source
+
+
+def restart_afresh(run_dir: Path) -> Carried | None:
+    """Discard what a start that never committed a step wrote, keeping what its journal held of tool calls in flight
+    (rollout.tools: their effects are the world's; ledger.in_flight.unstarted_tools) to carry into the new journal."""
+    try:
+        with Ledger.open_reader(run_dir) as ledger:
+            carried = unstarted_tools(ledger.journal)
+    except Exception:  # noqa: BLE001 - a journal killed in its first breath: nothing of it to carry
+        carried = None
+    discard_unstarted(run_dir)
+    return carried
 
 
 def discard_unstarted(run_dir: Path, remove_dir: bool = False) -> None:
@@ -536,6 +551,8 @@ def run_identity(run: Run) -> dict:
         "created": now_iso(),
         "git_commit": git_commit(),
         "run_dir": str(run.run_dir.resolve()),
+        # what names the run in its tool calls' idempotency keys: kept from an unstarted journal this one replaced (ledger.in_flight)
+        RUN_TOKEN: run.main_ledger().identity.get(RUN_TOKEN) or secrets.token_hex(8),
         **run.trainer.identity(),
     }
 

@@ -401,10 +401,11 @@ class EpisodeLine:
     env_reason: str
     calls: tuple = ()  # rollout.agent: the episode's model calls (rl.gateway.token_ledger.call_lines)
     reset_state: dict | None = None  # an env with state(): its state after reset (the sample's env_states, first)
+    tools: tuple = ()  # rollout.tools: the episode's tool calls (schema.agent_calls.ToolCall), in the order sent
 
     @classmethod
     def of(cls, s: Sample, decoder) -> EpisodeLine:
-        from ..rl.gateway.token_ledger import call_lines
+        from ..rl.gateway.token_ledger import call_lines, tool_lines
 
         def text(ids):
             return decoder.decode(ids.tolist(), skip_special_tokens=False) if decoder else ids.tolist()
@@ -413,7 +414,8 @@ class EpisodeLine:
         after = [states[t + 1] if t + 1 < len(states) else None for t in range(len(s.turns()))]
         turns = tuple(TurnLine(text(t.action_ids), text(t.observation_ids), None if t.reward != t.reward else t.reward, state)
                       for t, state in zip(s.turns(), after))
-        return cls(turns, int(s.env_end), s.env_reason, tuple(call_lines(s.agent_calls)), states[0] if states else None)
+        return cls(turns, int(s.env_end), s.env_reason, tuple(call_lines(s.agent_calls)), states[0] if states else None,
+                   tuple(tool_lines(s.agent_calls)))
 
     @classmethod
     def of_row(cls, row: dict) -> EpisodeLine:
@@ -424,6 +426,7 @@ class EpisodeLine:
         turns = [{k: v for k, v in _json(t).items() if k != "state" or v is not None} for t in self.turns]
         state = {"reset_state": self.reset_state} if self.reset_state is not None else {}
         out = {"turns": turns, "env_end": self.env_end, "env_reason": self.env_reason, **state}
+        out = {**out, **({"tools": [t.to_dict() for t in self.tools]} if self.tools else {})}
         return {**out, "calls": [{**asdict(c), "tool_calls": list(c.tool_calls)} for c in self.calls]} if self.calls else out
 
 
@@ -606,8 +609,13 @@ def render_step(d: StepDetail) -> str:
             for t, turn in enumerate(s.episode.turns):
                 lines.append(f"         turn {t + 1}: {one_line(turn.action)} ⇒ {one_line(turn.observation)}" + (f"  reward {turn.reward:.4g}" if turn.reward is not None else "")
                              + (f"  state {_state_line(turn.state)}" if turn.state is not None else ""))
+        if s.episode is not None:  # rollout.tools: each tool call, its key, its state and the attempt that made it
+            for n, t in enumerate(s.episode.tools):
+                lines.append(f"         tool {n + 1}: {t.name}({t.arguments}) → {one_line(t.result)!r}{' (raised)' if t.error else ''}  "
+                             f"[{t.effect}, {t.state}, attempt {t.attempt}, key {t.key}]")
         if s.episode is not None and (s.episode.env_end == EnvEnd.LENGTH or s.episode.env_reason):
-            ended = "ended by length" if s.episode.env_end == EnvEnd.LENGTH else "ended by a fault"
+            ended = "ended by length" if s.episode.env_end == EnvEnd.LENGTH else "ended unresolved, never trained on" \
+                if s.episode.env_end == EnvEnd.UNRESOLVED else "ended by a fault"
             lines.append(f"         {ended}" + (f": {s.episode.env_reason}" if s.episode.env_reason else ""))
         if s.fault:
             lines.append(f"         a fault, never trained on: {s.fault}")

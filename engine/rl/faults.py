@@ -28,7 +28,7 @@ NONE, ENV, REWARD = "", "env", "reward"  # what ended a sample (kind)
 
 def kind(s: Sample) -> str:
     """What ended a faulted sample: ENV (its env) or REWARD (its reward function); NONE ("") when none did."""
-    if s.env_end == EnvEnd.FAULT:
+    if s.env_end in (EnvEnd.FAULT, EnvEnd.UNRESOLVED):  # unresolved: an episode's outcome unknown (rl.gateway.tools)
         return ENV
     return REWARD if s.fault else NONE
 

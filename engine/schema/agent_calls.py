@@ -1,7 +1,8 @@
 """An agent episode's model calls as the journal keeps them with its sample: the ``agent_calls`` text
 column (``schema.sample``), one JSON text per sample, version :data:`VERSION`, and its one codec.
 
-The text is ``{"v", "trained", "reward", "calls", "segments"}``: the indices of the calls trained (the
+The text is ``{"v", "trained", "reward", "calls", "segments"}`` (and ``"tools"`` when the episode called a tool through
+the gateway: :class:`ToolCall`, rollout.tools): the indices of the calls trained (the
 chain of calls the sample is built from, in order; [] when the episode made no call), the agent's reward
 (null: none), per call (:class:`Call`) the canonical request and its hash, the prompt ids, the completion ids
 and their log-probs, the exact response bytes (UTF-8) and a flag, then how many segments the calls split into
@@ -49,6 +50,34 @@ class Call:
                    np.asarray(d["logprobs"], np.float32), d["response"].encode(), d.get("flag", ""))
 
 
+SENT, DONE, RECONCILED = "sent", "done", "reconciled"  # a tool call's state: sent (its outcome unknown until its result is durable)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call of an episode through the gateway (rollout.tools: ``gateway.tools``), as the journal keeps it: made durable
+    as `SENT` before the tool runs, then `DONE` (or `RECONCILED`: its outcome asked of the tool's reconcile after a crash) with
+    its result. Its idempotency `key` is the same on every attempt (the run, the episode, the call's position)."""
+
+    name: str
+    arguments: str  # canonical JSON (keys sorted, no spaces)
+    digest: str  # sha256 of the name, a newline, then `arguments`
+    key: str  # the idempotency key it was sent with
+    effect: str  # pure | restorable | external (gateway.tools.EFFECTS)
+    attempt: int  # the attempt that sent it
+    state: str = SENT
+    result: str = ""  # the text the caller was answered
+    error: bool = False  # the tool raised (its result says what)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "arguments": self.arguments, "digest": self.digest, "key": self.key, "effect": self.effect,
+                "attempt": self.attempt, "state": self.state, "result": self.result, "error": self.error}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ToolCall:
+        return cls(d["name"], d["arguments"], d["digest"], d["key"], d["effect"], int(d["attempt"]), d["state"], d["result"], bool(d["error"]))
+
+
 @dataclass(frozen=True)
 class AgentCalls:
     """A sample's journaled calls: all of them, those trained (in order), the agent's reward, the segment count.
@@ -58,14 +87,17 @@ class AgentCalls:
     trained: tuple[int, ...]  # the calls the sample is built from, in order; () when the episode made no call
     reward: float | None  # the agent's own reward (None: rollout.reward_fn scored the last answer)
     segments: int  # how many segments the calls split into (a prefix break starts one)
+    tools: tuple[ToolCall, ...] = ()  # its tool calls through the gateway, in the order sent
 
     @property
     def prefix_breaks(self) -> int:
         return max(0, self.segments - 1)
 
     def to_json(self) -> str:
-        return json.dumps({"v": VERSION, "trained": list(self.trained), "reward": self.reward, "calls": [c.to_dict() for c in self.calls],
-                           "segments": self.segments}, ensure_ascii=False, separators=(",", ":"))
+        d = {"v": VERSION, "trained": list(self.trained), "reward": self.reward, "calls": [c.to_dict() for c in self.calls], "segments": self.segments}
+        if self.tools:  # only then: a text without tool calls keeps the form (and bytes) it always had
+            d["tools"] = [t.to_dict() for t in self.tools]
+        return json.dumps(d, ensure_ascii=False, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> AgentCalls:
@@ -74,7 +106,8 @@ class AgentCalls:
             return _from_v1(d)
         if d["v"] != VERSION:
             raise ValueError(f"agent_calls version {d['v']} is not one this verlj reads (1 or {VERSION})")
-        return cls(tuple(Call.from_dict(c) for c in d["calls"]), tuple(int(k) for k in d["trained"]), d["reward"], d["segments"])
+        return cls(tuple(Call.from_dict(c) for c in d["calls"]), tuple(int(k) for k in d["trained"]), d["reward"], d["segments"],
+                   tuple(ToolCall.from_dict(t) for t in d.get("tools", ())))
 
 
 def _from_v1(d: dict) -> AgentCalls:

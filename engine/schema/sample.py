@@ -129,6 +129,7 @@ class EnvEnd(IntEnum):
     FAULT = 3  # an env call raised, returned the wrong type or hung (env_reason says which)
     LENGTH = 4  # its context left no room for another action (rollout.max_episode_length)
     STOPPED = 5  # the policy's action was only its end-of-sequence token
+    UNRESOLVED = 6  # rollout.tools: an external tool call's outcome is unknown after a crash and no reconcile told it (env_reason)
 
 
 @dataclass(frozen=True)
@@ -178,9 +179,9 @@ class Sample:
 
     @property
     def fault_reason(self) -> str:
-        """Why a fault ended it ("" none): its env's fault (env_reason), else its scoring's (fault).
+        """Why a fault ended it ("" none): its env's fault or why it is unresolved (env_reason), else its scoring's (fault).
         A sample with one is never trained on (rl.faults)."""
-        return self.env_reason if self.env_end == EnvEnd.FAULT else self.fault
+        return self.env_reason if self.env_end in (EnvEnd.FAULT, EnvEnd.UNRESOLVED) else self.fault
 
     def policy_mask(self) -> np.ndarray:
         """Per response token, 1 where the policy generated it, 0 on observation tokens (float32)."""

@@ -208,3 +208,49 @@ def test_the_sdks_streamed_run_gets_its_tool_call_and_answer_as_server_sent_even
         gw.stop()
     assert out[0].fault == "" and out[0].reward == 1.0 and len(out[0].calls) == 2
     assert all(json.loads(c.request)["stream"] and c.response.endswith(b"data: [DONE]\n\n") for c in out[0].calls)
+
+
+SUBMIT = '<tool_call>{"name": "submit", "arguments": {"answer": "5"}}</tool_call>'
+
+
+def submit_then_answer(prompts, seeds, episodes=(), on_token=None):
+    """The policy, scripted: a call of the MCP tool `submit` first; once it has answered, its result."""
+    outs = []
+    for p in prompts:
+        text = TOK.decode(p, skip_special_tokens=True)
+        ids = encode(text.rsplit("<|tool|>\n", 1)[1].split("\n")[0]) + [TOK.eos_token_id] if "<|tool|>" in text else encode(SUBMIT) + [TOK.eos_token_id]
+        outs.append(np.asarray(ids, np.int64))
+    return outs, [np.full(len(o), -0.5, np.float32) for o in outs]
+
+
+submit_then_answer.streams = False  # type: ignore[attr-defined]
+
+
+def test_the_sdks_own_mcp_client_calls_verljs_tools_and_an_external_call_is_never_sent_twice(tmp_path, monkeypatch):
+    """examples/agents_sdk_mcp.py: the SDK's MCPServerStreamableHttp at episode.mcp_url lists rollout.tools and calls `submit`
+    (external) through the journal; played again as after a crash with the call journaled as sent and never answered, its
+    reconcile finds the submission by its key and the SDK gets the same answer, nothing submitted twice."""
+    from dataclasses import replace
+
+    from examples.agents_sdk_mcp import solve as solve_mcp
+    from verlj.engine.rl.gateway.tools import load_tools
+
+    monkeypatch.setenv("VERLJ_SUBMISSIONS", str(tmp_path / "submissions.jsonl"))
+    gw = Gateway(MODEL, load_tools(["examples.agents_sdk_mcp:add", "examples.agents_sdk_mcp:submit"])).start()
+    rows = [{"prompt": "2+3=", "answer": "5"}]
+    try:
+        r = Runner(gw, solve_mcp, Prompts(TOK, chat_template(TOK, True)), submit_then_answer, Settings(1, 10.0, 3))
+        first = r.play(Episodes(rows, [1], [0], lambda place, k: 10 * place + k, tool_key=lambda place, k: f"run-e{place}-t{k}"))
+        req = json.loads(first[0].calls[0].request)  # the SDK offered the MCP server's tools to the model, as it lists them
+        assert sorted(t["function"]["name"] for t in req["tools"]) == ["add", "submit"]
+        assert [p.fault for p in first] == [""] and first[0].reward == 1.0  # its final output: the tool's answer, "received 5"
+        (call,) = first[0].tools
+        assert (call.name, call.arguments, call.key, call.state, call.result) == ("submit", '{"answer":"5"}', "run-e0-t0", "done", "received 5")
+        sent = replace(call, state="sent", result="")  # a crash after it was sent, before its result was durable
+        again = r.play(Episodes(rows, [1], [0], lambda place, k: 10 * place + k, [2], journaled_tools={0: [sent]},
+                                tool_key=lambda place, k: f"run-e{place}-t{k}"))
+    finally:
+        gw.stop()
+    assert [t.state for t in again[0].tools] == ["reconciled"] and again[0].reward == 1.0
+    assert [c.response for c in again[0].calls] == [c.response for c in first[0].calls]  # the SDK saw the same answers
+    assert len((tmp_path / "submissions.jsonl").read_text().splitlines()) == 1  # submitted once

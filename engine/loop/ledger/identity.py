@@ -6,6 +6,7 @@ here and in the ledger's other parts, nowhere else.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, cast
 
 from verlj.journal import Journal
@@ -20,6 +21,8 @@ CONFIG, HISTORY, TOPOLOGY = "config", "config_history", "topology_history"
 PARENT, COUNTERFACTUAL = "parent", "counterfactual"
 VERSIONS, GIT_COMMIT = "versions", "git_commit"
 WORLD_SIZE, TP_SIZE = "world_size", "tensor_parallel_size"
+RUN_DIR, CREATED = "run_dir", "created"
+RUN_TOKEN = "run_token"  # what names the run in its tool calls' idempotency keys (rollout.tools): the same for all its processes
 
 
 def config_changes(stored: list[dict] | None) -> list[ConfigEntry]:
@@ -53,6 +56,11 @@ class RunIdentity:
     def loaded(self) -> Loaded:
         """What the trainer loaded when the run started (a resume checks it is the same)."""
         return Loaded.from_dict(self.all())
+
+    def run_token(self) -> str:
+        """What names the run in its tool calls' idempotency keys: recorded at its start (a run recorded before tokens were:
+        one made of its directory and its start's time, the same for every process of it)."""
+        return self.get(RUN_TOKEN) or hashlib.sha256(f"{self.get(RUN_DIR)}\n{self.get(CREATED)}".encode()).hexdigest()[:16]
 
     def get(self, key: str, default: Any = None) -> Any:
         """One identity fact (e.g. 'world_size', 'reward_model_digest')."""

@@ -6,7 +6,7 @@ An agent is ``rollout.agent=module:function`` (a plain or ``async def`` function
 returning the episode's reward or None), ``rollout.agent=verifiers:TASKSET`` (a verifiers taskset played by its harness:
 ``gateway.verifiers_agent``) or ``rollout.agent=cmd:COMMAND`` (a program in any language:
 ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``VERLJ_MODEL``, ``VERLJ_ROW`` (JSON), ``VERLJ_SEED``,
-``VERLJ_MAX_TURNS``, ``VERLJ_EPISODE`` and ``VERLJ_ATTEMPT`` in its environment, its reward the last line it
+``VERLJ_MAX_TURNS``, ``VERLJ_EPISODE``, ``VERLJ_ATTEMPT`` and ``VERLJ_MCP_URL`` (rollout.tools) in its environment, its reward the last line it
 prints; ``None`` or nothing: rollout.reward_fn scores).
 
 **One event loop.** Every ``async def`` agent runs as a task on one event loop, in one thread, that lives as long
@@ -54,9 +54,9 @@ KEY = "rollout.agent"
 class AgentEpisode:
     """What an agent is given: where the model is (``base_url`` ends in /v1), its episode's secret
     ``api_key``, the ``model`` name to send, the dataset ``row`` (a dict), its ``seed`` and ``max_turns``,
-    and its identity: ``episode`` (the id of the sample it becomes) and ``attempt`` (1; 2, 3, ... when it is run
-    again after a crash). The gateway sends both back with every answer (headers ``x-verlj-episode``,
-    ``x-verlj-attempt``)."""
+    its identity: ``episode`` (the id of the sample it becomes) and ``attempt`` (1; 2, 3, ... when it is run
+    again after a crash), and ``mcp_url``: rollout.tools served over MCP (``gateway.tools``; "" without). The gateway sends
+    the episode and attempt back with every answer (headers ``x-verlj-episode``, ``x-verlj-attempt``)."""
 
     base_url: str
     api_key: str
@@ -66,6 +66,7 @@ class AgentEpisode:
     max_turns: int
     episode: int = 0
     attempt: int = 1
+    mcp_url: str = ""  # rollout.tools: the tools served over MCP (streamable HTTP, `api_key` as its bearer token); "" none
 
 
 Agent = Callable[[AgentEpisode], object]
@@ -101,7 +102,7 @@ class CommandAgent:
     def __call__(self, ep: AgentEpisode) -> float | None:
         env = {**os.environ, "OPENAI_BASE_URL": ep.base_url, "OPENAI_API_KEY": ep.api_key, "VERLJ_MODEL": ep.model,
                "VERLJ_ROW": json.dumps(ep.row, default=str), "VERLJ_SEED": str(ep.seed), "VERLJ_MAX_TURNS": str(ep.max_turns),
-               "VERLJ_EPISODE": str(ep.episode), "VERLJ_ATTEMPT": str(ep.attempt)}
+               "VERLJ_EPISODE": str(ep.episode), "VERLJ_ATTEMPT": str(ep.attempt), "VERLJ_MCP_URL": ep.mcp_url}
         proc = subprocess.Popen(shlex.split(self.cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.procs[ep.api_key] = proc
         try:

@@ -49,11 +49,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import numpy as np
 
+from verlj.journal.failpoints import failpoint
+
 from ...plugins import raised_at
+from ...schema.agent_calls import DONE as TOOL_DONE
+from ...schema.agent_calls import RECONCILED, SENT, ToolCall
 from .agents import EPISODE, Agent, AgentEpisode, AgentOutput, CommandAgent, cancel_spawned, start_async
 from .prompts import Answered, Prompts
 from .protocol import (
@@ -72,6 +76,7 @@ from .protocol import (
 from .responses import continued
 from .server import Gateway
 from .token_ledger import Call
+from .tools import EXTERNAL, RESTORABLE, Tool, call_digest, canonical, result_text
 from .wire import answered_message, head_event, piece_event, read_answer, response_bytes, response_id
 
 RUNNING, WAITING, DONE = "running", "waiting", "done"
@@ -108,6 +113,15 @@ class CallSink(Protocol):
         calls a divergence discarded), in one write. Several ranks: collective, at every batch."""
 
 
+class ToolSink(Protocol):
+    """Where an episode's tool calls are made durable (rollout.tools): each call as sent before its tool runs, then with its
+    result before its caller is answered. Called from the episode's own thread, one write a call."""
+
+    def keep_tool(self, place: int, k: int, call: ToolCall, dropped: list[int]) -> None:
+        """Make tool call `k` of the episode at `place` durable as it stands, forgetting its journaled calls at `dropped`
+        (positions a divergence discarded), in one write."""
+
+
 @dataclass
 class Episodes:
     """A round of episodes to play, one per row: each agent's seed, each episode's id (the sample it becomes) and
@@ -123,6 +137,11 @@ class Episodes:
     journaled: dict[int, list[Call]] = field(default_factory=dict)
     sink: CallSink | None = None
     name: Callable[[int], str] = lambda place: f"episode {place}"
+    # rollout.tools: the tool calls an earlier process made durable by place, where each call is made durable (None: nowhere),
+    # and the idempotency key of tool call k of the episode at `place` (the same on every attempt)
+    journaled_tools: dict[int, list[ToolCall]] = field(default_factory=dict)
+    tool_sink: ToolSink | None = None
+    tool_key: Callable[[int, int], str] = lambda place, k: f"verlj-episode-{place}-tool-{k}"
 
 
 @dataclass
@@ -136,11 +155,35 @@ class AgentCounts:
     calls_from_journal: int = 0
     divergences: int = 0
     durable_writes: int = 0
+    tool_calls: int = 0  # rollout.tools: tool calls sent (run), those answered from the journal or a reconcile, unresolved episodes
+    tool_calls_from_journal: int = 0
+    tool_calls_reconciled: int = 0
+    unresolved: int = 0
+    tools: bool = False  # the runner serves tools: its tool counts are metrics
+
+    def tool_call(self, how: str) -> None:
+        """Count a tool call (rollout.tools): `sent` (run), `journal` (answered from the journal), `reconciled`, `unresolved` (its
+        episode ended unresolved) or `diverged` (it differs from the journaled one: a divergence)."""
+        if how == "sent":
+            self.tool_calls += 1
+        elif how == "journal":
+            self.tool_calls_from_journal += 1
+        elif how == "reconciled":
+            self.tool_calls_reconciled += 1
+        elif how == "unresolved":
+            self.unresolved += 1
+        else:
+            assert how == "diverged", how
+            self.divergences += 1
 
     def to_metrics(self) -> dict[str, float]:
-        return {"agent/calls": float(self.calls), "agent/malformed_tool_calls": float(self.malformed_tool_calls),
-                "agent/calls_from_journal": float(self.calls_from_journal), "agent/divergences": float(self.divergences),
-                "agent/durable_writes": float(self.durable_writes)}
+        out = {"agent/calls": float(self.calls), "agent/malformed_tool_calls": float(self.malformed_tool_calls),
+               "agent/calls_from_journal": float(self.calls_from_journal), "agent/divergences": float(self.divergences),
+               "agent/durable_writes": float(self.durable_writes)}
+        if self.tools:  # only then: a run without tools keeps the metrics it always had
+            out.update({"agent/tool_calls": float(self.tool_calls), "agent/tool_calls_from_journal": float(self.tool_calls_from_journal),
+                        "agent/tool_calls_reconciled": float(self.tool_calls_reconciled), "agent/unresolved": float(self.unresolved)})
+        return out
 
 
 @dataclass
@@ -152,6 +195,8 @@ class Played:
     reward: float | None
     fault: str
     cut: str = ""
+    tools: list = field(default_factory=list)  # its tool calls (rollout.tools), in the order sent
+    unresolved: str = ""  # why it ended unresolved ("" it did not): a tool call whose outcome is unknown (gateway.tools)
 
 
 class Play:
@@ -169,6 +214,9 @@ class Play:
         self.result: float | None = None
         self.key = ""
         self.task: Future | None = None  # an async def agent's task on the agents' loop (cancelled if its episode ends first)
+        self.tool_calls: list[ToolCall] = []
+        self.tool_lock = threading.Lock()  # its tool calls one at a time, positions in the order they come
+        self.unresolved = ""
 
     def submit(self, req: ChatRequest, retry: int, sink: Callable[[bytes], None] | None = None) -> Future:
         """A call: answered from the journal, or generated with the next batch. `sink` (a streamed request's):
@@ -212,6 +260,97 @@ class Play:
                 r.cond.notify_all()
         return fut
 
+    def call_tool(self, name: str, arguments: dict) -> tuple[str, bool, str]:
+        """A tool call (rollout.tools; in a thread of its own): (its result's text, whether the tool raised, its idempotency
+        key). Answered from the journal where an earlier attempt completed it (a restorable tool's is run again: its world is
+        rebuilt), else made durable as sent, run, made durable with its result, and only then answered. A call that differs from the one
+        journaled at its position is a divergence (the journaled calls from there on forgotten); an external call sent before
+        a crash and never answered is reconciled or ends the episode unresolved."""
+        r = self.runner
+        tool = r.gw.tools.get(name)
+        if tool is None:
+            raise ApiError(404, f"No tool is named {name!r}: the gateway serves {', '.join(sorted(r.gw.tools)) or 'none'}.", code="unknown_tool")
+        args = canonical(arguments)
+        digest = call_digest(name, args)
+        with self.tool_lock:
+            with r.cond:
+                if self.state == DONE:
+                    raise unauthorized()
+                k = len(self.tool_calls)
+                held = r.journaled_tools.get(self.place, [])
+                dropped: list[int] = []
+                if k < len(held) and held[k].digest != digest:
+                    print(f"[WARNING] rollout.tools: {r.round.name(self.place)} diverged at tool call {k}: {name}({args:.120}) is not the "
+                          f"journaled {held[k].name}({held[k].arguments:.120}); the {len(held) - k} journaled tool call(s) from there on are "
+                          "discarded and the episode goes on live", file=sys.stderr, flush=True)
+                    dropped, held = list(range(k, len(held))), held[:k]
+                    r.journaled_tools[self.place] = held
+                    r.counts.tool_call("diverged")
+            if k < len(held) and held[k].state != SENT and tool.effect != RESTORABLE:  # completed before: never run again
+                return self._kept(held[k], journaled=True)
+            key = r.round.tool_key(self.place, k)
+            if k < len(held) and held[k].state == SENT and tool.effect == EXTERNAL:  # sent, its outcome unknown
+                got = self._reconciled(tool, held[k], arguments)
+                if got is not None:
+                    return got
+            call = ToolCall(name, args, digest, key, tool.effect, self.attempt)
+            self._durable(k, call, dropped)  # sent: from here on its outcome is unknown until its result is durable
+            failpoint("tools.after_sent")
+            try:
+                text, error = result_text(tool.run(arguments, key)), False
+            except Exception as e:  # noqa: BLE001 - the tool's failure is its call's result, said to its caller
+                text, error = f"{type(e).__name__}: {e}", True
+            failpoint("tools.after_run")  # applied, not yet durable: its outcome unknown to a process after a crash here
+            done = dataclasses.replace(call, state=TOOL_DONE, result=text, error=error)
+            self._durable(k, done, [])
+            failpoint("tools.after_done")
+            with r.cond:
+                r.counts.tool_call("sent")
+            return self._kept(done)
+
+    def _durable(self, k: int, call: ToolCall, dropped: list[int]) -> None:
+        sink = self.runner.round.tool_sink
+        if sink is not None:
+            sink.keep_tool(self.place, k, call, dropped)
+
+    def _kept(self, call: ToolCall, journaled: bool = False) -> tuple[str, bool, str]:
+        with self.runner.cond:
+            self.tool_calls.append(call)
+            self.since = time.monotonic()
+            if journaled:
+                self.runner.counts.tool_call("journal")
+        return call.result, call.error, call.key
+
+    def _reconciled(self, tool: Tool, sent: ToolCall, arguments: dict) -> tuple[str, bool, str] | None:
+        """An external call sent before a crash, its outcome unknown: its tool's reconcile asked (its answer made durable and
+        returned; None: it was not applied, send it again with its key), else the episode ends unresolved."""
+        r, k = self.runner, len(self.tool_calls)
+        why = f"tool call {k} ({sent.name}, key {sent.key}) was sent before a crash and its outcome is unknown"
+        if tool.reconcile is None:
+            self._unresolve(f"{why}: {sent.name} is external and has no reconcile", sent)
+        try:
+            got = tool.reconcile(sent.key, arguments)  # type: ignore[misc]
+        except Exception as e:  # noqa: BLE001 - a reconcile that cannot tell: the episode is unresolved, said with what it raised
+            self._unresolve(f"{why}: its reconcile raised {type(e).__name__}: {e}", sent)
+        if got is None:
+            return None
+        done = dataclasses.replace(sent, state=RECONCILED, result=result_text(got), attempt=self.attempt)
+        self._durable(k, done, [])
+        with r.cond:
+            r.counts.tool_call("reconciled")
+        return self._kept(done)
+
+    def _unresolve(self, reason: str, sent: ToolCall) -> NoReturn:
+        """The episode ends unresolved, the call whose outcome is unknown kept with it as journaled (sent)."""
+        r = self.runner
+        with r.cond:
+            self.tool_calls.append(sent)
+            self.unresolved = reason
+            r.counts.tool_call("unresolved")
+            r.end(self, "")
+        print(f"[WARNING] rollout.tools: {r.round.name(self.place)} is unresolved: {reason}", file=sys.stderr, flush=True)
+        raise ApiError(409, f"This episode is unresolved: {reason}.", code="unresolved")
+
     def returned(self, out: float | None) -> None:
         """Its agent returned `out` (a finite number or None) after calling the model: its result, and whether its last
         answer was cut at its length (rl.overlong)."""
@@ -250,12 +389,13 @@ class Runner:
         self.together = together
         self.tok = prompts.tok
         self.cond = threading.Condition()
-        self.counts = AgentCounts()
+        self.counts = AgentCounts(tools=bool(gateway.tools))
         # the round being played (`play`): its episodes, the calls journaled by an earlier process (by place) and
         # those a divergence discarded, each batch's episode keys in order
         self.round = Episodes([], [], [], lambda place, k: 0)
         self.plays: list[Play] = []
         self.journaled: dict[int, list[Call]] = {}
+        self.journaled_tools: dict[int, list[ToolCall]] = {}
         self.discarded: list[tuple[int, int]] = []
         self.asking: list[str] = []
         self.output: AgentOutput | None = None
@@ -263,6 +403,7 @@ class Runner:
     def play(self, episodes: Episodes) -> list[Played]:
         """Every episode of the round run to its end, `settings.concurrency` at once."""
         self.round, self.journaled, self.discarded = episodes, dict(episodes.journaled), []
+        self.journaled_tools = dict(episodes.journaled_tools)
         attempts = episodes.attempts or [1] * len(episodes.rows)
         plays = [Play(self, i, row, seed, episode, attempt)
                  for i, (row, seed, episode, attempt) in enumerate(zip(episodes.rows, episodes.seeds, episodes.ids, attempts))]
@@ -273,7 +414,7 @@ class Runner:
         finally:
             self.output.close()
             self.output = None
-        return [Played(p.calls, None if p.fault else p.result, p.fault, p.cut) for p in plays]
+        return [Played(p.calls, None if p.fault or p.unresolved else p.result, p.fault, p.cut, p.tool_calls, p.unresolved) for p in plays]
 
     def _play(self, plays: list[Play]) -> None:
         todo, running = list(range(len(plays)))[::-1], list[Play]()
@@ -295,7 +436,7 @@ class Runner:
     def _start(self, p: Play) -> Play:
         p.key = self.gw.open(p)
         p.since = time.monotonic()
-        ep = AgentEpisode(self.gw.base_url, p.key, self.gw.model, p.row, p.seed, self.settings.max_turns, p.episode, p.attempt)
+        ep = AgentEpisode(self.gw.base_url, p.key, self.gw.model, p.row, p.seed, self.settings.max_turns, p.episode, p.attempt, self.gw.mcp_url)
         threading.Thread(target=self._run, args=(p, ep), name=f"verlj-agent-{p.place}", daemon=True).start()
         return p
 
@@ -375,7 +516,7 @@ class Runner:
         self.gw.close_session(p.key)
         if isinstance(self.agent, CommandAgent):
             self.agent.kill(p.key)
-        if p.task is not None and fault:
+        if p.task is not None and (fault or p.unresolved):
             p.task.cancel()
         for fut in p.refused():
             fut.set_exception(unauthorized())

@@ -46,12 +46,20 @@ class Session(Protocol):
         """The call's answer (response bytes), or an ApiError set on the future (or raised at once). A stream's
         events may go to `sink` (from any thread) as they are made; the answer's bytes then begin with them."""
 
+    def call_tool(self, name: str, arguments: dict) -> tuple[str, bool, str]:
+        """A tool call (rollout.tools, blocking: in a thread of its own): its result's text, whether it is an error, its
+        idempotency key."""
+
 
 class Gateway:
-    """The server and its sessions by key. `open` gives an episode its key; `close_session` forgets it."""
+    """The server and its sessions by key. `open` gives an episode its key; `close_session` forgets it. With `tools`
+    (rollout.tools: ``gateway.tools``) it serves them over MCP at `mcp_url` too."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, tools: dict | None = None):
         self.model = model
+        self.tools = tools or {}
+        self.mcp: Any = None  # gateway.tools.McpTools, once started with tools
+        self.mcp_stop: asyncio.Event | None = None
         self.sessions: dict[str, Session] = {}
         self.lock = threading.Lock()
         self.server: Any = None  # uvicorn.Server, once started
@@ -62,6 +70,11 @@ class Gateway:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def mcp_url(self) -> str:
+        """Where its tools are served over MCP ("" without tools)."""
+        return f"http://127.0.0.1:{self.port}/mcp" if self.tools else ""
 
     def open(self, session: Session) -> str:
         key = "sk-verlj-" + secrets.token_urlsafe(24)
@@ -81,6 +94,10 @@ class Gateway:
             raise unauthorized()
         return s
 
+    def session_of(self, headers: Any) -> Session:
+        """The session an HTTP request's headers name (its bearer key), or an ApiError (401)."""
+        return self.session(headers.get("authorization"))
+
     def start(self) -> Gateway:
         """Serve on the agents' event loop; returns once the port is listening."""
         import uvicorn
@@ -93,6 +110,12 @@ class Gateway:
         config = uvicorn.Config(app(self), http=http, log_level="critical", access_log=False, lifespan="off", timeout_keep_alive=30)
         self.server = server = uvicorn.Server(config)
         loop = server_loop()
+        if self.tools:
+            from .tools import McpTools
+
+            self.mcp = McpTools(self, self.tools)
+            self.mcp_stop = asyncio.run_coroutine_threadsafe(_event(), loop).result()
+            asyncio.run_coroutine_threadsafe(self.mcp.run(self.mcp_stop), loop)
         loop.set_exception_handler(unhandled)
         agent_loop().set_exception_handler(unhandled)
         self.serving = serving = asyncio.run_coroutine_threadsafe(server.serve(sockets=[self.sock]), loop)
@@ -111,9 +134,16 @@ class Gateway:
             except Exception:  # noqa: BLE001 - a server that did not stop in time is left to the daemon loop
                 pass
             self.server = self.serving = None
+        if self.mcp_stop is not None:
+            server_loop().call_soon_threadsafe(self.mcp_stop.set)
+            self.mcp = self.mcp_stop = None
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+async def _event() -> asyncio.Event:
+    return asyncio.Event()
 
 
 def unhandled(loop: asyncio.AbstractEventLoop, context: dict) -> None:
@@ -223,6 +253,8 @@ def app(gw: Gateway):
                 await call(headers, receive, send, parse_request)
             elif route == ("POST", "/v1/responses"):
                 await call(headers, receive, send, parse_responses)
+            elif scope["path"].rstrip("/") == "/mcp" and gw.mcp is not None:  # rollout.tools: the MCP server's own answers
+                await gw.mcp.app(scope, receive, send)
             elif route == ("GET", "/v1/models"):
                 gw.session(headers.get("authorization"))
                 await _respond(send, 200, models_body(gw.model))

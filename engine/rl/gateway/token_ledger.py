@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...schema.agent_calls import AgentCalls, Call
+from ...schema.agent_calls import AgentCalls, Call, ToolCall
 from .protocol import Message, conversation, last_sent, same_answer
 from .wire import answered_message, read_answer
 
@@ -57,10 +57,10 @@ def trained_chain(calls: list[Call]) -> tuple[tuple[int, ...], int]:
     return best, sum(p < 0 for p in up)
 
 
-def ledger_of(calls: list[Call], reward: float | None) -> AgentCalls:
-    """An episode's calls as journaled: with the chain trained and the segment count."""
+def ledger_of(calls: list[Call], reward: float | None, tools: list[ToolCall] | tuple = ()) -> AgentCalls:
+    """An episode's calls as journaled: with the chain trained and the segment count, and its tool calls (rollout.tools)."""
     chain, segments = trained_chain(calls)
-    return AgentCalls(tuple(calls), chain, reward, segments)
+    return AgentCalls(tuple(calls), chain, reward, segments, tuple(tools))
 
 
 def sample_fields(calls: list[Call], chain: tuple[int, ...] | list[int]) -> dict:
@@ -110,6 +110,11 @@ def call_lines(text: str) -> list[CallLine]:
         answer = read_answer(c.response)
         out.append(CallLine(last_sent(c.request), answer.content, answer.finish_reason, answer.tool_calls, c.flag, k in trained))
     return out
+
+
+def tool_lines(text: str) -> list[ToolCall]:
+    """A sample's journaled tool calls (rollout.tools; its ``agent_calls``), in the order sent; [] for "" or none."""
+    return list(AgentCalls.from_json(text).tools) if text else []
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ a single-turn sample's) or ``derive_seed(seed, 0, "rollout/group", g, j, k)``.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -40,7 +41,7 @@ from verlj.journal.failpoints import failpoint
 
 from ...config import Config
 from ...schema import sample as sample_codec
-from ...schema.agent_calls import AgentCalls, Call
+from ...schema.agent_calls import AgentCalls, Call, ToolCall
 from ...schema.sample import EnvEnd, GroupInFlight, Sample
 from ...state.seeding import derive_seed
 from ..envs import row_of
@@ -108,13 +109,16 @@ class AgentGroups:
         if self.held is None:
             self.held = self.durable_groups(call)
         runner = self.agents.runner(call.engine)
-        journaled = {}
+        journaled: dict = {}
+        journaled_tools: dict = {}
         for q, (g, row) in enumerate(groups):
             state = self.held.pop(g, None)
             if state is not None and state.row != int(row):  # another prompt under that id: not this group's calls
                 self.settling.add([g])
             elif state is not None:
-                journaled.update({q * n + j: list(AgentCalls.from_json(text).calls) for j, text in enumerate(state.agent_calls) if text})
+                held = {q * n + j: AgentCalls.from_json(text) for j, text in enumerate(state.agent_calls) if text}
+                journaled.update({place: list(rec.calls) for place, rec in held.items()})
+                journaled_tools.update({place: list(rec.tools) for place, rec in held.items()})
         rows = [row_of(self.dataset[int(r)]) for _, r in groups for _ in range(n)]
         agent_seeds = [derive_seed(seed, 0, "rollout/agent", g, j) for g, _ in groups for j in range(n)]
 
@@ -125,9 +129,12 @@ class AgentGroups:
         # processes that have begun the step (the run's lineage)
         attempt = self.durable.attempt(call.step) if self.durable is not None else 1
         sink = DurableCalls(self.durable, rt, n, groups, agent_seeds, call.version, self.settling) if self.durable is not None else None
+        token = self.durable.run_token() if self.durable is not None and self.cfg.rollout.tools else ""
         episodes = Episodes(rows, agent_seeds, [g + j for g, _ in groups for j in range(n)], call_seed, [attempt] * len(rows),
                             journaled=journaled, sink=sink,
-                            name=lambda place: f"episode {place % n} of group {groups[place // n][0]} (row {groups[place // n][1]})")
+                            name=lambda place: f"episode {place % n} of group {groups[place // n][0]} (row {groups[place // n][1]})",
+                            journaled_tools=journaled_tools, tool_sink=sink,
+                            tool_key=lambda place, k: f"verlj-{token}-e{groups[place // n][0] + place % n}-t{k}")
         before = runner.counts.to_metrics()
         t0 = time.perf_counter()
         played = runner.play(episodes)
@@ -163,17 +170,31 @@ class DurableCalls:
     def __init__(self, log: InFlightLog, rt: Runtime, n: int, groups: list[tuple[int, int]], seeds: list[int], version: int, settling: Settling):
         self.log, self.rt, self.n, self.groups, self.seeds, self.version, self.settling = log, rt, n, groups, seeds, version, settling
         self.headed: set[int] = set()  # the groups (by their place in `groups`) whose entry is written
+        self.lock = threading.Lock()  # tool calls are made durable from their episodes' threads (one rank: tools are refused on several)
+
+    def _heads(self, places: set[int]) -> list[GroupInFlight]:
+        """The entries of the groups (by place) whose first calls these are; they are written after."""
+        n = self.n
+        none = lambda dt: [np.zeros(0, dt)] * n  # noqa: E731 - an agent group's turns are its calls
+        with self.lock:
+            new = sorted(places - self.headed)
+            self.headed |= places
+        return [GroupInFlight(self.groups[q][0], int(self.groups[q][1]), [self.version], none(np.int64), none(np.int64), none(np.float32),
+                              none(np.int8), none(np.int64), none(np.float64), self.seeds[q * n : (q + 1) * n], [int(EnvEnd.NONE)] * n,
+                              [""] * n) for q in new]
+
+    def keep_tool(self, place: int, k: int, call: ToolCall, dropped: list[int]) -> None:
+        """rollout.tools: tool call `k` of the episode at `place` made durable as it stands (with its group's entry, if its first),
+        the journaled calls at `dropped` forgotten, in one write (gateway.runner.ToolSink)."""
+        g, e = self.groups[place // self.n][0], place % self.n
+        self.log.keep_in_flight(self._heads({place // self.n}), [], tools=[(g, e, k, call.to_dict())], dropped_tools=[(g, e, j) for j in dropped])
 
     def keep_calls(self, new: list[tuple[int, int, Call]], discarded: list[tuple[int, int]]) -> None:
         """In one write: the entries of the groups whose first calls these are, the new calls, the calls a divergence
         discarded forgotten, the groups settled since forgotten with their calls. Several ranks: collective, at every
         batch (rank 0 writes every rank's calls)."""
         groups, n, rt = self.groups, self.n, self.rt
-        none = lambda dt: [np.zeros(0, dt)] * n  # noqa: E731 - an agent group's turns are its calls
-        states = [GroupInFlight(groups[q][0], int(groups[q][1]), [self.version], none(np.int64), none(np.int64), none(np.float32),
-                                none(np.int8), none(np.int64), none(np.float64), self.seeds[q * n : (q + 1) * n], [int(EnvEnd.NONE)] * n,
-                                [""] * n) for q in sorted({place // n for place, _, _ in new} - self.headed)]
-        self.headed |= {place // n for place, _, _ in new}
+        states = self._heads({place // n for place, _, _ in new})
         calls = [(groups[place // n][0], place % n, k, call.to_dict()) for place, k, call in new]
         dropped = [(groups[place // n][0], place % n, k) for place, k in discarded]
         if rt.world_size > 1:

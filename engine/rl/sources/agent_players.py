@@ -14,6 +14,7 @@ r, q, k)``. Replay never runs an agent: it reads the journaled samples.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -23,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...config import Config
-from ...schema.agent_calls import AgentCalls
+from ...config import Config, ConfigError
+from ...schema.agent_calls import AgentCalls, ToolCall
 from ...schema.sample import EnvEnd, Sample
 from ...state.seeding import derive_seed
 from ..envs import row_of
@@ -90,7 +91,15 @@ class Agents:
 
         cfg, rt = self.cfg, self.rt
         if self.gateway is None:
-            self.gateway = Gateway(cfg.model.actor.model_name_or_path).start()
+            tools = None
+            if cfg.rollout.tools:
+                from ..gateway.tools import load_tools
+
+                if rt.world_size > 1:
+                    raise ConfigError("rollout.tools runs on one rank for now: each tool call is made durable as it is sent, "
+                                      "which several ranks do not yet do; run on one rank or without rollout.tools")
+                tools = load_tools(cfg.rollout.tools)
+            self.gateway = Gateway(cfg.model.actor.model_name_or_path, tools).start()
         if self.runner_ is None or engine is not self.engine:
             ro = cfg.rollout
             assert ro.agent is not None
@@ -115,7 +124,7 @@ class Agents:
 
         out, answers = [], []
         for k, p in enumerate(played):
-            rec = ledger.ledger_of(p.calls, p.reward)
+            rec = ledger.ledger_of(p.calls, p.reward, p.tools)
             answers.append(read_answer(p.calls[rec.trained[-1]].response).content if rec.trained else "")
             f = ledger.sample_fields(p.calls, rec.trained) if rec.trained else {
                 "prompt_ids": self.prompt_ids[rows[k]], "response_ids": np.zeros(0, np.int64), "gen_logprobs": np.zeros(0, np.float32),
@@ -124,9 +133,10 @@ class Agents:
             rewards = np.full(turns, np.nan)
             if turns and p.reward is not None:
                 rewards[-1] = p.reward
-            end = EnvEnd.FAULT if p.fault else EnvEnd.LENGTH if p.cut else EnvEnd.DONE  # LENGTH: rl.overlong's truncated
+            # LENGTH: rl.overlong's truncated; UNRESOLVED: a tool call's outcome unknown (gateway.tools), never trained
+            end = EnvEnd.FAULT if p.fault else EnvEnd.UNRESOLVED if p.unresolved else EnvEnd.LENGTH if p.cut else EnvEnd.DONE
             out.append(Sample(index=rows[k], id=0, group=0, turn_rewards=rewards, env_seed=agent_seeds[k], env_end=int(end),
-                              env_reason=p.fault or p.cut, agent_calls=rec.to_json(), **f))
+                              env_reason=p.fault or p.unresolved or p.cut, agent_calls=rec.to_json(), **f))
         self._rewards(out, played, answers)
         return out
 
@@ -134,7 +144,7 @@ class Agents:
         """score = rule_reward (the agent's reward, else rollout.reward_fn's of `answers`: each sample's last answer)
         + weight * the reward model's."""
         scorer = self.scorer
-        need = [k for k, p in enumerate(played) if p.reward is None and not p.fault]
+        need = [k for k, p in enumerate(played) if p.reward is None and not p.fault and not p.unresolved]
         idx = list(range(len(samples))) if scorer.rm is not None else need
         last = [answers[k] for k in idx]
         rule, rm, faulted = scorer.rewards([int(samples[k].index) for k in idx], [samples[k].prompt_ids for k in idx],
@@ -195,6 +205,7 @@ class AgentRounds:
     def __init__(self, cfg: Config, rt: Runtime, dataset: list, agents: Agents, durable: InFlightLog | None):
         """`durable`: the run's in-flight log, which says an episode's attempt (the processes that began its step)."""
         self.cfg, self.rt, self.dataset, self.agents, self.durable = cfg, rt, dataset, agents, durable
+        self.tools = StepTools(cfg.rollout.mode == "sync")
 
     @classmethod
     def of(cls, parts: Parts) -> AgentRounds:
@@ -225,7 +236,13 @@ class AgentRounds:
         # an episode is named by the sample it becomes: the round's first id and its place (Batches.gathered); its attempt
         # is the processes that have begun the step that plays it (the run's lineage: a crashed step's agents run again)
         attempt = self.durable.attempt(step) if self.durable is not None else 1
-        episodes = Episodes(rows, agent_seeds, [call.first_id + q for q in places], call_seed, [attempt] * len(rows))
+        ids = [call.first_id + q for q in places]
+        episodes = Episodes(rows, agent_seeds, ids, call_seed, [attempt] * len(rows))
+        if self.cfg.rollout.tools and self.durable is not None:
+            held = self.tools.round(self.durable, step, ids)
+            token = self.tools.token
+            episodes = dataclasses.replace(episodes, journaled_tools={q: held[i] for q, i in enumerate(ids) if i in held},
+                                           tool_sink=self.tools.sink(ids), tool_key=lambda place, k: f"verlj-{token}-e{ids[place]}-t{k}")
         return AgentRound(runner, episodes, runner.counts.to_metrics(), Future())
 
     def samples(self, call: RoundCall, started: object) -> Made:
@@ -243,6 +260,52 @@ class AgentRounds:
 
     def close(self) -> None:
         self.agents.close()
+
+
+class StepTools:
+    """rollout.tools in step order: each episode's tool calls made durable under its id (the in-flight log's calls, the id as
+    their group) from the moment each is sent, read back by a process after a crash (the step it re-runs gives its episodes
+    the same ids), and forgotten once the step that played them has committed: at a round of step t, those of steps up to
+    t-1 in sync mode, t-2 in async step order (a round is played while the step before it updates)."""
+
+    def __init__(self, sync: bool):
+        self.lag = 1 if sync else 2
+        self.by_step: dict[int, list[int]] = {}  # the episode ids whose tool calls may be durable, by the step that played them
+        self.held: dict[int, list[ToolCall]] | None = None  # what an earlier process made durable (read at the first round)
+        self.token = ""
+        self.log: InFlightLog | None = None
+
+    def round(self, log: InFlightLog, step: int, ids: list[int]) -> dict[int, list[ToolCall]]:
+        """The tool calls an earlier process made durable for these episodes; those of committed steps forgotten now."""
+        self.log = log
+        old = []
+        if self.held is None:
+            self.token = log.run_token()
+            self.held = {g: [ToolCall.from_dict(d) for d in calls] for g, calls in log.read_tools().items()}
+            old = [g for g in self.held if g < min(ids, default=0)]  # a step's before the one a process begins with: committed
+            for g in old:
+                del self.held[g]
+        self.by_step.setdefault(step, []).extend(ids)
+        old += [g for s in sorted(self.by_step) if s <= step - self.lag for g in self.by_step.pop(s)]
+        if old:
+            log.keep_in_flight([], old)
+        return {g: self.held.pop(g) for g in ids if g in self.held}
+
+    def sink(self, ids: list[int]) -> StepToolSink:
+        assert self.log is not None
+        return StepToolSink(self.log, ids)
+
+
+@dataclass
+class StepToolSink:
+    """A step-order round's tool calls made durable (gateway.runner.ToolSink): under each episode's id as its group."""
+
+    log: InFlightLog
+    ids: list[int]
+
+    def keep_tool(self, place: int, k: int, call: ToolCall, dropped: list[int]) -> None:
+        g = self.ids[place]
+        self.log.keep_in_flight([], [], tools=[(g, 0, k, call.to_dict())], dropped_tools=[(g, 0, j) for j in dropped])
 
 
 @dataclass

@@ -37,10 +37,19 @@ class InFlightLog(Protocol):
     agent calls as they are answered, generations a push stopped (loop.run makes one over the run's journal). Every
     call is collective: rank 0 reads and writes."""
 
-    def keep_in_flight(self, groups: list[GroupInFlight], settled: list[int], calls: list | None = None, dropped: list | None = None) -> None:
-        """Make `groups` durable as they stand; forget the groups in `settled` (in a committed step). rollout.agent:
-        add `calls` (group, episode, position, the call's dict), each under its own key; forget `dropped`
-        (group, episode, position). `read_in_flight` gives an agent group's calls back in its `agent_calls`."""
+    def keep_in_flight(self, groups: list[GroupInFlight], settled: list[int], calls: list | None = None, dropped: list | None = None,
+                       tools: list | None = None, dropped_tools: list | None = None) -> None:
+        """Make `groups` durable as they stand; forget the groups in `settled` (in a committed step) with their calls.
+        rollout.agent: add `calls` (group, episode, position, the call's dict), each under its own key; forget `dropped`
+        (group, episode, position). `read_in_flight` gives an agent group's calls back in its `agent_calls`. rollout.tools:
+        `tools` and `dropped_tools` likewise, for tool calls (step order: the episode's id as its group, episode 0)."""
+
+    def read_tools(self) -> dict[int, list[dict]]:
+        """rollout.tools in step order: each episode's durable tool calls (schema.agent_calls.ToolCall's dicts), by its id."""
+
+    def run_token(self) -> str:
+        """What names this run in a tool call's idempotency key: the same for every process of the run, another run's
+        another."""
 
     def read_in_flight(self) -> dict[int, GroupInFlight]:
         """The groups made durable and not forgotten, by group id."""
