@@ -498,9 +498,12 @@ class RolloutConfig:
     agent_concurrency: int = bookkeeping(8)  # rollout.agent: episodes whose agents run at once (their waiting calls generated together)
     # rollout.agent: an agent that neither calls the model nor returns for this many seconds after its last answer is a fault
     agent_timeout_s: float = bookkeeping(60.0)
-    # rollout.agent: Python tools (module:function each) the gateway serves over MCP at episode.mcp_url, every call journaled and an
-    # external one never sent twice (rl.gateway.tools: @tool(effect=pure|restorable|external, reconcile=...); a plain function: external)
+    # rollout.agent: tools the gateway serves over MCP at episode.mcp_url, every call journaled and an external one never sent twice
+    # (rl.gateway.tools): Python functions (module:function: @tool(effect=pure|restorable|external, reconcile=...); a plain
+    # function: external) and MCP servers of yours (an http(s):// URL, or cmd:COMMAND started over stdio), forwarded
     tools: list[str] = field(default_factory=list, metadata={"policy": LIVE})
+    # rollout.tools: a tool's effect by its name (pure | restorable | external), over what @tool says; an MCP server's tools: external
+    tool_effects: dict = field(default_factory=dict, metadata={"policy": LIVE})
 
     def validate(self) -> None:
         _positive("rollout.n", self.n)
@@ -599,7 +602,10 @@ class RolloutConfig:
                 raise ConfigError("rollout.tools are served to agent programs: set rollout.agent too (an agent that connects to episode.mcp_url)")
             return
         if any(":" not in t.strip(":") for t in self.tools):
-            raise ConfigError(f"rollout.tools names Python tools as module:function each, got {self.tools!r}")
+            raise ConfigError(f"rollout.tools names Python tools as module:function and MCP servers as a URL or cmd:COMMAND, got {self.tools!r}")
+        bad = {k: v for k, v in self.tool_effects.items() if v not in ("pure", "restorable", "external")}
+        if bad:
+            raise ConfigError(f"rollout.tool_effects gives {bad}: a tool's effect is pure, restorable or external")
         if not (self.agent.startswith("cmd:") or ":" in self.agent.strip(":")):
             raise ConfigError(f"rollout.agent must be null, module:function or cmd:COMMAND, got {self.agent!r}")
         if self.env is not None:

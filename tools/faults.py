@@ -54,6 +54,16 @@ samples, metrics other than timings, and fingerprint). Kinds:
                EXACT. Completion order: exact when the completion kind's checks pass and every episode
                in flight at a kill went on from its durable turns (its trained sample begins with them)
                | NOT EXACT. Counts the durable turns resumed.
+  effects      rollout.tools (agents whose tool calls have effects outside the episode: tests/tools_for_tests.py's services
+               append each effect they apply to a file): an agent (tests/agents_for_tests.py:ticketing) calls a tool through the
+               gateway's MCP server every episode, in sync, async step or completion order, the tool keyed with a reconcile
+               (open_ticket) or keyless without one (post_message); SIGKILL at a random moment or at a failpoint around a tool
+               call (tools.after_sent: sent, not run; tools.after_run: applied, its result not durable; tools.after_done);
+               then `--resume` until done. exact: no effect applied twice; the keyed service never even sent a key twice;
+               every unresolved episode (keyless: its outcome unknown) left out of the update and counted; sync and step
+               order bit-identical to the uninterrupted run (keyed: every step's fingerprint) or its committed steps
+               unchanged by the kills (completion order) | DUPLICATED | NOT EXACT. Counts calls answered from the journal,
+               reconciled, and unresolved episodes.
   partial      partial rollouts (rollout.partial: async completion order, generations span weight updates;
                the generator slowed to 10 ms a token so that every push stops some), killed as the async
                kind kills, or at the failpoints on either side of a push's durable write
@@ -127,7 +137,7 @@ RETENTION_POINTS = {"journal.prune": 3, "archive.mid_write": 6}
 COMPACTION_POINTS = {"compact.before_publish": 4, "compact.after_publish": 4, "compact.delete": 4}  # with segment_fanout 2
 SLOW_SHIPPING = "ship.before_publish:1:sleep-each=0.3"
 KINDS = ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "async", "bitflip", "bad-input", "operator", "fleet", "episodes",
-         "partial")
+         "partial", "effects")
 GOOD = {"exact", "found", "recovered exactly", "refused clearly", "unaffected", "stopped clearly, resumed exactly", "kept going without snapshots",
         "refused", "undisturbed", "clear error", "accounted"}
 
@@ -507,6 +517,86 @@ def episodes_trial(root: Path, refs: dict[tuple[str, str], Path], rng: random.Ra
     problems += episode_problems(run, durable, counts)
     shutil.rmtree(run, ignore_errors=True)
     return Trial("episodes", n, what, "NOT EXACT" if problems else "exact", "; ".join(problems))
+
+
+# ----------------------------------------------------------------------------- effects (rollout.tools)
+
+TESTS = REPO / "tests"  # agents_for_tests, tools_for_tests: the agent and the services outside the episode
+EFFECTS = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:ticketing", "rollout.max_turns=2",
+           "rollout.tools=[tools_for_tests:open_ticket,tools_for_tests:post_message]", "rollout.max_fault_rate=1"]
+EFFECT_POINTS = {"tools.after_sent": 8 * TARGET, "tools.after_run": 8 * TARGET, "tools.after_done": 8 * TARGET}
+
+
+def effects_trial(root: Path, refs: dict[str, Path], rng: random.Random, n: int, counts: Counter) -> Trial:
+    order, tool = rng.choice(["sync", "step", "completion"]), rng.choice(["open_ticket", "post_message"])
+    over = EFFECTS + ([] if order == "sync" else [*ASYNC, f"rollout.async_order={order}"])
+    run, label = root / f"effects{n}", f"{order} {tool}"
+    effects = root / f"effects{n}.jsonl"
+    extra = {"PYTHONPATH": str(TESTS), "VERLJ_TEST_TOOL": tool, "VERLJ_TEST_EFFECTS": str(effects)}
+    kept: dict[int, str] = {}
+    try:
+        if rng.random() < 0.5:
+            point = rng.choice(sorted(EFFECT_POINTS))
+            count = rng.randint(1, EFFECT_POINTS[point])
+            out = train(run, *over, VERLJ_FAILPOINT=f"{point}:{count}", **extra)
+            what = f"{label}: SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
+        else:
+            kills = rng.randint(1, 2)
+            for _ in range(kills):
+                kill_at_random(run, rng, *over, **extra)
+                kept = _kept(run, kept)
+            what = f"{label}: {kills} random SIGKILL(s)"
+        kept = _kept(run, kept)
+        out = resume_until_done(run, *over, **extra)
+        kept = _kept(run, kept)
+    except AssertionError as e:  # a committed step changed
+        return Trial("effects", n, label, "NOT EXACT", str(e))
+    if out is None or out.returncode != 0:
+        return Trial("effects", n, what, "NOT EXACT", resume_failure(out))
+    problems = effect_problems(run, effects, tool, counts)
+    if order != "completion" and tool == "open_ticket" and not problems:  # bit-identical: every step's state, as uninterrupted
+        ref = refs.get(order)
+        if ref is None:
+            ref = refs[order] = root / f"ref_effects_{order}"
+            ref_extra = {**extra, "VERLJ_TEST_EFFECTS": str(root / f"ref_effects_{order}.jsonl")}
+            assert train(ref, *over, resume=False, **ref_extra).returncode == 0, "effects reference run failed"
+        if _kept(run, {}) != _kept(ref, {}):
+            problems.append("a step's fingerprint differs from the uninterrupted run's")
+    shutil.rmtree(run, ignore_errors=True)
+    duplicated = any(p.startswith("applied twice") for p in problems)
+    return Trial("effects", n, what, "DUPLICATED" if duplicated else "NOT EXACT" if problems else "exact", "; ".join(problems))
+
+
+def effect_problems(run: Path, effects: Path, tool: str, counts: Counter) -> list[str]:
+    """What the outside world and the journal say of a run's tool calls (effect_trial's checks)."""
+    Journal, _ = _journal()
+    from verlj.engine.schema.events import DropReason, StepEvents
+    from verlj.engine.schema.sample import EnvEnd, unpack
+
+    seen = [json.loads(line) for line in effects.read_text().splitlines()] if effects.exists() else []
+    applied = Counter(e["key"] for e in seen if e["kind"] == "applied")
+    problems = [f"applied twice: {k}" for k, v in applied.items() if v > 1]
+    if any(e["kind"] == "dedup" for e in seen):
+        problems.append(f"{sum(e['kind'] == 'dedup' for e in seen)} keys sent again (the service's own keys caught them)")
+    with Journal.open_reader(run / "journal") as j:
+        steps = [StepEvents.of(r) for r in j.iter_steps()]
+    samples = [s for st in steps for s in unpack(st.added.samples)]
+    unresolved = {int(s.id) for s in samples if s.env_end == EnvEnd.UNRESOLVED}
+    consumed = {int(i) for st in steps if st.consumed is not None for i in st.consumed.ids.tolist()}
+    dropped = {int(i) for st in steps for i in st.dropped(DropReason.FAULT)}
+    if unresolved & consumed or not unresolved <= dropped:
+        problems.append(f"unresolved episodes trained: {sorted(unresolved & consumed or unresolved - dropped)}")
+    if tool == "open_ticket" and unresolved:
+        problems.append(f"{len(unresolved)} episodes unresolved though the tool reconciles")
+    metric = sum(st.metrics.values.get("agent/unresolved", 0.0) for st in steps)
+    if metric < len(unresolved):
+        problems.append(f"agent/unresolved counts {metric:g} of {len(unresolved)} unresolved episodes")
+    counts["trials"] += 1
+    counts["unresolved"] += len(unresolved)
+    counts["from_journal"] += int(sum(st.metrics.values.get("agent/tool_calls_from_journal", 0.0) for st in steps))
+    counts["reconciled"] += int(sum(st.metrics.values.get("agent/tool_calls_reconciled", 0.0) for st in steps))
+    counts["effects"] += sum(applied.values())
+    return problems
 
 
 # ----------------------------------------------------------------------------- partial rollouts
@@ -1260,6 +1350,7 @@ def main() -> int:
     ap.add_argument("--operators", type=int, default=30)
     ap.add_argument("--episodes", type=int, default=30)
     ap.add_argument("--partials", type=int, default=30, help="trials of the partial kind (rollout.partial)")
+    ap.add_argument("--effects", type=int, default=30, help="trials of the effects kind (rollout.tools)")
     ap.add_argument("--fleet", type=int, default=30, help="trials of the fleet kind (rollout.fleet=ray; needs ray)")
     ap.add_argument("--async-engine", default="hf", choices=["hf", "vllm"], help="what the async trials' generator runs")
     ap.add_argument("--async-order", default="both", choices=["step", "completion", "both"],
@@ -1277,7 +1368,7 @@ def main() -> int:
     PYTHON[0] = args.python
     if args.quick:
         args.kills, args.corruptions, args.disk_full, args.node_losses, args.two_writers, args.asyncs = 1, 3, 1, 1, 1, 1
-        args.bitflips, args.operators, args.fleet, args.episodes, args.partials = 1, 3, 1, 1, 1
+        args.bitflips, args.operators, args.fleet, args.episodes, args.partials, args.effects = 1, 3, 1, 1, 1, 1
     kinds = set(args.kinds.split(",")) if args.kinds else set(KINDS) - ({"fleet"} if args.quick else set())
     if kinds - set(KINDS):
         print(f"error: unknown kind(s) {', '.join(sorted(kinds - set(KINDS)))} in --kinds; the kinds are {', '.join(KINDS)}", file=sys.stderr)
@@ -1353,6 +1444,11 @@ def main() -> int:
         if "partial" in kinds:
             for n in range(1, args.partials + 1):
                 record(partial_trial(root, rng, n, partial_counts))
+        effect_refs: dict[str, Path] = {}
+        effect_counts: Counter = Counter()
+        if "effects" in kinds:
+            for n in range(1, args.effects + 1):
+                record(effects_trial(root, effect_refs, rng, n, effect_counts))
         if "fleet" in kinds:
             ray = cluster.enter_context(RayCluster())
             fleet_ref = root / "ref_fleet"  # step order, uninterrupted, on the same cluster
@@ -1388,6 +1484,10 @@ def main() -> int:
         print(f"partial: {partial_counts['partial']} trials: {partial_counts['continued']} groups went on from durable tokens after a kill "
               f"({partial_counts['durable_tokens']} tokens never generated again); {partial_counts['regenerated']} groups asked again, "
               f"{partial_counts['lost']} completed samples lost, {partial_counts['duplicated']} trained or arrived twice")
+    if any(t.kind == "effects" for t in trials):
+        print(f"effects: {effect_counts['trials']} trials: {effect_counts['effects']} effects applied, none twice; "
+              f"{effect_counts['from_journal']} tool calls answered from the journal, {effect_counts['reconciled']} unknown outcomes "
+              f"reconciled by their keys, {effect_counts['unresolved']} episodes unresolved (keyless, no reconcile), none trained")
     if any(t.kind == "fleet" for t in trials):
         print(f"fleet: {fleet_counts['deaths']} actor deaths counted by the fleet, {fleet_counts['restarts']} trainer restarts by the "
               f"supervisor; completion order: {fleet_counts['lost']} completed samples lost, {fleet_counts['duplicated']} trained or "

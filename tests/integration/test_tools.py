@@ -25,16 +25,16 @@ def effects(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_with_kills(tmp_path: Path, over: list[str], kills: list[str]) -> tuple[Path, Path, list[str]]:
+def run_with_kills(tmp_path: Path, over: list[str], kills: list[str], ref_over=(), run_over=()) -> tuple[Path, Path, list[str]]:
     ref, run = tmp_path / "ref", tmp_path / "run"
-    out = train(ref, *over, PYTHONPATH=TESTS, VERLJ_TEST_EFFECTS=str(tmp_path / "ref.effects"))
+    out = train(ref, *over, *ref_over, PYTHONPATH=TESTS, VERLJ_TEST_EFFECTS=str(tmp_path / "ref.effects"))
     assert out.returncode == 0, out.stderr[-3000:]
     said = []
     for k, point in enumerate(kills):
-        out = train(run, *over, resume=k > 0, PYTHONPATH=TESTS, VERLJ_TEST_EFFECTS=str(tmp_path / "run.effects"), VERLJ_FAILPOINT=point)
+        out = train(run, *over, *run_over, resume=k > 0, PYTHONPATH=TESTS, VERLJ_TEST_EFFECTS=str(tmp_path / "run.effects"), VERLJ_FAILPOINT=point)
         assert out.returncode == -9, (point, out.stderr[-3000:])
         said.append(out.stderr)
-    out = train(run, *over, resume=True, PYTHONPATH=TESTS, VERLJ_TEST_EFFECTS=str(tmp_path / "run.effects"))
+    out = train(run, *over, *run_over, resume=True, PYTHONPATH=TESTS, VERLJ_TEST_EFFECTS=str(tmp_path / "run.effects"))
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     return ref, run, said
 
@@ -42,9 +42,48 @@ def run_with_kills(tmp_path: Path, over: list[str], kills: list[str]) -> tuple[P
 @pytest.mark.parametrize("order", ["sync", "completion"])
 def test_killed_around_tool_calls_no_effect_is_applied_twice_and_the_run_is_bit_identical(tmp_path, order):
     over = [*TOOLS, *(COMPLETION if order == "completion" else [])]
-    # before a call runs (durable as sent, not applied), after it ran (applied, not durable), after its result was durable
-    ref, run, _ = run_with_kills(tmp_path, over, ["tools.after_sent:20", "tools.after_run:3", "tools.after_done:4"])
-    done, got = effects(tmp_path / "ref.effects"), effects(tmp_path / "run.effects")
+    check_kills(tmp_path, over, order, tmp_path / "ref.effects", tmp_path / "run.effects")
+
+
+def test_an_mcp_server_of_yours_through_kills_opens_each_ticket_once(tmp_path):
+    """rollout.tools=[URL]: examples/counting_service.py over streamable HTTP (its keys, its reconcile), forwarded by the gateway."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    services = []
+
+    def start(effects: Path) -> str:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        services.append(subprocess.Popen([sys.executable, str(Path(TESTS).parent / "examples" / "counting_service.py"), "--effects",
+                                          str(effects), "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    return f"http://127.0.0.1:{port}/mcp"
+            time.sleep(0.1)
+        raise AssertionError("the counting service did not start")
+
+    try:
+        ref_url, run_url = start(tmp_path / "ref.effects"), start(tmp_path / "run.effects")
+        over = [o for o in TOOLS if not o.startswith("rollout.tools=")]
+        check_kills(tmp_path, over, "sync", tmp_path / "ref.effects", tmp_path / "run.effects",
+                    ref_over=[f"rollout.tools=[{ref_url}]"], run_over=[f"rollout.tools=[{run_url}]"])
+    finally:
+        for p in services:
+            p.kill()
+            p.wait()
+
+
+def check_kills(tmp_path: Path, over: list[str], order: str, ref_effects: Path, run_effects: Path, ref_over=(), run_over=()) -> None:
+    """Killed before a call runs (durable as sent, not applied), after it ran (applied, not durable), after its result was
+    durable, then resumed: no effect applied twice or even re-sent, the run's samples and states the uninterrupted run's."""
+    ref, run, _ = run_with_kills(tmp_path, over, ["tools.after_sent:20", "tools.after_run:3", "tools.after_done:4"], list(ref_over), list(run_over))
+    done, got = effects(ref_effects), effects(run_effects)
     assert all(e["kind"] == "applied" for e in done)
     if order == "sync":  # a ticket an episode: 2 steps of 8 prompts x 2 (completion order plays groups ahead too, never trained)
         assert len(done) == 2 * 8 * 2

@@ -139,7 +139,10 @@ def test_a_rerun_is_answered_from_the_journal_never_sending_an_external_call_twi
     calls = [("create_ticket", {"title": "bug"}), ("move", {"steps": 2})]
     r, gw = runner(agent(calls, seen), TOOLS)
     served.append(gw)
-    first = r.play(episodes(1))
+    sink = Sink()
+    first = r.play(episodes(1, tool_sink=sink))
+    # an external call durable as sent then done; a restorable one (run again after a crash anyway) only once it is done
+    assert [(k, c.name, c.state) for _, k, c, _ in sink.writes] == [(0, "create_ticket", "sent"), (0, "create_ticket", "done"), (1, "move", "done")]
     assert APPLIED == [("run-e0-t0", f"bug {json.loads(seen[0][1][0].content[0].text)['title'].split(' ', 1)[1]}"), ("move", "2")]
     again = r.play(episodes(1, journaled_tools={0: first[0].tools}, attempts=[2]))
     assert len(APPLIED) == 3 and APPLIED[2] == ("move", "2")  # the ticket is not opened again; the restorable move is made again
@@ -225,3 +228,78 @@ def test_tool_declarations_and_bad_specs():
         load_tools(["test_gateway_tools:nothing_here"])
     with pytest.raises(ConfigError, match="two tools are named 'send'"):
         load_tools(["test_gateway_tools:send", "test_gateway_tools:send"])
+
+
+@pytest.fixture
+def counting(tmp_path):
+    """examples/counting_service.py over streamable HTTP (keys honoured, a reconcile), its effects in a file."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    effects = tmp_path / "tickets.jsonl"
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, str(repo / "examples" / "counting_service.py"), "--effects", str(effects), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}/mcp", effects
+    proc.kill()
+    proc.wait()
+
+
+def test_an_mcp_server_of_yours_is_forwarded_with_its_key_and_reconciled_through_a_crash(served, counting):
+    from verlj.engine.rl.gateway.tools import open_tools
+
+    url, effects = counting
+    box = open_tools([url, "test_gateway_tools:move"], {"move": "pure"})
+    try:
+        t = box.tools["open_ticket"]
+        # the server's tools served as ours, its reconcile not among them; the key parameter hidden from the agent, given by verlj
+        assert sorted(box.tools) == ["move", "open_ticket"] and t.effect == "external" and t.reconcile is not None
+        assert t.schema["required"] == ["title"] and "idempotency_key" not in t.schema["properties"]
+        assert box.tools["move"].effect == "pure"  # rollout.tool_effects over what @tool said
+        gw = Gateway(MODEL, box.tools).start()
+        served.append(gw)
+        seen: list = []
+        r = Runner(gw, agent([("open_ticket", {"title": "bug"})], seen), Prompts(TOK, chat_template(TOK, True), 0), Scripted({}), Settings(2, 10.0, 3))
+        first = r.play(episodes(2))
+        assert [p.tools[0].key for p in first] == ["run-e0-t0", "run-e1-t0"]
+        said = [json.loads(line) for line in effects.read_text().splitlines()]
+        assert sorted(e["key"] for e in said) == ["run-e0-t0", "run-e1-t0"] and all(e["kind"] == "applied" for e in said)
+        # a crash after episode 0's call was sent (applied: the server has it) and episode 1's too (its outcome unknown): played
+        # again, the server's reconcile answers both by their keys; nothing applied again, nothing even re-sent
+        sent = {q: [ToolCall(t.name, t.arguments, t.digest, t.key, t.effect, 1)] for q, t in ((q, p.tools[0]) for q, p in enumerate(first))}
+        again = r.play(episodes(2, journaled_tools=sent, attempts=[2, 2]))
+        assert [p.tools[0].state for p in again] == ["reconciled", "reconciled"]
+        assert [p.tools[0].result for p in again] == [p.tools[0].result for p in first]
+        assert len(effects.read_text().splitlines()) == 2
+    finally:
+        box.close()
+
+
+def test_an_mcp_server_started_by_command_and_one_that_cannot_be_reached(tmp_path):
+    from pathlib import Path
+
+    from verlj.engine.rl.gateway.tools import open_tools
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "counting_service.py"
+    box = open_tools([f"cmd:python {script} --effects {tmp_path / 'e.jsonl'} --stdio --no-keys"])
+    try:
+        t = box.tools["open_ticket"]
+        assert t.reconcile is None and t.run({"title": "x"}, "k") == "ticket opened: x"  # a keyless server: no reconcile
+    finally:
+        box.close()
+    with pytest.raises(ConfigError, match=r"rollout.tools: the MCP server http://127.0.0.1:9/mcp could not be reached"):
+        open_tools(["http://127.0.0.1:9/mcp"])
+    with pytest.raises(ConfigError, match="rollout.tool_effects names nope, which no tool in rollout.tools is"):
+        open_tools(["test_gateway_tools:move"], {"nope": "pure"})

@@ -243,6 +243,7 @@ BOUNDARIES = {
     "engine/rl/gateway/protocol.py",  # OpenAI's chat-completions JSON: requests parsed, responses written and read back
     "engine/rl/gateway/responses.py",  # OpenAI's Responses JSON and its stream's events: the same, for /v1/responses
     "engine/rl/openenv_envs.py",  # OpenEnv's JSON: its /schema, /health and WebSocket messages (reset, step, error)
+    "engine/rl/gateway/tools.py",  # MCP's JSON: a server's tool schemas (their idempotency_key parameter hidden from agents)
     "engine/rl/gateway/server.py",  # HTTP: the gateway's paths and headers (authorization, content-length)
     "engine/post_mortem/view/http.py",  # HTTP: the viewer's query strings and headers (token, Cookie, Host)
 }

@@ -156,6 +156,12 @@ def agent_loop() -> asyncio.AbstractEventLoop:
     return _loop("agents")
 
 
+def tools_loop() -> asyncio.AbstractEventLoop:
+    """Where the sessions with rollout.tools' MCP servers are held (``gateway.tools.Upstream``): a loop apart from the
+    agents' and the server's, so that neither can block a forwarded call."""
+    return _loop("tools")
+
+
 def server_loop() -> asyncio.AbstractEventLoop:
     """The gateway's HTTP server's loop: a loop apart, so that an agent that blocks its own loop (a sync client in
     an ``async def``) still gets its answers."""

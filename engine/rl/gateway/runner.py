@@ -294,15 +294,17 @@ class Play:
                 if got is not None:
                     return got
             call = ToolCall(name, args, digest, key, tool.effect, self.attempt)
-            self._durable(k, call, dropped)  # sent: from here on its outcome is unknown until its result is durable
-            failpoint("tools.after_sent")
+            if tool.effect == EXTERNAL:  # sent: from here on its outcome is unknown until its result is durable (a pure or
+                self._durable(k, call, dropped)  # restorable call sent and never answered is run again: no need to say it was)
+                dropped = []
+                failpoint("tools.after_sent")
             try:
                 text, error = result_text(tool.run(arguments, key)), False
             except Exception as e:  # noqa: BLE001 - the tool's failure is its call's result, said to its caller
                 text, error = f"{type(e).__name__}: {e}", True
             failpoint("tools.after_run")  # applied, not yet durable: its outcome unknown to a process after a crash here
             done = dataclasses.replace(call, state=TOOL_DONE, result=text, error=error)
-            self._durable(k, done, [])
+            self._durable(k, done, dropped)
             failpoint("tools.after_done")
             with r.cond:
                 r.counts.tool_call("sent")

@@ -34,9 +34,11 @@ makes a re-sent call safe. The way a call is made durable and answered: ``gatewa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import inspect
 import json
+import sys
 import typing
 import weakref
 from collections.abc import Callable
@@ -70,7 +72,8 @@ class Tool:
     wants_key: bool
 
     def run(self, arguments: dict, key: str) -> Any:
-        """The function called on `arguments` (and its key, when it asks), awaited when it is ``async def``."""
+        """The function called on `arguments` (and its key, when it asks: an MCP server's forward always does), awaited when it
+        is ``async def``."""
         out = self.fn(**arguments, **({KEY_PARAM: key} if self.wants_key else {}))
         return asyncio.run(_awaited(out)) if inspect.isawaitable(out) else out
 
@@ -140,6 +143,147 @@ def load_tools(specs: list[str]) -> dict[str, Tool]:
             raise ConfigError(f"{KEY}: two tools are named {t.name!r}; give one another name (@tool(name=...))")
         out[t.name] = t
     return out
+
+
+# ----------------------------------------------------------------------------- MCP servers of the user's
+
+RECONCILE = "reconcile"  # an MCP server's tool of this name is its reconcile (never served to episodes)
+
+
+class McpToolError(Exception):
+    """An MCP server's tool answered an error: its text."""
+
+
+class Upstream:
+    """An MCP server of the user's (rollout.tools: an ``http(s)://`` URL, or ``cmd:COMMAND`` started over stdio and stopped
+    with the gateway): one session held open on an event loop of its own (the ``mcp`` package's ``Client``), its tools
+    served to every episode as verlj's own are. A call is forwarded with its idempotency key in the request's ``_meta``
+    (``idempotency_key``), and as an argument where the tool's schema asks for one (that parameter hidden from the agent);
+    a tool named ``reconcile`` (its argument ``idempotency_key``; it answers the call's result, or nothing (an empty or ``null``
+    answer) when no call under that key was applied) is the server's reconcile for every tool it serves."""
+
+    def __init__(self, spec: str, timeout_s: float = 60.0):
+        import shlex
+        from concurrent.futures import Future
+
+        from mcp import Client, StdioServerParameters
+
+        from .agents import tools_loop
+
+        self.spec, self.timeout_s, self.loop = spec, timeout_s, tools_loop()
+        if spec.startswith("cmd:"):
+            argv = shlex.split(spec[4:])
+            target: Any = StdioServerParameters(command=sys.executable if argv[0] == "python" else argv[0], args=argv[1:])
+        else:
+            target = spec
+        ready: Future = Future()
+        self.stop: asyncio.Event | None = None
+
+        async def hold() -> None:
+            self.stop = asyncio.Event()
+            try:
+                async with Client(target) as client:
+                    ready.set_result(client)
+                    await self.stop.wait()
+            except BaseException as e:  # noqa: BLE001 - its connection's failure, said where the tools are loaded
+                if not ready.done():
+                    ready.set_exception(e)
+
+        asyncio.run_coroutine_threadsafe(hold(), self.loop)
+        try:
+            self.client = ready.result(timeout=timeout_s)
+            listed = self.call(self.client.list_tools()).tools
+        except Exception as e:  # noqa: BLE001 - one sentence, never a traceback
+            self.close()
+            raise ConfigError(f"{KEY}: the MCP server {spec} could not be reached: {_first(e)}") from None
+        self.listed = listed
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=self.timeout_s)
+
+    def tools(self, effects: dict[str, str]) -> list[Tool]:
+        """Its tools as served (the reconcile not among them), each with the effect rollout.tool_effects gives it (external)."""
+        names = {t.name for t in self.listed}
+        reconcile = self._reconcile if RECONCILE in names else None
+        out = []
+        for t in self.listed:
+            if t.name == RECONCILE:
+                continue
+            schema = dict(t.input_schema or {"type": "object"})
+            props = dict(schema.get("properties") or {})
+            wants = props.pop(KEY_PARAM, None) is not None
+            schema = {**schema, "properties": props, "required": [r for r in schema.get("required") or [] if r != KEY_PARAM]}
+            out.append(Tool(t.name, self._forward(t.name, wants), effects.get(t.name, EXTERNAL), t.description or "", schema,
+                            reconcile, True))
+        return out
+
+    def _forward(self, name: str, wants: bool) -> Callable[..., Any]:
+        def forward(**arguments: Any) -> str:
+            key = arguments.pop(KEY_PARAM)
+            got = self.call(self.client.call_tool(name, {**arguments, **({KEY_PARAM: key} if wants else {})}, meta={KEY_PARAM: key}))
+            text = "".join(getattr(c, "text", "") for c in got.content)
+            if got.is_error:
+                raise McpToolError(text)
+            return text
+        return forward
+
+    def _reconcile(self, key: str, arguments: dict) -> str | None:
+        got = self.call(self.client.call_tool(RECONCILE, {KEY_PARAM: key}))
+        text = "".join(getattr(c, "text", "") for c in got.content)
+        if got.is_error:
+            raise McpToolError(text)
+        return None if text.strip() in ("", "null") else text
+
+    def close(self) -> None:
+        stop = self.stop
+        if stop is not None:
+            self.loop.call_soon_threadsafe(stop.set)
+
+
+def _first(e: BaseException) -> str:
+    """An exception (a task group's: its first) as one line."""
+    while getattr(e, "exceptions", None):
+        e = e.exceptions[0]  # type: ignore[attr-defined]
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+
+@dataclass
+class Toolbox:
+    """rollout.tools as served: every tool by its name, and the MCP servers they are forwarded to (closed with `close`)."""
+
+    tools: dict[str, Tool]
+    servers: list[Upstream]
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.close()
+
+
+def open_tools(specs: list[str], effects: dict[str, str] | None = None) -> Toolbox:
+    """The tools rollout.tools names: Python functions (``module:function``) and the tools of MCP servers (a URL, or
+    ``cmd:COMMAND``), each with its effect (rollout.tool_effects over what ``@tool`` said), or one ConfigError."""
+    effects = effects or {}
+    python = [s for s in specs if not s.startswith(("http://", "https://", "cmd:"))]
+    tools = {name: dataclasses.replace(t, effect=effects.get(name, t.effect)) for name, t in load_tools(python).items()}
+    servers: list[Upstream] = []
+    try:
+        for spec in specs:
+            if spec in python:
+                continue
+            server = Upstream(spec)
+            servers.append(server)
+            for t in server.tools(effects):
+                if t.name in tools:
+                    raise ConfigError(f"{KEY}: two tools are named {t.name!r} (one of them {spec}'s)")
+                tools[t.name] = t
+    except BaseException:
+        Toolbox({}, servers).close()
+        raise
+    unknown = sorted(set(effects) - set(tools))
+    if unknown:
+        Toolbox({}, servers).close()
+        raise ConfigError(f"rollout.tool_effects names {', '.join(unknown)}, which no tool in {KEY} is")
+    return Toolbox(tools, servers)
 
 
 def canonical(arguments: dict) -> str:
