@@ -341,3 +341,22 @@ def test_agents_on_a_fleet_are_bit_identical_through_a_killed_actor_and_trainer(
         assert got["calls_generated"] + got["calls_from_journal"] == _agent_calls(ref)["calls_generated"]
     assert_same_journal(ref, run, ignore=(*NOT_FLEET, "agent/calls", "agent/durable_writes"))
     assert fingerprints(run) == fingerprints(ref)
+
+
+def test_tools_on_a_fleet_apply_each_effect_once_through_a_killed_trainer_and_actor(tmp_path, cluster):
+    """rollout.tools on a fleet (step order): the gateway and its tools stay on the trainer, the model calls go to the actors.
+    The trainer SIGKILLed after a ticket was opened and before its result was durable, an actor killed on the resume: every
+    ticket opened once (the unknown one reconciled by its key, never sent again), the states the uninterrupted run's."""
+    over = [*FLEET, "model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:ticketing", "rollout.max_turns=2", "trainer.total_steps=3",
+            "rollout.tools=[tools_for_tests:open_ticket]", "rollout.async_order=step"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(train(ref, *over, **cluster, PYTHONPATH=TESTS, VERLJ_TEST_EFFECTS=str(tmp_path / "ref.jsonl")))
+    out = train(run, *over, VERLJ_FAILPOINT="tools.after_run:40", **cluster, PYTHONPATH=TESTS, VERLJ_TEST_EFFECTS=str(tmp_path / "run.jsonl"))
+    assert out.returncode == -9, out.stderr[-3000:]
+    ok(train(run, *over, resume=True, VERLJ_FAILPOINT=KILL, **cluster, PYTHONPATH=TESTS, VERLJ_TEST_EFFECTS=str(tmp_path / "run.jsonl")))
+    seen = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    keys = [e["key"] for e in seen if e["kind"] == "applied"]
+    assert len(keys) == len(set(keys)) and not [e for e in seen if e["kind"] == "dedup"]  # none applied twice, none re-sent
+    assert len(keys) == len((tmp_path / "ref.jsonl").read_text().splitlines())  # a ticket an episode, as uninterrupted
+    assert max(m["rollout/fleet/deaths"] for m in fleet_metrics(run).values()) == 1
+    assert fingerprints(run) == fingerprints(ref)
