@@ -58,11 +58,11 @@ SECONDS = {
     "test_verify_inspect.py": 13,
     "test_whatif.py": 13,
     "test_install.py": 12,
-    "test_view_browser.py": 12,
+    "test_view_browser.py": 30,  # and a run with rollout.tools killed and resumed (an unresolved episode to show)
     "test_distill_runs.py": 11,
     "test_claim.py": 10,
     "test_gateway.py": 10,
-    "test_gateway_tools.py": 12,  # measured alone: MCP sessions of the mcp package's client
+    "test_gateway_tools.py": 18,  # measured alone: MCP sessions of the mcp package's client, a counting service started
     "test_tools.py": 42,  # measured alone: two kill campaigns (sync, completion) and an unresolved run
     "test_projections.py": 10,
     "test_fused_adamw.py": 9,

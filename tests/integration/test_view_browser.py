@@ -22,6 +22,8 @@ from verlj_testing import TINY, fingerprints, train
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 RUN = [*TINY, "trainer.total_steps=3", "trainer.save_interval=2"]
 EPISODES = [*TINY, "rollout.env=builtin:guess", "rollout.max_turns=3", "model.tiny.vocab=ascii", "trainer.total_steps=2"]
+TOOLS = [*TINY, "model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:ticketing", "rollout.max_turns=2", "trainer.total_steps=2",
+         "rollout.tools=[tools_for_tests:post_message]", "rollout.max_fault_rate=1"]
 WAIT = 20  # seconds: what a page may take to draw itself on a loaded 2-core machine
 
 
@@ -31,6 +33,10 @@ def runs(tmp_path_factory):
     run_train(root / "grpo", None, RUN)
     run_train(root / "episodes", None, EPISODES)
     assert whatif(root / "grpo", 1, None, root / "lr", ["model.actor.optim.lr=0.003"]) == (2, 3)
+    # rollout.tools through a kill after a keyless post was applied and before its result was durable: its episode unresolved
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "VERLJ_TEST_TOOL": "post_message", "VERLJ_TEST_EFFECTS": str(root / "posts")}
+    assert train(root / "tools", *TOOLS, VERLJ_FAILPOINT="tools.after_run:19", **env).returncode == -9
+    assert train(root / "tools", *TOOLS, resume=True, **env).returncode == 0
     return root
 
 
@@ -41,7 +47,7 @@ def browser(runs):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    server = Server([runs / "grpo", runs / "lr", runs / "episodes"], port=0)
+    server = Server([runs / "grpo", runs / "lr", runs / "episodes", runs / "tools"], port=0)
     server.start()
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
@@ -136,6 +142,24 @@ def test_an_episode_reads_turn_by_turn(browser, runs, tmp_path):
     # the observation's tokens are shown apart (masked out of the loss), the actions' with their log-probs
     assert find(browser, f'.sample[data-sample="{s.id}"] .tok.obs')
     shot(browser, tmp_path, "episode")
+
+
+def test_an_agents_tool_calls_show_their_keys_and_an_unresolved_episode_says_so(browser, runs, tmp_path):
+    d = inspection.step_detail(runs / "tools", 2)
+    unresolved = [s for s in d.samples if s.episode.env_end == 6]
+    done = next(s for s in d.samples if s.episode.env_end != 6 and s.episode.tools)
+    assert unresolved
+    open_page(browser, "/run/tools/step/2", "#samples .group")
+    for s in unresolved:  # its reason, naming the call and its key, and the call itself: sent, its outcome unknown
+        said = find(browser, f'.sample[data-sample="{s.id}"] .badge.bad')[-1].get_attribute("textContent")
+        assert said == f"ended unresolved, never trained on: {s.episode.env_reason}" and "post_message, key verlj-" in said
+        (line,) = find(browser, f'.sample[data-sample="{s.id}"] .turn.tool')
+        t = s.episode.tools[0]
+        assert line.get_attribute("textContent") == f"tool 1{t.name}({t.arguments}) → (sent; its outcome unknown)external, sent, attempt {t.attempt}{t.key}"
+    (line,) = find(browser, f'.sample[data-sample="{done.id}"] .turn.tool')
+    t = done.episode.tools[0]
+    assert line.get_attribute("textContent") == f"tool 1{t.name}({t.arguments}) → {t.result}external, done, attempt {t.attempt}{t.key}"
+    shot(browser, tmp_path, "tools")
 
 
 def test_two_runs_part_at_the_first_divergent_step(browser, runs, tmp_path):

@@ -52,6 +52,15 @@ def move(steps: int) -> str:
     return f"moved {steps}"
 
 
+@tool(effect="external")
+def slow(text: str) -> str:
+    import time
+
+    time.sleep(1.5)
+    APPLIED.append(("slow", text))
+    return "late"
+
+
 def boom(x: int) -> str:
     raise RuntimeError("the service is down")
 
@@ -96,7 +105,7 @@ def episodes(n: int, **kw) -> Episodes:
 
 
 TOOLS = ["test_gateway_tools:create_ticket", "test_gateway_tools:send", "test_gateway_tools:move",
-         "test_gateway_tools:boom"]
+         "test_gateway_tools:boom", "test_gateway_tools:slow"]
 
 
 @pytest.fixture
@@ -116,7 +125,8 @@ def test_tools_are_served_over_mcp_and_every_call_is_durable_as_sent_then_done_b
     sink = Sink()
     played = r.play(episodes(2, tool_sink=sink))
     listed, out = seen[0]
-    assert {t.name: t.input_schema["required"] for t in listed} == {"create_ticket": ["title"], "send": ["text"], "move": ["steps"], "boom": ["x"]}
+    assert {t.name: t.input_schema["required"] for t in listed} == {"create_ticket": ["title"], "send": ["text"], "move": ["steps"], "boom": ["x"],
+                                                                    "slow": ["text"]}
     assert next(t for t in listed if t.name == "create_ticket").description == "Open a ticket (an effect outside the episode)."
     first, failed = out
     assert json.loads(first.content[0].text)["title"].startswith("bug ") and first.meta == {"idempotency_key": first.meta["idempotency_key"]}
@@ -215,7 +225,7 @@ def test_a_wrong_keys_and_an_unknown_tools_calls_get_mcp_errors_in_the_gateways_
 
     r = Runner(gw, unknown, Prompts(TOK, chat_template(TOK, True), 0), Scripted({}), Settings(1, 10.0, 3))
     played = r.play(episodes(1))
-    assert said == ["No tool is named 'nope': the gateway serves boom, create_ticket, move, send."] and not played[0].fault
+    assert said == ["No tool is named 'nope': the gateway serves boom, create_ticket, move, send, slow."] and not played[0].fault
 
 
 def test_tool_declarations_and_bad_specs():
@@ -303,3 +313,17 @@ def test_an_mcp_server_started_by_command_and_one_that_cannot_be_reached(tmp_pat
         open_tools(["http://127.0.0.1:9/mcp"])
     with pytest.raises(ConfigError, match="rollout.tool_effects names nope, which no tool in rollout.tools is"):
         open_tools(["test_gateway_tools:move"], {"nope": "pure"})
+
+
+def test_a_call_that_answers_after_its_episode_ended_is_refused_and_not_the_episodes(served):
+    """A tool slower than rollout.agent_timeout_s: its episode ends by the timeout (a fault) while the call runs; the effect
+    happened (the world's), but the answer comes to an episode that is over: refused, in no sample."""
+    gw = Gateway(MODEL, load_tools(TOOLS)).start()
+    served.append(gw)
+    r = Runner(gw, agent([("slow", {"text": "x"})], []), Prompts(TOK, chat_template(TOK, True), 0), Scripted({}), Settings(1, 0.5, 3))
+    played = r.play(episodes(1))
+    assert "neither called the model nor returned within rollout.agent_timeout_s=0.5" in played[0].fault
+    import time
+
+    time.sleep(1.5)  # the call answers now, to an episode that is over
+    assert played[0].tools == [] and r.plays[0].tool_calls == [] and APPLIED == [("slow", "x")]  # refused: kept nowhere

@@ -316,7 +316,12 @@ class Play:
             sink.keep_tool(self.place, k, call, dropped)
 
     def _kept(self, call: ToolCall, journaled: bool = False) -> tuple[str, bool, str]:
+        """The call is the episode's: answered, kept with its sample. A call that answers after its episode ended (a slow tool,
+        a timeout) is refused: its effect is the world's and its entry in the journal, but it is no attempt's any more."""
         with self.runner.cond:
+            if self.state == DONE:
+                raise ApiError(409, f"{self.tag} ended before tool call {len(self.tool_calls)} ({call.name}, key {call.key}) answered: "
+                               "its result is not the episode's.", code="episode_over")
             self.tool_calls.append(call)
             self.since = time.monotonic()
             if journaled:
@@ -416,7 +421,8 @@ class Runner:
         finally:
             self.output.close()
             self.output = None
-        return [Played(p.calls, None if p.fault or p.unresolved else p.result, p.fault, p.cut, p.tool_calls, p.unresolved) for p in plays]
+        return [Played(list(p.calls), None if p.fault or p.unresolved else p.result, p.fault, p.cut, list(p.tool_calls), p.unresolved)
+                for p in plays]  # copies: a late thread of an episode that is over changes nothing played
 
     def _play(self, plays: list[Play]) -> None:
         todo, running = list(range(len(plays)))[::-1], list[Play]()

@@ -227,13 +227,21 @@ function tokensView(tokens, fallback) {
     : el("span", { class: "tok obs", title: "the environment's (masked out of the loss)", text })));
 }
 
+const UNRESOLVED = 6; // schema.sample.EnvEnd.UNRESOLVED: a tool call's outcome unknown after a crash (rollout.tools)
+
 function episodeView(s) {
   if (!s.turns) return null;
+  const ended = s.env_end === UNRESOLVED ? "ended unresolved, never trained on" : "ended by a fault";
   return el("div", { class: "turns" }, s.turns.map((t, i) => el("div", { class: "turn" },
     el("span", { class: "n", text: `turn ${i + 1}` }), el("span", { class: "mono", text: JSON.stringify(t.action) }), " ⇒ ",
     el("span", { class: "obs mono", text: JSON.stringify(t.observation) }),
     t.reward === null ? null : el("span", { class: "badge", text: `reward ${fmt(t.reward)}` }))),
-  s.env_reason ? el("div", { class: "badge bad", text: `ended by a fault: ${s.env_reason}` }) : null);
+  (s.tools || []).map((t, i) => el("div", { class: "turn tool" },
+    el("span", { class: "n", text: `tool ${i + 1}` }), el("span", { class: "mono", text: `${t.name}(${t.arguments})` }), " → ",
+    el("span", { class: "obs mono", text: t.state === "sent" ? "(sent; its outcome unknown)" : t.result }),
+    el("span", { class: t.error || t.state === "sent" ? "badge bad" : "badge", text: `${t.effect}, ${t.state}, attempt ${t.attempt}` }),
+    el("span", { class: "badge mono", title: "its idempotency key: the same on every attempt", text: t.key }))),
+  s.env_reason ? el("div", { class: "badge bad", text: `${ended}: ${s.env_reason}` }) : null);
 }
 
 function groupsView(d) {
