@@ -26,12 +26,23 @@ def serve(effects: str, keys: bool) -> MCPServer:
     def seen() -> list[dict]:
         if not os.path.exists(effects):
             return []
+        out = []
         with open(effects) as f:
-            return [json.loads(line) for line in f if line.strip()]
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:  # a line torn by a kill mid-write: never applied
+                    continue
+        return out
 
     def append(entry: dict) -> None:
-        with open(effects, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        with open(effects, "a+b") as f:
+            f.seek(0, os.SEEK_END)
+            torn = False  # a line a kill tore mid-write: ended first, left unparsable (never applied)
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            f.write((b"\n" if torn else b"") + json.dumps(entry).encode() + b"\n")
             f.flush()
             os.fsync(f.fileno())
 

@@ -1,5 +1,7 @@
 """Tools for the tests of rollout.tools (rl.gateway.tools): services outside the episode that append every effect they apply to
-the file VERLJ_TEST_EFFECTS (one JSON line each, fsynced), as an outside world would see them.
+the file VERLJ_TEST_EFFECTS (one JSON line each, fsynced), as an outside world would see them. They run in the trainer's
+process, so a SIGKILL can tear the line being written: a torn line is an effect never applied (skipped when read; the next
+line begins on a line of its own).
 
 open_ticket honours idempotency keys (a key applied before is answered with its first result, the re-send written as
 ``dedup``) and offers a reconcile (the result stored under a key, None when none is); post_message honours nothing and offers
@@ -17,13 +19,24 @@ def _effects() -> list[dict]:
     path = os.environ["VERLJ_TEST_EFFECTS"]
     if not os.path.exists(path):
         return []
+    out = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line torn by a SIGKILL mid-write (the trainer's process runs these services): never applied
+                continue
+    return out
 
 
 def _append(entry: dict) -> None:
-    with open(os.environ["VERLJ_TEST_EFFECTS"], "a") as f:
-        f.write(json.dumps(entry) + "\n")
+    with open(os.environ["VERLJ_TEST_EFFECTS"], "a+b") as f:
+        f.seek(0, os.SEEK_END)
+        torn = False  # a line a kill tore mid-write: ended first, left unparsable (never applied)
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + json.dumps(entry).encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())
 

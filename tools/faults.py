@@ -560,11 +560,26 @@ def effects_trial(root: Path, refs: dict[str, Path], rng: random.Random, n: int,
             ref = refs[order] = root / f"ref_effects_{order}"
             ref_extra = {**extra, "VERLJ_TEST_EFFECTS": str(root / f"ref_effects_{order}.jsonl")}
             assert train(ref, *over, resume=False, **ref_extra).returncode == 0, "effects reference run failed"
-        if _kept(run, {}) != _kept(ref, {}):
-            problems.append("a step's fingerprint differs from the uninterrupted run's")
-    shutil.rmtree(run, ignore_errors=True)
+        mine, theirs = _kept(run, {}), _kept(ref, {})
+        if mine != theirs:
+            step = min(s for s in theirs if mine.get(s) != theirs[s])
+            problems.append(f"step {step}'s fingerprint differs from the uninterrupted run's ({faulted(run, step)} faulted samples in it, "
+                            f"{faulted(ref, step)} in the uninterrupted run's; kept in {run})")
+    if not problems:
+        shutil.rmtree(run, ignore_errors=True)
     duplicated = any(p.startswith("applied twice") for p in problems)
     return Trial("effects", n, what, "DUPLICATED" if duplicated else "NOT EXACT" if problems else "exact", "; ".join(problems))
+
+
+def faulted(run: Path, step: int) -> int:
+    """How many of a step's samples ended by a fault (an agent's timeout on a loaded machine, say; unresolved ones aside)."""
+    Journal, _ = _journal()
+    from verlj.engine.schema.events import StepEvents
+    from verlj.engine.schema.sample import EnvEnd, unpack
+
+    with Journal.open_reader(run / "journal") as j:
+        rec = next(r for r in j.iter_steps() if r.step == step)
+    return sum(bool(s.fault_reason) and s.env_end != EnvEnd.UNRESOLVED for s in unpack(StepEvents.of(rec).added.samples))
 
 
 def effect_problems(run: Path, effects: Path, tool: str, counts: Counter) -> list[str]:
@@ -573,9 +588,16 @@ def effect_problems(run: Path, effects: Path, tool: str, counts: Counter) -> lis
     from verlj.engine.schema.events import DropReason, StepEvents
     from verlj.engine.schema.sample import EnvEnd, unpack
 
-    seen = [json.loads(line) for line in effects.read_text().splitlines()] if effects.exists() else []
+    seen = []
+    for line in effects.read_text().splitlines() if effects.exists() else []:
+        try:
+            seen.append(json.loads(line))
+        except ValueError:  # a line a kill tore mid-write (the services run in the trainer's process): never applied
+            counts["torn"] += 1
+    faults = sum(faulted(run, s) for s in _kept(run, {}))
+    problems_faults = [f"{faults} samples faulted"] if faults else []
     applied = Counter(e["key"] for e in seen if e["kind"] == "applied")
-    problems = [f"applied twice: {k}" for k, v in applied.items() if v > 1]
+    problems = [f"applied twice: {k}" for k, v in applied.items() if v > 1] + problems_faults
     if any(e["kind"] == "dedup" for e in seen):
         problems.append(f"{sum(e['kind'] == 'dedup' for e in seen)} keys sent again (the service's own keys caught them)")
     with Journal.open_reader(run / "journal") as j:

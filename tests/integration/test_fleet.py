@@ -354,9 +354,11 @@ def test_tools_on_a_fleet_apply_each_effect_once_through_a_killed_trainer_and_ac
     out = train(run, *over, VERLJ_FAILPOINT="tools.after_run:40", **cluster, PYTHONPATH=TESTS, VERLJ_TEST_EFFECTS=str(tmp_path / "run.jsonl"))
     assert out.returncode == -9, out.stderr[-3000:]
     ok(train(run, *over, resume=True, VERLJ_FAILPOINT=KILL, **cluster, PYTHONPATH=TESTS, VERLJ_TEST_EFFECTS=str(tmp_path / "run.jsonl")))
-    seen = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    from test_tools import effects
+
+    seen = effects(tmp_path / "run.jsonl")
     keys = [e["key"] for e in seen if e["kind"] == "applied"]
     assert len(keys) == len(set(keys)) and not [e for e in seen if e["kind"] == "dedup"]  # none applied twice, none re-sent
-    assert len(keys) == len((tmp_path / "ref.jsonl").read_text().splitlines())  # a ticket an episode, as uninterrupted
+    assert len(keys) == len(effects(tmp_path / "ref.jsonl"))  # a ticket an episode, as uninterrupted
     assert max(m["rollout/fleet/deaths"] for m in fleet_metrics(run).values()) == 1
     assert fingerprints(run) == fingerprints(ref)

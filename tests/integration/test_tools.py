@@ -22,7 +22,14 @@ TOOLS = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:ticketing", "
          "rollout.tools=[tools_for_tests:open_ticket,tools_for_tests:post_message]"]
 COMPLETION = ["rollout.mode=async", "rollout.async_order=completion"]
 def effects(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """The effects a service applied (a line a kill tore mid-write: never applied, tests/tools_for_tests.py)."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def run_with_kills(tmp_path: Path, over: list[str], kills: list[str], ref_over=(), run_over=()) -> tuple[Path, Path, list[str]]:
