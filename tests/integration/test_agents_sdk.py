@@ -115,3 +115,25 @@ def test_an_agents_sdk_agent_whose_answers_are_cut_trains_them_as_truncated_neve
 def metrics_of(run) -> dict[int, dict[str, float]]:
     with open_journal_reader(run / "journal") as j:
         return {rec.step: StepEvents.of(rec).metrics.values for rec in j.iter_steps()}
+
+
+def test_an_agents_sdk_agent_reaches_verljs_tools_through_its_own_mcp_client_and_trains(tmp_path, bpe_model):
+    """examples/agents_sdk_mcp.py on the bpe_model: the SDK's MCPServerStreamableHttp at episode.mcp_url lists rollout.tools
+    (add: pure; submit: external), offers them to the policy in its own requests, and the run trains; every tool call the
+    policy makes is journaled with its key (an untrained model seldom makes one whole)."""
+    run = tmp_path / "run"
+    out = train(run, "rollout.agent=examples.agents_sdk_mcp:solve", "rollout.tools=[examples.agents_sdk_mcp:add,examples.agents_sdk_mcp:submit]",
+                "rollout.max_turns=3", "rollout.max_response_length=48", "rollout.overlong=reward", "trainer.total_steps=1",
+                f"model.actor.model_name_or_path={bpe_model}", VERLJ_SUBMISSIONS=str(tmp_path / "submissions.jsonl"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open_journal_reader(run / "journal") as j:
+        samples = [s for rec in j.iter_steps() for s in unpack(StepEvents.of(rec).added.samples)]
+    assert len(samples) == 16 and all(s.env_end in (EnvEnd.DONE, EnvEnd.LENGTH) for s in samples)  # no fault, none unresolved
+    for s in samples:
+        led = json.loads(s.agent_calls)
+        req = json.loads(led["calls"][0]["request"])  # the SDK's own request: the MCP server's tools, as it listed them
+        assert req["api"] == "responses" and sorted(t["function"]["name"] for t in req["tools"]) == ["add", "submit"]
+        for t in led.get("tools", []):
+            assert t["state"] == "done" and t["key"].endswith(f"-e{s.id}-t{led['tools'].index(t)}")
+    submitted = (tmp_path / "submissions.jsonl").read_text().splitlines() if (tmp_path / "submissions.jsonl").exists() else []
+    assert len(submitted) == sum(t["name"] == "submit" for s in samples for t in json.loads(s.agent_calls).get("tools", []))
