@@ -388,3 +388,72 @@ def test_an_agent_groups_calls_are_kept_one_key_a_call_and_read_back_in_order(ru
     ledger.in_flight.write_in_flight([entry(6)], [5], [(6, 1, 0, call(7).to_dict())])  # group 5 in a committed step: it and its calls forgotten
     assert list(ledger.in_flight.groups()) == [6] and ledger.in_flight.groups()[6].agent_calls[0] == ""
     assert not [k for k in ledger.journal.pending.entries() if k.startswith(b"agentcalls/") and k[11:19] == (5).to_bytes(8, "big")]
+
+
+def test_tool_calls_are_kept_beside_model_calls_forgotten_with_their_group_and_carried_through_a_fresh_start(run, tmp_path):
+    """rollout.tools: a tool call's entry (its key a model call's and one byte) read back with its group's calls (completion
+    order) or by its episode's id (step order, the id as group, episode 0); forgotten with its group; what an unstarted
+    journal held of them, and its run token, carried into the journal that replaces it."""
+    import numpy as np
+
+    from verlj.engine.loop.ledger.identity import RUN_TOKEN
+    from verlj.engine.loop.ledger.in_flight import carry_tools, unstarted_tools
+    from verlj.engine.schema.agent_calls import AgentCalls, ToolCall
+    from verlj.engine.schema.sample import GroupInFlight
+
+    _, ledger = run
+    empty = [np.zeros(0)] * 2
+    sent = ToolCall("open", '{"t":1}', "d", "verlj-x-e5-t0", "external", 1)
+    done = ToolCall("open", '{"t":1}', "d", "verlj-x-e5-t0", "external", 1, "done", "opened")
+    ledger.in_flight.write_in_flight([GroupInFlight(5, 3, [1], empty, empty, empty, empty, empty, empty, [11, 12], [0, 0], ["", ""])], [],
+                                     tools=[(5, 1, 0, sent.to_dict())])
+    assert AgentCalls.from_json(ledger.in_flight.groups()[5].agent_calls[1]).tools == (sent,)  # no model call yet: the tool's alone
+    ledger.in_flight.write_in_flight([], [], tools=[(5, 1, 0, done.to_dict()), (40, 0, 0, sent.to_dict()), (40, 0, 1, done.to_dict())])
+    assert AgentCalls.from_json(ledger.in_flight.groups()[5].agent_calls[1]).tools == (done,)  # the call done replaces it as sent
+    assert ledger.in_flight.tool_calls() == {40: [sent, done]}  # step order's: by the episode's id (no group entry)
+    ledger.in_flight.write_in_flight([], [], dropped_tools=[(40, 0, 1)])  # a divergence at call 1
+    assert ledger.in_flight.tool_calls() == {40: [sent]}
+    ledger.journal.meta.update({RUN_TOKEN: "tok"})
+    kept = unstarted_tools(ledger.journal)
+    assert kept is not None and kept.token == "tok" and len(kept.entries) == 3  # both tool entries and group 5's own entry
+    fresh = Journal.open_writer(tmp_path / "fresh")
+    try:
+        carry_tools(fresh, kept)
+        assert fresh.meta.get(RUN_TOKEN) == "tok" and Ledger(fresh).in_flight.tool_calls() == {40: [sent]}
+        assert 5 in Ledger(fresh).in_flight.groups()
+    finally:
+        fresh.close()
+    ledger.in_flight.write_in_flight([], [5, 40])  # in a committed step: forgotten with the groups' calls
+    assert ledger.in_flight.groups() == {} and ledger.in_flight.tool_calls() == {}
+    assert unstarted_tools(ledger.journal) is None
+
+
+def test_step_order_forgets_a_steps_tool_calls_once_it_has_committed():
+    """sources.agent_players.StepTools: at a round of step t, the tool calls of steps up to t-1 forgotten (sync), up to t-2 in
+    async step order (its round plays while the step before it updates); a process's first round reads what an earlier one
+    made durable, keeps those of its episodes and forgets those of steps before it."""
+    from verlj.engine.rl.sources.agent_players import StepTools
+    from verlj.engine.schema.agent_calls import ToolCall
+
+    class Log:
+        def __init__(self, held):
+            self.held, self.forgot = held, []
+
+        def run_token(self):
+            return "tok"
+
+        def read_tools(self):
+            return {g: [c.to_dict() for c in calls] for g, calls in self.held.items()}
+
+        def keep_in_flight(self, groups, settled, *a, **kw):
+            self.forgot.append(sorted(settled))
+
+    call = ToolCall("open", "{}", "d", "k", "external", 1, "done", "x")
+    for sync, lag in ((True, 1), (False, 2)):
+        log, tools = Log({3: [call], 20: [call], 21: [call]}), StepTools(sync)
+        got = tools.round(log, 5, [20, 21, 22])  # the process's first round: step 5 asked again under the ids it had
+        assert got == {20: [call], 21: [call]} and log.forgot == [[3]] and tools.token == "tok"  # episode 3: an earlier step's
+        assert tools.round(log, 5, [23]) == {} and log.forgot == [[3]]  # another round of step 5: nothing to forget yet
+        tools.round(log, 6, [30])
+        tools.round(log, 7, [40])
+        assert log.forgot == [[3], [20, 21, 22, 23]] + ([[30]] if lag == 1 else []), (sync, log.forgot)
