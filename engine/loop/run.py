@@ -187,7 +187,7 @@ def train(
         claim = claim_run(run_dir, cfg.journal, notes.append)  # refuses a second writer before anything is touched
         carried = restart_afresh(run_dir) if state == "empty" else None  # died before its first step: start it afresh
         j, more = open_writer(run_dir, cfg.journal, claim)
-        carry_tools(j, carried)
+        notes.extend(carry_tools(j, carried))
         notes.extend(more)
         return j
 
@@ -524,7 +524,7 @@ def close_child(run: Run | None, trainer) -> None:
 
 def preflight_rollout(cfg: Config, rt: Runtime) -> None:
     """Before a run that generates writes anything: its rollout engine can run here, rollout.env
-    (if named) can be imported and made (rl.envs.check_env), and rollout.agent imported."""
+    (if named) can be imported and made (rl.envs.check_env), rollout.agent imported and rollout.tools opened."""
     from ..rl.envs import check_env
     from ..rl.rollout import engine_class
 
@@ -535,6 +535,10 @@ def preflight_rollout(cfg: Config, rt: Runtime) -> None:
         from ..rl.gateway.agents import load_agent
 
         load_agent(cfg.rollout.agent)
+    if cfg.rollout.tools:  # rollout.tools: importable, their MCP servers reachable (a command's started and stopped again)
+        from ..rl.gateway.tools import open_tools
+
+        open_tools(cfg.rollout.tools, cfg.rollout.tool_effects).close()
 
 
 def run_identity(run: Run) -> dict:

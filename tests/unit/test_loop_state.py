@@ -418,7 +418,9 @@ def test_tool_calls_are_kept_beside_model_calls_forgotten_with_their_group_and_c
     assert kept is not None and kept.token == "tok" and len(kept.entries) == 3  # both tool entries and group 5's own entry
     fresh = Journal.open_writer(tmp_path / "fresh")
     try:
-        carry_tools(fresh, kept)
+        said = carry_tools(fresh, kept)
+        assert said and said[0].startswith("rollout.tools: the 2 tool call(s) in flight of the start that never committed a step are kept")
+        assert carry_tools(fresh, None) == []
         assert fresh.meta.get(RUN_TOKEN) == "tok" and Ledger(fresh).in_flight.tool_calls() == {40: [sent]}
         assert 5 in Ledger(fresh).in_flight.groups()
     finally:

@@ -97,14 +97,17 @@ def unstarted_tools(journal: Journal) -> Carried | None:
     return Carried(journal.meta.get(RUN_TOKEN), entries) if entries else None
 
 
-def carry_tools(journal: Journal, carried: Carried | None) -> None:
+def carry_tools(journal: Journal, carried: Carried | None) -> list[str]:
     """Write what :func:`unstarted_tools` kept (None: nothing) into the new journal, in one transaction each (before its run's
-    start is recorded)."""
+    start is recorded). Returns the line that says so ([] for nothing)."""
     if carried is None:
-        return
+        return []
     if carried.token:
         journal.meta.update({RUN_TOKEN: carried.token})
     journal.pending.put(carried.entries)
+    calls = sum(1 for k in carried.entries if (at := _parse_call_key(k)) is not None and at[3])
+    return [f"rollout.tools: the {calls} tool call(s) in flight of the start that never committed a step are kept, with their "
+            "idempotency keys: a call it completed is answered from them, never sent again (its episodes are played again as attempt 1)"]
 
 
 class InFlight:
