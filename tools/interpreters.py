@@ -140,11 +140,14 @@ def environment(version: str, exe: str, log) -> str:
 
 
 def pytest_line(py: str, log) -> tuple[bool, str]:
-    out = run([py, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-n", "2", "--dist", "load", *TESTS], log,
+    """Whether the tests passed under `py`, and their summary line: with each failed test's id and its first line of why
+    (pytest's short summary, -rfE), so that a failure says what failed where only this line is kept (a CI's summary)."""
+    out = run([py, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rfE", "-n", "2", "--dist", "load", *TESTS], log,
               timeout=1800)
-    tail = next((line.strip("= ") for line in reversed(out.stdout.splitlines()) if re.search(r"\d+ (passed|failed)", line)),
-                f"exit {out.returncode}")
-    return out.returncode == 0, tail
+    lines = out.stdout.splitlines()
+    tail = next((line.strip("= ") for line in reversed(lines) if re.search(r"\d+ (passed|failed)", line)), f"exit {out.returncode}")
+    failed = [line[:400] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    return out.returncode == 0, tail + (": " + "; ".join(failed) if failed else "")
 
 
 def write_run(py: str, run_dir: Path, log) -> bool:
