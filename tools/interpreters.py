@@ -46,7 +46,11 @@ NVIDIA = CACHE / "nvidia"  # the CUDA libraries PyPI's torch needs to import, sh
 TESTS = ["tests/unit/test_safe_load.py", "tests/integration/test_interpreters.py"]
 TINY = ["data.prompts_per_step=4", "rollout.n=4", "rollout.max_response_length=4", "model.actor.micro_batch_size=4",
         "logging.progress=lines", "trainer.save_interval=2", "distributed.zero_stage=2"]
-ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
+# PYTHONSAFEPATH (3.11+): the checkout is not put on sys.path as the working directory, so importlib.metadata reads verlj's
+# installed metadata, never the source tree's verlj.egg-info, which the next interpreter's `pip install -e .` rewrites while
+# this one tests (a candidate for the last CI's one unexplained failure under Python 3.11.2, tested while 3.10 installed;
+# not reproduced here in 5 runs: the summary line now names a failed test)
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false", "PYTHONSAFEPATH": "1"}
 
 
 def candidates() -> list[str]:
