@@ -5,8 +5,8 @@
 
 Every tool call is journaled with its sample like a model call, with an idempotency key that is the same on every attempt
 (docs/guides/agents.md#tools-through-the-journal). `add` is pure: no effect outside the episode. `submit` is external:
-its effect is outside (here a line appended to the file VERLJ_SUBMISSIONS names, standing in for a ticket, a message or a
-write to a database): after a crash it is **never sent twice**; a call whose outcome the crash left unknown is asked of its
+its effect is outside (here a line appended to runs/submissions.jsonl, or to the file VERLJ_SUBMISSIONS names, standing
+in for a ticket, a message or a write to a database): after a crash it is **never sent twice**; a call whose outcome the crash left unknown is asked of its
 reconcile (`submitted`, which looks the key up), so the episode goes on exactly. Without a reconcile the episode would be
 unresolved: out of the update, its key shown by `verlj inspect` for an operator to check.
 
@@ -36,7 +36,10 @@ def add(a: int, b: int) -> int:
 
 
 def _submissions() -> str:
-    return os.environ.get("VERLJ_SUBMISSIONS", "submissions.jsonl")
+    """Where submissions go: $VERLJ_SUBMISSIONS, else runs/submissions.jsonl (beside the examples' runs)."""
+    path = os.environ.get("VERLJ_SUBMISSIONS", os.path.join("runs", "submissions.jsonl"))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return path
 
 
 def submitted(key: str, arguments: dict) -> str | None:
