@@ -192,6 +192,11 @@ class TrainerConfig:
     checkpoint_policy: Optional[str] = bookkeeping(None)  # dotted path of a CheckpointPolicy class
     checkpoint_policy_kwargs: dict = field(default_factory=dict, metadata={"policy": BOOKKEEPING})  # its constructor's arguments
     async_save: bool = bookkeeping(False)  # write snapshots in the background
+    # hold the state after every Nth committed step in this machine's shared memory (two slots, written in the
+    # background), so that a restart here loads it instead of a snapshot from disk and replays fewer steps
+    # (0 = never; loop/mirror.py); it needs about a snapshot's bytes twice where mirror_dir is
+    mirror_interval: int = bookkeeping(0)
+    mirror_dir: Optional[str] = bookkeeping(None)  # where mirrors go (null: /dev/shm, else the temporary directory)
     eval_interval: int = bookkeeping(0)  # score the policy on the held-out prompts every N steps (0 = never; data.eval_size)
     device: Device = Device.AUTO  # auto | cpu | cuda
     # fp32 | bf16 (DeepSpeed's bf16 configuration: bf16 weights and compute, fp32 master weights and Adam state in
@@ -213,6 +218,7 @@ class TrainerConfig:
         _at_least("trainer.max_restarts", self.max_restarts, 0)
         _at_least("trainer.save_interval", self.save_interval, 0)
         _at_least("trainer.save_total_limit", self.save_total_limit, 0)
+        _at_least("trainer.mirror_interval", self.mirror_interval, 0)
         _at_least("trainer.eval_interval", self.eval_interval, 0)
         _range("trainer.seed", self.seed, 0, MAX_SEED)
         if self.resume_from is not None and self.resume_from != "auto" and self.resume_from.lstrip("+-").isdigit() \

@@ -49,6 +49,7 @@ SECONDS = {
     "test_retention.py": 28,
     "test_interpreters.py": 27,
     "test_restarts.py": 26,
+    "test_mirror.py": 30,  # measured alone
     "test_train_cli.py": 26,
     "test_async_completion.py": 22,
     "test_algorithm_runs.py": 20,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import shutil
 import threading
@@ -51,6 +52,7 @@ from ..state.stateful import Stateful
 from ..state.topology import Topology, refusal
 from . import pruning
 from .context import Run
+from .mirror import Mirror, mirror_root
 from .policy import CheckpointSchedule
 from .records import Resharded
 from .snapshot_store import SnapshotStore
@@ -129,8 +131,22 @@ class Checkpointer:
         self.write_s = 0.0  # the last snapshot's write, from save() to published (async: in the background)
         self._held = threading.Event()  # clear while an async snapshot holds live tensors it has not written
         self._held.set()
+        self.mirror = self._mirror()  # the memory mirror (loop.mirror), None when trainer.mirror_interval is 0
+        self.mirror_blocked_s = 0.0  # how long the last mirror blocked the loop (its save, and the next settle)
+        self._mirror_error: str | None = None  # why this rank's last mirror failed (the next one stops mirroring)
+        self._holding_mirror = False
         for engine in trainer.engines().values():
             install_safe_checkpointing(engine)
+
+    def _mirror(self) -> Mirror | None:
+        tc = self.trainer.cfg.trainer
+        if tc.mirror_interval <= 0:
+            return None
+        if int(os.environ.get("LOCAL_WORLD_SIZE", self.rt.world_size)) != self.rt.world_size:
+            self.reporter.warn(f"trainer.mirror_interval={tc.mirror_interval}: the ranks are on several machines, and a "
+                               "mirror serves a restart on one; training without it")
+            return None
+        return Mirror(mirror_root(self.run_dir, tc.mirror_dir), tc.mirror_interval)
 
     def parts(self) -> list[Part]:
         """The registry of everything a snapshot holds: the one list save and load walk."""
@@ -152,6 +168,8 @@ class Checkpointer:
         """A live step is committed: snapshot it if it is due."""
         if due and self.last_saved != step:
             self.try_save(step, fingerprint)
+        elif self.mirror is not None and self.mirror.due(step):
+            self.try_mirror(step, fingerprint)
 
     def replayed(self, step: int, metrics: dict) -> None:
         """A replayed step: the schedule sees its journaled metrics as the live run's did."""
@@ -180,6 +198,42 @@ class Checkpointer:
             return False
         return True
 
+    def try_mirror(self, step: int, fp: str) -> None:
+        """Mirror the state after `step` into memory (loop.mirror), written in the background as an async snapshot is.
+        Collective. A mirror that does not fit, or whose write failed, stops the mirroring in one line: the run goes
+        on, and a restart loads a snapshot from disk as it would without one."""
+        mirror = self.mirror
+        assert mirror is not None  # after_step asks only with one
+        self._join()  # one snapshot or mirror in flight at a time
+        why = self._mirror_error or self._mirror_room(mirror)
+        if not self.rt.all_true(why is None):
+            self.reporter.warn(f"trainer.mirror_interval: not mirroring the state after step {step} or later: "
+                               f"{why or 'on another rank'}; a restart loads the newest snapshot from disk")
+            self.mirror = None
+            if self.rt.is_main:
+                mirror.clear()
+            return
+        t = time.perf_counter()
+        self._write(step, fp, mirror.tmp_dir(step), publish=False, mirror=True)
+        self.mirror_blocked_s = time.perf_counter() - t
+
+    def _mirror_room(self, mirror: Mirror) -> str | None:
+        """Why the next mirror cannot be written (None: it can): the room it needs where mirrors go (the last one's
+        bytes, or 16 bytes a parameter before the first: weights, fp32 masters and Adam's two moments)."""
+        need = mirror.last_bytes
+        if need is None:
+            need = 16 * sum(getattr(p, "ds_numel", p.numel()) for e in self.trainer.engines().values() for p in e.module.parameters())
+        try:
+            if self.rt.is_main:
+                mirror.root.mkdir(parents=True, exist_ok=True)
+            fits, free = mirror.room(need)
+        except OSError as e:
+            return f"{mirror.root}: {e.strerror or e}"
+        if not fits:
+            return (f"it needs about {need / 2**20:.0f} MiB and {mirror.root.parent} has {free / 2**20:.0f} MiB free "
+                    "(trainer.mirror_dir names another place)")
+        return None
+
     def failures(self) -> str | None:
         """One line for the end of a run whose snapshots failed (None when none did): how many, which,
         and why, so that the exit code and the summary tell a scheduler."""
@@ -205,7 +259,7 @@ class Checkpointer:
             SnapshotStore.publish_standalone(tmp, out_dir)
         self.rt.barrier()
 
-    def _write(self, step: int, fp: str, tmp: Path, publish: bool) -> None:
+    def _write(self, step: int, fp: str, tmp: Path, publish: bool, mirror: bool = False) -> None:
         rt = self.rt
         if rt.is_main:
             if tmp.exists():
@@ -213,7 +267,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         rt.barrier()
         t0 = time.perf_counter()
-        async_save = self.trainer.cfg.trainer.async_save and publish
+        async_save = (self.trainer.cfg.trainer.async_save and publish) or mirror  # a mirror is always written in the background
         deferred: list[tuple[str, object]] = []  # async: DeepSpeed's state dicts, holding the live tensors, written in the background
         small: dict[str, bytes] = {}
         anchor: dict[str, dict] = {}
@@ -243,13 +297,17 @@ class Checkpointer:
                 time=time.time(),
                 python=platform.python_version(),  # the pickled form of an enum depends on it (state.safe_load)
             ).to_dict(), indent=2).encode()
-        self.blocked_s = time.perf_counter() - t0
-        self.last_saved = step
+        if mirror:
+            self._holding_mirror = True
+        else:
+            self.blocked_s = time.perf_counter() - t0
+            self.last_saved = step
         if async_save:
             self._held.clear()
-            self._thread = threading.Thread(target=self._finish_async, args=(step, fp, tmp, deferred, small, t0), daemon=True)
+            self._thread = threading.Thread(target=self._finish_async, args=(step, fp, tmp, deferred, small, t0, mirror), daemon=True)
             self._thread.start()
-            self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / snapshot_name(step)} in the background...")
+            if not mirror:
+                self.reporter.info(f"Step {step}: Saving checkpoint to {self.run_dir / snapshot_name(step)} in the background...")
             return
         _write_small(tmp, small)
         failpoint("snapshot.mid_write")
@@ -264,12 +322,12 @@ class Checkpointer:
                 self._retain()
         self.write_s = time.perf_counter() - t0
 
-    def _finish_async(self, step, fp, tmp: Path, deferred, small, t0: float) -> None:
+    def _finish_async(self, step, fp, tmp: Path, deferred, small, t0: float, mirror: bool = False) -> None:
         """Background: write the held state (then the loop may change it: settle), mark this rank done;
-        rank 0 waits for all, then publishes."""
+        rank 0 waits for all, then publishes (a mirror: into the mirror's place, loop.mirror; not fsynced)."""
         try:
             try:
-                failpoint("snapshot.held")  # the live tensors held, none written yet (a test stalls here: the update must wait)
+                failpoint("mirror.held" if mirror else "snapshot.held")  # the live tensors held, none written yet
                 for path, state in deferred:
                     Path(path).parent.mkdir(parents=True, exist_ok=True)
                     save_portable(saveable(state), path)
@@ -277,8 +335,9 @@ class Checkpointer:
                 deferred.clear()
                 self._held.set()
             _write_small(tmp, small)
-            failpoint("snapshot.mid_write")
-            fsync_tree(tmp)
+            failpoint("mirror.mid_write" if mirror else "snapshot.mid_write")
+            if not mirror:
+                fsync_tree(tmp)
             write_synced(tmp / f".done-rank{self.rt.rank:05d}", b"")
             if self.rt.is_main:
                 markers = [tmp / f".done-rank{r:05d}" for r in range(self.rt.world_size)]
@@ -286,10 +345,19 @@ class Checkpointer:
                     time.sleep(0.01)
                 for m in markers:
                     m.unlink()
-                self._publish(step, fp, tmp)
-                self._retain()
-            self.write_s = time.perf_counter() - t0
-        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+                if mirror:
+                    assert self.mirror is not None  # set while mirroring
+                    self.mirror.publish(step, tmp)
+                else:
+                    self._publish(step, fp, tmp)
+                    self._retain()
+            if not mirror:
+                self.write_s = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait() (a mirror's: by the next try_mirror)
+            if mirror:
+                self._mirror_error = write_failure_cause(e, tmp, files_under(tmp)) or str(e).splitlines()[0][:300] or type(e).__name__
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
             self._error, self._error_step = e, step
             self._error_cause = write_failure_cause(e, tmp, files_under(tmp))
 
@@ -311,13 +379,20 @@ class Checkpointer:
         if not self._held.is_set():
             t = time.perf_counter()
             self._held.wait()
-            self.blocked_s += time.perf_counter() - t
+            if self._holding_mirror:
+                self.mirror_blocked_s += time.perf_counter() - t
+            else:
+                self.blocked_s += time.perf_counter() - t
+        self._holding_mirror = False
 
-    def wait(self) -> None:
-        """Block until an in-flight async snapshot is published (or raise its error)."""
+    def _join(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def wait(self) -> None:
+        """Block until an in-flight async snapshot (or mirror) is published (or raise a snapshot's error)."""
+        self._join()
         if self._error is not None:
             err, self._error = self._error, None
             assert self._error_step is not None  # set with _error
@@ -325,11 +400,15 @@ class Checkpointer:
             self.failed[self._error_step] = why
             raise SnapshotError(f"background snapshot of step {self._error_step} failed: {why}")
 
-    def finish(self) -> None:
+    def finish(self, finished: bool = False) -> None:
+        """The loop ends: the snapshot in flight published. `finished`: the run reached trainer.total_steps, and its
+        memory mirrors are removed (no restart needs them; a stop keeps them for the next one)."""
         try:
             self.wait()
         except SnapshotError as e:
             self.reporter.warn(f"{e}; the journal still holds every step")
+        if finished and self.mirror is not None and self.rt.is_main:
+            self.mirror.clear()
         self.rt.barrier()
 
     def write_metadata(self, step: int, resume_from: str | None = None, saved: bool = False) -> None:

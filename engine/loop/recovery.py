@@ -33,6 +33,7 @@ from ..state.topology import Topology
 from . import archive
 from .context import Run
 from .ledger import Ledger
+from .mirror import Mirror
 from .provenance import produced_on
 from .reader import StepReader
 from .records import Deviation, History, Rebased, Resharded, TopologyChange
@@ -75,26 +76,35 @@ def resolve_explicit(run_dir: Path, ledger: Ledger, spec: str) -> tuple[int, Pat
 
 
 def choose_snapshot(run_dir: Path, ledger: Ledger, limit: int, reporter, explicit: tuple[int, Path] | None = None,
-                    store: SnapshotStore | None = None, target: int | None = None) -> tuple[int, Path | None]:
+                    store: SnapshotStore | None = None, target: int | None = None, mirror: Mirror | None = None) -> tuple[int, Path | None]:
     """Rank 0: the newest snapshot <= limit whose manifest verifies and whose step and fingerprint
     agree with the journal, and from which the journal still holds the samples to replay up to
     `target` (default: limit). A damaged one is skipped with a warning and, when `store` is given (a
-    resume, which holds the writer lock), quarantined. (0, None): the initial state."""
+    resume, which holds the writer lock), quarantined. `mirror` (a resume on a run that mirrors): its
+    memory mirrors are candidates too, before a snapshot of the same step; a damaged one is skipped in one
+    line, never quarantined. (0, None): the initial state."""
     index = ledger.snapshots.index()
+    mirrored = mirror.candidates(limit) if mirror is not None and explicit is None else []
     if explicit is not None:
         candidates = [explicit]
     else:
         candidates = [(s, run_dir / index[s].path) for s in sorted(index, reverse=True) if s <= limit]
+        candidates = sorted([*mirrored, *candidates], key=lambda c: -c[0])  # stable: a mirror before a snapshot of its step
     base = ledger.base_step()
     target = limit if target is None else target
     need = min(target, ledger.retention.pruned_through())  # replay starts after a snapshot at or after this step
     for step, path in candidates:
         if step < need:  # replaying forward from here would need pruned samples
             break
+        in_memory = (step, path) in mirrored
         if not path.exists() and explicit is None:  # deleted by hand: a resume has unindexed it already (plan_leftovers)
-            reporter.warn(f"Skipping {path.name}: it is in the index but not on disk (deleted by hand?)")
+            if not in_memory:
+                reporter.warn(f"Skipping {path.name}: it is in the index but not on disk (deleted by hand?)")
             continue
-        _res, problem = check_against_journal(ledger, step, path, index[step].manifest if step in index else None)
+        _res, problem = check_against_journal(ledger, step, path, index[step].manifest if step in index and not in_memory else None)
+        if problem is not None and in_memory:
+            reporter.warn(f"Skipping the memory mirror of step {step} ({path}): {problem}")
+            continue
         if problem is not None:
             if store is not None and path.exists():
                 dest = store.quarantine(step, path, problem)
@@ -137,24 +147,29 @@ class Restored:
     step: int
     fingerprint: str | None = None
     resharded: Resharded | None = None
+    memory: bool = False  # loaded from the run's memory mirror (loop.mirror), not from a snapshot on disk
 
 
 def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quarantine: bool = False,
-            target: int | None = None) -> Restored:
+            target: int | None = None, memory: bool = False) -> Restored:
     """Load the chosen snapshot (or keep the initial state). Collective. Returns what it loaded.
     A snapshot of another topology is resharded (the result's `resharded` says so); its fingerprint,
-    which hashes the old layout, cannot be compared: the loaded weights are checked instead."""
+    which hashes the old layout, cannot be compared: the loaded weights are checked instead. `memory`
+    (a resume): the run's memory mirror, when it mirrors, is a candidate too."""
     rt, ckpt, reporter = run.rt, run.ckpt, run.reporter
+    mirror = ckpt.mirror if memory else None
 
     def choose() -> list:
-        step, path = choose_snapshot(run.run_dir, run.main_ledger(), limit, reporter, explicit, ckpt.store if quarantine else None, target)
+        step, path = choose_snapshot(run.run_dir, run.main_ledger(), limit, reporter, explicit, ckpt.store if quarantine else None, target,
+                                     mirror)
         return [step, str(path) if path is not None else None]
 
     step, path = rt.from_rank0(choose, "choosing the snapshot to start from")
     if path is None:
         reporter.info("No usable snapshot: replaying from the initial state (step 0).")
         return Restored(0)
-    reporter.info(f"Resuming from checkpoint: {path}")
+    in_memory = mirror is not None and Path(path).parent == mirror.root
+    reporter.info(f"Resuming from checkpoint: {path}" + (f" (the memory mirror of step {step})" if in_memory else ""))
     meta, resharded = ckpt.load(Path(path))
     if resharded is not None:
         how = "its converted form was cached" if resharded.cached else f"converted in {resharded.convert_s:.2f} s"
@@ -168,7 +183,7 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
     fp, _ = run.trainer.state_fingerprint()
     if resharded is None and fp != meta.fingerprint:
         raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {str(meta.fingerprint)[:16]}…")
-    return Restored(step, fp, resharded)
+    return Restored(step, fp, resharded, in_memory)
 
 
 # Replayed under another topology, a step's bits cannot match the journal's (the reductions run in
@@ -330,14 +345,14 @@ def _same_float(a, b) -> bool:
 
 
 def materialize_steps(run: Run, to_step: int, explicit: tuple[int, Path] | None = None, max_snapshot: int | None = None,
-                      quarantine: bool = False, history: History | None = None) -> tuple[Restored, ReplayOutcome]:
-    """The state after `to_step`: restore the best snapshot, replay the rest under the configs the
-    journal recorded. Collective. Returns (what was restored, what the replay found; its fingerprint is
-    None when nothing was replayed). `history`: the run's, when the caller has it already."""
+                      quarantine: bool = False, history: History | None = None, memory: bool = False) -> tuple[Restored, ReplayOutcome]:
+    """The state after `to_step`: restore the best snapshot (`memory`: or memory mirror), replay the rest under
+    the configs the journal recorded. Collective. Returns (what was restored, what the replay found; its fingerprint
+    is None when nothing was replayed). `history`: the run's, when the caller has it already."""
     history = history or run.history()
     run.trainer.set_config(config_from_dict(history.config_at(to_step)))
     limit = to_step if max_snapshot is None else min(to_step, max_snapshot)
-    restored = restore(run, limit, explicit, quarantine, target=to_step)
+    restored = restore(run, limit, explicit, quarantine, target=to_step, memory=memory)
     if restored.step >= to_step:
         return restored, ReplayOutcome(exact=restored.resharded is None)
     out = replay(run, history, restored, to_step)
@@ -386,7 +401,7 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
             step, path = rt.from_rank0(lambda: [str(x) for x in resolve_explicit(run.run_dir, run.main_ledger(), spec)],
                                        "finding trainer.resume_from's snapshot")
             explicit = (int(step), Path(path))
-    restored, out = materialize_steps(run, last, explicit, max_snapshot=limit, quarantine=True, history=history)
+    restored, out = materialize_steps(run, last, explicit, max_snapshot=limit, quarantine=True, history=history, memory=True)
     step0 = restored.step
     if step0 < last:
         reporter.info(f"Replayed {f'step {last}' if step0 + 1 == last else f'steps {step0 + 1}–{last}'} from the journal.")
@@ -401,6 +416,7 @@ def resume(run: Run, changed: list[str], allow_change: bool) -> tuple[int, list[
         "config_changes": changed,
         "allow_config_change": allow_change,
         "world_size": rt.world_size,
+        **({"from_memory": True} if restored.memory else {}),
     }).to_event()]
     if topology is not None:
         assert topology.before is not None  # _topology_boundary's

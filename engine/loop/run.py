@@ -410,7 +410,7 @@ def train_loop(run: Run, last: int, control: list[dict], stop: StopFlag | None =
             ckpt.finish()
             reporter.info(f"Received {stop.signal_name or 'a stop signal'}: step {step} committed and snapshot taken; exiting.")
             break
-    ckpt.finish()
+    ckpt.finish(finished=step >= cfg.trainer.total_steps)
     if rt.is_main:
         ckpt.write_metadata(step)
     return step

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from verlj.engine.config import make_config
 from verlj.engine.errors import ReplayError, SnapshotError
 from verlj.engine.loop.ledger import Ledger
+from verlj.engine.loop.mirror import Mirror, mirror_root
 from verlj.engine.loop.policy import CheckpointSchedule
 from verlj.engine.loop.provenance import versions
 from verlj.engine.loop.pruning import apply as apply_retention
@@ -328,6 +330,59 @@ def test_the_newest_valid_snapshot_at_or_before_the_limit_is_chosen(run):
     assert choose_snapshot(run_dir, ledger, 5, said, store=store)[0] == 2
     assert "Skipping damaged snapshot" in said.lines[-1] and (run_dir / "quarantine" / "step_00004").is_dir()
     assert choose_snapshot(run_dir, ledger, 1, said) == (0, None)  # nothing usable: the initial state
+
+
+def mirrored(mirror: Mirror, step: int, fingerprint=None) -> Path:
+    """A mirror of `step` written as the checkpointer writes one (a snapshot's files in its tmp dir), then published."""
+    tmp = mirror.tmp_dir(step)
+    tmp.mkdir(parents=True)
+    (tmp / META).write_text(json.dumps({"step": step, "fingerprint": fingerprint or fp(step), "time": 1.0}))
+    (tmp / ANCHOR).write_bytes(packb({"sampler": {"cursor": step, "epoch": 0}, "buffer": {"samples": {"id": []}}}))
+    (tmp / "weights.bin").write_bytes(bytes([step]) * 64)
+    return mirror.publish(step, tmp)
+
+
+def test_a_mirror_keeps_two_slots_and_drops_what_a_later_timeline_left(tmp_path):
+    root = mirror_root(tmp_path / "run", str(tmp_path / "shm"))
+    assert root.parent == tmp_path / "shm" and root == mirror_root(tmp_path / "." / "run", str(tmp_path / "shm"))  # by its path
+    assert root != mirror_root(tmp_path / "other", str(tmp_path / "shm"))
+    mirror = Mirror(root, 2)
+    assert [s for s in range(1, 7) if mirror.due(s)] == [2, 4, 6] and not Mirror(root, 0).due(4)
+    assert mirror.steps() == [] and mirror.candidates(10) == []
+    for s in (2, 4, 6):
+        mirrored(mirror, s)
+    assert mirror.steps() == [4, 6] and mirror.last_bytes == sum(p.stat().st_size for p in (root / "step_00006").iterdir())
+    assert [s for s, _ in mirror.candidates(5)] == [4]
+    mirror.tmp_dir(8).mkdir()  # killed mid-copy: never a candidate, removed by the next publish
+    assert mirror.steps() == [4, 6]
+    mirrored(mirror, 5)  # a restart went back to step 4: the mirror of step 6 is another timeline's
+    assert mirror.steps() == [4, 5] and sorted(p.name for p in root.iterdir()) == ["step_00004", "step_00005"]
+    assert mirror.room(1)[0] and not mirror.room(1 << 62)[0]
+    mirror.clear()
+    assert not root.exists() and mirror.steps() == []
+
+
+def test_a_resume_takes_the_newest_valid_of_mirrors_and_snapshots_a_mirror_first(run, tmp_path):
+    run_dir, ledger = run
+    for s in (2, 4):
+        snapshot(run_dir, ledger, s)
+    mirror = Mirror(tmp_path / "shm" / "m", 1)
+    for s in (3, 4, 5):
+        mirrored(mirror, s)  # 4 and 5 kept
+    said = Said()
+    assert choose_snapshot(run_dir, ledger, 6, said, mirror=mirror) == (5, mirror.root / "step_00005")
+    assert choose_snapshot(run_dir, ledger, 4, said, mirror=mirror) == (4, mirror.root / "step_00004")  # before the snapshot of 4
+    assert choose_snapshot(run_dir, ledger, 6, said) == (4, run_dir / "step_00004")  # verify and replay: no mirror
+    (mirror.root / "step_00005" / "weights.bin").write_bytes(b"\0" * 64)
+    store = SnapshotStore(run_dir, ledger)
+    assert choose_snapshot(run_dir, ledger, 6, said, store=store, mirror=mirror) == (4, mirror.root / "step_00004")
+    assert said.lines[-1] == (f"Skipping the memory mirror of step 5 ({mirror.root / 'step_00005'}): weights.bin fails its checksum")
+    assert (mirror.root / "step_00005").is_dir() and not (run_dir / "quarantine").exists()  # skipped, never quarantined
+    mirrored(mirror, 6, fingerprint=fp(1))  # a mirror whose state is not the journal's step 6 (the damaged 5 kept beside it)
+    said = Said()
+    assert choose_snapshot(run_dir, ledger, 6, said, mirror=mirror) == (4, run_dir / "step_00004")
+    assert [line.partition(": ")[2] for line in said.lines] == ["its fingerprint does not match the journal's for step 6",
+                                                                "weights.bin fails its checksum"]
 
 
 def test_pruned_samples_bound_where_a_replay_may_start(run):

@@ -1,0 +1,80 @@
+"""trainer.mirror_interval: the state after recent committed steps held in memory (loop/mirror.py), which a restart
+loads instead of a snapshot from disk. Each run here is killed (SIGKILL, at a failpoint) and restarted by its
+supervisor (trainer.max_restarts) or resumed by hand, and must end bit-identical to the uninterrupted run: the
+same journaled events and fingerprints. The mirrors go to a directory of the test's (trainer.mirror_dir), not
+the machine's /dev/shm.
+
+    python -m pytest -n 0 tests/integration/test_mirror.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from verlj_testing import TINY, assert_same_journal, fingerprints, train
+
+MIRRORED = ["trainer.mirror_interval=1", "trainer.save_interval=0"]  # no snapshot on disk but the final one: every restart is the mirror's
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, reference_run) -> Path:
+    return reference_run(tmp_path_factory.mktemp("mirror") / "reference", TINY, {})
+
+
+def mirrors(shm: Path) -> list[str]:
+    """What the mirror directory holds: each run's directory of mirrors, and what is in it."""
+    return sorted(f"{d.name[:13]}/{p.name}" for d in shm.iterdir() for p in d.iterdir()) if shm.is_dir() else []
+
+
+def said(out) -> str:
+    return out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("kill, loaded, replayed", [
+    ("snapshot.mid_write:1", 3, "Replayed step 4 from the journal."),  # killed writing the final snapshot, after step 4
+    ("mirror.mid_write:3", 2, "Replayed step 3 from the journal."),  # killed writing step 3's mirror: step 2's is whole
+], ids=["final-snapshot", "mid-copy"])
+def test_a_restart_loads_the_newest_whole_mirror_and_ends_identical(tmp_path, reference, kill, loaded, replayed):
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    out = train(run, *MIRRORED, f"trainer.mirror_dir={shm}", "trainer.max_restarts=1", VERLJ_FAILPOINT=kill)
+    assert out.returncode == 0, said(out)[-3000:]
+    assert "the training process was killed by SIGKILL; restarting it with --resume (1 of 1)" in said(out)
+    assert f"/step_{loaded:05d} (the memory mirror of step {loaded})" in said(out), said(out)[-3000:]
+    assert replayed in said(out)
+    assert fingerprints(run) == fingerprints(reference)
+    assert_same_journal(reference, run)
+    assert mirrors(shm) == []  # the run finished, its final snapshot on disk: its mirrors are gone
+
+
+def test_a_damaged_mirror_is_skipped_in_one_line_for_the_one_before_it(tmp_path, reference):
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    over = [*MIRRORED, f"trainer.mirror_dir={shm}"]
+    out = train(run, *over, VERLJ_FAILPOINT="snapshot.mid_write:1")  # the final snapshot's, after step 4: mirror 3 joined before it
+    assert out.returncode == -9, said(out)[-3000:]
+    held = mirrors(shm)
+    assert [h.rpartition("/")[2] for h in held] == ["step_00002", "step_00003"], held  # two slots
+    root = next(shm.iterdir())
+    weights = max((p for p in (root / "step_00003").rglob("*.pt")), key=lambda p: p.stat().st_size)
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    out = train(run, *over, resume=True)
+    assert out.returncode == 0, said(out)[-3000:]
+    assert f"Skipping the memory mirror of step 3 ({root / 'step_00003'}): {weights.relative_to(root / 'step_00003')} fails its checksum" \
+        in said(out), said(out)[-3000:]
+    assert "(the memory mirror of step 2)" in said(out) and "Replayed steps 3–4 from the journal." in said(out)
+    assert fingerprints(run) == fingerprints(reference)
+    assert_same_journal(reference, run)
+
+
+def test_without_room_for_a_mirror_the_run_says_so_once_and_trains_without(tmp_path, reference):
+    """A mirror directory that cannot be made (under a file): one line, and the run goes on as without mirrors."""
+    (tmp_path / "file").write_text("")
+    run = tmp_path / "run"
+    out = train(run, *MIRRORED, f"trainer.mirror_dir={tmp_path / 'file' / 'shm'}")
+    assert out.returncode == 0, said(out)[-3000:]
+    lines = [ln for ln in said(out).splitlines() if "trainer.mirror_interval" in ln]
+    assert len(lines) == 1 and "not mirroring the state after step 1 or later" in lines[0], lines
+    assert fingerprints(run) == fingerprints(reference)
