@@ -70,21 +70,25 @@ def train(
         resume = True  # torchrun --max-restarts started this rank again: the run goes on from its journal
         if os.environ.get("RANK", "0") == "0":
             typer.echo(f"verlj: torchrun restart {restart}: resuming the run in {output_dir}", err=True)
-    if os.environ.pop(STANDBY, None) == "1" and not ready_when_told():
-        return  # a standby the supervisor did not need
+    prebuilt = None
+    if os.environ.pop(STANDBY, None) == "1":
+        told, prebuilt = ready_when_told(config, overrides)
+        if not told:
+            return  # a standby the supervisor did not need
     from verlj.engine.loop.run import train as run_train  # torch and DeepSpeed: not in a supervisor
 
-    done = guarded(lambda: run_train(output_dir, config, overrides, resume=resume, allow_config_change=allow_config_change),
-                   INTERRUPTED_TRAINING)
+    done = guarded(lambda: run_train(output_dir, config, overrides, resume=resume, allow_config_change=allow_config_change,
+                                     prebuilt=prebuilt), INTERRUPTED_TRAINING)
     typer.echo(f"Done: last committed step {done.last} in {output_dir}")
     if done.snapshots_failed:  # the run is whole, but a scheduler must see that its snapshots are not
         typer.echo(f"Snapshots failed: {done.snapshots_failed}")
         raise typer.Exit(EXIT_SNAPSHOTS_FAILED)
 
 
-def ready_when_told() -> bool:
-    """A standby (cli/supervise.py): import what training needs now, then wait for the supervisor's
-    "go" on stdin; False when stdin closes without it."""
+def ready_when_told(config: Path | None, overrides: list[str]):
+    """A standby (cli/supervise.py): import what training needs now and, where it can, build the trainer for the
+    command's config (loop.standby), then wait for the supervisor's "go" on stdin. Returns (whether it came:
+    False when stdin closes without it, the prebuilt trainer or None)."""
     from verlj.engine.dist import prepare_accelerator
 
     prepare_accelerator()  # before DeepSpeed is imported, as a run does
@@ -92,9 +96,11 @@ def ready_when_told() -> bool:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
 
     from verlj.engine.loop import checkpointer, recovery, run  # noqa: F401
+    from verlj.engine.loop.standby import prebuild
     from verlj.engine.rl import trainer  # noqa: F401
 
-    return sys.stdin.readline().strip() == "go"
+    prebuilt = prebuild(config, overrides, lambda line: typer.echo(f"verlj: {line}", err=True))
+    return sys.stdin.readline().strip() == "go", prebuilt
 
 
 def register(app: typer.Typer) -> None:

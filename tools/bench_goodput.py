@@ -29,6 +29,10 @@ Arms:
           --resume (the journal holds every committed step; the newest snapshot is loaded and the
           journal replayed, no generation); each failure kills the trainer. identical = every step's
           fingerprint equal.
+  mirror  the verlj arm with trainer.mirror_interval=1: the state after each committed step mirrored into
+          /dev/shm in the background, and a restart loads the newest whole mirror (replaying at most the step
+          whose mirror was being written) instead of the newest snapshot; its W0 beside the verlj arm's is
+          what mirroring every step costs
   fleet   the same with rollout.fleet=ray (2 generator actors, async step order) on a local Ray
           cluster this bench starts once; each failure kills the trainer or one generator actor (a
           coin drawn from --seed, the same for every run): an actor's death is absorbed by the fleet
@@ -53,6 +57,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,11 +157,12 @@ def children(pid: int) -> list[int]:
 # ----------------------------------------------------------------------------- verlj
 
 
-def verlj_run(run: Path, steps: int, save_interval: int, killer_times: list[float] | None, fleet=None, coins: list[bool] = ()) -> dict:
-    """One `verlj train` of `steps` steps; under `killer_times`, supervised (trainer.max_restarts) and killed:
-    the trainer, or (fleet, where coins[i] says so) one of the fleet's generator actors."""
+def verlj_run(run: Path, steps: int, save_interval: int, killer_times: list[float] | None, fleet=None, coins: list[bool] = (),
+              extra: tuple[str, ...] = ()) -> dict:
+    """One `verlj train` of `steps` steps (with the overrides `extra`); under `killer_times`, supervised
+    (trainer.max_restarts) and killed: the trainer, or (fleet, where coins[i] says so) one of the fleet's generator actors."""
     cmd = [sys.executable, "-m", "verlj.cli", "train", "-o", str(run), *MODEL, *(FLEET if fleet else []), f"trainer.total_steps={steps}",
-           f"trainer.save_interval={save_interval}", "trainer.save_total_limit=2"]
+           f"trainer.save_interval={save_interval}", "trainer.save_total_limit=2", *extra]
     if killer_times is not None:
         cmd.append("trainer.max_restarts=1000")
     env = {**os.environ, **ENV, COUNT: str(run.parent / f"{run.name}.scored")}
@@ -197,29 +203,37 @@ def verlj_run(run: Path, steps: int, save_interval: int, killer_times: list[floa
 
 
 def verlj_fingerprints(run: Path) -> dict[int, str]:
+    import verlj.engine.schema.events  # noqa: F401 - declares verlj's events: the journal decodes them
     from verlj.journal import open_journal_reader
 
     with open_journal_reader(run / "journal") as j:
         return {s: j.read_summary(s).first("state")["fingerprint"] for s in range(1, j.last_step() + 1)}
 
 
-def verlj_arm(root: Path, args, times: list[float], fleet=None) -> dict:
-    name = "fleet" if fleet else "verlj"
+def verlj_arm(root: Path, args, times: list[float], fleet=None, name: str = "verlj", extra: tuple[str, ...] = ()) -> dict:
+    name = "fleet" if fleet else name
     coin = random.Random(f"{args.seed}/coins")
     coins = [coin.random() < 0.5 for _ in times] if fleet else []
-    verlj_run(root / f"{name}-warmup", 3, args.save_interval, None, fleet)  # untimed: first-time costs (caches, page cache) out of W0
-    ref = verlj_run(root / f"{name}-ref", args.steps, args.save_interval, None, fleet)
-    got = verlj_run(root / f"{name}-failures", args.steps, args.save_interval, times, fleet, coins)
+    verlj_run(root / f"{name}-warmup", 3, args.save_interval, None, fleet, extra=extra)  # untimed: first-time costs (caches, page cache) out of W0
+    ref = verlj_run(root / f"{name}-ref", args.steps, args.save_interval, None, fleet, extra=extra)
+    got = verlj_run(root / f"{name}-failures", args.steps, args.save_interval, times, fleet, coins, extra)
     prints = verlj_fingerprints(root / f"{name}-ref")
     if prints[1] == prints[args.steps]:
         raise SystemExit(f"{name} arm: the weights did not move in {args.steps} steps (every reward alike?): nothing to compare")
     row = {**got, "w0": ref["wall"], "step": ref["wall"] / args.steps, "identical": prints == verlj_fingerprints(root / f"{name}-failures"),
            "rescored": got["scored"] - ref["scored"]}
+    rows = [json.loads(line) for line in (root / f"{name}-ref" / "metrics.jsonl").read_text().splitlines()]
+    if any("timing_s/mirror" in r for r in rows):  # the loop's wait for each mirror, over the step it was in
+        row["mirror_share"] = statistics.median(r["timing_s/mirror"] / r["timing_s/step"] for r in rows if "timing_s/mirror" in r)
     if fleet:
         from faults import fleet_deaths
 
         row["deaths"] = fleet_deaths(root / f"{name}-failures")
     return row
+
+
+def mirror_arm(root: Path, args, times: list[float]) -> dict:
+    return verlj_arm(root, args, times, name="mirror", extra=("trainer.mirror_interval=1",))
 
 
 def fleet_arm(root: Path, args, times: list[float]) -> dict | str:
@@ -370,6 +384,10 @@ def trl_arm(root: Path, args, times: list[float]) -> dict | str:
 # ----------------------------------------------------------------------------- main
 
 
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
 def row_line(arm: str, r: dict | str) -> str:
     if isinstance(r, str):
         return f"{arm:<6} {r}"
@@ -387,10 +405,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="the failure schedule's seed")
     ap.add_argument("--save-interval", type=int, default=10, help="verlj: trainer.save_interval")
     ap.add_argument("--trl-save-steps", type=int, default=10, help="TRL: save_steps")
-    ap.add_argument("--arms", default="verlj,fleet,trl")
+    ap.add_argument("--arms", default="verlj,mirror,fleet,trl")
     ap.add_argument("--trl-python", default=sys.executable)
     args = ap.parse_args()
-    arms = {"verlj": verlj_arm, "fleet": fleet_arm, "trl": trl_arm}
+    arms = {"verlj": verlj_arm, "mirror": mirror_arm, "fleet": fleet_arm, "trl": trl_arm}
     if bad := [a for a in args.arms.split(",") if a not in arms]:
         ap.error(f"--arms: {', '.join(bad)} is not one of {', '.join(arms)}")
     try:
@@ -422,7 +440,11 @@ def main() -> int:
         print(f"trl: TRL {done['trl']['version']}")
     if any(sum(r["failures"].values()) < 10 for r in done.values()):
         print("warning: fewer than 10 failures landed in an arm: its goodput says little (raise --steps or lower --mtbf)")
-    for a in ("verlj", "fleet"):
+    if "verlj" in done and "mirror" in done:
+        print(f"mirror / verlj: W0 {done['mirror']['w0'] / done['verlj']['w0']:.3f} (what mirroring every step costs), "
+              f"to the next new step {_mean(done['mirror']['recovery']) / _mean(done['verlj']['recovery']):.2f}; the loop held by each "
+              f"mirror (timing_s/mirror) {done['mirror']['mirror_share']:.1%} of its step (median)")
+    for a in ("verlj", "mirror", "fleet"):
         if a in done and "trl" in done:
             print(f"goodput {a} / TRL: {(done[a]['w0'] / done[a]['wall']) / (done['trl']['w0'] / done['trl']['wall']):.2f}")
     return 0

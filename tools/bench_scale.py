@@ -35,6 +35,15 @@ with fp32 masters; TRL: Hugging Face's bf16=True, fp32 weights with bf16 autocas
                 construction on); in CPU seconds (user + system: one thread, so about the wall time of an idle
                 machine, and far less inflated by a shared one), wall seconds in the goal's line (goal <= 0.5x)
   journal KiB   the journal's bytes (journal/*.mdb) per step
+  mirror        with --mirror: the same job trained again with trainer.mirror_interval=1 (the state after each
+                committed step mirrored into /dev/shm in the background) under the supervisor (trainer.max_restarts=1,
+                its standby built), the trainer SIGKILLed in step a+k+1 before its commit: its median step over the
+                plain run's (what mirroring costs), the loop held by each mirror (timing_s/mirror: the save on the
+                loop's thread and the next update's wait for the write) as a share of its step, the seconds from the
+                kill (the supervisor's line) to step a+k+1 trained again, and recovery (those seconds less one step:
+                back at step a+k, from the mirror of a+k, nothing replayed) over re-running the k steps since the
+                snapshot at a (goals: held <= 0.5% of a step, <= 2% of step time in all, the next step within 2
+                step-times of the kill, recovery <= 0.1x)
 and the ratios verlj/TRL of step time and peak RSS (goals <= 1). verlj trains a = max(--k, --warmup + --steps)
 + 1 steps with one snapshot at a, then k more steps, and one more (the final snapshot, past a+k): the steps
 timed are those after --warmup. TRL trains a steps, its checkpoint at a.
@@ -155,9 +164,40 @@ def verlj_arm(root: Path, model: Path, dtype: str, args) -> dict:
     rerun = recovery_launch(run, a, args.k, "live")
     journal = sum(p.stat().st_size for p in (run / "journal").glob("*.mdb"))
     shutil.rmtree(run, ignore_errors=True)
-    return {"step": step, "rss": rss, "exact": exact / inside, "commit": commit / inside, "snap_bytes": snap["bytes"],
-            "snap_s": snap["sync_s"], "async_s": snap["async_s"], "blocked_s": snap["blocked_s"], "replay": replay,
-            "rerun": rerun, "journal_step": journal / (a + args.k + 1)}
+    out = {"step": step, "rss": rss, "exact": exact / inside, "commit": commit / inside, "snap_bytes": snap["bytes"],
+           "snap_s": snap["sync_s"], "async_s": snap["async_s"], "blocked_s": snap["blocked_s"], "replay": replay,
+           "rerun": rerun, "journal_step": journal / (a + args.k + 1)}
+    if args.mirror:
+        out["mirror"] = mirror_arm(run.parent / f"{run.name}-mirror", cmd, a, args)
+    return out
+
+
+def mirror_arm(run: Path, cmd: list[str], a: int, args) -> dict:
+    """The verlj arm's job again with trainer.mirror_interval=1 under the supervisor (trainer.max_restarts=1, its
+    standby built), the trainer SIGKILLed in step a+k+1 before its commit (the mirror of step a+k long written: a
+    mirror takes a fraction of a step): the seconds from the supervisor's line that the trainer was killed to the
+    line of step a+k+1 trained again, and what the restart loaded."""
+    from verlj.engine.loop.mirror import mirror_root
+
+    k = args.k
+    cmd = [*cmd[:cmd.index("-o") + 1], str(run), *cmd[cmd.index("-o") + 2:], "trainer.mirror_interval=1", "trainer.max_restarts=1"]
+    _, rc, lines, _, _ = launch(cmd, {"VERLJ_FAILPOINT": f"step.before_commit:{a + k + 1}"})
+    if rc != 0:
+        raise failed("verlj train (mirrored, killed once)", rc, lines)
+    killed = next((t for t, line in lines if "was killed by SIGKILL; restarting it" in line), None)
+    back = [t for t, line in lines if killed is not None and t > killed and f"[INFO] Step {a + k + 1}: reward" in line]
+    loaded = next((line.strip() for t, line in lines if "Resuming from checkpoint" in line), "")
+    if killed is None or not back or f"(the memory mirror of step {a + k})" not in loaded:
+        raise failed(f"the mirrored run (no restart from the mirror of step {a + k}: {loaded or 'none'})", rc, lines)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if args.warmup < r["step"] <= a and "timing_s/mirror" in r]
+    step = step_time({int(m.group(1)): t for t, line in lines if t < killed and (m := re.search(r"\[INFO\] Step (\d+): ", line))},
+                     args.warmup, a)
+    shutil.rmtree(mirror_root(run, None), ignore_errors=True)
+    shutil.rmtree(run, ignore_errors=True)
+    return {"step": step, "held": statistics.median(r["timing_s/mirror"] / r["timing_s/step"] for r in timed),
+            "to_next": back[0] - killed,
+            "standby": any("Took the trainer the standby built" in line for _, line in lines)}
 
 
 def recovery_launch(run: Path, a: int, k: int, how: str) -> dict:
@@ -321,6 +361,15 @@ def report(rows: list[tuple[str, int, str, dict, dict | None]], args) -> None:
             parts += [f"step verlj/TRL {v['step'] / t['step']:.2f} <= 1: {goal(v['step'] <= t['step'])}",
                       f"RSS verlj/TRL {v['rss'] / t['rss']:.2f} <= 1: {goal(v['rss'] <= t['rss'])}"]
         print(f"  {rung} {dtype}: " + "; ".join(parts))
+        if "mirror" in v:
+            m, k = v["mirror"], args.k
+            recover = m["to_next"] - m["step"]  # back at the last committed step: the kill's step trained again aside
+            print(f"  {rung} {dtype} mirror: {v['snap_bytes'] / 2**20:,.0f} MiB a mirror (two held); held {m['held']:.2%} of a step <= 0.5%: "
+                  f"{goal(m['held'] <= 0.005)}; step {m['step']:.3f} s / {v['step']:.3f} s unmirrored = {m['step'] / v['step']:.3f} <= 1.02: "
+                  f"{goal(m['step'] <= 1.02 * v['step'])}; killed in step a+k+1, its next step {m['to_next']:.1f} s after the kill "
+                  f"<= 2 steps ({2 * m['step']:.1f} s): {goal(m['to_next'] <= 2 * m['step'])}; recovery {recover:.1f} s / re-running the "
+                  f"{k} steps since the snapshot {k * m['step']:.1f} s = {recover / (k * m['step']):.2f}x <= 0.1x: "
+                  f"{goal(recover <= 0.1 * k * m['step'])} (the standby's trainer {'taken' if m['standby'] else 'NOT taken'})")
 
 
 def main() -> int:
@@ -332,6 +381,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4, help="steps replayed (and run again) after the snapshot")
     ap.add_argument("--repeats", type=int, default=3, help="verlj's snapshot, sync and async, written this many times each (medians)")
     ap.add_argument("--arms", default="verlj,trl", help="verlj, or verlj,trl")
+    ap.add_argument("--mirror", action="store_true", help="also train with trainer.mirror_interval=1 and recover from the mirror")
     ap.add_argument("--trl-python", default=sys.executable, help="an interpreter that imports trl and verlj")
     ap.add_argument("--snapshot-probe", nargs=2, metavar=("RUN", "STEP"), help=argparse.SUPPRESS)
     ap.add_argument("--recovery-probe", nargs=4, metavar=("RUN", "STEP", "K", "HOW"), help=argparse.SUPPRESS)

@@ -64,6 +64,13 @@ samples, metrics other than timings, and fingerprint). Kinds:
                order bit-identical to the uninterrupted run (keyed: every step's fingerprint) or its committed steps
                unchanged by the kills (completion order) | DUPLICATED | NOT EXACT. Counts calls answered from the journal,
                reconciled, and unresolved episodes.
+  mirror       trainer.mirror_interval=1 (the state after every committed step mirrored in the background into a
+               directory of the campaign's, as into /dev/shm): 1-3 SIGKILLs at random moments (in a step, in a
+               mirror's copy, in a resume that is loading a mirror or replaying), or one at a failpoint of the
+               mirror's write (mirror.held: the live tensors held, none written; mirror.mid_write: its files written,
+               not published) or in a resume's replay; then `--resume` until the target step. exact (every step's events
+               and fingerprint equal to the uninterrupted run's, which mirrors nothing) | NOT EXACT. Counts the resumes
+               that loaded a mirror, a snapshot from disk, or the initial state.
   partial      partial rollouts (rollout.partial: async completion order, generations span weight updates;
                the generator slowed to 10 ms a token so that every push stops some), killed as the async
                kind kills, or at the failpoints on either side of a push's durable write
@@ -137,7 +144,7 @@ RETENTION_POINTS = {"journal.prune": 3, "archive.mid_write": 6}
 COMPACTION_POINTS = {"compact.before_publish": 4, "compact.after_publish": 4, "compact.delete": 4}  # with segment_fanout 2
 SLOW_SHIPPING = "ship.before_publish:1:sleep-each=0.3"
 KINDS = ("kill", "corruption", "disk-full", "node-loss", "concurrency", "two-writers", "async", "bitflip", "bad-input", "operator", "fleet", "episodes",
-         "partial", "effects")
+         "partial", "effects", "mirror")
 GOOD = {"exact", "found", "recovered exactly", "refused clearly", "unaffected", "stopped clearly, resumed exactly", "kept going without snapshots",
         "refused", "undisturbed", "clear error", "accounted"}
 
@@ -264,6 +271,48 @@ def kill_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
     same, note = identical(run, ref)
     shutil.rmtree(run, ignore_errors=True)
     return Trial("kill", n, what, "exact" if same else "NOT EXACT", note)
+
+
+# ----------------------------------------------------------------------------- the memory mirror
+
+MIRROR_POINTS = {"mirror.held": TARGET - 2, "mirror.mid_write": TARGET - 2}  # (a snapshot's step writes no mirror)
+
+
+def mirror_trial(root: Path, ref: Path, rng: random.Random, n: int, counts: Counter) -> Trial:
+    """trainer.mirror_interval=1, killed at random moments or in a mirror's write, resumed until done: exact against
+    the uninterrupted run (no mirror), whatever each resume loaded."""
+    run = root / f"mirror{n}"
+    over = ["trainer.mirror_interval=1", f"trainer.mirror_dir={root / 'shm'}"]
+    mode = rng.choice(["random", "random", "failpoint", "replay"])
+    if mode == "random":
+        kills = rng.randint(1, 3)
+        for _ in range(kills):
+            kill_at_random(run, rng, *over)
+        what = f"{kills} random SIGKILL(s)"
+    elif mode == "failpoint":
+        point = rng.choice(sorted(MIRROR_POINTS))
+        count = rng.randint(1, MIRROR_POINTS[point])
+        out = train(run, *over, VERLJ_FAILPOINT=f"{point}:{count}")
+        what = f"SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
+    else:
+        k = rng.choice([3, 5, 7])
+        train(run, *over, VERLJ_FAILPOINT=f"step.before_commit:{k}")
+        out = train(run, *over, VERLJ_FAILPOINT="replay.step:1")
+        what = f"SIGKILL in step {k}, then in the resume's replay" + ("" if out.returncode == -9 else " (nothing to replay)")
+    out = None
+    for _ in range(8):
+        out = train(run, *over)
+        text = out.stdout + out.stderr
+        counts["from_mirror"] += "(the memory mirror of step" in text
+        counts["from_disk"] += "Resuming from checkpoint:" in text and "(the memory mirror of step" not in text
+        counts["from_start"] += "replaying from the initial state" in text
+        if out.returncode != -9:
+            break
+    if out is None or out.returncode != 0:
+        return Trial("mirror", n, what, "NOT EXACT", resume_failure(out))
+    same, note = identical(run, ref)
+    shutil.rmtree(run, ignore_errors=True)
+    return Trial("mirror", n, what, "exact" if same else "NOT EXACT", note)
 
 
 # ----------------------------------------------------------------------------- bit flips
@@ -1373,6 +1422,7 @@ def main() -> int:
     ap.add_argument("--episodes", type=int, default=30)
     ap.add_argument("--partials", type=int, default=30, help="trials of the partial kind (rollout.partial)")
     ap.add_argument("--effects", type=int, default=30, help="trials of the effects kind (rollout.tools)")
+    ap.add_argument("--mirrors", type=int, default=30, help="trials of the mirror kind (trainer.mirror_interval)")
     ap.add_argument("--fleet", type=int, default=30, help="trials of the fleet kind (rollout.fleet=ray; needs ray)")
     ap.add_argument("--async-engine", default="hf", choices=["hf", "vllm"], help="what the async trials' generator runs")
     ap.add_argument("--async-order", default="both", choices=["step", "completion", "both"],
@@ -1390,7 +1440,7 @@ def main() -> int:
     PYTHON[0] = args.python
     if args.quick:
         args.kills, args.corruptions, args.disk_full, args.node_losses, args.two_writers, args.asyncs = 1, 3, 1, 1, 1, 1
-        args.bitflips, args.operators, args.fleet, args.episodes, args.partials, args.effects = 1, 3, 1, 1, 1, 1
+        args.bitflips, args.operators, args.fleet, args.episodes, args.partials, args.effects, args.mirrors = 1, 3, 1, 1, 1, 1, 1
     kinds = set(args.kinds.split(",")) if args.kinds else set(KINDS) - ({"fleet"} if args.quick else set())
     if kinds - set(KINDS):
         print(f"error: unknown kind(s) {', '.join(sorted(kinds - set(KINDS)))} in --kinds; the kinds are {', '.join(KINDS)}", file=sys.stderr)
@@ -1404,7 +1454,7 @@ def main() -> int:
     cluster = contextlib.ExitStack()
     try:
         ref = root / "ref"  # the uninterrupted run, for the kinds that compare against it
-        if kinds & {"kill", "disk-full", "node-loss", "concurrency", "two-writers", "operator"}:
+        if kinds & {"kill", "disk-full", "node-loss", "concurrency", "two-writers", "operator", "mirror"}:
             assert train(ref, resume=False).returncode == 0, "reference run failed"
         finished = root / "finished"  # a finished run to damage: keeps every snapshot
         if kinds & {"corruption", "bad-input"}:
@@ -1471,6 +1521,10 @@ def main() -> int:
         if "effects" in kinds:
             for n in range(1, args.effects + 1):
                 record(effects_trial(root, effect_refs, rng, n, effect_counts))
+        mirror_counts: Counter = Counter()
+        if "mirror" in kinds:
+            for n in range(1, args.mirrors + 1):
+                record(mirror_trial(root, ref, rng, n, mirror_counts))
         if "fleet" in kinds:
             ray = cluster.enter_context(RayCluster())
             fleet_ref = root / "ref_fleet"  # step order, uninterrupted, on the same cluster
@@ -1510,6 +1564,9 @@ def main() -> int:
         print(f"effects: {effect_counts['trials']} trials: {effect_counts['effects']} effects applied, none twice; "
               f"{effect_counts['from_journal']} tool calls answered from the journal, {effect_counts['reconciled']} unknown outcomes "
               f"reconciled by their keys, {effect_counts['unresolved']} episodes unresolved (keyless, no reconcile), none trained")
+    if any(t.kind == "mirror" for t in trials):
+        print(f"mirror: resumes from a memory mirror {mirror_counts['from_mirror']}, from a snapshot on disk {mirror_counts['from_disk']}, "
+              f"from the initial state {mirror_counts['from_start']}")
     if any(t.kind == "fleet" for t in trials):
         print(f"fleet: {fleet_counts['deaths']} actor deaths counted by the fleet, {fleet_counts['restarts']} trainer restarts by the "
               f"supervisor; completion order: {fleet_counts['lost']} completed samples lost, {fleet_counts['duplicated']} trained or "

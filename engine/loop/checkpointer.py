@@ -217,6 +217,14 @@ class Checkpointer:
         self._write(step, fp, mirror.tmp_dir(step), publish=False, mirror=True)
         self.mirror_blocked_s = time.perf_counter() - t
 
+    def mirror_timing(self) -> dict[str, float]:
+        """The step being committed's timing_s/mirror: how long the last mirror held the loop (its save, after the step
+        before, and this step's wait for its write before the update); none while not mirroring."""
+        if self.mirror is None:
+            return {}
+        blocked, self.mirror_blocked_s = self.mirror_blocked_s, 0.0
+        return {"timing_s/mirror": blocked}
+
     def _mirror_room(self, mirror: Mirror) -> str | None:
         """Why the next mirror cannot be written (None: it can): the room it needs where mirrors go (the last one's
         bytes, or 16 bytes a parameter before the first: weights, fp32 masters and Adam's two moments)."""

@@ -78,3 +78,23 @@ def test_without_room_for_a_mirror_the_run_says_so_once_and_trains_without(tmp_p
     lines = [ln for ln in said(out).splitlines() if "trainer.mirror_interval" in ln]
     assert len(lines) == 1 and "not mirroring the state after step 1 or later" in lines[0], lines
     assert fingerprints(run) == fingerprints(reference)
+
+
+def test_two_ranks_under_zero_3_mirror_their_shards_together_and_resume_from_them_identical(tmp_path):
+    """torchrun, two ranks on this machine, ZeRO-3: each rank writes its shards into the one mirror, rank 0 publishes
+    it once both are written; killed writing the final snapshot (every rank), resumed from the mirror of step 3."""
+    over = ["trainer.total_steps=4", "distributed.zero_stage=3", "rollout.n=2"]
+    ref, run, shm = tmp_path / "ref", tmp_path / "run", tmp_path / "shm"
+    out = train(ref, *over, ranks=2)
+    assert out.returncode == 0, said(out)[-3000:]
+    mirrored = [*over, *MIRRORED, f"trainer.mirror_dir={shm}"]
+    out = train(run, *mirrored, ranks=2, VERLJ_FAILPOINT="snapshot.mid_write:1")
+    assert out.returncode != 0 and max(fingerprints(run)) == 4, said(out)[-3000:]
+    root = next(shm.iterdir())
+    assert {p.name for p in (root / "step_00003").rglob("*optim_states.pt")} == {
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}  # each rank's shard
+    out = train(run, *mirrored, ranks=2, resume=True)
+    assert out.returncode == 0, said(out)[-3000:]
+    assert "(the memory mirror of step 3)" in said(out) and "Replayed step 4 from the journal." in said(out)
+    assert fingerprints(run) == fingerprints(ref)
+    assert_same_journal(ref, run)
