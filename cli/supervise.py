@@ -9,9 +9,10 @@ torchrun's (`--max-restarts N`); each restarted rank resumes by itself (train_cm
 `--launcher ray` they are cli/ray_launch's, by the same policy (restart_or_end).
 
 While restarts remain, a standby process waits beside the trainer: the same command with --resume,
-its libraries (torch, DeepSpeed, transformers) already imported, blocked on its stdin. A restart
-tells it "go" (most of a restart's time on this machine went to those imports); one that never hears it
-exits quietly when its stdin closes, or with the supervisor.
+its libraries (torch, DeepSpeed, transformers) already imported and, where it can be, its trainer built
+(engine/loop/standby.py), blocked on its stdin. A restart tells it "go" (most of a restart's time on this
+machine went to those imports and that build); one that never hears it exits quietly when its stdin
+closes, or with the supervisor.
 """
 
 from __future__ import annotations

@@ -20,31 +20,41 @@ import os
 from mcp.server.mcpserver import MCPServer
 
 
+def read_effects(path: str) -> list[dict]:
+    """The effects the file at `path` holds, in order; a line torn by a kill mid-write was never applied, and is skipped."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line torn by a kill mid-write: never applied
+                continue
+    return out
+
+
+def append_effect(path: str, entry: dict) -> None:
+    """`entry` appended to the file at `path` as one JSON line, fsynced; after a torn line, on a line of its own."""
+    with open(path, "a+b") as f:
+        f.seek(0, os.SEEK_END)
+        torn = False  # a line a kill tore mid-write: ended first, left unparsable (never applied)
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + json.dumps(entry).encode() + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def serve(effects: str, keys: bool) -> MCPServer:
     server = MCPServer("counting")
 
     def seen() -> list[dict]:
-        if not os.path.exists(effects):
-            return []
-        out = []
-        with open(effects) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:  # a line torn by a kill mid-write: never applied
-                    continue
-        return out
+        return read_effects(effects)
 
     def append(entry: dict) -> None:
-        with open(effects, "a+b") as f:
-            f.seek(0, os.SEEK_END)
-            torn = False  # a line a kill tore mid-write: ended first, left unparsable (never applied)
-            if f.tell() > 0:
-                f.seek(-1, os.SEEK_END)
-                torn = f.read(1) != b"\n"
-            f.write((b"\n" if torn else b"") + json.dumps(entry).encode() + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_effect(effects, entry)
 
     if keys:
         @server.tool()

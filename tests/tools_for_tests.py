@@ -9,36 +9,22 @@ no reconcile."""
 
 from __future__ import annotations
 
-import json
 import os
+import sys
+from pathlib import Path
 
 from verlj.engine.rl.gateway.tools import tool
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from counting_service import append_effect, read_effects  # noqa: E402 - the example service's file of effects, read and written as it does
+
 
 def _effects() -> list[dict]:
-    path = os.environ["VERLJ_TEST_EFFECTS"]
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # a line torn by a SIGKILL mid-write (the trainer's process runs these services): never applied
-                continue
-    return out
+    return read_effects(os.environ["VERLJ_TEST_EFFECTS"])  # (the trainer's process runs these services: a kill can tear a line)
 
 
 def _append(entry: dict) -> None:
-    with open(os.environ["VERLJ_TEST_EFFECTS"], "a+b") as f:
-        f.seek(0, os.SEEK_END)
-        torn = False  # a line a kill tore mid-write: ended first, left unparsable (never applied)
-        if f.tell() > 0:
-            f.seek(-1, os.SEEK_END)
-            torn = f.read(1) != b"\n"
-        f.write((b"\n" if torn else b"") + json.dumps(entry).encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
+    append_effect(os.environ["VERLJ_TEST_EFFECTS"], entry)
 
 
 def ticket_by_key(key: str, arguments: dict) -> str | None:

@@ -275,7 +275,7 @@ def kill_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
 
 # ----------------------------------------------------------------------------- the memory mirror
 
-MIRROR_POINTS = {"mirror.held": TARGET - 2, "mirror.mid_write": TARGET - 2}  # (a snapshot's step writes no mirror)
+MIRROR_POINTS = {"mirror.held": TARGET // 2, "mirror.mid_write": TARGET // 2}  # steps 1, 3, 5, 7: a snapshot's step writes no mirror
 
 
 def mirror_trial(root: Path, ref: Path, rng: random.Random, n: int, counts: Counter) -> Trial:
@@ -295,10 +295,10 @@ def mirror_trial(root: Path, ref: Path, rng: random.Random, n: int, counts: Coun
         out = train(run, *over, VERLJ_FAILPOINT=f"{point}:{count}")
         what = f"SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
     else:
-        k = rng.choice([3, 5, 7])
-        train(run, *over, VERLJ_FAILPOINT=f"step.before_commit:{k}")
+        k = rng.choice([3, 5, 7])  # after the commit of step k, before its mirror: the resume replays step k
+        train(run, *over, VERLJ_FAILPOINT=f"journal.after_commit:{k}")
         out = train(run, *over, VERLJ_FAILPOINT="replay.step:1")
-        what = f"SIGKILL in step {k}, then in the resume's replay" + ("" if out.returncode == -9 else " (nothing to replay)")
+        what = f"SIGKILL after step {k}'s commit, then in the resume's replay" + ("" if out.returncode == -9 else " (nothing to replay)")
     out = None
     for _ in range(8):
         out = train(run, *over)

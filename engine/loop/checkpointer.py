@@ -135,6 +135,7 @@ class Checkpointer:
         self.mirror_blocked_s = 0.0  # how long the last mirror blocked the loop (its save, and the next settle)
         self._mirror_error: str | None = None  # why this rank's last mirror failed (the next one stops mirroring)
         self._holding_mirror = False
+        self._mirror_said = False
         for engine in trainer.engines().values():
             install_safe_checkpointing(engine)
 
@@ -213,6 +214,10 @@ class Checkpointer:
             if self.rt.is_main:
                 mirror.clear()
             return
+        if mirror.last_bytes is not None and not self._mirror_said:  # rank 0's first mirror, published: what mirrors hold
+            self._mirror_said = True
+            self.reporter.info(f"Step {step}: mirroring the state after every {mirror.interval} step(s) into {mirror.root} "
+                               f"({mirror.last_bytes / 2**20:,.0f} MiB a mirror, two held in memory)")
         t = time.perf_counter()
         self._write(step, fp, mirror.tmp_dir(step), publish=False, mirror=True)
         self.mirror_blocked_s = time.perf_counter() - t

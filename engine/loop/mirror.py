@@ -93,7 +93,9 @@ class Mirror:
 
     def room(self, need: int) -> tuple[bool, int]:
         """Whether `need` more bytes fit where the mirrors go (the filesystem's free space), and that space."""
-        where = self.root if self.root.is_dir() else self.root.parent
+        where = self.root
+        while not where.exists() and where != where.parent:  # another rank may not have made it yet: the filesystem it will be on
+            where = where.parent
         free = shutil.disk_usage(where).free
         return free >= need, free
 

@@ -165,10 +165,13 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
         return [step, str(path) if path is not None else None]
 
     step, path = rt.from_rank0(choose, "choosing the snapshot to start from")
+    in_memory = mirror is not None and path is not None and Path(path).parent == mirror.root
+    if mirror is not None and not in_memory:  # another machine, a mirror skipped as damaged, or a snapshot as new
+        reporter.info(f"No memory mirror of this run in {mirror.root} is newer than "
+                      f"{Path(path).name if path else 'the initial state'}: starting from it")
     if path is None:
         reporter.info("No usable snapshot: replaying from the initial state (step 0).")
         return Restored(0)
-    in_memory = mirror is not None and Path(path).parent == mirror.root
     reporter.info(f"Resuming from checkpoint: {path}" + (f" (the memory mirror of step {step})" if in_memory else ""))
     meta, resharded = ckpt.load(Path(path))
     if resharded is not None:

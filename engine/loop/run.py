@@ -59,7 +59,7 @@ from .ledger import (
 from .ledger.identity import RUN_TOKEN
 from .ledger.in_flight import Carried, carry_tools, unstarted_tools
 from .provenance import produced_on
-from .standby import Prebuilt
+from .standby import Prebuilt, trainer_for
 
 if TYPE_CHECKING:  # torch and DeepSpeed load only once the config is known good: bad input fails fast
     from ..dist import Runtime
@@ -160,9 +160,8 @@ def train(
     allow_config_change: bool = False,
     prebuilt: Prebuilt | None = None,
 ) -> Trained:
-    """`verlj train`: a fresh run, or `--resume` of an existing one. Returns the last committed step
-    and what failed of its snapshots. `prebuilt`: a standby's trainer (loop.standby), taken when the run's
-    config is the one it was built for."""
+    """`verlj train`: a fresh run, or `--resume` of an existing one (`prebuilt`: a standby's trainer, loop.standby).
+    Returns the last committed step and what failed of its snapshots."""
     run_dir = Path(output_dir)
     state, cfg, changed, said = check_start(run_dir, config_file, overrides, resume, allow_config_change)
     existing = state == "run"
@@ -170,7 +169,6 @@ def train(
     from ..dist import configure_determinism, prepare_accelerator, setup
 
     prepare_accelerator()
-    from ..rl.trainer import Trainer
     from .checkpointer import make_run
 
     rt = setup(cfg)
@@ -197,19 +195,12 @@ def train(
     try:
         if existing:  # lock an existing run before anything else
             journal = rt.from_rank0(open_journal, "opening the journal", share=False)
-        # models, data, rewards: bad input fails here, before a fresh run is written
-        trainer = taken = prebuilt.take(cfg) if prebuilt is not None else None
-        trainer = trainer or Trainer(cfg, rt)
+        trainer = trainer_for(cfg, rt, prebuilt, notes.append)  # models, data, rewards: bad input fails here, before a fresh run is written
         if not existing:
             journal = rt.from_rank0(open_journal, "opening the journal", share=False)
         reporter = Reporter(cfg.logging, run_dir, rt.is_main, cfg.trainer.total_steps)
         greet(reporter, notes, said or (f"No run in {run_dir} yet: starting a new one (--resume continues a run when there is "
                                         "one)." if resume and not existing else None))
-        if taken is not None:
-            reporter.info("Took the trainer the standby built before the restart (models, DeepSpeed engines, data).")
-        elif prebuilt is not None:
-            reporter.info("The standby built its trainer for the command's config, and the run's is another (a --resume "
-                          "changed it): built the run's instead.")
         run = make_run(run_dir, rt, trainer, reporter, Ledger(journal) if journal is not None else None)
         last, control, source = begin(run, existing, changed, allow_config_change)
         last = train_loop(run, last, control, stop, source)

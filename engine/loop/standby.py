@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from ..config import Config, make_config
 
 if TYPE_CHECKING:
+    from ..dist import Runtime
     from ..rl.trainer import Trainer
 
 
@@ -41,6 +42,21 @@ class Prebuilt:
             return self.trainer
         self.trainer.close()
         return None
+
+
+def trainer_for(cfg: Config, rt: Runtime, prebuilt: Prebuilt | None, say) -> Trainer:
+    """The run's trainer: the standby's, where it was built for `cfg`, else one built now; `say` gets the line that
+    says which, when there was a standby."""
+    from ..rl.trainer import Trainer
+
+    taken = prebuilt.take(cfg) if prebuilt is not None else None
+    if taken is not None:
+        say("Took the trainer the standby built before the restart (models, DeepSpeed engines, data).")
+        return taken
+    if prebuilt is not None:
+        say("The standby built its trainer for the command's config, and the run's is another (a --resume changed it): "
+            "built the run's instead.")
+    return Trainer(cfg, rt)
 
 
 def _available() -> int | None:

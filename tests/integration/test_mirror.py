@@ -9,6 +9,8 @@ the machine's /dev/shm.
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,8 @@ def test_a_restart_loads_the_newest_whole_mirror_and_ends_identical(tmp_path, re
     assert fingerprints(run) == fingerprints(reference)
     assert_same_journal(reference, run)
     assert mirrors(shm) == []  # the run finished, its final snapshot on disk: its mirrors are gone
+    assert re.search(r"\[INFO\] Step 2: mirroring the state after every 1 step\(s\) into \S+ \([\d,]+ MiB a mirror, two held in memory\)",
+                     said(out)), said(out)[-3000:]  # the first mirror's bytes, said once it is published
 
 
 def test_a_damaged_mirror_is_skipped_in_one_line_for_the_one_before_it(tmp_path, reference):
@@ -90,6 +94,7 @@ def test_two_ranks_under_zero_3_mirror_their_shards_together_and_resume_from_the
     mirrored = [*over, *MIRRORED, f"trainer.mirror_dir={shm}"]
     out = train(run, *mirrored, ranks=2, VERLJ_FAILPOINT="snapshot.mid_write:1")
     assert out.returncode != 0 and max(fingerprints(run)) == 4, said(out)[-3000:]
+    assert "not mirroring" not in said(out), said(out)[-3000:]  # (rank 1 once found no mirror directory yet, made by rank 0)
     root = next(shm.iterdir())
     assert {p.name for p in (root / "step_00003").rglob("*optim_states.pt")} == {
         f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}  # each rank's shard
@@ -98,3 +103,18 @@ def test_two_ranks_under_zero_3_mirror_their_shards_together_and_resume_from_the
     assert "(the memory mirror of step 3)" in said(out) and "Replayed step 4 from the journal." in said(out)
     assert fingerprints(run) == fingerprints(ref)
     assert_same_journal(ref, run)
+
+
+def test_a_restart_on_a_machine_without_the_mirror_says_so_and_replays_from_disk_identical(tmp_path, reference):
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    over = [*MIRRORED, f"trainer.mirror_dir={shm}"]
+    out = train(run, *over, VERLJ_FAILPOINT="snapshot.mid_write:1")
+    assert out.returncode == -9 and len(mirrors(shm)) == 2, said(out)[-3000:]
+    root = next(shm.iterdir())
+    shutil.rmtree(shm)  # the node was lost: the restart runs on another machine, whose memory holds no mirror
+    out = train(run, *over, resume=True)
+    assert out.returncode == 0, said(out)[-3000:]
+    assert f"No memory mirror of this run in {root} is newer than the initial state: starting from it" in said(out)
+    assert "Replayed steps 1–4 from the journal." in said(out)
+    assert fingerprints(run) == fingerprints(reference)
+    assert_same_journal(reference, run)

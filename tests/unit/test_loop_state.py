@@ -358,6 +358,7 @@ def test_a_mirror_keeps_two_slots_and_drops_what_a_later_timeline_left(tmp_path)
     mirrored(mirror, 5)  # a restart went back to step 4: the mirror of step 6 is another timeline's
     assert mirror.steps() == [4, 5] and sorted(p.name for p in root.iterdir()) == ["step_00004", "step_00005"]
     assert mirror.room(1)[0] and not mirror.room(1 << 62)[0]
+    assert Mirror(tmp_path / "not" / "yet" / "made", 1).room(1)[0]  # another rank's view before rank 0 made the directory
     mirror.clear()
     assert not root.exists() and mirror.steps() == []
 
