@@ -64,7 +64,7 @@ samples, metrics other than timings, and fingerprint). Kinds:
                order bit-identical to the uninterrupted run (keyed: every step's fingerprint) or its committed steps
                unchanged by the kills (completion order) | DUPLICATED | NOT EXACT. Counts calls answered from the journal,
                reconciled, and unresolved episodes.
-  mirror       trainer.mirror_interval=1 (the state after every committed step mirrored in the background into a
+  mirror       trainer.mirror_interval=1, trainer.save_interval=4 (the state after every committed step mirrored in the background into a
                directory of the campaign's, as into /dev/shm): 1-3 SIGKILLs at random moments (in a step, in a
                mirror's copy, in a resume that is loading a mirror or replaying), or one at a failpoint of the
                mirror's write (mirror.held: the live tensors held, none written; mirror.mid_write: its files written,
@@ -275,14 +275,15 @@ def kill_trial(root: Path, ref: Path, rng: random.Random, n: int) -> Trial:
 
 # ----------------------------------------------------------------------------- the memory mirror
 
-MIRROR_POINTS = {"mirror.held": TARGET // 2, "mirror.mid_write": TARGET // 2}  # steps 1, 3, 5, 7: a snapshot's step writes no mirror
+MIRROR_POINTS = {"mirror.held": 6, "mirror.mid_write": 6}  # steps 1-3 and 5-7: a snapshot's step (4, 8) writes no mirror
 
 
 def mirror_trial(root: Path, ref: Path, rng: random.Random, n: int, counts: Counter) -> Trial:
     """trainer.mirror_interval=1, killed at random moments or in a mirror's write, resumed until done: exact against
     the uninterrupted run (no mirror), whatever each resume loaded."""
     run = root / f"mirror{n}"
-    over = ["trainer.mirror_interval=1", f"trainer.mirror_dir={root / 'shm'}"]
+    # snapshots every 4 steps (the small settings' 2 would leave a mirror only the odd steps, a snapshot as new beside each)
+    over = ["trainer.mirror_interval=1", f"trainer.mirror_dir={root / 'shm'}", "trainer.save_interval=4"]
     mode = rng.choice(["random", "random", "failpoint", "replay"])
     if mode == "random":
         kills = rng.randint(1, 3)
@@ -295,7 +296,7 @@ def mirror_trial(root: Path, ref: Path, rng: random.Random, n: int, counts: Coun
         out = train(run, *over, VERLJ_FAILPOINT=f"{point}:{count}")
         what = f"SIGKILL at {point}:{count}" + ("" if out.returncode == -9 else " (not reached)")
     else:
-        k = rng.choice([3, 5, 7])  # after the commit of step k, before its mirror: the resume replays step k
+        k = rng.choice([2, 3, 6, 7])  # after the commit of step k, before its mirror: the resume replays step k
         train(run, *over, VERLJ_FAILPOINT=f"journal.after_commit:{k}")
         out = train(run, *over, VERLJ_FAILPOINT="replay.step:1")
         what = f"SIGKILL after step {k}'s commit, then in the resume's replay" + ("" if out.returncode == -9 else " (nothing to replay)")
