@@ -194,7 +194,7 @@ class TrainerConfig:
     async_save: bool = bookkeeping(False)  # write snapshots in the background
     # hold the state after every Nth committed step in this machine's shared memory (two slots, written in the
     # background), so that a restart here loads it instead of a snapshot from disk and replays fewer steps
-    # (0 = never; loop/mirror.py); it needs about a snapshot's bytes twice where mirror_dir is
+    # (0 = never; loop/mirror.py); it needs about a snapshot's bytes three times where mirror_dir is (two held, one written)
     mirror_interval: int = bookkeeping(0)
     mirror_dir: Optional[str] = bookkeeping(None)  # where mirrors go (null: /dev/shm, else the temporary directory)
     eval_interval: int = bookkeeping(0)  # score the policy on the held-out prompts every N steps (0 = never; data.eval_size)

@@ -30,8 +30,8 @@ Arms:
           journal replayed, no generation); each failure kills the trainer. identical = every step's
           fingerprint equal.
   mirror  the verlj arm with trainer.mirror_interval=1: the state after each committed step mirrored into
-          /dev/shm in the background, and a restart loads the newest whole mirror (replaying at most the step
-          whose mirror was being written) instead of the newest snapshot; its W0 beside the verlj arm's is
+          /dev/shm in the background, and a restart loads the newest whole mirror (replaying at most the one or
+          two steps whose mirrors were still being copied) instead of the newest snapshot; its W0 beside the verlj arm's is
           what mirroring every step costs
   fleet   the same with rollout.fleet=ray (2 generator actors, async step order) on a local Ray
           cluster this bench starts once; each failure kills the trainer or one generator actor (a
@@ -443,7 +443,7 @@ def main() -> int:
     if "verlj" in done and "mirror" in done:
         print(f"mirror / verlj: W0 {done['mirror']['w0'] / done['verlj']['w0']:.3f} (what mirroring every step costs), "
               f"to the next new step {_mean(done['mirror']['recovery']) / _mean(done['verlj']['recovery']):.2f}; the loop held by each "
-              f"mirror (timing_s/mirror) {done['mirror']['mirror_share']:.1%} of its step (median)")
+              f"mirror (timing_s/mirror) {done['mirror'].get('mirror_share', float('nan')):.1%} of its step (median)")
     for a in ("verlj", "mirror", "fleet"):
         if a in done and "trl" in done:
             print(f"goodput {a} / TRL: {(done[a]['w0'] / done[a]['wall']) / (done['trl']['w0'] / done['trl']['wall']):.2f}")

@@ -28,10 +28,11 @@ the background). What the loop waited for, in save() and there, is ``blocked_s``
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
-import os
 import platform
 import shutil
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -143,7 +144,7 @@ class Checkpointer:
         tc = self.trainer.cfg.trainer
         if tc.mirror_interval <= 0:
             return None
-        if int(os.environ.get("LOCAL_WORLD_SIZE", self.rt.world_size)) != self.rt.world_size:
+        if len(set(self.rt.all_gather_obj(socket.gethostname()))) > 1:  # (collective: every rank makes its checkpointer)
             self.reporter.warn(f"trainer.mirror_interval={tc.mirror_interval}: the ranks are on several machines, and a "
                                "mirror serves a restart on one; training without it")
             return None
@@ -205,7 +206,8 @@ class Checkpointer:
         on, and a restart loads a snapshot from disk as it would without one."""
         mirror = self.mirror
         assert mirror is not None  # after_step asks only with one
-        self._join()  # one snapshot or mirror in flight at a time
+        t = time.perf_counter()
+        self._join()  # one snapshot or mirror in flight at a time: waiting for the one before counts in this one's hold
         why = self._mirror_error or self._mirror_room(mirror)
         if not self.rt.all_true(why is None):
             self.reporter.warn(f"trainer.mirror_interval: not mirroring the state after step {step} or later: "
@@ -218,7 +220,6 @@ class Checkpointer:
             self._mirror_said = True
             self.reporter.info(f"Step {step}: mirroring the state after every {mirror.interval} step(s) into {mirror.root} "
                                f"({mirror.last_bytes / 2**20:,.0f} MiB a mirror, two held in memory)")
-        t = time.perf_counter()
         self._write(step, fp, mirror.tmp_dir(step), publish=False, mirror=True)
         self.mirror_blocked_s = time.perf_counter() - t
 
@@ -337,7 +338,9 @@ class Checkpointer:
 
     def _finish_async(self, step, fp, tmp: Path, deferred, small, t0: float, mirror: bool = False) -> None:
         """Background: write the held state (then the loop may change it: settle), mark this rank done;
-        rank 0 waits for all, then publishes (a mirror: into the mirror's place, loop.mirror; not fsynced)."""
+        rank 0 waits for all, then publishes (a mirror: into the mirror's place, loop.mirror; not fsynced).
+        A rank whose write fails marks that instead, and rank 0 stops waiting: it fails too (and alone removes
+        a mirror's files)."""
         try:
             try:
                 failpoint("mirror.held" if mirror else "snapshot.held")  # the live tensors held, none written yet
@@ -348,16 +351,13 @@ class Checkpointer:
                 deferred.clear()
                 self._held.set()
             _write_small(tmp, small)
-            failpoint("mirror.mid_write" if mirror else "snapshot.mid_write")
+            if failpoint("mirror.mid_write" if mirror else "snapshot.mid_write") == f"fail-rank{self.rt.rank}":
+                raise OSError(errno.EIO, f"rank {self.rt.rank}'s write failed (failpoint)")
             if not mirror:
                 fsync_tree(tmp)
             write_synced(tmp / f".done-rank{self.rt.rank:05d}", b"")
             if self.rt.is_main:
-                markers = [tmp / f".done-rank{r:05d}" for r in range(self.rt.world_size)]
-                while not all(m.exists() for m in markers):
-                    time.sleep(0.01)
-                for m in markers:
-                    m.unlink()
+                self._await_ranks(tmp)
                 if mirror:
                     assert self.mirror is not None  # set while mirroring
                     self.mirror.publish(step, tmp)
@@ -367,12 +367,27 @@ class Checkpointer:
             if not mirror:
                 self.write_s = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - surfaced by wait() (a mirror's: by the next try_mirror)
+            with contextlib.suppress(OSError):  # rank 0 is waiting for this rank: it must not wait forever
+                write_synced(tmp / f".failed-rank{self.rt.rank:05d}", b"")
+            cause = write_failure_cause(e, tmp, files_under(tmp))
             if mirror:
-                self._mirror_error = write_failure_cause(e, tmp, files_under(tmp)) or str(e).splitlines()[0][:300] or type(e).__name__
-                shutil.rmtree(tmp, ignore_errors=True)
+                self._mirror_error = cause or str(e).splitlines()[0][:300] or type(e).__name__
+                if self.rt.is_main:
+                    shutil.rmtree(tmp, ignore_errors=True)
                 return
             self._error, self._error_step = e, step
-            self._error_cause = write_failure_cause(e, tmp, files_under(tmp))
+            self._error_cause = cause
+
+    def _await_ranks(self, tmp: Path) -> None:
+        """Rank 0, in the background: until every rank has marked its files written; an error when one marked a failure."""
+        markers = [tmp / f".done-rank{r:05d}" for r in range(self.rt.world_size)]
+        while not all(m.exists() for m in markers):
+            failed = sorted(tmp.glob(".failed-rank*"))
+            if failed:
+                raise RuntimeError(f"rank {int(failed[0].name.removeprefix('.failed-rank'))} could not write its part")
+            time.sleep(0.01)
+        for m in markers:
+            m.unlink()
 
     def _publish(self, step: int, fp: str, tmp: Path) -> None:
         self.store.publish(step, fp, tmp)

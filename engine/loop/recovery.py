@@ -185,8 +185,26 @@ def restore(run: Run, limit: int, explicit: tuple[int, Path] | None = None, quar
     )
     fp, _ = run.trainer.state_fingerprint()
     if resharded is None and fp != meta.fingerprint:
-        raise ReplayError(f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {str(meta.fingerprint)[:16]}…")
+        why = f"state loaded from {path} has fingerprint {fp[:16]}…, the snapshot recorded {str(meta.fingerprint)[:16]}…"
+        if in_memory:
+            assert mirror is not None  # in_memory: it was the mirror's
+            return _from_disk_after(run, mirror, Path(path), why, limit, explicit, quarantine, target)
+        raise ReplayError(why)
     return Restored(step, fp, resharded, in_memory)
+
+
+def _from_disk_after(run: Run, mirror: Mirror, path: Path, why: str, limit: int, explicit, quarantine: bool, target) -> Restored:
+    """A memory mirror that loaded as another state than it recorded: removed (the next restart would take it again),
+    said, and the newest snapshot on disk loaded over it. Collective."""
+    run.reporter.warn(f"{why}: removed it; loading from disk instead")
+    if run.rt.is_main:
+        mirror.discard(path)
+    run.rt.barrier()
+    restored = restore(run, limit, explicit, quarantine, target, memory=False)
+    if restored.step == 0:  # nothing on disk loaded over the mirror's state: the initial state is gone from this process
+        raise ReplayError(f"{why}, and no snapshot on disk is older: start the resume again (a new process builds the initial "
+                          "state, and the mirror is removed)")
+    return restored
 
 
 # Replayed under another topology, a step's bits cannot match the journal's (the reductions run in

@@ -33,14 +33,16 @@ class Prebuilt:
     """A trainer a standby built for the config `stored` (Config.to_stored())."""
 
     stored: dict
-    trainer: Trainer
+    trainer: Trainer | None  # None once taken or closed: nothing of it is held here after
 
     def take(self, cfg: Config) -> Trainer | None:
         """The prebuilt trainer when `cfg` (the run's, resolved after "go") is the config it was built for; else
-        None, the prebuilt one closed."""
-        if cfg.to_stored() == self.stored:
-            return self.trainer
-        self.trainer.close()
+        None, the prebuilt one closed (and let go: its data, tokenizer and rewards too)."""
+        trainer, self.trainer = self.trainer, None
+        if trainer is not None and cfg.to_stored() == self.stored:
+            return trainer
+        if trainer is not None:
+            trainer.close()
         return None
 
 

@@ -9,6 +9,7 @@ the machine's /dev/shm.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -35,8 +36,9 @@ def said(out) -> str:
 
 
 @pytest.mark.parametrize("kill, loaded, replayed", [
-    ("snapshot.mid_write:1", 3, "Replayed step 4 from the journal."),  # killed writing the final snapshot, after step 4
-    ("mirror.mid_write:3", 2, "Replayed step 3 from the journal."),  # killed writing step 3's mirror: step 2's is whole
+    ("snapshot.mid_write:1", 3, r"Replayed step 4 from the journal\."),  # killed writing the final snapshot, after step 4
+    ("mirror.mid_write:3", 2, r"Replayed steps? 3(–4)? from the journal\."),  # killed writing step 3's mirror: step 2's is whole
+    # (the update of step 4 waits only for step 3's tensors to be copied: under load it may commit before the kill)
 ], ids=["final-snapshot", "mid-copy"])
 def test_a_restart_loads_the_newest_whole_mirror_and_ends_identical(tmp_path, reference, kill, loaded, replayed):
     run, shm = tmp_path / "run", tmp_path / "shm"
@@ -44,7 +46,7 @@ def test_a_restart_loads_the_newest_whole_mirror_and_ends_identical(tmp_path, re
     assert out.returncode == 0, said(out)[-3000:]
     assert "the training process was killed by SIGKILL; restarting it with --resume (1 of 1)" in said(out)
     assert f"/step_{loaded:05d} (the memory mirror of step {loaded})" in said(out), said(out)[-3000:]
-    assert replayed in said(out)
+    assert re.search(replayed, said(out)), said(out)[-3000:]
     assert fingerprints(run) == fingerprints(reference)
     assert_same_journal(reference, run)
     assert mirrors(shm) == []  # the run finished, its final snapshot on disk: its mirrors are gone
@@ -104,6 +106,15 @@ def test_two_ranks_under_zero_3_mirror_their_shards_together_and_resume_from_the
     assert fingerprints(run) == fingerprints(ref)
     assert_same_journal(ref, run)
 
+    # rank 1's copy of step 2's mirror fails: rank 0 stops waiting for it, the mirroring stops in one line, the run goes on
+    failed = tmp_path / "failed"
+    out = train(failed, *mirrored, ranks=2, VERLJ_FAILPOINT="mirror.mid_write:2:fail-rank1")
+    assert out.returncode == 0, said(out)[-3000:]
+    lines = [ln for ln in said(out).splitlines() if "not mirroring" in ln]
+    assert len(lines) == 1 and "not mirroring the state after step 3 or later" in lines[0], lines
+    assert fingerprints(failed) == fingerprints(ref)
+    assert_same_journal(ref, failed)
+
 
 def test_a_restart_on_a_machine_without_the_mirror_says_so_and_replays_from_disk_identical(tmp_path, reference):
     run, shm = tmp_path / "run", tmp_path / "shm"
@@ -116,5 +127,34 @@ def test_a_restart_on_a_machine_without_the_mirror_says_so_and_replays_from_disk
     assert out.returncode == 0, said(out)[-3000:]
     assert f"No memory mirror of this run in {root} is newer than the initial state: starting from it" in said(out)
     assert "Replayed steps 1–4 from the journal." in said(out)
+    assert fingerprints(run) == fingerprints(reference)
+    assert_same_journal(reference, run)
+
+
+def test_a_mirror_that_loads_as_another_state_is_removed_and_the_resume_says_so_then_goes_on_identical(tmp_path, reference):
+    """The mirror of step 3 holding step 2's tensors under step 3's meta and a manifest that matches them: it passes
+    every check before loading and loads as another state. Removed, said; nothing older on disk to load over it, so this
+    resume stops in one line; the next takes the mirror of step 2."""
+    from verlj.engine.state.manifest import MANIFEST, META, build_manifest
+
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    over = [*MIRRORED, f"trainer.mirror_dir={shm}"]
+    out = train(run, *over, VERLJ_FAILPOINT="snapshot.mid_write:1")
+    assert out.returncode == -9, said(out)[-3000:]
+    root = next(shm.iterdir())
+    two, three = root / "step_00002", root / "step_00003"
+    meta = (three / META).read_bytes()
+    shutil.rmtree(three)
+    shutil.copytree(two, three)
+    (three / META).write_bytes(meta)
+    (three / MANIFEST).write_text(json.dumps(build_manifest(three)))
+    out = train(run, *over, resume=True)
+    assert out.returncode == 1, said(out)[-3000:]
+    assert f"state loaded from {three} has fingerprint" in said(out) and "removed it; loading from disk instead" in said(out)
+    assert "no snapshot on disk is older: start the resume again" in said(out).strip().splitlines()[-1]
+    assert not three.exists() and two.is_dir()
+    out = train(run, *over, resume=True)
+    assert out.returncode == 0, said(out)[-3000:]
+    assert "(the memory mirror of step 2)" in said(out) and "Replayed steps 3–4 from the journal." in said(out)
     assert fingerprints(run) == fingerprints(reference)
     assert_same_journal(reference, run)

@@ -19,9 +19,11 @@ def test_the_standbys_trainer_is_taken_for_its_own_config_and_closed_for_another
     said: list[str] = []
     for over, taken in ((TINY, True), ([*TINY, "model.actor.optim.lr=0.002"], False)):
         prebuilt = prebuild(None, TINY, said.append)
-        assert prebuilt is not None and said == []  # built, on this CPU, with memory to spare
-        trainer = trainer_for(make_config(None, over), prebuilt.trainer.rt, prebuilt, said.append)
-        assert (trainer is prebuilt.trainer) == taken and hasattr(prebuilt.trainer, "actor") == taken  # another's: closed
+        assert prebuilt is not None and prebuilt.trainer is not None and said == []  # built, on this CPU, with memory to spare
+        built = prebuilt.trainer
+        trainer = trainer_for(make_config(None, over), built.rt, prebuilt, said.append)
+        assert (trainer is built) == taken and hasattr(built, "actor") == taken  # another's: closed
+        assert prebuilt.trainer is None  # let go either way
         assert trainer.cfg.model.actor.optim.lr == make_config(None, over).model.actor.optim.lr
         assert said.pop() == ("Took the trainer the standby built before the restart (models, DeepSpeed engines, data)." if taken else
                               "The standby built its trainer for the command's config, and the run's is another (a --resume changed it): "
