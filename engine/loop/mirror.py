@@ -10,8 +10,8 @@ A mirror is a snapshot in every file but its place: never in the run's index, ne
 save_total_limit, never fsynced (it serves a restart on a live machine; a machine that lost power lost it
 anyway). It is published as a snapshot is (its manifest with every file's size and BLAKE3 digest, then one
 rename), so a process killed mid-copy leaves the previous mirror whole. Recovery (loop.recovery) takes the
-newest mirror whose manifest, step and fingerprint check out against the journal, when it is newer than
-every valid snapshot on disk; a damaged one is skipped in one line. The mirror is this module's: its
+newest mirror whose manifest, step and fingerprint check out against the journal, when it is at least as
+new as every valid snapshot on disk; a damaged one is skipped in one line. The mirror is this module's: its
 place, its publishing, its two slots and its space; no torch here.
 """
 
@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 
 import blake3
+
+from verlj.journal.space import files_under, free_bytes
 
 from ..state.manifest import MANIFEST, build_manifest, snapshot_name
 
@@ -46,7 +48,7 @@ def mirror_root(run_dir: Path, mirror_dir: str | None) -> Path:
 
 
 def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return sum(p.stat().st_size for p in files_under(path))
 
 
 class Mirror:
@@ -93,18 +95,18 @@ class Mirror:
 
     def room(self, need: int) -> tuple[bool, int]:
         """Whether `need` more bytes fit where the mirrors go (the filesystem's free space), and that space."""
-        where = self.root
-        while not where.exists() and where != where.parent:  # another rank may not have made it yet: the filesystem it will be on
-            where = where.parent
-        free = shutil.disk_usage(where).free
+        free = free_bytes(self.root)  # (its nearest existing parent: another rank may not have made it yet)
+        if free is None:
+            raise OSError(f"the free space under {self.root} cannot be read")
         return free >= need, free
 
     def clear(self) -> None:
         """Every mirror of the run removed (the run finished: its final snapshot is on disk)."""
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def discard(self, tmp: Path) -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
+    def discard(self, path: Path) -> None:
+        """One mirror removed (one that loaded as another state than it recorded)."""
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _step_of(name: str) -> int | None:
