@@ -202,11 +202,13 @@ def identical(run: Path, ref: Path) -> tuple[bool, str]:
     return False, f"first difference at step {d.step}: {', '.join(d.differs)}"
 
 
-def resume_until_done(run: Path, *over, tries=8, **extra) -> subprocess.CompletedProcess | None:
+def resume_until_done(run: Path, *over, tries=8, each: Callable[[str], None] | None = None, **extra) -> subprocess.CompletedProcess | None:
+    """`verlj train --resume` again while it is SIGKILLed (up to `tries` times): its last output, or None if it kept dying.
+    `each` is given every resume's output (stdout and stderr)."""
     for _ in range(tries):
         out = train(run, *over, **extra)
-        if out.returncode == 0:
-            return out
+        if each is not None:
+            each(out.stdout + out.stderr)
         if out.returncode != -9:
             return out
     return None
@@ -300,15 +302,13 @@ def mirror_trial(root: Path, ref: Path, rng: random.Random, n: int, counts: Coun
         train(run, *over, VERLJ_FAILPOINT=f"journal.after_commit:{k}")
         out = train(run, *over, VERLJ_FAILPOINT="replay.step:1")
         what = f"SIGKILL after step {k}'s commit, then in the resume's replay" + ("" if out.returncode == -9 else " (nothing to replay)")
-    out = None
-    for _ in range(8):
-        out = train(run, *over)
-        text = out.stdout + out.stderr
+
+    def loaded(text: str) -> None:  # what each resume started from
         counts["from_mirror"] += "(the memory mirror of step" in text
         counts["from_disk"] += "Resuming from checkpoint:" in text and "(the memory mirror of step" not in text
         counts["from_start"] += "replaying from the initial state" in text
-        if out.returncode != -9:
-            break
+
+    out = resume_until_done(run, *over, each=loaded)
     if out is None or out.returncode != 0:
         return Trial("mirror", n, what, "NOT EXACT", resume_failure(out))
     same, note = identical(run, ref)

@@ -219,7 +219,7 @@ class Checkpointer:
         if mirror.last_bytes is not None and not self._mirror_said:  # rank 0's first mirror, published: what mirrors hold
             self._mirror_said = True
             self.reporter.info(f"Step {step}: mirroring the state after every {mirror.interval} step(s) into {mirror.root} "
-                               f"({mirror.last_bytes / 2**20:,.0f} MiB a mirror, two held in memory)")
+                               f"({_mib(mirror.last_bytes)} a mirror, two held in memory)")
         self._write(step, fp, mirror.tmp_dir(step), publish=False, mirror=True)
         self.mirror_blocked_s = time.perf_counter() - t
 
@@ -244,7 +244,7 @@ class Checkpointer:
         except OSError as e:
             return f"{mirror.root}: {e.strerror or e}"
         if not fits:
-            return (f"it needs about {need / 2**20:.0f} MiB and {mirror.root.parent} has {free / 2**20:.0f} MiB free "
+            return (f"it needs about {_mib(need)} and {mirror.root.parent} has {_mib(free)} free "
                     "(trainer.mirror_dir names another place)")
         return None
 
@@ -512,3 +512,8 @@ def _has_frozen(engine) -> bool:
 def _write_small(tmp: Path, small: dict[str, bytes]) -> None:
     for fname, data in small.items():
         write_synced(tmp / fname, data)
+
+
+def _mib(n: int) -> str:
+    """Bytes in MiB as a line says them: one decimal under 10 MiB (a small model's mirror is not "0 MiB")."""
+    return f"{n / 2**20:.1f} MiB" if n < 10 * 2**20 else f"{n / 2**20:,.0f} MiB"

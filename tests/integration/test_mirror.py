@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,7 @@ def test_a_restart_loads_the_newest_whole_mirror_and_ends_identical(tmp_path, re
     assert fingerprints(run) == fingerprints(reference)
     assert_same_journal(reference, run)
     assert mirrors(shm) == []  # the run finished, its final snapshot on disk: its mirrors are gone
-    assert re.search(r"\[INFO\] Step 2: mirroring the state after every 1 step\(s\) into \S+ \([\d,]+ MiB a mirror, two held in memory\)",
+    assert re.search(r"\[INFO\] Step 2: mirroring the state after every 1 step\(s\) into \S+ \([\d,.]+ MiB a mirror, two held in memory\)",
                      said(out)), said(out)[-3000:]  # the first mirror's bytes, said once it is published
 
 
@@ -84,6 +85,30 @@ def test_without_room_for_a_mirror_the_run_says_so_once_and_trains_without(tmp_p
     lines = [ln for ln in said(out).splitlines() if "trainer.mirror_interval" in ln]
     assert len(lines) == 1 and "not mirroring the state after step 1 or later" in lines[0], lines
     assert fingerprints(run) == fingerprints(reference)
+
+
+def test_a_mirror_directory_that_fills_up_stops_the_mirroring_in_one_line_and_the_run_ends_identical(tmp_path, reference):
+    """A full /dev/shm, in small: trainer.mirror_dir on a 2600 KiB tmpfs, room for two of this job's mirrors (1.0 MiB each;
+    the first checked against 16 bytes a parameter, 1.4 MiB) and not for a third beside them. Mirrors 1 and 2 are written;
+    the room check before mirror 3 reads the filesystem's free space, says so once, the two are removed, and the run trains
+    on without mirrors to the uninterrupted run's state."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(shm)], capture_output=True, text=True)
+    assert mounted.returncode == 0, f"a full disk needs a small tmpfs, which needs root (CI runs as root): {mounted.stderr.strip()}"
+    try:
+        run = tmp_path / "run"
+        out = train(run, *MIRRORED, f"trainer.mirror_dir={shm}")
+        assert out.returncode == 0, said(out)[-3000:]
+        assert "[INFO] Step 2: mirroring the state after every 1 step(s)" in said(out)  # mirror 2 published (1 before it)
+        lines = [ln for ln in said(out).splitlines() if "trainer.mirror_interval" in ln]
+        assert len(lines) == 1, lines
+        assert re.search(r"not mirroring the state after step 3 or later: it needs about 1\.0 MiB and \S+ has 0\.\d MiB free", lines[0]), lines
+        assert fingerprints(run) == fingerprints(reference)
+        assert_same_journal(reference, run)
+        assert mirrors(shm) == []
+    finally:
+        subprocess.run(["umount", "-l", str(shm)], capture_output=True)
 
 
 def test_two_ranks_under_zero_3_mirror_their_shards_together_and_resume_from_them_identical(tmp_path):

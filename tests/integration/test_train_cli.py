@@ -133,13 +133,13 @@ def test_local_hf_actor_and_reward_model(tmp_path):
     assert len(fingerprints(run)) == 2
 
 
-def test_default_run_learns(tmp_path):
-    """The built-in default task: mean reward over the last 10 steps beats the first 10."""
-    from verlj.engine.loop.run import train as run_train
-
-    run_train(tmp_path / "r", None, ["trainer.total_steps=80", "trainer.save_interval=0", "logging.progress=off"])
-    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+def test_default_run_learns(tmp_path, reference_run):
+    """The README's default run (`verlj train --output-dir runs/demo`, 200 steps of the built-in task; trained once
+    a session, test_guides reads it too): mean reward over the last 10 steps beats the first 10."""
+    run = reference_run(tmp_path / "demo", [])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     r = [row["critic/score/mean"] for row in rows]
+    assert len(r) == 200
     first, last = sum(r[:10]) / 10, sum(r[-10:]) / 10
     assert last > first + 0.08, (first, last)
 

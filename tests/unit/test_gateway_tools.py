@@ -230,7 +230,7 @@ def test_a_wrong_keys_and_an_unknown_tools_calls_get_mcp_errors_in_the_gateways_
 
 def test_tool_declarations_and_bad_specs():
     t = as_tool(create_ticket)
-    assert (t.name, t.effect, t.wants_key, t.reconcile) == ("create_ticket", "external", True, _reconcile)
+    assert (t.name, t.effect, t.given_key, t.reconcile) == ("create_ticket", "external", True, _reconcile)
     assert as_tool(boom).effect == "external" and as_tool(move).effect == "restorable"
     with pytest.raises(ValueError, match="not one of pure, restorable, external"):
         tool(effect="sometimes")

@@ -273,42 +273,53 @@ class Play:
         args = canonical(arguments)
         digest = call_digest(name, args)
         with self.tool_lock:
-            with r.cond:
-                if self.state == DONE:
-                    raise unauthorized()
-                k = len(self.tool_calls)
-                held = r.journaled_tools.get(self.place, [])
-                dropped: list[int] = []
-                if k < len(held) and held[k].digest != digest:
-                    print(f"[WARNING] rollout.tools: {r.round.name(self.place)} diverged at tool call {k}: {name}({args:.120}) is not the "
-                          f"journaled {held[k].name}({held[k].arguments:.120}); the {len(held) - k} journaled tool call(s) from there on are "
-                          "discarded and the episode goes on live", file=sys.stderr, flush=True)
-                    dropped, held = list(range(k, len(held))), held[:k]
-                    r.journaled_tools[self.place] = held
-                    r.counts.tool_call("diverged")
-            if k < len(held) and held[k].state != SENT and tool.effect != RESTORABLE:  # completed before: never run again
-                return self._kept(held[k], journaled=True)
-            key = r.round.tool_key(self.place, k)
-            if k < len(held) and held[k].state == SENT and tool.effect == EXTERNAL:  # sent, its outcome unknown
-                got = self._reconciled(tool, held[k], arguments)
+            k, held, dropped = self._journaled_at(name, args, digest)
+            if held is not None and held.state != SENT and tool.effect != RESTORABLE:  # completed before: never run again
+                return self._kept(held, journaled=True)
+            if held is not None and held.state == SENT and tool.effect == EXTERNAL:  # sent, its outcome unknown
+                got = self._reconciled(tool, held, arguments)
                 if got is not None:
                     return got
-            call = ToolCall(name, args, digest, key, tool.effect, self.attempt)
-            if tool.effect == EXTERNAL:  # sent: from here on its outcome is unknown until its result is durable (a pure or
-                self._durable(k, call, dropped)  # restorable call sent and never answered is run again: no need to say it was)
-                dropped = []
-                failpoint("tools.after_sent")
-            try:
-                text, error = result_text(tool.run(arguments, key)), False
-            except Exception as e:  # noqa: BLE001 - the tool's failure is its call's result, said to its caller
-                text, error = f"{type(e).__name__}: {e}", True
-            failpoint("tools.after_run")  # applied, not yet durable: its outcome unknown to a process after a crash here
-            done = dataclasses.replace(call, state=TOOL_DONE, result=text, error=error)
-            self._durable(k, done, dropped)
-            failpoint("tools.after_done")
-            with r.cond:
-                r.counts.tool_call("sent")
-            return self._kept(done)
+            return self._run(ToolCall(name, args, digest, r.round.tool_key(self.place, k), tool.effect, self.attempt), tool, arguments, k,
+                             dropped)
+
+    def _journaled_at(self, name: str, args: str, digest: str) -> tuple[int, ToolCall | None, list[int]]:
+        """The call's position in the episode, the call an earlier attempt journaled there (None: none) and the positions of the
+        journaled calls a divergence here discards (said in one line; the journaled calls from there on forgotten)."""
+        r = self.runner
+        with r.cond:
+            if self.state == DONE:
+                raise unauthorized()
+            k = len(self.tool_calls)
+            held = r.journaled_tools.get(self.place, [])
+            if k < len(held) and held[k].digest != digest:
+                print(f"[WARNING] rollout.tools: {r.round.name(self.place)} diverged at tool call {k}: {name}({args:.120}) is not the "
+                      f"journaled {held[k].name}({held[k].arguments:.120}); the {len(held) - k} journaled tool call(s) from there on are "
+                      "discarded and the episode goes on live", file=sys.stderr, flush=True)
+                r.journaled_tools[self.place] = held[:k]
+                r.counts.tool_call("diverged")
+                return k, None, list(range(k, len(held)))
+            return k, held[k] if k < len(held) else None, []
+
+    def _run(self, call: ToolCall, tool: Tool, arguments: dict, k: int, dropped: list[int]) -> tuple[str, bool, str]:
+        """The call run and answered: an external one made durable as sent first (from there on its outcome is unknown until its
+        result is durable; a pure or restorable call sent and never answered is run again: no need to say it was), its result made
+        durable before its caller sees it."""
+        if tool.effect == EXTERNAL:
+            self._durable(k, call, dropped)
+            dropped = []
+            failpoint("tools.after_sent")
+        try:
+            text, error = result_text(tool.run(arguments, call.key)), False
+        except Exception as e:  # noqa: BLE001 - the tool's failure is its call's result, said to its caller
+            text, error = f"{type(e).__name__}: {e}", True
+        failpoint("tools.after_run")  # applied, not yet durable: its outcome unknown to a process after a crash here
+        done = dataclasses.replace(call, state=TOOL_DONE, result=text, error=error)
+        self._durable(k, done, dropped)
+        failpoint("tools.after_done")
+        with self.runner.cond:
+            self.runner.counts.tool_call("sent")
+        return self._kept(done)
 
     def _durable(self, k: int, call: ToolCall, dropped: list[int]) -> None:
         sink = self.runner.round.tool_sink

@@ -69,12 +69,12 @@ class Tool:
     description: str
     schema: dict
     reconcile: Callable[[str, dict], Any] | None
-    wants_key: bool
+    given_key: bool
 
     def run(self, arguments: dict, key: str) -> Any:
         """The function called on `arguments` (and its key, when it asks: an MCP server's forward always does), awaited when it
         is ``async def``."""
-        out = self.fn(**arguments, **({KEY_PARAM: key} if self.wants_key else {}))
+        out = self.fn(**arguments, **({KEY_PARAM: key} if self.given_key else {}))
         return asyncio.run(_awaited(out)) if inspect.isawaitable(out) else out
 
 
