@@ -585,9 +585,6 @@ class RolloutConfig:
                               "episodes: they need rollout.env=trl:module:Class")
         if (self.openenv_command is not None or self.openenv_adapter is not None) and not (self.env or "").startswith("openenv:"):
             raise ConfigError("rollout.openenv_command and rollout.openenv_adapter apply to rollout.env=openenv:URL only; remove them")
-        if (self.env or "").startswith("openenv:") and self.fleet != Fleet.NONE:
-            raise ConfigError("rollout.env=openenv:URL does not run on rollout.fleet=ray yet (its sessions are opened beside the trainer); "
-                              "set rollout.fleet=none")
         if self.env is None:
             if self.max_turns > 1 and self.agent is None:
                 raise ConfigError("rollout.max_turns > 1 needs rollout.env (without an environment a sample is one response)")

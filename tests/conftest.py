@@ -22,7 +22,7 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 SLOW_SECONDS = 30
 SECONDS = {
     "test_forked_as_fresh.py": 213,  # measured alone (its two pytest sessions: 80 s forked, 133 s fresh), not yet in a full run
-    "test_fleet.py": 268,  # 198, a TRL class on a fleet (about 30 s), tools on a fleet (about 40 s)
+    "test_fleet.py": 306,  # 198, a TRL class on a fleet (about 30 s), tools on a fleet (about 40 s), an OpenEnv server on a fleet (about 38 s)
     "test_verifiers_taskset.py": 177,  # measured alone with the verifiers extra installed (CI installs it)
     "test_episodes.py": 142,
     "test_lora.py": 107,
@@ -50,7 +50,7 @@ SECONDS = {
     "test_interpreters.py": 27,
     "test_restarts.py": 49,  # measured alone: and a standby built for another config than the run's (about 14 s)
     "test_standby.py": 6,  # measured alone
-    "test_mirror.py": 60,  # measured alone (the two-rank ZeRO-3 runs and their reference, about 25 s)
+    "test_mirror.py": 61,  # measured alone (the two-rank ZeRO-3 runs and their reference, about 25 s)
     "test_train_cli.py": 26,
     "test_async_completion.py": 22,
     "test_algorithm_runs.py": 20,

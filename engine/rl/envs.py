@@ -506,11 +506,12 @@ class EnvFactory:
         return env
 
 
-def load_env(cfg: Config, task_dataset=None) -> EnvFactory | None:
+def load_env(cfg: Config, task_dataset=None, on_actor: bool = False) -> EnvFactory | None:
     """The factory of the envs cfg.rollout.env names (None: no env, single-turn samples), checked by
     making one. `task_dataset`: the run's reasoning-gym dataset (rl.data.Dataset.task_dataset), whose
-    scorer builtin:reasoning_gym uses; None makes it from cfg.data. One ConfigError for an env that cannot
-    be imported or made."""
+    scorer builtin:reasoning_gym uses; None makes it from cfg.data. `on_actor`: made on a fleet's actor, where
+    an OpenEnv server the trainer started and checked is only connected to. One ConfigError for an env that
+    cannot be imported or made."""
     spec, turns = cfg.rollout.env, cfg.rollout.max_turns
     if spec is None:
         return None
@@ -531,7 +532,7 @@ def load_env(cfg: Config, task_dataset=None) -> EnvFactory | None:
     elif spec.startswith("openenv:"):
         from .openenv_envs import make_factory
 
-        factory = EnvFactory(spec, make_factory(cfg))
+        factory = EnvFactory(spec, make_factory(cfg, on_actor))
     elif spec.startswith("builtin:"):
         raise ConfigError(f"{KEY}: unknown built-in {spec!r}; known: {', '.join(BUILTIN)}")
     else:

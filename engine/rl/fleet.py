@@ -56,12 +56,13 @@ import torch
 
 from verlj.journal.failpoints import failpoint
 
-from ..config import Config
+from ..config import Config, RolloutConfig
 from ..errors import ConfigError, RunError, install_hint
 from .episodes import GroupWork
 from .partial import Progress, settle
 from .reaper import Reaper, session_dir
 from .sampler import AskedGroup, SamplerEngine, sampling_params
+from .trl_envs import PREFIX as TRL_PREFIX
 
 START_TIMEOUT_S = 600.0
 START_WAIT_SAID_S = 30.0  # after this, one line says what the fleet waits for
@@ -105,7 +106,7 @@ class GeneratorActor:
             from .models import load_tokenizer
 
             self.tokenizer = load_tokenizer(cfg.model.actor.model_name_or_path, cfg=cfg)
-            self.envs = load_env(cfg)
+            self.envs = load_env(cfg, on_actor=True)
 
     def pid(self) -> int:
         return os.getpid()
@@ -270,12 +271,12 @@ class RayFleet(SamplerEngine):
         try:
             if not ray.is_initialized():
                 if address:
-                    ray.init(address=address, logging_level="ERROR", log_to_driver=False, **shipped_env(ro.env))
+                    ray.init(address=address, logging_level="ERROR", log_to_driver=False, **shipped_env(ro))
                 else:
                     need = sum(float(ro.fleet_resources.get("num_cpus", 1)) for _ in range(ro.fleet_size))
                     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
                              logging_level="ERROR", log_to_driver=False, object_store_memory=_object_store_bytes(weights_bytes),
-                             **shipped_env(ro.env))
+                             **shipped_env(ro))
                     self._reaper = Reaper(session_dir())  # a SIGKILL of the trainer leaves no Ray process behind
                 self._ray_started = True
         except Exception as e:  # noqa: BLE001 - one sentence: the cluster is not there or not usable
@@ -645,13 +646,20 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def shipped_env(spec: str | None) -> dict:
-    """The fleet's Ray runtime environment (the job's: ray.init's) for rollout.env = `spec`: a module:Class
-    env's top-level module ships to the actors (Ray's py_modules: a file or a package directory, from
-    where this process imported it), unless it is installed (the standard library, site-packages) or
-    verlj's own, which every node has."""
+def shipped_env(ro: RolloutConfig) -> dict:
+    """The fleet's Ray runtime environment (the job's: ray.init's) for rollout.env: the top-level module of the
+    user's code the actors import (a module:Class env's, a TRL class's, an OpenEnv env's rollout.openenv_adapter)
+    ships to them (Ray's py_modules: a file or a package directory, from where this process imported it), unless
+    it is installed (the standard library, site-packages) or verlj's own, which every node has."""
+    spec = ro.env
     if spec is None or spec.startswith("builtin:"):
         return {}
+    if spec.startswith("openenv:"):
+        spec = ro.openenv_adapter
+        if spec is None:
+            return {}
+    elif spec.startswith(TRL_PREFIX):
+        spec = spec[len(TRL_PREFIX):]
     top = spec.partition(":")[0].split(".")[0]
     module = sys.modules.get(top) or importlib.import_module(top)  # rl.envs.check_env imported it before the fleet starts
     path = str(getattr(module, "__file__", None) or "")

@@ -41,6 +41,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -569,16 +570,21 @@ def concurrent_episodes(cfg) -> int:
     return max(int(cfg.data.prompts_per_step) * int(cfg.rollout.n), held)
 
 
-def make_factory(cfg):
+def make_factory(cfg, on_actor: bool = False):
     """What makes an episode's env for ``rollout.env=openenv:URL``: the server started (rollout.openenv_command)
-    and healthy, its /schema read into the adapter, its capacity checked against the run's concurrent episodes."""
+    and healthy, its /schema read into the adapter, its capacity checked against the run's concurrent episodes.
+    On a fleet's actor (`on_actor`) the trainer has done the starting and the checking: the actor only connects."""
     try:
         import websockets.sync.client  # noqa: F401
     except ImportError:
         raise ConfigError(f"{KEY}=openenv:URL needs the websockets client: pip install 'verlj[openenv]'") from None
     ro = cfg.rollout
     url = server_url(ro.env)
-    if ro.openenv_command is not None:
+    if on_actor:
+        if not healthy(url):
+            raise ConfigError(f"{KEY}: no OpenEnv server answers {url}/health from the fleet's actor on {socket.gethostname()}; "
+                              "actors on other machines than the trainer's need a URL they reach")
+    elif ro.openenv_command is not None:
         serve(url, ro.openenv_command)
     elif not healthy(url):
         raise ConfigError(f"{KEY}: no OpenEnv server answers {url}/health; start it, or set rollout.openenv_command to a command "
@@ -587,7 +593,8 @@ def make_factory(cfg):
     mcp = mcp_actions(schema) and ro.openenv_adapter is None
     adapter = TextAdapter(schema) if mcp else load_adapter(ro.openenv_adapter, url, schema)
     concurrent = concurrent_episodes(cfg)
-    probe_capacity(url, concurrent, ro.env_timeout_s)
+    if not on_actor:  # (actors probing at once would fill the server with their probes)
+        probe_capacity(url, concurrent, ro.env_timeout_s)
     if not mcp:
         return lambda: OpenEnvEnv(url, adapter, ro.env_timeout_s, concurrent)
     tok, render = template_of(cfg)

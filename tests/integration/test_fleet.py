@@ -7,7 +7,8 @@ groups are asked again of the fleet), a resize on resume, and a SIGKILL of the t
 supervisor (trainer.max_restarts) restarts by itself; completion order trains on two actors
 through a kill with every group accounted for; actors running vLLM (its CPU build) are bit-identical
 whatever M through a kill too; multi-turn episodes (rollout.env) played on the actors, step order
-bit-identical through a killed actor and a killed trainer, completion order accounted for through both;
+bit-identical through a killed actor and a killed trainer (an OpenEnv server's too, its sessions opened by the actors),
+completion order accounted for through both;
 agent programs (rollout.agent) whose calls the actors generate, bit-identical through both in either order;
 a trainer that started its own cluster leaves no Ray process when SIGKILLed. Without ray,
 rollout.fleet=ray is one line, exit 2, and without vLLM so is a vLLM fleet. The README's test command installs the `ray` and `vllm` extras, so CI runs these;
@@ -267,6 +268,38 @@ def test_a_trl_class_on_a_fleet_in_step_order_is_bit_identical_through_a_killed_
     assert out.returncode == -9, out.stderr[-3000:]
     assert max(fingerprints(run)) == 2 and sum(m["rollout/fleet/deaths"] for m in fleet_metrics(run).values()) == 1
     ok(train(run, *over, resume=True, **cluster, PYTHONPATH=str(REPO)))
+    assert_same_journal(ref, run, ignore=NOT_FLEET)
+    assert fingerprints(run) == fingerprints(ref)
+
+
+def test_an_openenv_server_on_a_fleet_in_step_order_is_bit_identical_through_a_killed_actor_and_trainer(tmp_path, cluster, bpe_model):
+    """rollout.env=openenv:URL on a fleet (test_openenv's recipe: examples/openenv_server.py started by the trainer from
+    rollout.openenv_command, its health and capacity checked there): each episode's WebSocket session is opened by the
+    actor that plays it, and the env's state() journaled turn by turn as on one process. Killed as the runs above are (an
+    actor as it gets batch 3, the trainer in step 3's commit) and resumed on a server the resume starts: the journal of
+    the uninterrupted run."""
+    from test_openenv import listening, overrides, samples, states_of_the_servers_env
+    from transformers import AutoTokenizer
+
+    from verlj_testing import free_port
+
+    port, log = free_port(), tmp_path / "starts.log"
+    over = [*FLEET, *overrides(bpe_model, port, log)]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(train(ref, *over, **cluster))
+    eps = [s for st in samples(ref).values() for s in st]
+    assert len(eps) >= 3 * 16 and not any(s.env_end == EnvEnd.FAULT for s in eps)
+    assert any(len(s.turn_lens) > 2 for s in eps) and any(s.env_end == EnvEnd.DONE for s in eps)
+    tok = AutoTokenizer.from_pretrained(bpe_model)
+    assert all(json.loads(s.env_states) == states_of_the_servers_env(s, tok) for s in eps[:16])  # what the actor's session reported
+    with open_journal_reader(ref / "journal") as j:
+        assert {e["engine"] for _, e in j.iter_events("rollout")} == {"fleet"}
+    out = train(run, *over, VERLJ_FAILPOINT=f"{KILL},step.before_commit:3", **cluster)
+    assert out.returncode == -9, out.stderr[-3000:]
+    assert max(fingerprints(run)) == 2 and sum(m["rollout/fleet/deaths"] for m in fleet_metrics(run).values()) == 1
+    ok(train(run, *over, resume=True, **cluster))
+    assert log.read_text().splitlines() == ["started"] * 3  # by the trainer of each run, never by an actor
+    assert not listening(port)
     assert_same_journal(ref, run, ignore=NOT_FLEET)
     assert fingerprints(run) == fingerprints(ref)
 

@@ -21,13 +21,19 @@ def test_what_fits_is_not_named():
 
 
 def test_an_envs_own_module_ships_to_the_actors_and_an_installed_one_does_not(tmp_path, monkeypatch):
-    """rollout.env on a fleet: a module:Class env's top-level module (a file here) goes to the actors through
-    Ray's runtime env (py_modules); built-ins, verlj's own and installed modules (the standard library) do not."""
+    """rollout.env on a fleet: the top-level module of the user's code the actors import (a module:Class env's, a TRL
+    class's, an OpenEnv env's adapter; a file here) goes to the actors through Ray's runtime env (py_modules); built-ins,
+    verlj's own, installed modules (the standard library) and an OpenEnv env without an adapter ship nothing."""
+    from verlj.engine.config import RolloutConfig
     from verlj.engine.rl.fleet import shipped_env
+
+    def ship(env, adapter=None):
+        return shipped_env(RolloutConfig(env=env, openenv_adapter=adapter))
 
     (tmp_path / "my_fleet_envs.py").write_text("class Env:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    got = shipped_env("my_fleet_envs:Env")["runtime_env"]["py_modules"]
-    assert [m.__name__ for m in got] == ["my_fleet_envs"] and got[0].__file__ == str(tmp_path / "my_fleet_envs.py")
-    assert shipped_env(None) == shipped_env("builtin:guess") == shipped_env("verlj.engine.rl.envs:Guess") == {}
-    assert shipped_env("json.decoder:JSONDecoder") == {}
+    for env, adapter in (("my_fleet_envs:Env", None), ("trl:my_fleet_envs:Env", None), ("openenv:http://127.0.0.1:8765", "my_fleet_envs:Env")):
+        got = ship(env, adapter)["runtime_env"]["py_modules"]
+        assert [m.__name__ for m in got] == ["my_fleet_envs"] and got[0].__file__ == str(tmp_path / "my_fleet_envs.py"), env
+    assert ship(None) == ship("builtin:guess") == ship("verlj.engine.rl.envs:Guess") == ship("openenv:http://127.0.0.1:8765") == {}
+    assert ship("json.decoder:JSONDecoder") == ship("trl:json.decoder:JSONDecoder") == {}
