@@ -27,6 +27,7 @@ from ..errors import RunError
 from ..rl.vocab import text_decoder
 from ..schema import table as samples
 from ..schema.events import StepEvents
+from ..schema.sample import AGENT_TEXT, STATES_TEXT
 from ..state.manifest import file_digest
 from .reader import StepReader
 from .records import ArchiveEntry
@@ -38,15 +39,24 @@ _TMP = re.compile(r"^\.tmp-steps_.*")
 
 
 def ran_episodes(configs: list[dict]) -> bool:
-    """Whether steps run under these stored configs (Ledger.configs_in) played episodes (rollout.env):
-    their rollout table has the episode columns."""
-    return any(config_from_stored(c).rollout.env for c in configs)
+    """Whether steps run under these stored configs (Ledger.configs_in) played episodes (rollout.env, or agent programs:
+    rollout.agent): their rollout table has the episode columns."""
+    return any(config_from_stored(c).rollout.env or config_from_stored(c).rollout.agent for c in configs)
 
 
 def ran_partial(configs: list[dict]) -> bool:
     """Whether steps run under these stored configs had partial rollouts (rollout.partial): their rollout
     table has each token's version."""
     return any(config_from_stored(c).rollout.partial for c in configs)
+
+
+def ran_texts(configs: list[dict]) -> tuple[str, ...]:
+    """The JSON text columns (schema.table.TEXT_COLUMNS) of a rollout table of steps run under these stored configs: each
+    episode's model and tool calls for agent programs (rollout.agent), the env's states for episodes (rollout.env; null where
+    its env has no state())."""
+    cfgs = [config_from_stored(c) for c in configs]
+    ran = {AGENT_TEXT: any(c.rollout.agent for c in cfgs), STATES_TEXT: any(c.rollout.env for c in cfgs)}
+    return tuple(k for k in samples.TEXT_COLUMNS if ran[k])
 
 
 def archive_dir(run_dir: Path) -> Path:
@@ -70,8 +80,9 @@ def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
     tmp = out_dir / f".tmp-{name}"
     rows = 0
     decoder = text_decoder(ledger.config_at(last))
-    episodes, partial = ran_episodes(ledger.configs_in(first, last)), ran_partial(ledger.configs_in(first, last))
-    schema = samples.arrow_schema(False, episodes, partial)
+    configs = ledger.configs_in(first, last)
+    episodes, partial, texts = ran_episodes(configs), ran_partial(configs), ran_texts(configs)
+    schema = samples.arrow_schema(False, episodes, partial, texts)
     pending: list = []  # steps' tables, written as one row group per ROW_GROUP_BYTES (a row group per step costs ~15%)
 
     def flush(w) -> None:
@@ -86,7 +97,7 @@ def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
             added = StepEvents.of(record).added
             if added is not None and added.samples is not None:
                 cols = samples.step_columns(record.step, added.samples, decoder)
-                pending.append(samples.to_arrow(cols, episodes=episodes, partial=partial))
+                pending.append(samples.to_arrow(cols, episodes=episodes, partial=partial, texts=texts))
                 rows += samples.num_rows(cols)
                 if sum(t.nbytes for t in pending) >= ROW_GROUP_BYTES:
                     flush(w)

@@ -34,7 +34,7 @@ from ..loop.records import Counterfactual, LineageEntry, ParentRun, Unindexed, a
 from ..rl.vocab import text_decoder
 from ..schema import table
 from ..schema.events import ConfigChange, Control, ControlKind, Eval, Requests, Rollout, StepEvents
-from ..schema.sample import Columns, EnvEnd, Sample, version_runs
+from ..schema.sample import AGENT_TEXT, STATES_TEXT, Columns, EnvEnd, Sample, version_runs
 from ..state.manifest import check_snapshot
 from . import derived
 from .diff import (  # noqa: F401 - `verlj diff`'s answer, re-exported from where it lived (its code: post_mortem.diff)
@@ -405,22 +405,30 @@ class EpisodeLine:
 
     @classmethod
     def of(cls, s: Sample, decoder) -> EpisodeLine:
-        from ..rl.gateway.token_ledger import call_lines, tool_lines
-
         def text(ids):
             return decoder.decode(ids.tolist(), skip_special_tokens=False) if decoder else ids.tolist()
 
-        states = json.loads(s.env_states) if s.env_states else []  # reset's, then one a turn whose step answered
-        after = [states[t + 1] if t + 1 < len(states) else None for t in range(len(s.turns()))]
-        turns = tuple(TurnLine(text(t.action_ids), text(t.observation_ids), None if t.reward != t.reward else t.reward, state)
-                      for t, state in zip(s.turns(), after))
-        return cls(turns, int(s.env_end), s.env_reason, tuple(call_lines(s.agent_calls)), states[0] if states else None,
-                   tuple(tool_lines(s.agent_calls)))
+        turns = [TurnLine(text(t.action_ids), text(t.observation_ids), None if t.reward != t.reward else t.reward) for t in s.turns()]
+        return cls._made(turns, int(s.env_end), s.env_reason, s.env_states, s.agent_calls)
 
     @classmethod
     def of_row(cls, row: dict) -> EpisodeLine:
-        """From a row of the rollout table (a pruned step's, from the archive): its turns as the archive wrote them."""
-        return _view(cls, {**row, table.TURNS: tuple(_view(TurnLine, t) for t in row[table.TURNS])})
+        """From a row of the rollout table (a pruned step's, from the archive): its turns as the archive wrote them, and its
+        calls and states where the archive holds them (schema.table.TEXT_COLUMNS)."""
+        turns = [_view(TurnLine, t) for t in row[table.TURNS]]
+        end = _view(cls, {**row, table.TURNS: ()})  # its end and reason, as the row has them
+        return cls._made(turns, end.env_end, end.env_reason, row.get(STATES_TEXT) or "", row.get(AGENT_TEXT) or "")
+
+    @classmethod
+    def _made(cls, turns: list[TurnLine], env_end: int, env_reason: str, states_text: str, calls_text: str) -> EpisodeLine:
+        """The episode from its turns and its journaled JSON: the env's states (reset's, then one a turn whose step answered)
+        and the agent's model and tool calls."""
+        from ..rl.gateway.token_ledger import call_lines, tool_lines
+
+        states = json.loads(states_text) if states_text else []
+        after = [states[t + 1] if t + 1 < len(states) else None for t in range(len(turns))]
+        return cls(tuple(replace(t, state=state) for t, state in zip(turns, after)), int(env_end), env_reason, tuple(call_lines(calls_text)),
+                   states[0] if states else None, tuple(tool_lines(calls_text)))
 
     def to_json(self) -> dict:
         turns = [{k: v for k, v in _json(t).items() if k != "state" or v is not None} for t in self.turns]
@@ -537,7 +545,8 @@ def step_detail(run_dir: Path, step: int, max_samples: int | None = None) -> Ste
         samples = [line.with_episode(s, decoder) for line, s in zip(samples, Columns(ev.added.samples).samples())]
     elif episodes:  # pruned: as the archive holds them
         assert cols is not None  # episodes: the archive's columns
-        samples = [replace(line, episode=EpisodeLine.of_row(r)) for line, r in zip(samples, table.rows(cols, episodes))]
+        texts = tuple(k for k in table.TEXT_COLUMNS if k in cols)  # what the archive holds of the calls and states
+        samples = [replace(line, episode=EpisodeLine.of_row(r)) for line, r in zip(samples, table.rows(cols, episodes, texts=texts))]
     if max_samples is not None:
         samples = samples[:max_samples]
     return StepDetail.of(ev, samples, note, decoder, run_dir)

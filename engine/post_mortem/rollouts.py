@@ -6,7 +6,9 @@
 
 The table's columns are schema.table's (its one schema of a sample; a run of episodes, rollout.env, has
 the episode's columns too: ``turns``, ``env_end``, ``env_reason``, ``env_seed``, ...; a run with partial rollouts,
-rollout.partial, ``token_versions``: each response token's policy version), plus each sample's
+rollout.partial, ``token_versions``: each response token's policy version; a run of episodes ``env_states`` too, its env's
+state() after reset and each step as JSON text, and a run of agent programs ``agent_calls``, each episode's model and
+tool calls as JSON text, idempotency keys included), plus each sample's
 fate, derived here from the journal: ``status`` (consumed | dropped | pending) and ``status_step`` (when).
 ``--turns`` writes one row per turn instead (schema.table.TURN_COLUMNS, then the fate); for a run of agent
 programs (rollout.agent), one row per model call (:data:`CALL_COLUMNS`, then the fate: :func:`call_rows`).
@@ -27,7 +29,7 @@ import numpy as np
 from ..config import config_from_stored
 from ..errors import UsageError
 from ..loop import archive
-from ..loop.archive import ran_episodes, ran_partial
+from ..loop.archive import ran_episodes, ran_partial, ran_texts
 from ..loop.ledger import open_run
 from ..loop.reader import StepReader
 from ..loop.records import attempt_at
@@ -250,12 +252,12 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
         if a > b:
             raise UsageError(f"--steps selects no step: this run has steps {first}–{last}")
         fates = sample_fates(ledger, a, None)
-        episodes, partial = ran_episodes(ledger.configs_in(a, b)), ran_partial(ledger.configs_in(a, b))
+        episodes, partial, texts = ran_episodes(ledger.configs_in(a, b)), ran_partial(ledger.configs_in(a, b)), ran_texts(ledger.configs_in(a, b))
         calls = turns and any(config_from_stored(c).rollout.agent for c in ledger.configs_in(a, b))  # a row per model call
         lineage = ledger.lineage.entries()
 
         def table_rows(step: int, cols: dict) -> Iterator[dict]:
-            for row in (call_rows(cols, attempt_at(lineage, step)) if calls else turn_rows(cols)) if turns else rows(cols, episodes, partial):
+            for row in (call_rows(cols, attempt_at(lineage, step)) if calls else turn_rows(cols)) if turns else rows(cols, episodes, partial, texts):
                 status, when = fates.get(row["sample_id"], ("pending", None))
                 yield {**row, "status": status, "status_step": when}
 
@@ -265,10 +267,10 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
                 import pyarrow as pa
                 import pyarrow.parquet as pq
 
-                schema = (call_schema() if calls else turn_schema(True)) if turns else arrow_schema(True, episodes, partial)
+                schema = (call_schema() if calls else turn_schema(True)) if turns else arrow_schema(True, episodes, partial, texts)
                 with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as w:
                     for step, cols in iter_step_columns(run_dir, ledger, a, b, notes):
-                        table = pa.Table.from_pylist(list(table_rows(step, cols)), schema) if turns else to_arrow(cols, fates, episodes, partial)
+                        table = pa.Table.from_pylist(list(table_rows(step, cols)), schema) if turns else to_arrow(cols, fates, episodes, partial, texts)
                         w.write_table(table)
                         written += table.num_rows
             else:

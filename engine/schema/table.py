@@ -13,6 +13,9 @@ single-turn run's table has none of them: its files are byte for byte what they 
 :func:`turn_rows` gives the table one row per turn instead (``export --rollouts --turns``). A table of a run
 with partial rollouts (rollout.partial) has ``token_versions`` too: each response token's policy version
 (the sample's runs expanded: a generation continued across weight updates shows where each version took over).
+A table of a run whose samples can carry JSON text (:data:`TEXT_COLUMNS`) has those columns too: ``agent_calls`` for agent
+programs (rollout.agent), ``env_states`` for episodes (null where the env has no state()), so that the archive keeps
+every sample whole.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import RunError, VerljError, install_hint
-from .sample import AGENT_TEXT, EPISODE_SCALARS, EPISODE_SEQUENCES, EPISODE_TEXT, RUNS, SCALARS, SEQUENCES, Columns
+from .sample import AGENT_TEXT, EPISODE_SCALARS, EPISODE_SEQUENCES, EPISODE_TEXT, RUNS, SCALARS, SEQUENCES, STATES_TEXT, Columns
 
 # ----------------------------------------------------------------------------- the rollout table
 
@@ -36,9 +39,12 @@ TURNS = "turns"  # an episode's turns as text: [{action, observation, reward}]
 EPISODE_COLUMNS = [TURNS, "env_end", EPISODE_TEXT, "env_seed", *EPISODE_SEQUENCES]
 TOKEN_VERSIONS = "token_versions"  # rollout.partial: each response token's policy version
 PARTIAL_COLUMNS = [TOKEN_VERSIONS]
+# JSON text a sample may carry, a column of a table whose steps can have it (loop.archive.ran_texts): an agent episode's model and
+# tool calls (rollout.agent: schema.agent_calls, idempotency keys included), an env's state() after reset and each step
+TEXT_COLUMNS = [AGENT_TEXT, STATES_TEXT]
 _TABLE_SCALARS = {"step": np.int64, **{TABLE_NAMES.get(k, k): dt for k, dt in {**SCALARS, **EPISODE_SCALARS}.items()}}
 _TABLE_SEQUENCES = {**SEQUENCES, **EPISODE_SEQUENCES, TOKEN_VERSIONS: np.int64}
-_TABLE_TEXT = (*TEXT, EPISODE_TEXT)
+_TABLE_TEXT = (*TEXT, EPISODE_TEXT, *TEXT_COLUMNS)
 
 
 def require_pyarrow(what: str, error: type[VerljError] = RunError):
@@ -66,15 +72,16 @@ def parquet_options(schema) -> dict:
             "use_dictionary": [c for c in COLUMNS + EPISODE_COLUMNS + PARTIAL_COLUMNS + FATE if c in names and c not in _FLOATS and c != TURNS]}
 
 
-def arrow_schema(with_fate: bool, episodes: bool = False, partial: bool = False):
+def arrow_schema(with_fate: bool, episodes: bool = False, partial: bool = False, texts: tuple[str, ...] = ()):
     """The table's Parquet schema: with the fate columns (export) or without (the archive); with the
-    episode columns for a run of episodes, token_versions for a run with partial rollouts."""
+    episode columns for a run of episodes, token_versions for a run with partial rollouts, and `texts` (of
+    TEXT_COLUMNS) where the run's samples can carry them."""
     pa = require_pyarrow("Parquet")
     arrow = {np.int64: pa.int64(), np.float64: pa.float64(), np.int32: pa.int32(), np.float32: pa.float32(), np.int8: pa.int8()}
     turn = pa.struct([("action", pa.string()), ("observation", pa.string()), ("reward", pa.float64())])
     types = {**{k: arrow[dt] for k, dt in _TABLE_SCALARS.items()}, **{k: pa.list_(arrow[dt]) for k, dt in _TABLE_SEQUENCES.items()},
              **{k: pa.string() for k in _TABLE_TEXT}, TURNS: pa.list_(turn), "status": pa.string(), "status_step": pa.int64()}
-    extra = (EPISODE_COLUMNS if episodes else []) + (PARTIAL_COLUMNS if partial else [])
+    extra = (EPISODE_COLUMNS if episodes else []) + (PARTIAL_COLUMNS if partial else []) + [k for k in TEXT_COLUMNS if k in texts]
     return pa.schema([(k, types[k]) for k in COLUMNS + extra + (FATE if with_fate else [])])
 
 
@@ -108,8 +115,9 @@ def step_columns(step: int, samples: dict, decoder) -> dict:
         cols[EPISODE_TEXT] = batch.text(EPISODE_TEXT)
         cols[TURNS] = [[{"action": text(t.action_ids, False), "observation": text(t.observation_ids, False),
                          "reward": None if np.isnan(t.reward) else t.reward} for t in s.turns()] for s in batch.samples()]
-    if batch.has(AGENT_TEXT):  # rollout.agent: each episode's calls (export --turns: a row per call); in no table column
-        cols[AGENT_TEXT] = batch.text(AGENT_TEXT)
+    for k in TEXT_COLUMNS:  # rollout.agent: each episode's calls (export --turns: a row per call); an env's states
+        if batch.has(k):
+            cols[k] = batch.text(k)
     if batch.has(RUNS):  # rollout.partial: each token's version, its sample's runs expanded
         versions = [s.token_versions() for s in batch.samples()]
         offsets = np.zeros(n + 1, np.int32)
@@ -122,15 +130,16 @@ def num_rows(cols: dict) -> int:
     return len(cols[SAMPLE_ID])
 
 
-def to_arrow(cols: dict, fate: dict | None = None, episodes: bool = False, partial: bool = False):
+def to_arrow(cols: dict, fate: dict | None = None, episodes: bool = False, partial: bool = False, texts: tuple[str, ...] = ()):
     """A pyarrow Table of one step's columns (with the fate columns when `fate` is given; with the episode
-    columns when `episodes`, null for a step without episodes; token_versions when `partial`)."""
+    columns when `episodes`, null for a step without episodes; token_versions when `partial`; `texts`, null for a
+    step whose samples carry none)."""
     pa = require_pyarrow("Parquet")
     arrays = []
-    schema = arrow_schema(fate is not None, episodes, partial)
+    schema = arrow_schema(fate is not None, episodes, partial, texts)
     for name in schema.names:
         typ = schema.field(name).type
-        if name in EPISODE_COLUMNS + PARTIAL_COLUMNS and name not in cols:
+        if name in EPISODE_COLUMNS + PARTIAL_COLUMNS + TEXT_COLUMNS and name not in cols:
             arrays.append(pa.nulls(num_rows(cols), typ))
         elif name in _TABLE_SEQUENCES:
             values, offsets = cols[name]
@@ -144,10 +153,10 @@ def to_arrow(cols: dict, fate: dict | None = None, episodes: bool = False, parti
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def rows(cols: dict, episodes: bool = False, partial: bool = False) -> Iterator[dict]:
+def rows(cols: dict, episodes: bool = False, partial: bool = False, texts: tuple[str, ...] = ()) -> Iterator[dict]:
     """One step's columns as row dicts (JSON-ready values); with the episode columns when `episodes`
-    (None for a step without episodes), token_versions when `partial`."""
-    names = COLUMNS + (EPISODE_COLUMNS if episodes else []) + (PARTIAL_COLUMNS if partial else [])
+    (None for a step without episodes), token_versions when `partial`, `texts` (None where a step has none)."""
+    names = COLUMNS + (EPISODE_COLUMNS if episodes else []) + (PARTIAL_COLUMNS if partial else []) + [k for k in TEXT_COLUMNS if k in texts]
     for i in range(num_rows(cols)):
         row: dict = {}
         for name in names:
@@ -243,8 +252,9 @@ def table_columns(table) -> dict:
     episode columns when the table holds them for these rows)."""
     cols: dict = {}
     held = [name for name in EPISODE_COLUMNS if name in table.column_names and table.num_rows and table.column(name).null_count == 0]
-    versions = [name for name in PARTIAL_COLUMNS if name in table.column_names and table.num_rows and table.column(name).null_count == 0]
-    for name in COLUMNS + (held if len(held) == len(EPISODE_COLUMNS) else []) + versions:
+    versions, texts = ([name for name in names if name in table.column_names and table.num_rows and table.column(name).null_count == 0]
+                       for names in (PARTIAL_COLUMNS, TEXT_COLUMNS))
+    for name in COLUMNS + (held if len(held) == len(EPISODE_COLUMNS) else []) + versions + texts:
         if name == "policy_version" and name not in table.column_names:  # archived before the field existed
             cols[name] = cols["step"] - 1
             continue

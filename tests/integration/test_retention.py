@@ -13,7 +13,7 @@ import pytest
 
 from verlj.engine.loop.run import train as run_train
 from verlj.journal import open_journal_reader
-from verlj_testing import TINY, _same, assert_same_journal, cli, comparable_steps, env, fingerprints, popen, train, verlj
+from verlj_testing import REPO, TINY, _same, assert_same_journal, cli, comparable_steps, env, fingerprints, popen, train, verlj
 
 SNAPS = ["trainer.save_interval=3", "trainer.save_total_limit=2"]
 RETAIN = [*SNAPS, "journal.retain_samples=since_oldest_snapshot", "journal.archive=true"]
@@ -287,3 +287,44 @@ def test_a_snapshot_deleted_while_the_run_trains_is_not_counted_and_the_older_on
     assert "Skipping damaged snapshot" in out.stderr and f"Resuming from checkpoint: {run / 'step_00004'}" in out.stdout
     assert fingerprints(run) == fingerprints(ref)
     assert (run / "quarantine" / "step_00008").is_dir() and index_and_pruned(run)[0] == [4, 10]
+
+
+TESTS = str(REPO / "tests")  # agents_for_tests, tools_for_tests, envs_for_tests
+KEPT_WHOLE = {
+    "agent_calls": ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:ticketing", "rollout.max_turns=2",
+                    "rollout.tools=[tools_for_tests:open_ticket]"],
+    "env_states": ["model.tiny.vocab=ascii", "rollout.env=envs_for_tests:Logged", "rollout.max_turns=3"],
+}
+
+
+@pytest.mark.parametrize("column", list(KEPT_WHOLE))
+def test_the_archive_keeps_an_agents_calls_and_an_envs_states(tmp_path, column):
+    """A pruned step's samples, from the archive, carry what the journal held: an agent episode's model and tool calls (their
+    idempotency keys included) and an env's state() after reset and each step. `inspect --step` shows them as it does on
+    the same run without retention, and `export --rollouts` has them as a column, the journal's JSON text."""
+    ref, pruned = tmp_path / "ref", tmp_path / "pruned"
+    extra = {"PYTHONPATH": TESTS, "VERLJ_TEST_EFFECTS": str(tmp_path / "effects"), "VERLJ_TEST_ENV_LOG": str(tmp_path / "env.log")}
+    for run, keep in ((ref, SNAPS), (pruned, RETAIN)):
+        out = train(run, *KEPT_WHOLE[column], "trainer.total_steps=6", *keep, **extra)
+        assert out.returncode == 0, out.stderr[-3000:]
+    with open_journal_reader(pruned / "journal") as j:
+        assert j.read_step(1).pruned
+    with open_journal_reader(ref / "journal") as j:
+        held = [str(t) for t in j.read_step(1).first("buffer.add")["samples"][column]]
+    assert held and all(held), held
+    shown = {run: json.loads(runs_own(cli("inspect", run, "--step", "1", "--json", check=True).stdout))["samples"] for run in (ref, pruned)}
+    assert shown[pruned] == shown[ref]
+    what = "tools" if column == "agent_calls" else "reset_state"
+    assert all(s[what] for s in shown[pruned]), shown[pruned][0]
+    if column == "agent_calls":
+        assert all(t["key"] for s in shown[pruned] for t in s["tools"])
+    cli("export", pruned, "--rollouts", "--steps", "1:1", "--format", "jsonl", "--output", tmp_path / "r.jsonl", check=True)
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [runs_own(r[column]) for r in rows] == [runs_own(h) for h in held]
+
+
+def runs_own(text: str) -> str:
+    """`text` with each idempotency key's part that names its run (rl.gateway: verlj-<run>-e<episode>-t<call>) made alike."""
+    import re
+
+    return re.sub(r"verlj-[0-9a-f]{16}-e", "verlj-RUN-e", text)
