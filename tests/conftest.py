@@ -27,7 +27,7 @@ SECONDS = {
     "test_episodes.py": 142,
     "test_lora.py": 107,
     "test_examples.py": 100,
-    "test_openenv.py": 150,  # measured alone (125 s, under load), and its completion-order run (about 25 s)
+    "test_openenv.py": 170,  # measured alone (125 s, under load), its completion-order run (about 25 s), on vLLM (about 20 s)
     "test_forkserver.py": 95,
     "test_agents_bpe.py": 93,
     "test_trl_envs.py": 86,  # measured alone (sync 42 s with the fork servers' start, step order 23 s, completion order 21 s), not yet in a full run
