@@ -84,6 +84,16 @@ class ResetFaulty(Digits):
         return super().reset(row, seed)
 
 
+class PoolDown(Digits):
+    """Digits whose reset raises for every episode of a group whose prompt ends in 1 or 2 (a sandbox pool down for those
+    tasks): a group with no episode played, the infrastructure failure that must never be trained as reward 0."""
+
+    def reset(self, row: dict, seed: int) -> str:
+        if row["prompt"].rstrip("=").endswith(("1", "2")):
+            raise ConnectionError("the sandbox pool for this task is down")
+        return super().reset(row, seed)
+
+
 class Flood(Digits):
     """Digits whose every observation is a megabyte of text (rollout.max_observation_length caps it)."""
 

@@ -342,6 +342,12 @@ class Play:
     versions: list = field(default_factory=list)  # the policy version of each turn taken
     places: list = field(default_factory=list)  # the episodes whose turn is asked now
     work: GroupWork | None = None  # on a fleet: what its actors are given each turn (the envs live there)
+    asked_at: int = 0  # the policy version the trainer held when it began: a group whose every reset faulted took no turn
+
+    @property
+    def version(self) -> int:
+        """The group's policy version (its samples'): its first turn's, or, with none taken, the one it began at."""
+        return self.versions[0] if self.versions else self.asked_at
 
     def state(self, group: int) -> GroupInFlight:
         return self.round.state(group, self.row, self.versions)

@@ -58,6 +58,7 @@ from verlj.journal.failpoints import failpoint
 
 from ..config import Config, RolloutConfig
 from ..errors import ConfigError, RunError, install_hint
+from ..schema.sample import GroupInFlight
 from .episodes import GroupWork
 from .partial import Progress, settle
 from .reaper import Reaper, session_dir
@@ -244,6 +245,7 @@ class RayFleet(SamplerEngine):
         self._lock = threading.Condition()
         self._queue: deque = deque()  # work items not handed out: (owner, key, job, params[, stick]); a job: (prompt, seeds) or a GroupWork
         self._sticks: dict[str, int] = {}  # rollout.agent: an episode's key -> the slot its calls go to (forgotten at each version)
+        self._rounds: dict[int, int] = {}  # completion order, rollout.env: a group -> the slot holding its envs (play_group's `held`)
         self._chunk = 1
         self._paused = False
         self._results: dict[int, list] = {}  # step order: handle -> each group's (responses, log-probs), None until done
@@ -471,7 +473,7 @@ class RayFleet(SamplerEngine):
         params = sampling_params(cfg)
         with self._lock:
             self._chunk = max(1, math.ceil(batch_groups / max(1, len(self.slots))))
-            self._queue.extend((None, work.group, work, params) for work in works)
+            self._queue.extend((None, work.group, work, params, work.group) for work in works)
             self._dispatch()
 
     def arrived(self, wait: float) -> list[tuple]:
@@ -514,19 +516,21 @@ class RayFleet(SamplerEngine):
                     os.kill(s.pid, signal.SIGKILL)
 
     def _take(self, at: int) -> list:
-        """(Lock held.) The next call's items for the actor in slot `at`: up to `chunk` from the head of the queue,
-        passing over a call whose episode another live actor keeps (`calls`), kept in line for that one."""
+        """(Lock held.) The next call's items for the actor in slot `at`: up to `chunk` from the head of the queue, passing
+        over a call whose episode another live actor keeps (`calls`), or a group's turn whose envs another live actor holds
+        (`ask_play`, whatever the version: its envs never made twice, their sessions never opened twice), kept in line for it."""
         taken: list[tuple] = []
         passed: list[tuple] = []
         while self._queue and len(taken) < self._chunk:
             item = self._queue.popleft()
             stick = item[4] if len(item) > 4 else None
             if stick is not None:
-                keeper = self._sticks.get(stick)
+                keeper = self._rounds.get(stick) if isinstance(stick, int) else self._sticks.get(stick)
                 if keeper is not None and keeper != at and keeper < len(self.slots) and self.slots[keeper].alive:
                     passed.append(item)
                     continue
-                self._sticks[stick] = at
+                if not isinstance(stick, int):
+                    self._sticks[stick] = at
             taken.append(item)
         self._queue.extendleft(reversed(passed))
         return taken
@@ -610,6 +614,10 @@ class RayFleet(SamplerEngine):
             if isinstance(got, dict):  # a group of episodes' state (rl.episodes.play_group)
                 if owner is None:
                     self._arrivals.append((key, got, version))
+                    if GroupInFlight.from_dict(got).live:  # its actor holds its envs for its next turn
+                        self._rounds[key] = self.slots.index(s)
+                    else:
+                        self._rounds.pop(key, None)
                 else:
                     self._results[owner][key] = got
                 continue
@@ -651,15 +659,10 @@ def shipped_env(ro: RolloutConfig) -> dict:
     user's code the actors import (a module:Class env's, a TRL class's, an OpenEnv env's rollout.openenv_adapter)
     ships to them (Ray's py_modules: a file or a package directory, from where this process imported it), unless
     it is installed (the standard library, site-packages) or verlj's own, which every node has."""
-    spec = ro.env
+    spec = ro.openenv_adapter if (ro.env or "").startswith("openenv:") else ro.env
     if spec is None or spec.startswith("builtin:"):
         return {}
-    if spec.startswith("openenv:"):
-        spec = ro.openenv_adapter
-        if spec is None:
-            return {}
-    elif spec.startswith(TRL_PREFIX):
-        spec = spec[len(TRL_PREFIX):]
+    spec = spec.removeprefix(TRL_PREFIX)
     top = spec.partition(":")[0].split(".")[0]
     module = sys.modules.get(top) or importlib.import_module(top)  # rl.envs.check_env imported it before the fleet starts
     path = str(getattr(module, "__file__", None) or "")

@@ -461,6 +461,29 @@ def test_no_action_is_generated_after_a_reset_fault(tmp_path, mode):
     assert set(e.turns[e.env_end == EnvEnd.FAULT].tolist()) <= {0} and (e.turns > 0).any()
 
 
+@pytest.mark.parametrize("mode", [[], ["rollout.mode=async", "rollout.async_order=completion"]], ids=["sync", "completion"])
+def test_a_group_whose_every_reset_faults_is_journaled_and_never_trained(tmp_path, mode):
+    """Every episode of a group faulted at its reset (envs_for_tests.PoolDown: a task's sandboxes down), so no turn was
+    played: the group is journaled with its reason, left out of the update, and the run goes on (in completion order such
+    a group has no turn's version: its samples carry the policy version it began at; this was an IndexError)."""
+    run = tmp_path / "run"
+    out = train(run, "rollout.env=envs_for_tests:PoolDown", "rollout.max_turns=2", ASCII, "rollout.max_fault_rate=1",
+                "trainer.total_steps=3", *mode, PYTHONPATH=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    groups: dict[int, list] = {}
+    for samples in episodes(run).values():
+        for smp in samples:
+            groups.setdefault(int(smp.group), []).append(smp)
+    down = [g for g, ss in groups.items() if all(x.env_end == EnvEnd.FAULT and "the sandbox pool for this task is down" in x.env_reason
+                                                  for x in ss)]
+    assert down and len(down) < len(groups), (len(down), len(groups))
+    assert all(len(x.turn_lens) == 0 and len(x.response_ids) == 0 and x.policy_version >= 0 for g in down for x in groups[g])
+    with open_journal_reader(run / "journal") as j:
+        consumed = {int(i) for rec in j.iter_steps() if (c := StepEvents.of(rec).consumed) is not None for i in c.ids.tolist()}
+    assert consumed and not consumed & {int(x.id) for g in down for x in groups[g]}
+    assert cli("verify", run).returncode == 0
+
+
 def test_two_ranks_train_on_groups_that_faults_left_uneven(tmp_path):
     """2 ranks: groups left uneven by faults are chosen so both ranks get as many samples (the last group
     whose leaving evens the count waits for the next step), never none while some group is valid."""

@@ -304,6 +304,26 @@ def test_an_openenv_server_on_a_fleet_in_step_order_is_bit_identical_through_a_k
     assert fingerprints(run) == fingerprints(ref)
 
 
+def test_an_openenv_server_on_a_fleet_in_completion_order_keeps_each_group_on_the_actor_holding_its_sessions(tmp_path, cluster, bpe_model):
+    """Completion order plays one turn a call: a group's next turn goes to the actor that played its last one and holds its
+    envs (their WebSocket sessions), never to another that would open the group's sessions again beside the held ones. On
+    a server whose max_concurrent_envs is the run's 16 episodes at once, a session opened twice fills it (the episode's
+    reset a fault): every step here has none, and every group is accounted for."""
+    from test_openenv import overrides
+
+    from verlj_testing import free_port
+
+    port = free_port()
+    server = f"{sys.executable} {REPO / 'examples' / 'openenv_server.py'} --port {port} --max-concurrent-envs 16"
+    over = [*FLEET, "rollout.async_order=completion", *overrides(bpe_model, port, tmp_path / "starts.log"), "trainer.total_steps=4",
+            f"rollout.openenv_command={server}"]
+    run = tmp_path / "run"
+    out = ok(train(run, *over, **cluster))
+    steps = [ln for ln in (out.stdout + out.stderr).splitlines() if ": reward=" in ln]
+    assert len(steps) == 4 and all(ln.endswith("faults 0/16") for ln in steps), steps
+    check_accounting(run)
+
+
 def test_episodes_on_a_fleet_in_completion_order_survive_a_killed_trainer_and_actor(tmp_path, cluster):
     """Completion order: each turn a group's actor plays is made durable by the trainer before the next is
     asked. The trainer SIGKILLed just after step 1's commit (the groups asked ahead are mid-episode),

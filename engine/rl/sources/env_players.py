@@ -198,22 +198,23 @@ class Turns:
             durable = None
         fleet = on_fleet(call.engine)
         if fleet is not None:
-            asked.restored_turns += self.begin_remote(g, int(row), rows, durable, fleet)
+            asked.restored_turns += self.begin_remote(g, int(row), rows, durable, fleet, call.version)
             return None
         if durable is None:
             env_seeds = [derive_seed(cfg.trainer.seed, 0, "rollout/env", g, j) for j in range(n)]
-            play = Play(Round(self.envs(), rows, env_seeds, [self.prompt_ids[row]] * n, self.tokenizer, self.limits), int(row))
+            play = Play(Round(self.envs(), rows, env_seeds, [self.prompt_ids[row]] * n, self.tokenizer, self.limits), int(row),
+                        asked_at=call.version)
         else:
             rnd, replayed = Round.restored(self.envs(), rows, durable, self.tokenizer, self.limits)
-            play = Play(rnd, int(row), list(durable.versions))
+            play = Play(rnd, int(row), list(durable.versions), asked_at=call.version)
             asked.restored_turns += replayed
         self.plays[g] = play
         return self.next_turn(g, play)
 
-    def begin_remote(self, g: int, row: int, rows: list[dict], durable: GroupInFlight | None, fleet: RayFleet) -> int:
+    def begin_remote(self, g: int, row: int, rows: list[dict], durable: GroupInFlight | None, fleet: RayFleet, version: int) -> int:
         """On a fleet: the group's first turn (from its resets), or its next from its last durable turn,
-        asked of the actors, whose envs play it (rl.episodes.play_group); the trainer holds its state.
-        Returns the env steps the actor re-applies."""
+        asked of the actors, whose envs play it (rl.episodes.play_group); the trainer holds its state (begun at policy
+        `version`). Returns the env steps the actor re-applies."""
         cfg, n, limits = self.cfg, self.cfg.rollout.n, self.limits
         prompts = [self.prompt_ids[row]] * n
         work = GroupWork(g, row, rows, prompts, [derive_seed(cfg.trainer.seed, 0, "rollout/env", g, j) for j in range(n)],
@@ -221,7 +222,7 @@ class Turns:
         none = lambda dt: [np.zeros(0, dt)] * n  # noqa: E731 - before its first turn: no response yet
         start = durable or GroupInFlight(g, row, [], prompts, none(np.int64), none(np.float32), none(np.int8), none(np.int64),
                                          none(np.float64), list(work.env_seeds), [int(EnvEnd.NONE)] * n, [""] * n)
-        play = Play(Round.of_states([start], self.tokenizer, limits), row, list(start.versions), work=work)
+        play = Play(Round.of_states([start], self.tokenizer, limits), row, list(start.versions), work=work, asked_at=version)
         # the actor re-applies the durable actions of each episode still going
         restored = sum(len(ep.turn_lens) // 2 for ep in play.round.episodes if ep.live) if durable is not None else 0
         self.plays[g] = play
@@ -279,7 +280,7 @@ class Turns:
             play = self.plays.pop(g)
             got = self.scorer.score_episodes([play.row], n, play.round)
             for j, smp in enumerate(got):
-                smp.id, smp.group, smp.policy_version = g + j, g, play.versions[0]
+                smp.id, smp.group, smp.policy_version = g + j, g, play.version
             local += got
         reward_s = time.perf_counter() - t
         gathered = self.rt.all_gather_obj((states, sample_codec.pack(local)))
