@@ -16,6 +16,7 @@ This module is the only one that names these paths.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,25 +39,25 @@ _FILE = re.compile(r"^steps_(\d{10})-(\d{10})\.parquet$")
 _TMP = re.compile(r"^\.tmp-steps_.*")
 
 
-def ran_episodes(configs: list[dict]) -> bool:
-    """Whether steps run under these stored configs (Ledger.configs_in) played episodes (rollout.env, or agent programs:
-    rollout.agent): their rollout table has the episode columns."""
-    return any(config_from_stored(c).rollout.env or config_from_stored(c).rollout.agent for c in configs)
+@dataclass(frozen=True)
+class TableShape:
+    """The rollout table's optional columns (schema.table.arrow_schema's) for steps run under some stored configs
+    (Ledger.configs_in): the episode columns where they played episodes (rollout.env, or agent programs: rollout.agent),
+    each token's version where they had partial rollouts (rollout.partial), the JSON text columns (schema.table.TEXT_COLUMNS)
+    their samples can carry: each episode's model and tool calls for agent programs (`calls`), the env's states for episodes
+    (rollout.env; null where its env has no state())."""
 
+    episodes: bool
+    partial: bool
+    texts: tuple[str, ...]
+    calls: bool
 
-def ran_partial(configs: list[dict]) -> bool:
-    """Whether steps run under these stored configs had partial rollouts (rollout.partial): their rollout
-    table has each token's version."""
-    return any(config_from_stored(c).rollout.partial for c in configs)
-
-
-def ran_texts(configs: list[dict]) -> tuple[str, ...]:
-    """The JSON text columns (schema.table.TEXT_COLUMNS) of a rollout table of steps run under these stored configs: each
-    episode's model and tool calls for agent programs (rollout.agent), the env's states for episodes (rollout.env; null where
-    its env has no state())."""
-    cfgs = [config_from_stored(c) for c in configs]
-    ran = {AGENT_TEXT: any(c.rollout.agent for c in cfgs), STATES_TEXT: any(c.rollout.env for c in cfgs)}
-    return tuple(k for k in samples.TEXT_COLUMNS if ran[k])
+    @classmethod
+    def of(cls, configs: list[dict]) -> TableShape:
+        cfgs = [config_from_stored(c) for c in configs]
+        agents, envs = any(c.rollout.agent for c in cfgs), any(c.rollout.env for c in cfgs)
+        ran = {AGENT_TEXT: agents, STATES_TEXT: envs}
+        return cls(agents or envs, any(c.rollout.partial for c in cfgs), tuple(k for k in samples.TEXT_COLUMNS if ran[k]), agents)
 
 
 def archive_dir(run_dir: Path) -> Path:
@@ -80,8 +81,8 @@ def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
     tmp = out_dir / f".tmp-{name}"
     rows = 0
     decoder = text_decoder(ledger.config_at(last))
-    configs = ledger.configs_in(first, last)
-    episodes, partial, texts = ran_episodes(configs), ran_partial(configs), ran_texts(configs)
+    shape = TableShape.of(ledger.configs_in(first, last))
+    episodes, partial, texts = shape.episodes, shape.partial, shape.texts
     schema = samples.arrow_schema(False, episodes, partial, texts)
     pending: list = []  # steps' tables, written as one row group per ROW_GROUP_BYTES (a row group per step costs ~15%)
 

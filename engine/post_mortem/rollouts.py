@@ -29,7 +29,7 @@ import numpy as np
 from ..config import config_from_stored
 from ..errors import UsageError
 from ..loop import archive
-from ..loop.archive import ran_episodes, ran_partial, ran_texts
+from ..loop.archive import TableShape
 from ..loop.ledger import open_run
 from ..loop.reader import StepReader
 from ..loop.records import attempt_at
@@ -252,8 +252,9 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
         if a > b:
             raise UsageError(f"--steps selects no step: this run has steps {first}–{last}")
         fates = sample_fates(ledger, a, None)
-        episodes, partial, texts = ran_episodes(ledger.configs_in(a, b)), ran_partial(ledger.configs_in(a, b)), ran_texts(ledger.configs_in(a, b))
-        calls = turns and any(config_from_stored(c).rollout.agent for c in ledger.configs_in(a, b))  # a row per model call
+        shape = TableShape.of(ledger.configs_in(a, b))
+        episodes, partial, texts = shape.episodes, shape.partial, shape.texts
+        calls = turns and shape.calls  # a row per model call
         lineage = ledger.lineage.entries()
 
         def table_rows(step: int, cols: dict) -> Iterator[dict]:

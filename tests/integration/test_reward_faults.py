@@ -4,6 +4,7 @@ has those samples counted, journaled with their reasons and never trained on; th
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from verlj.engine.schema.events import DropReason, StepEvents
@@ -45,5 +46,9 @@ def test_a_reward_function_that_fails_on_some_samples_leaves_them_out(tmp_path):
     shown = cli("inspect", run, "--step", str(step), "--max-samples", "1000", check=True).stdout
     assert f"a fault, never trained on: {faulted[step][0].fault}" in shown
     assert all(f"| {s.score:.4g} dropped" in shown for s in faulted[step])
+    cli("export", run, "--rollouts", "-o", tmp_path / "rows.jsonl", check=True)  # each sample's fault a column, with its fate
+    rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert {(r["step"], r["sample_id"]): r["fault"] for r in rows if r["fault"]} == {(k, s.id): s.fault for k, bad in faulted.items() for s in bad}
+    assert all(r["status"] == "dropped" for r in rows if r["fault"])
     rep = verlj("replay", run, "--to-step", "2", PYTHONPATH=TESTS)  # from the initial state: the drops read back
     assert rep.returncode == 0 and fingerprints(run)[2] in rep.stdout, rep.stderr[-3000:]

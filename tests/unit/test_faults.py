@@ -1,6 +1,7 @@
 """rl.faults: which samples a fault leaves out of the update (GRPO groups left with fewer than two whole),
 the step's counts and log note, the stop past rollout.max_fault_rate; a reward function's fault kept per
-sample (rewards.scored_or_faults) and journaled only where a batch has one (schema.sample)."""
+sample (rewards.scored_or_faults), journaled only where a batch has one (schema.sample) and kept in the rollout table
+(schema.table: the archive, export)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,18 @@ def test_a_reward_fault_is_journaled_only_in_a_batch_that_has_one():
     assert [s.fault_reason for s in back] == ["", "reward function f raised X"]
     assert smp(2, 0, env="step raised X").fault_reason == "step raised X"
     assert ev.DropReason("fault") is ev.DropReason.FAULT
+
+
+def test_the_rollout_table_keeps_each_samples_fault_through_parquet():
+    """The archive keeps a sample whole: its reward function's fault is a column of the rollout table (schema.table),
+    through Parquet and back; "" for a sample without one, and for every row of a file archived before the column."""
+    pa = pytest.importorskip("pyarrow")
+    from verlj.engine.schema import table
+
+    cols = table.step_columns(4, pack([smp(0, 0), smp(1, 0, reward="reward function f raised Y")]), None)
+    rows = list(table.rows(cols))
+    assert [r["fault"] for r in rows] == ["", "reward function f raised Y"]
+    arrow = table.to_arrow(cols)
+    assert arrow.schema.field("fault").type == pa.string() and list(table.rows(table.table_columns(arrow))) == rows
+    older = table.table_columns(arrow.drop_columns(["fault"]))
+    assert older["fault"] == ["", ""] and table.num_rows(older) == 2
