@@ -27,8 +27,8 @@ from ..config import config_from_stored
 from ..errors import RunError
 from ..rl.vocab import text_decoder
 from ..schema import table as samples
-from ..schema.events import StepEvents
-from ..schema.sample import AGENT_TEXT, STATES_TEXT
+from ..schema.events import DropReason, StepEvents
+from ..schema.sample import AGENT_TEXT, FAULT_TEXT, STATES_TEXT
 from ..state.manifest import file_digest
 from .reader import StepReader
 from .records import ArchiveEntry
@@ -41,11 +41,11 @@ _TMP = re.compile(r"^\.tmp-steps_.*")
 
 @dataclass(frozen=True)
 class TableShape:
-    """The rollout table's optional columns (schema.table.arrow_schema's) for steps run under some stored configs
-    (Ledger.configs_in): the episode columns where they played episodes (rollout.env, or agent programs: rollout.agent),
-    each token's version where they had partial rollouts (rollout.partial), the JSON text columns (schema.table.TEXT_COLUMNS)
-    their samples can carry: each episode's model and tool calls for agent programs (`calls`), the env's states for episodes
-    (rollout.env; null where its env has no state())."""
+    """The rollout table's optional columns (schema.table.arrow_schema's) for a run's steps: the episode columns where they
+    played episodes (rollout.env, or agent programs: rollout.agent), each token's version where they had partial rollouts
+    (rollout.partial), the text columns (schema.table.TEXT_COLUMNS) their samples can carry: why a reward function failed a
+    sample where a step left samples out for a fault, each episode's model and tool calls for agent programs (`calls`), the
+    env's states for episodes (rollout.env; null where its env has no state())."""
 
     episodes: bool
     partial: bool
@@ -53,10 +53,12 @@ class TableShape:
     calls: bool
 
     @classmethod
-    def of(cls, configs: list[dict]) -> TableShape:
-        cfgs = [config_from_stored(c) for c in configs]
+    def of(cls, ledger, first: int, last: int) -> TableShape:
+        """Of steps first..last: from the configs in force (Ledger.configs_in) and the steps' drops (payloads not read)."""
+        cfgs = [config_from_stored(c) for c in ledger.configs_in(first, last)]
         agents, envs = any(c.rollout.agent for c in cfgs), any(c.rollout.env for c in cfgs)
-        ran = {AGENT_TEXT: agents, STATES_TEXT: envs}
+        faults = any(d.reason is DropReason.FAULT for r in StepReader(ledger.journal).records(first, last, payload=False) for d in StepEvents.of(r).drops)
+        ran = {FAULT_TEXT: faults, AGENT_TEXT: agents, STATES_TEXT: envs}
         return cls(agents or envs, any(c.rollout.partial for c in cfgs), tuple(k for k in samples.TEXT_COLUMNS if ran[k]), agents)
 
 
@@ -81,7 +83,7 @@ def write(run_dir: Path, ledger, first: int, last: int) -> ArchiveEntry:
     tmp = out_dir / f".tmp-{name}"
     rows = 0
     decoder = text_decoder(ledger.config_at(last))
-    shape = TableShape.of(ledger.configs_in(first, last))
+    shape = TableShape.of(ledger, first, last)
     episodes, partial, texts = shape.episodes, shape.partial, shape.texts
     schema = samples.arrow_schema(False, episodes, partial, texts)
     pending: list = []  # steps' tables, written as one row group per ROW_GROUP_BYTES (a row group per step costs ~15%)

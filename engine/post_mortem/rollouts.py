@@ -252,7 +252,7 @@ def export_rollouts(run_dir: Path, output: Path, fmt: str, steps: str | None, tu
         if a > b:
             raise UsageError(f"--steps selects no step: this run has steps {first}–{last}")
         fates = sample_fates(ledger, a, None)
-        shape = TableShape.of(ledger.configs_in(a, b))
+        shape = TableShape.of(ledger, a, b)
         episodes, partial, texts = shape.episodes, shape.partial, shape.texts
         calls = turns and shape.calls  # a row per model call
         lineage = ledger.lineage.entries()

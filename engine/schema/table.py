@@ -2,18 +2,19 @@
 
 The archive's Parquet files, ``verlj export --rollouts`` and ``inspect --step`` show a step's samples as
 rows: ``step``, the sample's fields (:mod:`.sample`; the id under the table's name ``sample_id``, ids and
-log-probs as lists), ``prompt`` and ``response`` decoded to text, ``fault`` (why its reward function failed
-it, "" none: such a sample is never trained), and on export the sample's fate (``status``, ``status_step``). :func:`step_columns` builds a step's rows for all three, so they never
+log-probs as lists), ``prompt`` and ``response`` decoded to text, and on export the sample's fate
+(``status``, ``status_step``). :func:`step_columns` builds a step's rows for all three, so they never
 disagree. pyarrow is needed for Parquet only (``pip install 'verlj[archive]'``).
 
 A table of episodes (rollout.env) has the episode's fields too (:data:`EPISODE_COLUMNS`): ``turns``, the
 episode turn by turn as text (``[{action, observation, reward}]``, reward null where the env gave none),
 ``env_end``, ``env_reason``, ``env_seed``, and ``loss_mask``, ``turn_lens``, ``turn_rewards`` as lists. A
-single-turn run's table has none of them.
+single-turn run's table has none of them: its files are byte for byte what they were before episodes.
 :func:`turn_rows` gives the table one row per turn instead (``export --rollouts --turns``). A table of a run
 with partial rollouts (rollout.partial) has ``token_versions`` too: each response token's policy version
 (the sample's runs expanded: a generation continued across weight updates shows where each version took over).
-A table of a run whose samples can carry JSON text (:data:`TEXT_COLUMNS`) has those columns too: ``agent_calls`` for agent
+A table of steps whose samples can carry text (:data:`TEXT_COLUMNS`) has those columns too: ``fault`` where a step left
+samples out for a fault (why each one's reward function failed it; null or "" for the others), ``agent_calls`` for agent
 programs (rollout.agent), ``env_states`` for episodes (null where the env has no state()), so that the archive keeps
 every sample whole.
 """
@@ -33,19 +34,19 @@ from .sample import AGENT_TEXT, EPISODE_SCALARS, EPISODE_SEQUENCES, EPISODE_TEXT
 SAMPLE_ID, VERSION = "sample_id", "policy_version"  # table columns named in code
 TABLE_NAMES = {"id": SAMPLE_ID}  # a field's column name where it differs (a table has several ids)
 TEXT = ("prompt", "response")
-# fault: why its scoring failed it ("" none; rl.faults): such a sample is never trained, and its reason is kept with it
-COLUMNS = ["step", "sample_id", "group", "index", "prompt", "response", *SEQUENCES, "rule_reward", "rm_score", "score", "policy_version", FAULT_TEXT]
+COLUMNS = ["step", "sample_id", "group", "index", "prompt", "response", *SEQUENCES, "rule_reward", "rm_score", "score", "policy_version"]
 FATE = ["status", "status_step"]
 TURNS = "turns"  # an episode's turns as text: [{action, observation, reward}]
 EPISODE_COLUMNS = [TURNS, "env_end", EPISODE_TEXT, "env_seed", *EPISODE_SEQUENCES]
 TOKEN_VERSIONS = "token_versions"  # rollout.partial: each response token's policy version
 PARTIAL_COLUMNS = [TOKEN_VERSIONS]
-# JSON text a sample may carry, a column of a table whose steps can have it (loop.archive.TableShape): an agent episode's model and
-# tool calls (rollout.agent: schema.agent_calls, idempotency keys included), an env's state() after reset and each step
-TEXT_COLUMNS = [AGENT_TEXT, STATES_TEXT]
+# Text a sample may carry, a column of a table whose steps can have it (loop.archive.TableShape): why its reward function
+# failed it (steps that left a sample out for a fault; rl.faults: never trained), an agent episode's model and tool calls as
+# JSON (rollout.agent: schema.agent_calls, idempotency keys included), an env's state() after reset and each step as JSON
+TEXT_COLUMNS = [FAULT_TEXT, AGENT_TEXT, STATES_TEXT]
 _TABLE_SCALARS = {"step": np.int64, **{TABLE_NAMES.get(k, k): dt for k, dt in {**SCALARS, **EPISODE_SCALARS}.items()}}
 _TABLE_SEQUENCES = {**SEQUENCES, **EPISODE_SEQUENCES, TOKEN_VERSIONS: np.int64}
-_TABLE_TEXT = (*TEXT, FAULT_TEXT, EPISODE_TEXT, *TEXT_COLUMNS)
+_TABLE_TEXT = (*TEXT, EPISODE_TEXT, *TEXT_COLUMNS)
 
 
 def require_pyarrow(what: str, error: type[VerljError] = RunError):
@@ -112,12 +113,11 @@ def step_columns(step: int, samples: dict, decoder) -> dict:
         values, offsets = cols[ids]
         # the prompt's <bos> is the template's; a response shows every token the model wrote (<unk>, <eos>)
         cols[k] = [text(values[offsets[i] : offsets[i + 1]], skip) for i in range(n)]
-    cols[FAULT_TEXT] = batch.text(FAULT_TEXT)
     if episodes:
         cols[EPISODE_TEXT] = batch.text(EPISODE_TEXT)
         cols[TURNS] = [[{"action": text(t.action_ids, False), "observation": text(t.observation_ids, False),
                          "reward": None if np.isnan(t.reward) else t.reward} for t in s.turns()] for s in batch.samples()]
-    for k in TEXT_COLUMNS:  # rollout.agent: each episode's calls (export --turns: a row per call); an env's states
+    for k in TEXT_COLUMNS:  # a reward function's fault; rollout.agent: each episode's calls (export --turns: a row per call); an env's states
         if batch.has(k):
             cols[k] = batch.text(k)
     if batch.has(RUNS):  # rollout.partial: each token's version, its sample's runs expanded
@@ -259,9 +259,6 @@ def table_columns(table) -> dict:
     for name in COLUMNS + (held if len(held) == len(EPISODE_COLUMNS) else []) + versions + texts:
         if name == "policy_version" and name not in table.column_names:  # archived before the field existed
             cols[name] = cols["step"] - 1
-            continue
-        if name == FAULT_TEXT and name not in table.column_names:  # archived before the column existed: its faults unknown
-            cols[name] = [""] * table.num_rows
             continue
         col = table.column(name).combine_chunks()
         if name in _TABLE_SEQUENCES:

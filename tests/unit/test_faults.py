@@ -87,15 +87,17 @@ def test_a_reward_fault_is_journaled_only_in_a_batch_that_has_one():
 
 
 def test_the_rollout_table_keeps_each_samples_fault_through_parquet():
-    """The archive keeps a sample whole: its reward function's fault is a column of the rollout table (schema.table),
-    through Parquet and back; "" for a sample without one, and for every row of a file archived before the column."""
+    """The archive keeps a sample whole: its reward function's fault is a text column of a table of steps that left samples
+    out for a fault (schema.table.TEXT_COLUMNS), through Parquet and back; "" for a sample without one, null for a step
+    whose samples carry none; a table without such steps has no such column (a single-turn table stays as it was)."""
     pa = pytest.importorskip("pyarrow")
     from verlj.engine.schema import table
 
     cols = table.step_columns(4, pack([smp(0, 0), smp(1, 0, reward="reward function f raised Y")]), None)
-    rows = list(table.rows(cols))
+    clean = table.step_columns(5, pack([smp(2, 0), smp(3, 0)]), None)
+    rows = list(table.rows(cols, texts=("fault",)))
     assert [r["fault"] for r in rows] == ["", "reward function f raised Y"]
-    arrow = table.to_arrow(cols)
-    assert arrow.schema.field("fault").type == pa.string() and list(table.rows(table.table_columns(arrow))) == rows
-    older = table.table_columns(arrow.drop_columns(["fault"]))
-    assert older["fault"] == ["", ""] and table.num_rows(older) == 2
+    assert [r["fault"] for r in table.rows(clean, texts=("fault",))] == [None, None] and "fault" not in next(table.rows(cols))
+    arrow = table.to_arrow(cols, texts=("fault",))
+    assert arrow.schema.field("fault").type == pa.string() and list(table.rows(table.table_columns(arrow), texts=("fault",))) == rows
+    assert "fault" not in table.to_arrow(cols).schema.names and table.to_arrow(clean, texts=("fault",)).column("fault").null_count == 2
