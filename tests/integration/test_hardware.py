@@ -1,4 +1,4 @@
-"""The hardware in a run's identity: the CPU kernel level torch dispatched to (and its BLAS, the accelerator)
+"""The hardware in a run's identity: the CPU kernel level torch dispatched to (and the processor's model, its BLAS, the accelerator)
 is recorded with the run's versions and shown by `inspect`; a replay, resume or rerun on another kernel level
 (forced here with ATEN_CPU_CAPABILITY, one level down, in a fresh interpreter) says so first, in one line, and
 `verify --deep` does not call the run damaged."""
@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from verlj.engine.state.hardware import hardware
 from verlj_testing import train, verlj
 
 LOWER = {"AVX512": "avx2", "AVX2": "default"}  # ATEN_CPU_CAPABILITY values one level below the machine's
@@ -32,7 +33,7 @@ def lower(**extra):
 
 def test_the_kernel_level_is_recorded_and_shown(run):
     shown = json.loads(verlj("inspect", run, "--json", check=True).stdout)
-    assert shown["versions"]["cpu kernels"] == HERE
+    assert shown["versions"]["cpu kernels"] == HERE and shown["versions"]["processor"] == hardware()["processor"]
     assert shown["versions"]["blas"] and shown["versions"]["accelerator"] == ("none" if not torch.cuda.is_available() else torch.cuda.get_device_name(0))
     assert f"cpu kernels {HERE}" in verlj("inspect", run, check=True).stdout
 

@@ -1,8 +1,8 @@
 """state.hardware: the facts recorded, and the one sentence that names a hardware change as the cause."""
 
-from verlj.engine.state.hardware import _blas, cross_hardware, hardware
+from verlj.engine.state.hardware import _blas, _processor, cross_hardware, hardware
 
-CPU = {"cpu kernels": "AVX512", "blas": "mkl", "accelerator": "none"}
+CPU = {"cpu kernels": "AVX512", "processor": "GenuineIntel 6/85", "blas": "mkl", "accelerator": "none"}
 
 
 def test_this_process_has_its_facts():
@@ -16,6 +16,23 @@ def test_this_process_has_its_facts():
 def test_blas_from_the_build_settings():
     assert _blas("  - Build settings: BLAS_INFO=open, BUILD_TYPE=Release, LAPACK_INFO=open") == "open"
     assert _blas("no build settings here") == "unknown"
+
+
+def test_the_processor_model_from_cpuinfo():
+    info = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: Intel(R) Xeon(R) Processor\n\n" \
+           "processor\t: 1\nvendor_id\t: AuthenticAMD\n"
+    assert _processor(info) == "GenuineIntel 6/207"  # the first processor's; a VM's model name tells nothing
+    assert _processor("") != "" and hardware()["processor"] != ""
+
+
+def test_another_processor_model_at_the_same_level_is_named():
+    """A 5th-generation Xeon rounds what an earlier AVX-512 Xeon wrote differently: the model is the cause said."""
+    assert cross_hardware(CPU, {**CPU, "processor": "GenuineIntel 6/207"}) == (
+        "produced on a GenuineIntel 6/85 processor, replayed on a GenuineIntel 6/207 one: bitwise equality across processor "
+        "models is not promised")
+    assert cross_hardware(CPU, {**CPU, "processor": "GenuineIntel 6/207", "cpu kernels": "AVX2"}).startswith("produced on AVX512")
+    gpu = {**CPU, "accelerator": "NVIDIA H200", "cuda": "12.8", "cudnn": "91002"}
+    assert cross_hardware(gpu, {**gpu, "processor": "AuthenticAMD 25/17"}) is None  # the device computes: its host is no cause
 
 
 def test_the_kernel_level_is_named_first():
