@@ -31,6 +31,7 @@ from ..loop import archive
 from ..loop.ledger import Ledger, open_run, writer_dir
 from ..loop.reader import StepReader
 from ..loop.records import Counterfactual, LineageEntry, ParentRun, Unindexed, attempt_at
+from ..rl.faults import UNRESOLVED
 from ..rl.vocab import text_decoder
 from ..schema import table
 from ..schema.events import ConfigChange, Control, ControlKind, Eval, Requests, Rollout, StepEvents
@@ -176,11 +177,12 @@ class RunSummary:
 
 
 AGENT_COUNTS = {"calls_generated": "agent/calls", "calls_from_journal": "agent/calls_from_journal", "divergences": "agent/divergences",
-                "prefix_breaks": "agent/prefix_breaks", "malformed_tool_calls": "agent/malformed_tool_calls", "truncated": "agent/truncated"}
+                "prefix_breaks": "agent/prefix_breaks", "malformed_tool_calls": "agent/malformed_tool_calls", "truncated": "agent/truncated",
+                "unresolved": UNRESOLVED}
 _AGENT_SUMS = {**AGENT_COUNTS, "faults": "rollout/faults"}  # summed over the steps
 AGENT_LINE = (("calls_generated", "calls generated"), ("calls_from_journal", "answered from the journal"), ("divergences", "divergences"),
               ("prefix_breaks", "prefix breaks"), ("malformed_tool_calls", "malformed tool calls"),
-              ("truncated", "episodes cut at their length"), ("faults", "faults"))  # inspect's line of them
+              ("truncated", "episodes cut at their length"), ("faults", "faults"), ("unresolved", "of them unresolved"))  # inspect's line
 
 
 def agent_counts(metrics) -> dict | None:
@@ -318,7 +320,7 @@ def render_summary(s: RunSummary) -> str:
         span = f"steps {pr.steps[0]}–{pr.steps[1]} ({pr.count})" if pr.steps else "no steps"
         lines.append(f"probe      {pr.probe} version {pr.version}: {span}, as probe/{pr.probe}/… (verlj replay --probe)")
     if s.agents:
-        lines.append("agents     " + ", ".join(f"{s.agents[k]} {what}" for k, what in AGENT_LINE))
+        lines.append("agents     " + ", ".join(f"{s.agents[k]} {what}" for k, what in AGENT_LINE if k != "unresolved" or s.agents[k]))
     if s.trend:
         rewards = [t.reward for t in s.trend]
         losses = [t.loss for t in s.trend]

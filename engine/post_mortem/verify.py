@@ -20,6 +20,7 @@ from verlj.journal import JournalError, NotAJournalError, segments, unpackb, ver
 from ..errors import ConfigError, HardwareDivergence, RunError
 from ..loop import archive
 from ..loop.ledger import Ledger, journal_dir, journal_exists, lost_journal
+from ..loop.reader import StepReader
 from ..loop.records import SnapshotEntry, Unindexed
 from ..loop.recovery import damaged_journal_advice
 from ..loop.snapshot_store import ADOPT, UNINDEX, Leftover, SnapshotStore
@@ -67,6 +68,7 @@ class RunReport(Record):
     pruned_through: int = 0
     bytes_hashed: int = 0
     torn_segment: str | None = None  # the last shipped segment is torn or damaged: --resume sets it aside
+    faults: dict[str, Any] = field(default_factory=dict)  # samples out of the update by a fault, by kind (_verify_faults)
 
     @property
     def ok(self) -> bool:
@@ -189,6 +191,7 @@ def verify_run(path: Path, deep: bool = False, from_step: int | None = None) -> 
             _verify_retention(report, run_dir, ledger, jr)
             if jr.ok:
                 _verify_accounting(report, ledger)
+                _verify_faults(report, ledger)
     elif not single:
         if (lost := lost_journal(run_dir)) is not None:  # damage, not a wrong path
             raise RunError(lost)
@@ -311,6 +314,35 @@ def _verify_accounting(report: RunReport, ledger: Ledger) -> None:
     else:
         report.journal_lines.append(f"✓ Rollout accounting (async completion order): {counts}; each group arrived once, "
                                     "each sample was trained or dropped once at most")
+
+
+def _verify_faults(report: RunReport, ledger: Ledger) -> None:
+    """The samples the run left out of the update by a fault (rl.faults), by kind, from its steps' metrics (payloads not
+    read); said only where there are some, with `⚠` where episodes ended unresolved: an external tool call's outcome
+    unknown after a crash, which an operator checks in the world by the keys `inspect --step` names (rl.gateway.tools)."""
+    from ..rl.faults import ENV_FAULTS, FAULTS, REWARD_FAULTS, UNRESOLVED
+
+    sums = dict.fromkeys((FAULTS, ENV_FAULTS, REWARD_FAULTS, UNRESOLVED), 0)
+    unresolved_at: list[int] = []
+    for record in StepReader(ledger.journal).records(None, None, payload=False):
+        metrics = StepEvents.of(record).metrics
+        values = metrics.values if metrics is not None else {}
+        for key in sums:
+            sums[key] += int(values.get(key, 0))
+        if values.get(UNRESOLVED, 0):
+            unresolved_at.append(record.step)
+    env = sums[ENV_FAULTS] - sums[UNRESOLVED]
+    report.faults = {"faults": sums[FAULTS], "env": env, "reward": sums[REWARD_FAULTS], "unresolved": sums[UNRESOLVED],
+                     "unresolved_steps": unresolved_at}
+    if not sums[FAULTS]:
+        return
+    line = (f"{sums[FAULTS]} samples ended by a fault, none trained: {env} by their env or agent, "
+            f"{sums[REWARD_FAULTS]} by their reward function, {sums[UNRESOLVED]} unresolved")
+    if unresolved_at:
+        shown = ", ".join(map(str, unresolved_at[:5])) + (", ..." if len(unresolved_at) > 5 else "")
+        line += (f" (an external tool call's outcome unknown after a crash: check the world by the keys `verlj inspect RUN "
+                 f"--step N` names, steps {shown})")
+    report.journal_lines.append(f"{'⚠' if unresolved_at else '·'} {line}")
 
 
 def _verify_one(report: RunReport, path: Path, index: dict | None, fps) -> None:

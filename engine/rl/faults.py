@@ -24,6 +24,8 @@ from ..errors import RunError
 from ..schema.sample import EnvEnd, Sample
 
 NONE, ENV, REWARD = "", "env", "reward"  # what ended a sample (kind)
+# the step's metrics (`metrics`); UNRESOLVED: its episodes that ended unresolved, among its env faults (rl.gateway.runner counts them)
+FAULTS, ENV_FAULTS, REWARD_FAULTS, UNRESOLVED = "rollout/faults", "rollout/faults/env", "rollout/faults/reward", "agent/unresolved"
 
 
 def kind(s: Sample) -> str:
@@ -51,7 +53,7 @@ def metrics(samples: list[Sample]) -> dict[str, float]:
     rollout/faults/env, rollout/faults/reward, rollout/fault_rate (0 when none was generated)."""
     kinds = Counter(kind(s) for s in samples)
     n = len(samples) - kinds[NONE]
-    return {"rollout/faults": float(n), "rollout/faults/env": float(kinds[ENV]), "rollout/faults/reward": float(kinds[REWARD]),
+    return {FAULTS: float(n), ENV_FAULTS: float(kinds[ENV]), REWARD_FAULTS: float(kinds[REWARD]),
             "rollout/fault_rate": n / len(samples) if samples else 0.0}
 
 

@@ -49,9 +49,10 @@ def _processor(cpuinfo: str | None = None) -> str:
         except OSError:
             cpuinfo = ""
     first = cpuinfo.split("\n\n", 1)[0]
-    field = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in first.splitlines()))
-    if field.get("vendor_id") and field.get("cpu family") and field.get("model"):
-        return f"{field['vendor_id']} {field['cpu family']}/{field['model']}"
+    fields = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in first.splitlines()))
+    vendor, family, model = (fields.get(name, "") for name in ("vendor_id", "cpu family", "model"))
+    if vendor and family and model:
+        return f"{vendor} {family}/{model}"
     return platform.processor() or platform.machine() or "unknown"
 
 

@@ -50,5 +50,8 @@ def test_a_reward_function_that_fails_on_some_samples_leaves_them_out(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert {(r["step"], r["sample_id"]): r["fault"] for r in rows if r["fault"]} == {(k, s.id): s.fault for k, bad in faulted.items() for s in bad}
     assert all(r["status"] == "dropped" for r in rows if r["fault"])
+    n = sum(len(bad) for bad in faulted.values())  # verify counts them by kind, not as damage
+    said = cli("verify", run, check=True).stdout
+    assert f"· {n} samples ended by a fault, none trained: 0 by their env or agent, {n} by their reward function, 0 unresolved" in said
     rep = verlj("replay", run, "--to-step", "2", PYTHONPATH=TESTS)  # from the initial state: the drops read back
     assert rep.returncode == 0 and fingerprints(run)[2] in rep.stdout, rep.stderr[-3000:]

@@ -15,7 +15,7 @@ import pytest
 from verlj.engine.schema.events import DropReason, StepEvents
 from verlj.engine.schema.sample import EnvEnd, unpack
 from verlj.journal import open_journal_reader
-from verlj_testing import fingerprints, train
+from verlj_testing import cli, fingerprints, train
 
 TESTS = str(Path(__file__).resolve().parents[1])  # agents_for_tests, tools_for_tests
 TOOLS = ["model.tiny.vocab=ascii", "rollout.agent=agents_for_tests:ticketing", "rollout.max_turns=2", "trainer.total_steps=2",
@@ -143,3 +143,10 @@ def test_an_unkeyed_tool_without_a_reconcile_leaves_its_episode_unresolved_never
     assert {int(s.id) for s in unresolved} <= dropped  # out of the update
     assert sum(st.metrics.values["agent/unresolved"] for st in steps) == len(unresolved)
     assert out.stderr.count("is unresolved: tool call 0 (post_message, key verlj-") == len(unresolved)
+    said = cli("verify", run)  # verify counts them apart, with the steps to inspect; not damage
+    assert said.returncode == 0, said.stdout + said.stderr
+    line = next(x for x in said.stdout.splitlines() if "ended by a fault" in x)
+    steps_at = sorted({st.step for st in steps if any(s.env_end == EnvEnd.UNRESOLVED for s in unpack(st.added.samples))})
+    assert line.startswith(f"⚠ {sum(1 for st in steps for s in unpack(st.added.samples) if s.fault_reason)} samples ended by a fault"), line
+    assert f", {len(unresolved)} unresolved (" in line and f"steps {', '.join(map(str, steps_at))})" in line, line
+    assert f"{len(unresolved)} of them unresolved" in cli("inspect", run, check=True).stdout

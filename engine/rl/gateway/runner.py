@@ -58,6 +58,7 @@ from verlj.journal.failpoints import failpoint
 from ...plugins import raised_at
 from ...schema.agent_calls import DONE as TOOL_DONE
 from ...schema.agent_calls import RECONCILED, SENT, ToolCall
+from ..faults import UNRESOLVED
 from .agents import EPISODE, Agent, AgentEpisode, AgentOutput, CommandAgent, cancel_spawned, start_async
 from .prompts import Answered, Prompts
 from .protocol import (
@@ -182,7 +183,7 @@ class AgentCounts:
                "agent/durable_writes": float(self.durable_writes)}
         if self.tools:  # only then: a run without tools keeps the metrics it always had
             out.update({"agent/tool_calls": float(self.tool_calls), "agent/tool_calls_from_journal": float(self.tool_calls_from_journal),
-                        "agent/tool_calls_reconciled": float(self.tool_calls_reconciled), "agent/unresolved": float(self.unresolved)})
+                        "agent/tool_calls_reconciled": float(self.tool_calls_reconciled), UNRESOLVED: float(self.unresolved)})
         return out
 
 
