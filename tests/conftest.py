@@ -71,7 +71,8 @@ SECONDS = {
     "test_compaction.py": 8,
     "test_distill.py": 8,
     "test_tasks.py": 7,
-    "test_verifiers_agent.py": 7,  # measured alone with the verifiers extra installed (CI installs it)
+    "test_verifiers_agent.py": 7,
+    "test_langchain_mcp.py": 97,  # measured alone, as tools/extras.py runs it (its agent's interpreter named)  # measured alone with the verifiers extra installed (CI installs it)
     "test_overlong.py": 6,
     "test_rollout_shape.py": 9,
     "test_one_rank_group.py": 6,  # measured alone
@@ -174,12 +175,16 @@ class _SampleRunsOnce:
 
 def _apart() -> list[str]:
     """The tests of an extra that cannot install beside dev (harness.APART: files and test ids under tests/), where its
-    package is not importable here: tools/extras.py runs them in a venv of their own (.ci/run calls it)."""
+    package is not importable here (or, for an agent's own interpreter, none is named): tools/extras.py runs them with
+    a venv of their own (.ci/run calls it)."""
     import importlib.util
 
-    from harness import APART
+    from harness import AGENT_SIDE, APART
 
-    return [f"tests/{t}" for extra, tests in APART.items() if importlib.util.find_spec(extra) is None for t in tests]
+    def here(extra: str) -> bool:  # an agent's own interpreter (harness.AGENT_SIDE) is named; any other extra is importable
+        return bool(os.environ.get("VERLJ_TESTS_AGENT_PYTHON")) if extra in AGENT_SIDE else importlib.util.find_spec(extra) is not None
+
+    return [f"tests/{t}" for extra, tests in APART.items() if not here(extra) for t in tests]
 
 
 APART_HERE = _apart()

@@ -7,7 +7,9 @@ and pytest), and its tests run there.
     python tools/extras.py --keep          # leave .extras/EXTRA in place (the next call reuses it)
 
 Why: verifiers 0.4 pins openai<3 and mcp==2.0.0, and the `dev` and `agent` extras' openai-agents (0.24) needs openai>=3:
-pip refuses the pair. The suite's own venv has `dev`, so the tests of such an extra (harness.APART names them) are not
+pip refuses the pair. LangChain's MCP adapters (0.3) pin mcp<2, and verlj's tools server is mcp 2's: a LangChain agent runs
+in an interpreter of its own (a `cmd:` agent), whose venv holds LangChain alone (harness.AGENT_SIDE), and its tests run in
+this interpreter (the suite's) with VERLJ_TESTS_AGENT_PYTHON naming that venv's python. The suite's own venv has `dev`, so the tests of such an extra (harness.APART names them) are not
 collected there; this runs them where the extra installs. One line per extra; exit 1 if anything failed.
 """
 
@@ -25,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".extras"
 sys.path.insert(0, str(REPO / "tests"))
-from harness import APART, APART_INSTALL  # noqa: E402 - the one list of which tests need which extra
+from harness import AGENT_SIDE, APART, APART_INSTALL  # noqa: E402 - the one list of which tests need which extra
 
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -39,7 +41,8 @@ def step(cmd: list[str], log, timeout: float = 1800) -> None:
 
 
 def environment(extra: str, log) -> Path:
-    """.extras/EXTRA's python: a venv of this interpreter with torch 2.13.0, verlj[EXTRA,...] editable, pytest and xdist."""
+    """.extras/EXTRA's python: a venv of this interpreter with torch 2.13.0, verlj[EXTRA,...] editable, pytest and xdist;
+    for an agent's own interpreter (harness.AGENT_SIDE), its packages alone."""
     venv = CACHE / extra
     py = venv / "bin" / "python"
     if (venv / ".ready").is_file() and py.is_file():
@@ -47,10 +50,14 @@ def environment(extra: str, log) -> Path:
     shutil.rmtree(venv, ignore_errors=True)
     step([sys.executable, "-m", "venv", str(venv)], log)
     pip = [str(py), "-m", "pip"]
-    step([*pip, "install", "-q", "torch==2.13.0"], log)
-    step([*pip, "install", "-q", "-e", f".[{APART_INSTALL.get(extra, extra)}]", "pytest>=8", "pytest-xdist>=3.5"], log)
+    if extra in AGENT_SIDE:
+        step([*pip, "install", "-q", *AGENT_SIDE[extra]], log)
+    else:
+        step([*pip, "install", "-q", "torch==2.13.0"], log)
+        step([*pip, "install", "-q", "-e", f".[{APART_INSTALL.get(extra, extra)}]", "pytest>=8", "pytest-xdist>=3.5"], log)
     step([*pip, "check"], log)  # the extras' pins hold together
-    step([*pip, "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec", "triton"], log)  # as .ci/run does
+    if extra not in AGENT_SIDE:
+        step([*pip, "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec", "triton"], log)  # as .ci/run does
     (venv / ".ready").write_text(time.strftime("%Y-%m-%d %H:%M:%S"))
     return py
 
@@ -68,8 +75,9 @@ def main() -> int:
             try:
                 py = environment(extra, log)
                 tests = [f"tests/{t}" for t in APART[extra]]
-                out = subprocess.run([str(py), "-m", "pytest", *tests], capture_output=True, text=True, cwd=REPO,
-                                     env={**os.environ, **ENV}, timeout=1800)
+                beside = {"VERLJ_TESTS_AGENT_PYTHON": str(py)} if extra in AGENT_SIDE else {}  # run here, the agent there
+                out = subprocess.run([sys.executable if beside else str(py), "-m", "pytest", *tests], capture_output=True, text=True,
+                                     cwd=REPO, env={**os.environ, **ENV, **beside}, timeout=1800)
                 log.write(out.stdout + out.stderr)
                 ok = out.returncode == 0
                 said = next((ln.strip("= ") for ln in reversed(out.stdout.splitlines()) if re.search(r"\d+ (passed|failed)", ln)),

@@ -23,4 +23,10 @@ APART_INSTALL = {"verifiers": "verifiers,vllm"}
 APART = {
     "verifiers": ["unit/test_verifiers_agent.py", "integration/test_verifiers_taskset.py",
                   "integration/test_examples.py::test_example_runs[verifiers_taskset]"],
+    "langchain": ["integration/test_langchain_mcp.py"],
 }
+# Of those, the agent programs that run in an interpreter of their own beside verlj's (a `cmd:` agent): what tools/extras.py
+# installs in that interpreter's venv (no verlj: LangChain's MCP adapters pin mcp<2, and verlj's tools server is mcp 2's);
+# their tests run in the suite's own interpreter with VERLJ_TESTS_AGENT_PYTHON naming the venv's python, and conftest
+# leaves them out of a session without it.
+AGENT_SIDE = {"langchain": ["langchain-openai>=1", "langchain-mcp-adapters>=0.3"]}
