@@ -4,12 +4,12 @@ Live steps only (it generates); replay reads the journaled ``eval`` event back.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..schema import events as ev
-from ..schema.sample import EnvEnd
+from ..schema.sample import EnvEnd, states_text
 from ..state.seeding import derive_seed
 from .core import Core
 from .data import Dataset
@@ -38,7 +38,8 @@ def evaluate(tr: Evaluated, step: int) -> tuple[dict[str, float], dict, str]:
     held-out prompt is an episode instead (:meth:`_eval_episodes`), scored as training scores one.
     Returns (metrics: eval/score/mean, per task eval/score/TASK/mean for reasoning-gym, and
     eval/response_length/mean, eval/faults (rows an env or the reward function failed: scored 0.0);
-    with rollout.env also eval/env/turns/mean and eval/env/faults; the `eval` event with every row's response and score, and with rollout.env each row's turns;
+    with rollout.env also eval/env/turns/mean and eval/env/faults; the `eval` event with every row's response and score, each
+    row's fault where one faulted, and with rollout.env each row's turns (and its env's states, for an env with state());
     what the step's log line adds: ``eval faults 2/8: REASON``, the first faulted row's reason, "" without one).
     Live steps only: replay reads them back. Draws from no stream training uses. Collective."""
     cfg, rt, held, tok = tr.cfg, tr.rt, tr.data.held_out, tr.tokenizer
@@ -59,7 +60,7 @@ def evaluate(tr: Evaluated, step: int) -> tuple[dict[str, float], dict, str]:
         turns = None
     gathered = rt.all_gather_obj((mine.tolist(), scores, [r.tolist() for r in responses], turns, faulted))
     out_rows, out_scores, out_resp, out_faults = [], [], [], []
-    out_turns: list[tuple[list[int], int]] = []
+    out_turns: list[tuple[list[int], int, str | None]] = []
     for r, (g_rows, g_scores, g_resp, g_turns, g_faults) in enumerate(gathered):
         if r % rt.tp_size == 0:  # TP peers evaluated the same rows
             out_rows += g_rows
@@ -75,15 +76,18 @@ def evaluate(tr: Evaluated, step: int) -> tuple[dict[str, float], dict, str]:
     if len(set(tasks)) > 1 or tasks[0]:
         for task in sorted(set(tasks)):
             metrics[f"eval/score/{task}/mean"] = float(score[[t == task for t in tasks]].mean())
-    episode = {}
+    episode: dict[str, Any] = {}
     if turns is not None:
-        ends = np.asarray([end for _, end in out_turns], np.int64)
-        metrics.update({"eval/env/turns/mean": float(np.mean([len(lens) // 2 for lens, _ in out_turns])),
+        ends = np.asarray([end for _, end, _ in out_turns], np.int64)
+        metrics.update({"eval/env/turns/mean": float(np.mean([len(lens) // 2 for lens, _, _ in out_turns])),
                         "eval/env/faults": float(np.sum(ends == EnvEnd.FAULT))})
-        episode = {"turn_lens": np.asarray([n for lens, _ in out_turns for n in lens], np.int64),
-                   "turns": np.asarray([len(lens) // 2 for lens, _ in out_turns], np.int64), "env_end": ends}
+        states = [st for _, _, st in out_turns]  # an env with state(): each row's, as a sample's env_states
+        episode = {"turn_lens": np.asarray([n for lens, _, _ in out_turns for n in lens], np.int64),
+                   "turns": np.asarray([len(lens) // 2 for lens, _, _ in out_turns], np.int64), "env_end": ends,
+                   "env_states": [st or "" for st in states] if any(st is not None for st in states) else None}
     event = ev.Eval(rows=np.asarray(out_rows, np.int64), scores=score, response_ids=np.asarray([t for x in out_resp for t in x], np.int32),
-                    response_len=np.asarray([len(x) for x in out_resp], np.int64), **episode).to_event()
+                    response_len=np.asarray([len(x) for x in out_resp], np.int64), faults=out_faults if any(out_faults) else None,
+                    **episode).to_event()
     first = next((f for f in out_faults if f), "")
     return metrics, event, f"eval faults {sum(map(bool, out_faults))}/{len(out_faults)}: {first}" if first else ""
 
@@ -93,7 +97,8 @@ def _eval_episodes(tr: Evaluated, step: int, rows: np.ndarray, seeds: list[int],
     ``derive_seed(seed, step, "eval", row, t)``, the env reset with ``derive_seed(seed, step,
     "eval/env", row)``. Scored as training scores an episode: the env's rewards summed, plus the rule
     reward of the last action when rollout.reward_fn is named (reward_fn_named). Returns each
-    episode's (response ids: actions and observations, score, (turn_lens, env_end), its fault: "" none). Collective: the
+    episode's (response ids: actions and observations, score, (turn_lens, env_end, env_states: None where its env has no
+    state()), its fault: "" none). Collective: the
     ranks generate each turn together while any rank has an episode going."""
     cfg, rt, held, tok = tr.cfg, tr.rt, tr.data.held_out, tr.tokenizer
     examples = [held[int(i)] for i in rows]
@@ -116,4 +121,4 @@ def _eval_episodes(tr: Evaluated, step: int, rows: np.ndarray, seeds: list[int],
         faulted = [f or b for f, b in zip(faulted, bad)]
     ends = [int(EnvEnd.MAX_TURNS) if ep.live else ep.end for ep in eps.episodes]  # as Round.fields says it
     return ([np.asarray(ep.response, np.int64) for ep in eps.episodes], scores,
-            [(list(ep.turn_lens), end) for ep, end in zip(eps.episodes, ends)], faulted)
+            [(list(ep.turn_lens), end, None if ep.states is None else states_text(ep.states)) for ep, end in zip(eps.episodes, ends)], faulted)

@@ -322,8 +322,9 @@ class Eval(Event):
     """The held-out evaluation run after this step: rows, their scores, the responses (flat token ids
     and their lengths). With rollout.env each response is an episode (its actions and observations, as a
     sample's response_ids) and three more fields say how it went: `turns` (per row), `turn_lens` (flat:
-    per turn, action length then observation length) and `env_end` (per row: schema.sample.EnvEnd); a
-    single-turn eval leaves them out (None), so its event is what it always was."""
+    per turn, action length then observation length) and `env_end` (per row: schema.sample.EnvEnd), and for an env with
+    state() `env_states` (per row: its states, as a sample's env_states); a single-turn eval leaves them out (None), so its
+    event is what it always was. `faults`: each row's fault ("" none), only where one faulted."""
 
     TYPE: ClassVar[str] = "eval"
     VERSION: ClassVar[int] = 1
@@ -334,6 +335,8 @@ class Eval(Event):
     turns: np.ndarray | None = field(default=None, metadata=stored(dtype=np.int64, optional=True))
     turn_lens: np.ndarray | None = field(default=None, metadata=stored(dtype=np.int64, with_="turns", missing=_NO_IDS))
     env_end: np.ndarray | None = field(default=None, metadata=stored(dtype=np.int64, with_="turns", missing=_NO_IDS))
+    env_states: list[str] | None = field(default=None, metadata=stored(optional=True))  # an env with state(): each row's (a sample's env_states)
+    faults: list[str] | None = field(default=None, metadata=stored(optional=True))  # each row's fault ("" none), where one faulted
 
     def responses(self) -> list[np.ndarray]:
         ends = np.cumsum(self.response_len)

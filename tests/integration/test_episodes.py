@@ -459,6 +459,21 @@ def test_no_action_is_generated_after_a_reset_fault(tmp_path, mode):
     assert all(len(s.turn_lens) >= 2 for s in samples if s not in bad) and len(bad) < len(samples)
     e = evals(run)[2]
     assert set(e.turns[e.env_end == EnvEnd.FAULT].tolist()) <= {0} and (e.turns > 0).any()
+    assert e.faults is not None and [f for f, end in zip(e.faults, e.env_end) if end == EnvEnd.FAULT] == [said] * int((e.env_end == EnvEnd.FAULT).sum())
+    assert all(f == "" for f, end in zip(e.faults, e.env_end) if end != EnvEnd.FAULT) and e.env_states is None  # no state(): none kept
+
+
+def test_the_held_out_eval_journals_each_rows_env_states(tmp_path):
+    """An env with state(): the eval event keeps each held-out episode's states (reset's, then one a step), as a training
+    sample's env_states; no row faulted, so no faults are journaled."""
+    run = tmp_path / "run"
+    out = train(run, "rollout.env=envs_for_tests:Logged", "rollout.max_turns=2", ASCII, "trainer.total_steps=1", "trainer.eval_interval=1",
+                "data.eval_size=4", PYTHONPATH=TESTS, VERLJ_TEST_ENV_LOG=str(tmp_path / "env.log"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    e = evals(run)[1]
+    assert e.faults is None and e.env_states is not None and len(e.env_states) == len(e.rows) == 4
+    for states, turns, end in zip(e.env_states, e.turns.tolist(), e.env_end.tolist()):
+        assert [st["turns"] for st in json.loads(states)] == list(range(turns + (end != EnvEnd.STOPPED)))
 
 
 @pytest.mark.parametrize("mode", [[], ["rollout.mode=async", "rollout.async_order=completion"]], ids=["sync", "completion"])
