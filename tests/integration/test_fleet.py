@@ -308,7 +308,7 @@ def test_an_openenv_server_on_a_fleet_in_completion_order_keeps_each_group_on_th
     """Completion order plays one turn a call: a group's next turn goes to the actor that played its last one and holds its
     envs (their WebSocket sessions), never to another that would open the group's sessions again beside the held ones. On
     a server whose max_concurrent_envs is the run's 16 episodes at once, a session opened twice fills it (the episode's
-    reset a fault): every step here has none, and every group is accounted for."""
+    reset a fault): every step here has none, and every group is accounted for; so through a killed trainer, resumed."""
     from test_openenv import overrides
 
     from verlj_testing import free_port
@@ -322,6 +322,20 @@ def test_an_openenv_server_on_a_fleet_in_completion_order_keeps_each_group_on_th
     steps = [ln for ln in (out.stdout + out.stderr).splitlines() if ": reward=" in ln]
     assert len(steps) == 4 and all(ln.endswith("faults 0/16") for ln in steps), steps
     check_accounting(run)
+
+    # the trainer SIGKILLed just after step 1's commit (groups asked ahead are mid-episode, their turns durable), resumed
+    # on the server the resume starts: the groups in flight go on from their durable turns on fresh sessions (each
+    # episode's actions stepped again on a new one), within the server's 16, no turn lost, nothing trained twice
+    killed = tmp_path / "killed"
+    out = train(killed, *over, VERLJ_FAILPOINT="journal.after_commit:1", **cluster)
+    assert out.returncode == -9 and max(fingerprints(killed)) == 1, out.stderr[-3000:]
+    out = ok(train(killed, *over, resume=True, **cluster))
+    steps = [ln for ln in (out.stdout + out.stderr).splitlines() if ": reward=" in ln]
+    assert len(steps) == 3 and all(ln.endswith("faults 0/16") for ln in steps), steps
+    check_accounting(killed)
+    with open_journal_reader(killed / "journal") as j:
+        restored = sum(e["values"].get("rollout/env/restored_turns", 0.0) for _, e in j.iter_events("metrics"))
+    assert restored > 0
 
 
 def test_episodes_on_a_fleet_in_completion_order_survive_a_killed_trainer_and_actor(tmp_path, cluster):
