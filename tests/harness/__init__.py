@@ -19,7 +19,7 @@ FRESH_SAMPLE = {
 # the extra's package is not importable, and tools/extras.py (.ci/run calls it) runs them in a venv with the extra
 # installed as a user installs it.
 # What tools/extras.py installs for each (`pip install -e '.[EXTRAS]'`): the extras it goes beside in its tests.
-APART_INSTALL = {"verifiers": "verifiers,vllm"}
+APART_INSTALL = {"verifiers": "verifiers,vllm,ray"}
 APART = {
     "verifiers": ["unit/test_verifiers_agent.py", "integration/test_verifiers_taskset.py",
                   "integration/test_examples.py::test_example_runs[verifiers_taskset]"],

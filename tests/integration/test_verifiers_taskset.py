@@ -1,8 +1,9 @@
 """A verifiers taskset (examples/verifiers_taskset.py: an in-memory task list, two @vf.reward functions) trained as it is
 on the bpe_model with rollout.agent=verifiers:TASKSET: each episode played by verifiers' chat program in a subprocess
 against the gateway, every call journaled, the sample's reward the tasks' weighted rewards of its answer, each named
-reward a metric; SIGKILLed before a commit (sync on verlj's sampler and on vLLM, and async step order) and resumed, bit-identical to the
-uninterrupted run; replayed bit for bit. Needs the `verifiers` extra (the README's test command installs it)."""
+reward a metric; SIGKILLed before a commit (sync on verlj's sampler and on vLLM, async step order, and on a Ray fleet: the harness
+plays against the trainer's gateway, the actors generate) and resumed, bit-identical to the uninterrupted run; replayed bit for
+bit. Needs the `verifiers` extra (the README's test command installs it, with `vllm` and `ray` beside it)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ def answers() -> list[str]:
     return [truth[ex.answer] for ex in load_data(DataConfig(train_dataset=TASKSET), 0).train]
 
 
-@pytest.mark.parametrize("mode", [["rollout.mode=sync"], ["rollout.mode=async", "rollout.async_order=step"], ["rollout.engine=vllm"]],
-                         ids=["sync", "async_step", "vllm"])
+FLEET = ["rollout.mode=async", "rollout.async_order=step", "rollout.fleet=ray", "rollout.fleet_size=2"]  # a Ray the trainer starts
+
+
+@pytest.mark.parametrize("mode", [["rollout.mode=sync"], ["rollout.mode=async", "rollout.async_order=step"], ["rollout.engine=vllm"], FLEET],
+                         ids=["sync", "async_step", "vllm", "fleet"])
 def test_a_verifiers_taskset_trains_on_its_named_rewards_and_a_kill_resumes_bit_identical(tmp_path, bpe_model, mode):
     ref, run = tmp_path / "ref", tmp_path / "run"
     over = [*OVER, *mode, f"model.actor.model_name_or_path={bpe_model}"]
