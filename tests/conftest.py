@@ -23,7 +23,7 @@ SLOW_SECONDS = 30
 SECONDS = {
     "test_forked_as_fresh.py": 213,  # measured alone (its two pytest sessions: 80 s forked, 133 s fresh), not yet in a full run
     "test_fleet.py": 340,  # 198, a TRL class on a fleet (about 30 s), tools on a fleet (about 40 s), OpenEnv on a fleet (about 58 s), its completion order through a kill (about 14 s)
-    "test_verifiers_taskset.py": 277,  # measured alone with the verifiers extra installed (CI installs it); on a Ray fleet (about 100 s; 156 s beside a CI run)
+    "test_verifiers_taskset.py": 277,  # measured alone with the verifiers extra installed (CI installs it); and on a Ray fleet (156 s, measured beside a CI run)
     "test_episodes.py": 159,  # 142, a group whose every reset faults (about 11 s), the eval's env states (about 6 s)
     "test_lora.py": 107,
     "test_examples.py": 100,
