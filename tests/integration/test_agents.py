@@ -73,7 +73,7 @@ def test_an_openai_agent_trains_on_its_rewards_and_every_call_is_journaled(agent
     counts = json.loads(cli("inspect", agent_ref, "--json", check=True).stdout)["agents"]
     assert sum(int(st.metrics.values["agent/prefix_breaks"]) for st in steps.values()) == 0
     assert counts == {"calls_generated": 128, "calls_from_journal": 0, "divergences": 0, "prefix_breaks": 0,
-                      "malformed_tool_calls": 0, "faults": 0,
+                      "malformed_tool_calls": 0, "faults": 0, "unresolved": 0,
                       "truncated": sum(s.env_end == EnvEnd.LENGTH for st in steps.values() for s in unpack(st.added.samples))}
 
 
